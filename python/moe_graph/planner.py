@@ -1,0 +1,448 @@
+"""Echo offloading planner: which home experts get copied into which spare slots, and which tokens move there.
+
+Notation (as in DESIGN.md): ``R`` EP ranks, ``E`` home experts (``E // R`` per rank, expert ``e`` lives on rank
+``e // (E // R)``), ``k`` spare slots per rank, ``S = R * k`` spare slots (slot ``j`` lives on rank ``j // k``),
+``T`` local tokens. ``counts[r, e]`` is the number of tokens that source rank ``r`` routes to expert ``e`` (the
+all-gathered per-rank histograms, identical on every rank).
+
+Every function here is pure tensor code on the inputs' device: integer arithmetic only (int64), no host syncs
+(no ``.item()``, ``.tolist()``, ``nonzero()``, boolean-mask indexing or data-dependent shapes), a fixed sequence
+of kernels for fixed shapes (capturable in a CUDA graph), and deterministic: ties are broken by the lowest index
+and sorts are stable, so the same ``counts`` give the same plan on every rank and in every run. That is what
+lets each EP rank compute the plan independently from the all-gathered counts.
+
+Pipeline (``gen_offloading_plan``)::
+
+    counts[R, E] --gen_assignment--> home_to_spare[E, S]        (tokens of expert e that slot j takes)
+                 --breadth_first_allocation + depth_first_allocation--> allocation[R, S]
+                                                                 (tokens source rank r sends to slot j)
+    routing_map, probs, allocation[ep_rank] --reroute_tokens--> rerouted map / probs [T, E + S]
+
+This module imports without the compiled extension: ``reroute_tokens`` uses the native op
+``torch.ops.moe_graph.reroute_tokens`` when ``moe_graph._C`` is importable and an equivalent pure-torch
+implementation (:func:`reroute_tokens_torch`) otherwise.
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+
+__all__ = [
+    "gen_intermediate",
+    "one_shot_greedy_assignment",
+    "gen_assignment",
+    "assign_spillover",
+    "greedy_assignment",
+    "best_fit_assignment",
+    "breadth_first_allocation",
+    "depth_first_allocation",
+    "gen_allocation",
+    "gen_offloading_plan",
+    "rank_loads",
+    "reroute_tokens_torch",
+    "ASSIGNMENTS",
+]
+
+ASSIGNMENTS = ("auto", "greedy", "best_fit")
+
+
+def _check_counts(counts: torch.Tensor, num_ep_ranks: int | None = None) -> torch.Tensor:
+    if not isinstance(counts, torch.Tensor):
+        raise TypeError(f"counts must be a torch.Tensor [R, E], got {type(counts).__name__}")
+    if counts.dim() != 2:
+        raise ValueError(f"counts must be a 2-D tensor [R, E] (tokens from EP rank r to expert e), got shape {tuple(counts.shape)}")
+    if counts.dtype.is_floating_point or counts.dtype.is_complex or counts.dtype == torch.bool:
+        raise TypeError(f"counts must have an integer dtype, got {counts.dtype}")
+    R, E = counts.shape
+    if num_ep_ranks is not None and R != num_ep_ranks:
+        raise ValueError(f"counts must have num_ep_ranks={num_ep_ranks} rows, got shape {tuple(counts.shape)}")
+    if R < 1 or E % R != 0:
+        raise ValueError(f"counts [R, E]: the number of experts E={E} must be divisible by the number of EP ranks R={R}")
+    # Negative counts are meaningless; treat them as 0 (no sync to report them).
+    return counts.to(torch.int64).clamp(min=0)
+
+
+def rank_loads(counts: torch.Tensor) -> torch.Tensor:
+    """Tokens received by each EP rank's home experts: ``[R]`` int64 from ``counts[R, E]``."""
+    counts = _check_counts(counts)
+    R, E = counts.shape
+    return counts.sum(0).view(R, E // R).sum(1)
+
+
+def gen_intermediate(counts: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Spillover per home expert and spare capacity per EP rank.
+
+    Args:
+        counts: ``[R, E]`` integer, tokens that source rank ``r`` routes to expert ``e``.
+
+    Returns:
+        ``(spillover[E], spare_capacity[R], avg)``, all int64 on ``counts.device``; ``avg`` is a 0-d tensor.
+
+        * ``avg = counts.sum() // R``: the balanced load per rank.
+        * ``spare_capacity[r] = max(0, avg - load[r])`` where ``load[r]`` sums the tokens of rank ``r``'s experts.
+        * ``spillover``: within each rank, experts sorted ascending by load (stable: ties keep expert order) keep
+          their tokens while the running sum stays at or below ``avg``; what exceeds ``avg`` is attributed to the
+          expert that crosses it and to the heavier ones after it (clamped cumsum, then difference). Per rank the
+          spillover sums to ``max(0, load[r] - avg)``; light experts spill nothing.
+
+    Example (one rank of four experts, ``avg = 250``)::
+
+        loads [50, 100, 150, 200] -> cumsum [50, 150, 300, 500] -> minus avg, clamp [0, 0, 50, 250]
+        -> difference: spillover [0, 0, 50, 200]  (sums to 500 - 250)
+    """
+    counts = _check_counts(counts)
+    R, E = counts.shape
+    per_expert = counts.sum(0).view(R, E // R)
+    per_rank = per_expert.sum(1)
+    avg = per_rank.sum() // R
+    spare_capacity = (avg - per_rank).clamp(min=0)
+    sorted_loads, order = torch.sort(per_expert, dim=1, stable=True)
+    over = (sorted_loads.cumsum(1) - avg).clamp(min=0)
+    spill_sorted = torch.diff(over, dim=1, prepend=torch.zeros_like(over[:, :1]))
+    spillover = torch.empty_like(spill_sorted).scatter_(1, order, spill_sorted)
+    return spillover.reshape(E), spare_capacity, avg
+
+
+def one_shot_greedy_assignment(chunks: torch.Tensor, capacities: torch.Tensor) -> torch.Tensor:
+    """Assign ``N`` chunks to ``M`` buckets by overlapping consecutive intervals on one number line.
+
+    Chunk ``i`` occupies ``[sum(chunks[:i]), sum(chunks[:i+1]))`` and bucket ``b`` occupies
+    ``[sum(capacities[:b]), sum(capacities[:b+1]))``; ``out[i, b]`` is the length of their intersection. Rows sum
+    to the chunks (as far as the buckets reach) and columns to the capacities (as far as the chunks reach).
+
+    Args:
+        chunks: ``[N]`` non-negative integers. capacities: ``[M]`` non-negative integers (same device).
+
+    Returns:
+        ``[N, M]`` int64.
+
+    Example::
+
+        chunks [100, 150], capacities [80, 120]
+        intervals [0,100) [100,250)  vs  [0,80) [80,200)
+        -> [[80, 20],
+            [ 0, 100]]
+    """
+    if chunks.dim() != 1 or capacities.dim() != 1:
+        raise ValueError(
+            f"one_shot_greedy_assignment: chunks and capacities must be 1-D, got shapes {tuple(chunks.shape)} "
+            f"and {tuple(capacities.shape)}"
+        )
+    chunks = chunks.to(torch.int64)
+    capacities = capacities.to(torch.int64)
+    c_end = chunks.cumsum(0)
+    c_start = c_end - chunks
+    b_end = capacities.cumsum(0)
+    b_start = b_end - capacities
+    lo = torch.maximum(c_start[:, None], b_start[None, :])
+    hi = torch.minimum(c_end[:, None], b_end[None, :])
+    return (hi - lo).clamp(min=0)
+
+
+def _top_k_per_column(amount: torch.Tensor, k: int) -> torch.Tensor:
+    """``amount[E, R]`` (tokens of expert e offloaded to rank r) -> ``home_to_spare[E, R*k]``: each rank column
+    keeps its ``k`` largest entries (stable: ties go to the lower expert index), one per spare slot in order."""
+    E, R = amount.shape
+    vals, rows = torch.sort(amount, dim=0, descending=True, stable=True)
+    kk = min(k, E)
+    vals = vals[:kk].t()  # [R, kk]
+    rows = rows[:kk].t()
+    if kk < k:  # more slots than experts: the extra slots stay empty
+        pad = k - kk
+        vals = torch.cat([vals, vals.new_zeros(R, pad)], dim=1)
+        rows = torch.cat([rows, rows.new_zeros(R, pad)], dim=1)
+    out = amount.new_zeros(E, R * k)
+    return out.scatter_(0, rows.reshape(1, R * k), vals.reshape(1, R * k))
+
+
+def assign_spillover(spillover: torch.Tensor, spare_capacity: torch.Tensor, num_spare_experts_per_ep_rank: int = 1) -> torch.Tensor:
+    """Greedy core: ``spillover[E]`` and ``spare_capacity[R]`` -> ``home_to_spare[E, R*k]`` int64.
+
+    Spillover (descending, stable) is laid on one number line and the ranks' spare capacities (descending,
+    stable) on another; :func:`one_shot_greedy_assignment` gives ``[E, R]`` tokens per (home expert, receiving
+    rank), and each rank keeps the ``k`` largest entries of its column (ties: lower expert), slot ``r*k + i``
+    taking the ``i``-th largest. What a rank cannot take (more than ``k`` experts overlap its interval) stays home.
+
+    Example (8 experts on 4 ranks, ``k = 1``): spillover ``[0, 80, 0, 0, 50, 100, 0, 30]`` and spare capacity
+    ``[0, 120, 60, 0]``: sorted ``[100, 80, 50, 30, 0...]`` vs ``[120, 60, 0, 0]`` overlap as expert 5 -> rank 1:
+    100, expert 1 -> rank 1: 20 and rank 2: 60. Top-1 per rank: slot 1 takes 100 tokens of expert 5, slot 2 takes
+    60 of expert 1 (the 20 of expert 1 on rank 1 stay home); with ``k = 2`` slot 3 also takes those 20.
+    """
+    k = int(num_spare_experts_per_ep_rank)
+    spill_sorted, idx_e = torch.sort(spillover.to(torch.int64), descending=True, stable=True)
+    cap_sorted, idx_r = torch.sort(spare_capacity.to(torch.int64), descending=True, stable=True)
+    a_sorted = one_shot_greedy_assignment(spill_sorted, cap_sorted)
+    amount = torch.zeros_like(a_sorted)
+    amount[idx_e[:, None], idx_r[None, :]] = a_sorted
+    return _top_k_per_column(amount, k)
+
+
+def greedy_assignment(counts: torch.Tensor, num_spare_experts_per_ep_rank: int = 1) -> torch.Tensor:
+    """The seed's assignment: :func:`gen_intermediate` then :func:`assign_spillover`. ``[E, R*k]`` int64."""
+    spill, cap, _ = gen_intermediate(counts)
+    return assign_spillover(spill, cap, num_spare_experts_per_ep_rank)
+
+
+def best_fit_assignment(counts: torch.Tensor, num_spare_experts_per_ep_rank: int = 1) -> torch.Tensor:
+    """Best-fit placement of rank overload into spare slots. Returns ``home_to_spare[E, R*k]`` int64.
+
+    Works at the rank level instead of with fixed per-expert spillover: each overloaded rank must shed
+    ``load - avg`` tokens and may take them from any of its experts (the heaviest remaining one first), so a
+    slot is filled by a single expert instead of splitting its capacity between two. ``R*k`` steps, each a fixed
+    handful of tiny kernels (capturable, no syncs):
+
+    1. the rank ``q`` with the largest remaining excess (lowest index on ties) offers a piece of
+       ``x = min(excess[q], tokens left on q's heaviest remaining expert e)``;
+    2. among ranks with a free slot and spare capacity, the smallest capacity ``>= x`` takes it (best fit);
+       if none is large enough, the largest capacity takes ``capacity`` tokens of it;
+    3. the piece goes into that rank's next free slot; excess, capacity and the expert's tokens shrink.
+
+    Example (1 slot per rank, loads per rank ``[400, 100, 200, 100, ...]``): the greedy interval overlap may
+    put two experts' pieces on one rank and keep only one; here each receiving slot is filled by one expert up to
+    its full capacity, taking the tokens from whichever of the overloaded rank's experts has most left.
+    """
+    counts = _check_counts(counts)
+    k = int(num_spare_experts_per_ep_rank)
+    R, E = counts.shape
+    epr = E // R
+    S = R * k
+    dev = counts.device
+    load_e = counts.sum(0)
+    load_r = load_e.view(R, epr).sum(1)
+    avg = load_r.sum() // R
+    excess = (load_r - avg).clamp(min=0)
+    cap = (avg - load_r).clamp(min=0)
+    avail = load_e.clone().view(R, epr)
+    used_slots = torch.zeros(R, dtype=torch.int64, device=dev)
+    flat = torch.zeros(E * S + 1, dtype=torch.int64, device=dev)  # last entry: sink for no-op steps
+    big = torch.iinfo(torch.int64).max
+    ranks = torch.arange(R, device=dev)
+    for _ in range(S):
+        q = torch.argmax(excess)  # first maximum: deterministic
+        ex_q = excess[q]
+        av_q = avail[q]
+        e_loc = torch.argmax(av_q)
+        x = torch.minimum(ex_q, av_q[e_loc])
+        open_bin = (used_slots < k) & (cap > 0)
+        fits = open_bin & (cap >= x)
+        r_fit = torch.argmin(torch.where(fits, cap, big))
+        r_big = torch.argmax(torch.where(open_bin, cap, -1))
+        r = torch.where(fits.any(), r_fit, r_big)
+        a = torch.minimum(x, cap[r])
+        a = torch.where(open_bin[r] & (x > 0), a, torch.zeros_like(a))
+        e = q * epr + e_loc
+        slot = r * k + used_slots[r].clamp(max=k - 1)
+        pos = torch.where(a > 0, e * S + slot, torch.full_like(e, E * S))
+        flat.index_add_(0, pos.view(1), a.view(1))
+        excess = excess - torch.where(ranks == q, a, 0)
+        cap = cap - torch.where(ranks == r, a, 0)
+        avail = avail - torch.where((ranks == q)[:, None] & (torch.arange(epr, device=dev) == e_loc)[None, :], a, 0)
+        used_slots = used_slots + ((ranks == r) & (a > 0)).to(torch.int64)
+    return flat[: E * S].view(E, S)
+
+
+def _max_load_after(counts: torch.Tensor, home_to_spare: torch.Tensor, k: int) -> torch.Tensor:
+    R, E = counts.shape
+    load_r = counts.sum(0).view(R, E // R).sum(1)
+    out_r = home_to_spare.sum(1).view(R, E // R).sum(1)
+    in_r = home_to_spare.sum(0).view(R, k).sum(1)
+    return (load_r - out_r + in_r).max()
+
+
+def gen_assignment(
+    counts: torch.Tensor, num_spare_experts_per_ep_rank: int = 1, assignment: str = "auto"
+) -> torch.Tensor:
+    """How many tokens of each home expert each spare slot takes.
+
+    Args:
+        counts: ``[R, E]`` integer token counts (source rank x home expert), identical on every rank.
+        num_spare_experts_per_ep_rank: ``k >= 1`` spare slots per rank.
+        assignment: ``"greedy"`` (the seed's interval overlap + top-k per rank column, :func:`greedy_assignment`),
+            ``"best_fit"`` (:func:`best_fit_assignment`) or ``"auto"`` (default: both, keeping the one with the
+            lower maximum rank load after offloading; ties keep greedy, so never worse than greedy).
+
+    Returns:
+        ``home_to_spare[E, S]`` int64, ``S = R * k``: at most one non-zero per column (a slot hosts one home
+        expert); a slot on rank ``r`` only takes experts of other ranks; the slots of a rank take at most its spare
+        capacity in total; the tokens taken from expert ``e`` never exceed its total count.
+
+    Example (the seed's 8-expert/4-rank case, greedy, ``k = 1``): slot 1 takes 100 tokens of expert 5, slot 2
+    takes 60 tokens of expert 1, slots 0 and 3 are empty.
+    """
+    counts = _check_counts(counts)
+    k = int(num_spare_experts_per_ep_rank)
+    if k < 1:
+        raise ValueError(f"num_spare_experts_per_ep_rank must be >= 1, got {num_spare_experts_per_ep_rank}")
+    if assignment == "greedy":
+        return greedy_assignment(counts, k)
+    if assignment == "best_fit":
+        return best_fit_assignment(counts, k)
+    if assignment != "auto":
+        raise ValueError(f"assignment must be one of {ASSIGNMENTS}, got {assignment!r}")
+    g = greedy_assignment(counts, k)
+    b = best_fit_assignment(counts, k)
+    better = _max_load_after(counts, b, k) < _max_load_after(counts, g, k)
+    return torch.where(better, b, g)
+
+
+def _slot_homes(home_to_spare: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(home[S], amount[S])``: the home expert of each slot (0 for an empty slot) and its token count."""
+    amount = home_to_spare.sum(0)
+    home = torch.argmax((home_to_spare > 0).to(torch.int8), dim=0)  # first non-zero row
+    return home, amount
+
+
+def breadth_first_allocation(counts: torch.Tensor, home_to_spare: torch.Tensor) -> torch.Tensor:
+    """Phase 1 of the allocation: every source rank contributes to a slot in proportion to its tokens.
+
+    Args:
+        counts: ``[R, E]`` integer token counts. home_to_spare: ``[E, S]`` from :func:`gen_assignment`.
+
+    Returns:
+        ``[R, S]`` int64: ``floor(counts[r, e] * amount_j / sum_r counts[r, e])`` for slot ``j`` of home expert
+        ``e`` taking ``amount_j`` tokens (exact integer arithmetic). Floors may leave a few tokens per slot
+        unallocated; :func:`depth_first_allocation` places them.
+
+    Example: one expert with ``[30, 50, 20]`` tokens from 3 ranks and a slot taking 80 -> ``[24, 40, 16]``;
+    a slot taking 83 -> ``floor([24.9, 41.5, 16.6]) = [24, 41, 16]`` (2 tokens left over).
+    """
+    counts = _check_counts(counts)
+    home, amount = _slot_homes(home_to_spare.to(torch.int64))
+    c = counts[:, home]  # [R, S]
+    total = counts.sum(0)[home]  # [S]
+    return (c * amount[None, :]) // total.clamp(min=1)[None, :]
+
+
+def depth_first_allocation(
+    counts: torch.Tensor, home_to_spare: torch.Tensor, breadth_first: torch.Tensor
+) -> torch.Tensor:
+    """Phase 2: place what the proportional floors left over, source rank by source rank.
+
+    For each home expert, the tokens each source rank still has (``counts`` minus its breadth-first shares over
+    all slots of that expert) are laid on a number line in rank order, the slots' leftovers (in slot order) on
+    another, and their interval overlap is added to the breadth-first shares.
+
+    Returns:
+        ``[R, S]`` int64: tokens source rank ``r`` sends to slot ``j``. Column ``j`` sums to the slot's amount in
+        ``home_to_spare``; per (rank, expert) the shares never exceed ``counts``.
+
+    Example: ``[30, 50, 20]`` tokens, a slot taking 83, breadth-first ``[24, 41, 16]``: ranks still hold
+    ``[6, 9, 4]``, the 2 leftover tokens fall in rank 0's interval ``[0, 6)`` -> ``[26, 41, 16]``.
+    """
+    counts = _check_counts(counts)
+    R, E = counts.shape
+    bf = breadth_first.to(torch.int64)
+    home, amount = _slot_homes(home_to_spare.to(torch.int64))
+    S = home.shape[0]
+    rem = amount - bf.sum(0)  # [S]
+    used = torch.zeros_like(counts).index_add_(1, home, bf)  # [R, E] (integer adds: deterministic)
+    left = counts - used
+    c_end = left.cumsum(0)  # [R, E]
+    c_start = c_end - left
+    j = torch.arange(S, device=counts.device)
+    before = (home[:, None] == home[None, :]) & (j[None, :] < j[:, None])  # [S, S]: same expert, earlier slot
+    b_start = (before.to(torch.int64) * rem[None, :]).sum(1)
+    b_end = b_start + rem
+    lo = torch.maximum(c_start[:, home], b_start[None, :])
+    hi = torch.minimum(c_end[:, home], b_end[None, :])
+    return bf + (hi - lo).clamp(min=0)
+
+
+def gen_allocation(counts: torch.Tensor, home_to_spare: torch.Tensor) -> torch.Tensor:
+    """Breadth-first then depth-first allocation: ``[R, S]`` tokens each source rank sends to each slot."""
+    return depth_first_allocation(counts, home_to_spare, breadth_first_allocation(counts, home_to_spare))
+
+
+def reroute_tokens_torch(
+    routing_map: torch.Tensor, probs: torch.Tensor, tokens_to_spare: torch.Tensor, home_to_spare_map: torch.Tensor
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Pure-torch equivalent of ``moe_graph.ops.reroute_tokens`` (same results, bit for bit).
+
+    For each home expert ``e`` and its slots ``j1 < j2 < ...`` (``home_to_spare_map[e, j]``), the routed tokens of
+    ``e`` in ascending token order move: the first ``tokens_to_spare[j1]`` to slot ``j1``, the next ones to
+    ``j2``... A moved token's route leaves column ``e`` for column ``E + j`` together with its probability; if the
+    plan asks for more tokens than are routed, the request is clamped (the native op also sets the device error
+    flag). A slot's expert is the first ``True`` of its column.
+    """
+    T, E = routing_map.shape
+    S = home_to_spare_map.shape[1]
+    dev = routing_map.device
+    hmap = home_to_spare_map.to(torch.bool)
+    first = torch.argmax(hmap.to(torch.int8), dim=0)  # [S]
+    has_home = hmap.any(0)
+    owner = torch.zeros(E, S, dtype=torch.bool, device=dev)
+    owner[first, torch.arange(S, device=dev)] = has_home
+    want = torch.where(owner, tokens_to_spare.to(torch.int64).clamp(min=0)[None, :], 0)  # [E, S]
+    ends = want.cumsum(1)  # [E, S] non-decreasing
+    rm = routing_map.to(torch.bool)
+    rank = rm.to(torch.int64).cumsum(0) - 1  # [T, E]: index of the token among e's routed tokens
+    slot = torch.searchsorted(ends, rank.t().contiguous(), right=True).t()  # [T, E] in [0, S]
+    moved = rm & (slot < S)
+    out_map = torch.zeros(T, E + S + 1, dtype=torch.bool, device=dev)
+    out_probs = torch.zeros(T, E + S + 1, dtype=probs.dtype, device=dev)
+    out_map[:, :E] = rm & ~moved
+    out_probs[:, :E] = torch.where(moved, torch.zeros((), dtype=probs.dtype, device=dev), probs)
+    col = torch.where(moved, E + slot, E + S)  # moved routes go to their slot, others to a sink column
+    out_map.scatter_(1, col, moved)  # distinct slots per token (a slot has one home expert) -> no collisions
+    out_probs.scatter_(1, col, torch.where(moved, probs, torch.zeros((), dtype=probs.dtype, device=dev)))
+    return out_map[:, : E + S].contiguous(), out_probs[:, : E + S].contiguous()
+
+
+def _reroute(routing_map, probs, tokens_to_spare, home_to_spare_map):
+    try:
+        from moe_graph.ops.reroute import reroute_tokens, native_available
+
+        if native_available():
+            return reroute_tokens(routing_map, probs, tokens_to_spare, home_to_spare_map)
+    except ImportError:
+        pass
+    return reroute_tokens_torch(routing_map, probs, tokens_to_spare, home_to_spare_map)
+
+
+def gen_offloading_plan(
+    routing_map: torch.Tensor,
+    probs: torch.Tensor,
+    counts: torch.Tensor,
+    ep_rank: int,
+    num_ep_ranks: int,
+    num_spare_experts_per_ep_rank: int = 1,
+    assignment: str = "auto",
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Plan echo offloading and reroute this rank's tokens.
+
+    Args:
+        routing_map: ``[T, E]`` bool, this rank's tokens' routes (to home experts).
+        probs: ``[T, E]`` float, their probabilities.
+        counts: ``[R, E]`` integer, all-gathered ``routing_map.sum(0)`` of every EP rank (identical everywhere).
+        ep_rank: this rank's index in the EP group; num_ep_ranks: ``R``.
+        num_spare_experts_per_ep_rank: ``k``. assignment: see :func:`gen_assignment`.
+
+    Returns:
+        ``(rerouted_routing_map [T, E+S] bool, rerouted_probs [T, E+S], expert_offloading_map [E, S] bool)``.
+        Columns ``0..E-1`` are the home experts, ``E..E+S-1`` the spare slots. ``expert_offloading_map[e, j]``
+        says slot ``j`` hosts a copy of home expert ``e``; it depends only on ``counts`` so every rank gets the
+        same one. Every token keeps its number of routes, and moved probabilities are bit-identical.
+
+    Example: 2 ranks, 2 experts each, ``k = 1``, counts ``[[60, 20, 5, 5], [60, 20, 5, 5]]``: rank loads
+    ``[160, 20]``, avg 90; rank 1's slot (slot 1) hosts a copy of expert 0 and takes 70 of its tokens, 35 from
+    each source rank, so both ranks receive 90 tokens.
+    """
+    if routing_map.dim() != 2:
+        raise ValueError(f"routing_map must be a 2-D bool tensor [T, E], got shape {tuple(routing_map.shape)}")
+    if probs.shape != routing_map.shape:
+        raise ValueError(f"probs must have the shape of routing_map {tuple(routing_map.shape)}, got {tuple(probs.shape)}")
+    counts = _check_counts(counts, num_ep_ranks)
+    if counts.shape[1] != routing_map.shape[1]:
+        raise ValueError(
+            f"counts [R, E] must have E={routing_map.shape[1]} columns (routing_map's experts), got shape {tuple(counts.shape)}"
+        )
+    if not 0 <= ep_rank < num_ep_ranks:
+        raise ValueError(f"ep_rank must be in [0, {num_ep_ranks}), got {ep_rank}")
+    counts = counts.to(routing_map.device)
+    home_to_spare = gen_assignment(counts, num_spare_experts_per_ep_rank, assignment)
+    allocation = gen_allocation(counts, home_to_spare)
+    offloading_map = home_to_spare > 0
+    new_map, new_probs = _reroute(routing_map, probs, allocation[ep_rank], offloading_map)
+    return new_map, new_probs, offloading_map

@@ -1,0 +1,91 @@
+"""Plain-Python references for the echo planner and token rerouting (loops, no vectorization): the tests compare
+the tensor code and the native kernels against these."""
+
+from __future__ import annotations
+
+from typing import List, Tuple
+
+import torch
+
+
+def reroute_tokens_reference(
+    routing_map: torch.Tensor, probs: torch.Tensor, tokens_to_spare: torch.Tensor, home_to_spare_map: torch.Tensor
+) -> Tuple[torch.Tensor, torch.Tensor, bool]:
+    """Token-by-token reference of ``reroute_tokens``. Returns ``(map [T, E+S], probs [T, E+S], over_ask)``.
+
+    Slot ``j``'s home expert is the first ``True`` row of column ``j`` (none: the slot takes nothing). For each
+    home expert, its slots in ascending order take its routed tokens in ascending token order; a request larger
+    than what is left is clamped and ``over_ask`` is reported. Negative requests count as 0.
+    """
+    rm = routing_map.to(torch.bool).cpu()
+    pr = probs.cpu()
+    T, E = rm.shape
+    S = home_to_spare_map.shape[1]
+    hmap = home_to_spare_map.to(torch.bool).cpu()
+    want = [max(0, int(v)) for v in tokens_to_spare.cpu().tolist()]
+    out_map = torch.zeros(T, E + S, dtype=torch.bool)
+    out_probs = torch.zeros(T, E + S, dtype=probs.dtype)
+    out_map[:, :E] = rm
+    out_probs[:, :E] = pr
+    over = False
+    slots_of: List[List[int]] = [[] for _ in range(E)]
+    for j in range(S):
+        homes = [e for e in range(E) if bool(hmap[e, j])]
+        if homes:
+            slots_of[homes[0]].append(j)
+        elif want[j] > 0:
+            over = True
+    for e in range(E):
+        if not slots_of[e]:
+            continue
+        tokens = [t for t in range(T) if bool(rm[t, e])]
+        pos = 0
+        for j in slots_of[e]:
+            n = want[j]
+            if pos + n > len(tokens):
+                over = True
+                n = len(tokens) - pos
+            for t in tokens[pos : pos + n]:
+                out_map[t, e] = False
+                out_map[t, E + j] = True
+                out_probs[t, E + j] = pr[t, e]
+                out_probs[t, e] = 0
+            pos += n
+    return out_map, out_probs, over
+
+
+def zipf_routing(
+    num_tokens: int, num_experts: int, topk: int, skew: float, generator: torch.Generator, permute: bool = True
+) -> torch.Tensor:
+    """Random ``[T, E]`` bool routing: each token picks ``topk`` distinct experts with probability ~ 1/i**skew
+    (``permute``: the popular experts are spread over the EP ranks at random instead of all on rank 0)."""
+    p = 1.0 / torch.arange(1, num_experts + 1, dtype=torch.float64) ** skew
+    if permute:
+        p = p[torch.randperm(num_experts, generator=generator)]
+    idx = torch.multinomial(p.expand(num_tokens, num_experts), topk, replacement=False, generator=generator)
+    rm = torch.zeros(num_tokens, num_experts, dtype=torch.bool)
+    rm.scatter_(1, idx, True)
+    return rm
+
+
+def zipf_counts(
+    num_ep_ranks: int, num_experts: int, tokens_per_rank: int, topk: int, skew: float, generator: torch.Generator,
+    permute: bool = True,
+) -> torch.Tensor:
+    """``[R, E]`` int64 token counts of Zipf routing on every EP rank (the same expert popularity everywhere)."""
+    p = 1.0 / torch.arange(1, num_experts + 1, dtype=torch.float64) ** skew
+    if permute:
+        p = p[torch.randperm(num_experts, generator=generator)]
+    rows = []
+    for _ in range(num_ep_ranks):
+        idx = torch.multinomial(p.expand(tokens_per_rank, num_experts), topk, replacement=False, generator=generator)
+        rows.append(torch.bincount(idx.flatten(), minlength=num_experts))
+    return torch.stack(rows).to(torch.int64)
+
+
+def loads_after(counts: torch.Tensor, home_to_spare: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(before[R], after[R])`` tokens received per EP rank without and with the plan."""
+    R, E = counts.shape
+    before = counts.sum(0).view(R, E // R).sum(1)
+    after = before - home_to_spare.sum(1).view(R, E // R).sum(1) + home_to_spare.sum(0).view(R, k).sum(1)
+    return before, after

@@ -1,0 +1,350 @@
+"""Echo planner: the seed's worked examples, hand-checked k=2 cases, and property tests over random counts."""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from moe_graph import planner as P
+from moe_graph.testing.echo_reference import loads_after, reroute_tokens_reference, zipf_counts
+
+T = torch.tensor
+
+
+def _eq(a, b):
+    assert torch.equal(torch.as_tensor(a), torch.as_tensor(b)), f"\n{a}\n!=\n{b}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# seed worked examples
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_spillover_seed_example():
+    # One rank with experts [50, 100, 150, 200]; a second, empty rank brings avg to 250.
+    counts = T([[50, 100, 150, 200, 0, 0, 0, 0]])
+    counts = torch.cat([counts, torch.zeros_like(counts)])
+    spill, cap, avg = P.gen_intermediate(counts)
+    assert int(avg) == 250
+    _eq(spill, [0, 0, 50, 200, 0, 0, 0, 0])
+    _eq(cap, [0, 250])
+
+
+def test_spillover_sorting_keeps_light_experts():
+    # The seed's unsorted order [200, 50, 150, 100]: sorting first makes the heavy experts spill.
+    counts = T([[200, 50, 150, 100, 0, 0, 0, 0], [0] * 8])
+    spill, _, _ = P.gen_intermediate(counts)
+    _eq(spill, [200, 0, 50, 0, 0, 0, 0, 0])
+    assert int(spill.sum()) == 250
+
+
+def test_spillover_split_over_source_ranks_and_deviation():
+    # counts from two source ranks add up per expert; avg 350, ranks [500, 200, 300, 400] (the seed's bar chart).
+    per_rank = [[100, 400], [150, 50], [200, 100], [250, 150]]
+    tot = T(sum(per_rank, []))
+    counts = torch.stack([tot - 3 * (tot // 4), tot // 4, tot // 4, tot // 4])  # 4 source ranks
+    spill, cap, avg = P.gen_intermediate(counts)
+    assert int(avg) == 350
+    _eq(cap, [0, 150, 50, 0])
+    # rank 0: sorted [100, 400] -> cumsum [100, 500] - 350 -> [0, 150] (expert 1 spills);
+    # rank 3: [250, 150] sorted [150 (e7), 250 (e6)] -> cumsum [150, 400] - 350 -> [0, 50] (expert 6 spills)
+    _eq(spill, [0, 150, 0, 0, 0, 0, 50, 0])
+
+
+def test_one_shot_interval_overlap_two_by_two():
+    # chunks [0,100) [100,250) vs buckets [0,80) [80,200)
+    _eq(P.one_shot_greedy_assignment(T([100, 150]), T([80, 120])), [[80, 20], [0, 100]])
+
+
+def test_one_shot_seed_eight_experts_four_ranks():
+    a = P.one_shot_greedy_assignment(T([100, 80, 50, 30, 0, 0, 0, 0]), T([120, 60, 0, 0]))
+    expected = torch.zeros(8, 4, dtype=torch.int64)
+    expected[0, 0] = 100
+    expected[1, 0] = 20
+    expected[1, 1] = 60
+    _eq(a, expected)
+
+
+def test_assign_spillover_seed_example_k1_k2():
+    spill = T([0, 80, 0, 0, 50, 100, 0, 30])
+    cap = T([0, 120, 60, 0])
+    h1 = P.assign_spillover(spill, cap, 1)
+    e1 = torch.zeros(8, 4, dtype=torch.int64)
+    e1[5, 1] = 100  # rank 1's slot: expert 5 (top-1 of its column [100 from e5, 20 from e1])
+    e1[1, 2] = 60  # rank 2's slot: expert 1
+    _eq(h1, e1)
+    h2 = P.assign_spillover(spill, cap, 2)
+    e2 = torch.zeros(8, 8, dtype=torch.int64)
+    e2[5, 2] = 100  # rank 1, slot 0
+    e2[1, 3] = 20  # rank 1, slot 1 (second largest of the column)
+    e2[1, 4] = 60  # rank 2, slot 0
+    _eq(h2, e2)
+
+
+def _one_expert_case(amount):
+    # 3 source ranks send [30, 50, 20] tokens to expert 0 (on rank 0); one slot takes `amount` of them.
+    counts = torch.zeros(3, 3, dtype=torch.int64)
+    counts[:, 0] = T([30, 50, 20])
+    h = torch.zeros(3, 3, dtype=torch.int64)
+    h[0, 1] = amount
+    return counts, h
+
+
+def test_breadth_first_exact_proportions():
+    counts, h = _one_expert_case(80)
+    bf = P.breadth_first_allocation(counts, h)
+    _eq(bf[:, 1], [24, 40, 16])
+    _eq(bf[:, 0], [0, 0, 0])
+    _eq(P.depth_first_allocation(counts, h, bf)[:, 1], [24, 40, 16])
+
+
+def test_breadth_first_rounding_repaired_by_depth_first():
+    counts, h = _one_expert_case(83)
+    bf = P.breadth_first_allocation(counts, h)
+    _eq(bf[:, 1], [24, 41, 16])  # floor([24.9, 41.5, 16.6])
+    df = P.depth_first_allocation(counts, h, bf)
+    _eq(df[:, 1], [26, 41, 16])  # the 2 leftover tokens come from rank 0 (6 left), rank order
+    _eq(P.gen_allocation(counts, h), df)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# hand-checked k = 2 cases
+# ---------------------------------------------------------------------------------------------------------------
+
+# 3 ranks x 2 experts. Per expert [300, 200 | 10, 10 | 20, 20]: loads [500, 20, 40], avg 186.
+# Rank 0 sorted [200 (e1), 300 (e0)] -> cumsum [200, 500] - 186 -> [14, 314] -> spill e1 14, e0 300.
+# Capacity [0, 166, 146]. Intervals: e0 [0,300), e1 [300,314) vs rank1 [0,166), rank2 [166,312).
+K2_COUNTS = T([[200, 100, 10, 0, 20, 10], [100, 100, 0, 10, 0, 10], [0, 0, 0, 0, 0, 0]])
+
+
+def test_k2_greedy_hand_checked():
+    spill, cap, avg = P.gen_intermediate(K2_COUNTS)
+    assert int(avg) == 186
+    _eq(spill, [300, 14, 0, 0, 0, 0])
+    _eq(cap, [0, 166, 146])
+    h = P.gen_assignment(K2_COUNTS, 2, "greedy")
+    e = torch.zeros(6, 6, dtype=torch.int64)
+    e[0, 2] = 166  # rank 1 slot 0
+    e[0, 4] = 134  # rank 2 slot 0
+    e[1, 5] = 12  # rank 2 slot 1 (the part of e1 that overlaps rank 2)
+    _eq(h, e)
+    before, after = loads_after(K2_COUNTS, h, 2)
+    _eq(after, [188, 186, 186])
+    # k = 1: rank 2 keeps only expert 0's 134.
+    h1 = P.gen_assignment(K2_COUNTS, 1, "greedy")
+    e1 = torch.zeros(6, 3, dtype=torch.int64)
+    e1[0, 1] = 166
+    e1[0, 2] = 134
+    _eq(h1, e1)
+
+
+def test_k2_allocation_hand_checked():
+    h = P.gen_assignment(K2_COUNTS, 2, "greedy")
+    bf = P.breadth_first_allocation(K2_COUNTS, h)
+    # slot 2: 166 * [200, 100] / 300 = [110.67, 55.33]; slot 4: 134 * [200, 100] / 300 = [89.33, 44.67];
+    # slot 5: 12 * [100, 100] / 200 = [6, 6]
+    _eq(bf, [[0, 0, 110, 0, 89, 6], [0, 0, 55, 0, 44, 6], [0] * 6])
+    # left of e0: [200 - 199, 100 - 99] = [1, 1]; slot 2's leftover 1 -> rank 0, slot 4's leftover 1 -> rank 1
+    df = P.depth_first_allocation(K2_COUNTS, h, bf)
+    _eq(df, [[0, 0, 111, 0, 89, 6], [0, 0, 55, 0, 45, 6], [0] * 6])
+
+
+def test_k2_best_fit_hand_checked():
+    # Excess of rank 0: 314. Step 1: heaviest expert e0 offers min(314, 300) = 300, no slot fits -> the largest
+    # capacity (rank 1, 166) takes 166. Step 2: e1 (200 left) offers min(148, 200) = 148 -> rank 2 takes 146.
+    h = P.gen_assignment(K2_COUNTS, 2, "best_fit")
+    e = torch.zeros(6, 6, dtype=torch.int64)
+    e[0, 2] = 166
+    e[1, 4] = 146
+    _eq(h, e)
+    _eq(loads_after(K2_COUNTS, h, 2)[1], [188, 186, 186])
+    h1 = P.gen_assignment(K2_COUNTS, 1, "best_fit")
+    _eq(loads_after(K2_COUNTS, h1, 1)[1], [188, 186, 186])  # greedy k=1 leaves rank 0 at 200
+    _eq(loads_after(K2_COUNTS, P.gen_assignment(K2_COUNTS, 1), 1)[1], [188, 186, 186])  # auto picks best fit
+
+
+def test_best_fit_prefers_smallest_fitting_slot():
+    # 4 ranks x 1 expert, k = 1. loads [330, 80, 100, 90] avg 150: excess 180, capacities [0, 70, 50, 60].
+    # Pieces: 180 (no fit) -> rank 1 takes 70; 110 (no fit) -> rank 3 takes 60; 50 -> best fit rank 2 (50).
+    counts = T([[330, 80, 100, 90], [0] * 4, [0] * 4, [0] * 4])
+    h = P.gen_assignment(counts, 1, "best_fit")
+    _eq(h, [[0, 70, 50, 60], [0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]])
+    # greedy, the same here: one expert spills
+    _eq(P.gen_assignment(counts, 1, "greedy"), h)
+
+
+def test_offloading_plan_docstring_example():
+    counts = T([[60, 20, 5, 5], [60, 20, 5, 5]])
+    h = P.gen_assignment(counts, 1)
+    _eq(h, [[0, 70], [0, 0], [0, 0], [0, 0]])
+    _eq(P.gen_allocation(counts, h), [[0, 35], [0, 35]])
+
+
+def test_argument_errors_name_the_tensor():
+    with pytest.raises(ValueError, match="counts"):
+        P.gen_intermediate(torch.zeros(3, 4, dtype=torch.int64))
+    with pytest.raises(TypeError, match="counts"):
+        P.gen_intermediate(torch.zeros(2, 4))
+    with pytest.raises(ValueError, match="num_spare_experts_per_ep_rank"):
+        P.gen_assignment(torch.zeros(2, 4, dtype=torch.int64), 0)
+    with pytest.raises(ValueError, match="assignment"):
+        P.gen_assignment(torch.zeros(2, 4, dtype=torch.int64), 1, "nope")
+    rm = torch.zeros(5, 4, dtype=torch.bool)
+    with pytest.raises(ValueError, match="probs"):
+        P.gen_offloading_plan(rm, torch.zeros(5, 3), torch.zeros(2, 4, dtype=torch.int64), 0, 2)
+    with pytest.raises(ValueError, match="num_ep_ranks"):
+        P.gen_offloading_plan(rm, torch.zeros(5, 4), torch.zeros(2, 4, dtype=torch.int64), 0, 4)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# property tests
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@st.composite
+def count_cases(draw):
+    R = draw(st.sampled_from([1, 2, 3, 4, 8]))
+    epr = draw(st.integers(1, 4))
+    k = draw(st.integers(1, 3))
+    E = R * epr
+    mode = draw(st.sampled_from(["uniform", "skewed", "sparse"]))
+    hi = draw(st.sampled_from([5, 100, 5000]))
+    vals = draw(st.lists(st.integers(0, hi), min_size=R * E, max_size=R * E))
+    c = torch.tensor(vals, dtype=torch.int64).view(R, E)
+    if mode == "skewed":
+        c = c * torch.arange(E, 0, -1).pow(2)[None, :]
+    elif mode == "sparse":
+        c = c * (torch.arange(R * E).view(R, E) % 3 == 0)
+    return c, k
+
+
+def check_plan(counts, k, assignment):
+    R, E = counts.shape
+    epr, S = E // R, R * k
+    h = P.gen_assignment(counts, k, assignment)
+    assert h.shape == (E, S) and h.dtype == torch.int64
+    assert (h >= 0).all()
+    assert ((h > 0).sum(0) <= 1).all(), "a slot hosts at most one home expert"
+    spill, cap, avg = P.gen_intermediate(counts)
+    slot_rank = torch.arange(S) // k
+    expert_rank = torch.arange(E) // epr
+    assert not ((h > 0) & (expert_rank[:, None] == slot_rank[None, :])).any(), "no copy onto the home rank"
+    assert (h.sum(0).view(R, k).sum(1) <= cap).all(), "a rank's slots exceed its spare capacity"
+    assert (h.sum(1) <= counts.sum(0)).all(), "more tokens taken from an expert than it has"
+    before, after = loads_after(counts, h, k)
+    assert (after <= torch.maximum(before, avg)).all(), "a rank's load went up past the average"
+    assert int(after.sum()) == int(before.sum())
+    assert int(after.max()) <= int(before.max())
+    alloc = P.gen_allocation(counts, h)
+    assert (alloc >= 0).all()
+    _eq(alloc.sum(0), h.sum(0))  # allocation sums equal the assignment
+    home = (h > 0).to(torch.int8).argmax(0)
+    per_re = torch.zeros(R, E, dtype=torch.int64).index_add_(1, home, alloc)
+    assert (per_re <= counts).all(), "a source rank asked to move more tokens than it routes"
+    return h, alloc, after
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(count_cases())
+def test_plan_properties(case):
+    counts, k = case
+    hs = {}
+    for a in P.ASSIGNMENTS:
+        hs[a] = check_plan(counts, k, a)
+    assert int(hs["auto"][2].max()) <= int(hs["greedy"][2].max()), "auto must never be worse than greedy"
+    # determinism
+    _eq(P.gen_assignment(counts, k), hs["auto"][0])
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    R=st.sampled_from([1, 2, 4]),
+    epr=st.integers(1, 3),
+    k=st.integers(1, 2),
+    T_=st.integers(0, 40),
+    density=st.floats(0.05, 0.9),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_end_to_end_conservation(R, epr, k, T_, density, seed):
+    E = R * epr
+    g = torch.Generator().manual_seed(seed)
+    maps = [torch.rand(T_, E, generator=g) < density for _ in range(R)]
+    probs = [torch.rand(T_, E, generator=g) for _ in range(R)]
+    counts = torch.stack([m.sum(0) for m in maps]).to(torch.int64)
+    h = P.gen_assignment(counts, k)
+    alloc = P.gen_allocation(counts, h)
+    S = R * k
+    received = torch.zeros(E + S, dtype=torch.int64)
+    omaps = []
+    for r in range(R):
+        nm, npr, om = P.gen_offloading_plan(maps[r], probs[r], counts, r, R, k)
+        omaps.append(om)
+        _eq(om, h > 0)
+        assert nm.shape == (T_, E + S) and npr.shape == (T_, E + S)
+        _eq(nm.sum(1), maps[r].sum(1))  # every token keeps its number of routes
+        _eq(nm[:, E:].sum(0), alloc[r])  # this rank sends what the allocation says
+        # probabilities move bit-identically: the multiset of routed probs per token is unchanged
+        _eq(torch.sort(torch.where(nm, npr, -1.0), 1).values[:, -E:], torch.sort(torch.where(maps[r], probs[r], -1.0), 1).values)
+        ref_map, ref_probs, over = reroute_tokens_reference(maps[r], probs[r], alloc[r], h > 0)
+        assert not over
+        _eq(nm, ref_map)
+        _eq(npr, ref_probs)
+        received += nm.sum(0)
+    _eq(received[E:], h.sum(0))
+    for om in omaps[1:]:
+        _eq(om, omaps[0])
+
+
+def test_reroute_torch_matches_reference_random_plans():
+    g = torch.Generator().manual_seed(0)
+    for trial in range(30):
+        Tn, E, S = int(torch.randint(0, 50, (1,), generator=g)), 6, 4
+        rm = torch.rand(Tn, E, generator=g) < 0.4
+        pr = torch.rand(Tn, E, generator=g).to(torch.bfloat16)
+        hmap = torch.zeros(E, S, dtype=torch.bool)
+        for j in range(S):
+            if torch.rand(1, generator=g) < 0.8:
+                hmap[int(torch.randint(0, E, (1,), generator=g)), j] = True
+        want = torch.randint(-2, 12, (S,), generator=g)  # includes over-asks and negatives
+        m, p = P.reroute_tokens_torch(rm, pr, want, hmap)
+        rmap, rprobs, _ = reroute_tokens_reference(rm, pr, want, hmap)
+        _eq(m, rmap)
+        _eq(p, rprobs)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# balance targets (the issue's case: Zipf(1.2), 128 experts, 16 ranks, 8 routes per token)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_zipf_balance_targets():
+    res = {1: {"greedy": [], "auto": []}, 2: {"greedy": [], "auto": []}}
+    for seed in range(3):
+        counts = zipf_counts(16, 128, 1024, 8, 1.2, torch.Generator().manual_seed(seed))
+        for k in (1, 2):
+            for a in ("greedy", "auto"):
+                _, after = loads_after(counts, P.gen_assignment(counts, k, a), k)
+                res[k][a].append(float(after.max()) / float(after.float().mean()))
+    mean = {k: {a: sum(v) / len(v) for a, v in d.items()} for k, d in res.items()}
+    assert mean[1]["auto"] <= 1.10, mean
+    assert mean[2]["auto"] <= 1.02, mean
+    for k in (1, 2):
+        assert all(x <= y + 1e-12 for x, y in zip(res[k]["auto"], res[k]["greedy"])), res
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_planner_cuda_matches_cpu_no_sync_and_graph():
+    counts = zipf_counts(8, 64, 512, 4, 1.2, torch.Generator().manual_seed(1))
+    dev = torch.device("cuda")
+    for k in (1, 2):
+        ref = P.gen_assignment(counts, k)
+        cc = counts.to(dev)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            h = P.gen_assignment(cc, k)
+            alloc = P.gen_allocation(cc, h)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        _eq(h.cpu(), ref)
+        _eq(alloc.cpu(), P.gen_allocation(counts, ref))
