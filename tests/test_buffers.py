@@ -233,3 +233,58 @@ def test_partition_buckets_rules():
     groups = partition_buckets([bf_buf, fp8_buf], force_single_bucket_group=True)
     assert len(groups) == 1 and len(groups[0].buckets) == 5 and len(groups[0].params) == 5
     assert partition_buckets([]) == []
+
+
+# --------------------------------------------------------------------------------------------
+# DDP wrapper, single process (dp=1: no process group needed)
+# --------------------------------------------------------------------------------------------
+def _mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+
+
+def test_ddp_hook_accumulates_into_main_grad_and_respects_fused_flag():
+    from moe_graph.ddp import DistributedDataParallel
+
+    ref = _mlp()
+    model = _mlp()
+    ddp = DistributedDataParallel(model, grad_reduce_in_fp32=True)
+    x = torch.randn(5, 6)
+    ddp.zero_grad_buffer()
+    ddp(x).square().sum().backward()
+    ref(x).square().sum().backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert p.grad is None  # dropped after being added to main_grad
+        torch.testing.assert_close(p.main_grad, q.grad)
+    # a second backward accumulates; a param flagged by a fused GEMM is not added twice
+    w = model[0].weight
+    before = w.main_grad.clone()
+    w.grad_added_to_main_grad = True
+    ddp(x).square().sum().backward()
+    assert torch.equal(w.main_grad, before)
+    torch.testing.assert_close(model[2].weight.main_grad, 2 * ref[2].weight.grad)
+    ddp.zero_grad_buffer()
+    assert w.grad_added_to_main_grad is False
+    assert all(p.main_grad.abs().sum() == 0 for p in model.parameters())
+
+
+def test_ddp_no_sync_overlap_and_finish_single_rank():
+    from moe_graph.ddp import DistributedDataParallel
+
+    model = _mlp()
+    ddp = DistributedDataParallel(model, overlap_grad_reduce=True, bucket_size=30, use_distributed_optimizer=True)
+    # walk order: [2].bias 3, [2].weight 24 (>=30? 64+24=88 -> closes), [0].bias, [0].weight
+    assert len(ddp.bucket_groups) == 2 and ddp.bucket_size == 30
+    x = torch.randn(4, 6)
+    ddp.zero_grad_buffer()
+    with ddp.no_sync():
+        ddp(x).sum().backward()
+    assert not any(g.grad_reduce_dispatched for g in ddp.bucket_groups)
+    ddp(x).sum().backward()
+    assert all(g.grad_reduce_dispatched for g in ddp.bucket_groups)  # launched by the hooks
+    ddp.finish_grad_sync()
+    ddp.finish_grad_sync()  # idempotent
+    # without overlap Megatron ignores bucket_size (one bucket per buffer)
+    assert len(DistributedDataParallel(_mlp(), bucket_size=30).bucket_groups) == 1
+    # default bucket size with overlap: max(40M, 1M * dp)
+    assert DistributedDataParallel(_mlp(), overlap_grad_reduce=True).bucket_size == 40_000_000

@@ -494,7 +494,8 @@ class BucketGroup:
     it first if it never fired, e.g. a param got no gradient). Without overlap,
     :meth:`finish_grad_sync` runs the collective synchronously.
 
-    Gradients are multiplied by each bucket's ``gradient_scaling_factor`` (``1/dp``) and summed,
+    Gradients are multiplied by each bucket's ``gradient_scaling_factor`` (``1/dp``) and summed
+    (or, with ``average_in_collective``, multiplied by the factor and averaged by the collective),
     so the reduced grad is the average. Under the distributed optimizer only this rank's shard
     (``grad_data[rank*n:(rank+1)*n]``, ``n = numel/dp``) holds the reduced values afterwards.
     """
@@ -552,12 +553,10 @@ class BucketGroup:
         handles = []
         op = dist.ReduceOp.SUM
         with torch.no_grad():
+            if self.average_in_collective:
+                op = dist.ReduceOp.AVG
             for b in self.buckets:
-                if self.average_in_collective:
-                    op = dist.ReduceOp.AVG
-                    if b.gradient_scaling_factor * self.data_parallel_world_size != 1.0:
-                        b.grad_data.mul_(b.gradient_scaling_factor * self.data_parallel_world_size)
-                elif b.gradient_scaling_factor != 1.0:
+                if b.gradient_scaling_factor != 1.0:
                     b.grad_data.mul_(b.gradient_scaling_factor)
                 if self.data_parallel_world_size == 1:
                     continue

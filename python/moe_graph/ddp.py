@@ -1,0 +1,233 @@
+"""Data-parallel wrapper over contiguous param/grad buffers (Megatron-core's ``DistributedDataParallel``).
+
+``DistributedDataParallel(module, ...)`` groups the module's trainable parameters by
+``(param_dtype, grad_dtype, is_expert)`` (:func:`moe_graph.buffers.group_params_for_buffers`),
+builds one :class:`~moe_graph.buffers.ParamAndGradBuffer` per group (expert parameters, marked
+``param.allreduce = False``, go to buffers sized for and reduced over the expert-data-parallel
+group), regroups the buckets into bucket groups (:func:`~moe_graph.buffers.partition_buckets`) and
+registers one gradient-accumulation hook per parameter.
+
+The hook (``register_post_accumulate_grad_hook``) adds ``param.grad`` into ``param.main_grad``
+unless a fused GEMM already did (``param.grad_added_to_main_grad = True``), then drops
+``param.grad``. It has no data-dependent Python branch and no host sync, so it runs unchanged
+while a CUDA graph is being captured (the ``add_`` is recorded like any other kernel).
+
+Typical iteration::
+
+    ddp = DistributedDataParallel(model, use_distributed_optimizer=True, overlap_grad_reduce=True)
+    opt = moe_graph.optimizer.DistributedOptimizer(ddp, lr=1e-3)
+    ddp.zero_grad_buffer()
+    with ddp.no_sync():                    # all microbatches but the last: no communication
+        for mb in microbatches[:-1]:
+            loss_fn(ddp(mb)).backward()
+    loss_fn(ddp(microbatches[-1])).backward()   # buckets launch their reductions when ready
+    opt.step()                             # finish_grad_sync, Adam on the shard, all-gather params
+
+Gradients are scaled by ``1/dp`` (``dp`` = size of the dense data-parallel group, also for expert
+params, as in Megatron with ``average_in_collective=False``) before the sum-reduction.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from .buffers import BucketGroup, ParamAndGradBuffer, group_params_for_buffers, partition_buckets
+
+__all__ = ["DistributedDataParallel"]
+
+
+def _resolve_group(group):
+    """(group, size): the given group, else WORLD when torch.distributed is initialized, else (None, 1)."""
+    if group is None:
+        if dist.is_available() and dist.is_initialized():
+            group = dist.group.WORLD
+        else:
+            return None, 1
+    return group, dist.get_world_size(group)
+
+
+class DistributedDataParallel(torch.nn.Module):
+    """Wrap ``module`` with contiguous grad buffers, bucketed reductions and grad hooks.
+
+    Args:
+        module: the model (parameters may be fp32, bf16, fp16 or fp8).
+        data_parallel_group: dense data-parallel group (default: WORLD if initialized, else none).
+        expert_data_parallel_group: group for expert params (``allreduce=False``); default: the
+            dense group.
+        use_distributed_optimizer: reduce-scatter instead of all-reduce; pad buffers for even
+            sharding and move ``param.data`` into the buffers (needed by
+            :class:`moe_graph.optimizer.DistributedOptimizer`).
+        overlap_grad_reduce: launch each bucket group's collective asynchronously as soon as all
+            its params have their grads (last microbatch only); :meth:`finish_grad_sync` waits.
+        bucket_size: elements per bucket. ``None``: Megatron's default, ``max(40M, 1M * dp)`` with
+            overlap and a single bucket without it.
+        grad_reduce_in_fp32: fp32 grad buffers for 16-bit params.
+        pad_buckets_for_high_nccl_busbw: pad bucket ends to ``lcm(dp, 128, 2**16)``.
+        average_in_collective: use ``ReduceOp.AVG`` (NCCL) instead of pre-scaling and summing.
+        disable_bucketing: one bucket group for everything (and no size-based bucket split).
+
+    Attributes: ``module``, ``buffers``, ``expert_parallel_buffers``, ``bucket_groups``,
+    ``expert_parallel_bucket_groups``, ``param_to_bucket_group``, ``data_parallel_group``,
+    ``data_parallel_world_size``, ``expert_data_parallel_group``, ``bucket_size``.
+    """
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        *,
+        data_parallel_group=None,
+        expert_data_parallel_group=None,
+        use_distributed_optimizer: bool = False,
+        overlap_grad_reduce: bool = False,
+        bucket_size: Optional[int] = None,
+        grad_reduce_in_fp32: bool = False,
+        pad_buckets_for_high_nccl_busbw: bool = False,
+        average_in_collective: bool = False,
+        disable_bucketing: bool = False,
+    ):
+        super().__init__()
+        self.module = module
+        self.use_distributed_optimizer = use_distributed_optimizer
+        self.overlap_grad_reduce = overlap_grad_reduce
+        self.grad_reduce_in_fp32 = grad_reduce_in_fp32
+        self.average_in_collective = average_in_collective
+        self.data_parallel_group, self.data_parallel_world_size = _resolve_group(data_parallel_group)
+        if expert_data_parallel_group is None:
+            self.expert_data_parallel_group = self.data_parallel_group
+            self.expert_data_parallel_world_size = self.data_parallel_world_size
+        else:
+            self.expert_data_parallel_group, self.expert_data_parallel_world_size = _resolve_group(
+                expert_data_parallel_group)
+        dp = self.data_parallel_world_size
+        if bucket_size is None and overlap_grad_reduce:
+            bucket_size = max(40_000_000, 1_000_000 * dp)
+        if not overlap_grad_reduce or disable_bucketing:
+            bucket_size = None  # Megatron: buckets only matter when reductions overlap backward
+        self.bucket_size = bucket_size
+
+        params: List[torch.nn.Parameter] = []
+        self.param_to_name: Dict[torch.nn.Parameter, str] = {}
+        for name, p in module.named_parameters():
+            if not p.requires_grad:
+                continue
+            p.grad_added_to_main_grad = False
+            self.param_to_name[p] = name
+            params.append(p)
+        if not params:
+            raise ValueError("DistributedDataParallel: module has no parameter with requires_grad=True")
+
+        if average_in_collective:
+            dense_scale = 1.0
+            expert_scale = self.expert_data_parallel_world_size / dp
+        else:
+            dense_scale = expert_scale = 1.0 / dp
+
+        self.buffers: List[ParamAndGradBuffer] = []
+        self.expert_parallel_buffers: List[ParamAndGradBuffer] = []
+        for key, (plist, _indices) in group_params_for_buffers(params, grad_reduce_in_fp32).items():
+            group, size = ((self.expert_data_parallel_group, self.expert_data_parallel_world_size)
+                           if key.is_expert_parallel else (self.data_parallel_group, dp))
+            buf = ParamAndGradBuffer(
+                plist, size, bucket_size=bucket_size,
+                use_distributed_optimizer=use_distributed_optimizer,
+                pad_buckets_for_high_nccl_busbw=pad_buckets_for_high_nccl_busbw,
+                grad_reduce_in_fp32=grad_reduce_in_fp32,
+                data_parallel_group=group,
+                gradient_scaling_factor=expert_scale if key.is_expert_parallel else dense_scale,
+            )
+            (self.expert_parallel_buffers if key.is_expert_parallel else self.buffers).append(buf)
+
+        kw = dict(overlap_grad_reduce=overlap_grad_reduce, average_in_collective=average_in_collective)
+        self.bucket_groups: List[BucketGroup] = partition_buckets(self.buffers, disable_bucketing, **kw)
+        self.expert_parallel_bucket_groups: List[BucketGroup] = partition_buckets(
+            self.expert_parallel_buffers, disable_bucketing, **kw)
+        self.param_to_bucket_group: Dict[torch.nn.Parameter, BucketGroup] = {}
+        for g in self.all_bucket_groups:
+            for p in g.params:
+                self.param_to_bucket_group[p] = g
+
+        self._hook_handles = [p.register_post_accumulate_grad_hook(self._make_hook(p)) for p in params]
+
+    # ------------------------------------------------------------------
+    @property
+    def all_buffers(self) -> List[ParamAndGradBuffer]:
+        return self.buffers + self.expert_parallel_buffers
+
+    @property
+    def all_bucket_groups(self) -> List[BucketGroup]:
+        return self.bucket_groups + self.expert_parallel_bucket_groups
+
+    def _make_hook(self, param: torch.nn.Parameter):
+        group = None
+
+        def hook(p: torch.nn.Parameter) -> None:
+            nonlocal group
+            if p.grad is not None and not getattr(p, "grad_added_to_main_grad", False):
+                p.main_grad.add_(p.grad)
+            p.grad = None
+            if self.overlap_grad_reduce:
+                if group is None:
+                    group = self.param_to_bucket_group[p]
+                group.register_grad_ready(p)
+
+        return hook
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate grads without launching reductions (all microbatches but the last)."""
+        for g in self.all_bucket_groups:
+            g.is_last_microbatch = False
+        try:
+            yield
+        finally:
+            for g in self.all_bucket_groups:
+                g.is_last_microbatch = True
+
+    def zero_grad_buffer(self) -> None:
+        """Zero every grad buffer, clear ``grad_added_to_main_grad`` and reset the bucket groups."""
+        for p in self.param_to_name:
+            p.grad_added_to_main_grad = False
+            p.grad = None
+        for b in self.all_buffers:
+            b.reset()
+        for g in self.all_bucket_groups:
+            g.reset()
+
+    def start_grad_sync(self) -> None:
+        """Launch the reductions of every bucket group that has not launched yet."""
+        for g in self.all_bucket_groups:
+            g.start_grad_sync()
+
+    def finish_grad_sync(self) -> None:
+        """Complete every reduction (launching the ones not yet started). Idempotent per iteration."""
+        for g in self.all_bucket_groups:
+            g.finish_grad_sync()
+
+    def start_param_sync(self) -> None:
+        """All-gather ``param_data`` of every bucket from the ranks' shards (distributed optimizer)."""
+        for g in self.all_bucket_groups:
+            g.start_param_sync(async_op=False)
+
+    @torch.no_grad()
+    def broadcast_params(self) -> None:
+        """Copy every parameter from the first rank of its data-parallel group to the others."""
+        for p, _ in self.param_to_name.items():
+            expert = not getattr(p, "allreduce", True)
+            group = self.expert_data_parallel_group if expert else self.data_parallel_group
+            if group is None or dist.get_world_size(group) == 1:
+                continue
+            src = dist.get_global_rank(group, 0)
+            dist.broadcast(p.data, src=src, group=group)
+
+    def state_dict(self, *args, **kwargs):
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True):
+        return self.module.load_state_dict(state_dict, strict=strict)

@@ -1,0 +1,443 @@
+"""Distributed optimizer (ZeRO-1) over the contiguous buffers of :mod:`moe_graph.ddp`.
+
+Each bucket of a :class:`~moe_graph.buffers.ParamAndGradBuffer` (padded to a multiple of ``dp``
+elements) is cut into ``dp`` equal contiguous shards; rank ``r`` owns shard ``r`` of every bucket:
+it receives the reduced gradients of that shard (reduce-scatter), keeps the optimizer state of that
+shard only (fp32 main params for 16-bit params, Adam moments), updates it, and the updated shards
+are all-gathered back into the bucket's ``param_data`` (which the model's parameters view).
+Shards ignore parameter boundaries: a parameter may be split between ranks.
+
+Bytes per parameter (``d`` = data-parallel size; model param + grad buffer + sharded state)::
+
+    param / grad dtype        non-distributed   distributed
+    fp16 or bf16 / same             20            4 + 16/d   (fp32 main param, main grad, m, v)
+    fp16 or bf16 / fp32             18            6 + 12/d   (fp32 main param, m, v)
+    fp32 / fp32                     16            8 +  8/d   (m, v; the param shard is the main param)
+
+The step is written as device tensor code: the learning rate and the step count are device
+tensors, the found-inf check and the global grad norm are reductions whose results never leave
+the device, and a skipped update (inf/nan grads) is a multiplication by zero / ``masked_fill``,
+not a Python ``if``. Nothing calls ``.item()``, so :meth:`DistributedOptimizer.step` can be
+captured in a CUDA graph together with forward and backward.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, Iterable, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .buffers import ParamAndGradBuffer, all_gather_tensor
+
+__all__ = ["build_shard_ranges", "DistributedOptimizer", "DynamicLossScaler", "ConstantLossScaler"]
+
+
+# ----------------------------------------------------------------------------------------------
+# shard ranges
+# ----------------------------------------------------------------------------------------------
+def build_shard_ranges(buffer: ParamAndGradBuffer, bucket_index: int, dp_rank: int) -> Dict:
+    """ZeRO-1 ranges of the params overlapping ``dp_rank``'s shard of bucket ``bucket_index``.
+
+    The bucket ``[offset, offset + size)`` is split into ``dp`` shards of ``size // dp`` elements;
+    rank ``r`` owns ``[offset + r*n, offset + (r+1)*n)``. For every param (in the buffer's walk
+    order) that overlaps that shard::
+
+        {param: {"gbuf_world":           (s, e),  # in the whole buffer
+                 "gbuf_world_in_bucket": (s, e),  # relative to the bucket start
+                 "gbuf_local":           (s, e),  # relative to the rank's shard
+                 "param":                (s, e)}} # inside the flattened param
+
+    identical to Megatron-core's ``DistributedOptimizer._build_model_gbuf_range``.
+
+    Example: one bucket ``[0, 1280)`` with dp=2 (shards of 640) and a param at ``(256, 1256)``:
+    rank 0 gets ``gbuf_world (256, 640)``, ``gbuf_local (256, 640)``, ``param (0, 384)``; rank 1 gets
+    ``gbuf_world (640, 1256)``, ``gbuf_world_in_bucket (640, 1256)``, ``gbuf_local (0, 616)``,
+    ``param (384, 1000)``.
+    """
+    if not 0 <= bucket_index < len(buffer.buckets):
+        raise ValueError(f"bucket_index must be in [0, {len(buffer.buckets)}), got {bucket_index}")
+    dp = buffer.data_parallel_world_size
+    if not 0 <= dp_rank < dp:
+        raise ValueError(f"dp_rank must be in [0, {dp}) (buffer.data_parallel_world_size), got {dp_rank}")
+    bucket = buffer.buckets[bucket_index]
+    size = bucket.grad_data.numel()
+    if size % dp != 0:
+        raise ValueError(f"bucket {bucket_index} has {size} elements, not divisible by dp={dp} "
+                         "(build the buffer with use_distributed_optimizer=True)")
+    n = size // dp
+    w_start = bucket.offset + dp_rank * n
+    w_end = bucket.offset + min(size, dp_rank * n + n)
+    w_size = w_end - w_start
+    out = {}
+    for param, (p_start, p_end, _) in buffer.param_index_map.items():
+        local_start = max(0, p_start - w_start)
+        local_end = min(w_size, p_end - w_start)
+        if local_end <= local_start:
+            continue
+        world = (local_start + w_start, local_end + w_start)
+        sub_start = max(0, w_start - p_start)
+        out[param] = {
+            "gbuf_world": world,
+            "gbuf_world_in_bucket": (world[0] - bucket.offset, world[1] - bucket.offset),
+            "gbuf_local": (local_start, local_end),
+            "param": (sub_start, sub_start + local_end - local_start),
+        }
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# loss scaling
+# ----------------------------------------------------------------------------------------------
+class ConstantLossScaler:
+    """A fixed loss scale held in a device tensor. ``update(found_inf)`` does nothing."""
+
+    def __init__(self, scale: float, device=None):
+        self.scale = torch.full((), float(scale), dtype=torch.float32, device=device)
+
+    def update(self, found_inf: torch.Tensor) -> None:
+        pass
+
+    def state_dict(self):
+        return {"scale": self.scale.detach().cpu()}
+
+    def load_state_dict(self, sd):
+        self.scale.copy_(sd["scale"])
+
+
+class DynamicLossScaler:
+    """Megatron's dynamic grad scaler as branch-free device-tensor updates.
+
+    On an inf/nan step the hysteresis counter drops; when it reaches 0 the scale is multiplied by
+    ``backoff_factor`` (not below ``min_scale``). After ``growth_interval`` clean steps in a row the
+    scale is multiplied by ``growth_factor`` and the hysteresis counter refills.
+    """
+
+    def __init__(self, initial_scale: float = 2.0**16, min_scale: float = 1.0, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5, growth_interval: int = 1000, hysteresis: int = 2, device=None):
+        if not (growth_factor > 1.0 and 0.0 < backoff_factor < 1.0 and growth_interval > 0 and hysteresis > 0):
+            raise ValueError("DynamicLossScaler: need growth_factor > 1, 0 < backoff_factor < 1, "
+                             "growth_interval > 0 and hysteresis > 0")
+        f = dict(dtype=torch.float32, device=device)
+        self.scale = torch.full((), float(initial_scale), **f)
+        self.min_scale, self.growth_factor, self.backoff_factor = min_scale, growth_factor, backoff_factor
+        self.growth_interval, self.hysteresis = growth_interval, hysteresis
+        self._growth_tracker = torch.zeros((), **f)
+        self._hysteresis_tracker = torch.full((), float(hysteresis), **f)
+
+    def update(self, found_inf: torch.Tensor) -> None:
+        inf = found_inf.to(torch.bool)
+        hyst = torch.where(inf, self._hysteresis_tracker - 1, self._hysteresis_tracker)
+        backoff = inf & (hyst <= 0)
+        growth = torch.where(inf, torch.zeros_like(self._growth_tracker), self._growth_tracker + 1)
+        grow = growth >= self.growth_interval
+        scale = torch.where(backoff, torch.clamp(self.scale * self.backoff_factor, min=self.min_scale), self.scale)
+        scale = torch.where(grow, scale * self.growth_factor, scale)
+        self.scale.copy_(scale)
+        self._growth_tracker.copy_(torch.where(grow, torch.zeros_like(growth), growth))
+        self._hysteresis_tracker.copy_(torch.where(grow, torch.full_like(hyst, self.hysteresis), hyst))
+
+    def state_dict(self):
+        return {"scale": self.scale.detach().cpu(), "growth_tracker": self._growth_tracker.detach().cpu(),
+                "hysteresis_tracker": self._hysteresis_tracker.detach().cpu()}
+
+    def load_state_dict(self, sd):
+        self.scale.copy_(sd["scale"])
+        self._growth_tracker.copy_(sd["growth_tracker"])
+        self._hysteresis_tracker.copy_(sd["hysteresis_tracker"])
+
+
+# ----------------------------------------------------------------------------------------------
+# the optimizer
+# ----------------------------------------------------------------------------------------------
+class _Shard:
+    """Optimizer-side view of one rank's shard of one bucket."""
+
+    __slots__ = ("buffer", "bucket_index", "bucket", "group", "rank", "size", "model_param", "grad",
+                 "main_param", "main_grad", "exp_avg", "exp_avg_sq", "wd_mask", "ranges")
+
+
+class DistributedOptimizer:
+    """ZeRO-1 Adam/AdamW over a :class:`moe_graph.ddp.DistributedDataParallel` model.
+
+    Args:
+        model: a ``DistributedDataParallel`` built with ``use_distributed_optimizer=True`` (or any
+            object with ``all_buffers``, ``all_bucket_groups``, ``finish_grad_sync`` and
+            ``zero_grad_buffer``).
+        lr, betas, eps, weight_decay: Adam hyper-parameters (``lr`` lives in a device tensor;
+            change it with :meth:`set_lr`).
+        adamw: decoupled weight decay (AdamW, default) or L2 added to the gradient (Adam).
+        clip_grad: clip by global grad norm when > 0.
+        loss_scaler: ``None``, :class:`ConstantLossScaler` or :class:`DynamicLossScaler`; grads
+            are divided by its scale; an inf/nan anywhere skips the update on every rank.
+        no_weight_decay_params: params excluded from weight decay (e.g. biases and norms).
+        impl: ``"auto"`` (``torch._fused_adamw_`` when available for the device and weight decay
+            is uniform), ``"fused"``, or ``"tensor"`` (portable device-tensor code).
+
+    ``step()`` returns ``(update_successful, grad_norm)``, both 0-dim device tensors.
+    """
+
+    def __init__(self, model, *, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.01, adamw: bool = True, clip_grad: float = 0.0, loss_scaler=None,
+                 no_weight_decay_params: Optional[Iterable[torch.nn.Parameter]] = None, impl: str = "auto"):
+        if not getattr(model, "use_distributed_optimizer", False):
+            raise ValueError("DistributedOptimizer: model must be a DistributedDataParallel built with "
+                             "use_distributed_optimizer=True")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"betas must be in [0, 1), got {betas}")
+        if impl not in ("auto", "fused", "tensor"):
+            raise ValueError(f"impl must be 'auto', 'fused' or 'tensor', got {impl!r}")
+        self.model = model
+        self.beta1, self.beta2 = float(betas[0]), float(betas[1])
+        self.eps, self.weight_decay, self.adamw = float(eps), float(weight_decay), adamw
+        self.clip_grad = float(clip_grad)
+        self.loss_scaler = loss_scaler
+        no_wd = set(no_weight_decay_params or [])
+        self.param_to_name = dict(getattr(model, "param_to_name", {}))
+
+        self.shards: List[_Shard] = []
+        device = None
+        for buf in model.all_buffers:
+            if buf.param_dtype not in (torch.float32, torch.float16, torch.bfloat16):
+                raise NotImplementedError(f"DistributedOptimizer: buffers of {buf.param_dtype} params "
+                                          "(fp8) are not supported yet")
+            group = buf.data_parallel_group
+            rank = dist.get_rank(group) if buf.data_parallel_world_size > 1 else 0
+            device = buf.grad_data.device
+            for bi, bucket in enumerate(buf.buckets):
+                n = bucket.grad_data.numel() // buf.data_parallel_world_size
+                s = _Shard()
+                s.buffer, s.bucket_index, s.bucket, s.group, s.rank, s.size = buf, bi, bucket, group, rank, n
+                s.model_param = bucket.param_data[rank * n:(rank + 1) * n]
+                s.grad = bucket.grad_data[rank * n:(rank + 1) * n]
+                with torch.no_grad():
+                    s.main_param = (s.model_param if buf.param_dtype == torch.float32
+                                    else s.model_param.detach().float().clone())
+                s.main_grad = s.grad if buf.grad_dtype == torch.float32 else torch.zeros(n, device=device)
+                s.exp_avg = torch.zeros(n, device=device)
+                s.exp_avg_sq = torch.zeros(n, device=device)
+                s.ranges = build_shard_ranges(buf, bi, rank)
+                s.wd_mask = None
+                if no_wd and any(p in no_wd for p in s.ranges):
+                    s.wd_mask = torch.ones(n, device=device)
+                    for p, r in s.ranges.items():
+                        if p in no_wd:
+                            s.wd_mask[r["gbuf_local"][0]:r["gbuf_local"][1]] = 0.0
+                self.shards.append(s)
+        self.device = device
+        f32 = dict(dtype=torch.float32, device=device)
+        self.lr = torch.full((), float(lr), **f32)
+        self.step_count = torch.zeros((), **f32)
+        self._one = torch.ones((), **f32)
+        # dp groups with at least one shard, for the norm / inf all-reduces
+        self._groups = []
+        for s in self.shards:
+            if s.buffer.data_parallel_world_size > 1 and all(g is not s.group for g in self._groups):
+                self._groups.append(s.group)
+        fused_ok = hasattr(torch, "_fused_adamw_") and device is not None and device.type in ("cuda", "cpu")
+        uniform_wd = all(s.wd_mask is None for s in self.shards)
+        if impl == "fused" and not (fused_ok and uniform_wd):
+            raise ValueError("impl='fused' needs torch._fused_adamw_ for this device and no no_weight_decay_params")
+        self.impl = "fused" if (impl == "fused" or (impl == "auto" and fused_ok and uniform_wd)) else "tensor"
+
+    # ------------------------------------------------------------------
+    def set_lr(self, lr: float) -> None:
+        """Set the learning rate in place (no sync; replays of a captured graph see the new value)."""
+        self.lr.fill_(float(lr))
+
+    def zero_grad(self) -> None:
+        """Zero the model's grad buffers (``DistributedDataParallel.zero_grad_buffer``)."""
+        self.model.zero_grad_buffer()
+
+    @property
+    def loss_scale(self) -> torch.Tensor:
+        return self.loss_scaler.scale if self.loss_scaler is not None else self._one
+
+    def state_nbytes(self) -> int:
+        """Bytes of optimizer-owned tensors (main params, main grads, moments, masks), excluding views."""
+        total = 0
+        for s in self.shards:
+            for t in (s.main_param, s.main_grad, s.exp_avg, s.exp_avg_sq, s.wd_mask):
+                if t is not None and t is not s.model_param and t is not s.grad:
+                    total += t.numel() * t.element_size()
+        return total
+
+    def state_tensors(self) -> List[torch.Tensor]:
+        """Every tensor the optimizer holds (views included), for memory accounting."""
+        out = [self.lr, self.step_count]
+        for s in self.shards:
+            out += [t for t in (s.main_param, s.main_grad, s.exp_avg, s.exp_avg_sq, s.wd_mask) if t is not None]
+        return out
+
+    # ------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Finish the grad reductions, update this rank's shards, all-gather the params.
+
+        Returns ``(update_successful, grad_norm)`` as 0-dim device tensors (no host sync).
+        """
+        self.model.finish_grad_sync()
+        grads = []
+        for s in self.shards:
+            if s.main_grad is not s.grad:
+                s.main_grad.copy_(s.grad)
+            grads.append(s.main_grad)
+        if self.loss_scaler is not None:
+            torch._foreach_mul_(grads, torch.reciprocal(self.loss_scaler.scale))
+
+        # [nonfinite count, sum of squares] per data-parallel group, summed over groups
+        stats_by_group: List[Tuple[object, torch.Tensor]] = []
+        for s, g in zip(self.shards, grads):
+            key = s.group if s.buffer.data_parallel_world_size > 1 else None
+            for k, t in stats_by_group:
+                if k is key:
+                    break
+            else:
+                t = torch.zeros(2, dtype=torch.float32, device=self.device)
+                stats_by_group.append((key, t))
+            t[0] += torch.logical_not(torch.isfinite(g)).sum()
+            t[1] += torch.linalg.vector_norm(g, 2).square()
+        total = torch.zeros(2, dtype=torch.float32, device=self.device)
+        for key, t in stats_by_group:
+            if key is not None:
+                dist.all_reduce(t, group=key)
+            total += t
+        found_inf = total[0] > 0
+        grad_norm = total[1].sqrt()
+        ok = torch.logical_not(found_inf)
+        okf = ok.float()
+
+        if self.clip_grad > 0.0:
+            coef = torch.clamp(self.clip_grad / (grad_norm + 1e-6), max=1.0)
+            coef = torch.where(ok, coef, torch.ones_like(coef))
+            torch._foreach_mul_(grads, coef)
+
+        if self.impl == "fused":
+            self._step_fused(grads, found_inf, okf)
+        else:
+            self._step_tensor(grads, found_inf, okf)
+
+        # main -> model param shards, then all-gather every bucket's param_data
+        for s in self.shards:
+            if s.main_param is not s.model_param:
+                s.model_param.copy_(s.main_param)
+        for g in self.model.all_bucket_groups:
+            g.start_param_sync(async_op=False)
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(found_inf)
+        return ok, grad_norm
+
+    def _step_fused(self, grads, found_inf, okf):
+        # torch's fused AdamW skips the whole update when found_inf == 1 (read on the device). The
+        # kernel only reads the step tensors, so every shard can share the one step count.
+        self.step_count.add_(okf)
+        fn = torch._fused_adamw_ if self.adamw else torch._fused_adam_
+        fn([s.main_param for s in self.shards], grads, [s.exp_avg for s in self.shards],
+           [s.exp_avg_sq for s in self.shards], [], [self.step_count] * len(self.shards), lr=self.lr, beta1=self.beta1,
+           beta2=self.beta2, weight_decay=self.weight_decay, eps=self.eps, amsgrad=False, maximize=False,
+           grad_scale=None, found_inf=found_inf.float())
+
+    def _step_tensor(self, grads, found_inf, okf):
+        b1, b2 = self.beta1, self.beta2
+        for g in grads:
+            g.masked_fill_(found_inf, 0.0)
+        self.step_count.add_(okf)
+        step = torch.clamp(self.step_count, min=1.0)
+        bc1 = 1.0 - torch.pow(b1, step)
+        bc2_sqrt = torch.sqrt(1.0 - torch.pow(b2, step))
+        lr_ok = self.lr * okf
+        step_size = lr_ok / bc1
+        w1 = (1.0 - b1) * okf
+        keep2 = 1.0 - (1.0 - b2) * okf
+        for s, g in zip(self.shards, grads):
+            p = s.main_param
+            if self.weight_decay != 0.0:
+                if self.adamw:
+                    decay = 1.0 - lr_ok * self.weight_decay
+                    if s.wd_mask is None:
+                        p.mul_(decay)
+                    else:
+                        p.mul_(torch.lerp(torch.ones_like(decay), decay, s.wd_mask))
+                else:
+                    g = g.add(p * s.wd_mask if s.wd_mask is not None else p, alpha=self.weight_decay)
+            s.exp_avg.lerp_(g, w1)
+            s.exp_avg_sq.mul_(keep2).addcmul_(g, g, value=1.0 - b2)
+            denom = (s.exp_avg_sq.sqrt() / bc2_sqrt).add_(self.eps)
+            p.sub_(s.exp_avg / denom * step_size)
+
+    # ------------------------------------------------------------------
+    # checkpointing: per-param full fp32 tensors, independent of the DP size
+    # ------------------------------------------------------------------
+    @torch.no_grad()
+    def _gather_bucket(self, s: _Shard, t: torch.Tensor) -> torch.Tensor:
+        dp = s.buffer.data_parallel_world_size
+        if dp == 1:
+            return t.clone()
+        full = torch.empty(s.size * dp, dtype=t.dtype, device=t.device)
+        all_gather_tensor(full, t.contiguous(), group=s.group)
+        return full
+
+    def _name(self, p):
+        name = self.param_to_name.get(p)
+        if name is None:
+            raise KeyError("DistributedOptimizer: parameter has no name (model.param_to_name)")
+        return name
+
+    @torch.no_grad()
+    def state_dict(self) -> Dict:
+        """A DP-size-independent checkpoint (a collective: every rank must call it).
+
+        ``{"format", "step", "lr", "hyper", "loss_scaler", "params": {name: {"main_param",
+        "exp_avg", "exp_avg_sq"}}}`` with full fp32 tensors (param shapes) on CPU, gathered from
+        the shards of every rank. Save it from one rank; load it at any DP size.
+        """
+        params: Dict[str, Dict[str, torch.Tensor]] = {}
+        for s in self.shards:
+            fulls = {k: self._gather_bucket(s, getattr(s, k)).cpu() for k in ("main_param", "exp_avg", "exp_avg_sq")}
+            for p in s.bucket.params_list:
+                b0, b1 = s.bucket.param_to_index[p]
+                params[self._name(p)] = {k: v[b0:b1].view(p.shape).clone() for k, v in fulls.items()}
+        return {
+            "format": "moe_graph.distributed_optimizer.v1",
+            "step": self.step_count.detach().cpu().clone(),
+            "lr": self.lr.detach().cpu().clone(),
+            "hyper": {"betas": (self.beta1, self.beta2), "eps": self.eps, "weight_decay": self.weight_decay,
+                      "adamw": self.adamw, "clip_grad": self.clip_grad},
+            "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
+            "params": params,
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state: Dict) -> None:
+        """Load a :meth:`state_dict` saved at any DP size; re-shard, then refresh the model params."""
+        if state.get("format") != "moe_graph.distributed_optimizer.v1":
+            raise ValueError(f"load_state_dict: unknown checkpoint format {state.get('format')!r}")
+        saved = state["params"]
+        for s in self.shards:
+            for p, r in s.ranges.items():
+                name = self._name(p)
+                if name not in saved:
+                    raise KeyError(f"load_state_dict: checkpoint has no entry for parameter {name!r}")
+                entry = saved[name]
+                if tuple(entry["main_param"].shape) != tuple(p.shape):
+                    raise ValueError(f"load_state_dict: {name!r} has shape {tuple(entry['main_param'].shape)} "
+                                     f"in the checkpoint, expected {tuple(p.shape)}")
+                l0, l1 = r["gbuf_local"]
+                q0, q1 = r["param"]
+                for k in ("main_param", "exp_avg", "exp_avg_sq"):
+                    getattr(s, k)[l0:l1].copy_(entry[k].reshape(-1)[q0:q1])
+        self.step_count.copy_(state["step"])
+        self.lr.copy_(state["lr"])
+        hyper = state.get("hyper", {})
+        if hyper:  # like torch.optim: hyper-parameters come back with the state
+            self.beta1, self.beta2 = (float(b) for b in hyper["betas"])
+            self.eps, self.weight_decay = float(hyper["eps"]), float(hyper["weight_decay"])
+            self.adamw, self.clip_grad = bool(hyper["adamw"]), float(hyper["clip_grad"])
+        if self.loss_scaler is not None and state.get("loss_scaler") is not None:
+            self.loss_scaler.load_state_dict(state["loss_scaler"])
+        for s in self.shards:
+            if s.main_param is not s.model_param:
+                s.model_param.copy_(s.main_param)
+        for g in self.model.all_bucket_groups:
+            g.start_param_sync(async_op=False)

@@ -1,0 +1,360 @@
+"""Distributed optimizer: shard ranges, Adam(W) step vs torch.optim, multi-process runs, checkpoints, memory."""
+
+
+import pytest
+import torch
+
+from moe_graph.buffers import ParamAndGradBuffer
+from moe_graph.ddp import DistributedDataParallel
+from moe_graph.optimizer import (
+    ConstantLossScaler,
+    DistributedOptimizer,
+    DynamicLossScaler,
+    build_shard_ranges,
+)
+from moe_graph.testing import distributed_optimizer_checks as C
+
+
+def _params(*numels, dtype=torch.float32):
+    return [torch.nn.Parameter(torch.randn(n).to(dtype)) for n in numels]
+
+
+def _as_tuples(ranges):
+    return {k: tuple(v[k2] for k2 in ("gbuf_world", "gbuf_world_in_bucket", "gbuf_local", "param"))
+            for k, v in ranges.items()}
+
+
+# --------------------------------------------------------------------------------------------
+# shard ranges (hand-computed)
+# --------------------------------------------------------------------------------------------
+def test_shard_ranges_single_bucket():
+    # layout (see test_buffers): c [0,1000), b [1024,1124), a [1152,1162); bucket [0,1280); dp=2 -> shards of 640
+    a, b, c = _params(10, 100, 1000)
+    buf = ParamAndGradBuffer([a, b, c], 2, use_distributed_optimizer=True)
+    r0 = _as_tuples(build_shard_ranges(buf, 0, 0))
+    assert r0 == {c: ((0, 640), (0, 640), (0, 640), (0, 640))}
+    r1 = build_shard_ranges(buf, 0, 1)
+    assert list(r1) == [c, b, a]  # buffer walk order, as Megatron iterates param_index_map
+    assert _as_tuples(r1) == {
+        c: ((640, 1000), (640, 1000), (0, 360), (640, 1000)),
+        b: ((1024, 1124), (1024, 1124), (384, 484), (0, 100)),
+        a: ((1152, 1162), (1152, 1162), (512, 522), (0, 10)),
+    }
+
+
+def test_shard_ranges_multi_bucket_dp4():
+    # layout: d [0,200), c [256,856), b [896,1396) in bucket 0 = [0,1408); a [1408,1708) in bucket 1 = [1408,1792)
+    a, b, c, d = _params(300, 500, 600, 200)
+    buf = ParamAndGradBuffer([a, b, c, d], 4, bucket_size=1000, use_distributed_optimizer=True)
+    # bucket 0: 1408/4 = 352 per rank
+    assert _as_tuples(build_shard_ranges(buf, 0, 0)) == {
+        d: ((0, 200), (0, 200), (0, 200), (0, 200)), c: ((256, 352), (256, 352), (256, 352), (0, 96))}
+    assert _as_tuples(build_shard_ranges(buf, 0, 1)) == {c: ((352, 704), (352, 704), (0, 352), (96, 448))}
+    assert _as_tuples(build_shard_ranges(buf, 0, 2)) == {
+        c: ((704, 856), (704, 856), (0, 152), (448, 600)), b: ((896, 1056), (896, 1056), (192, 352), (0, 160))}
+    assert _as_tuples(build_shard_ranges(buf, 0, 3)) == {b: ((1056, 1396), (1056, 1396), (0, 340), (160, 500))}
+    # bucket 1: offset 1408, 384/4 = 96 per rank
+    assert _as_tuples(build_shard_ranges(buf, 1, 0)) == {a: ((1408, 1504), (0, 96), (0, 96), (0, 96))}
+    assert _as_tuples(build_shard_ranges(buf, 1, 2)) == {a: ((1600, 1696), (192, 288), (0, 96), (192, 288))}
+    assert _as_tuples(build_shard_ranges(buf, 1, 3)) == {a: ((1696, 1708), (288, 300), (0, 12), (288, 300))}
+
+
+@pytest.mark.parametrize("dp", [1, 2, 3, 8])
+@pytest.mark.parametrize("bucket_size", [None, 150, 700])
+def test_shard_ranges_partition_every_param(dp, bucket_size):
+    ps = _params(10, 300, 77, 1000, 64, 5)
+    buf = ParamAndGradBuffer(ps, dp, bucket_size=bucket_size, use_distributed_optimizer=True)
+    covered = {p: [] for p in ps}
+    for bi, bucket in enumerate(buf.buckets):
+        n = bucket.grad_data.numel() // dp
+        for r in range(dp):
+            for p, rg in build_shard_ranges(buf, bi, r).items():
+                ws, we = rg["gbuf_world"]
+                ls, le = rg["gbuf_local"]
+                assert ws == bucket.offset + r * n + ls and we - ws == le - ls
+                assert rg["gbuf_world_in_bucket"] == (ws - bucket.offset, we - bucket.offset)
+                start = buf.param_index_map[p][0]
+                assert rg["param"] == (ws - start, we - start)
+                covered[p].append(rg["param"])
+    for p, segs in covered.items():
+        segs.sort()
+        assert segs[0][0] == 0 and segs[-1][1] == p.numel()
+        assert all(x[1] == y[0] for x, y in zip(segs, segs[1:]))
+
+
+def test_shard_ranges_errors():
+    buf = ParamAndGradBuffer(_params(10), 2, use_distributed_optimizer=True)
+    with pytest.raises(ValueError, match="bucket_index"):
+        build_shard_ranges(buf, 1, 0)
+    with pytest.raises(ValueError, match="dp_rank"):
+        build_shard_ranges(buf, 0, 2)
+
+
+# --------------------------------------------------------------------------------------------
+# single-process optimizer (dp=1, no process group)
+# --------------------------------------------------------------------------------------------
+def _run_single(impl, dtype=torch.float32, steps=4, clip=0.0, adamw=True, no_wd=False, **opt_kw):
+    model = C.make_model(dtype)
+    ddp = DistributedDataParallel(model, use_distributed_optimizer=True, grad_reduce_in_fp32=True)
+    nwd = [p for n, p in model.named_parameters() if n.endswith("bias")] if no_wd else None
+    opt = DistributedOptimizer(ddp, lr=1e-2, weight_decay=0.1, impl=impl, clip_grad=clip, adamw=adamw,
+                               no_weight_decay_params=nwd, **opt_kw)
+    for it in range(steps):
+        x, y = C.batch(it)
+        ddp.zero_grad_buffer()
+        (C.loss_fn(ddp(x.to(dtype)), y) * opt.loss_scale).backward()
+        opt.step()
+    return model, opt
+
+
+def _torch_ref(steps=4, clip=0.0, adamw=True, no_wd=False):
+    m = C.make_model()
+    cls = torch.optim.AdamW if adamw else torch.optim.Adam
+    if no_wd:
+        groups = [{"params": [p for n, p in m.named_parameters() if not n.endswith("bias")]},
+                  {"params": [p for n, p in m.named_parameters() if n.endswith("bias")], "weight_decay": 0.0}]
+    else:
+        groups = m.parameters()
+    opt = cls(groups, lr=1e-2, weight_decay=0.1, foreach=False)
+    for it in range(steps):
+        x, y = C.batch(it)
+        opt.zero_grad()
+        C.loss_fn(m(x), y).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(m.parameters(), clip)
+        opt.step()
+    return m
+
+
+def _maxdiff(a, b):
+    return max((x.detach().float() - y.detach().float()).abs().max().item()
+               for x, y in zip(a.parameters(), b.parameters()))
+
+
+@pytest.mark.parametrize("impl", ["tensor", "fused"])
+@pytest.mark.parametrize("clip", [0.0, 0.05])
+def test_step_matches_torch_adamw_single_process(impl, clip):
+    if impl == "fused" and not hasattr(torch, "_fused_adamw_"):
+        pytest.skip("no torch._fused_adamw_")
+    model, opt = _run_single(impl, clip=clip)
+    assert opt.impl == impl
+    ref = _torch_ref(clip=clip)
+    assert _maxdiff(model, ref) < 2e-6
+    assert _maxdiff(model, C.make_model()) > 1e-2  # it trained
+    assert float(opt.step_count) == 4.0
+
+
+def test_adam_l2_and_no_weight_decay_params():
+    model, opt = _run_single("auto", no_wd=True)
+    assert opt.impl == "tensor"  # per-element weight decay needs the tensor path
+    assert _maxdiff(model, _torch_ref(no_wd=True)) < 2e-6
+    assert _maxdiff(model, _torch_ref(no_wd=False)) > 1e-5  # the mask matters
+    model, _ = _run_single("tensor", adamw=False)
+    assert _maxdiff(model, _torch_ref(adamw=False)) < 2e-6
+
+
+def test_loss_scaler_constant_is_transparent():
+    model, _ = _run_single("tensor", loss_scaler=ConstantLossScaler(1024.0))
+    assert _maxdiff(model, _torch_ref()) < 2e-6
+
+
+def test_dynamic_loss_scaler_updates_without_branches():
+    s = DynamicLossScaler(initial_scale=8.0, growth_interval=2, hysteresis=2, min_scale=2.0)
+    seq = [False, True, True, True, False, False, False, False]
+    got = []
+    for inf in seq:
+        s.update(torch.tensor(inf))
+        got.append(float(s.scale))
+    # step1 ok (g=1); inf (hyst 2->1, no backoff); inf (hyst 0 -> 4); inf (hyst -1 -> 2, min 2);
+    # ok (g=1); ok (g=2 -> grow to 4, hyst refilled); ok (g=1); ok (g=2 -> 8)
+    assert got == [8.0, 8.0, 4.0, 2.0, 2.0, 4.0, 4.0, 8.0]
+
+
+def test_step_has_no_host_sync(monkeypatch):
+    """Forbid every Tensor -> Python conversion while step() runs (the CPU stand-in for
+    torch.cuda.set_sync_debug_mode('error'))."""
+    model = C.make_model()
+    ddp = DistributedDataParallel(model, use_distributed_optimizer=True)
+    opts = [DistributedOptimizer(ddp, lr=1e-2, impl="tensor", clip_grad=1.0, loss_scaler=DynamicLossScaler()),
+            DistributedOptimizer(ddp, lr=1e-2, impl="fused", clip_grad=1.0, loss_scaler=DynamicLossScaler())]
+
+    def boom(*a, **k):
+        raise AssertionError("host sync in step()")
+
+    for opt in opts:
+        x, y = C.batch(0)
+        ddp.zero_grad_buffer()
+        (C.loss_fn(ddp(x), y) * opt.loss_scale).backward()
+        with monkeypatch.context() as m:
+            for name in ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy"):
+                m.setattr(torch.Tensor, name, boom)
+            ok, norm = opt.step()
+        assert bool(ok) and float(norm) > 0
+
+
+def test_optimizer_argument_errors():
+    model = C.make_model()
+    with pytest.raises(ValueError, match="use_distributed_optimizer=True"):
+        DistributedOptimizer(DistributedDataParallel(model), lr=1e-3)
+    ddp = DistributedDataParallel(C.make_model(), use_distributed_optimizer=True)
+    with pytest.raises(ValueError, match="impl"):
+        DistributedOptimizer(ddp, impl="apex")
+    with pytest.raises(ValueError, match="betas"):
+        DistributedOptimizer(ddp, betas=(1.0, 0.9))
+
+
+def test_state_dict_single_process_roundtrip():
+    model, opt = _run_single("tensor", steps=2)
+    sd = opt.state_dict()
+    assert set(sd["params"]) == {n for n, _ in model.named_parameters()}
+    w = sd["params"]["fc1.weight"]
+    assert w["main_param"].shape == model.fc1.weight.shape and torch.equal(w["main_param"], model.fc1.weight.detach())
+    assert float(sd["step"]) == 2.0 and w["exp_avg_sq"].min() >= 0
+    model2, opt2 = _run_single("tensor", steps=0)
+    opt2.load_state_dict(sd)
+    assert torch.equal(model2.fc1.weight.detach(), model.fc1.weight.detach())  # params refreshed from main
+    sd2 = opt2.state_dict()
+    assert all(torch.equal(sd2["params"][k][f], sd["params"][k][f]) for k in sd["params"] for f in w)
+    with pytest.raises(ValueError, match="format"):
+        opt2.load_state_dict({"format": "other"})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a GPU")
+@pytest.mark.parametrize("impl", ["tensor", "fused"])
+def test_cuda_graph_capture_of_full_step(impl):
+    """forward + backward + optimizer step captured once and replayed == eager."""
+    dev = torch.device("cuda")
+
+    def build():
+        m = C.make_model().to(dev)
+        d = DistributedDataParallel(m, use_distributed_optimizer=True)
+        return m, d, DistributedOptimizer(d, lr=1e-2, impl=impl, clip_grad=1.0, loss_scaler=DynamicLossScaler())
+
+    m_e, d_e, o_e = build()
+    m_g, d_g, o_g = build()
+    sx = torch.zeros(C.GLOBAL_BATCH, C.IN, device=dev)
+    sy = torch.zeros(C.GLOBAL_BATCH, C.OUT, device=dev)
+
+    def it(d, o, x, y):
+        d.zero_grad_buffer()
+        (C.loss_fn(d(x), y) * o.loss_scale).backward()
+        o.step()
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up (also step 0 of the graphed model)
+        x, y = C.batch(0)
+        sx.copy_(x)
+        sy.copy_(y)
+        it(d_g, o_g, sx, sy)
+    torch.cuda.current_stream().wait_stream(s)
+    it(d_e, o_e, x.to(dev), y.to(dev))
+    g = torch.cuda.CUDAGraph()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.cuda.graph(g):
+            it(d_g, o_g, sx, sy)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for step in range(1, 4):
+        x, y = C.batch(step)
+        sx.copy_(x)
+        sy.copy_(y)
+        g.replay()
+        it(d_e, o_e, x.to(dev), y.to(dev))
+    torch.cuda.synchronize()
+    assert _maxdiff(m_e, m_g) < 1e-5
+    assert float(o_g.step_count) == float(o_e.step_count) == 4.0
+
+
+# --------------------------------------------------------------------------------------------
+# multi-process (gloo)
+# --------------------------------------------------------------------------------------------
+STEPS = 3
+
+
+def _check_train(results, cfgs, ws):
+    for cfg, r in zip(cfgs, results):
+        dtype = cfg.get("dtype", torch.float32)
+        ref = C.reference_adamw(STEPS, dtype, clip=cfg.get("clip", 0.0))
+        init = C.make_model(dtype).float().state_dict()
+        diff = torch.cat([(r["params"][k] - ref[k]).abs().flatten() for k in ref])
+        moved = torch.cat([(init[k] - ref[k]).abs().flatten() for k in ref])
+        assert r["consistent"], f"ranks disagree ({cfg}, ws={ws})"
+        assert r["step"] == STEPS and r["n_expert_buffers"] == 1
+        if dtype == torch.float32:
+            assert diff.max() < 2e-6, (cfg, ws, diff.max())
+        else:
+            # Adam's first steps are ~sign(grad): a 16-bit forward may flip the sign of a tiny grad
+            # (a 2*lr jump on that element), so compare in aggregate.
+            assert diff.mean() < 0.03 * moved.mean(), (cfg, ws, diff.mean(), moved.mean())
+            assert (diff > 1e-2).float().mean() < 0.01, (cfg, ws)
+        if cfg.get("overlap"):
+            assert r["dispatched_in_backward"] == [True] * STEPS  # hooks launched every bucket's collective
+        if cfg.get("bucket_size", 10**9) <= 300:
+            assert r["n_buckets"] == 3  # dense: [fc2.bias, fc2.weight] | [fc1.*]; expert: one bucket
+
+
+TRAIN_CFGS = [
+    dict(dtype=torch.float32),
+    dict(dtype=torch.float32, overlap=True, bucket_size=300, impl="fused", microbatches=2),
+    dict(dtype=torch.float32, clip=0.05),
+    dict(dtype=torch.bfloat16),
+    dict(dtype=torch.bfloat16, grad_fp32=False, overlap=True, bucket_size=500),
+]
+
+
+def _expected_bytes(d):
+    return {"fp32/fp32": 8 + 8 / d, "bf16/fp32": 6 + 12 / d, "bf16/bf16": 4 + 16 / d, "fp16/fp16": 4 + 16 / d}
+
+
+def test_two_ranks_training_memory_inf_allreduce():
+    res = C.run(C.suite_worker, 2, {"train": TRAIN_CFGS, "memory": True, "inf": True, "allreduce": True})
+    _check_train(res[0]["train"], TRAIN_CFGS, 2)
+    for r in res:
+        assert r["memory"] == pytest.approx(_expected_bytes(2))
+    # inf on the last rank at step 1: every rank skips that step, the scale backs off, then regrows
+    for r in res:
+        assert r["inf"]["ok"] == [True, False, True, True]
+        assert r["inf"]["changed"] == [True, False, True, True]
+        assert r["inf"]["scales"] == [1024.0, 512.0, 512.0, 1024.0]
+        assert r["inf"]["step"] == 3.0
+    # plain DDP (all-reduce): main_grad == grad of the mean loss over the global batch
+    m = C.make_model()
+    x, y = C.batch(0)
+    C.loss_fn(m(x), y).backward()
+    for r in res:
+        assert r["allreduce"]["grad_is_none"] and r["allreduce"]["n_groups"] > 2
+        for n, p in m.named_parameters():
+            torch.testing.assert_close(r["allreduce"]["grads"][n], p.grad, atol=1e-6, rtol=1e-5)
+
+
+def test_four_ranks_then_resume_at_two(tmp_path):
+    """Train at DP=4, save, take one more step; in the same 4 processes, two DP=2 replicas (groups
+    {0,1} and {2,3}) load the checkpoint and take that step too."""
+    path = str(tmp_path / "ckpt.pt")
+    cfgs = [dict(dtype=torch.float32), dict(dtype=torch.bfloat16, overlap=True, bucket_size=400)]
+    res = C.run(C.suite_worker, 4, {"train": cfgs, "memory": True, "save": (path, torch.float32, 2),
+                                     "load": (path, torch.float32, 2, 2)})
+    _check_train(res[0]["train"], cfgs, 4)
+    for r in res:
+        assert r["memory"] == pytest.approx(_expected_bytes(4))
+    saved = res[0]["save"]
+    ref = C.reference_adamw(3, torch.float32)
+    for r in res:
+        resumed = r["load"]
+        assert resumed["dp_size"] == 2 and resumed["roundtrip_exact"]
+        # the next step at DP=2 equals the next step at DP=4 (only the order of the gradient sums
+        # differs) and the single-process reference
+        for k in ref:
+            torch.testing.assert_close(resumed["params"][k], saved["params"][k], atol=1e-6, rtol=0)
+            torch.testing.assert_close(resumed["main"][k], saved["main"][k], atol=1e-6, rtol=0)
+            torch.testing.assert_close(resumed["params"][k], ref[k], atol=2e-6, rtol=0)
+
+
+def test_eight_ranks_training_and_memory():
+    cfgs = [dict(dtype=torch.float32, overlap=True, bucket_size=300), dict(dtype=torch.bfloat16)]
+    res = C.run(C.suite_worker, 8, {"train": cfgs, "memory": True})
+    _check_train(res[0]["train"], cfgs, 8)
+    assert res[0]["memory"] == pytest.approx(_expected_bytes(8))
+    assert res[0]["memory"]["bf16/fp32"] == pytest.approx(6 + 12 / 8)  # the seed's 6 + 12/d row
