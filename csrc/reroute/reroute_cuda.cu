@@ -1,0 +1,225 @@
+// CUDA implementation of token rerouting (semantics in reroute.h). Torch-free: raw pointers and a stream.
+//
+// Four launches, fixed configuration for fixed shapes (capturable), no host synchronization:
+//   A  count    grid = tiles of kRerouteTileRows rows; each thread owns columns and counts routed tokens per
+//               (tile, expert) with row-major, coalesced reads.
+//   B1 slots    one thread per slot: its home expert (first true of the column), its request (clamped), flags.
+//   B2 experts  one warp per expert: exclusive scan over tiles (rank of each tile's first routed token) and the
+//               expert's slot list with cumulative (clamped) rank ends, by warp ballot + scan over slots.
+//   C  apply    grid = tiles; first zero the tile's spare columns, then each thread walks its column down the
+//               tile's rows keeping the running rank: a routed token whose rank falls in a slot's range moves
+//               there (map + exact probability bits), everything else is copied. Row-major, coalesced.
+#include <cstdint>
+
+#include "common/error_flag.h"
+#include "reroute/reroute.h"
+
+namespace moe_graph {
+namespace reroute {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarpsPerBlockB2 = 8;
+constexpr unsigned kFull = 0xffffffffu;
+
+struct Workspace {
+  int32_t* tile_rank;   // [(tiles + 1), E]: counts, then exclusive scan; last row = totals
+  int32_t* slot_home;   // [S] home expert or -1
+  int32_t* slot_want;   // [S] request clamped to [0, T]
+  int32_t* num_slots;   // [E]
+  int32_t* slot_list;   // [E, S]
+  int32_t* slot_end;    // [E, S]
+};
+
+__host__ __device__ inline int64_t num_tiles_of(int64_t T) { return (T + kRerouteTileRows - 1) / kRerouteTileRows; }
+
+Workspace carve(int32_t* ws, int64_t T, int64_t E, int64_t S) {
+  Workspace w;
+  int32_t* p = ws;
+  w.tile_rank = p;
+  p += (num_tiles_of(T) + 1) * E;
+  w.slot_home = p;
+  p += S;
+  w.slot_want = p;
+  p += S;
+  w.num_slots = p;
+  p += E;
+  w.slot_list = p;
+  p += E * S;
+  w.slot_end = p;
+  return w;
+}
+
+__global__ void count_kernel(const bool* __restrict__ map, int64_t T, int64_t E, int32_t* __restrict__ tile_rank) {
+  const int64_t tile = blockIdx.x;
+  const int64_t t0 = tile * kRerouteTileRows;
+  const int64_t t1 = min(T, t0 + kRerouteTileRows);
+  for (int64_t c = threadIdx.x; c < E; c += blockDim.x) {
+    int32_t n = 0;
+#pragma unroll 8
+    for (int64_t t = t0; t < t1; ++t) n += map[t * E + c] ? 1 : 0;
+    tile_rank[tile * E + c] = n;
+  }
+}
+
+__global__ void slots_kernel(const bool* __restrict__ home_to_spare, const int64_t* __restrict__ tokens_to_spare,
+                             int64_t T, int64_t E, int64_t S, int32_t* __restrict__ slot_home,
+                             int32_t* __restrict__ slot_want, int32_t* error_flag) {
+  const int64_t j = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (j >= S) return;
+  int32_t home = -1;
+  int32_t err = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    if (home_to_spare[e * S + j]) {
+      if (home < 0)
+        home = static_cast<int32_t>(e);
+      else
+        err |= kErrPlanInvalid;
+    }
+  }
+  int64_t w = tokens_to_spare[j];
+  if (w < 0) {
+    err |= kErrPlanInvalid;
+    w = 0;
+  }
+  if (home < 0 && w > 0) err |= kErrRerouteOverAsk;
+  if (w > T) {  // more than there are tokens: certainly an over-ask
+    err |= kErrRerouteOverAsk;
+    w = T;
+  }
+  slot_home[j] = home;
+  slot_want[j] = static_cast<int32_t>(w);
+  if (err) set_device_error(error_flag, err);
+}
+
+template <typename V>
+__device__ __forceinline__ V warp_inclusive_scan(V v, int lane) {
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const V u = __shfl_up_sync(kFull, v, d);
+    if (lane >= d) v += u;
+  }
+  return v;
+}
+
+__global__ void experts_kernel(int64_t T, int64_t E, int64_t S, Workspace ws, int32_t* error_flag) {
+  const int lane = threadIdx.x & 31;
+  const int64_t e = blockIdx.x * int64_t(kWarpsPerBlockB2) + (threadIdx.x >> 5);
+  if (e >= E) return;  // whole warp leaves together
+  const int64_t tiles = num_tiles_of(T);
+
+  // exclusive scan of the per-tile counts of expert e
+  long long carry = 0;
+  for (int64_t base = 0; base < tiles; base += 32) {
+    const int64_t idx = base + lane;
+    const long long v = idx < tiles ? ws.tile_rank[idx * E + e] : 0;
+    const long long incl = warp_inclusive_scan(v, lane);
+    if (idx < tiles) ws.tile_rank[idx * E + e] = static_cast<int32_t>(carry + incl - v);
+    carry += __shfl_sync(kFull, incl, 31);
+  }
+  const long long total = carry;
+  if (lane == 0) ws.tile_rank[tiles * E + e] = static_cast<int32_t>(total);
+
+  // the slots of expert e, in ascending order, with clamped cumulative ends
+  int32_t n = 0;
+  long long acc = 0;
+  for (int64_t base = 0; base < S; base += 32) {
+    const int64_t j = base + lane;
+    const bool mine = j < S && ws.slot_home[j] == static_cast<int32_t>(e);
+    const long long w = mine ? ws.slot_want[j] : 0;
+    const long long incl = warp_inclusive_scan(w, lane);
+    const unsigned ballot = __ballot_sync(kFull, mine);
+    if (mine) {
+      const int32_t pos = n + __popc(ballot & ((1u << lane) - 1u));
+      const long long end = acc + incl;
+      ws.slot_list[e * S + pos] = static_cast<int32_t>(j);
+      ws.slot_end[e * S + pos] = static_cast<int32_t>(end < total ? end : total);
+    }
+    acc += __shfl_sync(kFull, incl, 31);
+    n += __popc(ballot);
+  }
+  if (lane == 0) {
+    ws.num_slots[e] = n;
+    if (acc > total) set_device_error(error_flag, kErrRerouteOverAsk);
+  }
+}
+
+template <typename P>
+__global__ void apply_kernel(const bool* __restrict__ map, const P* __restrict__ probs, int64_t T, int64_t E,
+                             int64_t S, Workspace ws, bool* __restrict__ out_map, P* __restrict__ out_probs) {
+  const int64_t W = E + S;
+  const int64_t tile = blockIdx.x;
+  const int64_t t0 = tile * kRerouteTileRows;
+  const int64_t t1 = min(T, t0 + kRerouteTileRows);
+  // phase 1: spare columns of this tile's rows start empty
+  const int64_t spare = (t1 - t0) * S;
+  for (int64_t idx = threadIdx.x; idx < spare; idx += blockDim.x) {
+    const int64_t t = t0 + idx / S;
+    const int64_t j = idx - (t - t0) * S;
+    out_map[t * W + E + j] = false;
+    out_probs[t * W + E + j] = P(0);
+  }
+  __syncthreads();
+  // phase 2: each thread walks its home columns down the tile
+  for (int64_t c = threadIdx.x; c < E; c += blockDim.x) {
+    const int32_t n = ws.num_slots[c];
+    const int32_t* list = ws.slot_list + c * S;
+    const int32_t* end = ws.slot_end + c * S;
+    int32_t rank = ws.tile_rank[tile * E + c];
+    int32_t i = 0;
+    for (int64_t t = t0; t < t1; ++t) {
+      const bool m = map[t * E + c];
+      const P v = probs[t * E + c];
+      bool moved = false;
+      if (m && n > 0) {
+        while (i < n && rank >= end[i]) ++i;
+        if (i < n) {
+          const int64_t j = list[i];
+          out_map[t * W + E + j] = true;
+          out_probs[t * W + E + j] = v;
+          moved = true;
+        }
+        ++rank;
+      }
+      out_map[t * W + c] = m && !moved;
+      out_probs[t * W + c] = moved ? P(0) : v;
+    }
+  }
+}
+
+template <typename P>
+void launch_apply(const RerouteProblem& p, const Workspace& ws, int64_t tiles, cudaStream_t stream) {
+  apply_kernel<P><<<static_cast<unsigned>(tiles), kThreads, 0, stream>>>(
+      p.routing_map, static_cast<const P*>(p.probs), p.num_tokens, p.num_experts, p.num_slots, ws, p.out_map,
+      static_cast<P*>(p.out_probs));
+}
+
+}  // namespace
+
+int64_t reroute_workspace_elems(int64_t T, int64_t E, int64_t S) {
+  return (num_tiles_of(T) + 1) * E + 2 * S + E + 2 * E * S;
+}
+
+cudaError_t reroute_tokens_cuda_launch(const RerouteProblem& p, int32_t* workspace, cudaStream_t stream) {
+  const int64_t T = p.num_tokens, E = p.num_experts, S = p.num_slots;
+  if (E == 0) return cudaSuccess;
+  const int64_t tiles = num_tiles_of(T);
+  Workspace ws = carve(workspace, T, E, S);
+  if (tiles > 0) count_kernel<<<static_cast<unsigned>(tiles), kThreads, 0, stream>>>(p.routing_map, T, E, ws.tile_rank);
+  if (S > 0)
+    slots_kernel<<<static_cast<unsigned>((S + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
+        p.home_to_spare, p.tokens_to_spare, T, E, S, ws.slot_home, ws.slot_want, p.error_flag);
+  experts_kernel<<<static_cast<unsigned>((E + kWarpsPerBlockB2 - 1) / kWarpsPerBlockB2), 32 * kWarpsPerBlockB2, 0,
+                   stream>>>(T, E, S, ws, p.error_flag);
+  if (tiles > 0) {
+    switch (p.prob_bytes) {
+      case 2: launch_apply<uint16_t>(p, ws, tiles, stream); break;
+      case 4: launch_apply<uint32_t>(p, ws, tiles, stream); break;
+      default: launch_apply<uint64_t>(p, ws, tiles, stream); break;
+    }
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace reroute
+}  // namespace moe_graph

@@ -1,0 +1,108 @@
+// Torch glue of reroute_tokens: argument checks that name the tensor, allocation, current stream.
+#include "reroute/reroute_ops.h"
+
+#include <ATen/Parallel.h>
+
+#include <limits>
+
+#include "common/error_flag.h"
+#include "common/error_flag_torch.h"
+#include "common/torch_checks.h"
+#include "reroute/reroute.h"
+
+#ifdef MOE_GRAPH_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#endif
+
+namespace moe_graph {
+namespace {
+
+constexpr const char* kOp = "reroute_tokens";
+
+struct Prepared {
+  at::Tensor routing_map, probs, tokens_to_spare, home_to_spare_map;
+  int64_t T, E, S;
+};
+
+Prepared check_and_prepare(const at::Tensor& routing_map, const at::Tensor& probs, const at::Tensor& tokens_to_spare,
+                           const at::Tensor& home_to_spare_map) {
+  check_defined(routing_map, kOp, "routing_map");
+  check_defined(probs, kOp, "probs");
+  check_defined(tokens_to_spare, kOp, "tokens_to_spare");
+  check_defined(home_to_spare_map, kOp, "home_to_spare_map");
+  check_dim(routing_map, 2, kOp, "routing_map", "[T, E]");
+  check_dtype(routing_map, {at::kBool}, kOp, "routing_map");
+  check_dim(probs, 2, kOp, "probs", "[T, E]");
+  check_shape(probs, routing_map.sizes(), kOp, "probs");
+  check_dtype(probs, {at::kFloat, at::kBFloat16, at::kHalf, at::kDouble}, kOp, "probs");
+  check_dim(home_to_spare_map, 2, kOp, "home_to_spare_map", "[E, S]");
+  check_dtype(home_to_spare_map, {at::kBool}, kOp, "home_to_spare_map");
+  const int64_t T = routing_map.size(0), E = routing_map.size(1), S = home_to_spare_map.size(1);
+  TORCH_CHECK(home_to_spare_map.size(0) == E, kOp, ": home_to_spare_map must have shape [E, S] with E = ", E,
+              " (the columns of routing_map), got shape ", shape_str(home_to_spare_map));
+  check_dim(tokens_to_spare, 1, kOp, "tokens_to_spare", "[S]");
+  check_dtype(tokens_to_spare, {at::kLong, at::kInt}, kOp, "tokens_to_spare");
+  TORCH_CHECK(tokens_to_spare.size(0) == S, kOp, ": tokens_to_spare must have shape [S] with S = ", S,
+              " (the columns of home_to_spare_map), got shape ", shape_str(tokens_to_spare));
+  const auto dev = routing_map.device();
+  check_device(probs, dev, kOp, "probs");
+  check_device(tokens_to_spare, dev, kOp, "tokens_to_spare");
+  check_device(home_to_spare_map, dev, kOp, "home_to_spare_map");
+  TORCH_CHECK(T < std::numeric_limits<int32_t>::max(), kOp, ": routing_map has too many tokens (", T, ")");
+  return Prepared{routing_map.contiguous(), probs.contiguous(), tokens_to_spare.to(at::kLong).contiguous(),
+                  home_to_spare_map.contiguous(), T, E, S};
+}
+
+reroute::RerouteProblem make_problem(const Prepared& in, at::Tensor& out_map, at::Tensor& out_probs) {
+  reroute::RerouteProblem p;
+  p.num_tokens = in.T;
+  p.num_experts = in.E;
+  p.num_slots = in.S;
+  p.routing_map = in.routing_map.data_ptr<bool>();
+  p.probs = in.probs.data_ptr();
+  p.prob_bytes = static_cast<int>(in.probs.element_size());
+  p.tokens_to_spare = in.tokens_to_spare.data_ptr<int64_t>();
+  p.home_to_spare = in.home_to_spare_map.data_ptr<bool>();
+  p.out_map = out_map.data_ptr<bool>();
+  p.out_probs = out_probs.data_ptr();
+  return p;
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> reroute_tokens_cpu(const at::Tensor& routing_map, const at::Tensor& probs,
+                                                      const at::Tensor& tokens_to_spare,
+                                                      const at::Tensor& home_to_spare_map) {
+  Prepared in = check_and_prepare(routing_map, probs, tokens_to_spare, home_to_spare_map);
+  at::Tensor out_map = at::empty({in.T, in.E + in.S}, in.routing_map.options());
+  at::Tensor out_probs = at::empty({in.T, in.E + in.S}, in.probs.options());
+  reroute::RerouteProblem p = make_problem(in, out_map, out_probs);
+  p.error_flag = error_flag_ptr(routing_map.device());
+  reroute::reroute_tokens_host(p, [](int64_t n, const std::function<void(int64_t, int64_t)>& body) {
+    at::parallel_for(0, n, 1, body);
+  });
+  return {out_map, out_probs};
+}
+
+#ifdef MOE_GRAPH_WITH_CUDA
+std::tuple<at::Tensor, at::Tensor> reroute_tokens_cuda(const at::Tensor& routing_map, const at::Tensor& probs,
+                                                       const at::Tensor& tokens_to_spare,
+                                                       const at::Tensor& home_to_spare_map) {
+  c10::cuda::CUDAGuard guard(routing_map.device());
+  Prepared in = check_and_prepare(routing_map, probs, tokens_to_spare, home_to_spare_map);
+  TORCH_CHECK(in.S <= reroute::kRerouteMaxSlots, kOp, ": home_to_spare_map has too many spare slots (", in.S,
+              " > ", reroute::kRerouteMaxSlots, ")");
+  at::Tensor out_map = at::empty({in.T, in.E + in.S}, in.routing_map.options());
+  at::Tensor out_probs = at::empty({in.T, in.E + in.S}, in.probs.options());
+  at::Tensor workspace =
+      at::empty({reroute::reroute_workspace_elems(in.T, in.E, in.S)}, in.routing_map.options().dtype(at::kInt));
+  reroute::RerouteProblem p = make_problem(in, out_map, out_probs);
+  p.error_flag = error_flag_ptr(routing_map.device());
+  auto stream = at::cuda::getCurrentCUDAStream(routing_map.device().index()).stream();
+  C10_CUDA_CHECK(reroute::reroute_tokens_cuda_launch(p, workspace.data_ptr<int32_t>(), stream));
+  return {out_map, out_probs};
+}
+#endif
+
+}  // namespace moe_graph

@@ -1,0 +1,101 @@
+"""Token rerouting for echo experts: ``reroute_tokens`` over the native op ``torch.ops.moe_graph.reroute_tokens``
+(C++ on CPU, CUDA kernels on GPU), its fake (meta) implementation and autograd (through ``probs``).
+
+Semantics (also in ``csrc/reroute/reroute.h``): slot ``j`` hosts the home expert ``e`` with
+``home_to_spare_map[e, j]`` (the first one if several: that also sets the device error flag). For each home
+expert, its slots in ascending order take its routed tokens in ascending token order: the first
+``tokens_to_spare[j1]`` go to ``j1``, the next ``tokens_to_spare[j2]`` to ``j2``, ... A moved route leaves column
+``e`` (map ``False``, probability ``+0``) for column ``E + j`` with the bit-identical probability; every token keeps
+exactly its number of routes. Requests beyond the routed tokens are clamped and set ``kErrRerouteOverAsk``
+(``moe_graph.check_errors()`` reports it); negative requests count as 0. No host sync, capturable.
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+
+from ._lib import load
+
+__all__ = ["reroute_tokens", "native_available"]
+
+_OP = "moe_graph::reroute_tokens"
+
+
+def native_available() -> bool:
+    """True when the loaded ``moe_graph._C`` has the reroute op (CPU kernel at least)."""
+    try:
+        load()
+    except ImportError:
+        return False
+    return torch._C._dispatch_has_kernel_for_dispatch_key(_OP, "CPU")
+
+
+def reroute_tokens(
+    routing_map: torch.Tensor,
+    probs: torch.Tensor,
+    tokens_to_spare: torch.Tensor,
+    home_to_spare_map: torch.Tensor,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Move routed tokens of home experts to their spare slots.
+
+    Args:
+        routing_map: ``[T, E]`` bool, this rank's routes.
+        probs: ``[T, E]`` float32/bf16/fp16/float64 routing probabilities.
+        tokens_to_spare: ``[S]`` int32/int64 on the same device, tokens this rank sends to each spare slot (its
+            row of the planner's allocation).
+        home_to_spare_map: ``[E, S]`` bool, ``expert_offloading_map``: slot ``j`` hosts home expert ``e``.
+
+    Returns:
+        ``(rerouted_routing_map [T, E+S] bool, rerouted_probs [T, E+S])``.
+
+    Example::
+
+        routing_map = [[1, 0], [1, 1], [0, 1], [1, 0]]   (T=4, E=2), one slot hosting expert 0, tokens_to_spare=[2]
+        -> tokens 0 and 1 (the lowest routed to expert 0) move to column 2:
+           [[0, 0, 1], [0, 1, 1], [0, 1, 0], [1, 0, 0]]
+    """
+    return torch.ops.moe_graph.reroute_tokens(routing_map, probs, tokens_to_spare, home_to_spare_map)
+
+
+def _register() -> None:
+    if not native_available():  # pragma: no cover - a build without the op
+        return
+
+    @torch.library.register_fake(_OP)
+    def _(routing_map, probs, tokens_to_spare, home_to_spare_map):
+        torch._check(routing_map.dim() == 2, lambda: "reroute_tokens: routing_map must be a 2-D tensor [T, E]")
+        torch._check(home_to_spare_map.dim() == 2, lambda: "reroute_tokens: home_to_spare_map must be [E, S]")
+        T, E = routing_map.shape
+        S = home_to_spare_map.shape[1]
+        return (
+            routing_map.new_empty((T, E + S), dtype=torch.bool),
+            probs.new_empty((T, E + S)),
+        )
+
+    def _setup_context(ctx, inputs, output):
+        routing_map, _probs, _tts, home_to_spare_map = inputs
+        ctx.save_for_backward(routing_map, home_to_spare_map, output[0])
+
+    def _backward(ctx, grad_map, grad_probs):
+        # The op permutes probability entries: a moved (t, e) now lives in (t, E + j) with home(j) = e.
+        routing_map, home_to_spare_map, out_map = ctx.saved_tensors
+        if grad_probs is None:
+            return None, None, None, None
+        T, E = routing_map.shape
+        S = home_to_spare_map.shape[1]
+        zero = torch.zeros((), dtype=grad_probs.dtype, device=grad_probs.device)
+        moved = routing_map & ~out_map[:, :E]
+        base = torch.where(moved, zero, grad_probs[:, :E])
+        home = torch.argmax(home_to_spare_map.to(torch.int8), dim=0)  # [S] first true
+        spare_routed = out_map[:, E:]
+        tgt = torch.where(spare_routed, home[None, :], E)  # sink column E for unused entries
+        full = torch.cat([base, base.new_zeros(T, 1)], dim=1)
+        full = full.scatter(1, tgt, torch.where(spare_routed, grad_probs[:, E:], zero))
+        return None, full[:, :E], None, None
+
+    torch.library.register_autograd(_OP, _backward, setup_context=_setup_context)
+
+
+_register()

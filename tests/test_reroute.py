@@ -1,0 +1,290 @@
+"""Native token rerouting (moe_graph.ops.reroute_tokens): CPU kernel vs a plain-Python reference, edge cases, the
+device error flag, opcheck and autograd; CUDA kernel vs CPU, CUDA-graph capture/replay and no-sync checks on a GPU."""
+
+import pytest
+import torch
+
+from moe_graph import planner as P
+from moe_graph.testing.echo_reference import reroute_tokens_reference
+
+try:
+    from moe_graph.ops import reroute as R
+
+    HAVE_OP = R.native_available()
+except ImportError:  # extension not built
+    HAVE_OP = False
+
+pytestmark = pytest.mark.skipif(not HAVE_OP, reason="moe_graph._C with reroute_tokens is not built")
+
+ERR_OVER_ASK = 1 << 2
+ERR_PLAN_INVALID = 1 << 3
+
+
+def read_flag(device):
+    return int(torch.ops.moe_graph.read_error_flag(torch.empty(0, device=device)))
+
+
+def bits(t):
+    return t.contiguous().view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def random_case(g, T, E, S, density=0.3, dtype=torch.float32, over=False, multi_home=False):
+    rm = torch.rand(T, E, generator=g) < density
+    probs = torch.randn(T, E, generator=g).to(dtype)
+    hmap = torch.zeros(E, S, dtype=torch.bool)
+    for j in range(S):
+        if torch.rand(1, generator=g) < 0.85:
+            hmap[int(torch.randint(0, E, (1,), generator=g)), j] = True
+            if multi_home and torch.rand(1, generator=g) < 0.3:
+                hmap[int(torch.randint(0, E, (1,), generator=g)), j] = True
+    routed = rm.sum(0)
+    want = torch.zeros(S, dtype=torch.int64)
+    homes = hmap.to(torch.int8).argmax(0)
+    left = routed.clone()
+    for j in range(S):
+        if hmap[:, j].any():
+            e = int(homes[j])
+            hi = int(left[e]) + (5 if over else 0)
+            want[j] = int(torch.randint(0, hi + 1, (1,), generator=g))
+            left[e] = max(0, int(left[e]) - int(want[j]))
+    return rm, probs, want, hmap
+
+
+def check_against_reference(rm, probs, want, hmap, device="cpu"):
+    read_flag(device)
+    m, p = R.reroute_tokens(rm.to(device), probs.to(device), want.to(device), hmap.to(device))
+    flag = read_flag(device)
+    rmap, rprobs, over = reroute_tokens_reference(rm, probs, want, hmap)
+    assert m.dtype == torch.bool and p.dtype == probs.dtype
+    assert torch.equal(m.cpu(), rmap)
+    assert torch.equal(bits(p.cpu()), bits(rprobs)), "moved probabilities must be bit-identical"
+    assert bool(flag & ERR_OVER_ASK) == over, f"flag {flag}, reference over-ask {over}"
+    assert torch.equal(m.sum(1).cpu(), rm.sum(1)), "every token keeps its number of routes"
+    return m, p, flag
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_cpu_matches_reference_random(dtype):
+    g = torch.Generator().manual_seed(1)
+    for T, E, S in [(1, 1, 1), (7, 4, 2), (100, 8, 8), (3000, 16, 6), (5000, 5, 3)]:
+        for density in (0.05, 0.5, 1.0):
+            check_against_reference(*random_case(g, T, E, S, density, dtype))
+
+
+def test_cpu_matches_torch_implementation():
+    g = torch.Generator().manual_seed(2)
+    for _ in range(10):
+        rm, probs, want, hmap = random_case(g, 2500, 12, 7, 0.4, over=True)
+        m, p = R.reroute_tokens(rm, probs, want, hmap)
+        tm, tp = P.reroute_tokens_torch(rm, probs, want, hmap)
+        assert torch.equal(m, tm) and torch.equal(bits(p), bits(tp))
+
+
+def test_order_lowest_tokens_first_in_slot_order():
+    # expert 0 routed at tokens 1, 2, 4, 5, 7; slots 0 and 2 host expert 0, slot 1 hosts expert 1
+    rm = torch.zeros(8, 2, dtype=torch.bool)
+    rm[[1, 2, 4, 5, 7], 0] = True
+    rm[[0, 2, 3], 1] = True
+    probs = torch.arange(16, dtype=torch.float32).view(8, 2) + 0.5
+    hmap = torch.tensor([[True, False, True], [False, True, False]])
+    want = torch.tensor([2, 1, 2])
+    read_flag("cpu")
+    m, p = R.reroute_tokens(rm, probs, want, hmap)
+    assert m[:, 2].nonzero().flatten().tolist() == [1, 2]  # slot 0 (column E + 0)
+    assert m[:, 4].nonzero().flatten().tolist() == [4, 5]  # slot 2
+    assert m[:, 3].nonzero().flatten().tolist() == [0]  # slot 1 takes expert 1's first token
+    assert m[:, 0].nonzero().flatten().tolist() == [7]
+    assert m[:, 1].nonzero().flatten().tolist() == [2, 3]
+    assert p[1, 2] == probs[1, 0] and p[1, 0] == 0 and p[0, 3] == probs[0, 1]
+    assert read_flag("cpu") == 0
+
+
+def test_edge_cases():
+    g = torch.Generator().manual_seed(3)
+    # no tokens
+    check_against_reference(*random_case(g, 0, 4, 2))
+    # no slots
+    rm = torch.rand(10, 4, generator=g) < 0.5
+    m, p = R.reroute_tokens(rm, torch.rand(10, 4), torch.zeros(0, dtype=torch.int64), torch.zeros(4, 0, dtype=torch.bool))
+    assert torch.equal(m, rm) and m.shape == (10, 4)
+    # int32 requests, non-contiguous inputs
+    rm, probs, want, hmap = random_case(g, 50, 6, 4)
+    big = torch.rand(50, 12, generator=g)
+    big[:, ::2] = probs
+    m, p = R.reroute_tokens(rm, big[:, ::2], want.to(torch.int32), hmap)
+    rmap, rprobs, _ = reroute_tokens_reference(rm, probs, want, hmap)
+    assert torch.equal(m, rmap) and torch.equal(p, rprobs)
+    # special probability bits survive the move: -0.0, inf, NaN
+    rm = torch.ones(3, 1, dtype=torch.bool)
+    probs = torch.tensor([[-0.0], [float("inf")], [float("nan")]])
+    m, p = R.reroute_tokens(rm, probs, torch.tensor([3]), torch.tensor([[True]]))
+    assert torch.equal(bits(p[:, 1]), bits(probs[:, 0]))
+    assert torch.equal(bits(p[:, 0]), torch.zeros(3, dtype=torch.int32))
+
+
+def test_error_flag_over_ask_and_invalid_plans():
+    read_flag("cpu")
+    rm = torch.zeros(6, 2, dtype=torch.bool)
+    rm[[0, 3, 4], 0] = True
+    probs = torch.rand(6, 2)
+    hmap = torch.tensor([[True, True], [False, False]])
+    # asks 2 + 3 = 5 of expert 0's 3 tokens: slot 0 gets 2, slot 1 the last 1
+    m, _ = R.reroute_tokens(rm, probs, torch.tensor([2, 3]), hmap)
+    assert read_flag("cpu") == ERR_OVER_ASK
+    assert m[:, 2].nonzero().flatten().tolist() == [0, 3] and m[:, 3].nonzero().flatten().tolist() == [4]
+    assert int(m.sum()) == 3
+    # a slot without a home asked for tokens
+    R.reroute_tokens(rm, probs, torch.tensor([0, 1]), torch.tensor([[True, False], [False, False]]))
+    assert read_flag("cpu") == ERR_OVER_ASK
+    # negative request
+    m, _ = R.reroute_tokens(rm, probs, torch.tensor([-1, 1]), hmap)
+    assert read_flag("cpu") == ERR_PLAN_INVALID
+    assert m[:, 3].nonzero().flatten().tolist() == [0]
+    # a slot listed for two experts: the first one is used, plan flagged invalid
+    rm[1, 1] = True
+    m, _ = R.reroute_tokens(rm, probs, torch.tensor([1, 0]), torch.tensor([[True, False], [True, False]]))
+    assert read_flag("cpu") == ERR_PLAN_INVALID
+    assert m[0, 2] and not m[1, 2]
+    # exact asks: no flag
+    R.reroute_tokens(rm, probs, torch.tensor([1, 2]), hmap)
+    assert read_flag("cpu") == 0
+
+
+def test_argument_errors_name_the_tensor():
+    rm = torch.zeros(4, 3, dtype=torch.bool)
+    probs = torch.rand(4, 3)
+    tts = torch.zeros(2, dtype=torch.int64)
+    hmap = torch.zeros(3, 2, dtype=torch.bool)
+    with pytest.raises(RuntimeError, match="routing_map"):
+        R.reroute_tokens(rm.float(), probs, tts, hmap)
+    with pytest.raises(RuntimeError, match="probs"):
+        R.reroute_tokens(rm, probs[:, :2], tts, hmap)
+    with pytest.raises(RuntimeError, match="probs"):
+        R.reroute_tokens(rm, probs.to(torch.int32), tts, hmap)
+    with pytest.raises(RuntimeError, match="tokens_to_spare"):
+        R.reroute_tokens(rm, probs, tts[:1], hmap)
+    with pytest.raises(RuntimeError, match="tokens_to_spare"):
+        R.reroute_tokens(rm, probs, tts.float(), hmap)
+    with pytest.raises(RuntimeError, match="home_to_spare_map"):
+        R.reroute_tokens(rm, probs, tts, hmap[:2])
+    with pytest.raises(RuntimeError, match="home_to_spare_map"):
+        R.reroute_tokens(rm, probs, tts, hmap.int())
+
+
+def test_opcheck():
+    g = torch.Generator().manual_seed(4)
+    for T, E, S, dtype in [(20, 4, 2, torch.float32), (33, 6, 4, torch.float64), (0, 3, 1, torch.float32)]:
+        rm, probs, want, hmap = random_case(g, T, E, S, 0.4, dtype)
+        torch.library.opcheck(torch.ops.moe_graph.reroute_tokens.default, (rm, probs, want, hmap))
+        # With grad: opcheck's aot_dispatch_dynamic test sums all outputs into one tensor, which fails for a
+        # (bool, float) pair before reaching our op; that path is covered by the torch.compile check below.
+        torch.library.opcheck(
+            torch.ops.moe_graph.reroute_tokens.default,
+            (rm, probs.clone().requires_grad_(), want, hmap),
+            test_utils=("test_schema", "test_autograd_registration", "test_faketensor"),
+        )
+
+
+def test_compile_aot_eager_with_grad():
+    g = torch.Generator().manual_seed(8)
+    rm, probs, want, hmap = random_case(g, 30, 4, 3, 0.5)
+    w = torch.randn(30, 7, generator=g)
+
+    def f(p):
+        m, q = R.reroute_tokens(rm, p, want, hmap)
+        return (q * w).sum() + m.sum()
+
+    p1 = probs.clone().requires_grad_()
+    f(p1).backward()
+    p2 = probs.clone().requires_grad_()
+    torch.compile(f, backend="aot_eager", fullgraph=True)(p2).backward()
+    assert torch.equal(p1.grad, p2.grad)
+
+
+def test_autograd_through_probs():
+    g = torch.Generator().manual_seed(5)
+    rm, probs, want, hmap = random_case(g, 40, 5, 3, 0.5, torch.float64)
+    probs.requires_grad_()
+    torch.autograd.gradcheck(lambda p: R.reroute_tokens(rm, p, want, hmap)[1], (probs,))
+    # gradient of a weighted sum lands where each probability came from
+    w = torch.randn(40, 8, dtype=torch.float64, generator=g)
+    _, p = R.reroute_tokens(rm, probs, want, hmap)
+    (p * w).sum().backward()
+    m_ref, _, _ = reroute_tokens_reference(rm, probs.detach(), want, hmap)
+    home = hmap.to(torch.int8).argmax(0)
+    expect = w[:, :5].clone()
+    for t, j in (m_ref[:, 5:]).nonzero().tolist():
+        expect[t, int(home[j])] = w[t, 5 + j]
+    assert torch.equal(probs.grad, expect)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU
+# ---------------------------------------------------------------------------------------------------------------
+
+HAVE_CUDA_OP = (
+    HAVE_OP
+    and torch.cuda.is_available()
+    and torch._C._dispatch_has_kernel_for_dispatch_key("moe_graph::reroute_tokens", "CUDA")
+)
+gpu = pytest.mark.skipif(not HAVE_CUDA_OP, reason="needs CUDA and the CUDA build of reroute_tokens")
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_cuda_matches_cpu(dtype):
+    g = torch.Generator().manual_seed(6)
+    for T, E, S, over in [(1, 1, 1, False), (63, 4, 2, False), (65, 8, 8, True), (5000, 64, 16, False),
+                          (16384, 256, 32, False), (3000, 300, 70, True), (0, 8, 4, False)]:
+        for density in (0.05, 0.6):
+            case = random_case(g, T, E, S, density, dtype, over=over, multi_home=(E == 8))
+            m, p, flag = check_against_reference(*case, device="cuda") if T * E <= 200000 else (None, None, None)
+            rm, probs, want, hmap = case
+            mc, pc = R.reroute_tokens(rm, probs, want, hmap)
+            cpu_flag = read_flag("cpu")
+            md, pd = R.reroute_tokens(rm.cuda(), probs.cuda(), want.cuda(), hmap.cuda())
+            assert read_flag("cuda") == cpu_flag
+            assert torch.equal(md.cpu(), mc) and torch.equal(bits(pd.cpu()), bits(pc))
+
+
+@gpu
+def test_cuda_graph_capture_replay_and_no_sync():
+    from moe_graph.testing.echo_reference import zipf_counts, zipf_routing
+
+    dev = torch.device("cuda")
+    R_, E, k, T = 8, 64, 2, 4096
+    g = torch.Generator().manual_seed(7)
+
+    def make_inputs():
+        rm = zipf_routing(T, E, 4, 1.2, g)
+        counts = zipf_counts(R_, E, T, 4, 1.2, g)
+        counts[0] = rm.sum(0)
+        return rm, torch.rand(T, E, generator=g), counts
+
+    static = [x.to(dev) for x in make_inputs()]
+    # warm up (allocates the error flag and the caching allocator's blocks) on a side stream
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            P.gen_offloading_plan(static[0], static[1], static[2], 0, R_, k)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        eager = P.gen_offloading_plan(static[0], static[1], static[2], 0, R_, k)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = P.gen_offloading_plan(static[0], static[1], static[2], 0, R_, k)
+    for _ in range(3):
+        fresh = make_inputs()
+        for dst, src in zip(static, fresh):
+            dst.copy_(src)
+        graph.replay()
+        ref = P.gen_offloading_plan(fresh[0], fresh[1], fresh[2], 0, R_, k)  # CPU eager
+        for a, b in zip(out, ref):
+            assert torch.equal(a.cpu(), b)
+    assert read_flag("cuda") == 0
+    del eager
