@@ -160,36 +160,54 @@ __global__ void apply_kernel(const bool* __restrict__ map, const P* __restrict__
     out_probs[t * W + E + j] = P(0);
   }
   __syncthreads();
-  // phase 2: each thread walks its home columns down the tile
+  // phase 2: each thread walks its home columns down the tile, kBatch rows of loads in flight at a time
+  constexpr int kBatch = 8;
   for (int64_t c = threadIdx.x; c < E; c += blockDim.x) {
     const int32_t n = ws.num_slots[c];
     const int32_t* list = ws.slot_list + c * S;
     const int32_t* end = ws.slot_end + c * S;
     int32_t rank = ws.tile_rank[tile * E + c];
     int32_t i = 0;
-    for (int64_t t = t0; t < t1; ++t) {
-      const bool m = map[t * E + c];
-      const P v = probs[t * E + c];
-      bool moved = false;
-      if (m && n > 0) {
-        while (i < n && rank >= end[i]) ++i;
-        if (i < n) {
-          const int64_t j = list[i];
-          out_map[t * W + E + j] = true;
-          out_probs[t * W + E + j] = v;
-          moved = true;
-        }
-        ++rank;
+    for (int64_t tb = t0; tb < t1; tb += kBatch) {
+      bool m[kBatch];
+      P v[kBatch];
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        const int64_t t = tb + b;
+        m[b] = t < t1 ? map[t * E + c] : false;
+        v[b] = t < t1 ? probs[t * E + c] : P(0);
       }
-      out_map[t * W + c] = m && !moved;
-      out_probs[t * W + c] = moved ? P(0) : v;
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        const int64_t t = tb + b;
+        if (t >= t1) break;
+        bool moved = false;
+        if (m[b] && n > 0) {
+          while (i < n && rank >= end[i]) ++i;
+          if (i < n) {
+            const int64_t j = list[i];
+            out_map[t * W + E + j] = true;
+            out_probs[t * W + E + j] = v[b];
+            moved = true;
+          }
+          ++rank;
+        }
+        out_map[t * W + c] = m[b] && !moved;
+        out_probs[t * W + c] = moved ? P(0) : v[b];
+      }
     }
   }
 }
 
+// Threads per block of the per-tile kernels: one per home column, rounded to warps, 64..256.
+int tile_threads(int64_t E) {
+  const int64_t t = (E + 31) / 32 * 32;
+  return static_cast<int>(t < 64 ? 64 : (t > kThreads ? kThreads : t));
+}
+
 template <typename P>
 void launch_apply(const RerouteProblem& p, const Workspace& ws, int64_t tiles, cudaStream_t stream) {
-  apply_kernel<P><<<static_cast<unsigned>(tiles), kThreads, 0, stream>>>(
+  apply_kernel<P><<<static_cast<unsigned>(tiles), tile_threads(p.num_experts), 0, stream>>>(
       p.routing_map, static_cast<const P*>(p.probs), p.num_tokens, p.num_experts, p.num_slots, ws, p.out_map,
       static_cast<P*>(p.out_probs));
 }
@@ -202,15 +220,16 @@ int64_t reroute_workspace_elems(int64_t T, int64_t E, int64_t S) {
 
 cudaError_t reroute_tokens_cuda_launch(const RerouteProblem& p, int32_t* workspace, cudaStream_t stream) {
   const int64_t T = p.num_tokens, E = p.num_experts, S = p.num_slots;
-  if (E == 0) return cudaSuccess;
   const int64_t tiles = num_tiles_of(T);
   Workspace ws = carve(workspace, T, E, S);
-  if (tiles > 0) count_kernel<<<static_cast<unsigned>(tiles), kThreads, 0, stream>>>(p.routing_map, T, E, ws.tile_rank);
+  if (tiles > 0 && E > 0)
+    count_kernel<<<static_cast<unsigned>(tiles), tile_threads(E), 0, stream>>>(p.routing_map, T, E, ws.tile_rank);
   if (S > 0)
     slots_kernel<<<static_cast<unsigned>((S + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
         p.home_to_spare, p.tokens_to_spare, T, E, S, ws.slot_home, ws.slot_want, p.error_flag);
-  experts_kernel<<<static_cast<unsigned>((E + kWarpsPerBlockB2 - 1) / kWarpsPerBlockB2), 32 * kWarpsPerBlockB2, 0,
-                   stream>>>(T, E, S, ws, p.error_flag);
+  if (E > 0)
+    experts_kernel<<<static_cast<unsigned>((E + kWarpsPerBlockB2 - 1) / kWarpsPerBlockB2), 32 * kWarpsPerBlockB2, 0,
+                     stream>>>(T, E, S, ws, p.error_flag);
   if (tiles > 0) {
     switch (p.prob_bytes) {
       case 2: launch_apply<uint16_t>(p, ws, tiles, stream); break;
