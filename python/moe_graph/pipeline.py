@@ -1,0 +1,1137 @@
+"""Pipeline parallelism: point-to-point stage communication and the 1F1B / interleaved 1F1B schedules.
+
+The model is cut into ``pp_size`` stages (and, interleaved, each stage into ``vpp_size`` model chunks;
+virtual stage ``v * pp_size + r`` lives on pipeline rank ``r`` as its chunk ``v``). A global batch is
+``num_microbatches`` (``m``) microbatches. Each rank runs a fixed sequence of forward (F) and backward
+(B) steps, given by :func:`schedule_order`::
+
+    >>> [f"{'F' if f else 'B'}{mb}" for f, mb, _ in schedule_order(4, 2, 0)]
+    ['F0', 'F1', 'B0', 'F2', 'B1', 'F3', 'B2', 'B3']
+
+* pp == 1 (:func:`forward_backward_no_pipelining`): ``F0 B0 F1 B1 ...``.
+* 1F1B (:func:`forward_backward_pipelining_without_interleaving`): ``pp - rank - 1`` warm-up
+  forwards, then alternate one forward and one backward, then drain the remaining backwards.
+* interleaved 1F1B (:func:`forward_backward_pipelining_with_interleaving`): microbatches run in
+  groups of ``microbatch_group_size_per_vp_stage`` (default ``pp``) per chunk; warm-up is
+  ``2 * (pp - rank - 1) + (vpp - 1) * group`` forwards. Bubble fraction ``(pp - 1) / (m * vpp)``.
+
+The schedule functions execute exactly :func:`schedule_order` (they consume it step by step and fail
+loudly on any mismatch), which equals Megatron-core 0.19.2's order for the same arguments.
+
+Communication goes through :class:`P2PCommunicator` (``_communicate`` with ``batch_isend_irecv`` or
+plain ``isend``/``irecv``); received tensors land in preallocated buffers that are reused every
+iteration (the k-th receive of a step always uses the same buffer), so addresses are static, as a
+CUDA-graph capture of a whole step with NCCL requires.
+
+Model-chunk contract (as in Megatron): ``forward_step_func(data_iterator, model_chunk)`` returns
+``(output_tensor, loss_func)``; before it runs, ``model_chunk.set_input_tensor(t)`` receives the
+previous stage's activation (``None`` on the first virtual stage). On the last virtual stage
+``loss_func(output_tensor)`` returns ``loss``, ``(loss, reported)`` or ``(loss, num_tokens, reported)``;
+the loss is divided by ``num_microbatches`` (and ``num_tokens``) before backward, and ``reported``
+(default ``loss.detach()``) is appended to the list the schedule returns (empty on other stages).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+Shape = Sequence[int]
+
+
+# ==================================================================================================
+# Schedule order (pure Python)
+# ==================================================================================================
+
+
+class ScheduleStep(NamedTuple):
+    """One step of a rank's schedule; equal to the plain tuple ``(is_forward, microbatch_id, model_chunk_id)``."""
+
+    is_forward: bool
+    microbatch_id: int
+    model_chunk_id: int
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+def _resolve_schedule_args(
+    num_microbatches: int,
+    pp_size: int,
+    pp_rank: int,
+    vpp_size: Optional[int],
+    microbatch_group_size_per_vp_stage: Optional[int],
+) -> int:
+    """Validate schedule arguments; return the microbatch group size (interleaved) or 1."""
+    _check_int("num_microbatches", num_microbatches, 1)
+    _check_int("pp_size", pp_size, 1)
+    _check_int("pp_rank", pp_rank, 0)
+    if pp_rank >= pp_size:
+        raise ValueError(f"pp_rank {pp_rank} out of range for pp_size {pp_size}")
+    if vpp_size is None:
+        return 1
+    _check_int("vpp_size", vpp_size, 1)
+    if pp_size == 1:
+        raise ValueError(
+            f"vpp_size={vpp_size} (interleaved schedule) needs pp_size > 1; with pp_size=1 use vpp_size=None"
+        )
+    group = pp_size if microbatch_group_size_per_vp_stage is None else microbatch_group_size_per_vp_stage
+    _check_int("microbatch_group_size_per_vp_stage", group, 1)
+    if group > num_microbatches or group < pp_size:
+        raise ValueError(
+            f"microbatch_group_size_per_vp_stage={group} (contiguous microbatches per virtual stage) must lie "
+            f"in [pp_size={pp_size}, num_microbatches={num_microbatches}]"
+        )
+    remainder = num_microbatches % group
+    if 0 < remainder < pp_size:
+        raise ValueError(
+            f"num_microbatches={num_microbatches} % microbatch_group_size_per_vp_stage={group} = {remainder}: "
+            f"the last microbatch group must be empty or hold at least pp_size={pp_size} microbatches "
+            "(otherwise the interleaved pipeline stalls on dependency bubbles)"
+        )
+    return group
+
+
+def get_schedule_table(
+    num_microbatches: int, num_model_chunks: int, microbatch_group_size_per_vp_stage: int
+) -> List[Tuple[int, int]]:
+    """``(microbatch_id, model_chunk_id)`` of each virtual microbatch id, in forward order.
+
+    Microbatches go through the chunks in groups of ``microbatch_group_size_per_vp_stage``: all
+    chunks for group 0, then all chunks for group 1, ...; the last group takes what is left. Example
+    (5 microbatches, 2 chunks, groups of 3)::
+
+        >>> get_schedule_table(5, 2, 3)
+        [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1), (3, 0), (4, 0), (3, 1), (4, 1)]
+    """
+    table = []
+    for start in range(0, num_microbatches, microbatch_group_size_per_vp_stage):
+        end = min(start + microbatch_group_size_per_vp_stage, num_microbatches)
+        for chunk in range(num_model_chunks):
+            table.extend((mb, chunk) for mb in range(start, end))
+    return table
+
+
+def num_warmup_microbatches(
+    num_microbatches: int,
+    pp_size: int,
+    pp_rank: int,
+    vpp_size: Optional[int] = None,
+    microbatch_group_size_per_vp_stage: Optional[int] = None,
+    forward_only: bool = False,
+) -> int:
+    """Forward steps a rank runs before its first backward (capped at ``m * (vpp or 1)``).
+
+    ``0`` for pp == 1, ``pp - rank - 1`` for 1F1B, ``2 * (pp - rank - 1) + (vpp - 1) * group`` for
+    the interleaved schedule (``group`` defaults to ``pp``); all steps when ``forward_only``.
+
+        >>> [num_warmup_microbatches(8, 4, r, vpp_size=2) for r in range(4)]
+        [10, 8, 6, 4]
+    """
+    group = _resolve_schedule_args(num_microbatches, pp_size, pp_rank, vpp_size, microbatch_group_size_per_vp_stage)
+    total = num_microbatches * (vpp_size or 1)
+    if forward_only:
+        warmup = total
+    elif pp_size == 1:
+        warmup = 0
+    elif vpp_size is None:
+        warmup = pp_size - pp_rank - 1
+    else:
+        warmup = (pp_size - pp_rank - 1) * 2 + (vpp_size - 1) * group
+    return min(warmup, total)
+
+
+def schedule_order(
+    num_microbatches: int,
+    pp_size: int,
+    pp_rank: int,
+    vpp_size: Optional[int] = None,
+    microbatch_group_size_per_vp_stage: Optional[int] = None,
+    forward_only: bool = False,
+) -> List[ScheduleStep]:
+    """The exact sequence of ``(is_forward, microbatch_id, model_chunk_id)`` steps of one rank.
+
+    ``vpp_size=None`` selects 1F1B (or no pipelining when ``pp_size == 1``); an int selects the
+    interleaved schedule with that many chunks. Forward step ``k`` runs virtual microbatch ``k`` of
+    :func:`get_schedule_table`; backward step ``k`` runs the same microbatch on the mirrored chunk
+    ``vpp - 1 - chunk``. After ``W = num_warmup_microbatches(...)`` forwards, forward ``W + i`` and
+    backward ``i`` alternate; the last ``W`` backwards drain the pipeline.
+
+    Raises ``ValueError`` for configurations Megatron rejects (e.g. interleaving with
+    ``num_microbatches % pp_size != 0`` at the default group size).
+
+        >>> " ".join(format_step(s) for s in schedule_order(4, 2, 1, vpp_size=2))
+        'F0.0 F1.0 F0.1 B0.1 F1.1 B1.1 F2.0 B0.0 F3.0 B1.0 F2.1 B2.1 F3.1 B3.1 B2.0 B3.0'
+    """
+    group = _resolve_schedule_args(num_microbatches, pp_size, pp_rank, vpp_size, microbatch_group_size_per_vp_stage)
+    chunks = vpp_size or 1
+    table = get_schedule_table(num_microbatches, chunks, group)
+    total = len(table)
+    warmup = num_warmup_microbatches(
+        num_microbatches, pp_size, pp_rank, vpp_size, microbatch_group_size_per_vp_stage, forward_only
+    )
+
+    def fwd(k):
+        return ScheduleStep(True, table[k][0], table[k][1])
+
+    def bwd(k):
+        return ScheduleStep(False, table[k][0], chunks - 1 - table[k][1])
+
+    order = [fwd(k) for k in range(warmup)]
+    for k in range(total - warmup):
+        order.append(fwd(warmup + k))
+        order.append(bwd(k))
+    if not forward_only:
+        order.extend(bwd(k) for k in range(total - warmup, total))
+    return order
+
+
+def format_step(step: Tuple[bool, int, int]) -> str:
+    """``F3.1`` = forward of microbatch 3 on model chunk 1; ``B0.0`` = backward of microbatch 0, chunk 0."""
+    return f"{'F' if step[0] else 'B'}{step[1]}.{step[2]}"
+
+
+def format_schedule(
+    num_microbatches: int,
+    pp_size: int,
+    vpp_size: Optional[int] = None,
+    microbatch_group_size_per_vp_stage: Optional[int] = None,
+    forward_only: bool = False,
+) -> str:
+    """One line per pipeline rank: ``rank 0 (warmup 3): F0.0 F1.0 ...``."""
+    lines = []
+    for r in range(pp_size):
+        order = schedule_order(num_microbatches, pp_size, r, vpp_size, microbatch_group_size_per_vp_stage, forward_only)
+        w = num_warmup_microbatches(num_microbatches, pp_size, r, vpp_size, microbatch_group_size_per_vp_stage, forward_only)
+        lines.append(f"rank {r} (warmup {w}): " + " ".join(format_step(s) for s in order))
+    return "\n".join(lines)
+
+
+# ==================================================================================================
+# Layer assignment
+# ==================================================================================================
+
+
+def get_num_layers_per_chunk(num_layers: int, pp_size: int, vpp_size: Optional[int] = None) -> int:
+    """Layers per model chunk (per stage when ``vpp_size`` is None); raises if they do not divide."""
+    _check_int("num_layers", num_layers, 1)
+    _check_int("pp_size", pp_size, 1)
+    chunks = pp_size * (vpp_size or 1)
+    if vpp_size is not None:
+        _check_int("vpp_size", vpp_size, 1)
+    if num_layers % chunks:
+        raise ValueError(
+            f"num_layers={num_layers} is not divisible by pp_size*vpp_size = {pp_size}*{vpp_size or 1} = {chunks}"
+        )
+    return num_layers // chunks
+
+
+def get_layer_offset(
+    num_layers: int, pp_size: int, pp_rank: int, vpp_size: Optional[int] = None, vpp_rank: int = 0
+) -> int:
+    """Index of the first layer of chunk ``vpp_rank`` on pipeline rank ``pp_rank``.
+
+    ``pp_rank * L/pp`` without interleaving; ``vpp_rank * L/vpp + pp_rank * L/(pp*vpp)`` with it.
+    8 layers, pp 2, vpp 2: rank 0 holds layers [0, 1] and [4, 5], rank 1 [2, 3] and [6, 7]::
+
+        >>> [get_layer_offset(8, 2, r, 2, v) for r in range(2) for v in range(2)]
+        [0, 4, 2, 6]
+    """
+    per_chunk = get_num_layers_per_chunk(num_layers, pp_size, vpp_size)
+    if not 0 <= pp_rank < pp_size:
+        raise ValueError(f"pp_rank {pp_rank} out of range for pp_size {pp_size}")
+    if vpp_size is None:
+        if vpp_rank != 0:
+            raise ValueError(f"vpp_rank {vpp_rank} given without vpp_size")
+        return pp_rank * per_chunk
+    if not 0 <= vpp_rank < vpp_size:
+        raise ValueError(f"vpp_rank {vpp_rank} out of range for vpp_size {vpp_size}")
+    return vpp_rank * (num_layers // vpp_size) + pp_rank * per_chunk
+
+
+def chunk_layer_ids(num_layers: int, pp_size: int, pp_rank: int, vpp_size: Optional[int] = None) -> List[List[int]]:
+    """Layer indices of each model chunk of ``pp_rank``: ``chunk_layer_ids(16, 4, 0, 2) == [[0, 1], [8, 9]]``."""
+    per_chunk = get_num_layers_per_chunk(num_layers, pp_size, vpp_size)
+    out = []
+    for v in range(vpp_size or 1):
+        start = get_layer_offset(num_layers, pp_size, pp_rank, vpp_size, v if vpp_size else 0)
+        out.append(list(range(start, start + per_chunk)))
+    return out
+
+
+# ==================================================================================================
+# Point-to-point communication
+# ==================================================================================================
+
+_TAG_FORWARD = 0   # activations, rank r -> r + 1
+_TAG_BACKWARD = 1  # activation gradients, rank r -> r - 1
+
+
+class P2PCommunicator:
+    """Sends and receives between neighbouring pipeline stages.
+
+    Args:
+        group: the pipeline process group. ``None``: take group, ranks and neighbours from
+            :mod:`moe_graph.parallel_state` (which must be initialized), unless ``rank``,
+            ``world_size``, ``prev_rank`` and ``next_rank`` are all given.
+        prev_rank / next_rank: global ranks of the previous / next stage (default: neighbours in
+            ``group``, wrapping around).
+        rank / world_size: this rank's stage index and the number of stages.
+        batch_p2p_comm: one ``batch_isend_irecv`` per exchange (True) or individual
+            ``isend``/``irecv`` ordered by rank parity (False).
+        device: where receive buffers live (default: cuda if available, else cpu).
+        static_buffers: reuse preallocated receive buffers (see :meth:`reset_buffers`).
+
+    Receive buffers: the i-th receive of a given ``(direction, shape, dtype)`` since the last
+    :meth:`reset_buffers` returns the i-th buffer of that kind, allocated on first use. The
+    schedules reset at the start of every call, so iteration after iteration the same tensors
+    are used in the same places (memory: one buffer per receive of a step).
+    """
+
+    def __init__(
+        self,
+        group=None,
+        *,
+        prev_rank: Optional[int] = None,
+        next_rank: Optional[int] = None,
+        rank: Optional[int] = None,
+        world_size: Optional[int] = None,
+        batch_p2p_comm: bool = True,
+        device: Optional[Union[str, torch.device]] = None,
+        static_buffers: bool = True,
+    ) -> None:
+        explicit = None not in (prev_rank, next_rank, rank, world_size)
+        if group is None and not explicit:
+            from . import parallel_state as ps
+
+            group = ps.get_pipeline_model_parallel_group()
+            ranks = ps.get_pipeline_model_parallel_global_ranks()
+            rank = ps.get_pipeline_model_parallel_rank() if rank is None else rank
+        elif group is not None:
+            ranks = dist.get_process_group_ranks(group)
+            if rank is None:
+                rank = ranks.index(dist.get_rank())
+        else:
+            ranks = None
+        if ranks is not None:
+            world_size = len(ranks) if world_size is None else world_size
+            prev_rank = ranks[(rank - 1) % len(ranks)] if prev_rank is None else prev_rank
+            next_rank = ranks[(rank + 1) % len(ranks)] if next_rank is None else next_rank
+        self.group = group
+        self.rank = int(rank)
+        self.world_size = int(world_size)
+        self.prev_rank = prev_rank
+        self.next_rank = next_rank
+        self.batch_p2p_comm = batch_p2p_comm
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        self.static_buffers = static_buffers
+        self._pool: Dict[Tuple, List[torch.Tensor]] = {}
+        self._cursor: Dict[Tuple, int] = {}
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.rank == self.world_size - 1
+
+    # ---------------------------------------------------------------- buffers
+    def reset_buffers(self) -> None:
+        """Start a new step: the next receives reuse the buffers from the start of the pool."""
+        self._cursor.clear()
+
+    def num_buffers(self) -> int:
+        """Total preallocated receive buffers."""
+        return sum(len(v) for v in self._pool.values())
+
+    def _recv_buffer(self, direction: str, shape: Shape, dtype: torch.dtype) -> torch.Tensor:
+        # Activations are leaves that need .grad (the input of the stage's backward).
+        requires_grad = direction == "fwd" and dtype.is_floating_point
+        if not self.static_buffers:
+            return torch.empty(tuple(shape), dtype=dtype, device=self.device, requires_grad=requires_grad)
+        key = (direction, tuple(shape), dtype)
+        pool = self._pool.setdefault(key, [])
+        i = self._cursor.get(key, 0)
+        if i == len(pool):
+            pool.append(torch.empty(tuple(shape), dtype=dtype, device=self.device, requires_grad=requires_grad))
+        self._cursor[key] = i + 1
+        buf = pool[i]
+        buf.grad = None
+        return buf
+
+    # ---------------------------------------------------------------- core
+    def _communicate(
+        self,
+        *,
+        tensor_send_next: Optional[torch.Tensor],
+        tensor_send_prev: Optional[torch.Tensor],
+        recv_prev: bool,
+        recv_next: bool,
+        tensor_shape: Optional[Shape],
+        dtype: Optional[torch.dtype],
+    ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """Exchange with both neighbours at once; returns ``(tensor_recv_prev, tensor_recv_next)``.
+
+        Sends go out as given; a receive of ``tensor_shape``/``dtype`` is posted for each of
+        ``recv_prev``/``recv_next``. All requests are waited on before returning.
+
+        Ordering: activations travel with tag 0, gradients with tag 1, and ops are issued as
+        send_next, recv_prev, send_prev, recv_next. With pp == 2 both neighbours are the same rank;
+        this order makes the k-th message between a pair the same kind on both sides even for
+        backends that ignore tags (NCCL matches p2p messages per peer in issue order).
+        """
+        if (recv_prev or recv_next) and (tensor_shape is None or dtype is None):
+            raise ValueError("tensor_shape and dtype are required to receive")
+        recv_prev_t = self._recv_buffer("fwd", tensor_shape, dtype) if recv_prev else None
+        recv_next_t = self._recv_buffer("bwd", tensor_shape, dtype) if recv_next else None
+        send_next_t = None if tensor_send_next is None else tensor_send_next.detach().contiguous()
+        send_prev_t = None if tensor_send_prev is None else tensor_send_prev.detach().contiguous()
+        ops = []  # (op, tensor, peer, tag), in the order described above
+        if send_next_t is not None:
+            ops.append((dist.isend, send_next_t, self.next_rank, _TAG_FORWARD))
+        if recv_prev_t is not None:
+            ops.append((dist.irecv, recv_prev_t, self.prev_rank, _TAG_FORWARD))
+        if send_prev_t is not None:
+            ops.append((dist.isend, send_prev_t, self.prev_rank, _TAG_BACKWARD))
+        if recv_next_t is not None:
+            ops.append((dist.irecv, recv_next_t, self.next_rank, _TAG_BACKWARD))
+        if not ops:
+            return recv_prev_t, recv_next_t
+        if self.batch_p2p_comm:
+            reqs = dist.batch_isend_irecv(
+                [dist.P2POp(op, t, peer, self.group, tag) for op, t, peer, tag in ops]
+            )
+        else:
+            # Even ranks send first, odd ranks receive first, per direction: every blocking
+            # send meets a posted receive even on backends that serialize p2p calls.
+            if self.rank % 2 == 1:
+                ops.sort(key=lambda o: (o[3], o[0] is dist.isend))
+            reqs = [op(t, peer, group=self.group, tag=tag) for op, t, peer, tag in ops]
+        for req in reqs:
+            if req is not None:
+                req.wait()
+        return recv_prev_t, recv_next_t
+
+    # ---------------------------------------------------------------- helpers
+    def recv_forward(self, tensor_shape: Shape, dtype: torch.dtype, is_first_stage: Optional[bool] = None):
+        """Activation from the previous stage (``None`` on the first stage)."""
+        if self.is_first_stage if is_first_stage is None else is_first_stage:
+            return None
+        return self._communicate(tensor_send_next=None, tensor_send_prev=None, recv_prev=True, recv_next=False,
+                                 tensor_shape=tensor_shape, dtype=dtype)[0]
+
+    def recv_backward(self, tensor_shape: Shape, dtype: torch.dtype, is_last_stage: Optional[bool] = None):
+        """Gradient of this stage's output from the next stage (``None`` on the last stage)."""
+        if self.is_last_stage if is_last_stage is None else is_last_stage:
+            return None
+        return self._communicate(tensor_send_next=None, tensor_send_prev=None, recv_prev=False, recv_next=True,
+                                 tensor_shape=tensor_shape, dtype=dtype)[1]
+
+    def send_forward(self, output_tensor: Optional[torch.Tensor], is_last_stage: Optional[bool] = None) -> None:
+        """Activation to the next stage (no-op on the last stage or for ``None``)."""
+        if (self.is_last_stage if is_last_stage is None else is_last_stage) or output_tensor is None:
+            return
+        self._communicate(tensor_send_next=output_tensor, tensor_send_prev=None, recv_prev=False, recv_next=False,
+                          tensor_shape=None, dtype=None)
+
+    def send_backward(self, input_tensor_grad: Optional[torch.Tensor], is_first_stage: Optional[bool] = None) -> None:
+        """Input gradient to the previous stage (no-op on the first stage or for ``None``)."""
+        if (self.is_first_stage if is_first_stage is None else is_first_stage) or input_tensor_grad is None:
+            return
+        self._communicate(tensor_send_next=None, tensor_send_prev=input_tensor_grad, recv_prev=False,
+                          recv_next=False, tensor_shape=None, dtype=None)
+
+    def send_forward_recv_backward(self, output_tensor, tensor_shape: Shape, dtype: torch.dtype,
+                                   is_last_stage: Optional[bool] = None):
+        """Send the activation forward and receive its gradient (``None`` on the last stage)."""
+        if self.is_last_stage if is_last_stage is None else is_last_stage:
+            return None
+        return self._communicate(tensor_send_next=output_tensor, tensor_send_prev=None, recv_prev=False,
+                                 recv_next=True, tensor_shape=tensor_shape, dtype=dtype)[1]
+
+    def send_backward_recv_forward(self, input_tensor_grad, tensor_shape: Shape, dtype: torch.dtype,
+                                   is_first_stage: Optional[bool] = None):
+        """Send the input gradient back and receive the next activation (``None`` on the first stage)."""
+        if self.is_first_stage if is_first_stage is None else is_first_stage:
+            return None
+        return self._communicate(tensor_send_next=None, tensor_send_prev=input_tensor_grad, recv_prev=True,
+                                 recv_next=False, tensor_shape=tensor_shape, dtype=dtype)[0]
+
+    def send_forward_recv_forward(self, output_tensor, recv_prev: bool, tensor_shape: Shape, dtype: torch.dtype):
+        """Send ``output_tensor`` (may be None) forward and optionally receive an activation."""
+        return self._communicate(tensor_send_next=output_tensor, tensor_send_prev=None, recv_prev=recv_prev,
+                                 recv_next=False, tensor_shape=tensor_shape, dtype=dtype)[0]
+
+    def send_backward_recv_backward(self, input_tensor_grad, recv_next: bool, tensor_shape: Shape,
+                                    dtype: torch.dtype):
+        """Send ``input_tensor_grad`` (may be None) back and optionally receive an output gradient."""
+        return self._communicate(tensor_send_next=None, tensor_send_prev=input_tensor_grad, recv_prev=False,
+                                 recv_next=recv_next, tensor_shape=tensor_shape, dtype=dtype)[1]
+
+    def send_forward_backward_recv_forward_backward(self, output_tensor, input_tensor_grad, recv_prev: bool,
+                                                    recv_next: bool, tensor_shape: Shape, dtype: torch.dtype):
+        """Both directions at once; returns ``(input_tensor, output_tensor_grad)``."""
+        return self._communicate(tensor_send_next=output_tensor, tensor_send_prev=input_tensor_grad,
+                                 recv_prev=recv_prev, recv_next=recv_next, tensor_shape=tensor_shape, dtype=dtype)
+
+
+_DEFAULT_COMM: Dict[int, P2PCommunicator] = {}
+
+
+def get_default_communicator(batch_p2p_comm: bool = True) -> P2PCommunicator:
+    """The communicator for parallel_state's pipeline group (one per group and mode, reused)."""
+    from . import parallel_state as ps
+
+    group = ps.get_pipeline_model_parallel_group()
+    key = (id(group), batch_p2p_comm)
+    comm = _DEFAULT_COMM.get(key)
+    if comm is None or comm.group is not group:
+        comm = P2PCommunicator(batch_p2p_comm=batch_p2p_comm)
+        _DEFAULT_COMM[key] = comm
+    return comm
+
+
+def _comm(communicator: Optional[P2PCommunicator]) -> P2PCommunicator:
+    return communicator if communicator is not None else get_default_communicator()
+
+
+def recv_forward(tensor_shape: Shape, dtype: torch.dtype = torch.float32, *, is_first_stage: Optional[bool] = None,
+                 communicator: Optional[P2PCommunicator] = None):
+    """Receive an activation ``[*tensor_shape]`` from the previous stage; ``None`` on the first stage."""
+    return _comm(communicator).recv_forward(tensor_shape, dtype, is_first_stage)
+
+
+def recv_backward(tensor_shape: Shape, dtype: torch.dtype = torch.float32, *, is_last_stage: Optional[bool] = None,
+                  communicator: Optional[P2PCommunicator] = None):
+    """Receive the gradient of this stage's output from the next stage; ``None`` on the last stage."""
+    return _comm(communicator).recv_backward(tensor_shape, dtype, is_last_stage)
+
+
+def send_forward(output_tensor, *, is_last_stage: Optional[bool] = None,
+                 communicator: Optional[P2PCommunicator] = None) -> None:
+    """Send an activation to the next stage (no-op on the last stage)."""
+    _comm(communicator).send_forward(output_tensor, is_last_stage)
+
+
+def send_backward(input_tensor_grad, *, is_first_stage: Optional[bool] = None,
+                  communicator: Optional[P2PCommunicator] = None) -> None:
+    """Send an input gradient to the previous stage (no-op on the first stage)."""
+    _comm(communicator).send_backward(input_tensor_grad, is_first_stage)
+
+
+def send_forward_recv_backward(output_tensor, tensor_shape: Shape, dtype: torch.dtype = torch.float32, *,
+                               is_last_stage: Optional[bool] = None, communicator: Optional[P2PCommunicator] = None):
+    """Send an activation forward, receive its gradient."""
+    return _comm(communicator).send_forward_recv_backward(output_tensor, tensor_shape, dtype, is_last_stage)
+
+
+def send_backward_recv_forward(input_tensor_grad, tensor_shape: Shape, dtype: torch.dtype = torch.float32, *,
+                               is_first_stage: Optional[bool] = None, communicator: Optional[P2PCommunicator] = None):
+    """Send an input gradient back, receive the next activation."""
+    return _comm(communicator).send_backward_recv_forward(input_tensor_grad, tensor_shape, dtype, is_first_stage)
+
+
+def send_forward_recv_forward(output_tensor, recv_prev: bool, tensor_shape: Shape, dtype: torch.dtype = torch.float32,
+                              *, communicator: Optional[P2PCommunicator] = None):
+    """Send an activation forward (if not None) and receive one from the previous stage (if ``recv_prev``)."""
+    return _comm(communicator).send_forward_recv_forward(output_tensor, recv_prev, tensor_shape, dtype)
+
+
+def send_backward_recv_backward(input_tensor_grad, recv_next: bool, tensor_shape: Shape,
+                                dtype: torch.dtype = torch.float32, *, communicator: Optional[P2PCommunicator] = None):
+    """Send a gradient back (if not None) and receive one from the next stage (if ``recv_next``)."""
+    return _comm(communicator).send_backward_recv_backward(input_tensor_grad, recv_next, tensor_shape, dtype)
+
+
+def send_forward_backward_recv_forward_backward(output_tensor, input_tensor_grad, recv_prev: bool, recv_next: bool,
+                                                tensor_shape: Shape, dtype: torch.dtype = torch.float32, *,
+                                                communicator: Optional[P2PCommunicator] = None):
+    """Both directions at once; returns ``(input_tensor, output_tensor_grad)``."""
+    return _comm(communicator).send_forward_backward_recv_forward_backward(
+        output_tensor, input_tensor_grad, recv_prev, recv_next, tensor_shape, dtype)
+
+
+# ==================================================================================================
+# Forward / backward steps
+# ==================================================================================================
+
+
+@dataclass
+class PipelineConfig:
+    """Knobs of the schedules (a subset of Megatron's ``ModelParallelConfig``).
+
+    Attributes:
+        tensor_shape: shape of the activation passed between stages for one microbatch, e.g.
+            ``(seq, micro_batch, hidden)``. Required when ``pp > 1``.
+        dtype: its dtype.
+        batch_p2p_comm: ``batch_isend_irecv`` (True) or plain isend/irecv.
+        deallocate_pipeline_outputs: after an activation is sent, shrink its storage to one
+            element (only its autograd graph is still needed); backward then calls the autograd
+            engine directly, skipping the shape check.
+        no_sync_func: context-manager factory (or list, one per chunk) that disables gradient
+            reduction; default: each chunk's ``no_sync`` if it has one.
+        grad_sync_func: ``f(params)`` (or list per chunk) launching the gradient reduction of a
+            chunk; called once per chunk after its last backward.
+        grad_scale_func: applied to the loss before backward (loss scaling).
+        microbatch_group_size_per_vp_stage: interleaved group size (default ``pp``).
+        trace: a list to which every executed step ``(is_forward, mb, chunk)`` is appended.
+    """
+
+    tensor_shape: Optional[Sequence[int]] = None
+    dtype: torch.dtype = torch.float32
+    batch_p2p_comm: bool = True
+    deallocate_pipeline_outputs: bool = True
+    no_sync_func: Optional[Union[Callable, List[Callable]]] = None
+    grad_sync_func: Optional[Union[Callable, List[Callable]]] = None
+    grad_scale_func: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+    microbatch_group_size_per_vp_stage: Optional[int] = None
+    trace: Optional[list] = None
+
+
+def deallocate_output_tensor(out: Optional[torch.Tensor], deallocate_pipeline_outputs: bool = True) -> None:
+    """Replace ``out``'s storage by one element; its ``grad_fn`` (all backward needs) stays.
+
+    Views are left alone (freeing them would not release their base's memory).
+    """
+    if out is None or not deallocate_pipeline_outputs or out._base is not None:
+        return
+    out.data = torch.empty((1,), device=out.device, dtype=out.dtype)
+
+
+def _run_backward(output: torch.Tensor, grad_output: Optional[torch.Tensor]) -> None:
+    """``output.backward(grad_output)`` through the C++ engine (no shape check, for freed outputs)."""
+    if grad_output is None:
+        grad_output = torch.ones_like(output, memory_format=torch.preserve_format)
+    torch.autograd.Variable._execution_engine.run_backward(
+        tensors=(output,), grad_tensors=(grad_output,), keep_graph=False, create_graph=False,
+        inputs=tuple(), allow_unreachable=True, accumulate_grad=True,
+    )
+
+
+def forward_step(forward_step_func, data_iterator, model, num_microbatches: int, input_tensor,
+                 forward_data_store: list, config: PipelineConfig, is_last_stage: bool):
+    """Run one microbatch through one model chunk; on the last stage, turn the output into the loss.
+
+    Returns the stage output (or the scaled loss ``loss / num_microbatches`` on the last stage).
+    """
+    set_input = getattr(model, "set_input_tensor", None)
+    if set_input is not None:
+        set_input(input_tensor)
+    elif input_tensor is not None:
+        raise TypeError(
+            f"model chunk {type(model).__name__} receives a pipeline activation but has no set_input_tensor(tensor)"
+        )
+    output_tensor, loss_func = forward_step_func(data_iterator, model)
+    if not is_last_stage:
+        return output_tensor
+    if loss_func is None:
+        forward_data_store.append(output_tensor)
+        return output_tensor
+    out = loss_func(output_tensor)
+    if isinstance(out, torch.Tensor):
+        loss, reported = out, out.detach()
+    elif len(out) == 2:
+        loss, reported = out
+    elif len(out) == 3:
+        loss, num_tokens, reported = out
+        loss = loss / torch.clamp(torch.as_tensor(num_tokens, device=loss.device), min=1)
+    else:
+        raise TypeError("loss_func must return loss, (loss, reported) or (loss, num_tokens, reported)")
+    forward_data_store.append(reported)
+    return loss / num_microbatches
+
+
+def backward_step(input_tensor, output_tensor, output_tensor_grad, config: PipelineConfig):
+    """Backpropagate one microbatch through one chunk; returns the gradient of its input (or None)."""
+    if output_tensor_grad is None and config.grad_scale_func is not None:
+        output_tensor = config.grad_scale_func(output_tensor)
+    if config.deallocate_pipeline_outputs:
+        _run_backward(output_tensor, output_tensor_grad)
+    else:
+        torch.autograd.backward(output_tensor, grad_tensors=output_tensor_grad)
+    if input_tensor is None:
+        return None
+    grad = input_tensor.grad
+    input_tensor.grad = None  # receive buffers are reused; do not accumulate into them
+    return grad
+
+
+class _GradSync:
+    """Enter the no-sync context (grad reduction off) and leave it (on) on demand."""
+
+    def __init__(self, factory: Callable[[], Any]):
+        self.factory = factory
+        self.ctx = None
+
+    def disable(self):
+        if self.ctx is None:
+            self.ctx = self.factory()
+            self.ctx.__enter__()
+
+    def enable(self):
+        if self.ctx is not None:
+            ctx, self.ctx = self.ctx, None
+            ctx.__exit__(None, None, None)
+
+    @property
+    def disabled(self) -> bool:
+        return self.ctx is not None
+
+
+def _no_sync_factory(config: PipelineConfig, models: List[Any]) -> Callable[[], Any]:
+    fns = config.no_sync_func
+    if fns is None:
+        fns = [m.no_sync for m in models if callable(getattr(m, "no_sync", None))]
+    elif not isinstance(fns, (list, tuple)):
+        fns = [fns]
+
+    def factory():
+        stack = contextlib.ExitStack()
+        for fn in fns:
+            stack.enter_context(fn())
+        return stack
+
+    return factory
+
+
+class _Steps:
+    """Walks a rank's :func:`schedule_order`; every executed step must be the next one in it."""
+
+    def __init__(self, order: List[ScheduleStep], trace: Optional[list]):
+        self.order, self.trace, self.i = order, trace, 0
+
+    def take(self, is_forward: bool, microbatch_id: int, chunk: int) -> None:
+        want = self.order[self.i] if self.i < len(self.order) else None
+        got = ScheduleStep(is_forward, microbatch_id, chunk)
+        if want != got:
+            raise RuntimeError(f"pipeline schedule drift at step {self.i}: executing {got}, schedule_order says {want}")
+        self.i += 1
+        if self.trace is not None:
+            self.trace.append(got)
+
+    def finish(self) -> None:
+        if self.i != len(self.order):
+            raise RuntimeError(f"pipeline schedule ran {self.i} of {len(self.order)} steps")
+
+
+def _as_list(x, n: int, what: str) -> list:
+    if isinstance(x, (list, tuple)):
+        if len(x) != n:
+            raise ValueError(f"{what}: expected {n} entries (one per model chunk), got {len(x)}")
+        return list(x)
+    return [x] * n
+
+
+def _single_chunk(model, data_iterator, name: str):
+    if isinstance(model, (list, tuple)):
+        if len(model) != 1:
+            raise ValueError(f"{name} takes one model chunk, got {len(model)}; use the interleaved schedule")
+        model = model[0]
+    if isinstance(data_iterator, (list, tuple)):
+        if len(data_iterator) != 1:
+            raise ValueError(f"{name} takes one data iterator, got {len(data_iterator)}")
+        data_iterator = data_iterator[0]
+    return model, data_iterator
+
+
+def _shape_dtype(config: PipelineConfig, tensor_shape, dtype):
+    shape = tensor_shape if tensor_shape is not None else config.tensor_shape
+    if shape is None:
+        raise ValueError("pipeline schedules need tensor_shape (activation shape of one microbatch between stages)")
+    return tuple(shape), (dtype if dtype is not None else config.dtype)
+
+
+# ==================================================================================================
+# Schedules
+# ==================================================================================================
+
+
+def forward_backward_no_pipelining(
+    *,
+    forward_step_func: Callable,
+    data_iterator,
+    model,
+    num_microbatches: int,
+    forward_only: bool = False,
+    config: Optional[PipelineConfig] = None,
+    **unused,
+) -> list:
+    """All microbatches on one stage: ``F0 B0 F1 B1 ...``; grad sync only for the last microbatch.
+
+    Returns the list of per-microbatch reported losses.
+    """
+    config = config or PipelineConfig()
+    model, data_iterator = _single_chunk(model, data_iterator, "forward_backward_no_pipelining")
+    steps = _Steps(schedule_order(num_microbatches, 1, 0, forward_only=forward_only), config.trace)
+    sync = _GradSync(_no_sync_factory(config, [model]))
+    store: list = []
+    try:
+        for mb in range(num_microbatches):
+            if mb == num_microbatches - 1:
+                sync.enable()  # the last microbatch runs with gradient reduction on
+            else:
+                sync.disable()
+            steps.take(True, mb, 0)
+            out = forward_step(forward_step_func, data_iterator, model, num_microbatches, None, store, config, True)
+            if not forward_only:
+                steps.take(False, mb, 0)
+                backward_step(None, out, None, config)
+            del out
+    finally:
+        sync.enable()
+    steps.finish()
+    return store
+
+
+def forward_backward_pipelining_without_interleaving(
+    *,
+    forward_step_func: Callable,
+    data_iterator,
+    model,
+    num_microbatches: int,
+    forward_only: bool = False,
+    config: Optional[PipelineConfig] = None,
+    communicator: Optional[P2PCommunicator] = None,
+    tensor_shape: Optional[Shape] = None,
+    dtype: Optional[torch.dtype] = None,
+) -> list:
+    """1F1B: ``pp - rank - 1`` warm-up forwards, steady one-forward-one-backward, cool-down backwards.
+
+    Returns the reported losses on the last stage, ``[]`` elsewhere. Grad reduction is disabled
+    until the last backward (with a ``grad_sync_func``, non-first stages launch it at the end).
+    """
+    config = config or PipelineConfig()
+    model, data_iterator = _single_chunk(model, data_iterator, "forward_backward_pipelining_without_interleaving")
+    shape, dtype = _shape_dtype(config, tensor_shape, dtype)
+    comm = communicator or get_default_communicator(config.batch_p2p_comm)
+    pp, rank = comm.world_size, comm.rank
+    first, last = comm.is_first_stage, comm.is_last_stage
+    m = num_microbatches
+    steps = _Steps(schedule_order(m, pp, rank, forward_only=forward_only), config.trace)
+    warmup = num_warmup_microbatches(m, pp, rank) if not forward_only else min(pp - rank - 1, m)
+    remaining = m - warmup
+    comm.reset_buffers()
+    sync = _GradSync(_no_sync_factory(config, [model]))
+    store: list = []
+    inputs: Dict[int, Any] = {}
+    outputs: Dict[int, Any] = {}
+    next_fwd, next_bwd = 0, 0
+
+    def run_forward(x):
+        nonlocal next_fwd
+        mb = next_fwd
+        next_fwd += 1
+        steps.take(True, mb, 0)
+        y = forward_step(forward_step_func, data_iterator, model, m, x, store, config, last)
+        if not forward_only:
+            inputs[mb], outputs[mb] = x, y
+        return y
+
+    def run_backward(dy):
+        nonlocal next_bwd
+        mb = next_bwd
+        next_bwd += 1
+        steps.take(False, mb, 0)
+        return backward_step(inputs.pop(mb), outputs.pop(mb), dy, config)
+
+    def enable_for_last_backward():
+        if config.grad_sync_func is None or first:
+            sync.enable()
+
+    try:
+        sync.disable()
+        for _ in range(warmup):
+            x = comm.recv_forward(shape, dtype)
+            y = run_forward(x)
+            comm.send_forward(y)
+            if not forward_only:
+                deallocate_output_tensor(y, config.deallocate_pipeline_outputs)
+        x = comm.recv_forward(shape, dtype) if remaining > 0 else None
+        for i in range(remaining):
+            last_iteration = i == remaining - 1
+            y = run_forward(x)
+            if forward_only:
+                comm.send_forward(y)
+                if not last_iteration:
+                    x = comm.recv_forward(shape, dtype)
+                continue
+            dy = comm.send_forward_recv_backward(y, shape, dtype)
+            deallocate_output_tensor(y, config.deallocate_pipeline_outputs)
+            if warmup == 0 and last_iteration:
+                enable_for_last_backward()
+            dx = run_backward(dy)
+            if last_iteration:
+                x = None
+                comm.send_backward(dx)
+            else:
+                x = comm.send_backward_recv_forward(dx, shape, dtype)
+        if not forward_only:
+            for i in range(warmup):
+                if i == warmup - 1:
+                    enable_for_last_backward()
+                dy = comm.recv_backward(shape, dtype)
+                dx = run_backward(dy)
+                comm.send_backward(dx)
+            if sync.disabled:
+                sync.enable()
+                if config.grad_sync_func is not None:
+                    config.grad_sync_func(list(model.parameters()))
+    finally:
+        sync.enable()
+    steps.finish()
+    return store
+
+
+def forward_backward_pipelining_with_interleaving(
+    *,
+    forward_step_func: Callable,
+    data_iterator,
+    model,
+    num_microbatches: int,
+    forward_only: bool = False,
+    config: Optional[PipelineConfig] = None,
+    communicator: Optional[P2PCommunicator] = None,
+    tensor_shape: Optional[Shape] = None,
+    dtype: Optional[torch.dtype] = None,
+) -> list:
+    """Interleaved 1F1B over ``len(model)`` chunks per rank (chunk ``v`` = virtual stage ``v*pp + rank``).
+
+    ``model`` and ``data_iterator`` are lists with one entry per chunk. The executed steps are
+    :func:`schedule_order` with ``vpp_size=len(model)``; configurations it rejects raise
+    ``ValueError`` before any communication. Returns the reported losses on the last stage.
+    """
+    config = config or PipelineConfig()
+    if not isinstance(model, (list, tuple)) or len(model) < 1:
+        raise ValueError("interleaved pipeline schedule expects a list of model chunks")
+    nc = len(model)
+    if not isinstance(data_iterator, (list, tuple)) or len(data_iterator) != nc:
+        raise ValueError(f"interleaved pipeline schedule expects one data iterator per model chunk ({nc})")
+    shape, dtype = _shape_dtype(config, tensor_shape, dtype)
+    comm = communicator or get_default_communicator(config.batch_p2p_comm)
+    pp, rank = comm.world_size, comm.rank
+    first, last = comm.is_first_stage, comm.is_last_stage
+    m = num_microbatches
+    group = config.microbatch_group_size_per_vp_stage
+    order = schedule_order(m, pp, rank, nc, group, forward_only)  # validates
+    group = pp if group is None else group
+    table = get_schedule_table(m, nc, group)
+    total = m * nc
+    warmup = num_warmup_microbatches(m, pp, rank, nc, group, forward_only)
+    remaining = total - warmup
+    all_warmup = warmup >= total
+    steps = _Steps(order, config.trace)
+    grad_sync_funcs = None if config.grad_sync_func is None else _as_list(config.grad_sync_func, nc, "grad_sync_func")
+    comm.reset_buffers()
+    sync = _GradSync(_no_sync_factory(config, list(model)))
+    synced = set()
+    store: list = []
+    inputs = [dict() for _ in range(nc)]
+    outputs = [dict() for _ in range(nc)]
+    grads = [dict() for _ in range(nc)]
+    n_inputs = [0] * nc  # activations received so far per chunk (they arrive in microbatch order)
+    n_grads = [0] * nc
+
+    from . import parallel_state as ps
+
+    set_vp_rank = ps.get_virtual_pipeline_model_parallel_world_size() == nc  # keep parallel_state's vp rank current
+
+    def chunk_of(k: int, forward: bool) -> int:
+        c = table[k % total][1]
+        return c if forward else nc - 1 - c
+
+    def is_last_microbatch(k: int) -> bool:
+        return k < total and table[k][0] == m - 1
+
+    def recv_plan(k: int, forward: bool) -> Tuple[bool, int]:
+        """Whether a tensor arrives during step ``k`` (direction ``forward``) and for which chunk.
+
+        The leading rank (first in forward, last in backward) runs ``pp - 1`` steps ahead of the
+        trailing one, whose step ``k - (pp - 1)`` produced the tensor; nothing comes from the
+        trailing rank's final chunk, and the tensor feeds the next (forward) or previous
+        (backward) chunk. Any other rank receives for its own step ``k + 1``.
+        """
+        leading = first if forward else last
+        if not leading:
+            return True, chunk_of(k + 1, forward)
+        recv = k >= pp - 1
+        c = chunk_of(k - (pp - 1), forward) if recv else chunk_of(k + 1, forward)
+        if c == (nc - 1 if forward else 0):
+            recv = False
+        return recv, (c + 1 if forward else c - 1)
+
+    def add_input(c: int, t) -> None:
+        inputs[c][n_inputs[c]] = t
+        n_inputs[c] += 1
+
+    def add_grad(c: int, t) -> None:
+        grads[c][n_grads[c]] = t
+        n_grads[c] += 1
+
+    def run_forward(k: int):
+        mb, c = table[k][0], chunk_of(k, True)
+        steps.take(True, mb, c)
+        if c == 0 and first:
+            x = None
+        elif mb in inputs[c]:
+            x = inputs[c][mb]
+        else:
+            raise RuntimeError(f"pipeline rank {rank}: no activation received for microbatch {mb} of chunk {c}")
+        if set_vp_rank:
+            ps.set_virtual_pipeline_model_parallel_rank(c)
+        y = forward_step(forward_step_func, data_iterator[c], model[c], m, x, store, config, c == nc - 1 and last)
+        if forward_only:
+            inputs[c].pop(mb, None)
+        else:
+            outputs[c][mb] = y
+        return y
+
+    def run_backward(k: int):
+        mb, c = table[k][0], chunk_of(k, False)
+        steps.take(False, mb, c)
+        if grad_sync_funcs is None and is_last_microbatch(k):
+            sync.enable()  # this chunk's last backward reduces its gradients
+            synced.add(c)
+        x = None if (c == 0 and first) else inputs[c].pop(mb)
+        y = outputs[c].pop(mb)
+        dy = None if (c == nc - 1 and last) else grads[c].pop(mb)
+        if set_vp_rank:
+            ps.set_virtual_pipeline_model_parallel_rank(c)
+        dx = backward_step(x, y, dy, config)
+        if grad_sync_funcs is not None:
+            # launch chunk grad reductions at the same time on all ranks (rank r is r steps behind)
+            ks = k - rank
+            if ks >= 0 and is_last_microbatch(ks):
+                cs = chunk_of(ks, False)
+                sync.enable()
+                grad_sync_funcs[cs](list(model[cs].parameters()))
+                synced.add(cs)
+        sync.disable()
+        return dx
+
+    try:
+        sync.disable()
+        if not first:
+            add_input(0, comm.recv_forward(shape, dtype, is_first_stage=False))
+        for k in range(warmup):
+            c = chunk_of(k, True)
+            recv_prev, next_c = recv_plan(k, True)
+            if k == total - 1:
+                recv_prev = False
+            y = run_forward(k)
+            send = None if (c == nc - 1 and last) else y
+            if k == warmup - 1 and not forward_only and not all_warmup:
+                recv_next = not last
+                x, dy = comm.send_forward_backward_recv_forward_backward(send, None, recv_prev, recv_next, shape, dtype)
+                if recv_next:
+                    add_grad(nc - 1, dy)
+            else:
+                x = comm.send_forward_recv_forward(send, recv_prev, shape, dtype)
+            if recv_prev:
+                add_input(next_c, x)
+            if not forward_only:
+                deallocate_output_tensor(send, config.deallocate_pipeline_outputs)
+        for k in range(remaining):
+            fk = k + warmup
+            y = run_forward(fk)
+            dx = run_backward(k)
+            send_y = None if (chunk_of(fk, True) == nc - 1 and last) else y
+            send_dx = None if (chunk_of(k, False) == 0 and first) else dx
+            recv_prev, next_fc = recv_plan(fk, True)
+            recv_next, next_bc = recv_plan(k, False)
+            if k == remaining - 1:
+                recv_prev = False
+            x, dy = comm.send_forward_backward_recv_forward_backward(send_y, send_dx, recv_prev, recv_next, shape, dtype)
+            deallocate_output_tensor(send_y, config.deallocate_pipeline_outputs)
+            if recv_prev:
+                add_input(next_fc, x)
+            if recv_next:
+                add_grad(next_bc, dy)
+        if not forward_only:
+            if all_warmup and not last:
+                add_grad(nc - 1, comm.recv_backward(shape, dtype, is_last_stage=False))
+            for k in range(remaining, total):
+                c = chunk_of(k, False)
+                recv_next, next_bc = recv_plan(k, False)
+                if k == total - 1:
+                    recv_next = False
+                dx = run_backward(k)
+                send_dx = None if (c == 0 and first) else dx
+                dy = comm.send_backward_recv_backward(send_dx, recv_next, shape, dtype)
+                if recv_next:
+                    add_grad(next_bc, dy)
+            sync.enable()
+            if grad_sync_funcs is not None:
+                for c in range(nc):
+                    if c not in synced:
+                        grad_sync_funcs[c](list(model[c].parameters()))
+                        synced.add(c)
+    finally:
+        sync.enable()
+    steps.finish()
+    leftovers = [c for c in range(nc) if inputs[c] or outputs[c] or grads[c]]
+    if leftovers:
+        raise RuntimeError(f"pipeline rank {rank}: unconsumed tensors for chunks {leftovers}")
+    return store
+
+
+def get_forward_backward_func(pp_size: Optional[int] = None, vpp_size: Optional[int] = None) -> Callable:
+    """The schedule for a layout: no pipelining (pp == 1), 1F1B (vpp None) or interleaved.
+
+    With both arguments None, sizes come from :mod:`moe_graph.parallel_state` (pp = 1 if it is not
+    initialized). ``get_forward_backward_func(4, 2) is forward_backward_pipelining_with_interleaving``.
+    """
+    if pp_size is None:
+        from . import parallel_state as ps
+
+        if ps.model_parallel_is_initialized():
+            pp_size = ps.get_pipeline_model_parallel_world_size()
+            if vpp_size is None:
+                vpp_size = ps.get_virtual_pipeline_model_parallel_world_size()
+        else:
+            pp_size = 1
+    _check_int("pp_size", pp_size, 1)
+    if pp_size > 1:
+        if vpp_size is not None:
+            return forward_backward_pipelining_with_interleaving
+        return forward_backward_pipelining_without_interleaving
+    return forward_backward_no_pipelining
+
+
+# ==================================================================================================
+# CLI
+# ==================================================================================================
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m moe_graph.pipeline --pp 4 [--vpp 2] --microbatches 8 [--group N] [--forward-only]``."""
+    p = argparse.ArgumentParser(prog="python -m moe_graph.pipeline",
+                                description="Print each pipeline rank's schedule (F<mb>.<chunk> / B<mb>.<chunk>).")
+    p.add_argument("--pp", type=int, required=True)
+    p.add_argument("--vpp", type=int, default=None)
+    p.add_argument("--microbatches", "-m", type=int, required=True)
+    p.add_argument("--group", type=int, default=None, help="microbatch_group_size_per_vp_stage (default: pp)")
+    p.add_argument("--forward-only", action="store_true")
+    args = p.parse_args(argv)
+    try:
+        text = format_schedule(args.microbatches, args.pp, args.vpp, args.group, args.forward_only)
+    except ValueError as e:
+        p.error(str(e))
+    bubble = (args.pp - 1) / (args.microbatches * (args.vpp or 1))
+    print(f"pp={args.pp} vpp={args.vpp} microbatches={args.microbatches} ideal bubble fraction={bubble:.3f}")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
