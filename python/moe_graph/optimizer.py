@@ -363,8 +363,9 @@ class DistributedOptimizer:
                     g = g.add(p * s.wd_mask if s.wd_mask is not None else p, alpha=self.weight_decay)
             s.exp_avg.lerp_(g, w1)
             s.exp_avg_sq.mul_(keep2).addcmul_(g, g, value=1.0 - b2)
-            denom = (s.exp_avg_sq.sqrt() / bc2_sqrt).add_(self.eps)
-            p.sub_(s.exp_avg / denom * step_size)
+            # p -= step_size * m / (sqrt(v) / sqrt(bc2) + eps); a skipped step has step_size 0 -> denom inf
+            denom = s.exp_avg_sq.sqrt().div_(bc2_sqrt).add_(self.eps).div_(step_size)
+            p.addcdiv_(s.exp_avg, denom, value=-1.0)
 
     # ------------------------------------------------------------------
     # checkpointing: per-param full fp32 tensors, independent of the DP size
