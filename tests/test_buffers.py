@@ -125,6 +125,10 @@ def test_padding_modes_and_dp_sizes():
     ps = _params(100, 100)
     buf = ParamAndGradBuffer(ps, 3, use_distributed_optimizer=True)
     assert _layout(buf, ps) == [(128, 228, 0), (0, 100, 0)] and buf.numel == 384
+    # 64-element (not 32) start alignment: b [0,70), a pad64(70)=128 -> [128,138); end pad(138, 128)=256
+    ps = _params(10, 70)
+    buf = ParamAndGradBuffer(ps, 1, use_distributed_optimizer=True)
+    assert _layout(buf, ps) == [(128, 138, 0), (0, 70, 0)] and buf.numel == 256
     # dp=256: divisor lcm(256,128)=256; a single param of 300 -> 512
     assert ParamAndGradBuffer(_params(300), 256, use_distributed_optimizer=True).numel == 512
     # dp=6 with high-busbw: lcm(6,128,65536) = 196608

@@ -192,6 +192,34 @@ def test_step_has_no_host_sync(monkeypatch):
         assert bool(ok) and float(norm) > 0
 
 
+@pytest.mark.parametrize("impl", ["tensor", "fused"])
+@pytest.mark.parametrize("amp_check", [True, False])
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_nonfinite_grad_skips_update(impl, amp_check, bad):
+    model = C.make_model()
+    ddp = DistributedDataParallel(model, use_distributed_optimizer=True)
+    opt = DistributedOptimizer(ddp, lr=1e-2, impl=impl, clip_grad=1.0, loss_scaler=ConstantLossScaler(4.0))
+    opt._amp_check = amp_check and opt._amp_check  # also exercise the portable fallback
+    x, y = C.batch(0)
+    ddp.zero_grad_buffer()
+    (C.loss_fn(ddp(x), y) * opt.loss_scale).backward()
+    opt.step()
+    state = [t.clone() for s in opt.shards for t in (s.main_param, s.exp_avg, s.exp_avg_sq)]
+    ddp.zero_grad_buffer()
+    (C.loss_fn(ddp(x), y) * opt.loss_scale).backward()
+    model.fc2.bias.main_grad[1] = bad
+    ok, norm = opt.step()
+    assert not bool(ok) and not torch.isfinite(norm)
+    after = [t for s in opt.shards for t in (s.main_param, s.exp_avg, s.exp_avg_sq)]
+    assert all(torch.equal(a, b) for a, b in zip(state, after))
+    assert float(opt.step_count) == 1.0
+    ddp.zero_grad_buffer()
+    (C.loss_fn(ddp(x), y) * opt.loss_scale).backward()
+    ok, norm = opt.step()  # the next clean step proceeds
+    assert bool(ok) and float(opt.step_count) == 2.0
+    assert all(torch.isfinite(s.main_param).all() for s in opt.shards)
+
+
 def test_optimizer_argument_errors():
     model = C.make_model()
     with pytest.raises(ValueError, match="use_distributed_optimizer=True"):

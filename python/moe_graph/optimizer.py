@@ -151,6 +151,18 @@ class DynamicLossScaler:
 # ----------------------------------------------------------------------------------------------
 # the optimizer
 # ----------------------------------------------------------------------------------------------
+def _has_amp_unscale(device) -> bool:
+    """Whether ``torch._amp_foreach_non_finite_check_and_unscale_`` runs on ``device``."""
+    if device is None or not hasattr(torch, "_amp_foreach_non_finite_check_and_unscale_"):
+        return False
+    try:
+        torch._amp_foreach_non_finite_check_and_unscale_(
+            [torch.ones(2, device=device)], torch.zeros(1, device=device), torch.ones(1, device=device))
+        return True
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
 class _Shard:
     """Optimizer-side view of one rank's shard of one bucket."""
 
@@ -174,13 +186,19 @@ class DistributedOptimizer:
         no_weight_decay_params: params excluded from weight decay (e.g. biases and norms).
         impl: ``"auto"`` (``torch._fused_adamw_`` when available for the device and weight decay
             is uniform), ``"fused"``, or ``"tensor"`` (portable device-tensor code).
+        expert_model_parallel_group: with expert parallelism, the group whose ranks hold
+            *different* experts: the expert part of the grad norm and the inf flag are summed over
+            it as well (the dense part is complete after the data-parallel reduction). Tensor- and
+            pipeline-parallel partitions are not combined here: the norm covers this rank's
+            dense parameters and its expert-parallel group's experts.
 
     ``step()`` returns ``(update_successful, grad_norm)``, both 0-dim device tensors.
     """
 
     def __init__(self, model, *, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.01, adamw: bool = True, clip_grad: float = 0.0, loss_scaler=None,
-                 no_weight_decay_params: Optional[Iterable[torch.nn.Parameter]] = None, impl: str = "auto"):
+                 no_weight_decay_params: Optional[Iterable[torch.nn.Parameter]] = None, impl: str = "auto",
+                 expert_model_parallel_group=None):
         if not getattr(model, "use_distributed_optimizer", False):
             raise ValueError("DistributedOptimizer: model must be a DistributedDataParallel built with "
                              "use_distributed_optimizer=True")
@@ -193,6 +211,7 @@ class DistributedOptimizer:
         self.eps, self.weight_decay, self.adamw = float(eps), float(weight_decay), adamw
         self.clip_grad = float(clip_grad)
         self.loss_scaler = loss_scaler
+        self.expert_model_parallel_group = expert_model_parallel_group
         no_wd = set(no_weight_decay_params or [])
         self.param_to_name = dict(getattr(model, "param_to_name", {}))
 
@@ -230,11 +249,19 @@ class DistributedOptimizer:
         self.lr = torch.full((), float(lr), **f32)
         self.step_count = torch.zeros((), **f32)
         self._one = torch.ones((), **f32)
-        # dp groups with at least one shard, for the norm / inf all-reduces
-        self._groups = []
-        for s in self.shards:
-            if s.buffer.data_parallel_world_size > 1 and all(g is not s.group for g in self._groups):
-                self._groups.append(s.group)
+        # shards grouped by the process group their norm / inf statistics are reduced over
+        expert_buffers = set(map(id, getattr(model, "expert_parallel_buffers", [])))
+        self._stat_groups: List[Tuple[object, bool, List[int]]] = []  # (dp group or None, is_expert, shards)
+        for i, s in enumerate(self.shards):
+            key = s.group if s.buffer.data_parallel_world_size > 1 else None
+            expert = id(s.buffer) in expert_buffers
+            for k, e, idx in self._stat_groups:
+                if k is key and e == expert:
+                    idx.append(i)
+                    break
+            else:
+                self._stat_groups.append((key, expert, [i]))
+        self._amp_check = _has_amp_unscale(device)
         fused_ok = hasattr(torch, "_fused_adamw_") and device is not None and device.type in ("cuda", "cpu")
         uniform_wd = all(s.wd_mask is None for s in self.shards)
         if impl == "fused" and not (fused_ok and uniform_wd):
@@ -283,25 +310,28 @@ class DistributedOptimizer:
             if s.main_grad is not s.grad:
                 s.main_grad.copy_(s.grad)
             grads.append(s.main_grad)
-        if self.loss_scaler is not None:
-            torch._foreach_mul_(grads, torch.reciprocal(self.loss_scaler.scale))
+        inv_scale = torch.reciprocal(self.loss_scaler.scale) if self.loss_scaler is not None else None
 
-        # [nonfinite count, sum of squares] per data-parallel group, summed over groups
-        stats_by_group: List[Tuple[object, torch.Tensor]] = []
-        for s, g in zip(self.shards, grads):
-            key = s.group if s.buffer.data_parallel_world_size > 1 else None
-            for k, t in stats_by_group:
-                if k is key:
-                    break
-            else:
-                t = torch.zeros(2, dtype=torch.float32, device=self.device)
-                stats_by_group.append((key, t))
-            t[0] += torch.logical_not(torch.isfinite(g)).sum()
-            t[1] += torch.linalg.vector_norm(g, 2).square()
+        # [inf flag, sum of squares] per statistics group, all-reduced, then summed
         total = torch.zeros(2, dtype=torch.float32, device=self.device)
-        for key, t in stats_by_group:
-            if key is not None:
-                dist.all_reduce(t, group=key)
+        for group, expert, idx in self._stat_groups:
+            gs = [grads[i] for i in idx]
+            t = torch.zeros(2, dtype=torch.float32, device=self.device)
+            if self._amp_check:  # one fused pass: unscale and flag non-finite values
+                found = torch.zeros(1, dtype=torch.float32, device=self.device)
+                torch._amp_foreach_non_finite_check_and_unscale_(
+                    gs, found, inv_scale.reshape(1) if inv_scale is not None else self._one.reshape(1))
+                t[0] = found[0]
+            else:
+                if inv_scale is not None:
+                    torch._foreach_mul_(gs, inv_scale)
+                for g in gs:
+                    t[0] += torch.logical_not(torch.isfinite(g)).sum()
+            t[1] = torch.stack(torch._foreach_norm(gs)).square().sum()
+            if group is not None:
+                dist.all_reduce(t, group=group)
+            if expert and self.expert_model_parallel_group is not None:
+                dist.all_reduce(t, group=self.expert_model_parallel_group)
             total += t
         found_inf = total[0] > 0
         grad_norm = total[1].sqrt()
