@@ -329,6 +329,7 @@ TRAIN_CFGS = [
     dict(dtype=torch.float32, clip=0.05),
     dict(dtype=torch.bfloat16),
     dict(dtype=torch.bfloat16, grad_fp32=False, overlap=True, bucket_size=500),
+    dict(dtype=torch.float16, grad_fp32=False),
 ]
 
 
@@ -352,9 +353,11 @@ def test_two_ranks_training_memory_inf_allreduce():
     x, y = C.batch(0)
     C.loss_fn(m(x), y).backward()
     for r in res:
-        assert r["allreduce"]["grad_is_none"] and r["allreduce"]["n_groups"] > 2
-        for n, p in m.named_parameters():
-            torch.testing.assert_close(r["allreduce"]["grads"][n], p.grad, atol=1e-6, rtol=1e-5)
+        for mode in ("sum", "avg"):
+            got = r["allreduce"][mode]
+            assert got["grad_is_none"] and got["n_groups"] > 2
+            for n, p in m.named_parameters():
+                torch.testing.assert_close(got["grads"][n], p.grad, atol=1e-6, rtol=1e-5)
 
 
 def test_four_ranks_then_resume_at_two(tmp_path):

@@ -262,16 +262,22 @@ def _main_params(opt, model) -> Dict[str, torch.Tensor]:
 
 
 def allreduce_and_hooks_worker(rank: int, ws: int) -> dict:
-    """Without the distributed optimizer: main_grad is the average of the ranks' grads."""
-    model = make_model(torch.float32)
-    ddp = DistributedDataParallel(model, overlap_grad_reduce=True, bucket_size=200)
-    x, y = batch(0)
-    ddp.zero_grad_buffer()
-    loss_fn(ddp(_local(x, rank, ws)), _local(y, rank, ws)).backward()
-    ddp.finish_grad_sync()
-    return pack({"grads": {n: p.main_grad.clone() for n, p in model.named_parameters()},
+    """Without the distributed optimizer: main_grad is the average of the ranks' grads (pre-scaled
+    sum, and ``ReduceOp.AVG`` with ``average_in_collective``)."""
+    out = {}
+    for avg in (False, True):
+        model = make_model(torch.float32)
+        ddp = DistributedDataParallel(model, overlap_grad_reduce=True, bucket_size=200, average_in_collective=avg)
+        x, y = batch(0)
+        ddp.zero_grad_buffer()
+        loss_fn(ddp(_local(x, rank, ws)), _local(y, rank, ws)).backward()
+        ddp.finish_grad_sync()
+        out["avg" if avg else "sum"] = {
+            "grads": {n: p.main_grad.clone() for n, p in model.named_parameters()},
             "n_groups": len(ddp.all_bucket_groups),
-            "grad_is_none": all(p.grad is None for p in model.parameters())})
+            "grad_is_none": all(p.grad is None for p in model.parameters())}
+    return pack(out)
+
 
 def suite_worker(rank: int, ws: int, tasks: dict) -> bytes:
     """Run several checks in one spawn (each spawn costs seconds of imports).
