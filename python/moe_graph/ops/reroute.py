@@ -29,7 +29,10 @@ def native_available() -> bool:
         load()
     except ImportError:
         return False
-    return torch._C._dispatch_has_kernel_for_dispatch_key(_OP, "CPU")
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(_OP, "CPU")
+    except RuntimeError:  # the loaded extension predates the op
+        return False
 
 
 def reroute_tokens(

@@ -1,0 +1,132 @@
+"""Echo expert weight dispatch and gradient aggregation on real gloo process groups (2, 4, 8 ranks): every rank
+computes the same plan from all-gathered counts, spare slots get exact copies of their home experts, and a toy MoE
+step with echo gives the outputs and home-expert gradients of the same step without echo."""
+
+import pytest
+import torch
+
+from moe_graph.echo import EchoExpertDispatcher, wgrad_accumulate_mask
+from moe_graph.testing.distributed import run_distributed
+
+
+def _toy_moe(x_all, map_all, probs_all, columns, rank):
+    """Every rank computes the experts it hosts for all ranks' tokens (dense then masked, for simplicity); an
+    autograd all-reduce sums the partial outputs and each rank keeps its own tokens."""
+    import torch.distributed.nn.functional as dnn
+
+    partial = torch.zeros_like(x_all)
+    for c, w1, w2 in columns:
+        h = torch.nn.functional.gelu(x_all @ w1.t()) @ w2.t()
+        partial = partial + (probs_all[..., c] * map_all[..., c].to(probs_all.dtype)).unsqueeze(-1) * h
+    return dnn.all_reduce(partial)[rank]
+
+
+def _gather(t):
+    import torch.distributed as dist
+
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t.contiguous())
+    return torch.stack(out)
+
+
+def _echo_worker(rank, world, seed):
+    import torch.distributed as dist
+
+    from moe_graph import planner as P
+    from moe_graph.echo import AllGatherBackend, AllToAllBackend, default_backend, dispatch_spare_weights
+    from moe_graph.testing.echo_reference import zipf_routing
+
+    torch.manual_seed(0)
+    R, L, T, H, F = world, 2, 24, 8, 12
+    E = R * L
+    dt = torch.float64
+    g = torch.Generator().manual_seed(seed)  # same on every rank: global weights
+    fc1_all = torch.randn(E, F, H, generator=g, dtype=dt) / 3
+    fc2_all = torch.randn(E, H, F, generator=g, dtype=dt) / 3
+    gr = torch.Generator().manual_seed(seed * 1000 + rank)  # per-rank tokens and routing
+    rm = zipf_routing(T, E, 2, 1.5, torch.Generator().manual_seed(seed * 1000 + rank), permute=False)
+    probs = torch.rand(T, E, generator=gr, dtype=dt)
+    x = torch.randn(T, H, generator=gr, dtype=dt)
+    target = torch.randn(T, H, generator=gr, dtype=dt)
+    counts = _gather(rm.sum(0).to(torch.int64))  # [R, E], identical everywhere
+    x_all = _gather(x)
+    home_cols = list(range(rank * L, (rank + 1) * L))
+
+    def home_params():
+        fc1 = fc1_all[rank * L : (rank + 1) * L].clone().requires_grad_()
+        fc2 = fc2_all[rank * L : (rank + 1) * L].clone().requires_grad_()
+        return fc1, fc2
+
+    # reference: no echo
+    fc1, fc2 = home_params()
+    cols = [(c, fc1[i], fc2[i]) for i, c in enumerate(home_cols)]
+    out_ref = _toy_moe(x_all, _gather(rm.to(torch.uint8)), _gather(probs), cols, rank)
+    (out_ref * target).sum().backward()
+    ref = (out_ref.detach(), fc1.grad.clone(), fc2.grad.clone())
+
+    results = {"default_backend": type(default_backend()).__name__, "cases": []}
+    for backend in (AllToAllBackend(), AllGatherBackend()):
+        for k in (1, 2):
+            S = R * k
+            new_map, new_probs, omap = P.gen_offloading_plan(rm, probs, counts, rank, R, k)
+            assert torch.equal(new_map.sum(1), rm.sum(1))
+            d = EchoExpertDispatcher(E, R, rank, k, backend=backend)
+            for use_main_grad in (False, True):
+                fc1, fc2 = home_params()
+                if use_main_grad:
+                    fc1.main_grad = torch.zeros_like(fc1)
+                    fc2.main_grad = torch.zeros_like(fc2)
+                s1, s2 = dispatch_spare_weights(d, omap, [fc1, fc2])
+                assert s1.shape == (k, F, H) and s2.shape == (k, H, F)
+                # spare slots hold exact copies of their home experts (zeros when unused)
+                for i in range(k):
+                    col = omap[:, rank * k + i]
+                    if col.any():
+                        e = int(col.to(torch.int8).argmax())
+                        assert torch.equal(s1[i], fc1_all[e]) and torch.equal(s2[i], fc2_all[e])
+                    else:
+                        assert not s1[i].any() and not s2[i].any()
+                cols = [(c, fc1[i], fc2[i]) for i, c in enumerate(home_cols)]
+                cols += [(E + rank * k + i, s1[i], s2[i]) for i in range(k)]
+                out = _toy_moe(x_all, _gather(new_map.to(torch.uint8)), _gather(new_probs), cols, rank)
+                (out * target).sum().backward()
+                g1 = fc1.grad + (fc1.main_grad if use_main_grad else 0)
+                g2 = fc2.grad + (fc2.main_grad if use_main_grad else 0)
+                torch.testing.assert_close(out.detach(), ref[0], rtol=1e-12, atol=1e-12)
+                torch.testing.assert_close(g1, ref[1], rtol=1e-12, atol=1e-12)
+                torch.testing.assert_close(g2, ref[2], rtol=1e-12, atol=1e-12)
+            results["cases"].append(
+                # plain lists: tensors sent through the result queue would need the (exited) child's shared memory
+                {"k": k, "backend": type(backend).__name__, "omap": omap.tolist(), "moved": int(new_map[:, E:].sum()),
+                 "counts": counts.tolist()}
+            )
+    return results
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_echo_gloo(world):
+    res = run_distributed(_echo_worker, world, 3 + world)
+    for case_idx in range(len(res[0]["cases"])):
+        maps = [torch.tensor(r["cases"][case_idx]["omap"]) for r in res]
+        for m in maps[1:]:
+            assert torch.equal(m, maps[0]), "every rank must compute the same expert_offloading_map"
+        c = res[0]["cases"][case_idx]
+        assert maps[0].shape == (2 * world, world * c["k"])
+        for r in res:
+            assert r["cases"][case_idx]["counts"] == c["counts"]
+    # the skewed routing actually moved tokens somewhere (the test exercises the echo path)
+    assert sum(r["cases"][0]["moved"] for r in res) > 0
+    assert res[0]["default_backend"] in ("AllToAllBackend", "AllGatherBackend")
+
+
+def test_argument_errors():
+    d = EchoExpertDispatcher(8, 4, 1, 2)
+    with pytest.raises(ValueError, match="expert_offloading_map"):
+        d.slot_homes(torch.zeros(8, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"home_weights\[1\]"):
+        d._check_weights([torch.zeros(2, 3), torch.zeros(3, 3)])
+    with pytest.raises(ValueError, match="divisible"):
+        EchoExpertDispatcher(7, 4, 0, 1)
+    with pytest.raises(ValueError, match="ep_rank"):
+        EchoExpertDispatcher(8, 4, 4, 1)
+    assert wgrad_accumulate_mask(3, 2).tolist() == [True, True, True, False, False]
