@@ -1,0 +1,73 @@
+// The one place where moe_graph's torch ops are declared (schemas) and their CPU / CUDA implementations are
+// registered. Kernels live in csrc/<family>/ and know nothing of torch; the torch-level glue (argument checks,
+// allocation, stream) lives next to them in <family>_ops.cpp and is declared in <family>_ops.h.
+#include <torch/library.h>
+
+#include "common/error_flag_torch.h"
+#include "grouped_gemm/grouped_gemm_ops.h"
+#include "reroute/reroute_ops.h"
+
+namespace moe_graph {
+namespace {
+
+int64_t check_errors_impl(const at::Tensor& device_like) { return read_and_clear_error_flag(device_like.device()); }
+
+}  // namespace
+}  // namespace moe_graph
+
+TORCH_LIBRARY(moe_graph, m) {
+  // ---- device error flag -------------------------------------------------------------------------------
+  // Reads and clears the flag of the device of `device_like` (any tensor on that device). Syncs by design.
+  m.def("read_error_flag(Tensor device_like) -> int");
+
+  // ---- grouped GEMM ------------------------------------------------------------------------------------
+  // a [M, K]; b: one [E, N, K] (trans_b) / [E, K, N] tensor, or E 2-D tensors; m_splits int32/int64 [E];
+  // bias [E, N] or None. Rows past sum(m_splits) are zero.
+  m.def("grouped_gemm(Tensor a, Tensor[] b, Tensor m_splits, bool trans_b, Tensor? bias) -> Tensor");
+  m.def("grouped_gemm_out(Tensor a, Tensor[] b, Tensor m_splits, bool trans_b, Tensor? bias, Tensor(a!) out) -> ()");
+  // dW_e = dy_e^T @ a_e -> [E, N, K] in `out_dtype` (default: a's dtype).
+  m.def("grouped_gemm_wgrad(Tensor a, Tensor dy, Tensor m_splits, ScalarType? out_dtype) -> Tensor");
+  // In place into `out` (one [E, N, K] tensor or E [N, K] tensors, fp32 or a's dtype). accumulate_mask: bool
+  // [E] on the device (accumulate where true, overwrite where false); None means `accumulate` for all.
+  m.def(
+      "grouped_gemm_wgrad_out(Tensor a, Tensor dy, Tensor m_splits, Tensor(a!)[] out, bool accumulate, "
+      "Tensor? accumulate_mask) -> ()");
+  // Bias gradient: db[e] = sum of dy rows of expert e -> [E, N] fp32.
+  m.def("grouped_bias_grad(Tensor dy, Tensor m_splits) -> Tensor");
+
+  // ---- token rerouting (echo experts) ------------------------------------------------------------------
+  // routing_map [T, E] bool, probs [T, E], tokens_to_spare [S] int, home_to_spare_map [E, S] bool
+  // -> (rerouted_routing_map [T, E+S] bool, rerouted_probs [T, E+S]); see csrc/reroute/reroute.h.
+  m.def(
+      "reroute_tokens(Tensor routing_map, Tensor probs, Tensor tokens_to_spare, Tensor home_to_spare_map) -> "
+      "(Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(moe_graph, CompositeExplicitAutograd, m) {
+  m.impl("read_error_flag", &moe_graph::check_errors_impl);
+}
+
+TORCH_LIBRARY_IMPL(moe_graph, CPU, m) {
+  m.impl("grouped_gemm", &moe_graph::grouped_gemm_cpu);
+  m.impl("grouped_gemm_out", &moe_graph::grouped_gemm_out_cpu);
+  m.impl("grouped_gemm_wgrad", &moe_graph::grouped_gemm_wgrad_cpu);
+  m.impl("grouped_gemm_wgrad_out", &moe_graph::grouped_gemm_wgrad_out_cpu);
+  m.impl("grouped_bias_grad", &moe_graph::grouped_bias_grad_cpu);
+  m.impl("reroute_tokens", &moe_graph::reroute_tokens_cpu);
+}
+
+#ifdef MOE_GRAPH_WITH_CUDA
+TORCH_LIBRARY_IMPL(moe_graph, CUDA, m) {
+  m.impl("grouped_gemm", &moe_graph::grouped_gemm_cuda);
+  m.impl("grouped_gemm_out", &moe_graph::grouped_gemm_out_cuda);
+  m.impl("grouped_gemm_wgrad", &moe_graph::grouped_gemm_wgrad_cuda);
+  m.impl("grouped_gemm_wgrad_out", &moe_graph::grouped_gemm_wgrad_out_cuda);
+  m.impl("grouped_bias_grad", &moe_graph::grouped_bias_grad_cuda);
+  m.impl("reroute_tokens", &moe_graph::reroute_tokens_cuda);
+}
+#endif
+
+// Python module `moe_graph._C`: importing it runs the registrations above.
+#include <Python.h>
+static struct PyModuleDef moe_graph_c_module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+PyMODINIT_FUNC PyInit__C(void) { return PyModule_Create(&moe_graph_c_module); }

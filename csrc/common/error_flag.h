@@ -1,0 +1,50 @@
+// Device error flag: conditions that can only be known on the device (a bad m_splits, a plan that asks for
+// more tokens than exist) set a bit here instead of reading or writing out of bounds. The flag lives in
+// device memory (one int32 per device, plus one in host memory for the CPU kernels) and is read and cleared
+// only by moe_graph.check_errors(), the one call that syncs by design.
+//
+// This header is torch-free: kernels include it and receive the flag as a plain `int32_t*`.
+#pragma once
+#include <cstdint>
+
+namespace moe_graph {
+
+enum ErrorCode : int32_t {
+  kErrSplitsOverflow = 1 << 0,   // sum(m_splits) > rows of the buffer: clamped
+  kErrNegativeSplit = 1 << 1,    // an m_splits entry < 0: treated as 0
+  kErrRerouteOverAsk = 1 << 2,   // reroute plan asked to move more tokens than are routed locally: clamped
+  kErrPlanInvalid = 1 << 3,      // other inconsistent plan input (e.g. negative token counts)
+  kErrCapacityDrop = 1 << 4,     // tokens dropped past a static capacity
+};
+
+// Human-readable text for each bit, used by check_errors().
+inline const char* error_text(int32_t bit) {
+  switch (bit) {
+    case kErrSplitsOverflow:
+      return "sum(m_splits) exceeded the number of rows of the input/output buffer (rows past the buffer were "
+             "not computed)";
+    case kErrNegativeSplit:
+      return "m_splits contained a negative count (treated as 0)";
+    case kErrRerouteOverAsk:
+      return "reroute_tokens: the plan asked to move more tokens of a home expert than are routed to it locally "
+             "(clamped)";
+    case kErrPlanInvalid:
+      return "an offloading plan input was inconsistent (negative counts)";
+    case kErrCapacityDrop:
+      return "tokens were dropped because a static capacity was exceeded";
+    default:
+      return "unknown error bit";
+  }
+}
+
+#if defined(__CUDACC__)
+__device__ __forceinline__ void set_device_error(int32_t* flag, int32_t code) {
+  if (flag != nullptr) atomicOr(flag, code);
+}
+#endif
+
+inline void set_host_error(int32_t* flag, int32_t code) {
+  if (flag != nullptr) __atomic_fetch_or(flag, code, __ATOMIC_RELAXED);
+}
+
+}  // namespace moe_graph

@@ -1,0 +1,17 @@
+// Torch-level access to the per-device error flag (see error_flag.h).
+#pragma once
+#include <ATen/ATen.h>
+
+#include <cstdint>
+
+namespace moe_graph {
+
+// Pointer to the int32 error flag of `device` (device memory for CUDA, host memory for CPU). The CUDA flag is
+// allocated on first use through PyTorch's allocator and lives for the process; call ensure_error_flag() (the
+// Python wrappers do, outside of graph capture) before capturing.
+int32_t* error_flag_ptr(const at::Device& device);
+
+// Reads and clears the flag of `device`; returns the bits that were set. Syncs the device (by design).
+int64_t read_and_clear_error_flag(const at::Device& device);
+
+}  // namespace moe_graph

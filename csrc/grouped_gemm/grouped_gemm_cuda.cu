@@ -1,0 +1,314 @@
+// Arch-neutral part of the CUDA grouped GEMM: configuration choice, dispatch to the per-arch CUTLASS
+// instantiations, and the small kernels around them (pointer tables, rows past the splits, bias, zero-fill of
+// overwritten wgrad experts, bias gradient). Torch-free.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+
+#include "common/cuda_check.h"
+#include "common/error_flag.h"
+#include "grouped_gemm/grouped_args.cuh"
+#include "grouped_gemm/grouped_configs.h"
+#include "grouped_gemm/grouped_gemm.h"
+
+namespace moe_graph {
+namespace gg {
+
+const char* config_name(Config c) {
+  switch (c) {
+    case Config::kAuto:
+      return "auto";
+    case Config::kSm90Cooperative:
+      return "sm90_cooperative";
+    case Config::kSm90Pingpong:
+      return "sm90_pingpong";
+    case Config::kSm100OneSm:
+      return "sm100_1sm";
+    case Config::kSm100TwoSm:
+      return "sm100_2sm";
+  }
+  return "?";
+}
+
+const char* compiled_archs() {
+  return ""
+#if defined(MOE_GRAPH_BUILD_SM90)
+         "sm90a "
+#endif
+#if defined(MOE_GRAPH_BUILD_SM100)
+         "sm100a"
+#endif
+      ;
+}
+
+bool arch_supported(int arch) {
+#if defined(MOE_GRAPH_BUILD_SM90)
+  if (arch == 90) return true;
+#endif
+#if defined(MOE_GRAPH_BUILD_SM100)
+  if (arch == 100) return true;
+#endif
+  (void)arch;
+  return false;
+}
+
+// The heuristics see only host-known shapes: the capacity `rows`, the expert count and n/k.
+Config choose_forward_config(int arch, int64_t rows, int num_experts, int64_t n, int64_t k) {
+  (void)k;
+  const int64_t avg_rows = num_experts > 0 ? rows / num_experts : rows;
+  if (arch / 10 == 9) return avg_rows <= 64 ? Config::kSm90Pingpong : Config::kSm90Cooperative;
+  return (avg_rows >= 256 && n >= 256) ? Config::kSm100TwoSm : Config::kSm100OneSm;
+}
+
+Config choose_wgrad_config(int arch, int64_t, int, int64_t, int64_t) {
+  return arch / 10 == 9 ? Config::kSm90Cooperative : Config::kSm100TwoSm;
+}
+
+namespace {
+
+
+constexpr int kPtrChunk = 256;  // 2 KB of pointers per launch: fits the kernel-parameter limit everywhere
+struct PtrChunk {
+  const void* p[kPtrChunk];
+};
+
+__global__ void copy_ptrs_kernel(PtrChunk chunk, int count, const void** dst) {
+  const int i = threadIdx.x;
+  if (i < count) dst[i] = chunk.p[i];
+}
+
+// Copies a host array of device pointers into device memory with by-value kernel arguments (capturable).
+const void** device_ptr_table(const void* const* host, int n, const LaunchEnv& env) {
+  auto* table = static_cast<const void**>(env.alloc(sizeof(void*) * std::max(n, 1)));
+  for (int base = 0; base < n; base += kPtrChunk) {
+    PtrChunk chunk{};
+    const int count = std::min(kPtrChunk, n - base);
+    for (int i = 0; i < count; ++i) chunk.p[i] = host[base + i];
+    copy_ptrs_kernel<<<1, kPtrChunk, 0, env.stream>>>(chunk, count, table + base);
+    check_launch("copy_ptrs_kernel");
+  }
+  return table;
+}
+
+// Index of the expert owning row r (< total): the last e with offsets[e] <= r.
+__device__ __forceinline__ int expert_of_row(const int64_t* offsets, int num_experts, int64_t r) {
+  int lo = 0, hi = num_experts - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (offsets[mid] <= r)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  return lo;
+}
+
+// Explicit conversions: torch builds define __CUDA_NO_HALF_CONVERSIONS__ / __CUDA_NO_BFLOAT16_CONVERSIONS__.
+__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
+template <class T>
+__device__ __forceinline__ T from_f32(float x);
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
+template <>
+__device__ __forceinline__ __half from_f32<__half>(float x) { return __float2half(x); }
+
+struct alignas(16) Vec16 {
+  uint32_t w[4];
+};
+
+// Rows past the clamped total become zero; rows of expert e get bias[e] added (16-bit types, n % 8 == 0).
+template <class T>
+__global__ void rows_fixup_kernel(T* out, const T* bias, const int64_t* offsets, int num_experts, int64_t rows,
+                                  int n) {
+  const int64_t total = offsets[num_experts];
+  const int vec_per_row = n / 8;
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    if (r < total && bias == nullptr) {
+      // Only rows past the total need work: jump straight there.
+      const int64_t skip = (total - r + gridDim.x - 1) / gridDim.x;
+      r += (skip - 1) * gridDim.x;
+      continue;
+    }
+    Vec16* row = reinterpret_cast<Vec16*>(out + r * n);
+    if (r >= total) {
+      for (int v = threadIdx.x; v < vec_per_row; v += blockDim.x) row[v] = Vec16{{0u, 0u, 0u, 0u}};
+    } else {
+      const int e = expert_of_row(offsets, num_experts, r);
+      const Vec16* b = reinterpret_cast<const Vec16*>(bias + static_cast<int64_t>(e) * n);
+      for (int v = threadIdx.x; v < vec_per_row; v += blockDim.x) {
+        Vec16 x = row[v];
+        const Vec16 y = b[v];
+        T* xs = reinterpret_cast<T*>(&x);
+        const T* ys = reinterpret_cast<const T*>(&y);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) xs[j] = from_f32<T>(to_f32(xs[j]) + to_f32(ys[j]));
+        row[v] = x;
+      }
+    }
+  }
+}
+
+// Zeroes out_e for experts whose result overwrites (mask false / !accumulate_all) when either the accumulating
+// kernel runs (it adds into out_e) or the expert has no rows (no GEMM tile writes it).
+__global__ void wgrad_zero_kernel(void* out_base, int64_t expert_bytes, void* const* out_table,
+                                  const int64_t* offsets, const bool* mask, bool accumulate_all,
+                                  bool accumulating_kernel, int num_experts) {
+  const int e = blockIdx.y;
+  if (e >= num_experts) return;
+  const bool acc = mask ? mask[e] : accumulate_all;
+  const bool empty = offsets[e + 1] == offsets[e];
+  if (acc || !(accumulating_kernel || empty)) return;
+  char* base = out_table ? static_cast<char*>(out_table[e]) : static_cast<char*>(out_base) + e * expert_bytes;
+  Vec16* p = reinterpret_cast<Vec16*>(base);
+  const int64_t nvec = expert_bytes / 16;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < nvec; i += int64_t(gridDim.x) * blockDim.x)
+    p[i] = Vec16{{0u, 0u, 0u, 0u}};
+}
+
+__global__ void __launch_bounds__(detail::kArgThreads)
+    offsets_kernel(const void* splits, bool is_int64, int num_experts, int64_t rows, int64_t* offsets,
+                   int32_t* error_flag) {
+  detail::for_each_expert_span(splits, is_int64, num_experts, rows, error_flag, offsets,
+                               [](int, int64_t, int64_t) {});
+}
+
+// db[e, c] += sum of dy[r, c] over a chunk of rows, flushing at expert boundaries (fp32 atomics).
+template <class T>
+__global__ void bias_grad_kernel(const T* dy, const int64_t* offsets, int num_experts, int64_t rows_per_chunk, int n,
+                                 float* db) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= n) return;
+  const int64_t total = offsets[num_experts];
+  const int64_t r0 = blockIdx.y * rows_per_chunk;
+  const int64_t r1 = min(total, r0 + rows_per_chunk);
+  if (r0 >= r1) return;
+  int e = expert_of_row(offsets, num_experts, r0);
+  int64_t next = offsets[e + 1];
+  float acc = 0.f;
+  for (int64_t r = r0; r < r1; ++r) {
+    while (r >= next) {  // crossed into the next non-empty expert
+      atomicAdd(db + static_cast<int64_t>(e) * n + c, acc);
+      acc = 0.f;
+      ++e;
+      next = offsets[e + 1];
+    }
+    acc += to_f32(dy[r * n + c]);
+  }
+  atomicAdd(db + static_cast<int64_t>(e) * n + c, acc);
+}
+
+void check_family(int arch) {
+  if (!arch_supported(arch)) {
+    std::ostringstream os;
+    os << "moe_graph grouped GEMM: no kernel for compute capability " << arch / 10 << "." << arch % 10
+       << " in this build (compiled for: " << compiled_archs()
+       << "); rebuild with MOE_GRAPH_ARCHS including this GPU (90a for Hopper, 100a for B200/GB200)";
+    throw std::runtime_error(os.str());
+  }
+}
+
+void check_config(Config cfg, int arch) {
+  const bool sm90 = cfg == Config::kSm90Cooperative || cfg == Config::kSm90Pingpong;
+  const bool sm100 = cfg == Config::kSm100OneSm || cfg == Config::kSm100TwoSm;
+  if ((arch / 10 == 9 && !sm90) || (arch / 10 == 10 && !sm100)) {
+    std::ostringstream os;
+    os << "moe_graph grouped GEMM: config " << config_name(cfg) << " cannot run on compute capability " << arch / 10
+       << "." << arch % 10;
+    throw std::runtime_error(os.str());
+  }
+}
+
+template <class T>
+void launch_rows_fixup(const ForwardProblem& p, const LaunchEnv& env, const int64_t* offsets) {
+  if (p.rows == 0) return;
+  const int blocks = static_cast<int>(std::min<int64_t>(p.rows, int64_t(env.sm_count) * 8));
+  const int threads = static_cast<int>(std::min<int64_t>(256, std::max<int64_t>(32, p.n / 8)));
+  rows_fixup_kernel<T><<<blocks, threads, 0, env.stream>>>(static_cast<T*>(p.out), static_cast<const T*>(p.bias),
+                                                          offsets, p.splits.num_experts, p.rows,
+                                                          static_cast<int>(p.n));
+  check_launch("rows_fixup_kernel");
+}
+
+}  // namespace
+
+void run_forward(const ForwardProblem& p, const LaunchEnv& env) {
+  check_family(env.arch);
+  const int e = p.splits.num_experts;
+  const Config cfg =
+      p.config == Config::kAuto ? choose_forward_config(env.arch, p.rows, e, p.n, p.k) : p.config;
+  check_config(cfg, env.arch);
+  auto* offsets = static_cast<int64_t*>(env.alloc(sizeof(int64_t) * (e + 1)));
+  const void* const* b_table = p.b.list ? device_ptr_table(p.b.list, e, env) : nullptr;
+  bool ran = false;
+#if defined(MOE_GRAPH_BUILD_SM90)
+  if (env.arch / 10 == 9) ran = detail::forward_sm90(p, env, cfg, b_table, offsets);
+#endif
+#if defined(MOE_GRAPH_BUILD_SM100)
+  if (env.arch / 10 == 10) ran = detail::forward_sm100(p, env, cfg, b_table, offsets);
+#endif
+  if (!ran) throw std::runtime_error(std::string("moe_graph grouped GEMM: no kernel for dtype ") + dtype_name(p.dtype));
+  if (p.dtype == DType::kBF16)
+    launch_rows_fixup<__nv_bfloat16>(p, env, offsets);
+  else
+    launch_rows_fixup<__half>(p, env, offsets);
+}
+
+void run_wgrad(const WgradProblem& p, const LaunchEnv& env) {
+  check_family(env.arch);
+  const int e = p.splits.num_experts;
+  auto* offsets = static_cast<int64_t*>(env.alloc(sizeof(int64_t) * (e + 1)));
+  void* const* out_table =
+      p.out.list ? const_cast<void* const*>(reinterpret_cast<const void* const*>(device_ptr_table(p.out.list, e, env)))
+                 : nullptr;
+  // fp32 output always goes through the accumulating kernel (C = D); 16-bit output accumulates only when every
+  // expert does (a per-expert mask with 16-bit output also uses the accumulating kernel).
+  const bool accumulating_kernel =
+      p.out_dtype == DType::kF32 || p.accumulate_mask != nullptr || p.accumulate_all;
+  const int64_t elem = p.out_dtype == DType::kF32 ? 4 : 2;
+  const int64_t expert_bytes = p.n * p.k * elem;
+  auto zero_fill = [&]() {
+    const int64_t nvec = expert_bytes / 16;
+    const int bx = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(64, (nvec + 255) / 256)));
+    dim3 grid(bx, e);
+    wgrad_zero_kernel<<<grid, 256, 0, env.stream>>>(const_cast<void*>(p.out.base), expert_bytes, out_table, offsets,
+                                                    p.accumulate_mask, p.accumulate_all, accumulating_kernel, e);
+    check_launch("wgrad_zero_kernel");
+  };
+  bool ran = false;
+#if defined(MOE_GRAPH_BUILD_SM90)
+  if (env.arch / 10 == 9) ran = detail::wgrad_sm90(p, env, accumulating_kernel, out_table, offsets, zero_fill);
+#endif
+#if defined(MOE_GRAPH_BUILD_SM100)
+  if (env.arch / 10 == 10) ran = detail::wgrad_sm100(p, env, accumulating_kernel, out_table, offsets, zero_fill);
+#endif
+  if (!ran) throw std::runtime_error(std::string("moe_graph grouped wgrad: no kernel for dtype ") + dtype_name(p.dtype));
+}
+
+void run_bias_grad(const BiasGradProblem& p, const LaunchEnv& env) {
+  const int e = p.splits.num_experts;
+  auto* offsets = static_cast<int64_t*>(env.alloc(sizeof(int64_t) * (e + 1)));
+  offsets_kernel<<<1, detail::kArgThreads, 0, env.stream>>>(p.splits.ptr, p.splits.is_int64, e, p.rows, offsets,
+                                                            env.error_flag);
+  check_launch("offsets_kernel");
+  check_cuda(cudaMemsetAsync(p.out, 0, sizeof(float) * e * p.n, env.stream), "bias grad memset");
+  if (p.rows == 0 || p.n == 0) return;
+  const int64_t chunk = 256;
+  dim3 grid(static_cast<unsigned>((p.n + 127) / 128), static_cast<unsigned>((p.rows + chunk - 1) / chunk));
+  if (p.dtype == DType::kBF16)
+    bias_grad_kernel<__nv_bfloat16><<<grid, 128, 0, env.stream>>>(static_cast<const __nv_bfloat16*>(p.dy), offsets, e,
+                                                                  chunk, static_cast<int>(p.n), p.out);
+  else
+    bias_grad_kernel<__half><<<grid, 128, 0, env.stream>>>(static_cast<const __half*>(p.dy), offsets, e, chunk,
+                                                           static_cast<int>(p.n), p.out);
+  check_launch("bias_grad_kernel");
+}
+
+}  // namespace gg
+}  // namespace moe_graph

@@ -1,0 +1,74 @@
+"""Benchmark helpers shared by benchmarks/: device timing, result files, environment stamp."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import statistics
+import subprocess
+from typing import Callable, Dict, List
+
+import torch
+
+
+def time_cuda(fn: Callable[[], object], warmup: int = 5, reps: int = 20) -> float:
+    """Median milliseconds of ``fn`` over ``reps`` runs, timed with CUDA events (after ``warmup`` runs)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times: List[float] = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e))
+    return statistics.median(times)
+
+
+def time_cpu(fn: Callable[[], object], warmup: int = 2, reps: int = 10) -> float:
+    """Median milliseconds of ``fn`` on the host clock."""
+    import time
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def git_commit() -> str:
+    try:
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=root, text=True, stderr=subprocess.DEVNULL).strip()
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+def environment() -> Dict[str, object]:
+    env = {"torch": torch.__version__, "cuda": torch.version.cuda, "commit": git_commit(),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        env.update(gpu=p.name, sm_count=p.multi_processor_count, capability=f"{p.major}.{p.minor}")
+    return env
+
+
+def results_path(prefix: str) -> str:
+    """benchmarks/results/<prefix>-<gpu or cpu>-<date>.json"""
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))), "benchmarks", "results")
+    os.makedirs(root, exist_ok=True)
+    dev = torch.cuda.get_device_name().replace(" ", "_").replace("/", "_") if torch.cuda.is_available() else "cpu"
+    day = datetime.date.today().isoformat()
+    return os.path.join(root, f"{prefix}-{dev}-{day}.json")
+
+
+def write_json(path: str, payload: Dict[str, object]) -> None:
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=1)
+    print(f"wrote {path}")

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Idempotent set-up of a fresh machine: Python packages, then an incremental build of moe_graph._C in place
+# (python/moe_graph/_C*.so). CUDA kernels are built when nvcc and a CUDA build of torch are present.
+# Fails if the build fails or if ptxas serialized a wgmma pipeline (warning C7510).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+
+missing=()
+$PY -c "import torch" 2>/dev/null || missing+=("torch==2.14.1")  # CUDA build: needed to compile the kernels
+for mod_pkg in cutlass_library:nvidia-cutlass pybind11:pybind11 ninja:ninja pytest:pytest hypothesis:hypothesis \
+               expecttest:expecttest numpy:numpy matplotlib:matplotlib; do
+  $PY -c "import ${mod_pkg%%:*}" 2>/dev/null || missing+=("${mod_pkg##*:}")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "[setup] installing: ${missing[*]}"
+  $PY -m pip install -q "${missing[@]}"
+fi
+
+mkdir -p build
+echo "[setup] building moe_graph._C (log: build/build.log)"
+if ! MAX_JOBS=${MAX_JOBS:-2} $PY setup.py build_ext --inplace > build/build.log 2>&1; then
+  grep -E "error|Error" build/build.log | head -40 || true
+  tail -20 build/build.log
+  echo "[setup] BUILD FAILED" >&2
+  exit 1
+fi
+sed -n '/moe_graph build summary/,/^====/p' build/build.log
+if grep -q "C7510" build/build.log; then
+  grep -n "C7510" build/build.log | head
+  echo "[setup] ptxas warning C7510 (wgmma pipeline serialized): failing the build" >&2
+  exit 1
+fi
+echo "[setup] ok"

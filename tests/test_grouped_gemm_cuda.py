@@ -1,0 +1,169 @@
+"""CUDA grouped GEMM vs the CPU/float64 reference, sync-freedom and CUDA-graph capture (skipped without CUDA)."""
+
+import pytest
+import torch
+
+from conftest import requires_cuda
+from moe_graph import GroupedLinear
+from moe_graph.ops import check_errors, grouped_gemm, grouped_gemm_wgrad, read_error_flag
+from moe_graph.testing.grouped_gemm_ref import random_splits, ref_grouped_gemm, ref_wgrad, rel_err
+
+pytestmark = requires_cuda
+DEV = "cuda"
+
+
+def _tol(dtype):
+    return 1e-2 if dtype == torch.bfloat16 else 2e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("trans_b", [True, False])
+@pytest.mark.parametrize(
+    "E,K,N,T,pattern",
+    [
+        (8, 256, 512, 1000, "random"),
+        (8, 136, 264, 700, "zipf"),  # K, N multiples of 8 but not of any tile
+        (1, 128, 128, 333, "random"),
+        (16, 512, 256, 2048, "one"),
+        (256, 128, 64, 4096, "random"),
+        (1024, 64, 64, 4096, "zipf"),
+    ],
+)
+def test_forward_matches_reference(gen, dtype, trans_b, E, K, N, T, pattern):
+    splits = [0] * E if pattern == "one" else random_splits(E, T, gen, zipf=1.2 if pattern == "zipf" else 0.0)
+    if pattern == "one":
+        splits[E // 2] = T
+    M = T + 40  # capacity rows
+    a = torch.randn(M, K, generator=gen).to(dtype)
+    shape = (E, N, K) if trans_b else (E, K, N)
+    w = (torch.randn(*shape, generator=gen) / K**0.5).to(dtype)
+    bias = torch.randn(E, N, generator=gen).to(dtype)
+    y = grouped_gemm(a.to(DEV), w.to(DEV), torch.tensor(splits, device=DEV), trans_b=trans_b, bias=bias.to(DEV))
+    torch.cuda.synchronize()
+    ref = ref_grouped_gemm(a, w, splits, trans_b, bias=bias)
+    assert rel_err(y, ref) < _tol(dtype)
+    assert torch.all(y[T:] == 0)
+    check_errors()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_list_weights_and_poisoned_out(gen, dtype):
+    E, K, N = 5, 64, 128
+    splits = [30, 0, 17, 0, 50]
+    a = torch.randn(110, K, generator=gen).to(dtype)
+    ws = [(torch.randn(N, K, generator=gen) / 8).to(dtype) for _ in range(E)]
+    out = torch.full((110, N), float("nan"), dtype=dtype, device=DEV)
+    grouped_gemm(a.to(DEV), [w.to(DEV) for w in ws], torch.tensor(splits, dtype=torch.int32, device=DEV), out=out)
+    assert not torch.isnan(out).any()
+    assert rel_err(out, ref_grouped_gemm(a, ws, splits)) < _tol(dtype)
+
+
+def test_overflow_sets_flag_and_stays_in_bounds(gen):
+    a = torch.randn(64, 64, device=DEV, dtype=torch.bfloat16)
+    w = torch.randn(2, 64, 64, device=DEV, dtype=torch.bfloat16)
+    guard = torch.full((64 * 2, 64), 7.0, device=DEV, dtype=torch.bfloat16)
+    out = guard[:64]  # rows 64.. of `guard` must stay untouched
+    grouped_gemm(a, w, torch.tensor([40, 40], device=DEV), out=out)
+    assert torch.all(guard[64:] == 7.0)
+    assert rel_err(out, ref_grouped_gemm(a.cpu(), w.cpu(), [40, 40])) < 1e-2
+    with pytest.raises(RuntimeError, match="exceeded the rows"):
+        check_errors()
+    check_errors()
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("accumulate", [False, True, "mask"])
+def test_wgrad_matches_reference(gen, out_dtype, accumulate):
+    E, K, N, M = 6, 192, 128, 900
+    splits = random_splits(E, 800, gen)
+    splits[2] = 0
+    a = torch.randn(M, K, generator=gen).bfloat16()
+    dy = torch.randn(M, N, generator=gen).bfloat16()
+    init = torch.randn(E, N, K, generator=gen).to(out_dtype)
+    acc_list = [bool(x) for x in torch.randint(0, 2, (E,), generator=gen)] if accumulate == "mask" else [accumulate] * E
+    acc = torch.tensor(acc_list, device=DEV) if accumulate == "mask" else accumulate
+    out = init.to(DEV)
+    if not accumulate:
+        out[2] = float("nan")
+    grouped_gemm_wgrad(a.to(DEV), dy.to(DEV), torch.tensor(splits, device=DEV), out=list(out.unbind(0)), accumulate=acc)
+    ref = ref_wgrad(a, dy, splits, out_init=init, accumulate=acc_list)
+    assert rel_err(out, ref) < (1e-2 if out_dtype == torch.bfloat16 else 2e-3)
+    assert not torch.isnan(out).any()
+
+
+def test_no_host_sync_on_hot_path(gen):
+    layer = GroupedLinear(8, 256, 512, device=DEV, params_dtype=torch.bfloat16)
+    x = torch.randn(1024, 256, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    splits = torch.tensor(random_splits(8, 1000, gen), device=DEV)
+    layer(x, splits).sum().backward()  # warm-up (allocates the error flag)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        y = layer(x, splits)
+        y.float().pow(2).sum().backward()
+        grouped_gemm_wgrad(x.detach(), y.detach(), splits)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_cuda_graph_capture_replay_with_changing_splits(gen, fuse):
+    E, fin, fout, M = 8, 256, 384, 2048
+    layer = GroupedLinear(E, fin, fout, device=DEV, params_dtype=torch.bfloat16, fuse_wgrad_accumulation=fuse)
+    ws = layer._weights()
+    if fuse:
+        for w in ws:
+            w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device=DEV)
+    x = torch.randn(M, fin, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(M, fout, device=DEV, dtype=torch.bfloat16)
+    splits = torch.zeros(E, dtype=torch.int64, device=DEV)
+
+    def step():
+        y = layer(x, splits)
+        y.backward(g)
+        return y
+
+    def grads():
+        return [(w.main_grad if fuse else w.grad) for w in ws] + [x.grad]
+
+    def reset():
+        x.grad = None
+        for w in ws:
+            w.grad = None
+            if fuse:
+                w.main_grad.zero_()
+
+    splits.copy_(torch.tensor(random_splits(E, M - 100, gen), device=DEV))
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            reset()
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    reset()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y_static = step()
+    static_grads = grads()  # the tensors the graph writes on every replay
+    for trial in range(4):
+        new = random_splits(E, M - 50 * trial, gen, zipf=0.0 if trial % 2 else 1.3)
+        if trial == 3:
+            new = [0] * E
+            new[1] = M
+        splits.copy_(torch.tensor(new, device=DEV))
+        if fuse:
+            for w in ws:
+                w.main_grad.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        got_y, got = y_static.clone(), [t.clone() for t in static_grads]
+        # eager on the same inputs
+        reset()
+        y_eager = step()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(got_y, y_eager, rtol=0, atol=0)
+        for a_, b_ in zip(got, grads()):
+            torch.testing.assert_close(a_, b_, rtol=1e-3, atol=1e-3)
+        assert torch.all(got_y[sum(new):] == 0)
+    check_errors()
