@@ -354,7 +354,14 @@ def run_config(pp, pp_rank, vpp, m, seed, *, group=None, batch_p2p=True, forward
                            grad_sync_func=(lambda params: sync_calls.append(sorted(id(p) for p in params)))
                            if grad_sync else None)
     fn = P.get_forward_backward_func(pp, vpp)
-    kwargs = dict(forward_step_func=forward_step_func, num_microbatches=m, forward_only=forward_only, config=cfg,
+    produced = []  # (chunk id, stage output) to check deallocation after send
+
+    def fstep(it, model):
+        out, loss_func = forward_step_func(it, model)
+        produced.append((model.chunk_id, out))
+        return out, loss_func
+
+    kwargs = dict(forward_step_func=fstep, num_microbatches=m, forward_only=forward_only, config=cfg,
                   tensor_shape=(B, H), communicator=communicator)
     if vpp is None:
         out = fn(data_iterator=iter(data), model=chunks[0], **kwargs)
@@ -375,6 +382,7 @@ def run_config(pp, pp_rank, vpp, m, seed, *, group=None, batch_p2p=True, forward
         "sync_log": log,
         "sync_calls": [chunk_param_ids.index(c) if c in chunk_param_ids else -1 for c in sync_calls],
         "num_layers": num_layers,
+        "output_numels": [(c, o.numel()) for c, o in produced],
     }
 
 
@@ -416,12 +424,40 @@ PP2_CONFIGS = [
     dict(vpp=None, m=2, deallocate=False),
     dict(vpp=2, m=2), dict(vpp=2, m=4), dict(vpp=2, m=6, batch_p2p=False), dict(vpp=2, m=5, group=3),
     dict(vpp=2, m=4, grad_sync=True), dict(vpp=2, m=4, forward_only=True), dict(vpp=3, m=4),
+    dict(vpp=1, m=4),
 ]
 PP4_CONFIGS = [
     dict(vpp=None, m=1), dict(vpp=None, m=3), dict(vpp=None, m=6), dict(vpp=None, m=4, batch_p2p=False),
     dict(vpp=2, m=4), dict(vpp=2, m=8), dict(vpp=2, m=9, group=5), dict(vpp=2, m=8, batch_p2p=False),
-    dict(vpp=2, m=8, grad_sync=True),
+    dict(vpp=2, m=8, grad_sync=True), dict(vpp=1, m=8),
 ]
+
+
+def _p2p_checks(rank):
+    """Module-level p2p helpers on the default (parallel_state) communicator, pp 2."""
+    stage = P.get_default_communicator().rank
+    shape = (2, 3)
+    val = lambda tag: torch.full(shape, float(100 * tag + 10 * stage + rank % 2))  # noqa: E731
+    got = {}
+    if stage == 0:
+        P.send_forward(val(1))
+        got["recv_backward"] = P.recv_backward(shape).tolist()
+        got["send_forward_recv_backward"] = P.send_forward_recv_backward(val(2), shape).tolist()
+        assert P.recv_forward(shape) is None  # first stage: nothing to receive
+    else:
+        got["recv_forward"] = P.recv_forward(shape).tolist()
+        P.send_backward(val(1))
+        got["send_backward_recv_forward"] = P.send_backward_recv_forward(val(2), shape).tolist()
+        assert P.recv_backward(shape) is None  # last stage
+    # both neighbours are the same rank with pp 2: activations and gradients must not swap
+    for batch in (True, False):
+        comm = P.get_default_communicator(batch_p2p_comm=batch)
+        x, dy = P.send_forward_backward_recv_forward_backward(val(3), val(4), True, True, shape, communicator=comm)
+        got[f"both_{batch}"] = (x.tolist(), dy.tolist())
+        x = P.send_forward_recv_forward(val(5), True, shape, communicator=comm)
+        dy = P.send_backward_recv_backward(val(6), True, shape, communicator=comm)
+        got[f"same_dir_{batch}"] = (x.tolist(), dy.tolist())
+    return stage, got
 
 
 def _pipeline_worker(rank, world_size):
@@ -431,6 +467,8 @@ def _pipeline_worker(rank, world_size):
     # pp 2 on 4 ranks -> two independent pipelines [0, 2] and [1, 3] (dp 2)
     ps.initialize_model_parallel(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
     assert ps.get_pipeline_model_parallel_global_ranks() == [rank % 2, rank % 2 + 2]
+    assert P.get_forward_backward_func() is P.forward_backward_pipelining_with_interleaving
+    results["p2p"] = _p2p_checks(rank)
     for i, c in enumerate(PP2_CONFIGS):
         c = dict(c)
         results[("pp2", i)] = run_config(2, ps.get_pipeline_model_parallel_rank(), c.pop("vpp"), c.pop("m"),
@@ -438,6 +476,7 @@ def _pipeline_worker(rank, world_size):
     ps.destroy_model_parallel()
     # pp 4 on all ranks; explicit communicator built from the group
     ps.initialize_model_parallel(pipeline_model_parallel_size=4)
+    assert P.get_forward_backward_func() is P.forward_backward_pipelining_without_interleaving
     comm = P.P2PCommunicator(ps.get_pipeline_model_parallel_group())
     comm_plain = P.P2PCommunicator(ps.get_pipeline_model_parallel_group(), batch_p2p_comm=False)
     for i, c in enumerate(PP4_CONFIGS):
@@ -468,6 +507,11 @@ def _check(res_by_stage, cfg, seed):
         if cfg.get("forward_only"):
             assert res["grads"] == {}
             continue
+        # outputs sent to the next stage are shrunk to one element after the send (unless disabled)
+        assert len(res["output_numels"]) == m * nc
+        for c, n in res["output_numels"]:
+            sent = not (c == nc - 1 and r == pp - 1)
+            assert n == (1 if sent and cfg.get("deallocate", True) else B * H), (cfg, r, c, n)
         assert sorted(res["grads"]) == sorted(i for ch in P.chunk_layer_ids(num_layers, pp, r, vpp) for i in ch)
         for i, (gw, gb) in res["grads"].items():
             torch.testing.assert_close(torch.tensor(gw), ref_grads[i][0], rtol=1e-5, atol=1e-6, msg=f"{cfg} layer {i}")
@@ -494,6 +538,18 @@ def test_pipeline_gloo_pp2_pp4():
     from moe_graph.testing.distributed import run_distributed
 
     results = run_distributed(_pipeline_worker, 4)
+    for r in range(4):
+        stage, got = results[r]["p2p"]
+        assert stage == r // 2
+        other = 1 - stage
+        peer = lambda tag: [[float(100 * tag + 10 * other + r % 2)] * 3] * 2  # noqa: E731
+        if stage == 0:
+            assert got["recv_backward"] == peer(1) and got["send_forward_recv_backward"] == peer(2)
+        else:
+            assert got["recv_forward"] == peer(1) and got["send_backward_recv_forward"] == peer(2)
+        for batch in (True, False):
+            assert got[f"both_{batch}"] == (peer(3), peer(4))  # (activation from prev, gradient from next)
+            assert got[f"same_dir_{batch}"] == (peer(5), peer(6))
     for i, cfg in enumerate(PP2_CONFIGS):
         for pipe in (0, 1):  # pipelines [0, 2] and [1, 3]
             _check([results[pipe][("pp2", i)], results[pipe + 2][("pp2", i)]], cfg, seed=100 + i + 50 * pipe)
