@@ -369,3 +369,10 @@ def test_initialize_model_parallel_8_ranks():
         assert b["edp"] == [r % 4, r % 4 + 4]
         assert b["pp"] == (1, True, True)
         assert b["dp_cp_count"] == 4.0
+
+
+def test_docstring_examples():
+    import doctest
+
+    res = doctest.testmod(ps, verbose=False)
+    assert res.failed == 0 and res.attempted >= 5

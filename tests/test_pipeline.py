@@ -559,3 +559,10 @@ def test_pipeline_gloo_pp2_pp4():
     for r in range(4):
         before, after = results[r]["buffers"]
         assert before == after and before > 0
+
+
+def test_docstring_examples():
+    import doctest
+
+    res = doctest.testmod(P, verbose=False)
+    assert res.failed == 0 and res.attempted >= 5

@@ -36,8 +36,26 @@ Example (16 ranks, TP4 PP2 -> DP2; experts ETP1 EP4 -> EDP2)::
     [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
 
 :func:`initialize_model_parallel` turns these lists into ``torch.distributed`` process groups and
-the ``get_*`` accessors return the calling rank's group, rank and size for each kind. Run
-``python -m moe_graph.parallel_state --world-size 16 --tp 4 --pp 2 --ep 4 --etp 1`` to print them.
+the ``get_*`` accessors return the calling rank's group, rank (index inside the group) and world
+size (group length) for each kind:
+
+=====================  ==========================  ==============================================
+kind                   generator token             accessors
+=====================  ==========================  ==============================================
+tensor parallel        dense ``tp``                ``get_tensor_model_parallel_{group,rank,world_size}``
+pipeline parallel      dense ``pp``                ``get_pipeline_model_parallel_*``, ``is_pipeline_{first,last}_stage``
+data parallel          dense ``dp`` / ``dp-cp``    ``get_data_parallel_*(with_context_parallel=False)``
+context parallel       dense ``cp``                ``get_context_parallel_*``
+model parallel         dense ``tp-pp``             ``get_model_parallel_group``
+expert parallel        expert ``ep``               ``get_expert_model_parallel_*``
+expert tensor par.     expert ``tp``               ``get_expert_tensor_parallel_*``
+expert data parallel   expert ``dp``               ``get_expert_data_parallel_*``
+embeddings             first/last of each ``pp``   ``get_embedding_group``, ``get_position_embedding_group``
+=====================  ==========================  ==============================================
+
+Accessors raise ``RuntimeError`` before :func:`initialize_model_parallel` (or after
+:func:`destroy_model_parallel`). Run
+``python -m moe_graph.parallel_state --world-size 16 --tp 4 --pp 2 --ep 4 --etp 1`` to print the groups.
 """
 
 from __future__ import annotations
