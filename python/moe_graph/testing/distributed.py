@@ -8,6 +8,7 @@ re-raised in the parent with that rank's traceback.
 from __future__ import annotations
 
 import os
+import pickle
 import tempfile
 import traceback
 from typing import Any, Callable, List
@@ -28,7 +29,9 @@ def _worker(rank, world_size, init_file, backend, fn, args, queue):
             out = fn(rank, world_size, *args)
         finally:
             dist.destroy_process_group()
-        queue.put((rank, True, out))
+        # Plain pickle bytes: tensors are copied by value (a multiprocessing queue would share them through file
+        # descriptors that vanish when this worker exits).
+        queue.put((rank, True, pickle.dumps(out)))
     except BaseException:  # noqa: BLE001 - forwarded to the parent
         queue.put((rank, False, traceback.format_exc()))
 
@@ -65,7 +68,7 @@ def run_distributed(
                 continue
             rank, ok, payload = queue.get()
             if ok:
-                results[rank] = payload
+                results[rank] = pickle.loads(payload)
             else:
                 errors.append((rank, payload))
                 break  # one failure is enough; peers may be blocked in a collective
