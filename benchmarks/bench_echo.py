@@ -1,0 +1,214 @@
+"""Echo load balancing benchmark: balance (max/mean tokens received per EP rank) before and after the offloading
+plan, planner time, and token-rerouting time and bandwidth.
+
+Routing: every token picks ``topk`` distinct experts with probability ~ 1/i**skew (Zipf), the popular experts
+spread over the EP ranks at random (``--no-permute``: all on the first ranks, far more skewed). For each
+``skew x R x E x k`` case (``E`` divisible by ``R``), averaged over ``--seeds``:
+
+* ``before``, ``greedy``, ``best_fit``, ``auto``: max/mean tokens per rank without echo and with each assignment;
+* ``plan_us``: ``gen_assignment(auto) + gen_allocation`` (on a GPU: one CUDA-graph replay of both);
+* ``reroute_us`` / ``GB/s``: ``reroute_tokens`` on rank 0's ``[T, E]`` routing (native op when built, else the
+  pure-torch version), bytes = read ``T*E*(1+P)`` + write ``T*(E+S)*(1+P)`` for ``P``-byte probabilities.
+
+Prints one line per case and writes JSON to ``benchmarks/results/bench_echo_<device>.json``. The issue's target
+case (Zipf 1.2, 128 experts, 16 ranks, 8 routes/token) is summarized at the end: ``k=1 <= 1.10``,
+``k=2 <= 1.02``, never worse than greedy.
+
+    PYTHONPATH=python python3 benchmarks/bench_echo.py            # CPU default: < 2 min
+    PYTHONPATH=python python3 benchmarks/bench_echo.py --device cuda --tokens 16384
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+
+from moe_graph import planner as P  # noqa: E402
+
+
+def gumbel_topk_routing(num_rows, p_log, topk, gen, device):
+    """[num_rows, E] bool: topk distinct experts per row, sampled ~ p (Gumbel top-k = sampling without
+    replacement)."""
+    E = p_log.shape[0]
+    u = torch.rand(num_rows, E, generator=gen, device="cpu").clamp_(1e-12, 1 - 1e-7)
+    scores = p_log[None, :] - torch.log(-torch.log(u))
+    idx = scores.topk(topk, dim=1).indices
+    rm = torch.zeros(num_rows, E, dtype=torch.bool)
+    rm.scatter_(1, idx, True)
+    return rm.to(device)
+
+
+def make_case(R, E, T, topk, skew, seed, permute, device):
+    gen = torch.Generator().manual_seed(seed)
+    p = 1.0 / torch.arange(1, E + 1, dtype=torch.float64) ** skew
+    if permute:
+        p = p[torch.randperm(E, generator=gen)]
+    p_log = (p / p.sum()).log().float()
+    # counts of every rank from one batch; rank 0's routing map is kept for the reroute timing
+    rows = R * T
+    counts = torch.zeros(R, E, dtype=torch.int64)
+    rm0 = None
+    chunk = max(T, (1 << 22) // max(E, 1) // T * T)
+    for start in range(0, rows, chunk):
+        n = min(chunk, rows - start)
+        rm = gumbel_topk_routing(n, p_log, topk, gen, "cpu")
+        counts += torch.zeros(R, E, dtype=torch.int64).index_add_(
+            0, torch.arange(start, start + n) // T, rm.to(torch.int64)
+        )
+        if rm0 is None:
+            rm0 = rm[:T].clone()
+    probs0 = torch.rand(T, E, generator=gen)
+    return counts.to(device), rm0.to(device), probs0.to(device)
+
+
+def balance(counts, h, k):
+    R, E = counts.shape
+    load = counts.sum(0).view(R, E // R).sum(1)
+    after = load - h.sum(1).view(R, E // R).sum(1) + h.sum(0).view(R, k).sum(1)
+    mean = float(load.sum()) / R
+    return float(load.max()) / mean, float(after.max()) / mean
+
+
+def time_fn(fn, device, reps):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) * 1e3 / reps
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t) * 1e6 / reps
+
+
+def plan_fn(counts, k):
+    h = P.gen_assignment(counts, k)
+    return h, P.gen_allocation(counts, h)
+
+
+def time_planner(counts, k, device, reps):
+    if device.type == "cuda":
+        static = counts.clone()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            plan_fn(static, k)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            plan_fn(static, k)
+        return time_fn(g.replay, device, reps)
+    return time_fn(lambda: plan_fn(counts, k), device, reps)
+
+
+def reroute_impl():
+    try:
+        from moe_graph.ops.reroute import native_available, reroute_tokens
+
+        if native_available():
+            return reroute_tokens, "native"
+    except ImportError:
+        pass
+    return P.reroute_tokens_torch, "torch"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--skews", type=float, nargs="+", default=[0.8, 1.2, 1.5])
+    ap.add_argument("--ranks", type=int, nargs="+", default=[8, 16, 64])
+    ap.add_argument("--experts", type=int, nargs="+", default=[64, 128, 256])
+    ap.add_argument("--spares", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--tokens", type=int, default=None, help="tokens per rank (default 1024 on CPU, 16384 on GPU)")
+    ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--seeds", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--no-permute", action="store_true", help="popular experts all on the first ranks")
+    ap.add_argument("--probs-dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    T = args.tokens or (16384 if device.type == "cuda" else 1024)
+    reps = args.reps or (50 if device.type == "cuda" else 3)
+    pdtype = getattr(torch, args.probs_dtype)
+    reroute, reroute_kind = reroute_impl()
+    rows = []
+    hdr = (f"{'skew':>4} {'R':>3} {'E':>4} {'k':>2} | {'before':>6} {'greedy':>6} {'bestfit':>7} {'auto':>6} | "
+           f"{'plan_us':>9} {'reroute_us':>10} {'GB/s':>7}")
+    print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else platform.processor() or 'cpu'}), "
+          f"T={T}/rank, topk={args.topk}, seeds={args.seeds}, reroute={reroute_kind}, permute={not args.no_permute}")
+    print(hdr)
+    print("-" * len(hdr))
+    t_start = time.perf_counter()
+    for skew in args.skews:
+        for R in args.ranks:
+            for E in args.experts:
+                if E % R or args.topk > E:
+                    continue
+                cases = [make_case(R, E, T, args.topk, skew, 1000 * s + 7, not args.no_permute, device)
+                         for s in range(args.seeds)]
+                for k in args.spares:
+                    bal = {"before": [], "greedy": [], "best_fit": [], "auto": []}
+                    for counts, _, _ in cases:
+                        for a in ("greedy", "best_fit", "auto"):
+                            b, aft = balance(counts, P.gen_assignment(counts, k, a), k)
+                            bal[a].append(aft)
+                        bal["before"].append(b)
+                    counts, rm0, probs0 = cases[0]
+                    probs0 = probs0.to(pdtype)
+                    plan_us = time_planner(counts, k, device, reps)
+                    h, alloc = plan_fn(counts, k)
+                    tts, omap = alloc[0].contiguous(), (h > 0)
+                    reroute(rm0, probs0, tts, omap)  # warm-up
+                    rr_us = time_fn(lambda: reroute(rm0, probs0, tts, omap), device, reps)
+                    S = R * k
+                    pb = probs0.element_size()
+                    nbytes = T * E * (1 + pb) + T * (E + S) * (1 + pb)
+                    row = {
+                        "skew": skew, "R": R, "E": E, "k": k, "T": T, "topk": args.topk,
+                        **{f"maxmean_{a}": statistics.mean(v) for a, v in bal.items()},
+                        "plan_us": plan_us, "reroute_us": rr_us, "reroute_GBps": nbytes / rr_us / 1e3,
+                        "reroute_impl": reroute_kind, "device": str(device),
+                    }
+                    rows.append(row)
+                    print(f"{skew:>4} {R:>3} {E:>4} {k:>2} | {row['maxmean_before']:6.3f} {row['maxmean_greedy']:6.3f} "
+                          f"{row['maxmean_best_fit']:7.3f} {row['maxmean_auto']:6.3f} | {plan_us:9.1f} {rr_us:10.1f} "
+                          f"{row['reroute_GBps']:7.2f}", flush=True)
+    # the issue's target case
+    summary = {}
+    for k, target in ((1, 1.10), (2, 1.02)):
+        vals = {"greedy": [], "auto": []}
+        for s in range(max(args.seeds, 3)):
+            counts, _, _ = make_case(16, 128, T, 8, 1.2, 5000 + s, True, device)
+            for a in vals:
+                vals[a].append(balance(counts, P.gen_assignment(counts, k, a), k))
+        before = statistics.mean(v[0] for v in vals["auto"])
+        g = statistics.mean(v[1] for v in vals["greedy"])
+        a = statistics.mean(v[1] for v in vals["auto"])
+        ok = a <= target and all(x[1] <= y[1] + 1e-12 for x, y in zip(vals["auto"], vals["greedy"]))
+        summary[f"k={k}"] = {"before": before, "greedy": g, "auto": a, "target": target, "met": ok}
+        print(f"target case Zipf(1.2) E=128 R=16 topk=8 k={k}: before {before:.3f}, greedy {g:.3f}, auto {a:.3f} "
+              f"(target <= {target}, never worse than greedy): {'MET' if ok else 'MISSED'}")
+    print(f"total {time.perf_counter() - t_start:.1f} s")
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"bench_echo_{device.type}.json")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump({"args": vars(args), "torch": torch.__version__, "rows": rows, "target_case": summary}, f, indent=1)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
