@@ -58,6 +58,21 @@ def test_list_weights_and_poisoned_out(gen, dtype):
     assert rel_err(out, ref_grouped_gemm(a, ws, splits)) < _tol(dtype)
 
 
+def test_device_and_alignment_errors():
+    a = torch.randn(16, 64, device=DEV, dtype=torch.bfloat16)
+    w = torch.randn(2, 64, 64, device=DEV, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="m_splits must be on cuda"):
+        grouped_gemm(a, w, torch.tensor([8, 8]))
+    with pytest.raises(RuntimeError, match="b must be on cuda"):
+        grouped_gemm(a, w.cpu(), torch.tensor([8, 8], device=DEV))
+    with pytest.raises(RuntimeError, match="K \\(a.size\\(1\\)\\) must be a multiple of 8"):
+        grouped_gemm(a[:, :60].contiguous(), w[:, :, :60].contiguous(), torch.tensor([8, 8], device=DEV))
+    with pytest.raises(RuntimeError, match="a must have dtype BFloat16 or Half"):
+        grouped_gemm(a.float(), w.float(), torch.tensor([8, 8], device=DEV))
+    with pytest.raises(RuntimeError, match="16-byte aligned"):
+        grouped_gemm(a.view(-1)[4:4 + 15 * 64].view(15, 64), w, torch.tensor([8, 7], device=DEV))
+
+
 def test_overflow_sets_flag_and_stays_in_bounds(gen):
     a = torch.randn(64, 64, device=DEV, dtype=torch.bfloat16)
     w = torch.randn(2, 64, 64, device=DEV, dtype=torch.bfloat16)
