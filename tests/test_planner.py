@@ -295,6 +295,32 @@ def test_end_to_end_conservation(R, epr, k, T_, density, seed):
         _eq(om, omaps[0])
 
 
+def _native_best_fit_available():
+    try:
+        from moe_graph.ops.reroute import best_fit_available
+
+        return best_fit_available()
+    except ImportError:
+        return False
+
+
+@pytest.mark.skipif(not _native_best_fit_available(), reason="moe_graph._C with echo_best_fit is not built")
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(count_cases())
+def test_native_best_fit_matches_torch_loop(case):
+    counts, k = case
+    _eq(P.best_fit_assignment(counts, k, native=True), P.best_fit_assignment(counts, k, native=False))
+
+
+def test_native_best_fit_matches_torch_loop_zipf():
+    if not _native_best_fit_available():
+        pytest.skip("moe_graph._C with echo_best_fit is not built")
+    for seed, (R, E) in enumerate([(8, 64), (16, 128), (64, 256)]):
+        counts = zipf_counts(R, E, 256, 8, 1.2, torch.Generator().manual_seed(seed))
+        for k in (1, 2):
+            _eq(P.best_fit_assignment(counts, k, native=True), P.best_fit_assignment(counts, k, native=False))
+
+
 def test_reroute_torch_matches_reference_random_plans():
     g = torch.Generator().manual_seed(0)
     for trial in range(30):
@@ -348,3 +374,5 @@ def test_planner_cuda_matches_cpu_no_sync_and_graph():
             torch.cuda.set_sync_debug_mode(0)
         _eq(h.cpu(), ref)
         _eq(alloc.cpu(), P.gen_allocation(counts, ref))
+        _eq(P.best_fit_assignment(cc, k).cpu(), P.best_fit_assignment(counts, k, native=False))
+        _eq(P.best_fit_assignment(cc, k, native=False).cpu(), P.best_fit_assignment(counts, k, native=False))

@@ -8,6 +8,7 @@
 #include "common/error_flag.h"
 #include "common/error_flag_torch.h"
 #include "common/torch_checks.h"
+#include "reroute/echo_plan.h"
 #include "reroute/reroute.h"
 
 #ifdef MOE_GRAPH_WITH_CUDA
@@ -69,7 +70,42 @@ reroute::RerouteProblem make_problem(const Prepared& in, at::Tensor& out_map, at
   return p;
 }
 
+constexpr const char* kBestFit = "echo_best_fit";
+
+at::Tensor check_counts(const at::Tensor& counts, int64_t k) {
+  check_defined(counts, kBestFit, "counts");
+  check_dim(counts, 2, kBestFit, "counts", "[R, E]");
+  check_dtype(counts, {at::kLong, at::kInt}, kBestFit, "counts");
+  const int64_t R = counts.size(0), E = counts.size(1);
+  TORCH_CHECK(R >= 1 && E % R == 0, kBestFit, ": counts must have shape [R, E] with E divisible by R, got shape ",
+              shape_str(counts));
+  TORCH_CHECK(k >= 1, kBestFit, ": num_spare_experts_per_ep_rank must be >= 1, got ", k);
+  return counts.to(at::kLong).contiguous();
+}
+
 }  // namespace
+
+at::Tensor echo_best_fit_cpu(const at::Tensor& counts, int64_t k) {
+  at::Tensor c = check_counts(counts, k);
+  const int64_t R = c.size(0), E = c.size(1);
+  at::Tensor h = at::zeros({E, R * k}, c.options());
+  echo_plan::best_fit_host(c.data_ptr<int64_t>(), R, E, k, h.data_ptr<int64_t>());
+  return h;
+}
+
+#ifdef MOE_GRAPH_WITH_CUDA
+at::Tensor echo_best_fit_cuda(const at::Tensor& counts, int64_t k) {
+  c10::cuda::CUDAGuard guard(counts.device());
+  at::Tensor c = check_counts(counts, k);
+  const int64_t R = c.size(0), E = c.size(1);
+  TORCH_CHECK(echo_plan::best_fit_shared_bytes(R, E) <= 48 * 1024, kBestFit, ": counts shape ", shape_str(counts),
+              " is too large for the one-block CUDA kernel (3*R + E must be <= 6144)");
+  at::Tensor h = at::zeros({E, R * k}, c.options());
+  auto stream = at::cuda::getCurrentCUDAStream(counts.device().index()).stream();
+  C10_CUDA_CHECK(echo_plan::best_fit_cuda_launch(c.data_ptr<int64_t>(), R, E, k, h.data_ptr<int64_t>(), stream));
+  return h;
+}
+#endif
 
 std::tuple<at::Tensor, at::Tensor> reroute_tokens_cpu(const at::Tensor& routing_map, const at::Tensor& probs,
                                                       const at::Tensor& tokens_to_spare,

@@ -12,7 +12,12 @@ std::tuple<at::Tensor, at::Tensor> reroute_tokens_cpu(const at::Tensor& routing_
                                                       const at::Tensor& tokens_to_spare,
                                                       const at::Tensor& home_to_spare_map);
 
+// counts [R, E] int32/int64 -> home_to_spare [E, R*k] int64: the best-fit placement of
+// moe_graph.planner.best_fit_assignment (semantics in reroute/echo_plan.h).
+at::Tensor echo_best_fit_cpu(const at::Tensor& counts, int64_t num_spare_experts_per_ep_rank);
+
 #ifdef MOE_GRAPH_WITH_CUDA
+at::Tensor echo_best_fit_cuda(const at::Tensor& counts, int64_t num_spare_experts_per_ep_rank);
 std::tuple<at::Tensor, at::Tensor> reroute_tokens_cuda(const at::Tensor& routing_map, const at::Tensor& probs,
                                                        const at::Tensor& tokens_to_spare,
                                                        const at::Tensor& home_to_spare_map);

@@ -185,7 +185,21 @@ def greedy_assignment(counts: torch.Tensor, num_spare_experts_per_ep_rank: int =
     return assign_spillover(spill, cap, num_spare_experts_per_ep_rank)
 
 
-def best_fit_assignment(counts: torch.Tensor, num_spare_experts_per_ep_rank: int = 1) -> torch.Tensor:
+def _native_best_fit(counts: torch.Tensor):
+    """The native ``echo_best_fit`` op when the extension has it for ``counts``' device (and the shape fits)."""
+    try:
+        from moe_graph.ops.reroute import best_fit_available, echo_best_fit
+    except ImportError:
+        return None
+    R, E = counts.shape
+    if counts.device.type == "cuda" and 3 * R + E > 6144:
+        return None
+    return echo_best_fit if best_fit_available(counts.device.type) else None
+
+
+def best_fit_assignment(
+    counts: torch.Tensor, num_spare_experts_per_ep_rank: int = 1, native: bool | None = None
+) -> torch.Tensor:
     """Best-fit placement of rank overload into spare slots. Returns ``home_to_spare[E, R*k]`` int64.
 
     Works at the rank level instead of with fixed per-expert spillover: each overloaded rank must shed
@@ -202,9 +216,19 @@ def best_fit_assignment(counts: torch.Tensor, num_spare_experts_per_ep_rank: int
     Example (1 slot per rank, loads per rank ``[400, 100, 200, 100, ...]``): the greedy interval overlap may
     put two experts' pieces on one rank and keep only one; here each receiving slot is filled by one expert up to
     its full capacity, taking the tokens from whichever of the overloaded rank's experts has most left.
+
+    ``native``: ``None`` (default) runs the native op ``moe_graph::echo_best_fit`` (one kernel) when the extension
+    has it and otherwise this loop in torch; ``True`` requires the op, ``False`` forces the torch loop. Both give
+    identical results.
     """
     counts = _check_counts(counts)
     k = int(num_spare_experts_per_ep_rank)
+    if native is not False:
+        op = _native_best_fit(counts)
+        if op is not None:
+            return op(counts, k)
+        if native:
+            raise RuntimeError("best_fit_assignment(native=True): moe_graph._C has no echo_best_fit for this device")
     R, E = counts.shape
     epr = E // R
     S = R * k

@@ -18,9 +18,10 @@ import torch
 
 from ._lib import load
 
-__all__ = ["reroute_tokens", "native_available"]
+__all__ = ["reroute_tokens", "native_available", "echo_best_fit", "best_fit_available"]
 
 _OP = "moe_graph::reroute_tokens"
+_BF = "moe_graph::echo_best_fit"
 
 
 def native_available() -> bool:
@@ -33,6 +34,22 @@ def native_available() -> bool:
         return torch._C._dispatch_has_kernel_for_dispatch_key(_OP, "CPU")
     except RuntimeError:  # the loaded extension predates the op
         return False
+
+
+def best_fit_available(device_type: str = "cpu") -> bool:
+    """True when the loaded extension has ``echo_best_fit`` for ``device_type`` ("cpu" or "cuda")."""
+    try:
+        load()
+        return torch._C._dispatch_has_kernel_for_dispatch_key(_BF, device_type.upper())
+    except (ImportError, RuntimeError):
+        return False
+
+
+def echo_best_fit(counts: torch.Tensor, num_spare_experts_per_ep_rank: int = 1) -> torch.Tensor:
+    """Native best-fit placement: ``counts [R, E]`` int32/int64 -> ``home_to_spare [E, R*k]`` int64, identical to
+    the pure-torch ``moe_graph.planner.best_fit_assignment`` loop (one kernel instead of ``R*k`` rounds of tiny
+    ones). CUDA: one block, needs ``3*R + E <= 6144``."""
+    return torch.ops.moe_graph.echo_best_fit(counts, int(num_spare_experts_per_ep_rank))
 
 
 def reroute_tokens(
@@ -99,6 +116,13 @@ def _register() -> None:
         return None, full[:, :E], None, None
 
     torch.library.register_autograd(_OP, _backward, setup_context=_setup_context)
+
+    if best_fit_available():
+
+        @torch.library.register_fake(_BF)
+        def _(counts, num_spare_experts_per_ep_rank):
+            R, E = counts.shape
+            return counts.new_empty((E, R * num_spare_experts_per_ep_rank), dtype=torch.int64)
 
 
 _register()
