@@ -41,6 +41,8 @@ TORCH_LIBRARY(moe_graph, m) {
   m.def(
       "reroute_tokens(Tensor routing_map, Tensor probs, Tensor tokens_to_spare, Tensor home_to_spare_map) -> "
       "(Tensor, Tensor)");
+  // counts [R, E] -> home_to_spare [E, R*k] int64: best-fit placement of rank overload (reroute/echo_plan.h).
+  m.def("echo_best_fit(Tensor counts, int num_spare_experts_per_ep_rank) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(moe_graph, CompositeExplicitAutograd, m) {
@@ -54,6 +56,7 @@ TORCH_LIBRARY_IMPL(moe_graph, CPU, m) {
   m.impl("grouped_gemm_wgrad_out", &moe_graph::grouped_gemm_wgrad_out_cpu);
   m.impl("grouped_bias_grad", &moe_graph::grouped_bias_grad_cpu);
   m.impl("reroute_tokens", &moe_graph::reroute_tokens_cpu);
+  m.impl("echo_best_fit", &moe_graph::echo_best_fit_cpu);
 }
 
 #ifdef MOE_GRAPH_WITH_CUDA
@@ -64,6 +67,7 @@ TORCH_LIBRARY_IMPL(moe_graph, CUDA, m) {
   m.impl("grouped_gemm_wgrad_out", &moe_graph::grouped_gemm_wgrad_out_cuda);
   m.impl("grouped_bias_grad", &moe_graph::grouped_bias_grad_cuda);
   m.impl("reroute_tokens", &moe_graph::reroute_tokens_cuda);
+  m.impl("echo_best_fit", &moe_graph::echo_best_fit_cuda);
 }
 #endif
 
