@@ -97,7 +97,7 @@ def test_wgrad_matches_reference(gen, out_dtype, accumulate):
     init = torch.randn(E, N, K, generator=gen).to(out_dtype)
     acc_list = [bool(x) for x in torch.randint(0, 2, (E,), generator=gen)] if accumulate == "mask" else [accumulate] * E
     acc = torch.tensor(acc_list, device=DEV) if accumulate == "mask" else accumulate
-    out = init.to(DEV)
+    out = init.to(DEV, copy=True)
     if not accumulate:
         out[2] = float("nan")
     grouped_gemm_wgrad(a.to(DEV), dy.to(DEV), torch.tensor(splits, device=DEV), out=list(out.unbind(0)), accumulate=acc)
