@@ -237,8 +237,11 @@ def test_cuda_matches_cpu(dtype):
     for T, E, S, over in [(1, 1, 1, False), (63, 4, 2, False), (65, 8, 8, True), (5000, 64, 16, False),
                           (16384, 256, 32, False), (3000, 300, 70, True), (0, 8, 4, False)]:
         for density in (0.05, 0.6):
+            read_flag("cpu")
+            read_flag("cuda")
             case = random_case(g, T, E, S, density, dtype, over=over, multi_home=(E == 8))
-            m, p, flag = check_against_reference(*case, device="cuda") if T * E <= 200000 else (None, None, None)
+            if T * E <= 200000:  # the Python reference is slow on big cases; those compare CUDA with CPU only
+                check_against_reference(*case, device="cuda")
             rm, probs, want, hmap = case
             mc, pc = R.reroute_tokens(rm, probs, want, hmap)
             cpu_flag = read_flag("cpu")

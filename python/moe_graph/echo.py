@@ -142,7 +142,8 @@ class EchoExpertDispatcher:
     Args:
         num_experts: ``E`` (all home experts). num_ep_ranks: ``R``. ep_rank: this rank's index in the EP group.
         num_spare_experts_per_ep_rank: ``k``.
-        backend: an :class:`EchoBackend` (default: :func:`default_backend` of ``group``).
+        backend: an :class:`EchoBackend` (default: :func:`default_backend` of ``group``, resolved in the
+            constructor when torch.distributed is initialized, so construct the dispatcher before capturing).
         group: the EP process group (``None``: the default group).
 
     Example (4 ranks, 2 experts each, ``k = 1``; the plan put a copy of expert 5 (rank 2) into slot 1)::
@@ -176,6 +177,10 @@ class EchoExpertDispatcher:
         self.S = self.R * self.k
         self._backend = backend
         self.group = group
+        if backend is None and dist.is_available() and dist.is_initialized():
+            # resolve (and probe) the backend now, at setup time: the probe is a collective with a host sync and
+            # must not run inside a CUDA-graph capture
+            self._backend = default_backend(group)
 
     @property
     def backend(self) -> EchoBackend:
