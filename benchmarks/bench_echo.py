@@ -138,8 +138,11 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--no-permute", action="store_true", help="popular experts all on the first ranks")
     ap.add_argument("--probs-dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     T = args.tokens or (16384 if device.type == "cuda" else 1024)
     reps = args.reps or (50 if device.type == "cuda" else 3)

@@ -189,7 +189,7 @@ def _native_best_fit(counts: torch.Tensor):
     """The native ``echo_best_fit`` op when the extension has it for ``counts``' device (and the shape fits)."""
     try:
         from moe_graph.ops.reroute import best_fit_available, echo_best_fit
-    except ImportError:
+    except (ImportError, RuntimeError, AttributeError):  # no (or a stale) extension: the torch loop runs
         return None
     R, E = counts.shape
     if counts.device.type == "cuda" and 3 * R + E > 6144:
@@ -415,14 +415,17 @@ def reroute_tokens_torch(
 
 
 def _reroute(routing_map, probs, tokens_to_spare, home_to_spare_map):
+    op = None
     try:
-        from moe_graph.ops.reroute import reroute_tokens, native_available
+        from moe_graph.ops.reroute import native_available, reroute_tokens
 
         if native_available():
-            return reroute_tokens(routing_map, probs, tokens_to_spare, home_to_spare_map)
-    except ImportError:
-        pass
-    return reroute_tokens_torch(routing_map, probs, tokens_to_spare, home_to_spare_map)
+            op = reroute_tokens
+    except (ImportError, RuntimeError, AttributeError):  # no (or a stale) extension: the torch version runs
+        op = None
+    if op is None:
+        return reroute_tokens_torch(routing_map, probs, tokens_to_spare, home_to_spare_map)
+    return op(routing_map, probs, tokens_to_spare, home_to_spare_map)
 
 
 def gen_offloading_plan(
