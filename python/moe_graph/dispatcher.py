@@ -1,0 +1,363 @@
+"""Static-capacity token dispatcher: permute tokens by (EP rank, local expert), exchange them with a fixed-split
+all-to-all, hand the grouped GEMM its rows with per-local-expert ``m_splits`` on the device, and combine the
+expert outputs back (unpermute + weighted sum by the routing probabilities).
+
+Every buffer has a static size, so :meth:`TokenDispatcher.dispatch` / :meth:`TokenDispatcher.combine` and their
+backward passes are capturable in a CUDA graph and never synchronize with the host: the permutation is built from
+a stable ``argsort``, ``cumsum``, one-hot ``scatter_add_`` counts and gathers (no ``nonzero``, no boolean
+indexing, no ``.item()``), and the all-to-all always moves ``capacity`` rows per (source, destination) pair.
+
+Layout. ``R`` EP ranks, ``T`` local tokens with ``K`` routes each (``indices [T, K]`` into ``C`` routing
+*columns*: the ``E`` home experts and, with echo, the ``S = R * k`` spare slots). Column ``c`` lives on rank
+``column_rank[c]`` as local expert ``column_local[c]`` of ``num_local = L + k`` (``L = E // R`` home experts
+first, then the ``k`` spare slots; :func:`expert_columns` builds this map). Each rank sends at most ``capacity``
+routes to each rank (the send buffer is ``[R, capacity, H]``) and receives ``R * capacity`` rows.
+
+Drops. Routes to one destination keep the order (token, then column); when more than ``capacity`` go to one
+rank, the last ones are dropped (they contribute zero to the output, with zero gradient), deterministically.
+Every drop is counted on the device (:attr:`TokenDispatcher.dropped_routes`, cumulative int64;
+``handle.dropped`` for one call); :meth:`TokenDispatcher.check_drops` reads it (that one call syncs, by design).
+``capacity=None`` is dropless (``capacity = T * K``: every route fits even if all go to one rank).
+
+Example (one process, 4 experts, top-2)::
+
+    d = TokenDispatcher(num_local_experts=4, num_ranks=1, rank=0, column_rank=torch.zeros(4, dtype=torch.long),
+                        column_local=torch.arange(4), capacity=None)
+    expert_in, m_splits, h = d.dispatch(x, indices, probs)      # rows grouped by expert, m_splits on device
+    y = d.combine(grouped_mlp(expert_in, m_splits), h)          # [T, H]
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "TokenDispatcher",
+    "DispatchHandle",
+    "expert_columns",
+    "capacity_for",
+    "topk_from_routing_map",
+    "gather_rows",
+]
+
+
+# ------------------------------------------------------------------------------------------------ helpers --
+def expert_columns(num_experts: int, num_ranks: int, num_spare_per_rank: int = 0, device=None):
+    """``(column_rank [E+S], column_local [E+S])`` int64 for ``E`` home experts (``L = E // R`` per rank, expert
+    ``e`` on rank ``e // L`` at local index ``e % L``) and ``S = R * k`` spare slots (slot ``j`` on rank ``j // k``
+    at local index ``L + j % k``), as in :mod:`moe_graph.planner` and :mod:`moe_graph.echo`."""
+    if num_experts % num_ranks:
+        raise ValueError(f"num_experts={num_experts} must be divisible by num_ranks={num_ranks}")
+    L, k = num_experts // num_ranks, num_spare_per_rank
+    e = torch.arange(num_experts, device=device)
+    j = torch.arange(num_ranks * k, device=device)
+    rank = torch.cat([e // L, j // k if k else j])
+    local = torch.cat([e % L, L + (j % k) if k else j])
+    return rank.to(torch.int64), local.to(torch.int64)
+
+
+def capacity_for(num_tokens: int, topk: int, num_ranks: int, capacity_factor: Optional[float]) -> int:
+    """Routes each rank may send to each rank: ``ceil(capacity_factor * T * K / R)`` (at least 1, at most
+    ``T * K``); ``None`` -> ``T * K`` (dropless)."""
+    full = num_tokens * topk
+    if capacity_factor is None:
+        return max(full, 1)
+    if capacity_factor <= 0:
+        raise ValueError(f"capacity_factor must be > 0 or None (dropless), got {capacity_factor}")
+    return max(1, min(full, int(math.ceil(round(capacity_factor * full / num_ranks, 6)))))
+
+
+def topk_from_routing_map(routing_map: torch.Tensor, probs: torch.Tensor, topk: int):
+    """``(indices [T, K], probs [T, K], valid [T, K])`` from a ``[T, C]`` bool map with at most ``K`` routes per
+    token (e.g. the planner's rerouted map): the routed columns in ascending order, padded with invalid entries.
+    Sync-free (a stable sort of the map, no ``nonzero``)."""
+    if routing_map.dim() != 2 or probs.shape != routing_map.shape:
+        raise ValueError(
+            f"routing_map and probs must both be [T, C]; got {tuple(routing_map.shape)} and {tuple(probs.shape)}"
+        )
+    if not 1 <= topk <= routing_map.shape[1]:
+        raise ValueError(f"topk must be in [1, {routing_map.shape[1]}], got {topk}")
+    m = routing_map.to(torch.bool)
+    # descending stable sort of 0/1: routed columns first, in ascending column order
+    idx = torch.argsort((~m).to(torch.int8), dim=1, stable=True)[:, :topk]
+    valid = m.gather(1, idx)
+    p = probs.gather(1, idx)
+    return idx, p, valid
+
+
+# ------------------------------------------------------------------------------------------------ autograd --
+class _GatherRows(torch.autograd.Function):
+    """``out[i] = src[idx[i]]`` (``idx == len(src)``: a zero row). Backward is a gather too (deterministic, no
+    atomics): ``grad_src[j] = sum_f grad_out[inv[j * fold + f]]`` (``inv == len(out)``: zero)."""
+
+    @staticmethod
+    def forward(ctx, src, idx, inv, fold):
+        ctx.save_for_backward(inv)
+        ctx.fold = fold
+        ctx.n_src = src.shape[0]
+        ext = torch.cat([src, src.new_zeros((1,) + tuple(src.shape[1:]))])
+        return ext.index_select(0, idx)
+
+    @staticmethod
+    def backward(ctx, g):
+        (inv,) = ctx.saved_tensors
+        g = g.contiguous()
+        ext = torch.cat([g, g.new_zeros((1,) + tuple(g.shape[1:]))])
+        out = ext.index_select(0, inv)
+        if ctx.fold > 1:
+            out = out.view((ctx.n_src, ctx.fold) + tuple(g.shape[1:])).sum(1)
+        return out, None, None, None
+
+
+def gather_rows(src: torch.Tensor, idx: torch.Tensor, inv: torch.Tensor, fold: int = 1) -> torch.Tensor:
+    """Row gather with a zero sentinel row and a gather-only backward (see :class:`_GatherRows`)."""
+    return _GatherRows.apply(src, idx, inv, fold)
+
+
+class _Exchange(torch.autograd.Function):
+    """Fixed-split all-to-all of ``[R, ...]`` blocks; backward sends the gradients back the same way."""
+
+    @staticmethod
+    def forward(ctx, backend, x):
+        ctx.backend = backend
+        return backend.exchange(x.contiguous())
+
+    @staticmethod
+    def backward(ctx, g):
+        return None, ctx.backend.exchange(g.contiguous())
+
+
+class _IdentityBackend:
+    def exchange(self, send: torch.Tensor) -> torch.Tensor:
+        return send
+
+
+# -------------------------------------------------------------------------------------------------- handle --
+@dataclass
+class DispatchHandle:
+    """What :meth:`TokenDispatcher.combine` needs from :meth:`TokenDispatcher.dispatch` (all device tensors)."""
+
+    route_slot: torch.Tensor  # [T*K] send slot of each route (N = R*capacity: dropped or invalid)
+    route_of_slot: torch.Tensor  # [N] route in each send slot (T*K: empty)
+    order: torch.Tensor  # [N] received rows sorted by local expert (stable)
+    inv_order: torch.Tensor  # [N] inverse permutation
+    probs: torch.Tensor  # [T, K] routing weights (zero for invalid routes)
+    num_tokens: int
+    topk: int
+    dropped: torch.Tensor  # 0-dim int64: routes dropped by this call (over capacity)
+    recv_counts: torch.Tensor  # [num_local] int64: rows received per local expert (== m_splits)
+
+
+# ---------------------------------------------------------------------------------------------- dispatcher --
+class TokenDispatcher:
+    """Static-buffer token dispatcher over an EP process group.
+
+    Args:
+        num_local_experts: local experts per rank (home + spare: ``L + k``); the grouped GEMM's ``E``.
+        num_ranks: ``R`` (EP group size); ``1``: single process, no communication.
+        rank: this rank's index in the EP group.
+        column_rank, column_local: ``[C]`` int tensors, the destination rank and local expert of each routing
+            column (see :func:`expert_columns`).
+        capacity: routes each rank sends to each rank (static); ``None``: dropless (``T * K``, known at the first
+            dispatch). See :func:`capacity_for` for ``capacity_factor``.
+        group: the EP process group (``None``: the default group when ``R > 1``).
+        backend: an object with ``exchange(send [R, ...]) -> recv [R, ...]`` (default:
+            :func:`moe_graph.echo.default_backend`: ``all_to_all_single`` where the group supports it, else an
+            ``all_gather`` fallback; chosen once here, never during capture).
+    """
+
+    def __init__(
+        self,
+        num_local_experts: int,
+        num_ranks: int,
+        rank: int,
+        column_rank: torch.Tensor,
+        column_local: torch.Tensor,
+        capacity: Optional[int] = None,
+        group=None,
+        backend=None,
+    ):
+        if num_local_experts < 1:
+            raise ValueError(f"num_local_experts must be >= 1, got {num_local_experts}")
+        if num_ranks < 1 or not 0 <= rank < num_ranks:
+            raise ValueError(f"need num_ranks >= 1 and 0 <= rank < num_ranks, got num_ranks={num_ranks}, rank={rank}")
+        if column_rank.dim() != 1 or column_local.shape != column_rank.shape:
+            raise ValueError(
+                f"column_rank and column_local must be 1-D of equal length, got {tuple(column_rank.shape)} and "
+                f"{tuple(column_local.shape)}"
+            )
+        if capacity is not None and capacity < 1:
+            raise ValueError(f"capacity must be >= 1 or None (dropless), got {capacity}")
+        # validated once here (host values at construction, not on the hot path)
+        cr, cl = column_rank.detach().cpu(), column_local.detach().cpu()
+        if cr.numel() and (cr.min() < 0 or cr.max() >= num_ranks):
+            raise ValueError(f"column_rank values must be in [0, {num_ranks}), got {cr.tolist()}")
+        if cl.numel() and (cl.min() < 0 or cl.max() >= num_local_experts):
+            raise ValueError(f"column_local values must be in [0, {num_local_experts}), got {cl.tolist()}")
+        self.num_local = num_local_experts
+        self.R = num_ranks
+        self.rank = rank
+        self.capacity = capacity
+        self.group = group
+        self._column_rank = column_rank.to(torch.int64)
+        self._column_local = column_local.to(torch.int64)
+        self._cols: dict = {}
+        if num_ranks == 1:
+            self.backend = _IdentityBackend()
+        elif backend is not None:
+            self.backend = backend
+        else:
+            if not (dist.is_available() and dist.is_initialized()):
+                raise RuntimeError(f"TokenDispatcher: num_ranks={num_ranks} needs an initialized torch.distributed")
+            if dist.get_world_size(group) != num_ranks:
+                raise ValueError(
+                    f"num_ranks={num_ranks} must equal the EP group's size {dist.get_world_size(group)}"
+                )
+            from .echo import default_backend
+
+            self.backend = default_backend(group)
+        self.dropped_routes: Optional[torch.Tensor] = None  # cumulative device counter (created on first use)
+
+    @property
+    def num_columns(self) -> int:
+        return self._column_rank.numel()
+
+    def _columns(self, device):
+        key = str(device)
+        if key not in self._cols:
+            # sentinel column C: destination R (nowhere), local index num_local (sorts last)
+            r = torch.cat([self._column_rank, torch.tensor([self.R])]).to(device)
+            l = torch.cat([self._column_local, torch.tensor([self.num_local])]).to(device)
+            self._cols[key] = (r, l)
+        return self._cols[key]
+
+    def reset_drop_counter(self) -> None:
+        if self.dropped_routes is not None:
+            self.dropped_routes.zero_()
+
+    @property
+    def drop_flag(self) -> Optional[torch.Tensor]:
+        """0-dim bool device tensor: some route was dropped since the last reset (``None`` before any dispatch)."""
+        return None if self.dropped_routes is None else self.dropped_routes > 0
+
+    def check_drops(self, raise_on_drop: bool = False) -> int:
+        """Reads the cumulative drop count (syncs, by design: call it off the hot path). With ``raise_on_drop``,
+        raises RuntimeError when routes were dropped."""
+        n = 0 if self.dropped_routes is None else int(self.dropped_routes.item())
+        if n and raise_on_drop:
+            raise RuntimeError(
+                f"TokenDispatcher dropped {n} routes over the static capacity {self.capacity} per (source, destination) "
+                "pair; raise capacity_factor or enable echo balancing"
+            )
+        return n
+
+    # ---------------------------------------------------------------------------------------- dispatch --
+    def dispatch(
+        self,
+        hidden: torch.Tensor,
+        indices: torch.Tensor,
+        probs: torch.Tensor,
+        valid: Optional[torch.Tensor] = None,
+    ) -> Tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
+        """Send each token's routes to the ranks hosting their columns.
+
+        Args:
+            hidden: ``[T, H]`` tokens. indices: ``[T, K]`` int64 routing columns. probs: ``[T, K]`` weights
+                (autograd flows through them in :meth:`combine`). valid: optional ``[T, K]`` bool (invalid routes
+                are ignored).
+
+        Returns:
+            ``(expert_input [R * capacity, H], m_splits [num_local] int64 on the device, handle)``: received rows
+            grouped by local expert (expert order, then source rank, then the sender's order), padding rows
+            (zeros) at the end; ``m_splits`` goes straight to the grouped GEMM.
+        """
+        if hidden.dim() != 2:
+            raise ValueError(f"hidden must be [T, H], got shape {tuple(hidden.shape)}")
+        T, H = hidden.shape
+        if indices.dim() != 2 or indices.shape[0] != T:
+            raise ValueError(f"indices must be [T={T}, K], got shape {tuple(indices.shape)}")
+        K = indices.shape[1]
+        if probs.shape != indices.shape:
+            raise ValueError(f"probs must have the shape of indices {tuple(indices.shape)}, got {tuple(probs.shape)}")
+        if valid is not None and valid.shape != indices.shape:
+            raise ValueError(f"valid must have the shape of indices {tuple(indices.shape)}, got {tuple(valid.shape)}")
+        if indices.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"indices must be int32/int64, got {indices.dtype}")
+        dev = hidden.device
+        R, TK = self.R, T * K
+        cap = self.capacity if self.capacity is not None else max(TK, 1)
+        N = R * cap
+        col_rank, col_local = self._columns(dev)
+        C = self.num_columns
+
+        idx = indices.reshape(-1).to(torch.int64)
+        ok = (idx >= 0) & (idx < C)
+        if valid is not None:
+            ok = ok & valid.reshape(-1).to(torch.bool)
+        col = torch.where(ok, idx, C)
+        dst = col_rank.index_select(0, col)  # [TK] in [0, R]
+        lid = col_local.index_select(0, col)  # [TK] in [0, num_local]
+
+        order = torch.argsort(dst, stable=True)  # route order: destination, then (token, k)
+        cnt = torch.zeros(R + 1, dtype=torch.int64, device=dev).scatter_add_(0, dst, torch.ones_like(dst))
+        start = torch.cumsum(cnt, 0) - cnt
+        ar = torch.arange(TK, device=dev)
+        key_sorted = dst.index_select(0, order)
+        pos = ar - start.index_select(0, key_sorted)
+        keep = (key_sorted < R) & (pos < cap)
+        slot_sorted = torch.where(keep, key_sorted * cap + pos, N)
+        route_slot = torch.empty_like(slot_sorted).scatter_(0, order, slot_sorted)  # a permutation: deterministic
+
+        s = torch.arange(N, device=dev)
+        d, p = s // cap, s % cap
+        has = p < cnt.index_select(0, d)
+        src_pos = (start.index_select(0, d) + p).clamp(max=max(TK - 1, 0))
+        route_of_slot = torch.where(has, order.index_select(0, src_pos) if TK else src_pos, TK)
+        token_of_slot = torch.where(has, route_of_slot // K, T)
+        lid_ext = torch.cat([lid, lid.new_full((1,), self.num_local)])
+        lid_of_slot = torch.where(has, lid_ext.index_select(0, route_of_slot), self.num_local)
+        dropped = (cnt[:R] - cap).clamp(min=0).sum()
+        if self.dropped_routes is None or self.dropped_routes.device != dev:
+            self.dropped_routes = torch.zeros((), dtype=torch.int64, device=dev)
+        self.dropped_routes.add_(dropped)
+
+        send = gather_rows(hidden, token_of_slot, route_slot, K)  # [N, H]
+        if R > 1:
+            recv = _Exchange.apply(self.backend, send.view(R, cap, H)).reshape(N, H)
+            recv_lid = self.backend.exchange(lid_of_slot.view(R, cap).contiguous()).reshape(N)
+        else:
+            recv, recv_lid = send, lid_of_slot
+        order2 = torch.argsort(recv_lid, stable=True)
+        inv2 = torch.empty_like(order2).scatter_(0, order2, torch.arange(N, device=dev))
+        expert_in = gather_rows(recv, order2, inv2, 1)
+        counts = torch.zeros(self.num_local + 1, dtype=torch.int64, device=dev).scatter_add_(
+            0, recv_lid, torch.ones_like(recv_lid)
+        )[: self.num_local]
+        pw = probs.reshape(-1)
+        pw = torch.where(col < C, pw, torch.zeros((), dtype=pw.dtype, device=dev)).view(T, K)
+        handle = DispatchHandle(route_slot, route_of_slot, order2, inv2, pw, T, K, dropped, counts)
+        return expert_in, counts, handle
+
+    # ----------------------------------------------------------------------------------------- combine --
+    def combine(self, expert_output: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        """Send the expert outputs back and sum each token's routes weighted by their probabilities: ``[T, H]``
+        (dropped routes contribute zero)."""
+        N = handle.order.shape[0]
+        if expert_output.dim() != 2 or expert_output.shape[0] != N:
+            raise ValueError(f"expert_output must be [{N}, H] (the dispatched rows), got {tuple(expert_output.shape)}")
+        H = expert_output.shape[1]
+        T, K = handle.num_tokens, handle.topk
+        y_recv = gather_rows(expert_output, handle.inv_order, handle.order, 1)
+        if self.R > 1:
+            y_send = _Exchange.apply(self.backend, y_recv.view(self.R, N // self.R, H)).reshape(N, H)
+        else:
+            y_send = y_recv
+        y_route = gather_rows(y_send, handle.route_slot, handle.route_of_slot, 1).view(T, K, H)
+        ct = torch.promote_types(expert_output.dtype, torch.float32)
+        out = (y_route.to(ct) * handle.probs.to(ct).unsqueeze(-1)).sum(1)
+        return out.to(expert_output.dtype)

@@ -1,0 +1,279 @@
+"""``MoELayer``: router -> echo planner + rerouting -> static token dispatcher -> grouped MLP -> combine.
+
+Everything in :meth:`MoELayer.forward` and its backward is device tensor code with static shapes: top-k routing,
+the aux load-balancing loss, the all-gather of the per-rank expert counts, the echo plan
+(:mod:`moe_graph.planner`), the expert-weight dispatch to spare slots (:mod:`moe_graph.echo`), the fixed-split
+all-to-all (:mod:`moe_graph.dispatcher`) and the grouped GEMMs with ``m_splits`` on the device. No host sync, so a
+whole training step can be captured in one CUDA graph (:mod:`moe_graph.graph`).
+
+Layout: ``R`` EP ranks (the ``ep_group``), ``E`` experts, ``L = E // R`` home experts per rank (expert ``e`` on
+rank ``e // L``), ``k`` spare (echo) slots per rank. The rank's grouped GEMMs run over ``L + k`` local experts:
+its home experts' weights, then copies of the home experts the plan put in its spare slots. Expert parameters are
+marked ``param.allreduce = False`` (Megatron's convention, used by :class:`moe_graph.ddp.DistributedDataParallel`).
+
+Statistics of the last forward (device tensors, read them off the hot path): ``last_aux_loss``,
+``last_load_before`` / ``last_load_after`` (``[R]`` tokens each EP rank's experts receive without / with echo,
+identical on every rank), ``last_tokens_per_expert`` (``[E]`` global), and the dispatcher's drop counter.
+
+Example (one process)::
+
+    layer = MoELayer(64, 128, num_experts=8, topk=2, device="cpu")
+    y = layer(x)                  # [..., 64]; the aux loss (if any) flows into backward through y
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from . import planner as P
+from .dispatcher import TokenDispatcher, capacity_for, expert_columns, topk_from_routing_map
+
+__all__ = ["MoELayer", "TopKRouter", "router_aux_loss"]
+
+
+def router_aux_loss(scores: torch.Tensor, routing_map: torch.Tensor, topk: int) -> torch.Tensor:
+    """Switch-transformer load-balancing loss ``E * sum_e f_e * P_e`` (``f_e``: fraction of the routes that go
+    to expert ``e``, ``P_e``: mean score of ``e``); 1.0 for perfect balance. Device-only, no sync."""
+    T, E = scores.shape
+    f = routing_map.to(scores.dtype).sum(0) / max(T * topk, 1)
+    p = scores.sum(0) / max(T, 1)
+    return E * (f * p).sum()
+
+
+class _AttachAux(torch.autograd.Function):
+    """Identity on ``out``; backward also feeds gradient 1 to ``aux`` (Megatron's ``MoEAuxLossAutoScaler``)."""
+
+    @staticmethod
+    def forward(ctx, out, aux):
+        ctx.save_for_backward(aux)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        (aux,) = ctx.saved_tensors
+        return g, torch.ones_like(aux)
+
+
+class TopKRouter(nn.Module):
+    """Linear gate + softmax or sigmoid scores + top-k.
+
+    ``score_func="softmax"``: probabilities = the top-k softmax scores (renormalized to sum 1 when
+    ``norm_topk_prob``). ``"sigmoid"`` (DeepSeek-V3): the top-k sigmoid scores, renormalized to sum 1.
+    Returns ``(routing_map [T, E] bool, probs [T, E] (zero off the map), scores [T, E])``.
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, topk: int, score_func: str = "softmax",
+                 norm_topk_prob: bool = False, device=None, dtype=None):
+        super().__init__()
+        if score_func not in ("softmax", "sigmoid"):
+            raise ValueError(f"score_func must be 'softmax' or 'sigmoid', got {score_func!r}")
+        if not 1 <= topk <= num_experts:
+            raise ValueError(f"topk must be in [1, num_experts={num_experts}], got {topk}")
+        self.num_experts, self.topk, self.score_func = num_experts, topk, score_func
+        self.norm_topk_prob = norm_topk_prob or score_func == "sigmoid"
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, device=device, dtype=dtype))
+        nn.init.normal_(self.weight, std=0.02)
+
+    def forward(self, x: torch.Tensor):
+        logits = F.linear(x, self.weight)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32 scores (fp64 stays fp64)
+        scores = torch.softmax(logits, -1) if self.score_func == "softmax" else torch.sigmoid(logits)
+        top, idx = torch.topk(scores, self.topk, dim=-1)
+        if self.norm_topk_prob:
+            top = top / (top.sum(-1, keepdim=True) + 1e-20)
+        routing_map = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, idx, True)
+        probs = torch.zeros_like(scores).scatter(1, idx, top)
+        return routing_map, probs, scores
+
+
+def _all_gather_counts(local: torch.Tensor, group, R: int) -> torch.Tensor:
+    if R == 1:
+        return local.unsqueeze(0)
+    out = torch.empty((R,) + tuple(local.shape), dtype=local.dtype, device=local.device)
+    if local.is_cuda:
+        dist.all_gather_into_tensor(out, local.contiguous(), group=group)
+    else:
+        dist.all_gather(list(out.unbind(0)), local.contiguous(), group=group)
+    return out
+
+
+class MoELayer(nn.Module):
+    """Mixture-of-experts MLP with expert parallelism, echo balancing and static buffers.
+
+    Args:
+        hidden_size, ffn_hidden_size: ``H``, ``F`` (per expert).
+        num_experts: ``E`` (global). topk: routes per token.
+        score_func: ``"softmax"`` or ``"sigmoid"``. norm_topk_prob: renormalize the top-k softmax probabilities.
+        activation: ``"swiglu"`` (fc1 is ``[2F, H]``) or ``"gelu"``.
+        aux_loss_coeff: weight of the load-balancing loss (0: off); its gradient flows through the output.
+        ep_group: the EP process group (``None``: a single process, ``R = 1``, or the default group with
+            ``ep_size=-1``). ep_size: ``R`` (default: the group's size, 1 without torch.distributed).
+        num_spare_experts_per_ep_rank: echo slots ``k`` (0: echo off). assignment: the planner's assignment.
+        capacity_factor: per (source, destination) rank capacity ``ceil(cf * T * K / R)`` routes; ``None``:
+            dropless (``T * K`` rows from each rank, ``R`` times the memory).
+        params_dtype, device: of all parameters. init_std: expert weight init.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        num_experts: int,
+        topk: int = 2,
+        *,
+        score_func: str = "softmax",
+        norm_topk_prob: bool = False,
+        activation: str = "swiglu",
+        aux_loss_coeff: float = 0.0,
+        ep_group=None,
+        ep_size: Optional[int] = None,
+        num_spare_experts_per_ep_rank: int = 0,
+        assignment: str = "auto",
+        capacity_factor: Optional[float] = None,
+        params_dtype: Optional[torch.dtype] = None,
+        device=None,
+        init_std: float = 0.02,
+    ):
+        super().__init__()
+        from .grouped_linear import GroupedLinear
+
+        if activation not in ("swiglu", "gelu"):
+            raise ValueError(f"activation must be 'swiglu' or 'gelu', got {activation!r}")
+        if ep_size is None:
+            ep_size = dist.get_world_size(ep_group) if (ep_group is not None or (
+                dist.is_available() and dist.is_initialized())) else 1
+        if num_experts % ep_size:
+            raise ValueError(f"num_experts={num_experts} must be divisible by the EP size {ep_size}")
+        if ep_size > 1 and not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(f"ep_size={ep_size} needs an initialized torch.distributed")
+        if num_spare_experts_per_ep_rank < 0:
+            raise ValueError(f"num_spare_experts_per_ep_rank must be >= 0, got {num_spare_experts_per_ep_rank}")
+        self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
+        self.num_experts, self.topk = num_experts, topk
+        self.activation = activation
+        self.aux_loss_coeff = float(aux_loss_coeff)
+        self.ep_group = ep_group
+        self.R = ep_size
+        self.ep_rank = dist.get_rank(ep_group) if ep_size > 1 else 0
+        self.L = num_experts // ep_size
+        self.k = num_spare_experts_per_ep_rank
+        self.assignment = assignment
+        self.capacity_factor = capacity_factor
+        dtype = params_dtype if params_dtype is not None else torch.get_default_dtype()
+        device = torch.device(device) if device is not None else torch.device(
+            "cuda" if torch.cuda.is_available() else "cpu")
+
+        self.router = TopKRouter(hidden_size, num_experts, topk, score_func, norm_topk_prob, device=device, dtype=dtype)
+        init = lambda t: nn.init.normal_(t, std=init_std)  # noqa: E731
+        fc1_out = 2 * ffn_hidden_size if activation == "swiglu" else ffn_hidden_size
+        self.fc1 = GroupedLinear(self.L, hidden_size, fc1_out, bias=False, params_dtype=dtype, device=device,
+                                 init_method=init, single_grouped_weight=True)
+        self.fc2 = GroupedLinear(self.L, ffn_hidden_size, hidden_size, bias=False, params_dtype=dtype, device=device,
+                                 init_method=lambda t: nn.init.normal_(t, std=init_std / math.sqrt(2)),
+                                 single_grouped_weight=True)
+        for p in list(self.fc1.parameters()) + list(self.fc2.parameters()):
+            p.allreduce = False  # expert parameters: reduced over the expert-data-parallel group
+
+        col_rank, col_local = expert_columns(num_experts, ep_size, self.k)
+        self.dispatcher = TokenDispatcher(self.L + self.k, ep_size, self.ep_rank, col_rank, col_local,
+                                          capacity=None, group=ep_group)
+        self.echo = None
+        if self.k > 0:
+            from .echo import EchoExpertDispatcher, LocalBackend
+
+            backend = LocalBackend() if ep_size == 1 else None
+            self.echo = EchoExpertDispatcher(num_experts, ep_size, self.ep_rank, self.k, backend=backend,
+                                             group=ep_group)
+            if ep_size > 1:
+                _ = self.echo.backend  # probe the process group now, never during capture
+        self.last_aux_loss = None
+        self.last_load_before = None
+        self.last_load_after = None
+        self.last_tokens_per_expert = None
+        self.last_m_splits = None
+
+    # ------------------------------------------------------------------------------------------ helpers --
+    def _activation(self, h: torch.Tensor) -> torch.Tensor:
+        if self.activation == "swiglu":
+            a, b = h.chunk(2, dim=-1)
+            return F.silu(a) * b
+        return F.gelu(h)
+
+    def expert_weights(self):
+        """``(fc1 [L, fc1_out, H], fc2 [L, H, F])``: this rank's home expert weights."""
+        return self.fc1.weight, self.fc2.weight
+
+    def _plan(self, routing_map, probs):
+        """Echo plan from the all-gathered counts: rerouted map/probs ``[T, E+S]``, ``offloading_map [E, S]``."""
+        counts = _all_gather_counts(routing_map.sum(0).to(torch.int64), self.ep_group, self.R)  # [R, E]
+        self.last_tokens_per_expert = counts.sum(0)
+        self.last_load_before = P.rank_loads(counts)
+        if self.k == 0:
+            self.last_load_after = self.last_load_before
+            return routing_map, probs, None
+        h2s = P.gen_assignment(counts, self.k, self.assignment)  # [E, S]
+        alloc = P.gen_allocation(counts, h2s)  # [R, S]
+        omap = h2s > 0
+        try:
+            from .ops.reroute import native_available, reroute_tokens
+
+            native = native_available()
+        except ImportError:  # pragma: no cover
+            native = False
+        if native:
+            new_map, new_probs = reroute_tokens(routing_map, probs, alloc[self.ep_rank], omap)
+        else:  # pragma: no cover
+            new_map, new_probs = P.reroute_tokens_torch(routing_map, probs, alloc[self.ep_rank], omap)
+        R, E, k = self.R, self.num_experts, self.k
+        self.last_load_after = (self.last_load_before - h2s.sum(1).view(R, E // R).sum(1)
+                                + h2s.sum(0).view(R, k).sum(1))
+        return new_map, new_probs, omap
+
+    # ------------------------------------------------------------------------------------------ forward --
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.hidden_size:
+            raise ValueError(f"x must have last dimension hidden_size={self.hidden_size}, got shape {tuple(x.shape)}")
+        lead = x.shape[:-1]
+        h = x.reshape(-1, self.hidden_size)
+        T = h.shape[0]
+        cap = capacity_for(T, self.topk, self.R, self.capacity_factor)
+        self.dispatcher.capacity = cap
+
+        routing_map, probs, scores = self.router(h)
+        aux = None
+        if self.aux_loss_coeff > 0 and self.training:
+            aux = self.aux_loss_coeff * router_aux_loss(scores, routing_map, self.topk)
+            self.last_aux_loss = aux.detach()
+
+        new_map, new_probs, omap = self._plan(routing_map, probs)
+        indices, top_probs, valid = topk_from_routing_map(new_map, new_probs, self.topk)
+        expert_in, m_splits, handle = self.dispatcher.dispatch(h, indices, top_probs, valid)
+        self.last_m_splits = m_splits
+
+        w1, w2 = self.expert_weights()
+        if self.echo is not None:
+            from .echo import dispatch_spare_weights
+
+            s1, s2 = dispatch_spare_weights(self.echo, omap, [w1, w2])
+            w1 = torch.cat([w1, s1.to(w1.dtype)])
+            w2 = torch.cat([w2, s2.to(w2.dtype)])
+        from .ops.grouped_gemm import grouped_gemm
+
+        expert_in = expert_in.to(w1.dtype)
+        mid = self._activation(grouped_gemm(expert_in, w1, m_splits))
+        expert_out = grouped_gemm(mid, w2, m_splits)
+        out = self.dispatcher.combine(expert_out, handle).to(x.dtype)
+        if aux is not None:
+            out = _AttachAux.apply(out, aux)
+        return out.reshape(*lead, self.hidden_size)
+
+    def extra_repr(self) -> str:
+        return (f"hidden={self.hidden_size}, ffn={self.ffn_hidden_size}, experts={self.num_experts}, topk={self.topk}, "
+                f"ep={self.R}, local={self.L}, spare={self.k}, capacity_factor={self.capacity_factor}, "
+                f"activation={self.activation}")

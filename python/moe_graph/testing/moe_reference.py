@@ -1,0 +1,226 @@
+"""Plain references for the token dispatcher and the MoE layer (loops over tokens, no permutation tricks), and the
+multi-process workers the tests run on gloo. The tests compare :mod:`moe_graph.dispatcher` and
+:class:`moe_graph.moe_layer.MoELayer` against these."""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+
+
+# ---------------------------------------------------------------------------------------------- references --
+def reference_route(h: torch.Tensor, gate_weight: torch.Tensor, topk: int, score_func: str = "softmax",
+                    norm_topk_prob: bool = False):
+    """``(topk_idx [T, K], topk_probs [T, K], scores [T, E])``: the router written out independently."""
+    logits = (h @ gate_weight.t()).float() if h.dtype != torch.float64 else h @ gate_weight.t()
+    scores = torch.softmax(logits, -1) if score_func == "softmax" else torch.sigmoid(logits)
+    top, idx = torch.topk(scores, topk, dim=-1)
+    if norm_topk_prob or score_func == "sigmoid":
+        top = top / (top.sum(-1, keepdim=True) + 1e-20)
+    return idx, top, scores
+
+
+def kept_routes(indices: torch.Tensor, column_rank: torch.Tensor, capacity: int, valid: Optional[torch.Tensor] = None):
+    """``[T, K]`` bool: which routes survive a per-destination capacity, walking routes in (token, k) order."""
+    T, K = indices.shape
+    keep = torch.zeros(T, K, dtype=torch.bool)
+    used: Dict[int, int] = {}
+    for t in range(T):
+        for k in range(K):
+            if valid is not None and not bool(valid[t, k]):
+                continue
+            d = int(column_rank[int(indices[t, k])])
+            if used.get(d, 0) < capacity:
+                keep[t, k] = True
+                used[d] = used.get(d, 0) + 1
+    return keep
+
+
+def dense_moe_reference(h, indices, probs, w1, w2, activation: str = "swiglu", keep: Optional[torch.Tensor] = None):
+    """Every token through each of its top-k experts, one at a time: ``sum_k probs[t, k] * mlp_{e_k}(h[t])``.
+
+    ``w1 [E, fc1_out, H]``, ``w2 [E, H, F]`` (``nn.Linear`` layout); ``keep`` masks dropped routes."""
+    T, K = indices.shape
+    rows = []
+    for t in range(T):
+        acc = torch.zeros_like(h[t])
+        for k in range(K):
+            if keep is not None and not bool(keep[t, k]):
+                continue
+            e = int(indices[t, k])
+            a = h[t] @ w1[e].t()
+            if activation == "swiglu":
+                g, u = a.chunk(2, -1)
+                a = F.silu(g) * u
+            else:
+                a = F.gelu(a)
+            acc = acc + probs[t, k].to(h.dtype) * (a @ w2[e].t())
+        rows.append(acc)
+    return torch.stack(rows)
+
+
+def reference_aux_loss(scores: torch.Tensor, indices: torch.Tensor, num_experts: int) -> torch.Tensor:
+    T, K = indices.shape
+    f = torch.zeros(num_experts, dtype=scores.dtype)
+    for t in range(T):
+        for k in range(K):
+            f[int(indices[t, k])] += 1.0 / (T * K)
+    return num_experts * (f * scores.mean(0)).sum()
+
+
+def scale_experts(expert_in: torch.Tensor, m_splits: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """A stand-in "expert": rows of local expert ``l`` times ``scales[l]`` (padding rows stay zero). Test code:
+    reads ``m_splits`` on the host."""
+    per_row = torch.repeat_interleave(scales, m_splits.cpu())
+    pad = expert_in.shape[0] - per_row.shape[0]
+    per_row = torch.cat([per_row, per_row.new_zeros(pad)])
+    return expert_in * per_row[:, None].to(expert_in.dtype)
+
+
+# ------------------------------------------------------------------------------------ multi-process workers --
+def _gather(t: torch.Tensor) -> torch.Tensor:
+    import torch.distributed as dist
+
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t.contiguous())
+    return torch.stack(out)
+
+
+def dispatcher_worker(rank: int, world: int, seed: int) -> Dict:
+    """Every rank dispatches its tokens to ``E = 2 * world`` experts over the real process group and through a
+    one-process dispatcher holding all experts; returns both results (outputs and gradients) for comparison, with
+    the all-to-all and the all-gather backends, dropless and with a small capacity."""
+    from moe_graph.dispatcher import TokenDispatcher, expert_columns
+    from moe_graph.echo import AllGatherBackend, AllToAllBackend
+
+    R, T, K, H = world, 12, 2, 5
+    E = 2 * R
+    g = torch.Generator().manual_seed(seed * 100 + rank)
+    x = torch.randn(T, H, generator=g, dtype=torch.float64)
+    # skewed: experts of rank 0 are popular, so small capacities drop
+    w = torch.tensor([4.0 if e < 2 else 1.0 for e in range(E)], dtype=torch.float64)
+    idx = torch.multinomial(w.expand(T, E), K, replacement=False, generator=g)
+    probs = torch.rand(T, K, generator=g, dtype=torch.float64)
+    valid = torch.rand(T, K, generator=g) > 0.1
+    scales = torch.arange(1, E + 1, dtype=torch.float64)  # global expert e scales by e + 1
+    out: Dict = {"cases": []}
+    for name, backend, cap in [("a2a", AllToAllBackend(), None), ("allgather", AllGatherBackend(), None),
+                               ("a2a_cap", AllToAllBackend(), 3)]:
+        cr, cl = expert_columns(E, R)
+        d = TokenDispatcher(E // R, R, rank, cr, cl, capacity=cap, backend=backend)
+        xd = x.clone().requires_grad_()
+        pd = probs.clone().requires_grad_()
+        ein, ms, hd = d.dispatch(xd, idx, pd, valid)
+        y = d.combine(scale_experts(ein, ms, scales[rank * (E // R):(rank + 1) * (E // R)]), hd)
+        (y * torch.arange(H, dtype=torch.float64)).sum().backward()
+        # one process, all experts local, same capacity per destination rank
+        cr1 = torch.zeros(E, dtype=torch.int64)
+        d1 = TokenDispatcher(E, 1, 0, cr1, torch.arange(E), capacity=None)
+        keep = kept_routes(idx, cr, cap if cap is not None else T * K, valid)
+        x1 = x.clone().requires_grad_()
+        p1 = probs.clone().requires_grad_()
+        ein1, ms1, h1 = d1.dispatch(x1, idx, p1, valid & keep)
+        y1 = d1.combine(scale_experts(ein1, ms1, scales), h1)
+        (y1 * torch.arange(H, dtype=torch.float64)).sum().backward()
+        out["cases"].append({
+            "name": name, "y": y.detach(), "y1": y1.detach(), "gx": xd.grad, "gx1": x1.grad, "gp": pd.grad,
+            "gp1": p1.grad, "dropped": int(d.check_drops()), "dropped_ref": int((valid & ~keep).sum()),
+            "m_splits": ms.clone(), "recv_rows": int(ms.sum()),
+        })
+    return out
+
+
+def moe_layer_worker(rank: int, world: int, seed: int, k: int, capacity_factor: Optional[float]) -> Dict:
+    """A 2+-rank MoE layer (EP over the group, echo with ``k`` spare slots) vs the dense reference on the
+    all-gathered tokens and weights. Returns errors and statistics."""
+    from moe_graph.moe_layer import MoELayer
+
+    torch.manual_seed(seed)  # same init on every rank for the router; experts are re-set below
+    R, H, Fh, E, K, T = world, 8, 12, 4 * world, 2, 24
+    dt = torch.float64
+    layer = MoELayer(H, Fh, E, K, activation="swiglu", num_spare_experts_per_ep_rank=k, ep_size=R,
+                     capacity_factor=capacity_factor, device="cpu", params_dtype=dt, aux_loss_coeff=0.01)
+    gw = torch.Generator().manual_seed(seed)
+    w1_all = torch.randn(E, 2 * Fh, H, generator=gw, dtype=dt) / 3
+    w2_all = torch.randn(E, H, Fh, generator=gw, dtype=dt) / 3
+    gate = torch.randn(E, H, generator=gw, dtype=dt)
+    gate[0] += 3.0  # expert 0 (rank 0) is hot: echo has work to do
+    L = E // R
+    with torch.no_grad():
+        layer.fc1.weight.copy_(w1_all[rank * L:(rank + 1) * L])
+        layer.fc2.weight.copy_(w2_all[rank * L:(rank + 1) * L])
+        layer.router.weight.copy_(gate)
+    gx = torch.Generator().manual_seed(seed * 1000 + rank)
+    x = (torch.randn(T, H, generator=gx, dtype=dt) + 0.5).requires_grad_()
+    target = torch.randn(T, H, generator=gx, dtype=dt)
+    y = layer(x)
+    (y * target).sum().backward()
+
+    # reference on all ranks' tokens: this rank's output and its home experts' gradients
+    xs = _gather(x.detach())
+    ts = _gather(target)
+    w1r = w1_all.clone().requires_grad_()
+    w2r = w2_all.clone().requires_grad_()
+    gater = gate.clone().requires_grad_()
+    total = 0
+    y_ref = None
+    gx_ref = None
+    aux_ref = None
+    for r in range(R):
+        xr = xs[r].clone().requires_grad_()
+        idx, p, scores = reference_route(xr, gater if r == rank else gate, K)  # gate grads: local tokens only
+        yr = dense_moe_reference(xr, idx, p, w1r, w2r, "swiglu")
+        loss = (yr * ts[r]).sum()
+        if r == rank:
+            aux_ref = 0.01 * reference_aux_loss(scores, idx, E)
+            loss = loss + aux_ref
+        total = total + loss
+        if r == rank:
+            y_ref, x_keep = yr, xr
+    total.backward()
+    gx_ref = x_keep.grad
+    sl = slice(rank * L, (rank + 1) * L)
+    return {
+        "y_err": float((y.detach() - y_ref.detach()).abs().max()),
+        "gx_err": float((x.grad - gx_ref).abs().max()),
+        "gw1_err": float((layer.fc1.weight.grad - w1r.grad[sl]).abs().max()),
+        "gw2_err": float((layer.fc2.weight.grad - w2r.grad[sl]).abs().max()),
+        "ggate_err": float((layer.router.weight.grad - gater.grad).abs().max()),
+        "aux_err": float((layer.last_aux_loss - aux_ref.detach()).abs()),
+        "load_before": layer.last_load_before.tolist(),
+        "load_after": layer.last_load_after.tolist(),
+        "recv": int(layer.last_m_splits.sum()),
+        "dropped": layer.dispatcher.check_drops(),
+    }
+
+
+def moe_capacity_worker(rank: int, world: int, seed: int) -> List[int]:
+    """Dropped routes per rank with and without echo (k=1) at capacity factor 1.0 under skewed routing."""
+    from moe_graph.moe_layer import MoELayer
+
+    out = []
+    for k in (0, 1):
+        torch.manual_seed(seed)
+        R, H, E, T = world, 8, 4 * world, 64
+        layer = MoELayer(H, 8, E, 2, num_spare_experts_per_ep_rank=k, ep_size=R, capacity_factor=1.0, device="cpu",
+                         params_dtype=torch.float64)
+        with torch.no_grad():
+            layer.router.weight[0] += 3.0
+        x = torch.randn(T, H, generator=torch.Generator().manual_seed(seed + rank), dtype=torch.float64) + 0.5
+        with torch.no_grad():
+            layer(x)
+        out.append(layer.dispatcher.check_drops())
+    return out
+
+
+def moe_layer_checks_worker(rank: int, world: int, seed: int) -> Dict:
+    """All multi-process MoE layer checks in one spawn: without echo, with echo (``k = 1``), and the capacity
+    drops with and without echo."""
+    return {
+        "no_echo": moe_layer_worker(rank, world, seed, 0, None),
+        "echo": moe_layer_worker(rank, world, seed, 1, None),
+        "echo_cap": moe_layer_worker(rank, world, seed, 1, 2.0),
+        "drops": moe_capacity_worker(rank, world, seed),
+    }

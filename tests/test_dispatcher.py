@@ -1,0 +1,194 @@
+"""Static-capacity token dispatcher: permutation and m_splits, combine, gradients, deterministic counted drops, and
+the multi-process all-to-all (gloo, 2 and 4 ranks; all-to-all and all-gather backends) against one process."""
+
+import pytest
+import torch
+
+from conftest import requires_cuda
+from moe_graph.dispatcher import (TokenDispatcher, capacity_for, expert_columns, gather_rows,
+                                  topk_from_routing_map)
+from moe_graph.testing.distributed import run_distributed
+from moe_graph.testing.moe_reference import dispatcher_worker, kept_routes, scale_experts
+
+
+def _one_process(E, cap=None):
+    return TokenDispatcher(E, 1, 0, torch.zeros(E, dtype=torch.int64), torch.arange(E), capacity=cap)
+
+
+def _routing(T, E, K, g):
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    probs = torch.rand(T, K, generator=g, dtype=torch.float64)
+    return idx, probs
+
+
+def test_expert_columns_layout():
+    r, l = expert_columns(8, 4, 2)
+    assert r.tolist() == [0, 0, 1, 1, 2, 2, 3, 3] + [0, 0, 1, 1, 2, 2, 3, 3]
+    assert l.tolist() == [0, 1] * 4 + [2, 3] * 4
+    r, l = expert_columns(6, 3)
+    assert r.tolist() == [0, 0, 1, 1, 2, 2] and l.tolist() == [0, 1] * 3
+    with pytest.raises(ValueError, match="divisible"):
+        expert_columns(7, 2)
+
+
+def test_capacity_for():
+    assert capacity_for(100, 2, 4, 1.0) == 50
+    assert capacity_for(100, 2, 4, 1.1) == 55
+    assert capacity_for(100, 2, 4, None) == 200
+    assert capacity_for(10, 1, 2, 100.0) == 10  # never more than T*K
+    with pytest.raises(ValueError, match="capacity_factor"):
+        capacity_for(10, 1, 2, 0.0)
+
+
+def test_permutation_and_m_splits(gen):
+    T, E, K, H = 17, 5, 2, 3
+    idx, probs = _routing(T, E, K, gen)
+    x = torch.randn(T, H, generator=gen, dtype=torch.float64)
+    d = _one_process(E)
+    ein, ms, h = d.dispatch(x, idx, probs)
+    assert ein.shape == (T * K, H)
+    expected_rows = []
+    for e in range(E):
+        toks = [t for t in range(T) if e in idx[t].tolist()]
+        assert int(ms[e]) == len(toks)
+        expected_rows += [x[t] for t in toks]  # token order inside an expert
+    assert torch.equal(ein, torch.stack(expected_rows))
+    assert ms.device == x.device and ms.dtype == torch.int64
+
+
+def test_combine_is_weighted_sum_and_padding_is_zero(gen):
+    T, E, K, H = 9, 4, 3, 6
+    idx, probs = _routing(T, E, K, gen)
+    valid = torch.rand(T, K, generator=gen) > 0.3
+    x = torch.randn(T, H, generator=gen, dtype=torch.float64)
+    d = _one_process(E)
+    ein, ms, h = d.dispatch(x, idx, probs, valid)
+    n = int(ms.sum())
+    assert n == int(valid.sum())
+    assert torch.count_nonzero(ein[n:]) == 0  # padding rows at the end
+    scales = torch.arange(1, E + 1, dtype=torch.float64)
+    y = d.combine(scale_experts(ein, ms, scales), h)
+    ref = torch.zeros_like(x)
+    for t in range(T):
+        for k in range(K):
+            if valid[t, k]:
+                ref[t] += probs[t, k] * scales[idx[t, k]] * x[t]
+    torch.testing.assert_close(y, ref, rtol=0, atol=1e-12)
+
+
+def test_gradcheck(gen):
+    T, E, K, H = 6, 3, 2, 4
+    idx, probs = _routing(T, E, K, gen)
+    x = torch.randn(T, H, generator=gen, dtype=torch.float64, requires_grad=True)
+    p = probs.clone().requires_grad_()
+    scales = torch.tensor([0.5, 2.0, -1.0], dtype=torch.float64)
+
+    def f(x, p):
+        d = _one_process(E, cap=7)  # drops too: dropped routes get zero gradient
+        ein, ms, h = d.dispatch(x, idx, p)
+        return d.combine(scale_experts(ein, ms, scales), h)
+
+    assert torch.autograd.gradcheck(f, (x, p))
+
+
+def test_capacity_drops_are_deterministic_and_counted(gen):
+    T, E, K, H = 20, 4, 2, 3
+    idx, probs = _routing(T, E, K, gen)
+    x = torch.randn(T, H, generator=gen, dtype=torch.float64)
+    cap = 25
+    d = _one_process(E, cap=cap)
+    ein, ms, h = d.dispatch(x, idx, probs)
+    y = d.combine(ein, h)  # identity experts
+    keep = kept_routes(idx, torch.zeros(E, dtype=torch.int64), cap)
+    assert int(keep.sum()) == cap
+    ref = (x[:, None, :] * (probs * keep)[..., None]).sum(1)
+    torch.testing.assert_close(y, ref, rtol=0, atol=1e-12)
+    assert int(h.dropped) == T * K - cap
+    assert bool(d.drop_flag)
+    assert d.check_drops() == T * K - cap
+    d.dispatch(x, idx, probs)
+    assert d.check_drops() == 2 * (T * K - cap)  # cumulative
+    with pytest.raises(RuntimeError, match="dropped 30 routes"):
+        d.check_drops(raise_on_drop=True)
+    d.reset_drop_counter()
+    assert d.check_drops() == 0 and not bool(d.drop_flag)
+
+
+def test_topk_from_routing_map(gen):
+    T, C, K = 8, 6, 2
+    m = torch.zeros(T, C, dtype=torch.bool)
+    for t in range(T):
+        m[t, torch.randperm(C, generator=gen)[: (K if t % 3 else 1)]] = True
+    probs = torch.rand(T, C, generator=gen) * m
+    idx, p, valid = topk_from_routing_map(m, probs, K)
+    for t in range(T):
+        cols = [c for c in range(C) if m[t, c]]
+        assert idx[t, : len(cols)].tolist() == cols
+        assert valid[t].tolist() == [True] * len(cols) + [False] * (K - len(cols))
+        assert p[t, : len(cols)].tolist() == probs[t, cols].tolist()
+
+
+def test_errors_name_arguments():
+    d = _one_process(3)
+    x = torch.randn(4, 2)
+    with pytest.raises(ValueError, match="indices must be"):
+        d.dispatch(x, torch.zeros(3, 2, dtype=torch.long), torch.zeros(3, 2))
+    with pytest.raises(ValueError, match="probs must"):
+        d.dispatch(x, torch.zeros(4, 2, dtype=torch.long), torch.zeros(4, 3))
+    with pytest.raises(ValueError, match="column_local"):
+        TokenDispatcher(2, 1, 0, torch.zeros(3, dtype=torch.long), torch.tensor([0, 1, 2]))
+    with pytest.raises(ValueError, match="capacity"):
+        TokenDispatcher(2, 1, 0, torch.zeros(2, dtype=torch.long), torch.arange(2), capacity=0)
+
+
+def test_gather_rows_sentinel():
+    src = torch.arange(6.0).view(3, 2).requires_grad_()
+    out = gather_rows(src, torch.tensor([2, 3, 0]), torch.tensor([2, 3, 0]), 1)
+    assert out.tolist() == [[4, 5], [0, 0], [0, 1]]
+    out.sum().backward()
+    assert src.grad.tolist() == [[1, 1], [0, 0], [1, 1]]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_multiprocess_matches_one_process(world):
+    res = run_distributed(dispatcher_worker, world, 7)
+    dropped = 0
+    for r in res:
+        for c in r["cases"]:
+            torch.testing.assert_close(c["y"], c["y1"], rtol=0, atol=1e-12, msg=lambda m: f"{c['name']}: {m}")
+            torch.testing.assert_close(c["gx"], c["gx1"], rtol=0, atol=1e-12)
+            torch.testing.assert_close(c["gp"], c["gp1"], rtol=0, atol=1e-12)
+            assert c["dropped"] == c["dropped_ref"], c["name"]
+            if c["name"] == "a2a_cap":
+                dropped += c["dropped"]
+                assert c["recv_rows"] <= world * 3
+            else:
+                assert c["dropped"] == 0
+    assert dropped > 0  # the capacity case really dropped routes (skewed routing)
+
+
+@requires_cuda
+def test_cuda_no_host_sync_and_matches_cpu():
+    T, E, K, H = 64, 8, 2, 32
+    g = torch.Generator().manual_seed(0)
+    idx, probs = _routing(T, E, K, g)
+    x = torch.randn(T, H, generator=g)
+    ref_d = _one_process(E, cap=100)
+    ein_c, ms_c, h_c = ref_d.dispatch(x, idx, probs)
+    y_c = ref_d.combine(ein_c * 2, h_c)
+    d = _one_process(E, cap=100)
+    xc = x.cuda().requires_grad_()
+    pc = probs.cuda().requires_grad_()
+    ic = idx.cuda()
+    d.dispatch(xc, ic, pc)  # first call creates the drop counter
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        ein, ms, h = d.dispatch(xc, ic, pc)
+        y = d.combine(ein * 2, h)
+        y.sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.testing.assert_close(y.cpu(), y_c.to(y.dtype), rtol=1e-5, atol=1e-5)
+    assert ms.cpu().tolist() == ms_c.tolist()
+    assert d.check_drops() == 2 * (T * K - 100)

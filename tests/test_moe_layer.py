@@ -1,0 +1,150 @@
+"""MoELayer against a dense reference (every token through its top-k experts in a Python loop): outputs and
+gradients of the input, router and expert weights, with and without echo, with counted capacity drops; multi-process
+expert parallelism on gloo; no host syncs on CUDA."""
+
+import pytest
+import torch
+
+from conftest import requires_cuda
+from moe_graph.moe_layer import MoELayer, router_aux_loss
+from moe_graph.testing.distributed import run_distributed
+from moe_graph.testing.moe_reference import (dense_moe_reference, kept_routes, moe_layer_checks_worker,
+                                             reference_aux_loss, reference_route)
+
+DT = torch.float64
+
+
+def _layer(activation="swiglu", score_func="softmax", k=0, cf=None, aux=0.0, E=6, K=2, H=8, F=10):
+    torch.manual_seed(0)
+    layer = MoELayer(H, F, E, K, activation=activation, score_func=score_func, num_spare_experts_per_ep_rank=k,
+                     capacity_factor=cf, aux_loss_coeff=aux, device="cpu", params_dtype=DT, init_std=0.3)
+    with torch.no_grad():
+        layer.router.weight.normal_(0, 1.0)
+    return layer
+
+
+def _reference(layer, x, target, keep_fn=None, aux=0.0):
+    w1 = layer.fc1.weight.detach().clone().requires_grad_()
+    w2 = layer.fc2.weight.detach().clone().requires_grad_()
+    gate = layer.router.weight.detach().clone().requires_grad_()
+    xr = x.detach().clone().requires_grad_()
+    idx, p, scores = reference_route(xr, gate, layer.topk, layer.router.score_func)
+    keep = keep_fn(idx) if keep_fn is not None else None
+    y = dense_moe_reference(xr, idx, p, w1, w2, layer.activation, keep)
+    loss = (y * target).sum()
+    if aux:
+        loss = loss + aux * reference_aux_loss(scores, idx, layer.num_experts)
+    loss.backward()
+    return y.detach(), xr.grad, gate.grad, w1.grad, w2.grad
+
+
+def _check(layer, x, target, keep_fn=None, aux=0.0):
+    xl = x.clone().requires_grad_()
+    y = layer(xl)
+    (y * target).sum().backward()
+    y_ref, gx, gg, g1, g2 = _reference(layer, x, target, keep_fn, aux)
+    tol = dict(rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(y.detach(), y_ref, **tol)
+    torch.testing.assert_close(xl.grad, gx, **tol)
+    torch.testing.assert_close(layer.router.weight.grad, gg, **tol)
+    torch.testing.assert_close(layer.fc1.weight.grad, g1, **tol)
+    torch.testing.assert_close(layer.fc2.weight.grad, g2, **tol)
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+def test_matches_dense_reference(gen, activation, score_func):
+    layer = _layer(activation, score_func)
+    x = torch.randn(20, 8, generator=gen, dtype=DT)
+    _check(layer, x, torch.randn(20, 8, generator=gen, dtype=DT))
+    assert layer.dispatcher.check_drops() == 0
+
+
+def test_aux_loss_gradient_flows_through_output(gen):
+    layer = _layer(aux=0.05)
+    x = torch.randn(16, 8, generator=gen, dtype=DT)
+    _check(layer, x, torch.randn(16, 8, generator=gen, dtype=DT), aux=0.05)
+    _, _, scores = reference_route(x, layer.router.weight.detach(), 2)
+    ref = 0.05 * reference_aux_loss(scores, reference_route(x, layer.router.weight.detach(), 2)[0], 6)
+    torch.testing.assert_close(layer.last_aux_loss, ref)
+    # perfectly balanced routing gives 1.0
+    s = torch.full((4, 4), 0.25, dtype=DT)
+    m = torch.eye(4, dtype=torch.bool)
+    assert float(router_aux_loss(s, m, 1)) == pytest.approx(1.0)
+
+
+def test_echo_single_rank_is_a_no_op(gen):
+    layer = _layer(k=1)  # one rank: no other rank to offload to; the spare slot stays empty
+    x = torch.randn(12, 8, generator=gen, dtype=DT)
+    _check(layer, x, torch.randn(12, 8, generator=gen, dtype=DT))
+    assert layer.last_load_after.tolist() == layer.last_load_before.tolist() == [24]
+
+
+def test_capacity_drops_match_reference_and_are_counted(gen):
+    T, K, cf = 15, 2, 0.6
+    layer = _layer(cf=cf)
+    cap = 18  # ceil(0.6 * 15 * 2 / 1)
+    x = torch.randn(T, 8, generator=gen, dtype=DT)
+    # the layer orders each token's routes by expert id before applying the capacity
+    keep_fn = lambda idx: _keep_sorted(idx, cap)  # noqa: E731
+    _check(layer, x, torch.randn(T, 8, generator=gen, dtype=DT), keep_fn)
+    assert layer.dispatcher.capacity == cap
+    assert layer.dispatcher.check_drops() == T * K - cap
+
+
+def _keep_sorted(idx, cap):
+    srt, perm = idx.sort(1)
+    keep_sorted = kept_routes(srt, torch.zeros(int(idx.max()) + 1, dtype=torch.int64), cap)
+    return torch.empty_like(keep_sorted).scatter_(1, perm, keep_sorted)
+
+
+def test_input_shape_error():
+    layer = _layer()
+    with pytest.raises(ValueError, match="hidden_size=8"):
+        layer(torch.randn(3, 5, dtype=DT))
+    with pytest.raises(ValueError, match="activation"):
+        MoELayer(8, 8, 4, 2, activation="relu", device="cpu")
+    with pytest.raises(ValueError, match="divisible"):
+        MoELayer(8, 8, 6, 2, ep_size=4, device="cpu")
+    with pytest.raises(RuntimeError, match="torch.distributed"):
+        MoELayer(8, 8, 8, 2, ep_size=4, device="cpu")
+
+
+def test_multiprocess_with_and_without_echo():
+    res = run_distributed(moe_layer_checks_worker, 2, 3)
+    for r in res:
+        for case in ("no_echo", "echo", "echo_cap"):
+            c = r[case]
+            for key in ("y_err", "gx_err", "gw1_err", "gw2_err", "ggate_err", "aux_err"):
+                assert c[key] < 1e-12, (case, key, c[key])
+            assert c["dropped"] == 0, case
+        assert r["no_echo"]["load_before"] == r["no_echo"]["load_after"]
+        before, after = r["echo"]["load_before"], r["echo"]["load_after"]
+        assert sum(before) == sum(after) and max(after) < max(before)  # echo balanced the skewed load
+    recv = [r["echo"]["recv"] for r in res]
+    assert recv == res[0]["echo"]["load_after"]  # what each rank received is what the plan says
+    drops_no_echo = sum(r["drops"][0] for r in res)
+    drops_echo = sum(r["drops"][1] for r in res)
+    assert drops_no_echo > 0 and drops_echo < drops_no_echo
+
+
+@requires_cuda
+@pytest.mark.parametrize("k", [0, 1])
+def test_cuda_forward_backward_no_host_sync(k):
+    torch.manual_seed(0)
+    layer = MoELayer(64, 128, 8, 2, num_spare_experts_per_ep_rank=k, capacity_factor=1.5, aux_loss_coeff=0.01,
+                     device="cuda", params_dtype=torch.bfloat16)
+    x = torch.randn(256, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    layer(x).float().sum().backward()  # warm-up (lazy buffers)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(2):
+            y = layer(x)
+            y.float().sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    # against the fp32 CPU reference of the same weights
+    ref = MoELayer(64, 128, 8, 2, device="cpu", params_dtype=torch.float32)
+    ref.load_state_dict({k_: v.float().cpu() for k_, v in layer.state_dict().items()}, strict=False)
+    torch.testing.assert_close(y.float().cpu(), ref(x.detach().float().cpu()), rtol=5e-2, atol=5e-2)
