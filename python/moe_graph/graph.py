@@ -1,0 +1,331 @@
+"""Full-iteration CUDA graph: one graph for a whole training step (all microbatches' forward and backward, and
+optionally the optimizer step), one for validation, replayed every iteration with the new data copied into static
+input buffers (Megatron's ``FullCudaGraphWrapper`` + ``data_read``).
+
+Life of a mode (``"training"`` / ``"validation"``, each with its own state, graph and memory pool)::
+
+    step 0 .. warmup_steps-1   eager on a side stream, on the static buffers (lazy allocations, cuBLAS
+                               workspaces, NCCL communicators happen here); the last warm-up step runs under
+                               torch.cuda.set_sync_debug_mode("error") so a host sync is reported by name
+    step warmup_steps          capture (torch.cuda.graph, after a barrier when torch.distributed is up), replay
+    later steps                copy inputs into the static buffers (data_read), replay
+
+Inputs are any nest of lists/tuples/dicts of tensors (e.g. a list of microbatches); tensors are copied into
+static buffers allocated at the first call, non-tensor leaves must stay equal. A changed shape, dtype or structure
+raises :class:`GraphShapeError` naming the argument (call :meth:`FullIterationGraph.reset` to re-capture). Outputs
+of a replay are the graph's static tensors, overwritten by the next replay (``clone_outputs=True`` copies them).
+
+RNG: the default CUDA generator is registered by ``torch.cuda.graph`` itself (each replay advances its Philox
+offset, so dropout masks differ per replay); extra ``torch.Generator(device="cuda")`` objects given as
+``generators=`` are registered with ``CUDAGraph.register_generator_state`` (torch >= 2.5).
+
+On CPU (or ``enabled=False``) CUDA graphs do not exist: the wrapper runs the function eagerly every step (same
+argument checks), and says so once with a :class:`UserWarning` (``note`` holds the text).
+
+Example::
+
+    def train_step(microbatches):
+        ddp.zero_grad_buffer()
+        losses = [loss_fn(model(mb["tokens"]), mb["labels"]) for mb in microbatches]
+        for l in losses: l.backward()
+        opt.step()                       # capturable DistributedOptimizer: part of the graph
+        return torch.stack([l.detach() for l in losses])
+
+    graph = FullIterationGraph(train_step, warmup_steps=2)
+    for it in range(iters):
+        losses = graph(graph.data_read(data_iter, num_microbatches))
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import warnings
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.utils import _pytree as pytree
+
+__all__ = ["FullIterationGraph", "GraphCaptureError", "GraphShapeError", "cuda_graphs_available"]
+
+_SYNC_HINT = (
+    "a host-device synchronization (.item(), .tolist(), .cpu(), nonzero(), boolean-mask indexing, a "
+    "data-dependent shape, a Python branch on a device value, torch.cuda.synchronize()) cannot be captured; "
+    "keep the value on the device (see DESIGN.md section 3)"
+)
+
+
+class GraphCaptureError(RuntimeError):
+    """The wrapped function cannot be captured (host sync, non-capturable op)."""
+
+
+class GraphShapeError(ValueError):
+    """Inputs changed shape/dtype/structure after the static buffers were allocated."""
+
+
+def cuda_graphs_available() -> bool:
+    return torch.cuda.is_available()
+
+
+class _Mode:
+    def __init__(self, name: str, fn: Optional[Callable]):
+        self.name = name
+        self.fn = fn
+        self.iteration = 0
+        self.spec = None
+        self.static_leaves: Optional[List[Any]] = None  # tensors: static buffers; others: the captured values
+        self.graph = None
+        self.static_out = None
+        self.capture_seconds = None
+
+
+def _describe_path(spec, i: int) -> str:
+    try:
+        paths = [pytree.keystr(p) for p, _ in pytree.tree_flatten_with_path(pytree.tree_unflatten([0] * spec.num_leaves, spec))[0]]
+        return "inputs" + paths[i]
+    except Exception:  # pragma: no cover - older torch without key paths
+        return f"input leaf #{i}"
+
+
+class FullIterationGraph:
+    """Capture a whole training (and validation) iteration as CUDA graphs.
+
+    Args:
+        train_fn: the step function (forward + backward of all microbatches, optionally the optimizer step).
+            Called as ``train_fn(*args, **kwargs)`` with the static copies of the inputs.
+        eval_fn: the validation function (forward only), used by :meth:`eval_step`; its own graph and buffers.
+        warmup_steps: eager steps per mode before capture (>= 1; Megatron's ``cuda_graph_warmup_steps``).
+        enabled: ``None``: capture when CUDA is available; ``False``: always eager.
+        pool: a memory pool handle (``torch.cuda.graph_pool_handle()`` or another wrapper's ``pool``) for both
+            graphs; ``share_pool``: training and validation share one new pool (default: separate pools, so a
+            validation replay never overwrites the training step's outputs).
+        generators: extra CUDA generators to register with the graphs.
+        check_syncs: run the last warm-up step under ``torch.cuda.set_sync_debug_mode("error")``.
+        capture_error_mode: passed to ``torch.cuda.graph`` (``"thread_local"`` as Megatron; ``"global"`` and
+            ``"relaxed"`` too).
+        clone_outputs: return copies of the graph's outputs instead of its static tensors.
+        device: the CUDA device of the static buffers (default: the current device).
+    """
+
+    def __init__(
+        self,
+        train_fn: Callable,
+        eval_fn: Optional[Callable] = None,
+        *,
+        warmup_steps: int = 2,
+        enabled: Optional[bool] = None,
+        pool=None,
+        share_pool: bool = False,
+        generators: Sequence[torch.Generator] = (),
+        check_syncs: bool = True,
+        capture_error_mode: str = "thread_local",
+        clone_outputs: bool = False,
+        device=None,
+    ):
+        if not callable(train_fn):
+            raise TypeError(f"train_fn must be callable, got {type(train_fn).__name__}")
+        if eval_fn is not None and not callable(eval_fn):
+            raise TypeError(f"eval_fn must be callable or None, got {type(eval_fn).__name__}")
+        if warmup_steps < 1:
+            raise ValueError(f"warmup_steps must be >= 1 (lazy initialization must happen before capture), got {warmup_steps}")
+        if capture_error_mode not in ("global", "thread_local", "relaxed"):
+            raise ValueError(f"capture_error_mode must be 'global', 'thread_local' or 'relaxed', got {capture_error_mode!r}")
+        want = torch.cuda.is_available() if enabled is None else bool(enabled)
+        if want and not torch.cuda.is_available():
+            raise RuntimeError("FullIterationGraph(enabled=True) needs CUDA (CUDA graphs are a CUDA feature)")
+        self.enabled = want
+        self.warmup_steps = warmup_steps
+        self.check_syncs = check_syncs
+        self.capture_error_mode = capture_error_mode
+        self.clone_outputs = clone_outputs
+        self.generators = list(generators)
+        if self.generators and self.enabled and not hasattr(torch.cuda.CUDAGraph, "register_generator_state"):
+            raise RuntimeError("generators= needs torch.cuda.CUDAGraph.register_generator_state (torch >= 2.5)")
+        self.device = (torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)) \
+            if self.enabled else torch.device("cpu")
+        self._pool_arg = pool
+        self._share_pool = share_pool
+        self._pools: Dict[str, Any] = {}
+        self._modes = {"training": _Mode("training", train_fn), "validation": _Mode("validation", eval_fn)}
+        self.note = None
+        if not self.enabled:
+            self.note = ("FullIterationGraph: CUDA graphs need CUDA; running eagerly"
+                         + (" (enabled=False)" if enabled is False else " (no CUDA device)"))
+            warnings.warn(self.note, UserWarning, stacklevel=2)
+
+    # ----------------------------------------------------------------------------------------- public --
+    def __call__(self, *args, **kwargs):
+        return self.train_step(*args, **kwargs)
+
+    def train_step(self, *args, **kwargs):
+        """One training iteration (warm-up, capture or replay)."""
+        return self._step(self._modes["training"], args, kwargs)
+
+    def eval_step(self, *args, **kwargs):
+        """One validation iteration with ``eval_fn`` (its own graph and static buffers)."""
+        if self._modes["validation"].fn is None:
+            raise RuntimeError("FullIterationGraph.eval_step needs eval_fn= (the validation function)")
+        return self._step(self._modes["validation"], args, kwargs)
+
+    @staticmethod
+    def data_read(data_iterator: Iterator, num_microbatches: int) -> List[Any]:
+        """Reads ``num_microbatches`` items from ``data_iterator`` (a list of iterators, one per pipeline stage
+        with ``None`` for stages without data, gives a list of such lists). The step copies them into the static
+        buffers."""
+        if num_microbatches < 1:
+            raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
+        if isinstance(data_iterator, (list, tuple)):
+            return [None if it is None else [next(it) for _ in range(num_microbatches)] for it in data_iterator]
+        return [next(data_iterator) for _ in range(num_microbatches)]
+
+    def reset(self, mode: Optional[str] = None) -> None:
+        """Forget the graph(s) and static buffers (e.g. the shapes change): the next step warms up and captures
+        again. ``mode``: ``"training"``, ``"validation"`` or ``None`` (both)."""
+        names = list(self._modes) if mode is None else [mode]
+        for n in names:
+            if n not in self._modes:
+                raise ValueError(f"mode must be 'training', 'validation' or None, got {mode!r}")
+            m = self._modes[n]
+            if m.graph is not None:
+                m.graph.reset()
+            fn = m.fn
+            self._modes[n] = _Mode(n, fn)
+            self._pools.pop(n, None)
+
+    def captured(self, mode: str = "training") -> bool:
+        return self._modes[mode].graph is not None
+
+    def iteration(self, mode: str = "training") -> int:
+        return self._modes[mode].iteration
+
+    def pool(self, mode: str = "training"):
+        """The memory pool handle of ``mode``'s graph (``None`` before capture)."""
+        return self._pools.get(mode)
+
+    # ---------------------------------------------------------------------------------------- internals --
+    def _bind_inputs(self, m: _Mode, args, kwargs):
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        if m.static_leaves is None:
+            m.spec = spec
+            static = []
+            for x in leaves:
+                if isinstance(x, torch.Tensor):
+                    dev = self.device if self.enabled else "meta"  # eager: only shapes/dtypes are checked
+                    buf = torch.empty_like(x, device=dev, memory_format=torch.contiguous_format)
+                    static.append(buf)
+                else:
+                    static.append(x)
+            m.static_leaves = static
+        elif spec != m.spec:
+            raise GraphShapeError(
+                f"FullIterationGraph({m.name}): the structure of the inputs changed between steps "
+                f"(was {m.spec}, now {spec}); a graph replays fixed inputs: call reset() to capture again"
+            )
+        for i, (x, s) in enumerate(zip(leaves, m.static_leaves)):
+            if isinstance(s, torch.Tensor):
+                if not isinstance(x, torch.Tensor) or x.shape != s.shape or x.dtype != s.dtype:
+                    got = f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
+                    raise GraphShapeError(
+                        f"FullIterationGraph({m.name}): {_describe_path(spec, i)} changed from {tuple(s.shape)} "
+                        f"{s.dtype} to {got}; shapes must stay fixed between steps (pad to static sizes, or call "
+                        f"reset() to capture again)"
+                    )
+            elif x != s and not (x is s):
+                raise GraphShapeError(
+                    f"FullIterationGraph({m.name}): non-tensor {_describe_path(spec, i)} changed from {s!r} to "
+                    f"{x!r}; it is baked into the graph: call reset() to capture again"
+                )
+        return leaves
+
+    def _run_eager(self, m: _Mode, args, kwargs):
+        self._bind_inputs(m, args, kwargs)
+        m.iteration += 1
+        return m.fn(*args, **kwargs)
+
+    def _copy_in(self, m: _Mode, leaves):
+        for x, s in zip(leaves, m.static_leaves):
+            if isinstance(s, torch.Tensor):
+                s.copy_(x, non_blocking=True)
+        return pytree.tree_unflatten(m.static_leaves, m.spec)
+
+    def _get_pool(self, name: str):
+        if name in self._pools:
+            return self._pools[name]
+        if self._pool_arg is not None:
+            pool = self._pool_arg
+        elif self._share_pool and self._pools:
+            pool = next(iter(self._pools.values()))
+        else:
+            pool = torch.cuda.graph_pool_handle()
+        self._pools[name] = pool
+        return pool
+
+    def _step(self, m: _Mode, args, kwargs):
+        if not self.enabled:
+            return self._run_eager(m, args, kwargs)
+        leaves = self._bind_inputs(m, args, kwargs)
+        s_args, s_kwargs = self._copy_in(m, leaves)
+        if m.graph is not None:
+            m.graph.replay()
+            m.iteration += 1
+            return self._outputs(m)
+        if m.iteration < self.warmup_steps:
+            out = self._warmup(m, s_args, s_kwargs, check=self.check_syncs and m.iteration == self.warmup_steps - 1)
+            m.iteration += 1
+            return out
+        self._capture(m, s_args, s_kwargs)
+        m.graph.replay()  # capture records the work without running it
+        m.iteration += 1
+        return self._outputs(m)
+
+    def _outputs(self, m: _Mode):
+        if not self.clone_outputs:
+            return m.static_out
+        return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, m.static_out)
+
+    def _warmup(self, m: _Mode, args, kwargs, check: bool):
+        side = torch.cuda.Stream(device=self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            if check:
+                prev = torch.cuda.get_sync_debug_mode()
+                torch.cuda.set_sync_debug_mode("error")
+                try:
+                    out = m.fn(*args, **kwargs)
+                except RuntimeError as e:
+                    if "synchroniz" in str(e).lower():
+                        raise GraphCaptureError(
+                            f"FullIterationGraph({m.name}): the step function synchronizes with the host (found in "
+                            f"warm-up step {m.iteration} under torch.cuda.set_sync_debug_mode('error')): {_SYNC_HINT}. "
+                            f"Original error: {e}"
+                        ) from e
+                    raise
+                finally:
+                    torch.cuda.set_sync_debug_mode(prev)
+            else:
+                out = m.fn(*args, **kwargs)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        return out
+
+    def _capture(self, m: _Mode, args, kwargs):
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+        torch.cuda.synchronize(self.device)
+        g = torch.cuda.CUDAGraph()
+        for gen in self.generators:
+            g.register_generator_state(gen)
+        t0 = time.perf_counter()
+        try:
+            with torch.cuda.graph(g, pool=self._get_pool(m.name), capture_error_mode=self.capture_error_mode):
+                out = m.fn(*args, **kwargs)
+        except GraphCaptureError:
+            raise
+        except Exception as e:
+            msg = str(e)
+            hint = _SYNC_HINT if any(s in msg.lower() for s in ("captur", "synchroniz", "not permitted")) else (
+                "an operation in the step function is not capturable")
+            raise GraphCaptureError(f"FullIterationGraph({m.name}): capture failed: {hint}. Original error: {msg}") from e
+        m.capture_seconds = time.perf_counter() - t0
+        m.graph = g
+        m.static_out = out
