@@ -43,6 +43,9 @@ TORCH_LIBRARY(moe_graph, m) {
       "(Tensor, Tensor)");
   // counts [R, E] -> home_to_spare [E, R*k] int64: best-fit placement of rank overload (reroute/echo_plan.h).
   m.def("echo_best_fit(Tensor counts, int num_spare_experts_per_ep_rank) -> Tensor");
+  // counts [R, E] -> (home_to_spare [E, R*k], allocation [R, R*k]): the whole plan in one step; mode 0 auto,
+  // 1 greedy, 2 best_fit (reroute/echo_plan_impl.h).
+  m.def("echo_plan(Tensor counts, int num_spare_experts_per_ep_rank, int mode) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(moe_graph, CompositeExplicitAutograd, m) {
@@ -57,6 +60,7 @@ TORCH_LIBRARY_IMPL(moe_graph, CPU, m) {
   m.impl("grouped_bias_grad", &moe_graph::grouped_bias_grad_cpu);
   m.impl("reroute_tokens", &moe_graph::reroute_tokens_cpu);
   m.impl("echo_best_fit", &moe_graph::echo_best_fit_cpu);
+  m.impl("echo_plan", &moe_graph::echo_plan_cpu);
 }
 
 #ifdef MOE_GRAPH_WITH_CUDA
@@ -68,6 +72,7 @@ TORCH_LIBRARY_IMPL(moe_graph, CUDA, m) {
   m.impl("grouped_bias_grad", &moe_graph::grouped_bias_grad_cuda);
   m.impl("reroute_tokens", &moe_graph::reroute_tokens_cuda);
   m.impl("echo_best_fit", &moe_graph::echo_best_fit_cuda);
+  m.impl("echo_plan", &moe_graph::echo_plan_cuda);
 }
 #endif
 

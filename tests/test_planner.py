@@ -321,6 +321,41 @@ def test_native_best_fit_matches_torch_loop_zipf():
             _eq(P.best_fit_assignment(counts, k, native=True), P.best_fit_assignment(counts, k, native=False))
 
 
+def _native_plan_available():
+    try:
+        from moe_graph.ops.reroute import plan_available
+
+        return plan_available()
+    except ImportError:
+        return False
+
+
+@pytest.mark.skipif(not _native_plan_available(), reason="moe_graph._C with echo_plan is not built")
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(count_cases())
+def test_native_plan_matches_torch(case):
+    counts, k = case
+    for a in P.ASSIGNMENTS:
+        h, alloc = P.gen_plan(counts, k, a, native=True)
+        h_ref = P.gen_assignment(counts, k, a, native=False)
+        _eq(h, h_ref)
+        _eq(alloc, P.gen_allocation(counts, h_ref))
+
+
+def test_native_plan_matches_torch_zipf_and_seed_cases():
+    if not _native_plan_available():
+        pytest.skip("moe_graph._C with echo_plan is not built")
+    cases = [(K2_COUNTS, 2), (K2_COUNTS, 1), (T([[60, 20, 5, 5], [60, 20, 5, 5]]), 1)]
+    for seed, (R, E) in enumerate([(8, 64), (16, 128), (64, 256), (4, 4), (1, 8)]):
+        cases += [(zipf_counts(R, E, 256, min(8, E), 1.2, torch.Generator().manual_seed(seed)), k) for k in (1, 2, 3)]
+    for counts, k in cases:
+        for a in P.ASSIGNMENTS:
+            h, alloc = P.gen_plan(counts, k, a, native=True)
+            h_ref = P.gen_assignment(counts, k, a, native=False)
+            _eq(h, h_ref)
+            _eq(alloc, P.gen_allocation(counts, h_ref))
+
+
 def test_reroute_torch_matches_reference_random_plans():
     g = torch.Generator().manual_seed(0)
     for trial in range(30):
@@ -376,3 +411,8 @@ def test_planner_cuda_matches_cpu_no_sync_and_graph():
         _eq(alloc.cpu(), P.gen_allocation(counts, ref))
         _eq(P.best_fit_assignment(cc, k).cpu(), P.best_fit_assignment(counts, k, native=False))
         _eq(P.best_fit_assignment(cc, k, native=False).cpu(), P.best_fit_assignment(counts, k, native=False))
+        for a in P.ASSIGNMENTS:  # the one-kernel plan on CUDA vs the torch code on CPU
+            hn, an = P.gen_plan(cc, k, a)
+            h_ref = P.gen_assignment(counts, k, a, native=False)
+            _eq(hn.cpu(), h_ref)
+            _eq(an.cpu(), P.gen_allocation(counts, h_ref))

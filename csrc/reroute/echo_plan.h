@@ -14,6 +14,8 @@
 #pragma once
 #include <cstdint>
 
+#include "reroute/echo_plan_impl.h"
+
 #ifdef MOE_GRAPH_WITH_CUDA
 #include <cuda_runtime.h>
 #endif
@@ -23,12 +25,18 @@ namespace echo_plan {
 
 void best_fit_host(const int64_t* counts, int64_t R, int64_t E, int64_t k, int64_t* home_to_spare);
 
+// The whole plan (moe_graph.planner.gen_assignment(mode) + gen_allocation) in one step; see echo_plan_impl.h.
+// args.ws must hold plan_workspace_elems(R, E, k) int64.
+void plan_host(const PlanArgs& args);
+
 #ifdef MOE_GRAPH_WITH_CUDA
 // Bytes of dynamic shared memory the CUDA kernel needs; the caller checks it against the device limit.
 int64_t best_fit_shared_bytes(int64_t R, int64_t E);
 // One block; no host synchronization.
 cudaError_t best_fit_cuda_launch(const int64_t* counts, int64_t R, int64_t E, int64_t k, int64_t* home_to_spare,
                                  cudaStream_t stream);
+// One block; no host synchronization.
+cudaError_t plan_cuda_launch(const PlanArgs& args, cudaStream_t stream);
 #endif
 
 }  // namespace echo_plan

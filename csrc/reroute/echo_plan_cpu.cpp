@@ -49,5 +49,22 @@ void best_fit_host(const int64_t* counts, int64_t R, int64_t E, int64_t k, int64
   }
 }
 
+namespace {
+struct HostCtx {
+  int64_t tid = 0, nthreads = 1;
+  bool group = true;
+  int64_t lane = 0, nlanes = 1;
+  void sync() {}
+  void group_sync() {}
+  Best group_best(Best b) { return b; }
+};
+}  // namespace
+
+void plan_host(const PlanArgs& args) {
+  if (args.R <= 0 || args.E <= 0 || args.k <= 0) return;
+  HostCtx ctx;
+  plan_body(args, ctx);
+}
+
 }  // namespace echo_plan
 }  // namespace moe_graph

@@ -122,7 +122,39 @@ __global__ void best_fit_kernel(const int64_t* __restrict__ counts, int64_t R, i
   }
 }
 
+struct DevCtx {
+  int64_t tid, nthreads;
+  bool group;
+  int64_t lane, nlanes;
+  __device__ void sync() { __syncthreads(); }
+  __device__ void group_sync() { __syncwarp(); }
+  // butterfly over warp 0: every lane ends with the group's best
+  __device__ Best group_best(Best m) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+      Best o{static_cast<int64_t>(__shfl_xor_sync(0xffffffffu, static_cast<long long>(m.v), off)),
+             static_cast<int64_t>(__shfl_xor_sync(0xffffffffu, static_cast<long long>(m.i), off))};
+      m = pick(m, o);
+    }
+    return m;
+  }
+};
+
+constexpr int kPlanThreads = 512;
+
+__global__ void plan_kernel(PlanArgs args) {
+  DevCtx ctx{static_cast<int64_t>(threadIdx.x), static_cast<int64_t>(blockDim.x), threadIdx.x < 32,
+             static_cast<int64_t>(threadIdx.x), 32};
+  plan_body(args, ctx);
+}
+
 }  // namespace
+
+cudaError_t plan_cuda_launch(const PlanArgs& args, cudaStream_t stream) {
+  if (args.R <= 0 || args.E <= 0 || args.k <= 0) return cudaSuccess;
+  plan_kernel<<<1, kPlanThreads, 0, stream>>>(args);
+  return cudaGetLastError();
+}
 
 int64_t best_fit_shared_bytes(int64_t R, int64_t E) { return (3 * R + E) * static_cast<int64_t>(sizeof(long long)); }
 

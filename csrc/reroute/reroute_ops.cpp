@@ -85,6 +85,47 @@ at::Tensor check_counts(const at::Tensor& counts, int64_t k) {
 
 }  // namespace
 
+namespace {
+constexpr const char* kPlan = "echo_plan";
+
+echo_plan::PlanArgs plan_args(const at::Tensor& c, int64_t k, int64_t mode, at::Tensor& h, at::Tensor& alloc,
+                              at::Tensor& ws) {
+  TORCH_CHECK(mode >= 0 && mode <= 2, kPlan, ": mode must be 0 (auto), 1 (greedy) or 2 (best_fit), got ", mode);
+  const int64_t R = c.size(0), E = c.size(1);
+  h = at::empty({E, R * k}, c.options());
+  alloc = at::empty({R, R * k}, c.options());
+  ws = at::empty({echo_plan::plan_workspace_elems(R, E, k)}, c.options());
+  echo_plan::PlanArgs a;
+  a.counts = c.data_ptr<int64_t>();
+  a.R = R;
+  a.E = E;
+  a.k = k;
+  a.mode = static_cast<int>(mode);
+  a.home_to_spare = h.data_ptr<int64_t>();
+  a.allocation = alloc.data_ptr<int64_t>();
+  a.ws = ws.data_ptr<int64_t>();
+  return a;
+}
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> echo_plan_cpu(const at::Tensor& counts, int64_t k, int64_t mode) {
+  at::Tensor c = check_counts(counts, k), h, alloc, ws;
+  echo_plan::PlanArgs a = plan_args(c, k, mode, h, alloc, ws);
+  echo_plan::plan_host(a);
+  return {h, alloc};
+}
+
+#ifdef MOE_GRAPH_WITH_CUDA
+std::tuple<at::Tensor, at::Tensor> echo_plan_cuda(const at::Tensor& counts, int64_t k, int64_t mode) {
+  c10::cuda::CUDAGuard guard(counts.device());
+  at::Tensor c = check_counts(counts, k), h, alloc, ws;
+  echo_plan::PlanArgs a = plan_args(c, k, mode, h, alloc, ws);
+  auto stream = at::cuda::getCurrentCUDAStream(counts.device().index()).stream();
+  C10_CUDA_CHECK(echo_plan::plan_cuda_launch(a, stream));
+  return {h, alloc};
+}
+#endif
+
 at::Tensor echo_best_fit_cpu(const at::Tensor& counts, int64_t k) {
   at::Tensor c = check_counts(counts, k);
   const int64_t R = c.size(0), E = c.size(1);

@@ -39,6 +39,7 @@ __all__ = [
     "breadth_first_allocation",
     "depth_first_allocation",
     "gen_allocation",
+    "gen_plan",
     "gen_offloading_plan",
     "rank_loads",
     "reroute_tokens_torch",
@@ -276,7 +277,7 @@ def _max_load_after(counts: torch.Tensor, home_to_spare: torch.Tensor, k: int) -
 
 
 def gen_assignment(
-    counts: torch.Tensor, num_spare_experts_per_ep_rank: int = 1, assignment: str = "auto"
+    counts: torch.Tensor, num_spare_experts_per_ep_rank: int = 1, assignment: str = "auto", native: bool | None = None
 ) -> torch.Tensor:
     """How many tokens of each home expert each spare slot takes.
 
@@ -286,6 +287,7 @@ def gen_assignment(
         assignment: ``"greedy"`` (the seed's interval overlap + top-k per rank column, :func:`greedy_assignment`),
             ``"best_fit"`` (:func:`best_fit_assignment`) or ``"auto"`` (default: both, keeping the one with the
             lower maximum rank load after offloading; ties keep greedy, so never worse than greedy).
+        native: passed to :func:`best_fit_assignment` (``False``: pure torch).
 
     Returns:
         ``home_to_spare[E, S]`` int64, ``S = R * k``: at most one non-zero per column (a slot hosts one home
@@ -302,11 +304,11 @@ def gen_assignment(
     if assignment == "greedy":
         return greedy_assignment(counts, k)
     if assignment == "best_fit":
-        return best_fit_assignment(counts, k)
+        return best_fit_assignment(counts, k, native)
     if assignment != "auto":
         raise ValueError(f"assignment must be one of {ASSIGNMENTS}, got {assignment!r}")
     g = greedy_assignment(counts, k)
-    b = best_fit_assignment(counts, k)
+    b = best_fit_assignment(counts, k, native)
     better = _max_load_after(counts, b, k) < _max_load_after(counts, g, k)
     return torch.where(better, b, g)
 
@@ -377,6 +379,42 @@ def depth_first_allocation(
 def gen_allocation(counts: torch.Tensor, home_to_spare: torch.Tensor) -> torch.Tensor:
     """Breadth-first then depth-first allocation: ``[R, S]`` tokens each source rank sends to each slot."""
     return depth_first_allocation(counts, home_to_spare, breadth_first_allocation(counts, home_to_spare))
+
+
+def _native_plan(counts: torch.Tensor):
+    try:
+        from moe_graph.ops.reroute import echo_plan, plan_available
+    except (ImportError, RuntimeError, AttributeError):  # no (or a stale) extension
+        return None
+    return echo_plan if plan_available(counts.device.type) else None
+
+
+def gen_plan(
+    counts: torch.Tensor, num_spare_experts_per_ep_rank: int = 1, assignment: str = "auto", native: bool | None = None
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(home_to_spare [E, S], allocation [R, S])``: :func:`gen_assignment` then :func:`gen_allocation`.
+
+    ``native``: ``None`` (default) uses the native op ``moe_graph::echo_plan`` when the extension has it for the
+    device (the whole plan in one step: one kernel launch on CUDA instead of ~100 small ones), otherwise the torch
+    functions; ``True`` requires the op; ``False`` forces torch. Both give identical results.
+
+    Example: ``gen_plan(torch.tensor([[60, 20, 5, 5], [60, 20, 5, 5]]))`` ->
+    ``([[0, 70], [0, 0], [0, 0], [0, 0]], [[0, 35], [0, 35]])``.
+    """
+    counts = _check_counts(counts)
+    k = int(num_spare_experts_per_ep_rank)
+    if k < 1:
+        raise ValueError(f"num_spare_experts_per_ep_rank must be >= 1, got {num_spare_experts_per_ep_rank}")
+    if assignment not in ASSIGNMENTS:
+        raise ValueError(f"assignment must be one of {ASSIGNMENTS}, got {assignment!r}")
+    if native is not False:
+        op = _native_plan(counts)
+        if op is not None:
+            return op(counts, k, assignment)
+        if native:
+            raise RuntimeError("gen_plan(native=True): moe_graph._C has no echo_plan for this device")
+    h = gen_assignment(counts, k, assignment, native=native)
+    return h, gen_allocation(counts, h)
 
 
 def reroute_tokens_torch(
@@ -468,8 +506,7 @@ def gen_offloading_plan(
     if not 0 <= ep_rank < num_ep_ranks:
         raise ValueError(f"ep_rank must be in [0, {num_ep_ranks}), got {ep_rank}")
     counts = counts.to(routing_map.device)
-    home_to_spare = gen_assignment(counts, num_spare_experts_per_ep_rank, assignment)
-    allocation = gen_allocation(counts, home_to_spare)
+    home_to_spare, allocation = gen_plan(counts, num_spare_experts_per_ep_rank, assignment)
     offloading_map = home_to_spare > 0
     new_map, new_probs = _reroute(routing_map, probs, allocation[ep_rank], offloading_map)
     return new_map, new_probs, offloading_map

@@ -18,10 +18,12 @@ import torch
 
 from ._lib import load
 
-__all__ = ["reroute_tokens", "native_available", "echo_best_fit", "best_fit_available"]
+__all__ = ["reroute_tokens", "native_available", "echo_best_fit", "best_fit_available", "echo_plan", "plan_available"]
 
 _OP = "moe_graph::reroute_tokens"
 _BF = "moe_graph::echo_best_fit"
+_PLAN = "moe_graph::echo_plan"
+_PLAN_MODES = {"auto": 0, "greedy": 1, "best_fit": 2}
 
 
 def native_available() -> bool:
@@ -50,6 +52,24 @@ def echo_best_fit(counts: torch.Tensor, num_spare_experts_per_ep_rank: int = 1) 
     the pure-torch ``moe_graph.planner.best_fit_assignment`` loop (one kernel instead of ``R*k`` rounds of tiny
     ones). CUDA: one block, needs ``3*R + E <= 6144``."""
     return torch.ops.moe_graph.echo_best_fit(counts, int(num_spare_experts_per_ep_rank))
+
+
+def plan_available(device_type: str = "cpu") -> bool:
+    """True when the loaded extension has ``echo_plan`` for ``device_type`` ("cpu" or "cuda")."""
+    try:
+        load()
+        return torch._C._dispatch_has_kernel_for_dispatch_key(_PLAN, device_type.upper())
+    except (ImportError, RuntimeError):
+        return False
+
+
+def echo_plan(counts: torch.Tensor, num_spare_experts_per_ep_rank: int = 1, assignment: str = "auto"):
+    """The whole echo plan in one native step: ``counts [R, E]`` -> ``(home_to_spare [E, R*k],
+    allocation [R, R*k])`` int64, identical to ``moe_graph.planner.gen_assignment(counts, k, assignment)`` followed by
+    ``gen_allocation``. One kernel launch on CUDA (one block), no host sync."""
+    if assignment not in _PLAN_MODES:
+        raise ValueError(f"assignment must be one of {tuple(_PLAN_MODES)}, got {assignment!r}")
+    return torch.ops.moe_graph.echo_plan(counts, int(num_spare_experts_per_ep_rank), _PLAN_MODES[assignment])
 
 
 def reroute_tokens(
@@ -123,6 +143,14 @@ def _register() -> None:
         def _(counts, num_spare_experts_per_ep_rank):
             R, E = counts.shape
             return counts.new_empty((E, R * num_spare_experts_per_ep_rank), dtype=torch.int64)
+
+    if plan_available():
+
+        @torch.library.register_fake(_PLAN)
+        def _(counts, num_spare_experts_per_ep_rank, mode):
+            R, E = counts.shape
+            S = R * num_spare_experts_per_ep_rank
+            return counts.new_empty((E, S), dtype=torch.int64), counts.new_empty((R, S), dtype=torch.int64)
 
 
 _register()
