@@ -6,7 +6,8 @@ spread over the EP ranks at random (``--no-permute``: all on the first ranks, fa
 ``skew x R x E x k`` case (``E`` divisible by ``R``), averaged over ``--seeds``:
 
 * ``before``, ``greedy``, ``best_fit``, ``auto``: max/mean tokens per rank without echo and with each assignment;
-* ``plan_us``: ``gen_assignment(auto) + gen_allocation`` (on a GPU: one CUDA-graph replay of both);
+* ``plan_us``: ``gen_plan(auto)`` = assignment + allocation (the native ``echo_plan`` op when built, else the
+  torch code; on a GPU: one CUDA-graph replay);
 * ``reroute_us`` / ``GB/s``: ``reroute_tokens`` on rank 0's ``[T, E]`` routing (native op when built, else the
   pure-torch version), bytes = read ``T*E*(1+P)`` + write ``T*(E+S)*(1+P)`` for ``P``-byte probabilities.
 
@@ -95,8 +96,11 @@ def time_fn(fn, device, reps):
 
 
 def plan_fn(counts, k):
-    h = P.gen_assignment(counts, k)
-    return h, P.gen_allocation(counts, h)
+    return P.gen_plan(counts, k)  # native echo_plan when built, else the torch code
+
+
+def plan_impl(device):
+    return "native" if P._native_plan(torch.zeros(1, 1, dtype=torch.int64, device=device)) is not None else "torch"
 
 
 def time_planner(counts, k, device, reps):
@@ -152,7 +156,8 @@ def main(argv=None):
     hdr = (f"{'skew':>4} {'R':>3} {'E':>4} {'k':>2} | {'before':>6} {'greedy':>6} {'bestfit':>7} {'auto':>6} | "
            f"{'plan_us':>9} {'reroute_us':>10} {'GB/s':>7}")
     print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else platform.processor() or 'cpu'}), "
-          f"T={T}/rank, topk={args.topk}, seeds={args.seeds}, reroute={reroute_kind}, permute={not args.no_permute}")
+          f"T={T}/rank, topk={args.topk}, seeds={args.seeds}, planner={plan_impl(device)}, reroute={reroute_kind}, "
+          f"permute={not args.no_permute}")
     print(hdr)
     print("-" * len(hdr))
     t_start = time.perf_counter()
@@ -184,7 +189,7 @@ def main(argv=None):
                         "skew": skew, "R": R, "E": E, "k": k, "T": T, "topk": args.topk,
                         **{f"maxmean_{a}": statistics.mean(v) for a, v in bal.items()},
                         "plan_us": plan_us, "reroute_us": rr_us, "reroute_GBps": nbytes / rr_us / 1e3,
-                        "reroute_impl": reroute_kind, "device": str(device),
+                        "reroute_impl": reroute_kind, "plan_impl": plan_impl(device), "device": str(device),
                     }
                     rows.append(row)
                     print(f"{skew:>4} {R:>3} {E:>4} {k:>2} | {row['maxmean_before']:6.3f} {row['maxmean_greedy']:6.3f} "

@@ -185,6 +185,24 @@ def test_opcheck():
         )
 
 
+def test_opcheck_plan_ops():
+    from moe_graph.testing.echo_reference import zipf_counts
+
+    if not (R.plan_available() and R.best_fit_available()):
+        pytest.skip("echo_plan / echo_best_fit not built")
+    counts = zipf_counts(4, 8, 64, 2, 1.2, torch.Generator().manual_seed(9))
+    for k in (1, 2):
+        torch.library.opcheck(torch.ops.moe_graph.echo_best_fit.default, (counts, k))
+        for mode in (0, 1, 2):
+            torch.library.opcheck(torch.ops.moe_graph.echo_plan.default, (counts, k, mode))
+    with pytest.raises(RuntimeError, match="counts"):
+        torch.ops.moe_graph.echo_plan(torch.zeros(3, 4, dtype=torch.int64), 1, 0)
+    with pytest.raises(RuntimeError, match="mode"):
+        torch.ops.moe_graph.echo_plan(counts, 1, 5)
+    with pytest.raises(RuntimeError, match="num_spare_experts_per_ep_rank"):
+        torch.ops.moe_graph.echo_best_fit(counts, 0)
+
+
 def test_compile_aot_eager_with_grad():
     g = torch.Generator().manual_seed(8)
     rm, probs, want, hmap = random_case(g, 30, 4, 3, 0.5)
