@@ -16,11 +16,14 @@ Pipeline (``gen_offloading_plan``)::
     counts[R, E] --gen_assignment--> home_to_spare[E, S]        (tokens of expert e that slot j takes)
                  --breadth_first_allocation + depth_first_allocation--> allocation[R, S]
                                                                  (tokens source rank r sends to slot j)
+                 (both steps at once: gen_plan)
     routing_map, probs, allocation[ep_rank] --reroute_tokens--> rerouted map / probs [T, E + S]
 
-This module imports without the compiled extension: ``reroute_tokens`` uses the native op
-``torch.ops.moe_graph.reroute_tokens`` when ``moe_graph._C`` is importable and an equivalent pure-torch
-implementation (:func:`reroute_tokens_torch`) otherwise.
+This module imports without the compiled extension. When ``moe_graph._C`` is built, the same results come from
+native ops: :func:`gen_plan` (assignment + allocation) from ``moe_graph::echo_plan`` (one kernel launch on CUDA
+instead of ~100 tiny ones), :func:`best_fit_assignment` from ``moe_graph::echo_best_fit``, and the rerouting from
+``moe_graph::reroute_tokens``; otherwise the pure-torch code here runs (:func:`reroute_tokens_torch` for the
+rerouting). Tests check that both give identical results.
 """
 
 from __future__ import annotations
