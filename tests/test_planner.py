@@ -416,3 +416,21 @@ def test_planner_cuda_matches_cpu_no_sync_and_graph():
             h_ref = P.gen_assignment(counts, k, a, native=False)
             _eq(hn.cpu(), h_ref)
             _eq(an.cpu(), P.gen_allocation(counts, h_ref))
+        # capture (native and torch paths) and replay on fresh counts
+        for native in (None, False):
+            static = cc.clone()
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                P.gen_plan(static, k, native=native)
+            torch.cuda.current_stream().wait_stream(s)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = P.gen_plan(static, k, native=native)
+            for seed in range(2):
+                fresh = zipf_counts(8, 64, 512, 4, 1.5, torch.Generator().manual_seed(10 + seed))
+                static.copy_(fresh)
+                graph.replay()
+                h_ref = P.gen_assignment(fresh, k, native=False)
+                _eq(out[0].cpu(), h_ref)
+                _eq(out[1].cpu(), P.gen_allocation(fresh, h_ref))
