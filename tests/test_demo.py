@@ -24,7 +24,7 @@ def test_demo_quick(tmp_path):
     for text in ("loss", "tok/s", "before", "echo", "step time", "demo.png"):
         assert text in out, f"{text!r} missing from the demo output:\n{out[-2000:]}"
     s = json.load(open(tmp_path / "demo_summary.json"))
-    assert s["world"] == (1 if torch.cuda.is_available() else 2)
+    assert s["world"] == (torch.cuda.device_count() if torch.cuda.is_available() else 2)
     assert s["final_loss"] < s["first_loss"] - 1.0, (s["first_loss"], s["final_loss"])  # clearly learns
     losses = s["history"]["loss"]
     assert max(losses[-3:]) < min(losses[:3]) - 0.5  # not a lucky last batch
