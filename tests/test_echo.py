@@ -51,7 +51,13 @@ def _echo_worker(rank, world, seed):
     import torch.distributed as dist
 
     from moe_graph import planner as P
-    from moe_graph.echo import AllGatherBackend, AllToAllBackend, default_backend, dispatch_spare_weights
+    from moe_graph.echo import (
+        AllGatherBackend,
+        AllToAllBackend,
+        default_backend,
+        dispatch_spare_weights,
+        spare_grad_buffers,
+    )
     from moe_graph.testing.echo_reference import zipf_routing
 
     torch.manual_seed(0)
@@ -83,9 +89,13 @@ def _echo_worker(rank, world, seed):
     ref = (out_ref.detach(), fc1.grad.clone(), fc2.grad.clone())
 
     results = {"default_backend": type(default_backend()).__name__, "cases": []}
-    # (backend, k, accumulate spare gradients into main_grad): few combinations keep the spawned runs short
-    combos = [(AllToAllBackend(), 1, False), (AllToAllBackend(), 2, True), (AllGatherBackend(), 2, False)]
-    for backend, k, use_main_grad in combos:
+    # (backend, k, mode): "autograd" (dispatch_spare_weights), "autograd+main_grad" (spare gradients straight into
+    # main_grad), "explicit" (separate spare-slot gradient buffers, then aggregate_grads into main_grad). Few
+    # combinations keep the spawned runs short.
+    combos = [(AllToAllBackend(), 1, "autograd"), (AllToAllBackend(), 2, "autograd+main_grad"),
+              (AllGatherBackend(), 2, "explicit")]
+    for backend, k, mode in combos:
+        use_main_grad = mode != "autograd"
         new_map, new_probs, omap = P.gen_offloading_plan(rm, probs, counts, rank, R, k)
         assert torch.equal(new_map.sum(1), rm.sum(1))
         d = EchoExpertDispatcher(E, R, rank, k, backend=backend)
@@ -93,7 +103,10 @@ def _echo_worker(rank, world, seed):
         if use_main_grad:
             fc1.main_grad = torch.zeros_like(fc1)
             fc2.main_grad = torch.zeros_like(fc2)
-        s1, s2 = dispatch_spare_weights(d, omap, [fc1, fc2])
+        if mode == "explicit":
+            s1, s2 = [w.requires_grad_() for w in d.dispatch(omap, [fc1, fc2])]  # leaves with their own grads
+        else:
+            s1, s2 = dispatch_spare_weights(d, omap, [fc1, fc2])
         assert s1.shape == (k, F, H) and s2.shape == (k, H, F)
         # spare slots hold exact copies of their home experts (zeros when unused)
         for i in range(k):
@@ -107,9 +120,14 @@ def _echo_worker(rank, world, seed):
         cols += [(E + rank * k + i, s1[i], s2[i]) for i in range(k)]
         out = _toy_moe(x_all, _gather(new_map.to(torch.uint8)), _gather(new_probs), cols, rank)
         (out * target).sum().backward()
+        if mode == "explicit":
+            spare = spare_grad_buffers([fc1, fc2], k, dtype=dt)
+            spare[0].copy_(s1.grad)
+            spare[1].copy_(s2.grad)
+            d.aggregate_grads(omap, spare, home_params=[fc1, fc2])
         g1 = fc1.grad + (fc1.main_grad if use_main_grad else 0)
         g2 = fc2.grad + (fc2.main_grad if use_main_grad else 0)
-        if use_main_grad:  # spare-slot gradients went to main_grad (somewhere, when this rank's experts were copied)
+        if use_main_grad:  # spare-slot gradients went to main_grad (when this rank's experts were copied)
             assert fc1.main_grad.abs().sum() > 0 or not omap[rank * L : (rank + 1) * L].any()
         torch.testing.assert_close(out.detach(), ref[0], rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(g1, ref[1], rtol=1e-12, atol=1e-12)
@@ -117,7 +135,7 @@ def _echo_worker(rank, world, seed):
         # plain lists: tensors sent through the result queue would need the (exited) child's shared memory
         results["cases"].append(
             {"k": k, "backend": type(backend).__name__, "omap": omap.tolist(), "moved": int(new_map[:, E:].sum()),
-             "counts": counts.tolist(), "main_grad": use_main_grad}
+             "counts": counts.tolist(), "mode": mode}
         )
     return results
 
