@@ -46,3 +46,29 @@ def test_corpus_and_png_fallback(tmp_path):
     _png_fallback(summary, str(tmp_path / "p.png"), W=64, Hh=48)
     data = (tmp_path / "p.png").read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and b"IHDR" in data and data.endswith(b"IEND\xaeB`\x82")
+
+
+def test_demo_step_has_no_data_dependent_ops():
+    """CPU proxy for the GPU's "zero host syncs per iteration": the demo's whole training step (DDP buffers, MoE
+    layers with echo, distributed optimizer) runs under FakeTensorMode, where any .item()/nonzero()/mask indexing
+    or data-dependent shape raises."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from moe_graph.ddp import DistributedDataParallel
+    from moe_graph.demo import MoETransformerLM, _parser, make_train_step
+    from moe_graph.optimizer import DistributedOptimizer
+
+    cfg = _parser().parse_args(["--layers", "1"])
+    moe = dict(aux_loss_coeff=0.01, num_spare_experts_per_ep_rank=1, capacity_factor=1.25, assignment="greedy")
+    model = MoETransformerLM(cfg, 37, moe, "cpu", torch.float32)
+    ddp = DistributedDataParallel(model, use_distributed_optimizer=True)
+    opt = DistributedOptimizer(ddp, lr=1e-3, weight_decay=0.0, clip_grad=1.0)
+    step = make_train_step(ddp, opt)
+
+    def batch():
+        return [(torch.randint(0, 37, (2, 64)), torch.randint(0, 37, (2, 64))) for _ in range(2)]
+
+    assert torch.isfinite(step(batch()))  # real step first (lazy state)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        out = step(batch())
+        assert out.shape == ()

@@ -78,14 +78,14 @@ def test_data_read_and_argument_errors():
 
 
 # ------------------------------------------------------------------------------------------------- CUDA --
-def _moe_model(seed=0):
+def _moe_model(seed=0, spare=0):
     from moe_graph.moe_layer import MoELayer
 
     torch.manual_seed(seed)
     return torch.nn.ModuleDict({
         "inp": torch.nn.Linear(32, 64, device="cuda", dtype=torch.bfloat16),
         "moe": MoELayer(64, 96, 8, 2, capacity_factor=2.0, aux_loss_coeff=0.01, device="cuda",
-                        params_dtype=torch.bfloat16),
+                        params_dtype=torch.bfloat16, num_spare_experts_per_ep_rank=spare),
         "out": torch.nn.Linear(64, 16, device="cuda", dtype=torch.bfloat16),
     })
 
@@ -113,9 +113,10 @@ def _batches(n, seed):
 
 
 @requires_cuda
-def test_cuda_replay_equals_eager_on_changing_data():
+@pytest.mark.parametrize("spare", [0, 1])
+def test_cuda_replay_equals_eager_on_changing_data(spare):
     data = _batches(8, 1)
-    m_eager = _moe_model()
+    m_eager = _moe_model(spare=spare)
     m_graph = copy.deepcopy(m_eager)
     for p in m_eager.parameters():
         p.grad = torch.zeros_like(p)
@@ -137,7 +138,7 @@ def test_cuda_replay_equals_eager_on_changing_data():
 
 @requires_cuda
 def test_cuda_replays_do_not_sync():
-    model = _moe_model()
+    model = _moe_model(spare=1)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, capturable=True)
     graph = FullIterationGraph(_make_step(model, opt), warmup_steps=2)
     data = _batches(5, 2)

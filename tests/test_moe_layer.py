@@ -148,3 +148,35 @@ def test_cuda_forward_backward_no_host_sync(k):
     ref = MoELayer(64, 128, 8, 2, device="cpu", params_dtype=torch.float32)
     ref.load_state_dict({k_: v.float().cpu() for k_, v in layer.state_dict().items()}, strict=False)
     torch.testing.assert_close(y.float().cpu(), ref(x.detach().float().cpu()), rtol=5e-2, atol=5e-2)
+
+
+def _native_best_fit():
+    try:
+        from moe_graph.ops.reroute import best_fit_available
+
+        return bool(best_fit_available("cpu"))
+    except (ImportError, AttributeError, RuntimeError):
+        return False
+
+
+@pytest.mark.parametrize("k,assignment", [(0, "auto"), (1, "greedy"), (2, "auto")])
+def test_hot_path_has_no_data_dependent_ops(k, assignment):
+    """CPU proxy for "no host syncs": forward and backward under FakeTensorMode, where .item(), nonzero(),
+    boolean-mask indexing and data-dependent shapes raise."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if k and assignment == "auto" and not _native_best_fit():
+        pytest.xfail("planner.best_fit_assignment's torch fallback indexes with 0-dim tensors (.item()); the native "
+                     "echo_best_fit op is not in this build of moe_graph._C")
+    layer = MoELayer(16, 24, 8, 2, num_spare_experts_per_ep_rank=k, assignment=assignment, capacity_factor=1.0,
+                     aux_loss_coeff=0.01, device="cpu")
+    layer(torch.randn(4, 16))  # lazy state (drop counter, column tables) outside the checked region
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        x = torch.randn(32, 16, requires_grad=True)
+        y = layer(x)
+        y.sum().backward()
+        assert y.shape == (32, 16)
+    # the check can fail: a host read is caught
+    with pytest.raises(Exception, match="local_scalar_dense|DataDependent"):
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            bool(layer(torch.randn(8, 16)).sum() > 0)

@@ -129,6 +129,23 @@ class MoETransformerLM(nn.Module):
 
 
 # ------------------------------------------------------------------------------------------------ training --
+def make_train_step(ddp, opt):
+    """One training iteration: zero the grad buffers, forward/backward every microbatch, the optimizer step (grad
+    reduce-scatter, Adam on the shard, param all-gather). Device work only: the whole function is one CUDA graph."""
+
+    def step(microbatches):
+        ddp.zero_grad_buffer()
+        losses = []
+        for tokens, labels in microbatches:
+            loss = ddp(tokens, labels)
+            (loss / len(microbatches)).backward()
+            losses.append(loss.detach())
+        opt.step()
+        return torch.stack(losses).mean()
+
+    return step
+
+
 def _train(rank: int, world: int, cfg) -> Dict:
     import torch.distributed as dist
 
@@ -152,7 +169,7 @@ def _train(rank: int, world: int, cfg) -> Dict:
 
     data = CharData(build_corpus(seed=0))
     moe_kwargs = dict(aux_loss_coeff=cfg.aux, num_spare_experts_per_ep_rank=cfg.spare, capacity_factor=cfg.capacity,
-                      ep_group=ep_group, ep_size=world)
+                      assignment=cfg.assignment, ep_group=ep_group, ep_size=world)
     torch.manual_seed(1234 + rank)  # experts differ per rank; dense weights are broadcast from rank 0 below
     model = MoETransformerLM(cfg, data.vocab_size, moe_kwargs, device, dtype)
     ddp = DistributedDataParallel(model, use_distributed_optimizer=True, expert_data_parallel_group=edp_group)
@@ -165,15 +182,7 @@ def _train(rank: int, world: int, cfg) -> Dict:
         f"+ {cfg.spare} echo slot(s)), capacity factor {cfg.capacity}, {n_params / 1e3:.0f}k params per rank, "
         f"vocab {data.vocab_size}, {cfg.microbatches} x {cfg.batch} x {cfg.seq} tokens per rank per step")
 
-    def step(microbatches):
-        ddp.zero_grad_buffer()
-        losses = []
-        for tokens, labels in microbatches:
-            loss = ddp(tokens, labels)
-            (loss / len(microbatches)).backward()
-            losses.append(loss.detach())
-        opt.step()
-        return torch.stack(losses).mean()
+    step = make_train_step(ddp, opt)
 
     gen = torch.Generator().manual_seed(100 + rank)
 
@@ -354,6 +363,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--topk", type=int, default=2)
     p.add_argument("--spare", type=int, default=1, help="echo slots per rank (0: no echo)")
+    p.add_argument("--assignment", choices=["auto", "greedy", "best_fit"], default="auto",
+                   help="echo planner assignment (moe_graph.planner.gen_assignment)")
     p.add_argument("--capacity", type=float, default=1.25, help="capacity factor (0: dropless)")
     p.add_argument("--aux", type=float, default=0.01, help="aux load-balancing loss coefficient")
     p.add_argument("--seq", type=int, default=64)
