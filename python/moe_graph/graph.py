@@ -47,7 +47,8 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-__all__ = ["FullIterationGraph", "GraphCaptureError", "GraphShapeError", "cuda_graphs_available"]
+__all__ = ["FullIterationGraph", "FullCudaGraphWrapper", "GraphCaptureError", "GraphShapeError",
+           "cuda_graphs_available"]
 
 _SYNC_HINT = (
     "a host-device synchronization (.item(), .tolist(), .cpu(), nonzero(), boolean-mask indexing, a "
@@ -329,3 +330,49 @@ class FullIterationGraph:
         m.capture_seconds = time.perf_counter() - t0
         m.graph = g
         m.static_out = out
+
+
+class FullCudaGraphWrapper:
+    """Megatron-style wrapper of a pipeline ``forward_backward_func`` (:func:`moe_graph.pipeline.get_forward_backward_func`):
+    ``wrapper(forward_step_func=..., data_iterator=..., model=..., num_microbatches=..., forward_only=False, ...)``
+    reads all microbatches from ``data_iterator`` (one iterator, or a list with one per model chunk / ``None``),
+    copies them into static buffers and runs the whole schedule (every microbatch, every pipeline stage's sends and
+    receives, the grad sync) as the training graph; ``forward_only=True`` uses the validation graph. Only two graphs
+    exist, whatever the pipeline depth.
+
+    The other keyword arguments (``forward_step_func``, ``model``, ``config``, ...) are baked into the graphs: they
+    must be the same objects on every call (else :class:`GraphShapeError`; call :meth:`reset`).
+    """
+
+    def __init__(self, forward_backward_func: Callable, cuda_graph_warmup_steps: int = 2, **graph_kwargs):
+        self.forward_backward_func = forward_backward_func
+        self._fixed: Dict[str, Any] = {}
+        self.graph = FullIterationGraph(lambda data, n: self._run(data, n, False),
+                                        eval_fn=lambda data, n: self._run(data, n, True),
+                                        warmup_steps=cuda_graph_warmup_steps, **graph_kwargs)
+
+    def _run(self, data, num_microbatches, forward_only):
+        if data and isinstance(data[0], list) or (data and data[0] is None):
+            it = [None if d is None else iter(d) for d in data]
+        else:
+            it = iter(data)
+        return self.forward_backward_func(data_iterator=it, num_microbatches=num_microbatches,
+                                          forward_only=forward_only, **self._fixed[forward_only])
+
+    def __call__(self, *, data_iterator, num_microbatches: int, forward_only: bool = False, **kwargs):
+        fixed = self._fixed.get(forward_only)
+        if fixed is None:
+            self._fixed[forward_only] = dict(kwargs)
+        elif fixed.keys() != kwargs.keys() or any(fixed[k] is not kwargs[k] for k in kwargs):
+            changed = sorted(k for k in set(fixed) | set(kwargs) if fixed.get(k) is not kwargs.get(k))
+            raise GraphShapeError(
+                f"FullCudaGraphWrapper: arguments {changed} are not the objects the graph was captured with; "
+                "call reset() to capture again"
+            )
+        data = FullIterationGraph.data_read(data_iterator, num_microbatches)
+        step = self.graph.eval_step if forward_only else self.graph.train_step
+        return step(data, num_microbatches)
+
+    def reset(self) -> None:
+        self._fixed.clear()
+        self.graph.reset()
