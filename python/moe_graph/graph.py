@@ -214,6 +214,8 @@ class FullIterationGraph:
                 if isinstance(x, torch.Tensor):
                     dev = self.device if self.enabled else "meta"  # eager: only shapes/dtypes are checked
                     buf = torch.empty_like(x, device=dev, memory_format=torch.contiguous_format)
+                    if x.requires_grad and x.is_leaf:
+                        buf.requires_grad_(True)  # gradients land in the static buffer's .grad
                     static.append(buf)
                 else:
                     static.append(x)
@@ -245,9 +247,10 @@ class FullIterationGraph:
         return m.fn(*args, **kwargs)
 
     def _copy_in(self, m: _Mode, leaves):
-        for x, s in zip(leaves, m.static_leaves):
-            if isinstance(s, torch.Tensor):
-                s.copy_(x, non_blocking=True)
+        with torch.no_grad():
+            for x, s in zip(leaves, m.static_leaves):
+                if isinstance(s, torch.Tensor):
+                    s.copy_(x, non_blocking=True)
         return pytree.tree_unflatten(m.static_leaves, m.spec)
 
     def _get_pool(self, name: str):
