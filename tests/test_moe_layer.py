@@ -147,7 +147,8 @@ def test_cuda_forward_backward_no_host_sync(k):
     # against the fp32 CPU reference of the same weights
     ref = MoELayer(64, 128, 8, 2, device="cpu", params_dtype=torch.float32)
     ref.load_state_dict({k_: v.float().cpu() for k_, v in layer.state_dict().items()}, strict=False)
-    torch.testing.assert_close(y.float().cpu(), ref(x.detach().float().cpu()), rtol=5e-2, atol=5e-2)
+    y_ref = ref(x.detach().float().cpu())
+    torch.testing.assert_close(y.float().cpu(), y_ref, rtol=5e-2, atol=3e-2 * float(y_ref.abs().max()))
 
 
 def _native_best_fit():

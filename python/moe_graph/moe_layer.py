@@ -261,11 +261,12 @@ class MoELayer(nn.Module):
             from .echo import dispatch_spare_weights
 
             s1, s2 = dispatch_spare_weights(self.echo, omap, [w1, w2])
-            w1 = torch.cat([w1, s1.to(w1.dtype)])
-            w2 = torch.cat([w2, s2.to(w2.dtype)])
+            # one 2-D weight per local expert (home views + spare copies): no concatenated copy of all weights
+            w1 = list(w1.unbind(0)) + list(s1.to(w1.dtype).unbind(0))
+            w2 = list(w2.unbind(0)) + list(s2.to(w2.dtype).unbind(0))
         from .ops.grouped_gemm import grouped_gemm
 
-        expert_in = expert_in.to(w1.dtype)
+        expert_in = expert_in.to(self.fc1.weight.dtype)
         mid = self._activation(grouped_gemm(expert_in, w1, m_splits))
         expert_out = grouped_gemm(mid, w2, m_splits)
         out = self.dispatcher.combine(expert_out, handle).to(x.dtype)
