@@ -37,38 +37,39 @@ from moe_graph import planner as P  # noqa: E402
 
 
 def gumbel_topk_routing(num_rows, p_log, topk, gen, device):
-    """[num_rows, E] bool: topk distinct experts per row, sampled ~ p (Gumbel top-k = sampling without
-    replacement)."""
+    """[num_rows, E] bool on ``device``: topk distinct experts per row, sampled ~ p (Gumbel top-k = sampling
+    without replacement). ``gen`` is a generator on ``device``."""
     E = p_log.shape[0]
-    u = torch.rand(num_rows, E, generator=gen, device="cpu").clamp_(1e-12, 1 - 1e-7)
-    scores = p_log[None, :] - torch.log(-torch.log(u))
+    u = torch.rand(num_rows, E, generator=gen, device=device).clamp_(1e-12, 1 - 1e-7)
+    scores = p_log.to(device)[None, :] - torch.log(-torch.log(u))
     idx = scores.topk(topk, dim=1).indices
-    rm = torch.zeros(num_rows, E, dtype=torch.bool)
+    rm = torch.zeros(num_rows, E, dtype=torch.bool, device=device)
     rm.scatter_(1, idx, True)
-    return rm.to(device)
+    return rm
 
 
 def make_case(R, E, T, topk, skew, seed, permute, device):
     gen = torch.Generator().manual_seed(seed)
+    dgen = torch.Generator(device=device).manual_seed(seed) if device.type == "cuda" else gen
     p = 1.0 / torch.arange(1, E + 1, dtype=torch.float64) ** skew
     if permute:
         p = p[torch.randperm(E, generator=gen)]
     p_log = (p / p.sum()).log().float()
-    # counts of every rank from one batch; rank 0's routing map is kept for the reroute timing
+    # counts of every rank from batches of rows; rank 0's routing map is kept for the reroute timing
     rows = R * T
-    counts = torch.zeros(R, E, dtype=torch.int64)
+    counts = torch.zeros(R, E, dtype=torch.int64, device=device)
     rm0 = None
-    chunk = max(T, (1 << 22) // max(E, 1) // T * T)
+    chunk = max(T, (1 << 24) // max(E, 1) // T * T)
     for start in range(0, rows, chunk):
         n = min(chunk, rows - start)
-        rm = gumbel_topk_routing(n, p_log, topk, gen, "cpu")
-        counts += torch.zeros(R, E, dtype=torch.int64).index_add_(
-            0, torch.arange(start, start + n) // T, rm.to(torch.int64)
+        rm = gumbel_topk_routing(n, p_log, topk, dgen, device)
+        counts += torch.zeros(R, E, dtype=torch.int64, device=device).index_add_(
+            0, torch.arange(start, start + n, device=device) // T, rm.to(torch.int64)
         )
         if rm0 is None:
             rm0 = rm[:T].clone()
-    probs0 = torch.rand(T, E, generator=gen)
-    return counts.to(device), rm0.to(device), probs0.to(device)
+    probs0 = torch.rand(T, E, generator=dgen, device=device)
+    return counts, rm0, probs0
 
 
 def balance(counts, h, k):
