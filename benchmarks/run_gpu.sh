@@ -16,9 +16,11 @@ echo "== build for sm_$arch"
 MOE_GRAPH_ARCHS=$arch MAX_JOBS=16 python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
 grep -n C7510 "$OUT/build.log" && echo "C7510 WARNING"
 echo "== self-check"; python3 -m moe_graph.selfcheck 2>&1 | tee "$OUT/selfcheck.log"
-echo "== GPU tests"; python3 -m pytest -q tests/test_grouped_gemm_cuda.py tests/test_reroute.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+echo "== all tests (GPU tests included)"; python3 -m pytest -q tests -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
 echo "== compute-sanitizer memcheck"
 compute-sanitizer --tool memcheck --error-exitcode 3 python3 -m pytest -q -x tests/test_grouped_gemm_cuda.py -k "forward_matches_reference and bfloat16 or overflow or wgrad" -p no:cacheprovider > "$OUT/memcheck.log" 2>&1
 echo "memcheck exit code: $?"; tail -5 "$OUT/memcheck.log"
 echo "== benchmarks"; python3 benchmarks/bench_grouped_gemm.py 2>&1 | tee "$OUT/bench_grouped_gemm.log"
+for b in bench_echo bench_moe_layer; do python3 benchmarks/$b.py 2>&1 | tail -30 | tee "$OUT/$b.log"; done
+echo "== demo"; python3 -m moe_graph.demo --quick 2>&1 | tail -20 | tee "$OUT/demo.log"
 cp benchmarks/results/*.json benchmarks/results/*.png "$OUT/" 2>/dev/null || true

@@ -19,6 +19,8 @@ TORCH_LIBRARY(moe_graph, m) {
   // ---- device error flag -------------------------------------------------------------------------------
   // Reads and clears the flag of the device of `device_like` (any tensor on that device). Syncs by design.
   m.def("read_error_flag(Tensor device_like) -> int");
+  // The flag itself (int32 [1], aliasing global state) so that Python code can set bits from device tensors.
+  m.def("error_flag(Tensor device_like) -> Tensor");
 
   // ---- grouped GEMM ------------------------------------------------------------------------------------
   // a [M, K]; b: one [E, N, K] (trans_b) / [E, K, N] tensor, or E 2-D tensors; m_splits int32/int64 [E];
@@ -50,6 +52,7 @@ TORCH_LIBRARY(moe_graph, m) {
 
 TORCH_LIBRARY_IMPL(moe_graph, CompositeExplicitAutograd, m) {
   m.impl("read_error_flag", &moe_graph::check_errors_impl);
+  m.impl("error_flag", [](const at::Tensor& t) { return moe_graph::error_flag_tensor(t.device()); });
 }
 
 TORCH_LIBRARY_IMPL(moe_graph, CPU, m) {

@@ -46,6 +46,11 @@ int32_t* error_flag_ptr(const at::Device& device) {
 #endif
 }
 
+at::Tensor error_flag_tensor(const at::Device& device) {
+  int32_t* ptr = error_flag_ptr(device);
+  return at::from_blob(ptr, {1}, at::TensorOptions().dtype(at::kInt).device(device));
+}
+
 int64_t read_and_clear_error_flag(const at::Device& device) {
   if (device.is_cpu()) return __atomic_exchange_n(&g_host_flag, 0, __ATOMIC_RELAXED);
 #ifdef MOE_GRAPH_WITH_CUDA

@@ -11,6 +11,10 @@ namespace moe_graph {
 // Python wrappers do, outside of graph capture) before capturing.
 int32_t* error_flag_ptr(const at::Device& device);
 
+// The flag of `device` as an int32 tensor of one element (an alias: in-place ops on it set bits from device-side
+// conditions, e.g. flag.bitwise_or_(cond * bit), without a sync).
+at::Tensor error_flag_tensor(const at::Device& device);
+
 // Reads and clears the flag of `device`; returns the bits that were set. Syncs the device (by design).
 int64_t read_and_clear_error_flag(const at::Device& device);
 

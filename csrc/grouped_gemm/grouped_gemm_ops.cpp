@@ -142,6 +142,14 @@ WgradShape check_wgrad(const char* op, const at::Tensor& a, const at::Tensor& dy
   return s;
 }
 
+void check_bias_grad(const at::Tensor& dy, const at::Tensor& m_splits) {
+  const char* op = "grouped_bias_grad";
+  check_defined(dy, op, "dy");
+  check_dim(dy, 2, op, "dy", "[tokens, out_features]");
+  check_activation_dtype(dy, op, "dy");
+  check_splits(m_splits, dy, -1, op);
+}
+
 // Returns per-expert [n, k] views of `out` (one [E, n, k] tensor or E tensors) after checking them.
 std::vector<at::Tensor> check_wgrad_out(const char* op, at::TensorList out, const WgradShape& s, const at::Tensor& a) {
   std::vector<at::Tensor> views;
@@ -228,9 +236,18 @@ void forward_cpu_into(const at::Tensor& a, at::TensorList b, const at::Tensor& m
   if (total < s.rows) out.narrow(0, total, s.rows - total).zero_();
 }
 
-void wgrad_cpu_into(const at::Tensor& a, const at::Tensor& dy, const at::Tensor& m_splits,
-                    const std::vector<at::Tensor>& outs, bool accumulate, const std::optional<at::Tensor>& mask,
-                    const WgradShape& s) {
+std::vector<at::Tensor> per_expert(at::TensorList out, int64_t num_experts) {
+  if (out.size() == 1 && out[0].dim() == 3) {
+    std::vector<at::Tensor> views;
+    for (int64_t e = 0; e < num_experts; ++e) views.push_back(out[0][e]);
+    return views;
+  }
+  return out.vec();
+}
+
+void wgrad_cpu_into(const at::Tensor& a, const at::Tensor& dy, const at::Tensor& m_splits, at::TensorList out,
+                    bool accumulate, const std::optional<at::Tensor>& mask, const WgradShape& s) {
+  const auto outs = per_expert(out, s.num_experts);
   std::vector<int64_t> starts, counts;
   cpu_spans(m_splits, s.rows, starts, counts);
   const auto ct = compute_type(a.scalar_type());
@@ -253,52 +270,77 @@ void wgrad_cpu_into(const at::Tensor& a, const at::Tensor& dy, const at::Tensor&
   }
 }
 
+// ------------------------------------------------------------------------------------- op entry points --
+// The same checks and allocation for both devices; `Into` is the device's implementation.
+using ForwardInto = void (*)(const at::Tensor&, at::TensorList, const at::Tensor&, bool,
+                             const std::optional<at::Tensor>&, const at::Tensor&, const FwdShape&);
+using WgradInto = void (*)(const at::Tensor&, const at::Tensor&, const at::Tensor&, at::TensorList, bool,
+                           const std::optional<at::Tensor>&, const WgradShape&);
+
+template <ForwardInto Into>
+at::Tensor forward_op(const at::Tensor& a, at::TensorList b, const at::Tensor& m_splits, bool trans_b,
+                      const std::optional<at::Tensor>& bias) {
+  const auto s = check_forward("grouped_gemm", a, b, m_splits, trans_b, bias, nullptr);
+  auto out = at::empty({s.rows, s.n}, a.options());
+  Into(a, b, m_splits, trans_b, bias, out, s);
+  return out;
+}
+
+template <ForwardInto Into>
+void forward_out_op(const at::Tensor& a, at::TensorList b, const at::Tensor& m_splits, bool trans_b,
+                    const std::optional<at::Tensor>& bias, const at::Tensor& out) {
+  const auto s = check_forward("grouped_gemm", a, b, m_splits, trans_b, bias, &out);
+  Into(a, b, m_splits, trans_b, bias, out, s);
+}
+
+template <WgradInto Into>
+at::Tensor wgrad_op(const at::Tensor& a, const at::Tensor& dy, const at::Tensor& m_splits,
+                    std::optional<at::ScalarType> out_dtype) {
+  const auto s = check_wgrad("grouped_gemm_wgrad", a, dy, m_splits);
+  const auto dt = out_dtype.value_or(a.scalar_type());
+  TORCH_CHECK(dt == a.scalar_type() || dt == at::kFloat, "grouped_gemm_wgrad: out_dtype must be float32 or a's dtype (",
+              c10::toString(a.scalar_type()), "), got ", c10::toString(dt));
+  auto out = at::empty({s.num_experts, s.n, s.k}, a.options().dtype(dt));
+  Into(a, dy, m_splits, {out}, false, std::nullopt, s);
+  return out;
+}
+
+template <WgradInto Into>
+void wgrad_out_op(const at::Tensor& a, const at::Tensor& dy, const at::Tensor& m_splits, at::TensorList out,
+                  bool accumulate, const std::optional<at::Tensor>& accumulate_mask) {
+  const char* op = "grouped_gemm_wgrad";
+  const auto s = check_wgrad(op, a, dy, m_splits);
+  check_wgrad_out(op, out, s, a);
+  check_mask(accumulate_mask, s, a, op);
+  Into(a, dy, m_splits, out, accumulate, accumulate_mask, s);
+}
+
 }  // namespace
 
 // ------------------------------------------------------------------------------------------------- CPU ops --
 
 at::Tensor grouped_gemm_cpu(const at::Tensor& a, at::TensorList b, const at::Tensor& m_splits, bool trans_b,
                             const std::optional<at::Tensor>& bias) {
-  const auto s = check_forward("grouped_gemm", a, b, m_splits, trans_b, bias, nullptr);
-  auto out = at::empty({s.rows, s.n}, a.options());
-  forward_cpu_into(a, b, m_splits, trans_b, bias, out, s);
-  return out;
+  return forward_op<forward_cpu_into>(a, b, m_splits, trans_b, bias);
 }
 
 void grouped_gemm_out_cpu(const at::Tensor& a, at::TensorList b, const at::Tensor& m_splits, bool trans_b,
                           const std::optional<at::Tensor>& bias, const at::Tensor& out) {
-  const auto s = check_forward("grouped_gemm", a, b, m_splits, trans_b, bias, &out);
-  forward_cpu_into(a, b, m_splits, trans_b, bias, out, s);
+  forward_out_op<forward_cpu_into>(a, b, m_splits, trans_b, bias, out);
 }
 
 at::Tensor grouped_gemm_wgrad_cpu(const at::Tensor& a, const at::Tensor& dy, const at::Tensor& m_splits,
                                   std::optional<at::ScalarType> out_dtype) {
-  const auto s = check_wgrad("grouped_gemm_wgrad", a, dy, m_splits);
-  const auto dt = out_dtype.value_or(a.scalar_type());
-  TORCH_CHECK(dt == a.scalar_type() || dt == at::kFloat, "grouped_gemm_wgrad: out_dtype must be float32 or a's dtype (",
-              c10::toString(a.scalar_type()), "), got ", c10::toString(dt));
-  auto out = at::empty({s.num_experts, s.n, s.k}, a.options().dtype(dt));
-  std::vector<at::Tensor> views;
-  for (int64_t e = 0; e < s.num_experts; ++e) views.push_back(out[e]);
-  wgrad_cpu_into(a, dy, m_splits, views, false, std::nullopt, s);
-  return out;
+  return wgrad_op<wgrad_cpu_into>(a, dy, m_splits, out_dtype);
 }
 
 void grouped_gemm_wgrad_out_cpu(const at::Tensor& a, const at::Tensor& dy, const at::Tensor& m_splits,
                                 at::TensorList out, bool accumulate, const std::optional<at::Tensor>& accumulate_mask) {
-  const char* op = "grouped_gemm_wgrad";
-  const auto s = check_wgrad(op, a, dy, m_splits);
-  auto views = check_wgrad_out(op, out, s, a);
-  check_mask(accumulate_mask, s, a, op);
-  wgrad_cpu_into(a, dy, m_splits, views, accumulate, accumulate_mask, s);
+  wgrad_out_op<wgrad_cpu_into>(a, dy, m_splits, out, accumulate, accumulate_mask);
 }
 
 at::Tensor grouped_bias_grad_cpu(const at::Tensor& dy, const at::Tensor& m_splits) {
-  const char* op = "grouped_bias_grad";
-  check_defined(dy, op, "dy");
-  check_dim(dy, 2, op, "dy", "[tokens, out_features]");
-  check_activation_dtype(dy, op, "dy");
-  check_splits(m_splits, dy, -1, op);
+  check_bias_grad(dy, m_splits);
   std::vector<int64_t> starts, counts;
   cpu_spans(m_splits, dy.size(0), starts, counts);
   const auto ct = dy.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
@@ -403,25 +445,9 @@ void forward_cuda_into(const at::Tensor& a, at::TensorList b, const at::Tensor& 
   run_guarded("grouped_gemm", [&] { gg::run_forward(p, env); });
 }
 
-}  // namespace
-
-at::Tensor grouped_gemm_cuda(const at::Tensor& a, at::TensorList b, const at::Tensor& m_splits, bool trans_b,
-                             const std::optional<at::Tensor>& bias) {
-  const auto s = check_forward("grouped_gemm", a, b, m_splits, trans_b, bias, nullptr);
-  auto out = at::empty({s.rows, s.n}, a.options());
-  forward_cuda_into(a, b, m_splits, trans_b, bias, out, s);
-  return out;
-}
-
-void grouped_gemm_out_cuda(const at::Tensor& a, at::TensorList b, const at::Tensor& m_splits, bool trans_b,
-                           const std::optional<at::Tensor>& bias, const at::Tensor& out) {
-  const auto s = check_forward("grouped_gemm", a, b, m_splits, trans_b, bias, &out);
-  forward_cuda_into(a, b, m_splits, trans_b, bias, out, s);
-}
-
-namespace {
 void wgrad_cuda_into(const at::Tensor& a, const at::Tensor& dy, const at::Tensor& m_splits, at::TensorList out,
-                     bool stacked, bool accumulate, const std::optional<at::Tensor>& mask, const WgradShape& s) {
+                     bool accumulate, const std::optional<at::Tensor>& mask, const WgradShape& s) {
+  const bool stacked = out.size() == 1 && out[0].dim() == 3;
   c10::cuda::CUDAGuard guard(a.device());
   std::vector<at::Tensor> keep;
   auto env = make_env(a, keep);
@@ -448,35 +474,31 @@ void wgrad_cuda_into(const at::Tensor& a, const at::Tensor& dy, const at::Tensor
 }
 }  // namespace
 
+at::Tensor grouped_gemm_cuda(const at::Tensor& a, at::TensorList b, const at::Tensor& m_splits, bool trans_b,
+                             const std::optional<at::Tensor>& bias) {
+  return forward_op<forward_cuda_into>(a, b, m_splits, trans_b, bias);
+}
+
+void grouped_gemm_out_cuda(const at::Tensor& a, at::TensorList b, const at::Tensor& m_splits, bool trans_b,
+                           const std::optional<at::Tensor>& bias, const at::Tensor& out) {
+  forward_out_op<forward_cuda_into>(a, b, m_splits, trans_b, bias, out);
+}
+
 at::Tensor grouped_gemm_wgrad_cuda(const at::Tensor& a, const at::Tensor& dy, const at::Tensor& m_splits,
                                    std::optional<at::ScalarType> out_dtype) {
-  const auto s = check_wgrad("grouped_gemm_wgrad", a, dy, m_splits);
-  const auto dt = out_dtype.value_or(a.scalar_type());
-  TORCH_CHECK(dt == a.scalar_type() || dt == at::kFloat, "grouped_gemm_wgrad: out_dtype must be float32 or a's dtype (",
-              c10::toString(a.scalar_type()), "), got ", c10::toString(dt));
-  auto out = at::empty({s.num_experts, s.n, s.k}, a.options().dtype(dt));
-  wgrad_cuda_into(a, dy, m_splits, {out}, true, false, std::nullopt, s);
-  return out;
+  return wgrad_op<wgrad_cuda_into>(a, dy, m_splits, out_dtype);
 }
 
 void grouped_gemm_wgrad_out_cuda(const at::Tensor& a, const at::Tensor& dy, const at::Tensor& m_splits,
                                  at::TensorList out, bool accumulate,
                                  const std::optional<at::Tensor>& accumulate_mask) {
-  const char* op = "grouped_gemm_wgrad";
-  const auto s = check_wgrad(op, a, dy, m_splits);
-  check_wgrad_out(op, out, s, a);
-  check_mask(accumulate_mask, s, a, op);
-  const bool stacked = out.size() == 1 && out[0].dim() == 3;
-  wgrad_cuda_into(a, dy, m_splits, out, stacked, accumulate, accumulate_mask, s);
+  wgrad_out_op<wgrad_cuda_into>(a, dy, m_splits, out, accumulate, accumulate_mask);
 }
 
 at::Tensor grouped_bias_grad_cuda(const at::Tensor& dy, const at::Tensor& m_splits) {
   const char* op = "grouped_bias_grad";
-  check_defined(dy, op, "dy");
-  check_dim(dy, 2, op, "dy", "[tokens, out_features]");
-  check_activation_dtype(dy, op, "dy");
+  check_bias_grad(dy, m_splits);
   check_contiguous(dy, op, "dy");
-  check_splits(m_splits, dy, -1, op);
   c10::cuda::CUDAGuard guard(dy.device());
   auto db = at::empty({m_splits.size(0), dy.size(1)}, dy.options().dtype(at::kFloat));
   std::vector<at::Tensor> keep;

@@ -15,7 +15,8 @@ routes to each rank (the send buffer is ``[R, capacity, H]``) and receives ``R *
 
 Drops. Routes to one destination keep the order (token, then column); when more than ``capacity`` go to one
 rank, the last ones are dropped (they contribute zero to the output, with zero gradient), deterministically.
-Every drop is counted on the device (:attr:`TokenDispatcher.dropped_routes`, cumulative int64;
+Every drop is counted on the device (:attr:`TokenDispatcher.dropped_routes`, cumulative int64, and the device error
+flag's capacity bit, reported by ``moe_graph.check_errors()``;
 ``handle.dropped`` for one call); :meth:`TokenDispatcher.check_drops` reads it (that one call syncs, by design).
 ``capacity=None`` is dropless (``capacity = T * K``: every route fits even if all go to one rank).
 
@@ -35,6 +36,8 @@ from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
+
+from .ops.errors import CAPACITY_DROP, flag_error_if
 
 __all__ = [
     "TokenDispatcher",
@@ -325,6 +328,7 @@ class TokenDispatcher:
         if self.dropped_routes is None or self.dropped_routes.device != dev:
             self.dropped_routes = torch.zeros((), dtype=torch.int64, device=dev)
         self.dropped_routes.add_(dropped)
+        flag_error_if(dropped, CAPACITY_DROP)  # moe_graph.check_errors() reports drops too
 
         send = gather_rows(hidden, token_of_slot, route_slot, K)  # [N, H]
         if R > 1:

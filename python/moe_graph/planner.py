@@ -201,6 +201,11 @@ def _native_best_fit(counts: torch.Tensor):
     return echo_best_fit if best_fit_available(counts.device.type) else None
 
 
+def _at(t: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+    """``t[i]`` for a 0-dim index tensor ``i`` without a host sync (plain indexing with a 0-dim tensor reads it)."""
+    return t.index_select(0, i.view(1)).squeeze(0)
+
+
 def best_fit_assignment(
     counts: torch.Tensor, num_spare_experts_per_ep_rank: int = 1, native: bool | None = None
 ) -> torch.Tensor:
@@ -249,19 +254,19 @@ def best_fit_assignment(
     ranks = torch.arange(R, device=dev)
     for _ in range(S):
         q = torch.argmax(excess)  # first maximum: deterministic
-        ex_q = excess[q]
-        av_q = avail[q]
+        ex_q = _at(excess, q)
+        av_q = _at(avail, q)
         e_loc = torch.argmax(av_q)
-        x = torch.minimum(ex_q, av_q[e_loc])
+        x = torch.minimum(ex_q, _at(av_q, e_loc))
         open_bin = (used_slots < k) & (cap > 0)
         fits = open_bin & (cap >= x)
         r_fit = torch.argmin(torch.where(fits, cap, big))
         r_big = torch.argmax(torch.where(open_bin, cap, -1))
         r = torch.where(fits.any(), r_fit, r_big)
-        a = torch.minimum(x, cap[r])
-        a = torch.where(open_bin[r] & (x > 0), a, torch.zeros_like(a))
+        a = torch.minimum(x, _at(cap, r))
+        a = torch.where(_at(open_bin, r) & (x > 0), a, torch.zeros_like(a))
         e = q * epr + e_loc
-        slot = r * k + used_slots[r].clamp(max=k - 1)
+        slot = r * k + _at(used_slots, r).clamp(max=k - 1)
         pos = torch.where(a > 0, e * S + slot, torch.full_like(e, E * S))
         flat.index_add_(0, pos.view(1), a.view(1))
         excess = excess - torch.where(ranks == q, a, 0)

@@ -16,7 +16,7 @@ from ._lib import ops
 
 TensorOrList = Union[torch.Tensor, Sequence[torch.Tensor]]
 
-__all__ = ["grouped_gemm", "grouped_gemm_wgrad", "gmm", "check_errors", "grouped_bias_grad"]
+__all__ = ["grouped_gemm", "grouped_gemm_wgrad", "gmm", "grouped_bias_grad"]
 
 
 # ----------------------------------------------------------------------------------------------- fake impls --
@@ -222,40 +222,3 @@ def gmm(a: torch.Tensor, b: torch.Tensor, batch_sizes, trans_b: bool = False) ->
     if isinstance(batch_sizes, torch.Tensor) and batch_sizes.device != a.device:
         batch_sizes = batch_sizes.to(a.device, non_blocking=True)
     return grouped_gemm(a, b, batch_sizes, trans_b=trans_b)
-
-
-_ERROR_BITS = {
-    1: "sum(m_splits) exceeded the rows of the buffer (clamped; rows past the buffer were not computed)",
-    2: "m_splits contained a negative count (treated as 0)",
-    4: "reroute_tokens: the plan asked to move more tokens than are routed locally (clamped)",
-    8: "an offloading plan input was inconsistent (negative counts)",
-    16: "tokens were dropped because a static capacity was exceeded",
-}
-
-
-def read_error_flag(device: Union[str, torch.device, None] = None) -> int:
-    """Reads and clears the raw error bits of ``device`` (default: the current CUDA device if any, else CPU)."""
-    if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() and _cuda_ok() else "cpu"
-    device = torch.device(device)
-    return int(ops.read_error_flag(torch.empty(0, device=device)))
-
-
-def _cuda_ok() -> bool:
-    from ._lib import cuda_built
-
-    return cuda_built()
-
-
-def check_errors(device: Union[str, torch.device, None] = None) -> None:
-    """Raises RuntimeError if a moe_graph kernel flagged a device-side error since the last check (and clears it).
-
-    Checks the CPU flag and the CUDA flag of ``device`` (default: current CUDA device when available). This is the
-    one call that syncs, by design: call it outside the hot path (e.g. once per N iterations).
-    """
-    bits = read_error_flag("cpu")
-    if device is not None and torch.device(device).type == "cuda" or (device is None and torch.cuda.is_available() and _cuda_ok()):
-        bits |= read_error_flag(device if device is not None else None)
-    if bits:
-        msgs = [text for bit, text in _ERROR_BITS.items() if bits & bit]
-        raise RuntimeError("moe_graph device error: " + "; ".join(msgs))

@@ -1,0 +1,66 @@
+"""The device error flag: kernels set bits for conditions only the device can see (instead of reading or writing
+out of bounds); ``check_errors()`` reads and clears them (the one call that syncs, by design)."""
+
+from __future__ import annotations
+
+from typing import Union
+
+import torch
+
+from ._lib import cuda_built, ops
+
+__all__ = ["check_errors", "read_error_flag", "flag_error_if", "ERROR_BITS"]
+
+# Mirrors csrc/common/error_flag.h.
+ERROR_BITS = {
+    1: "sum(m_splits) exceeded the rows of the buffer (clamped; rows past the buffer were not computed)",
+    2: "m_splits contained a negative count (treated as 0)",
+    4: "reroute_tokens: the plan asked to move more tokens than are routed locally (clamped)",
+    8: "an offloading plan input was inconsistent (negative counts)",
+    16: "tokens were dropped because a static capacity was exceeded",
+}
+CAPACITY_DROP = 16
+
+
+@torch.library.register_fake("moe_graph::error_flag")
+def _(device_like):
+    return torch.empty(1, dtype=torch.int32, device=device_like.device)
+
+
+def flag_error_if(cond: torch.Tensor, bit: int) -> None:
+    """Sets ``bit`` in the error flag of ``cond.device`` if any element of ``cond`` is true/non-zero.
+
+    Sync-free and capturable (an in-place op on the flag); the first call on a CUDA device must happen outside
+    graph capture (it allocates the flag).
+    """
+    if bit not in ERROR_BITS:
+        raise ValueError(f"flag_error_if: bit must be one of {sorted(ERROR_BITS)}, got {bit}")
+    flag = ops.error_flag(cond)
+    flag.bitwise_or_((cond != 0).any().to(torch.int32).mul(bit).view(1))
+
+
+def _default_device() -> torch.device:
+    if torch.cuda.is_available() and cuda_built():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def read_error_flag(device: Union[str, torch.device, None] = None) -> int:
+    """Reads and clears the raw error bits of ``device`` (default: the current CUDA device if any, else CPU)."""
+    device = torch.device(device) if device is not None else _default_device()
+    return int(ops.read_error_flag(torch.empty(0, device=device)))
+
+
+def check_errors(device: Union[str, torch.device, None] = None) -> None:
+    """Raises RuntimeError if a moe_graph kernel flagged a device-side error since the last check (and clears it).
+
+    Checks the CPU flag and the CUDA flag of ``device`` (default: the current CUDA device when available). This is
+    the one call that syncs, by design: call it outside the hot path (e.g. once every N iterations).
+    """
+    bits = read_error_flag("cpu")
+    dev = torch.device(device) if device is not None else _default_device()
+    if dev.type == "cuda":
+        bits |= read_error_flag(dev)
+    if bits:
+        msgs = [text for bit, text in ERROR_BITS.items() if bits & bit]
+        raise RuntimeError("moe_graph device error: " + "; ".join(msgs))
