@@ -7,6 +7,7 @@ import torch
 from conftest import requires_cuda
 from moe_graph.dispatcher import (TokenDispatcher, capacity_for, expert_columns, gather_rows,
                                   topk_from_routing_map)
+from moe_graph.ops import check_errors, read_error_flag
 from moe_graph.testing.distributed import run_distributed
 from moe_graph.testing.moe_reference import dispatcher_worker, kept_routes, scale_experts
 
@@ -97,7 +98,10 @@ def test_capacity_drops_are_deterministic_and_counted(gen):
     x = torch.randn(T, H, generator=gen, dtype=torch.float64)
     cap = 25
     d = _one_process(E, cap=cap)
+    read_error_flag("cpu")
     ein, ms, h = d.dispatch(x, idx, probs)
+    with pytest.raises(RuntimeError, match="tokens were dropped"):  # the device error flag's capacity bit
+        check_errors("cpu")
     y = d.combine(ein, h)  # identity experts
     keep = kept_routes(idx, torch.zeros(E, dtype=torch.int64), cap)
     assert int(keep.sum()) == cap

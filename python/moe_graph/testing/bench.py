@@ -43,6 +43,9 @@ def time_cpu(fn: Callable[[], object], warmup: int = 2, reps: int = 10) -> float
 
 
 def git_commit() -> str:
+    """HEAD of the checkout, or $MOE_GRAPH_COMMIT (set by run_gpu.sh on machines that get a copy without .git)."""
+    if os.environ.get("MOE_GRAPH_COMMIT"):
+        return os.environ["MOE_GRAPH_COMMIT"]
     try:
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
         return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=root, text=True, stderr=subprocess.DEVNULL).strip()
