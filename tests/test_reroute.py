@@ -201,6 +201,11 @@ def test_opcheck_plan_ops():
         torch.ops.moe_graph.echo_plan(counts, 1, 5)
     with pytest.raises(RuntimeError, match="num_spare_experts_per_ep_rank"):
         torch.ops.moe_graph.echo_best_fit(counts, 0)
+    # no experts: an all-zero plan (the outputs are written, not left uninitialised)
+    for _ in range(3):
+        torch.empty(1 << 16, dtype=torch.int64).fill_(7)  # dirty the allocator's free blocks
+        h, alloc = torch.ops.moe_graph.echo_plan(torch.zeros(4, 0, dtype=torch.int64), 2, 0)
+        assert h.shape == (0, 8) and alloc.shape == (4, 8) and not alloc.any()
 
 
 def test_compile_aot_eager_with_grad():

@@ -30,7 +30,10 @@ void best_fit_host(const int64_t* counts, int64_t R, int64_t E, int64_t k, int64
 void plan_host(const PlanArgs& args);
 
 #ifdef MOE_GRAPH_WITH_CUDA
-// Bytes of dynamic shared memory the CUDA kernel needs; the caller checks it against the device limit.
+// Bytes of dynamic shared memory the CUDA kernel needs (8 * (3R + E)); the caller checks it against
+// kBestFitMaxDynamicSmem: the 48 KiB a launch may use without an opt-in, less 1 KiB for the kernel's static
+// shared memory. So 3R + E <= 6016 (moe_graph.planner falls back to the torch path above that).
+constexpr int64_t kBestFitMaxDynamicSmem = 47 * 1024;
 int64_t best_fit_shared_bytes(int64_t R, int64_t E);
 // One block; no host synchronization.
 cudaError_t best_fit_cuda_launch(const int64_t* counts, int64_t R, int64_t E, int64_t k, int64_t* home_to_spare,

@@ -161,7 +161,9 @@ int64_t best_fit_shared_bytes(int64_t R, int64_t E) { return (3 * R + E) * stati
 cudaError_t best_fit_cuda_launch(const int64_t* counts, int64_t R, int64_t E, int64_t k, int64_t* h,
                                  cudaStream_t stream) {
   if (R <= 0 || E <= 0 || k <= 0) return cudaSuccess;
-  best_fit_kernel<<<1, kThreads, static_cast<size_t>(best_fit_shared_bytes(R, E)), stream>>>(counts, R, E, k, h);
+  const int64_t smem = best_fit_shared_bytes(R, E);
+  if (smem > kBestFitMaxDynamicSmem) return cudaErrorInvalidValue;  // the op checks first, with a clear message
+  best_fit_kernel<<<1, kThreads, static_cast<size_t>(smem), stream>>>(counts, R, E, k, h);
   return cudaGetLastError();
 }
 

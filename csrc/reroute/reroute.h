@@ -47,9 +47,9 @@ void reroute_tokens_host(const RerouteProblem& p, const ParallelFor& parallel_fo
 constexpr int kRerouteTileRows = 64;
 // int32 elements of device workspace reroute_tokens_cuda needs for a problem (caller allocates it).
 int64_t reroute_workspace_elems(int64_t num_tokens, int64_t num_experts, int64_t num_slots);
-// Largest S the CUDA path supports (slot tables live in a [E, S] int32 workspace; no shared-memory limit, but
-// kernel B1 uses one block over slots).
-constexpr int64_t kRerouteMaxSlots = 1 << 16;
+// Largest S the CUDA path supports: the slot tables live in two [E, S] int32 workspaces (E = 1024, S = 4096:
+// 32 MiB), so S is capped (S = R * k spare slots: 512 EP ranks with 8 spare slots each).
+constexpr int64_t kRerouteMaxSlots = 1 << 12;
 // Launches the kernels on `stream`; no host synchronization, fixed launch configuration for fixed shapes.
 cudaError_t reroute_tokens_cuda_launch(const RerouteProblem& p, int32_t* workspace, cudaStream_t stream);
 #endif

@@ -224,12 +224,15 @@ cudaError_t reroute_tokens_cuda_launch(const RerouteProblem& p, int32_t* workspa
   Workspace ws = carve(workspace, T, E, S);
   if (tiles > 0 && E > 0)
     count_kernel<<<static_cast<unsigned>(tiles), tile_threads(E), 0, stream>>>(p.routing_map, T, E, ws.tile_rank);
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;  // blame each launch on its own
   if (S > 0)
     slots_kernel<<<static_cast<unsigned>((S + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
         p.home_to_spare, p.tokens_to_spare, T, E, S, ws.slot_home, ws.slot_want, p.error_flag);
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   if (E > 0)
     experts_kernel<<<static_cast<unsigned>((E + kWarpsPerBlockB2 - 1) / kWarpsPerBlockB2), 32 * kWarpsPerBlockB2, 0,
                      stream>>>(T, E, S, ws, p.error_flag);
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   if (tiles > 0) {
     switch (p.prob_bytes) {
       case 2: launch_apply<uint16_t>(p, ws, tiles, stream); break;

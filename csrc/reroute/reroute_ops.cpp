@@ -93,7 +93,7 @@ echo_plan::PlanArgs plan_args(const at::Tensor& c, int64_t k, int64_t mode, at::
   TORCH_CHECK(mode >= 0 && mode <= 2, kPlan, ": mode must be 0 (auto), 1 (greedy) or 2 (best_fit), got ", mode);
   const int64_t R = c.size(0), E = c.size(1);
   h = at::empty({E, R * k}, c.options());
-  alloc = at::empty({R, R * k}, c.options());
+  alloc = at::zeros({R, R * k}, c.options());  // stays zero when there is nothing to plan (E == 0)
   ws = at::empty({echo_plan::plan_workspace_elems(R, E, k)}, c.options());
   echo_plan::PlanArgs a;
   a.counts = c.data_ptr<int64_t>();
@@ -139,8 +139,9 @@ at::Tensor echo_best_fit_cuda(const at::Tensor& counts, int64_t k) {
   c10::cuda::CUDAGuard guard(counts.device());
   at::Tensor c = check_counts(counts, k);
   const int64_t R = c.size(0), E = c.size(1);
-  TORCH_CHECK(echo_plan::best_fit_shared_bytes(R, E) <= 48 * 1024, kBestFit, ": counts shape ", shape_str(counts),
-              " is too large for the one-block CUDA kernel (3*R + E must be <= 6144)");
+  TORCH_CHECK(echo_plan::best_fit_shared_bytes(R, E) <= echo_plan::kBestFitMaxDynamicSmem, kBestFit,
+              ": counts shape ", shape_str(counts), " is too large for the one-block CUDA kernel (3*R + E must be <= ",
+              echo_plan::kBestFitMaxDynamicSmem / 8, ")");
   at::Tensor h = at::zeros({E, R * k}, c.options());
   auto stream = at::cuda::getCurrentCUDAStream(counts.device().index()).stream();
   C10_CUDA_CHECK(echo_plan::best_fit_cuda_launch(c.data_ptr<int64_t>(), R, E, k, h.data_ptr<int64_t>(), stream));

@@ -189,6 +189,10 @@ def greedy_assignment(counts: torch.Tensor, num_spare_experts_per_ep_rank: int =
     return assign_spillover(spill, cap, num_spare_experts_per_ep_rank)
 
 
+# 3R + E limit of the one-block CUDA best-fit kernel (kBestFitMaxDynamicSmem / 8 in csrc/reroute/echo_plan.h).
+_BEST_FIT_CUDA_MAX = 6016
+
+
 def _native_best_fit(counts: torch.Tensor):
     """The native ``echo_best_fit`` op when the extension has it for ``counts``' device (and the shape fits)."""
     try:
@@ -196,7 +200,7 @@ def _native_best_fit(counts: torch.Tensor):
     except (ImportError, RuntimeError, AttributeError):  # no (or a stale) extension: the torch loop runs
         return None
     R, E = counts.shape
-    if counts.device.type == "cuda" and 3 * R + E > 6144:
+    if counts.device.type == "cuda" and 3 * R + E > _BEST_FIT_CUDA_MAX:
         return None
     return echo_best_fit if best_fit_available(counts.device.type) else None
 

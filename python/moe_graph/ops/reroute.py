@@ -50,7 +50,7 @@ def best_fit_available(device_type: str = "cpu") -> bool:
 def echo_best_fit(counts: torch.Tensor, num_spare_experts_per_ep_rank: int = 1) -> torch.Tensor:
     """Native best-fit placement: ``counts [R, E]`` int32/int64 -> ``home_to_spare [E, R*k]`` int64, identical to
     the pure-torch ``moe_graph.planner.best_fit_assignment`` loop (one kernel instead of ``R*k`` rounds of tiny
-    ones). CUDA: one block, needs ``3*R + E <= 6144``."""
+    ones). CUDA: one block, needs ``3*R + E <= 6016``."""
     return torch.ops.moe_graph.echo_best_fit(counts, int(num_spare_experts_per_ep_rank))
 
 
