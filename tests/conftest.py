@@ -22,3 +22,17 @@ def gen():
     g = torch.Generator()
     g.manual_seed(int(torch.randint(0, 2**31 - 1, (1,)).item()))
     return g
+
+
+@pytest.fixture(autouse=True)
+def _clear_error_flags():
+    """Every test starts with clear device error flags (a test that sets one on purpose must not leak it)."""
+    try:
+        from moe_graph.ops.errors import read_error_flag
+    except ImportError:
+        yield
+        return
+    read_error_flag("cpu")
+    if cuda_ready():
+        read_error_flag("cuda")
+    yield

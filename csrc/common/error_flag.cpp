@@ -47,7 +47,13 @@ int32_t* error_flag_ptr(const at::Device& device) {
 }
 
 at::Tensor error_flag_tensor(const at::Device& device) {
-  int32_t* ptr = error_flag_ptr(device);
+  int32_t* ptr = error_flag_ptr(device);  // allocates the CUDA flag on first use
+#ifdef MOE_GRAPH_WITH_CUDA
+  if (device.is_cuda()) {  // the owning tensor: no pointer-attribute query per call (these run inside captures)
+    std::lock_guard<std::mutex> lock(g_mutex);
+    return cuda_flags()[device.has_index() ? device.index() : c10::cuda::current_device()];
+  }
+#endif
   return at::from_blob(ptr, {1}, at::TensorOptions().dtype(at::kInt).device(device));
 }
 

@@ -372,7 +372,7 @@ struct DeviceInfo {
 };
 
 // Multiprocessor count and compute capability, queried once per device (host attribute calls, no sync).
-const DeviceInfo& device_info(int device) {
+DeviceInfo device_info(int device) {  // by value: the cache may grow under another thread
   static std::mutex mu;
   static std::vector<DeviceInfo> cache;
   std::lock_guard<std::mutex> lock(mu);

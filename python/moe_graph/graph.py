@@ -320,16 +320,23 @@ class FullIterationGraph:
         for gen in self.generators:
             g.register_generator_state(gen)
         t0 = time.perf_counter()
+        prev_stream = torch.cuda.current_stream(self.device)
         try:
             with torch.cuda.graph(g, pool=self._get_pool(m.name), capture_error_mode=self.capture_error_mode):
                 out = m.fn(*args, **kwargs)
         except GraphCaptureError:
+            torch.cuda.set_stream(prev_stream)
             raise
         except Exception as e:
+            # torch.cuda.graph's __exit__ may leave the capture stream current when capture_end fails
+            torch.cuda.set_stream(prev_stream)
             msg = str(e)
             hint = _SYNC_HINT if any(s in msg.lower() for s in ("captur", "synchroniz", "not permitted")) else (
                 "an operation in the step function is not capturable")
-            raise GraphCaptureError(f"FullIterationGraph({m.name}): capture failed: {hint}. Original error: {msg}") from e
+            raise GraphCaptureError(
+                f"FullIterationGraph({m.name}): capture failed: {hint}. Original error: {msg}. (With torch < 2.12 a "
+                "failed capture can leave the caching allocator in capture mode: later captures in this process "
+                "may fail; restart the process.)") from e
         m.capture_seconds = time.perf_counter() - t0
         m.graph = g
         m.static_out = out

@@ -50,11 +50,20 @@ def _(dy, m_splits):
 
 # ---------------------------------------------------------------------------------------------- utilities --
 def _as_splits(m_splits, device: torch.device) -> torch.Tensor:
-    """A device tensor is used as is (no copy, no sync); a list/tuple is copied to ``device``."""
+    """A device tensor is used as is (no copy, no sync). A list/tuple (TransformerEngine's API) is copied to
+    ``device`` from pinned memory without blocking the host; it cannot be captured in a CUDA graph (its values
+    would be frozen into the graph), so pass a device tensor there."""
     if isinstance(m_splits, torch.Tensor):
         return m_splits
     if isinstance(m_splits, (list, tuple)):
-        return torch.tensor([int(x) for x in m_splits], dtype=torch.int64, device=device)
+        host = torch.tensor([int(x) for x in m_splits], dtype=torch.int64)
+        if device.type != "cuda":
+            return host.to(device)
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "moe_graph: m_splits given as a Python list inside CUDA graph capture; its values would be frozen "
+                "into the graph. Pass the per-expert counts as a device tensor (e.g. from the router) instead.")
+        return host.pin_memory().to(device, non_blocking=True)
     raise TypeError(f"m_splits must be a tensor or a list of ints, got {type(m_splits).__name__}")
 
 
@@ -219,6 +228,6 @@ def gmm(a: torch.Tensor, b: torch.Tensor, batch_sizes, trans_b: bool = False) ->
     ``b`` is ``[E, K, N]`` (``trans_b=False``) or ``[E, N, K]`` (``trans_b=True``); ``batch_sizes`` is the number
     of rows per expert (a CPU tensor as in that package, a device tensor, or a list).
     """
-    if isinstance(batch_sizes, torch.Tensor) and batch_sizes.device != a.device:
-        batch_sizes = batch_sizes.to(a.device, non_blocking=True)
+    if isinstance(batch_sizes, torch.Tensor) and batch_sizes.device.type == "cpu" and a.device.type != "cpu":
+        batch_sizes = batch_sizes.tolist()  # host values (no device sync): copied like a list below
     return grouped_gemm(a, b, batch_sizes, trans_b=trans_b)
