@@ -9,22 +9,29 @@ import time
 
 import torch
 
+from conftest import requires_cuda
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_demo_quick(tmp_path):
+def _run_demo(tmp_path, device):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.path.join(ROOT, "python") + os.pathsep + env.get("PYTHONPATH", "")
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "moe_graph.demo", "--quick", "--out", str(tmp_path)], env=env,
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    proc = subprocess.run([sys.executable, "-m", "moe_graph.demo", "--quick", "--device", device, "--out",
+                           str(tmp_path)], env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
     wall = time.perf_counter() - t0
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
     for text in ("loss", "tok/s", "before", "echo", "step time", "demo.png"):
         assert text in out, f"{text!r} missing from the demo output:\n{out[-2000:]}"
-    s = json.load(open(tmp_path / "demo_summary.json"))
-    assert s["world"] == (torch.cuda.device_count() if torch.cuda.is_available() else 2)
+    return json.load(open(tmp_path / "demo_summary.json")), wall
+
+
+def test_demo_quick(tmp_path):
+    # the CI configuration on every machine: 2 gloo processes on the CPU, fp32
+    s, wall = _run_demo(tmp_path, "cpu")
+    assert s["world"] == 2
     assert s["final_loss"] < s["first_loss"] - 1.0, (s["first_loss"], s["final_loss"])  # clearly learns
     losses = s["history"]["loss"]
     assert max(losses[-3:]) < min(losses[:3]) - 0.5  # not a lucky last batch
@@ -72,3 +79,11 @@ def test_demo_step_has_no_data_dependent_ops():
     with FakeTensorMode(allow_non_fake_inputs=True):
         out = step(batch())
         assert out.shape == ()
+
+
+@requires_cuda
+def test_demo_quick_cuda(tmp_path):
+    # one process per GPU (NCCL), bf16, the full-iteration CUDA graph: it runs and learns
+    s, _ = _run_demo(tmp_path, "cuda")
+    assert s["world"] == torch.cuda.device_count()
+    assert s["final_loss"] < s["first_loss"] - 0.5, (s["first_loss"], s["final_loss"])
