@@ -34,6 +34,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 
 from moe_graph import planner as P  # noqa: E402
+from moe_graph.testing.bench import environment  # noqa: E402
 
 
 def gumbel_topk_routing(num_rows, p_log, topk, gen, device):
@@ -236,7 +237,7 @@ def main(argv=None):
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"bench_echo_{device.type}.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:
-        json.dump({"args": vars(args), "torch": torch.__version__, "rows": rows, "target_case": summary}, f, indent=1)
+        json.dump({"args": vars(args), "env": environment(), "rows": rows, "target_case": summary}, f, indent=1)
     print(f"wrote {out}")
 
 

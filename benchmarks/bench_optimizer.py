@@ -38,6 +38,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from moe_graph.ddp import DistributedDataParallel  # noqa: E402
 from moe_graph.optimizer import DistributedOptimizer  # noqa: E402
+from moe_graph.testing.bench import environment  # noqa: E402
 
 SIZES = [1_000_000, 10_000_000, 100_000_000, 1_000_000_000]
 PRECISIONS = {  # name: (param dtype, grad_reduce_in_fp32)
@@ -168,7 +169,8 @@ def main(argv=None):
                                    f"bench_optimizer_{device.type}.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     meta = dict(device=str(device), torch=torch.__version__, python=platform.python_version(), iters=iters,
-                gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor())
+                gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
+                commit=environment()["commit"])
     with open(out, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
     print(f"# wrote {out}")

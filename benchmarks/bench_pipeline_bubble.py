@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "python"))
 
 from moe_graph import pipeline as P  # noqa: E402
 from moe_graph import parallel_state as ps  # noqa: E402
+from moe_graph.testing.bench import environment  # noqa: E402
 from moe_graph.testing.distributed import run_distributed  # noqa: E402
 
 SHAPE = (4, 16)  # activation passed between stages (tiny: the benchmark measures scheduling, not bandwidth)
@@ -141,7 +142,7 @@ def main(argv=None):
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     meta = dict(device="cpu", backend="gloo", torch=torch.__version__, python=platform.python_version(),
                 machine=platform.machine(), cpus=os.cpu_count(), repeats=args.repeats,
-                note="stage compute simulated with time.sleep; bubble = step/ideal - 1")
+                note="stage compute simulated with time.sleep; bubble = step/ideal - 1", commit=environment()["commit"])
     with open(args.out, "w") as f:
         json.dump(dict(meta=meta, results=rows), f, indent=2)
     print(f"wrote {args.out}")

@@ -42,7 +42,7 @@ fi
 if want bench; then
   echo "== benchmarks"
   python3 benchmarks/bench_grouped_gemm.py 2>&1 | tee "$OUT/bench_grouped_gemm.log"
-  for b in bench_echo bench_moe_layer; do python3 benchmarks/$b.py 2>&1 | tail -40 | tee "$OUT/$b.log"; done
+  for b in bench_echo bench_moe_layer bench_optimizer; do python3 benchmarks/$b.py 2>&1 | tail -40 | tee "$OUT/$b.log"; done
   echo "== demo"; python3 -m moe_graph.demo --quick 2>&1 | tail -20 | tee "$OUT/demo.log"
   cp benchmarks/results/*.json benchmarks/results/*.png "$OUT/" 2>/dev/null || true
 fi

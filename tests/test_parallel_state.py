@@ -221,6 +221,11 @@ def test_non_pp_last_order_needs_equal_dp():
     # same order with dp == edp is accepted
     d, e = ps.make_rank_generators(16, 2, 2, 1, 2, 1, order="tp-cp-ep-pp-dp")
     assert d.dp == e.dp == 4
+    # pp last in the user's order (omitted size-1 axes are appended after it internally): accepted with dp != edp
+    d, e = ps.make_rank_generators(8, 2, 2, 1, 1, 1, order="tp-dp-pp")
+    assert (d.dp, e.dp) == (2, 4)
+    assert d.get_ranks("pp") == e.get_ranks("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert d.get_ranks("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]] and d.get_ranks("dp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
 
 
 def test_initialize_errors_without_distributed():
@@ -365,7 +370,7 @@ def test_initialize_model_parallel_8_ranks():
         assert b["cp"] == [tp + dp * 4, tp + 2 + dp * 4]
         assert b["dp"] == [tp + cp * 2, tp + cp * 2 + 4]
         assert b["dp_cp"] == [tp, tp + 2, tp + 4, tp + 6]
-        assert b["ep"] == [0, 1, 2, 3] if r < 4 else [4, 5, 6, 7]
+        assert b["ep"] == ([0, 1, 2, 3] if r < 4 else [4, 5, 6, 7])
         assert b["edp"] == [r % 4, r % 4 + 4]
         assert b["pp"] == (1, True, True)
         assert b["dp_cp_count"] == 4.0

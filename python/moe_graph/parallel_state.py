@@ -289,7 +289,8 @@ def make_rank_generators(
     dp, edp = world_size // model_size, world_size // expert_size
     dense = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order=order, rank_offset=rank_offset)
     expert = RankGenerator(tp=etp, ep=ep, dp=edp, pp=pp, cp=1, order=order, rank_offset=rank_offset)
-    if not (dense.order.endswith("pp") or pp == 1 or dp == edp):
+    # the user's order (the generators append omitted size-1 axes after it, so dense.order may not end with pp)
+    if not (_parse_tokens(order, "order")[-1] == "pp" or pp == 1 or dp == edp):
         raise ValueError(
             f"order {order!r} does not put pp last; then attention and expert layers need the same "
             f"data-parallel size, but dp={dp} (tp={tp}, cp={cp}, pp={pp}) and edp={edp} "
