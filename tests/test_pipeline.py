@@ -313,21 +313,55 @@ def build_layers(num_layers, seed):
 
 
 def make_data(m, seed):
+    """``m`` microbatches ``(microbatch_id, x, target)``; the id lets the step functions observe the order."""
     g = torch.Generator().manual_seed(seed + 1000)
-    return [(torch.randn(B, H, generator=g), torch.randn(B, H, generator=g)) for _ in range(m)]
+    return [(i, torch.randn(B, H, generator=g), torch.randn(B, H, generator=g)) for i in range(m)]
 
 
-def forward_step_func(data_iterator, model):
-    x, y = next(data_iterator)
-    out = model(x)
-    return out, (lambda o: torch.nn.functional.mse_loss(o, y))
+class _ObserveBackward(torch.autograd.Function):
+    """Identity (a copy, so that the output owns its storage) whose backward appends ``step`` to ``log``.
+
+    Put on a chunk's output, it records the moment the real autograd backward reaches that chunk.
+    """
+
+    @staticmethod
+    def forward(ctx, x, log, step):
+        ctx.log, ctx.step = log, step
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.log.append(ctx.step)
+        return grad, None, None
+
+
+def make_forward_step(observed, produced=None):
+    """``forward_step_func`` that appends ``(True, mb, chunk)`` to ``observed`` when it runs and makes the
+    autograd backward of the chunk's output append ``(False, mb, chunk)``: the executed order as it happens."""
+
+    def forward_step_func(data_iterator, model):
+        chunk = getattr(model, "module", model)  # DistributedDataParallel wraps the chunk
+        mb, x, y = next(data_iterator)
+        observed.append((True, mb, chunk.chunk_id))
+        out = _ObserveBackward.apply(model(x), observed, (False, mb, chunk.chunk_id))
+        if produced is not None:
+            produced.append((chunk.chunk_id, out))
+        return out, (lambda o: torch.nn.functional.mse_loss(o, y))
+
+    return forward_step_func
+
+
+def printed_order(m, pp, pp_rank, vpp=None, group=None, forward_only=False):
+    """This rank's steps as ``python -m moe_graph.pipeline`` prints them (``format_schedule``)."""
+    line = P.format_schedule(m, pp, vpp, group, forward_only).splitlines()[pp_rank]
+    return line.split(": ", 1)[1].split()
 
 
 def reference(num_layers, m, seed):
     layers = build_layers(num_layers, seed)
     data = make_data(m, seed)
     losses = []
-    for x, y in data:
+    for _, x, y in data:
         h = x
         for layer in layers:
             h = torch.tanh(layer(h))
@@ -349,18 +383,14 @@ def run_config(pp, pp_rank, vpp, m, seed, *, group=None, batch_p2p=True, forward
     data = make_data(m, seed)
     sync_calls = []
     trace = []
+    observed = []
     cfg = P.PipelineConfig(tensor_shape=(B, H), batch_p2p_comm=batch_p2p, microbatch_group_size_per_vp_stage=group,
                            deallocate_pipeline_outputs=deallocate, trace=trace,
                            grad_sync_func=(lambda params: sync_calls.append(sorted(id(p) for p in params)))
                            if grad_sync else None)
     fn = P.get_forward_backward_func(pp, vpp)
     produced = []  # (chunk id, stage output) to check deallocation after send
-
-    def fstep(it, model):
-        out, loss_func = forward_step_func(it, model)
-        produced.append((model.chunk_id, out))
-        return out, loss_func
-
+    fstep = make_forward_step(observed, produced)
     kwargs = dict(forward_step_func=fstep, num_microbatches=m, forward_only=forward_only, config=cfg,
                   tensor_shape=(B, H), communicator=communicator)
     if vpp is None:
@@ -378,7 +408,8 @@ def run_config(pp, pp_rank, vpp, m, seed, *, group=None, batch_p2p=True, forward
         "losses": [float(l) for l in out],
         "grads": grads,
         "trace": [tuple(s) for s in trace],
-        "order": [tuple(s) for s in schedule_order(m, pp, pp_rank, vpp, group, forward_only)],
+        "observed": observed,
+        "printed": printed_order(m, pp, pp_rank, vpp, group, forward_only),
         "sync_log": log,
         "sync_calls": [chunk_param_ids.index(c) if c in chunk_param_ids else -1 for c in sync_calls],
         "num_layers": num_layers,
@@ -395,11 +426,13 @@ def test_no_pipelining_single_process():
             torch.testing.assert_close(torch.tensor(gw), ref_grads[i][0])
             torch.testing.assert_close(torch.tensor(gb), ref_grads[i][1])
         assert len(res["grads"]) == res["num_layers"]
-        assert res["trace"] == res["order"]
+        _check_observed_order(res, "pp1", 0)
         # gradient reduction only in the last microbatch's backward
         assert [e for _, e in res["sync_log"]] == [False] * (m - 1) + [True]
     res = run_config(1, 0, None, 3, seed=7, forward_only=True)
     assert res["grads"] == {} and len(res["losses"]) == 3 and res["sync_log"] == []
+    _check_observed_order(res, "pp1 forward_only", 0)
+    assert res["printed"] == ["F0.0", "F1.0", "F2.0"]
 
 
 def test_p2p_communicator_static_buffers():
@@ -491,6 +524,13 @@ def _pipeline_worker(rank, world_size):
     return results
 
 
+def _check_observed_order(res, cfg, r):
+    """What ran (steps observed in the forward step function and in the autograd backward) is the printed
+    schedule; the schedule's own ``trace`` agrees with it."""
+    assert [P.format_step(s) for s in res["observed"]] == res["printed"], (cfg, r)
+    assert res["trace"] == res["observed"], (cfg, r)
+
+
 def _check(res_by_stage, cfg, seed):
     """res_by_stage: results of one pipeline's ranks, in stage order."""
     vpp, m = cfg["vpp"], cfg["m"]
@@ -499,7 +539,7 @@ def _check(res_by_stage, cfg, seed):
     num_layers = res_by_stage[0]["num_layers"]
     ref_losses, ref_grads = reference(num_layers, m, seed)
     for r, res in enumerate(res_by_stage):
-        assert res["trace"] == res["order"], (cfg, r)
+        _check_observed_order(res, cfg, r)
         if r == pp - 1:
             assert res["losses"] == pytest.approx(ref_losses, rel=1e-5, abs=1e-6), (cfg, r)
         else:
@@ -559,6 +599,187 @@ def test_pipeline_gloo_pp2_pp4():
     for r in range(4):
         before, after = results[r]["buffers"]
         assert before == after and before > 0
+
+
+# ---------------------------------------------------------------- moe_graph.ddp.DistributedDataParallel chunks
+
+
+def _record_grad_reduce_launches(ddp, chunk_id, observed, launches, running):
+    """Wrap the ``start_grad_sync`` of each bucket group of ``ddp`` to log every real launch: which chunk and
+    group, how many backward steps of that chunk had started (observed in autograd), whether the launch came
+    from inside an autograd backward (the grad-ready hooks) and whether the schedule was still running."""
+    for gi, g in enumerate(ddp.all_bucket_groups):
+        def wrapped(g=g, gi=gi, orig=g.start_grad_sync):
+            if not g.grad_reduce_dispatched:
+                bwd = [mb for f, mb, c in observed if not f and c == chunk_id]
+                launches.append(dict(chunk=chunk_id, group=gi, backwards=len(bwd), last_mb=bwd[-1] if bwd else None,
+                                     in_backward=torch._C._current_graph_task_id() != -1, running=running[0]))
+            orig()
+
+        g.start_grad_sync = wrapped
+
+
+def run_ddp_config(pp, pp_rank, dp, dp_rank, vpp, m, seed, *, grad_sync=False, dist_opt=False, data_parallel_group=None,
+                   communicator=None):
+    """One pipelined step with every chunk wrapped in ``DistributedDataParallel`` (overlapped grad reduction).
+
+    Wired as Megatron does: ``no_sync_func = ddp.no_sync`` (and ``grad_sync_func = ddp.start_grad_sync`` when
+    ``grad_sync``), one per chunk; ``finish_grad_sync`` after the schedule. This rank takes microbatches
+    ``[dp_rank * m, (dp_rank + 1) * m)`` of the global batch ``make_data(dp * m, seed)``. Returns the reduced
+    ``main_grad`` of every layer with the mask of elements this rank holds reduced (all of them, or its
+    shard of each bucket under the distributed optimizer), and the launches of the bucket reductions.
+    """
+    from moe_graph.ddp import DistributedDataParallel
+
+    nc = vpp or 1
+    num_layers = 2 * pp * nc
+    layers = build_layers(num_layers, seed)
+    ids = P.chunk_layer_ids(num_layers, pp, pp_rank, vpp)
+    data = [(i, x, y) for i, (_, x, y) in enumerate(make_data(dp * m, seed)[dp_rank * m:(dp_rank + 1) * m])]
+    observed, launches, running = [], [], [False]
+    ddps = []
+    for c, chunk_ids in enumerate(ids):
+        ddp = DistributedDataParallel(Chunk([layers[i] for i in chunk_ids], c, []),
+                                      data_parallel_group=data_parallel_group, overlap_grad_reduce=True,
+                                      use_distributed_optimizer=dist_opt, bucket_size=40)  # a bucket per layer
+        ddp.zero_grad_buffer()
+        _record_grad_reduce_launches(ddp, c, observed, launches, running)
+        ddps.append(ddp)
+    pick = (lambda fns: fns) if vpp else (lambda fns: fns[0])
+    cfg = P.PipelineConfig(tensor_shape=(B, H), no_sync_func=pick([d.no_sync for d in ddps]),
+                           grad_sync_func=pick([d.start_grad_sync for d in ddps]) if grad_sync else None)
+    fn = P.get_forward_backward_func(pp, vpp)
+    kwargs = dict(forward_step_func=make_forward_step(observed), num_microbatches=m, config=cfg, communicator=communicator)
+    running[0] = True
+    out = fn(data_iterator=pick([iter(data) for _ in range(nc)]), model=pick(ddps), **kwargs)
+    running[0] = False
+    for d in ddps:
+        d.finish_grad_sync()
+    grads = {}
+    for chunk_ids, d in zip(ids, ddps):
+        for i, layer in zip(chunk_ids, d.module.layers):
+            grads[i] = []
+            for p in (layer.weight, layer.bias):
+                assert p.grad is None  # the hook moved it into main_grad
+                buf = next(b for b in d.buffers if p in b.param_index_map)
+                valid = torch.zeros(buf.numel, dtype=torch.bool)
+                for b in buf.buckets:
+                    if dist_opt:
+                        n = b.grad_data.numel() // dp
+                        valid[b.offset + dp_rank * n:b.offset + (dp_rank + 1) * n] = True
+                    else:
+                        valid[b.offset:b.offset + b.grad_data.numel()] = True
+                start, end, _ = buf.param_index_map[p]
+                grads[i].append((p.main_grad.tolist(), valid[start:end].view(p.shape).tolist()))
+    return {
+        "losses": [float(l) for l in out],
+        "grads": grads,
+        "num_layers": num_layers,
+        "observed": observed,
+        "printed": printed_order(m, pp, pp_rank, vpp),
+        "launches": launches,
+        "num_bucket_groups": [len(d.all_bucket_groups) for d in ddps],
+    }
+
+
+DDP_CONFIGS = [
+    dict(vpp=None, m=4), dict(vpp=None, m=4, grad_sync=True), dict(vpp=None, m=3, grad_sync=True, dist_opt=True),
+    dict(vpp=2, m=4), dict(vpp=2, m=4, grad_sync=True), dict(vpp=2, m=6, grad_sync=True, dist_opt=True),
+    dict(vpp=2, m=4, dist_opt=True),
+]
+
+
+def _ddp_pipeline_worker(rank, world_size):
+    from moe_graph import parallel_state as ps
+
+    ps.initialize_model_parallel(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
+    try:
+        pp_rank, dp_rank = ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank()
+        assert (pp_rank, dp_rank) == (rank // 2, rank % 2) and ps.get_data_parallel_world_size() == 2
+        return {i: run_ddp_config(2, pp_rank, 2, dp_rank, c["vpp"], c["m"], seed=300 + i,
+                                  grad_sync=c.get("grad_sync", False), dist_opt=c.get("dist_opt", False),
+                                  data_parallel_group=ps.get_data_parallel_group())
+                for i, c in enumerate(DDP_CONFIGS)}
+    finally:
+        ps.destroy_model_parallel()
+
+
+def _check_ddp(res_by_rank, cfg, seed, pp, dp):
+    """res_by_rank[pp_rank][dp_rank]: one run of ``run_ddp_config``."""
+    vpp, m = cfg["vpp"], cfg["m"]
+    nc = vpp or 1
+    num_layers = res_by_rank[0][0]["num_layers"]
+    ref_losses, ref_grads = reference(num_layers, dp * m, seed)  # the unsplit model on the whole global batch
+    for r in range(pp):
+        for d in range(dp):
+            res, where = res_by_rank[r][d], (cfg, r, d)
+            assert [P.format_step(s) for s in res["observed"]] == res["printed"], where
+            assert res["losses"] == (pytest.approx(ref_losses[d * m:(d + 1) * m], rel=1e-5, abs=1e-6)
+                                     if r == pp - 1 else []), where
+            assert sorted(res["grads"]) == sorted(i for ch in P.chunk_layer_ids(num_layers, pp, r, vpp) for i in ch)
+            for i, pair in res["grads"].items():
+                for (got, valid), want in zip(pair, ref_grads[i]):
+                    got, valid = torch.tensor(got), torch.tensor(valid)
+                    assert cfg.get("dist_opt") or valid.all(), where  # else: its shard (checked below)
+                    torch.testing.assert_close(got[valid], want[valid], rtol=1e-5, atol=1e-6, msg=f"{where} layer {i}")
+            # each bucket group of each chunk reduced exactly once, while the schedule ran, after the backward of
+            # that chunk's last microbatch had started (never during the earlier ones: no_sync held them back)
+            launches = res["launches"]
+            assert sorted((l["chunk"], l["group"]) for l in launches) == [
+                (c, g) for c in range(nc) for g in range(res["num_bucket_groups"][c])], where
+            assert all(n >= 2 for n in res["num_bucket_groups"])
+            for l in launches:
+                assert l["running"] and l["backwards"] == m and l["last_mb"] == m - 1, (where, l)
+                # launched by the grad-ready hooks inside the last backward, unless the schedule defers it to
+                # grad_sync_func (1F1B: every stage but the first; interleaved: all chunks)
+                hooks = not cfg.get("grad_sync") or (vpp is None and r == 0)
+                assert l["in_backward"] == hooks, (where, l)
+        if cfg.get("dist_opt"):  # together the dp ranks hold every reduced element
+            for i in res_by_rank[r][0]["grads"]:
+                for k in range(2):
+                    masks = [torch.tensor(res_by_rank[r][d]["grads"][i][k][1]) for d in range(dp)]
+                    assert torch.stack(masks).any(0).all() and not torch.stack(masks).all(0).any()
+
+
+def test_pipeline_gloo_ddp_chunks():
+    """pp 2 x dp 2 on 4 gloo ranks; every model chunk is a moe_graph DistributedDataParallel (overlapped)."""
+    from moe_graph.testing.distributed import run_distributed
+
+    results = run_distributed(_ddp_pipeline_worker, 4)
+    for i, cfg in enumerate(DDP_CONFIGS):
+        by_rank = [[results[2 * r + d][i] for d in range(2)] for r in range(2)]
+        _check_ddp(by_rank, cfg, seed=300 + i, pp=2, dp=2)
+
+
+def test_ddp_wrapper_as_single_stage_chunk():
+    """Single process (no process group): pass-through set_input_tensor, Megatron's grad-sync calling convention."""
+    from moe_graph.ddp import DistributedDataParallel
+
+    plain = DistributedDataParallel(torch.nn.Linear(2, 2))
+    plain.set_input_tensor(None)  # nothing to pass on: fine without the method
+    with pytest.raises(TypeError, match="Linear has no set_input_tensor"):
+        plain.set_input_tensor(torch.zeros(2))
+    with pytest.raises(TypeError, match="has no set_input_tensor"):
+        P.forward_step(lambda it, mdl: (mdl(torch.zeros(1, 2)), None), None, plain, 1, torch.zeros(2), [],
+                       P.PipelineConfig(), False)
+
+    m = 3
+    res = run_ddp_config(1, 0, 1, 0, None, m, seed=11, grad_sync=True)
+    chunk = DistributedDataParallel(Chunk(build_layers(2, 0), 0, []))
+    t = torch.ones(B, H)
+    chunk.set_input_tensor(t)
+    assert chunk.module.input_tensor is t
+    chunk.start_grad_sync(list(chunk.parameters()))  # grad_sync_func(params)
+    chunk.finish_grad_sync(list(chunk.parameters()))
+    ref_losses, ref_grads = reference(res["num_layers"], m, 11)
+    assert res["losses"] == pytest.approx(ref_losses, rel=1e-6, abs=1e-7)
+    for i, pair in res["grads"].items():
+        for (got, valid), want in zip(pair, ref_grads[i]):
+            assert torch.tensor(valid).all()
+            torch.testing.assert_close(torch.tensor(got), want)
+    assert [P.format_step(s) for s in res["observed"]] == res["printed"]
+    assert len(res["launches"]) == sum(res["num_bucket_groups"]) >= 2
+    assert all(l["in_backward"] and l["backwards"] == m and l["running"] for l in res["launches"])
 
 
 def test_docstring_examples():

@@ -23,6 +23,15 @@ Typical iteration::
     loss_fn(ddp(microbatches[-1])).backward()   # buckets launch their reductions when ready
     opt.step()                             # finish_grad_sync, Adam on the shard, all-gather params
 
+As a pipeline model chunk (:mod:`moe_graph.pipeline`), the wrapper forwards ``set_input_tensor`` to
+the module, and its methods plug into the schedule as in Megatron::
+
+    config = PipelineConfig(..., no_sync_func=ddp.no_sync, grad_sync_func=ddp.start_grad_sync)
+    forward_backward_func(..., model=ddp, config=config)
+    ddp.finish_grad_sync()
+
+(one entry per chunk in lists for the interleaved schedule).
+
 Gradients are scaled by ``1/dp`` (``dp`` = size of the dense data-parallel group, also for expert
 params, as in Megatron with ``average_in_collective=False``) before the sum-reduction.
 """
@@ -179,6 +188,23 @@ class DistributedDataParallel(torch.nn.Module):
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
+    def set_input_tensor(self, input_tensor) -> None:
+        """Pass the previous pipeline stage's activation to the wrapped model chunk (as Megatron's wrapper).
+
+        The pipeline schedules (:mod:`moe_graph.pipeline`) call ``model_chunk.set_input_tensor(t)``
+        before each forward step (with ``None`` on the first stage). A module without the method
+        accepts ``None`` (nothing to pass on) and raises ``TypeError`` for a real activation.
+        """
+        fn = getattr(self.module, "set_input_tensor", None)
+        if fn is None:
+            if input_tensor is None:
+                return
+            raise TypeError(
+                f"DistributedDataParallel: wrapped module {type(self.module).__name__} has no "
+                "set_input_tensor(tensor), so it cannot be a pipeline model chunk"
+            )
+        fn(input_tensor)
+
     @contextlib.contextmanager
     def no_sync(self):
         """Accumulate grads without launching reductions (all microbatches but the last)."""
@@ -200,13 +226,20 @@ class DistributedDataParallel(torch.nn.Module):
         for g in self.all_bucket_groups:
             g.reset()
 
-    def start_grad_sync(self) -> None:
-        """Launch the reductions of every bucket group that has not launched yet."""
+    def start_grad_sync(self, *unused) -> None:
+        """Launch the reductions of every bucket group that has not launched yet.
+
+        Positional arguments are ignored, so the method can be the pipeline schedules'
+        ``grad_sync_func``, which is called with the chunk's parameters (Megatron's signature).
+        """
         for g in self.all_bucket_groups:
             g.start_grad_sync()
 
-    def finish_grad_sync(self) -> None:
-        """Complete every reduction (launching the ones not yet started). Idempotent per iteration."""
+    def finish_grad_sync(self, *unused) -> None:
+        """Complete every reduction (launching the ones not yet started). Idempotent per iteration.
+
+        Positional arguments are ignored (same calling convention as :meth:`start_grad_sync`).
+        """
         for g in self.all_bucket_groups:
             g.finish_grad_sync()
 

@@ -29,6 +29,11 @@ previous stage's activation (``None`` on the first virtual stage). On the last v
 ``loss_func(output_tensor)`` returns ``loss``, ``(loss, reported)`` or ``(loss, num_tokens, reported)``;
 the loss is divided by ``num_microbatches`` (and ``num_tokens``) before backward, and ``reported``
 (default ``loss.detach()``) is appended to the list the schedule returns (empty on other stages).
+
+A chunk wrapped in :class:`moe_graph.ddp.DistributedDataParallel` works as is (the wrapper passes
+``set_input_tensor`` through); wire it as Megatron does: ``PipelineConfig(no_sync_func=ddp.no_sync,
+grad_sync_func=ddp.start_grad_sync)`` (lists, one per chunk, when interleaved), then
+``ddp.finish_grad_sync()`` after the schedule.
 """
 
 from __future__ import annotations
@@ -582,7 +587,7 @@ class PipelineConfig:
         no_sync_func: context-manager factory (or list, one per chunk) that disables gradient
             reduction; default: each chunk's ``no_sync`` if it has one.
         grad_sync_func: ``f(params)`` (or list per chunk) launching the gradient reduction of a
-            chunk; called once per chunk after its last backward.
+            chunk; called once per chunk after its last backward (e.g. ``ddp.start_grad_sync``).
         grad_scale_func: applied to the loss before backward (loss scaling).
         microbatch_group_size_per_vp_stage: interleaved group size (default ``pp``).
         trace: a list to which every executed step ``(is_forward, mb, chunk)`` is appended.
