@@ -207,7 +207,7 @@ def test_group_params_for_buffers_expert_and_dtypes():
     assert list(g2) == [BufferKey(torch.bfloat16, torch.bfloat16, False), BufferKey(torch.float32, torch.float32, False)]
 
 
-def test_expert_buffer_sized_for_expert_dp():
+def test_buffer_padding_uses_its_own_dp_size():
     # expert params padded for edp=2 (divisor 128) vs dense dp=8 would give the same here, so use dp=3
     # for the dense buffer: lcm(3,128)=384, and edp=2: 128. One 200-element param each.
     dense = ParamAndGradBuffer(_params(200), 3, use_distributed_optimizer=True)

@@ -253,6 +253,34 @@ def test_full_cuda_graph_wrapper_eager_matches_direct_schedule():
         w(forward_step_func=fs2, data_iterator=iter(data[:3]), model=m1, num_microbatches=3)
 
 
+def test_full_cuda_graph_wrapper_list_microbatches_and_per_chunk_iterators():
+    """A microbatch that is itself a list ([x, y]) is one item, not a list of per-chunk iterators."""
+    from moe_graph.graph import FullCudaGraphWrapper
+
+    data = [{"x": torch.randn(3, 4), "y": torch.randn(3)} for _ in range(3)]
+    m1, fs1, fb = _pipeline_setup("cpu")
+    direct = fb(forward_step_func=fs1, data_iterator=iter(data), model=m1, num_microbatches=3)
+
+    def as_list_step(it, model):
+        x, y = next(it)
+        return fs1(iter([{"x": x, "y": y}]), model)
+
+    m2, fs2, fb2 = _pipeline_setup("cpu")
+    m2.load_state_dict(m1.state_dict())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        w = FullCudaGraphWrapper(fb2, enabled=False)
+    pairs = [[d["x"], d["y"]] for d in data]
+    got = w(forward_step_func=as_list_step, data_iterator=iter(pairs), model=m2, num_microbatches=3, forward_only=True)
+    assert [float(a) for a in got] == [float(b) for b in direct]
+    # one iterator per model chunk (a list of iterators) is still read per chunk (another input structure:
+    # the graph must be reset)
+    w.reset()
+    got = w(forward_step_func=as_list_step, data_iterator=[iter(pairs)], model=m2, num_microbatches=3,
+            forward_only=True)
+    assert [float(a) for a in got] == [float(b) for b in direct]
+
+
 @requires_cuda
 def test_cuda_full_cuda_graph_wrapper_replays_schedule():
     from moe_graph.ddp import DistributedDataParallel

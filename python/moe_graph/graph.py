@@ -357,15 +357,13 @@ class FullCudaGraphWrapper:
     def __init__(self, forward_backward_func: Callable, cuda_graph_warmup_steps: int = 2, **graph_kwargs):
         self.forward_backward_func = forward_backward_func
         self._fixed: Dict[str, Any] = {}
-        self.graph = FullIterationGraph(lambda data, n: self._run(data, n, False),
-                                        eval_fn=lambda data, n: self._run(data, n, True),
+        self.graph = FullIterationGraph(lambda data, n, per_chunk: self._run(data, n, per_chunk, False),
+                                        eval_fn=lambda data, n, per_chunk: self._run(data, n, per_chunk, True),
                                         warmup_steps=cuda_graph_warmup_steps, **graph_kwargs)
 
-    def _run(self, data, num_microbatches, forward_only):
-        if data and isinstance(data[0], list) or (data and data[0] is None):
-            it = [None if d is None else iter(d) for d in data]
-        else:
-            it = iter(data)
+    def _run(self, data, num_microbatches, per_chunk, forward_only):
+        # per_chunk: data_iterator was a list (one iterator per model chunk); a microbatch may itself be a list
+        it = [None if d is None else iter(d) for d in data] if per_chunk else iter(data)
         return self.forward_backward_func(data_iterator=it, num_microbatches=num_microbatches,
                                           forward_only=forward_only, **self._fixed[forward_only])
 
@@ -381,7 +379,7 @@ class FullCudaGraphWrapper:
             )
         data = FullIterationGraph.data_read(data_iterator, num_microbatches)
         step = self.graph.eval_step if forward_only else self.graph.train_step
-        return step(data, num_microbatches)
+        return step(data, num_microbatches, isinstance(data_iterator, (list, tuple)))
 
     def reset(self) -> None:
         self._fixed.clear()

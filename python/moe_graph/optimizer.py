@@ -19,6 +19,21 @@ tensors, the found-inf check and the global grad norm are reductions whose resul
 the device, and a skipped update (inf/nan grads) is a multiplication by zero / ``masked_fill``,
 not a Python ``if``. Nothing calls ``.item()``, so :meth:`DistributedOptimizer.step` can be
 captured in a CUDA graph together with forward and backward.
+
+Checkpoints are sharded like the state: :meth:`DistributedOptimizer.state_dict` returns only this
+rank's pieces (per parameter name, the element range it owns and the fp32 slices), so every rank
+saves its own file; :meth:`DistributedOptimizer.load_state_dict` takes the list of all the files of
+one model-parallel rank and re-shards them for any data-parallel size::
+
+    torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, f"ckpt/mp{mp_rank}_dp{dp_rank}.pt")
+    ...                                            # later, at any data-parallel size
+    files = [torch.load(f) for f in sorted(glob.glob(f"ckpt/mp{mp_rank}_dp*.pt"))]
+    model.load_state_dict(files[0]["model"])   # with expert parallelism: a file of the same EP rank
+    opt.load_state_dict([f["optim"] for f in files])
+
+``mp_rank`` identifies the tensor/pipeline (and, for expert params, expert-parallel) position;
+the files of the ranks that differ only in their expert-parallel rank may share a set: expert
+pieces carry the saving rank's ``ep_rank`` and are only loaded by ranks with the same one.
 """
 
 from __future__ import annotations
@@ -29,9 +44,11 @@ from typing import Dict, Iterable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from .buffers import ParamAndGradBuffer, all_gather_tensor
+from .buffers import ParamAndGradBuffer
 
 __all__ = ["build_shard_ranges", "DistributedOptimizer", "DynamicLossScaler", "ConstantLossScaler"]
+
+_FORMAT = "moe_graph.distributed_optimizer.sharded.v1"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -190,9 +207,12 @@ class DistributedOptimizer:
             *different* experts: the expert part of the grad norm and the inf flag are summed over
             it as well (the dense part is complete after the data-parallel reduction). Tensor- and
             pipeline-parallel partitions are not combined here: the norm covers this rank's
-            dense parameters and its expert-parallel group's experts.
+            dense parameters and its expert-parallel group's experts. Its rank is also recorded
+            in checkpoints, so that expert params are reloaded from the right files.
 
     ``step()`` returns ``(update_successful, grad_norm)``, both 0-dim device tensors.
+    ``state_dict()`` is this rank's shard (save one file per rank); ``load_state_dict(shards)``
+    takes every saved shard of this model-parallel rank and re-shards for the current DP size.
     """
 
     def __init__(self, model, *, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
@@ -398,66 +418,167 @@ class DistributedOptimizer:
             p.addcdiv_(s.exp_avg, denom, value=-1.0)
 
     # ------------------------------------------------------------------
-    # checkpointing: per-param full fp32 tensors, independent of the DP size
+    # checkpointing: one file per rank, each holding only that rank's shard
     # ------------------------------------------------------------------
-    @torch.no_grad()
-    def _gather_bucket(self, s: _Shard, t: torch.Tensor) -> torch.Tensor:
-        dp = s.buffer.data_parallel_world_size
-        if dp == 1:
-            return t.clone()
-        full = torch.empty(s.size * dp, dtype=t.dtype, device=t.device)
-        all_gather_tensor(full, t.contiguous(), group=s.group)
-        return full
-
     def _name(self, p):
         name = self.param_to_name.get(p)
         if name is None:
             raise KeyError("DistributedOptimizer: parameter has no name (model.param_to_name)")
         return name
 
+    def _checkpoint_metadata(self) -> Dict:
+        expert_buffers = set(map(id, getattr(self.model, "expert_parallel_buffers", [])))
+        meta = {"dp_size": 1, "dp_rank": 0, "expert_dp_size": None, "expert_dp_rank": None,
+                "ep_size": 1, "ep_rank": 0, "params": {}}
+        for s in self.shards:
+            expert = id(s.buffer) in expert_buffers
+            prefix = "expert_dp" if expert else "dp"
+            meta[f"{prefix}_size"], meta[f"{prefix}_rank"] = s.buffer.data_parallel_world_size, s.rank
+            for p in s.bucket.params_list:
+                meta["params"][self._name(p)] = {"shape": tuple(p.shape), "dtype": str(p.dtype), "expert": expert}
+        g = self.expert_model_parallel_group
+        if g is not None and dist.get_world_size(g) > 1:
+            meta["ep_size"], meta["ep_rank"] = dist.get_world_size(g), dist.get_rank(g)
+        return meta
+
     @torch.no_grad()
     def state_dict(self) -> Dict:
-        """A DP-size-independent checkpoint (a collective: every rank must call it).
+        """This rank's shard of the optimizer state (no communication). Save one file per rank.
 
-        ``{"format", "step", "lr", "hyper", "loss_scaler", "params": {name: {"main_param",
-        "exp_avg", "exp_avg_sq"}}}`` with full fp32 tensors (param shapes) on CPU, gathered from
-        the shards of every rank. Save it from one rank; load it at any DP size.
+        ::
+
+            {"format": "moe_graph.distributed_optimizer.sharded.v1",
+             "step", "lr": 0-dim tensors, "hyper": {betas, eps, weight_decay, adamw, clip_grad},
+             "loss_scaler": its state_dict() or None,
+             "metadata": {"dp_size", "dp_rank", "expert_dp_size", "expert_dp_rank", "ep_size", "ep_rank",
+                          "params": {name: {"shape", "dtype", "expert"}}},   # every param of the model
+             "shard": {name: {"range": (start, end),    # in the flattened param, owned by this rank
+                              "exp_avg", "exp_avg_sq": fp32 CPU tensors of end - start elements,
+                              "main_param": the same, only for bf16/fp16 params}}}
+
+        Names are ``model.param_to_name`` (``named_parameters`` of the wrapped module). The
+        tensors hold about ``1/dp`` of the state: the parts of this rank's bucket shards that are
+        not padding. The fp32 params themselves are not included (they are the model's params:
+        save the model's ``state_dict()`` as well).
+
+        With expert / tensor / pipeline parallelism every model-parallel rank saves its own set of
+        files (expert params share names across expert-parallel ranks but differ; ``ep_rank``
+        tells them apart). :meth:`load_state_dict` takes all the files of one set.
         """
-        params: Dict[str, Dict[str, torch.Tensor]] = {}
+        shard: Dict[str, Dict] = {}
         for s in self.shards:
-            fulls = {k: self._gather_bucket(s, getattr(s, k)).cpu() for k in ("main_param", "exp_avg", "exp_avg_sq")}
-            for p in s.bucket.params_list:
-                b0, b1 = s.bucket.param_to_index[p]
-                params[self._name(p)] = {k: v[b0:b1].view(p.shape).clone() for k, v in fulls.items()}
+            sixteen_bit = s.main_param is not s.model_param
+            for p, r in s.ranges.items():
+                l0, l1 = r["gbuf_local"]
+                entry = {"range": tuple(r["param"])}
+                for k in (("main_param", "exp_avg", "exp_avg_sq") if sixteen_bit else ("exp_avg", "exp_avg_sq")):
+                    # clone: a saved view would carry the whole bucket storage into the file
+                    entry[k] = getattr(s, k)[l0:l1].detach().to("cpu", copy=True)
+                shard[self._name(p)] = entry
         return {
-            "format": "moe_graph.distributed_optimizer.v1",
+            "format": _FORMAT,
             "step": self.step_count.detach().cpu().clone(),
             "lr": self.lr.detach().cpu().clone(),
             "hyper": {"betas": (self.beta1, self.beta2), "eps": self.eps, "weight_decay": self.weight_decay,
                       "adamw": self.adamw, "clip_grad": self.clip_grad},
             "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
-            "params": params,
+            "metadata": self._checkpoint_metadata(),
+            "shard": shard,
         }
 
-    @torch.no_grad()
-    def load_state_dict(self, state: Dict) -> None:
-        """Load a :meth:`state_dict` saved at any DP size; re-shard, then refresh the model params."""
-        if state.get("format") != "moe_graph.distributed_optimizer.v1":
-            raise ValueError(f"load_state_dict: unknown checkpoint format {state.get('format')!r}")
-        saved = state["params"]
+    def _plan_load(self, shards: List[Dict]) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+        """(destination, source) copies that fill this rank's shards; raises on any inconsistency."""
+        my_ep = self._checkpoint_metadata()
+        meta: Dict[str, Dict] = {}
+        pieces: Dict[str, List[Dict]] = {}
+        for sd in shards:
+            md = sd["metadata"]
+            for name, m in md["params"].items():
+                meta.setdefault(name, m)
+            for name, entry in sd["shard"].items():
+                if md["params"][name]["expert"]:
+                    if md["ep_size"] != my_ep["ep_size"]:
+                        raise ValueError(f"load_state_dict: the checkpoint was saved with expert-parallel size "
+                                         f"{md['ep_size']}, this run uses {my_ep['ep_size']} (not supported)")
+                    if md["ep_rank"] != my_ep["ep_rank"]:
+                        continue  # another expert-parallel rank's experts under the same name
+                pieces.setdefault(name, []).append(entry)
+        copies = []
         for s in self.shards:
+            sixteen_bit = s.main_param is not s.model_param
             for p, r in s.ranges.items():
                 name = self._name(p)
-                if name not in saved:
+                if name not in meta:
                     raise KeyError(f"load_state_dict: checkpoint has no entry for parameter {name!r}")
-                entry = saved[name]
-                if tuple(entry["main_param"].shape) != tuple(p.shape):
-                    raise ValueError(f"load_state_dict: {name!r} has shape {tuple(entry['main_param'].shape)} "
-                                     f"in the checkpoint, expected {tuple(p.shape)}")
-                l0, l1 = r["gbuf_local"]
+                m = meta[name]
+                if tuple(m["shape"]) != tuple(p.shape) or m["dtype"] != str(p.dtype):
+                    raise ValueError(f"load_state_dict: {name!r} is {m['dtype']} {tuple(m['shape'])} in the "
+                                     f"checkpoint, expected {p.dtype} {tuple(p.shape)}")
                 q0, q1 = r["param"]
-                for k in ("main_param", "exp_avg", "exp_avg_sq"):
-                    getattr(s, k)[l0:l1].copy_(entry[k].reshape(-1)[q0:q1])
+                l0 = r["gbuf_local"][0]
+                covered = []
+                for e in pieces.get(name, []):
+                    e0, e1 = e["range"]
+                    a, b = max(q0, e0), min(q1, e1)
+                    if a >= b:
+                        continue
+                    covered.append((a, b))
+                    for k in (("main_param", "exp_avg", "exp_avg_sq") if sixteen_bit else ("exp_avg", "exp_avg_sq")):
+                        if k not in e:
+                            raise ValueError(f"load_state_dict: the checkpoint has no {k} for {name!r}")
+                        copies.append((getattr(s, k)[l0 + a - q0:l0 + b - q0], e[k][a - e0:b - e0]))
+                at = q0
+                for a, b in sorted(covered):
+                    if a > at:
+                        break
+                    at = max(at, b)
+                if at < q1:
+                    gap_end = min([a for a, _ in covered if a > at] + [q1])
+                    raise ValueError(f"load_state_dict: no saved shard covers elements [{at}, {gap_end}) of "
+                                     f"parameter {name!r}: pass the files of every data-parallel rank of the "
+                                     "saved run")
+        return copies
+
+    @torch.no_grad()
+    def load_state_dict(self, state) -> None:
+        """Load the sharded state saved by :meth:`state_dict` at any data-parallel size.
+
+        ``state`` is the list of every saved shard of this model-parallel rank (``torch.load`` of
+        each data-parallel rank's file, in any order); a single dict is taken as a one-shard list
+        (a run saved at DP=1). Each rank copies, per parameter, the overlap of every saved range
+        with the range it owns now, and checks that its whole range is covered and that names,
+        shapes and dtypes match. Expert params are taken from the shards of the same expert-parallel
+        rank (the expert-parallel size must not change). A collective over the data-parallel
+        groups (every rank must call it): all ranks raise if one fails, then the 16-bit model
+        params are refreshed from the loaded fp32 main params and all-gathered. Load the model's
+        ``state_dict`` too (for fp32 params the checkpointed values are the model's).
+        """
+        shards = [state] if isinstance(state, dict) else list(state)
+        if not shards:
+            raise ValueError("load_state_dict: no shard given")
+        for sd in shards:
+            if not isinstance(sd, dict) or sd.get("format") != _FORMAT:
+                fmt = sd.get("format") if isinstance(sd, dict) else type(sd).__name__
+                raise ValueError(f"load_state_dict: unknown checkpoint format {fmt!r} (expected {_FORMAT!r})")
+        if any(not torch.equal(sd["step"], shards[0]["step"]) for sd in shards):
+            raise ValueError("load_state_dict: the shards were saved at different steps")
+        error = None
+        try:
+            copies = self._plan_load(shards)
+        except (KeyError, ValueError) as exc:
+            error = exc
+        # fail on every rank together, so that no rank waits in the param all-gather below
+        flag = torch.full((), 0.0 if error is None else 1.0, dtype=torch.float32, device=self.device)
+        for group, _, _ in self._stat_groups:
+            if group is not None:
+                dist.all_reduce(flag, group=group)
+        if error is not None:
+            raise error
+        if float(flag) > 0:
+            raise RuntimeError("load_state_dict: another rank of the data-parallel group could not load its shard")
+        for dst, src in copies:
+            dst.copy_(src)
+        state = shards[0]
         self.step_count.copy_(state["step"])
         self.lr.copy_(state["lr"])
         hyper = state.get("hyper", {})

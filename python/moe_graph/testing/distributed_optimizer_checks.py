@@ -9,7 +9,7 @@ and data definitions.
 from __future__ import annotations
 
 import io
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -220,45 +220,235 @@ def inf_and_scaler_worker(rank: int, ws: int) -> dict:
     return pack(res)
 
 
-def checkpoint_save_worker(rank: int, ws: int, path: str, dtype, steps_before: int) -> Dict[str, torch.Tensor]:
-    """Train ``steps_before`` steps, save model + optimizer state, train one more step; return params."""
+def shard_path(prefix: str, rank: int) -> str:
+    """The file of data-parallel rank ``rank`` of a sharded checkpoint."""
+    return f"{prefix}.rank{rank}.pt"
+
+
+def assemble_shards(shards: List[dict]) -> Dict[str, Dict[str, torch.Tensor]]:
+    """Full flattened per-parameter tensors from every shard of a sharded optimizer state (no EP);
+    asserts that the pieces tile each parameter exactly."""
+    out: Dict[str, Dict[str, torch.Tensor]] = {}
+    for name, m in shards[0]["metadata"]["params"].items():
+        numel = int(torch.Size(m["shape"]).numel())
+        pieces = sorted((sd["shard"][name] for sd in shards if name in sd["shard"]), key=lambda e: e["range"])
+        assert [e["range"][0] for e in pieces] == [0] + [e["range"][1] for e in pieces[:-1]], name
+        assert pieces[-1]["range"][1] == numel, name
+        out[name] = {k: torch.cat([e[k] for e in pieces]) for k in pieces[0] if k != "range"}
+    return out
+
+
+def _gather_shards(opt, group=None) -> List[dict]:
+    sds = [None] * dist.get_world_size(group)
+    dist.all_gather_object(sds, opt.state_dict(), group=group)
+    return sds
+
+
+def _main_params(opt, model, group=None) -> Dict[str, torch.Tensor]:
+    """Full fp32 main params (the model's own params where they are fp32) from the group's shards."""
+    full = assemble_shards(_gather_shards(opt, group))
+    return {n: full[n]["main_param"].view(p.shape) if "main_param" in full[n] else p.detach().float().clone()
+            for n, p in model.named_parameters()}
+
+
+def checkpoint_save_worker(rank: int, ws: int, prefix: str, dtype, steps_before: int) -> dict:
+    """Train ``steps_before`` steps, save model + this rank's optimizer shard to its own file, train
+    one more step; return the params, the full main params and the sizes of the saved shard."""
     model = make_model(dtype)
     ddp = DistributedDataParallel(model, use_distributed_optimizer=True, grad_reduce_in_fp32=True)
     opt = DistributedOptimizer(ddp, lr=1e-2, weight_decay=0.1)
     _train(ddp, opt, rank, ws, steps_before)
-    sd = opt.state_dict()
-    if rank == 0:
-        torch.save({"model": model.state_dict(), "optim": sd}, path)
+    torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, shard_path(prefix, rank))
     dist.barrier()
+    saved = torch.load(shard_path(prefix, rank), weights_only=True)["optim"]
+    fields = {}
+    for e in saved["shard"].values():
+        for k, t in e.items():
+            if k != "range":
+                fields[k] = fields.get(k, 0) + t.numel()
+                # each tensor owns its storage: no bucket-sized storage behind a saved slice
+                assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
     _train(ddp, opt, rank, ws, 1, first_step=steps_before)
-    return pack({"params": _params(model), "main": _main_params(opt, model)})
+    return pack({"params": _params(model), "main": _main_params(opt, model), "shard_numel": fields,
+                 "numel": sum(p.numel() for p in model.parameters()),
+                 "padding": sum(b.numel - sum(p.numel() for p in b.params) for b in ddp.all_buffers),
+                 "shard_bound": sum(b.numel // b.data_parallel_world_size for b in ddp.all_buffers),
+                 "metadata": {k: v for k, v in saved["metadata"].items() if k != "params"}})
 
 
-def checkpoint_load_worker(rank: int, ws: int, path: str, dtype, steps_before: int, dp_size: int = None) -> dict:
-    """Load the checkpoint at DP size ``dp_size`` (subgroups of consecutive ranks when smaller than
-    the world), check the state round trip, train the next step."""
-    dp_size = dp_size or ws
+def _dp_subgroup(rank: int, ws: int, dp_size: int):
+    """Consecutive-rank groups of ``dp_size`` (every rank creates every group); this rank's one."""
     groups = [dist.new_group(list(range(s, s + dp_size))) for s in range(0, ws, dp_size)]
-    group = groups[rank // dp_size]
+    return groups[rank // dp_size]
+
+
+def checkpoint_load_worker(rank: int, ws: int, prefix: str, dtype, steps_before: int, dp_size: int = None,
+                           saved_ws: int = None) -> dict:
+    """Load the ``saved_ws`` files of a sharded checkpoint at DP size ``dp_size`` (subgroups of
+    consecutive ranks when smaller than the world), check the state round trip, train the next step."""
+    dp_size, saved_ws = dp_size or ws, saved_ws or ws
+    group = _dp_subgroup(rank, ws, dp_size)
     dp_rank = rank % dp_size
     model = make_model(dtype, seed=123)  # different init: everything must come from the checkpoint
     ddp = DistributedDataParallel(model, use_distributed_optimizer=True, grad_reduce_in_fp32=True,
                                   data_parallel_group=group)
     opt = DistributedOptimizer(ddp, lr=5.0, weight_decay=0.0)  # hyper-parameters come from the checkpoint
-    ck = torch.load(path, weights_only=False)
-    model.load_state_dict(ck["model"])
-    opt.load_state_dict(ck["optim"])
-    again = opt.state_dict()
-    exact = all(torch.equal(again["params"][k][f], ck["optim"]["params"][k][f])
-                for k in ck["optim"]["params"] for f in ("main_param", "exp_avg", "exp_avg_sq"))
-    exact = exact and torch.equal(again["step"], ck["optim"]["step"])
+    files = [torch.load(shard_path(prefix, r), weights_only=True) for r in reversed(range(saved_ws))]
+    model.load_state_dict(files[0]["model"])
+    opt.load_state_dict([f["optim"] for f in files])
+    saved = assemble_shards([f["optim"] for f in files])
+    again = assemble_shards(_gather_shards(opt, group))
+    exact = set(saved) == set(again) and all(
+        set(saved[k]) == set(again[k]) and all(torch.equal(again[k][f], saved[k][f]) for f in saved[k])
+        for k in saved)
+    exact = exact and torch.equal(opt.step_count.cpu(), files[0]["optim"]["step"])
     _train(ddp, opt, dp_rank, dp_size, 1, first_step=steps_before)
-    return pack({"params": _params(model), "main": _main_params(opt, model), "roundtrip_exact": exact,
-                 "dp_size": ddp.data_parallel_world_size, "n_shards": len(opt.shards)})
+    return pack({"params": _params(model), "main": _main_params(opt, model, group), "roundtrip_exact": exact,
+                 "dp_size": ddp.data_parallel_world_size, "n_shards": len(opt.shards), "lr": float(opt.lr)})
 
 
-def _main_params(opt, model) -> Dict[str, torch.Tensor]:
-    return {k: v["main_param"] for k, v in opt.state_dict()["params"].items()}
+def checkpoint_missing_shard_worker(rank: int, ws: int, prefix: str, dtype, dp_size: int, saved_ws: int) -> str:
+    """Load all files but the last one at DP size ``dp_size``: every rank must raise (not hang)."""
+    group = _dp_subgroup(rank, ws, dp_size)
+    ddp = DistributedDataParallel(make_model(dtype), use_distributed_optimizer=True, grad_reduce_in_fp32=True,
+                                  data_parallel_group=group)
+    opt = DistributedOptimizer(ddp, lr=1e-2)
+    files = [torch.load(shard_path(prefix, r), weights_only=True)["optim"] for r in range(saved_ws - 1)]
+    try:
+        opt.load_state_dict(files)
+    except (KeyError, ValueError, RuntimeError) as exc:
+        return pack(f"{type(exc).__name__}: {exc}")
+    return pack("no error")
+
+
+# ----------------------------------------------------------------------------------------------
+# expert parallelism: expert DP size != dense DP size
+# ----------------------------------------------------------------------------------------------
+NUM_EXPERTS = 4
+
+
+class _GatherFromGroup(torch.autograd.Function):
+    """All-gather along dim 0 over ``group``; backward sums the gradient over the group (every rank
+    used the gathered tensor in its own loss) and keeps this rank's slice."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad.chunk(dist.get_world_size(ctx.group))[dist.get_rank(ctx.group)], None
+
+
+class TinyMoEModel(torch.nn.Module):
+    """Dense layers, a dense softmax gate and ``NUM_EXPERTS`` expert MLPs (``allreduce = False``),
+    every token weighted over every expert. With ``ep_group`` the rank keeps the experts of its
+    expert-parallel rank (contiguous blocks, as the library's MoE layer) and the tokens of the
+    expert-parallel group are gathered through them; without it, all experts run locally (reference)."""
+
+    def __init__(self, ep_group=None, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.fc1 = torch.nn.Linear(IN, HID)
+        self.gate = torch.nn.Linear(HID, NUM_EXPERTS)
+        experts = [torch.nn.Linear(HID, HID) for _ in range(NUM_EXPERTS)]
+        self.fc2 = torch.nn.Linear(HID, OUT)
+        self.ep_group = ep_group
+        ep = dist.get_world_size(ep_group) if ep_group is not None else 1
+        self.ep_rank = dist.get_rank(ep_group) if ep_group is not None else 0
+        self.local = NUM_EXPERTS // ep
+        self.experts = torch.nn.ModuleList(experts[self.ep_rank * self.local:(self.ep_rank + 1) * self.local])
+        for p in self.experts.parameters():
+            p.allreduce = False
+
+    def global_name(self, name: str) -> str:
+        if name.startswith("experts."):
+            _, i, rest = name.split(".", 2)
+            return f"experts.{self.ep_rank * self.local + int(i)}.{rest}"
+        return name
+
+    def forward(self, x):
+        h = torch.nn.functional.gelu(self.fc1(x))
+        probs = torch.softmax(self.gate(h), dim=-1)
+        tokens = h if self.ep_group is None else _GatherFromGroup.apply(h, self.ep_group)
+        ys = torch.stack([torch.tanh(e(tokens)) for e in self.experts])  # (local experts, tokens, HID)
+        if self.ep_group is not None:
+            ys = _GatherFromGroup.apply(ys, self.ep_group)  # (all experts, group tokens, HID)
+            n = h.shape[0]
+            ys = ys[:, self.ep_rank * n:(self.ep_rank + 1) * n]
+        return self.fc2(h + torch.einsum("te,eth->th", probs, ys))
+
+
+def moe_reference(steps: int, clip: float) -> Tuple[Dict[str, torch.Tensor], List[float]]:
+    """One process, all experts, whole global batch, ``torch.optim.AdamW`` + ``clip_grad_norm_``:
+    the parameters after ``steps`` steps and the global grad norm of every step."""
+    m = TinyMoEModel()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    norms = []
+    for it in range(steps):
+        x, y = batch(it)
+        opt.zero_grad()
+        loss_fn(m(x), y).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(m.parameters(), clip)))
+        opt.step()
+    return {k: v.detach().clone() for k, v in m.state_dict().items()}, norms
+
+
+def expert_dp_worker(rank: int, ws: int, prefix: str, ep: int, steps: int, clip: float) -> dict:
+    """Dense DP = ``ws``, EP = ``ep`` (groups of consecutive ranks), expert DP = ``ws // ep`` (ranks
+    ``ep`` apart), as ``etp-ep-edp-pp`` with etp = pp = 1 lays them out. Train ``steps`` steps
+    with grad clipping (saving the sharded checkpoint before the last one); then, in the same
+    processes, resume that last step at dense DP = ``ep`` (expert DP = 1) from the saved files."""
+    ep_groups = [dist.new_group(list(range(s, s + ep))) for s in range(0, ws, ep)]
+    edp_groups = [dist.new_group(list(range(r, ws, ep))) for r in range(ep)]
+    ep_group, edp_group = ep_groups[rank // ep], edp_groups[rank % ep]
+
+    def build(dp_group, expert_dp_group, seed):
+        model = TinyMoEModel(ep_group, seed=seed)
+        ddp = DistributedDataParallel(model, use_distributed_optimizer=True, grad_reduce_in_fp32=True,
+                                      data_parallel_group=dp_group, expert_data_parallel_group=expert_dp_group)
+        opt = DistributedOptimizer(ddp, lr=1e-2, weight_decay=0.1, clip_grad=clip, impl="tensor",
+                                   expert_model_parallel_group=ep_group)
+        return model, ddp, opt
+
+    def train(model, ddp, opt, dp_rank, dp, its):
+        norms = []
+        for it in its:
+            x, y = batch(it)
+            ddp.zero_grad_buffer()
+            loss_fn(ddp(_local(x, dp_rank, dp)), _local(y, dp_rank, dp)).backward()
+            ok, norm = opt.step()
+            assert bool(ok)
+            norms.append(float(norm))
+        return norms
+
+    def params(model):
+        return {model.global_name(k): v.detach().clone() for k, v in model.state_dict().items()}
+
+    model, ddp, opt = build(None, edp_group, seed=0)
+    out = {"dp": ddp.buffers[0].data_parallel_world_size,
+           "expert_dp": ddp.expert_parallel_buffers[0].data_parallel_world_size,
+           "expert_names": sorted(model.global_name(n) for n, p in model.named_parameters()
+                                  if p in set(model.experts.parameters()))}
+    norms = train(model, ddp, opt, rank, ws, range(steps - 1))
+    torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, shard_path(prefix, rank))
+    dist.barrier()
+    norms += train(model, ddp, opt, rank, ws, [steps - 1])
+    out.update(norms=norms, params=params(model))
+
+    # resume the last step at dense DP = ep: replicas = the expert-parallel groups, expert DP = 1
+    singles = [dist.new_group([r]) for r in range(ws)]
+    model, ddp, opt = build(ep_group, singles[rank], seed=123)
+    model.load_state_dict(torch.load(shard_path(prefix, rank), weights_only=True)["model"])  # same EP rank
+    opt.load_state_dict([torch.load(shard_path(prefix, r), weights_only=True)["optim"] for r in range(ws)])
+    out["resumed_norm"] = train(model, ddp, opt, rank % ep, ep, [steps - 1])[0]
+    out["resumed_params"] = params(model)
+    return pack(out)
 
 
 def allreduce_and_hooks_worker(rank: int, ws: int) -> dict:
@@ -283,9 +473,10 @@ def suite_worker(rank: int, ws: int, tasks: dict) -> bytes:
     """Run several checks in one spawn (each spawn costs seconds of imports).
 
     ``tasks`` keys: ``train`` (list of configs for :func:`train_worker`), ``memory`` (bool),
-    ``inf`` (bool), ``allreduce`` (bool), ``save`` (``(path, dtype, steps_before)``), ``load``
-    (``(path, dtype, steps_before, dp_size)``; runs after ``save``).
-    Returns a packed dict with the same keys.
+    ``inf`` (bool), ``allreduce`` (bool), ``save`` (list of ``(prefix, dtype, steps_before)``),
+    ``load`` (list of ``(prefix, dtype, steps_before, dp_size)``; runs after ``save``), ``missing``
+    (list of ``(prefix, dtype, dp_size)``: load without the last saved file).
+    Returns a packed dict with the same keys (lists in the same order).
     """
     out = {}
     if tasks.get("train"):
@@ -297,8 +488,10 @@ def suite_worker(rank: int, ws: int, tasks: dict) -> bytes:
     if tasks.get("allreduce"):
         out["allreduce"] = unpack(allreduce_and_hooks_worker(rank, ws))
     if tasks.get("save"):
-        out["save"] = unpack(checkpoint_save_worker(rank, ws, *tasks["save"]))
+        out["save"] = [unpack(checkpoint_save_worker(rank, ws, *t)) for t in tasks["save"]]
         dist.barrier()
     if tasks.get("load"):
-        out["load"] = unpack(checkpoint_load_worker(rank, ws, *tasks["load"]))
+        out["load"] = [unpack(checkpoint_load_worker(rank, ws, *t)) for t in tasks["load"]]
+    if tasks.get("missing"):
+        out["missing"] = [unpack(checkpoint_missing_shard_worker(rank, ws, *t, ws)) for t in tasks["missing"]]
     return pack(out)
