@@ -137,7 +137,7 @@ def argument_kernel_time(E=1024, reps=50):
     return kernel_us, call_ms
 
 
-def plot(rows, path):
+def plot(rows, path, device_name=None):
     try:
         import matplotlib
 
@@ -156,7 +156,9 @@ def plot(rows, path):
     ax.set_xticks([x + 1.5 * width for x in range(len(rows))])
     ax.set_xticklabels(labels, rotation=70, ha="right", fontsize=7)
     ax.set_ylabel("TFLOP/s")
-    ax.set_title(f"grouped GEMM, {torch.cuda.get_device_name()}")
+    if device_name is None:
+        device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    ax.set_title(f"grouped GEMM, {device_name}")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

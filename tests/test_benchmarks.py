@@ -63,6 +63,22 @@ def test_bench_moe_layer(tmp_path):
     assert d
 
 
+def test_bench_grouped_gemm_plot(tmp_path):
+    import importlib.util
+
+    pytest.importorskip("matplotlib")
+    spec = importlib.util.spec_from_file_location("bench_grouped_gemm", os.path.join(ROOT, "benchmarks",
+                                                                                     "bench_grouped_gemm.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rows = [dict(model=m, gemm=g, op="forward", skew="zipf",
+                 tflops={"moe_graph": 400.0, "torch._grouped_mm": 350.0, "cublas_loop": None, "dense_matmul": 600.0})
+            for m in ("Qwen3-30B-A3B", "Mixtral-8x7B") for g in ("fc1", "fc2")]
+    path = tmp_path / "gg.png"
+    mod.plot(rows, str(path), device_name="test")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_bench_grouped_gemm_without_gpu():
     import torch
 
