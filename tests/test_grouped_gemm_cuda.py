@@ -5,8 +5,8 @@ import torch
 
 from conftest import requires_cuda
 from moe_graph import GroupedLinear
-from moe_graph.ops import check_errors, grouped_gemm, grouped_gemm_wgrad, read_error_flag
-from moe_graph.testing.grouped_gemm_ref import random_splits, ref_grouped_gemm, ref_wgrad, rel_err
+from moe_graph.ops import check_errors, grouped_bias_grad, grouped_gemm, grouped_gemm_wgrad, read_error_flag
+from moe_graph.testing.grouped_gemm_ref import random_splits, ref_grouped_gemm, ref_wgrad, rel_err, spans
 
 pytestmark = requires_cuda
 DEV = "cuda"
@@ -25,6 +25,7 @@ def _tol(dtype):
         (8, 136, 264, 700, "zipf"),  # K, N multiples of 8 but not of any tile
         (1, 128, 128, 333, "random"),
         (16, 512, 256, 2048, "one"),
+        (4, 256, 512, 2048, "random"),  # rows/E >= 256 and N >= 256: the SM100 2-SM config (cooperative on SM90)
         (256, 128, 64, 4096, "random"),
         (1024, 64, 64, 4096, "zipf"),
     ],
@@ -182,3 +183,70 @@ def test_cuda_graph_capture_replay_with_changing_splits(gen, fuse):
             torch.testing.assert_close(a_, b_, rtol=1e-3, atol=1e-3)
         assert torch.all(got_y[sum(new):] == 0)
     check_errors()
+
+
+def test_list_m_splits_inside_capture_raises():
+    a = torch.randn(64, 64, device=DEV, dtype=torch.bfloat16)
+    w = torch.randn(2, 64, 64, device=DEV, dtype=torch.bfloat16)
+    y = grouped_gemm(a, w, [30, 34])  # eager: a list is fine (pinned copy, no host sync)
+    assert rel_err(y, ref_grouped_gemm(a.cpu(), w.cpu(), [30, 34])) < 1e-2
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="frozen into the graph"):
+        with torch.cuda.stream(s), torch.cuda.graph(graph, stream=s):
+            grouped_gemm(a, w, [30, 34])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_bias_grad_matches_reference(gen, dtype):
+    E, N, M = 12, 264, 1500
+    splits = random_splits(E, 1400, gen, zipf=1.2)
+    splits[3] = 0
+    dy = torch.randn(M, N, generator=gen).to(dtype)
+    db = grouped_bias_grad(dy.to(DEV), torch.tensor(splits, device=DEV))
+    ref = torch.zeros(E, N, dtype=torch.float64)
+    for e, (st, c) in enumerate(spans(splits, M)):
+        ref[e] = dy[st : st + c].double().sum(0)
+    assert db.dtype == torch.float32 and db.shape == (E, N)
+    torch.testing.assert_close(db.double().cpu(), ref, rtol=1e-4, atol=1e-3)
+    check_errors()
+
+
+@pytest.mark.parametrize("E,pattern,dtype", [(256, "random", torch.bfloat16), (1024, "zipf", torch.bfloat16),
+                                             (16, "one", torch.float16), (1, "random", torch.float16)])
+def test_wgrad_many_experts_and_skew(gen, E, pattern, dtype):
+    K, N, T = 64, 128, 4096
+    splits = [0] * E if pattern == "one" else random_splits(E, T, gen, zipf=1.2 if pattern == "zipf" else 0.0)
+    if pattern == "one":
+        splits[E - 1] = T
+    a = torch.randn(T + 24, K, generator=gen).to(dtype)
+    dy = torch.randn(T + 24, N, generator=gen).to(dtype)
+    init = torch.randn(E, N, K, generator=gen)
+    out = init.to(DEV, copy=True)
+    grouped_gemm_wgrad(a.to(DEV), dy.to(DEV), torch.tensor(splits, device=DEV), out=out, accumulate=True)
+    ref = ref_wgrad(a, dy, splits, out_init=init, accumulate=True)
+    assert rel_err(out, ref) < 2e-3
+    fresh = grouped_gemm_wgrad(a.to(DEV), dy.to(DEV), torch.tensor(splits, device=DEV))  # new tensor in a's dtype
+    assert fresh.dtype == dtype and rel_err(fresh, ref_wgrad(a, dy, splits)) < 1e-2
+    check_errors()
+
+
+def test_wgrad_and_bias_grad_overflow_stay_in_bounds(gen):
+    K, N, rows = 64, 64, 64
+    a_big = torch.full((2 * rows, K), float("nan"), device=DEV, dtype=torch.bfloat16)
+    dy_big = torch.full((2 * rows, N), float("nan"), device=DEV, dtype=torch.bfloat16)
+    a_big[:rows] = torch.randn(rows, K, generator=gen).bfloat16().to(DEV)
+    dy_big[:rows] = torch.randn(rows, N, generator=gen).bfloat16().to(DEV)
+    a, dy = a_big[:rows], dy_big[:rows]  # rows past `rows` are NaN: reading them would poison the result
+    splits = [40, 40]  # sum 80 > 64 rows: clamped to [40, 24]
+    out = grouped_gemm_wgrad(a, dy, torch.tensor(splits, device=DEV))
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref_wgrad(a.cpu(), dy.cpu(), splits)) < 1e-2
+    with pytest.raises(RuntimeError, match="exceeded the rows"):
+        check_errors()
+    db = grouped_bias_grad(dy, torch.tensor(splits, device=DEV))
+    assert torch.isfinite(db).all()
+    with pytest.raises(RuntimeError, match="exceeded the rows"):
+        check_errors()
