@@ -31,6 +31,22 @@ def test_flag_error_if_under_fake_tensors():
     assert read_error_flag("cpu") == 0
 
 
+def test_flag_error_if_survives_torch_compile():
+    # the flag is global state, not an output: the op is marked side-effectful so compile keeps it
+    def f(x):
+        flag_error_if(x > 5, CAPACITY_DROP)
+        return x * 2
+
+    g = torch.compile(f, backend="aot_eager", fullgraph=True)
+    g(torch.arange(3.0))
+    assert read_error_flag("cpu") == 0
+    g(torch.arange(10.0))
+    assert read_error_flag("cpu") == CAPACITY_DROP
+    x = torch.arange(10.0, requires_grad=True)  # with autograd (joint graph)
+    g(x).sum().backward()
+    assert read_error_flag("cpu") == CAPACITY_DROP and torch.equal(x.grad, torch.full((10,), 2.0))
+
+
 @requires_cuda
 def test_flag_error_if_cuda_is_sync_free_and_capturable():
     read_error_flag("cuda")

@@ -281,6 +281,58 @@ def test_opcheck(gen):
     torch.library.opcheck(ops.grouped_bias_grad.default, (dy, s))
 
 
+def _grad_inputs(gen, trans_b, as_list, with_bias, dtype=torch.float64):
+    E, K, N = 3, 6, 4
+    a = torch.randn(9, K, generator=gen, dtype=dtype).requires_grad_()
+    w = torch.randn(*((E, N, K) if trans_b else (E, K, N)), generator=gen, dtype=dtype)
+    ws = [x.clone().requires_grad_() for x in w.unbind(0)] if as_list else [w.requires_grad_()]
+    bias = torch.randn(E, N, generator=gen, dtype=dtype).requires_grad_() if with_bias else None
+    return a, ws, torch.tensor([3, 0, 4]), bias  # 2 capacity rows
+
+
+@pytest.mark.parametrize("trans_b", [True, False])
+@pytest.mark.parametrize("as_list", [False, True])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_opcheck_with_grad(gen, trans_b, as_list, with_bias):
+    # All default opcheck utils, test_autograd_registration and the aot_dispatch backward included.
+    a, ws, s, bias = _grad_inputs(gen, trans_b, as_list, with_bias)
+    torch.library.opcheck(ops.grouped_gemm.default, (a, ws, s, trans_b, bias))
+
+
+def test_opcheck_wgrad_and_bias_grad_with_grad(gen):
+    a = torch.randn(10, 16, generator=gen, requires_grad=True)
+    dy = torch.randn(10, 8, generator=gen, requires_grad=True)
+    s = torch.tensor([3, 0, 5])
+    torch.library.opcheck(ops.grouped_gemm_wgrad.default, (a, dy, s, None))
+    torch.library.opcheck(ops.grouped_gemm_wgrad.default, (a, dy, s, torch.float32))
+    torch.library.opcheck(ops.grouped_bias_grad.default, (dy, s))
+
+
+@pytest.mark.parametrize("trans_b", [True, False])
+@pytest.mark.parametrize("as_list", [False, True])
+def test_op_gradcheck_and_gradgradcheck(gen, trans_b, as_list):
+    # The op itself (not only the Python wrapper) differentiates, twice: its backward uses differentiable ops.
+    a, ws, s, bias = _grad_inputs(gen, trans_b, as_list, True)
+    fn = lambda a, bias, *ws: ops.grouped_gemm(a, list(ws), s, trans_b, bias)
+    assert torch.autograd.gradcheck(fn, (a, bias, *ws))
+    assert torch.autograd.gradgradcheck(fn, (a, bias, *ws))
+
+
+def test_wgrad_and_bias_grad_gradcheck(gen):
+    a = torch.randn(9, 5, generator=gen, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn(9, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    for s in (torch.tensor([3, 0, 4]), torch.tensor([-2, 6, 9])):  # capacity rows; negative count and overflow
+        assert torch.autograd.gradcheck(lambda a, dy: grouped_gemm_wgrad(a, dy, s), (a, dy))
+        assert torch.autograd.gradcheck(lambda dy: grouped_bias_grad(dy, s), (dy,))
+    read_error_flag("cpu")
+
+
+def test_wgrad_out_with_grad_raises(gen):
+    a = torch.randn(4, 8, requires_grad=True)
+    with pytest.raises(RuntimeError, match="out= does not support autograd"):
+        grouped_gemm_wgrad(a, torch.randn(4, 8), [2, 2], out=torch.zeros(2, 8, 8))
+
+
 def test_torch_compile_fullgraph(gen):
     a, w = _data(gen, 10, 16, 8, 3, torch.float32)
     s = torch.tensor([3, 2, 5])
@@ -290,6 +342,25 @@ def test_torch_compile_fullgraph(gen):
         return torch.relu(grouped_gemm(a, w, s)) * 2
 
     torch.testing.assert_close(f(a, w, s), torch.relu(grouped_gemm(a, w, s)) * 2)
+
+
+@pytest.mark.parametrize("trans_b", [True, False])
+@pytest.mark.parametrize("as_list", [False, True])
+def test_torch_compile_fullgraph_backward(gen, trans_b, as_list):
+    a, ws, s, bias = _grad_inputs(gen, trans_b, as_list, True, dtype=torch.float32)
+    g = torch.randn(a.shape[0], bias.shape[1], generator=gen)
+    leaves = [a, bias, *ws]
+
+    def f(a, ws, s, bias):
+        return torch.tanh(grouped_gemm(a, ws, s, trans_b=trans_b, bias=bias)) * 2
+
+    def grads(fn):
+        return torch.autograd.grad(fn(a, ws, s, bias), leaves, g)
+
+    torch._dynamo.reset()
+    compiled = grads(torch.compile(f, backend="aot_eager", fullgraph=True))
+    for got, ref in zip(compiled, grads(f)):
+        torch.testing.assert_close(got, ref)
 
 
 def test_top_level_reexports():

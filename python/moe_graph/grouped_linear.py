@@ -14,7 +14,7 @@ from typing import Callable, List, Optional, Union
 import torch
 from torch import nn
 
-from .ops.grouped_gemm import _GroupedGemmFn, _as_splits
+from .ops.grouped_gemm import _as_splits, _grouped_gemm_autograd
 
 __all__ = ["GroupedLinear"]
 
@@ -161,7 +161,7 @@ class GroupedLinear(nn.Module):
                         "(fp32 or the weight dtype), as Megatron's DDP allocates"
                     )
         bias = None if self.return_bias else self._stacked_bias()
-        out = _GroupedGemmFn.apply(x, splits, True, bias, fuse, *weights)
+        out = _grouped_gemm_autograd(x, weights, splits, True, bias, fuse)
         out = out.reshape(*lead, self.out_features)
         if self.return_bias:
             return out, self._biases()

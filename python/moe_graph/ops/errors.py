@@ -27,16 +27,31 @@ def _(device_like):
     return torch.empty(1, dtype=torch.int32, device=device_like.device)
 
 
+@torch.library.custom_op("moe_graph::flag_error_if", mutates_args=())
+def _flag_error_if(cond: torch.Tensor, bit: int) -> None:
+    flag = ops.error_flag(cond)
+    flag.bitwise_or_((cond != 0).any().to(torch.int32).mul(bit).view(1))
+
+
+@_flag_error_if.register_fake
+def _(cond, bit):
+    return None
+
+
+# The op writes global state (the flag) and returns nothing: without this, torch.compile drops it as dead code.
+if hasattr(torch.fx.node, "has_side_effect"):
+    torch.fx.node.has_side_effect(torch.ops.moe_graph.flag_error_if.default)
+
+
 def flag_error_if(cond: torch.Tensor, bit: int) -> None:
     """Sets ``bit`` in the error flag of ``cond.device`` if any element of ``cond`` is true/non-zero.
 
-    Sync-free and capturable (an in-place op on the flag); the first call on a CUDA device must happen outside
-    graph capture (it allocates the flag).
+    Sync-free and capturable (an in-place op on the flag), kept by ``torch.compile`` (an op marked
+    side-effectful); the first call on a CUDA device must happen outside graph capture (it allocates the flag).
     """
     if bit not in ERROR_BITS:
         raise ValueError(f"flag_error_if: bit must be one of {sorted(ERROR_BITS)}, got {bit}")
-    flag = ops.error_flag(cond)
-    flag.bitwise_or_((cond != 0).any().to(torch.int32).mul(bit).view(1))
+    _flag_error_if(cond, bit)
 
 
 def _default_device() -> torch.device:

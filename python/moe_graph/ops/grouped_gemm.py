@@ -98,50 +98,141 @@ def _dummy_wgrad(w: torch.Tensor) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------------ autograd --
-class _GroupedGemmFn(torch.autograd.Function):
-    """y = grouped(a @ W_e^T or a @ W_e) + bias_e; backward: dgrad and wgrad through the sync-free kernels.
+# Autograd is registered on the ops themselves (torch.library.register_autograd), so ``torch.ops.moe_graph.*``
+# differentiate under eager, torch.compile and opcheck alike. The backward math of grouped_gemm lives in one
+# place, ``_grouped_gemm_backward``; ``_GroupedGemmFn`` only adds the fused ``main_grad`` accumulation on top.
 
-    ``fuse_main_grad``: the weights' gradients are accumulated in place into ``w.main_grad`` (fp32 or the
-    weight dtype) inside the GEMM epilogue; ``w.grad_added_to_main_grad`` is set and a dummy zero grad returned.
+
+def _grouped_gemm_backward(dy, a, weights, m_splits, trans_b, bias_dtype, need_a, need_w, need_bias, main_grads=None):
+    """Gradients of ``y = grouped(a @ W_e^T or a @ W_e) + bias_e`` -> ``(da, [dW per weight], db)``.
+
+    ``need_w``: one bool per weight (entries for False are None). ``main_grads``: one tensor per weight to
+    accumulate the weight gradients into in place (fused path); then the returned weight grads are None."""
+    dy = dy.contiguous()
+    da = db = None
+    w_grads = [None] * len(weights)
+    if need_a:
+        da = ops.grouped_gemm(dy, weights, m_splits, not trans_b, None)
+    if any(need_w):
+        # trans_b: dW_e = dy_e^T a_e ([N, K]); else dW_e = a_e^T dy_e ([K, N]).
+        lhs, rhs = (a, dy) if trans_b else (dy, a)
+        if main_grads is not None:
+            ops.grouped_gemm_wgrad_out(lhs, rhs, m_splits, main_grads, True, None)
+        else:
+            dw = ops.grouped_gemm_wgrad(lhs, rhs, m_splits, None)
+            parts = [dw] if (len(weights) == 1 and weights[0].dim() == 3) else list(dw.unbind(0))
+            w_grads = [g if n else None for g, n in zip(parts, need_w)]
+    if need_bias:
+        db = ops.grouped_bias_grad(dy, m_splits).to(bias_dtype)
+    return da, w_grads, db
+
+
+def _grouped_gemm_setup_context(ctx, inputs, output):
+    a, b, m_splits, trans_b, bias = inputs
+    ctx.trans_b = trans_b
+    ctx.bias_dtype = bias.dtype if bias is not None else None
+    ctx.save_for_backward(a, m_splits, *b)
+
+
+def _grouped_gemm_autograd_backward(ctx, dy):
+    a, m_splits, *weights = ctx.saved_tensors
+    need_a, need_w, _, _, need_bias = ctx.needs_input_grad  # need_w: one bool per tensor of b
+    da, w_grads, db = _grouped_gemm_backward(
+        dy, a, weights, m_splits, ctx.trans_b, ctx.bias_dtype, need_a, list(need_w), need_bias and ctx.bias_dtype is not None
+    )
+    return da, w_grads, None, None, db
+
+
+torch.library.register_autograd(
+    "moe_graph::grouped_gemm", _grouped_gemm_autograd_backward, setup_context=_grouped_gemm_setup_context
+)
+
+
+def _wgrad_setup_context(ctx, inputs, output):
+    a, dy, m_splits, out_dtype = inputs
+    ctx.save_for_backward(a, dy, m_splits)
+
+
+def _wgrad_autograd_backward(ctx, g):
+    # dW_e = dy_e^T a_e with g = d(dW) [E, N, K]: da_e = dy_e g_e, ddy_e = a_e g_e^T (rows past the sum get 0).
+    a, dy, m_splits = ctx.saved_tensors
+    g = g.to(a.dtype).contiguous()
+    da = ops.grouped_gemm(dy, [g], m_splits, False, None) if ctx.needs_input_grad[0] else None
+    ddy = ops.grouped_gemm(a, [g], m_splits, True, None) if ctx.needs_input_grad[1] else None
+    return da, ddy, None, None
+
+
+torch.library.register_autograd(
+    "moe_graph::grouped_gemm_wgrad", _wgrad_autograd_backward, setup_context=_wgrad_setup_context
+)
+
+
+def _expert_rows_broadcast(g: torch.Tensor, m_splits: torch.Tensor, rows: int) -> torch.Tensor:
+    """Row r of the result is ``g[e]`` for the expert e owning row r (negative counts as 0, as the kernels do),
+    zero past ``sum(m_splits)``; sync-free (no host read of m_splits)."""
+    ends = torch.cumsum(m_splits.clamp(min=0).to(torch.int64), 0)
+    expert = torch.searchsorted(ends, torch.arange(rows, device=g.device), right=True)  # in [0, E]
+    return torch.cat([g, g.new_zeros((1, g.shape[1]))])[expert]
+
+
+def _bias_grad_setup_context(ctx, inputs, output):
+    dy, m_splits = inputs
+    ctx.rows = dy.shape[0]
+    ctx.dy_dtype = dy.dtype
+    ctx.save_for_backward(m_splits)
+
+
+def _bias_grad_autograd_backward(ctx, g):
+    (m_splits,) = ctx.saved_tensors
+    ddy = _expert_rows_broadcast(g, m_splits, ctx.rows).to(ctx.dy_dtype) if ctx.needs_input_grad[0] else None
+    return ddy, None
+
+
+torch.library.register_autograd(
+    "moe_graph::grouped_bias_grad", _bias_grad_autograd_backward, setup_context=_bias_grad_setup_context
+)
+
+
+class _GroupedGemmFn(torch.autograd.Function):
+    """grouped_gemm whose weight gradients are accumulated in place into ``w.main_grad`` (fp32 or the weight
+    dtype) inside the GEMM epilogue (TransformerEngine's ``fuse_wgrad_accumulation``): ``w.grad_added_to_main_grad``
+    is set and a dummy zero grad returned. The plain path is ``ops.grouped_gemm`` (autograd registered above);
+    both use ``_grouped_gemm_backward``.
     """
 
     @staticmethod
-    def forward(ctx, a, m_splits, trans_b, bias, fuse_main_grad, *weights):
+    def forward(ctx, a, m_splits, trans_b, bias, *weights):
         out = ops.grouped_gemm(a, list(weights), m_splits, trans_b, bias)
         ctx.trans_b = trans_b
-        ctx.fuse_main_grad = fuse_main_grad
-        ctx.has_bias = bias is not None
         ctx.bias_dtype = bias.dtype if bias is not None else None
-        ctx.num_weights = len(weights)
         ctx.save_for_backward(a, m_splits, *weights)
         return out
 
     @staticmethod
     def backward(ctx, dy):
         a, m_splits, *weights = ctx.saved_tensors
-        dy = dy.contiguous()
-        da = dw = db = None
-        if ctx.needs_input_grad[0]:
-            da = ops.grouped_gemm(dy, weights, m_splits, not ctx.trans_b, None)
+        need_w = list(ctx.needs_input_grad[4:])
+        if any(need_w):
+            need_w = [True] * len(weights)  # main_grad accumulation covers every weight of the group
+        main_grads = [w.main_grad for w in weights] if any(need_w) else None
+        da, _, db = _grouped_gemm_backward(
+            dy, a, weights, m_splits, ctx.trans_b, ctx.bias_dtype, ctx.needs_input_grad[0], need_w,
+            ctx.bias_dtype is not None and ctx.needs_input_grad[3], main_grads,
+        )
         w_grads = [None] * len(weights)
-        if any(ctx.needs_input_grad[5:]):
-            # trans_b: dW_e = dy_e^T a_e ([N, K]); else dW_e = a_e^T dy_e ([K, N]).
-            lhs, rhs = (a, dy) if ctx.trans_b else (dy, a)
-            if ctx.fuse_main_grad:
-                main_grads = [w.main_grad for w in weights]
-                ops.grouped_gemm_wgrad_out(lhs, rhs, m_splits, main_grads, True, None)
-                for w in weights:
-                    w.grad_added_to_main_grad = True
-                w_grads = [_dummy_wgrad(w) for w in weights]
-            else:
-                dw = ops.grouped_gemm_wgrad(lhs, rhs, m_splits, None)
-                if len(weights) == 1 and weights[0].dim() == 3:
-                    w_grads = [dw]
-                else:
-                    w_grads = list(dw.unbind(0))
-        if ctx.has_bias and ctx.needs_input_grad[3]:
-            db = ops.grouped_bias_grad(dy, m_splits).to(ctx.bias_dtype)
-        return (da, None, None, db, None, *w_grads)
+        if main_grads is not None:
+            for w in weights:
+                w.grad_added_to_main_grad = True
+            w_grads = [_dummy_wgrad(w) for w in weights]
+        return (da, None, None, db, *w_grads)
+
+
+def _grouped_gemm_autograd(a, weights, m_splits, trans_b, bias, fuse_main_grad: bool) -> torch.Tensor:
+    """``ops.grouped_gemm`` (differentiable through the op's registered autograd), or with
+    ``fuse_main_grad`` the weight gradients go into ``w.main_grad`` (``_GroupedGemmFn``)."""
+    if fuse_main_grad:
+        return _GroupedGemmFn.apply(a, m_splits, trans_b, bias, *weights)
+    return ops.grouped_gemm(a, list(weights), m_splits, trans_b, bias)
 
 
 # ------------------------------------------------------------------------------------------------ public ops --
@@ -178,12 +269,7 @@ def grouped_gemm(
             raise RuntimeError("grouped_gemm: out= does not support autograd; call without out= to get gradients")
         ops.grouped_gemm_out(a, weights, splits, trans_b, bias_t, out)
         return out
-    needs_grad = torch.is_grad_enabled() and (
-        a.requires_grad or any(w.requires_grad for w in weights) or (bias_t is not None and bias_t.requires_grad)
-    )
-    if not needs_grad:
-        return ops.grouped_gemm(a, weights, splits, trans_b, bias_t)
-    return _GroupedGemmFn.apply(a, splits, trans_b, bias_t, False, *weights)
+    return ops.grouped_gemm(a, weights, splits, trans_b, bias_t)  # differentiable: autograd is on the op
 
 
 def grouped_gemm_wgrad(
@@ -202,13 +288,16 @@ def grouped_gemm_wgrad(
         accumulate: bool, or a bool tensor ``[E]`` on the device: per expert, add into ``out`` (true) or
             overwrite it (false). Experts without tokens get zeros, or stay unchanged when accumulating.
 
-    Returns ``out`` (or a new ``[E, N, K]`` tensor in a's dtype).
+    Returns ``out`` (or a new ``[E, N, K]`` tensor in a's dtype). Without ``out=`` it is differentiable with
+    respect to ``a`` and ``dy`` (double backward of grouped_gemm).
     """
     splits = _as_splits(m_splits, a.device)
     if out is None:
         if isinstance(accumulate, torch.Tensor) or accumulate:
             raise ValueError("grouped_gemm_wgrad: accumulate needs out= (the tensor to accumulate into)")
         return ops.grouped_gemm_wgrad(a, dy, splits, None)
+    if torch.is_grad_enabled() and (a.requires_grad or dy.requires_grad):
+        raise RuntimeError("grouped_gemm_wgrad: out= does not support autograd; call without out= to get gradients")
     outs = _as_list(out, "out")
     if isinstance(accumulate, torch.Tensor):
         ops.grouped_gemm_wgrad_out(a, dy, splits, outs, False, accumulate)
