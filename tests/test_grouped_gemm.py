@@ -366,3 +366,9 @@ def test_torch_compile_fullgraph_backward(gen, trans_b, as_list):
 def test_top_level_reexports():
     assert moe_graph.grouped_gemm is grouped_gemm and moe_graph.gmm is gmm
     assert moe_graph.check_errors is check_errors
+
+
+def test_selfcheck_main_passes():
+    from moe_graph.selfcheck import main
+
+    assert main(["--seed", "1"]) == 0

@@ -13,9 +13,9 @@ import time
 
 import torch
 
-from .ops import check_errors, grouped_gemm, grouped_gemm_wgrad, read_error_flag
+from .ops import check_errors, grouped_bias_grad, grouped_gemm, grouped_gemm_wgrad, read_error_flag
 from .ops._lib import cuda_built
-from .testing.grouped_gemm_ref import random_splits, ref_grouped_gemm, ref_wgrad, rel_err
+from .testing.grouped_gemm_ref import random_splits, ref_grouped_gemm, ref_wgrad, rel_err, spans
 
 
 def _check(name, fn, results):
@@ -56,6 +56,18 @@ def _wgrad_case(device, g):
                        accumulate=torch.tensor(mask, device=device))
     err = rel_err(out, ref_wgrad(a, dy, splits, out_init=init, accumulate=mask))
     assert err < 5e-3, f"relative error {err:.2e}"
+    return f"rel err {err:.1e}"
+
+
+def _bias_grad_case(device, g):
+    E, N, M = 9, 40, 260
+    splits = random_splits(E, 240, g, zipf=1.2)
+    splits[1] = 0
+    dy = torch.randn(M, N, generator=g).bfloat16()
+    db = grouped_bias_grad(dy.to(device), torch.tensor(splits, device=device))
+    ref = torch.stack([dy[s : s + c].double().sum(0) for s, c in spans(splits, M)])
+    err = rel_err(db, ref)
+    assert err < 1e-5, f"relative error {err:.2e}"
     return f"rel err {err:.1e}"
 
 
@@ -105,15 +117,22 @@ def _graph_case(g):
     return "replay == eager on 3 new m_splits; no syncs"
 
 
-def main() -> int:
-    g = torch.Generator().manual_seed(int(time.time()))
+def main(argv=None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seed", type=int, default=None, help="random seed (default: from the clock; printed)")
+    seed = ap.parse_args(argv).seed
+    seed = int(time.time()) if seed is None else seed
+    g = torch.Generator().manual_seed(seed)
     results: list = []
-    print(f"moe_graph self-check (torch {torch.__version__})")
+    print(f"moe_graph self-check (torch {torch.__version__}, seed {seed}: rerun with --seed {seed})")
     print("CPU:")
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for trans_b in (True, False):
             _check(f"forward {str(dtype)[6:]} trans_b={trans_b}", lambda: _forward_case("cpu", dtype, 12, 40, 24, 200, 1.1, trans_b, g), results)
     _check("wgrad fp32 main_grad, per-expert mask", lambda: _wgrad_case("cpu", g), results)
+    _check("bias grad", lambda: _bias_grad_case("cpu", g), results)
     _check("overflow flag", lambda: _overflow_case("cpu"), results)
     if torch.cuda.is_available() and cuda_built():
         print(f"CUDA ({torch.cuda.get_device_name()}):")
@@ -122,6 +141,7 @@ def main() -> int:
                 _check(f"forward {str(dtype)[6:]} trans_b={trans_b} E=128", lambda: _forward_case("cuda", dtype, 128, 512, 256, 8192, 1.2, trans_b, g), results)
         _check("forward bf16 E=1024", lambda: _forward_case("cuda", torch.bfloat16, 1024, 128, 128, 16384, 0.0, True, g), results)
         _check("wgrad fp32 main_grad, per-expert mask", lambda: _wgrad_case("cuda", g), results)
+        _check("bias grad", lambda: _bias_grad_case("cuda", g), results)
         _check("overflow flag", lambda: _overflow_case("cuda"), results)
         _check("CUDA graph capture/replay + sync-free", lambda: _graph_case(g), results)
     elif torch.cuda.is_available():
