@@ -167,3 +167,60 @@ def test_argument_errors():
     with pytest.raises(ValueError, match="ep_rank"):
         EchoExpertDispatcher(8, 4, 4, 1)
     assert wgrad_accumulate_mask(3, 2).tolist() == [True, True, True, False, False]
+
+
+def test_echo_grouped_gemm_mask_and_spare_buffers():
+    """One process (R = 1, the rank hosts copies of its own expert 1 in two of its k = 3 slots; the third slot is
+    unused): one fused wgrad call accumulates the home experts into main_grad and overwrites the spare buffers,
+    then the aggregation adds the spare slots' gradients into expert 1's main_grad; over two microbatches
+    main_grad accumulates while the spare buffers hold only the last one."""
+    from moe_graph.echo import LocalBackend, echo_grouped_gemm, spare_grad_buffers
+
+    g = torch.Generator().manual_seed(0)
+    dt = torch.float64
+    L, k, N, K, M = 3, 3, 4, 5, 12
+    d = EchoExpertDispatcher(L, 1, 0, k, backend=LocalBackend())
+    omap = torch.zeros(L, k, dtype=torch.bool)
+    omap[1, 0] = omap[1, 1] = True
+    w = torch.randn(L, N, K, generator=g, dtype=dt).requires_grad_()
+    mg0 = torch.randn(L, N, K, generator=g, dtype=dt)
+    w.main_grad = mg0.clone()
+    mask = wgrad_accumulate_mask(L, k)
+    (spare_grad,) = spare_grad_buffers([w], k, dtype=dt)
+    spare_grad.fill_(7.0)  # stale values: must be overwritten, slot 2 (no tokens) with zeros
+    splits = torch.tensor([3, 0, 2, 4, 1, 0])  # expert 1 has no own tokens, only its copies in slots 0 and 1
+    owner = [0, 1, 2, 1, 1, None]  # home expert of each local expert (home 0..2, slots 3..5)
+    rows = torch.repeat_interleave(torch.arange(L + k), splits)  # 10 rows with an expert, then 2 padding rows
+    rows_all = torch.cat([rows, torch.full((M - rows.numel(),), -1)])
+
+    expect_main = mg0.clone()
+    for _ in range(2):  # two microbatches
+        a = torch.randn(M, K, generator=g, dtype=dt).requires_grad_()
+        dy = torch.randn(M, N, generator=g, dtype=dt)
+        (spare,) = d.dispatch(omap, [w])
+        assert torch.equal(spare[0], w[1].detach()) and torch.equal(spare[1], w[1].detach()) and not spare[2].any()
+        y = echo_grouped_gemm(a, w, spare, splits, d, omap, mask, spare_grad)
+        y.backward(dy)
+
+        # reference: every row through its expert's weight (spare rows through their home expert's)
+        wr = w.detach().clone().requires_grad_()
+        ar = a.detach().clone().requires_grad_()
+        yr = torch.zeros(M, N, dtype=dt)
+        for i, e in enumerate(rows.tolist()):
+            yr = yr.index_put((torch.tensor([i]),), (ar[i] @ wr[owner[e]].t())[None])
+        (yr * dy).sum().backward()
+        torch.testing.assert_close(y.detach(), yr.detach(), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(a.grad, ar.grad, rtol=1e-12, atol=1e-12)
+        expect_main += wr.grad
+        torch.testing.assert_close(w.main_grad, expect_main, rtol=1e-12, atol=1e-12)
+        # spare buffers: this microbatch's per-slot gradients only (overwritten), zeros for the empty slot
+        for j in range(k):
+            sel = rows_all == L + j
+            torch.testing.assert_close(spare_grad[j], dy[sel].t() @ a.detach()[sel], rtol=1e-12, atol=1e-12)
+        assert not spare_grad[2].any()
+        assert w.grad_added_to_main_grad and w.grad is not None and not w.grad.any()  # zero grad: DDP hook adds nothing
+    with pytest.raises(RuntimeError, match="main_grad"):
+        echo_grouped_gemm(a, torch.zeros(L, N, K, dtype=dt, requires_grad=True), spare, splits, d, omap, mask,
+                          spare_grad)
+    with pytest.raises(ValueError, match="spare_grad"):
+        echo_grouped_gemm(a, w, spare, splits, d, omap, mask, spare_grad.float())

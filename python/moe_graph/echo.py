@@ -26,6 +26,13 @@ Gradients: the spare slots' weight gradients live in their own buffers (the grou
 mask overwrites those while it accumulates the home experts into ``main_grad``, see :func:`wgrad_accumulate_mask`);
 :meth:`EchoExpertDispatcher.aggregate_grads` sends them home and adds them into the home experts' gradients
 (``main_grad`` when present). :func:`dispatch_spare_weights` wraps dispatch + aggregation as an autograd function.
+
+Fused path (weights with ``main_grad``, e.g. under :class:`moe_graph.ddp.DistributedDataParallel`):
+:func:`echo_grouped_gemm` runs one grouped GEMM over the ``L`` home + ``k`` spare experts; its backward computes
+dgrad, then ONE ``grouped_gemm_wgrad`` call with the per-expert mask (home experts accumulate into ``main_grad``,
+spare slots overwrite their own buffers), then :meth:`EchoExpertDispatcher.aggregate_grads` adds the spare slots'
+gradients into the home experts' ``main_grad``, sets ``grad_added_to_main_grad`` and returns a zero weight
+gradient (the DDP hook still fires, adds nothing).
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ __all__ = [
     "dispatch_spare_weights",
     "wgrad_accumulate_mask",
     "spare_grad_buffers",
+    "echo_grouped_gemm",
 ]
 
 
@@ -338,3 +346,94 @@ def dispatch_spare_weights(
     their gradients go home (collective) and are added to the home weights' gradients, or straight into
     ``main_grad`` for weights that have one (then autograd gets no gradient for that weight)."""
     return list(_DispatchSpare.apply(dispatcher, expert_offloading_map, *home_weights))
+
+
+class _EchoGroupedGemmFn(torch.autograd.Function):
+    """``y = grouped(a_e @ W_e^T)`` over ``L`` home experts (``home_weight [L, N, K]``, a parameter with
+    ``main_grad``) followed by ``k`` spare slots (``spare_weight [k, N, K]``, detached copies from
+    :meth:`EchoExpertDispatcher.dispatch`).
+
+    Backward: dgrad through all ``L + k`` experts; wgrad in one :func:`~moe_graph.ops.grouped_gemm.grouped_gemm_wgrad`
+    call into ``main_grad[0..L)`` (accumulate) and ``spare_grad[0..k)`` (overwrite) per ``accumulate_mask``;
+    the spare slots' gradients are then sent home and added into ``main_grad`` (a collective: every EP rank runs
+    it, in the same order). The weight's returned gradient is a cached zero tensor, with
+    ``grad_added_to_main_grad = True``, as the DDP hook expects.
+
+    ``accumulate_mask`` and ``spare_grad`` are static buffers shared across microbatches: kept as ctx attributes
+    (not saved tensors) so that rewriting ``spare_grad`` in one backward does not trip the version check of
+    another microbatch's saved tensors.
+    """
+
+    @staticmethod
+    def forward(ctx, a, m_splits, home_weight, spare_weight, expert_offloading_map, dispatcher, accumulate_mask,
+                spare_grad):
+        from .ops.grouped_gemm import grouped_gemm
+
+        weights = list(home_weight.unbind(0)) + list(spare_weight.unbind(0))
+        out = grouped_gemm(a, weights, m_splits)
+        ctx.dispatcher = dispatcher
+        ctx.accumulate_mask = accumulate_mask
+        ctx.spare_grad = spare_grad
+        ctx.save_for_backward(a, m_splits, home_weight, spare_weight, expert_offloading_map)
+        return out
+
+    @staticmethod
+    def backward(ctx, dy):
+        from .ops.grouped_gemm import _dummy_wgrad, grouped_gemm, grouped_gemm_wgrad
+
+        a, m_splits, home, spare, omap = ctx.saved_tensors
+        dy = dy.contiguous()
+        da = dw = None
+        if ctx.needs_input_grad[0]:
+            weights = list(home.unbind(0)) + list(spare.unbind(0))
+            da = grouped_gemm(dy, weights, m_splits, trans_b=False)
+        if ctx.needs_input_grad[2]:
+            main_grad = home.main_grad
+            outs = list(main_grad.unbind(0)) + list(ctx.spare_grad.unbind(0))
+            grouped_gemm_wgrad(a, dy, m_splits, out=outs, accumulate=ctx.accumulate_mask)
+            ctx.dispatcher.aggregate_grads(omap, [ctx.spare_grad], out=[main_grad])
+            home.grad_added_to_main_grad = True
+            dw = _dummy_wgrad(home)
+        return da, None, dw, None, None, None, None, None
+
+
+def echo_grouped_gemm(
+    a: torch.Tensor,
+    home_weight: torch.Tensor,
+    spare_weight: torch.Tensor,
+    m_splits: torch.Tensor,
+    dispatcher: EchoExpertDispatcher,
+    expert_offloading_map: torch.Tensor,
+    accumulate_mask: torch.Tensor,
+    spare_grad: torch.Tensor,
+) -> torch.Tensor:
+    """Grouped GEMM over home + spare experts with the weight gradient fused into ``home_weight.main_grad``.
+
+    Args:
+        a: ``[M, K]`` rows grouped by local expert (``L`` home, then ``k`` spare slots).
+        home_weight: ``[L, N, K]`` parameter with ``main_grad`` (same shape; fp32 or the weight dtype).
+        spare_weight: ``[k, N, K]`` copies from :meth:`EchoExpertDispatcher.dispatch` (no autograd).
+        m_splits: ``[L + k]`` device tensor.
+        accumulate_mask: ``[L + k]`` bool on the device, :func:`wgrad_accumulate_mask` (built once).
+        spare_grad: ``[k, N, K]`` buffer of ``main_grad``'s dtype (:func:`spare_grad_buffers`), overwritten in
+            every backward.
+
+    Returns ``[M, N]``. Backward is collective over the EP group (the spare gradients' exchange).
+    """
+    from .ops.grouped_gemm import _as_splits
+
+    L, k = home_weight.shape[0], spare_weight.shape[0]
+    m_splits = _as_splits(m_splits, a.device)
+    mg = getattr(home_weight, "main_grad", None)
+    if mg is None:
+        raise RuntimeError("echo_grouped_gemm: home_weight needs a .main_grad tensor (e.g. from DistributedDataParallel)")
+    if mg.shape != home_weight.shape:
+        raise ValueError(f"echo_grouped_gemm: main_grad must have shape {tuple(home_weight.shape)}, got {tuple(mg.shape)}")
+    if spare_grad.shape != spare_weight.shape or spare_grad.dtype != mg.dtype:
+        raise ValueError(
+            f"echo_grouped_gemm: spare_grad must be {tuple(spare_weight.shape)} of main_grad's dtype {mg.dtype}, "
+            f"got {tuple(spare_grad.shape)} {spare_grad.dtype}")
+    if accumulate_mask.shape != (L + k,) or accumulate_mask.dtype != torch.bool:
+        raise ValueError(f"echo_grouped_gemm: accumulate_mask must be a [{L + k}] bool tensor")
+    return _EchoGroupedGemmFn.apply(a, m_splits, home_weight, spare_weight.detach(), expert_offloading_map,
+                                    dispatcher, accumulate_mask, spare_grad)

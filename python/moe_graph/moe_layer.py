@@ -11,6 +11,14 @@ rank ``e // L``), ``k`` spare (echo) slots per rank. The rank's grouped GEMMs ru
 its home experts' weights, then copies of the home experts the plan put in its spare slots. Expert parameters are
 marked ``param.allreduce = False`` (Megatron's convention, used by :class:`moe_graph.ddp.DistributedDataParallel`).
 
+Weight gradients: when both expert weights carry ``main_grad`` (:class:`moe_graph.ddp.DistributedDataParallel`
+attaches views into its grad buffer), the expert GEMMs take a fused path: wgrad goes straight into ``main_grad``
+(``grad_added_to_main_grad = True``, zero gradients returned to autograd so the DDP hooks fire but add nothing).
+With echo, each GEMM's backward runs one ``grouped_gemm_wgrad`` with the per-expert accumulate mask (home experts
+accumulate into ``main_grad``, spare slots overwrite static spare-gradient buffers) and then sends the spare
+slots' gradients home and adds them into ``main_grad`` before the weight's DDP hook runs. Without ``main_grad``
+the gradients reach ``.grad`` through ordinary autograd.
+
 Statistics of the last forward (device tensors, read them off the hot path): ``last_aux_loss``,
 ``last_load_before`` / ``last_load_after`` (``[R]`` tokens each EP rank's experts receive without / with echo,
 identical on every rank), ``last_tokens_per_expert`` (``[E]`` global), and the dispatcher's drop counter.
@@ -235,6 +243,64 @@ class MoELayer(nn.Module):
                                 + h2s.sum(0).view(R, k).sum(1))
         return new_map, new_probs, omap
 
+    def _use_fused_wgrad(self) -> bool:
+        """Fused weight-gradient path: grad enabled, both expert weights need grad and have ``main_grad``
+        (as :class:`moe_graph.ddp.DistributedDataParallel` attaches)."""
+        if not torch.is_grad_enabled():
+            return False
+        ws = self.expert_weights()
+        return all(w.requires_grad and getattr(w, "main_grad", None) is not None for w in ws)
+
+    def _experts_autograd(self, expert_in, m_splits, omap):
+        """Plain autograd: per-expert weight list (home views + spare copies); the weight gradients come back
+        through autograd (spare slots' via :func:`moe_graph.echo.dispatch_spare_weights`)."""
+        from .ops.grouped_gemm import grouped_gemm
+
+        w1, w2 = self.expert_weights()
+        if self.echo is not None:
+            from .echo import dispatch_spare_weights
+
+            s1, s2 = dispatch_spare_weights(self.echo, omap, [w1, w2])
+            # one 2-D weight per local expert (home views + spare copies): no concatenated copy of all weights
+            w1 = list(w1.unbind(0)) + list(s1.to(w1.dtype).unbind(0))
+            w2 = list(w2.unbind(0)) + list(s2.to(w2.dtype).unbind(0))
+        mid = self._activation(grouped_gemm(expert_in, w1, m_splits))
+        return grouped_gemm(mid, w2, m_splits)
+
+    def _echo_wgrad_state(self, w1, w2):
+        """``(accumulate_mask [L+k], spare_grad_1 [k, ...], spare_grad_2 [k, ...])``: static device buffers,
+        built on the first fused forward (warm-up, before any capture) and reused; rebuilt only if the
+        ``main_grad`` dtype/device changes."""
+        from .echo import spare_grad_buffers, wgrad_accumulate_mask
+
+        key = (w1.main_grad.dtype, w2.main_grad.dtype, w1.main_grad.device)
+        st = getattr(self, "_fused_wgrad_state", None)
+        if st is None or st[0] != key:
+            mask = wgrad_accumulate_mask(self.L, self.k, device=w1.main_grad.device)
+            b1 = spare_grad_buffers([w1], self.k, dtype=w1.main_grad.dtype)[0]
+            b2 = spare_grad_buffers([w2], self.k, dtype=w2.main_grad.dtype)[0]
+            st = (key, mask, b1, b2)
+            self._fused_wgrad_state = st
+        return st[1:]
+
+    def _experts_fused(self, expert_in, m_splits, omap):
+        """Weights with ``main_grad``: wgrad fused into ``main_grad`` (``grad_added_to_main_grad`` set, zero
+        weight gradients returned). With echo, one ``grouped_gemm_wgrad`` per GEMM with the per-expert mask (home
+        experts accumulate into ``main_grad``, spare slots overwrite their own buffers), then the spare slots'
+        gradients are aggregated home into ``main_grad`` (:func:`moe_graph.echo.echo_grouped_gemm`)."""
+        w1, w2 = self.expert_weights()
+        if self.echo is None:
+            from .ops.grouped_gemm import _grouped_gemm_autograd  # GroupedLinear(fuse_wgrad_accumulation=True)'s path
+
+            mid = self._activation(_grouped_gemm_autograd(expert_in, [w1], m_splits, True, None, True))
+            return _grouped_gemm_autograd(mid, [w2], m_splits, True, None, True)
+        from .echo import echo_grouped_gemm
+
+        mask, b1, b2 = self._echo_wgrad_state(w1, w2)
+        s1, s2 = self.echo.dispatch(omap, [w1, w2])  # detached copies: their gradients never enter autograd
+        mid = self._activation(echo_grouped_gemm(expert_in, w1, s1, m_splits, self.echo, omap, mask, b1))
+        return echo_grouped_gemm(mid, w2, s2, m_splits, self.echo, omap, mask, b2)
+
     # ------------------------------------------------------------------------------------------ forward --
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.hidden_size:
@@ -256,19 +322,11 @@ class MoELayer(nn.Module):
         expert_in, m_splits, handle = self.dispatcher.dispatch(h, indices, top_probs, valid)
         self.last_m_splits = m_splits
 
-        w1, w2 = self.expert_weights()
-        if self.echo is not None:
-            from .echo import dispatch_spare_weights
-
-            s1, s2 = dispatch_spare_weights(self.echo, omap, [w1, w2])
-            # one 2-D weight per local expert (home views + spare copies): no concatenated copy of all weights
-            w1 = list(w1.unbind(0)) + list(s1.to(w1.dtype).unbind(0))
-            w2 = list(w2.unbind(0)) + list(s2.to(w2.dtype).unbind(0))
-        from .ops.grouped_gemm import grouped_gemm
-
         expert_in = expert_in.to(self.fc1.weight.dtype)
-        mid = self._activation(grouped_gemm(expert_in, w1, m_splits))
-        expert_out = grouped_gemm(mid, w2, m_splits)
+        if self._use_fused_wgrad():
+            expert_out = self._experts_fused(expert_in, m_splits, omap)
+        else:
+            expert_out = self._experts_autograd(expert_in, m_splits, omap)
         out = self.dispatcher.combine(expert_out, handle).to(x.dtype)
         if aux is not None:
             out = _AttachAux.apply(out, aux)

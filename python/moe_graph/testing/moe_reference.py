@@ -224,3 +224,99 @@ def moe_layer_checks_worker(rank: int, world: int, seed: int) -> Dict:
         "echo_cap": moe_layer_worker(rank, world, seed, 1, 2.0),
         "drops": moe_capacity_worker(rank, world, seed),
     }
+
+
+def _dense_expert_grads(x: torch.Tensor, target: torch.Tensor, gate: torch.Tensor, w1_all: torch.Tensor,
+                        w2_all: torch.Tensor, K: int, rank: int, L: int):
+    """This rank's home experts' gradients ``(g1 [L, ...], g2 [L, ...])`` of ``sum_r (y_r * target_r)`` over all
+    ranks' tokens (all-gathered), from the dense loop reference."""
+    xs, ts = _gather(x), _gather(target)
+    w1r = w1_all.clone().requires_grad_()
+    w2r = w2_all.clone().requires_grad_()
+    total = 0
+    for r in range(xs.shape[0]):
+        idx, p, _ = reference_route(xs[r], gate, K)
+        total = total + (dense_moe_reference(xs[r], idx, p, w1r, w2r, "swiglu") * ts[r]).sum()
+    total.backward()
+    sl = slice(rank * L, (rank + 1) * L)
+    return w1r.grad[sl].clone(), w2r.grad[sl].clone()
+
+
+def moe_layer_ddp_worker(rank: int, world: int, seed: int, ks=(0, 1, 2)) -> Dict:
+    """MoE layers wrapped in :class:`moe_graph.ddp.DistributedDataParallel` (EP = world, expert params reduced
+    over a one-rank expert-data-parallel group): the fused weight-gradient path writes the home experts' gradients
+    into ``main_grad`` and, with echo (``k`` spare slots), aggregates the spare slots' gradients home.
+
+    Two microbatches under skewed routing: the first inside ``no_sync()`` (``main_grad`` after it is checked),
+    the second with ``overlap_grad_reduce=True`` (bucket reductions launched from the grad hooks during backward),
+    then ``finish_grad_sync``. Returns, per ``k``, the max errors of ``main_grad`` against the same layer without
+    echo or DDP (plain ``.grad``) and against the dense reference, plus how many routes went to spare slots."""
+    import torch.distributed as dist
+
+    from moe_graph.ddp import DistributedDataParallel
+    from moe_graph.moe_layer import MoELayer
+
+    R, H, Fh, E, K, T = world, 8, 12, 4 * world, 2, 24
+    L = E // R
+    dt = torch.float64
+    singletons = [dist.new_group([r]) for r in range(R)]  # collective: every rank creates every group
+    gw = torch.Generator().manual_seed(seed)
+    w1_all = torch.randn(E, 2 * Fh, H, generator=gw, dtype=dt) / 3
+    w2_all = torch.randn(E, H, Fh, generator=gw, dtype=dt) / 3
+    gate = torch.randn(E, H, generator=gw, dtype=dt)
+    gate[0] += 3.0  # expert 0 (rank 0) is hot: spare slots get tokens
+    mbs = []
+    for m in range(2):
+        g = torch.Generator().manual_seed(seed * 1000 + rank * 10 + m)
+        mbs.append((torch.randn(T, H, generator=g, dtype=dt) + 0.5, torch.randn(T, H, generator=g, dtype=dt)))
+
+    def make(k):
+        layer = MoELayer(H, Fh, E, K, activation="swiglu", num_spare_experts_per_ep_rank=k, ep_size=R,
+                         capacity_factor=None, device="cpu", params_dtype=dt)
+        with torch.no_grad():
+            layer.fc1.weight.copy_(w1_all[rank * L:(rank + 1) * L])
+            layer.fc2.weight.copy_(w2_all[rank * L:(rank + 1) * L])
+            layer.router.weight.copy_(gate)
+        return layer
+
+    # (a) no echo, no DDP: plain autograd .grad per microbatch; (b) the dense reference per microbatch
+    plain = []
+    for x, t in mbs:
+        layer = make(0)
+        (layer(x) * t).sum().backward()
+        plain.append((layer.fc1.weight.grad.clone(), layer.fc2.weight.grad.clone(), layer.router.weight.grad.clone()))
+    dense = [_dense_expert_grads(x, t, gate, w1_all, w2_all, K, rank, L) for x, t in mbs]
+
+    def err(a, b):
+        return float((a - b).abs().max())
+
+    out: Dict = {}
+    for k in ks:
+        layer = make(k)
+        ddp = DistributedDataParallel(layer, expert_data_parallel_group=singletons[rank], overlap_grad_reduce=True)
+        ddp.zero_grad_buffer()
+        w1, w2 = layer.fc1.weight, layer.fc2.weight
+        res: Dict = {"moved": 0}
+        with ddp.no_sync():
+            (ddp(mbs[0][0]) * mbs[0][1]).sum().backward()
+        res["moved"] += int(layer.last_m_splits[L:].sum())
+        res["fused"] = bool(w1.grad_added_to_main_grad and w2.grad_added_to_main_grad)
+        res["grad_none"] = w1.grad is None and w2.grad is None
+        res["mb1_plain_err"] = max(err(w1.main_grad, plain[0][0]), err(w2.main_grad, plain[0][1]))
+        res["mb1_dense_err"] = max(err(w1.main_grad, dense[0][0]), err(w2.main_grad, dense[0][1]))
+        res["mb1_router_err"] = err(layer.router.weight.main_grad, plain[0][2])
+        spare1 = [b.clone() for b in getattr(layer, "_fused_wgrad_state", (None, None))[2:]] if k else []
+        (ddp(mbs[1][0]) * mbs[1][1]).sum().backward()  # last microbatch: reductions launch from the hooks
+        res["moved"] += int(layer.last_m_splits[L:].sum())
+        ddp.finish_grad_sync()
+        scale = 1.0 / R  # expert grads: pre-scaled by 1/dp, summed over the one-rank expert-DP group
+        res["mb2_plain_err"] = max(err(w1.main_grad, scale * (plain[0][0] + plain[1][0])),
+                                   err(w2.main_grad, scale * (plain[0][1] + plain[1][1])))
+        res["mb2_dense_err"] = max(err(w1.main_grad, scale * (dense[0][0] + dense[1][0])),
+                                   err(w2.main_grad, scale * (dense[0][1] + dense[1][1])))
+        if k:
+            spare2 = list(layer._fused_wgrad_state[2:])
+            # overwritten, not accumulated: the buffers hold the second microbatch's spare gradients only
+            res["spare_changed"] = any(not torch.equal(a, b) for a, b in zip(spare1, spare2))
+        out[k] = res
+    return out
