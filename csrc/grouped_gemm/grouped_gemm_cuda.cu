@@ -179,29 +179,49 @@ __global__ void __launch_bounds__(detail::kArgThreads)
                                [](int, int64_t, int64_t) {});
 }
 
-// db[e, c] += sum of dy[r, c] over a chunk of rows, flushing at expert boundaries (fp32 atomics).
+// Deterministic bias gradient in two passes, no atomics. Rows are cut into fixed chunks; the non-empty pieces
+// (chunk c) x (expert e) are ordered by row, and moving to the next piece increments c or e (or both), so c + e
+// is a unique slot id for each piece: pass 1 writes each piece's column sums to partial[c + e, :], pass 2 adds
+// the pieces of every expert in chunk order. Same result for the same input, whatever the scheduling.
+constexpr int64_t kBiasRowsPerChunk = 256;
+
 template <class T>
-__global__ void bias_grad_kernel(const T* dy, const int64_t* offsets, int num_experts, int64_t rows_per_chunk, int n,
-                                 float* db) {
-  const int c = blockIdx.x * blockDim.x + threadIdx.x;
-  if (c >= n) return;
+__global__ void bias_grad_partial_kernel(const T* dy, const int64_t* offsets, int num_experts, int64_t num_chunks,
+                                         int n, float* partial) {
+  const int col = blockIdx.x * blockDim.x + threadIdx.x;
+  if (col >= n) return;
   const int64_t total = offsets[num_experts];
-  const int64_t r0 = blockIdx.y * rows_per_chunk;
-  const int64_t r1 = min(total, r0 + rows_per_chunk);
-  if (r0 >= r1) return;
-  int e = expert_of_row(offsets, num_experts, r0);
-  int64_t next = offsets[e + 1];
-  float acc = 0.f;
-  for (int64_t r = r0; r < r1; ++r) {
-    while (r >= next) {  // crossed into the next non-empty expert
-      atomicAdd(db + static_cast<int64_t>(e) * n + c, acc);
-      acc = 0.f;
-      ++e;
-      next = offsets[e + 1];
+  for (int64_t c = blockIdx.y; c < num_chunks; c += gridDim.y) {
+    const int64_t r0 = c * kBiasRowsPerChunk;
+    const int64_t r1 = min(total, r0 + kBiasRowsPerChunk);
+    if (r0 >= r1) break;  // chunks past the clamped total are empty, and so are all later ones
+    int e = expert_of_row(offsets, num_experts, r0);
+    int64_t next = offsets[e + 1];
+    float acc = 0.f;
+    for (int64_t r = r0; r < r1; ++r) {
+      while (r >= next) {  // crossed into the next non-empty expert: the piece (c, e) is complete
+        partial[(c + e) * n + col] = acc;
+        acc = 0.f;
+        ++e;
+        next = offsets[e + 1];
+      }
+      acc += to_f32(dy[r * n + col]);
     }
-    acc += to_f32(dy[r * n + c]);
+    partial[(c + e) * n + col] = acc;
   }
-  atomicAdd(db + static_cast<int64_t>(e) * n + c, acc);
+}
+
+__global__ void bias_grad_reduce_kernel(const float* partial, const int64_t* offsets, int n, float* db) {
+  const int col = blockIdx.x * blockDim.x + threadIdx.x;
+  const int e = blockIdx.y;
+  if (col >= n) return;
+  const int64_t begin = offsets[e], end = offsets[e + 1];
+  float acc = 0.f;
+  if (end > begin) {
+    for (int64_t c = begin / kBiasRowsPerChunk; c <= (end - 1) / kBiasRowsPerChunk; ++c)
+      acc += partial[(c + e) * n + col];
+  }
+  db[static_cast<int64_t>(e) * n + col] = acc;
 }
 
 void check_family(int arch) {
@@ -297,17 +317,24 @@ void run_bias_grad(const BiasGradProblem& p, const LaunchEnv& env) {
   offsets_kernel<<<1, detail::kArgThreads, 0, env.stream>>>(p.splits.ptr, p.splits.is_int64, e, p.rows, offsets,
                                                             env.error_flag);
   check_launch("offsets_kernel");
-  check_cuda(cudaMemsetAsync(p.out, 0, sizeof(float) * e * p.n, env.stream), "bias grad memset");
-  if (p.rows == 0 || p.n == 0) return;
-  const int64_t chunk = 256;
-  dim3 grid(static_cast<unsigned>((p.n + 127) / 128), static_cast<unsigned>((p.rows + chunk - 1) / chunk));
-  if (p.dtype == DType::kBF16)
-    bias_grad_kernel<__nv_bfloat16><<<grid, 128, 0, env.stream>>>(static_cast<const __nv_bfloat16*>(p.dy), offsets, e,
-                                                                  chunk, static_cast<int>(p.n), p.out);
-  else
-    bias_grad_kernel<__half><<<grid, 128, 0, env.stream>>>(static_cast<const __half*>(p.dy), offsets, e, chunk,
-                                                           static_cast<int>(p.n), p.out);
-  check_launch("bias_grad_kernel");
+  if (p.n == 0 || e == 0) return;
+  const int64_t chunks = (p.rows + kBiasRowsPerChunk - 1) / kBiasRowsPerChunk;
+  // one slot per (chunk, expert) piece: ids c + e < chunks + E
+  auto* partial = static_cast<float*>(env.alloc(sizeof(float) * static_cast<size_t>((chunks + e) * p.n)));
+  const unsigned col_blocks = static_cast<unsigned>((p.n + 127) / 128);
+  if (chunks > 0) {
+    dim3 grid(col_blocks, static_cast<unsigned>(std::min<int64_t>(chunks, 65535)));
+    if (p.dtype == DType::kBF16)
+      bias_grad_partial_kernel<__nv_bfloat16><<<grid, 128, 0, env.stream>>>(
+          static_cast<const __nv_bfloat16*>(p.dy), offsets, e, chunks, static_cast<int>(p.n), partial);
+    else
+      bias_grad_partial_kernel<__half><<<grid, 128, 0, env.stream>>>(static_cast<const __half*>(p.dy), offsets, e,
+                                                                     chunks, static_cast<int>(p.n), partial);
+    check_launch("bias_grad_partial_kernel");
+  }
+  bias_grad_reduce_kernel<<<dim3(col_blocks, static_cast<unsigned>(e)), 128, 0, env.stream>>>(
+      partial, offsets, static_cast<int>(p.n), p.out);
+  check_launch("bias_grad_reduce_kernel");
 }
 
 }  // namespace gg

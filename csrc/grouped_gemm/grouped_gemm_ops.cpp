@@ -37,6 +37,9 @@ void check_splits(const at::Tensor& m_splits, const at::Tensor& a, int64_t num_e
     TORCH_CHECK(m_splits.size(0) == num_experts, op, ": m_splits must have one entry per expert (", num_experts,
                 "), got ", m_splits.size(0));
   check_contiguous(m_splits, op, "m_splits");
+  // the CUDA kernels put experts on grid.y
+  TORCH_CHECK(m_splits.size(0) <= 65535, op, ": at most 65535 experts per call, got m_splits of shape [",
+              m_splits.size(0), "]");
 }
 
 void check_activation_dtype(const at::Tensor& t, const char* op, const char* name) {
