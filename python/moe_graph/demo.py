@@ -293,8 +293,10 @@ def _plot(summary: Dict, path: str) -> str:
         xs = list(range(R))
         ax[2].bar([x - 0.2 for x in xs], summary["load_before"][0], 0.4, label="before echo")
         ax[2].bar([x + 0.2 for x in xs], summary["load_after"][0], 0.4, label="after echo")
-        ax[2].set(title="tokens per EP rank (layer 0, last step)", xlabel="EP rank")
-        ax[2].legend()
+        ax[2].set(title="tokens per EP rank (layer 0, last step)", xlabel="EP rank", xticks=xs)
+        top = max(max(summary["load_before"][0]), max(summary["load_after"][0]))
+        ax[2].set_ylim(0, 1.3 * top)  # headroom for the legend
+        ax[2].legend(loc="upper center", ncol=2)
         fig.tight_layout()
         fig.savefig(path, dpi=90)
         plt.close(fig)
