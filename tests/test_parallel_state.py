@@ -315,6 +315,23 @@ def _dist_worker(rank, world_size):
         dist.all_reduce(t, group=grp)
         sums[name] = t.item()
     a["sums"] = sums
+    # every other group accessor: the members of the process group it returns
+    members = lambda g: sorted(dist.get_process_group_ranks(g))  # noqa: E731
+    a["groups"] = {
+        "cp": members(ps.get_context_parallel_group()),
+        "tp_cp": (members(ps.get_tensor_and_context_parallel_group()), ps.get_tensor_and_context_parallel_rank(),
+                  ps.get_tensor_and_context_parallel_world_size()),
+        "tp_dp": members(ps.get_tensor_and_data_parallel_group()),
+        "tp_dp_cp": members(ps.get_tensor_and_data_parallel_group(with_context_parallel=True)),
+        "mp": members(ps.get_model_parallel_group()),
+        "mp_src": ps.get_model_parallel_src_rank(),
+        "embd": members(ps.get_embedding_group()),
+        "pos_embd": members(ps.get_position_embedding_group()) if ps.is_rank_in_position_embedding_group() else None,
+        "etp": members(ps.get_expert_tensor_parallel_group()),
+        "etp_ep": members(ps.get_expert_tensor_and_model_parallel_group()),
+        "etp_ep_pp": members(ps.get_expert_tensor_model_pipeline_parallel_group()),
+        "edp_gloo": members(ps.get_expert_data_parallel_group_gloo()),
+    }
     with pytest.raises(RuntimeError, match="already initialized"):
         ps.initialize_model_parallel(2, 2)
     ps.destroy_model_parallel()
@@ -365,6 +382,16 @@ def test_initialize_model_parallel_8_ranks():
         assert a["sums"]["dp"] == a["sums"]["dp_gloo"] == sum(a["dp"][2])
         assert a["sums"]["ep"] == sum(a["ep"][2])
         assert a["sums"]["edp"] == sum(a["edp"][2])
+        g = a["groups"]  # hand-derived members of the remaining groups (cp = etp = 1)
+        assert g["cp"] == [r] and g["etp"] == [r]
+        assert g["tp_cp"] == (a["tp"][2], tp, 2)
+        assert g["tp_dp"] == g["tp_dp_cp"] == [pp * 4 + i for i in range(4)]  # same pipeline stage
+        assert g["mp"] == sorted(a["mp"]) and g["mp_src"] == min(a["mp"])
+        assert g["embd"] == [r % 4, r % 4 + 4]  # first and last stage of this pipeline
+        assert g["pos_embd"] == ([r] if pp == 0 else None)  # first stage only
+        assert g["etp_ep"] == a["ep"][2]
+        assert g["etp_ep_pp"] == sorted([edp * 2, edp * 2 + 1, edp * 2 + 4, edp * 2 + 5])  # same expert-DP index
+        assert g["edp_gloo"] == a["edp"][2]
         # Layout B: global = tp + cp*2 + dp*4; experts: global = ep + edp*4
         tp, cp, dp = r % 2, (r // 2) % 2, r // 4
         assert b["cp"] == [tp + dp * 4, tp + 2 + dp * 4]
