@@ -122,10 +122,12 @@ def test_no_host_sync_on_hot_path(gen):
         torch.cuda.set_sync_debug_mode(0)
 
 
+@pytest.mark.parametrize("delay", [False, True])
 @pytest.mark.parametrize("fuse", [False, True])
-def test_cuda_graph_capture_replay_with_changing_splits(gen, fuse):
+def test_cuda_graph_capture_replay_with_changing_splits(gen, fuse, delay):
     E, fin, fout, M = 8, 256, 384, 2048
-    layer = GroupedLinear(E, fin, fout, device=DEV, params_dtype=torch.bfloat16, fuse_wgrad_accumulation=fuse)
+    layer = GroupedLinear(E, fin, fout, device=DEV, params_dtype=torch.bfloat16, fuse_wgrad_accumulation=fuse,
+                          delay_wgrad_compute=delay)
     ws = layer._weights()
     if fuse:
         for w in ws:
@@ -137,6 +139,7 @@ def test_cuda_graph_capture_replay_with_changing_splits(gen, fuse):
     def step():
         y = layer(x, splits)
         y.backward(g)
+        layer.backward_dw()  # delay_wgrad_compute: the queued weight-gradient GEMM (no-op otherwise)
         return y
 
     def grads():

@@ -111,3 +111,124 @@ def test_return_bias_and_tp_partition():
         GroupedLinear(2, 8, 8, device="cpu")(torch.randn(4, 8), [4])
     with pytest.raises(ValueError, match="in_features=8"):
         GroupedLinear(2, 8, 8, device="cpu")(torch.randn(4, 7), [2, 2])
+
+
+# ------------------------------------------------------------------------------------------ TE compatibility --
+def _pair(gen, *, fuse, single, bias, E=4, fin=24, fout=16, dtype=torch.float32):
+    """A reference layer and a delay_wgrad_compute layer with equal parameters (and main_grads when fused)."""
+    kw = dict(bias=bias, device="cpu", params_dtype=dtype, single_grouped_weight=single, fuse_wgrad_accumulation=fuse)
+    ref = GroupedLinear(E, fin, fout, **kw)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.normal_(generator=gen)
+    dly = GroupedLinear(E, fin, fout, delay_wgrad_compute=True, **kw)
+    dly.load_state_dict(ref.state_dict())
+    if fuse:
+        for m in (ref, dly):
+            for w in m._weights():
+                w.main_grad = torch.zeros(w.shape, dtype=torch.float32)
+    return ref, dly
+
+
+def _wgrads(layer, fuse):
+    ws = layer._weights()
+    return [(w.main_grad if fuse else w.grad) for w in ws]
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+@pytest.mark.parametrize("single", [False, True])
+def test_delay_wgrad_compute_defers_weight_grads_to_backward_dw(gen, fuse, single):
+    ref, dly = _pair(gen, fuse=fuse, single=single, bias=True)
+    assert dly.need_backward_dw() and not ref.need_backward_dw()
+    assert all(getattr(w, "skip_backward_post_hook", False) for w in dly._weights())
+    calls = []
+    dly.register_wgrad_accumulation_and_reduce_hooks(lambda: calls.append(len(dly._wgrad_queue)))
+    mbs = [([5, 0, 7, 3], 18), ([0, 11, 0, 2], 14)]  # rows past sum(m_splits) are capacity rows
+    for splits, rows in mbs:
+        x = torch.randn(rows, 24, generator=gen)
+        g = torch.randn(rows, 16, generator=gen)
+        xr, xd = x.clone().requires_grad_(), x.clone().requires_grad_()
+        ref(xr, torch.tensor(splits)).backward(g)
+        dly(xd, torch.tensor(splits)).backward(g)
+        torch.testing.assert_close(xd.grad, xr.grad)  # dgrad is not delayed
+    # biases are not delayed either; the weights have nothing yet
+    for br, bd in zip(ref._biases(), dly._biases()):
+        torch.testing.assert_close(bd.grad, br.grad)
+    for wg, w in zip(_wgrads(dly, fuse), dly._weights()):
+        assert (wg is None) if not fuse else (torch.count_nonzero(wg) == 0 and not getattr(w, "grad_added_to_main_grad", False))
+    assert len(dly._wgrad_queue) == 2 and calls == []
+    dly.backward_dw()
+    dly.backward_dw()
+    assert calls == [1, 0] and len(dly._wgrad_queue) == 0
+    dly.backward_dw()  # nothing queued: no-op, no hook
+    assert calls == [1, 0]
+    for a, b in zip(_wgrads(dly, fuse), _wgrads(ref, fuse)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    if fuse:
+        assert all(w.grad_added_to_main_grad is True for w in dly._weights())
+
+
+def test_is_first_microbatch_overwrites_main_grad(gen):
+    # TE: with fuse_wgrad_accumulation, is_first_microbatch=True writes main_grad, later microbatches add.
+    for delayed in (False, True):
+        layer = GroupedLinear(3, 8, 6, bias=False, device="cpu", fuse_wgrad_accumulation=True, delay_wgrad_compute=delayed)
+        ws = layer._weights()
+        for w in ws:
+            w.main_grad = torch.randn(w.shape, generator=gen)  # stale values the first microbatch must replace
+        x1, g1 = torch.randn(9, 8, generator=gen), torch.randn(9, 6, generator=gen)
+        x2, g2 = torch.randn(9, 8, generator=gen), torch.randn(9, 6, generator=gen)
+        layer(x1, [4, 0, 5], is_first_microbatch=True).backward(g1)
+        layer(x2, [2, 0, 7], is_first_microbatch=False).backward(g2)
+        layer.backward_dw()
+        layer.backward_dw()
+        expect = [g1[:4].t() @ x1[:4] + g2[:2].t() @ x2[:2], torch.zeros(6, 8), g1[4:9].t() @ x1[4:9] + g2[2:9].t() @ x2[2:9]]
+        for w, ex in zip(ws, expect):
+            torch.testing.assert_close(w.main_grad, ex, rtol=1e-5, atol=1e-5)  # expert 1 (no tokens): zeros
+
+
+def test_sequence_parallel_and_parallel_attributes_as_te():
+    # Megatron passes sequence_parallel=config.sequence_parallel with tp_size=1 for experts: accepted, recorded
+    # as False (TE: tp_size > 1 and sequence_parallel); parameter attributes as TE sets them.
+    layer = GroupedLinear(2, 8, 8, device="cpu", sequence_parallel=True)
+    assert layer.sequence_parallel is False
+    assert all(w.tensor_model_parallel and w.partition_dim == 0 and w.partition_stride == 1 for w in layer._weights())
+    row = GroupedLinear(2, 8, 8, device="cpu", sequence_parallel=True, parallel_mode="row", tp_size=2)
+    assert row.sequence_parallel is True and row.in_features == 4
+    assert all(w.partition_dim == 1 for w in row._weights()) and all(b.sequence_parallel for b in row._biases())
+    col = GroupedLinear(2, 8, 8, device="cpu", parallel_mode="column", tp_size=2, single_grouped_weight=True)
+    assert col.weight.partition_dim == 1 and col.bias.partition_dim == 1 and col.bias.tensor_model_parallel
+    assert not hasattr(col.weight, "skip_backward_post_hook")
+
+
+def test_ddp_grad_ready_hooks_run_from_backward_dw(gen):
+    # Weights with delayed wgrad: DDP's grad-ready hook runs at the end of backward_dw, not in backward; biases
+    # keep the autograd hook. dp=1, so no process group is needed; bucket readiness shows when the hooks ran.
+    from moe_graph.ddp import DistributedDataParallel
+
+    for fuse in (False, True):
+        ref, dly = _pair(gen, fuse=False, single=False, bias=True)
+        dly.fuse_wgrad_accumulation = fuse
+        ddp = DistributedDataParallel(dly, overlap_grad_reduce=True, bucket_size=1)  # one param per bucket
+        weight_groups = [ddp.param_to_bucket_group[w] for w in dly._weights()]
+        bias_groups = [ddp.param_to_bucket_group[b] for b in dly._biases()]
+        ddp.zero_grad_buffer()
+        x, g = torch.randn(18, 24, generator=gen), torch.randn(18, 16, generator=gen)
+        ref(x, [5, 0, 7, 3]).backward(g)
+        ddp(x, torch.tensor([5, 0, 7, 3])).backward(g)
+        assert all(bg.grad_reduce_dispatched for bg in bias_groups)
+        assert not any(wg.grad_reduce_dispatched for wg in weight_groups)
+        dly.backward_dw()
+        assert all(wg.grad_reduce_dispatched for wg in weight_groups)
+        ddp.finish_grad_sync()
+        for p, q in zip(dly.parameters(), ref.parameters()):
+            assert p.grad is None
+            torch.testing.assert_close(p.main_grad, q.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_ddp_rejects_delayed_param_without_hook_owner():
+    from moe_graph.ddp import DistributedDataParallel
+
+    lin = torch.nn.Linear(4, 4)
+    lin.weight.skip_backward_post_hook = True
+    with pytest.raises(ValueError, match=r"\['weight'\].*register_wgrad_accumulation_and_reduce_hooks"):
+        DistributedDataParallel(lin)

@@ -5,7 +5,9 @@
 builds one :class:`~moe_graph.buffers.ParamAndGradBuffer` per group (expert parameters, marked
 ``param.allreduce = False``, go to buffers sized for and reduced over the expert-data-parallel
 group), regroups the buckets into bucket groups (:func:`~moe_graph.buffers.partition_buckets`) and
-registers one gradient-accumulation hook per parameter.
+registers one gradient-accumulation hook per parameter (for weights with delayed weight gradients,
+``skip_backward_post_hook``, on their module's ``register_wgrad_accumulation_and_reduce_hooks``: the hook
+then runs at the end of ``module.backward_dw()``).
 
 The hook (``register_post_accumulate_grad_hook``) adds ``param.grad`` into ``param.main_grad``
 unless a fused GEMM already did (``param.grad_added_to_main_grad = True``), then drops
@@ -159,7 +161,12 @@ class DistributedDataParallel(torch.nn.Module):
             for p in g.params:
                 self.param_to_bucket_group[p] = g
 
-        self._hook_handles = [p.register_post_accumulate_grad_hook(self._make_hook(p)) for p in params]
+        self._hook_handles = []
+        delayed = [p for p in params if getattr(p, "skip_backward_post_hook", False)]
+        for p in params:
+            if not getattr(p, "skip_backward_post_hook", False):
+                self._hook_handles.append(p.register_post_accumulate_grad_hook(self._make_hook(p)))
+        self._register_delayed_wgrad_hooks(delayed)
 
     # ------------------------------------------------------------------
     @property
@@ -169,6 +176,27 @@ class DistributedDataParallel(torch.nn.Module):
     @property
     def all_bucket_groups(self) -> List[BucketGroup]:
         return self.bucket_groups + self.expert_parallel_bucket_groups
+
+    def _register_delayed_wgrad_hooks(self, delayed: List[torch.nn.Parameter]) -> None:
+        """Weights whose gradient is computed later by their module's ``backward_dw()`` (TE/moe_graph
+        ``delay_wgrad_compute``, marked ``skip_backward_post_hook``) get their grad-ready hook through the module's
+        ``register_wgrad_accumulation_and_reduce_hooks``, as in Megatron's DDP."""
+        if not delayed:
+            return
+        todo = {id(p): p for p in delayed}
+        for module in self.module.modules():
+            register = getattr(module, "register_wgrad_accumulation_and_reduce_hooks", None)
+            if register is None:
+                continue
+            for p in module.parameters(recurse=False):
+                if todo.pop(id(p), None) is not None:
+                    hook = self._make_hook(p)
+                    register(lambda p=p, hook=hook: hook(p))
+        if todo:
+            names = [self.param_to_name[p] for p in todo.values()]
+            raise ValueError(
+                f"DistributedDataParallel: parameters {names} are marked skip_backward_post_hook (delayed weight "
+                "gradients) but no module owning them has register_wgrad_accumulation_and_reduce_hooks")
 
     def _make_hook(self, param: torch.nn.Parameter):
         group = None

@@ -3,18 +3,24 @@
 Differences that matter for CUDA graphs: ``m_splits`` may be a device tensor (no ``.tolist()``, no sync) and the
 whole forward/backward is capturable. With ``fuse_wgrad_accumulation=True`` the weight gradients are added into
 ``weight.main_grad`` inside the GEMM epilogue and ``weight.grad_added_to_main_grad`` is set, as Megatron's DDP
-expects.
+expects (``is_first_microbatch=True`` overwrites ``main_grad`` instead, as in TE).
+
+``delay_wgrad_compute=True`` (TE's, used by Megatron to overlap the weight-gradient GEMMs with expert-parallel
+communication): backward computes the input and bias gradients only and queues the weight-gradient GEMM;
+``backward_dw()`` runs the oldest queued one (into ``main_grad`` or ``weight.grad``) and then calls the hooks
+registered with ``register_wgrad_accumulation_and_reduce_hooks`` (Megatron's and moe_graph's DDP register their
+grad-ready hooks there for weights marked ``skip_backward_post_hook``).
 """
 
 from __future__ import annotations
 
-import math
+import collections
 from typing import Callable, List, Optional, Union
 
 import torch
 from torch import nn
 
-from .ops.grouped_gemm import _as_splits, _grouped_gemm_autograd
+from .ops.grouped_gemm import _as_splits, _grouped_gemm_autograd, _weight_grads
 
 __all__ = ["GroupedLinear"]
 
@@ -32,7 +38,9 @@ class GroupedLinear(nn.Module):
 
     Args follow TransformerEngine's ``GroupedLinear``: ``num_gemms`` experts, each ``y = x W_e^T + b_e`` with
     ``W_e`` of shape ``[out_features, in_features]``. ``tp_size`` with ``parallel_mode="column"`` (``"row"``)
-    divides ``out_features`` (``in_features``), as in TE; the layer itself does no tensor-parallel communication.
+    divides ``out_features`` (``in_features``), as in TE; the layer itself does no tensor-parallel communication
+    (neither does TE's: Megatron's MoE dispatcher does it), and ``sequence_parallel`` is recorded as TE does
+    (``tp_size > 1 and sequence_parallel``) for the parameter attributes Megatron reads.
     Parameters are ``weight0..weight{E-1}`` and ``bias0..`` (TE layout), or one ``weight`` ``[E, out, in]`` and
     ``bias`` ``[E, out]`` with ``single_grouped_weight=True``; state dicts of either layout load into both.
     """
@@ -65,12 +73,8 @@ class GroupedLinear(nn.Module):
         super().__init__()
         if num_gemms < 1:
             raise ValueError(f"GroupedLinear: num_gemms must be >= 1, got {num_gemms}")
-        if sequence_parallel:
-            raise NotImplementedError("GroupedLinear: sequence_parallel is not supported (TE's GroupedLinear neither)")
         if ub_overlap_rs or ub_overlap_ag:
             raise NotImplementedError("GroupedLinear: userbuffers overlap (ub_overlap_*) is not supported")
-        if delay_wgrad_compute:
-            raise NotImplementedError("GroupedLinear: delay_wgrad_compute is not supported yet")
         if parallel_mode not in (None, "column", "row"):
             raise ValueError(f"GroupedLinear: parallel_mode must be None, 'column' or 'row', got {parallel_mode!r}")
         if tp_group is not None and hasattr(tp_group, "size"):
@@ -93,6 +97,10 @@ class GroupedLinear(nn.Module):
         self.single_grouped_weight = single_grouped_weight
         self.parallel_mode = parallel_mode
         self.tp_size = tp_size
+        self.sequence_parallel = tp_size > 1 and bool(sequence_parallel)
+        self.delay_wgrad_compute = bool(delay_wgrad_compute)
+        self.wgrad_accumulation_and_reduce_hooks: List[Callable[[], None]] = []
+        self._wgrad_queue: collections.deque = collections.deque()
         dtype = params_dtype if params_dtype is not None else torch.get_default_dtype()
         init = init_method if init_method is not None else _default_init()
         factory = dict(device=device, dtype=dtype)
@@ -114,6 +122,25 @@ class GroupedLinear(nn.Module):
                 self.register_parameter(f"weight{e}", w)
                 if bias:
                     self.register_parameter(f"bias{e}", nn.Parameter(torch.zeros(out_features, **factory)))
+
+        self._set_parallel_attributes()
+
+    def _set_parallel_attributes(self) -> None:
+        # Megatron reads these (TE sets them the same way): weights are always tensor-parallel tensors, split
+        # along the output (column / None) or input (row) dimension; a column-parallel bias is split too, a
+        # row-parallel one carries ``sequence_parallel``. Delayed weights skip the autograd grad hook.
+        lead = 1 if self.single_grouped_weight else 0
+        for w in self._weights():
+            w.tensor_model_parallel = True
+            w.partition_dim = lead + (1 if self.parallel_mode == "row" else 0)
+            w.partition_stride = 1
+            if self.delay_wgrad_compute:
+                w.skip_backward_post_hook = True
+        for b in self._biases() or []:
+            if self.parallel_mode == "row":
+                b.sequence_parallel = self.sequence_parallel
+            elif self.parallel_mode == "column":
+                b.tensor_model_parallel, b.partition_dim, b.partition_stride = True, lead, 1
 
     # ---------------------------------------------------------------------------------------------- params --
     def _weights(self) -> List[torch.Tensor]:
@@ -137,7 +164,8 @@ class GroupedLinear(nn.Module):
     # --------------------------------------------------------------------------------------------- forward --
     def forward(self, inp: torch.Tensor, m_splits, is_first_microbatch: Optional[bool] = None):
         """``inp``: ``[..., in_features]``, rows grouped by expert; ``m_splits``: list or device tensor ``[E]``."""
-        del is_first_microbatch  # TE uses it for fp8 weight caching; nothing is cached here
+        # TE: with fuse_wgrad_accumulation, the first microbatch overwrites main_grad (None: accumulate).
+        accumulate = True if is_first_microbatch is None else not is_first_microbatch
         if inp.shape[-1] != self.in_features:
             raise ValueError(
                 f"GroupedLinear: inp must have last dimension in_features={self.in_features}, got shape {tuple(inp.shape)}"
@@ -161,11 +189,53 @@ class GroupedLinear(nn.Module):
                         "(fp32 or the weight dtype), as Megatron's DDP allocates"
                     )
         bias = None if self.return_bias else self._stacked_bias()
-        out = _grouped_gemm_autograd(x, weights, splits, True, bias, fuse)
+        defer = None
+        if self.delay_wgrad_compute and torch.is_grad_enabled() and any(w.requires_grad for w in weights):
+            queue = self._wgrad_queue
+
+            def defer(a, dy, splits_, fuse=fuse, accumulate=accumulate):
+                queue.append((a, dy, splits_, fuse, accumulate))
+
+        out = _grouped_gemm_autograd(x, weights, splits, True, bias, fuse, accumulate, defer)
         out = out.reshape(*lead, self.out_features)
         if self.return_bias:
             return out, self._biases()
         return out
+
+    # ------------------------------------------------------------------------------- delayed weight grads --
+    def need_backward_dw(self) -> bool:
+        """Whether :meth:`backward_dw` must run to finish the weight gradients (``delay_wgrad_compute``)."""
+        return self.delay_wgrad_compute
+
+    def register_wgrad_accumulation_and_reduce_hooks(self, hook: Callable[[], None]) -> None:
+        """Register ``hook()`` to run at the end of each :meth:`backward_dw` (TE's API; DDP's grad-ready hooks)."""
+        self.wgrad_accumulation_and_reduce_hooks.append(hook)
+
+    def backward_dw(self) -> None:
+        """Run the oldest queued weight-gradient GEMM (one per backward since the last call), then the hooks.
+
+        Fused (``fuse_wgrad_accumulation``): into ``weight.main_grad`` (added, or written for the first
+        microbatch) with ``grad_added_to_main_grad`` set. Otherwise added to ``weight.grad`` (set when None), as
+        autograd would. A call with nothing queued does nothing. Sync-free and capturable like the backward.
+        """
+        if not self.delay_wgrad_compute or not self._wgrad_queue:
+            return
+        a, dy, splits, fuse, accumulate = self._wgrad_queue.popleft()
+        weights = self._weights()
+        with torch.no_grad():
+            if fuse:
+                _weight_grads(a, dy, splits, True, weights, [w.main_grad for w in weights], accumulate)
+                for w in weights:
+                    w.grad_added_to_main_grad = True
+            else:
+                for w, g in zip(weights, _weight_grads(a, dy, splits, True, weights)):
+                    if w.grad is None:
+                        w.grad = g.to(w.dtype)
+                    else:
+                        w.grad.add_(g)
+        del a, dy, splits
+        for hook in self.wgrad_accumulation_and_reduce_hooks:
+            hook()
 
     # --------------------------------------------------------------------------------------- state dict I/O --
     def get_extra_state(self) -> torch.Tensor:
@@ -206,5 +276,5 @@ class GroupedLinear(nn.Module):
         return (
             f"num_gemms={self.num_gemms}, in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.use_bias}, single_grouped_weight={self.single_grouped_weight}, "
-            f"fuse_wgrad_accumulation={self.fuse_wgrad_accumulation}"
+            f"fuse_wgrad_accumulation={self.fuse_wgrad_accumulation}, delay_wgrad_compute={self.delay_wgrad_compute}"
         )

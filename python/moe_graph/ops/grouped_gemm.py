@@ -103,25 +103,35 @@ def _dummy_wgrad(w: torch.Tensor) -> torch.Tensor:
 # place, ``_grouped_gemm_backward``; ``_GroupedGemmFn`` only adds the fused ``main_grad`` accumulation on top.
 
 
-def _grouped_gemm_backward(dy, a, weights, m_splits, trans_b, bias_dtype, need_a, need_w, need_bias, main_grads=None):
+def _weight_grads(a, dy, m_splits, trans_b, weights, main_grads=None, accumulate=True):
+    """Per-weight gradients of ``y = grouped(a @ W_e^T or a @ W_e)`` for output gradient ``dy`` (contiguous).
+
+    With ``main_grads`` (one tensor per weight) they are written there in place, added (``accumulate``) or
+    overwriting, and None is returned per weight; otherwise one gradient per weight in ``a``'s dtype."""
+    # trans_b: dW_e = dy_e^T a_e ([N, K]); else dW_e = a_e^T dy_e ([K, N]).
+    lhs, rhs = (a, dy) if trans_b else (dy, a)
+    if main_grads is not None:
+        ops.grouped_gemm_wgrad_out(lhs, rhs, m_splits, list(main_grads), bool(accumulate), None)
+        return [None] * len(weights)
+    dw = ops.grouped_gemm_wgrad(lhs, rhs, m_splits, None)
+    return [dw] if (len(weights) == 1 and weights[0].dim() == 3) else list(dw.unbind(0))
+
+
+def _grouped_gemm_backward(dy, a, weights, m_splits, trans_b, bias_dtype, need_a, need_w, need_bias, main_grads=None,
+                           accumulate=True):
     """Gradients of ``y = grouped(a @ W_e^T or a @ W_e) + bias_e`` -> ``(da, [dW per weight], db)``.
 
     ``need_w``: one bool per weight (entries for False are None). ``main_grads``: one tensor per weight to
-    accumulate the weight gradients into in place (fused path); then the returned weight grads are None."""
+    accumulate (or, with ``accumulate=False``, write) the weight gradients into in place (fused path); then the
+    returned weight grads are None."""
     dy = dy.contiguous()
     da = db = None
     w_grads = [None] * len(weights)
     if need_a:
         da = ops.grouped_gemm(dy, weights, m_splits, not trans_b, None)
     if any(need_w):
-        # trans_b: dW_e = dy_e^T a_e ([N, K]); else dW_e = a_e^T dy_e ([K, N]).
-        lhs, rhs = (a, dy) if trans_b else (dy, a)
-        if main_grads is not None:
-            ops.grouped_gemm_wgrad_out(lhs, rhs, m_splits, main_grads, True, None)
-        else:
-            dw = ops.grouped_gemm_wgrad(lhs, rhs, m_splits, None)
-            parts = [dw] if (len(weights) == 1 and weights[0].dim() == 3) else list(dw.unbind(0))
-            w_grads = [g if n else None for g, n in zip(parts, need_w)]
+        parts = _weight_grads(a, dy, m_splits, trans_b, weights, main_grads, accumulate)
+        w_grads = [g if n else None for g, n in zip(parts, need_w)]
     if need_bias:
         db = ops.grouped_bias_grad(dy, m_splits).to(bias_dtype)
     return da, w_grads, db
@@ -194,44 +204,54 @@ torch.library.register_autograd(
 
 
 class _GroupedGemmFn(torch.autograd.Function):
-    """grouped_gemm whose weight gradients are accumulated in place into ``w.main_grad`` (fp32 or the weight
-    dtype) inside the GEMM epilogue (TransformerEngine's ``fuse_wgrad_accumulation``): ``w.grad_added_to_main_grad``
-    is set and a dummy zero grad returned. The plain path is ``ops.grouped_gemm`` (autograd registered above);
-    both use ``_grouped_gemm_backward``.
+    """grouped_gemm with TransformerEngine's two special weight-gradient modes (the plain path is
+    ``ops.grouped_gemm``, autograd registered above; all of them use ``_grouped_gemm_backward``):
+
+    * ``fuse_main_grad``: the weight gradients go in place into ``w.main_grad`` (fp32 or the weight dtype) inside
+      the GEMM epilogue, added (``accumulate``) or overwriting (TE's ``is_first_microbatch=True``);
+      ``w.grad_added_to_main_grad`` is set and a dummy zero grad returned so that grad hooks still fire.
+    * ``defer`` (a callable, TE's ``delay_wgrad_compute``): backward computes the input and bias gradients only and
+      hands ``(a, dy, m_splits)`` to ``defer``; the weight-gradient GEMM runs later (``GroupedLinear.backward_dw``).
     """
 
     @staticmethod
-    def forward(ctx, a, m_splits, trans_b, bias, *weights):
+    def forward(ctx, a, m_splits, trans_b, bias, fuse_main_grad, accumulate, defer, *weights):
         out = ops.grouped_gemm(a, list(weights), m_splits, trans_b, bias)
         ctx.trans_b = trans_b
         ctx.bias_dtype = bias.dtype if bias is not None else None
+        ctx.fuse_main_grad, ctx.accumulate, ctx.defer = fuse_main_grad, accumulate, defer
         ctx.save_for_backward(a, m_splits, *weights)
         return out
 
     @staticmethod
     def backward(ctx, dy):
         a, m_splits, *weights = ctx.saved_tensors
-        need_w = list(ctx.needs_input_grad[4:])
-        if any(need_w):
-            need_w = [True] * len(weights)  # main_grad accumulation covers every weight of the group
-        main_grads = [w.main_grad for w in weights] if any(need_w) else None
-        da, _, db = _grouped_gemm_backward(
-            dy, a, weights, m_splits, ctx.trans_b, ctx.bias_dtype, ctx.needs_input_grad[0], need_w,
-            ctx.bias_dtype is not None and ctx.needs_input_grad[3], main_grads,
+        n_fixed = 7  # inputs before *weights
+        need_w = any(ctx.needs_input_grad[n_fixed:])
+        need_bias = ctx.bias_dtype is not None and ctx.needs_input_grad[3]
+        deferred = need_w and ctx.defer is not None
+        fused = need_w and not deferred and ctx.fuse_main_grad
+        main_grads = [w.main_grad for w in weights] if fused else None
+        need_w_now = [need_w and not deferred] * len(weights)  # main_grad accumulation covers the whole group
+        da, w_grads, db = _grouped_gemm_backward(
+            dy, a, weights, m_splits, ctx.trans_b, ctx.bias_dtype, ctx.needs_input_grad[0], need_w_now, need_bias,
+            main_grads, ctx.accumulate,
         )
-        w_grads = [None] * len(weights)
-        if main_grads is not None:
+        if deferred:
+            ctx.defer(a, dy.contiguous(), m_splits)
+        if fused:
             for w in weights:
                 w.grad_added_to_main_grad = True
             w_grads = [_dummy_wgrad(w) for w in weights]
-        return (da, None, None, db, *w_grads)
+        return (da, None, None, db, None, None, None, *w_grads)
 
 
-def _grouped_gemm_autograd(a, weights, m_splits, trans_b, bias, fuse_main_grad: bool) -> torch.Tensor:
-    """``ops.grouped_gemm`` (differentiable through the op's registered autograd), or with
-    ``fuse_main_grad`` the weight gradients go into ``w.main_grad`` (``_GroupedGemmFn``)."""
-    if fuse_main_grad:
-        return _GroupedGemmFn.apply(a, m_splits, trans_b, bias, *weights)
+def _grouped_gemm_autograd(a, weights, m_splits, trans_b, bias, fuse_main_grad: bool, accumulate: bool = True,
+                           defer=None) -> torch.Tensor:
+    """``ops.grouped_gemm`` (differentiable through the op's registered autograd), or ``_GroupedGemmFn`` when the
+    weight gradients go into ``w.main_grad`` (``fuse_main_grad``, ``accumulate``) or are deferred (``defer``)."""
+    if fuse_main_grad or defer is not None:
+        return _GroupedGemmFn.apply(a, m_splits, trans_b, bias, fuse_main_grad, accumulate, defer, *weights)
     return ops.grouped_gemm(a, list(weights), m_splits, trans_b, bias)
 
 
