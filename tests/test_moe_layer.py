@@ -14,10 +14,11 @@ from moe_graph.testing.moe_reference import (dense_moe_reference, kept_routes, m
 DT = torch.float64
 
 
-def _layer(activation="swiglu", score_func="softmax", k=0, cf=None, aux=0.0, E=6, K=2, H=8, F=10):
+def _layer(activation="swiglu", score_func="softmax", k=0, cf=None, aux=0.0, E=6, K=2, H=8, F=10, **router_kw):
     torch.manual_seed(0)
     layer = MoELayer(H, F, E, K, activation=activation, score_func=score_func, num_spare_experts_per_ep_rank=k,
-                     capacity_factor=cf, aux_loss_coeff=aux, device="cpu", params_dtype=DT, init_std=0.3)
+                     capacity_factor=cf, aux_loss_coeff=aux, device="cpu", params_dtype=DT, init_std=0.3,
+                     **router_kw)
     with torch.no_grad():
         layer.router.weight.normal_(0, 1.0)
     return layer
@@ -28,7 +29,10 @@ def _reference(layer, x, target, keep_fn=None, aux=0.0):
     w2 = layer.fc2.weight.detach().clone().requires_grad_()
     gate = layer.router.weight.detach().clone().requires_grad_()
     xr = x.detach().clone().requires_grad_()
-    idx, p, scores = reference_route(xr, gate, layer.topk, layer.router.score_func)
+    r = layer.router
+    idx, p, scores = reference_route(xr, gate, layer.topk, r.score_func, r.norm_topk_prob, num_groups=r.num_groups,
+                                     group_topk=r.group_topk, scaling_factor=r.scaling_factor,
+                                     expert_bias=r.expert_bias if r.enable_expert_bias else None)
     keep = keep_fn(idx) if keep_fn is not None else None
     y = dense_moe_reference(xr, idx, p, w1, w2, layer.activation, keep)
     loss = (y * target).sum()
@@ -168,24 +172,31 @@ def test_ddp_fused_wgrad_with_echo_multiprocess(world):
             assert sum(r[k]["moved"] for r in res) == 0
 
 
+_DEEPSEEK_ROUTER = dict(score_func="sigmoid", num_groups=4, group_topk=2, topk_scaling_factor=2.5,
+                       enable_expert_bias=True, z_loss_coeff=1e-3)
+
+
 @requires_cuda
-@pytest.mark.parametrize("k", [0, 1])
-def test_cuda_forward_backward_no_host_sync(k):
+@pytest.mark.parametrize("k,router_kw", [(0, {}), (1, {}), (1, _DEEPSEEK_ROUTER)])
+def test_cuda_forward_backward_no_host_sync(k, router_kw):
+    from moe_graph.moe_layer import update_expert_bias
+
     torch.manual_seed(0)
     layer = MoELayer(64, 128, 8, 2, num_spare_experts_per_ep_rank=k, capacity_factor=1.5, aux_loss_coeff=0.01,
-                     device="cuda", params_dtype=torch.bfloat16)
+                     device="cuda", params_dtype=torch.bfloat16, **router_kw)
     x = torch.randn(256, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     layer(x).float().sum().backward()  # warm-up (lazy buffers)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         for _ in range(2):
+            update_expert_bias(layer)  # (no-op without expert bias) before the forward, so y sees the final bias
             y = layer(x)
             y.float().sum().backward()
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    # against the fp32 CPU reference of the same weights
-    ref = MoELayer(64, 128, 8, 2, device="cpu", params_dtype=torch.float32)
+    # against the fp32 CPU reference of the same weights (and expert bias)
+    ref = MoELayer(64, 128, 8, 2, device="cpu", params_dtype=torch.float32, **router_kw)
     ref.load_state_dict({k_: v.float().cpu() for k_, v in layer.state_dict().items()}, strict=False)
     y_ref = ref(x.detach().float().cpu())
     # bf16 router logits can flip a near-tie in the top-k: compare the tokens routed the same way in both
@@ -244,3 +255,163 @@ def test_hot_path_has_no_data_dependent_ops(k, assignment, main_grad):
     with pytest.raises(Exception, match="local_scalar_dense|DataDependent"):
         with FakeTensorMode(allow_non_fake_inputs=True):
             bool(layer(torch.randn(8, 16)).sum() > 0)
+
+
+# ----------------------------------------------------------------------------------- router options (DeepSeek-V3) --
+def _as_sets(idx):
+    return [sorted(r) for r in idx.tolist()]
+
+
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+def test_group_limited_routing_matches_per_token_reference(gen, score_func):
+    from moe_graph.moe_layer import TopKRouter
+
+    E, G, gk, K, H = 16, 4, 2, 4, 12
+    router = TopKRouter(H, E, K, score_func, device="cpu", dtype=DT, num_groups=G, group_topk=gk, scaling_factor=2.5)
+    with torch.no_grad():
+        router.weight.normal_(generator=gen)
+    x = torch.randn(64, H, generator=gen, dtype=DT)
+    rmap, probs, _ = router(x)
+    idx, top, _ = reference_route(x, router.weight.detach(), K, score_func, num_groups=G, group_topk=gk,
+                                  scaling_factor=2.5)
+    expect_map = torch.zeros(64, E, dtype=torch.bool).scatter_(1, idx, True)
+    assert torch.equal(rmap, expect_map)
+    torch.testing.assert_close(probs, torch.zeros(64, E, dtype=DT).scatter(1, idx, top), rtol=1e-12, atol=1e-12)
+    # every token's experts lie in at most group_topk groups, and the limit changes the routing of some tokens
+    assert int((rmap.view(64, G, E // G).any(-1).sum(-1) > gk).sum()) == 0
+    free = TopKRouter(H, E, K, score_func, device="cpu", dtype=DT)
+    free.load_state_dict(router.state_dict())
+    assert not torch.equal(free(x)[0], rmap)
+    if score_func == "sigmoid":
+        torch.testing.assert_close(probs.sum(-1), torch.full((64,), 2.5, dtype=DT))
+
+
+def test_layer_with_deepseek_router_options_matches_dense_reference(gen):
+    # group-limited routing, scaled probabilities and a non-zero expert bias, end to end with gradients
+    layer = _layer(score_func="sigmoid", E=8, K=3, num_groups=4, group_topk=2, topk_scaling_factor=2.5,
+                   enable_expert_bias=True)
+    layer.router.expert_bias.copy_(torch.linspace(-0.3, 0.3, 8))
+    x = torch.randn(24, 8, generator=gen, dtype=DT)
+    _check(layer, x, torch.randn(24, 8, generator=gen, dtype=DT))
+
+
+def test_router_option_errors():
+    from moe_graph.moe_layer import TopKRouter
+
+    with pytest.raises(ValueError, match="go together"):
+        TopKRouter(8, 16, 4, num_groups=4)
+    with pytest.raises(ValueError, match="must divide"):
+        TopKRouter(8, 16, 4, num_groups=3, group_topk=1)
+    with pytest.raises(ValueError, match="group_topk must be in"):
+        TopKRouter(8, 16, 4, num_groups=4, group_topk=5)
+    with pytest.raises(ValueError, match="topk=9 must be in"):
+        TopKRouter(8, 16, 9, num_groups=4, group_topk=2)
+    with pytest.raises(ValueError, match="needs score_func='sigmoid'"):
+        TopKRouter(8, 16, 4, enable_expert_bias=True)
+
+
+def test_expert_bias_steers_selection_not_probabilities(gen):
+    from moe_graph.moe_layer import TopKRouter
+
+    E, K, H = 8, 2, 6
+    router = TopKRouter(H, E, K, "sigmoid", device="cpu", dtype=DT, enable_expert_bias=True)
+    with torch.no_grad():
+        router.weight.normal_(generator=gen)
+        router.expert_bias.copy_(torch.tensor([0, 0, 0, 5.0, 0, 0, -5.0, 0]))
+    x = torch.randn(40, H, generator=gen, dtype=DT, requires_grad=True)
+    rmap, probs, scores = router(x)
+    assert bool(rmap[:, 3].all()) and not bool(rmap[:, 6].any())
+    idx, top, _ = reference_route(x, router.weight, K, "sigmoid", expert_bias=router.expert_bias)
+    assert torch.equal(rmap, torch.zeros(40, E, dtype=torch.bool).scatter_(1, idx, True))
+    torch.testing.assert_close(probs, torch.zeros(40, E, dtype=DT).scatter(1, idx, top))  # unbiased scores
+    probs.sum().backward()
+    assert x.grad is not None and router.weight.grad is not None  # the bias is not a differentiable input
+    assert torch.equal(router.local_tokens_per_expert, rmap.sum(0).float())
+    with torch.no_grad():
+        router(x)  # counts only in training with grad enabled
+    router.eval()
+    router(x)
+    assert torch.equal(router.local_tokens_per_expert, rmap.sum(0).float())
+
+
+def test_update_expert_bias_sign_rule_and_reset():
+    from moe_graph.moe_layer import update_expert_bias
+
+    layer = MoELayer(8, 8, 4, 1, score_func="sigmoid", enable_expert_bias=True, expert_bias_update_rate=0.01,
+                     device="cpu")
+    r = layer.router
+    r.local_tokens_per_expert.copy_(torch.tensor([3.0, 1.0, 2.0, 6.0]))  # mean 3
+    r.expert_bias.copy_(torch.tensor([0.5, 0.0, 0.0, 0.0]))
+    update_expert_bias(layer)
+    torch.testing.assert_close(r.expert_bias, torch.tensor([0.5, 0.01, 0.01, -0.01]))
+    assert torch.count_nonzero(r.local_tokens_per_expert) == 0
+    assert "router.expert_bias" in layer.state_dict() and "router.local_tokens_per_expert" not in layer.state_dict()
+
+
+def test_aux_loss_free_balancing_reduces_imbalance(gen):
+    # Skewed gate: a few experts win most tokens. Repeated bias updates (no gradient step) must even out the load.
+    from moe_graph.moe_layer import TopKRouter, update_expert_bias
+
+    E, K, H, T = 16, 2, 32, 2048
+    router = TopKRouter(H, E, K, "sigmoid", device="cpu", enable_expert_bias=True, expert_bias_update_rate=2e-3)
+    with torch.no_grad():
+        router.weight.normal_(0, 0.15, generator=gen)  # unsaturated sigmoid scores, as in a trained router
+        router.weight[:3] += 0.1 * router.weight[:3].sign()  # make the first experts popular
+    x = torch.randn(T, H, generator=gen)
+
+    def imbalance():
+        with torch.no_grad():
+            load = router(x)[0].sum(0).float()
+        return float(load.max() / load.mean())
+
+    before = imbalance()
+    for _ in range(100):
+        router(x)
+        update_expert_bias(router)
+    after = imbalance()
+    assert before > 1.5 and after < 1.1, (before, after)
+    assert float(router.expert_bias[:3].max()) < 0 < float(router.expert_bias[3:].max())  # popular experts pushed down
+
+
+def test_z_loss_gradient_flows_through_output(gen):
+    from moe_graph.moe_layer import router_z_loss
+
+    layer = _layer(E=6, K=2)
+    layer.z_loss_coeff = 0.1
+    x = torch.randn(12, 8, generator=gen, dtype=DT)
+    target = torch.randn(12, 8, generator=gen, dtype=DT)
+    layer(x).mul(target).sum().backward()
+    g_with = layer.router.weight.grad.clone()
+    layer.router.weight.grad = None
+    layer.z_loss_coeff = 0.0
+    layer(x).mul(target).sum().backward()
+    gate = layer.router.weight.detach().clone().requires_grad_()
+    (0.1 * router_z_loss(x @ gate.t())).backward()
+    torch.testing.assert_close(g_with - layer.router.weight.grad, gate.grad, rtol=1e-10, atol=1e-12)
+    assert layer.last_z_loss is not None
+
+
+@pytest.mark.parametrize("world", [2])
+def test_update_expert_bias_is_identical_across_ranks(world):
+    from moe_graph.testing.moe_reference import expert_bias_worker
+
+    res = run_distributed(expert_bias_worker, world)
+    assert all(torch.equal(res[0]["bias"], r["bias"]) for r in res)
+    torch.testing.assert_close(res[0]["bias"], res[0]["expect"])
+
+
+def test_router_options_have_no_data_dependent_ops():
+    """CPU proxy for "no host syncs" (as above) with group-limited routing, expert bias, z-loss and the bias
+    update: forward, backward and update_expert_bias under FakeTensorMode."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from moe_graph.moe_layer import update_expert_bias
+
+    layer = MoELayer(16, 24, 8, 2, score_func="sigmoid", num_groups=4, group_topk=2, topk_scaling_factor=2.0,
+                     enable_expert_bias=True, z_loss_coeff=1e-3, aux_loss_coeff=1e-2,
+                     num_spare_experts_per_ep_rank=1, capacity_factor=1.0, device="cpu")
+    layer(torch.randn(4, 16))  # lazy state outside the checked region
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        x = torch.randn(32, 16, requires_grad=True)
+        layer(x).sum().backward()
+        update_expert_bias(layer)

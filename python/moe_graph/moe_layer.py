@@ -42,7 +42,7 @@ from torch import nn
 from . import planner as P
 from .dispatcher import TokenDispatcher, capacity_for, expert_columns, topk_from_routing_map
 
-__all__ = ["MoELayer", "TopKRouter", "router_aux_loss"]
+__all__ = ["MoELayer", "TopKRouter", "group_limited_topk", "router_aux_loss", "router_z_loss", "update_expert_bias"]
 
 
 def router_aux_loss(scores: torch.Tensor, routing_map: torch.Tensor, topk: int) -> torch.Tensor:
@@ -68,36 +68,124 @@ class _AttachAux(torch.autograd.Function):
         return g, torch.ones_like(aux)
 
 
+def group_limited_topk(scores: torch.Tensor, topk: int, num_groups: int, group_topk: int):
+    """DeepSeek-V3's device/node-limited routing: experts form ``num_groups`` consecutive groups; a group's score
+    is the sum of its ``topk // group_topk`` best scores; each token picks its ``group_topk`` best groups and then
+    its ``topk`` best experts among those groups. Returns ``(values [T, topk], indices [T, topk])``."""
+    T, E = scores.shape
+    grouped = scores.view(T, num_groups, E // num_groups)
+    group_scores = grouped.topk(topk // group_topk, dim=-1)[0].sum(-1)  # [T, G]
+    group_idx = group_scores.topk(group_topk, dim=-1, sorted=False)[1]
+    allowed = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
+    allowed = allowed.unsqueeze(-1).expand_as(grouped).reshape(T, E)
+    return scores.masked_fill(~allowed, float("-inf")).topk(topk, dim=-1)
+
+
 class TopKRouter(nn.Module):
-    """Linear gate + softmax or sigmoid scores + top-k.
+    """Linear gate + softmax or sigmoid scores + top-k, with the routing options of DeepSeek-V3/Qwen3-style models
+    (Megatron-core's ``moe_router_*`` semantics).
 
     ``score_func="softmax"``: probabilities = the top-k softmax scores (renormalized to sum 1 when
-    ``norm_topk_prob``). ``"sigmoid"`` (DeepSeek-V3): the top-k sigmoid scores, renormalized to sum 1.
-    Returns ``(routing_map [T, E] bool, probs [T, E] (zero off the map), scores [T, E])``.
+    ``norm_topk_prob``). ``"sigmoid"`` (DeepSeek-V3): the top-k sigmoid scores, renormalized to sum 1 when
+    ``topk > 1``.
+
+    * ``num_groups`` / ``group_topk``: group-limited routing (:func:`group_limited_topk`).
+    * ``scaling_factor``: multiplies the probabilities (DeepSeek-V3's ``routed_scaling_factor`` 2.5).
+    * ``enable_expert_bias`` (sigmoid only): auxiliary-loss-free balancing. A buffer ``expert_bias [E]`` is added
+      to the scores for the *selection* only (the probabilities use the unbiased scores); each training forward
+      adds this rank's routes per expert to the buffer ``local_tokens_per_expert``, and
+      :func:`update_expert_bias` (after the optimizer step) moves the bias by ``expert_bias_update_rate`` towards
+      balance and clears the counts. All of it is device code without host syncs (capturable).
+
+    Returns ``(routing_map [T, E] bool, probs [T, E] (zero off the map), scores [T, E])``; ``last_logits`` keeps
+    the fp32 logits of the last call (the z-loss of :class:`MoELayer` uses them).
     """
 
     def __init__(self, hidden_size: int, num_experts: int, topk: int, score_func: str = "softmax",
-                 norm_topk_prob: bool = False, device=None, dtype=None):
+                 norm_topk_prob: bool = False, device=None, dtype=None, *, num_groups: Optional[int] = None,
+                 group_topk: Optional[int] = None, scaling_factor: Optional[float] = None,
+                 enable_expert_bias: bool = False, expert_bias_update_rate: float = 1e-3):
         super().__init__()
         if score_func not in ("softmax", "sigmoid"):
             raise ValueError(f"score_func must be 'softmax' or 'sigmoid', got {score_func!r}")
         if not 1 <= topk <= num_experts:
             raise ValueError(f"topk must be in [1, num_experts={num_experts}], got {topk}")
+        if (num_groups is None) != (group_topk is None):
+            raise ValueError(f"num_groups and group_topk go together, got num_groups={num_groups}, group_topk={group_topk}")
+        if num_groups is not None:
+            if num_groups < 1 or num_experts % num_groups:
+                raise ValueError(f"num_groups={num_groups} must divide num_experts={num_experts}")
+            if not 1 <= group_topk <= num_groups:
+                raise ValueError(f"group_topk must be in [1, num_groups={num_groups}], got {group_topk}")
+            if topk < group_topk or topk > group_topk * (num_experts // num_groups):
+                raise ValueError(
+                    f"topk={topk} must be in [group_topk={group_topk}, group_topk * experts per group = "
+                    f"{group_topk * (num_experts // num_groups)}] for group-limited routing")
+        if enable_expert_bias and score_func != "sigmoid":
+            raise ValueError("enable_expert_bias (auxiliary-loss-free balancing) needs score_func='sigmoid'")
         self.num_experts, self.topk, self.score_func = num_experts, topk, score_func
-        self.norm_topk_prob = norm_topk_prob or score_func == "sigmoid"
+        self.norm_topk_prob = norm_topk_prob or (score_func == "sigmoid" and topk > 1)
+        self.num_groups, self.group_topk = num_groups, group_topk
+        self.scaling_factor = scaling_factor
+        self.enable_expert_bias = bool(enable_expert_bias)
+        self.expert_bias_update_rate = float(expert_bias_update_rate)
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, device=device, dtype=dtype))
         nn.init.normal_(self.weight, std=0.02)
+        if self.enable_expert_bias:
+            self.register_buffer("expert_bias", torch.zeros(num_experts, device=device, dtype=torch.float32))
+            self.register_buffer("local_tokens_per_expert",
+                                 torch.zeros(num_experts, device=device, dtype=torch.float32), persistent=False)
+        self.last_logits = None
+
+    def _select(self, scores: torch.Tensor) -> torch.Tensor:
+        if self.num_groups is not None:
+            return group_limited_topk(scores, self.topk, self.num_groups, self.group_topk)[1]
+        return torch.topk(scores, self.topk, dim=-1)[1]
 
     def forward(self, x: torch.Tensor):
         logits = F.linear(x, self.weight)
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32 scores (fp64 stays fp64)
+        self.last_logits = logits
         scores = torch.softmax(logits, -1) if self.score_func == "softmax" else torch.sigmoid(logits)
-        top, idx = torch.topk(scores, self.topk, dim=-1)
+        if self.enable_expert_bias:
+            idx = self._select(scores.detach() + self.expert_bias.to(scores.dtype))
+        else:
+            idx = self._select(scores)
+        top = scores.gather(1, idx)
         if self.norm_topk_prob:
             top = top / (top.sum(-1, keepdim=True) + 1e-20)
+        if self.scaling_factor:
+            top = top * self.scaling_factor
         routing_map = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, idx, True)
         probs = torch.zeros_like(scores).scatter(1, idx, top)
+        if self.enable_expert_bias and self.training and torch.is_grad_enabled():
+            with torch.no_grad():
+                self.local_tokens_per_expert.add_(routing_map.sum(0).to(torch.float32))
         return routing_map, probs, scores
+
+
+@torch.no_grad()
+def update_expert_bias(module: nn.Module, group=None) -> None:
+    """Auxiliary-loss-free balancing step (DeepSeek-V3; Megatron's ``get_updated_expert_bias``) for every
+    :class:`TopKRouter` with ``enable_expert_bias`` in ``module``: sum the routes counted since the last call over
+    ``group`` (every rank whose tokens the routers see: data-, expert-, context- and tensor-parallel ranks; default:
+    the whole world when torch.distributed is initialized), then ``expert_bias += rate * sign(mean - count)``
+    per expert, and clear the counts. One all-reduce for all routers; device code only, capturable."""
+    routers = [m for m in module.modules() if isinstance(m, TopKRouter) and m.enable_expert_bias]
+    if not routers:
+        return
+    counts = torch.stack([r.local_tokens_per_expert for r in routers])  # [layers, E]
+    if dist.is_available() and dist.is_initialized() and (group is not None or dist.get_world_size() > 1):
+        dist.all_reduce(counts, group=group)
+    offset = counts.mean(dim=-1, keepdim=True) - counts
+    for r, off in zip(routers, offset.unbind(0)):
+        r.expert_bias.add_(torch.sign(off), alpha=r.expert_bias_update_rate)
+        r.local_tokens_per_expert.zero_()
+
+
+def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """ST-MoE router z-loss ``mean(logsumexp(logits)^2)`` over tokens (scale it by the coefficient)."""
+    return torch.logsumexp(logits, dim=-1).square().mean()
 
 
 def _all_gather_counts(local: torch.Tensor, group, R: int) -> torch.Tensor:
@@ -118,8 +206,12 @@ class MoELayer(nn.Module):
         hidden_size, ffn_hidden_size: ``H``, ``F`` (per expert).
         num_experts: ``E`` (global). topk: routes per token.
         score_func: ``"softmax"`` or ``"sigmoid"``. norm_topk_prob: renormalize the top-k softmax probabilities.
+        num_groups, group_topk, topk_scaling_factor, enable_expert_bias, expert_bias_update_rate: router options
+            (:class:`TopKRouter`; group-limited routing, scaled probabilities, auxiliary-loss-free balancing with
+            :func:`update_expert_bias` after each optimizer step).
         activation: ``"swiglu"`` (fc1 is ``[2F, H]``) or ``"gelu"``.
         aux_loss_coeff: weight of the load-balancing loss (0: off); its gradient flows through the output.
+        z_loss_coeff: weight of the router z-loss (:func:`router_z_loss`; 0: off), attached the same way.
         ep_group: the EP process group (``None``: a single process, ``R = 1``, or the default group with
             ``ep_size=-1``). ep_size: ``R`` (default: the group's size, 1 without torch.distributed).
         num_spare_experts_per_ep_rank: echo slots ``k`` (0: echo off). assignment: the planner's assignment.
@@ -139,6 +231,12 @@ class MoELayer(nn.Module):
         norm_topk_prob: bool = False,
         activation: str = "swiglu",
         aux_loss_coeff: float = 0.0,
+        z_loss_coeff: float = 0.0,
+        num_groups: Optional[int] = None,
+        group_topk: Optional[int] = None,
+        topk_scaling_factor: Optional[float] = None,
+        enable_expert_bias: bool = False,
+        expert_bias_update_rate: float = 1e-3,
         ep_group=None,
         ep_size: Optional[int] = None,
         num_spare_experts_per_ep_rank: int = 0,
@@ -166,6 +264,7 @@ class MoELayer(nn.Module):
         self.num_experts, self.topk = num_experts, topk
         self.activation = activation
         self.aux_loss_coeff = float(aux_loss_coeff)
+        self.z_loss_coeff = float(z_loss_coeff)
         self.ep_group = ep_group
         self.R = ep_size
         self.ep_rank = dist.get_rank(ep_group) if ep_size > 1 else 0
@@ -177,7 +276,10 @@ class MoELayer(nn.Module):
         device = torch.device(device) if device is not None else torch.device(
             "cuda" if torch.cuda.is_available() else "cpu")
 
-        self.router = TopKRouter(hidden_size, num_experts, topk, score_func, norm_topk_prob, device=device, dtype=dtype)
+        self.router = TopKRouter(hidden_size, num_experts, topk, score_func, norm_topk_prob, device=device, dtype=dtype,
+                                 num_groups=num_groups, group_topk=group_topk, scaling_factor=topk_scaling_factor,
+                                 enable_expert_bias=enable_expert_bias,
+                                 expert_bias_update_rate=expert_bias_update_rate)
         init = lambda t: nn.init.normal_(t, std=init_std)  # noqa: E731
         fc1_out = 2 * ffn_hidden_size if activation == "swiglu" else ffn_hidden_size
         self.fc1 = GroupedLinear(self.L, hidden_size, fc1_out, bias=False, params_dtype=dtype, device=device,
@@ -201,6 +303,7 @@ class MoELayer(nn.Module):
             if ep_size > 1:
                 _ = self.echo.backend  # probe the process group now, never during capture
         self.last_aux_loss = None
+        self.last_z_loss = None
         self.last_load_before = None
         self.last_load_after = None
         self.last_tokens_per_expert = None
@@ -316,6 +419,10 @@ class MoELayer(nn.Module):
         if self.aux_loss_coeff > 0 and self.training:
             aux = self.aux_loss_coeff * router_aux_loss(scores, routing_map, self.topk)
             self.last_aux_loss = aux.detach()
+        if self.z_loss_coeff > 0 and self.training:
+            z = self.z_loss_coeff * router_z_loss(self.router.last_logits)
+            self.last_z_loss = z.detach()
+            aux = z if aux is None else aux + z
 
         new_map, new_probs, omap = self._plan(routing_map, probs)
         indices, top_probs, valid = topk_from_routing_map(new_map, new_probs, self.topk)

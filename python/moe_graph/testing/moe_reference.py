@@ -12,13 +12,31 @@ import torch.nn.functional as F
 
 # ---------------------------------------------------------------------------------------------- references --
 def reference_route(h: torch.Tensor, gate_weight: torch.Tensor, topk: int, score_func: str = "softmax",
-                    norm_topk_prob: bool = False):
-    """``(topk_idx [T, K], topk_probs [T, K], scores [T, E])``: the router written out independently."""
+                    norm_topk_prob: bool = False, *, num_groups=None, group_topk=None, scaling_factor=None,
+                    expert_bias=None):
+    """``(topk_idx [T, K], topk_probs [T, K], scores [T, E])``: the router written out independently (group-limited
+    selection one token at a time, in plain Python)."""
     logits = (h @ gate_weight.t()).float() if h.dtype != torch.float64 else h @ gate_weight.t()
     scores = torch.softmax(logits, -1) if score_func == "softmax" else torch.sigmoid(logits)
-    top, idx = torch.topk(scores, topk, dim=-1)
-    if norm_topk_prob or score_func == "sigmoid":
+    sel = scores.detach() + (expert_bias.to(scores.dtype) if expert_bias is not None else 0)
+    T, E = scores.shape
+    if num_groups is None:
+        idx = torch.topk(sel, topk, dim=-1)[1]
+    else:
+        per = E // num_groups
+        rows = []
+        for t in range(T):
+            s = sel[t].tolist()
+            gscore = [sum(sorted(s[g * per:(g + 1) * per], reverse=True)[: topk // group_topk]) for g in range(num_groups)]
+            groups = sorted(range(num_groups), key=lambda g: -gscore[g])[:group_topk]
+            cand = [e for g in groups for e in range(g * per, (g + 1) * per)]
+            rows.append(sorted(cand, key=lambda e: -s[e])[:topk])
+        idx = torch.tensor(rows, dtype=torch.int64)
+    top = scores.gather(1, idx)
+    if norm_topk_prob or (score_func == "sigmoid" and topk > 1):
         top = top / (top.sum(-1, keepdim=True) + 1e-20)
+    if scaling_factor:
+        top = top * scaling_factor
     return idx, top, scores
 
 
@@ -320,3 +338,23 @@ def moe_layer_ddp_worker(rank: int, world: int, seed: int, ks=(0, 1, 2)) -> Dict
             res["spare_changed"] = any(not torch.equal(a, b) for a, b in zip(spare1, spare2))
         out[k] = res
     return out
+
+
+def expert_bias_worker(rank: int, world_size: int):
+    """Each rank routes different tokens; after ``update_expert_bias`` every rank holds the bias computed from the
+    global counts (checked against a sign rule on the all-gathered counts)."""
+    import torch.distributed as dist
+
+    from moe_graph.moe_layer import MoELayer, update_expert_bias
+
+    torch.manual_seed(0)
+    layer = MoELayer(8, 8, 8, 2, score_func="sigmoid", enable_expert_bias=True, expert_bias_update_rate=0.01,
+                     device="cpu", ep_size=1)
+    g = torch.Generator().manual_seed(100 + rank)
+    layer(torch.randn(50 + 30 * rank, 8, generator=g))
+    local = layer.router.local_tokens_per_expert.clone()
+    gathered = [torch.zeros_like(local) for _ in range(world_size)]
+    dist.all_gather(gathered, local)
+    total = torch.stack(gathered).sum(0)
+    update_expert_bias(layer)
+    return {"bias": layer.router.expert_bias.clone(), "expect": 0.01 * torch.sign(total.mean() - total)}
