@@ -484,3 +484,41 @@ def test_eight_ranks_training_and_memory():
     _check_train(res[0]["train"], cfgs, 8)
     assert res[0]["memory"] == pytest.approx(_expected_bytes(8))
     assert res[0]["memory"]["bf16/fp32"] == pytest.approx(6 + 12 / 8)  # the seed's 6 + 12/d row
+
+
+# --------------------------------------------------------------------------------------------
+# grad norm over tensor- and pipeline-parallel ranks (Megatron's counting rules)
+# --------------------------------------------------------------------------------------------
+def test_grad_norm_counts_tp_duplicates_once_single_process():
+    # As tensor-parallel rank 1: the duplicate bias and the shared embedding are counted elsewhere.
+    for tp_rank, shared in ((0, False), (1, False), (0, True)):
+        module = C.tp_pp_module(tp_rank, last_stage=shared)
+        ddp = DistributedDataParallel(module, use_distributed_optimizer=True)
+        opt = DistributedOptimizer(ddp, lr=1e-2, impl="tensor", tensor_model_parallel_rank=tp_rank)
+        gw, gb, ge = torch.randn(3, 4), torch.randn(4), torch.randn(5)
+        ddp.zero_grad_buffer()
+        for p, g in ((module.w, gw), (module.b, gb), (module.emb, ge)):
+            p.main_grad.copy_(g)
+        _, norm = opt.step()
+        dup = gb.square().sum() + (0 if shared else ge.square().sum())  # b and emb are not tensor_model_parallel
+        expect = gw.square().sum() + (dup if tp_rank == 0 else 0)
+        torch.testing.assert_close(norm, expect.sqrt())
+
+
+@pytest.mark.parametrize("clip", [0.0, 1.0])
+def test_grad_norm_and_clipping_over_tp2_pp2(clip):
+    res = C.run(C.tp_pp_norm_worker, 4, clip, True)
+    grads = C.tp_pp_grads()
+    total = sum(gw.square().sum() + gb.square().sum() for gw, gb in grads["stages"].values())
+    expect = float((total + grads["emb"].square().sum()).sqrt())
+    assert all(r["ok"] for r in res)
+    for r in res:  # one global norm on every stage and TP rank
+        assert r["norm"] == pytest.approx(expect, rel=1e-6)
+    coef = min(1.0, clip / (expect + 1e-6)) if clip > 0 else 1.0
+    for rank, r in enumerate(res):
+        gw = grads["stages"][rank // 2][0][3 * (rank % 2):3 * (rank % 2) + 3]
+        torch.testing.assert_close(r["w_grad"], gw * coef)
+    if clip > 0:
+        # without the model-parallel group each stage would clip with its own partial norm
+        local = C.run(C.tp_pp_norm_worker, 4, clip, False)
+        assert all(abs(r["norm"] - expect) > 1e-3 for r in local)

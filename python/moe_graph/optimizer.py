@@ -184,7 +184,26 @@ class _Shard:
     """Optimizer-side view of one rank's shard of one bucket."""
 
     __slots__ = ("buffer", "bucket_index", "bucket", "group", "rank", "size", "model_param", "grad",
-                 "main_param", "main_grad", "exp_avg", "exp_avg_sq", "wd_mask", "ranges")
+                 "main_param", "main_grad", "exp_avg", "exp_avg_sq", "wd_mask", "norm_mask", "ranges")
+
+
+def _counts_in_grad_norm(p, tensor_parallel_rank: int) -> bool:
+    """Megatron's rule: not a tied copy (``shared``) and not a tensor-parallel duplicate on a rank other than 0."""
+    if getattr(p, "shared", False):
+        return False
+    return bool(getattr(p, "tensor_model_parallel", False)) or tensor_parallel_rank == 0
+
+
+def _range_mask(ranges: Dict, n: int, device, zero_if) -> Optional[torch.Tensor]:
+    """A 0/1 float mask over a shard of ``n`` elements, 0 on the local ranges of the params where ``zero_if(p)``;
+    None when no param of the shard qualifies."""
+    hit = [r for p, r in ranges.items() if zero_if(p)]
+    if not hit:
+        return None
+    mask = torch.ones(n, device=device)
+    for r in hit:
+        mask[r["gbuf_local"][0]:r["gbuf_local"][1]] = 0.0
+    return mask
 
 
 class DistributedOptimizer:
@@ -205,10 +224,18 @@ class DistributedOptimizer:
             is uniform), ``"fused"``, or ``"tensor"`` (portable device-tensor code).
         expert_model_parallel_group: with expert parallelism, the group whose ranks hold
             *different* experts: the expert part of the grad norm and the inf flag are summed over
-            it as well (the dense part is complete after the data-parallel reduction). Tensor- and
-            pipeline-parallel partitions are not combined here: the norm covers this rank's
-            dense parameters and its expert-parallel group's experts. Its rank is also recorded
-            in checkpoints, so that expert params are reloaded from the right files.
+            it as well (the dense part is complete after the data-parallel reduction). With tensor
+            or pipeline parallelism pass Megatron's expert-tensor-model-pipeline group (ETP x EP x
+            PP). Its rank is also recorded in checkpoints, so that expert params are reloaded from
+            the right files.
+        model_parallel_group: with tensor or pipeline parallelism, Megatron's model-parallel group
+            (TP x PP, ``parallel_state.get_model_parallel_group()``): the dense part of the grad
+            norm and the inf flag are summed over it, so that every stage clips with the same,
+            global norm. As in Megatron, a parameter counts once: one without
+            ``tensor_model_parallel = True`` is a copy on every tensor-parallel rank and counts
+            only where ``tensor_model_parallel_rank`` (``expert_tensor_parallel_rank`` for expert
+            params) is 0, and a parameter marked ``shared = True`` (the tied output embedding on
+            the last stage) does not count.
 
     ``step()`` returns ``(update_successful, grad_norm)``, both 0-dim device tensors.
     ``state_dict()`` is this rank's shard (save one file per rank); ``load_state_dict(shards)``
@@ -218,7 +245,8 @@ class DistributedOptimizer:
     def __init__(self, model, *, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.01, adamw: bool = True, clip_grad: float = 0.0, loss_scaler=None,
                  no_weight_decay_params: Optional[Iterable[torch.nn.Parameter]] = None, impl: str = "auto",
-                 expert_model_parallel_group=None):
+                 expert_model_parallel_group=None, model_parallel_group=None,
+                 tensor_model_parallel_rank: int = 0, expert_tensor_parallel_rank: int = 0):
         if not getattr(model, "use_distributed_optimizer", False):
             raise ValueError("DistributedOptimizer: model must be a DistributedDataParallel built with "
                              "use_distributed_optimizer=True")
@@ -232,6 +260,8 @@ class DistributedOptimizer:
         self.clip_grad = float(clip_grad)
         self.loss_scaler = loss_scaler
         self.expert_model_parallel_group = expert_model_parallel_group
+        self.model_parallel_group = model_parallel_group
+        expert_buffers = set(map(id, getattr(model, "expert_parallel_buffers", [])))
         no_wd = set(no_weight_decay_params or [])
         self.param_to_name = dict(getattr(model, "param_to_name", {}))
 
@@ -257,12 +287,9 @@ class DistributedOptimizer:
                 s.exp_avg = torch.zeros(n, device=device)
                 s.exp_avg_sq = torch.zeros(n, device=device)
                 s.ranges = build_shard_ranges(buf, bi, rank)
-                s.wd_mask = None
-                if no_wd and any(p in no_wd for p in s.ranges):
-                    s.wd_mask = torch.ones(n, device=device)
-                    for p, r in s.ranges.items():
-                        if p in no_wd:
-                            s.wd_mask[r["gbuf_local"][0]:r["gbuf_local"][1]] = 0.0
+                s.wd_mask = _range_mask(s.ranges, n, device, lambda p: p in no_wd)
+                tp_rank = expert_tensor_parallel_rank if id(buf) in expert_buffers else tensor_model_parallel_rank
+                s.norm_mask = _range_mask(s.ranges, n, device, lambda p, t=tp_rank: not _counts_in_grad_norm(p, t))
                 self.shards.append(s)
         self.device = device
         f32 = dict(dtype=torch.float32, device=device)
@@ -270,7 +297,6 @@ class DistributedOptimizer:
         self.step_count = torch.zeros((), **f32)
         self._one = torch.ones((), **f32)
         # shards grouped by the process group their norm / inf statistics are reduced over
-        expert_buffers = set(map(id, getattr(model, "expert_parallel_buffers", [])))
         self._stat_groups: List[Tuple[object, bool, List[int]]] = []  # (dp group or None, is_expert, shards)
         for i, s in enumerate(self.shards):
             key = s.group if s.buffer.data_parallel_world_size > 1 else None
@@ -305,7 +331,7 @@ class DistributedOptimizer:
         """Bytes of optimizer-owned tensors (main params, main grads, moments, masks), excluding views."""
         total = 0
         for s in self.shards:
-            for t in (s.main_param, s.main_grad, s.exp_avg, s.exp_avg_sq, s.wd_mask):
+            for t in (s.main_param, s.main_grad, s.exp_avg, s.exp_avg_sq, s.wd_mask, s.norm_mask):
                 if t is not None and t is not s.model_param and t is not s.grad:
                     total += t.numel() * t.element_size()
         return total
@@ -314,7 +340,8 @@ class DistributedOptimizer:
         """Every tensor the optimizer holds (views included), for memory accounting."""
         out = [self.lr, self.step_count]
         for s in self.shards:
-            out += [t for t in (s.main_param, s.main_grad, s.exp_avg, s.exp_avg_sq, s.wd_mask) if t is not None]
+            out += [t for t in (s.main_param, s.main_grad, s.exp_avg, s.exp_avg_sq, s.wd_mask, s.norm_mask)
+                    if t is not None]
         return out
 
     # ------------------------------------------------------------------
@@ -347,11 +374,15 @@ class DistributedOptimizer:
                     torch._foreach_mul_(gs, inv_scale)
                 for g in gs:
                     t[0] += torch.logical_not(torch.isfinite(g)).sum()
-            t[1] = torch.stack(torch._foreach_norm(gs)).square().sum()
+            masked = [grads[i] * self.shards[i].norm_mask if self.shards[i].norm_mask is not None else grads[i]
+                      for i in idx]  # parameters counted on another rank contribute 0
+            t[1] = torch.stack(torch._foreach_norm(masked)).square().sum()
             if group is not None:
                 dist.all_reduce(t, group=group)
             if expert and self.expert_model_parallel_group is not None:
                 dist.all_reduce(t, group=self.expert_model_parallel_group)
+            if not expert and self.model_parallel_group is not None:
+                dist.all_reduce(t, group=self.model_parallel_group)
             total += t
         found_inf = total[0] > 0
         grad_norm = total[1].sqrt()

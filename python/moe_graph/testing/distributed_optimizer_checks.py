@@ -495,3 +495,46 @@ def suite_worker(rank: int, ws: int, tasks: dict) -> bytes:
     if tasks.get("missing"):
         out["missing"] = [unpack(checkpoint_missing_shard_worker(rank, ws, *t, ws)) for t in tasks["missing"]]
     return pack(out)
+
+
+# ------------------------------------------------------------------------- grad norm over TP x PP ranks --
+def tp_pp_module(tp_rank: int, last_stage: bool) -> torch.nn.Module:
+    """One pipeline stage's share: ``w`` (this TP rank's 3 of 6 rows, ``tensor_model_parallel``), ``b`` (a
+    tensor-parallel duplicate) and ``emb`` (a tied embedding, marked ``shared`` on the last stage, as Megatron
+    marks the output layer's copy)."""
+    m = torch.nn.Module()
+    m.w = torch.nn.Parameter(torch.zeros(3, 4))
+    m.w.tensor_model_parallel = True
+    m.b = torch.nn.Parameter(torch.zeros(4))
+    m.emb = torch.nn.Parameter(torch.zeros(5))
+    if last_stage:
+        m.emb.shared = True
+    return m
+
+
+def tp_pp_grads(pp: int = 2) -> Dict:
+    """Full (unsplit) gradients per stage ``{stage: (w [6, 4], b [4])}`` and the tied embedding's ``[5]``."""
+    g = torch.Generator().manual_seed(7)
+    stages = {s: (torch.randn(6, 4, generator=g), torch.randn(4, generator=g)) for s in range(pp)}
+    return {"stages": stages, "emb": torch.randn(5, generator=g)}
+
+
+def tp_pp_norm_worker(rank: int, ws: int, clip: float, use_mp_group: bool) -> dict:
+    """pp = 2 x tp = 2 (tp fastest), dp = 1: gradients written by hand into ``main_grad``, one optimizer step.
+    Returns the grad norm and this rank's ``w`` gradient after clipping."""
+    tp = 2
+    tp_rank, pp_rank = rank % tp, rank // tp
+    singles = [dist.new_group([r]) for r in range(ws)]  # dp = 1 (every rank must create every group)
+    module = tp_pp_module(tp_rank, last_stage=pp_rank == 1)
+    ddp = DistributedDataParallel(module, use_distributed_optimizer=True, data_parallel_group=singles[rank])
+    opt = DistributedOptimizer(ddp, lr=1e-2, clip_grad=clip, impl="tensor",
+                               model_parallel_group=dist.group.WORLD if use_mp_group else None,
+                               tensor_model_parallel_rank=tp_rank)
+    grads = tp_pp_grads()
+    gw, gb = grads["stages"][pp_rank]
+    ddp.zero_grad_buffer()
+    module.w.main_grad.copy_(gw[3 * tp_rank:3 * tp_rank + 3])
+    module.b.main_grad.copy_(gb)
+    module.emb.main_grad.copy_(grads["emb"])  # after the embedding all-reduce both stages hold the same grad
+    ok, norm = opt.step()
+    return pack({"ok": bool(ok), "norm": float(norm), "w_grad": module.w.main_grad.clone()})
