@@ -232,3 +232,41 @@ def test_ddp_rejects_delayed_param_without_hook_owner():
     lin.weight.skip_backward_post_hook = True
     with pytest.raises(ValueError, match=r"\['weight'\].*register_wgrad_accumulation_and_reduce_hooks"):
         DistributedDataParallel(lin)
+
+
+def test_init_runs_inside_the_rng_tracker_fork():
+    # Megatron passes get_rng_state_tracker (and rng_tracker_name for experts): every weight is initialized inside
+    # tracker.fork(name), so expert-parallel ranks with different tracker seeds get different experts.
+    import contextlib
+
+    class Tracker:
+        def __init__(self, seed):
+            self.gen_state = torch.Generator().manual_seed(seed).get_state()
+            self.names = []
+
+        @contextlib.contextmanager
+        def fork(self, name="model-parallel-rng"):
+            self.names.append(name)
+            outer = torch.get_rng_state()
+            torch.set_rng_state(self.gen_state)
+            try:
+                yield
+            finally:
+                self.gen_state = torch.get_rng_state()
+                torch.set_rng_state(outer)
+
+    def build(seed, name, single=False):
+        t = Tracker(seed)
+        torch.manual_seed(0)  # the default stream is the same on every "rank"
+        layer = GroupedLinear(3, 8, 4, device="cpu", get_rng_state_tracker=lambda: t, rng_tracker_name=name,
+                              single_grouped_weight=single)
+        return layer, t
+
+    a, ta = build(1, "expert-parallel-rng")
+    b, _ = build(2, "expert-parallel-rng")
+    c, _ = build(1, "expert-parallel-rng")
+    assert ta.names == ["expert-parallel-rng"] * 3
+    assert not torch.equal(a.weight0, b.weight0)  # different tracker seeds: different experts
+    assert all(torch.equal(getattr(a, f"weight{e}"), getattr(c, f"weight{e}")) for e in range(3))
+    _, td = build(1, None, single=True)
+    assert td.names == ["model-parallel-rng"] * 3  # fork() with the tracker's default name

@@ -102,7 +102,18 @@ class GroupedLinear(nn.Module):
         self.wgrad_accumulation_and_reduce_hooks: List[Callable[[], None]] = []
         self._wgrad_queue: collections.deque = collections.deque()
         dtype = params_dtype if params_dtype is not None else torch.get_default_dtype()
-        init = init_method if init_method is not None else _default_init()
+        base_init = init_method if init_method is not None else _default_init()
+
+        def init(t: torch.Tensor) -> None:
+            # As TE: weights are initialized inside the model-parallel RNG tracker's fork (Megatron passes its
+            # tracker and, for experts, the expert-parallel stream, so that EP ranks get different experts).
+            if get_rng_state_tracker is None:
+                base_init(t)
+                return
+            tracker = get_rng_state_tracker()
+            with (tracker.fork(rng_tracker_name) if rng_tracker_name else tracker.fork()):
+                base_init(t)
+
         factory = dict(device=device, dtype=dtype)
 
         if single_grouped_weight:
