@@ -270,3 +270,43 @@ def test_init_runs_inside_the_rng_tracker_fork():
     assert all(torch.equal(getattr(a, f"weight{e}"), getattr(c, f"weight{e}")) for e in range(3))
     _, td = build(1, None, single=True)
     assert td.names == ["model-parallel-rng"] * 3  # fork() with the tracker's default name
+
+
+def test_megatron_style_subclass(gen):
+    # Megatron's TEGroupedLinear subclasses TE's GroupedLinear: it passes is_first_microbatch, returns (out, None),
+    # reads the fp8 flags in its state-dict hooks and splits _extra_state per expert when saving.
+    class MegatronGrouped(GroupedLinear):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            self.is_first_microbatch = True
+            self._register_load_state_dict_pre_hook(self._merge_extra_states)
+
+        def _merge_extra_states(self, state_dict, prefix, *unused):
+            self.init_fp8_metadata(num_gemms=self.num_gemms)
+            if self.fp8_meta["fp8_checkpoint"] or self.fp8 or self.fp8_calibration:
+                raise AssertionError("no fp8 checkpoint here")
+            for i in range(1, self.num_gemms):
+                state_dict.pop(f"{prefix}_extra_state{i}", None)
+
+        def split_extra_state(self):
+            state = self.state_dict()["_extra_state"]
+            return [self._decode_extra_state(state)] * self.num_gemms
+
+        def forward(self, x, m_splits):
+            out = super().forward(x, m_splits, is_first_microbatch=self.is_first_microbatch)
+            self.is_first_microbatch = False
+            return out, None
+
+    layer = MegatronGrouped(3, 8, 4, device="cpu", fuse_wgrad_accumulation=True, bias=False)
+    for w in layer._weights():
+        w.main_grad = torch.full(w.shape, 7.0)  # stale: the first microbatch overwrites it
+    x = torch.randn(6, 8, generator=gen)
+    out, none = layer(x, [2, 0, 4])
+    out.sum().backward()
+    assert none is None and layer.is_first_microbatch is False
+    torch.testing.assert_close(layer.weight1.main_grad, torch.zeros(4, 8))
+    torch.testing.assert_close(layer.weight0.main_grad, torch.ones(4, 2) @ x[:2])
+    assert len(layer.split_extra_state()) == 3
+    sd = layer.state_dict()
+    sd.update({f"_extra_state{i}": torch.empty(0, dtype=torch.uint8) for i in (1, 2)})  # a dist-ckpt layout
+    layer.load_state_dict(sd)

@@ -248,6 +248,23 @@ class GroupedLinear(nn.Module):
         for hook in self.wgrad_accumulation_and_reduce_hooks:
             hook()
 
+    # ------------------------------------------------------- TE base-module surface (no fp8 in moe_graph) --
+    # Megatron's TEGroupedLinear subclasses TE's GroupedLinear and reads these in its checkpoint hooks
+    # (merge_extra_states, _split_extra_state); with them it subclasses this class unchanged.
+    fp8 = False
+    fp8_calibration = False
+
+    @property
+    def fp8_meta(self) -> dict:
+        return {"fp8_checkpoint": False, "recipe": None}
+
+    def init_fp8_metadata(self, num_gemms: int = 1) -> None:
+        """TE API: nothing to initialize without fp8."""
+        del num_gemms
+
+    def _decode_extra_state(self, state):
+        return state
+
     # --------------------------------------------------------------------------------------- state dict I/O --
     def get_extra_state(self) -> torch.Tensor:
         # TE stores fp8 metadata here; an empty tensor keeps state dicts loadable by TE with strict=True.
