@@ -196,3 +196,36 @@ def test_cuda_no_host_sync_and_matches_cpu():
     torch.testing.assert_close(y.cpu(), y_c.to(y.dtype), rtol=1e-5, atol=1e-5)
     assert ms.cpu().tolist() == ms_c.tolist()
     assert d.check_drops() == 2 * (T * K - 100)
+
+
+def test_probs_drop_policy_keeps_the_most_probable_routes(gen):
+    # Two destination ranks, simulated in one process with an identity "exchange" of [R, cap, H] blocks; every
+    # destination keeps its `cap` most probable routes (ties: token order), gradients flow to the kept ones only.
+    class Loopback:
+        def exchange(self, send):
+            return send
+
+    T, E, K, H, cap = 30, 4, 2, 3, 11
+    idx, probs = _routing(T, E, K, gen)
+    probs[0, 0] = probs[1, 0] = 0.5  # an exact tie, resolved by token order
+    x = torch.randn(T, H, generator=gen, dtype=torch.float64)
+    col_rank = torch.tensor([0, 0, 1, 1])
+    d = TokenDispatcher(2, 2, 0, col_rank, torch.tensor([0, 1, 0, 1]), capacity=cap, backend=Loopback(),
+                        drop_policy="probs")
+    pd = probs.clone().requires_grad_()
+    ein, ms, h = d.dispatch(x, idx, pd)
+    y = d.combine(ein, h)  # identity experts
+    keep = kept_routes(idx, col_rank, cap, probs=probs)
+    for r in (0, 1):
+        on_r = col_rank[idx] == r
+        assert int((keep & on_r).sum()) == min(cap, int(on_r.sum()))
+        if int(on_r.sum()) > cap:
+            assert float(probs[keep & on_r].min()) >= float(probs[~keep & on_r].max())
+    ref = (x[:, None, :] * (probs * keep)[..., None]).sum(1)
+    torch.testing.assert_close(y, ref, rtol=0, atol=1e-12)
+    assert int(h.dropped) == int((~keep).sum()) > 0
+    y.sum().backward()
+    assert bool((pd.grad[~keep] == 0).all()) and bool((pd.grad[keep] != 0).all())
+    assert not torch.equal(keep, kept_routes(idx, col_rank, cap))  # the policy matters for this routing
+    with pytest.raises(ValueError, match="drop_policy"):
+        TokenDispatcher(2, 1, 0, torch.zeros(2, dtype=torch.int64), torch.arange(2), drop_policy="random")

@@ -33,7 +33,7 @@ def _reference(layer, x, target, keep_fn=None, aux=0.0):
     idx, p, scores = reference_route(xr, gate, layer.topk, r.score_func, r.norm_topk_prob, num_groups=r.num_groups,
                                      group_topk=r.group_topk, scaling_factor=r.scaling_factor,
                                      expert_bias=r.expert_bias if r.enable_expert_bias else None)
-    keep = keep_fn(idx) if keep_fn is not None else None
+    keep = keep_fn(idx, p.detach()) if keep_fn is not None else None
     y = dense_moe_reference(xr, idx, p, w1, w2, layer.activation, keep)
     loss = (y * target).sum()
     if aux:
@@ -84,21 +84,24 @@ def test_echo_single_rank_is_a_no_op(gen):
     assert layer.last_load_after.tolist() == layer.last_load_before.tolist() == [24]
 
 
-def test_capacity_drops_match_reference_and_are_counted(gen):
+@pytest.mark.parametrize("policy", ["probs", "position"])
+def test_capacity_drops_match_reference_and_are_counted(gen, policy):
     T, K, cf = 15, 2, 0.6
     layer = _layer(cf=cf)
+    layer.dispatcher.drop_policy = policy
     cap = 18  # ceil(0.6 * 15 * 2 / 1)
     x = torch.randn(T, 8, generator=gen, dtype=DT)
     # the layer orders each token's routes by expert id before applying the capacity
-    keep_fn = lambda idx: _keep_sorted(idx, cap)  # noqa: E731
+    keep_fn = lambda idx, p: _keep_sorted(idx, cap, p if policy == "probs" else None)  # noqa: E731
     _check(layer, x, torch.randn(T, 8, generator=gen, dtype=DT), keep_fn)
     assert layer.dispatcher.capacity == cap
     assert layer.dispatcher.check_drops() == T * K - cap
 
 
-def _keep_sorted(idx, cap):
+def _keep_sorted(idx, cap, probs=None):
     srt, perm = idx.sort(1)
-    keep_sorted = kept_routes(srt, torch.zeros(int(idx.max()) + 1, dtype=torch.int64), cap)
+    p_srt = probs.gather(1, perm) if probs is not None else None
+    keep_sorted = kept_routes(srt, torch.zeros(int(idx.max()) + 1, dtype=torch.int64), cap, probs=p_srt)
     return torch.empty_like(keep_sorted).scatter_(1, perm, keep_sorted)
 
 

@@ -13,8 +13,11 @@ Layout. ``R`` EP ranks, ``T`` local tokens with ``K`` routes each (``indices [T,
 first, then the ``k`` spare slots; :func:`expert_columns` builds this map). Each rank sends at most ``capacity``
 routes to each rank (the send buffer is ``[R, capacity, H]``) and receives ``R * capacity`` rows.
 
-Drops. Routes to one destination keep the order (token, then column); when more than ``capacity`` go to one
-rank, the last ones are dropped (they contribute zero to the output, with zero gradient), deterministically.
+Drops. When more than ``capacity`` routes go to one rank, the ones past the capacity are dropped (they contribute
+zero to the output, with zero gradient), deterministically: with ``drop_policy="position"`` the routes to one
+destination keep the order (token, then column) and the last ones are dropped; with ``"probs"`` (Megatron's
+default policy) they are ranked by routing probability, highest first (ties: token, then column), and the least
+probable ones are dropped.
 Every drop is counted on the device (:attr:`TokenDispatcher.dropped_routes`, cumulative int64, and the device error
 flag's capacity bit, reported by ``moe_graph.check_errors()``;
 ``handle.dropped`` for one call); :meth:`TokenDispatcher.check_drops` reads it (that one call syncs, by design).
@@ -169,6 +172,7 @@ class TokenDispatcher:
         capacity: routes each rank sends to each rank (static); ``None``: dropless (``T * K``, known at the first
             dispatch). See :func:`capacity_for` for ``capacity_factor``.
         group: the EP process group (``None``: the default group when ``R > 1``).
+        drop_policy: ``"position"`` or ``"probs"``: which routes are dropped over the capacity (see above).
         backend: an object with ``exchange(send [R, ...]) -> recv [R, ...]`` (default:
             :func:`moe_graph.echo.default_backend`: ``all_to_all_single`` where the group supports it, else an
             ``all_gather`` fallback; chosen once here, never during capture).
@@ -184,7 +188,11 @@ class TokenDispatcher:
         capacity: Optional[int] = None,
         group=None,
         backend=None,
+        drop_policy: str = "position",
     ):
+        if drop_policy not in ("position", "probs"):
+            raise ValueError(f"drop_policy must be 'position' or 'probs', got {drop_policy!r}")
+        self.drop_policy = drop_policy
         if num_local_experts < 1:
             raise ValueError(f"num_local_experts must be >= 1, got {num_local_experts}")
         if num_ranks < 1 or not 0 <= rank < num_ranks:
@@ -306,7 +314,11 @@ class TokenDispatcher:
         dst = col_rank.index_select(0, col)  # [TK] in [0, R]
         lid = col_local.index_select(0, col)  # [TK] in [0, num_local]
 
-        order = torch.argsort(dst, stable=True)  # route order: destination, then (token, k)
+        if self.drop_policy == "probs":  # route order: destination, then probability (descending), then (token, k)
+            by_prob = torch.argsort(probs.reshape(-1).detach(), descending=True, stable=True)
+            order = by_prob.index_select(0, torch.argsort(dst.index_select(0, by_prob), stable=True))
+        else:  # route order: destination, then (token, k)
+            order = torch.argsort(dst, stable=True)
         cnt = torch.zeros(R + 1, dtype=torch.int64, device=dev).scatter_add_(0, dst, torch.ones_like(dst))
         start = torch.cumsum(cnt, 0) - cnt
         ar = torch.arange(TK, device=dev)

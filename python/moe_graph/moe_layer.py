@@ -217,6 +217,8 @@ class MoELayer(nn.Module):
         num_spare_experts_per_ep_rank: echo slots ``k`` (0: echo off). assignment: the planner's assignment.
         capacity_factor: per (source, destination) rank capacity ``ceil(cf * T * K / R)`` routes; ``None``:
             dropless (``T * K`` rows from each rank, ``R`` times the memory).
+        token_drop_policy: ``"probs"`` (drop the least probable routes over the capacity, Megatron's default) or
+            ``"position"`` (drop the last ones in token order); see :class:`moe_graph.dispatcher.TokenDispatcher`.
         params_dtype, device: of all parameters. init_std: expert weight init.
     """
 
@@ -242,6 +244,7 @@ class MoELayer(nn.Module):
         num_spare_experts_per_ep_rank: int = 0,
         assignment: str = "auto",
         capacity_factor: Optional[float] = None,
+        token_drop_policy: str = "probs",
         params_dtype: Optional[torch.dtype] = None,
         device=None,
         init_std: float = 0.02,
@@ -292,7 +295,7 @@ class MoELayer(nn.Module):
 
         col_rank, col_local = expert_columns(num_experts, ep_size, self.k)
         self.dispatcher = TokenDispatcher(self.L + self.k, ep_size, self.ep_rank, col_rank, col_local,
-                                          capacity=None, group=ep_group)
+                                          capacity=None, group=ep_group, drop_policy=token_drop_policy)
         self.echo = None
         if self.k > 0:
             from .echo import EchoExpertDispatcher, LocalBackend

@@ -40,19 +40,24 @@ def reference_route(h: torch.Tensor, gate_weight: torch.Tensor, topk: int, score
     return idx, top, scores
 
 
-def kept_routes(indices: torch.Tensor, column_rank: torch.Tensor, capacity: int, valid: Optional[torch.Tensor] = None):
-    """``[T, K]`` bool: which routes survive a per-destination capacity, walking routes in (token, k) order."""
+def kept_routes(indices: torch.Tensor, column_rank: torch.Tensor, capacity: int, valid: Optional[torch.Tensor] = None,
+                probs: Optional[torch.Tensor] = None):
+    """``[T, K]`` bool: which routes survive a per-destination capacity. Without ``probs`` the routes are walked in
+    (token, k) order ("position" policy); with ``probs`` in descending probability, ties in (token, k) order
+    ("probs" policy)."""
     T, K = indices.shape
+    routes = [(t, k) for t in range(T) for k in range(K)]
+    if probs is not None:
+        routes.sort(key=lambda r: -float(probs[r[0], r[1]]))  # stable: ties keep (token, k) order
     keep = torch.zeros(T, K, dtype=torch.bool)
     used: Dict[int, int] = {}
-    for t in range(T):
-        for k in range(K):
-            if valid is not None and not bool(valid[t, k]):
-                continue
-            d = int(column_rank[int(indices[t, k])])
-            if used.get(d, 0) < capacity:
-                keep[t, k] = True
-                used[d] = used.get(d, 0) + 1
+    for t, k in routes:
+        if valid is not None and not bool(valid[t, k]):
+            continue
+        d = int(column_rank[int(indices[t, k])])
+        if used.get(d, 0) < capacity:
+            keep[t, k] = True
+            used[d] = used.get(d, 0) + 1
     return keep
 
 
