@@ -14,12 +14,12 @@ from conftest import requires_cuda
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _run_demo(tmp_path, device):
+def _run_demo(tmp_path, device, *extra):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.path.join(ROOT, "python") + os.pathsep + env.get("PYTHONPATH", "")
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "moe_graph.demo", "--quick", "--device", device, "--out",
-                           str(tmp_path)], env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+                           str(tmp_path), *extra], env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
     wall = time.perf_counter() - t0
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
@@ -41,6 +41,16 @@ def test_demo_quick(tmp_path):
     with open(tmp_path / "demo.png", "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert wall < 120, f"quick demo took {wall:.0f} s"
+
+
+def test_demo_quick_deepseek_router(tmp_path):
+    # sigmoid scores, group-limited top-k and the auxiliary-loss-free expert bias, updated inside the train step
+    s, _ = _run_demo(tmp_path, "cpu", "--router", "deepseek", "--steps", "40")
+    assert s["config"]["router"] == "deepseek"
+    assert s["final_loss"] < s["first_loss"] - 0.5, (s["first_loss"], s["final_loss"])
+    (bias,) = s["expert_bias"]  # one MoE layer in quick mode; 40 updates of +-1e-3 each
+    assert len(bias) == 8 and 0 < max(abs(b) for b in bias) <= 40 * 1e-3 + 1e-6
+    assert min(bias) < 0 < max(bias)  # pushed both ways: popular experts down, idle ones up
 
 
 def test_corpus_and_png_fallback(tmp_path):

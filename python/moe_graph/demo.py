@@ -129,9 +129,12 @@ class MoETransformerLM(nn.Module):
 
 
 # ------------------------------------------------------------------------------------------------ training --
-def make_train_step(ddp, opt):
+def make_train_step(ddp, opt, expert_bias_group=None):
     """One training iteration: zero the grad buffers, forward/backward every microbatch, the optimizer step (grad
-    reduce-scatter, Adam on the shard, param all-gather). Device work only: the whole function is one CUDA graph."""
+    reduce-scatter, Adam on the shard, param all-gather) and, for routers with expert bias, the auxiliary-loss-free
+    bias update (one all-reduce over ``expert_bias_group``). Device work only: the whole function is one CUDA
+    graph."""
+    from .moe_layer import update_expert_bias
 
     def step(microbatches):
         ddp.zero_grad_buffer()
@@ -141,6 +144,7 @@ def make_train_step(ddp, opt):
             (loss / len(microbatches)).backward()
             losses.append(loss.detach())
         opt.step()
+        update_expert_bias(ddp.module, expert_bias_group)  # no-op without enable_expert_bias
         return torch.stack(losses).mean()
 
     return step
@@ -170,6 +174,9 @@ def _train(rank: int, world: int, cfg) -> Dict:
     data = CharData(build_corpus(seed=0))
     moe_kwargs = dict(aux_loss_coeff=cfg.aux, num_spare_experts_per_ep_rank=cfg.spare, capacity_factor=cfg.capacity,
                       assignment=cfg.assignment, ep_group=ep_group, ep_size=world)
+    if cfg.router == "deepseek":  # sigmoid scores, group-limited top-k, aux-loss-free expert bias (no aux loss)
+        moe_kwargs.update(score_func="sigmoid", num_groups=min(4, cfg.experts), group_topk=min(2, cfg.topk),
+                          enable_expert_bias=True, expert_bias_update_rate=1e-3, aux_loss_coeff=0.0)
     torch.manual_seed(1234 + rank)  # experts differ per rank; dense weights are broadcast from rank 0 below
     model = MoETransformerLM(cfg, data.vocab_size, moe_kwargs, device, dtype)
     ddp = DistributedDataParallel(model, use_distributed_optimizer=True, expert_data_parallel_group=edp_group)
@@ -182,7 +189,7 @@ def _train(rank: int, world: int, cfg) -> Dict:
         f"+ {cfg.spare} echo slot(s)), capacity factor {cfg.capacity}, {n_params / 1e3:.0f}k params per rank, "
         f"vocab {data.vocab_size}, {cfg.microbatches} x {cfg.batch} x {cfg.seq} tokens per rank per step")
 
-    step = make_train_step(ddp, opt)
+    step = make_train_step(ddp, opt)  # expert-bias counts are summed over the default (whole) group
 
     gen = torch.Generator().manual_seed(100 + rank)
 
@@ -263,6 +270,8 @@ def _train(rank: int, world: int, cfg) -> Dict:
         "graph_step_ms": (sum(graph_ms) / len(graph_ms)) if graph_ms else None,
         "total_s": total_s, "tokens_per_step": tokens_per_step, "config": vars(cfg),
         "graph_note": graph.note if graph is not None else "graph disabled (--no-graph)",
+        "expert_bias": [m.router.expert_bias.float().cpu().tolist() for m in model.moe_layers()
+                        if m.router.enable_expert_bias],
     }
     if distributed:
         out = [None] * world
@@ -369,6 +378,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="echo planner assignment (moe_graph.planner.gen_assignment)")
     p.add_argument("--capacity", type=float, default=1.25, help="capacity factor (0: dropless)")
     p.add_argument("--aux", type=float, default=0.01, help="aux load-balancing loss coefficient")
+    p.add_argument("--router", choices=["softmax", "deepseek"], default="softmax",
+                   help="deepseek: sigmoid scores, group-limited top-k, auxiliary-loss-free expert bias")
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--batch", type=int, default=8, help="sequences per microbatch per rank")
     p.add_argument("--microbatches", type=int, default=2)
