@@ -1,0 +1,145 @@
+"""Integration of the training machinery: the demo's MoE language model cut into pipeline stages, trained with the
+1F1B schedule, expert parallelism with echo, DDP buffers and the ZeRO-1 optimizer with global grad-norm clipping.
+
+:func:`pipeline_moe_worker` runs the same training on any ``pp`` (world = ``pp * dp``, EP = DP = ``dp`` ranks per
+stage, expert DP = 1). Parameters are initialized from their *global* names, so every layout starts from the same
+model, and data-parallel rank ``d`` trains on the same microbatches in every layout: ``pp = 1`` and ``pp = 2`` must
+give the same losses, grad norms and parameters.
+"""
+
+from __future__ import annotations
+
+import types
+import zlib
+from typing import Dict, List
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+CFG = types.SimpleNamespace(hidden=16, heads=2, ffn=24, experts=4, topk=2, seq=8, layers=2)
+VOCAB, BATCH, MICROBATCHES, STEPS = 11, 2, 2, 3
+DT = torch.float32  # the optimizer keeps fp32 main params
+
+
+class StageLM(nn.Module):
+    """Blocks ``layer_ids`` of the demo's model; the first stage adds the embeddings, the last the final norm, the
+    head and the loss. ``set_input_tensor`` receives the previous stage's activation (pipeline schedules)."""
+
+    def __init__(self, layer_ids: List[int], first: bool, last: bool, moe_kwargs: Dict):
+        super().__init__()
+        from ..demo import Block
+
+        H = CFG.hidden
+        self.layer_ids, self.first, self.last = list(layer_ids), first, last
+        self.blocks = nn.ModuleList([Block(CFG, moe_kwargs, "cpu", DT) for _ in layer_ids])
+        if first:
+            self.emb = nn.Embedding(VOCAB, H, dtype=DT)
+            self.pos = nn.Embedding(CFG.seq, H, dtype=DT)
+        if last:
+            self.ln = nn.LayerNorm(H, dtype=DT)
+            self.head = nn.Linear(H, VOCAB, bias=False, dtype=DT)
+        self.input_tensor = None
+
+    def set_input_tensor(self, t) -> None:
+        self.input_tensor = t
+
+    def forward(self, tokens, labels):
+        x = self.emb(tokens) + self.pos.weight[: tokens.shape[1]] if self.first else self.input_tensor
+        for b in self.blocks:
+            x = b(x)
+        if not self.last:
+            return x
+        logits = self.head(self.ln(x))
+        return F.cross_entropy(logits.view(-1, VOCAB), labels.view(-1))
+
+    def global_name(self, name: str) -> str:
+        if name.startswith("blocks."):
+            _, i, rest = name.split(".", 2)
+            return f"blocks.{self.layer_ids[int(i)]}.{rest}"
+        return name
+
+
+def _is_expert(name: str) -> bool:
+    return ".moe.fc1." in name or ".moe.fc2." in name
+
+
+def init_from_global_names(stage: StageLM, ep_rank: int) -> None:
+    """Every parameter from a generator seeded by its global name (experts: the global ``[E, ...]`` tensor, then
+    this EP rank's slice), so that any pipeline/expert layout holds the same model."""
+    with torch.no_grad():
+        for name, p in stage.named_parameters():
+            g = stage.global_name(name)
+            if ".ln" in name or name.startswith("ln."):
+                continue  # LayerNorm keeps its deterministic ones / zeros
+            gen = torch.Generator().manual_seed(zlib.crc32(g.encode()))
+            if _is_expert(name):
+                L = p.shape[0]
+                full = torch.randn((CFG.experts,) + tuple(p.shape[1:]), generator=gen, dtype=DT) * 0.2
+                p.copy_(full[ep_rank * L:(ep_rank + 1) * L])
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=DT) * (0.5 if "router" in name else 0.2))
+
+
+def microbatches(step: int, dp_rank: int):
+    gen = torch.Generator().manual_seed(1000 * step + dp_rank)
+    out = []
+    for _ in range(MICROBATCHES):
+        t = torch.randint(0, VOCAB, (BATCH, CFG.seq + 1), generator=gen)
+        out.append((t[:, :-1].contiguous(), t[:, 1:].contiguous()))
+    return out
+
+
+def pipeline_moe_worker(rank: int, world: int, pp: int, clip: float) -> Dict:
+    from .. import parallel_state as ps
+    from .. import pipeline as P
+    from ..ddp import DistributedDataParallel
+    from ..optimizer import DistributedOptimizer
+
+    dp = world // pp
+    ps.initialize_model_parallel(pipeline_model_parallel_size=pp, expert_model_parallel_size=dp)
+    try:
+        pp_rank, dp_rank, ep_rank = (ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank(),
+                                     ps.get_expert_model_parallel_rank())
+        assert ps.get_expert_data_parallel_world_size() == 1 and ep_rank == dp_rank
+        ids = P.chunk_layer_ids(CFG.layers, pp, pp_rank)[0]
+        moe_kwargs = dict(ep_group=ps.get_expert_model_parallel_group(), ep_size=dp, num_spare_experts_per_ep_rank=1,
+                          capacity_factor=1.25, aux_loss_coeff=0.01)
+        stage = StageLM(ids, pp_rank == 0, pp_rank == pp - 1, moe_kwargs)
+        init_from_global_names(stage, ep_rank)
+        ddp = DistributedDataParallel(stage, use_distributed_optimizer=True,
+                                      data_parallel_group=ps.get_data_parallel_group(),
+                                      expert_data_parallel_group=ps.get_expert_data_parallel_group())
+        opt = DistributedOptimizer(
+            ddp, lr=1e-2, weight_decay=0.0, clip_grad=clip, impl="tensor",
+            expert_model_parallel_group=ps.get_expert_tensor_model_pipeline_parallel_group(),
+            model_parallel_group=ps.get_model_parallel_group() if pp > 1 else None)
+        cfg = P.PipelineConfig(tensor_shape=(BATCH, CFG.seq, CFG.hidden), dtype=DT, no_sync_func=ddp.no_sync)
+        fb = P.get_forward_backward_func(pp)
+
+        def forward_step(data_iterator, model):
+            tokens, labels = next(data_iterator)
+            return model(tokens, labels), (lambda loss: loss)
+
+        losses, norms = [], []
+        for step in range(STEPS):
+            ddp.zero_grad_buffer()
+            out = fb(forward_step_func=forward_step, data_iterator=iter(microbatches(step, dp_rank)), model=ddp,
+                     num_microbatches=MICROBATCHES, config=cfg)
+            ok, norm = opt.step()
+            assert bool(ok)
+            losses.append([float(x) for x in out])
+            norms.append(float(norm))
+        params = {}
+        for name, p in stage.named_parameters():
+            g = stage.global_name(name)
+            if _is_expert(name):
+                for i, w in enumerate(p.detach()):
+                    params[f"{g}[{ep_rank * p.shape[0] + i}]"] = w.clone()
+            else:
+                params[g] = p.detach().clone()
+        drops = sum(b.moe.dispatcher.check_drops() for b in stage.blocks)
+        return {"pp_rank": pp_rank, "dp_rank": dp_rank, "losses": losses, "norms": norms, "params": params,
+                "drops": drops}
+    finally:
+        ps.destroy_model_parallel()
