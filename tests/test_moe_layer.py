@@ -4,6 +4,7 @@ expert parallelism on gloo; no host syncs on CUDA."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from conftest import requires_cuda
 from moe_graph.moe_layer import MoELayer, router_aux_loss
@@ -35,24 +36,36 @@ def _reference(layer, x, target, keep_fn=None, aux=0.0):
                                      expert_bias=r.expert_bias if r.enable_expert_bias else None)
     keep = keep_fn(idx, p.detach()) if keep_fn is not None else None
     y = dense_moe_reference(xr, idx, p, w1, w2, layer.activation, keep)
+    shared = {}
+    if layer.shared_expert is not None:  # every token through the shared MLP, one at a time
+        shared = {k: m.weight.detach().clone().requires_grad_() for k, m in layer.shared_expert.items()}
+        rows = []
+        for t in range(xr.shape[0]):
+            a = shared["fc1"] @ xr[t]
+            a = F.silu(a[: a.shape[0] // 2]) * a[a.shape[0] // 2:] if layer.activation == "swiglu" else F.gelu(a)
+            o = shared["fc2"] @ a
+            rows.append(o * torch.sigmoid(shared["gate"] @ xr[t]) if "gate" in shared else o)
+        y = y + torch.stack(rows)
     loss = (y * target).sum()
     if aux:
         loss = loss + aux * reference_aux_loss(scores, idx, layer.num_experts)
     loss.backward()
-    return y.detach(), xr.grad, gate.grad, w1.grad, w2.grad
+    return y.detach(), xr.grad, gate.grad, w1.grad, w2.grad, {k: w.grad for k, w in shared.items()}
 
 
 def _check(layer, x, target, keep_fn=None, aux=0.0):
     xl = x.clone().requires_grad_()
     y = layer(xl)
     (y * target).sum().backward()
-    y_ref, gx, gg, g1, g2 = _reference(layer, x, target, keep_fn, aux)
+    y_ref, gx, gg, g1, g2, g_shared = _reference(layer, x, target, keep_fn, aux)
     tol = dict(rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(y.detach(), y_ref, **tol)
     torch.testing.assert_close(xl.grad, gx, **tol)
     torch.testing.assert_close(layer.router.weight.grad, gg, **tol)
     torch.testing.assert_close(layer.fc1.weight.grad, g1, **tol)
     torch.testing.assert_close(layer.fc2.weight.grad, g2, **tol)
+    for k, g in g_shared.items():
+        torch.testing.assert_close(layer.shared_expert[k].weight.grad, g, **tol)
 
 
 @pytest.mark.parametrize("activation", ["swiglu", "gelu"])
@@ -298,6 +311,19 @@ def test_layer_with_deepseek_router_options_matches_dense_reference(gen):
     _check(layer, x, torch.randn(24, 8, generator=gen, dtype=DT))
 
 
+@pytest.mark.parametrize("activation,gate", [("swiglu", False), ("gelu", True), ("swiglu", True)])
+def test_shared_expert_matches_dense_reference(gen, activation, gate):
+    layer = _layer(activation, k=1, cf=1.0, shared_expert_ffn_size=12, shared_expert_gate=gate)
+    names = [n for n, _ in layer.named_parameters() if n.startswith("shared_expert")]
+    assert names == ["shared_expert.fc1.weight", "shared_expert.fc2.weight"] + (["shared_expert.gate.weight"] if gate else [])
+    assert all(getattr(p, "allreduce", True) for n, p in layer.named_parameters() if n in names)  # dense params
+    x = torch.randn(20, 8, generator=gen, dtype=DT)
+    _check(layer, x, torch.randn(20, 8, generator=gen, dtype=DT),
+           keep_fn=lambda idx, p: _keep_sorted(idx, layer.dispatcher.capacity, p))
+    with pytest.raises(ValueError, match="shared_expert_gate needs"):
+        MoELayer(8, 8, 4, 2, shared_expert_gate=True, device="cpu")
+
+
 def test_router_option_errors():
     from moe_graph.moe_layer import TopKRouter
 
@@ -404,15 +430,16 @@ def test_update_expert_bias_is_identical_across_ranks(world):
 
 
 def test_router_options_have_no_data_dependent_ops():
-    """CPU proxy for "no host syncs" (as above) with group-limited routing, expert bias, z-loss and the bias
-    update: forward, backward and update_expert_bias under FakeTensorMode."""
+    """CPU proxy for "no host syncs" (as above) with group-limited routing, expert bias, z-loss, a gated shared
+    expert and the bias update: forward, backward and update_expert_bias under FakeTensorMode."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from moe_graph.moe_layer import update_expert_bias
 
     layer = MoELayer(16, 24, 8, 2, score_func="sigmoid", num_groups=4, group_topk=2, topk_scaling_factor=2.0,
                      enable_expert_bias=True, z_loss_coeff=1e-3, aux_loss_coeff=1e-2,
-                     num_spare_experts_per_ep_rank=1, capacity_factor=1.0, device="cpu")
+                     num_spare_experts_per_ep_rank=1, capacity_factor=1.0, device="cpu", shared_expert_ffn_size=8,
+                     shared_expert_gate=True)
     layer(torch.randn(4, 16))  # lazy state outside the checked region
     with FakeTensorMode(allow_non_fake_inputs=True):
         x = torch.randn(32, 16, requires_grad=True)

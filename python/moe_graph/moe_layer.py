@@ -217,6 +217,9 @@ class MoELayer(nn.Module):
         num_spare_experts_per_ep_rank: echo slots ``k`` (0: echo off). assignment: the planner's assignment.
         capacity_factor: per (source, destination) rank capacity ``ceil(cf * T * K / R)`` routes; ``None``:
             dropless (``T * K`` rows from each rank, ``R`` times the memory).
+        shared_expert_ffn_size: hidden size of a shared expert (an MLP with the same activation that every token
+            goes through, added to the routed output, as DeepSeek-V3 and Qwen2-MoE have; ``None``: none).
+            shared_expert_gate: scale the shared expert's output by ``sigmoid(x @ w_gate)`` per token (Qwen2-MoE).
         token_drop_policy: ``"probs"`` (drop the least probable routes over the capacity, Megatron's default) or
             ``"position"`` (drop the last ones in token order); see :class:`moe_graph.dispatcher.TokenDispatcher`.
         params_dtype, device: of all parameters. init_std: expert weight init.
@@ -245,6 +248,8 @@ class MoELayer(nn.Module):
         assignment: str = "auto",
         capacity_factor: Optional[float] = None,
         token_drop_policy: str = "probs",
+        shared_expert_ffn_size: Optional[int] = None,
+        shared_expert_gate: bool = False,
         params_dtype: Optional[torch.dtype] = None,
         device=None,
         init_std: float = 0.02,
@@ -292,6 +297,21 @@ class MoELayer(nn.Module):
                                  single_grouped_weight=True)
         for p in list(self.fc1.parameters()) + list(self.fc2.parameters()):
             p.allreduce = False  # expert parameters: reduced over the expert-data-parallel group
+        self.shared_expert = None
+        if shared_expert_ffn_size:  # dense parameters (reduced over the data-parallel group like any other)
+            fs = shared_expert_ffn_size
+            self.shared_expert = nn.ModuleDict({
+                "fc1": nn.Linear(hidden_size, 2 * fs if activation == "swiglu" else fs, bias=False, device=device,
+                                 dtype=dtype),
+                "fc2": nn.Linear(fs, hidden_size, bias=False, device=device, dtype=dtype),
+            })
+            nn.init.normal_(self.shared_expert["fc1"].weight, std=init_std)
+            nn.init.normal_(self.shared_expert["fc2"].weight, std=init_std / math.sqrt(2))
+            if shared_expert_gate:
+                self.shared_expert["gate"] = nn.Linear(hidden_size, 1, bias=False, device=device, dtype=dtype)
+                nn.init.normal_(self.shared_expert["gate"].weight, std=init_std)
+        elif shared_expert_gate:
+            raise ValueError("shared_expert_gate needs shared_expert_ffn_size")
 
         col_rank, col_local = expert_columns(num_experts, ep_size, self.k)
         self.dispatcher = TokenDispatcher(self.L + self.k, ep_size, self.ep_rank, col_rank, col_local,
@@ -438,6 +458,12 @@ class MoELayer(nn.Module):
         else:
             expert_out = self._experts_autograd(expert_in, m_splits, omap)
         out = self.dispatcher.combine(expert_out, handle).to(x.dtype)
+        if self.shared_expert is not None:
+            se = self.shared_expert
+            shared = se["fc2"](self._activation(se["fc1"](h)))
+            if "gate" in se:
+                shared = torch.sigmoid(se["gate"](h)) * shared
+            out = out + shared.to(out.dtype)
         if aux is not None:
             out = _AttachAux.apply(out, aux)
         return out.reshape(*lead, self.hidden_size)
