@@ -310,3 +310,22 @@ def test_megatron_style_subclass(gen):
     sd = layer.state_dict()
     sd.update({f"_extra_state{i}": torch.empty(0, dtype=torch.uint8) for i in (1, 2)})  # a dist-ckpt layout
     layer.load_state_dict(sd)
+
+
+@pytest.mark.parametrize("fuse,delay", [(True, False), (False, True), (True, True)])
+def test_torch_compile_with_fused_or_delayed_wgrad(gen, fuse, delay):
+    # torch.compile (graph breaks around the autograd.Function that touches main_grad / the wgrad queue) gives the
+    # eager gradients, accumulated over two iterations.
+    layer = GroupedLinear(3, 16, 8, device="cpu", fuse_wgrad_accumulation=fuse, delay_wgrad_compute=delay)
+    ref = GroupedLinear(3, 16, 8, device="cpu")
+    ref.load_state_dict(layer.state_dict())
+    for w in layer._weights():
+        w.main_grad = torch.zeros(w.shape)
+    x, splits = torch.randn(12, 16, generator=gen), torch.tensor([4, 0, 6])
+    compiled = torch.compile(lambda x, s: layer(x, s).square().sum(), backend="aot_eager")
+    for _ in range(2):
+        compiled(x, splits).backward()
+        layer.backward_dw()
+        ref(x, splits).square().sum().backward()
+    for w, r in zip(layer._weights(), ref._weights()):
+        torch.testing.assert_close(w.main_grad if fuse else w.grad, r.grad, rtol=1e-5, atol=1e-5)
