@@ -522,3 +522,36 @@ def test_grad_norm_and_clipping_over_tp2_pp2(clip):
         # without the model-parallel group each stage would clip with its own partial norm
         local = C.run(C.tp_pp_norm_worker, 4, clip, False)
         assert all(abs(r["norm"] - expect) > 1e-3 for r in local)
+
+
+def test_one_optimizer_over_model_chunks_single_process():
+    # The interleaved schedule's model chunks: one optimizer, one global norm, names prefixed by chunk; the same
+    # updates as one optimizer over one module holding both chunks.
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)
+    both = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    both.load_state_dict({"0." + k: v for k, v in a.state_dict().items()} | {"1." + k: v for k, v in b.state_dict().items()})
+    chunks = [DistributedDataParallel(m, use_distributed_optimizer=True) for m in (a, b)]
+    whole = DistributedDataParallel(both, use_distributed_optimizer=True)
+    opt_c = DistributedOptimizer(chunks, lr=1e-2, clip_grad=0.1, impl="tensor")
+    opt_w = DistributedOptimizer(whole, lr=1e-2, clip_grad=0.1, impl="tensor")
+    x = torch.randn(5, 4)
+    for _ in range(2):
+        opt_c.zero_grad()
+        opt_w.zero_grad()
+        b(a(x)).square().sum().backward()
+        both(x).square().sum().backward()
+        (_, n_c), (_, n_w) = opt_c.step(), opt_w.step()
+        torch.testing.assert_close(n_c, n_w)
+    for p, q in zip(list(a.parameters()) + list(b.parameters()), both.parameters()):
+        torch.testing.assert_close(p, q)
+    sd = opt_c.state_dict()
+    assert sorted(sd["shard"]) == ["chunk0.bias", "chunk0.weight", "chunk1.bias", "chunk1.weight"]
+    assert sorted(sd["metadata"]["params"]) == sorted(sd["shard"])
+    import copy
+
+    before = copy.deepcopy(sd["shard"])
+    opt_c.load_state_dict([sd])
+    torch.testing.assert_close(opt_c.state_dict()["shard"], before, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="empty list"):
+        DistributedOptimizer([], lr=1e-3)

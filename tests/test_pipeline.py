@@ -790,16 +790,18 @@ def test_docstring_examples():
 
 
 # ------------------------------------------------------------------- MoE model through the whole training stack --
-def test_moe_lm_pipeline_pp2_matches_pp1():
-    """The demo's MoE LM (echo, static dispatcher) with DDP buffers and ZeRO-1 with clipping: 1F1B over pp=2 x
-    EP/DP=2 (4 gloo ranks) gives the same losses, global grad norms and parameters as pp=1 x EP/DP=2 (2 ranks),
-    float32, 3 steps. Exercises the grad norm over the model-parallel group and the expert-tensor-model-pipeline
-    group: without them each stage would clip with its own norm."""
+@pytest.mark.parametrize("layers,vpp", [(2, None), (4, 2)])
+def test_moe_lm_pipeline_pp2_matches_pp1(layers, vpp):
+    """The demo's MoE LM (echo, static dispatcher) with DDP buffers and ZeRO-1 with clipping: 1F1B (or the
+    interleaved schedule with 2 model chunks per stage and one optimizer over both) over pp=2 x EP/DP=2 (4 gloo
+    ranks) gives the same losses, global grad norms and parameters as pp=1 x EP/DP=2 (2 ranks), float32, 3 steps.
+    Exercises the grad norm over the model-parallel group and the expert-tensor-model-pipeline group: without them
+    each stage would clip with its own norm."""
     from moe_graph.testing.distributed import run_distributed
     from moe_graph.testing.pipeline_moe import pipeline_moe_worker
 
-    ref = run_distributed(pipeline_moe_worker, 2, 1, 0.5)
-    got = run_distributed(pipeline_moe_worker, 4, 2, 0.5)
+    ref = run_distributed(pipeline_moe_worker, 2, 1, 0.5, layers)
+    got = run_distributed(pipeline_moe_worker, 4, 2, 0.5, layers, vpp)
     assert all(r["pp_rank"] == 0 for r in ref) and [r["pp_rank"] for r in got] == [0, 0, 1, 1]
     for d in range(2):
         r, last = ref[d], got[2 + d]

@@ -206,13 +206,36 @@ def _range_mask(ranges: Dict, n: int, device, zero_if) -> Optional[torch.Tensor]
     return mask
 
 
+class _ModelChunks:
+    """Several ``DistributedDataParallel`` model chunks (the interleaved pipeline schedule's virtual stages) seen as
+    one model by the optimizer: one step, one global grad norm. Parameter names get a ``chunk{i}.`` prefix."""
+
+    def __init__(self, chunks):
+        self.chunks = list(chunks)
+        self.use_distributed_optimizer = all(getattr(c, "use_distributed_optimizer", False) for c in self.chunks)
+        self.all_buffers = [b for c in self.chunks for b in c.all_buffers]
+        self.expert_parallel_buffers = [b for c in self.chunks for b in getattr(c, "expert_parallel_buffers", [])]
+        self.all_bucket_groups = [g for c in self.chunks for g in c.all_bucket_groups]
+        self.param_to_name = {p: f"chunk{i}.{n}" for i, c in enumerate(self.chunks)
+                              for p, n in getattr(c, "param_to_name", {}).items()}
+
+    def finish_grad_sync(self) -> None:
+        for c in self.chunks:
+            c.finish_grad_sync()
+
+    def zero_grad_buffer(self) -> None:
+        for c in self.chunks:
+            c.zero_grad_buffer()
+
+
 class DistributedOptimizer:
     """ZeRO-1 Adam/AdamW over a :class:`moe_graph.ddp.DistributedDataParallel` model.
 
     Args:
         model: a ``DistributedDataParallel`` built with ``use_distributed_optimizer=True`` (or any
             object with ``all_buffers``, ``all_bucket_groups``, ``finish_grad_sync`` and
-            ``zero_grad_buffer``).
+            ``zero_grad_buffer``), or a list of them (the model chunks of the interleaved pipeline
+            schedule: one optimizer, one global grad norm; checkpoint names ``chunk{i}.<name>``).
         lr, betas, eps, weight_decay: Adam hyper-parameters (``lr`` lives in a device tensor;
             change it with :meth:`set_lr`).
         adamw: decoupled weight decay (AdamW, default) or L2 added to the gradient (Adam).
@@ -247,6 +270,10 @@ class DistributedOptimizer:
                  no_weight_decay_params: Optional[Iterable[torch.nn.Parameter]] = None, impl: str = "auto",
                  expert_model_parallel_group=None, model_parallel_group=None,
                  tensor_model_parallel_rank: int = 0, expert_tensor_parallel_rank: int = 0):
+        if isinstance(model, (list, tuple)):
+            if not model:
+                raise ValueError("DistributedOptimizer: empty list of model chunks")
+            model = model[0] if len(model) == 1 else _ModelChunks(model)
         if not getattr(model, "use_distributed_optimizer", False):
             raise ValueError("DistributedOptimizer: model must be a DistributedDataParallel built with "
                              "use_distributed_optimizer=True")

@@ -90,32 +90,41 @@ def microbatches(step: int, dp_rank: int):
     return out
 
 
-def pipeline_moe_worker(rank: int, world: int, pp: int, clip: float) -> Dict:
+def pipeline_moe_worker(rank: int, world: int, pp: int, clip: float, layers: int = 2, vpp=None) -> Dict:
+    """``STEPS`` training steps of a ``layers``-layer model on ``pp`` stages (``vpp`` model chunks per stage:
+    the interleaved schedule, one DDP wrapper per chunk, one optimizer over all of them)."""
     from .. import parallel_state as ps
     from .. import pipeline as P
     from ..ddp import DistributedDataParallel
     from ..optimizer import DistributedOptimizer
 
     dp = world // pp
-    ps.initialize_model_parallel(pipeline_model_parallel_size=pp, expert_model_parallel_size=dp)
+    ps.initialize_model_parallel(pipeline_model_parallel_size=pp, expert_model_parallel_size=dp,
+                                 virtual_pipeline_model_parallel_size=vpp)
     try:
         pp_rank, dp_rank, ep_rank = (ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank(),
                                      ps.get_expert_model_parallel_rank())
         assert ps.get_expert_data_parallel_world_size() == 1 and ep_rank == dp_rank
-        ids = P.chunk_layer_ids(CFG.layers, pp, pp_rank)[0]
+        chunk_ids = P.chunk_layer_ids(layers, pp, pp_rank, vpp)
+        nc = len(chunk_ids)
         moe_kwargs = dict(ep_group=ps.get_expert_model_parallel_group(), ep_size=dp, num_spare_experts_per_ep_rank=1,
                           capacity_factor=1.25, aux_loss_coeff=0.01)
-        stage = StageLM(ids, pp_rank == 0, pp_rank == pp - 1, moe_kwargs)
-        init_from_global_names(stage, ep_rank)
-        ddp = DistributedDataParallel(stage, use_distributed_optimizer=True,
-                                      data_parallel_group=ps.get_data_parallel_group(),
-                                      expert_data_parallel_group=ps.get_expert_data_parallel_group())
+        stages, ddps = [], []
+        for c, ids in enumerate(chunk_ids):
+            stage = StageLM(ids, pp_rank == 0 and c == 0, pp_rank == pp - 1 and c == nc - 1, moe_kwargs)
+            init_from_global_names(stage, ep_rank)
+            stages.append(stage)
+            ddps.append(DistributedDataParallel(stage, use_distributed_optimizer=True,
+                                                data_parallel_group=ps.get_data_parallel_group(),
+                                                expert_data_parallel_group=ps.get_expert_data_parallel_group()))
         opt = DistributedOptimizer(
-            ddp, lr=1e-2, weight_decay=0.0, clip_grad=clip, impl="tensor",
+            ddps, lr=1e-2, weight_decay=0.0, clip_grad=clip, impl="tensor",
             expert_model_parallel_group=ps.get_expert_tensor_model_pipeline_parallel_group(),
             model_parallel_group=ps.get_model_parallel_group() if pp > 1 else None)
-        cfg = P.PipelineConfig(tensor_shape=(BATCH, CFG.seq, CFG.hidden), dtype=DT, no_sync_func=ddp.no_sync)
-        fb = P.get_forward_backward_func(pp)
+        pick = (lambda xs: xs) if vpp else (lambda xs: xs[0])
+        cfg = P.PipelineConfig(tensor_shape=(BATCH, CFG.seq, CFG.hidden), dtype=DT,
+                               no_sync_func=pick([d.no_sync for d in ddps]))
+        fb = P.get_forward_backward_func(pp, vpp)
 
         def forward_step(data_iterator, model):
             tokens, labels = next(data_iterator)
@@ -123,22 +132,24 @@ def pipeline_moe_worker(rank: int, world: int, pp: int, clip: float) -> Dict:
 
         losses, norms = [], []
         for step in range(STEPS):
-            ddp.zero_grad_buffer()
-            out = fb(forward_step_func=forward_step, data_iterator=iter(microbatches(step, dp_rank)), model=ddp,
-                     num_microbatches=MICROBATCHES, config=cfg)
+            opt.zero_grad()
+            mbs = microbatches(step, dp_rank)
+            out = fb(forward_step_func=forward_step, data_iterator=pick([iter(mbs) for _ in range(nc)]),
+                     model=pick(ddps), num_microbatches=MICROBATCHES, config=cfg)
             ok, norm = opt.step()
             assert bool(ok)
             losses.append([float(x) for x in out])
             norms.append(float(norm))
         params = {}
-        for name, p in stage.named_parameters():
-            g = stage.global_name(name)
-            if _is_expert(name):
-                for i, w in enumerate(p.detach()):
-                    params[f"{g}[{ep_rank * p.shape[0] + i}]"] = w.clone()
-            else:
-                params[g] = p.detach().clone()
-        drops = sum(b.moe.dispatcher.check_drops() for b in stage.blocks)
+        for stage in stages:
+            for name, p in stage.named_parameters():
+                g = stage.global_name(name)
+                if _is_expert(name):
+                    for i, w in enumerate(p.detach()):
+                        params[f"{g}[{ep_rank * p.shape[0] + i}]"] = w.clone()
+                else:
+                    params[g] = p.detach().clone()
+        drops = sum(b.moe.dispatcher.check_drops() for stage in stages for b in stage.blocks)
         return {"pp_rank": pp_rank, "dp_rank": dp_rank, "losses": losses, "norms": norms, "params": params,
                 "drops": drops}
     finally:
