@@ -445,3 +445,14 @@ def test_router_options_have_no_data_dependent_ops():
         x = torch.randn(32, 16, requires_grad=True)
         layer(x).sum().backward()
         update_expert_bias(layer)
+
+
+def test_global_aux_loss_uses_the_ep_groups_counts():
+    from moe_graph.testing.moe_reference import global_aux_loss_worker
+
+    for r in run_distributed(global_aux_loss_worker, 2):
+        assert r["aux"] == pytest.approx(r["ref"], rel=1e-12)
+        assert r["grad_err"] < 1e-12 and r["grad_norm"] > 1e-3
+        assert r["local_f_differs"]  # the global fractions are not this rank's own
+    with pytest.raises(ValueError, match="aux_loss_type"):
+        MoELayer(8, 8, 4, 2, aux_loss_type="sequence", device="cpu")

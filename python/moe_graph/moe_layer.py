@@ -45,11 +45,18 @@ from .dispatcher import TokenDispatcher, capacity_for, expert_columns, topk_from
 __all__ = ["MoELayer", "TopKRouter", "group_limited_topk", "router_aux_loss", "router_z_loss", "update_expert_bias"]
 
 
-def router_aux_loss(scores: torch.Tensor, routing_map: torch.Tensor, topk: int) -> torch.Tensor:
+def router_aux_loss(scores: torch.Tensor, routing_map: torch.Tensor, topk: int,
+                    tokens_per_expert: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Switch-transformer load-balancing loss ``E * sum_e f_e * P_e`` (``f_e``: fraction of the routes that go
-    to expert ``e``, ``P_e``: mean score of ``e``); 1.0 for perfect balance. Device-only, no sync."""
+    to expert ``e``, ``P_e``: mean score of ``e`` over the local tokens); 1.0 for perfect balance. With
+    ``tokens_per_expert`` (e.g. counts summed over the EP group: global-batch balancing, as Qwen3 trains) ``f``
+    comes from those counts instead of the local ``routing_map``. Device-only, no sync."""
     T, E = scores.shape
-    f = routing_map.to(scores.dtype).sum(0) / max(T * topk, 1)
+    if tokens_per_expert is None:
+        f = routing_map.to(scores.dtype).sum(0) / max(T * topk, 1)
+    else:
+        counts = tokens_per_expert.to(scores.dtype)
+        f = counts / counts.sum().clamp(min=1)
     p = scores.sum(0) / max(T, 1)
     return E * (f * p).sum()
 
@@ -211,6 +218,8 @@ class MoELayer(nn.Module):
             :func:`update_expert_bias` after each optimizer step).
         activation: ``"swiglu"`` (fc1 is ``[2F, H]``) or ``"gelu"``.
         aux_loss_coeff: weight of the load-balancing loss (0: off); its gradient flows through the output.
+        aux_loss_type: ``"local"`` (expert fractions of this rank's tokens) or ``"global"`` (fractions of all the
+            EP group's tokens, from the counts the echo planner all-gathers anyway: global-batch balancing).
         z_loss_coeff: weight of the router z-loss (:func:`router_z_loss`; 0: off), attached the same way.
         ep_group: the EP process group (``None``: a single process, ``R = 1``, or the default group with
             ``ep_size=-1``). ep_size: ``R`` (default: the group's size, 1 without torch.distributed).
@@ -236,6 +245,7 @@ class MoELayer(nn.Module):
         norm_topk_prob: bool = False,
         activation: str = "swiglu",
         aux_loss_coeff: float = 0.0,
+        aux_loss_type: str = "local",
         z_loss_coeff: float = 0.0,
         num_groups: Optional[int] = None,
         group_topk: Optional[int] = None,
@@ -272,6 +282,9 @@ class MoELayer(nn.Module):
         self.num_experts, self.topk = num_experts, topk
         self.activation = activation
         self.aux_loss_coeff = float(aux_loss_coeff)
+        if aux_loss_type not in ("local", "global"):
+            raise ValueError(f"aux_loss_type must be 'local' or 'global', got {aux_loss_type!r}")
+        self.aux_loss_type = aux_loss_type
         self.z_loss_coeff = float(z_loss_coeff)
         self.ep_group = ep_group
         self.R = ep_size
@@ -438,16 +451,18 @@ class MoELayer(nn.Module):
         self.dispatcher.capacity = cap
 
         routing_map, probs, scores = self.router(h)
+        new_map, new_probs, omap = self._plan(routing_map, probs)  # also all-gathers the per-expert counts
+
         aux = None
         if self.aux_loss_coeff > 0 and self.training:
-            aux = self.aux_loss_coeff * router_aux_loss(scores, routing_map, self.topk)
+            counts = self.last_tokens_per_expert if self.aux_loss_type == "global" else None
+            aux = self.aux_loss_coeff * router_aux_loss(scores, routing_map, self.topk, counts)
             self.last_aux_loss = aux.detach()
         if self.z_loss_coeff > 0 and self.training:
             z = self.z_loss_coeff * router_z_loss(self.router.last_logits)
             self.last_z_loss = z.detach()
             aux = z if aux is None else aux + z
 
-        new_map, new_probs, omap = self._plan(routing_map, probs)
         indices, top_probs, valid = topk_from_routing_map(new_map, new_probs, self.topk)
         expert_in, m_splits, handle = self.dispatcher.dispatch(h, indices, top_probs, valid)
         self.last_m_splits = m_splits

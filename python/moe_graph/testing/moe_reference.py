@@ -363,3 +363,31 @@ def expert_bias_worker(rank: int, world_size: int):
     total = torch.stack(gathered).sum(0)
     update_expert_bias(layer)
     return {"bias": layer.router.expert_bias.clone(), "expect": 0.01 * torch.sign(total.mean() - total)}
+
+
+def global_aux_loss_worker(rank: int, world_size: int):
+    """EP over ``world_size`` ranks with ``aux_loss_type="global"``: the loss and the router gradient it produces
+    against a reference built from the all-gathered routing counts and this rank's scores."""
+    import torch.distributed as dist
+
+    from moe_graph.moe_layer import MoELayer
+
+    E, K, H = 4 * world_size, 2, 8
+    torch.manual_seed(0)
+    layer = MoELayer(H, 8, E, K, aux_loss_coeff=0.1, aux_loss_type="global", ep_size=world_size, device="cpu",
+                     params_dtype=torch.float64)
+    with torch.no_grad():
+        layer.router.weight.normal_(0, 1.0)
+    g = torch.Generator().manual_seed(10 + rank)
+    x = torch.randn(30, H, generator=g, dtype=torch.float64)
+    (layer(x) * 0).sum().backward()  # only the aux loss reaches the router weight
+    gate = layer.router.weight.detach().clone().requires_grad_()
+    idx, _, scores = reference_route(x, gate, K)
+    local = torch.zeros(E, dtype=torch.float64).scatter_add_(0, idx.reshape(-1), torch.ones(idx.numel(), dtype=torch.float64))
+    gathered = [torch.zeros_like(local) for _ in range(world_size)]
+    dist.all_gather(gathered, local)
+    f = torch.stack(gathered).sum(0) / (30 * K * world_size)
+    ref = 0.1 * E * (f * scores.mean(0)).sum()
+    ref.backward()
+    return {"aux": float(layer.last_aux_loss), "ref": float(ref), "grad_err": float((layer.router.weight.grad - gate.grad).abs().max()),
+            "grad_norm": float(gate.grad.norm()), "local_f_differs": bool((local / (30 * K) - f).abs().max() > 1e-3)}
