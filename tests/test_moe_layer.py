@@ -48,7 +48,7 @@ def _reference(layer, x, target, keep_fn=None, aux=0.0):
         y = y + torch.stack(rows)
     loss = (y * target).sum()
     if aux:
-        loss = loss + aux * reference_aux_loss(scores, idx, layer.num_experts)
+        loss = loss + aux * reference_aux_loss(scores, idx, layer.num_experts, r.score_func)
     loss.backward()
     return y.detach(), xr.grad, gate.grad, w1.grad, w2.grad, {k: w.grad for k, w in shared.items()}
 
@@ -77,13 +77,15 @@ def test_matches_dense_reference(gen, activation, score_func):
     assert layer.dispatcher.check_drops() == 0
 
 
-def test_aux_loss_gradient_flows_through_output(gen):
-    layer = _layer(aux=0.05)
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+def test_aux_loss_gradient_flows_through_output(gen, score_func):
+    layer = _layer(score_func=score_func, aux=0.05)
     x = torch.randn(16, 8, generator=gen, dtype=DT)
     _check(layer, x, torch.randn(16, 8, generator=gen, dtype=DT), aux=0.05)
-    _, _, scores = reference_route(x, layer.router.weight.detach(), 2)
-    ref = 0.05 * reference_aux_loss(scores, reference_route(x, layer.router.weight.detach(), 2)[0], 6)
+    idx, _, scores = reference_route(x, layer.router.weight.detach(), 2, score_func)
+    ref = 0.05 * reference_aux_loss(scores, idx, 6, score_func)
     torch.testing.assert_close(layer.last_aux_loss, ref)
+    assert 0.05 * 0.5 < float(layer.last_aux_loss) < 0.05 * 6  # O(1) times the coefficient for both score functions
     # perfectly balanced routing gives 1.0
     s = torch.full((4, 4), 0.25, dtype=DT)
     m = torch.eye(4, dtype=torch.bool)
@@ -455,4 +457,34 @@ def test_global_aux_loss_uses_the_ep_groups_counts():
         assert r["grad_err"] < 1e-12 and r["grad_norm"] > 1e-3
         assert r["local_f_differs"]  # the global fractions are not this rank's own
     with pytest.raises(ValueError, match="aux_loss_type"):
-        MoELayer(8, 8, 4, 2, aux_loss_type="sequence", device="cpu")
+        MoELayer(8, 8, 4, 2, aux_loss_type="per_token", device="cpu")
+
+
+@pytest.mark.parametrize("sequence_dim", [0, 1])
+def test_sequence_aux_loss_matches_per_sequence_reference(gen, sequence_dim):
+    from moe_graph.moe_layer import sequence_aux_loss
+
+    B, S, E, K = 3, 7, 6, 2
+    layer = _layer(score_func="sigmoid", E=E, K=K)
+    layer.aux_loss_coeff, layer.aux_loss_type, layer.sequence_dim = 0.1, "sequence", sequence_dim
+    x = torch.randn(B, S, 8, generator=gen, dtype=DT)
+    xin = x if sequence_dim == 1 else x.transpose(0, 1).contiguous()
+    gate = layer.router.weight.detach().clone().requires_grad_()
+    layer(xin).mul(0).sum().backward()  # only the aux loss reaches the router weight
+    ref = 0
+    for b in range(B):  # one sequence at a time
+        idx, _, scores = reference_route(x[b], gate, K, "sigmoid")
+        p = scores / scores.sum(-1, keepdim=True)
+        counts = torch.zeros(E, dtype=DT).scatter_add_(0, idx.reshape(-1), torch.ones(S * K, dtype=DT))
+        ref = ref + (counts * E / (S * K) * p.mean(0)).sum() / B
+    ref = 0.1 * ref
+    ref.backward()
+    torch.testing.assert_close(layer.last_aux_loss, ref.detach(), rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(layer.router.weight.grad, gate.grad, rtol=1e-10, atol=1e-13)
+    # perfect balance within every sequence gives 1.0
+    m = torch.eye(4, dtype=torch.bool).expand(2, 4, 4)
+    assert float(sequence_aux_loss(torch.full((2, 4, 4), 0.25, dtype=DT), m, 1)) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="needs a \\[B, S, H\\]"):
+        layer(torch.randn(5, 8, dtype=DT))
+    with pytest.raises(ValueError, match="aux_loss_type"):
+        MoELayer(8, 8, 4, 2, aux_loss_type="batch", device="cpu")

@@ -42,7 +42,8 @@ from torch import nn
 from . import planner as P
 from .dispatcher import TokenDispatcher, capacity_for, expert_columns, topk_from_routing_map
 
-__all__ = ["MoELayer", "TopKRouter", "group_limited_topk", "router_aux_loss", "router_z_loss", "update_expert_bias"]
+__all__ = ["MoELayer", "TopKRouter", "aux_loss_scores", "group_limited_topk", "router_aux_loss", "router_z_loss",
+           "sequence_aux_loss", "update_expert_bias"]
 
 
 def router_aux_loss(scores: torch.Tensor, routing_map: torch.Tensor, topk: int,
@@ -190,6 +191,23 @@ def update_expert_bias(module: nn.Module, group=None) -> None:
         r.local_tokens_per_expert.zero_()
 
 
+def aux_loss_scores(scores: torch.Tensor, score_func: str) -> torch.Tensor:
+    """Scores the load-balancing losses use (Megatron-core's): the softmax scores, or the sigmoid scores
+    normalized to sum 1 per token (so that perfect balance gives 1.0 for both)."""
+    if score_func == "sigmoid":
+        return scores / (scores.sum(-1, keepdim=True) + 1e-20)
+    return scores
+
+
+def sequence_aux_loss(scores: torch.Tensor, routing_map: torch.Tensor, topk: int) -> torch.Tensor:
+    """DeepSeek-V3's sequence-wise balance loss on ``[B, S, E]`` scores / routing map: per sequence
+    ``sum_e f_e * P_e`` with ``f_e = E / (S * K) * (routes of the sequence to e)`` and ``P_e`` the mean score of
+    ``e`` over the sequence, averaged over the ``B`` sequences; 1.0 for perfect balance. Device-only, no sync."""
+    B, S, E = scores.shape
+    f = routing_map.to(scores.dtype).sum(1) * (E / max(S * topk, 1))  # [B, E]
+    return (f * scores.mean(1)).sum(1).mean()
+
+
 def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
     """ST-MoE router z-loss ``mean(logsumexp(logits)^2)`` over tokens (scale it by the coefficient)."""
     return torch.logsumexp(logits, dim=-1).square().mean()
@@ -218,8 +236,11 @@ class MoELayer(nn.Module):
             :func:`update_expert_bias` after each optimizer step).
         activation: ``"swiglu"`` (fc1 is ``[2F, H]``) or ``"gelu"``.
         aux_loss_coeff: weight of the load-balancing loss (0: off); its gradient flows through the output.
-        aux_loss_type: ``"local"`` (expert fractions of this rank's tokens) or ``"global"`` (fractions of all the
-            EP group's tokens, from the counts the echo planner all-gathers anyway: global-batch balancing).
+        aux_loss_type: ``"local"`` (expert fractions of this rank's tokens), ``"global"`` (fractions of all the
+            EP group's tokens, from the counts the echo planner all-gathers anyway: global-batch balancing) or
+            ``"sequence"`` (DeepSeek-V3's sequence-wise loss, :func:`sequence_aux_loss`; the input must be
+            ``[B, S, H]``, or ``[S, B, H]`` with ``sequence_dim=0``). Sigmoid scores are normalized per token
+            for these losses (:func:`aux_loss_scores`).
         z_loss_coeff: weight of the router z-loss (:func:`router_z_loss`; 0: off), attached the same way.
         ep_group: the EP process group (``None``: a single process, ``R = 1``, or the default group with
             ``ep_size=-1``). ep_size: ``R`` (default: the group's size, 1 without torch.distributed).
@@ -246,6 +267,7 @@ class MoELayer(nn.Module):
         activation: str = "swiglu",
         aux_loss_coeff: float = 0.0,
         aux_loss_type: str = "local",
+        sequence_dim: int = 1,
         z_loss_coeff: float = 0.0,
         num_groups: Optional[int] = None,
         group_topk: Optional[int] = None,
@@ -282,9 +304,12 @@ class MoELayer(nn.Module):
         self.num_experts, self.topk = num_experts, topk
         self.activation = activation
         self.aux_loss_coeff = float(aux_loss_coeff)
-        if aux_loss_type not in ("local", "global"):
-            raise ValueError(f"aux_loss_type must be 'local' or 'global', got {aux_loss_type!r}")
+        if aux_loss_type not in ("local", "global", "sequence"):
+            raise ValueError(f"aux_loss_type must be 'local', 'global' or 'sequence', got {aux_loss_type!r}")
+        if sequence_dim not in (0, 1):
+            raise ValueError(f"sequence_dim must be 0 ([S, B, H] input) or 1 ([B, S, H]), got {sequence_dim}")
         self.aux_loss_type = aux_loss_type
+        self.sequence_dim = sequence_dim
         self.z_loss_coeff = float(z_loss_coeff)
         self.ep_group = ep_group
         self.R = ep_size
@@ -455,8 +480,18 @@ class MoELayer(nn.Module):
 
         aux = None
         if self.aux_loss_coeff > 0 and self.training:
-            counts = self.last_tokens_per_expert if self.aux_loss_type == "global" else None
-            aux = self.aux_loss_coeff * router_aux_loss(scores, routing_map, self.topk, counts)
+            sc = aux_loss_scores(scores, self.router.score_func)
+            if self.aux_loss_type == "sequence":
+                if len(lead) != 2:
+                    raise ValueError(f"aux_loss_type='sequence' needs a [B, S, H] or [S, B, H] input, got shape "
+                                     f"{tuple(x.shape)}")
+                sc, rm = sc.view(*lead, -1), routing_map.view(*lead, -1)
+                if self.sequence_dim == 0:
+                    sc, rm = sc.transpose(0, 1), rm.transpose(0, 1)
+                aux = self.aux_loss_coeff * sequence_aux_loss(sc, rm, self.topk)
+            else:
+                counts = self.last_tokens_per_expert if self.aux_loss_type == "global" else None
+                aux = self.aux_loss_coeff * router_aux_loss(sc, routing_map, self.topk, counts)
             self.last_aux_loss = aux.detach()
         if self.z_loss_coeff > 0 and self.training:
             z = self.z_loss_coeff * router_z_loss(self.router.last_logits)

@@ -84,7 +84,9 @@ def dense_moe_reference(h, indices, probs, w1, w2, activation: str = "swiglu", k
     return torch.stack(rows)
 
 
-def reference_aux_loss(scores: torch.Tensor, indices: torch.Tensor, num_experts: int) -> torch.Tensor:
+def reference_aux_loss(scores: torch.Tensor, indices: torch.Tensor, num_experts: int, score_func: str = "softmax"):
+    if score_func == "sigmoid":  # Megatron's aux-loss scores: sigmoid normalized per token
+        scores = scores / scores.sum(-1, keepdim=True)
     T, K = indices.shape
     f = torch.zeros(num_experts, dtype=scores.dtype)
     for t in range(T):
