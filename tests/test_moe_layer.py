@@ -358,10 +358,8 @@ def test_expert_bias_steers_selection_not_probabilities(gen):
     probs.sum().backward()
     assert x.grad is not None and router.weight.grad is not None  # the bias is not a differentiable input
     assert torch.equal(router.local_tokens_per_expert, rmap.sum(0).float())
-    with torch.no_grad():
-        router(x)  # counts only in training with grad enabled
     router.eval()
-    router(x)
+    router(x)  # counts only in training mode
     assert torch.equal(router.local_tokens_per_expert, rmap.sum(0).float())
 
 
@@ -488,3 +486,22 @@ def test_sequence_aux_loss_matches_per_sequence_reference(gen, sequence_dim):
         layer(torch.randn(5, 8, dtype=DT))
     with pytest.raises(ValueError, match="aux_loss_type"):
         MoELayer(8, 8, 4, 2, aux_loss_type="batch", device="cpu")
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_recomputation_counts_once(gen, reentrant):
+    # torch.utils.checkpoint re-runs the forward inside backward: gradients equal the plain layer's, and the
+    # cumulative device statistics (drop counter, expert-bias route counts) count every token once.
+    from torch.utils.checkpoint import checkpoint
+
+    kw = dict(score_func="sigmoid", enable_expert_bias=True, k=1, cf=0.6, aux=0.01)
+    plain, ckpt = _layer(**kw), _layer(**kw)
+    x = torch.randn(20, 8, generator=gen, dtype=DT)
+    xp, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
+    plain(xp).square().sum().backward()
+    checkpoint(ckpt, xc, use_reentrant=reentrant).square().sum().backward()
+    torch.testing.assert_close(xc.grad, xp.grad, rtol=0, atol=0)
+    for p, q in zip(plain.parameters(), ckpt.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0)
+    assert plain.dispatcher.check_drops() == ckpt.dispatcher.check_drops() > 0
+    assert torch.equal(plain.router.local_tokens_per_expert, ckpt.router.local_tokens_per_expert)

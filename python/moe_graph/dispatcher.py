@@ -49,10 +49,18 @@ __all__ = [
     "capacity_for",
     "topk_from_routing_map",
     "gather_rows",
+    "counting_enabled",
 ]
 
 
 # ------------------------------------------------------------------------------------------------ helpers --
+def counting_enabled() -> bool:
+    """Whether a forward should add to cumulative device statistics (drop counter, expert-bias route counts):
+    False while autograd runs a backward, where activation recomputation (``torch.utils.checkpoint``) re-runs the
+    forward, so that every token is counted once. A host-side check: no sync, fine under capture."""
+    return torch._C._current_graph_task_id() == -1
+
+
 def expert_columns(num_experts: int, num_ranks: int, num_spare_per_rank: int = 0, device=None):
     """``(column_rank [E+S], column_local [E+S])`` int64 for ``E`` home experts (``L = E // R`` per rank, expert
     ``e`` on rank ``e // L`` at local index ``e % L``) and ``S = R * k`` spare slots (slot ``j`` on rank ``j // k``
@@ -339,7 +347,8 @@ class TokenDispatcher:
         dropped = (cnt[:R] - cap).clamp(min=0).sum()
         if self.dropped_routes is None or self.dropped_routes.device != dev:
             self.dropped_routes = torch.zeros((), dtype=torch.int64, device=dev)
-        self.dropped_routes.add_(dropped)
+        if counting_enabled():  # not again when activation recomputation re-runs this forward
+            self.dropped_routes.add_(dropped)
         flag_error_if(dropped, CAPACITY_DROP)  # moe_graph.check_errors() reports drops too
 
         send = gather_rows(hidden, token_of_slot, route_slot, K)  # [N, H]

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import planner as P
-from .dispatcher import TokenDispatcher, capacity_for, expert_columns, topk_from_routing_map
+from .dispatcher import TokenDispatcher, capacity_for, counting_enabled, expert_columns, topk_from_routing_map
 
 __all__ = ["MoELayer", "TopKRouter", "aux_loss_scores", "group_limited_topk", "router_aux_loss", "router_z_loss",
            "sequence_aux_loss", "update_expert_bias"]
@@ -100,8 +100,8 @@ class TopKRouter(nn.Module):
     * ``num_groups`` / ``group_topk``: group-limited routing (:func:`group_limited_topk`).
     * ``scaling_factor``: multiplies the probabilities (DeepSeek-V3's ``routed_scaling_factor`` 2.5).
     * ``enable_expert_bias`` (sigmoid only): auxiliary-loss-free balancing. A buffer ``expert_bias [E]`` is added
-      to the scores for the *selection* only (the probabilities use the unbiased scores); each training forward
-      adds this rank's routes per expert to the buffer ``local_tokens_per_expert``, and
+      to the scores for the *selection* only (the probabilities use the unbiased scores); each training-mode forward
+      (once, also under activation recomputation) adds this rank's routes per expert to the buffer ``local_tokens_per_expert``, and
       :func:`update_expert_bias` (after the optimizer step) moves the bias by ``expert_bias_update_rate`` towards
       balance and clears the counts. All of it is device code without host syncs (capturable).
 
@@ -166,7 +166,9 @@ class TopKRouter(nn.Module):
             top = top * self.scaling_factor
         routing_map = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, idx, True)
         probs = torch.zeros_like(scores).scatter(1, idx, top)
-        if self.enable_expert_bias and self.training and torch.is_grad_enabled():
+        # training forwards count (also the no-grad first pass of a reentrant checkpoint); its recomputation
+        # inside backward does not (counting_enabled)
+        if self.enable_expert_bias and self.training and counting_enabled():
             with torch.no_grad():
                 self.local_tokens_per_expert.add_(routing_map.sum(0).to(torch.float32))
         return routing_map, probs, scores
