@@ -431,7 +431,7 @@ def test_update_expert_bias_is_identical_across_ranks(world):
 
 def test_router_options_have_no_data_dependent_ops():
     """CPU proxy for "no host syncs" (as above) with group-limited routing, expert bias, z-loss, a gated shared
-    expert and the bias update: forward, backward and update_expert_bias under FakeTensorMode."""
+    expert, a padding mask and the bias update: forward, backward and update_expert_bias under FakeTensorMode."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from moe_graph.moe_layer import update_expert_bias
@@ -443,7 +443,7 @@ def test_router_options_have_no_data_dependent_ops():
     layer(torch.randn(4, 16))  # lazy state outside the checked region
     with FakeTensorMode(allow_non_fake_inputs=True):
         x = torch.randn(32, 16, requires_grad=True)
-        layer(x).sum().backward()
+        layer(x, padding_mask=torch.arange(32) >= 28).sum().backward()
         update_expert_bias(layer)
 
 
@@ -505,3 +505,49 @@ def test_activation_recomputation_counts_once(gen, reentrant):
         torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0)
     assert plain.dispatcher.check_drops() == ckpt.dispatcher.check_drops() > 0
     assert torch.equal(plain.router.local_tokens_per_expert, ckpt.router.local_tokens_per_expert)
+
+
+@pytest.mark.parametrize("aux_type", ["local", "sequence"])
+def test_padding_mask_equals_running_on_the_real_tokens(gen, aux_type):
+    # Padding tokens get no route and leave the losses, planner and expert-bias counts untouched: outputs,
+    # gradients and statistics equal those of the real tokens alone (aux "local"; for "sequence" the per-sequence
+    # reference below).
+    B, S, H = 3, 6, 8
+    kw = dict(score_func="sigmoid", enable_expert_bias=True, k=1, aux=0.05, E=6, K=2)
+    masked, ref = _layer(**kw), _layer(**kw)
+    for m in (masked, ref):
+        m.z_loss_coeff = 0.01
+        m.aux_loss_type = aux_type
+    x = torch.randn(B, S, H, generator=gen, dtype=DT)
+    pad = torch.zeros(B, S, dtype=torch.bool)
+    pad[0, 4:] = True
+    pad[2, 1:] = True  # sequence 2 keeps a single real token
+    target = torch.randn(B, S, H, generator=gen, dtype=DT)
+    xm = x.clone().requires_grad_()
+    ym = masked(xm, padding_mask=pad)
+    (ym * target).sum().backward()
+    assert torch.all(ym[pad] == 0) and torch.all(xm.grad[pad] == 0)
+    if aux_type == "local":
+        xr = x[~pad].clone().requires_grad_()  # [n, H]: the real tokens only
+        yr = ref(xr)
+        (yr * target[~pad]).sum().backward()
+        torch.testing.assert_close(ym[~pad], yr, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(xm.grad[~pad], xr.grad, rtol=1e-10, atol=1e-12)
+        for p, q in zip(masked.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(masked.last_aux_loss, ref.last_aux_loss)
+        torch.testing.assert_close(masked.last_z_loss, ref.last_z_loss)
+        assert torch.equal(masked.router.local_tokens_per_expert, ref.router.local_tokens_per_expert)
+        assert torch.equal(masked.last_tokens_per_expert, ref.last_tokens_per_expert)
+    else:  # one sequence at a time, real tokens only
+        gate = masked.router.weight.detach()
+        expect = 0
+        for b in range(B):
+            xs = x[b][~pad[b]]
+            idx, _, scores = reference_route(xs, gate, 2, "sigmoid", expert_bias=masked.router.expert_bias)
+            p = scores / scores.sum(-1, keepdim=True)
+            counts = torch.zeros(6, dtype=DT).scatter_add_(0, idx.reshape(-1), torch.ones(idx.numel(), dtype=DT))
+            expect = expect + (counts * 6 / (xs.shape[0] * 2) * p.mean(0)).sum() / B
+        torch.testing.assert_close(masked.last_aux_loss, 0.05 * expect, rtol=1e-12, atol=1e-14)
+    with pytest.raises(ValueError, match="padding_mask must have shape"):
+        masked(x, padding_mask=pad.reshape(-1))

@@ -47,18 +47,26 @@ __all__ = ["MoELayer", "TopKRouter", "aux_loss_scores", "group_limited_topk", "r
 
 
 def router_aux_loss(scores: torch.Tensor, routing_map: torch.Tensor, topk: int,
-                    tokens_per_expert: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    tokens_per_expert: Optional[torch.Tensor] = None,
+                    token_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Switch-transformer load-balancing loss ``E * sum_e f_e * P_e`` (``f_e``: fraction of the routes that go
     to expert ``e``, ``P_e``: mean score of ``e`` over the local tokens); 1.0 for perfect balance. With
     ``tokens_per_expert`` (e.g. counts summed over the EP group: global-batch balancing, as Qwen3 trains) ``f``
-    comes from those counts instead of the local ``routing_map``. Device-only, no sync."""
+    comes from those counts instead of the local ``routing_map``. ``token_mask`` ``[T]`` (1: real token, 0:
+    padding, whose routes must already be off the map): means over the real tokens only. Device-only, no sync."""
     T, E = scores.shape
+    if token_mask is None:
+        n = scores.new_tensor(float(max(T, 1)))
+    else:
+        m = token_mask.to(scores.dtype)
+        scores = scores * m[:, None]
+        n = m.sum().clamp(min=1)
     if tokens_per_expert is None:
-        f = routing_map.to(scores.dtype).sum(0) / max(T * topk, 1)
+        f = routing_map.to(scores.dtype).sum(0) / (n * topk)
     else:
         counts = tokens_per_expert.to(scores.dtype)
         f = counts / counts.sum().clamp(min=1)
-    p = scores.sum(0) / max(T, 1)
+    p = scores.sum(0) / n
     return E * (f * p).sum()
 
 
@@ -150,7 +158,8 @@ class TopKRouter(nn.Module):
             return group_limited_topk(scores, self.topk, self.num_groups, self.group_topk)[1]
         return torch.topk(scores, self.topk, dim=-1)[1]
 
-    def forward(self, x: torch.Tensor):
+    def forward(self, x: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
+        """``x`` ``[T, H]``; ``padding_mask`` ``[T]`` bool (True: a padding token, which gets no route)."""
         logits = F.linear(x, self.weight)
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32 scores (fp64 stays fp64)
         self.last_logits = logits
@@ -166,6 +175,10 @@ class TopKRouter(nn.Module):
             top = top * self.scaling_factor
         routing_map = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, idx, True)
         probs = torch.zeros_like(scores).scatter(1, idx, top)
+        if padding_mask is not None:
+            real = ~padding_mask.reshape(-1, 1).to(torch.bool)
+            routing_map = routing_map & real
+            probs = probs * real.to(probs.dtype)
         # training forwards count (also the no-grad first pass of a reentrant checkpoint); its recomputation
         # inside backward does not (counting_enabled)
         if self.enable_expert_bias and self.training and counting_enabled():
@@ -201,18 +214,31 @@ def aux_loss_scores(scores: torch.Tensor, score_func: str) -> torch.Tensor:
     return scores
 
 
-def sequence_aux_loss(scores: torch.Tensor, routing_map: torch.Tensor, topk: int) -> torch.Tensor:
+def sequence_aux_loss(scores: torch.Tensor, routing_map: torch.Tensor, topk: int,
+                      token_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """DeepSeek-V3's sequence-wise balance loss on ``[B, S, E]`` scores / routing map: per sequence
     ``sum_e f_e * P_e`` with ``f_e = E / (S * K) * (routes of the sequence to e)`` and ``P_e`` the mean score of
-    ``e`` over the sequence, averaged over the ``B`` sequences; 1.0 for perfect balance. Device-only, no sync."""
+    ``e`` over the sequence, averaged over the ``B`` sequences; 1.0 for perfect balance. ``token_mask`` ``[B, S]``
+    (1: real token): ``S`` counts the real tokens of each sequence, sequences without any are left out.
+    Device-only, no sync."""
     B, S, E = scores.shape
-    f = routing_map.to(scores.dtype).sum(1) * (E / max(S * topk, 1))  # [B, E]
-    return (f * scores.mean(1)).sum(1).mean()
+    m = scores.new_ones(B, S) if token_mask is None else token_mask.to(scores.dtype)
+    n = m.sum(1, keepdim=True)  # [B, 1] real tokens per sequence
+    f = routing_map.to(scores.dtype).sum(1) * E / (n * topk).clamp(min=1)  # [B, E]
+    p = (scores * m[..., None]).sum(1) / n.clamp(min=1)
+    per_seq = (f * p).sum(1)
+    has = (n[:, 0] > 0).to(scores.dtype)
+    return (per_seq * has).sum() / has.sum().clamp(min=1)
 
 
-def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
-    """ST-MoE router z-loss ``mean(logsumexp(logits)^2)`` over tokens (scale it by the coefficient)."""
-    return torch.logsumexp(logits, dim=-1).square().mean()
+def router_z_loss(logits: torch.Tensor, token_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """ST-MoE router z-loss ``mean(logsumexp(logits)^2)`` over the (real, with ``token_mask``) tokens (scale it
+    by the coefficient)."""
+    z = torch.logsumexp(logits, dim=-1).square()
+    if token_mask is None:
+        return z.mean()
+    m = token_mask.to(z.dtype)
+    return (z * m).sum() / m.sum().clamp(min=1)
 
 
 def _all_gather_counts(local: torch.Tensor, group, R: int) -> torch.Tensor:
@@ -468,16 +494,24 @@ class MoELayer(nn.Module):
         return echo_grouped_gemm(mid, w2, s2, m_splits, self.echo, omap, mask, b2)
 
     # ------------------------------------------------------------------------------------------ forward --
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``x`` ``[..., H]``. ``padding_mask`` (shape ``x.shape[:-1]``, bool, True: padding, as in Megatron):
+        padding tokens get no route (zero routed output; the shared expert still sees them), and the planner
+        counts, the losses and the expert-bias counts leave them out."""
         if x.shape[-1] != self.hidden_size:
             raise ValueError(f"x must have last dimension hidden_size={self.hidden_size}, got shape {tuple(x.shape)}")
         lead = x.shape[:-1]
+        if padding_mask is not None and tuple(padding_mask.shape) != tuple(lead):
+            raise ValueError(f"padding_mask must have shape {tuple(lead)} (x without its last dimension), got "
+                             f"{tuple(padding_mask.shape)}")
         h = x.reshape(-1, self.hidden_size)
         T = h.shape[0]
         cap = capacity_for(T, self.topk, self.R, self.capacity_factor)
         self.dispatcher.capacity = cap
 
-        routing_map, probs, scores = self.router(h)
+        pad = padding_mask.reshape(-1) if padding_mask is not None else None
+        real = (~pad.to(torch.bool)) if pad is not None else None
+        routing_map, probs, scores = self.router(h, pad)
         new_map, new_probs, omap = self._plan(routing_map, probs)  # also all-gathers the per-expert counts
 
         aux = None
@@ -488,15 +522,17 @@ class MoELayer(nn.Module):
                     raise ValueError(f"aux_loss_type='sequence' needs a [B, S, H] or [S, B, H] input, got shape "
                                      f"{tuple(x.shape)}")
                 sc, rm = sc.view(*lead, -1), routing_map.view(*lead, -1)
+                m = real.view(*lead) if real is not None else None
                 if self.sequence_dim == 0:
                     sc, rm = sc.transpose(0, 1), rm.transpose(0, 1)
-                aux = self.aux_loss_coeff * sequence_aux_loss(sc, rm, self.topk)
+                    m = m.transpose(0, 1) if m is not None else None
+                aux = self.aux_loss_coeff * sequence_aux_loss(sc, rm, self.topk, m)
             else:
                 counts = self.last_tokens_per_expert if self.aux_loss_type == "global" else None
-                aux = self.aux_loss_coeff * router_aux_loss(sc, routing_map, self.topk, counts)
+                aux = self.aux_loss_coeff * router_aux_loss(sc, routing_map, self.topk, counts, real)
             self.last_aux_loss = aux.detach()
         if self.z_loss_coeff > 0 and self.training:
-            z = self.z_loss_coeff * router_z_loss(self.router.last_logits)
+            z = self.z_loss_coeff * router_z_loss(self.router.last_logits, real)
             self.last_z_loss = z.detach()
             aux = z if aux is None else aux + z
 
