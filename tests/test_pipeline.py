@@ -790,18 +790,19 @@ def test_docstring_examples():
 
 
 # ------------------------------------------------------------------- MoE model through the whole training stack --
-@pytest.mark.parametrize("layers,vpp", [(2, None), (4, 2)])
-def test_moe_lm_pipeline_pp2_matches_pp1(layers, vpp):
+@pytest.mark.parametrize("layers,vpp,expert_bias", [(2, None, False), (4, 2, False), (2, None, True)])
+def test_moe_lm_pipeline_pp2_matches_pp1(layers, vpp, expert_bias):
     """The demo's MoE LM (echo, static dispatcher) with DDP buffers and ZeRO-1 with clipping: 1F1B (or the
     interleaved schedule with 2 model chunks per stage and one optimizer over both) over pp=2 x EP/DP=2 (4 gloo
     ranks) gives the same losses, global grad norms and parameters as pp=1 x EP/DP=2 (2 ranks), float32, 3 steps.
     Exercises the grad norm over the model-parallel group and the expert-tensor-model-pipeline group: without them
-    each stage would clip with its own norm."""
+    each stage would clip with its own norm. With expert bias, update_expert_bias must reduce the route counts
+    within each stage (not over the world, which would mix different layers' counts)."""
     from moe_graph.testing.distributed import run_distributed
     from moe_graph.testing.pipeline_moe import pipeline_moe_worker
 
-    ref = run_distributed(pipeline_moe_worker, 2, 1, 0.5, layers)
-    got = run_distributed(pipeline_moe_worker, 4, 2, 0.5, layers, vpp)
+    ref = run_distributed(pipeline_moe_worker, 2, 1, 0.5, layers, None, expert_bias)
+    got = run_distributed(pipeline_moe_worker, 4, 2, 0.5, layers, vpp, expert_bias)
     assert all(r["pp_rank"] == 0 for r in ref) and [r["pp_rank"] for r in got] == [0, 0, 1, 1]
     for d in range(2):
         r, last = ref[d], got[2 + d]
@@ -821,3 +822,6 @@ def test_moe_lm_pipeline_pp2_matches_pp1(layers, vpp):
     for k, v in ref_params.items():
         torch.testing.assert_close(got_params[k], v, rtol=1e-5, atol=1e-6, msg=k)
     assert sum(r["drops"] for r in ref) == sum(g["drops"] for g in got)
+    biases = [k for k in ref_params if k.endswith("expert_bias")]
+    assert len(biases) == (layers if expert_bias else 0)
+    assert all(float(ref_params[k].abs().max()) > 0 for k in biases)  # the bias moved

@@ -174,9 +174,11 @@ def _train(rank: int, world: int, cfg) -> Dict:
     data = CharData(build_corpus(seed=0))
     moe_kwargs = dict(aux_loss_coeff=cfg.aux, num_spare_experts_per_ep_rank=cfg.spare, capacity_factor=cfg.capacity,
                       assignment=cfg.assignment, ep_group=ep_group, ep_size=world)
-    if cfg.router == "deepseek":  # sigmoid scores, group-limited top-k, aux-loss-free expert bias (no aux loss)
+    if cfg.router == "deepseek":  # sigmoid scores, group-limited top-k, aux-loss-free expert bias, and a tiny
+        # sequence-wise aux loss (DeepSeek-V3's alpha = 1e-4)
         moe_kwargs.update(score_func="sigmoid", num_groups=min(4, cfg.experts), group_topk=min(2, cfg.topk),
-                          enable_expert_bias=True, expert_bias_update_rate=1e-3, aux_loss_coeff=0.0)
+                          enable_expert_bias=True, expert_bias_update_rate=1e-3, aux_loss_coeff=1e-4,
+                          aux_loss_type="sequence")
     torch.manual_seed(1234 + rank)  # experts differ per rank; dense weights are broadcast from rank 0 below
     model = MoETransformerLM(cfg, data.vocab_size, moe_kwargs, device, dtype)
     ddp = DistributedDataParallel(model, use_distributed_optimizer=True, expert_data_parallel_group=edp_group)
@@ -379,7 +381,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--capacity", type=float, default=1.25, help="capacity factor (0: dropless)")
     p.add_argument("--aux", type=float, default=0.01, help="aux load-balancing loss coefficient")
     p.add_argument("--router", choices=["softmax", "deepseek"], default="softmax",
-                   help="deepseek: sigmoid scores, group-limited top-k, auxiliary-loss-free expert bias")
+                   help="deepseek: sigmoid scores, group-limited top-k, auxiliary-loss-free expert bias, "
+                        "sequence-wise aux loss 1e-4")
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--batch", type=int, default=8, help="sequences per microbatch per rank")
     p.add_argument("--microbatches", type=int, default=2)

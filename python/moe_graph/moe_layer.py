@@ -191,13 +191,22 @@ class TopKRouter(nn.Module):
 def update_expert_bias(module: nn.Module, group=None) -> None:
     """Auxiliary-loss-free balancing step (DeepSeek-V3; Megatron's ``get_updated_expert_bias``) for every
     :class:`TopKRouter` with ``enable_expert_bias`` in ``module``: sum the routes counted since the last call over
-    ``group`` (every rank whose tokens the routers see: data-, expert-, context- and tensor-parallel ranks; default:
-    the whole world when torch.distributed is initialized), then ``expert_bias += rate * sign(mean - count)``
-    per expert, and clear the counts. One all-reduce for all routers; device code only, capturable."""
+    ``group``, then ``expert_bias += rate * sign(mean - count)`` per expert, and clear the counts. One all-reduce
+    for all routers; device code only, capturable.
+
+    ``group`` must hold the ranks whose routers are the same layers: the data-, expert-, context- and
+    tensor-parallel ranks of one pipeline stage (Megatron's TP x DP x CP group). Default: that group from
+    :mod:`moe_graph.parallel_state` when it is initialized, else the whole world (when torch.distributed is
+    initialized; no pipeline parallelism then)."""
     routers = [m for m in module.modules() if isinstance(m, TopKRouter) and m.enable_expert_bias]
     if not routers:
         return
     counts = torch.stack([r.local_tokens_per_expert for r in routers])  # [layers, E]
+    if group is None:
+        from . import parallel_state as ps
+
+        if ps.model_parallel_is_initialized():
+            group = ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
     if dist.is_available() and dist.is_initialized() and (group is not None or dist.get_world_size() > 1):
         dist.all_reduce(counts, group=group)
     offset = counts.mean(dim=-1, keepdim=True) - counts

@@ -90,9 +90,12 @@ def microbatches(step: int, dp_rank: int):
     return out
 
 
-def pipeline_moe_worker(rank: int, world: int, pp: int, clip: float, layers: int = 2, vpp=None) -> Dict:
+def pipeline_moe_worker(rank: int, world: int, pp: int, clip: float, layers: int = 2, vpp=None,
+                        expert_bias: bool = False) -> Dict:
     """``STEPS`` training steps of a ``layers``-layer model on ``pp`` stages (``vpp`` model chunks per stage:
-    the interleaved schedule, one DDP wrapper per chunk, one optimizer over all of them)."""
+    the interleaved schedule, one DDP wrapper per chunk, one optimizer over all of them). ``expert_bias``: sigmoid
+    routers with auxiliary-loss-free balancing, ``update_expert_bias`` after every step (default group)."""
+    from ..moe_layer import update_expert_bias
     from .. import parallel_state as ps
     from .. import pipeline as P
     from ..ddp import DistributedDataParallel
@@ -109,6 +112,8 @@ def pipeline_moe_worker(rank: int, world: int, pp: int, clip: float, layers: int
         nc = len(chunk_ids)
         moe_kwargs = dict(ep_group=ps.get_expert_model_parallel_group(), ep_size=dp, num_spare_experts_per_ep_rank=1,
                           capacity_factor=1.25, aux_loss_coeff=0.01)
+        if expert_bias:
+            moe_kwargs.update(score_func="sigmoid", enable_expert_bias=True, expert_bias_update_rate=0.05)
         stages, ddps = [], []
         for c, ids in enumerate(chunk_ids):
             stage = StageLM(ids, pp_rank == 0 and c == 0, pp_rank == pp - 1 and c == nc - 1, moe_kwargs)
@@ -138,6 +143,7 @@ def pipeline_moe_worker(rank: int, world: int, pp: int, clip: float, layers: int
                      model=pick(ddps), num_microbatches=MICROBATCHES, config=cfg)
             ok, norm = opt.step()
             assert bool(ok)
+            update_expert_bias(nn.ModuleList(stages))  # no-op without expert bias
             losses.append([float(x) for x in out])
             norms.append(float(norm))
         params = {}
@@ -149,6 +155,9 @@ def pipeline_moe_worker(rank: int, world: int, pp: int, clip: float, layers: int
                         params[f"{g}[{ep_rank * p.shape[0] + i}]"] = w.clone()
                 else:
                     params[g] = p.detach().clone()
+            for name, buf in stage.named_buffers():
+                if name.endswith("expert_bias"):
+                    params[stage.global_name(name)] = buf.clone()
         drops = sum(b.moe.dispatcher.check_drops() for stage in stages for b in stage.blocks)
         return {"pp_rank": pp_rank, "dp_rank": dp_rank, "losses": losses, "norms": norms, "params": params,
                 "drops": drops}
