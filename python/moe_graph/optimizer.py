@@ -247,18 +247,20 @@ class DistributedOptimizer:
             is uniform), ``"fused"``, or ``"tensor"`` (portable device-tensor code).
         expert_model_parallel_group: with expert parallelism, the group whose ranks hold
             *different* experts: the expert part of the grad norm and the inf flag are summed over
-            it as well (the dense part is complete after the data-parallel reduction). With tensor
-            or pipeline parallelism pass Megatron's expert-tensor-model-pipeline group (ETP x EP x
-            PP). Its rank is also recorded in checkpoints, so that expert params are reloaded from
-            the right files.
+            it as well (the dense part is complete after the data-parallel reduction): Megatron's
+            expert-tensor-model-pipeline group (ETP x EP x PP), or the EP group without TP/PP. Its
+            rank is also recorded in checkpoints, so that expert params are reloaded from the right
+            files.
         model_parallel_group: with tensor or pipeline parallelism, Megatron's model-parallel group
-            (TP x PP, ``parallel_state.get_model_parallel_group()``): the dense part of the grad
-            norm and the inf flag are summed over it, so that every stage clips with the same,
-            global norm. As in Megatron, a parameter counts once: one without
-            ``tensor_model_parallel = True`` is a copy on every tensor-parallel rank and counts
-            only where ``tensor_model_parallel_rank`` (``expert_tensor_parallel_rank`` for expert
-            params) is 0, and a parameter marked ``shared = True`` (the tied output embedding on
-            the last stage) does not count.
+            (TP x PP): the dense part of the grad norm and the inf flag are summed over it, so that
+            every stage clips with the same, global norm. As in Megatron, a parameter counts once:
+            one without ``tensor_model_parallel = True`` is a copy on every tensor-parallel rank and
+            counts only where ``tensor_model_parallel_rank`` (``expert_tensor_parallel_rank`` for
+            expert params) is 0, and a parameter marked ``shared = True`` (the tied output
+            embedding on the last stage) does not count.
+            Defaults (``"auto"`` groups, ``None`` ranks): taken from :mod:`moe_graph.parallel_state`
+            when it is initialized (the groups and ranks above), else no group and rank 0. Pass
+            ``None`` for a group to leave it out.
 
     ``step()`` returns ``(update_successful, grad_norm)``, both 0-dim device tensors.
     ``state_dict()`` is this rank's shard (save one file per rank); ``load_state_dict(shards)``
@@ -268,8 +270,8 @@ class DistributedOptimizer:
     def __init__(self, model, *, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.01, adamw: bool = True, clip_grad: float = 0.0, loss_scaler=None,
                  no_weight_decay_params: Optional[Iterable[torch.nn.Parameter]] = None, impl: str = "auto",
-                 expert_model_parallel_group=None, model_parallel_group=None,
-                 tensor_model_parallel_rank: int = 0, expert_tensor_parallel_rank: int = 0):
+                 expert_model_parallel_group="auto", model_parallel_group="auto",
+                 tensor_model_parallel_rank: Optional[int] = None, expert_tensor_parallel_rank: Optional[int] = None):
         if isinstance(model, (list, tuple)):
             if not model:
                 raise ValueError("DistributedOptimizer: empty list of model chunks")
@@ -281,6 +283,19 @@ class DistributedOptimizer:
             raise ValueError(f"betas must be in [0, 1), got {betas}")
         if impl not in ("auto", "fused", "tensor"):
             raise ValueError(f"impl must be 'auto', 'fused' or 'tensor', got {impl!r}")
+        from . import parallel_state as ps
+
+        mp_on = ps.model_parallel_is_initialized()  # "auto" / None below: Megatron's groups and ranks from it
+        if isinstance(expert_model_parallel_group, str) and expert_model_parallel_group == "auto":
+            expert_model_parallel_group = ps.get_expert_tensor_model_pipeline_parallel_group() if mp_on else None
+        if isinstance(model_parallel_group, str) and model_parallel_group == "auto":
+            model_parallel_group = ps.get_model_parallel_group() if mp_on else None
+        if tensor_model_parallel_rank is None:
+            tensor_model_parallel_rank = ps.get_tensor_model_parallel_rank() if mp_on else 0
+        if expert_tensor_parallel_rank is None:
+            expert_tensor_parallel_rank = ps.get_expert_tensor_parallel_rank() if mp_on else 0
+        if model_parallel_group is not None and dist.get_world_size(model_parallel_group) == 1:
+            model_parallel_group = None  # nothing to combine
         self.model = model
         self.beta1, self.beta2 = float(betas[0]), float(betas[1])
         self.eps, self.weight_decay, self.adamw = float(eps), float(weight_decay), adamw

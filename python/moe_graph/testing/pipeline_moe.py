@@ -122,10 +122,8 @@ def pipeline_moe_worker(rank: int, world: int, pp: int, clip: float, layers: int
             ddps.append(DistributedDataParallel(stage, use_distributed_optimizer=True,
                                                 data_parallel_group=ps.get_data_parallel_group(),
                                                 expert_data_parallel_group=ps.get_expert_data_parallel_group()))
-        opt = DistributedOptimizer(
-            ddps, lr=1e-2, weight_decay=0.0, clip_grad=clip, impl="tensor",
-            expert_model_parallel_group=ps.get_expert_tensor_model_pipeline_parallel_group(),
-            model_parallel_group=ps.get_model_parallel_group() if pp > 1 else None)
+        # the norm groups (TP x PP, ETP x EP x PP) default from parallel_state
+        opt = DistributedOptimizer(ddps, lr=1e-2, weight_decay=0.0, clip_grad=clip, impl="tensor")
         pick = (lambda xs: xs) if vpp else (lambda xs: xs[0])
         cfg = P.PipelineConfig(tensor_shape=(BATCH, CFG.seq, CFG.hidden), dtype=DT,
                                no_sync_func=pick([d.no_sync for d in ddps]))
