@@ -551,3 +551,22 @@ def test_padding_mask_equals_running_on_the_real_tokens(gen, aux_type):
         torch.testing.assert_close(masked.last_aux_loss, 0.05 * expect, rtol=1e-12, atol=1e-14)
     with pytest.raises(ValueError, match="padding_mask must have shape"):
         masked(x, padding_mask=pad.reshape(-1))
+
+
+def test_torch_compile_matches_eager(gen):
+    # torch.compile of the whole layer (router options, echo, padding): the eager outputs, gradients and counters.
+    kw = dict(score_func="sigmoid", enable_expert_bias=True, k=1, cf=1.0, aux=0.01, E=8, K=2, num_groups=2,
+              group_topk=1)
+    eager, comp = _layer(**kw), _layer(**kw)
+    compiled = torch.compile(comp, backend="aot_eager")
+    x = torch.randn(2, 10, 8, generator=gen, dtype=DT)
+    pad = torch.zeros(2, 10, dtype=torch.bool)
+    pad[1, 7:] = True
+    for _ in range(2):
+        ye, yc = eager(x, padding_mask=pad), compiled(x, padding_mask=pad)
+        ye.square().sum().backward()
+        yc.square().sum().backward()
+        torch.testing.assert_close(yc, ye, rtol=1e-12, atol=1e-12)
+    for p, q in zip(eager.parameters(), comp.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-12, atol=1e-12)
+    assert torch.equal(eager.router.local_tokens_per_expert, comp.router.local_tokens_per_expert)

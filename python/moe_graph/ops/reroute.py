@@ -26,6 +26,7 @@ _PLAN = "moe_graph::echo_plan"
 _PLAN_MODES = {"auto": 0, "greedy": 1, "best_fit": 2}
 
 
+@torch.compiler.assume_constant_result  # fixed per process: traced once by torch.compile
 def native_available() -> bool:
     """True when the loaded ``moe_graph._C`` has the reroute op (CPU kernel at least)."""
     try:
@@ -38,6 +39,7 @@ def native_available() -> bool:
         return False
 
 
+@torch.compiler.assume_constant_result  # fixed per process: traced once by torch.compile
 def best_fit_available(device_type: str = "cpu") -> bool:
     """True when the loaded extension has ``echo_best_fit`` for ``device_type`` ("cpu" or "cuda")."""
     try:
@@ -54,6 +56,7 @@ def echo_best_fit(counts: torch.Tensor, num_spare_experts_per_ep_rank: int = 1) 
     return torch.ops.moe_graph.echo_best_fit(counts, int(num_spare_experts_per_ep_rank))
 
 
+@torch.compiler.assume_constant_result  # fixed per process: traced once by torch.compile
 def plan_available(device_type: str = "cpu") -> bool:
     """True when the loaded extension has ``echo_plan`` for ``device_type`` ("cpu" or "cuda")."""
     try:
