@@ -570,3 +570,23 @@ def test_torch_compile_matches_eager(gen):
     for p, q in zip(eager.parameters(), comp.parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-12, atol=1e-12)
     assert torch.equal(eager.router.local_tokens_per_expert, comp.router.local_tokens_per_expert)
+
+
+def test_router_dtype_runs_the_gate_in_that_precision(gen):
+    # bf16 input and weights: the default upcasts the bf16 GEMM's result; router_dtype=float64 computes the gate in
+    # fp64 from the same bf16 values (the exact logits of those values).
+    from moe_graph.moe_layer import TopKRouter
+
+    r64 = TopKRouter(16, 8, 2, device="cpu", dtype=torch.bfloat16, router_dtype=torch.float64)
+    x = torch.randn(32, 16, generator=gen).bfloat16()
+    r64(x)
+    assert r64.last_logits.dtype == torch.float64
+    exact = x.double() @ r64.weight.detach().double().t()
+    torch.testing.assert_close(r64.last_logits.detach(), exact, rtol=0, atol=1e-12)
+    r_def = TopKRouter(16, 8, 2, device="cpu", dtype=torch.bfloat16)
+    r_def.load_state_dict(r64.state_dict())
+    r_def(x)
+    assert r_def.last_logits.dtype == torch.float32
+    assert float((r_def.last_logits.detach().double() - exact).abs().max()) > 1e-6  # bf16 GEMM rounding
+    with pytest.raises(ValueError, match="router_dtype"):
+        TopKRouter(16, 8, 2, router_dtype=torch.float16)

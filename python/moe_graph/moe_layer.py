@@ -107,6 +107,8 @@ class TopKRouter(nn.Module):
 
     * ``num_groups`` / ``group_topk``: group-limited routing (:func:`group_limited_topk`).
     * ``scaling_factor``: multiplies the probabilities (DeepSeek-V3's ``routed_scaling_factor`` 2.5).
+    * ``router_dtype`` (``torch.float32`` / ``torch.float64``): run the gate GEMM in that precision (Megatron's
+      ``moe_router_dtype``; by default the GEMM runs in the input dtype and the logits are upcast to fp32).
     * ``enable_expert_bias`` (sigmoid only): auxiliary-loss-free balancing. A buffer ``expert_bias [E]`` is added
       to the scores for the *selection* only (the probabilities use the unbiased scores); each training-mode forward
       (once, also under activation recomputation) adds this rank's routes per expert to the buffer ``local_tokens_per_expert``, and
@@ -120,7 +122,8 @@ class TopKRouter(nn.Module):
     def __init__(self, hidden_size: int, num_experts: int, topk: int, score_func: str = "softmax",
                  norm_topk_prob: bool = False, device=None, dtype=None, *, num_groups: Optional[int] = None,
                  group_topk: Optional[int] = None, scaling_factor: Optional[float] = None,
-                 enable_expert_bias: bool = False, expert_bias_update_rate: float = 1e-3):
+                 enable_expert_bias: bool = False, expert_bias_update_rate: float = 1e-3,
+                 router_dtype: Optional[torch.dtype] = None):
         super().__init__()
         if score_func not in ("softmax", "sigmoid"):
             raise ValueError(f"score_func must be 'softmax' or 'sigmoid', got {score_func!r}")
@@ -145,6 +148,9 @@ class TopKRouter(nn.Module):
         self.scaling_factor = scaling_factor
         self.enable_expert_bias = bool(enable_expert_bias)
         self.expert_bias_update_rate = float(expert_bias_update_rate)
+        if router_dtype not in (None, torch.float32, torch.float64):
+            raise ValueError(f"router_dtype must be None, torch.float32 or torch.float64, got {router_dtype}")
+        self.router_dtype = router_dtype
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, device=device, dtype=dtype))
         nn.init.normal_(self.weight, std=0.02)
         if self.enable_expert_bias:
@@ -160,8 +166,11 @@ class TopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
         """``x`` ``[T, H]``; ``padding_mask`` ``[T]`` bool (True: a padding token, which gets no route)."""
-        logits = F.linear(x, self.weight)
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32 scores (fp64 stays fp64)
+        if self.router_dtype is not None:  # Megatron's moe_router_dtype: the gate GEMM itself in fp32 / fp64
+            logits = F.linear(x.to(self.router_dtype), self.weight.to(self.router_dtype))
+        else:
+            logits = F.linear(x, self.weight)
+            logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32 scores (fp64 stays fp64)
         self.last_logits = logits
         scores = torch.softmax(logits, -1) if self.score_func == "softmax" else torch.sigmoid(logits)
         if self.enable_expert_bias:
@@ -268,9 +277,9 @@ class MoELayer(nn.Module):
         hidden_size, ffn_hidden_size: ``H``, ``F`` (per expert).
         num_experts: ``E`` (global). topk: routes per token.
         score_func: ``"softmax"`` or ``"sigmoid"``. norm_topk_prob: renormalize the top-k softmax probabilities.
-        num_groups, group_topk, topk_scaling_factor, enable_expert_bias, expert_bias_update_rate: router options
-            (:class:`TopKRouter`; group-limited routing, scaled probabilities, auxiliary-loss-free balancing with
-            :func:`update_expert_bias` after each optimizer step).
+        num_groups, group_topk, topk_scaling_factor, enable_expert_bias, expert_bias_update_rate, router_dtype:
+            router options (:class:`TopKRouter`; group-limited routing, scaled probabilities, auxiliary-loss-free
+            balancing with :func:`update_expert_bias` after each optimizer step, gate GEMM precision).
         activation: ``"swiglu"`` (fc1 is ``[2F, H]``) or ``"gelu"``.
         aux_loss_coeff: weight of the load-balancing loss (0: off); its gradient flows through the output.
         aux_loss_type: ``"local"`` (expert fractions of this rank's tokens), ``"global"`` (fractions of all the
@@ -311,6 +320,7 @@ class MoELayer(nn.Module):
         topk_scaling_factor: Optional[float] = None,
         enable_expert_bias: bool = False,
         expert_bias_update_rate: float = 1e-3,
+        router_dtype: Optional[torch.dtype] = None,
         ep_group=None,
         ep_size: Optional[int] = None,
         num_spare_experts_per_ep_rank: int = 0,
@@ -362,7 +372,7 @@ class MoELayer(nn.Module):
         self.router = TopKRouter(hidden_size, num_experts, topk, score_func, norm_topk_prob, device=device, dtype=dtype,
                                  num_groups=num_groups, group_topk=group_topk, scaling_factor=topk_scaling_factor,
                                  enable_expert_bias=enable_expert_bias,
-                                 expert_bias_update_rate=expert_bias_update_rate)
+                                 expert_bias_update_rate=expert_bias_update_rate, router_dtype=router_dtype)
         init = lambda t: nn.init.normal_(t, std=init_std)  # noqa: E731
         fc1_out = 2 * ffn_hidden_size if activation == "swiglu" else ffn_hidden_size
         self.fc1 = GroupedLinear(self.L, hidden_size, fc1_out, bias=False, params_dtype=dtype, device=device,
