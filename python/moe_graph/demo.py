@@ -448,6 +448,9 @@ def main(argv: Optional[List[str]] = None) -> Dict:
     how = _plot(summary, png)
     summary["wall_s"] = wall
     summary["config"] = {k: v for k, v in vars(args).items()}
+    from .testing.bench import environment
+
+    summary["env"] = environment()  # torch / CUDA versions, the commit measured, date
     with open(os.path.join(out_dir, "demo_summary.json"), "w") as f:
         json.dump(summary, f, indent=1, default=str)
     print(f"wrote {png} ({how}) and {os.path.join(out_dir, 'demo_summary.json')}; total {wall:.1f} s")
