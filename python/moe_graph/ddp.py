@@ -161,11 +161,9 @@ class DistributedDataParallel(torch.nn.Module):
             for p in g.params:
                 self.param_to_bucket_group[p] = g
 
-        self._hook_handles = []
         delayed = [p for p in params if getattr(p, "skip_backward_post_hook", False)]
-        for p in params:
-            if not getattr(p, "skip_backward_post_hook", False):
-                self._hook_handles.append(p.register_post_accumulate_grad_hook(self._make_hook(p)))
+        self._hook_handles = [p.register_post_accumulate_grad_hook(self._make_hook(p))
+                              for p in params if not getattr(p, "skip_backward_post_hook", False)]
         self._register_delayed_wgrad_hooks(delayed)
 
     # ------------------------------------------------------------------

@@ -105,35 +105,50 @@ class Block(nn.Module):
 
 
 class MoETransformerLM(nn.Module):
-    def __init__(self, cfg, vocab_size: int, moe_kwargs: Dict, device, dtype):
+    """The demo's language model. With ``layer_ids`` / ``first`` / ``last`` it is one pipeline stage: blocks
+    ``layer_ids`` only, the embeddings on the first stage, the final norm, head and loss on the last;
+    ``set_input_tensor`` receives the previous stage's activation (the pipeline schedules call it)."""
+
+    def __init__(self, cfg, vocab_size: int, moe_kwargs: Dict, device, dtype, layer_ids: Optional[List[int]] = None,
+                 first: bool = True, last: bool = True):
         super().__init__()
         H = cfg.hidden
-        self.emb = nn.Embedding(vocab_size, H, device=device, dtype=dtype)
-        self.pos = nn.Embedding(cfg.seq, H, device=device, dtype=dtype)
-        self.blocks = nn.ModuleList([Block(cfg, moe_kwargs, device, dtype) for _ in range(cfg.layers)])
-        self.ln = nn.LayerNorm(H, device=device, dtype=dtype)
-        self.head = nn.Linear(H, vocab_size, bias=False, device=device, dtype=dtype)
-        with torch.no_grad():
-            self.emb.weight.normal_(0, 0.5)
-            self.pos.weight.normal_(0, 0.1)
+        self.layer_ids = list(range(cfg.layers)) if layer_ids is None else list(layer_ids)
+        self.first, self.last = first, last
+        if first:
+            self.emb = nn.Embedding(vocab_size, H, device=device, dtype=dtype)
+            self.pos = nn.Embedding(cfg.seq, H, device=device, dtype=dtype)
+        self.blocks = nn.ModuleList([Block(cfg, moe_kwargs, device, dtype) for _ in self.layer_ids])
+        if last:
+            self.ln = nn.LayerNorm(H, device=device, dtype=dtype)
+            self.head = nn.Linear(H, vocab_size, bias=False, device=device, dtype=dtype)
+        if first:
+            with torch.no_grad():
+                self.emb.weight.normal_(0, 0.5)
+                self.pos.weight.normal_(0, 0.1)
+        self.input_tensor = None
+
+    def set_input_tensor(self, t) -> None:
+        self.input_tensor = t
 
     def moe_layers(self):
         return [b.moe for b in self.blocks]
 
     def forward(self, tokens, labels):
-        x = self.emb(tokens) + self.pos.weight[: tokens.shape[1]]
+        x = self.emb(tokens) + self.pos.weight[: tokens.shape[1]] if self.first else self.input_tensor
         for b in self.blocks:
             x = b(x)
+        if not self.last:
+            return x
         logits = self.head(self.ln(x)).float()
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1))
 
 
 # ------------------------------------------------------------------------------------------------ training --
-def make_train_step(ddp, opt, expert_bias_group=None):
+def make_train_step(ddp, opt):
     """One training iteration: zero the grad buffers, forward/backward every microbatch, the optimizer step (grad
     reduce-scatter, Adam on the shard, param all-gather) and, for routers with expert bias, the auxiliary-loss-free
-    bias update (one all-reduce over ``expert_bias_group``). Device work only: the whole function is one CUDA
-    graph."""
+    bias update (one all-reduce). Device work only: the whole function is one CUDA graph."""
     from .moe_layer import update_expert_bias
 
     def step(microbatches):
@@ -144,7 +159,7 @@ def make_train_step(ddp, opt, expert_bias_group=None):
             (loss / len(microbatches)).backward()
             losses.append(loss.detach())
         opt.step()
-        update_expert_bias(ddp.module, expert_bias_group)  # no-op without enable_expert_bias
+        update_expert_bias(ddp.module)  # no-op without enable_expert_bias
         return torch.stack(losses).mean()
 
     return step
@@ -191,7 +206,7 @@ def _train(rank: int, world: int, cfg) -> Dict:
         f"+ {cfg.spare} echo slot(s)), capacity factor {cfg.capacity}, {n_params / 1e3:.0f}k params per rank, "
         f"vocab {data.vocab_size}, {cfg.microbatches} x {cfg.batch} x {cfg.seq} tokens per rank per step")
 
-    step = make_train_step(ddp, opt)  # expert-bias counts are summed over the default (whole) group
+    step = make_train_step(ddp, opt)
 
     gen = torch.Generator().manual_seed(100 + rank)
 

@@ -56,7 +56,7 @@ def router_aux_loss(scores: torch.Tensor, routing_map: torch.Tensor, topk: int,
     padding, whose routes must already be off the map): means over the real tokens only. Device-only, no sync."""
     T, E = scores.shape
     if token_mask is None:
-        n = scores.new_tensor(float(max(T, 1)))
+        n = max(T, 1)  # a Python number: no host-to-device copy on the hot path (capturable)
     else:
         m = token_mask.to(scores.dtype)
         scores = scores * m[:, None]

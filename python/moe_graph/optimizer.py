@@ -184,7 +184,7 @@ class _Shard:
     """Optimizer-side view of one rank's shard of one bucket."""
 
     __slots__ = ("buffer", "bucket_index", "bucket", "group", "rank", "size", "model_param", "grad",
-                 "main_param", "main_grad", "exp_avg", "exp_avg_sq", "wd_mask", "norm_mask", "ranges")
+                 "main_param", "main_grad", "exp_avg", "exp_avg_sq", "wd_mask", "norm_views", "ranges")
 
 
 def _counts_in_grad_norm(p, tensor_parallel_rank: int) -> bool:
@@ -192,6 +192,22 @@ def _counts_in_grad_norm(p, tensor_parallel_rank: int) -> bool:
     if getattr(p, "shared", False):
         return False
     return bool(getattr(p, "tensor_model_parallel", False)) or tensor_parallel_rank == 0
+
+
+def _counted_views(main_grad: torch.Tensor, ranges: Dict, counts) -> List[torch.Tensor]:
+    """Views of ``main_grad`` (a shard) covering every element except the local ranges of the params for which
+    ``counts(p)`` is false: the grad norm reads only these (no mask, no copy). ``[main_grad]`` when all count."""
+    skip = sorted(r["gbuf_local"] for p, r in ranges.items() if not counts(p))
+    if not skip:
+        return [main_grad]
+    views, pos = [], 0
+    for start, end in skip:
+        if start > pos:
+            views.append(main_grad[pos:start])
+        pos = max(pos, end)
+    if pos < main_grad.numel():
+        views.append(main_grad[pos:])
+    return views
 
 
 def _range_mask(ranges: Dict, n: int, device, zero_if) -> Optional[torch.Tensor]:
@@ -331,7 +347,7 @@ class DistributedOptimizer:
                 s.ranges = build_shard_ranges(buf, bi, rank)
                 s.wd_mask = _range_mask(s.ranges, n, device, lambda p: p in no_wd)
                 tp_rank = expert_tensor_parallel_rank if id(buf) in expert_buffers else tensor_model_parallel_rank
-                s.norm_mask = _range_mask(s.ranges, n, device, lambda p, t=tp_rank: not _counts_in_grad_norm(p, t))
+                s.norm_views = _counted_views(s.main_grad, s.ranges, lambda p, t=tp_rank: _counts_in_grad_norm(p, t))
                 self.shards.append(s)
         self.device = device
         f32 = dict(dtype=torch.float32, device=device)
@@ -373,7 +389,7 @@ class DistributedOptimizer:
         """Bytes of optimizer-owned tensors (main params, main grads, moments, masks), excluding views."""
         total = 0
         for s in self.shards:
-            for t in (s.main_param, s.main_grad, s.exp_avg, s.exp_avg_sq, s.wd_mask, s.norm_mask):
+            for t in (s.main_param, s.main_grad, s.exp_avg, s.exp_avg_sq, s.wd_mask):
                 if t is not None and t is not s.model_param and t is not s.grad:
                     total += t.numel() * t.element_size()
         return total
@@ -382,8 +398,7 @@ class DistributedOptimizer:
         """Every tensor the optimizer holds (views included), for memory accounting."""
         out = [self.lr, self.step_count]
         for s in self.shards:
-            out += [t for t in (s.main_param, s.main_grad, s.exp_avg, s.exp_avg_sq, s.wd_mask, s.norm_mask)
-                    if t is not None]
+            out += [t for t in (s.main_param, s.main_grad, s.exp_avg, s.exp_avg_sq, s.wd_mask) if t is not None]
         return out
 
     # ------------------------------------------------------------------
@@ -416,9 +431,8 @@ class DistributedOptimizer:
                     torch._foreach_mul_(gs, inv_scale)
                 for g in gs:
                     t[0] += torch.logical_not(torch.isfinite(g)).sum()
-            masked = [grads[i] * self.shards[i].norm_mask if self.shards[i].norm_mask is not None else grads[i]
-                      for i in idx]  # parameters counted on another rank contribute 0
-            t[1] = torch.stack(torch._foreach_norm(masked)).square().sum()
+            counted = [v for i in idx for v in self.shards[i].norm_views]  # params counted on another rank left out
+            t[1] = torch.stack(torch._foreach_norm(counted)).square().sum()
             if group is not None:
                 dist.all_reduce(t, group=group)
             if expert and self.expert_model_parallel_group is not None:

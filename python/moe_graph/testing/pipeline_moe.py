@@ -1,5 +1,6 @@
-"""Integration of the training machinery: the demo's MoE language model cut into pipeline stages, trained with the
-1F1B schedule, expert parallelism with echo, DDP buffers and the ZeRO-1 optimizer with global grad-norm clipping.
+"""Integration of the training machinery: the demo's MoE language model (:class:`moe_graph.demo.MoETransformerLM`)
+cut into pipeline stages, trained with the 1F1B schedule, expert parallelism with echo, DDP buffers and the ZeRO-1
+optimizer with global grad-norm clipping.
 
 :func:`pipeline_moe_worker` runs the same training on any ``pp`` (world = ``pp * dp``, EP = DP = ``dp`` ranks per
 stage, expert DP = 1). Parameters are initialized from their *global* names, so every layout starts from the same
@@ -11,10 +12,9 @@ from __future__ import annotations
 
 import types
 import zlib
-from typing import Dict, List
+from typing import Dict
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 CFG = types.SimpleNamespace(hidden=16, heads=2, ffn=24, experts=4, topk=2, seq=8, layers=2)
@@ -22,54 +22,24 @@ VOCAB, BATCH, MICROBATCHES, STEPS = 11, 2, 2, 3
 DT = torch.float32  # the optimizer keeps fp32 main params
 
 
-class StageLM(nn.Module):
-    """Blocks ``layer_ids`` of the demo's model; the first stage adds the embeddings, the last the final norm, the
-    head and the loss. ``set_input_tensor`` receives the previous stage's activation (pipeline schedules)."""
-
-    def __init__(self, layer_ids: List[int], first: bool, last: bool, moe_kwargs: Dict):
-        super().__init__()
-        from ..demo import Block
-
-        H = CFG.hidden
-        self.layer_ids, self.first, self.last = list(layer_ids), first, last
-        self.blocks = nn.ModuleList([Block(CFG, moe_kwargs, "cpu", DT) for _ in layer_ids])
-        if first:
-            self.emb = nn.Embedding(VOCAB, H, dtype=DT)
-            self.pos = nn.Embedding(CFG.seq, H, dtype=DT)
-        if last:
-            self.ln = nn.LayerNorm(H, dtype=DT)
-            self.head = nn.Linear(H, VOCAB, bias=False, dtype=DT)
-        self.input_tensor = None
-
-    def set_input_tensor(self, t) -> None:
-        self.input_tensor = t
-
-    def forward(self, tokens, labels):
-        x = self.emb(tokens) + self.pos.weight[: tokens.shape[1]] if self.first else self.input_tensor
-        for b in self.blocks:
-            x = b(x)
-        if not self.last:
-            return x
-        logits = self.head(self.ln(x))
-        return F.cross_entropy(logits.view(-1, VOCAB), labels.view(-1))
-
-    def global_name(self, name: str) -> str:
-        if name.startswith("blocks."):
-            _, i, rest = name.split(".", 2)
-            return f"blocks.{self.layer_ids[int(i)]}.{rest}"
-        return name
+def _global_name(stage: nn.Module, name: str) -> str:
+    """A stage's parameter name in the whole model (``blocks.<i>`` numbered by the stage's ``layer_ids``)."""
+    if name.startswith("blocks."):
+        _, i, rest = name.split(".", 2)
+        return f"blocks.{stage.layer_ids[int(i)]}.{rest}"
+    return name
 
 
 def _is_expert(name: str) -> bool:
     return ".moe.fc1." in name or ".moe.fc2." in name
 
 
-def init_from_global_names(stage: StageLM, ep_rank: int) -> None:
+def init_from_global_names(stage: nn.Module, ep_rank: int) -> None:
     """Every parameter from a generator seeded by its global name (experts: the global ``[E, ...]`` tensor, then
     this EP rank's slice), so that any pipeline/expert layout holds the same model."""
     with torch.no_grad():
         for name, p in stage.named_parameters():
-            g = stage.global_name(name)
+            g = _global_name(stage, name)
             if ".ln" in name or name.startswith("ln."):
                 continue  # LayerNorm keeps its deterministic ones / zeros
             gen = torch.Generator().manual_seed(zlib.crc32(g.encode()))
@@ -99,6 +69,7 @@ def pipeline_moe_worker(rank: int, world: int, pp: int, clip: float, layers: int
     from .. import parallel_state as ps
     from .. import pipeline as P
     from ..ddp import DistributedDataParallel
+    from ..demo import MoETransformerLM
     from ..optimizer import DistributedOptimizer
 
     dp = world // pp
@@ -116,7 +87,8 @@ def pipeline_moe_worker(rank: int, world: int, pp: int, clip: float, layers: int
             moe_kwargs.update(score_func="sigmoid", enable_expert_bias=True, expert_bias_update_rate=0.05)
         stages, ddps = [], []
         for c, ids in enumerate(chunk_ids):
-            stage = StageLM(ids, pp_rank == 0 and c == 0, pp_rank == pp - 1 and c == nc - 1, moe_kwargs)
+            stage = MoETransformerLM(CFG, VOCAB, moe_kwargs, "cpu", DT, layer_ids=ids, first=pp_rank == 0 and c == 0,
+                                     last=pp_rank == pp - 1 and c == nc - 1)
             init_from_global_names(stage, ep_rank)
             stages.append(stage)
             ddps.append(DistributedDataParallel(stage, use_distributed_optimizer=True,
@@ -147,7 +119,7 @@ def pipeline_moe_worker(rank: int, world: int, pp: int, clip: float, layers: int
         params = {}
         for stage in stages:
             for name, p in stage.named_parameters():
-                g = stage.global_name(name)
+                g = _global_name(stage, name)
                 if _is_expert(name):
                     for i, w in enumerate(p.detach()):
                         params[f"{g}[{ep_rank * p.shape[0] + i}]"] = w.clone()
@@ -155,7 +127,7 @@ def pipeline_moe_worker(rank: int, world: int, pp: int, clip: float, layers: int
                     params[g] = p.detach().clone()
             for name, buf in stage.named_buffers():
                 if name.endswith("expert_bias"):
-                    params[stage.global_name(name)] = buf.clone()
+                    params[_global_name(stage, name)] = buf.clone()
         drops = sum(b.moe.dispatcher.check_drops() for stage in stages for b in stage.blocks)
         return {"pp_rank": pp_rank, "dp_rank": dp_rank, "losses": losses, "norms": norms, "params": params,
                 "drops": drops}
