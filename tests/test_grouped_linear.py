@@ -151,11 +151,14 @@ def test_delay_wgrad_compute_defers_weight_grads_to_backward_dw(gen, fuse, singl
         ref(xr, torch.tensor(splits)).backward(g)
         dly(xd, torch.tensor(splits)).backward(g)
         torch.testing.assert_close(xd.grad, xr.grad)  # dgrad is not delayed
-    # biases are not delayed either; the weights have nothing yet
-    for br, bd in zip(ref._biases(), dly._biases()):
-        torch.testing.assert_close(bd.grad, br.grad)
+    # As TE: biases are delivered by backward_dw too (marked skip_backward_post_hook); the weights hold a zero
+    # placeholder (so that hooks requiring a gradient see one), fused ones with grad_added_to_main_grad set.
+    assert all(getattr(b, "skip_backward_post_hook", False) for b in dly._biases())
+    assert all(b.grad is None for b in dly._biases())
     for wg, w in zip(_wgrads(dly, fuse), dly._weights()):
-        assert (wg is None) if not fuse else (torch.count_nonzero(wg) == 0 and not getattr(w, "grad_added_to_main_grad", False))
+        assert w.grad is not None and torch.count_nonzero(w.grad) == 0
+        if fuse:
+            assert torch.count_nonzero(wg) == 0 and w.grad_added_to_main_grad is True
     assert len(dly._wgrad_queue) == 2 and calls == []
     dly.backward_dw()
     dly.backward_dw()
@@ -164,6 +167,8 @@ def test_delay_wgrad_compute_defers_weight_grads_to_backward_dw(gen, fuse, singl
     assert calls == [1, 0]
     for a, b in zip(_wgrads(dly, fuse), _wgrads(ref, fuse)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    for br, bd in zip(ref._biases(), dly._biases()):  # both microbatches' bias gradients, summed
+        torch.testing.assert_close(bd.grad, br.grad, rtol=1e-5, atol=1e-5)
     if fuse:
         assert all(w.grad_added_to_main_grad is True for w in dly._weights())
 
@@ -201,8 +206,8 @@ def test_sequence_parallel_and_parallel_attributes_as_te():
 
 
 def test_ddp_grad_ready_hooks_run_from_backward_dw(gen):
-    # Weights with delayed wgrad: DDP's grad-ready hook runs at the end of backward_dw, not in backward; biases
-    # keep the autograd hook. dp=1, so no process group is needed; bucket readiness shows when the hooks ran.
+    # Weights and biases with delayed wgrad: DDP's grad-ready hook runs at the end of backward_dw, not in backward.
+    # dp=1, so no process group is needed; bucket readiness shows when the hooks ran.
     from moe_graph.ddp import DistributedDataParallel
 
     for fuse in (False, True):
@@ -215,10 +220,10 @@ def test_ddp_grad_ready_hooks_run_from_backward_dw(gen):
         x, g = torch.randn(18, 24, generator=gen), torch.randn(18, 16, generator=gen)
         ref(x, [5, 0, 7, 3]).backward(g)
         ddp(x, torch.tensor([5, 0, 7, 3])).backward(g)
-        assert all(bg.grad_reduce_dispatched for bg in bias_groups)
-        assert not any(wg.grad_reduce_dispatched for wg in weight_groups)
+        # As TE: weights and biases are both delivered by backward_dw, which then runs DDP's grad-ready hooks.
+        assert not any(g.grad_reduce_dispatched for g in weight_groups + bias_groups)
         dly.backward_dw()
-        assert all(wg.grad_reduce_dispatched for wg in weight_groups)
+        assert all(g.grad_reduce_dispatched for g in weight_groups + bias_groups)
         ddp.finish_grad_sync()
         for p, q in zip(dly.parameters(), ref.parameters()):
             assert p.grad is None
@@ -329,3 +334,251 @@ def test_torch_compile_with_fused_or_delayed_wgrad(gen, fuse, delay):
         ref(x, splits).square().sum().backward()
     for w, r in zip(layer._weights(), ref._weights()):
         torch.testing.assert_close(w.main_grad if fuse else w.grad, r.grad, rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------- issue 11: TE behaviours a real Megatron run relies on --
+def test_delayed_wgrad_gives_placeholder_grads_for_overlap_grad_reduce_hooks(gen):
+    # Megatron's DDP with overlap_grad_reduce asserts param.grad is not None in the hook that backward_dw
+    # triggers; TE returns a placeholder in backward even though the weight GEMM is deferred.
+    for fuse in (False, True):
+        for single in (False, True):
+            ref, dly = _pair(gen, fuse=fuse, single=single, bias=True)
+            seen = []
+
+            def megatron_like_hook(params=list(dly.parameters())):
+                for p in params:
+                    assert p.grad is not None, "param.grad being None is not safe when overlap_grad_reduce is True"
+                    if fuse and p.dim() == 3 - (not single):  # weights: real gradient is in main_grad
+                        assert p.grad_added_to_main_grad
+                    seen.append(p)
+
+            dly.register_wgrad_accumulation_and_reduce_hooks(megatron_like_hook)
+            x, g = torch.randn(18, 24, generator=gen), torch.randn(18, 16, generator=gen)
+            ref(x, [5, 0, 7, 6]).backward(g)
+            dly(x, [5, 0, 7, 6]).backward(g)
+            dly.backward_dw()
+            assert len(seen) == len(list(dly.parameters()))
+            for a, b in zip(_wgrads(dly, fuse), _wgrads(ref, fuse)):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_dummy_grad_is_adopted_not_cloned(gen):
+    # The zero placeholder returned after fused main_grad accumulation becomes p.grad without a copy: every
+    # weight's p.grad shares one cached buffer, across microbatches (no new [N, K] tensor per weight per step).
+    from moe_graph.ops.grouped_gemm import _DUMMY_WGRAD
+
+    for delayed in (False, True):
+        layer = GroupedLinear(3, 16, 8, bias=False, device="cpu", fuse_wgrad_accumulation=True,
+                              delay_wgrad_compute=delayed)
+        ws = layer._weights()
+        for w in ws:
+            w.main_grad = torch.zeros(w.shape)
+        ptrs = set()
+        for _ in range(2):
+            layer(torch.randn(10, 16, generator=gen), [3, 0, 7]).sum().backward()
+            layer.backward_dw()
+            ptrs |= {w.grad.untyped_storage().data_ptr() for w in ws}
+            for w in ws:  # as Megatron's DDP hook does
+                w.grad = None
+        cached = _DUMMY_WGRAD[((8, 16), torch.float32, torch.device("cpu"))][0]
+        assert ptrs == {cached.untyped_storage().data_ptr()}
+        assert torch.count_nonzero(cached) == 0
+
+
+def test_dummy_grad_written_by_someone_is_not_handed_out_again(gen):
+    from moe_graph.ops.grouped_gemm import _dummy_wgrad
+
+    w = torch.nn.Parameter(torch.randn(5, 4))
+    d = _dummy_wgrad(w)
+    d.add_(1.0)  # a user writes into p.grad that aliases the placeholder
+    d2 = _dummy_wgrad(w)
+    assert torch.count_nonzero(d2) == 0 and d2.data_ptr() != d.data_ptr() and torch.all(d == 1)
+
+
+def test_save_original_input_is_stored_for_megatron():
+    # megatron.core.extensions.transformer_engine.set_save_original_input sets the attribute on the module
+    # (fine-grained activation offloading of expert_fc1); TE stores the constructor argument.
+    assert GroupedLinear(2, 8, 8, device="cpu", save_original_input=True).save_original_input is True
+    layer = GroupedLinear(2, 8, 8, device="cpu")
+    assert layer.save_original_input is False
+
+
+def test_reset_parameters_materializes_meta_init(gen):
+    # Megatron-FSDP's meta-device init: build on "meta", to_empty(device), reset_parameters().
+    def init(t):
+        torch.nn.init.normal_(t, 0.0, 0.5)
+
+    for single in (False, True):
+        torch.manual_seed(3)
+        real = GroupedLinear(3, 8, 4, device="cpu", init_method=init, single_grouped_weight=single)
+        meta = GroupedLinear(3, 8, 4, device="meta", init_method=init, single_grouped_weight=single)
+        assert all(p.is_meta for p in meta.parameters())
+        meta.to_empty(device="cpu", recurse=False)
+        with torch.no_grad():
+            for b in meta._biases():
+                b.fill_(7.0)  # to_empty leaves garbage: reset must zero the biases
+        torch.manual_seed(3)
+        meta.reset_parameters()
+        for p, q in zip(meta.parameters(), real.parameters()):
+            torch.testing.assert_close(p, q)
+        assert all(torch.count_nonzero(b) == 0 for b in meta._biases())
+        assert 0.3 < float(torch.cat([w.detach().flatten() for w in meta._weights()]).std()) < 0.7
+
+
+def test_overwrite_main_grad_writes_instead_of_adding(gen):
+    # Megatron-FSDP sets param.overwrite_main_grad = True: TE then writes main_grad instead of adding.
+    for delayed in (False, True):
+        layer = GroupedLinear(3, 8, 6, bias=False, device="cpu", fuse_wgrad_accumulation=True, delay_wgrad_compute=delayed)
+        for w in layer._weights():
+            w.main_grad = torch.full(w.shape, 5.0)
+            w.overwrite_main_grad = True
+        x, g = torch.randn(9, 8, generator=gen), torch.randn(9, 6, generator=gen)
+        layer(x, [4, 0, 5]).backward(g)
+        layer.backward_dw()
+        torch.testing.assert_close(layer.weight0.main_grad, g[:4].t() @ x[:4], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(layer.weight1.main_grad, torch.zeros(6, 8))
+        torch.testing.assert_close(layer.weight2.main_grad, g[4:].t() @ x[4:], rtol=1e-5, atol=1e-5)
+
+
+def test_lazy_main_grad_from_get_main_grad(gen):
+    # Megatron-FSDP parameters (__fsdp_param__) get main_grad lazily: None at forward, get_main_grad() before
+    # backward. TE resolves it in backward.
+    for delayed in (False, True):
+        layer = GroupedLinear(2, 8, 4, bias=False, device="cpu", fuse_wgrad_accumulation=True, delay_wgrad_compute=delayed)
+        bufs = {}
+        for e, w in enumerate(layer._weights()):
+            w.__fsdp_param__ = True
+            w.main_grad = None
+            bufs[e] = torch.zeros(w.shape)
+            w.get_main_grad = lambda e=e: bufs[e]
+        x, g = torch.randn(6, 8, generator=gen), torch.randn(6, 4, generator=gen)
+        layer(x, [2, 4]).backward(g)
+        layer.backward_dw()
+        torch.testing.assert_close(bufs[0], g[:2].t() @ x[:2], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(bufs[1], g[2:].t() @ x[2:], rtol=1e-5, atol=1e-5)
+        assert layer.weight0.main_grad is bufs[0]
+
+
+def test_single_grouped_bias_and_te_keywords(gen):
+    for sw in (False, True):
+        for sb in (False, True):
+            layer = GroupedLinear(3, 8, 4, device="cpu", single_grouped_weight=sw, single_grouped_bias=sb,
+                                  name="fc1", use_grouped_tensor=True)
+            names = [n for n, _ in layer.named_parameters()]
+            assert ("weight" in names) == sw and ("weight0" in names) == (not sw)
+            assert ("bias" in names) == sb and ("bias0" in names) == (not sb)
+            if sb:
+                assert layer.bias.shape == (3, 4)
+            with torch.no_grad():
+                for b in layer._biases():
+                    b.normal_(generator=gen)
+            x = torch.randn(7, 8, generator=gen)
+            ref = _ref_forward_any(layer, x, [2, 0, 5])
+            torch.testing.assert_close(layer(x, [2, 0, 5]), ref.float(), rtol=1e-5, atol=1e-5)
+            _, rb = GroupedLinear(3, 8, 4, device="cpu", single_grouped_bias=sb, return_bias=True)(x, [2, 0, 5])
+            assert (isinstance(rb, torch.nn.Parameter) and rb.shape == (3, 4)) if sb else len(rb) == 3
+    with pytest.raises(TypeError, match="not_a_te_keyword"):
+        GroupedLinear(2, 8, 8, device="cpu", not_a_te_keyword=True)
+    with pytest.raises(TypeError, match="use_grouped_tensor"):
+        GroupedLinear(2, 8, 8, device="cpu", use_grouped_tensor="yes")
+
+
+def _ref_forward_any(layer, x, splits):
+    W = torch.stack([w for ws in layer._weights() for w in (ws.unbind(0) if ws.dim() == 3 else [ws])])
+    bs = layer._biases()
+    B = None if bs is None else torch.stack([b for bb in bs for b in (bb.unbind(0) if bb.dim() == 2 else [bb])])
+    out, s = torch.zeros(x.shape[0], W.shape[1], dtype=torch.float64), 0
+    for e, c in enumerate(splits):
+        out[s : s + c] = x[s : s + c].double() @ W[e].double().t() + (0 if B is None else B[e].double())
+        s += c
+    return out
+
+
+def test_trigger_wgrad_accumulation_and_reduce_hooks():
+    # Megatron's TEGroupedMLP.backward_dw calls it on the linear layers after fused TE ops ran their backward_dw.
+    layer = GroupedLinear(2, 8, 8, device="cpu", delay_wgrad_compute=True)
+    calls = []
+    layer.register_wgrad_accumulation_and_reduce_hooks(lambda: calls.append(1))
+    layer._trigger_wgrad_accumulation_and_reduce_hooks()
+    assert calls == [1]
+
+
+# ------------------------------------------------------------------- issue 12: loads validated before writing --
+def _snapshot(m):
+    return {k: v.clone() for k, v in m.state_dict().items()}
+
+
+@pytest.mark.parametrize("src_e,dst_single,src_single", [(6, False, True), (6, True, True), (2, False, True),
+                                                          (2, True, False), (6, True, False), (6, False, False)])
+def test_load_state_dict_expert_count_mismatch_raises_and_writes_nothing(gen, src_e, dst_single, src_single):
+    src = GroupedLinear(src_e, 8, 4, device="cpu", single_grouped_weight=src_single)
+    dst = GroupedLinear(4, 8, 4, device="cpu", single_grouped_weight=dst_single)
+    with torch.no_grad():
+        for p in src.parameters():
+            p.normal_(generator=gen)
+    before = _snapshot(dst)
+    for strict in (True, False):
+        with pytest.raises(RuntimeError, match=r"num_gemms=4"):
+            dst.load_state_dict(src.state_dict(), strict=strict)
+        for k, v in _snapshot(dst).items():
+            assert torch.equal(v, before[k]), k
+
+
+def test_load_real_biases_into_bias_free_layer_raises(gen):
+    src = GroupedLinear(3, 8, 4, device="cpu")
+    with torch.no_grad():
+        for b in src._biases():
+            b.normal_(generator=gen)
+    for single in (False, True):
+        dst = GroupedLinear(3, 8, 4, device="cpu", bias=False, single_grouped_weight=single)
+        before = _snapshot(dst)
+        with pytest.raises(RuntimeError, match="bias=False"):
+            dst.load_state_dict(src.state_dict())
+        for k, v in _snapshot(dst).items():
+            assert torch.equal(v, before[k])
+        res = dst.load_state_dict(src.state_dict(), strict=False)  # not strict: loaded, biases listed as unexpected
+        assert sorted(res.unexpected_keys) == ["bias0", "bias1", "bias2"]
+        torch.testing.assert_close(dst._weights()[0].reshape(-1), torch.cat([w.reshape(-1) for w in src._weights()])[: dst._weights()[0].numel()])
+
+
+def test_load_state_dict_shape_mismatch_writes_nothing(gen):
+    src = GroupedLinear(3, 8, 4, device="cpu")
+    dst = GroupedLinear(3, 8, 4, device="cpu")
+    sd = src.state_dict()
+    sd["weight2"] = torch.randn(4, 9)  # the last expert is wrong: the first two must not be written either
+    before = _snapshot(dst)
+    with pytest.raises(RuntimeError, match=r"weight2: checkpoint shape \(4, 9\)"):
+        dst.load_state_dict(sd)
+    for k, v in _snapshot(dst).items():
+        assert torch.equal(v, before[k])
+
+
+@pytest.mark.parametrize("kw,arg", [(dict(tp_size=0), "tp_size"), (dict(in_features=0), "in_features"),
+                                    (dict(out_features=-1), "out_features"), (dict(num_gemms=0), "num_gemms"),
+                                    (dict(tp_size=0, parallel_mode="column"), "tp_size")])
+def test_constructor_rejects_bad_sizes_naming_the_argument(kw, arg):
+    args = dict(num_gemms=2, in_features=8, out_features=8, device="cpu")
+    args.update(kw)
+    with pytest.raises(ValueError, match=arg):
+        GroupedLinear(**args)
+
+
+def test_strict_load_with_unexpected_key_writes_nothing_and_parent_loads_validate(gen):
+    src = GroupedLinear(3, 8, 4, device="cpu")
+    with torch.no_grad():
+        for p in src.parameters():
+            p.normal_(generator=gen)
+    dst = GroupedLinear(3, 8, 4, device="cpu")
+    before = _snapshot(dst)
+    sd = dict(src.state_dict(), stray=torch.zeros(1))
+    with pytest.raises(RuntimeError, match="Unexpected key.*stray"):
+        dst.load_state_dict(sd)
+    assert all(torch.equal(v, before[k]) for k, v in _snapshot(dst).items())
+    dst.load_state_dict(sd, strict=False)
+    torch.testing.assert_close(dst.weight2, src.weight2)
+    # through a parent module: the expert-count check still raises before this layer is written
+    parent = torch.nn.Sequential(GroupedLinear(4, 8, 4, device="cpu"))
+    before = _snapshot(parent)
+    with pytest.raises(RuntimeError, match="num_gemms=4"):
+        parent.load_state_dict({f"0.{k}": v for k, v in src.state_dict().items()}, strict=False)
+    assert all(torch.equal(v, before[k]) for k, v in _snapshot(parent).items())

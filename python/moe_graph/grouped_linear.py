@@ -3,13 +3,16 @@
 Differences that matter for CUDA graphs: ``m_splits`` may be a device tensor (no ``.tolist()``, no sync) and the
 whole forward/backward is capturable. With ``fuse_wgrad_accumulation=True`` the weight gradients are added into
 ``weight.main_grad`` inside the GEMM epilogue and ``weight.grad_added_to_main_grad`` is set, as Megatron's DDP
-expects (``is_first_microbatch=True`` overwrites ``main_grad`` instead, as in TE).
+expects (``is_first_microbatch=True`` or ``weight.overwrite_main_grad`` overwrite ``main_grad`` instead, as in TE;
+``main_grad`` may be provided lazily by ``weight.get_main_grad()`` for Megatron-FSDP parameters). The zero
+placeholder returned to autograd for such weights becomes ``weight.grad`` without a copy.
 
 ``delay_wgrad_compute=True`` (TE's, used by Megatron to overlap the weight-gradient GEMMs with expert-parallel
-communication): backward computes the input and bias gradients only and queues the weight-gradient GEMM;
-``backward_dw()`` runs the oldest queued one (into ``main_grad`` or ``weight.grad``) and then calls the hooks
-registered with ``register_wgrad_accumulation_and_reduce_hooks`` (Megatron's and moe_graph's DDP register their
-grad-ready hooks there for weights marked ``skip_backward_post_hook``).
+communication): backward computes the input gradient only, returns placeholder weight gradients (as TE) and
+queues the weight-gradient GEMM; ``backward_dw()`` runs the oldest queued one (into ``main_grad`` or
+``weight.grad``), delivers the bias gradients (weights and biases are marked ``skip_backward_post_hook``, as in TE)
+and then calls the hooks registered with ``register_wgrad_accumulation_and_reduce_hooks`` (Megatron's and
+moe_graph's DDP register their grad-ready hooks there for such parameters).
 """
 
 from __future__ import annotations
@@ -20,7 +23,15 @@ from typing import Callable, List, Optional, Union
 import torch
 from torch import nn
 
-from .ops.grouped_gemm import _as_splits, _grouped_gemm_autograd, _weight_grads
+from .ops.grouped_gemm import (
+    _as_splits,
+    _grouped_gemm_autograd,
+    _has_main_grad_source,
+    _is_untouched_dummy_wgrad,
+    _resolve_main_grad,
+    _weight_grads,
+    grouped_bias_grad,
+)
 
 __all__ = ["GroupedLinear"]
 
@@ -33,16 +44,36 @@ def _default_init(std: float = 0.023) -> Callable[[torch.Tensor], None]:
     return init_
 
 
+def _check_int(name: str, value, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"GroupedLinear: {name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def _add_grad(p: torch.Tensor, g: torch.Tensor) -> None:
+    """Accumulate ``g`` into ``p.grad`` as autograd would (set when None or an untouched zero placeholder)."""
+    if p.grad is None or _is_untouched_dummy_wgrad(p.grad):
+        p.grad = g.to(p.dtype)
+    else:
+        p.grad.add_(g)
+
+
 class GroupedLinear(nn.Module):
     """E linear layers applied to consecutive row groups of one input (one grouped GEMM).
 
-    Args follow TransformerEngine's ``GroupedLinear``: ``num_gemms`` experts, each ``y = x W_e^T + b_e`` with
-    ``W_e`` of shape ``[out_features, in_features]``. ``tp_size`` with ``parallel_mode="column"`` (``"row"``)
-    divides ``out_features`` (``in_features``), as in TE; the layer itself does no tensor-parallel communication
-    (neither does TE's: Megatron's MoE dispatcher does it), and ``sequence_parallel`` is recorded as TE does
+    Args follow TransformerEngine's ``GroupedLinear`` (every TE keyword is accepted by name; unknown keywords
+    raise ``TypeError``): ``num_gemms`` experts, each ``y = x W_e^T + b_e`` with ``W_e`` of shape
+    ``[out_features, in_features]``. ``tp_size`` with ``parallel_mode="column"`` (``"row"``) divides
+    ``out_features`` (``in_features``), as in TE; the layer itself does no tensor-parallel communication (neither
+    does TE's: Megatron's MoE dispatcher does it), and ``sequence_parallel`` is recorded as TE does
     (``tp_size > 1 and sequence_parallel``) for the parameter attributes Megatron reads.
-    Parameters are ``weight0..weight{E-1}`` and ``bias0..`` (TE layout), or one ``weight`` ``[E, out, in]`` and
-    ``bias`` ``[E, out]`` with ``single_grouped_weight=True``; state dicts of either layout load into both.
+    Parameters are ``weight0..weight{E-1}`` (TE layout) or one ``weight`` ``[E, out, in]`` with
+    ``single_grouped_weight=True``; biases ``bias0..`` or one ``bias`` ``[E, out]`` with ``single_grouped_bias``
+    (default: the same as ``single_grouped_weight``; TE's default is False, and TE then packs the biases every
+    forward as this layer does). State dicts of every layout load into every layout.
+    ``save_original_input`` is recorded (TE saves the unquantized input with it; without fp8 the input is what is
+    saved anyway). ``use_grouped_tensor`` and ``name`` are accepted (the grouped GEMM is always used).
+    ``device="meta"`` defers initialization to :meth:`reset_parameters`, as TE does.
     """
 
     def __init__(
@@ -68,17 +99,25 @@ class GroupedLinear(nn.Module):
         delay_wgrad_compute: bool = False,
         save_original_input: bool = False,
         single_grouped_weight: bool = False,
-        **unused,
+        single_grouped_bias: Optional[bool] = None,
+        name: Optional[str] = None,
+        use_grouped_tensor: Optional[bool] = None,
     ) -> None:
         super().__init__()
-        if num_gemms < 1:
-            raise ValueError(f"GroupedLinear: num_gemms must be >= 1, got {num_gemms}")
+        _check_int("num_gemms", num_gemms, 1)
+        _check_int("in_features", in_features, 1)
+        _check_int("out_features", out_features, 1)
         if ub_overlap_rs or ub_overlap_ag:
             raise NotImplementedError("GroupedLinear: userbuffers overlap (ub_overlap_*) is not supported")
         if parallel_mode not in (None, "column", "row"):
             raise ValueError(f"GroupedLinear: parallel_mode must be None, 'column' or 'row', got {parallel_mode!r}")
+        if use_grouped_tensor is not None and not isinstance(use_grouped_tensor, bool):
+            raise TypeError(f"GroupedLinear: use_grouped_tensor must be a bool or None, got {use_grouped_tensor!r}")
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"GroupedLinear: name must be a str or None, got {type(name).__name__}")
         if tp_group is not None and hasattr(tp_group, "size"):
             tp_size = tp_group.size()
+        _check_int("tp_size", tp_size, 1)
         if parallel_mode == "column":
             if out_features % tp_size:
                 raise ValueError(f"GroupedLinear: out_features {out_features} not divisible by tp_size {tp_size}")
@@ -94,64 +133,81 @@ class GroupedLinear(nn.Module):
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         self.use_bias = bias
         self.return_bias = return_bias
-        self.single_grouped_weight = single_grouped_weight
+        self.single_grouped_weight = bool(single_grouped_weight)
+        self.single_grouped_bias = self.single_grouped_weight if single_grouped_bias is None else bool(single_grouped_bias)
         self.parallel_mode = parallel_mode
         self.tp_size = tp_size
         self.sequence_parallel = tp_size > 1 and bool(sequence_parallel)
         self.delay_wgrad_compute = bool(delay_wgrad_compute)
+        self.save_original_input = bool(save_original_input)
+        self.ub_name = ub_name
+        self.name = name
+        self.use_grouped_tensor = use_grouped_tensor
+        self.init_method = init_method
+        self.get_rng_state_tracker = get_rng_state_tracker
+        self.rng_tracker_name = rng_tracker_name
         self.wgrad_accumulation_and_reduce_hooks: List[Callable[[], None]] = []
         self._wgrad_queue: collections.deque = collections.deque()
-        dtype = params_dtype if params_dtype is not None else torch.get_default_dtype()
-        base_init = init_method if init_method is not None else _default_init()
+        self.params_dtype = params_dtype if params_dtype is not None else torch.get_default_dtype()
+        factory = dict(device=device, dtype=self.params_dtype)
 
-        def init(t: torch.Tensor) -> None:
-            # As TE: weights are initialized inside the model-parallel RNG tracker's fork (Megatron passes its
-            # tracker and, for experts, the expert-parallel stream, so that EP ranks get different experts).
-            if get_rng_state_tracker is None:
-                base_init(t)
-                return
-            tracker = get_rng_state_tracker()
-            with (tracker.fork(rng_tracker_name) if rng_tracker_name else tracker.fork()):
-                base_init(t)
+        # Registration order as TE: weight0, bias0, weight1, bias1, ... (grouped parameters in place of expert 0).
+        for e in range(num_gemms):
+            if not self.single_grouped_weight:
+                self.register_parameter(f"weight{e}", nn.Parameter(torch.empty(out_features, in_features, **factory)))
+            elif e == 0:
+                self.weight = nn.Parameter(torch.empty(num_gemms, out_features, in_features, **factory))
+            if bias and not self.single_grouped_bias:
+                self.register_parameter(f"bias{e}", nn.Parameter(torch.empty(out_features, **factory)))
+            elif bias and e == 0:
+                self.bias = nn.Parameter(torch.empty(num_gemms, out_features, **factory))
+        if not bias and self.single_grouped_bias:
+            self.register_parameter("bias", None)
 
-        factory = dict(device=device, dtype=dtype)
-
-        if single_grouped_weight:
-            self.weight = nn.Parameter(torch.empty(num_gemms, out_features, in_features, **factory))
-            for e in range(num_gemms):
-                with torch.no_grad():
-                    init(self.weight.data[e])
-            if bias:
-                self.bias = nn.Parameter(torch.zeros(num_gemms, out_features, **factory))
-            else:
-                self.register_parameter("bias", None)
-        else:
-            for e in range(num_gemms):
-                w = nn.Parameter(torch.empty(out_features, in_features, **factory))
-                with torch.no_grad():
-                    init(w.data)
-                self.register_parameter(f"weight{e}", w)
-                if bias:
-                    self.register_parameter(f"bias{e}", nn.Parameter(torch.zeros(out_features, **factory)))
-
+        self.reset_parameters(defer_init=torch.device(device).type == "meta")
         self._set_parallel_attributes()
+
+    def reset_parameters(self, defer_init: bool = False) -> None:
+        """(Re)initialize in place, as TE: every expert weight with ``init_method`` (default normal(0, 0.023))
+        inside ``get_rng_state_tracker().fork(rng_tracker_name)``, biases zero. ``defer_init=True`` does nothing
+        (meta-device construction); Megatron-FSDP materializes the parameters (``to_empty``) and calls this."""
+        if defer_init:
+            return
+        base_init = self.init_method if self.init_method is not None else _default_init()
+        tracker = self.get_rng_state_tracker() if self.get_rng_state_tracker is not None else None
+        with torch.no_grad():
+            for w in self._weights():
+                for t in (w.unbind(0) if self.single_grouped_weight else [w]):
+                    # As TE: weights are initialized inside the model-parallel RNG tracker's fork (Megatron
+                    # passes its tracker and, for experts, the expert-parallel stream, so that EP ranks get
+                    # different experts).
+                    if tracker is None:
+                        base_init(t)
+                    else:
+                        with (tracker.fork(self.rng_tracker_name) if self.rng_tracker_name else tracker.fork()):
+                            base_init(t)
+            for b in self._biases() or []:
+                b.zero_()
 
     def _set_parallel_attributes(self) -> None:
         # Megatron reads these (TE sets them the same way): weights are always tensor-parallel tensors, split
         # along the output (column / None) or input (row) dimension; a column-parallel bias is split too, a
-        # row-parallel one carries ``sequence_parallel``. Delayed weights skip the autograd grad hook.
-        lead = 1 if self.single_grouped_weight else 0
+        # row-parallel one carries ``sequence_parallel``. With delayed wgrad, weights and biases skip the autograd
+        # grad hook (TE): their gradients are complete only after backward_dw, which triggers the hooks.
+        lead_w = 1 if self.single_grouped_weight else 0
+        lead_b = 1 if self.single_grouped_bias else 0
         for w in self._weights():
             w.tensor_model_parallel = True
-            w.partition_dim = lead + (1 if self.parallel_mode == "row" else 0)
+            w.partition_dim = lead_w + (1 if self.parallel_mode == "row" else 0)
             w.partition_stride = 1
-            if self.delay_wgrad_compute:
-                w.skip_backward_post_hook = True
         for b in self._biases() or []:
             if self.parallel_mode == "row":
                 b.sequence_parallel = self.sequence_parallel
             elif self.parallel_mode == "column":
-                b.tensor_model_parallel, b.partition_dim, b.partition_stride = True, lead, 1
+                b.tensor_model_parallel, b.partition_dim, b.partition_stride = True, lead_b, 1
+        if self.delay_wgrad_compute:
+            for p in self._weights() + (self._biases() or []):
+                p.skip_backward_post_hook = True
 
     # ---------------------------------------------------------------------------------------------- params --
     def _weights(self) -> List[torch.Tensor]:
@@ -162,7 +218,7 @@ class GroupedLinear(nn.Module):
     def _biases(self) -> Optional[List[torch.Tensor]]:
         if not self.use_bias:
             return None
-        if self.single_grouped_weight:
+        if self.single_grouped_bias:
             return [self.bias]
         return [getattr(self, f"bias{e}") for e in range(self.num_gemms)]
 
@@ -170,47 +226,56 @@ class GroupedLinear(nn.Module):
         bs = self._biases()
         if bs is None:
             return None
-        return bs[0] if self.single_grouped_weight else torch.stack(bs)
+        return bs[0] if self.single_grouped_bias else torch.stack(bs)
 
     # --------------------------------------------------------------------------------------------- forward --
     def forward(self, inp: torch.Tensor, m_splits, is_first_microbatch: Optional[bool] = None):
-        """``inp``: ``[..., in_features]``, rows grouped by expert; ``m_splits``: list or device tensor ``[E]``."""
-        # TE: with fuse_wgrad_accumulation, the first microbatch overwrites main_grad (None: accumulate).
-        accumulate = True if is_first_microbatch is None else not is_first_microbatch
+        """``inp``: ``[..., in_features]``, rows grouped by expert; ``m_splits``: list or device tensor ``[E]``.
+
+        With ``return_bias=True`` returns ``(out, biases)`` (the single ``[E, out]`` bias, or the list of per-expert
+        biases), as TE."""
         if inp.shape[-1] != self.in_features:
             raise ValueError(
                 f"GroupedLinear: inp must have last dimension in_features={self.in_features}, got shape {tuple(inp.shape)}"
             )
+        if isinstance(m_splits, torch.Tensor) and m_splits.numel() != self.num_gemms:
+            raise ValueError(f"GroupedLinear: m_splits must have {self.num_gemms} entries, got {m_splits.numel()}")
+        if not isinstance(m_splits, torch.Tensor) and len(m_splits) != self.num_gemms:
+            raise ValueError(f"GroupedLinear: m_splits must have {self.num_gemms} entries, got {len(m_splits)}")
         lead = inp.shape[:-1]
         x = inp.reshape(-1, self.in_features)
         if not x.is_contiguous():
             x = x.contiguous()
         splits = _as_splits(m_splits, x.device)
-        if isinstance(m_splits, torch.Tensor) and m_splits.numel() != self.num_gemms:
-            raise ValueError(f"GroupedLinear: m_splits must have {self.num_gemms} entries, got {m_splits.numel()}")
-        if not isinstance(m_splits, torch.Tensor) and len(m_splits) != self.num_gemms:
-            raise ValueError(f"GroupedLinear: m_splits must have {self.num_gemms} entries, got {len(m_splits)}")
         weights = self._weights()
         fuse = self.fuse_wgrad_accumulation and torch.is_grad_enabled()
         if fuse:
             for w in weights:
-                if getattr(w, "main_grad", None) is None:
+                if not _has_main_grad_source(w):
                     raise RuntimeError(
                         "GroupedLinear(fuse_wgrad_accumulation=True): every weight needs a .main_grad tensor "
-                        "(fp32 or the weight dtype), as Megatron's DDP allocates"
+                        "(fp32 or the weight dtype), as Megatron's DDP allocates, or a get_main_grad() that "
+                        "provides one before backward (Megatron-FSDP)"
                     )
+        # TE: with fuse_wgrad_accumulation the first microbatch overwrites main_grad (None: accumulate), and so
+        # does every microbatch of a weight marked overwrite_main_grad (Megatron-FSDP); read at forward, as TE.
+        accumulate = True if is_first_microbatch is None else not is_first_microbatch
+        if getattr(weights[0], "overwrite_main_grad", False):
+            accumulate = False
         bias = None if self.return_bias else self._stacked_bias()
         defer = None
         if self.delay_wgrad_compute and torch.is_grad_enabled() and any(w.requires_grad for w in weights):
             queue = self._wgrad_queue
+            with_bias = bias is not None and bias.requires_grad
 
-            def defer(a, dy, splits_, fuse=fuse, accumulate=accumulate):
-                queue.append((a, dy, splits_, fuse, accumulate))
+            def defer(a, dy, splits_, fuse=fuse, accumulate=accumulate, with_bias=with_bias):
+                queue.append((a, dy, splits_, fuse, accumulate, with_bias))
 
         out = _grouped_gemm_autograd(x, weights, splits, True, bias, fuse, accumulate, defer)
         out = out.reshape(*lead, self.out_features)
         if self.return_bias:
-            return out, self._biases()
+            bs = self._biases()
+            return out, (None if bs is None else (bs[0] if self.single_grouped_bias else bs))
         return out
 
     # ------------------------------------------------------------------------------- delayed weight grads --
@@ -222,31 +287,40 @@ class GroupedLinear(nn.Module):
         """Register ``hook()`` to run at the end of each :meth:`backward_dw` (TE's API; DDP's grad-ready hooks)."""
         self.wgrad_accumulation_and_reduce_hooks.append(hook)
 
+    def _trigger_wgrad_accumulation_and_reduce_hooks(self) -> None:
+        """Run the registered hooks (TE's API; Megatron calls it for fused TE ops that ran ``backward_dw``)."""
+        for hook in self.wgrad_accumulation_and_reduce_hooks:
+            hook()
+
     def backward_dw(self) -> None:
-        """Run the oldest queued weight-gradient GEMM (one per backward since the last call), then the hooks.
+        """Run the oldest queued weight-gradient GEMM (one per backward since the last call) and deliver the bias
+        gradients (TE delivers them here in delayed mode), then trigger the hooks.
 
         Fused (``fuse_wgrad_accumulation``): into ``weight.main_grad`` (added, or written for the first
-        microbatch) with ``grad_added_to_main_grad`` set. Otherwise added to ``weight.grad`` (set when None), as
-        autograd would. A call with nothing queued does nothing. Sync-free and capturable like the backward.
+        microbatch / ``overwrite_main_grad``) with ``grad_added_to_main_grad`` set. Otherwise added to
+        ``weight.grad`` (set when None or still backward's zero placeholder), as autograd would; bias gradients are
+        added to ``bias.grad`` the same way (TE sets them only when None, dropping later microbatches'). A call
+        with nothing queued does nothing. Sync-free and capturable like the backward.
         """
         if not self.delay_wgrad_compute or not self._wgrad_queue:
             return
-        a, dy, splits, fuse, accumulate = self._wgrad_queue.popleft()
+        a, dy, splits, fuse, accumulate, with_bias = self._wgrad_queue.popleft()
         weights = self._weights()
         with torch.no_grad():
             if fuse:
-                _weight_grads(a, dy, splits, True, weights, [w.main_grad for w in weights], accumulate)
+                _weight_grads(a, dy, splits, True, weights, [_resolve_main_grad(w) for w in weights], accumulate)
                 for w in weights:
                     w.grad_added_to_main_grad = True
             else:
                 for w, g in zip(weights, _weight_grads(a, dy, splits, True, weights)):
-                    if w.grad is None:
-                        w.grad = g.to(w.dtype)
-                    else:
-                        w.grad.add_(g)
+                    _add_grad(w, g)
+            if with_bias:
+                db = grouped_bias_grad(dy, splits)
+                biases = self._biases()
+                for b, g in zip(biases, [db] if self.single_grouped_bias else db.unbind(0)):
+                    _add_grad(b, g)
         del a, dy, splits
-        for hook in self.wgrad_accumulation_and_reduce_hooks:
-            hook()
+        self._trigger_wgrad_accumulation_and_reduce_hooks()
 
     # ------------------------------------------------------- TE base-module surface (no fp8 in moe_graph) --
     # Megatron's TEGroupedLinear subclasses TE's GroupedLinear and reads these in its checkpoint hooks
@@ -273,30 +347,89 @@ class GroupedLinear(nn.Module):
     def set_extra_state(self, state) -> None:  # TE fp8 metadata is ignored (no fp8 here)
         return None
 
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """``nn.Module.load_state_dict``, transactional for this layer: every layout loads (see the class doc);
+        an expert-count or shape mismatch, or (``strict``) missing/unexpected keys or real biases for a
+        ``bias=False`` layer, raise before any parameter is written."""
+        self._strict_load = bool(strict)
+        try:
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        finally:
+            del self._strict_load
+
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-        # Convert between TE's per-expert layout (weight0.., bias0..) and the single grouped layout.
+        # Converts between TE's per-expert layout (weight0.., bias0..) and the single grouped layout, validating
+        # everything (expert count, shapes, keys) before anything is copied: on an error nothing of this layer is
+        # written and torch's load_state_dict raises with the messages. torch passes strict=True here always;
+        # the caller's strictness is known when this layer's own load_state_dict was called (None: via a parent).
+        strict = getattr(self, "_strict_load", None)
         E = self.num_gemms
-        per = [f"{prefix}weight{e}" for e in range(E)]
-        if self.single_grouped_weight and all(k in state_dict for k in per):
-            state_dict[f"{prefix}weight"] = torch.stack([state_dict.pop(k) for k in per])
-            bk = [f"{prefix}bias{e}" for e in range(E)]
-            if all(k in state_dict for k in bk):
-                b = torch.stack([state_dict.pop(k) for k in bk])
-                if self.use_bias:
-                    state_dict[f"{prefix}bias"] = b
-        elif not self.single_grouped_weight and f"{prefix}weight" in state_dict:
-            w = state_dict.pop(f"{prefix}weight")
-            for e in range(E):
-                state_dict[f"{prefix}weight{e}"] = w[e]
-            if f"{prefix}bias" in state_dict:
-                b = state_dict.pop(f"{prefix}bias")
-                if self.use_bias:
-                    for e in range(E):
-                        state_dict[f"{prefix}bias{e}"] = b[e]
-        if not self.use_bias:  # TE writes empty bias tensors when bias=False
-            for k in [k for k in state_dict if k.startswith(f"{prefix}bias")]:
-                if state_dict[k].numel() == 0:
-                    state_dict.pop(k)
+        own = {k[len(prefix):] for k in state_dict if k.startswith(prefix) and "." not in k[len(prefix):]}
+        errors: List[str] = []
+        converted = {}
+        for kind, single, wanted in (("weight", self.single_grouped_weight, True), ("bias", self.single_grouped_bias, self.use_bias)):
+            indexed = sorted(int(n[len(kind):]) for n in own if n[len(kind):].isdigit() and n.startswith(kind))
+            grouped = kind in own
+            if not wanted:  # bias=False: TE writes no bias (or empty tensors); a real bias is not dropped silently
+                names = [kind] * grouped + [f"{kind}{i}" for i in indexed]
+                real = [n for n in names if not (isinstance(state_dict[prefix + n], torch.Tensor) and state_dict[prefix + n].numel() == 0)]
+                for n in names:
+                    state_dict.pop(prefix + n)
+                if real and strict:
+                    errors.append(f"the checkpoint has biases {real} but the layer was built with bias=False")
+                else:  # reported (raises under a strict load through a parent), never dropped silently
+                    unexpected_keys.extend(prefix + n for n in real)
+                continue
+            if grouped and indexed:
+                errors.append(f"the checkpoint has both {kind!r} and {kind}{indexed[0]}.. (one layout expected)")
+                continue
+            if grouped:
+                t = state_dict.pop(prefix + kind)
+                if not isinstance(t, torch.Tensor) or t.dim() < 1 or t.shape[0] != E:
+                    shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                    errors.append(f"{prefix}{kind} has shape {shape}: expected {E} experts (num_gemms={E}) in dim 0")
+                    continue
+                parts = list(t.unbind(0))
+            elif indexed:
+                if indexed != list(range(E)):
+                    errors.append(
+                        f"the checkpoint has {kind}{{i}} for experts {indexed}, the layer has num_gemms={E} "
+                        f"(experts 0..{E - 1})")
+                    for i in indexed:
+                        state_dict.pop(f"{prefix}{kind}{i}")
+                    continue
+                parts = [state_dict.pop(f"{prefix}{kind}{i}") for i in range(E)]
+            else:
+                continue  # missing: reported below
+            if single:
+                if not all(isinstance(x, torch.Tensor) for x in parts) or len({tuple(x.shape) for x in parts}) != 1:
+                    errors.append(f"{prefix}{kind}{{i}} have different shapes")
+                    continue
+                converted[kind] = torch.stack(parts) if not grouped else t
+            else:
+                converted.update({f"{kind}{e}": x for e, x in enumerate(parts)})
+        for i in range(1, E):  # TE's dist-checkpoint per-expert fp8 metadata (none here)
+            state_dict.pop(f"{prefix}_extra_state{i}", None)
+        expected = {n: p for n, p in self._parameters.items() if p is not None}
+        for n, t in converted.items():
+            if n in expected and isinstance(t, torch.Tensor) and t.shape != expected[n].shape:
+                errors.append(f"{prefix}{n}: checkpoint shape {tuple(t.shape)}, layer shape {tuple(expected[n].shape)}")
+        missing = [prefix + n for n in expected if n not in converted]
+        leftover = [k for k in state_dict if k.startswith(prefix) and "." not in k[len(prefix):]
+                    and k[len(prefix):] not in expected and k[len(prefix):] != "_extra_state"]
+        if errors:
+            error_msgs.extend(f"GroupedLinear({prefix or 'root'}): {m}" for m in errors)
+            for k in leftover:
+                state_dict.pop(k)
+            return
+        if strict and (missing or leftover):
+            missing_keys.extend(missing)
+            unexpected_keys.extend(leftover)
+            for k in leftover:
+                state_dict.pop(k)
+            return  # strict load fails: nothing written
+        for n, t in converted.items():
+            state_dict[prefix + n] = t
         state_dict.setdefault(f"{prefix}_extra_state", torch.empty(0, dtype=torch.uint8))
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
 

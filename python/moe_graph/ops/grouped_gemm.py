@@ -87,14 +87,47 @@ _DUMMY_WGRAD: dict = {}
 
 
 def _dummy_wgrad(w: torch.Tensor) -> torch.Tensor:
-    """Zero gradient returned for weights whose gradient already went into ``main_grad`` (as TE does), so that
-    grad-accumulation hooks still fire; cached per (shape, dtype, device)."""
+    """Zero placeholder gradient for a weight whose gradient already went (or will go) into ``main_grad``, so that
+    autograd still runs the weight's grad-accumulation node and DDP's hooks fire (TransformerEngine does the same).
+
+    A fresh ``detach()`` alias of one zero buffer cached per (shape, dtype, device): nothing else holds the
+    returned tensor object, so autograd adopts it as ``w.grad`` instead of cloning a full-size zero per weight per
+    microbatch, and no memory is allocated. Weights of one shape share the buffer, so ``w.grad`` of a fused weight
+    is a placeholder (read ``main_grad``). If anything wrote into the buffer (its version counter moved), it is
+    left to its holders and a new zero buffer is cached."""
     key = (tuple(w.shape), w.dtype, w.device)
-    t = _DUMMY_WGRAD.get(key)
-    if t is None:
+    entry = _DUMMY_WGRAD.get(key)
+    if entry is None or entry[0]._version != entry[1]:
         t = torch.zeros(w.shape, dtype=w.dtype, device=w.device)
-        _DUMMY_WGRAD[key] = t
-    return t
+        entry = (t, t._version)
+        _DUMMY_WGRAD[key] = entry
+    return entry[0].detach()
+
+
+def _is_untouched_dummy_wgrad(g: Optional[torch.Tensor]) -> bool:
+    """Whether ``g`` is (an alias of) the cached zero placeholder, never written since it was handed out."""
+    if g is None:
+        return False
+    entry = _DUMMY_WGRAD.get((tuple(g.shape), g.dtype, g.device))
+    return entry is not None and g.data_ptr() == entry[0].data_ptr() and entry[0]._version == entry[1]
+
+
+def _resolve_main_grad(w: torch.Tensor) -> torch.Tensor:
+    """``w.main_grad``, fetched lazily as TransformerEngine does: Megatron-FSDP parameters (``__fsdp_param__``)
+    allocate it through ``w.get_main_grad()`` only before backward. The result is stored as ``w.main_grad``."""
+    if hasattr(w, "__fsdp_param__") and callable(getattr(w, "get_main_grad", None)):
+        w.main_grad = w.get_main_grad()
+    mg = getattr(w, "main_grad", None)
+    if mg is None:
+        raise RuntimeError(
+            "fused weight-gradient accumulation: a weight has no .main_grad (and no get_main_grad()) at backward; "
+            "allocate it before backward (Megatron's DDP does)")
+    return mg
+
+
+def _has_main_grad_source(w: torch.Tensor) -> bool:
+    """A ``main_grad`` now, or a lazy ``get_main_grad()`` (Megatron-FSDP) that will provide one in backward."""
+    return getattr(w, "main_grad", None) is not None or callable(getattr(w, "get_main_grad", None))
 
 
 # ------------------------------------------------------------------------------------------------ autograd --
@@ -207,11 +240,18 @@ class _GroupedGemmFn(torch.autograd.Function):
     """grouped_gemm with TransformerEngine's two special weight-gradient modes (the plain path is
     ``ops.grouped_gemm``, autograd registered above; all of them use ``_grouped_gemm_backward``):
 
-    * ``fuse_main_grad``: the weight gradients go in place into ``w.main_grad`` (fp32 or the weight dtype) inside
-      the GEMM epilogue, added (``accumulate``) or overwriting (TE's ``is_first_microbatch=True``);
-      ``w.grad_added_to_main_grad`` is set and a dummy zero grad returned so that grad hooks still fire.
-    * ``defer`` (a callable, TE's ``delay_wgrad_compute``): backward computes the input and bias gradients only and
-      hands ``(a, dy, m_splits)`` to ``defer``; the weight-gradient GEMM runs later (``GroupedLinear.backward_dw``).
+    * ``fuse_main_grad``: the weight gradients go in place into ``w.main_grad`` (fp32 or the weight dtype; fetched
+      at backward, lazily through ``get_main_grad()`` for Megatron-FSDP parameters) inside the GEMM epilogue,
+      added (``accumulate``) or overwriting (TE's ``is_first_microbatch=True`` or ``w.overwrite_main_grad``);
+      ``w.grad_added_to_main_grad`` is set and a zero placeholder returned (no allocation, see ``_dummy_wgrad``)
+      so that the grad-accumulation hooks still fire.
+    * ``defer`` (a callable, TE's ``delay_wgrad_compute``): backward computes the input gradient only and hands
+      ``(a, dy, m_splits)`` to ``defer``; the weight- and bias-gradient work runs later
+      (``GroupedLinear.backward_dw``). As in TE, a placeholder weight gradient is still returned (fused: the
+      shared zero placeholder with ``grad_added_to_main_grad`` set; otherwise a zero-stride zero that autograd
+      adds without a copy, or materializes as ``w.grad`` for ``backward_dw`` to add into), and the bias gradient
+      is delivered by ``backward_dw``, so that hooks that require a gradient (Megatron's DDP with
+      ``overlap_grad_reduce``) see one when ``backward_dw`` triggers them.
     """
 
     @staticmethod
@@ -231,15 +271,21 @@ class _GroupedGemmFn(torch.autograd.Function):
         need_bias = ctx.bias_dtype is not None and ctx.needs_input_grad[3]
         deferred = need_w and ctx.defer is not None
         fused = need_w and not deferred and ctx.fuse_main_grad
-        main_grads = [w.main_grad for w in weights] if fused else None
+        main_grads = [_resolve_main_grad(w) for w in weights] if fused else None
         need_w_now = [need_w and not deferred] * len(weights)  # main_grad accumulation covers the whole group
         da, w_grads, db = _grouped_gemm_backward(
-            dy, a, weights, m_splits, ctx.trans_b, ctx.bias_dtype, ctx.needs_input_grad[0], need_w_now, need_bias,
-            main_grads, ctx.accumulate,
+            dy, a, weights, m_splits, ctx.trans_b, ctx.bias_dtype, ctx.needs_input_grad[0], need_w_now,
+            need_bias and not deferred, main_grads, ctx.accumulate,
         )
         if deferred:
             ctx.defer(a, dy.contiguous(), m_splits)
-        if fused:
+            if ctx.fuse_main_grad:
+                for w in weights:
+                    w.grad_added_to_main_grad = True
+                w_grads = [_dummy_wgrad(w) for w in weights]
+            else:
+                w_grads = [w.new_zeros(()).expand(w.shape) for w in weights]
+        elif fused:
             for w in weights:
                 w.grad_added_to_main_grad = True
             w_grads = [_dummy_wgrad(w) for w in weights]
