@@ -100,8 +100,10 @@ def test_capacity_drops_are_deterministic_and_counted(gen):
     d = _one_process(E, cap=cap)
     read_error_flag("cpu")
     ein, ms, h = d.dispatch(x, idx, probs)
-    with pytest.raises(RuntimeError, match="tokens were dropped"):  # the device error flag's capacity bit
-        check_errors("cpu")
+    # drops are a statistic of normal training with a capacity factor, not an error: the periodic check_errors()
+    # stays quiet and the error flag is untouched; the drop counter has them
+    check_errors("cpu")
+    assert read_error_flag("cpu") == 0
     y = d.combine(ein, h)  # identity experts
     keep = kept_routes(idx, torch.zeros(E, dtype=torch.int64), cap)
     assert int(keep.sum()) == cap
@@ -171,6 +173,56 @@ def test_multiprocess_matches_one_process(world):
     assert dropped > 0  # the capacity case really dropped routes (skewed routing)
 
 
+def test_constant_tables_are_built_at_construction_on_the_device(gen):
+    # Every table dispatch() needs exists on the dispatcher's device right after construction, and dispatch() makes
+    # no copy from the host: on the meta device any CPU tensor reaching an op (a lazily built table copied over) is
+    # seen by the dispatch mode. The buffers keep their identity across calls (written in place).
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class HostInputs(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+            out = func(*args, **kwargs)
+            outs = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+            if any(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in leaves + outs):
+                self.seen.append(str(func))  # a host tensor (a table built or copied over lazily)
+            return out
+
+    E, T, K, H = 6, 9, 2, 4
+    cr, cl = expert_columns(E, 2, 1)
+    d = TokenDispatcher(E // 2 + 1, 2, 0, cr, cl, capacity=5, backend=_Loopback(), device="meta")
+    names = {n for n, _ in d.named_buffers()}
+    assert {"column_rank_ext", "column_local_ext", "dropped_routes"} <= names
+    assert all(b.device.type == "meta" for b in d.buffers())
+    assert d.state_dict() == {}  # tables and statistics are not checkpoint state
+    tables = [d.column_rank_ext, d.column_local_ext, d.dropped_routes]
+    idx, probs = _routing(T, E + 2, K, gen)
+    x, idx_m, probs_m = torch.randn(T, H, device="meta"), idx.to("meta"), probs.to("meta")
+    with HostInputs() as mode:
+        ein, ms, h = d.dispatch(x, idx_m, probs_m)
+        d.combine(ein, h)
+    assert mode.seen == [], f"dispatch touched host tensors / copied to the device: {mode.seen}"
+    assert ein.device.type == "meta" and ms.shape == (E // 2 + 1,)
+    assert all(a is b for a, b in zip(tables, [d.column_rank_ext, d.column_local_ext, d.dropped_routes]))
+    # a dispatcher built for one device refuses tokens on another (naming both), and follows .to()
+    with pytest.raises(ValueError, match="hidden is on cpu but the dispatcher's tables were built on meta"):
+        d.dispatch(torch.zeros(T, H), idx, probs)
+    c = TokenDispatcher(E // 2 + 1, 2, 0, cr, cl, capacity=5, backend=_Loopback())  # default: the columns' device
+    assert c.column_rank_ext.tolist() == cr.tolist() + [2]  # the sentinel column: rank R, local index L + k
+    assert c.column_local_ext.tolist() == cl.tolist() + [E // 2 + 1]
+    assert all(b.device.type == "meta" for b in c.to("meta").buffers())
+
+
+class _Loopback:
+    def exchange(self, send):
+        return send
+
+
 @requires_cuda
 def test_cuda_no_host_sync_and_matches_cpu():
     T, E, K, H = 64, 8, 2, 32
@@ -180,13 +232,12 @@ def test_cuda_no_host_sync_and_matches_cpu():
     ref_d = _one_process(E, cap=100)
     ein_c, ms_c, h_c = ref_d.dispatch(x, idx, probs)
     y_c = ref_d.combine(ein_c * 2, h_c)
-    d = _one_process(E, cap=100)
+    d = _one_process(E, cap=100).to("cuda")  # tables built on the device before the first call
     xc = x.cuda().requires_grad_()
     pc = probs.cuda().requires_grad_()
     ic = idx.cuda()
-    d.dispatch(xc, ic, pc)  # first call creates the drop counter
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
+    torch.cuda.set_sync_debug_mode("error")  # the very first call: no lazy host-to-device copy
     try:
         ein, ms, h = d.dispatch(xc, ic, pc)
         y = d.combine(ein * 2, h)
@@ -195,7 +246,7 @@ def test_cuda_no_host_sync_and_matches_cpu():
         torch.cuda.set_sync_debug_mode(0)
     torch.testing.assert_close(y.cpu(), y_c.to(y.dtype), rtol=1e-5, atol=1e-5)
     assert ms.cpu().tolist() == ms_c.tolist()
-    assert d.check_drops() == 2 * (T * K - 100)
+    assert d.check_drops() == T * K - 100
 
 
 def test_probs_drop_policy_keeps_the_most_probable_routes(gen):

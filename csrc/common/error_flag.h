@@ -1,4 +1,4 @@
-// Device error flag: conditions that can only be known on the device (a bad m_splits, a plan that asks for
+// Device error flag: errors that can only be known on the device (a bad m_splits, a plan that asks for
 // more tokens than exist) set a bit here instead of reading or writing out of bounds. The flag lives in
 // device memory (one int32 per device, plus one in host memory for the CPU kernels) and is read and cleared
 // only by moe_graph.check_errors(), the one call that syncs by design.
@@ -14,7 +14,8 @@ enum ErrorCode : int32_t {
   kErrNegativeSplit = 1 << 1,    // an m_splits entry < 0: treated as 0
   kErrRerouteOverAsk = 1 << 2,   // reroute plan asked to move more tokens than are routed locally: clamped
   kErrPlanInvalid = 1 << 3,      // other inconsistent plan input (e.g. negative token counts)
-  kErrCapacityDrop = 1 << 4,     // tokens dropped past a static capacity
+  // 1 << 4 is retired (it was "tokens dropped past a static capacity"): drops are statistics of normal training,
+  // counted on the device by the dispatcher and read without an error, so check_errors() never raises on them.
 };
 
 // Human-readable text for each bit, used by check_errors().
@@ -30,8 +31,6 @@ inline const char* error_text(int32_t bit) {
              "(clamped)";
     case kErrPlanInvalid:
       return "an offloading plan input was inconsistent (negative counts)";
-    case kErrCapacityDrop:
-      return "tokens were dropped because a static capacity was exceeded";
     default:
       return "unknown error bit";
   }

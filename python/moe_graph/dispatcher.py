@@ -18,10 +18,17 @@ zero to the output, with zero gradient), deterministically: with ``drop_policy="
 destination keep the order (token, then column) and the last ones are dropped; with ``"probs"`` (Megatron's
 default policy) they are ranked by routing probability, highest first (ties: token, then column), and the least
 probable ones are dropped.
-Every drop is counted on the device (:attr:`TokenDispatcher.dropped_routes`, cumulative int64, and the device error
-flag's capacity bit, reported by ``moe_graph.check_errors()``;
-``handle.dropped`` for one call); :meth:`TokenDispatcher.check_drops` reads it (that one call syncs, by design).
+Drops are a statistic of normal training with a capacity factor, not an error: every drop is counted on the device
+(:attr:`TokenDispatcher.dropped_routes`, cumulative int64; ``handle.dropped`` for one call) and never sets the device
+error flag, so ``moe_graph.check_errors()`` does not raise on them. Nothing syncs until asked:
+:meth:`TokenDispatcher.check_drops` (or :func:`moe_graph.moe_layer.read_moe_statistics` for a whole model) reads the
+counter, the one call that syncs, by design.
 ``capacity=None`` is dropless (``capacity = T * K``: every route fits even if all go to one rank).
+
+Constant tables (the column map with its sentinel, the drop counter) are built on ``device`` at construction, so
+the first :meth:`TokenDispatcher.dispatch` makes no host-to-device copy (it may run under
+``torch.cuda.set_sync_debug_mode("error")`` or inside a capture); the dispatcher is an ``nn.Module`` whose
+(non-persistent) buffers follow ``.to(device)`` of the model that owns it.
 
 Example (one process, 4 experts, top-2)::
 
@@ -39,8 +46,7 @@ from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
-
-from .ops.errors import CAPACITY_DROP, flag_error_if
+from torch import nn
 
 __all__ = [
     "TokenDispatcher",
@@ -168,7 +174,7 @@ class DispatchHandle:
 
 
 # ---------------------------------------------------------------------------------------------- dispatcher --
-class TokenDispatcher:
+class TokenDispatcher(nn.Module):
     """Static-buffer token dispatcher over an EP process group.
 
     Args:
@@ -184,6 +190,8 @@ class TokenDispatcher:
         backend: an object with ``exchange(send [R, ...]) -> recv [R, ...]`` (default:
             :func:`moe_graph.echo.default_backend`: ``all_to_all_single`` where the group supports it, else an
             ``all_gather`` fallback; chosen once here, never during capture).
+        device: where the constant tables and the drop counter live (default: ``column_rank``'s device); the
+            tokens given to :meth:`dispatch` must be on it (``.to(device)`` moves them).
     """
 
     def __init__(
@@ -197,7 +205,9 @@ class TokenDispatcher:
         group=None,
         backend=None,
         drop_policy: str = "position",
+        device=None,
     ):
+        super().__init__()
         if drop_policy not in ("position", "probs"):
             raise ValueError(f"drop_policy must be 'position' or 'probs', got {drop_policy!r}")
         self.drop_policy = drop_policy
@@ -223,9 +233,17 @@ class TokenDispatcher:
         self.rank = rank
         self.capacity = capacity
         self.group = group
-        self._column_rank = column_rank.to(torch.int64)
-        self._column_local = column_local.to(torch.int64)
-        self._cols: dict = {}
+        self._num_columns = cr.numel()
+        device = torch.device(device) if device is not None else column_rank.device
+        # every constant table is built here, on the device (never lazily with a blocking copy in dispatch):
+        # the column map with a sentinel column C (destination R: nowhere; local index num_local: sorts last)
+        self.register_buffer("column_rank_ext", torch.cat([cr.to(torch.int64), torch.tensor([num_ranks])]).to(device),
+                             persistent=False)
+        self.register_buffer("column_local_ext",
+                             torch.cat([cl.to(torch.int64), torch.tensor([num_local_experts])]).to(device),
+                             persistent=False)
+        # cumulative routes dropped over the capacity (a statistic, written in place: its identity never changes)
+        self.register_buffer("dropped_routes", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
         if num_ranks == 1:
             self.backend = _IdentityBackend()
         elif backend is not None:
@@ -240,34 +258,28 @@ class TokenDispatcher:
             from .echo import default_backend
 
             self.backend = default_backend(group)
-        self.dropped_routes: Optional[torch.Tensor] = None  # cumulative device counter (created on first use)
 
     @property
     def num_columns(self) -> int:
-        return self._column_rank.numel()
-
-    def _columns(self, device):
-        key = str(device)
-        if key not in self._cols:
-            # sentinel column C: destination R (nowhere), local index num_local (sorts last)
-            r = torch.cat([self._column_rank, torch.tensor([self.R])]).to(device)
-            l = torch.cat([self._column_local, torch.tensor([self.num_local])]).to(device)
-            self._cols[key] = (r, l)
-        return self._cols[key]
-
-    def reset_drop_counter(self) -> None:
-        if self.dropped_routes is not None:
-            self.dropped_routes.zero_()
+        return self._num_columns
 
     @property
-    def drop_flag(self) -> Optional[torch.Tensor]:
-        """0-dim bool device tensor: some route was dropped since the last reset (``None`` before any dispatch)."""
-        return None if self.dropped_routes is None else self.dropped_routes > 0
+    def device(self) -> torch.device:
+        return self.dropped_routes.device
+
+    def reset_drop_counter(self) -> None:
+        """Zeroes the cumulative drop counter in place (a device op: no sync, capturable)."""
+        self.dropped_routes.zero_()
+
+    @property
+    def drop_flag(self) -> torch.Tensor:
+        """0-dim bool device tensor: some route was dropped since the last reset."""
+        return self.dropped_routes > 0
 
     def check_drops(self, raise_on_drop: bool = False) -> int:
         """Reads the cumulative drop count (syncs, by design: call it off the hot path). With ``raise_on_drop``,
         raises RuntimeError when routes were dropped."""
-        n = 0 if self.dropped_routes is None else int(self.dropped_routes.item())
+        n = int(self.dropped_routes.item())
         if n and raise_on_drop:
             raise RuntimeError(
                 f"TokenDispatcher dropped {n} routes over the static capacity {self.capacity} per (source, destination) "
@@ -308,10 +320,15 @@ class TokenDispatcher:
         if indices.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"indices must be int32/int64, got {indices.dtype}")
         dev = hidden.device
+        if dev != self.device:
+            raise ValueError(
+                f"TokenDispatcher.dispatch: hidden is on {dev} but the dispatcher's tables were built on {self.device} "
+                f"(at construction: device=...); move the dispatcher (or the model owning it) with .to({str(dev)!r})"
+            )
         R, TK = self.R, T * K
         cap = self.capacity if self.capacity is not None else max(TK, 1)
         N = R * cap
-        col_rank, col_local = self._columns(dev)
+        col_rank, col_local = self.column_rank_ext, self.column_local_ext
         C = self.num_columns
 
         idx = indices.reshape(-1).to(torch.int64)
@@ -345,11 +362,8 @@ class TokenDispatcher:
         lid_ext = torch.cat([lid, lid.new_full((1,), self.num_local)])
         lid_of_slot = torch.where(has, lid_ext.index_select(0, route_of_slot), self.num_local)
         dropped = (cnt[:R] - cap).clamp(min=0).sum()
-        if self.dropped_routes is None or self.dropped_routes.device != dev:
-            self.dropped_routes = torch.zeros((), dtype=torch.int64, device=dev)
         if counting_enabled():  # not again when activation recomputation re-runs this forward
-            self.dropped_routes.add_(dropped)
-        flag_error_if(dropped, CAPACITY_DROP)  # moe_graph.check_errors() reports drops too
+            self.dropped_routes.add_(dropped)  # a statistic, not an error: the device error flag is left alone
 
         send = gather_rows(hidden, token_of_slot, route_slot, K)  # [N, H]
         if R > 1:

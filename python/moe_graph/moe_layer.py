@@ -400,7 +400,8 @@ class MoELayer(nn.Module):
 
         col_rank, col_local = expert_columns(num_experts, ep_size, self.k)
         self.dispatcher = TokenDispatcher(self.L + self.k, ep_size, self.ep_rank, col_rank, col_local,
-                                          capacity=None, group=ep_group, drop_policy=token_drop_policy)
+                                          capacity=None, group=ep_group, drop_policy=token_drop_policy,
+                                          device=device)  # its constant tables are built here, on the device
         self.echo = None
         if self.k > 0:
             from .echo import EchoExpertDispatcher, LocalBackend

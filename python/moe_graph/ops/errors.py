@@ -1,5 +1,10 @@
 """The device error flag: kernels set bits for conditions only the device can see (instead of reading or writing
-out of bounds); ``check_errors()`` reads and clears them (the one call that syncs, by design)."""
+out of bounds); ``check_errors()`` reads and clears them (the one call that syncs, by design).
+
+Only real errors set bits (a buffer overflow, negative counts, an inconsistent plan). Statistics of normal training
+(routes dropped over a capacity, tokens per expert) are device counters read through
+:func:`moe_graph.moe_layer.moe_statistics` / :func:`moe_graph.moe_layer.read_moe_statistics` (or
+``TokenDispatcher.check_drops()``), so a periodic ``check_errors()`` never raises because of a capacity factor."""
 
 from __future__ import annotations
 
@@ -9,17 +14,20 @@ import torch
 
 from ._lib import cuda_built, ops
 
-__all__ = ["check_errors", "read_error_flag", "flag_error_if", "ERROR_BITS"]
+__all__ = ["check_errors", "read_error_flag", "flag_error_if", "ERROR_BITS", "SPLITS_OVERFLOW", "NEGATIVE_SPLIT",
+           "REROUTE_OVER_ASK", "PLAN_INVALID"]
 
-# Mirrors csrc/common/error_flag.h.
+# Mirrors csrc/common/error_flag.h (bit 16, once "capacity drop", is retired: drops are statistics, not errors).
+SPLITS_OVERFLOW = 1
+NEGATIVE_SPLIT = 2
+REROUTE_OVER_ASK = 4
+PLAN_INVALID = 8
 ERROR_BITS = {
-    1: "sum(m_splits) exceeded the rows of the buffer (clamped; rows past the buffer were not computed)",
-    2: "m_splits contained a negative count (treated as 0)",
-    4: "reroute_tokens: the plan asked to move more tokens than are routed locally (clamped)",
-    8: "an offloading plan input was inconsistent (negative counts)",
-    16: "tokens were dropped because a static capacity was exceeded",
+    SPLITS_OVERFLOW: "sum(m_splits) exceeded the rows of the buffer (clamped; rows past the buffer were not computed)",
+    NEGATIVE_SPLIT: "m_splits contained a negative count (treated as 0)",
+    REROUTE_OVER_ASK: "reroute_tokens: the plan asked to move more tokens than are routed locally (clamped)",
+    PLAN_INVALID: "an offloading plan input was inconsistent (negative counts)",
 }
-CAPACITY_DROP = 16
 
 
 @torch.library.register_fake("moe_graph::error_flag")
@@ -68,6 +76,7 @@ def read_error_flag(device: Union[str, torch.device, None] = None) -> int:
 
 def check_errors(device: Union[str, torch.device, None] = None) -> None:
     """Raises RuntimeError if a moe_graph kernel flagged a device-side error since the last check (and clears it).
+    Capacity drops are not errors and never make it raise (read them with ``moe_graph.moe_layer.read_moe_statistics``).
 
     Checks the CPU flag and the CUDA flag of ``device`` (default: the current CUDA device when available). This is
     the one call that syncs, by design: call it outside the hot path (e.g. once every N iterations).
