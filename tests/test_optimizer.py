@@ -264,8 +264,10 @@ def test_load_state_dict_errors_name_the_parameter():
     _, opt2 = _run_single("tensor", steps=0)
     bad = {**sd, "metadata": {**sd["metadata"], "params": {**sd["metadata"]["params"]}}}
     bad["metadata"]["params"]["fc2.weight"] = {**bad["metadata"]["params"]["fc2.weight"], "shape": (7, C.HID)}
-    with pytest.raises(ValueError, match=r"'fc2.weight'.*\(7, 40\)"):
+    with pytest.raises(ValueError, match="fails its checksum"):  # an edited state fails its checksum
         opt2.load_state_dict(bad)
+    with pytest.raises(ValueError, match=r"'fc2.weight'.*\(7, 40\)"):
+        opt2.load_state_dict(bad, verify_checksum=False)
     _, opt16 = _run_single("tensor", dtype=torch.bfloat16, steps=0)
     with pytest.raises(ValueError, match=r"'fc2.bias' is torch.float32"):  # dtype mismatch
         opt16.load_state_dict(sd)
@@ -273,15 +275,120 @@ def test_load_state_dict_errors_name_the_parameter():
     cut = {**sd, "shard": {**sd["shard"], "fc1.bias": {k: v if k == "range" else v[:30] for k, v in piece.items()}}}
     cut["shard"]["fc1.bias"]["range"] = (0, 30)
     with pytest.raises(ValueError, match=r"elements \[30, 40\) of parameter 'fc1.bias'"):
-        opt2.load_state_dict(cut)
+        opt2.load_state_dict(cut, verify_checksum=False)
     before = [t.clone() for s in opt2.shards for t in (s.exp_avg, s.exp_avg_sq)]
     del cut["shard"]["fc1.bias"]
     with pytest.raises(ValueError, match=r"\[0, 40\) of parameter 'fc1.bias'"):
-        opt2.load_state_dict([cut])
+        opt2.load_state_dict([cut], verify_checksum=False)
     # a failed load leaves the state untouched
     assert all(torch.equal(a, b) for a, b in zip(before, [t for s in opt2.shards for t in (s.exp_avg, s.exp_avg_sq)]))
     with pytest.raises(ValueError, match="different steps"):
-        opt2.load_state_dict([sd, {**sd, "step": sd["step"] + 1}])
+        opt2.load_state_dict([sd, {**sd, "step": sd["step"] + 1}], verify_checksum=False)
+    with pytest.raises(ValueError, match=r"elements \[0, \d+\) of '\w+\.\w+' are in two shards"):
+        opt2.load_state_dict([sd, sd])  # the same file passed twice
+
+
+# --------------------------------------------------------------------------------------------
+# transactional loads (issue 12): every check before the first write
+# --------------------------------------------------------------------------------------------
+def _trained_bf16_with_scaler(steps):
+    return _run_single("tensor", dtype=torch.bfloat16, steps=steps, clip=1.0,
+                       loss_scaler=DynamicLossScaler(initial_scale=256.0, growth_interval=2))
+
+
+@pytest.mark.parametrize("case", sorted(C.CORRUPTIONS))
+def test_failed_load_leaves_state_bit_identical(case):
+    """bf16 params (fp32 main params in the state) and a dynamic loss scaler: save after 2 steps, take a 3rd,
+    then load a corrupted copy of the save. The load raises the expected error and leaves every byte the load
+    could write (moments, main params, bf16 params, step, lr, settings, scaler) as it was."""
+    corrupt, exc, msg, verify = C.CORRUPTIONS[case]
+    model, opt = _trained_bf16_with_scaler(2)
+    sd = opt.state_dict()
+    x, y = C.batch(9)
+    opt.zero_grad()
+    (C.loss_fn(opt.model(x.to(torch.bfloat16)), y) * opt.loss_scale).backward()
+    opt.step()
+    before = C.optimizer_snapshot(opt)
+    # the last piece in the copy order, so that a partial load would already have written the others
+    name = [opt._name(p) for s in opt.shards for p in s.ranges][-1]
+    with pytest.raises(exc, match=msg):
+        opt.load_state_dict([corrupt(sd, name)], verify_checksum=verify)
+    assert C.snapshots_identical(before, C.optimizer_snapshot(opt))
+    opt.load_state_dict(sd)  # the intact state still loads, and restores the save exactly
+    assert opt.state_dict()["checksum"] == sd["checksum"]
+
+
+@pytest.mark.parametrize("state, msg", [
+    (None, r"state must be the dict returned by state_dict\(\) or a list of them .* got NoneType"),
+    ("ckpt.pt", r"state must be .* got str"),
+    (7, r"state must be .* got int"),
+    ([], r"no shard given"),
+    ([None], r"shard 0 must be a dict saved by DistributedOptimizer.state_dict\(\), got NoneType"),
+    ({"format": "other"}, r"unknown checkpoint format 'other'"),
+])
+def test_load_rejects_what_is_not_a_state(state, msg):
+    _, opt = _run_single("tensor", steps=1)
+    before = C.optimizer_snapshot(opt)
+    with pytest.raises(ValueError, match=msg):
+        opt.load_state_dict(state)
+    assert C.snapshots_identical(before, C.optimizer_snapshot(opt))
+
+
+def test_load_takes_number_step_and_lr():
+    """A state edited by hand may hold Python numbers for ``step`` and ``lr`` (as torch.optim's states do)."""
+    _, opt = _run_single("tensor", steps=2)
+    sd = opt.state_dict()
+    _, opt2 = _run_single("tensor", steps=0)
+    opt2.load_state_dict({**sd, "step": 2.0, "lr": 0.5}, verify_checksum=False)
+    assert float(opt2.step_count) == 2.0 and float(opt2.lr) == 0.5
+
+
+def test_checksum_survives_torch_save_and_detects_damage():
+    import io
+
+    _, opt = _run_single("tensor", dtype=torch.bfloat16, steps=2, loss_scaler=DynamicLossScaler())
+    sd = opt.state_dict()
+    assert sd["checksum"].startswith("sha256:") and len(sd["checksum"]) == 7 + 64
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    loaded = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+    _, opt2 = _run_single("tensor", dtype=torch.bfloat16, steps=0, loss_scaler=DynamicLossScaler())
+    opt2.load_state_dict(loaded)  # a file round trip keeps the checksum valid
+    assert opt2.state_dict()["checksum"] == sd["checksum"]
+    # one flipped bit anywhere in a tensor, or a changed number, fails the check
+    for field in ("exp_avg", "exp_avg_sq", "main_param"):
+        with pytest.raises(ValueError, match="fails its checksum"):
+            opt2.load_state_dict(C._flip_byte(loaded, "fc1.weight", field))
+    with pytest.raises(ValueError, match="fails its checksum"):
+        opt2.load_state_dict({**loaded, "step": loaded["step"] + 1})
+    with pytest.raises(ValueError, match="fails its checksum"):
+        opt2.load_state_dict({**loaded, "hyper": {**loaded["hyper"], "eps": 1e-6}})
+    # opting out: saved without, loaded without
+    plain = opt.state_dict(checksum=False)
+    assert "checksum" not in plain
+    with pytest.raises(ValueError, match=r"has no 'checksum'.*verify_checksum=False"):
+        opt2.load_state_dict(plain)
+    opt2.load_state_dict(plain, verify_checksum=False)
+    opt2.load_state_dict(C._flip_byte(loaded, "fc1.weight", "exp_avg"), verify_checksum=False)  # no check: loads
+
+
+def test_two_ranks_failed_load_releases_every_rank():
+    """DP=2 over gloo with a 30 s group timeout. Only the last rank reads a corrupted shard: it raises its own error,
+    the other rank raises too (after one flag all-reduce) instead of waiting in the param all-gather; both return
+    within a few seconds with the state unchanged, and a clean load afterwards works on both."""
+    from moe_graph.testing.distributed import run_distributed
+
+    cases = ["short_piece", "range_none", "hyper_no_eps", "no_lr", "scaler_missing_key", "flipped_bit",
+             "step_fraction", "unknown_param"]
+    res = [C.unpack(b) for b in run_distributed(C.load_failure_worker, 2, cases, 30.0, timeout=240.0)]
+    for case in cases:
+        _, exc, msg, _ = C.CORRUPTIONS[case]
+        (t1, m1, s1, same1), (t0, m0, s0, same0) = res[1][case], res[0][case]
+        assert t1 == exc.__name__ and __import__("re").search(msg, m1), (case, t1, m1)
+        assert t0 == "RuntimeError" and "another rank could not load" in m0, (case, t0, m0)
+        assert same0 and same1, case
+        assert max(s0, s1) < 10.0, (case, s0, s1)  # far below the 30 s a rank stuck in a collective would take
+    assert [r["clean_load_roundtrip"] for r in res] == [[True, True]] * 2
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a GPU")
@@ -555,3 +662,183 @@ def test_one_optimizer_over_model_chunks_single_process():
     torch.testing.assert_close(opt_c.state_dict()["shard"], before, rtol=0, atol=0)
     with pytest.raises(ValueError, match="empty list"):
         DistributedOptimizer([], lr=1e-3)
+
+
+# --------------------------------------------------------------------------------------------
+# settings under a captured step (issue 14 item 3)
+# --------------------------------------------------------------------------------------------
+def _ref_with_settings(settings_per_step, steps=4):
+    """torch.optim.AdamW / Adam with clip_grad_norm_, the settings of step i from ``settings_per_step[i]``."""
+    m = C.make_model()
+    adamw = settings_per_step[0]["adamw"]
+    opt = (torch.optim.AdamW if adamw else torch.optim.Adam)(m.parameters(), lr=1e-2, foreach=False)
+    for it in range(steps):
+        st = settings_per_step[it]
+        for g in opt.param_groups:
+            g.update(betas=(st["beta1"], st["beta2"]), eps=st["eps"], weight_decay=st["weight_decay"], lr=st["lr"])
+        x, y = C.batch(it)
+        opt.zero_grad()
+        C.loss_fn(m(x), y).backward()
+        if st["clip_grad"] > 0:
+            torch.nn.utils.clip_grad_norm_(m.parameters(), st["clip_grad"])
+        opt.step()
+    return m
+
+
+def test_tensor_path_reads_every_setting_from_device_tensors():
+    """What a replay of a captured step sees: the tensor path's numbers come from device tensors only. Write new
+    values into those tensors alone (the Python attributes keep the old ones) between steps: the updates follow
+    the tensors, and match torch.optim with the same changes."""
+    a = dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, clip_grad=0.05, lr=1e-2, adamw=True)
+    b = dict(beta1=0.5, beta2=0.9, eps=1e-3, weight_decay=0.3, clip_grad=0.2, lr=3e-2, adamw=True)
+    model = C.make_model()
+    ddp = DistributedDataParallel(model, use_distributed_optimizer=True)
+    opt = DistributedOptimizer(ddp, lr=a["lr"], betas=(a["beta1"], a["beta2"]), eps=a["eps"],
+                               weight_decay=a["weight_decay"], clip_grad=a["clip_grad"], impl="tensor")
+    ptrs = {k: t.data_ptr() for k, t in opt._settings_t.items()}
+    for it in range(4):
+        if it == 2:
+            for k in ("beta1", "beta2", "eps", "weight_decay", "clip_grad"):
+                opt._settings_t[k].fill_(b[k])
+            opt.lr.fill_(b["lr"])
+        x, y = C.batch(it)
+        ddp.zero_grad_buffer()
+        C.loss_fn(ddp(x), y).backward()
+        opt.step()
+    assert opt.beta1 == a["beta1"]  # the Python value was not consulted
+    ref = _ref_with_settings([a, a, b, b])
+    assert _maxdiff(model, ref) < 2e-6
+    assert _maxdiff(model, _ref_with_settings([a] * 4)) > 1e-4  # the change mattered
+    # the public setters write those same tensors in place (a captured graph keeps their addresses)
+    opt.beta1, opt.eps, opt.weight_decay, opt.clip_grad = 0.8, 1e-6, 0.0, 0.0
+    assert {k: t.data_ptr() for k, t in opt._settings_t.items()} == ptrs
+    assert [float(opt._settings_t[k]) for k in ("beta1", "eps", "weight_decay", "clip_grad")] == \
+        pytest.approx([0.8, 1e-6, 0.0, 0.0])
+
+
+def _captured(monkeypatch, opt, fig):
+    """Run one step as if ``fig`` (a FullIterationGraph) were capturing it on a CUDA stream."""
+    from moe_graph import graph as G
+    from moe_graph import optimizer as O
+
+    monkeypatch.setattr(O, "_stream_capturing", lambda device: True)
+    x, y = C.batch(0)
+    opt.zero_grad()
+    C.loss_fn(opt.model(x), y).backward()
+    with G._capture_scope(fig._modes["training"]):
+        opt.step()
+    monkeypatch.setattr(O, "_stream_capturing", lambda device: False)
+
+
+@pytest.mark.filterwarnings("ignore:FullIterationGraph")
+@pytest.mark.parametrize("impl", ["tensor", "fused"])
+def test_settings_baked_into_a_capture_raise_until_reset(monkeypatch, impl):
+    from moe_graph.graph import FullIterationGraph
+
+    ddp = DistributedDataParallel(C.make_model(), use_distributed_optimizer=True)
+    opt = DistributedOptimizer(ddp, lr=1e-2, weight_decay=0.1, clip_grad=0.0, impl=impl)
+    fig = FullIterationGraph(lambda: None, enabled=False)
+    sd = opt.state_dict()
+    _captured(monkeypatch, opt, fig)
+    frozen = ["adamw", "clip_grad"] + (["beta1", "beta2", "eps"] if impl == "fused" else [])
+    new = {"adamw": False, "clip_grad": 1.0, "beta1": 0.8, "beta2": 0.99, "eps": 1e-6}
+    for name in frozen:
+        with pytest.raises(RuntimeError, match=rf"cannot change {name} while a captured CUDA graph .*"
+                                               r"FullIterationGraph\.reset\(\)"):
+            setattr(opt, name, new[name])
+        assert getattr(opt, name) != new[name]
+    for name in set(new) - set(frozen):  # held in device tensors: allowed
+        setattr(opt, name, new[name])
+        assert float(opt._settings_t[name]) == pytest.approx(new[name])
+    opt.lr.fill_(5e-3)
+    opt.set_lr(2e-3)
+    opt.weight_decay = 0.1  # unchanged value: fine on both paths
+    if impl == "tensor":
+        opt.weight_decay = 0.0  # captured with decay code: 0 is a value it can take
+    else:
+        with pytest.raises(RuntimeError, match="cannot change weight_decay"):
+            opt.weight_decay = 0.2
+    # a checkpoint whose hyper-parameters differ in a frozen setting is refused before anything is written
+    before = C.optimizer_snapshot(opt)
+    with pytest.raises(RuntimeError, match=r"cannot change adamw.*FullIterationGraph\.reset\(\)"):
+        opt.load_state_dict({**sd, "hyper": {**sd["hyper"], "adamw": False}}, verify_checksum=False)
+    assert C.snapshots_identical(before, C.optimizer_snapshot(opt))
+    fig.reset()  # releases the capture: every setting may change again
+    for name in frozen:
+        setattr(opt, name, new[name])
+        assert getattr(opt, name) == new[name]
+    opt.load_state_dict(sd)
+    assert opt.adamw is True and opt.clip_grad == 0.0
+
+
+def test_release_captures_for_graphs_captured_by_hand(monkeypatch):
+    ddp = DistributedDataParallel(C.make_model(), use_distributed_optimizer=True)
+    opt = DistributedOptimizer(ddp, lr=1e-2, impl="fused")
+    from moe_graph import optimizer as O
+
+    monkeypatch.setattr(O, "_stream_capturing", lambda device: True)  # a torch.cuda.graph outside FullIterationGraph
+    x, y = C.batch(0)
+    C.loss_fn(ddp(x), y).backward()
+    opt.step()
+    with pytest.raises(RuntimeError, match=r"release_captures\(\)"):
+        opt.beta2 = 0.95
+    opt.release_captures()
+    opt.beta2 = 0.95
+    assert opt.beta2 == 0.95
+
+
+@pytest.mark.parametrize("name, value, msg", [
+    ("beta1", 1.0, r"betas must be a pair .* in \[0, 1\)"), ("eps", -1.0, "eps must be a finite number >= 0"),
+    ("weight_decay", float("nan"), "weight_decay must be"), ("clip_grad", "x", "clip_grad must be"),
+    ("adamw", 1, "adamw must be a bool")])
+def test_setting_setters_validate(name, value, msg):
+    ddp = DistributedDataParallel(C.make_model(), use_distributed_optimizer=True)
+    opt = DistributedOptimizer(ddp, lr=1e-2, impl="tensor")
+    old = getattr(opt, name)
+    with pytest.raises(ValueError, match=msg):
+        setattr(opt, name, value)
+    assert getattr(opt, name) == old
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a GPU")
+def test_settings_changed_under_a_real_capture_match_eager():
+    """FullIterationGraph captures forward + backward + step (tensor path); after two replays beta1, beta2, eps,
+    weight_decay, clip_grad and lr change: the replays follow, equal to an eager optimizer with the same changes.
+    On the fused path beta1 raises until reset(); after reset the recaptured step uses the new value."""
+    from moe_graph.graph import FullIterationGraph
+
+    dev = torch.device("cuda")
+    changes = dict(beta1=0.5, beta2=0.9, eps=1e-3, weight_decay=0.3, clip_grad=0.2)
+
+    def build(impl):
+        m = C.make_model().to(dev)
+        d = DistributedDataParallel(m, use_distributed_optimizer=True)
+        return m, d, DistributedOptimizer(d, lr=1e-2, weight_decay=0.1, clip_grad=0.05, impl=impl)
+
+    for impl in ("tensor", "fused"):
+        m_e, d_e, o_e = build(impl)
+        m_g, d_g, o_g = build(impl)
+
+        def it(d, o, x, y):
+            d.zero_grad_buffer()
+            C.loss_fn(d(x), y).backward()
+            o.step()
+
+        fig = FullIterationGraph(lambda x, y: it(d_g, o_g, x, y), warmup_steps=1)
+        for step in range(6):
+            if step == 3:
+                if impl == "fused":
+                    with pytest.raises(RuntimeError, match=r"FullIterationGraph\.reset\(\)"):
+                        o_g.beta1 = changes["beta1"]
+                    fig.reset()
+                for k, v in changes.items():
+                    setattr(o_g, k, v)
+                    setattr(o_e, k, v)
+                o_g.set_lr(3e-2)
+                o_e.set_lr(3e-2)
+            x, y = (t.to(dev) for t in C.batch(step))
+            fig(x, y)
+            it(d_e, o_e, x, y)
+        torch.cuda.synchronize()
+        assert fig.captured()
+        assert _maxdiff(m_e, m_g) < 1e-5, impl

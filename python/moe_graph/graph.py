@@ -79,6 +79,36 @@ class _Mode:
         self.graph = None
         self.static_out = None
         self.capture_seconds = None
+        self.holders: List[Any] = []  # objects whose settings the capture baked in (see _note_capture)
+
+
+# The mode being captured. Objects whose Python-side settings a capture bakes in (DistributedOptimizer) call
+# _note_capture(self) from inside the captured function; reset() then calls their release_captures(mode).
+_CAPTURING: List[_Mode] = []
+
+
+@contextlib.contextmanager
+def _capture_scope(m: _Mode):
+    _CAPTURING.append(m)
+    try:
+        yield
+    finally:
+        _CAPTURING.pop()
+
+
+def _note_capture(obj) -> Optional[_Mode]:
+    """The token (mode) of the FullIterationGraph capture in progress, recording ``obj`` as held by it; None when
+    no FullIterationGraph is capturing (a graph captured by hand)."""
+    if not _CAPTURING:
+        return None
+    _CAPTURING[-1].holders.append(obj)
+    return _CAPTURING[-1]
+
+
+def _release(m: _Mode) -> None:
+    for obj in m.holders:
+        obj.release_captures(m)
+    m.holders.clear()
 
 
 def _describe_path(spec, i: int) -> str:
@@ -190,6 +220,7 @@ class FullIterationGraph:
             m = self._modes[n]
             if m.graph is not None:
                 m.graph.reset()
+            _release(m)
             fn = m.fn
             self._modes[n] = _Mode(n, fn)
             self._pools.pop(n, None)
@@ -322,14 +353,17 @@ class FullIterationGraph:
         t0 = time.perf_counter()
         prev_stream = torch.cuda.current_stream(self.device)
         try:
-            with torch.cuda.graph(g, pool=self._get_pool(m.name), capture_error_mode=self.capture_error_mode):
+            with _capture_scope(m), torch.cuda.graph(g, pool=self._get_pool(m.name),
+                                                     capture_error_mode=self.capture_error_mode):
                 out = m.fn(*args, **kwargs)
         except GraphCaptureError:
             torch.cuda.set_stream(prev_stream)
+            _release(m)
             raise
         except Exception as e:
             # torch.cuda.graph's __exit__ may leave the capture stream current when capture_end fails
             torch.cuda.set_stream(prev_stream)
+            _release(m)
             msg = str(e)
             hint = _SYNC_HINT if any(s in msg.lower() for s in ("captur", "synchroniz", "not permitted")) else (
                 "an operation in the step function is not capturable")

@@ -38,7 +38,9 @@ pieces carry the saving rank's ``ep_rank`` and are only loaded by ranks with the
 
 from __future__ import annotations
 
+import hashlib
 import math
+import numbers
 from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
@@ -46,9 +48,49 @@ import torch.distributed as dist
 
 from .buffers import ParamAndGradBuffer
 
-__all__ = ["build_shard_ranges", "DistributedOptimizer", "DynamicLossScaler", "ConstantLossScaler"]
+__all__ = ["build_shard_ranges", "DistributedOptimizer", "DynamicLossScaler", "ConstantLossScaler", "state_checksum"]
 
 _FORMAT = "moe_graph.distributed_optimizer.sharded.v1"
+_TENSOR_SETTINGS = ("beta1", "beta2", "eps", "weight_decay", "clip_grad")  # held in device tensors as well
+_STATE_KEYS = ("step", "lr", "hyper", "loss_scaler", "metadata", "shard")  # besides "format" and "checksum"
+_HYPER_KEYS = ("betas", "eps", "weight_decay", "adamw", "clip_grad")
+_PIECE_FIELDS = ("main_param", "exp_avg", "exp_avg_sq")
+_SIXTEEN_BIT = (str(torch.float16), str(torch.bfloat16))
+
+
+# ----------------------------------------------------------------------------------------------
+# argument checks
+# ----------------------------------------------------------------------------------------------
+def _as_real(value) -> Optional[float]:
+    """``value`` as a Python float when it is a real number or a one-element real CPU tensor, else None."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_complex() or value.dtype == torch.bool or value.device.type != "cpu":
+            return None
+        return float(value.detach().reshape(()))
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return float(value)
+    return None
+
+
+def _check_real(where: str, name: str, value, *, expected: str = "a finite number >= 0", ok=None) -> float:
+    """``value`` as a float; raises naming ``name`` unless it is finite, >= 0 and satisfies ``ok``."""
+    v = _as_real(value)
+    if v is None or not math.isfinite(v) or v < 0 or (ok is not None and not ok(v)):
+        raise ValueError(f"{where}: {name} must be {expected}, got {value!r}")
+    return v
+
+
+def _check_settings(where: str, betas, eps, weight_decay, adamw, clip_grad) -> Dict[str, object]:
+    """The validated optimizer settings as plain Python values (also used for the checkpoint's ``hyper``)."""
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"{where}: betas must be a pair (beta1, beta2) of numbers in [0, 1), got {betas!r}")
+    b1, b2 = (_check_real(where, "betas", b, expected="a pair (beta1, beta2) of numbers in [0, 1)",
+                          ok=lambda x: x < 1.0) for b in betas)
+    if not isinstance(adamw, bool):
+        raise ValueError(f"{where}: adamw must be a bool (True: decoupled weight decay, False: L2), got {adamw!r}")
+    return {"beta1": b1, "beta2": b2, "eps": _check_real(where, "eps", eps),
+            "weight_decay": _check_real(where, "weight_decay", weight_decay), "adamw": adamw,
+            "clip_grad": _check_real(where, "clip_grad", clip_grad, expected="a finite number >= 0 (0: no clipping)")}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -111,13 +153,14 @@ class ConstantLossScaler:
     """A fixed loss scale held in a device tensor. ``update(found_inf)`` does nothing."""
 
     def __init__(self, scale: float, device=None):
-        self.scale = torch.full((), float(scale), dtype=torch.float32, device=device)
+        scale = _check_real("ConstantLossScaler", "scale", scale, expected="a finite number > 0", ok=lambda v: v > 0)
+        self.scale = torch.full((), scale, dtype=torch.float32, device=device)
 
     def update(self, found_inf: torch.Tensor) -> None:
         pass
 
     def state_dict(self):
-        return {"scale": self.scale.detach().cpu()}
+        return {"scale": self.scale.detach().to("cpu", copy=True)}  # a copy, also on CPU (no alias of live state)
 
     def load_state_dict(self, sd):
         self.scale.copy_(sd["scale"])
@@ -133,9 +176,19 @@ class DynamicLossScaler:
 
     def __init__(self, initial_scale: float = 2.0**16, min_scale: float = 1.0, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, growth_interval: int = 1000, hysteresis: int = 2, device=None):
-        if not (growth_factor > 1.0 and 0.0 < backoff_factor < 1.0 and growth_interval > 0 and hysteresis > 0):
-            raise ValueError("DynamicLossScaler: need growth_factor > 1, 0 < backoff_factor < 1, "
-                             "growth_interval > 0 and hysteresis > 0")
+        w = "DynamicLossScaler"
+        pos = dict(expected="a finite number > 0", ok=lambda v: v > 0)
+        initial_scale = _check_real(w, "initial_scale", initial_scale, **pos)
+        min_scale = _check_real(w, "min_scale", min_scale, **pos)
+        growth_factor = _check_real(w, "growth_factor", growth_factor, expected="a finite number > 1",
+                                    ok=lambda v: v > 1)
+        backoff_factor = _check_real(w, "backoff_factor", backoff_factor, expected="a number in (0, 1)",
+                                     ok=lambda v: 0 < v < 1)
+        for name, v in (("growth_interval", growth_interval), ("hysteresis", hysteresis)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{w}: {name} must be an int >= 1, got {v!r}")
+        if min_scale > initial_scale:
+            raise ValueError(f"{w}: min_scale ({min_scale}) must not exceed initial_scale ({initial_scale})")
         f = dict(dtype=torch.float32, device=device)
         self.scale = torch.full((), float(initial_scale), **f)
         self.min_scale, self.growth_factor, self.backoff_factor = min_scale, growth_factor, backoff_factor
@@ -156,8 +209,10 @@ class DynamicLossScaler:
         self._hysteresis_tracker.copy_(torch.where(grow, torch.full_like(hyst, self.hysteresis), hyst))
 
     def state_dict(self):
-        return {"scale": self.scale.detach().cpu(), "growth_tracker": self._growth_tracker.detach().cpu(),
-                "hysteresis_tracker": self._hysteresis_tracker.detach().cpu()}
+        # copies, also on CPU: a saved state must not alias the live tensors
+        return {"scale": self.scale.detach().to("cpu", copy=True),
+                "growth_tracker": self._growth_tracker.detach().to("cpu", copy=True),
+                "hysteresis_tracker": self._hysteresis_tracker.detach().to("cpu", copy=True)}
 
     def load_state_dict(self, sd):
         self.scale.copy_(sd["scale"])
@@ -178,6 +233,11 @@ def _has_amp_unscale(device) -> bool:
         return True
     except (RuntimeError, NotImplementedError):
         return False
+
+
+def _stream_capturing(device) -> bool:
+    """Whether the current stream of ``device`` is capturing a CUDA graph."""
+    return device is not None and device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 class _Shard:
@@ -288,17 +348,36 @@ class DistributedOptimizer:
                  no_weight_decay_params: Optional[Iterable[torch.nn.Parameter]] = None, impl: str = "auto",
                  expert_model_parallel_group="auto", model_parallel_group="auto",
                  tensor_model_parallel_rank: Optional[int] = None, expert_tensor_parallel_rank: Optional[int] = None):
+        w = "DistributedOptimizer"
         if isinstance(model, (list, tuple)):
             if not model:
                 raise ValueError("DistributedOptimizer: empty list of model chunks")
+            for i, chunk in enumerate(model):
+                if not getattr(chunk, "use_distributed_optimizer", False):
+                    raise ValueError(f"DistributedOptimizer: model[{i}] must be a DistributedDataParallel built with "
+                                     f"use_distributed_optimizer=True, got {type(chunk).__name__}")
             model = model[0] if len(model) == 1 else _ModelChunks(model)
         if not getattr(model, "use_distributed_optimizer", False):
             raise ValueError("DistributedOptimizer: model must be a DistributedDataParallel built with "
-                             "use_distributed_optimizer=True")
-        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-            raise ValueError(f"betas must be in [0, 1), got {betas}")
+                             f"use_distributed_optimizer=True, got {type(model).__name__}")
+        lr = _check_real(w, "lr", lr)
+        settings = _check_settings(w, betas, eps, weight_decay, adamw, clip_grad)
         if impl not in ("auto", "fused", "tensor"):
             raise ValueError(f"impl must be 'auto', 'fused' or 'tensor', got {impl!r}")
+        if loss_scaler is not None and not (isinstance(getattr(loss_scaler, "scale", None), torch.Tensor)
+                                            and all(callable(getattr(loss_scaler, a, None))
+                                                    for a in ("update", "state_dict", "load_state_dict"))):
+            raise ValueError("DistributedOptimizer: loss_scaler must be None, a ConstantLossScaler or a "
+                             f"DynamicLossScaler (a .scale tensor, update, state_dict, load_state_dict), got {loss_scaler!r}")
+        for name, r in (("tensor_model_parallel_rank", tensor_model_parallel_rank),
+                        ("expert_tensor_parallel_rank", expert_tensor_parallel_rank)):
+            if r is not None and (not isinstance(r, int) or isinstance(r, bool) or r < 0):
+                raise ValueError(f"DistributedOptimizer: {name} must be None or an int >= 0, got {r!r}")
+        for name, g in (("expert_model_parallel_group", expert_model_parallel_group),
+                        ("model_parallel_group", model_parallel_group)):
+            if not (g is None or (isinstance(g, str) and g == "auto") or isinstance(g, dist.ProcessGroup)):
+                raise ValueError(f"DistributedOptimizer: {name} must be 'auto', None or a torch.distributed "
+                                 f"ProcessGroup, got {g!r}")
         from . import parallel_state as ps
 
         mp_on = ps.model_parallel_is_initialized()  # "auto" / None below: Megatron's groups and ranks from it
@@ -313,22 +392,30 @@ class DistributedOptimizer:
         if model_parallel_group is not None and dist.get_world_size(model_parallel_group) == 1:
             model_parallel_group = None  # nothing to combine
         self.model = model
-        self.beta1, self.beta2 = float(betas[0]), float(betas[1])
-        self.eps, self.weight_decay, self.adamw = float(eps), float(weight_decay), adamw
-        self.clip_grad = float(clip_grad)
+        self._settings: Dict[str, object] = settings  # Python values; the tensor path reads _settings_t
+        self._captures: Dict[object, Dict[str, object]] = {}  # capture token -> settings captured
         self.loss_scaler = loss_scaler
         self.expert_model_parallel_group = expert_model_parallel_group
         self.model_parallel_group = model_parallel_group
         expert_buffers = set(map(id, getattr(model, "expert_parallel_buffers", [])))
-        no_wd = set(no_weight_decay_params or [])
+        no_wd = list(no_weight_decay_params or [])
+        in_model = {p for buf in model.all_buffers for p in buf.param_index_map}
+        for i, p in enumerate(no_wd):
+            if not isinstance(p, torch.Tensor) or p not in in_model:
+                raise ValueError(f"DistributedOptimizer: no_weight_decay_params[{i}] is not a trainable parameter of "
+                                 f"the model (got {type(p).__name__}{' ' + str(tuple(p.shape)) if isinstance(p, torch.Tensor) else ''})")
+        no_wd = set(no_wd)
         self.param_to_name = dict(getattr(model, "param_to_name", {}))
 
         self.shards: List[_Shard] = []
         device = None
         for buf in model.all_buffers:
             if buf.param_dtype not in (torch.float32, torch.float16, torch.bfloat16):
-                raise NotImplementedError(f"DistributedOptimizer: buffers of {buf.param_dtype} params "
-                                          "(fp8) are not supported yet")
+                kind = ("fp8 parameters (stored as torch.uint8) are not supported yet" if buf.param_dtype == torch.uint8
+                        else f"parameters of dtype {buf.param_dtype} are not supported")
+                names = [self.param_to_name.get(p, "?") for p in buf.params][:3]
+                raise NotImplementedError(f"DistributedOptimizer: {kind} (params {names}...); supported parameter "
+                                          "dtypes: torch.float32, torch.float16, torch.bfloat16")
             group = buf.data_parallel_group
             rank = dist.get_rank(group) if buf.data_parallel_world_size > 1 else 0
             device = buf.grad_data.device
@@ -351,7 +438,9 @@ class DistributedOptimizer:
                 self.shards.append(s)
         self.device = device
         f32 = dict(dtype=torch.float32, device=device)
-        self.lr = torch.full((), float(lr), **f32)
+        self.lr = torch.full((), lr, **f32)
+        # settings read on the device by the tensor path (replays of a captured graph see new values)
+        self._settings_t = {k: torch.full((), float(settings[k]), **f32) for k in _TENSOR_SETTINGS}
         self.step_count = torch.zeros((), **f32)
         self._one = torch.ones((), **f32)
         # shards grouped by the process group their norm / inf statistics are reduced over
@@ -373,13 +462,100 @@ class DistributedOptimizer:
         self.impl = "fused" if (impl == "fused" or (impl == "auto" and fused_ok and uniform_wd)) else "tensor"
 
     # ------------------------------------------------------------------
-    def set_lr(self, lr: float) -> None:
-        """Set the learning rate in place (no sync; replays of a captured graph see the new value)."""
-        self.lr.fill_(float(lr))
+    def set_lr(self, lr) -> None:
+        """Set the learning rate in place (no sync; replays of a captured graph see the new value).
+
+        ``lr``: a finite number >= 0, or a one-element tensor (copied on its device without a check)."""
+        if isinstance(lr, torch.Tensor) and lr.device.type != "cpu":
+            if lr.numel() != 1:
+                raise ValueError(f"DistributedOptimizer.set_lr: lr must have one element, got shape {tuple(lr.shape)}")
+            self.lr.copy_(lr.reshape(()))
+            return
+        self.lr.fill_(_check_real("DistributedOptimizer.set_lr", "lr", lr))
+
+    # ------------------------------------------------------------------
+    # settings and CUDA-graph capture
+    # ------------------------------------------------------------------
+    def _frozen_by_capture(self, new: Dict[str, object]) -> List[str]:
+        """The settings in ``new`` whose change a captured graph of :meth:`step` would not see."""
+        frozen = []
+        for captured in self._captures.values():
+            for name, value in new.items():
+                old = captured[name]
+                if value == old or name in frozen:
+                    continue
+                if (name == "adamw"  # picks the update rule (Python branch / kernel)
+                        or (self.impl == "fused" and name in ("beta1", "beta2", "eps", "weight_decay"))  # kernel floats
+                        or (name == "clip_grad" and old == 0.0)  # captured without the clipping code
+                        or (name == "weight_decay" and old == 0.0)):  # captured without the decay code
+                    frozen.append(name)
+        return frozen
+
+    def _check_settings_change(self, new: Dict[str, object]) -> None:
+        frozen = self._frozen_by_capture(new)
+        if frozen:
+            raise RuntimeError(
+                f"DistributedOptimizer: cannot change {', '.join(frozen)} while a captured CUDA graph holds this "
+                f"optimizer's step (impl={self.impl!r} bakes {'it' if len(frozen) == 1 else 'them'} into the graph): "
+                "call FullIterationGraph.reset() (the next step captures again with the new value), or "
+                "release_captures() after discarding a graph captured by hand. Held in device tensors (changeable "
+                f"under a graph): lr{', ' + ', '.join(self._device_settings()) if self._device_settings() else ''}.")
+
+    def _device_settings(self) -> List[str]:
+        """Settings a captured step reads from device tensors (changes reach replays)."""
+        if self.impl == "fused":
+            return ["clip_grad"]
+        return [k for k in _TENSOR_SETTINGS]
+
+    def _apply_settings(self, new: Dict[str, object]) -> None:
+        """Commit validated settings: the Python values and, in place, their device tensors."""
+        self._settings.update(new)
+        for k, v in new.items():
+            if k in self._settings_t:
+                self._settings_t[k].fill_(float(v))
+
+    def _set_setting(self, name: str, value) -> None:
+        cur = self._settings
+        merged = {**cur, name: value}
+        betas = (merged["beta1"], merged["beta2"])
+        new = _check_settings(f"DistributedOptimizer.{name}", betas, merged["eps"], merged["weight_decay"],
+                              merged["adamw"], merged["clip_grad"])
+        self._check_settings_change({name: new[name]})
+        self._apply_settings({name: new[name]})
+
+    def note_capture(self, token=None) -> None:
+        """Record that :meth:`step` is being captured into a CUDA graph (called by ``step()`` itself when the
+        current stream captures; ``token`` identifies the graph, given by :class:`moe_graph.graph.FullIterationGraph`).
+        While a capture is held, changing a setting the graph baked in raises."""
+        self._captures[token] = dict(self._settings)
+
+    def release_captures(self, token=None) -> None:
+        """Forget the capture ``token`` (``FullIterationGraph.reset()`` calls this), or every capture when
+        ``token`` is None (after discarding a graph captured with ``torch.cuda.graph`` directly)."""
+        if token is None:
+            self._captures.clear()
+        else:
+            self._captures.pop(token, None)
 
     def zero_grad(self) -> None:
         """Zero the model's grad buffers (``DistributedDataParallel.zero_grad_buffer``)."""
         self.model.zero_grad_buffer()
+
+    beta1 = property(lambda self: self._settings["beta1"], lambda self, v: self._set_setting("beta1", v),
+                     doc="Adam beta1 (a device tensor on the tensor path; a kernel constant on the fused path).")
+    beta2 = property(lambda self: self._settings["beta2"], lambda self, v: self._set_setting("beta2", v),
+                     doc="Adam beta2 (a device tensor on the tensor path; a kernel constant on the fused path).")
+    eps = property(lambda self: self._settings["eps"], lambda self, v: self._set_setting("eps", v),
+                   doc="Adam eps (a device tensor on the tensor path; a kernel constant on the fused path).")
+    weight_decay = property(lambda self: self._settings["weight_decay"],
+                            lambda self, v: self._set_setting("weight_decay", v),
+                            doc="Weight decay (a device tensor on the tensor path; a kernel constant on the fused "
+                                "path). A step captured with 0 has no decay code.")
+    adamw = property(lambda self: self._settings["adamw"], lambda self, v: self._set_setting("adamw", v),
+                     doc="Decoupled weight decay (True) or L2 (False): fixed in a captured step.")
+    clip_grad = property(lambda self: self._settings["clip_grad"], lambda self, v: self._set_setting("clip_grad", v),
+                         doc="Max global grad norm (0: no clipping), a device tensor. A step captured with 0 has no "
+                             "clipping code.")
 
     @property
     def loss_scale(self) -> torch.Tensor:
@@ -408,6 +584,10 @@ class DistributedOptimizer:
 
         Returns ``(update_successful, grad_norm)`` as 0-dim device tensors (no host sync).
         """
+        if _stream_capturing(self.device):
+            from .graph import _note_capture  # FullIterationGraph.reset() releases the capture
+
+            self.note_capture(_note_capture(self))
         self.model.finish_grad_sync()
         grads = []
         for s in self.shards:
@@ -445,9 +625,10 @@ class DistributedOptimizer:
         ok = torch.logical_not(found_inf)
         okf = ok.float()
 
-        if self.clip_grad > 0.0:
-            coef = torch.clamp(self.clip_grad / (grad_norm + 1e-6), max=1.0)
-            coef = torch.where(ok, coef, torch.ones_like(coef))
+        if self.clip_grad > 0.0:  # the value is read on the device: a captured step sees changes
+            clip = self._settings_t["clip_grad"]
+            coef = torch.clamp(clip / (grad_norm + 1e-6), max=1.0)
+            coef = torch.where(ok & (clip > 0), coef, torch.ones_like(coef))
             torch._foreach_mul_(grads, coef)
 
         if self.impl == "fused":
@@ -471,12 +652,13 @@ class DistributedOptimizer:
         self.step_count.add_(okf)
         fn = torch._fused_adamw_ if self.adamw else torch._fused_adam_
         fn([s.main_param for s in self.shards], grads, [s.exp_avg for s in self.shards],
-           [s.exp_avg_sq for s in self.shards], [], [self.step_count] * len(self.shards), lr=self.lr, beta1=self.beta1,
-           beta2=self.beta2, weight_decay=self.weight_decay, eps=self.eps, amsgrad=False, maximize=False,
-           grad_scale=None, found_inf=found_inf.float())
+           [s.exp_avg_sq for s in self.shards], [], [self.step_count] * len(self.shards), lr=self.lr,
+           beta1=self.beta1, beta2=self.beta2, weight_decay=self.weight_decay, eps=self.eps, amsgrad=False,
+           maximize=False, grad_scale=None, found_inf=found_inf.float())
 
     def _step_tensor(self, grads, found_inf, okf):
-        b1, b2 = self.beta1, self.beta2
+        # every setting is read from a device tensor: replays of a captured step see set values
+        b1, b2, eps, wd = (self._settings_t[k] for k in ("beta1", "beta2", "eps", "weight_decay"))
         for g in grads:
             g.masked_fill_(found_inf, 0.0)
         self.step_count.add_(okf)
@@ -486,22 +668,23 @@ class DistributedOptimizer:
         lr_ok = self.lr * okf
         step_size = lr_ok / bc1
         w1 = (1.0 - b1) * okf
-        keep2 = 1.0 - (1.0 - b2) * okf
+        w2 = (1.0 - b2) * okf
+        keep2 = 1.0 - w2
         for s, g in zip(self.shards, grads):
             p = s.main_param
             if self.weight_decay != 0.0:
                 if self.adamw:
-                    decay = 1.0 - lr_ok * self.weight_decay
+                    decay = 1.0 - lr_ok * wd
                     if s.wd_mask is None:
                         p.mul_(decay)
                     else:
                         p.mul_(torch.lerp(torch.ones_like(decay), decay, s.wd_mask))
                 else:
-                    g = g.add(p * s.wd_mask if s.wd_mask is not None else p, alpha=self.weight_decay)
+                    g = torch.addcmul(g, p, wd * s.wd_mask if s.wd_mask is not None else wd)
             s.exp_avg.lerp_(g, w1)
-            s.exp_avg_sq.mul_(keep2).addcmul_(g, g, value=1.0 - b2)
+            s.exp_avg_sq.mul_(keep2).addcmul_(g, g * w2)
             # p -= step_size * m / (sqrt(v) / sqrt(bc2) + eps); a skipped step has step_size 0 -> denom inf
-            denom = s.exp_avg_sq.sqrt().div_(bc2_sqrt).add_(self.eps).div_(step_size)
+            denom = s.exp_avg_sq.sqrt().div_(bc2_sqrt).add_(eps).div_(step_size)
             p.addcdiv_(s.exp_avg, denom, value=-1.0)
 
     # ------------------------------------------------------------------
@@ -529,7 +712,7 @@ class DistributedOptimizer:
         return meta
 
     @torch.no_grad()
-    def state_dict(self) -> Dict:
+    def state_dict(self, checksum: bool = True) -> Dict:
         """This rank's shard of the optimizer state (no communication). Save one file per rank.
 
         ::
@@ -541,7 +724,8 @@ class DistributedOptimizer:
                           "params": {name: {"shape", "dtype", "expert"}}},   # every param of the model
              "shard": {name: {"range": (start, end),    # in the flattened param, owned by this rank
                               "exp_avg", "exp_avg_sq": fp32 CPU tensors of end - start elements,
-                              "main_param": the same, only for bf16/fp16 params}}}
+                              "main_param": the same, only for bf16/fp16 params}},
+             "checksum": "sha256:<hex>"}   # over everything above (every tensor's bytes); see state_checksum
 
         Names are ``model.param_to_name`` (``named_parameters`` of the wrapped module). The
         tensors hold about ``1/dp`` of the state: the parts of this rank's bucket shards that are
@@ -551,6 +735,9 @@ class DistributedOptimizer:
         With expert / tensor / pipeline parallelism every model-parallel rank saves its own set of
         files (expert params share names across expert-parallel ranks but differ; ``ep_rank``
         tells them apart). :meth:`load_state_dict` takes all the files of one set.
+
+        ``checksum=False`` leaves the checksum out (hashing runs at about 1 GB/s on the host); such a
+        state must then be loaded with ``verify_checksum=False``.
         """
         shard: Dict[str, Dict] = {}
         for s in self.shards:
@@ -562,26 +749,115 @@ class DistributedOptimizer:
                     # clone: a saved view would carry the whole bucket storage into the file
                     entry[k] = getattr(s, k)[l0:l1].detach().to("cpu", copy=True)
                 shard[self._name(p)] = entry
-        return {
+        st = self._settings
+        out = {
             "format": _FORMAT,
             "step": self.step_count.detach().cpu().clone(),
             "lr": self.lr.detach().cpu().clone(),
-            "hyper": {"betas": (self.beta1, self.beta2), "eps": self.eps, "weight_decay": self.weight_decay,
-                      "adamw": self.adamw, "clip_grad": self.clip_grad},
+            "hyper": {"betas": (st["beta1"], st["beta2"]), "eps": st["eps"], "weight_decay": st["weight_decay"],
+                      "adamw": st["adamw"], "clip_grad": st["clip_grad"]},
             "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
             "metadata": self._checkpoint_metadata(),
             "shard": shard,
         }
+        if checksum:
+            out["checksum"] = state_checksum(out)
+        return out
+
+    # ------------------------------------------------------------------ load: validate everything first --
+    def _validate_shard(self, i: int, sd) -> Dict:
+        """Checks the structure and values of saved shard ``i``; returns the parsed scalars
+        ``{"step", "lr", "settings", "loss_scaler"}``. Raises ValueError naming the shard and the key."""
+        w = f"load_state_dict: shard {i}"
+        if not isinstance(sd, dict):
+            raise ValueError(f"{w} must be a dict saved by DistributedOptimizer.state_dict(), got {type(sd).__name__}")
+        if sd.get("format") != _FORMAT:
+            raise ValueError(f"{w}: unknown checkpoint format {sd.get('format')!r} (expected {_FORMAT!r})")
+        missing = [k for k in _STATE_KEYS if k not in sd]
+        if missing:
+            raise ValueError(f"{w} has no {missing} (a state saved by DistributedOptimizer.state_dict() has "
+                             f"{list(_STATE_KEYS)})")
+        step = _as_real(sd["step"])
+        if step is None or not math.isfinite(step) or step < 0 or step != int(step):
+            raise ValueError(f"{w}: 'step' must be a whole number >= 0 (a 0-dim tensor or a number), "
+                             f"got {sd['step']!r}")
+        lr = _check_real(w, "'lr'", sd["lr"], expected="a finite number >= 0 (a 0-dim tensor or a number)")
+        hyper = sd["hyper"]
+        if not isinstance(hyper, dict) or sorted(hyper) != sorted(_HYPER_KEYS):
+            got = sorted(hyper) if isinstance(hyper, dict) else type(hyper).__name__
+            raise ValueError(f"{w}: 'hyper' must be a dict with keys {sorted(_HYPER_KEYS)}, got {got}")
+        settings = _check_settings(f"{w} 'hyper'", hyper["betas"], hyper["eps"], hyper["weight_decay"],
+                                   hyper["adamw"], hyper["clip_grad"])
+        scaler = sd["loss_scaler"]
+        if scaler is not None and not isinstance(scaler, dict):
+            raise ValueError(f"{w}: 'loss_scaler' must be None or a dict, got {type(scaler).__name__}")
+        if scaler is not None and self.loss_scaler is not None:
+            own = self.loss_scaler.state_dict()
+            if sorted(scaler) != sorted(own):
+                raise ValueError(f"{w}: 'loss_scaler' has keys {sorted(scaler)}, this optimizer's "
+                                 f"{type(self.loss_scaler).__name__} expects {sorted(own)}")
+            parsed = {}
+            for k, v in scaler.items():
+                x = _as_real(v)
+                if x is None or not math.isfinite(x) or (k == "scale" and x <= 0):
+                    raise ValueError(f"{w}: 'loss_scaler'[{k!r}] must be a finite number"
+                                     f"{' > 0' if k == 'scale' else ''}, got {v!r}")
+                parsed[k] = torch.full_like(own[k], x)
+            scaler = parsed
+        md = sd["metadata"]
+        if not isinstance(md, dict) or not isinstance(md.get("params"), dict):
+            raise ValueError(f"{w}: 'metadata' must be a dict with a 'params' dict")
+        for k in ("ep_size", "ep_rank"):
+            if not isinstance(md.get(k), int) or md[k] < 0:
+                raise ValueError(f"{w}: 'metadata'[{k!r}] must be an int >= 0, got {md.get(k)!r}")
+        numels = {}
+        for name, m in md["params"].items():
+            ok = (isinstance(m, dict) and isinstance(m.get("shape"), (tuple, list))
+                  and all(isinstance(d, int) and d >= 0 for d in m["shape"])
+                  and isinstance(m.get("dtype"), str) and isinstance(m.get("expert"), bool))
+            if not ok:
+                raise ValueError(f"{w}: 'metadata'['params'][{name!r}] must be {{'shape': ints, 'dtype': str, "
+                                 f"'expert': bool}}, got {m!r}")
+            numels[name] = math.prod(m["shape"])
+        if not isinstance(sd["shard"], dict):
+            raise ValueError(f"{w}: 'shard' must be a dict {{name: piece}}, got {type(sd['shard']).__name__}")
+        for name, e in sd["shard"].items():
+            where = f"{w}: piece {name!r}"
+            if name not in numels:
+                raise ValueError(f"{where} is not in the shard's 'metadata'['params']")
+            if not isinstance(e, dict):
+                raise ValueError(f"{where} must be a dict with 'range', 'exp_avg', 'exp_avg_sq', got {e!r}")
+            r = e.get("range")
+            if not (isinstance(r, (tuple, list)) and len(r) == 2 and all(isinstance(x, int) for x in r)
+                    and 0 <= r[0] <= r[1] <= numels[name]):
+                raise ValueError(f"{where}: 'range' must be (start, end) with 0 <= start <= end <= {numels[name]} "
+                                 f"(the parameter's numel), got {r!r}")
+            want = _PIECE_FIELDS if md["params"][name]["dtype"] in _SIXTEEN_BIT else _PIECE_FIELDS[1:]
+            if sorted(e) != sorted(("range",) + want):
+                raise ValueError(f"{where} has keys {sorted(e)}, expected {sorted(('range',) + want)} "
+                                 f"(for a {md['params'][name]['dtype']} parameter)")
+            for k in want:
+                t = e[k]
+                if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.dim() != 1 \
+                        or t.numel() != r[1] - r[0]:
+                    got = (f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__)
+                    raise ValueError(f"{where}: {k!r} must be a 1-D torch.float32 tensor of {r[1] - r[0]} elements "
+                                     f"(range {tuple(r)}), got {got}")
+        return {"step": step, "lr": lr, "settings": settings, "loss_scaler": scaler}
 
     def _plan_load(self, shards: List[Dict]) -> List[Tuple[torch.Tensor, torch.Tensor]]:
-        """(destination, source) copies that fill this rank's shards; raises on any inconsistency."""
+        """(destination, source) copies that fill this rank's shards; raises on any inconsistency.
+        The shards' structure has been checked by :meth:`_validate_shard`."""
         my_ep = self._checkpoint_metadata()
         meta: Dict[str, Dict] = {}
         pieces: Dict[str, List[Dict]] = {}
-        for sd in shards:
+        for i, sd in enumerate(shards):
             md = sd["metadata"]
             for name, m in md["params"].items():
-                meta.setdefault(name, m)
+                first = meta.setdefault(name, m)
+                if (tuple(first["shape"]), first["dtype"], first["expert"]) != (tuple(m["shape"]), m["dtype"], m["expert"]):
+                    raise ValueError(f"load_state_dict: shard {i} describes {name!r} as {m}, an earlier shard as "
+                                     f"{first} (files of different runs?)")
             for name, entry in sd["shard"].items():
                 if md["params"][name]["expert"]:
                     if md["ep_size"] != my_ep["ep_size"]:
@@ -590,6 +866,17 @@ class DistributedOptimizer:
                     if md["ep_rank"] != my_ep["ep_rank"]:
                         continue  # another expert-parallel rank's experts under the same name
                 pieces.setdefault(name, []).append(entry)
+        extra = sorted(set(meta) - set(my_ep["params"]))
+        if extra:
+            raise ValueError(f"load_state_dict: the checkpoint has parameters this model does not have: {extra[:5]}"
+                             f"{' ...' if len(extra) > 5 else ''} (a different model, or files of another "
+                             "model-parallel rank?)")
+        for name, ps in pieces.items():  # the same element saved twice: a file passed twice, or mixed runs
+            spans = sorted(tuple(e["range"]) for e in ps if e["range"][0] < e["range"][1])
+            for (a0, a1), (b0, b1) in zip(spans, spans[1:]):
+                if b0 < a1:
+                    raise ValueError(f"load_state_dict: elements [{b0}, {min(a1, b1)}) of {name!r} are in two shards "
+                                     "(the same file passed twice?)")
         copies = []
         for s in self.shards:
             sixteen_bit = s.main_param is not s.model_param
@@ -611,8 +898,6 @@ class DistributedOptimizer:
                         continue
                     covered.append((a, b))
                     for k in (("main_param", "exp_avg", "exp_avg_sq") if sixteen_bit else ("exp_avg", "exp_avg_sq")):
-                        if k not in e:
-                            raise ValueError(f"load_state_dict: the checkpoint has no {k} for {name!r}")
                         copies.append((getattr(s, k)[l0 + a - q0:l0 + b - q0], e[k][a - e0:b - e0]))
                 at = q0
                 for a, b in sorted(covered):
@@ -626,57 +911,111 @@ class DistributedOptimizer:
                                      "saved run")
         return copies
 
+    def _agree(self, ok: bool) -> bool:
+        """True when every rank that shares a collective of :meth:`step` with this one has ``ok``: a flag
+        all-reduced (max of the failures) over the data-parallel groups, then the model-parallel and expert
+        model-parallel groups. Every rank must call it (it is how a failing rank releases the others)."""
+        flag = torch.full((), 0.0 if ok else 1.0, dtype=torch.float32, device=self.device)
+        groups = [g for g, _, _ in self._stat_groups if g is not None]
+        if self.model_parallel_group is not None and any(not e for _, e, _ in self._stat_groups):
+            groups.append(self.model_parallel_group)
+        if self.expert_model_parallel_group is not None and any(e for _, e, _ in self._stat_groups):
+            groups.append(self.expert_model_parallel_group)
+        for group in groups:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        return float(flag) == 0.0
+
     @torch.no_grad()
-    def load_state_dict(self, state) -> None:
+    def load_state_dict(self, state, verify_checksum: bool = True) -> None:
         """Load the sharded state saved by :meth:`state_dict` at any data-parallel size.
 
         ``state`` is the list of every saved shard of this model-parallel rank (``torch.load`` of
         each data-parallel rank's file, in any order); a single dict is taken as a one-shard list
         (a run saved at DP=1). Each rank copies, per parameter, the overlap of every saved range
-        with the range it owns now, and checks that its whole range is covered and that names,
-        shapes and dtypes match. Expert params are taken from the shards of the same expert-parallel
-        rank (the expert-parallel size must not change). A collective over the data-parallel
-        groups (every rank must call it): all ranks raise if one fails, then the 16-bit model
-        params are refreshed from the loaded fp32 main params and all-gathered. Load the model's
-        ``state_dict`` too (for fp32 params the checkpointed values are the model's).
+        with the range it owns now. Expert params are taken from the shards of the same expert-parallel
+        rank (the expert-parallel size must not change). Load the model's ``state_dict`` too (for fp32
+        params the checkpointed values are the model's).
+
+        Transactional: every shard is checked before anything is written (its checksum unless
+        ``verify_checksum=False``, keys, types, hyper-parameters, loss-scaler keys, names, shapes, dtypes,
+        each piece's numel and range, coverage of this rank's range, no element saved twice); then the ranks
+        agree through one flag all-reduce per process group of :meth:`step` (a collective: every rank must
+        call it). If any rank failed, every rank raises (the failing one its own error, the others a
+        RuntimeError) and the live state is left bit-identical. Otherwise the moments, fp32 main params, step,
+        lr, hyper-parameters and loss-scaler state are copied, and the 16-bit model params are refreshed and
+        all-gathered. While a captured CUDA graph holds :meth:`step`, a checkpoint whose hyper-parameters
+        differ in a setting the graph baked in is refused (call ``FullIterationGraph.reset()`` first).
         """
-        shards = [state] if isinstance(state, dict) else list(state)
-        if not shards:
-            raise ValueError("load_state_dict: no shard given")
-        for sd in shards:
-            if not isinstance(sd, dict) or sd.get("format") != _FORMAT:
-                fmt = sd.get("format") if isinstance(sd, dict) else type(sd).__name__
-                raise ValueError(f"load_state_dict: unknown checkpoint format {fmt!r} (expected {_FORMAT!r})")
-        if any(not torch.equal(sd["step"], shards[0]["step"]) for sd in shards):
-            raise ValueError("load_state_dict: the shards were saved at different steps")
         error = None
         try:
+            if state is None or isinstance(state, (str, bytes)) or not isinstance(state, (dict, list, tuple)):
+                raise ValueError("load_state_dict: state must be the dict returned by state_dict() or a list of "
+                                 f"them (one per saved data-parallel rank), got {type(state).__name__}")
+            shards = [state] if isinstance(state, dict) else list(state)
+            if not shards:
+                raise ValueError("load_state_dict: no shard given (an empty list)")
+            parsed = [self._validate_shard(i, sd) for i, sd in enumerate(shards)]
+            if verify_checksum:
+                for i, sd in enumerate(shards):
+                    if "checksum" not in sd:
+                        raise ValueError(f"load_state_dict: shard {i} has no 'checksum' (saved with "
+                                         "state_dict(checksum=False)?): pass verify_checksum=False to load it")
+                    if sd["checksum"] != state_checksum(sd):
+                        raise ValueError(f"load_state_dict: shard {i} fails its checksum (the file is corrupted or "
+                                         "was edited; verify_checksum=False skips the check)")
+            for i, p in enumerate(parsed[1:], 1):
+                for k in ("step", "lr", "settings"):
+                    if p[k] != parsed[0][k]:
+                        raise ValueError(f"load_state_dict: shard {i} has {k} {p[k]}, shard 0 {parsed[0][k]} "
+                                         "(the shards were saved at different steps or by different runs)")
             copies = self._plan_load(shards)
-        except (KeyError, ValueError) as exc:
+            new = parsed[0]
+            self._check_settings_change(new["settings"])
+        except Exception as exc:  # noqa: BLE001 - any malformed input; re-raised below after the ranks agree
             error = exc
-        # fail on every rank together, so that no rank waits in the param all-gather below
-        flag = torch.full((), 0.0 if error is None else 1.0, dtype=torch.float32, device=self.device)
-        for group, _, _ in self._stat_groups:
-            if group is not None:
-                dist.all_reduce(flag, group=group)
+        # fail on every rank together, before anything is written, so that no rank waits in the all-gather
+        agreed = self._agree(error is None)
         if error is not None:
             raise error
-        if float(flag) > 0:
-            raise RuntimeError("load_state_dict: another rank of the data-parallel group could not load its shard")
+        if not agreed:
+            raise RuntimeError("load_state_dict: another rank could not load its checkpoint shards (its own error "
+                               "names the problem); nothing was loaded")
         for dst, src in copies:
             dst.copy_(src)
-        state = shards[0]
-        self.step_count.copy_(state["step"])
-        self.lr.copy_(state["lr"])
-        hyper = state.get("hyper", {})
-        if hyper:  # like torch.optim: hyper-parameters come back with the state
-            self.beta1, self.beta2 = (float(b) for b in hyper["betas"])
-            self.eps, self.weight_decay = float(hyper["eps"]), float(hyper["weight_decay"])
-            self.adamw, self.clip_grad = bool(hyper["adamw"]), float(hyper["clip_grad"])
-        if self.loss_scaler is not None and state.get("loss_scaler") is not None:
-            self.loss_scaler.load_state_dict(state["loss_scaler"])
+        self.step_count.fill_(new["step"])
+        self.lr.fill_(new["lr"])
+        self._apply_settings(new["settings"])  # like torch.optim: hyper-parameters come back with the state
+        if self.loss_scaler is not None and new["loss_scaler"] is not None:
+            self.loss_scaler.load_state_dict(new["loss_scaler"])
         for s in self.shards:
             if s.main_param is not s.model_param:
                 s.model_param.copy_(s.main_param)
         for g in self.model.all_bucket_groups:
             g.start_param_sync(async_op=False)
+
+
+def state_checksum(state: Dict) -> str:
+    """``"sha256:<hex>"`` over a saved optimizer state without its ``"checksum"`` entry: every tensor's dtype,
+    shape and bytes and every other value, walked in sorted key order (tuples and lists alike)."""
+    h = hashlib.sha256()
+
+    def feed(v):
+        if isinstance(v, torch.Tensor):
+            t = v.detach().to("cpu").contiguous().reshape(-1)
+            h.update(f"T{t.dtype}{tuple(v.shape)};".encode())
+            h.update(t.view(torch.uint8).numpy().data)
+        elif isinstance(v, dict):
+            keys = sorted((k for k in v if not (v is state and k == "checksum")), key=repr)
+            h.update(f"D{len(keys)};".encode())
+            for k in keys:
+                h.update(f"K{k!r};".encode())
+                feed(v[k])
+        elif isinstance(v, (list, tuple)):
+            h.update(f"L{len(v)};".encode())
+            for x in v:
+                feed(x)
+        else:
+            h.update(f"V{v!r};".encode())
+
+    feed(state)
+    return "sha256:" + h.hexdigest()

@@ -538,3 +538,124 @@ def tp_pp_norm_worker(rank: int, ws: int, clip: float, use_mp_group: bool) -> di
     module.emb.main_grad.copy_(grads["emb"])  # after the embedding all-reduce both stages hold the same grad
     ok, norm = opt.step()
     return pack({"ok": bool(ok), "norm": float(norm), "w_grad": module.w.main_grad.clone()})
+
+
+# ------------------------------------------------------------------ failed checkpoint loads (issue 12) --
+def optimizer_snapshot(opt) -> Dict:
+    """Everything a checkpoint load may write, as bit-exact CPU copies: every shard's model param (the bucket's
+    ``param_data``), main param and moments, step, lr, the settings (Python values and device tensors) and the
+    loss scaler's state."""
+    snap = {"step": opt.step_count.detach().cpu().clone(), "lr": opt.lr.detach().cpu().clone(),
+            "settings": {k: getattr(opt, k) for k in ("beta1", "beta2", "eps", "weight_decay", "adamw", "clip_grad")},
+            "settings_t": {k: t.detach().cpu().clone() for k, t in getattr(opt, "_settings_t", {}).items()},
+            "scaler": opt.loss_scaler.state_dict() if opt.loss_scaler is not None else None}
+    for i, s in enumerate(opt.shards):
+        snap[f"param_data{i}"] = s.bucket.param_data.detach().cpu().clone()
+        for k in ("main_param", "exp_avg", "exp_avg_sq"):
+            snap[f"{k}{i}"] = getattr(s, k).detach().cpu().clone()
+    return snap
+
+
+def snapshots_identical(a: Dict, b: Dict) -> bool:
+    """Bit-for-bit equality of two :func:`optimizer_snapshot` results (NaNs included)."""
+    def same(x, y):
+        if isinstance(x, torch.Tensor):
+            return (isinstance(y, torch.Tensor) and x.dtype == y.dtype and x.shape == y.shape
+                    and torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)))
+        if isinstance(x, dict):
+            return isinstance(y, dict) and x.keys() == y.keys() and all(same(x[k], y[k]) for k in x)
+        return x == y
+    return same(a, b)
+
+
+def _piece(sd: dict, name: str, **changes) -> dict:
+    """A shallow copy of ``sd`` whose piece ``name`` has ``changes`` applied (the other pieces shared)."""
+    return {**sd, "shard": {**sd["shard"], name: {**sd["shard"][name], **changes}}}
+
+
+def _without(d: dict, key: str) -> dict:
+    return {k: v for k, v in d.items() if k != key}
+
+
+def _flip_byte(sd: dict, name: str, field: str) -> dict:
+    t = sd["shard"][name][field].clone()
+    t.view(torch.uint8)[5] ^= 0x10  # one flipped bit, as a damaged file would have
+    return _piece(sd, name, **{field: t})
+
+
+# name -> (corrupt(state dict of one shard, parameter name) -> bad state, exception type, message regex,
+#          verify_checksum). Each must be refused before anything is written.
+CORRUPTIONS = {
+    "short_piece": (lambda sd, n: _piece(sd, n, exp_avg=sd["shard"][n]["exp_avg"][:-1]), ValueError,
+                    r"'exp_avg' must be a 1-D torch.float32 tensor of \d+ elements", False),
+    "fp16_piece": (lambda sd, n: _piece(sd, n, exp_avg_sq=sd["shard"][n]["exp_avg_sq"].half()), ValueError,
+                   r"'exp_avg_sq' must be a 1-D torch.float32 tensor .* got torch.float16", False),
+    "list_piece": (lambda sd, n: _piece(sd, n, exp_avg=sd["shard"][n]["exp_avg"].tolist()), ValueError,
+                   r"'exp_avg' must be a 1-D torch.float32 tensor .* got list", False),
+    "range_none": (lambda sd, n: _piece(sd, n, range=None), ValueError, r"'range' must be \(start, end\)", False),
+    "range_past_end": (lambda sd, n: _piece(sd, n, range=(0, 10**6)), ValueError, r"'range' must be", False),
+    "piece_none": (lambda sd, n: {**sd, "shard": {**sd["shard"], n: None}}, ValueError, r"must be a dict", False),
+    "unknown_field": (lambda sd, n: _piece(sd, n, exp_avg_sq2=sd["shard"][n]["exp_avg_sq"]), ValueError,
+                      r"has keys .*'exp_avg_sq2'", False),
+    "no_lr": (lambda sd, n: _without(sd, "lr"), ValueError, r"has no \['lr'\]", False),
+    "no_step": (lambda sd, n: _without(sd, "step"), ValueError, r"has no \['step'\]", False),
+    "step_fraction": (lambda sd, n: {**sd, "step": torch.tensor(2.5)}, ValueError,
+                      r"'step' must be a whole number", False),
+    "lr_nan": (lambda sd, n: {**sd, "lr": torch.tensor(float("nan"))}, ValueError, r"'lr' must be a finite", False),
+    "hyper_no_eps": (lambda sd, n: {**sd, "hyper": _without(sd["hyper"], "eps")}, ValueError,
+                     r"'hyper' must be a dict with keys", False),
+    "hyper_bad_betas": (lambda sd, n: {**sd, "hyper": {**sd["hyper"], "betas": (1.5, 0.9)}}, ValueError,
+                        r"betas must be a pair", False),
+    "scaler_missing_key": (lambda sd, n: {**sd, "loss_scaler": _without(sd["loss_scaler"], "growth_tracker")},
+                           ValueError, r"'loss_scaler' has keys", False),
+    "scaler_zero_scale": (lambda sd, n: {**sd, "loss_scaler": {**sd["loss_scaler"], "scale": torch.tensor(0.0)}},
+                          ValueError, r"'loss_scaler'\['scale'\] must be a finite number > 0", False),
+    "metadata_none": (lambda sd, n: {**sd, "metadata": None}, ValueError, r"'metadata' must be a dict", False),
+    "missing_piece": (lambda sd, n: {**sd, "shard": _without(sd["shard"], n)}, ValueError,
+                      r"no saved shard covers elements", False),
+    "unknown_param": (lambda sd, n: {**sd, "metadata": {**sd["metadata"], "params": {
+        **sd["metadata"]["params"], "zzz": sd["metadata"]["params"][n]}}}, ValueError,
+        r"parameters this model does not have: \['zzz'\]", False),
+    "flipped_bit": (lambda sd, n: _flip_byte(sd, n, "exp_avg_sq"), ValueError, r"fails its checksum", True),
+    "no_checksum": (lambda sd, n: _without(sd, "checksum"), ValueError, r"has no 'checksum'", True),
+}
+
+
+def load_failure_worker(rank: int, ws: int, cases: List[str], group_timeout_s: float) -> bytes:
+    """DP = ``ws`` (a group with a ``group_timeout_s`` timeout), fp32 + dynamic loss scaler: train 2 steps, save
+    (every rank gathers every rank's shard), train 1 more. Then per case, the last rank loads a list of files in
+    which its own shard is corrupted by :data:`CORRUPTIONS` ``[case]`` while the other ranks load clean files.
+    Returns per case ``(exception type, message, seconds in load_state_dict, state unchanged)``; finally a clean
+    load on every rank (the group is still usable) and whether it restored the saved state exactly."""
+    import time
+    from datetime import timedelta
+
+    group = dist.new_group(list(range(ws)), timeout=timedelta(seconds=group_timeout_s))
+    ddp = DistributedDataParallel(make_model(), use_distributed_optimizer=True, data_parallel_group=group)
+    opt = DistributedOptimizer(ddp, lr=1e-2, weight_decay=0.1, clip_grad=1.0, impl="tensor",
+                               loss_scaler=DynamicLossScaler(initial_scale=1024.0))
+    _train(ddp, opt, rank, ws, 2)
+    files = [None] * ws
+    dist.all_gather_object(files, opt.state_dict(), group=group)
+    _train(ddp, opt, rank, ws, 1, first_step=2)
+    before = optimizer_snapshot(opt)
+    name = sorted(files[-1]["shard"])[0]
+    out = {}
+    for case in cases:
+        corrupt, _, _, verify = CORRUPTIONS[case]
+        mine = list(files)
+        if rank == ws - 1:
+            mine[-1] = corrupt(files[-1], name)
+        t0 = time.monotonic()
+        try:
+            opt.load_state_dict(mine, verify_checksum=verify)
+            err = ("no error", "")
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            err = (type(exc).__name__, str(exc))
+        out[case] = err + (time.monotonic() - t0, snapshots_identical(before, optimizer_snapshot(opt)))
+    opt.load_state_dict(files)
+    again = [None] * ws
+    dist.all_gather_object(again, opt.state_dict(), group=group)
+    # the whole saved state (step, lr, hyper, scaler, every piece) came back: equal checksums
+    out["clean_load_roundtrip"] = [x["checksum"] == y["checksum"] for x, y in zip(files, again)]
+    return pack(out)
