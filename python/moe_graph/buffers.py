@@ -173,8 +173,12 @@ def compute_param_layout(
     """
     if data_parallel_world_size < 1:
         raise ValueError(f"data_parallel_world_size must be >= 1, got {data_parallel_world_size}")
-    if bucket_size is not None and bucket_size <= 0:
-        raise ValueError(f"bucket_size must be a positive int or None, got {bucket_size}")
+    if bucket_size is not None and (not isinstance(bucket_size, int) or isinstance(bucket_size, bool)
+                                    or bucket_size <= 0):
+        raise ValueError(f"bucket_size must be a positive int or None, got {bucket_size!r}")
+    bad = [i for i, n in enumerate(numels) if not isinstance(n, int) or isinstance(n, bool) or n < 0]
+    if bad:
+        raise ValueError(f"numels must be ints >= 0, got {numels[bad[0]]!r} at index {bad[0]}")
     n = len(numels)
     if n == 0:
         raise ValueError("compute_param_layout: numels is empty (a buffer needs at least one param)")
@@ -346,9 +350,16 @@ class ParamAndGradBuffer:
         data_parallel_group=None,
         gradient_scaling_factor: Optional[float] = None,
     ):
+        if isinstance(params, torch.Tensor) or not hasattr(params, "__iter__"):
+            raise TypeError(f"ParamAndGradBuffer: params must be a list of parameters, got {type(params).__name__}")
         params = list(params)
         if len(params) == 0:
             raise ValueError("ParamAndGradBuffer: params is empty (expected at least one parameter)")
+        for i, p in enumerate(params):
+            if not isinstance(p, torch.Tensor) or not (p.is_floating_point() or p.is_complex()
+                                                       or is_float8_param(p)):
+                got = f"a {p.dtype} tensor" if isinstance(p, torch.Tensor) else type(p).__name__
+                raise TypeError(f"ParamAndGradBuffer: params[{i}] must be a floating-point parameter, got {got}")
         if len(set(params)) != len(params):
             raise ValueError("ParamAndGradBuffer: params contains duplicates")
         if not isinstance(data_parallel_world_size, int) or data_parallel_world_size < 1:
@@ -364,6 +375,16 @@ class ParamAndGradBuffer:
             raise ValueError(
                 f"data_parallel_group has {_group_size(data_parallel_group)} ranks but "
                 f"data_parallel_world_size={data_parallel_world_size}")
+        if gradient_scaling_factor is not None and not (
+                isinstance(gradient_scaling_factor, (int, float)) and not isinstance(gradient_scaling_factor, bool)
+                and math.isfinite(gradient_scaling_factor)):
+            raise ValueError(f"gradient_scaling_factor must be a finite number or None, got {gradient_scaling_factor!r}")
+        if device is not None:
+            try:
+                device = torch.device(device)
+            except (RuntimeError, TypeError) as exc:
+                raise ValueError(f"ParamAndGradBuffer: device must be a torch.device or a device string, "
+                                 f"got {device!r}") from exc
         devices = {p.device for p in params}
         if device is None:
             if len(devices) != 1:

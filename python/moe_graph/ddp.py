@@ -61,6 +61,20 @@ def _resolve_group(group):
     return group, dist.get_world_size(group)
 
 
+def _check_ddp_args(module, data_parallel_group, expert_data_parallel_group, bucket_size) -> None:
+    """Argument checks of :class:`DistributedDataParallel` (before anything is built)."""
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"DistributedDataParallel: module must be a torch.nn.Module, got {type(module).__name__}")
+    for name, g in (("data_parallel_group", data_parallel_group),
+                    ("expert_data_parallel_group", expert_data_parallel_group)):
+        if g is not None and not isinstance(g, dist.ProcessGroup):
+            raise TypeError(f"DistributedDataParallel: {name} must be None or a torch.distributed ProcessGroup, "
+                            f"got {type(g).__name__}")
+    if bucket_size is not None and (not isinstance(bucket_size, int) or isinstance(bucket_size, bool)
+                                    or bucket_size <= 0):
+        raise ValueError(f"DistributedDataParallel: bucket_size must be a positive int or None, got {bucket_size!r}")
+
+
 class DistributedDataParallel(torch.nn.Module):
     """Wrap ``module`` with contiguous grad buffers, bucketed reductions and grad hooks.
 
@@ -101,6 +115,7 @@ class DistributedDataParallel(torch.nn.Module):
         disable_bucketing: bool = False,
     ):
         super().__init__()
+        _check_ddp_args(module, data_parallel_group, expert_data_parallel_group, bucket_size)
         self.module = module
         self.use_distributed_optimizer = use_distributed_optimizer
         self.overlap_grad_reduce = overlap_grad_reduce

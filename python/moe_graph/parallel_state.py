@@ -74,6 +74,10 @@ DEFAULT_ORDER = "tp-cp-ep-dp-pp"
 # --------------------------------------------------------------------------------------------------
 
 
+def _is_pos_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
 def _prefix_products(sizes: Sequence[int]) -> List[int]:
     """``[1, s0, s0*s1, ...]`` (length ``len(sizes) + 1``): the stride of each axis."""
     out = [1]
@@ -114,6 +118,8 @@ def generate_masked_orthogonal_rank_groups(
     """
     if len(parallel_size) != len(mask):
         raise ValueError(f"parallel_size {list(parallel_size)} and mask {list(mask)} differ in length")
+    if any(not _is_pos_int(v) for v in parallel_size):
+        raise ValueError(f"parallel_size must hold positive ints, got {list(parallel_size)}")
     total = _prefix_products(parallel_size)[-1]
     if total != world_size:
         raise ValueError(
@@ -226,6 +232,8 @@ class RankGenerator:
 
     def coordinates(self, rank: int) -> Dict[str, int]:
         """Axis coordinates of global ``rank``, e.g. ``{"tp": 1, "cp": 0, "ep": 0, "dp": 1, "pp": 0}``."""
+        if not isinstance(rank, int) or isinstance(rank, bool):
+            raise ValueError(f"rank must be an int, got {rank!r}")
         local = rank - self.rank_offset
         if not 0 <= local < self.world_size:
             raise ValueError(
@@ -362,10 +370,22 @@ def build_rank_groups(
     )
     gens = {"dense": dense, "expert": expert}
     out = {kind: gens[gen].get_ranks(token) for kind, gen, token in GROUP_SPECS}
+    for name, fn in (("get_embedding_ranks", get_embedding_ranks),
+                     ("get_position_embedding_ranks", get_position_embedding_ranks)):
+        if fn is not None and not callable(fn):
+            raise ValueError(f"{name} must be None or a function of a pipeline group's ranks, got {fn!r}")
     emb = get_embedding_ranks or default_embedding_ranks
     pos = get_position_embedding_ranks or default_position_embedding_ranks
-    out["embd"] = [list(emb(list(g))) for g in out["pp"]]
-    out["pos_embd"] = [list(pos(list(g))) for g in out["pp"]]
+    for kind, name, fn in (("embd", "get_embedding_ranks", emb), ("pos_embd", "get_position_embedding_ranks", pos)):
+        out[kind] = []
+        for g in out["pp"]:
+            got = fn(list(g))
+            if (not isinstance(got, (list, tuple)) or not got
+                    or any(isinstance(r, bool) or not isinstance(r, int) or r not in g for r in got)
+                    or len(set(got)) != len(got)):
+                raise ValueError(f"{name}({list(g)}) must return a non-empty list of distinct ranks of that "
+                                 f"pipeline group, got {got!r}")
+            out[kind].append(list(got))
     return out
 
 
@@ -422,6 +442,19 @@ def initialize_model_parallel(
     import torch.distributed as dist
 
     global _VIRTUAL_PP_RANK, _VIRTUAL_PP_SIZE
+    for name, v in (("tensor_model_parallel_size", tensor_model_parallel_size),
+                    ("pipeline_model_parallel_size", pipeline_model_parallel_size),
+                    ("context_parallel_size", context_parallel_size),
+                    ("expert_model_parallel_size", expert_model_parallel_size)):
+        if not _is_pos_int(v):
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    if expert_tensor_parallel_size is not None and not _is_pos_int(expert_tensor_parallel_size):
+        raise ValueError(f"expert_tensor_parallel_size must be a positive int or None, got {expert_tensor_parallel_size!r}")
+    t = distributed_timeout_minutes
+    if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0 or t == float("inf")):
+        raise ValueError(f"distributed_timeout_minutes must be None or a finite number > 0, got {t!r}")
+    if backend is not None and not isinstance(backend, str):
+        raise ValueError(f"backend must be None or a backend name such as 'nccl' or 'gloo', got {backend!r}")
     if virtual_pipeline_model_parallel_size is not None:
         v = virtual_pipeline_model_parallel_size
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -545,6 +578,9 @@ def _size(kind) -> int:
 
 def get_rank_groups(kind: str) -> List[int]:
     """Global ranks of this rank's group of ``kind`` (a key of ``GROUP_SPECS`` or embd/pos_embd)."""
+    kinds = [k for k, _, _ in GROUP_SPECS] + ["embd", "pos_embd"]
+    if kind not in kinds:
+        raise ValueError(f"kind must be one of {kinds}, got {kind!r}")
     return _ranks(kind)
 
 
@@ -634,6 +670,8 @@ def get_virtual_pipeline_model_parallel_rank() -> Optional[int]:
 
 def set_virtual_pipeline_model_parallel_rank(rank: Optional[int]) -> None:
     global _VIRTUAL_PP_RANK
+    if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool) or rank < 0):
+        raise ValueError(f"virtual pipeline rank must be None or an int >= 0, got {rank!r}")
     if rank is not None and _VIRTUAL_PP_SIZE is not None and not 0 <= rank < _VIRTUAL_PP_SIZE:
         raise ValueError(f"virtual pipeline rank {rank} outside [0, {_VIRTUAL_PP_SIZE})")
     _VIRTUAL_PP_RANK = rank
@@ -645,6 +683,8 @@ def get_virtual_pipeline_model_parallel_world_size() -> Optional[int]:
 
 def set_virtual_pipeline_model_parallel_world_size(size: Optional[int]) -> None:
     global _VIRTUAL_PP_SIZE
+    if size is not None and not _is_pos_int(size):
+        raise ValueError(f"virtual pipeline world size must be None or a positive int, got {size!r}")
     _VIRTUAL_PP_SIZE = size
 
 
