@@ -372,3 +372,140 @@ def test_selfcheck_main_passes():
     from moe_graph.selfcheck import main
 
     assert main(["--seed", "1"]) == 0
+
+
+# ------------------------------------------------------------------- outputs validated before any write --
+def _wgrad_data(gen, E=3, M=12, K=8, N=8):
+    return torch.randn(M, K, generator=gen), torch.randn(M, N, generator=gen), [4, 3, 5][:E] + [0] * max(0, E - 3)
+
+
+def test_wgrad_out_inference_tensor_rejected_before_any_write(gen):
+    a, dy, splits = _wgrad_data(gen)
+    t0, t1 = torch.randn(8, 8, generator=gen), torch.randn(8, 8, generator=gen)
+    with torch.inference_mode():
+        t2 = torch.zeros(8, 8)
+    before = (t0.clone(), t1.clone())
+    with pytest.raises(RuntimeError, match=r"out\[2\] is an inference tensor"):
+        grouped_gemm_wgrad(a, dy, splits, out=[t0, t1, t2])
+    assert torch.equal(t0, before[0]) and torch.equal(t1, before[1])
+
+
+def test_wgrad_out_requires_grad_rejected_before_any_write(gen):
+    a, dy, splits = _wgrad_data(gen)
+    outs = [torch.randn(8, 8, generator=gen) for _ in range(3)]
+    outs[1].requires_grad_(True)
+    before = [o.detach().clone() for o in outs]
+    with pytest.raises(RuntimeError, match=r"out\[1\] requires grad"):
+        ops.grouped_gemm_wgrad_out(a, dy, torch.tensor(splits), outs, False, None)
+    assert all(torch.equal(o.detach(), b) for o, b in zip(outs, before))
+
+
+@pytest.mark.parametrize("case", ["same_twice", "overlapping_views", "out_is_a", "out_overlaps_dy", "stacked_is_dy"])
+def test_wgrad_out_overlap_rejected(gen, case):
+    a, dy, splits = _wgrad_data(gen)
+    buf = torch.randn(3 * 64 + 8, generator=gen)
+    t = [torch.randn(8, 8, generator=gen) for _ in range(3)]
+    if case == "same_twice":
+        out, match = [t[0], t[1], t[0]], r"out\[(0|2)\] overlaps out\[(0|2)\]"
+    elif case == "overlapping_views":
+        out, match = [buf[:64].view(8, 8), buf[8:72].view(8, 8), t[2]], r"out\[(0|1)\] overlaps out\[(0|1)\]"
+    elif case == "out_is_a":
+        a = torch.randn(64, 1, generator=gen).expand(64, 1).contiguous().view(8, 8)
+        dy = torch.randn(8, 8, generator=gen)
+        out, splits, match = [t[0], a, t[2]], [4, 2, 2], r"out\[1\] overlaps a"
+    elif case == "out_overlaps_dy":
+        dy = buf[: 12 * 8].view(12, 8)
+        out, match = [t[0], buf[64:128].view(8, 8), t[2]], r"out\[1\] overlaps dy"
+    else:
+        big = torch.randn(3 * 8 * 8, generator=gen)
+        dy = big[: 12 * 8].view(12, 8)
+        out, match = big.view(3, 8, 8), r"out overlaps dy"
+    before = [x.clone() for x in (out if isinstance(out, list) else [out])]
+    with pytest.raises(RuntimeError, match=match):
+        grouped_gemm_wgrad(a, dy, splits, out=out, accumulate=True)
+    assert all(torch.equal(x, b) for x, b in zip(out if isinstance(out, list) else [out], before))
+
+
+@pytest.mark.parametrize("case", ["partial_a", "alias_a", "alias_w", "list_w", "bias"])
+def test_forward_out_overlap_rejected(gen, case):
+    K = N = 8
+    buf = torch.randn(11 * K, generator=gen)
+    a = torch.randn(10, K, generator=gen)
+    w = torch.randn(2, N, K, generator=gen)
+    bias = None
+    if case == "partial_a":  # the example: out = buf[:10], a = buf[1:]
+        a, out, match = buf[K:].view(10, K), buf[: 10 * K].view(10, N), r"out overlaps a"
+    elif case == "alias_a":
+        out, match = a, r"out overlaps a"
+    elif case == "alias_w":
+        big = torch.randn(2 * N * K, generator=gen)
+        w, out, match = big.view(2, N, K), big[48 : 48 + 10 * N].view(10, N), r"out overlaps b"
+    elif case == "list_w":
+        big = torch.randn(10 * N, generator=gen)
+        w, out, match = [torch.randn(N, K, generator=gen), big[8:72].view(N, K)], big.view(10, N), r"out overlaps b\[1\]"
+    else:
+        big = torch.randn(10 * N, generator=gen)
+        bias, out, match = big[16:32].view(2, N), big.view(10, N), r"out overlaps bias"
+    before = out.clone()
+    with pytest.raises(RuntimeError, match=match):
+        grouped_gemm(a, w, [4, 6], bias=bias, out=out)
+    assert torch.equal(out, before)
+
+
+def test_forward_out_disjoint_views_of_one_buffer_are_fine(gen):
+    buf = torch.randn(20 * 8, generator=gen)
+    a, out = buf[: 10 * 8].view(10, 8), buf[10 * 8 :].view(10, 8)
+    w = torch.randn(2, 8, 8, generator=gen)
+    ref = ref_grouped_gemm(a.clone(), w, [4, 6]).float()
+    grouped_gemm(a, w, [4, 6], out=out)
+    torch.testing.assert_close(out, ref)
+
+
+def test_forward_out_inference_tensor_rejected():
+    a, w = torch.randn(4, 8), torch.randn(2, 8, 8)
+    with torch.inference_mode():
+        out = torch.full((4, 8), 3.0)
+    with pytest.raises(RuntimeError, match="out is an inference tensor"):
+        grouped_gemm(a, w, [2, 2], out=out)
+    assert torch.all(out == 3.0)
+
+
+# ------------------------------------------------------------------------------ m_splits edge values --
+@pytest.mark.parametrize("splits", [[2**62, 2**62, 5], [2**63 - 1, 1], [3, 2**63 - 1, 2**63 - 1], [-(2**63), 12]])
+def test_huge_splits_clamp_without_int64_overflow(gen, splits):
+    E, K, N, M = len(splits), 8, 8, 10
+    a, w = _data(gen, M, K, N, E, torch.float64)
+    y = grouped_gemm(a, w, torch.tensor(splits, dtype=torch.int64))
+    ref = ref_grouped_gemm(a, w, splits)  # Python ints: exact
+    torch.testing.assert_close(y, ref)
+    dw = grouped_gemm_wgrad(a, y, torch.tensor(splits, dtype=torch.int64))
+    torch.testing.assert_close(dw, ref_wgrad(a, y, splits))
+    db = grouped_bias_grad(y, torch.tensor(splits, dtype=torch.int64))
+    assert db.shape == (E, N)
+    with pytest.raises(RuntimeError, match="m_splits"):
+        check_errors("cpu")
+
+
+@pytest.mark.parametrize(
+    "splits,match,exc",
+    [
+        ([4, 2.5, 4], r"m_splits\[1\] must be an int .*float 2.5", TypeError),
+        ([4, None, 6], r"m_splits\[1\] must be an int .*NoneType", TypeError),
+        ([True, 9], r"m_splits\[0\] must be an int .*bool", TypeError),
+        ([4, 2**64], r"m_splits\[1\] = .* does not fit in int64", ValueError),
+        (None, r"m_splits must be a tensor or a list of ints, got NoneType", TypeError),
+    ],
+)
+def test_bad_python_splits_name_m_splits(gen, splits, match, exc):
+    a, w = _data(gen, 10, 8, 8, 3 if splits is None or len(splits) != 2 else 2, torch.float32)
+    with pytest.raises(exc, match=match):
+        grouped_gemm(a, w, splits)
+    with pytest.raises(exc, match=match):
+        grouped_gemm_wgrad(a, torch.randn(10, 8), splits)
+
+
+def test_integer_like_python_splits_accepted(gen):
+    np = pytest.importorskip("numpy")
+    a, w = _data(gen, 10, 8, 8, 3, torch.float32)
+    y = grouped_gemm(a, w, [np.int64(4), torch.tensor(3), 3])
+    torch.testing.assert_close(y, ref_grouped_gemm(a, w, [4, 3, 3]).float())

@@ -255,3 +255,17 @@ def test_wgrad_and_bias_grad_overflow_stay_in_bounds(gen):
     assert torch.isfinite(db).all()
     with pytest.raises(RuntimeError, match="exceeded the rows"):
         check_errors()
+
+
+def test_overlapping_outputs_rejected_on_cuda(gen):
+    buf = torch.randn(11 * 64, device=DEV).bfloat16()
+    w = torch.randn(2, 64, 64, device=DEV).bfloat16()
+    before = buf.clone()
+    with pytest.raises(RuntimeError, match="out overlaps a"):
+        grouped_gemm(buf[64:].view(10, 64), w, torch.tensor([4, 6], device=DEV), out=buf[: 640].view(10, 64))
+    a, dy = torch.randn(16, 64, device=DEV).bfloat16(), torch.randn(16, 64, device=DEV).bfloat16()
+    t = torch.zeros(64, 64, device=DEV)
+    with pytest.raises(RuntimeError, match=r"out\[(0|1)\] overlaps out\[(0|1)\]"):
+        grouped_gemm_wgrad(a, dy, torch.tensor([8, 8], device=DEV), out=[t, t], accumulate=True)
+    torch.cuda.synchronize()
+    assert torch.equal(buf, before) and torch.all(t == 0)

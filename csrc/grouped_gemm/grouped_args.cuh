@@ -2,9 +2,8 @@
 // number of experts, in chunks of the block size) and writes, for every expert, its problem size, operand
 // pointers and strides. No host involvement, so it runs inside CUDA graphs.
 //
-// Clamping rule (shared with the CPU reference): negative counts count as 0 (kErrNegativeSplit); expert e covers
-// rows [min(start_e, rows), min(start_e + m_e, rows)) (kErrSplitsOverflow when that cuts rows off). `offsets`
-// receives the clamped row starts of the E experts and, at [E], the clamped total.
+// Clamping rule: grouped_spans.h (shared with the CPU implementation). `offsets` receives the clamped row starts
+// of the E experts and, at [E], the clamped total.
 #pragma once
 
 #include <cub/block/block_scan.cuh>
@@ -12,6 +11,7 @@
 #include <cutlass/util/packed_stride.hpp>
 
 #include "common/error_flag.h"
+#include "grouped_gemm/grouped_spans.h"
 
 namespace moe_graph {
 namespace gg {
@@ -33,24 +33,21 @@ __device__ __forceinline__ void for_each_expert_span(const void* splits, bool is
     const int e = base + threadIdx.x;
     int64_t m = 0;
     if (e < num_experts) {
-      m = is_int64 ? static_cast<const int64_t*>(splits)[e] : static_cast<const int32_t*>(splits)[e];
-      if (m < 0) {
-        err |= kErrNegativeSplit;
-        m = 0;
-      }
+      const int64_t raw = is_int64 ? static_cast<const int64_t*>(splits)[e] : static_cast<const int32_t*>(splits)[e];
+      bool negative;
+      m = clamp_split(raw, rows, &negative);
+      if (negative) err |= kErrNegativeSplit;
     }
     int64_t prefix, chunk_total;
     Scan(temp).ExclusiveSum(m, prefix, chunk_total);
     const int64_t carry = carry_smem;
     __syncthreads();  // everyone read carry and finished with temp storage
     if (e < num_experts) {
-      const int64_t begin = carry + prefix;
-      const int64_t start = begin < rows ? begin : rows;
-      const int64_t end_raw = begin + m;
-      const int64_t end = end_raw < rows ? end_raw : rows;
-      if (end_raw > rows && m > 0) err |= kErrSplitsOverflow;
-      if (offsets != nullptr) offsets[e] = start;
-      fn(e, start, end - start);
+      bool cut;
+      const ExpertSpan span = expert_span(carry + prefix, m, rows, &cut);
+      if (cut) err |= kErrSplitsOverflow;
+      if (offsets != nullptr) offsets[e] = span.start;
+      fn(e, span.start, span.count);
     }
     if (threadIdx.x == 0) carry_smem = carry + chunk_total;
     __syncthreads();

@@ -4,12 +4,14 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <mutex>
 #include <vector>
 
 #include "common/error_flag.h"
 #include "common/error_flag_torch.h"
 #include "common/torch_checks.h"
+#include "grouped_gemm/grouped_spans.h"
 
 #ifdef MOE_GRAPH_WITH_CUDA
 #include <c10/cuda/CUDAGuard.h>
@@ -192,7 +194,7 @@ void check_mask(const std::optional<at::Tensor>& mask, const WgradShape& s, cons
 
 // ------------------------------------------------------------------------------------------- CPU semantics --
 
-// Clamped spans of the experts (the rule of grouped_args.cuh): starts[e], counts[e]; sets the host error flag.
+// Clamped spans of the experts (the rule of grouped_spans.h): starts[e], counts[e]; sets the host error flag.
 void cpu_spans(const at::Tensor& m_splits, int64_t rows, std::vector<int64_t>& starts, std::vector<int64_t>& counts) {
   auto sp = m_splits.to(at::kLong);
   const int64_t* p = sp.data_ptr<int64_t>();
@@ -200,19 +202,16 @@ void cpu_spans(const at::Tensor& m_splits, int64_t rows, std::vector<int64_t>& s
   starts.assign(e, 0);
   counts.assign(e, 0);
   int32_t err = 0;
-  int64_t begin = 0;
+  int64_t begin = 0;  // saturates at rows + 1 (later experts are all past the buffer): no int64 overflow
   for (int64_t i = 0; i < e; ++i) {
-    int64_t m = p[i];
-    if (m < 0) {
-      err |= kErrNegativeSplit;
-      m = 0;
-    }
-    const int64_t start = std::min(begin, rows);
-    const int64_t end = std::min(begin + m, rows);
-    if (begin + m > rows && m > 0) err |= kErrSplitsOverflow;
-    starts[i] = start;
-    counts[i] = end - start;
-    begin += m;
+    bool negative, cut;
+    const int64_t m = gg::clamp_split(p[i], rows, &negative);
+    const gg::ExpertSpan span = gg::expert_span(begin, m, rows, &cut);
+    if (negative) err |= kErrNegativeSplit;
+    if (cut) err |= kErrSplitsOverflow;
+    starts[i] = span.start;
+    counts[i] = span.count;
+    begin = std::min(begin + m, rows + 1);
   }
   if (err) set_host_error(error_flag_ptr(at::Device(at::kCPU)), err);
 }
@@ -292,7 +291,13 @@ at::Tensor forward_op(const at::Tensor& a, at::TensorList b, const at::Tensor& m
 template <ForwardInto Into>
 void forward_out_op(const at::Tensor& a, at::TensorList b, const at::Tensor& m_splits, bool trans_b,
                     const std::optional<at::Tensor>& bias, const at::Tensor& out) {
-  const auto s = check_forward("grouped_gemm", a, b, m_splits, trans_b, bias, &out);
+  const char* op = "grouped_gemm";
+  const auto s = check_forward(op, a, b, m_splits, trans_b, bias, &out);
+  check_writable(out, op, "out");
+  std::vector<MemOperand> mem{{"a", a, false}, {"m_splits", m_splits, false}, {"out", out, true}};
+  for (size_t e = 0; e < b.size(); ++e) mem.push_back({b.size() == 1 ? "b" : "b[" + std::to_string(e) + "]", b[e], false});
+  if (bias.has_value() && bias->defined()) mem.push_back({"bias", *bias, false});
+  check_outputs_disjoint(mem, op);
   Into(a, b, m_splits, trans_b, bias, out, s);
 }
 
@@ -315,6 +320,17 @@ void wgrad_out_op(const at::Tensor& a, const at::Tensor& dy, const at::Tensor& m
   const auto s = check_wgrad(op, a, dy, m_splits);
   check_wgrad_out(op, out, s, a);
   check_mask(accumulate_mask, s, a, op);
+  // every output is validated before anything is written: writable, and disjoint from the inputs and each other
+  const bool stacked = out.size() == 1 && out[0].dim() == 3;
+  std::vector<MemOperand> mem{{"a", a, false}, {"dy", dy, false}, {"m_splits", m_splits, false}};
+  if (accumulate_mask.has_value() && accumulate_mask->defined())
+    mem.push_back({"accumulate_mask", *accumulate_mask, false});
+  for (size_t e = 0; e < out.size(); ++e) {
+    std::string name = stacked ? "out" : "out[" + std::to_string(e) + "]";
+    check_writable(out[e], op, name.c_str());
+    mem.push_back({std::move(name), out[e], true});
+  }
+  check_outputs_disjoint(mem, op);
   Into(a, dy, m_splits, out, accumulate, accumulate_mask, s);
 }
 

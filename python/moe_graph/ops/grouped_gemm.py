@@ -8,6 +8,7 @@ those output rows are zero. A sum larger than the buffer sets the device error f
 
 from __future__ import annotations
 
+import operator
 from typing import List, Optional, Sequence, Union
 
 import torch
@@ -49,6 +50,24 @@ def _(dy, m_splits):
 
 
 # ---------------------------------------------------------------------------------------------- utilities --
+def _split_ints(m_splits) -> List[int]:
+    """The entries of a list/tuple m_splits as Python ints: ints (and numpy / 0-d integer tensor ints) only; a
+    float, bool or None is an error (never silently truncated)."""
+    vals = []
+    for i, x in enumerate(m_splits):
+        if isinstance(x, bool) or (isinstance(x, torch.Tensor) and x.dtype == torch.bool):
+            raise TypeError(f"m_splits[{i}] must be an int (a token count), got bool {x!r}")
+        try:
+            v = operator.index(x)
+        except TypeError:
+            raise TypeError(
+                f"m_splits[{i}] must be an int (a token count), got {type(x).__name__} {x!r}") from None
+        if not -(2**63) <= v < 2**63:
+            raise ValueError(f"m_splits[{i}] = {v} does not fit in int64")
+        vals.append(v)
+    return vals
+
+
 def _as_splits(m_splits, device: torch.device) -> torch.Tensor:
     """A device tensor is used as is (no copy, no sync). A list/tuple (TransformerEngine's API) is copied to
     ``device`` from pinned memory without blocking the host; it cannot be captured in a CUDA graph (its values
@@ -56,7 +75,7 @@ def _as_splits(m_splits, device: torch.device) -> torch.Tensor:
     if isinstance(m_splits, torch.Tensor):
         return m_splits
     if isinstance(m_splits, (list, tuple)):
-        host = torch.tensor([int(x) for x in m_splits], dtype=torch.int64)
+        host = torch.tensor(_split_ints(m_splits), dtype=torch.int64)
         if device.type != "cuda":
             return host.to(device)
         if torch.cuda.is_current_stream_capturing():
