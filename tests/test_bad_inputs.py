@@ -1,0 +1,373 @@
+"""Bad inputs at every public entry point, and the outcome each must give (issue 12).
+
+One table: each row names the entry point, the bad input, how it is called, and the outcome:
+
+* an exception type and a regex its message must match (the message names the argument and what was expected);
+* ``FLAG``: a condition only the device can see. The call returns without a sync; the kernel sets a bit in the
+  device error flag and the explicit ``moe_graph.check_errors()`` raises ``RuntimeError`` naming it;
+* ``EXIT``: a command line: ``SystemExit(2)`` with an argparse message naming the flag (on stderr).
+
+Stateful entry points (``load_state_dict``) are also checked to leave the live state unchanged (test_optimizer.py
+and test_grouped_linear.py hold those checks with the state compared bit for bit).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable, NamedTuple
+
+import pytest
+import torch
+
+FLAG = "device flag"
+EXIT = "exit 2"
+
+
+class Row(NamedTuple):
+    entry: str  # the public entry point
+    bad: str  # the bad input, in words
+    call: Callable[[], Any]
+    outcome: Any  # an exception type, FLAG or EXIT
+    match: str  # regex on the message (for EXIT: on stderr)
+
+
+# ------------------------------------------------------------------------------------------------ helpers --
+def _gg(*args, **kw):
+    from moe_graph.ops.grouped_gemm import grouped_gemm
+
+    return grouped_gemm(*args, **kw)
+
+
+def _wgrad(*args, **kw):
+    from moe_graph.ops.grouped_gemm import grouped_gemm_wgrad
+
+    return grouped_gemm_wgrad(*args, **kw)
+
+
+def _bias_grad(*args, **kw):
+    from moe_graph.ops.grouped_gemm import grouped_bias_grad
+
+    return grouped_bias_grad(*args, **kw)
+
+
+def _gl(*args, **kw):
+    from moe_graph.grouped_linear import GroupedLinear
+
+    kw.setdefault("device", "cpu")
+    return GroupedLinear(*args, **kw)
+
+
+def _gl_forward(x, m_splits):
+    layer = _gl(2, 4, 3, params_dtype=torch.float32)
+    return layer(x, m_splits)
+
+
+def _a(m=6, k=4):
+    return torch.randn(m, k)
+
+
+def _w(e=2, n=3, k=4):
+    return torch.randn(e, n, k)
+
+
+def _ddp(module=None, **kw):
+    from moe_graph.ddp import DistributedDataParallel
+
+    return DistributedDataParallel(module if module is not None else torch.nn.Linear(4, 3), **kw)
+
+
+def _opt(**kw):
+    from moe_graph.optimizer import DistributedOptimizer
+
+    model = kw.pop("model", None)
+    if model is None:
+        model = _ddp(use_distributed_optimizer=True)
+    return DistributedOptimizer(model, **kw)
+
+
+def _load(state, **kw):
+    return _opt(lr=1e-3).load_state_dict(state, **kw)
+
+
+def _saved():
+    return _opt(lr=1e-3).state_dict()
+
+
+def _buffer(params, dp=1, **kw):
+    from moe_graph.buffers import ParamAndGradBuffer
+
+    return ParamAndGradBuffer(params, dp, **kw)
+
+
+def _params(*numels):
+    return [torch.nn.Parameter(torch.randn(n)) for n in numels]
+
+
+def _ps():
+    from moe_graph import parallel_state
+
+    return parallel_state
+
+
+def _planner():
+    from moe_graph import planner
+
+    return planner
+
+
+def _pipeline():
+    from moe_graph import pipeline
+
+    return pipeline
+
+
+def _graph(*args, **kw):
+    import warnings
+
+    from moe_graph.graph import FullIterationGraph
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "running eagerly" without CUDA
+        return FullIterationGraph(*args, **kw)
+
+
+def _counts(r=2, e=4):
+    return torch.tensor([[3, 1, 0, 2], [0, 5, 1, 1]])[:r, :e]
+
+
+# --------------------------------------------------------------------------------------------------- table --
+ROWS = [
+    # ---- grouped GEMM ops (moe_graph.ops.grouped_gemm) ----
+    Row("grouped_gemm", "m_splits neither tensor nor list", lambda: _gg(_a(), _w(), "2,4"), TypeError,
+        r"m_splits must be a tensor or a list of ints, got str"),
+    Row("grouped_gemm", "b neither tensor nor list of tensors", lambda: _gg(_a(), [1, 2], [2, 4]), TypeError,
+        r"b must be a tensor or a list of tensors"),
+    Row("grouped_gemm", "out= with autograd", lambda: _gg(_a().requires_grad_(), _w(), [2, 4], out=torch.empty(6, 3)),
+        RuntimeError, r"out= does not support autograd"),
+    Row("grouped_gemm", "sum(m_splits) past the rows of a (device tensor)",
+        lambda: _gg(_a(), _w(), torch.tensor([4, 4])), FLAG, r"sum\(m_splits\) exceeded the rows"),
+    Row("grouped_gemm", "negative m_splits entry (device tensor)", lambda: _gg(_a(), _w(), torch.tensor([-1, 4])),
+        FLAG, r"m_splits contained a negative count"),
+    Row("grouped_gemm_wgrad", "accumulate without out=", lambda: _wgrad(_a(), torch.randn(6, 3), [2, 4], accumulate=True),
+        ValueError, r"accumulate needs out="),
+    Row("grouped_gemm_wgrad", "out= with autograd",
+        lambda: _wgrad(_a().requires_grad_(), torch.randn(6, 3), [2, 4], out=torch.empty(2, 3, 4)), RuntimeError,
+        r"out= does not support autograd"),
+    Row("grouped_bias_grad", "m_splits neither tensor nor list", lambda: _bias_grad(torch.randn(6, 3), None),
+        TypeError, r"m_splits must be a tensor or a list of ints, got NoneType"),
+    # ---- GroupedLinear ----
+    Row("GroupedLinear", "num_gemms=0", lambda: _gl(0, 4, 3), ValueError, r"num_gemms must be an int >= 1, got 0"),
+    Row("GroupedLinear", "in_features=0", lambda: _gl(2, 0, 3), ValueError, r"in_features must be an int >= 1, got 0"),
+    Row("GroupedLinear", "tp_size=0", lambda: _gl(2, 4, 3, tp_size=0), ValueError, r"tp_size must be an int >= 1, got 0"),
+    Row("GroupedLinear.forward", "input of the wrong width", lambda: _gl_forward(torch.randn(5, 5), [2, 3]), ValueError,
+        r"inp must have last dimension in_features=4, got shape \(5, 5\)"),
+    Row("GroupedLinear.forward", "m_splits of the wrong length", lambda: _gl_forward(torch.randn(5, 4), [2, 3, 0]),
+        ValueError, r"m_splits must have 2 entries, got 3"),
+    Row("GroupedLinear.load_state_dict", "missing keys", lambda: _gl(2, 4, 3).load_state_dict({}), RuntimeError,
+        r"Missing key\(s\) in state_dict: \"weight0\""),
+    Row("GroupedLinear", "parallel_mode not column/row", lambda: _gl(2, 4, 3, parallel_mode="diagonal"),
+        ValueError, r"parallel_mode"),
+    Row("GroupedLinear", "userbuffers overlap", lambda: _gl(2, 4, 3, ub_overlap_rs=True), NotImplementedError,
+        r"ub_overlap"),
+    # ---- echo planner (moe_graph.planner) ----
+    Row("planner.gen_offloading_plan", "counts not a tensor",
+        lambda: _planner().gen_offloading_plan(torch.zeros(3, 4, dtype=torch.bool), torch.ones(3, 4), [[1, 2]], 0, 2),
+        TypeError, r"counts must be a torch.Tensor \[R, E\]"),
+    Row("planner.gen_plan", "counts 1-D", lambda: _planner().gen_plan(torch.tensor([1, 2, 3, 4])), ValueError,
+        r"counts must be a 2-D tensor \[R, E\]"),
+    Row("planner.gen_plan", "float counts", lambda: _planner().gen_plan(_counts().float()), TypeError,
+        r"counts must have an integer dtype, got torch.float32"),
+    Row("planner.gen_plan", "no spare slot", lambda: _planner().gen_plan(_counts(), num_spare_experts_per_ep_rank=0),
+        ValueError, r"num_spare_experts_per_ep_rank must be >= 1, got 0"),
+    Row("planner.gen_plan", "experts not divisible by ranks", lambda: _planner().gen_plan(_counts(2, 3)), ValueError,
+        r"the number of experts E=3 must be divisible by the number of EP ranks R=2"),
+    Row("planner.gen_plan", "unknown assignment", lambda: _planner().gen_plan(_counts(), assignment="optimal"),
+        ValueError, r"assignment must be one of"),
+    # ---- parallel_state ----
+    Row("parallel_state.initialize_model_parallel", "tensor_model_parallel_size=0",
+        lambda: _ps().initialize_model_parallel(0), ValueError, r"tensor_model_parallel_size must be a positive int, got 0"),
+    Row("parallel_state.initialize_model_parallel", "negative timeout",
+        lambda: _ps().initialize_model_parallel(distributed_timeout_minutes=-1), ValueError,
+        r"distributed_timeout_minutes must be None or a finite number > 0"),
+    Row("parallel_state.initialize_model_parallel", "virtual pipeline without pp",
+        lambda: _ps().initialize_model_parallel(1, 1, virtual_pipeline_model_parallel_size=2), ValueError,
+        r"needs pipeline_model_parallel_size > 1"),
+    Row("parallel_state.initialize_model_parallel", "before init_process_group",
+        lambda: _ps().initialize_model_parallel(), RuntimeError, r"needs torch.distributed.init_process_group\(\) first"),
+    Row("parallel_state.get_tensor_model_parallel_rank", "before initialize_model_parallel",
+        lambda: _ps().get_tensor_model_parallel_rank(), RuntimeError, r"not initialized; call initialize_model_parallel"),
+    Row("parallel_state.get_rank_groups", "unknown kind", lambda: _ps().get_rank_groups("zz"), ValueError,
+        r"kind must be one of \['dp_cp'"),
+    Row("parallel_state.build_rank_groups", "world size not divisible", lambda: _ps().build_rank_groups(8, 3),
+        ValueError, r"world_size 8 is not divisible by tp\*pp\*cp = 3\*1\*1 = 3"),
+    Row("parallel_state.build_rank_groups", "embedding ranks outside the pipeline group",
+        lambda: _ps().build_rank_groups(8, 1, 2, get_embedding_ranks=lambda r: [99]), ValueError,
+        r"get_embedding_ranks\(\[0, 4\]\) must return a non-empty list of distinct ranks of that pipeline group"),
+    Row("parallel_state.build_rank_groups", "get_embedding_ranks not callable",
+        lambda: _ps().build_rank_groups(8, 1, 2, get_embedding_ranks=5), ValueError,
+        r"get_embedding_ranks must be None or a function"),
+    Row("parallel_state.make_rank_generators", "float size", lambda: _ps().make_rank_generators(8, 2.0), ValueError,
+        r"tensor_model_parallel_size must be a positive int, got 2.0"),
+    Row("parallel_state.RankGenerator", "repeated axis in order",
+        lambda: _ps().RankGenerator(1, 1, 1, 1, 1, order="tp-tp"), ValueError, r"axis \['tp'\] repeated in order"),
+    Row("parallel_state.RankGenerator.coordinates", "rank not an int",
+        lambda: _ps().RankGenerator(1, 1, 1, 1, 1).coordinates("a"), ValueError, r"rank must be an int, got 'a'"),
+    Row("parallel_state.generate_masked_orthogonal_rank_groups", "negative sizes",
+        lambda: _ps().generate_masked_orthogonal_rank_groups(4, [-2, -2], [True, False]), ValueError,
+        r"parallel_size must hold positive ints"),
+    Row("parallel_state.set_virtual_pipeline_model_parallel_rank", "negative rank",
+        lambda: _ps().set_virtual_pipeline_model_parallel_rank(-1), ValueError,
+        r"virtual pipeline rank must be None or an int >= 0, got -1"),
+    Row("parallel_state.set_virtual_pipeline_model_parallel_world_size", "size 0",
+        lambda: _ps().set_virtual_pipeline_model_parallel_world_size(0), ValueError,
+        r"virtual pipeline world size must be None or a positive int, got 0"),
+    Row("python -m moe_graph.parallel_state", "--world-size 0", lambda: _ps().main(["--world-size", "0"]), EXIT,
+        r"world_size must be a positive int, got 0"),
+    Row("python -m moe_graph.parallel_state", "--tp not an int", lambda: _ps().main(["--world-size", "8", "--tp", "x"]),
+        EXIT, r"argument --tp: invalid int value: 'x'"),
+    # ---- buffers ----
+    Row("ParamAndGradBuffer", "params=None", lambda: _buffer(None), TypeError,
+        r"params must be a list of parameters, got NoneType"),
+    Row("ParamAndGradBuffer", "empty params", lambda: _buffer([]), ValueError, r"params is empty"),
+    Row("ParamAndGradBuffer", "an int in params", lambda: _buffer([1]), TypeError,
+        r"params\[0\] must be a floating-point parameter, got int"),
+    Row("ParamAndGradBuffer", "an integer tensor in params",
+        lambda: _buffer([torch.nn.Parameter(torch.ones(3, dtype=torch.int64), requires_grad=False)]), TypeError,
+        r"params\[0\] must be a floating-point parameter, got a torch.int64 tensor"),
+    Row("ParamAndGradBuffer", "duplicate params", lambda: _buffer(_params(3) * 2), ValueError, r"duplicates"),
+    Row("ParamAndGradBuffer", "data_parallel_world_size=0", lambda: _buffer(_params(3), 0), ValueError,
+        r"data_parallel_world_size must be an int >= 1, got 0"),
+    Row("ParamAndGradBuffer", "fractional bucket_size", lambda: _buffer(_params(3, 4), bucket_size=1.5), ValueError,
+        r"bucket_size must be a positive int or None, got 1.5"),
+    Row("ParamAndGradBuffer", "unknown device", lambda: _buffer(_params(3), device="bogus"), ValueError,
+        r"device must be a torch.device or a device string, got 'bogus'"),
+    Row("ParamAndGradBuffer", "gradient_scaling_factor not a number",
+        lambda: _buffer(_params(3), gradient_scaling_factor="x"), ValueError,
+        r"gradient_scaling_factor must be a finite number or None"),
+    Row("ParamAndGradBuffer", "mixed dtypes",
+        lambda: _buffer([torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))]),
+        ValueError, r"params must share one \(param_dtype, grad_dtype\)"),
+    # ---- DistributedDataParallel ----
+    Row("DistributedDataParallel", "module a tensor", lambda: _ddp(torch.randn(3)), TypeError,
+        r"module must be a torch.nn.Module, got Tensor"),
+    Row("DistributedDataParallel", "data_parallel_group not a group", lambda: _ddp(data_parallel_group="dp"), TypeError,
+        r"data_parallel_group must be None or a torch.distributed ProcessGroup, got str"),
+    Row("DistributedDataParallel", "bucket_size not an int",
+        lambda: _ddp(overlap_grad_reduce=True, bucket_size="big"), ValueError,
+        r"bucket_size must be a positive int or None, got 'big'"),
+    Row("DistributedDataParallel", "no trainable parameter",
+        lambda: _ddp(torch.nn.Linear(2, 2).requires_grad_(False)), ValueError,
+        r"module has no parameter with requires_grad=True"),
+    # ---- DistributedOptimizer and loss scalers ----
+    Row("DistributedOptimizer", "model without use_distributed_optimizer", lambda: _opt(model=_ddp()), ValueError,
+        r"use_distributed_optimizer=True"),
+    Row("DistributedOptimizer", "model list with a non-DDP entry", lambda: _opt(model=[_ddp(use_distributed_optimizer=True), None]),
+        ValueError, r"model\[1\] must be a DistributedDataParallel"),
+    Row("DistributedOptimizer", "fp64 params",
+        lambda: _opt(model=_ddp(torch.nn.Linear(2, 2).double(), use_distributed_optimizer=True)), NotImplementedError,
+        r"parameters of dtype torch.float64 are not supported .*supported parameter dtypes: torch.float32"),
+    Row("DistributedOptimizer", "negative lr", lambda: _opt(lr=-1.0), ValueError, r"lr must be a finite number >= 0"),
+    Row("DistributedOptimizer", "nan lr", lambda: _opt(lr=float("nan")), ValueError, r"lr must be a finite number"),
+    Row("DistributedOptimizer", "betas not a pair", lambda: _opt(betas=0.9), ValueError,
+        r"betas must be a pair \(beta1, beta2\) of numbers in \[0, 1\)"),
+    Row("DistributedOptimizer", "beta1 = 1", lambda: _opt(betas=(1.0, 0.9)), ValueError, r"betas must be a pair"),
+    Row("DistributedOptimizer", "negative eps", lambda: _opt(eps=-1e-8), ValueError, r"eps must be a finite number >= 0"),
+    Row("DistributedOptimizer", "nan weight_decay", lambda: _opt(weight_decay=float("nan")), ValueError,
+        r"weight_decay must be a finite number >= 0"),
+    Row("DistributedOptimizer", "negative clip_grad", lambda: _opt(clip_grad=-1.0), ValueError,
+        r"clip_grad must be a finite number >= 0 \(0: no clipping\)"),
+    Row("DistributedOptimizer", "adamw not a bool", lambda: _opt(adamw="no"), ValueError, r"adamw must be a bool"),
+    Row("DistributedOptimizer", "unknown impl", lambda: _opt(impl="apex"), ValueError, r"impl must be 'auto'"),
+    Row("DistributedOptimizer", "loss_scaler a number", lambda: _opt(loss_scaler=1024.0), ValueError,
+        r"loss_scaler must be None, a ConstantLossScaler or a DynamicLossScaler"),
+    Row("DistributedOptimizer", "no_weight_decay_params not of the model",
+        lambda: _opt(no_weight_decay_params=_params(3)), ValueError,
+        r"no_weight_decay_params\[0\] is not a trainable parameter of the model"),
+    Row("DistributedOptimizer", "negative tensor_model_parallel_rank", lambda: _opt(tensor_model_parallel_rank=-1),
+        ValueError, r"tensor_model_parallel_rank must be None or an int >= 0"),
+    Row("DistributedOptimizer", "model_parallel_group not a group", lambda: _opt(model_parallel_group="mp"), ValueError,
+        r"model_parallel_group must be 'auto', None or a torch.distributed ProcessGroup"),
+    Row("DistributedOptimizer.set_lr", "nan", lambda: _opt().set_lr(float("nan")), ValueError,
+        r"set_lr: lr must be a finite number >= 0"),
+    Row("DistributedOptimizer.beta2", "set to 1", lambda: setattr(_opt(), "beta2", 1.0), ValueError,
+        r"betas must be a pair"),
+    Row("DistributedOptimizer.load_state_dict", "None", lambda: _load(None), ValueError,
+        r"state must be the dict returned by state_dict\(\) or a list of them .*got NoneType"),
+    Row("DistributedOptimizer.load_state_dict", "a file name", lambda: _load("ckpt.pt"), ValueError,
+        r"state must be .*got str"),
+    Row("DistributedOptimizer.load_state_dict", "an empty list", lambda: _load([]), ValueError, r"no shard given"),
+    Row("DistributedOptimizer.load_state_dict", "another format", lambda: _load({"format": "torch.optim"}), ValueError,
+        r"unknown checkpoint format 'torch.optim'"),
+    Row("DistributedOptimizer.load_state_dict", "a fractional step",
+        lambda: _load({**_saved(), "step": 2.5}, verify_checksum=False), ValueError, r"'step' must be a whole number"),
+    Row("DistributedOptimizer.load_state_dict", "a piece of the wrong size",
+        lambda: _load((lambda sd: {**sd, "shard": {**sd["shard"], "bias": {**sd["shard"]["bias"], "exp_avg": torch.zeros(2)}}})(_saved()),
+                      verify_checksum=False), ValueError, r"'exp_avg' must be a 1-D torch.float32 tensor of 3 elements"),
+    Row("DistributedOptimizer.load_state_dict", "a piece with range None",
+        lambda: _load((lambda sd: {**sd, "shard": {**sd["shard"], "bias": {**sd["shard"]["bias"], "range": None}}})(_saved()),
+                      verify_checksum=False), ValueError, r"'range' must be \(start, end\)"),
+    Row("DistributedOptimizer.load_state_dict", "hyper-parameters without eps",
+        lambda: _load((lambda sd: {**sd, "hyper": {k: v for k, v in sd["hyper"].items() if k != "eps"}})(_saved()),
+                      verify_checksum=False), ValueError, r"'hyper' must be a dict with keys"),
+    Row("DistributedOptimizer.load_state_dict", "an edited (checksum-failing) state",
+        lambda: _load({**_saved(), "lr": torch.tensor(0.5)}), ValueError, r"fails its checksum"),
+    Row("ConstantLossScaler", "scale 0", lambda: __import__("moe_graph.optimizer").optimizer.ConstantLossScaler(0.0),
+        ValueError, r"scale must be a finite number > 0"),
+    Row("DynamicLossScaler", "min_scale above initial_scale",
+        lambda: __import__("moe_graph.optimizer").optimizer.DynamicLossScaler(initial_scale=1.0, min_scale=4.0),
+        ValueError, r"min_scale \(4.0\) must not exceed initial_scale \(1.0\)"),
+    Row("DynamicLossScaler", "fractional growth_interval",
+        lambda: __import__("moe_graph.optimizer").optimizer.DynamicLossScaler(growth_interval=1.5), ValueError,
+        r"growth_interval must be an int >= 1, got 1.5"),
+    # ---- pipeline schedules ----
+    Row("pipeline.num_warmup_microbatches", "num_microbatches=0", lambda: _pipeline().num_warmup_microbatches(0, 2, 0),
+        ValueError, r"num_microbatches must be an int >= 1, got 0"),
+    Row("pipeline.num_warmup_microbatches", "pp_rank past pp_size",
+        lambda: _pipeline().num_warmup_microbatches(4, 2, 5), ValueError, r"pp_rank 5 out of range for pp_size 2"),
+    Row("pipeline.schedule_order", "interleaving without pipeline stages",
+        lambda: _pipeline().schedule_order(4, 1, 0, vpp_size=2), ValueError, r"vpp_size=2 \(interleaved schedule\) needs pp_size > 1"),
+    Row("pipeline.chunk_layer_ids", "layers not divisible by stages", lambda: _pipeline().chunk_layer_ids(5, 2, 0),
+        ValueError, r"num_layers=5 is not divisible by pp_size\*vpp_size = 2\*1 = 2"),
+    # ---- FullIterationGraph ----
+    Row("FullIterationGraph", "train_fn not callable", lambda: _graph(5), TypeError, r"train_fn must be callable, got int"),
+    Row("FullIterationGraph", "warmup_steps=0", lambda: _graph(lambda: None, warmup_steps=0), ValueError,
+        r"warmup_steps must be >= 1"),
+    Row("FullIterationGraph", "unknown capture_error_mode", lambda: _graph(lambda: None, capture_error_mode="loose"),
+        ValueError, r"capture_error_mode must be 'global', 'thread_local' or 'relaxed'"),
+    # ---- demo command line (choices checked by argparse) ----
+    Row("python -m moe_graph.demo", "--router unknown", lambda: __import__("moe_graph.demo").demo.main(["--router", "x"]),
+        EXIT, r"argument --router: invalid choice: 'x'"),
+    Row("python -m moe_graph.demo", "--steps not an int", lambda: __import__("moe_graph.demo").demo.main(["--steps", "1e3"]),
+        EXIT, r"argument --steps: invalid int value: '1e3'"),
+]
+
+
+def _id(row: Row) -> str:
+    return re.sub(r"\W+", "_", f"{row.entry}-{row.bad}").strip("_")
+
+
+def test_every_entry_point_family_has_rows():
+    families = {"grouped_gemm", "GroupedLinear", "planner", "parallel_state", "ParamAndGradBuffer",
+                "DistributedDataParallel", "DistributedOptimizer", "pipeline", "FullIterationGraph", "demo"}
+    assert all(any(f in r.entry for r in ROWS) for f in families)
+    assert len({_id(r) for r in ROWS}) == len(ROWS)
+
+
+@pytest.mark.parametrize("row", ROWS, ids=_id)
+def test_bad_input(row: Row, capsys):
+    if row.outcome is FLAG:
+        from moe_graph.ops.errors import check_errors, read_error_flag
+
+        read_error_flag("cpu")  # start clean
+        row.call()  # returns: the condition is only known on the device
+        with pytest.raises(RuntimeError, match=row.match):
+            check_errors("cpu")
+        check_errors("cpu")  # reading cleared it
+    elif row.outcome is EXIT:
+        with pytest.raises(SystemExit) as exc:
+            row.call()
+        assert exc.value.code == 2
+        assert re.search(row.match, capsys.readouterr().err), row
+    else:
+        with pytest.raises(row.outcome, match=row.match):
+            row.call()
