@@ -113,6 +113,58 @@ def test_capacity_drops_match_reference_and_are_counted(gen, policy):
     assert layer.dispatcher.check_drops() == T * K - cap
 
 
+def test_statistics_are_buffers_written_in_place(gen):
+    # last_* are device buffers written in place: references taken once (e.g. by a reader set up before a graph
+    # was captured) see every later forward; values match the router written out independently.
+    layer = _layer(aux=0.05, E=6, K=2)
+    layer.z_loss_coeff = 0.01
+    stats = layer.statistics()
+    assert set(stats) == {"dropped_routes", "tokens_per_expert", "load_before", "load_after", "m_splits",
+                          "aux_loss", "z_loss"}
+    assert stats["tokens_per_expert"] is layer.last_tokens_per_expert
+    assert {n for n, _ in layer.named_buffers()} >= {"last_aux_loss", "last_z_loss", "last_load_before",
+                                                      "last_load_after", "last_tokens_per_expert", "last_m_splits"}
+    assert not any(k.startswith("last_") for k in layer.state_dict())  # statistics are not checkpoint state
+    for step in range(3):
+        x = torch.randn(10 + step, 8, generator=gen, dtype=DT)
+        layer(x).sum().backward()
+        now = layer.statistics()
+        assert all(now[k] is stats[k] for k in stats), "a statistic was replaced instead of written in place"
+        idx, _, scores = reference_route(x, layer.router.weight.detach(), 2, "softmax")
+        counts = torch.bincount(idx.reshape(-1), minlength=6)
+        assert stats["tokens_per_expert"].tolist() == counts.tolist()
+        assert stats["load_before"].tolist() == stats["load_after"].tolist() == [2 * x.shape[0]]
+        assert stats["m_splits"].tolist() == counts.tolist()
+        torch.testing.assert_close(stats["aux_loss"], 0.05 * reference_aux_loss(scores, idx, 6, "softmax"))
+        logits = x @ layer.router.weight.detach().t()
+        torch.testing.assert_close(stats["z_loss"], 0.01 * torch.logsumexp(logits, -1).square().mean())
+
+
+def test_drops_are_statistics_not_errors(gen):
+    # With a capacity factor, drops are normal: check_errors() stays quiet, the per-layer drop counters (stacked by
+    # moe_statistics on the device, read once by read_moe_statistics) equal the reference count, reset zeroes them.
+    from moe_graph.moe_layer import moe_statistics, read_moe_statistics
+    from moe_graph.ops import check_errors
+
+    T, K, cap = 15, 2, 18
+    model = torch.nn.Sequential(_layer(cf=0.6), _layer(cf=None))
+    x = torch.randn(T, 8, generator=gen, dtype=DT)
+    for _ in range(2):
+        model(x).sum().backward()
+    check_errors("cpu")  # drops are not errors
+    st = moe_statistics(model)
+    assert st["dropped_routes"].tolist() == [2 * (T * K - cap), 0]
+    assert st["tokens_per_expert"].shape == (2, 6) and st["load_before"].shape == (2, 1)
+    host = read_moe_statistics(model, reset=True)
+    assert host["dropped_routes"] == [2 * (T * K - cap), 0]
+    assert host["tokens_per_expert"] == st["tokens_per_expert"].tolist()
+    assert host["m_splits"][0] == model[0].last_m_splits.tolist() and sum(host["m_splits"][0]) == cap
+    assert isinstance(host["aux_loss"][0], float) and isinstance(host["dropped_routes"][0], int)
+    assert read_moe_statistics(model)["dropped_routes"] == [0, 0]
+    with pytest.raises(ValueError, match="contains no MoELayer"):
+        moe_statistics(torch.nn.Linear(2, 2))
+
+
 def _keep_sorted(idx, cap, probs=None):
     srt, perm = idx.sort(1)
     p_srt = probs.gather(1, perm) if probs is not None else None

@@ -19,9 +19,15 @@ accumulate into ``main_grad``, spare slots overwrite static spare-gradient buffe
 slots' gradients home and adds them into ``main_grad`` before the weight's DDP hook runs. Without ``main_grad``
 the gradients reach ``.grad`` through ordinary autograd.
 
-Statistics of the last forward (device tensors, read them off the hot path): ``last_aux_loss``,
-``last_load_before`` / ``last_load_after`` (``[R]`` tokens each EP rank's experts receive without / with echo,
-identical on every rank), ``last_tokens_per_expert`` (``[E]`` global), and the dispatcher's drop counter.
+Statistics (device tensors, no sync until read): ``last_aux_loss``, ``last_z_loss``, ``last_load_before`` /
+``last_load_after`` (``[R]`` tokens each EP rank's experts receive without / with echo, identical on every rank),
+``last_tokens_per_expert`` (``[E]`` global), ``last_m_splits`` (``[L + k]`` rows per local expert) of the last
+forward, and the dispatcher's cumulative drop counter. They are non-persistent buffers written in place, so a
+reference stays valid across forwards, ``.to()``-free training, and CUDA graph captures: the training and the
+validation graph both write the same tensors, and whichever replayed last is what they hold.
+:meth:`MoELayer.statistics` names them; :func:`moe_statistics` stacks them over a model (device tensors, no sync)
+and :func:`read_moe_statistics` copies them to the host (the one sync, off the hot path). Drops are statistics, not
+errors: ``moe_graph.check_errors()`` never raises on them.
 
 Example (one process)::
 
@@ -42,8 +48,8 @@ from torch import nn
 from . import planner as P
 from .dispatcher import TokenDispatcher, capacity_for, counting_enabled, expert_columns, topk_from_routing_map
 
-__all__ = ["MoELayer", "TopKRouter", "aux_loss_scores", "group_limited_topk", "router_aux_loss", "router_z_loss",
-           "sequence_aux_loss", "update_expert_bias"]
+__all__ = ["MoELayer", "TopKRouter", "aux_loss_scores", "group_limited_topk", "moe_statistics", "read_moe_statistics",
+           "router_aux_loss", "router_z_loss", "sequence_aux_loss", "update_expert_bias"]
 
 
 def router_aux_loss(scores: torch.Tensor, routing_map: torch.Tensor, topk: int,
@@ -259,6 +265,50 @@ def router_z_loss(logits: torch.Tensor, token_mask: Optional[torch.Tensor] = Non
     return (z * m).sum() / m.sum().clamp(min=1)
 
 
+def _moe_layers(module: nn.Module):
+    layers = [m for m in module.modules() if isinstance(m, MoELayer)]
+    if not layers:
+        raise ValueError(f"{type(module).__name__} contains no MoELayer")
+    return layers
+
+
+def moe_statistics(module: nn.Module) -> dict:
+    """Statistics of every :class:`MoELayer` in ``module`` (in ``module.modules()`` order), stacked per layer on the
+    device: ``dropped_routes [layers]`` (cumulative), ``tokens_per_expert [layers, E]``, ``load_before`` /
+    ``load_after [layers, R]``, ``m_splits [layers, L + k]``, ``aux_loss`` / ``z_loss [layers]``. Device ops only:
+    no sync, capturable (the result of a captured call is a graph output, refreshed by every replay). A statistic
+    whose shape differs between layers comes back as a list of per-layer tensors."""
+    per_layer = [m.statistics() for m in _moe_layers(module)]
+    out = {}
+    for key in per_layer[0]:
+        ts = [st[key] for st in per_layer]
+        same = all(t.shape == ts[0].shape and t.dtype == ts[0].dtype for t in ts)
+        out[key] = torch.stack(ts) if same else ts
+    return out
+
+
+def read_moe_statistics(module: nn.Module, reset: bool = False) -> dict:
+    """:func:`moe_statistics` on the host as Python lists (ints for counts, floats for losses), read with one
+    device-to-host copy: the one call that syncs, by design (off the hot path, e.g. every N iterations).
+    ``reset=True`` then zeroes the cumulative counters (:meth:`MoELayer.reset_statistics`)."""
+    layers = _moe_layers(module)
+    per_layer = [m.statistics() for m in layers]
+    flat = [t.reshape(-1) for st in per_layer for t in st.values()]
+    host = torch.cat([t.to(torch.float64) for t in flat]).cpu()  # counts < 2**53: exact in float64
+    out = {key: [] for key in per_layer[0]}
+    pos = 0
+    for st in per_layer:
+        for key, t in st.items():
+            vals = host[pos:pos + t.numel()]
+            pos += t.numel()
+            vals = vals.to(t.dtype) if not t.is_floating_point() else vals
+            out[key].append(vals.view(t.shape).tolist())
+    if reset:
+        for m in layers:
+            m.reset_statistics()
+    return out
+
+
 def _all_gather_counts(local: torch.Tensor, group, R: int) -> torch.Tensor:
     if R == 1:
         return local.unsqueeze(0)
@@ -411,12 +461,33 @@ class MoELayer(nn.Module):
                                              group=ep_group)
             if ep_size > 1:
                 _ = self.echo.backend  # probe the process group now, never during capture
-        self.last_aux_loss = None
-        self.last_z_loss = None
-        self.last_load_before = None
-        self.last_load_after = None
-        self.last_tokens_per_expert = None
-        self.last_m_splits = None
+        # statistics: non-persistent buffers written in place by every forward (see the module docstring)
+        loss_dtype = router_dtype if router_dtype is not None else torch.promote_types(dtype, torch.float32)
+        for name, shape, dt in (("last_aux_loss", (), loss_dtype), ("last_z_loss", (), loss_dtype),
+                                ("last_load_before", (ep_size,), torch.int64),
+                                ("last_load_after", (ep_size,), torch.int64),
+                                ("last_tokens_per_expert", (num_experts,), torch.int64),
+                                ("last_m_splits", (self.L + self.k,), torch.int64)):
+            self.register_buffer(name, torch.zeros(shape, dtype=dt, device=device), persistent=False)
+
+    # --------------------------------------------------------------------------------------- statistics --
+    def _stat(self, name: str, value: torch.Tensor) -> None:
+        """Writes statistic buffer ``name`` in place (a device copy: no sync, capturable, identity kept)."""
+        with torch.no_grad():
+            getattr(self, name).copy_(value)
+
+    def statistics(self) -> dict:
+        """This layer's statistics: the device buffers themselves (no copy, no sync; the same tensors every call).
+        ``dropped_routes`` (0-dim int64, cumulative since :meth:`reset_statistics`), and of the last forward:
+        ``tokens_per_expert [E]``, ``load_before [R]``, ``load_after [R]``, ``m_splits [L + k]``, ``aux_loss``,
+        ``z_loss`` (0 while the loss is off)."""
+        return {"dropped_routes": self.dispatcher.dropped_routes, "tokens_per_expert": self.last_tokens_per_expert,
+                "load_before": self.last_load_before, "load_after": self.last_load_after,
+                "m_splits": self.last_m_splits, "aux_loss": self.last_aux_loss, "z_loss": self.last_z_loss}
+
+    def reset_statistics(self) -> None:
+        """Zeroes the cumulative counters (the drop counter) in place: a device op, no sync, capturable."""
+        self.dispatcher.reset_drop_counter()
 
     # ------------------------------------------------------------------------------------------ helpers --
     def _activation(self, h: torch.Tensor) -> torch.Tensor:
@@ -432,10 +503,10 @@ class MoELayer(nn.Module):
     def _plan(self, routing_map, probs):
         """Echo plan from the all-gathered counts: rerouted map/probs ``[T, E+S]``, ``offloading_map [E, S]``."""
         counts = _all_gather_counts(routing_map.sum(0).to(torch.int64), self.ep_group, self.R)  # [R, E]
-        self.last_tokens_per_expert = counts.sum(0)
-        self.last_load_before = P.rank_loads(counts)
+        self._stat("last_tokens_per_expert", counts.sum(0))
+        self._stat("last_load_before", P.rank_loads(counts))
         if self.k == 0:
-            self.last_load_after = self.last_load_before
+            self._stat("last_load_after", self.last_load_before)
             return routing_map, probs, None
         h2s = P.gen_assignment(counts, self.k, self.assignment)  # [E, S]
         alloc = P.gen_allocation(counts, h2s)  # [R, S]
@@ -451,8 +522,8 @@ class MoELayer(nn.Module):
         else:  # pragma: no cover
             new_map, new_probs = P.reroute_tokens_torch(routing_map, probs, alloc[self.ep_rank], omap)
         R, E, k = self.R, self.num_experts, self.k
-        self.last_load_after = (self.last_load_before - h2s.sum(1).view(R, E // R).sum(1)
-                                + h2s.sum(0).view(R, k).sum(1))
+        self._stat("last_load_after", self.last_load_before - h2s.sum(1).view(R, E // R).sum(1)
+                   + h2s.sum(0).view(R, k).sum(1))
         return new_map, new_probs, omap
 
     def _use_fused_wgrad(self) -> bool:
@@ -550,15 +621,15 @@ class MoELayer(nn.Module):
             else:
                 counts = self.last_tokens_per_expert if self.aux_loss_type == "global" else None
                 aux = self.aux_loss_coeff * router_aux_loss(sc, routing_map, self.topk, counts, real)
-            self.last_aux_loss = aux.detach()
+            self._stat("last_aux_loss", aux.detach())
         if self.z_loss_coeff > 0 and self.training:
             z = self.z_loss_coeff * router_z_loss(self.router.last_logits, real)
-            self.last_z_loss = z.detach()
+            self._stat("last_z_loss", z.detach())
             aux = z if aux is None else aux + z
 
         indices, top_probs, valid = topk_from_routing_map(new_map, new_probs, self.topk)
         expert_in, m_splits, handle = self.dispatcher.dispatch(h, indices, top_probs, valid)
-        self.last_m_splits = m_splits
+        self._stat("last_m_splits", m_splits)
 
         expert_in = expert_in.to(self.fc1.weight.dtype)
         if self._use_fused_wgrad():
