@@ -1,6 +1,9 @@
 """FullIterationGraph: eager fallback on CPU (with a note), argument checks that name the changed input, separate
-training/validation state, reset; on CUDA: replayed steps equal eager steps on changing data (a MoE model with the
-optimizer step inside the graph), no host syncs, dropout differs per replay, clear capture errors."""
+training/validation state, reset; the graph-safe recompute (moe_graph.graph.checkpoint: forward and recomputation
+draw the same random numbers, against a float64 autograd oracle); on CUDA: replayed steps equal eager steps on
+changing data (a MoE model with the optimizer step inside the graph, one warm-up step, recomputation), no host
+syncs, dropout differs per replay (also inside recomputed regions), statistics follow the training replays after a
+validation capture, clear capture errors."""
 
 import copy
 import os
@@ -12,7 +15,7 @@ import pytest
 import torch
 
 from conftest import requires_cuda
-from moe_graph.graph import FullIterationGraph, GraphCaptureError, GraphShapeError
+from moe_graph.graph import FullIterationGraph, GraphCaptureError, GraphShapeError, checkpoint, recompute_rng
 
 _PY_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python")
 
@@ -82,15 +85,137 @@ def test_data_read_and_argument_errors():
             FullIterationGraph(lambda: None, enabled=True)
 
 
+# ---------------------------------------------------------------------------------- graph-safe recompute --
+def _dropout_region(w, p=0.5):
+    return lambda x: torch.nn.functional.dropout(x @ w, p, training=True)
+
+
+def _oracle_grads(x, w, y, r, p=0.5):
+    """float64 autograd of sum(r * dropout(x @ w)) with the mask the forward drew (read off its output)."""
+    mask = (y.detach() != 0).to(torch.float64) / (1 - p)
+    xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    ((xr @ wr) * mask * r).sum().backward()
+    return xr.grad, wr.grad
+
+
+def test_checkpoint_recomputes_with_the_forward_random_numbers(gen):
+    # Two recomputed dropout regions per step, backward in reverse order: the recomputation draws the forward's
+    # masks (gradients equal the oracle's), masks change every step, the default generator is left alone, and the
+    # pairs of generator states are reused (no growth over steps).
+    rng = recompute_rng("cpu")
+    H = 16
+    w = torch.randn(H, H, dtype=torch.float64, generator=gen, requires_grad=True)
+    fn = _dropout_region(w)
+    first_masks, pairs = [], []
+    for step in range(3):
+        xs = [torch.randn(8, H, dtype=torch.float64, generator=gen, requires_grad=True) for _ in range(2)]
+        rs = [torch.randn(8, H, dtype=torch.float64, generator=gen) for _ in range(2)]
+        before, in_flight = torch.get_rng_state(), rng.in_flight
+        ys = [checkpoint(fn, x) for x in xs]
+        assert torch.equal(torch.get_rng_state(), before)
+        assert rng.in_flight == in_flight + 2
+        w.grad = None
+        for y, r in reversed(list(zip(ys, rs))):
+            (y * r).sum().backward()
+        assert rng.in_flight == in_flight
+        gw = 0
+        for x, y, r in zip(xs, ys, rs):
+            gx, gw_i = _oracle_grads(x, w, y, r)
+            torch.testing.assert_close(x.grad, gx, rtol=1e-12, atol=1e-12)
+            gw = gw + gw_i
+        torch.testing.assert_close(w.grad, gw, rtol=1e-12, atol=1e-12)
+        assert 0.3 < float((ys[0] != 0).double().mean()) < 0.7  # dropout really drew random numbers
+        first_masks.append(ys[0] != 0)
+        pairs.append(rng.num_pairs)
+    assert not torch.equal(first_masks[0], first_masks[1]) and not torch.equal(first_masks[1], first_masks[2])
+    assert pairs[0] == pairs[1] == pairs[2]
+    # the oracle can tell: torch.utils.checkpoint without RNG handling recomputes with other masks
+    from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+    x = torch.randn(8, H, dtype=torch.float64, generator=gen, requires_grad=True)
+    r = torch.randn(8, H, dtype=torch.float64, generator=gen)
+    y = torch_checkpoint(fn, x, use_reentrant=False, preserve_rng_state=False)
+    (y * r).sum().backward()
+    assert not torch.allclose(x.grad, _oracle_grads(x, w, y, r)[0])
+
+
+def test_checkpoint_abandoned_forward_and_double_backward(gen):
+    import gc
+
+    rng = recompute_rng("cpu")
+    H = 8
+    w = torch.randn(H, H, dtype=torch.float64, generator=gen, requires_grad=True)
+    fn = _dropout_region(w)
+    x = torch.randn(4, H, dtype=torch.float64, generator=gen, requires_grad=True)
+    checkpoint(fn, x)  # a forward whose backward never runs: its pair is brought back in step and freed
+    gc.collect()
+    n, in_flight = rng.num_pairs, rng.in_flight
+    r = torch.randn(4, H, dtype=torch.float64, generator=gen)
+    y = checkpoint(fn, x)
+    (y * r).sum().backward(retain_graph=True)
+    torch.testing.assert_close(x.grad, _oracle_grads(x, w, y, r)[0], rtol=1e-12, atol=1e-12)
+    assert rng.num_pairs == n and rng.in_flight == in_flight
+    with pytest.raises(RuntimeError, match="already recomputed once"):
+        (y * r).sum().backward()
+    with torch.no_grad():  # no grad: a plain call
+        assert checkpoint(lambda a: a + 1, torch.zeros(2)).tolist() == [1.0, 1.0]
+
+
+def test_moe_layer_recompute_is_graph_safe_checkpoint(gen):
+    # MoELayer(recompute=True): the activations inside the layer are not kept (an outer saved-tensor hook sees far
+    # fewer tensors), gradients and counters equal the plain layer's, the layer draws no random numbers.
+    from moe_graph.moe_layer import MoELayer
+
+    def make(recompute):
+        torch.manual_seed(0)
+        return MoELayer(8, 12, 6, 2, capacity_factor=0.7, num_spare_experts_per_ep_rank=1, aux_loss_coeff=0.01,
+                        score_func="sigmoid", enable_expert_bias=True, device="cpu", params_dtype=torch.float64,
+                        recompute=recompute)
+
+    plain, rec = make(False), make(True)
+    x = torch.randn(2, 10, 8, dtype=torch.float64, generator=gen)
+    saved = {}
+    for name, layer in (("plain", plain), ("rec", rec)):
+        xl = x.clone().requires_grad_()
+        count = [0]
+
+        def pack(t, count=count):
+            count[0] += 1
+            return t
+
+        before = torch.get_rng_state()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = layer(xl)
+        assert torch.equal(torch.get_rng_state(), before)
+        (y * torch.arange(8, dtype=torch.float64)).sum().backward()
+        saved[name] = (count[0], xl.grad)
+    assert saved["rec"][0] < saved["plain"][0] // 3, saved
+    torch.testing.assert_close(saved["rec"][1], saved["plain"][1], rtol=0, atol=0)
+    for (n, p), q in zip(plain.named_parameters(), rec.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0, msg=lambda m: f"{n}: {m}")
+    assert rec.dispatcher.check_drops() == plain.dispatcher.check_drops() > 0
+    assert torch.equal(rec.router.local_tokens_per_expert, plain.router.local_tokens_per_expert)
+    with torch.no_grad():  # inference: no recomputation
+        torch.testing.assert_close(rec(x), plain(x), rtol=0, atol=0)
+
+
+def test_captured_graphs_hook():
+    from moe_graph.graph import captured_graphs
+
+    g, _ = _eager_graph(lambda x: x + 1)
+    g(torch.zeros(2))
+    assert g not in captured_graphs()  # eager: nothing captured, nothing baked in
+
+
 # ------------------------------------------------------------------------------------------------- CUDA --
-def _moe_model(seed=0, spare=0):
+def _moe_model(seed=0, spare=0, recompute=False):
     from moe_graph.moe_layer import MoELayer
 
     torch.manual_seed(seed)
     return torch.nn.ModuleDict({
         "inp": torch.nn.Linear(32, 64, device="cuda", dtype=torch.bfloat16),
         "moe": MoELayer(64, 96, 8, 2, capacity_factor=2.0, aux_loss_coeff=0.01, device="cuda",
-                        params_dtype=torch.bfloat16, num_spare_experts_per_ep_rank=spare),
+                        params_dtype=torch.bfloat16, num_spare_experts_per_ep_rank=spare, recompute=recompute),
         "out": torch.nn.Linear(64, 16, device="cuda", dtype=torch.bfloat16),
     })
 
@@ -139,6 +264,89 @@ def test_cuda_replay_equals_eager_on_changing_data(spare):
     assert not torch.equal(lg[-1], lg[-2])  # the data really changed
     for (n, pa), pb in zip(m_eager.named_parameters(), m_graph.parameters()):
         torch.testing.assert_close(pa.float(), pb.float(), rtol=2e-2, atol=2e-2, msg=lambda m: f"{n}: {m}")
+
+
+@requires_cuda
+@pytest.mark.parametrize("spare", [0, 1])
+def test_cuda_one_warmup_step_with_recomputed_moe_layer(spare):
+    # warmup_steps=1: the only warm-up step runs under sync debug mode "error" (the dispatcher's tables exist from
+    # construction, nothing is copied lazily); the captured MoE layer is recomputed in backward and the replays
+    # equal an eager model without recomputation.
+    data = _batches(5, 3)
+    m_eager = _moe_model(spare=spare)
+    m_graph = _moe_model(spare=spare, recompute=True)
+    m_graph.load_state_dict(m_eager.state_dict())
+    for m in (m_eager, m_graph):
+        for p in m.parameters():
+            p.grad = torch.zeros_like(p)
+    opt_e = torch.optim.Adam(m_eager.parameters(), lr=1e-3, capturable=True)
+    opt_g = torch.optim.Adam(m_graph.parameters(), lr=1e-3, capturable=True)
+    graph = FullIterationGraph(_make_step(m_graph, opt_g), warmup_steps=1, clone_outputs=True)
+    step_e = _make_step(m_eager, opt_e)
+    le = [step_e(mbs) for mbs in data]
+    lg = [graph(mbs) for mbs in data]
+    assert graph.captured()
+    for a, b in zip(le, lg):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+    for (n, pa), pb in zip(m_eager.named_parameters(), m_graph.parameters()):
+        torch.testing.assert_close(pa.float(), pb.float(), rtol=2e-2, atol=2e-2, msg=lambda m: f"{n}: {m}")
+
+
+@requires_cuda
+def test_cuda_recomputed_dropout_under_capture():
+    # A recomputed dropout region inside a captured step: masks change per replay, and the gradients (computed
+    # from the recomputation) equal the float32 oracle built from the mask the forward drew.
+    torch.manual_seed(0)
+    H = 64
+    w = torch.randn(H, H, device="cuda", requires_grad=True)
+    fn = _dropout_region(w)
+
+    def step(x, r):
+        y = checkpoint(fn, x)
+        gx, gw = torch.autograd.grad((y * r).sum(), [x, w])
+        return y.detach(), gx, gw
+
+    graph = FullIterationGraph(step, warmup_steps=1, clone_outputs=True)
+    masks = []
+    for i in range(4):
+        x = torch.randn(32, H, device="cuda", requires_grad=True)
+        r = torch.randn(32, H, device="cuda")
+        y, gx, gw = graph(x, r)
+        mask = (y != 0).float() * 2
+        torch.testing.assert_close(gx, (mask * r) @ w.detach().t(), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(gw, x.detach().t() @ (mask * r), rtol=1e-4, atol=1e-4)
+        masks.append(mask)
+    assert graph.captured()
+    assert not torch.equal(masks[2], masks[3]) and not torch.equal(masks[1], masks[2])
+
+
+@requires_cuda
+def test_cuda_statistics_follow_training_replays_after_validation_capture():
+    model = _moe_model()
+    stats = model["moe"].statistics()  # references taken once, before any capture
+
+    def train(x):
+        h = model["inp"](x)
+        model["out"](h + model["moe"](h)).float().sum().backward()
+
+    def evaluate(x):
+        with torch.no_grad():
+            h = model["inp"](x)
+            return model["out"](h + model["moe"](h))
+
+    graph = FullIterationGraph(train, eval_fn=evaluate, warmup_steps=1)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    xs = [torch.randn(128, 32, device="cuda", generator=g).bfloat16() for _ in range(6)]
+    for i in range(2):
+        graph(xs[i])
+        graph.eval_step(xs[2 + i])  # the validation graph is captured too
+    graph(xs[4])  # a training replay after the validation capture
+    got = stats["tokens_per_expert"].clone()
+    assert model["moe"].statistics()["tokens_per_expert"] is stats["tokens_per_expert"]
+    with torch.no_grad():
+        evaluate(xs[4])  # eager, same weights: what the training replay must have written
+    assert got.tolist() == model["moe"].last_tokens_per_expert.tolist()
+    assert int(got.sum()) == 128 * 2
 
 
 @requires_cuda

@@ -19,6 +19,13 @@ RNG: the default CUDA generator is registered by ``torch.cuda.graph`` itself (ea
 offset, so dropout masks differ per replay); extra ``torch.Generator(device="cuda")`` objects given as
 ``generators=`` are registered with ``CUDAGraph.register_generator_state`` (torch >= 2.5).
 
+Activation recomputation: ``torch.utils.checkpoint`` with its default ``preserve_rng_state=True`` calls
+``torch.cuda.get_rng_state()``, which is refused during capture. Use :func:`checkpoint` (the graph-safe recompute:
+non-reentrant, RNG through :class:`RecomputeRNG`'s registered generator states), or pass
+``use_reentrant=False, preserve_rng_state=False, early_stop=False, context_fn=recompute_rng().context_fn`` to
+``torch.utils.checkpoint.checkpoint`` yourself (``preserve_rng_state=False`` alone where the region draws no random
+numbers). FullIterationGraph registers :func:`recompute_rng`'s states with every graph it captures.
+
 On CPU (or ``enabled=False``) CUDA graphs do not exist: the wrapper runs the function eagerly every step (same
 argument checks), and says so once with a :class:`UserWarning` (``note`` holds the text).
 
@@ -39,16 +46,18 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import heapq
 import time
 import warnings
+import weakref
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-__all__ = ["FullIterationGraph", "FullCudaGraphWrapper", "GraphCaptureError", "GraphShapeError",
-           "cuda_graphs_available"]
+__all__ = ["FullIterationGraph", "FullCudaGraphWrapper", "GraphCaptureError", "GraphShapeError", "RecomputeRNG",
+           "captured_graphs", "checkpoint", "cuda_graphs_available", "recompute_rng"]
 
 _SYNC_HINT = (
     "a host-device synchronization (.item(), .tolist(), .cpu(), nonzero(), boolean-mask indexing, a "
@@ -67,6 +76,224 @@ class GraphShapeError(ValueError):
 
 def cuda_graphs_available() -> bool:
     return torch.cuda.is_available()
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+# ------------------------------------------------------------------------------------ graph-safe recompute --
+def _graph_safe_rng_api() -> bool:
+    return (hasattr(torch.cuda.CUDAGraph, "register_generator_state") and hasattr(torch.Generator, "clone_state")
+            and hasattr(torch.Generator, "graphsafe_set_state") and hasattr(torch.Generator, "graphsafe_get_state"))
+
+
+def _mix_seed(base: int, index: int) -> int:
+    """SplitMix64 of ``(base, index)``: independent, reproducible seeds for the pairs (< 2**63)."""
+    m = (1 << 64) - 1
+    z = (base + (index + 1) * 0x9E3779B97F4A7C15) & m
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+class _Region:
+    """One recomputed region's claim on a pair: its two context managers for ``torch.utils.checkpoint`` (the
+    recompute one is entered once per backward through the region, so it is a re-enterable object)."""
+
+    def __init__(self, rng: "RecomputeRNG", index: int):
+        self.rng, self.index = rng, index
+        self.state = {"recomputed": False}
+        weakref.finalize(self, RecomputeRNG._region_gone, weakref.ref(rng), index, self.state)
+
+    def contexts(self):
+        return _RegionContext(self, 0), _RegionContext(self, 1)
+
+
+class _RegionContext:
+    def __init__(self, region: _Region, which: int):
+        self.region, self.which, self._cm = region, which, None
+
+    def __enter__(self):
+        reg = self.region
+        if self.which == 1 and reg.state["recomputed"]:
+            raise RuntimeError(
+                "moe_graph.graph.checkpoint: this region was already recomputed once (a second backward through "
+                "the same graph, retain_graph=True); its random stream was handed to another region. Run the "
+                "forward again, or use preserve_rng_state=False if the region draws no random numbers")
+        self._cm = reg.rng._use(reg.rng._pairs[reg.index][self.which])
+        return self._cm.__enter__()
+
+    def __exit__(self, *exc):
+        cm, self._cm = self._cm, None
+        suppress = cm.__exit__(*exc)
+        if self.which == 1 and exc[0] is None:
+            self.region.state["recomputed"] = True
+            self.region.rng._release(self.region.index)
+        return suppress
+
+
+class RecomputeRNG:
+    """Random streams for recomputed regions (activation checkpointing) that survive CUDA graph capture.
+
+    Each region in flight holds a *pair* of generator states seeded alike: its forward draws from the first, its
+    recomputation (in backward) from the second, so dropout masks match between the two. When the recomputation
+    ends the pair returns to a free list and a later region reuses it (the two states stay in lockstep, whatever
+    the order of the backward passes). Pairs are created outside capture (warm-up) from
+    ``initial_seed()`` of the device's default generator; a capture that needs more regions in flight than the
+    warm-up had raises :class:`GraphCaptureError`.
+
+    On CUDA (torch >= 2.5) the states are ``clone_state()`` copies of the default generator, switched in with
+    ``graphsafe_set_state`` (no ``get_rng_state``: nothing is refused during capture) and registered with each graph
+    (:meth:`graph_states`; :class:`FullIterationGraph` does it): every replay advances them like the default
+    generator, so masks change per replay and still match between forward and recomputation. On CPU (and CUDA
+    without that API, eager only) the pairs are plain generators switched in with ``get_state``/``set_state``. The
+    default generator itself is not advanced by a region's random numbers.
+    """
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        if self.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"RecomputeRNG: device must be cpu or cuda, got {self.device}")
+        self.graph_safe = self.device.type == "cuda" and _graph_safe_rng_api()
+        self._pairs: List[tuple] = []
+        self._free: List[int] = []  # a heap: the lowest free index first (the same sequence every step)
+
+    def _default(self) -> torch.Generator:
+        if self.device.type == "cpu":
+            return torch.default_generator
+        torch.cuda.init()
+        idx = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        return torch.cuda.default_generators[idx]
+
+    def _acquire(self) -> int:
+        if self._free:
+            return heapq.heappop(self._free)
+        if _capturing(self.device):
+            raise GraphCaptureError(
+                f"moe_graph.graph.checkpoint: the captured step has more recomputed regions in flight than its warm-up "
+                f"({len(self._pairs)}): generator states cannot be created or registered during capture. Run a "
+                "warm-up step with the same structure first (FullIterationGraph does)")
+        default = self._default()
+        seed = _mix_seed(default.initial_seed(), len(self._pairs))
+        if self.graph_safe:
+            pair = (default.clone_state().manual_seed(seed), default.clone_state().manual_seed(seed))
+        else:
+            pair = tuple(torch.Generator(device=self.device).manual_seed(seed) for _ in range(2))
+        self._pairs.append(pair)
+        return len(self._pairs) - 1
+
+    def _release(self, index: int) -> None:
+        heapq.heappush(self._free, index)
+
+    @staticmethod
+    def _region_gone(rng_ref, index: int, state: dict) -> None:
+        # A region whose forward ran but whose recomputation never will (its graph was freed without backward):
+        # outside capture, bring the recompute state back in step with the forward state and free the pair; during
+        # a capture the pair stays taken (it is simply not reused).
+        rng = rng_ref()
+        if rng is None or state["recomputed"] or _capturing(rng.device):
+            return
+        try:
+            fwd, rec = rng._pairs[index]
+            rec.set_state(fwd.get_state())
+            rng._release(index)
+        except Exception:  # pragma: no cover - never raise from a finalizer
+            pass
+
+    @contextlib.contextmanager
+    def _use(self, gen: torch.Generator):
+        default = self._default()
+        if self.graph_safe:
+            saved = default.graphsafe_get_state()
+            default.graphsafe_set_state(gen)
+            try:
+                yield
+            finally:
+                default.graphsafe_set_state(saved)
+            return
+        if _capturing(self.device):
+            raise GraphCaptureError(
+                "moe_graph.graph.checkpoint: random numbers in a recomputed region under CUDA graph capture need "
+                "torch >= 2.5 (Generator.graphsafe_set_state, CUDAGraph.register_generator_state); use "
+                "preserve_rng_state=False if the region draws no random numbers")
+        saved = default.get_state()
+        default.set_state(gen.get_state())
+        try:
+            yield
+        finally:
+            gen.set_state(default.get_state())
+            default.set_state(saved)
+
+    def context_fn(self):
+        """``(forward_context, recompute_context)`` for ``torch.utils.checkpoint.checkpoint(context_fn=...)``
+        (with ``use_reentrant=False, preserve_rng_state=False, early_stop=False``: the recomputation must run the
+        whole region, drawing as many random numbers as the forward did)."""
+        return _Region(self, self._acquire()).contexts()
+
+    def graph_states(self) -> List[torch.Generator]:
+        """The generator states to register with a CUDA graph that captures recomputed regions
+        (``graph.register_generator_state(s)``; empty off CUDA)."""
+        return [g for pair in self._pairs for g in pair] if self.graph_safe else []
+
+    @property
+    def num_pairs(self) -> int:
+        return len(self._pairs)
+
+    @property
+    def in_flight(self) -> int:
+        """Regions whose forward ran and whose recomputation has not (yet)."""
+        return len(self._pairs) - len(self._free)
+
+
+_RECOMPUTE_RNGS: Dict[str, RecomputeRNG] = {}
+
+
+def _default_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def recompute_rng(device=None) -> RecomputeRNG:
+    """The :class:`RecomputeRNG` of ``device`` (default: the current CUDA device, else CPU), one per device."""
+    dev = torch.device(device) if device is not None else _default_device()
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    key = str(dev)
+    if key not in _RECOMPUTE_RNGS:
+        _RECOMPUTE_RNGS[key] = RecomputeRNG(dev)
+    return _RECOMPUTE_RNGS[key]
+
+
+def checkpoint(function: Callable, *args, preserve_rng_state: bool = True, **kwargs):
+    """Graph-safe activation recomputation: ``function(*args, **kwargs)`` without keeping its activations, run
+    again in backward; capturable in a CUDA graph (unlike ``torch.utils.checkpoint``'s default, which reads
+    ``torch.cuda.get_rng_state()``).
+
+    Non-reentrant ``torch.utils.checkpoint`` with the whole region recomputed (``early_stop=False``).
+    ``preserve_rng_state=True``: random numbers drawn inside (dropout) come from a :class:`RecomputeRNG` pair of the
+    first tensor argument's device, identical in forward and recomputation; ``False``: no RNG handling, for regions
+    that draw no random numbers (cheaper, and fine under ``torch.compile``). Without grad mode it just calls
+    ``function``. Nesting: only the outermost region may draw random numbers."""
+    if not torch.is_grad_enabled():
+        return function(*args, **kwargs)
+    from torch.utils.checkpoint import checkpoint as torch_checkpoint, noop_context_fn
+
+    context_fn = noop_context_fn
+    if preserve_rng_state:
+        dev = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+        context_fn = recompute_rng(dev).context_fn
+    return torch_checkpoint(function, *args, use_reentrant=False, preserve_rng_state=False, early_stop=False,
+                            context_fn=context_fn, **kwargs)
+
+
+_LIVE_GRAPHS: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def captured_graphs() -> List["FullIterationGraph"]:
+    """Live :class:`FullIterationGraph` objects holding at least one captured graph. A hook for state that a graph
+    bakes in (e.g. optimizer settings read at capture): while this is non-empty, changing such state has no effect
+    on replays, so the owner should refuse the change and name ``FullIterationGraph.reset()``."""
+    return [g for g in list(_LIVE_GRAPHS) if any(m.graph is not None for m in g._modes.values())]
 
 
 class _Mode:
@@ -179,6 +406,7 @@ class FullIterationGraph:
         self._share_pool = share_pool
         self._pools: Dict[str, Any] = {}
         self._modes = {"training": _Mode("training", train_fn), "validation": _Mode("validation", eval_fn)}
+        _LIVE_GRAPHS.add(self)
         self.note = None
         if not self.enabled:
             self.note = ("FullIterationGraph: CUDA graphs need CUDA; running eagerly"
@@ -348,7 +576,7 @@ class FullIterationGraph:
             dist.barrier()
         torch.cuda.synchronize(self.device)
         g = torch.cuda.CUDAGraph()
-        for gen in self.generators:
+        for gen in self.generators + recompute_rng(self.device).graph_states():  # pairs made during warm-up
             g.register_generator_state(gen)
         t0 = time.perf_counter()
         prev_stream = torch.cuda.current_stream(self.device)

@@ -349,6 +349,10 @@ class MoELayer(nn.Module):
         token_drop_policy: ``"probs"`` (drop the least probable routes over the capacity, Megatron's default) or
             ``"position"`` (drop the last ones in token order); see :class:`moe_graph.dispatcher.TokenDispatcher`.
         params_dtype, device: of all parameters. init_std: expert weight init.
+        recompute: activation recomputation of the whole layer in training (its activations are not kept; backward
+            runs the forward again) through :func:`moe_graph.graph.checkpoint`, the graph-safe recompute, so a
+            captured step may contain it. The layer draws no random numbers, so no RNG state is carried. The
+            statistics and counters count every token once.
     """
 
     def __init__(
@@ -382,6 +386,7 @@ class MoELayer(nn.Module):
         params_dtype: Optional[torch.dtype] = None,
         device=None,
         init_std: float = 0.02,
+        recompute: bool = False,
     ):
         super().__init__()
         from .grouped_linear import GroupedLinear
@@ -415,6 +420,7 @@ class MoELayer(nn.Module):
         self.k = num_spare_experts_per_ep_rank
         self.assignment = assignment
         self.capacity_factor = capacity_factor
+        self.recompute = bool(recompute)
         dtype = params_dtype if params_dtype is not None else torch.get_default_dtype()
         device = torch.device(device) if device is not None else torch.device(
             "cuda" if torch.cuda.is_available() else "cpu")
@@ -586,6 +592,15 @@ class MoELayer(nn.Module):
 
     # ------------------------------------------------------------------------------------------ forward --
     def forward(self, x: torch.Tensor, padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``x`` ``[..., H]`` (see :meth:`_forward`); with ``recompute`` and grad enabled, through
+        :func:`moe_graph.graph.checkpoint`."""
+        if self.recompute and torch.is_grad_enabled():
+            from .graph import checkpoint
+
+            return checkpoint(self._forward, x, padding_mask, preserve_rng_state=False)  # no random numbers here
+        return self._forward(x, padding_mask)
+
+    def _forward(self, x: torch.Tensor, padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``x`` ``[..., H]``. ``padding_mask`` (shape ``x.shape[:-1]``, bool, True: padding, as in Megatron):
         padding tokens get no route (zero routed output; the shared expert still sees them), and the planner
         counts, the losses and the expert-bias counts leave them out."""
