@@ -11,12 +11,21 @@ spread over the EP ranks at random (``--no-permute``: all on the first ranks, fa
 * ``reroute_us`` / ``GB/s``: ``reroute_tokens`` on rank 0's ``[T, E]`` routing (native op when built, else the
   pure-torch version), bytes = read ``T*E*(1+P)`` + write ``T*(E+S)*(1+P)`` for ``P``-byte probabilities.
 
-Prints one line per case and writes JSON to ``benchmarks/results/bench_echo_<device>.json``. The issue's target
-case (Zipf 1.2, 128 experts, 16 ranks, 8 routes/token) is summarized at the end: ``k=1 <= 1.10``,
-``k=2 <= 1.02``, never worse than greedy.
+Prints one line per case and writes JSON to ``--out`` (default ``./bench_echo_<device>.json`` in the current
+directory: a run never modifies tracked files unless told to). The issue's target case (Zipf 1.2, 128 experts,
+16 ranks, 8 routes/token) is summarized at the end: ``k=1 <= 1.10``, ``k=2 <= 1.02``, never worse than greedy.
+
+``--sweep``: balance under donor-constrained placement (:func:`moe_graph.planner.donor_mask`, ``w`` donor ranks per
+rank, ``w = R`` unconstrained) and both plan modes, over Zipf skew x E x R x k x w: ``microbatch`` plans every
+microbatch from its own counts, ``iteration`` plans from the first microbatch's counts and reuses the placement for
+the others (:func:`moe_graph.planner.reuse_plan`). The value is max/mean tokens per rank after echo (auto
+assignment), averaged over the microbatches and seeds. One table, JSON with the commit measured (``--out``,
+default ``./bench_echo_sweep.json``) and a PNG plot next to it; the default ``w`` rule (the smallest within 3% of
+unconstrained on Zipf 1.2, E=256, R=64, k=2) is evaluated at the end.
 
     PYTHONPATH=python python3 benchmarks/bench_echo.py            # CPU default: < 2 min
     PYTHONPATH=python python3 benchmarks/bench_echo.py --device cuda --tokens 16384
+    PYTHONPATH=python python3 benchmarks/bench_echo.py --sweep --out benchmarks/results/bench_echo_sweep.json
 """
 
 from __future__ import annotations
@@ -155,7 +164,16 @@ def main(argv=None):
     ap.add_argument("--probs-dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--sweep", action="store_true", help="donor-constrained placement x plan mode sweep")
+    ap.add_argument("--donors", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32],
+                    help="--sweep: donor ranks per rank w (< R; w = R, unconstrained, is always added)")
+    ap.add_argument("--microbatches", type=int, default=4, help="--sweep: microbatches per iteration")
+    ap.add_argument("--png", default=None, help="--sweep: plot path (default: --out with .png)")
     args = ap.parse_args(argv)
+    if args.sweep:
+        if args.skews == [0.8, 1.2, 1.5]:
+            args.skews = [1.0, 1.2, 1.5]
+        return sweep(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -234,11 +252,112 @@ def main(argv=None):
         print(f"speed, E=256, T={T}/rank on {device}: planner max {worst_plan:.1f} us (target < 100), reroute min "
               f"{worst_pct:.1f}% of copy bandwidth (target >= 60%)")
     print(f"total {time.perf_counter() - t_start:.1f} s")
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"bench_echo_{device.type}.json")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
+    out = args.out or f"bench_echo_{device.type}.json"
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         json.dump({"args": vars(args), "env": environment(), "rows": rows, "target_case": summary}, f, indent=1)
     print(f"wrote {out}")
+
+
+def sweep_value(counts_mbs, k, mask, mode):
+    """Mean over microbatches of max/mean tokens per rank after echo (auto assignment) in plan ``mode``."""
+    vals = []
+    ref = None
+    for counts in counts_mbs:
+        if mode == "microbatch" or ref is None:
+            h, _ = P.gen_plan(counts, k, "auto", donor_mask=mask)
+            ref = (h, counts.sum(0))
+        else:
+            h, _ = P.reuse_plan(counts, *ref)
+        vals.append(balance(counts, h, k)[1])
+    return statistics.mean(vals)
+
+
+def sweep(args):
+    device = torch.device(args.device)
+    T = args.tokens or (16384 if device.type == "cuda" else 1024)
+    M = args.microbatches
+    modes = ("microbatch", "iteration")
+    rows = []
+    t_start = time.perf_counter()
+    print(f"donor sweep on {device}: T={T}/rank per microbatch, {M} microbatches, topk={args.topk}, "
+          f"seeds={args.seeds}, permute={not args.no_permute}; max/mean tokens per rank after echo (auto)")
+    for skew in args.skews:
+        for E in args.experts:
+            for R in args.ranks:
+                if E % R or args.topk > E:
+                    continue
+                cases = [[make_case(R, E, T, args.topk, skew, 1000 * s + 17 * m + 7, not args.no_permute, device)[0]
+                          for m in range(M)] for s in range(args.seeds)]
+                before = statistics.mean(balance(c, torch.zeros(E, R, dtype=torch.int64), 1)[0]
+                                         for mbs in cases for c in mbs)
+                ws = sorted({w for w in args.donors if w < R} | {R})
+                for k in args.spares:
+                    for w in ws:
+                        mask = P.donor_mask(R, w, device=device)
+                        row = {"skew": skew, "E": E, "R": R, "k": k, "w": w, "before": before, "T": T,
+                               "microbatches": M, "topk": args.topk}
+                        for mode in modes:
+                            row[mode] = statistics.mean(sweep_value(mbs, k, mask, mode) for mbs in cases)
+                        rows.append(row)
+    # one table: rows (skew, E, R, k, mode), columns w
+    wcols = sorted({r["w"] for r in rows if r["w"] != r["R"]})
+    hdr = f"{'skew':>4} {'E':>4} {'R':>3} {'k':>2} {'mode':>10} | {'before':>6} | " + " ".join(
+        f"{'w=' + str(w):>7}" for w in wcols) + f" | {'w=R':>7}"
+    print(hdr)
+    print("-" * len(hdr))
+    key = lambda r: (r["skew"], r["E"], r["R"], r["k"])  # noqa: E731
+    groups = {}
+    for r in rows:
+        groups.setdefault(key(r), {})[r["w"]] = r
+    for (skew, E, R, k), byw in groups.items():
+        for mode in modes:
+            cells = " ".join(f"{byw[w][mode]:7.3f}" if w in byw and w != R else f"{'-':>7}" for w in wcols)
+            print(f"{skew:>4} {E:>4} {R:>3} {k:>2} {mode:>10} | {byw[R]['before']:6.3f} | {cells} | {byw[R][mode]:7.3f}")
+    # default w rule: smallest w within 3% of unconstrained on Zipf(1.2), E=256, R=64, k=2 (microbatch plans)
+    choice = None
+    tgt = groups.get((1.2, 256, 64, 2))
+    if tgt:
+        unc = tgt[64]["microbatch"]
+        ok = [w for w in sorted(tgt) if tgt[w]["microbatch"] <= 1.03 * unc]
+        choice = {"unconstrained": unc, "w": ok[0], "value": tgt[ok[0]]["microbatch"],
+                  "iteration_mode_unconstrained": tgt[64]["iteration"]}
+        print(f"default w rule (Zipf 1.2, E=256, R=64, k=2): unconstrained {unc:.3f}; smallest w within 3%: "
+              f"w={ok[0]} ({tgt[ok[0]]['microbatch']:.3f})")
+    print(f"total {time.perf_counter() - t_start:.1f} s")
+    out = args.out or "bench_echo_sweep.json"
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump({"args": vars(args), "env": environment(), "rows": rows, "default_w": choice}, f, indent=1)
+    print(f"wrote {out}")
+    png = args.png or os.path.splitext(out)[0] + ".png"
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return rows
+    skews = sorted({r["skew"] for r in rows})
+    fig, axes = plt.subplots(1, len(skews), figsize=(5 * len(skews), 4), squeeze=False)
+    for ax, skew in zip(axes[0], skews):
+        for (sk, E, R, k), byw in groups.items():
+            if sk != skew or E != max(args.experts) or k != max(args.spares):
+                continue
+            for mode, ls in (("microbatch", "-"), ("iteration", "--")):
+                xs = sorted(byw)
+                ax.plot([w / R for w in xs], [byw[w][mode] for w in xs], ls, marker="o", label=f"R={R} {mode}")
+        ax.set_xscale("log")
+        ax.set_xlabel("donor ranks w / R")
+        ax.set_ylabel("max/mean tokens per rank after echo")
+        ax.set_title(f"Zipf {skew}, E={max(args.experts)}, k={max(args.spares)}")
+        ax.axhline(1.0, color="gray", lw=0.5)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    print(f"wrote {png}")
+    return rows
 
 
 if __name__ == "__main__":

@@ -44,10 +44,13 @@ TORCH_LIBRARY(moe_graph, m) {
       "reroute_tokens(Tensor routing_map, Tensor probs, Tensor tokens_to_spare, Tensor home_to_spare_map) -> "
       "(Tensor, Tensor)");
   // counts [R, E] -> home_to_spare [E, R*k] int64: best-fit placement of rank overload (reroute/echo_plan.h).
-  m.def("echo_best_fit(Tensor counts, int num_spare_experts_per_ep_rank) -> Tensor");
+  // donor_mask: optional [R, R] bool, a slot on rank r may host rank q's experts only where donor_mask[r, q].
+  m.def("echo_best_fit(Tensor counts, int num_spare_experts_per_ep_rank, Tensor? donor_mask=None) -> Tensor");
   // counts [R, E] -> (home_to_spare [E, R*k], allocation [R, R*k]): the whole plan in one step; mode 0 auto,
   // 1 greedy, 2 best_fit (reroute/echo_plan_impl.h).
-  m.def("echo_plan(Tensor counts, int num_spare_experts_per_ep_rank, int mode) -> (Tensor, Tensor)");
+  m.def(
+      "echo_plan(Tensor counts, int num_spare_experts_per_ep_rank, int mode, Tensor? donor_mask=None) -> "
+      "(Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(moe_graph, CompositeExplicitAutograd, m) {

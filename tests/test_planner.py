@@ -434,3 +434,134 @@ def test_planner_cuda_matches_cpu_no_sync_and_graph():
                 h_ref = P.gen_assignment(fresh, k, native=False)
                 _eq(out[0].cpu(), h_ref)
                 _eq(out[1].cpu(), P.gen_allocation(fresh, h_ref))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# donor-constrained placement (w fixed donor ranks per rank)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_donor_patterns():
+    assert P.donor_ranks(8, 2)[7] == [0, 1]
+    assert P.donor_ranks(8, 2, "node", 4)[7] == [4, 5]
+    assert P.donor_ranks(8, 8) is None and P.donor_ranks(8, None) is None and P.donor_mask(4, 4) is None
+    m = P.donor_mask(8, 3)
+    assert m.dtype == torch.bool and m.shape == (8, 8)
+    _eq(m.sum(1), [3] * 8)
+    _eq(m.sum(0), [3] * 8)  # every offset is a permutation: each rank donates to exactly w ranks
+    assert not m.diagonal().any()
+    for bad in (dict(w=0), dict(w=-1), dict(w=1.5), dict(w=2, pattern="nope"), dict(w=4, pattern="node", node_size=4),
+                dict(w=1, pattern="node"), dict(w=1, pattern="node", node_size=3)):
+        with pytest.raises(ValueError, match="w|pattern|node_size"):
+            P.donor_ranks(8, **bad)
+    with pytest.raises(ValueError, match="num_ep_ranks"):
+        P.donor_ranks(0, 1)
+    with pytest.raises(ValueError, match="donor_mask"):
+        P.gen_plan(torch.zeros(4, 8, dtype=torch.int64), 1, donor_mask=torch.ones(3, 3, dtype=torch.bool))
+
+
+def _check_constraint(h, mask, R, E, k):
+    home_rank = torch.arange(E) // (E // R)
+    slot_rank = torch.arange(R * k) // k
+    allowed = mask[slot_rank[None, :], home_rank[:, None]]  # [E, S]
+    assert not ((h > 0) & ~allowed).any(), "a slot hosts an expert of a rank that is not one of its donors"
+
+
+@st.composite
+def donor_cases(draw):
+    counts, k = draw(count_cases())
+    R = counts.shape[0]
+    w = draw(st.integers(1, R))
+    pattern = draw(st.sampled_from(["ring", "node"])) if R % 2 == 0 and w < 2 and R > 2 else "ring"
+    return counts, k, P.donor_mask(R, w, pattern, 2 if pattern == "node" else None)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(donor_cases())
+def test_donor_constrained_plans(case):
+    counts, k, mask = case
+    R, E = counts.shape
+    for a in P.ASSIGNMENTS:
+        h_t = P.gen_assignment(counts, k, a, native=False, donor_mask=mask)
+        if mask is not None:
+            _check_constraint(h_t, mask, R, E, k)
+        assert ((h_t > 0).sum(0) <= 1).all()
+        _, cap, _ = P.gen_intermediate(counts)
+        assert (h_t.sum(0).view(R, k).sum(1) <= cap).all()
+        assert (h_t.sum(1) <= counts.sum(0)).all()
+        alloc = P.gen_allocation(counts, h_t)
+        _eq(alloc.sum(0), h_t.sum(0))
+        if _native_plan_available():  # native echo_plan and echo_best_fit honour the same constraint identically
+            h_n, alloc_n = P.gen_plan(counts, k, a, native=True, donor_mask=mask)
+            _eq(h_n, h_t)
+            _eq(alloc_n, alloc)
+    if _native_best_fit_available():
+        _eq(P.best_fit_assignment(counts, k, native=True, donor_mask=mask),
+            P.best_fit_assignment(counts, k, native=False, donor_mask=mask))
+
+
+def test_donor_w_equal_R_reproduces_unconstrained_plans_bit_for_bit():
+    for seed, (R, E) in enumerate([(2, 8), (4, 16), (8, 64), (16, 128), (64, 256)]):
+        counts = zipf_counts(R, E, 256, 8, 1.2, torch.Generator().manual_seed(seed))
+        full = torch.ones(R, R, dtype=torch.bool)  # every rank a donor: the constraint code runs, allows all
+        others = ~torch.eye(R, dtype=torch.bool)  # w = R - 1: every other rank
+        for k in (1, 2):
+            for a in P.ASSIGNMENTS:
+                ref = P.gen_plan(counts, k, a, native=False)  # today's unconstrained plan
+                for m in (P.donor_mask(R, R), full, others):
+                    for native in ([False, True] if _native_plan_available() else [False]):
+                        h, al = P.gen_plan(counts, k, a, native=native, donor_mask=m)
+                        _eq(h, ref[0])
+                        _eq(al, ref[1])
+
+
+def test_donor_constraint_costs_balance_monotonically_enough():
+    # Zipf(1.2), 16 ranks: w=1 balances less than w=8, which balances less than (or as well as) unconstrained
+    counts = zipf_counts(16, 128, 512, 8, 1.2, torch.Generator().manual_seed(3))
+    vals = []
+    for w in (1, 8, 16):
+        h, _ = P.gen_plan(counts, 2, donor_mask=P.donor_mask(16, w))
+        vals.append(int(loads_after(counts, h, 2)[1].max()))
+    assert vals[0] > vals[2] and vals[1] >= vals[2]
+
+
+def test_reuse_plan_keeps_placement_and_never_overasks():
+    g = torch.Generator().manual_seed(0)
+    c0 = zipf_counts(8, 32, 256, 4, 1.2, g)
+    h0, a0 = P.gen_plan(c0, 2)
+    h, a = P.reuse_plan(c0, h0, c0.sum(0))
+    _eq(h, h0)
+    _eq(a, a0)
+    for _ in range(5):
+        c = zipf_counts(8, 32, 256, 4, 1.2, g)
+        h, a = P.reuse_plan(c, h0, c0.sum(0))
+        assert not ((h > 0) & (h0 == 0)).any(), "reuse_plan moved an expert to another slot"
+        assert (h.sum(1) <= c.sum(0)).all()
+        _eq(a.sum(0), h.sum(0))
+        home = (h > 0).to(torch.int8).argmax(0)
+        per_re = torch.zeros_like(c).index_add_(1, home, a)
+        assert (per_re <= c).all()
+
+
+def test_count_limit_and_zero_experts():
+    big = torch.full((2, 4), 2**40, dtype=torch.int64)  # used to overflow to negative allocations
+    with pytest.raises(ValueError, match="MAX_TOTAL_TOKENS"):
+        P.gen_plan(big, 1)
+    with pytest.raises(ValueError, match="MAX_TOTAL_TOKENS"):
+        P.gen_assignment(big, 1, native=False)
+    ok = torch.full((2, 4), P.MAX_TOTAL_TOKENS // 8, dtype=torch.int64)
+    ok[0] *= 2
+    ok[1] = 0
+    h, a = P.gen_plan(ok, 1)
+    assert (h >= 0).all() and (a >= 0).all()
+    # E = 0: an empty plan on both paths, and the torch reroute gives [T, S] empty routes
+    z = torch.zeros(2, 0, dtype=torch.int64)
+    h_t, a_t = P.gen_plan(z, 1, native=False)
+    assert h_t.shape == (0, 2) and a_t.shape == (2, 2) and not a_t.any()
+    if _native_plan_available():
+        h_n, a_n = P.gen_plan(z, 1, native=True)
+        _eq(h_n, h_t)
+        _eq(a_n, a_t)
+    m, p = P.reroute_tokens_torch(torch.zeros(4, 0, dtype=torch.bool), torch.zeros(4, 0), torch.zeros(2, dtype=torch.int64),
+                                  torch.zeros(0, 2, dtype=torch.bool))
+    assert m.shape == (4, 2) and not m.any() and p.shape == (4, 2)

@@ -7,8 +7,10 @@
 //
 // With L = E / R, load_e = sum_r counts[r, e], load[q] = sum of q's experts, avg = sum(load) / R (floor):
 // excess[q] = max(0, load[q] - avg), cap[r] = max(0, avg - load[r]), avail[e] = load_e. For R*k steps:
-//   q = argmax excess; e = argmax of avail over q's experts; x = min(excess[q], avail[e]);
-//   open[r] = used[r] < k && cap[r] > 0; among open ranks with cap >= x the smallest cap, else the largest cap;
+//   q = argmax excess (with a donor mask: over ranks that have an open receiver allowed to host their experts);
+//   e = argmax of avail over q's experts; x = min(excess[q], avail[e]);
+//   open[r] = used[r] < k && cap[r] > 0 (&& allowed[r, q]); among open ranks with cap >= x the smallest cap, else
+//   the largest cap;
 //   a = min(x, cap[r]) (0 when r is not open or x == 0); the piece goes to slot r*k + used[r];
 //   excess[q], cap[r], avail[e] shrink by a; used[r] grows when a > 0.
 #pragma once
@@ -23,7 +25,9 @@
 namespace moe_graph {
 namespace echo_plan {
 
-void best_fit_host(const int64_t* counts, int64_t R, int64_t E, int64_t k, int64_t* home_to_spare);
+// allowed: [R, R] donor mask (allowed[r * R + q]: a slot on rank r may host rank q's experts) or nullptr.
+void best_fit_host(const int64_t* counts, int64_t R, int64_t E, int64_t k, int64_t* home_to_spare,
+                   const bool* allowed);
 
 // The whole plan (moe_graph.planner.gen_assignment(mode) + gen_allocation) in one step; see echo_plan_impl.h.
 // args.ws must hold plan_workspace_elems(R, E, k) int64.
@@ -37,7 +41,7 @@ constexpr int64_t kBestFitMaxDynamicSmem = 47 * 1024;
 int64_t best_fit_shared_bytes(int64_t R, int64_t E);
 // One block; no host synchronization.
 cudaError_t best_fit_cuda_launch(const int64_t* counts, int64_t R, int64_t E, int64_t k, int64_t* home_to_spare,
-                                 cudaStream_t stream);
+                                 const bool* allowed, cudaStream_t stream);
 // One block; no host synchronization.
 cudaError_t plan_cuda_launch(const PlanArgs& args, cudaStream_t stream);
 #endif

@@ -7,7 +7,7 @@
 namespace moe_graph {
 namespace echo_plan {
 
-void best_fit_host(const int64_t* counts, int64_t R, int64_t E, int64_t k, int64_t* h) {
+void best_fit_host(const int64_t* counts, int64_t R, int64_t E, int64_t k, int64_t* h, const bool* allowed) {
   if (R <= 0 || E <= 0 || k <= 0) return;
   const int64_t L = E / R, S = R * k;
   std::vector<int64_t> avail(E, 0), load(R, 0), excess(R), cap(R), used(R, 0);
@@ -24,16 +24,29 @@ void best_fit_host(const int64_t* counts, int64_t R, int64_t E, int64_t k, int64
     cap[q] = std::max<int64_t>(0, avg - load[q]);
   }
   for (int64_t step = 0; step < S; ++step) {
-    int64_t q = 0;
-    for (int64_t i = 1; i < R; ++i)
-      if (excess[i] > excess[q]) q = i;
+    // q: the largest excess among ranks with an open receiver they may donate to (all ranks when unconstrained)
+    auto key = [&](int64_t i) -> int64_t {
+      if (allowed == nullptr) return excess[i];
+      for (int64_t r = 0; r < R; ++r)
+        if (allowed[r * R + i] && used[r] < k && cap[r] > 0) return excess[i];
+      return 0;
+    };
+    int64_t q = 0, kq = key(0);
+    for (int64_t i = 1; i < R; ++i) {
+      const int64_t ki = key(i);
+      if (ki > kq) {
+        q = i;
+        kq = ki;
+      }
+    }
     int64_t e = q * L;
     for (int64_t i = q * L + 1; i < (q + 1) * L; ++i)
       if (avail[i] > avail[e]) e = i;
-    const int64_t x = std::min(excess[q], avail[e]);
+    const int64_t x = std::min(kq, avail[e]);
     int64_t r_fit = -1, r_big = -1;
     for (int64_t i = 0; i < R; ++i) {
       if (!(used[i] < k && cap[i] > 0)) continue;
+      if (allowed != nullptr && !allowed[i * R + q]) continue;
       if (cap[i] >= x && (r_fit < 0 || cap[i] < cap[r_fit])) r_fit = i;
       if (r_big < 0 || cap[i] > cap[r_big]) r_big = i;
     }

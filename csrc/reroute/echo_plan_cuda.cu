@@ -49,7 +49,7 @@ __device__ ArgBest block_argmax(ArgBest mine, ArgBest* s_warp) {
 }
 
 __global__ void best_fit_kernel(const int64_t* __restrict__ counts, int64_t R, int64_t E, int64_t k,
-                                int64_t* __restrict__ h) {
+                                int64_t* __restrict__ h, const bool* __restrict__ allowed) {
   extern __shared__ long long smem[];
   long long* excess = smem;
   long long* cap = excess + R;
@@ -93,21 +93,30 @@ __global__ void best_fit_kernel(const int64_t* __restrict__ counts, int64_t R, i
   const long long kBig = 1LL << 61, kClosed = 1LL << 62;
   for (int64_t step = 0; step < S; ++step) {
     ArgBest m = none();
-    for (int64_t i = tid; i < R; i += nt) m = pick(m, ArgBest{excess[i], static_cast<int>(i)});
-    const int q = block_argmax(m, s_warp).i;
+    for (int64_t i = tid; i < R; i += nt) {
+      long long key = excess[i];  // 0 when no open receiver may host rank i's experts (donor mask)
+      if (allowed != nullptr) {
+        bool any = false;
+        for (int64_t r = 0; r < R && !any; ++r) any = allowed[r * R + i] && used[r] < k && cap[r] > 0;
+        if (!any) key = 0;
+      }
+      m = pick(m, ArgBest{key, static_cast<int>(i)});
+    }
+    const ArgBest qb = block_argmax(m, s_warp);
+    const int q = qb.i;
     m = none();
     for (int64_t i = tid; i < L; i += nt) m = pick(m, ArgBest{avail[q * L + i], static_cast<int>(q * L + i)});
     const int e = block_argmax(m, s_warp).i;
-    const long long x = excess[q] < avail[e] ? excess[q] : avail[e];
+    const long long x = qb.v < avail[e] ? qb.v : avail[e];
     m = none();
     for (int64_t i = tid; i < R; i += nt) {
-      const bool open = used[i] < k && cap[i] > 0;
+      const bool open = used[i] < k && cap[i] > 0 && (allowed == nullptr || allowed[i * R + q]);
       const long long key = open ? (cap[i] >= x ? cap[i] : kBig - cap[i]) : kClosed;
       m = pick(m, ArgBest{-key, static_cast<int>(i)});  // the smallest key, first index on ties
     }
     const int r = block_argmax(m, s_warp).i;
     if (tid == 0) {
-      const bool open = used[r] < k && cap[r] > 0;
+      const bool open = used[r] < k && cap[r] > 0 && (allowed == nullptr || allowed[r * R + q]);
       const long long a = x < cap[r] ? x : cap[r];
       if (open && x > 0 && a > 0) {
         const long long slot = used[r] < k - 1 ? used[r] : k - 1;
@@ -159,11 +168,11 @@ cudaError_t plan_cuda_launch(const PlanArgs& args, cudaStream_t stream) {
 int64_t best_fit_shared_bytes(int64_t R, int64_t E) { return (3 * R + E) * static_cast<int64_t>(sizeof(long long)); }
 
 cudaError_t best_fit_cuda_launch(const int64_t* counts, int64_t R, int64_t E, int64_t k, int64_t* h,
-                                 cudaStream_t stream) {
+                                 const bool* allowed, cudaStream_t stream) {
   if (R <= 0 || E <= 0 || k <= 0) return cudaSuccess;
   const int64_t smem = best_fit_shared_bytes(R, E);
   if (smem > kBestFitMaxDynamicSmem) return cudaErrorInvalidValue;  // the op checks first, with a clear message
-  best_fit_kernel<<<1, kThreads, static_cast<size_t>(smem), stream>>>(counts, R, E, k, h);
+  best_fit_kernel<<<1, kThreads, static_cast<size_t>(smem), stream>>>(counts, R, E, k, h, allowed);
   return cudaGetLastError();
 }
 

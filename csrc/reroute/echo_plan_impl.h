@@ -28,6 +28,9 @@ struct PlanArgs {
   const int64_t* counts;  // [R, E]
   int64_t R, E, k;
   int mode;
+  // [R, R] or nullptr (unconstrained): allowed[r * R + q] != 0 when a spare slot on rank r may host an expert whose
+  // home is rank q (donor-constrained placement, moe_graph.planner.donor_mask).
+  const bool* allowed;
   int64_t* home_to_spare;  // [E, S] out
   int64_t* allocation;     // [R, S] out
   int64_t* ws;             // plan_workspace_elems
@@ -79,6 +82,16 @@ struct Best {
 // Larger value wins; equal values: the lower index (the first maximum, like torch.argmax).
 MG_HD Best pick(Best a, Best b) { return (b.v > a.v || (b.v == a.v && b.i < a.i)) ? b : a; }
 MG_HD Best no_best() { return Best{INT64_MIN, INT64_MAX}; }
+
+// Best-fit donor key of rank q: its excess, or 0 when no open receiver (free slot, capacity left) may host q's
+// experts. Unconstrained (allowed == nullptr): the excess (a rank with excess has no capacity itself, so every
+// open rank is another rank: the same choice as without the check).
+MG_HD int64_t donor_key(const PlanArrays& a, const bool* allowed, int64_t R, int64_t k, int64_t q) {
+  if (allowed == nullptr) return a.excess[q];
+  for (int64_t r = 0; r < R; ++r)
+    if (allowed[r * R + q] && a.used[r] < k && a.capb[r] > 0) return a.excess[q];
+  return 0;
+}
 
 // Ctx provides: tid, nthreads (block-wide strided loops), sync() (block barrier); lane, nlanes, group
 // (the best-fit group: lane/nlanes strided loops when group is true), group_best(Best) (reduction over the group,
@@ -161,7 +174,8 @@ MG_HD void plan_body(const PlanArgs& args, Ctx& ctx) {
       for (int64_t i = 0; i < imin(k, E); ++i) {
         Best best = no_best();
         for (int64_t e = 0; e < E; ++e) {
-          const int64_t v = imax(0, imin(a.cs[e] + a.spill[e], b1) - imax(a.cs[e], b0));
+          int64_t v = imax(0, imin(a.cs[e] + a.spill[e], b1) - imax(a.cs[e], b0));
+          if (args.allowed != nullptr && !args.allowed[r * R + e / L]) v = 0;  // rank e / L is no donor of r
           if (v < pv || (v == pv && e > pe)) best = pick(best, Best{v, e});
         }
         a.hg[best.i * S + r * k + i] = best.v;
@@ -175,22 +189,24 @@ MG_HD void plan_body(const PlanArgs& args, Ctx& ctx) {
     const int64_t lane = ctx.lane, nl = ctx.nlanes;
     const int64_t kBig = int64_t(1) << 61, kClosed = int64_t(1) << 62;
     for (int64_t step = 0; step < S; ++step) {
+      // q: the largest excess among the ranks that still have an open receiver they may donate to
       Best m = no_best();
-      for (int64_t i = lane; i < R; i += nl) m = pick(m, Best{a.excess[i], i});
-      const int64_t q = ctx.group_best(m).i;
+      for (int64_t i = lane; i < R; i += nl) m = pick(m, Best{donor_key(a, args.allowed, R, k, i), i});
+      const Best qb = ctx.group_best(m);
+      const int64_t q = qb.i;
       m = no_best();
       for (int64_t i = q * L + lane; i < (q + 1) * L; i += nl) m = pick(m, Best{a.avail[i], i});
       const int64_t e = ctx.group_best(m).i;
-      const int64_t x = imin(a.excess[q], a.avail[e]);
+      const int64_t x = imin(qb.v, a.avail[e]);
       m = no_best();
       for (int64_t i = lane; i < R; i += nl) {
-        const bool open = a.used[i] < k && a.capb[i] > 0;
+        const bool open = a.used[i] < k && a.capb[i] > 0 && (args.allowed == nullptr || args.allowed[i * R + q]);
         const int64_t key = open ? (a.capb[i] >= x ? a.capb[i] : kBig - a.capb[i]) : kClosed;
         m = pick(m, Best{-key, i});
       }
       const int64_t r = ctx.group_best(m).i;
       if (lane == 0) {
-        const bool open = a.used[r] < k && a.capb[r] > 0;
+        const bool open = a.used[r] < k && a.capb[r] > 0 && (args.allowed == nullptr || args.allowed[r * R + q]);
         const int64_t amt = imin(x, a.capb[r]);
         if (open && x > 0 && amt > 0) {
           a.hb[e * S + r * k + imin(a.used[r], k - 1)] += amt;

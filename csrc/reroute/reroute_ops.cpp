@@ -83,13 +83,29 @@ at::Tensor check_counts(const at::Tensor& counts, int64_t k) {
   return counts.to(at::kLong).contiguous();
 }
 
+// Optional donor mask [R, R] bool on the counts' device (allowed[r, q]: a slot on rank r may host rank q's experts);
+// returns a contiguous bool tensor or an undefined one (unconstrained).
+at::Tensor check_donor_mask(const c10::optional<at::Tensor>& donor_mask, const at::Tensor& counts, const char* op) {
+  if (!donor_mask.has_value() || !donor_mask->defined()) return at::Tensor();
+  const at::Tensor& m = *donor_mask;
+  const int64_t R = counts.size(0);
+  TORCH_CHECK(m.dim() == 2 && m.size(0) == R && m.size(1) == R, op, ": donor_mask must have shape [R, R] = [", R, ", ",
+              R, "], got ", shape_str(m));
+  TORCH_CHECK(m.scalar_type() == at::kBool, op, ": donor_mask must be a bool tensor, got ", m.scalar_type());
+  TORCH_CHECK(m.device() == counts.device(), op, ": donor_mask must be on the device of counts (", counts.device(),
+              "), got ", m.device());
+  return m.contiguous();
+}
+
+const bool* mask_ptr(const at::Tensor& m) { return m.defined() ? m.data_ptr<bool>() : nullptr; }
+
 }  // namespace
 
 namespace {
 constexpr const char* kPlan = "echo_plan";
 
-echo_plan::PlanArgs plan_args(const at::Tensor& c, int64_t k, int64_t mode, at::Tensor& h, at::Tensor& alloc,
-                              at::Tensor& ws) {
+echo_plan::PlanArgs plan_args(const at::Tensor& c, int64_t k, int64_t mode, const at::Tensor& mask, at::Tensor& h,
+                              at::Tensor& alloc, at::Tensor& ws) {
   TORCH_CHECK(mode >= 0 && mode <= 2, kPlan, ": mode must be 0 (auto), 1 (greedy) or 2 (best_fit), got ", mode);
   const int64_t R = c.size(0), E = c.size(1);
   h = at::empty({E, R * k}, c.options());
@@ -101,6 +117,7 @@ echo_plan::PlanArgs plan_args(const at::Tensor& c, int64_t k, int64_t mode, at::
   a.E = E;
   a.k = k;
   a.mode = static_cast<int>(mode);
+  a.allowed = mask_ptr(mask);
   a.home_to_spare = h.data_ptr<int64_t>();
   a.allocation = alloc.data_ptr<int64_t>();
   a.ws = ws.data_ptr<int64_t>();
@@ -108,43 +125,49 @@ echo_plan::PlanArgs plan_args(const at::Tensor& c, int64_t k, int64_t mode, at::
 }
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor> echo_plan_cpu(const at::Tensor& counts, int64_t k, int64_t mode) {
+std::tuple<at::Tensor, at::Tensor> echo_plan_cpu(const at::Tensor& counts, int64_t k, int64_t mode,
+                                                 const c10::optional<at::Tensor>& donor_mask) {
   at::Tensor c = check_counts(counts, k), h, alloc, ws;
-  echo_plan::PlanArgs a = plan_args(c, k, mode, h, alloc, ws);
+  at::Tensor m = check_donor_mask(donor_mask, counts, kPlan);
+  echo_plan::PlanArgs a = plan_args(c, k, mode, m, h, alloc, ws);
   echo_plan::plan_host(a);
   return {h, alloc};
 }
 
 #ifdef MOE_GRAPH_WITH_CUDA
-std::tuple<at::Tensor, at::Tensor> echo_plan_cuda(const at::Tensor& counts, int64_t k, int64_t mode) {
+std::tuple<at::Tensor, at::Tensor> echo_plan_cuda(const at::Tensor& counts, int64_t k, int64_t mode,
+                                                  const c10::optional<at::Tensor>& donor_mask) {
   c10::cuda::CUDAGuard guard(counts.device());
   at::Tensor c = check_counts(counts, k), h, alloc, ws;
-  echo_plan::PlanArgs a = plan_args(c, k, mode, h, alloc, ws);
+  at::Tensor m = check_donor_mask(donor_mask, counts, kPlan);
+  echo_plan::PlanArgs a = plan_args(c, k, mode, m, h, alloc, ws);
   auto stream = at::cuda::getCurrentCUDAStream(counts.device().index()).stream();
   C10_CUDA_CHECK(echo_plan::plan_cuda_launch(a, stream));
   return {h, alloc};
 }
 #endif
 
-at::Tensor echo_best_fit_cpu(const at::Tensor& counts, int64_t k) {
+at::Tensor echo_best_fit_cpu(const at::Tensor& counts, int64_t k, const c10::optional<at::Tensor>& donor_mask) {
   at::Tensor c = check_counts(counts, k);
+  at::Tensor m = check_donor_mask(donor_mask, counts, kBestFit);
   const int64_t R = c.size(0), E = c.size(1);
   at::Tensor h = at::zeros({E, R * k}, c.options());
-  echo_plan::best_fit_host(c.data_ptr<int64_t>(), R, E, k, h.data_ptr<int64_t>());
+  echo_plan::best_fit_host(c.data_ptr<int64_t>(), R, E, k, h.data_ptr<int64_t>(), mask_ptr(m));
   return h;
 }
 
 #ifdef MOE_GRAPH_WITH_CUDA
-at::Tensor echo_best_fit_cuda(const at::Tensor& counts, int64_t k) {
+at::Tensor echo_best_fit_cuda(const at::Tensor& counts, int64_t k, const c10::optional<at::Tensor>& donor_mask) {
   c10::cuda::CUDAGuard guard(counts.device());
   at::Tensor c = check_counts(counts, k);
+  at::Tensor m = check_donor_mask(donor_mask, counts, kBestFit);
   const int64_t R = c.size(0), E = c.size(1);
   TORCH_CHECK(echo_plan::best_fit_shared_bytes(R, E) <= echo_plan::kBestFitMaxDynamicSmem, kBestFit,
               ": counts shape ", shape_str(counts), " is too large for the one-block CUDA kernel (3*R + E must be <= ",
               echo_plan::kBestFitMaxDynamicSmem / 8, ")");
   at::Tensor h = at::zeros({E, R * k}, c.options());
   auto stream = at::cuda::getCurrentCUDAStream(counts.device().index()).stream();
-  C10_CUDA_CHECK(echo_plan::best_fit_cuda_launch(c.data_ptr<int64_t>(), R, E, k, h.data_ptr<int64_t>(), stream));
+  C10_CUDA_CHECK(echo_plan::best_fit_cuda_launch(c.data_ptr<int64_t>(), R, E, k, h.data_ptr<int64_t>(), mask_ptr(m), stream));
   return h;
 }
 #endif

@@ -43,13 +43,87 @@ __all__ = [
     "depth_first_allocation",
     "gen_allocation",
     "gen_plan",
+    "reuse_plan",
     "gen_offloading_plan",
     "rank_loads",
     "reroute_tokens_torch",
+    "donor_ranks",
+    "donor_mask",
     "ASSIGNMENTS",
+    "DONOR_PATTERNS",
+    "MAX_TOTAL_TOKENS",
 ]
 
 ASSIGNMENTS = ("auto", "greedy", "best_fit")
+DONOR_PATTERNS = ("ring", "node")
+
+# Largest total token count (counts.sum()) a plan accepts: the allocation multiplies two counts (int64), so both stay
+# below 2**31. Above it: ValueError for CPU counts; on CUDA the plan moves nothing (all counts read as 0) and the
+# device error flag's "inconsistent plan input" bit is set (moe_graph.check_errors() reports it): raising would sync.
+MAX_TOTAL_TOKENS = 2**31 - 1
+
+
+def donor_ranks(num_ep_ranks: int, w: int | None, pattern: str = "ring", node_size: int | None = None):
+    """The ``w`` fixed donor ranks of every EP rank: ``donors[r]`` lists the ranks whose experts rank ``r``'s spare
+    slots may host (in offset order), or ``None`` when placement is unconstrained (``w`` is ``None`` or ``>= R``).
+
+    Patterns (each offset ``o = 1..w`` is a permutation of the ranks, so the weight exchange is ``w`` steps in which
+    every rank sends one block and receives one block: no rank is a hot spot, and the same static pattern holds on
+    every rank, which is what lets the exchange be ``w`` fixed peer blocks):
+
+    * ``"ring"`` (default): ``donors[r] = [(r + 1) % R, ..., (r + w) % R]``, the next ``w`` ranks. With EP ranks
+      numbered node-major (consecutive ranks share a node), most blocks stay inside the NVLink domain.
+    * ``"node"``: the same ring inside each group of ``node_size`` consecutive ranks (one NVLink domain):
+      ``donors[r] = [base + (r - base + o) % node_size]``; needs ``w < node_size`` and ``R % node_size == 0``. All
+      weight traffic stays inside the node, at some cost in balance when a node's experts are hot together.
+
+    ``w = R - 1`` allows every other rank (the same plans as unconstrained, exchanged as ``R - 1`` peer blocks).
+
+    Example: ``donor_ranks(8, 2)[7] == [0, 1]``; ``donor_ranks(8, 2, "node", 4)[7] == [4, 5]``.
+    """
+    R = _positive_int(num_ep_ranks, "num_ep_ranks")
+    if w is None or (isinstance(w, int) and not isinstance(w, bool) and w >= R):
+        return None
+    w = _positive_int(w, "w (donor ranks per rank)")
+    if pattern == "ring":
+        return [[(r + o) % R for o in range(1, w + 1)] for r in range(R)]
+    if pattern == "node":
+        G = _positive_int(node_size, "node_size") if node_size is not None else None
+        if G is None or R % G or w >= G:
+            raise ValueError(
+                f"donor pattern 'node' needs node_size dividing num_ep_ranks={R} and w={w} < node_size, got "
+                f"node_size={node_size}")
+        return [[(r - r % G) + (r % G + o) % G for o in range(1, w + 1)] for r in range(R)]
+    raise ValueError(f"donor pattern must be one of {DONOR_PATTERNS}, got {pattern!r}")
+
+
+def donor_mask(num_ep_ranks: int, w: int | None, pattern: str = "ring", node_size: int | None = None,
+               device=None) -> torch.Tensor | None:
+    """``[R, R]`` bool, ``mask[r, q]``: a spare slot on rank ``r`` may host an expert whose home is rank ``q``
+    (:func:`donor_ranks`); ``None`` when unconstrained. Built on the host once (setup time), never per step."""
+    donors = donor_ranks(num_ep_ranks, w, pattern, node_size)
+    if donors is None:
+        return None
+    m = torch.zeros(num_ep_ranks, num_ep_ranks, dtype=torch.bool)
+    for r, ds in enumerate(donors):
+        m[r, ds] = True
+    return m.to(device) if device is not None else m
+
+
+def _positive_int(v, name: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"{name} must be a positive int, got {v!r}")
+    return v
+
+
+def _check_donor_mask(donor_mask_: torch.Tensor | None, R: int, device) -> torch.Tensor | None:
+    if donor_mask_ is None:
+        return None
+    if not isinstance(donor_mask_, torch.Tensor) or donor_mask_.dtype != torch.bool or donor_mask_.shape != (R, R):
+        raise ValueError(
+            f"donor_mask must be a [R, R] = [{R}, {R}] bool tensor (planner.donor_mask), got "
+            f"{getattr(donor_mask_, 'dtype', type(donor_mask_).__name__)} {tuple(getattr(donor_mask_, 'shape', ()))}")
+    return donor_mask_.to(device)
 
 
 def _check_counts(counts: torch.Tensor, num_ep_ranks: int | None = None) -> torch.Tensor:
@@ -64,8 +138,20 @@ def _check_counts(counts: torch.Tensor, num_ep_ranks: int | None = None) -> torc
         raise ValueError(f"counts must have num_ep_ranks={num_ep_ranks} rows, got shape {tuple(counts.shape)}")
     if R < 1 or E % R != 0:
         raise ValueError(f"counts [R, E]: the number of experts E={E} must be divisible by the number of EP ranks R={R}")
+    counts = counts.to(torch.int64)
+    if counts.device.type == "cpu":  # no device sync: check and raise
+        if counts.numel() and int(counts.clamp(min=0).sum()) > MAX_TOTAL_TOKENS:
+            raise ValueError(
+                f"counts: the total token count {int(counts.clamp(min=0).sum())} exceeds the planner's limit "
+                f"MAX_TOTAL_TOKENS={MAX_TOTAL_TOKENS} (int64 products of two counts would overflow)")
+    elif counts.numel():  # device: flag it and plan nothing (raising would need a sync)
+        from .ops.errors import flag_error_if
+
+        over = counts.clamp(min=0).sum() > MAX_TOTAL_TOKENS
+        flag_error_if(over, 8)
+        counts = torch.where(over, torch.zeros((), dtype=counts.dtype, device=counts.device), counts)
     # Negative counts are meaningless; treat them as 0 (no sync to report them).
-    return counts.to(torch.int64).clamp(min=0)
+    return counts.clamp(min=0)
 
 
 def rank_loads(counts: torch.Tensor) -> torch.Tensor:
@@ -161,7 +247,8 @@ def _top_k_per_column(amount: torch.Tensor, k: int) -> torch.Tensor:
     return out.scatter_(0, rows.reshape(1, R * k), vals.reshape(1, R * k))
 
 
-def assign_spillover(spillover: torch.Tensor, spare_capacity: torch.Tensor, num_spare_experts_per_ep_rank: int = 1) -> torch.Tensor:
+def assign_spillover(spillover: torch.Tensor, spare_capacity: torch.Tensor, num_spare_experts_per_ep_rank: int = 1,
+                     donor_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Greedy core: ``spillover[E]`` and ``spare_capacity[R]`` -> ``home_to_spare[E, R*k]`` int64.
 
     Spillover (descending, stable) is laid on one number line and the ranks' spare capacities (descending,
@@ -173,6 +260,9 @@ def assign_spillover(spillover: torch.Tensor, spare_capacity: torch.Tensor, num_
     ``[0, 120, 60, 0]``: sorted ``[100, 80, 50, 30, 0...]`` vs ``[120, 60, 0, 0]`` overlap as expert 5 -> rank 1:
     100, expert 1 -> rank 1: 20 and rank 2: 60. Top-1 per rank: slot 1 takes 100 tokens of expert 5, slot 2 takes
     60 of expert 1 (the 20 of expert 1 on rank 1 stay home); with ``k = 2`` slot 3 also takes those 20.
+
+    ``donor_mask`` (``[R, R]`` bool, :func:`donor_mask`): overlaps of an expert with a rank that may not host it
+    (its home rank is not one of the rank's donors) are dropped before the top-k (those tokens stay home).
     """
     k = int(num_spare_experts_per_ep_rank)
     spill_sorted, idx_e = torch.sort(spillover.to(torch.int64), descending=True, stable=True)
@@ -180,13 +270,19 @@ def assign_spillover(spillover: torch.Tensor, spare_capacity: torch.Tensor, num_
     a_sorted = one_shot_greedy_assignment(spill_sorted, cap_sorted)
     amount = torch.zeros_like(a_sorted)
     amount[idx_e[:, None], idx_r[None, :]] = a_sorted
+    if donor_mask is not None:
+        E, R = amount.shape
+        home = torch.arange(E, device=amount.device) // (E // R)
+        amount = torch.where(donor_mask.t().index_select(0, home), amount, 0)  # [E, R]: mask[r, home(e)]
     return _top_k_per_column(amount, k)
 
 
-def greedy_assignment(counts: torch.Tensor, num_spare_experts_per_ep_rank: int = 1) -> torch.Tensor:
+def greedy_assignment(counts: torch.Tensor, num_spare_experts_per_ep_rank: int = 1,
+                      donor_mask: torch.Tensor | None = None) -> torch.Tensor:
     """The seed's assignment: :func:`gen_intermediate` then :func:`assign_spillover`. ``[E, R*k]`` int64."""
     spill, cap, _ = gen_intermediate(counts)
-    return assign_spillover(spill, cap, num_spare_experts_per_ep_rank)
+    mask = _check_donor_mask(donor_mask, counts.shape[0], counts.device)
+    return assign_spillover(spill, cap, num_spare_experts_per_ep_rank, mask)
 
 
 # 3R + E limit of the one-block CUDA best-fit kernel (kBestFitMaxDynamicSmem / 8 in csrc/reroute/echo_plan.h).
@@ -211,7 +307,8 @@ def _at(t: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
 
 
 def best_fit_assignment(
-    counts: torch.Tensor, num_spare_experts_per_ep_rank: int = 1, native: bool | None = None
+    counts: torch.Tensor, num_spare_experts_per_ep_rank: int = 1, native: bool | None = None,
+    donor_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Best-fit placement of rank overload into spare slots. Returns ``home_to_spare[E, R*k]`` int64.
 
@@ -233,13 +330,17 @@ def best_fit_assignment(
     ``native``: ``None`` (default) runs the native op ``moe_graph::echo_best_fit`` (one kernel) when the extension
     has it and otherwise this loop in torch; ``True`` requires the op, ``False`` forces the torch loop. Both give
     identical results.
+
+    ``donor_mask`` (``[R, R]`` bool, :func:`donor_mask`; ``None``: unconstrained): step 1 considers only ranks
+    that still have an open receiver allowed to host their experts, and step 2 only such receivers.
     """
     counts = _check_counts(counts)
     k = int(num_spare_experts_per_ep_rank)
+    mask = _check_donor_mask(donor_mask, counts.shape[0], counts.device)
     if native is not False:
         op = _native_best_fit(counts)
         if op is not None:
-            return op(counts, k)
+            return op(counts, k, mask)
         if native:
             raise RuntimeError("best_fit_assignment(native=True): moe_graph._C has no echo_best_fit for this device")
     R, E = counts.shape
@@ -257,12 +358,20 @@ def best_fit_assignment(
     big = torch.iinfo(torch.int64).max
     ranks = torch.arange(R, device=dev)
     for _ in range(S):
-        q = torch.argmax(excess)  # first maximum: deterministic
-        ex_q = _at(excess, q)
+        if mask is None:
+            q = torch.argmax(excess)  # first maximum: deterministic
+            ex_q = _at(excess, q)
+        else:  # donors with an open receiver they may use; the others count as 0
+            open_any = (used_slots < k) & (cap > 0)
+            key = torch.where((mask & open_any[:, None]).any(0), excess, 0)
+            q = torch.argmax(key)
+            ex_q = _at(key, q)
         av_q = _at(avail, q)
         e_loc = torch.argmax(av_q)
         x = torch.minimum(ex_q, _at(av_q, e_loc))
         open_bin = (used_slots < k) & (cap > 0)
+        if mask is not None:
+            open_bin = open_bin & mask.index_select(1, q.view(1)).squeeze(1)
         fits = open_bin & (cap >= x)
         r_fit = torch.argmin(torch.where(fits, cap, big))
         r_big = torch.argmax(torch.where(open_bin, cap, -1))
@@ -289,7 +398,8 @@ def _max_load_after(counts: torch.Tensor, home_to_spare: torch.Tensor, k: int) -
 
 
 def gen_assignment(
-    counts: torch.Tensor, num_spare_experts_per_ep_rank: int = 1, assignment: str = "auto", native: bool | None = None
+    counts: torch.Tensor, num_spare_experts_per_ep_rank: int = 1, assignment: str = "auto", native: bool | None = None,
+    donor_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """How many tokens of each home expert each spare slot takes.
 
@@ -300,6 +410,8 @@ def gen_assignment(
             ``"best_fit"`` (:func:`best_fit_assignment`) or ``"auto"`` (default: both, keeping the one with the
             lower maximum rank load after offloading; ties keep greedy, so never worse than greedy).
         native: passed to :func:`best_fit_assignment` (``False``: pure torch).
+        donor_mask: ``[R, R]`` bool from :func:`donor_mask` (``None``: any rank may host any other rank's expert):
+            a slot on rank ``r`` hosts only experts whose home rank ``q`` has ``donor_mask[r, q]``.
 
     Returns:
         ``home_to_spare[E, S]`` int64, ``S = R * k``: at most one non-zero per column (a slot hosts one home
@@ -313,14 +425,18 @@ def gen_assignment(
     k = int(num_spare_experts_per_ep_rank)
     if k < 1:
         raise ValueError(f"num_spare_experts_per_ep_rank must be >= 1, got {num_spare_experts_per_ep_rank}")
+    if counts.shape[1] == 0:  # no experts: nothing to place (the native op gives the same empty plan)
+        if assignment not in ASSIGNMENTS:
+            raise ValueError(f"assignment must be one of {ASSIGNMENTS}, got {assignment!r}")
+        return counts.new_zeros(0, counts.shape[0] * k)
     if assignment == "greedy":
-        return greedy_assignment(counts, k)
+        return greedy_assignment(counts, k, donor_mask)
     if assignment == "best_fit":
-        return best_fit_assignment(counts, k, native)
+        return best_fit_assignment(counts, k, native, donor_mask)
     if assignment != "auto":
         raise ValueError(f"assignment must be one of {ASSIGNMENTS}, got {assignment!r}")
-    g = greedy_assignment(counts, k)
-    b = best_fit_assignment(counts, k, native)
+    g = greedy_assignment(counts, k, donor_mask)
+    b = best_fit_assignment(counts, k, native, donor_mask)
     better = _max_load_after(counts, b, k) < _max_load_after(counts, g, k)
     return torch.where(better, b, g)
 
@@ -390,6 +506,8 @@ def depth_first_allocation(
 
 def gen_allocation(counts: torch.Tensor, home_to_spare: torch.Tensor) -> torch.Tensor:
     """Breadth-first then depth-first allocation: ``[R, S]`` tokens each source rank sends to each slot."""
+    if counts.shape[1] == 0:  # no experts: nothing moves
+        return counts.new_zeros(counts.shape[0], home_to_spare.shape[1], dtype=torch.int64)
     return depth_first_allocation(counts, home_to_spare, breadth_first_allocation(counts, home_to_spare))
 
 
@@ -402,13 +520,15 @@ def _native_plan(counts: torch.Tensor):
 
 
 def gen_plan(
-    counts: torch.Tensor, num_spare_experts_per_ep_rank: int = 1, assignment: str = "auto", native: bool | None = None
+    counts: torch.Tensor, num_spare_experts_per_ep_rank: int = 1, assignment: str = "auto", native: bool | None = None,
+    donor_mask: torch.Tensor | None = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(home_to_spare [E, S], allocation [R, S])``: :func:`gen_assignment` then :func:`gen_allocation`.
 
     ``native``: ``None`` (default) uses the native op ``moe_graph::echo_plan`` when the extension has it for the
     device (the whole plan in one step: one kernel launch on CUDA instead of ~100 small ones), otherwise the torch
-    functions; ``True`` requires the op; ``False`` forces torch. Both give identical results.
+    functions; ``True`` requires the op; ``False`` forces torch. Both give identical results. ``donor_mask``: see
+    :func:`gen_assignment`.
 
     Example: ``gen_plan(torch.tensor([[60, 20, 5, 5], [60, 20, 5, 5]]))`` ->
     ``([[0, 70], [0, 0], [0, 0], [0, 0]], [[0, 35], [0, 35]])``.
@@ -419,13 +539,42 @@ def gen_plan(
         raise ValueError(f"num_spare_experts_per_ep_rank must be >= 1, got {num_spare_experts_per_ep_rank}")
     if assignment not in ASSIGNMENTS:
         raise ValueError(f"assignment must be one of {ASSIGNMENTS}, got {assignment!r}")
+    mask = _check_donor_mask(donor_mask, counts.shape[0], counts.device)
     if native is not False:
         op = _native_plan(counts)
         if op is not None:
-            return op(counts, k, assignment)
+            return op(counts, k, assignment, mask)
         if native:
             raise RuntimeError("gen_plan(native=True): moe_graph._C has no echo_plan for this device")
-    h = gen_assignment(counts, k, assignment, native=native)
+    h = gen_assignment(counts, k, assignment, native=native, donor_mask=mask)
+    return h, gen_allocation(counts, h)
+
+
+def reuse_plan(
+    counts: torch.Tensor, home_to_spare_ref: torch.Tensor, expert_loads_ref: torch.Tensor
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Plan once per iteration: keep a reference plan's placement (which expert each slot hosts, so the weights
+    need not move again) and rescale its amounts to new ``counts``. Returns ``(home_to_spare [E, S],
+    allocation [R, S])`` like :func:`gen_plan`.
+
+    Slot ``j`` hosting expert ``e`` takes the same share of ``e``'s tokens as in the reference:
+    ``floor(load_e * home_to_spare_ref[e, j] / expert_loads_ref[e])`` (exact integer arithmetic, so the slots of an
+    expert never take more than its tokens); the allocation over source ranks is :func:`gen_allocation`. With
+    ``counts`` equal to the reference counts the reference plan comes back unchanged.
+
+    Args:
+        counts: ``[R, E]`` this microbatch's all-gathered counts. home_to_spare_ref: ``[E, S]`` the reference plan.
+        expert_loads_ref: ``[E]`` the reference counts' ``sum(0)``.
+    """
+    counts = _check_counts(counts)
+    R, E = counts.shape
+    h_ref = home_to_spare_ref.to(torch.int64)
+    if h_ref.dim() != 2 or h_ref.shape[0] != E or h_ref.shape[1] % R:
+        raise ValueError(f"home_to_spare_ref must have shape [E, R*k] with E={E}, R={R}, got {tuple(h_ref.shape)}")
+    if tuple(expert_loads_ref.shape) != (E,):
+        raise ValueError(f"expert_loads_ref must have shape [E] = [{E}], got {tuple(expert_loads_ref.shape)}")
+    load = counts.sum(0)
+    h = h_ref * load[:, None] // expert_loads_ref.to(torch.int64).clamp(min=1)[:, None]
     return h, gen_allocation(counts, h)
 
 
@@ -443,6 +592,8 @@ def reroute_tokens_torch(
     T, E = routing_map.shape
     S = home_to_spare_map.shape[1]
     dev = routing_map.device
+    if E == 0:  # no home experts: no routes, nothing moves (as the native op)
+        return (torch.zeros(T, S, dtype=torch.bool, device=dev), torch.zeros(T, S, dtype=probs.dtype, device=dev))
     hmap = home_to_spare_map.to(torch.bool)
     first = torch.argmax(hmap.to(torch.int8), dim=0)  # [S]
     has_home = hmap.any(0)
@@ -486,6 +637,7 @@ def gen_offloading_plan(
     num_ep_ranks: int,
     num_spare_experts_per_ep_rank: int = 1,
     assignment: str = "auto",
+    donor_mask: torch.Tensor | None = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Plan echo offloading and reroute this rank's tokens.
 
@@ -494,7 +646,7 @@ def gen_offloading_plan(
         probs: ``[T, E]`` float, their probabilities.
         counts: ``[R, E]`` integer, all-gathered ``routing_map.sum(0)`` of every EP rank (identical everywhere).
         ep_rank: this rank's index in the EP group; num_ep_ranks: ``R``.
-        num_spare_experts_per_ep_rank: ``k``. assignment: see :func:`gen_assignment`.
+        num_spare_experts_per_ep_rank: ``k``. assignment, donor_mask: see :func:`gen_assignment`.
 
     Returns:
         ``(rerouted_routing_map [T, E+S] bool, rerouted_probs [T, E+S], expert_offloading_map [E, S] bool)``.
@@ -518,7 +670,7 @@ def gen_offloading_plan(
     if not 0 <= ep_rank < num_ep_ranks:
         raise ValueError(f"ep_rank must be in [0, {num_ep_ranks}), got {ep_rank}")
     counts = counts.to(routing_map.device)
-    home_to_spare, allocation = gen_plan(counts, num_spare_experts_per_ep_rank, assignment)
+    home_to_spare, allocation = gen_plan(counts, num_spare_experts_per_ep_rank, assignment, donor_mask=donor_mask)
     offloading_map = home_to_spare > 0
     new_map, new_probs = _reroute(routing_map, probs, allocation[ep_rank], offloading_map)
     return new_map, new_probs, offloading_map

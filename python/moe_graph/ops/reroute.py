@@ -49,11 +49,12 @@ def best_fit_available(device_type: str = "cpu") -> bool:
         return False
 
 
-def echo_best_fit(counts: torch.Tensor, num_spare_experts_per_ep_rank: int = 1) -> torch.Tensor:
+def echo_best_fit(counts: torch.Tensor, num_spare_experts_per_ep_rank: int = 1, donor_mask=None) -> torch.Tensor:
     """Native best-fit placement: ``counts [R, E]`` int32/int64 -> ``home_to_spare [E, R*k]`` int64, identical to
     the pure-torch ``moe_graph.planner.best_fit_assignment`` loop (one kernel instead of ``R*k`` rounds of tiny
-    ones). CUDA: one block, needs ``3*R + E <= 6016``."""
-    return torch.ops.moe_graph.echo_best_fit(counts, int(num_spare_experts_per_ep_rank))
+    ones). CUDA: one block, needs ``3*R + E <= 6016``. ``donor_mask``: optional ``[R, R]`` bool
+    (``moe_graph.planner.donor_mask``)."""
+    return torch.ops.moe_graph.echo_best_fit(counts, int(num_spare_experts_per_ep_rank), donor_mask)
 
 
 @torch.compiler.assume_constant_result  # fixed per process: traced once by torch.compile
@@ -66,13 +67,15 @@ def plan_available(device_type: str = "cpu") -> bool:
         return False
 
 
-def echo_plan(counts: torch.Tensor, num_spare_experts_per_ep_rank: int = 1, assignment: str = "auto"):
+def echo_plan(counts: torch.Tensor, num_spare_experts_per_ep_rank: int = 1, assignment: str = "auto", donor_mask=None):
     """The whole echo plan in one native step: ``counts [R, E]`` -> ``(home_to_spare [E, R*k],
     allocation [R, R*k])`` int64, identical to ``moe_graph.planner.gen_assignment(counts, k, assignment)`` followed by
-    ``gen_allocation``. One kernel launch on CUDA (one block), no host sync."""
+    ``gen_allocation``. One kernel launch on CUDA (one block), no host sync. ``donor_mask``: optional ``[R, R]`` bool
+    (``moe_graph.planner.donor_mask``): a slot on rank ``r`` hosts only experts of ranks ``q`` with ``mask[r, q]``."""
     if assignment not in _PLAN_MODES:
         raise ValueError(f"assignment must be one of {tuple(_PLAN_MODES)}, got {assignment!r}")
-    return torch.ops.moe_graph.echo_plan(counts, int(num_spare_experts_per_ep_rank), _PLAN_MODES[assignment])
+    return torch.ops.moe_graph.echo_plan(counts, int(num_spare_experts_per_ep_rank), _PLAN_MODES[assignment],
+                                         donor_mask)
 
 
 def reroute_tokens(
@@ -143,14 +146,14 @@ def _register() -> None:
     if best_fit_available():
 
         @torch.library.register_fake(_BF)
-        def _(counts, num_spare_experts_per_ep_rank):
+        def _(counts, num_spare_experts_per_ep_rank, donor_mask=None):
             R, E = counts.shape
             return counts.new_empty((E, R * num_spare_experts_per_ep_rank), dtype=torch.int64)
 
     if plan_available():
 
         @torch.library.register_fake(_PLAN)
-        def _(counts, num_spare_experts_per_ep_rank, mode):
+        def _(counts, num_spare_experts_per_ep_rank, mode, donor_mask=None):
             R, E = counts.shape
             S = R * num_spare_experts_per_ep_rank
             return counts.new_empty((E, S), dtype=torch.int64), counts.new_empty((R, S), dtype=torch.int64)
