@@ -58,12 +58,14 @@ def gumbel_topk_routing(num_rows, p_log, topk, gen, device):
     return rm
 
 
-def make_case(R, E, T, topk, skew, seed, permute, device):
+def make_case(R, E, T, topk, skew, seed, permute, device, perm_seed=None):
+    """``perm_seed``: seed of the popular experts' placement (default ``seed``); microbatches of one iteration
+    share it (same router, same popular experts) and differ in the sampled routes."""
     gen = torch.Generator().manual_seed(seed)
     dgen = torch.Generator(device=device).manual_seed(seed) if device.type == "cuda" else gen
     p = 1.0 / torch.arange(1, E + 1, dtype=torch.float64) ** skew
     if permute:
-        p = p[torch.randperm(E, generator=gen)]
+        p = p[torch.randperm(E, generator=torch.Generator().manual_seed(seed if perm_seed is None else perm_seed))]
     p_log = (p / p.sum()).log().float()
     # counts of every rank from batches of rows; rank 0's routing map is kept for the reroute timing
     rows = R * T
@@ -287,8 +289,8 @@ def sweep(args):
             for R in args.ranks:
                 if E % R or args.topk > E:
                     continue
-                cases = [[make_case(R, E, T, args.topk, skew, 1000 * s + 17 * m + 7, not args.no_permute, device)[0]
-                          for m in range(M)] for s in range(args.seeds)]
+                cases = [[make_case(R, E, T, args.topk, skew, 1000 * s + 17 * m + 7, not args.no_permute, device,
+                                    perm_seed=1000 * s + 7)[0] for m in range(M)] for s in range(args.seeds)]
                 before = statistics.mean(balance(c, torch.zeros(E, R, dtype=torch.int64), 1)[0]
                                          for mbs in cases for c in mbs)
                 ws = sorted({w for w in args.donors if w < R} | {R})
