@@ -19,8 +19,12 @@ gather indices. The exchange goes through a :class:`EchoBackend`:
   works on NCCL and gloo.
 * :class:`AllGatherBackend`: the same exchange through ``all_gather`` (for process groups without all-to-all);
   ``R`` times the traffic.
-* a sparse peer-to-peer backend (only the ``<= k`` real copies per rank) can implement the same
-  ``exchange(send [R, k, N]) -> recv [R, k, N]`` interface later.
+* :class:`PeerBackend` (donor-constrained placement, ``donors=w``): the plan lets a rank's slots host only
+  experts of its ``w`` fixed donor ranks (:func:`moe_graph.planner.donor_ranks`), so the exchange is ``w`` static
+  peer blocks of ``k*N`` (one ``batch_isend_irecv`` of ``w`` sends and ``w`` receives; capturable with NCCL):
+  per-rank memory and traffic ``O(w*k*N)``, independent of ``R``.
+
+:func:`echo_buffer_bytes` returns the bytes these exchanges allocate per layer for a configuration.
 
 Gradients: the spare slots' weight gradients live in their own buffers (the grouped GEMM's per-expert accumulate
 mask overwrites those while it accumulates the home experts into ``main_grad``, see :func:`wgrad_accumulate_mask`);
@@ -54,6 +58,8 @@ __all__ = [
     "wgrad_accumulate_mask",
     "spare_grad_buffers",
     "echo_grouped_gemm",
+    "PeerBackend",
+    "echo_buffer_bytes",
 ]
 
 
@@ -108,6 +114,98 @@ class LocalBackend(EchoBackend):
         return [torch.stack([sends[s][d] for s in range(len(sends))]) for d in range(len(sends))]
 
 
+class PeerBackend(EchoBackend):
+    """``w`` static peer blocks: ``exchange(send [w, ...], to_ranks, from_ranks)`` sends ``send[o]`` to group rank
+    ``to_ranks[o]`` and receives ``recv[o]`` from ``from_ranks[o]``, all in one ``batch_isend_irecv`` (NCCL groups
+    them into one fused launch, capturable; gloo runs them as point-to-point messages)."""
+
+    def __init__(self, group=None):
+        self.group = group
+
+    def _global(self, r: int) -> int:
+        return r if self.group is None else dist.get_global_rank(self.group, r)
+
+    def exchange(self, send: torch.Tensor, to_ranks: Sequence[int] = (), from_ranks: Sequence[int] = ()) -> torch.Tensor:
+        send = send.contiguous()
+        recv = torch.empty_like(send)
+        self._send_recv(send, recv, to_ranks, from_ranks)
+        return recv
+
+    def _send_recv(self, send, recv, to_ranks, from_ranks) -> None:
+        ops = []
+        for o, (t, f) in enumerate(zip(to_ranks, from_ranks)):
+            ops.append(dist.P2POp(dist.irecv, recv[o], self._global(f), group=self.group))
+            ops.append(dist.P2POp(dist.isend, send[o], self._global(t), group=self.group))
+        if ops:
+            for req in dist.batch_isend_irecv(ops):
+                req.wait()
+
+
+PLAN_MODES = ("microbatch", "iteration")
+
+
+def echo_buffer_bytes(
+    num_experts: int,
+    num_ep_ranks: int,
+    num_spare_experts_per_ep_rank: int,
+    donors: Optional[int],
+    expert_numel: int,
+    dtype: torch.dtype = torch.bfloat16,
+    plan_mode: str = "microbatch",
+    num_microbatches: int = 1,
+    grad_dtype: torch.dtype = torch.float32,
+) -> dict:
+    """Bytes of the echo buffers one MoE layer allocates, for ``E`` experts, ``R`` EP ranks, ``k`` spare slots,
+    ``w = donors`` donor ranks (``None`` or ``>= R``: unconstrained, all-to-all of ``R`` blocks), ``N =
+    expert_numel`` parameters per expert (all expert weight tensors together, e.g. fc1 + fc2), weights in
+    ``dtype`` and gradients (``main_grad``) in ``grad_dtype``. With ``B = R`` (unconstrained) or ``w``, ``L = E/R``:
+
+    * ``dispatch_send`` / ``dispatch_recv``: ``B*k*N`` weight elements each (:meth:`EchoExpertDispatcher.dispatch`);
+    * ``spare_weights``: ``k*N`` per dispatch, held until the backward of every microbatch that uses it: one copy per
+      microbatch in flight with ``plan_mode="microbatch"`` (``num_microbatches``), one per iteration with
+      ``"iteration"``;
+    * ``grad_send`` / ``grad_recv``: ``B*k*N`` gradient elements each, ``grad_acc``: ``(L+1)*N``
+      (:meth:`EchoExpertDispatcher.aggregate_grads`, per backward);
+    * ``spare_grads``: ``k*N``, the spare slots' static wgrad buffers (fused ``main_grad`` path).
+
+    ``total`` sums them (an upper bound of what a CUDA graph's pool holds: the send/receive blocks are transient
+    and reused across microbatches). Everything but ``grad_acc`` is ``O(B*k*N)``: with donors, independent of ``R``.
+    The tests check the per-call numbers against the tensors the dispatcher actually allocates.
+
+    Example: DeepSeek-V3-sized experts (``N = 3 * 7168 * 2048``, bf16), ``E=256``, ``R=64``, ``k=2``: the
+    unconstrained dispatch send buffer is ``64*2*N*2`` bytes = 11.3 GB; with ``w=2`` it is 0.35 GB.
+    """
+    from .planner import donor_ranks
+
+    R = int(num_ep_ranks)
+    if R < 1 or num_experts < 1 or num_experts % R:
+        raise ValueError(f"num_experts={num_experts} must be a positive multiple of num_ep_ranks={num_ep_ranks}")
+    k = int(num_spare_experts_per_ep_rank)
+    if k < 1 or expert_numel < 0 or num_microbatches < 1:
+        raise ValueError(f"need num_spare_experts_per_ep_rank >= 1, expert_numel >= 0, num_microbatches >= 1; got "
+                         f"{k}, {expert_numel}, {num_microbatches}")
+    if plan_mode not in PLAN_MODES:
+        raise ValueError(f"plan_mode must be one of {PLAN_MODES}, got {plan_mode!r}")
+    d = donor_ranks(R, donors)
+    B = R if d is None else len(d[0])
+    L, N = num_experts // R, int(expert_numel)
+    wb = torch.empty((), dtype=dtype).element_size()
+    gb = torch.empty((), dtype=grad_dtype).element_size()
+    copies = num_microbatches if plan_mode == "microbatch" else 1
+    out = {
+        "dispatch_send": B * k * N * wb,
+        "dispatch_recv": B * k * N * wb,
+        "spare_weights": copies * k * N * wb,
+        "grad_send": B * k * N * gb,
+        "grad_recv": B * k * N * gb,
+        "grad_acc": (L + 1) * N * gb,
+        "spare_grads": k * N * gb,
+    }
+    out["total"] = sum(out.values())
+    out["blocks"] = B
+    return out
+
+
 _A2A_WORKS: dict = {}
 
 
@@ -151,8 +249,13 @@ class EchoExpertDispatcher:
         num_experts: ``E`` (all home experts). num_ep_ranks: ``R``. ep_rank: this rank's index in the EP group.
         num_spare_experts_per_ep_rank: ``k``.
         backend: an :class:`EchoBackend` (default: :func:`default_backend` of ``group``, resolved in the
-            constructor when torch.distributed is initialized, so construct the dispatcher before capturing).
+            constructor when torch.distributed is initialized, so construct the dispatcher before capturing; with
+            ``donors < R``: a :class:`PeerBackend`).
         group: the EP process group (``None``: the default group).
+        donors: ``w``, the fixed donor ranks per rank (``None`` or ``>= R``: any rank, today's all-to-all of ``R``
+            blocks). The plans must come from the planner with the matching
+            :func:`moe_graph.planner.donor_mask` (:attr:`donor_mask`); slots hosting an expert of a non-donor rank
+            get zeros. donor_pattern, node_size: see :func:`moe_graph.planner.donor_ranks`.
 
     Example (4 ranks, 2 experts each, ``k = 1``; the plan put a copy of expert 5 (rank 2) into slot 1)::
 
@@ -170,7 +273,21 @@ class EchoExpertDispatcher:
         num_spare_experts_per_ep_rank: int = 1,
         backend: Optional[EchoBackend] = None,
         group=None,
+        donors: Optional[int] = None,
+        donor_pattern: str = "ring",
+        node_size: Optional[int] = None,
+        device=None,
     ):
+        from .planner import donor_ranks
+
+        for name, v in (("num_experts", num_experts), ("num_ep_ranks", num_ep_ranks), ("ep_rank", ep_rank),
+                        ("num_spare_experts_per_ep_rank", num_spare_experts_per_ep_rank)):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+        if num_ep_ranks < 1:
+            raise ValueError(f"num_ep_ranks must be >= 1, got {num_ep_ranks}")
+        if num_experts < 1:
+            raise ValueError(f"num_experts must be >= 1, got {num_experts}")
         if num_experts % num_ep_ranks != 0:
             raise ValueError(f"num_experts={num_experts} must be divisible by num_ep_ranks={num_ep_ranks}")
         if not 0 <= ep_rank < num_ep_ranks:
@@ -183,8 +300,38 @@ class EchoExpertDispatcher:
         self.k = num_spare_experts_per_ep_rank
         self.L = num_experts // num_ep_ranks
         self.S = self.R * self.k
-        self._backend = backend
+        self.donors = donor_ranks(num_ep_ranks, donors, donor_pattern, node_size)  # None: unconstrained
         self.group = group
+        if self.donors is not None:
+            R, me = self.R, self.rank
+            self.w = len(self.donors[0])
+            self.from_ranks = list(self.donors[me])  # block o of the weights comes from my o-th donor
+            # block o of my weights goes to the rank whose o-th donor I am (each offset is a permutation)
+            self.to_ranks = [next(r for r in range(R) if self.donors[r][o] == me) for o in range(self.w)]
+            pos = [-1] * R
+            for o, q in enumerate(self.from_ranks):
+                pos[q] = o
+            k = self.k
+            # gradient rows in ascending source slot order (source rank, then slot): a fixed summation order, the
+            # same as the all-to-all path's, so both give bit-identical sums
+            order = sorted(range(self.w), key=lambda o: self.to_ranks[o])
+            self._grad_rows = [o * k + i for o in order for i in range(k)]
+            self._consts = {
+                "donor_pos": pos,  # [R]: block index of a donor rank, -1 otherwise
+                "send_slots": [r * k + i for r in self.to_ranks for i in range(k)],  # slots of block o's receiver
+                "from": self.from_ranks,
+                "grad_src_slots": [self.to_ranks[o] * k + i for o in order for i in range(k)],
+            }
+            if backend is None:
+                backend = PeerBackend(group)
+        else:
+            self.w = self.R
+            self._grad_rows = list(range(self.S))
+            self._consts = {"grad_src_slots": list(range(self.S))}
+        self._backend = backend
+        self._tables = {}  # (name, device) -> the constant index tensors above, copied once (prepare())
+        if device is not None:
+            self.prepare(device)
         if backend is None and dist.is_available() and dist.is_initialized():
             # resolve (and probe) the backend now, at setup time: the probe is a collective with a host sync and
             # must not run inside a CUDA-graph capture
@@ -195,6 +342,34 @@ class EchoExpertDispatcher:
         if self._backend is None:
             self._backend = default_backend(self.group)
         return self._backend
+
+    @property
+    def donor_mask(self) -> Optional[torch.Tensor]:
+        """``[R, R]`` bool for the planner (:func:`moe_graph.planner.gen_plan`'s ``donor_mask``), ``None`` when
+        unconstrained."""
+        if self.donors is None:
+            return None
+        m = torch.zeros(self.R, self.R, dtype=torch.bool)
+        for r, ds in enumerate(self.donors):
+            m[r, ds] = True
+        return m
+
+    def prepare(self, device) -> None:
+        """Copies the constant index tables to ``device`` now (the constructor does it for its ``device``; a table
+        missing at the first dispatch is copied then, which must not happen inside a CUDA-graph capture)."""
+        for name in self._consts:
+            self._const(name, device)
+
+    def _const(self, name: str, device) -> torch.Tensor:
+        device = torch.device(device)
+        t = self._tables.get((name, device))
+        if t is None:
+            t = torch.tensor(self._consts[name], dtype=torch.int64, device=device)
+            self._tables[(name, device)] = t
+        return t
+
+    def _blocks(self) -> int:
+        return self.R if self.donors is None else self.w
 
     # -- plan decoding (device tensors only) --
     def slot_homes(self, expert_offloading_map: torch.Tensor):
@@ -238,37 +413,85 @@ class EchoExpertDispatcher:
     # -- forward: weights to spare slots --
     def dispatch(self, expert_offloading_map: torch.Tensor, home_weights: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         """Copies of the home experts for this rank's ``k`` spare slots: one ``[k, ...]`` tensor per input tensor
-        (zeros for an unused slot). Collective: every rank of the group must call it with the same plan."""
+        (zeros for an unused slot). Collective: every rank of the group must call it with the same plan.
+
+        Allocates exactly three ``N``-sized buffers (``N`` = one expert's elements over all tensors, in the weights'
+        dtype): the send and receive blocks ``[B, k, N]`` (``B = R``, or ``w`` with donors) and the spare copies
+        ``[k, N]`` (the returned tensors are views of it); see :func:`echo_buffer_bytes`."""
         self._check_weights(home_weights)
-        home_rank, home_local, has_home = self.slot_homes(expert_offloading_map.to(home_weights[0].device))
-        flat = self._pack([w.detach() for w in home_weights], self.L)  # [L, N]
-        mine = (has_home & (home_rank == self.rank))[:, None]  # [S, 1]: slots hosting one of our experts
-        send = torch.where(mine, flat.index_select(0, home_local), torch.zeros((), dtype=flat.dtype, device=flat.device))
-        recv = self.backend.exchange(send.view(self.R, self.k, -1))  # recv[s, i]: rank s's copy for our slot i
-        my = slice(self.rank * self.k, (self.rank + 1) * self.k)
-        src = home_rank[my].view(1, self.k, 1).expand(1, self.k, recv.shape[2])
-        spare = torch.gather(recv, 0, src).squeeze(0)  # [k, N]: the block from each slot's home rank
-        spare = torch.where(has_home[my][:, None], spare, torch.zeros((), dtype=spare.dtype, device=spare.device))
-        return self._unpack(spare, home_weights, self.k)
+        dev = home_weights[0].device
+        home_rank, home_local, has_home = self.slot_homes(expert_offloading_map.to(dev))
+        B, k, L = self._blocks(), self.k, self.L
+        sizes = [math.prod(w.shape[1:]) for w in home_weights]
+        N = sum(sizes)
+        if self.donors is None:  # block d: the k slots of rank d
+            slot_home, slot_local, slot_has = home_rank, home_local, has_home
+        else:  # block o: the k slots of to_ranks[o]
+            idx = self._const("send_slots", dev)
+            slot_home, slot_local, slot_has = home_rank[idx], home_local[idx], has_home[idx]
+        mine = slot_has & (slot_home == self.rank)  # [B*k]: the slot hosts one of our experts
+        send = torch.empty(B * k, N, dtype=home_weights[0].dtype, device=dev)
+        off = 0
+        for w, n in zip(home_weights, sizes):
+            torch.index_select(w.detach().reshape(L, n), 0, slot_local, out=send[:, off:off + n])
+            off += n
+        send.masked_fill_(~mine[:, None], 0)
+        my = slice(self.rank * k, (self.rank + 1) * k)
+        if self.donors is None:
+            recv = self.backend.exchange(send.view(B, k, N))  # recv[s, i]: rank s's copy for our slot i
+            block = home_rank[my]
+            ok = has_home[my]
+        else:
+            recv = self.backend.exchange(send.view(B, k, N), self.to_ranks, self.from_ranks)
+            pos = self._const("donor_pos", dev).index_select(0, home_rank[my])  # block of each slot's home rank (-1: none)
+            ok = has_home[my] & (pos >= 0)
+            block = pos.clamp(min=0)
+        rows = block * k + torch.arange(k, device=dev)
+        spare = torch.empty(k, N, dtype=send.dtype, device=dev)
+        torch.index_select(recv.view(B * k, N), 0, rows, out=spare)
+        spare.masked_fill_(~ok[:, None], 0)
+        return self._unpack(spare, home_weights, k)
 
     # -- backward: spare-slot gradients home --
     def exchange_grads(self, expert_offloading_map: torch.Tensor, spare_grads: Sequence[torch.Tensor]):
-        """Sends the spare slots' gradients to their home ranks. Returns ``(recv [S, N], home_local [S],
-        for_me [S])``: slot ``j``'s gradient, its home expert's local index, whether that expert lives here."""
-        for i, g in enumerate(spare_grads):
-            if g.dim() < 1 or g.shape[0] != self.k:
-                raise ValueError(f"spare_grads[{i}] must have k={self.k} slots on dim 0, got shape {tuple(g.shape)}")
+        """Sends the spare slots' gradients to their home ranks. Returns ``(recv [B*k, N], target [B*k])``: the
+        received rows and, for the ``j``-th row in summation order (ascending source slot; row
+        ``self._grad_rows[j]`` of ``recv``), the local home expert it adds into (``L``: a sink row, not ours).
+        Allocates the send and receive blocks ``[B, k, N]`` in fp32 (or
+        the gradients' wider dtype)."""
+        self._check_grads(spare_grads)
         dev = spare_grads[0].device
         dtype = torch.promote_types(spare_grads[0].dtype, torch.float32) if spare_grads[0].is_floating_point() else spare_grads[0].dtype
         home_rank, home_local, has_home = self.slot_homes(expert_offloading_map.to(dev))
-        flat = self._pack([g.to(dtype) for g in spare_grads], self.k)  # [k, N]
-        my = slice(self.rank * self.k, (self.rank + 1) * self.k)
-        dest = torch.arange(self.R, device=dev)[:, None] == home_rank[my][None, :]  # [R, k]
-        dest = dest & has_home[my][None, :]
-        send = torch.where(dest[:, :, None], flat[None], torch.zeros((), dtype=flat.dtype, device=dev))
-        recv = self.backend.exchange(send).reshape(self.S, -1)  # row s*k+i: slot s*k+i's gradient (if ours)
+        B, k = self._blocks(), self.k
+        sizes = [math.prod(g.shape[1:]) for g in spare_grads]
+        N = sum(sizes)
+        my = slice(self.rank * k, (self.rank + 1) * k)
+        dest_ranks = torch.arange(self.R, device=dev) if self.donors is None else self._const("from", dev)
+        dest = (dest_ranks[:, None] == home_rank[my][None, :]) & has_home[my][None, :]  # [B, k]
+        send = torch.empty(B, k, N, dtype=dtype, device=dev)
+        off = 0
+        for g, n in zip(spare_grads, sizes):
+            send[:, :, off:off + n].copy_(g.reshape(1, k, n).expand(B, k, n))
+            off += n
+        send.masked_fill_(~dest[:, :, None], 0)
+        if self.donors is None:
+            recv = self.backend.exchange(send).reshape(self.S, N)  # row s*k+i: slot s*k+i's gradient (if ours)
+        else:  # row o*k+i: slot i of to_ranks[o]
+            recv = self.backend.exchange(send, self.from_ranks, self.to_ranks).reshape(B * k, N)
         for_me = has_home & (home_rank == self.rank)
-        return recv, home_local, for_me
+        target = torch.where(for_me, home_local, torch.full_like(home_local, self.L))
+        return recv, target.index_select(0, self._const("grad_src_slots", dev))
+
+    def _check_grads(self, spare_grads: Sequence[torch.Tensor]) -> None:
+        if len(spare_grads) == 0:
+            raise ValueError("spare_grads must hold at least one tensor [k, ...]")
+        for i, g in enumerate(spare_grads):
+            if not isinstance(g, torch.Tensor) or g.dim() < 1 or g.shape[0] != self.k:
+                raise ValueError(f"spare_grads[{i}] must have k={self.k} slots on dim 0, got shape "
+                                 f"{tuple(getattr(g, 'shape', ()))}")
+            if g.device != spare_grads[0].device:
+                raise ValueError(f"spare_grads[{i}] must be on {spare_grads[0].device}, got {g.device}")
 
     def aggregate_grads(
         self,
@@ -285,29 +508,48 @@ class EchoExpertDispatcher:
                 into ``p.grad`` (created as zeros when ``None``).
             out: explicit ``[L, ...]`` gradient tensors to add into instead of ``home_params``.
 
-        Returns:
-            the tensors added into. Collective, like :meth:`dispatch`. Slots of the same expert are summed in slot
-            order by ``index_add_`` (deterministic on CPU; on CUDA under ``torch.use_deterministic_algorithms``).
+        Every input and output is validated before anything is written (a bad one raises and leaves all gradients
+        unchanged). Returns the tensors added into. Collective, like :meth:`dispatch`.
+
+        Deterministic on every device: the received rows are summed one at a time in ascending source slot order
+        into an fp32 accumulator ``[L + 1, N]`` (a static loop of single-row adds, no atomics), then added into the
+        gradients; two runs give identical bits, and the all-to-all and the donor (peer) exchange give the same sums.
         """
-        recv, home_local, for_me = self.exchange_grads(expert_offloading_map, spare_grads)
+        self._check_grads(spare_grads)
         if out is None:
             if home_params is None:
                 raise ValueError("aggregate_grads needs home_params or out")
+            if len(home_params) != len(spare_grads):
+                raise ValueError(f"home_params must hold one tensor per spare gradient ({len(spare_grads)}), got "
+                                 f"{len(home_params)}")
+            targets = [getattr(p, "main_grad", None) for p in home_params]
+            shapes = [tuple(p.shape) for p in home_params]
+        else:
+            if len(out) != len(spare_grads):
+                raise ValueError(f"out must hold one tensor per spare gradient ({len(spare_grads)}), got {len(out)}")
+            targets = list(out)
+            shapes = [tuple(o.shape) for o in out]
+        for i, (shape, g) in enumerate(zip(shapes, spare_grads)):
+            if len(shape) < 1 or shape[0] != self.L or tuple(shape[1:]) != tuple(g.shape[1:]):
+                raise ValueError(f"gradient tensor {i} must have shape [L={self.L}, {', '.join(map(str, g.shape[1:]))}] "
+                                 f"(the spare gradient's expert shape), got {list(shape)}")
+        for i, t in enumerate(targets):
+            if t is not None and (t.device != spare_grads[0].device or t.is_inference()):
+                raise ValueError(f"gradient tensor {i} must be a writable tensor on {spare_grads[0].device}")
+        recv, target = self.exchange_grads(expert_offloading_map, spare_grads)
+        if out is None:  # only now create missing .grad tensors: nothing is written before validation
             out = []
-            for p in home_params:
-                if getattr(p, "main_grad", None) is not None:
-                    out.append(p.main_grad)
-                else:
+            for p, t in zip(home_params, targets):
+                if t is None:
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
-                    out.append(p.grad)
-        target = torch.where(for_me, home_local, torch.full_like(home_local, self.L))  # row L: sink
+                    t = p.grad
+                out.append(t)
         acc = torch.zeros(self.L + 1, recv.shape[1], dtype=recv.dtype, device=recv.device)
-        acc.index_add_(0, target, recv)
+        for j, r in enumerate(self._grad_rows):  # fixed order, one row per add: no atomics racing on a row
+            acc.index_add_(0, target[j:j + 1], recv[r:r + 1])
         parts = self._unpack(acc[: self.L], list(out), self.L)
         for o, part in zip(out, parts):
-            if o.shape[0] != self.L:
-                raise ValueError(f"gradient tensors must have L={self.L} experts on dim 0, got shape {tuple(o.shape)}")
             o.add_(part.to(o.dtype))
         return list(out)
 
