@@ -145,157 +145,330 @@ class MoETransformerLM(nn.Module):
 
 
 # ------------------------------------------------------------------------------------------------ training --
-def make_train_step(ddp, opt):
-    """One training iteration: zero the grad buffers, forward/backward every microbatch, the optimizer step (grad
-    reduce-scatter, Adam on the shard, param all-gather) and, for routers with expert bias, the auxiliary-loss-free
-    bias update (one all-reduce). Device work only: the whole function is one CUDA graph."""
+def make_train_step(ddps, opt, num_microbatches: int, pp: int = 1, vpp: Optional[int] = None,
+                    tensor_shape=None, dtype=torch.float32):
+    """One training iteration on this rank: zero the grad buffers, the forward/backward of every microbatch through
+    the pipeline schedule of ``pp`` / ``vpp`` (no pipelining, 1F1B or interleaved; gradient reduction only with the
+    last microbatch), the optimizer step (grad reduce-scatter, global-norm clipping, Adam on the shard, param
+    all-gather) and, for routers with expert bias, the auxiliary-loss-free bias update (one all-reduce).
+
+    ``ddps``: the :class:`moe_graph.ddp.DistributedDataParallel` model chunk(s) of this rank (a list with ``vpp``).
+    Returns ``step(microbatches) -> (mean loss, grad norm)``; the loss is 0 off the last pipeline stage. Device
+    work only: with ``pp == 1`` the whole function is one CUDA graph."""
+    from torch import nn
+
+    from . import pipeline as P
     from .moe_layer import update_expert_bias
 
+    chunks = list(ddps) if isinstance(ddps, (list, tuple)) else [ddps]
+    pick = (lambda xs: xs) if vpp else (lambda xs: xs[0])
+    fb = P.get_forward_backward_func(pp, vpp)
+    config = P.PipelineConfig(tensor_shape=tensor_shape, dtype=dtype, no_sync_func=pick([d.no_sync for d in chunks]))
+    modules = nn.ModuleList([d.module for d in chunks])
+    zero = torch.zeros((), device=opt.device)
+
+    def forward_step(data_iterator, model):
+        tokens, labels = next(data_iterator)
+        return model(tokens, labels), (lambda loss: loss)
+
     def step(microbatches):
-        ddp.zero_grad_buffer()
-        losses = []
-        for tokens, labels in microbatches:
-            loss = ddp(tokens, labels)
-            (loss / len(microbatches)).backward()
-            losses.append(loss.detach())
-        opt.step()
-        update_expert_bias(ddp.module)  # no-op without enable_expert_bias
-        return torch.stack(losses).mean()
+        opt.zero_grad()
+        losses = fb(forward_step_func=forward_step, data_iterator=pick([iter(microbatches) for _ in chunks]),
+                    model=pick(chunks), num_microbatches=num_microbatches, config=config)
+        _, grad_norm = opt.step()
+        update_expert_bias(modules)  # no-op without enable_expert_bias
+        loss = torch.stack(losses).float().mean() if losses else zero
+        return loss, grad_norm
 
     return step
 
 
+def _global_name(stage, name: str) -> str:
+    """A pipeline stage's tensor name in the whole model (``blocks.<i>`` numbered by the stage's ``layer_ids``)."""
+    if name.startswith("blocks."):
+        _, i, rest = name.split(".", 2)
+        return f"blocks.{stage.layer_ids[int(i)]}.{rest}"
+    return name
+
+
+def _local_tensors(stages, ep_rank: int):
+    """(dense, experts): this rank's model tensors by global name, and the expert ones ``[L, ...]`` with the global
+    expert index of each row."""
+    dense, experts, slices = {}, {}, {}
+    for stage in stages:
+        expert_names = {n for n, p in stage.named_parameters() if not getattr(p, "allreduce", True)}
+        for name, t in stage.state_dict(keep_vars=True).items():
+            if not isinstance(t, torch.Tensor):
+                continue  # GroupedLinear's _extra_state
+            g = _global_name(stage, name)
+            if name in expert_names:
+                experts[g] = t.data
+                slices[g] = range(ep_rank * t.shape[0], (ep_rank + 1) * t.shape[0])
+            else:
+                dense[g] = t.data
+    return dense, experts, slices
+
+
+_CKPT_MODEL_KEYS = ("layers", "hidden", "heads", "ffn", "experts", "topk", "seq", "router", "spare")
+
+
+def _rng_state() -> Dict:
+    st = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        st["cuda"] = torch.cuda.get_rng_state()
+    return st
+
+
+def _set_rng_state(st: Dict) -> None:
+    torch.set_rng_state(st["torch"])
+    random.setstate(st["python"])
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state(st["cuda"])
+
+
+def check_checkpoint_compatible(meta: Dict, cfg, layout) -> None:
+    """Raise ``ValueError`` naming the flag when the run cannot resume from the checkpoint ``meta``."""
+    saved = meta["model"]
+    for k in _CKPT_MODEL_KEYS:
+        if saved.get(k) != getattr(cfg, k):
+            raise ValueError(f"--load: the checkpoint was saved with --{k} {saved.get(k)}, this run uses "
+                             f"--{k} {getattr(cfg, k)} (the model must be the same)")
+    lay = meta["layout"]
+    for k in ("pp", "vpp", "ep"):
+        if lay[k] != getattr(layout, k):
+            raise ValueError(f"--load: the checkpoint was saved with --{k} {lay[k]}, this run uses --{k} "
+                             f"{getattr(layout, k)} (the optimizer state is sharded per pipeline stage and expert "
+                             "rank; only the data-parallel size may change)")
+    if meta["step"] >= cfg.steps:
+        raise ValueError(f"--steps {cfg.steps}: the checkpoint is at step {meta['step']}; nothing left to train")
+
+
 def _train(rank: int, world: int, cfg) -> Dict:
+    """The training loop of one rank, the same under torchrun and under the demo's own processes; expects
+    ``torch.distributed`` initialized (any world size, 1 included)."""
     import torch.distributed as dist
 
+    from . import checkpoint as C
     from . import parallel_state as ps
+    from . import pipeline as P
     from .ddp import DistributedDataParallel
     from .graph import FullIterationGraph
+    from .launch import resolve_layout
     from .optimizer import DistributedOptimizer
 
+    layout = resolve_layout(world, cfg.pp, cfg.vpp, cfg.ep)
     is_cuda = cfg.device == "cuda"
-    if is_cuda:
+    if is_cuda and os.environ.get("LOCAL_RANK") is None:  # own processes on one machine (torchrun: LOCAL_RANK)
         torch.cuda.set_device(rank % torch.cuda.device_count())
     device = torch.device("cuda", torch.cuda.current_device()) if is_cuda else torch.device("cpu")
     dtype = torch.bfloat16 if is_cuda else torch.float32
-    distributed = world > 1
-    ep_group = edp_group = None
-    if distributed:
-        ps.initialize_model_parallel(expert_model_parallel_size=world)
-        ep_group = ps.get_expert_model_parallel_group()
-        edp_group = ps.get_expert_data_parallel_group()
+    ps.initialize_model_parallel(pipeline_model_parallel_size=layout.pp, expert_model_parallel_size=layout.ep,
+                                 virtual_pipeline_model_parallel_size=layout.vpp)
+    try:
+        return _train_loop(rank, world, cfg, layout, device, dtype, dist, C, ps, P, DistributedDataParallel,
+                           FullIterationGraph, DistributedOptimizer)
+    finally:
+        ps.destroy_model_parallel()
+
+
+def _train_loop(rank, world, cfg, layout, device, dtype, dist, C, ps, P, DistributedDataParallel,
+                FullIterationGraph, DistributedOptimizer) -> Dict:
+    is_cuda = device.type == "cuda"
+    pp_rank, dp_rank = ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank()
+    ep_rank, edp_rank = ps.get_expert_model_parallel_rank(), ps.get_expert_data_parallel_rank()
+    ep_group = ps.get_expert_model_parallel_group()
     say = (lambda *a, **k: print(*a, **k, flush=True)) if rank == 0 else (lambda *a, **k: None)
+    out_dir = cfg.out
 
     data = CharData(build_corpus(seed=0))
     moe_kwargs = dict(aux_loss_coeff=cfg.aux, num_spare_experts_per_ep_rank=cfg.spare, capacity_factor=cfg.capacity,
-                      assignment=cfg.assignment, ep_group=ep_group, ep_size=world)
+                      assignment=cfg.assignment, ep_group=ep_group, ep_size=layout.ep)
     if cfg.router == "deepseek":  # sigmoid scores, group-limited top-k, aux-loss-free expert bias, and a tiny
         # sequence-wise aux loss (DeepSeek-V3's alpha = 1e-4)
         moe_kwargs.update(score_func="sigmoid", num_groups=min(4, cfg.experts), group_topk=min(2, cfg.topk),
                           enable_expert_bias=True, expert_bias_update_rate=1e-3, aux_loss_coeff=1e-4,
                           aux_loss_type="sequence")
-    torch.manual_seed(1234 + rank)  # experts differ per rank; dense weights are broadcast from rank 0 below
-    model = MoETransformerLM(cfg, data.vocab_size, moe_kwargs, device, dtype)
-    ddp = DistributedDataParallel(model, use_distributed_optimizer=True, expert_data_parallel_group=edp_group)
-    ddp.broadcast_params()
-    opt = DistributedOptimizer(ddp, lr=cfg.lr, weight_decay=0.0, clip_grad=1.0,
+    # the same seed on the expert-data-parallel replicas of a shard; dense weights are broadcast below
+    torch.manual_seed(1234 + 7919 * pp_rank + ep_rank)
+    chunk_ids = P.chunk_layer_ids(cfg.layers, layout.pp, pp_rank, layout.vpp)
+    stages = [MoETransformerLM(cfg, data.vocab_size, moe_kwargs, device, dtype, layer_ids=ids,
+                               first=pp_rank == 0 and c == 0,
+                               last=pp_rank == layout.pp - 1 and c == len(chunk_ids) - 1)
+              for c, ids in enumerate(chunk_ids)]
+    ddps = [DistributedDataParallel(s, use_distributed_optimizer=True, data_parallel_group=ps.get_data_parallel_group(),
+                                    expert_data_parallel_group=ps.get_expert_data_parallel_group()) for s in stages]
+    for d in ddps:
+        d.broadcast_params()
+    opt = DistributedOptimizer(ddps if layout.vpp else ddps[0], lr=cfg.lr, weight_decay=0.0, clip_grad=1.0,
                                expert_model_parallel_group=ep_group)
-    n_params = sum(p.numel() for p in model.parameters())
-    say(f"moe_graph demo: {world} rank(s) on {device.type} ({'nccl' if is_cuda and distributed else 'gloo' if distributed else 'single process'}), "
-        f"{cfg.layers} layers, hidden {cfg.hidden}, {cfg.experts} experts top-{cfg.topk} ({cfg.experts // world} per rank "
-        f"+ {cfg.spare} echo slot(s)), capacity factor {cfg.capacity}, {n_params / 1e3:.0f}k params per rank, "
-        f"vocab {data.vocab_size}, {cfg.microbatches} x {cfg.batch} x {cfg.seq} tokens per rank per step")
+    moe_layers = [m for s in stages for m in s.moe_layers()]
+    last_stage = stages[-1].last
+    n_params = sum(p.numel() for s in stages for p in s.parameters())
 
-    step = make_train_step(ddp, opt)
+    # ---- resume
+    start = 0
+    resumed = None
+    if cfg.load:
+        folder = C.resolve_checkpoint(cfg.load)
+        meta = C.read_meta(folder)
+        check_checkpoint_compatible(meta, cfg, layout)
+        dense, experts, slices = _local_tensors(stages, ep_rank)
+        error = None
+        try:
+            saved = C.read_model_state(folder, meta)
+            plan = C.copy_plan({**dense, **experts}, saved, slices)
+        except (KeyError, ValueError, FileNotFoundError, RuntimeError) as exc:
+            error = exc
+        flag = torch.tensor([0.0 if error is None else 1.0], device=device)
+        dist.all_reduce(flag)  # every rank fails together: none waits in the optimizer's collectives
+        if error is not None:
+            raise ValueError(f"--load {cfg.load}: {error}") from error
+        if float(flag) > 0:
+            raise RuntimeError(f"--load {cfg.load}: another rank could not read its part of the checkpoint")
+        same_stage = [r for r, c in enumerate(meta["coords"]) if c["pp_rank"] == pp_rank]
+        opt.load_state_dict(C.read_optimizer_shards(folder, same_stage))  # reshards to this DP size
+        with torch.no_grad():
+            for dst, src in plan:
+                dst.copy_(src)
+        start = meta["step"]
+        same_layout = meta["layout"] == layout.as_dict()
+        if same_layout:
+            _set_rng_state(C.read_rank_state(folder, rank)["rng"])
+        resumed = {"from": folder, "step": start, "rng": "restored" if same_layout else "fresh (other layout)"}
+        say(f"resumed from {folder} at step {start} (saved on {meta['layout']['world']} ranks; RNG "
+            f"{resumed['rng']})")
 
-    gen = torch.Generator().manual_seed(100 + rank)
+    say(f"moe_graph demo: {layout} on {device.type} ({dist.get_backend()}), "
+        f"{cfg.layers} layers, hidden {cfg.hidden}, {cfg.experts} experts top-{cfg.topk} ({cfg.experts // layout.ep} "
+        f"per rank + {cfg.spare} echo slot(s)), capacity factor {cfg.capacity}, {n_params / 1e3:.0f}k params on "
+        f"rank 0, vocab {data.vocab_size}, {cfg.microbatches} x {cfg.batch} x {cfg.seq} tokens per data-parallel "
+        f"rank per step")
 
-    def next_batch():
-        mbs = []
-        for _ in range(cfg.microbatches):
-            x, y = data.batch(gen, cfg.batch, cfg.seq)
-            mbs.append((x.to(device, non_blocking=True), y.to(device, non_blocking=True)))
-        return mbs
+    step = make_train_step(ddps, opt, cfg.microbatches, layout.pp, layout.vpp, (cfg.batch, cfg.seq, cfg.hidden),
+                           dtype)
+    per_rank = cfg.microbatches * cfg.batch
 
-    tokens_per_step = world * cfg.microbatches * cfg.batch * cfg.seq
-    history = {"step": [], "loss": [], "imb_before": [], "imb_after": [], "tok_s": []}
+    def next_batch(it: int):
+        """Step ``it``'s microbatches of this data-parallel rank: the global batch of step ``it`` is a fixed function
+        of the step (the data position), cut into equal parts by data-parallel rank, so a resumed run (at any
+        data-parallel size with the same global batch) sees the same data."""
+        gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + it)
+        starts = torch.randint(0, data.data.numel() - cfg.seq - 1, (layout.dp * per_rank,), generator=gen)
+        mine = starts[dp_rank * per_rank:(dp_rank + 1) * per_rank].view(cfg.microbatches, cfg.batch, 1)
+        win = data.data[mine + torch.arange(cfg.seq + 1)]  # [M, B, S + 1]
+        return [(w[:, :-1].contiguous().to(device, non_blocking=True), w[:, 1:].contiguous().to(device, non_blocking=True))
+                for w in win]
+
+    tokens_per_step = layout.dp * per_rank * cfg.seq
+    history = {"step": [], "loss": [], "grad_norm": [], "imb_before": [], "imb_after": [], "tok_s": []}
     eager_ms: List[float] = []
     graph_ms: List[float] = []
+    metrics_path = os.path.join(out_dir, "metrics.jsonl")
 
     def loads():
-        lb = torch.stack([m.last_load_before for m in model.moe_layers()]).float().cpu()  # [layers, R]
-        la = torch.stack([m.last_load_after for m in model.moe_layers()]).float().cpu()
+        lb = torch.stack([m.last_load_before for m in moe_layers]).float().cpu()  # [layers, R]
+        la = torch.stack([m.last_load_after for m in moe_layers]).float().cpu()
         return lb, la
+
+    def save(it: int):
+        dense, experts, slices = _local_tensors(stages, ep_rank)
+        state = {k: v for k, v in dense.items()} if dp_rank == 0 else {}
+        if edp_rank == 0:
+            for g, t in experts.items():
+                state.update({f"{g}[{e}]": t[i] for i, e in enumerate(slices[g])})
+        coords = {"rank": rank, "pp_rank": pp_rank, "dp_rank": dp_rank, "ep_rank": ep_rank, "edp_rank": edp_rank}
+        all_coords = [None] * world
+        dist.all_gather_object(all_coords, coords)
+        t0 = time.perf_counter()
+        folder = C.save_checkpoint(cfg.save, it, rank=rank, world=world, model_state=state, optimizer=opt,
+                                   rank_state={"rng": _rng_state(), "data": {"step": it, "samples": it * layout.dp
+                                                                             * per_rank}, "coords": coords},
+                                   meta={"layout": layout.as_dict(), "coords": all_coords,
+                                         "model": {k: getattr(cfg, k) for k in _CKPT_MODEL_KEYS},
+                                         "data": {"step": it, "seed": cfg.seed, "global_batch": layout.dp * per_rank}})
+        say(f"saved {folder} ({time.perf_counter() - t0:.2f} s)")
 
     def run(fn, first, last, times: Optional[List[float]], t_start):
         t_log = time.perf_counter()
         n_log = 0
         for it in range(first, last):
             t0 = time.perf_counter()
-            loss = fn(next_batch())
+            loss, grad_norm = fn(next_batch(it))
             if is_cuda and times is not None:
                 torch.cuda.synchronize()
             if times is not None:
                 times.append((time.perf_counter() - t0) * 1e3)
             n_log += 1
-            if (it + 1) % cfg.log_every == 0 or it == last - 1 or it == 0:
-                lval = float(loss)  # host read, outside the graph
+            if (it + 1) % cfg.log_every == 0 or it == last - 1 or it == first:
+                # host reads, outside the graph: the mean loss of the last stage's data-parallel ranks
+                red = torch.stack([loss.detach().float() if last_stage else torch.zeros((), device=device),
+                                   grad_norm.detach().float().reshape(())])
+                dist.all_reduce(red)
+                lval = float(red[0]) / layout.dp
+                gnorm = float(red[1]) / world  # every rank holds the same global norm
                 lb, la = loads()
                 now = time.perf_counter()
                 tok_s = tokens_per_step * n_log / max(now - t_log, 1e-9)
                 t_log, n_log = now, 0
-                history["step"].append(it + 1)
-                history["loss"].append(lval)
-                history["imb_before"].append(float((lb.max(1).values / lb.mean(1)).mean()))
-                history["imb_after"].append(float((la.max(1).values / la.mean(1)).mean()))
-                history["tok_s"].append(tok_s)
+                rec = {"step": it + 1, "loss": lval, "grad_norm": gnorm,
+                       "imb_before": float((lb.max(1).values / lb.mean(1)).mean()),
+                       "imb_after": float((la.max(1).values / la.mean(1)).mean()), "tok_s": tok_s}
+                for k, v in rec.items():
+                    history[k].append(v)
+                if rank == 0:
+                    with open(metrics_path, "a") as f:
+                        f.write(json.dumps(rec) + "\n")
                 done = (it + 1) / cfg.steps
                 bar = "#" * int(24 * done) + "." * (24 - int(24 * done))
                 say(f"[{bar}] step {it + 1:4d}/{cfg.steps}  loss {lval:6.3f}  {tok_s:8.0f} tok/s  "
-                    f"max/mean load {history['imb_before'][-1]:.2f} -> {history['imb_after'][-1]:.2f} with echo  "
+                    f"max/mean load {rec['imb_before']:.2f} -> {rec['imb_after']:.2f} with echo  "
                     f"({time.perf_counter() - t_start:5.1f} s)")
+            if cfg.save and ((it + 1) % cfg.save_every == 0 or it == cfg.steps - 1):
+                save(it + 1)
 
     t_start = time.perf_counter()
     graph = None
-    if cfg.graph:
+    note = "graph disabled (--no-graph)"
+    if cfg.graph and layout.pp > 1:
+        note = "eager: the full-iteration graph is not used with pipeline parallelism (point-to-point schedule)"
+    elif cfg.graph:
         import warnings
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the note is printed once below instead of a warning per rank
             graph = FullIterationGraph(step, warmup_steps=2)
-    if graph is not None and not graph.enabled:
-        say(f"note: {graph.note}")
-    if is_cuda and graph is not None:
-        n_eager = max(4, min(20, cfg.steps // 4))
-        run(step, 0, n_eager, eager_ms, t_start)  # plain eager steps, timed
-        run(graph, n_eager, cfg.steps, graph_ms, t_start)  # warm-up (eager), capture, then replays
+        note = graph.note
+        if not graph.enabled:
+            say(f"note: {graph.note}")
+    n = cfg.steps - start
+    if is_cuda and graph is not None and graph.enabled:
+        n_eager = max(4, min(20, n // 4))
+        run(step, start, start + n_eager, eager_ms, t_start)  # plain eager steps, timed
+        run(graph, start + n_eager, cfg.steps, graph_ms, t_start)  # warm-up (eager), capture, then replays
         graph_ms = graph_ms[3:]  # drop warm-up and capture
         eager_ms = eager_ms[2:]
     else:
-        run(graph if graph is not None else step, 0, cfg.steps, eager_ms, t_start)
+        run(graph if graph is not None else step, start, cfg.steps, eager_ms, t_start)
         eager_ms = eager_ms[2:]
     total_s = time.perf_counter() - t_start
 
     lb, la = loads()
-    drops = sum(m.dispatcher.check_drops() for m in model.moe_layers())
-    routes = cfg.steps * cfg.microbatches * cfg.batch * cfg.seq * cfg.topk * cfg.layers
-    summary = {
-        "rank": rank, "world": world, "device": device.type, "steps": cfg.steps, "history": history,
+    drops = sum(m.dispatcher.check_drops() for m in moe_layers)
+    all_drops = [None] * world
+    dist.all_gather_object(all_drops, drops)
+    routes = (cfg.steps - start) * layout.dp * per_rank * cfg.seq * cfg.topk * cfg.layers
+    return {
+        "rank": rank, "world": world, "layout": layout.as_dict(), "device": device.type, "steps": cfg.steps,
+        "start_step": start, "resumed": resumed, "history": history,
         "first_loss": history["loss"][0], "final_loss": history["loss"][-1],
-        "load_before": lb.tolist(), "load_after": la.tolist(), "dropped_routes": drops, "routes": routes,
+        "load_before": lb.tolist(), "load_after": la.tolist(), "dropped_routes": drops,
+        "dropped_routes_all_ranks": all_drops, "routes": routes,
         "eager_step_ms": (sum(eager_ms) / len(eager_ms)) if eager_ms else None,
         "graph_step_ms": (sum(graph_ms) / len(graph_ms)) if graph_ms else None,
-        "total_s": total_s, "tokens_per_step": tokens_per_step, "config": vars(cfg),
-        "graph_note": graph.note if graph is not None else "graph disabled (--no-graph)",
-        "expert_bias": [m.router.expert_bias.float().cpu().tolist() for m in model.moe_layers()
+        "total_s": total_s, "tokens_per_step": tokens_per_step, "config": vars(cfg), "graph_note": note,
+        "expert_bias": [m.router.expert_bias.float().cpu().tolist() for m in moe_layers
                         if m.router.enable_expert_bias],
     }
-    if distributed:
-        out = [None] * world
-        dist.all_gather_object(out, drops)
-        summary["dropped_routes_all_ranks"] = out
-        ps.destroy_model_parallel()
-    return summary
 
 
 # ---------------------------------------------------------------------------------------------------- plot --
@@ -376,71 +549,243 @@ def _png_fallback(summary: Dict, path: str, W: int = 640, Hh: int = 400) -> None
 
 
 # ---------------------------------------------------------------------------------------------------- main --
+def _int_at_least(lo: int):
+    def conv(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {text!r}") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {v}")
+        return v
+
+    conv.__name__ = f"integer >= {lo}"
+    return conv
+
+
+def _finite_float(lo: float, strict: bool):
+    def conv(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not math.isfinite(v) or (v <= lo if strict else v < lo):
+            raise argparse.ArgumentTypeError(f"expected a finite number {'>' if strict else '>='} {lo}, got {text}")
+        return v
+
+    conv.__name__ = "number"
+    return conv
+
+
+_POS, _NONNEG = _int_at_least(1), _int_at_least(0)
+# defaults of the flags that --quick changes (None in the parser: --quick never overrides an explicit value)
+_DEFAULTS = {"layers": 2, "batch": 8, "microbatches": 2}
+_QUICK = {"steps": 60, "layers": 1, "batch": 8, "microbatches": 1}
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m moe_graph.demo", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="the CI configuration: fewer steps and a smaller model")
+    p = argparse.ArgumentParser(
+        prog="python -m moe_graph.demo", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=__doc__.split("\n\n")[0] + "\n\n" + _LAUNCH_HELP)
+    p.add_argument("--quick", action="store_true",
+                   help="the CI configuration: 60 steps, 1 layer, 1 microbatch (explicit flags still win)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--ep", type=int, default=None,
-                   help="EP ranks = processes (default: 2 on CPU, the number of GPUs on CUDA)")
-    p.add_argument("--steps", type=int, default=None)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--ffn", type=int, default=96)
-    p.add_argument("--experts", type=int, default=8)
-    p.add_argument("--topk", type=int, default=2)
-    p.add_argument("--spare", type=int, default=1, help="echo slots per rank (0: no echo)")
-    p.add_argument("--assignment", choices=["auto", "greedy", "best_fit"], default="auto",
+    g = p.add_argument_group("parallel layout (world = pp x dp; each stage's dp ranks = ep x expert-dp; dense tensor "
+                             "parallelism is not supported)")
+    g.add_argument("--pp", type=_POS, default=1, help="pipeline stages (1F1B schedule; default 1)")
+    g.add_argument("--vpp", type=_POS, default=None,
+                   help="model chunks per pipeline rank: the interleaved schedule (needs --pp > 1)")
+    g.add_argument("--ep", type=_POS, default=None,
+                   help="expert-parallel ranks, dividing the data-parallel size (default: the data-parallel size)")
+    g.add_argument("--dp", type=_POS, default=None,
+                   help="data-parallel ranks per stage; without torchrun the demo starts pp x dp processes (default "
+                        "dp: --ep, else 2 on CPU / GPUs / pp on CUDA); under torchrun it is world / pp")
+    m = p.add_argument_group("model")
+    m.add_argument("--layers", type=_POS, default=None, help="transformer blocks (default 2; --quick: 1)")
+    m.add_argument("--hidden", type=_POS, default=64)
+    m.add_argument("--heads", type=_POS, default=4, help="attention heads (must divide --hidden)")
+    m.add_argument("--ffn", type=_POS, default=96)
+    m.add_argument("--experts", type=_POS, default=8)
+    m.add_argument("--topk", type=_POS, default=2)
+    m.add_argument("--spare", type=_NONNEG, default=1, help="echo slots per rank (0: no echo)")
+    m.add_argument("--assignment", choices=["auto", "greedy", "best_fit"], default="auto",
                    help="echo planner assignment (moe_graph.planner.gen_assignment)")
-    p.add_argument("--capacity", type=float, default=1.25, help="capacity factor (0: dropless)")
-    p.add_argument("--aux", type=float, default=0.01, help="aux load-balancing loss coefficient")
-    p.add_argument("--router", choices=["softmax", "deepseek"], default="softmax",
+    m.add_argument("--capacity", type=_finite_float(0.0, False), default=1.25, help="capacity factor (0: dropless)")
+    m.add_argument("--aux", type=_finite_float(0.0, False), default=0.01, help="aux load-balancing loss coefficient")
+    m.add_argument("--router", choices=["softmax", "deepseek"], default="softmax",
                    help="deepseek: sigmoid scores, group-limited top-k, auxiliary-loss-free expert bias, "
                         "sequence-wise aux loss 1e-4")
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--batch", type=int, default=8, help="sequences per microbatch per rank")
-    p.add_argument("--microbatches", type=int, default=2)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--log-every", type=int, default=None)
-    p.add_argument("--no-graph", dest="graph", action="store_false", help="do not use FullIterationGraph")
-    p.add_argument("--out", default=None, help="output folder (default: benchmarks/results/demo)")
+    t = p.add_argument_group("training")
+    t.add_argument("--steps", type=_POS, default=None, help="total steps (default 250 on CPU, 400 on CUDA; --quick: "
+                                                            "60); a resumed run trains up to this step")
+    t.add_argument("--seq", type=_POS, default=64)
+    t.add_argument("--batch", type=_POS, default=None, help="sequences per microbatch per data-parallel rank (default 8)")
+    t.add_argument("--microbatches", type=_POS, default=None, help="microbatches per step (default 2; --quick: 1)")
+    t.add_argument("--lr", type=_finite_float(0.0, True), default=3e-3)
+    t.add_argument("--seed", type=_NONNEG, default=0, help="data seed (the global batch of step k is a function of "
+                                                           "seed and k)")
+    t.add_argument("--log-every", type=_POS, default=None, help="log (and read the loss on the host) every N steps")
+    t.add_argument("--no-graph", dest="graph", action="store_false", help="do not use FullIterationGraph")
+    o = p.add_argument_group("output and checkpoints")
+    o.add_argument("--out", default=None, help="output folder (default: ./moe_graph_demo in the current directory)")
+    o.add_argument("--save", default=None, metavar="DIR", help="checkpoint folder (see README: Checkpoints)")
+    o.add_argument("--save-every", type=_POS, default=None, metavar="N",
+                   help="save every N steps (default with --save: at the end only)")
+    o.add_argument("--load", default=None, metavar="DIR",
+                   help="resume from DIR's latest checkpoint, or from DIR itself if it is one step_* folder")
     return p
 
 
-def main(argv: Optional[List[str]] = None) -> Dict:
-    args = _parser().parse_args(argv)
+_LAUNCH_HELP = """launch:
+  python -m moe_graph.demo [flags]                       # starts its own pp x dp processes on this machine
+  torchrun --nproc-per-node P -m moe_graph.demo [flags]  # one node, P processes (one per GPU)
+  torchrun --nnodes N --nproc-per-node P --rdzv-backend c10d --rdzv-endpoint HOST:PORT -m moe_graph.demo [flags]
+Dense layers are data-parallel (no tensor parallelism); experts are expert-parallel."""
+
+
+def _resolve(p: argparse.ArgumentParser, args, env) -> "Layout":  # noqa: F821
+    """Fill the defaults and check every flag against the others (``p.error`` names the flag); nothing is written."""
+    from . import pipeline as P
+    from .launch import resolve_layout
+
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device available")
-    if args.ep is None:
-        args.ep = torch.cuda.device_count() if args.device == "cuda" else 2
-    if args.device == "cuda" and args.ep > torch.cuda.device_count():
-        raise SystemExit(f"--ep {args.ep}: only {torch.cuda.device_count()} GPU(s) (NCCL needs one GPU per rank)")
-    if args.quick:
-        args.steps = args.steps or 60
-        args.layers, args.batch, args.microbatches = 1, 8, 1
+        p.error("--device cuda: no CUDA device available")
+    for k, v in (_QUICK if args.quick else {}).items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    for k, v in _DEFAULTS.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
     args.steps = args.steps or (400 if args.device == "cuda" else 250)
     args.log_every = args.log_every or max(1, args.steps // 15)
+    if env is not None:
+        world = env["world"]
+    else:
+        dp = args.dp or args.ep
+        if dp is None:
+            dp = max(1, torch.cuda.device_count() // args.pp) if args.device == "cuda" else 2
+        world = args.pp * dp
+        if args.device == "cuda" and world > torch.cuda.device_count():
+            p.error(f"--pp {args.pp} x dp {dp} = {world} processes but only {torch.cuda.device_count()} GPU(s) "
+                    "(NCCL needs one GPU per rank; use torchrun for several nodes)")
+    try:
+        layout = resolve_layout(world, args.pp, args.vpp, args.ep, args.dp)
+        P.get_num_layers_per_chunk(args.layers, args.pp, args.vpp)
+    except ValueError as e:
+        p.error(str(e).replace("num_layers=", "--layers "))
+    try:
+        P.num_warmup_microbatches(args.microbatches, args.pp, 0, args.vpp)
+    except ValueError as e:
+        p.error(f"--microbatches {args.microbatches}: {e}")
+    args.ep = layout.ep
+    if args.experts % layout.ep:
+        p.error(f"--experts {args.experts} must be divisible by --ep {layout.ep}")
+    if args.hidden % args.heads:
+        p.error(f"--heads {args.heads} must divide --hidden {args.hidden}")
+    if args.topk > args.experts:
+        p.error(f"--topk {args.topk} must be <= --experts {args.experts}")
+    if args.save_every is not None and not args.save:
+        p.error("--save-every needs --save DIR")
+    if args.save and args.save_every is None:
+        args.save_every = args.steps
     if args.capacity == 0:
         args.capacity = None
-    if args.experts % args.ep:
-        raise SystemExit(f"--experts {args.experts} must be divisible by --ep {args.ep}")
-    out_dir = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks",
-                                       "results", "demo")
-    os.makedirs(out_dir, exist_ok=True)
+    if args.load:
+        from . import checkpoint as C
+
+        try:
+            meta = C.read_meta(C.resolve_checkpoint(args.load))
+            check_checkpoint_compatible(meta, args, layout)
+        except (OSError, ValueError, KeyError) as e:
+            p.error(str(e) if str(e).startswith("--") else f"--load {args.load}: {e}")
+    args.out = os.path.abspath(args.out or os.path.join(os.getcwd(), "moe_graph_demo"))
+    for flag in ("save", "load"):
+        if getattr(args, flag):
+            setattr(args, flag, os.path.abspath(getattr(args, flag)))
+    return layout
+
+
+def _write_json_atomic(path: str, obj) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1, default=str)
+    os.replace(tmp, path)
+
+
+def _run(args, env, world: int) -> Dict:
+    """Rank 0's summary: the training loop on this process (torchrun, or one rank) or on ``world`` own processes."""
+    import torch.distributed as dist
+
+    if env is not None:
+        from .launch import init_distributed
+
+        init_distributed(args.device)
+        try:
+            return _train(env["rank"], env["world"], args)
+        finally:
+            dist.destroy_process_group()
+    if world == 1:
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                                world_size=1)
+        try:
+            return _train(0, 1, args)
+        finally:
+            dist.destroy_process_group()
+    from .testing.distributed import run_distributed
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    return run_distributed(_train, world, args, backend="nccl" if args.device == "cuda" else "gloo",
+                           timeout=None)[0]
+
+
+def main(argv: Optional[List[str]] = None) -> Dict:
+    p = _parser()
+    args = p.parse_args(argv)
+    from .launch import torchrun_env
+
+    try:
+        env = torchrun_env()
+    except RuntimeError as e:
+        p.error(str(e))
+    layout = _resolve(p, args, env)
+    writer = env is None or env["rank"] == 0  # the process that writes the summary and prints the report
+    out_dir = args.out
+    summary_path = os.path.join(out_dir, "demo_summary.json")
+    if writer:
+        os.makedirs(out_dir, exist_ok=True)
+        if not args.load and os.path.exists(os.path.join(out_dir, "metrics.jsonl")):
+            os.remove(os.path.join(out_dir, "metrics.jsonl"))  # a new run; a resumed one appends
+        _write_json_atomic(summary_path, {"finished": False, "status": "running", "config": vars(args)})
     t0 = time.perf_counter()
-    if args.ep == 1:
-        summary = _train(0, 1, args)
-    else:
-        from .testing.distributed import run_distributed
-
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
-        summary = run_distributed(_train, args.ep, args, backend="nccl" if args.device == "cuda" else "gloo",
-                                  timeout=3600)[0]
+    try:
+        summary = _run(args, env, layout.world)
+    except BaseException as exc:
+        if writer:
+            status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
+            _write_json_atomic(summary_path, {"finished": False, "status": status, "error": repr(exc)[:4000],
+                                              "config": vars(args), "wall_s": time.perf_counter() - t0})
+        raise
     wall = time.perf_counter() - t0
+    if not writer:
+        return summary
+    _report(summary)
+    png = os.path.join(out_dir, "demo.png")
+    how = _plot(summary, png)
+    summary["wall_s"] = wall
+    summary["config"] = {k: v for k, v in vars(args).items()}
+    from .testing.bench import environment
 
+    summary["env"] = environment()  # torch / CUDA versions, the commit measured, date
+    summary["finished"], summary["status"] = True, "finished"
+    _write_json_atomic(summary_path, summary)
+    print(f"wrote {png} ({how}), {summary_path} and {os.path.join(out_dir, 'metrics.jsonl')}; total {wall:.1f} s")
+    print(f"output folder: {out_dir}")
+    return summary
+
+
+def _report(summary: Dict) -> None:
     lb, la = summary["load_before"][0], summary["load_after"][0]
     print("\nper-rank load of layer 0 at the last step (tokens received by each EP rank's experts):")
     print("  rank   " + " ".join(f"{r:>7d}" for r in range(len(lb))) + "   max/mean")
@@ -450,26 +795,15 @@ def main(argv: Optional[List[str]] = None) -> Dict:
     n = len(h["imb_before"])
     print(f"mean max/mean load over training: {sum(h['imb_before']) / n:.3f} without echo -> "
           f"{sum(h['imb_after']) / n:.3f} with echo; dropped routes over capacity (all ranks): "
-          f"{sum(summary.get('dropped_routes_all_ranks', [summary['dropped_routes']]))}")
-    print(f"loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f} in {summary['steps']} steps; "
-          f"{sum(h['tok_s'][1:]) / max(len(h['tok_s']) - 1, 1):.0f} tokens/s")
+          f"{sum(summary['dropped_routes_all_ranks'])}")
+    print(f"loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f} in steps {summary['start_step'] + 1}-"
+          f"{summary['steps']}; {sum(h['tok_s'][1:]) / max(len(h['tok_s']) - 1, 1):.0f} tokens/s")
     if summary["graph_step_ms"] is not None:
         e, g = summary["eager_step_ms"], summary["graph_step_ms"]
         print(f"step time: eager {e:.2f} ms, full-iteration CUDA graph {g:.2f} ms ({e / g:.2f}x)")
     else:
         ms = summary["eager_step_ms"]
         print(f"step time: eager {ms:.1f} ms ({summary['graph_note']})" if ms else summary["graph_note"])
-    png = os.path.join(out_dir, "demo.png")
-    how = _plot(summary, png)
-    summary["wall_s"] = wall
-    summary["config"] = {k: v for k, v in vars(args).items()}
-    from .testing.bench import environment
-
-    summary["env"] = environment()  # torch / CUDA versions, the commit measured, date
-    with open(os.path.join(out_dir, "demo_summary.json"), "w") as f:
-        json.dump(summary, f, indent=1, default=str)
-    print(f"wrote {png} ({how}) and {os.path.join(out_dir, 'demo_summary.json')}; total {wall:.1f} s")
-    return summary
 
 
 if __name__ == "__main__":

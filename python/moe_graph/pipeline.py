@@ -1122,12 +1122,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m moe_graph.pipeline --pp 4 [--vpp 2] --microbatches 8 [--group N] [--forward-only]``."""
     p = argparse.ArgumentParser(prog="python -m moe_graph.pipeline",
                                 description="Print each pipeline rank's schedule (F<mb>.<chunk> / B<mb>.<chunk>).")
-    p.add_argument("--pp", type=int, required=True)
-    p.add_argument("--vpp", type=int, default=None)
-    p.add_argument("--microbatches", "-m", type=int, required=True)
-    p.add_argument("--group", type=int, default=None, help="microbatch_group_size_per_vp_stage (default: pp)")
+
+    def positive(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+        if v < 1:
+            raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {v}")
+        return v
+
+    p.add_argument("--pp", type=positive, required=True, help="pipeline stages")
+    p.add_argument("--vpp", type=positive, default=None, help="model chunks per stage (interleaved; needs --pp > 1)")
+    p.add_argument("--microbatches", "-m", type=positive, required=True)
+    p.add_argument("--group", type=positive, default=None, help="microbatch_group_size_per_vp_stage (default: pp)")
     p.add_argument("--forward-only", action="store_true")
     args = p.parse_args(argv)
+    if args.vpp is not None and args.pp == 1:
+        p.error(f"--vpp {args.vpp} (interleaved schedule) needs --pp > 1")
     try:
         text = format_schedule(args.microbatches, args.pp, args.vpp, args.group, args.forward_only)
     except ValueError as e:
