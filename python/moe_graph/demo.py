@@ -551,29 +551,23 @@ def _png_fallback(summary: Dict, path: str, W: int = 640, Hh: int = 400) -> None
 # ---------------------------------------------------------------------------------------------------- main --
 def _int_at_least(lo: int):
     def conv(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {text!r}") from None
+        v = int(text)  # ValueError: argparse says "invalid int value: '...'"
         if v < lo:
             raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {v}")
         return v
 
-    conv.__name__ = f"integer >= {lo}"
+    conv.__name__ = "int"
     return conv
 
 
 def _finite_float(lo: float, strict: bool):
     def conv(text: str) -> float:
-        try:
-            v = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        v = float(text)  # ValueError: argparse says "invalid float value: '...'"
         if not math.isfinite(v) or (v <= lo if strict else v < lo):
             raise argparse.ArgumentTypeError(f"expected a finite number {'>' if strict else '>='} {lo}, got {text}")
         return v
 
-    conv.__name__ = "number"
+    conv.__name__ = "float"
     return conv
 
 
