@@ -2,8 +2,9 @@
 # The main job: set up, run the grouped-GEMM self-check (CPU correctness everywhere; CUDA correctness, graph
 # capture and no-sync checks on a GPU), then the end-to-end demo (a small MoE transformer LM trained with expert
 # parallelism, echo load balancing, the static dispatcher, the ZeRO-1 optimizer and, on a GPU, one CUDA graph per
-# iteration), and on a GPU the grouped-GEMM benchmark. Outputs land in benchmarks/results/.
-# Extra arguments go to the demo (e.g. --quick, --ep 4).
+# iteration), and on a GPU the grouped-GEMM benchmark. The demo writes into ./moe_graph_demo at the checkout's root
+# (git-ignored; --out DIR elsewhere), the benchmark into benchmarks/results/. Nothing tracked is modified.
+# Extra arguments go to the demo (e.g. --quick, --ep 4, --save ckpt --save-every 50).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
