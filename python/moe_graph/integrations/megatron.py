@@ -1,0 +1,288 @@
+"""moe_graph's grouped GEMM inside Megatron-core's ``TEGroupedMLP``, with or without TransformerEngine installed.
+
+Megatron's MoE specs build the expert linears as
+``linear_fc1(num_gemms, input_size, output_size, *, config, init_method, bias, skip_bias_add, is_expert,
+tp_comm_buffer_name, pg_collection, name)``. :class:`ColumnParallelGroupedLinear` and
+:class:`RowParallelGroupedLinear` take exactly that constructor and behave as Megatron's
+``TEColumnParallelGroupedLinear`` / ``TERowParallelGroupedLinear`` (which subclass TE's ``GroupedLinear`` and
+exist only when TE is installed), on :class:`moe_graph.GroupedLinear` instead of TE's:
+
+* the config is read the same way: ``gradient_accumulation_fusion`` (fused ``main_grad``),
+  ``delay_wgrad_compute`` / ``overlap_dispatch_backward_with_experts_wgrad`` (``backward_dw``),
+  ``moe_single_grouped_weight`` / ``moe_single_grouped_bias``, ``params_dtype``, ``use_cpu_initialization`` /
+  ``init_model_with_meta_device``, ``perform_initialization``, ``disable_parameter_transpose_cache``
+  (``is_first_microbatch``), the expert-parallel RNG tracker, expert process groups (``allreduce=False``);
+* explicit expert communication as Megatron does it (expert TP > 1 or EP > 1: the layer is built for its local
+  shard with ``parallel_mode=None``; the partition attributes Megatron's checkpointing reads are set afterwards);
+* ``forward(x, m_splits)`` returns ``(out, bias-or-None)``;
+* ``sharded_state_dict`` gives the same sharded keys as Megatron's TE classes and ``SequentialMLP`` (one tensor
+  per global expert), so distributed checkpoints move between ``SequentialMLP``, TE and moe_graph experts;
+* load-time pre-hooks accept the per-expert ``_extra_state{i}`` entries of TE distributed checkpoints.
+
+fp8/fp4 (``config.fp8``/``fp4``, ``quant_recipe``), generalized tensor-parallel rematerialization and TE's op-fuser
+(``use_transformer_engine_op_fuser``) are TE features and are rejected with an error here.
+
+:func:`experts_spec` gives the ``TEGroupedMLP`` builder with these linears (``GroupedMLPSubmodules``), and
+:func:`get_gpt_layer_with_moe_graph_spec` a GPT layer spec (TE's when TE is installed and asked for, else
+Megatron's local spec) whose MoE experts are moe_graph's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from typing import Callable, Optional
+
+import torch
+
+try:
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
+    from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, TEGroupedMLP
+    from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+    from megatron.core.utils import get_pg_rank, get_pg_size
+except ImportError as exc:  # pragma: no cover - exercised only without megatron-core
+    raise ImportError(
+        "moe_graph.integrations.megatron needs megatron-core (tested with 0.19.2): pip install megatron-core"
+    ) from exc
+
+from ..grouped_linear import GroupedLinear
+
+__all__ = [
+    "MoeGraphGroupedLinear",
+    "ColumnParallelGroupedLinear",
+    "RowParallelGroupedLinear",
+    "experts_spec",
+    "get_gpt_layer_with_moe_graph_spec",
+]
+
+
+def _param_device(config):
+    if config.use_cpu_initialization:
+        return "cpu"
+    if getattr(config, "init_model_with_meta_device", False):
+        return "meta"
+    return torch.cuda.current_device()
+
+
+def _set_expert_parameter_attributes(module: torch.nn.Module, parallel_mode: Optional[str], use_expert_pgs: bool) -> None:
+    # As Megatron's helper of the same name for its TE expert linears: ``allreduce=False`` puts the parameters in
+    # the expert-data-parallel buckets; weights (and column-parallel biases) are tensor-parallel partitions along
+    # dim 0 (column) or 1 (row) of each expert's matrix, whatever layout the layer uses.
+    for name, p in module.named_parameters(recurse=False):
+        p.allreduce = not use_expert_pgs
+        kind = name.rstrip("0123456789")
+        if kind not in ("weight", "bias"):
+            continue
+        partitioned = parallel_mode in ("column", "row") and (kind == "weight" or parallel_mode == "column")
+        p.tensor_model_parallel = partitioned
+        if partitioned:
+            p.partition_dim = 1 if parallel_mode == "row" else 0
+            p.partition_stride = 1
+
+
+class MoeGraphGroupedLinear(GroupedLinear):
+    """:class:`moe_graph.GroupedLinear` with the constructor and behaviour of Megatron's ``TEGroupedLinear``."""
+
+    def __init__(
+        self,
+        num_gemms: int,
+        input_size: int,
+        output_size: int,
+        *,
+        parallel_mode: Optional[str],
+        config,
+        init_method: Callable,
+        bias: bool,
+        skip_bias_add: bool,
+        is_expert: bool = False,
+        tp_comm_buffer_name: Optional[str] = None,
+        pg_collection: Optional[ProcessGroupCollection] = None,
+        name: Optional[str] = None,
+    ) -> None:
+        if not is_expert:
+            raise ValueError("moe_graph grouped linears are expert layers (is_expert=True), as Megatron's TEGroupedLinear")
+        for flag in ("fp8", "fp4", "quant_recipe"):
+            if getattr(config, flag, None):
+                raise NotImplementedError(f"moe_graph.integrations.megatron: config.{flag} needs TransformerEngine")
+        if getattr(config, "use_transformer_engine_op_fuser", False):
+            raise NotImplementedError(
+                "moe_graph.integrations.megatron: use_transformer_engine_op_fuser builds TE's te.pytorch.ops fused "
+                "MLP (TE kernels); leave it off with moe_graph experts")
+        self.config = config
+        self.te_return_bias = bool(skip_bias_add and bias)
+        self.is_first_microbatch = True
+        self.disable_parameter_transpose_cache = config.disable_parameter_transpose_cache
+        delay = bool(config.delay_wgrad_compute or getattr(config, "overlap_dispatch_backward_with_experts_wgrad", False))
+        self.expert_parallel = config.expert_model_parallel_size > 1
+        use_expert_pgs = self.expert_parallel or config.expert_tensor_parallel_size != config.tensor_model_parallel_size
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+        self._pg_collection = pg_collection
+        self._tp_group = pg_collection.expt_tp
+        tp_size = get_pg_size(self._tp_group)
+        original_parallel_mode = parallel_mode
+        # The MoE token dispatcher does the expert TP/EP communication: the layer holds its local shard only.
+        self.explicit_expert_comm = tp_size > 1 or self.expert_parallel
+        if self.explicit_expert_comm:
+            if parallel_mode == "column":
+                if output_size % tp_size:
+                    raise ValueError(f"output_size {output_size} not divisible by the expert TP size {tp_size}")
+                output_size //= tp_size
+            elif parallel_mode == "row":
+                if input_size % tp_size:
+                    raise ValueError(f"input_size {input_size} not divisible by the expert TP size {tp_size}")
+                input_size //= tp_size
+            parallel_mode, tp_size = None, 1
+        tracker = get_cuda_rng_tracker
+        super().__init__(
+            num_gemms=num_gemms,
+            in_features=input_size,
+            out_features=output_size,
+            sequence_parallel=config.sequence_parallel,
+            fuse_wgrad_accumulation=config.gradient_accumulation_fusion,
+            tp_size=tp_size,
+            get_rng_state_tracker=tracker if tracker().is_initialized() else None,
+            rng_tracker_name=get_expert_parallel_rng_tracker_name(),
+            init_method=init_method if config.perform_initialization else (lambda w: None),
+            bias=bias,
+            return_bias=self.te_return_bias,
+            params_dtype=config.params_dtype,
+            parallel_mode=parallel_mode,
+            device=_param_device(config),
+            ub_name=tp_comm_buffer_name,
+            delay_wgrad_compute=delay,
+            single_grouped_weight=bool(getattr(config, "moe_single_grouped_weight", False)),
+            single_grouped_bias=bool(getattr(config, "moe_single_grouped_bias", False)),
+            name=name,
+        )
+        _set_expert_parameter_attributes(self, original_parallel_mode, use_expert_pgs)
+
+    def forward(self, x: torch.Tensor, m_splits):
+        """``(out, bias)``: bias is the (unapplied) bias with ``skip_bias_add``, else None (as TEGroupedLinear)."""
+        first = None if self.disable_parameter_transpose_cache else self.is_first_microbatch
+        out = super().forward(x, m_splits, is_first_microbatch=first)
+        self.is_first_microbatch = False
+        if self.te_return_bias:
+            return out
+        return out, None
+
+    def backward_dw(self) -> None:
+        if self.delay_wgrad_compute:
+            super().backward_dw()
+
+    # --------------------------------------------------------------------------------- distributed checkpoint --
+    _tp_axis: dict = {}
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        """One sharded tensor per global expert, keyed as ``SequentialMLP``'s (``{prefix}weight`` with the expert
+        axis appended to ``sharded_offsets``), as Megatron's ``TEGroupedLinear._sharded_state_dict_grouped``."""
+        if metadata is None or "dp_cp_group" not in metadata:
+            from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
+
+            metadata = ensure_metadata_has_dp_cp_group(metadata)
+        singleton = metadata.get("singleton_local_shards", False)
+        E = self.num_gemms
+        weights = [w for ws in self._weights() for w in (ws.unbind(0) if self.single_grouped_weight else [ws])]
+        biases = None
+        if self.use_bias:
+            biases = [b for bs in self._biases() for b in (bs.unbind(0) if self.single_grouped_bias else [bs])]
+        ep = self._pg_collection.ep
+        num_global, offset = get_pg_size(ep) * E, get_pg_rank(ep) * E
+        ep_axis = len(sharded_offsets)
+        out = {}
+        for i in range(E):
+            local = {f"{i}.weight": weights[i], f"{i}._extra_state": self.get_extra_state()}
+            if biases is not None:
+                local[f"{i}.bias"] = biases[i]
+            if singleton:
+                expert_prefix, offsets = f"{offset + i}.{prefix}", sharded_offsets
+            else:
+                expert_prefix, offsets = prefix, (*sharded_offsets, (ep_axis, offset + i, num_global))
+            axis_map = {f"{i}.{k}": v for k, v in self._tp_axis.items()}
+            sub = make_sharded_tensors_for_checkpoint(
+                local, "", axis_map, offsets, tp_group=self._tp_group, dp_cp_group=metadata["dp_cp_group"])
+            replace_prefix_for_sharding(sub, f"{i}.", expert_prefix)
+            out[f"{prefix}weight{i}"] = sub[f"{i}.weight"]
+            out[f"{prefix}_extra_state{'' if i == 0 else i}"] = sub[f"{i}._extra_state"]
+            if biases is not None:
+                out[f"{prefix}bias{i}"] = sub[f"{i}.bias"]
+        # Expert-data-parallel replica ids (one writer per expert shard), as Megatron's TE classes.
+        pgs = self._pg_collection
+        for sh in out.values():
+            if isinstance(sh, ShardedObject):
+                group = getattr(pgs, "expt_dp_gtp_remat", None) or pgs.expt_dp
+            else:
+                group = pgs.expt_dp
+            sh.replica_id = (*sh.replica_id[:2], get_pg_rank(group))
+        return out
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(per expert([in={self.in_features}, out={self.out_features}]) "
+                f"X num_gemms={self.num_gemms}, bias={self.use_bias}, TP={self.tp_size}, moe_graph)")
+
+
+class ColumnParallelGroupedLinear(MoeGraphGroupedLinear):
+    """Megatron's ``TEColumnParallelGroupedLinear`` on moe_graph (expert ``linear_fc1``)."""
+
+    _tp_axis = {"weight": 0, "bias": 0}
+
+    def __init__(self, num_gemms, input_size, output_size, *, config, init_method, bias, skip_bias_add, is_expert,
+                 tp_comm_buffer_name=None, pg_collection=None, name=None):
+        super().__init__(num_gemms, input_size, output_size, parallel_mode="column", config=config,
+                         init_method=init_method, bias=bias, skip_bias_add=skip_bias_add, is_expert=is_expert,
+                         tp_comm_buffer_name=tp_comm_buffer_name, pg_collection=pg_collection, name=name)
+
+
+class RowParallelGroupedLinear(MoeGraphGroupedLinear):
+    """Megatron's ``TERowParallelGroupedLinear`` on moe_graph (expert ``linear_fc2``)."""
+
+    _tp_axis = {"weight": 1}
+
+    def __init__(self, num_gemms, input_size, output_size, *, config, init_method, bias, skip_bias_add, is_expert,
+                 tp_comm_buffer_name=None, pg_collection=None, name=None):
+        super().__init__(num_gemms, input_size, output_size, parallel_mode="row", config=config,
+                         init_method=init_method, bias=bias, skip_bias_add=skip_bias_add, is_expert=is_expert,
+                         tp_comm_buffer_name=tp_comm_buffer_name, pg_collection=pg_collection, name=name)
+
+
+def experts_spec(activation_func=None):
+    """The experts builder for ``MoESubmodules(experts=...)``: Megatron's ``TEGroupedMLP`` with moe_graph's
+    grouped linears (``activation_func``: the optional TE activation module builder Megatron's spec passes)."""
+    return partial(
+        TEGroupedMLP,
+        submodules=GroupedMLPSubmodules(
+            linear_fc1=ColumnParallelGroupedLinear,
+            linear_fc2=RowParallelGroupedLinear,
+            activation_func=activation_func,
+        ),
+    )
+
+
+def get_gpt_layer_with_moe_graph_spec(num_experts: int, use_transformer_engine: Optional[bool] = None, **kwargs):
+    """A GPT transformer-layer ``ModuleSpec`` whose MoE experts run on moe_graph.
+
+    Starts from Megatron's TE layer spec (``use_transformer_engine``: default, when TE is importable) or its local
+    spec, with ``num_experts`` and ``moe_grouped_gemm=True`` (``kwargs`` go to that spec function), and replaces
+    the experts builder of its ``MoELayer`` with :func:`experts_spec` (router, shared experts and the rest stay)."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if use_transformer_engine is None:
+        try:
+            import transformer_engine  # noqa: F401
+
+            use_transformer_engine = True
+        except ImportError:
+            use_transformer_engine = False
+    make = (gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec if use_transformer_engine
+            else gpt_layer_specs.get_gpt_layer_local_spec)
+    spec = make(num_experts=num_experts, moe_grouped_gemm=True, **kwargs)
+    mlp = spec.submodules.mlp
+    if not (isinstance(mlp, partial) and hasattr(mlp.keywords.get("submodules"), "experts")):
+        raise TypeError(f"unexpected MoE spec from megatron-core: {mlp!r} (expected partial(MoELayer, submodules=...))")
+    old = mlp.keywords["submodules"]
+    act = getattr(getattr(old.experts, "keywords", {}).get("submodules"), "activation_func", None)
+    new_mlp = partial(mlp.func, *mlp.args, **dict(mlp.keywords, submodules=dataclasses.replace(old, experts=experts_spec(act))))
+    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, mlp=new_mlp))
