@@ -199,6 +199,29 @@ def test_moe_layer_recompute_is_graph_safe_checkpoint(gen):
         torch.testing.assert_close(rec(x), plain(x), rtol=0, atol=0)
 
 
+def test_recompute_rng_refuses_what_a_capture_cannot_do(monkeypatch, gen):
+    # During a capture no generator state can be created or registered, and the get/set_state fallback is refused:
+    # both are clear GraphCaptureErrors (simulated here by declaring the CPU stream "capturing").
+    import moe_graph.graph as G
+
+    rng = G.RecomputeRNG("cpu")
+    w = torch.randn(4, 4, dtype=torch.float64, generator=gen, requires_grad=True)
+    x = torch.randn(2, 4, dtype=torch.float64, generator=gen, requires_grad=True)
+    from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+    y = torch_checkpoint(_dropout_region(w), x, use_reentrant=False, preserve_rng_state=False, early_stop=False,
+                         context_fn=rng.context_fn)  # the documented torch.utils.checkpoint arguments
+    y.sum().backward()
+    assert rng.num_pairs == 1 and rng.in_flight == 0 and rng.graph_states() == []  # CPU: nothing to register
+    monkeypatch.setattr(G, "_capturing", lambda device: True)
+    with pytest.raises(GraphCaptureError, match="graph-safe|torch >= 2.5"):
+        rng.context_fn()[0].__enter__()  # the free pair is taken, but get/set_state cannot run in a capture
+    with pytest.raises(GraphCaptureError, match="more recomputed regions in flight than its warm-up"):
+        rng.context_fn()
+    with pytest.raises(ValueError, match="cpu or cuda"):
+        G.RecomputeRNG("meta")
+
+
 def test_captured_graphs_hook():
     from moe_graph.graph import captured_graphs
 
