@@ -126,6 +126,15 @@ def _check_donor_mask(donor_mask_: torch.Tensor | None, R: int, device) -> torch
     return donor_mask_.to(device)
 
 
+def _real_host_values(t: torch.Tensor) -> bool:
+    """True when ``t``'s values can be read on the host without tracing or faking (eager CPU)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if isinstance(t, FakeTensor) or torch.compiler.is_compiling():
+        return False
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is None
+
+
 def _check_counts(counts: torch.Tensor, num_ep_ranks: int | None = None) -> torch.Tensor:
     if not isinstance(counts, torch.Tensor):
         raise TypeError(f"counts must be a torch.Tensor [R, E], got {type(counts).__name__}")
@@ -139,7 +148,7 @@ def _check_counts(counts: torch.Tensor, num_ep_ranks: int | None = None) -> torc
     if R < 1 or E % R != 0:
         raise ValueError(f"counts [R, E]: the number of experts E={E} must be divisible by the number of EP ranks R={R}")
     counts = counts.to(torch.int64)
-    if counts.device.type == "cpu":  # no device sync: check and raise
+    if counts.device.type == "cpu" and _real_host_values(counts):  # no device sync: check and raise
         if counts.numel() and int(counts.clamp(min=0).sum()) > MAX_TOTAL_TOKENS:
             raise ValueError(
                 f"counts: the total token count {int(counts.clamp(min=0).sum())} exceeds the planner's limit "
