@@ -131,6 +131,23 @@ def _graph(*args, **kw):
         return FullIterationGraph(*args, **kw)
 
 
+def _inference_zeros(*shape):
+    with torch.inference_mode():
+        return torch.zeros(*shape)
+
+
+def _echo(num_experts=4, num_ep_ranks=1, ep_rank=0):
+    from moe_graph.echo import EchoExpertDispatcher, LocalBackend
+
+    return EchoExpertDispatcher(num_experts, num_ep_ranks, ep_rank, 1, backend=LocalBackend())
+
+
+def _demo(argv):
+    from moe_graph import demo
+
+    return demo.main(argv)
+
+
 def _counts(r=2, e=4):
     return torch.tensor([[3, 1, 0, 2], [0, 5, 1, 1]])[:r, :e]
 
@@ -148,6 +165,24 @@ ROWS = [
         lambda: _gg(_a(), _w(), torch.tensor([4, 4])), FLAG, r"sum\(m_splits\) exceeded the rows"),
     Row("grouped_gemm", "negative m_splits entry (device tensor)", lambda: _gg(_a(), _w(), torch.tensor([-1, 4])),
         FLAG, r"m_splits contained a negative count"),
+    Row("grouped_gemm", "m_splits list holding a float", lambda: _gg(_a(), _w(), [2.5, 3.5]), TypeError,
+        r"m_splits\[0\] must be an int \(a token count\), got float 2.5"),
+    Row("grouped_gemm", "m_splits list holding None", lambda: _gg(_a(), _w(), [2, None]), TypeError,
+        r"m_splits\[1\] must be an int \(a token count\), got NoneType"),
+    Row("grouped_gemm", "out partially overlapping a",
+        lambda: (lambda buf: _gg(buf[:6], torch.randn(2, 4, 4), [2, 4], out=buf[1:7]))(torch.randn(20, 4)),
+        RuntimeError, r"out overlaps a in memory"),
+    Row("grouped_gemm", "out the same tensor as a",
+        lambda: (lambda buf: _gg(buf, torch.randn(2, 4, 4), [2, 4], out=buf))(torch.randn(6, 4)),
+        RuntimeError, r"out overlaps a in memory"),
+    Row("grouped_gemm", "m_splits near 2^62 (device tensor)", lambda: _gg(_a(), _w(), torch.tensor([2**62, 2**62])),
+        FLAG, r"sum\(m_splits\) exceeded the rows"),
+    Row("grouped_gemm_wgrad", "the same out tensor twice",
+        lambda: (lambda t: _wgrad(_a(), torch.randn(6, 3), [2, 4], out=[t, t]))(torch.zeros(3, 4)), RuntimeError,
+        r"out\[0\] overlaps out\[1\] in memory"),
+    Row("grouped_gemm_wgrad", "an inference tensor in out",
+        lambda: _wgrad(_a(), torch.randn(6, 3), [2, 4], out=[torch.zeros(3, 4), _inference_zeros(3, 4)]),
+        RuntimeError, r"out\[1\] is an inference tensor"),
     Row("grouped_gemm_wgrad", "accumulate without out=", lambda: _wgrad(_a(), torch.randn(6, 3), [2, 4], accumulate=True),
         ValueError, r"accumulate needs out="),
     Row("grouped_gemm_wgrad", "out= with autograd",
@@ -183,6 +218,16 @@ ROWS = [
         r"the number of experts E=3 must be divisible by the number of EP ranks R=2"),
     Row("planner.gen_plan", "unknown assignment", lambda: _planner().gen_plan(_counts(), assignment="optimal"),
         ValueError, r"assignment must be one of"),
+    Row("planner.gen_plan", "counts past the planner's limit",
+        lambda: _planner().gen_plan(torch.tensor([[2**41, 1, 1, 1], [1, 1, 1, 1]])), ValueError,
+        r"exceeds the planner's limit MAX_TOTAL_TOKENS"),
+    Row("EchoExpertDispatcher", "num_ep_ranks=0", lambda: _echo(4, 0, 0), ValueError, r"num_ep_ranks must be >= 1, got 0"),
+    Row("EchoExpertDispatcher.aggregate_grads", "neither home_params nor out",
+        lambda: _echo().aggregate_grads(torch.zeros(4, 1, dtype=torch.long), [torch.zeros(1, 3)]), ValueError,
+        r"aggregate_grads needs home_params or out"),
+    Row("EchoExpertDispatcher.aggregate_grads", "an out tensor of the wrong shape",
+        lambda: _echo().aggregate_grads(torch.zeros(4, 1, dtype=torch.long), [torch.zeros(1, 3)], out=[torch.zeros(4, 5)]),
+        ValueError, r"gradient tensor 0 must have shape \[L=4, 3\]"),
     # ---- parallel_state ----
     Row("parallel_state.initialize_model_parallel", "tensor_model_parallel_size=0",
         lambda: _ps().initialize_model_parallel(0), ValueError, r"tensor_model_parallel_size must be a positive int, got 0"),
@@ -326,6 +371,8 @@ ROWS = [
         lambda: _pipeline().num_warmup_microbatches(4, 2, 5), ValueError, r"pp_rank 5 out of range for pp_size 2"),
     Row("pipeline.schedule_order", "interleaving without pipeline stages",
         lambda: _pipeline().schedule_order(4, 1, 0, vpp_size=2), ValueError, r"vpp_size=2 \(interleaved schedule\) needs pp_size > 1"),
+    Row("python -m moe_graph.pipeline", "--pp 0", lambda: _pipeline().main(["--pp", "0", "-m", "4"]), EXIT,
+        r"argument --pp: expected an integer >= 1, got 0"),
     Row("pipeline.chunk_layer_ids", "layers not divisible by stages", lambda: _pipeline().chunk_layer_ids(5, 2, 0),
         ValueError, r"num_layers=5 is not divisible by pp_size\*vpp_size = 2\*1 = 2"),
     # ---- FullIterationGraph ----
@@ -335,9 +382,18 @@ ROWS = [
     Row("FullIterationGraph", "unknown capture_error_mode", lambda: _graph(lambda: None, capture_error_mode="loose"),
         ValueError, r"capture_error_mode must be 'global', 'thread_local' or 'relaxed'"),
     # ---- demo command line (choices checked by argparse) ----
-    Row("python -m moe_graph.demo", "--router unknown", lambda: __import__("moe_graph.demo").demo.main(["--router", "x"]),
+    *[Row("python -m moe_graph.demo", " ".join(args), lambda args=args: _demo(args), EXIT, msg) for args, msg in [
+        (["--ep", "0"], r"argument --ep: expected an integer >= 1, got 0"),
+        (["--steps", "-5"], r"argument --steps: expected an integer >= 1, got -5"),
+        (["--steps", "0"], r"argument --steps: expected an integer >= 1, got 0"),
+        (["--batch", "0"], r"argument --batch: expected an integer >= 1, got 0"),
+        (["--log-every", "0"], r"argument --log-every: expected an integer >= 1, got 0"),
+        (["--heads", "3"], r"--heads 3 must divide --hidden 64"),
+        (["--lr", "nan"], r"argument --lr: expected a finite number > 0.0, got nan"),
+    ]],
+    Row("python -m moe_graph.demo", "--router unknown", lambda: _demo(["--router", "x"]),
         EXIT, r"argument --router: invalid choice: 'x'"),
-    Row("python -m moe_graph.demo", "--steps not an int", lambda: __import__("moe_graph.demo").demo.main(["--steps", "1e3"]),
+    Row("python -m moe_graph.demo", "--steps not an int", lambda: _demo(["--steps", "1e3"]),
         EXIT, r"argument --steps: invalid int value: '1e3'"),
 ]
 
@@ -347,7 +403,7 @@ def _id(row: Row) -> str:
 
 
 def test_every_entry_point_family_has_rows():
-    families = {"grouped_gemm", "GroupedLinear", "planner", "parallel_state", "ParamAndGradBuffer",
+    families = {"grouped_gemm", "GroupedLinear", "planner", "EchoExpertDispatcher", "parallel_state", "ParamAndGradBuffer",
                 "DistributedDataParallel", "DistributedOptimizer", "pipeline", "FullIterationGraph", "demo"}
     assert all(any(f in r.entry for r in ROWS) for f in families)
     assert len({_id(r) for r in ROWS}) == len(ROWS)
