@@ -422,6 +422,7 @@ def test_reset_parameters_materializes_meta_init(gen):
         for p, q in zip(meta.parameters(), real.parameters()):
             torch.testing.assert_close(p, q)
         assert all(torch.count_nonzero(b) == 0 for b in meta._biases())
+        assert all(w.tensor_model_parallel for w in meta._weights())  # set again on to_empty's new parameters
         assert 0.3 < float(torch.cat([w.detach().flatten() for w in meta._weights()]).std()) < 0.7
 
 

@@ -532,7 +532,7 @@ def _moe_step(layer, x, g):
     return out.detach(), x.grad
 
 
-def _moe_compare(rank, ep, gated, bias, pg=None):
+def _moe_compare(rank, ep, gated, bias, pg=None, ckpt_dir=None):
     baseline = _import_megatron_path()
     torch.manual_seed(1234 + rank)
     own = pg is None
@@ -540,7 +540,7 @@ def _moe_compare(rank, ep, gated, bias, pg=None):
         pg = _init_megatron(ep)
     try:
         with _cpu_shims():
-            return _moe_compare_layers(rank, ep, gated, bias, pg, baseline)
+            return _moe_compare_layers(rank, ep, gated, bias, pg, baseline, ckpt_dir)
     finally:
         if own:
             from megatron.core import parallel_state as ps
@@ -548,7 +548,7 @@ def _moe_compare(rank, ep, gated, bias, pg=None):
             ps.destroy_model_parallel()
 
 
-def _moe_compare_layers(rank, ep, gated, bias, pg, baseline):
+def _moe_compare_layers(rank, ep, gated, bias, pg, baseline, ckpt_dir):
     cfg = _config(gated, bias, expert_model_parallel_size=ep)
     mg, ref = _moe_layers(cfg, pg, 7)  # the router's seed: the same on every rank
     gen = torch.Generator().manual_seed(99 + rank)  # different tokens on every rank
@@ -558,15 +558,26 @@ def _moe_compare_layers(rank, ep, gated, bias, pg, baseline):
     res = {"out": (ym, yr), "input grad": (xm, xr), "router grad": (mg.router.weight.grad, ref.router.weight.grad)}
     for what, a, b in _expert_grads(mg.experts, ref.experts, bias):
         res[what] = (a, b if b is not None else torch.zeros_like(a))
-    return res, _stand_in_calls_since(baseline)
+    experts = {}
+    if ckpt_dir is not None:  # the moe_graph layer's distributed checkpoint, written at this EP size
+        from megatron.core import dist_checkpointing
+
+        dist_checkpointing.save(mg.sharded_state_dict(), ckpt_dir)
+        n_local = mg.experts.num_local_experts
+        for name in ("linear_fc1", "linear_fc2"):
+            for kind in ("weight", "bias") if bias else ("weight",):
+                for e, t in enumerate(_expert_params(mg.experts, name, kind)):
+                    experts[(name, kind, rank * n_local + e)] = t.detach().clone()
+        experts["router"] = {k: v.clone() for k, v in mg.router.state_dict().items()}
+    return res, _stand_in_calls_since(baseline), experts
 
 
-def _moe_worker(rank, world, gated, bias):
-    return _moe_compare(rank, world, gated, bias)
+def _moe_worker(rank, world, gated, bias, ckpt_dir):
+    return _moe_compare(rank, world, gated, bias, ckpt_dir=ckpt_dir)
 
 
 def _check_moe(results):
-    for res, calls in results:
+    for res, calls, _ in results:
         assert calls == {}, calls  # Megatron's TE stand-ins were not called on any rank
         for what, (a, b) in res.items():
             _close(a, b, what)
@@ -578,8 +589,27 @@ def test_moe_layer_ep1(pg, gated, bias):
 
 
 @pytest.mark.parametrize("gated,bias", [(True, True)])
-def test_moe_layer_ep2_gloo(gated, bias):
-    _check_moe(run_distributed(_moe_worker, 2, gated, bias, timeout=240))
+def test_moe_layer_ep2_gloo_and_checkpoint_to_ep1(pg, tmp_path, gated, bias):
+    from megatron.core import dist_checkpointing
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    (tmp_path / "ep2").mkdir()
+    results = run_distributed(_moe_worker, 2, gated, bias, str(tmp_path / "ep2"), timeout=240)
+    _check_moe(results)
+    # The EP=2 moe_graph checkpoint loads into Megatron's MoELayer with SequentialMLP experts at EP=1.
+    saved = {k: v for _, _, experts in results for k, v in experts.items()}
+    with _cpu_shims():
+        ref = get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=True).submodules.mlp(
+            config=_config(gated, bias), pg_collection=pg)
+        ref.load_state_dict(dist_checkpointing.load(ref.sharded_state_dict(), str(tmp_path / "ep2")))
+    for k, v in saved.items():
+        if k == "router":
+            for n, t in v.items():
+                assert torch.equal(ref.router.state_dict()[n], t), n
+        else:
+            name, kind, e = k
+            assert torch.equal(getattr(getattr(ref.experts.local_experts[e], name), kind), v), k
+    assert len(saved) == 1 + 2 * (2 if bias else 1) * E
 
 
 def test_fine_grained_offloading_sets_save_original_input(pg, gen):
@@ -599,3 +629,23 @@ def test_readme_example(pg):
     with _cpu_shims():  # the all-to-all dispatcher's stream calls on CPU (the example itself is device-agnostic)
         exec(compile(block, "README.md:megatron-example", "exec"), scope)
     assert "layer" in scope and "out" in scope
+
+
+def test_meta_device_init_then_reset_parameters(pg):
+    # Megatron-FSDP's init_model_with_meta_device: the experts are built on "meta", materialized with to_empty
+    # and initialized by reset_parameters() (Megatron-FSDP raises for a module without it).
+    cfg = _config(True, True, use_cpu_initialization=False, init_model_with_meta_device=True)
+    mg = _grouped(cfg, pg)
+    assert all(p.is_meta for p in mg.parameters())
+    # fc2 uses Megatron's output_layer_init_method: std / sqrt(2 * num_layers)
+    for lin, std in ((mg.linear_fc1, cfg.init_method_std), (mg.linear_fc2, cfg.init_method_std / (2 * cfg.num_layers) ** 0.5)):
+        lin.to_empty(device="cpu", recurse=False)
+        with torch.no_grad():
+            for p in lin.parameters():
+                p.fill_(float("nan"))  # to_empty leaves garbage: everything must be written
+        lin.reset_parameters()
+        w = torch.cat([t.detach().flatten() for t in lin._weights()])
+        assert torch.isfinite(w).all() and abs(float(w.std()) - std) < 0.2 * std
+        assert all(torch.count_nonzero(b) == 0 for b in lin._biases())
+        # Megatron's attributes are set again on the new parameter objects (to_empty replaced them)
+        assert all(p.allreduce is True and hasattr(p, "tensor_model_parallel") for p in lin.parameters())

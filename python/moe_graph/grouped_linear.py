@@ -169,10 +169,12 @@ class GroupedLinear(nn.Module):
 
     def reset_parameters(self, defer_init: bool = False) -> None:
         """(Re)initialize in place, as TE: every expert weight with ``init_method`` (default normal(0, 0.023))
-        inside ``get_rng_state_tracker().fork(rng_tracker_name)``, biases zero. ``defer_init=True`` does nothing
-        (meta-device construction); Megatron-FSDP materializes the parameters (``to_empty``) and calls this."""
+        inside ``get_rng_state_tracker().fork(rng_tracker_name)``, biases zero, and the parameter attributes set
+        again (``to_empty`` replaces the parameter objects). ``defer_init=True`` does nothing (meta-device
+        construction); Megatron-FSDP materializes the parameters (``to_empty``) and calls this."""
         if defer_init:
             return
+        self._set_parallel_attributes()
         base_init = self.init_method if self.init_method is not None else _default_init()
         tracker = self.get_rng_state_tracker() if self.get_rng_state_tracker is not None else None
         with torch.no_grad():

@@ -17,7 +17,9 @@ exist only when TE is installed), on :class:`moe_graph.GroupedLinear` instead of
 * ``forward(x, m_splits)`` returns ``(out, bias-or-None)``;
 * ``sharded_state_dict`` gives the same sharded keys as Megatron's TE classes and ``SequentialMLP`` (one tensor
   per global expert), so distributed checkpoints move between ``SequentialMLP``, TE and moe_graph experts;
-* load-time pre-hooks accept the per-expert ``_extra_state{i}`` entries of TE distributed checkpoints.
+* loads accept the per-expert ``_extra_state{i}`` entries of TE distributed checkpoints (no fp8 metadata here);
+* ``reset_parameters()`` re-initializes in place and sets the parameter attributes again (Megatron-FSDP's
+  meta-device init).
 
 fp8/fp4 (``config.fp8``/``fp4``, ``quant_recipe``), generalized tensor-parallel rematerialization and TE's op-fuser
 (``use_transformer_engine_op_fuser``) are TE features and are rejected with an error here.
@@ -158,7 +160,15 @@ class MoeGraphGroupedLinear(GroupedLinear):
             single_grouped_bias=bool(getattr(config, "moe_single_grouped_bias", False)),
             name=name,
         )
-        _set_expert_parameter_attributes(self, original_parallel_mode, use_expert_pgs)
+        self._expert_attributes = (original_parallel_mode, use_expert_pgs)
+        _set_expert_parameter_attributes(self, *self._expert_attributes)
+
+    def reset_parameters(self, defer_init: bool = False) -> None:
+        """As :meth:`GroupedLinear.reset_parameters`, then Megatron's expert attributes again (Megatron-FSDP's
+        meta-device init replaces the parameter objects before calling this)."""
+        super().reset_parameters(defer_init=defer_init)
+        if not defer_init and hasattr(self, "_expert_attributes"):
+            _set_expert_parameter_attributes(self, *self._expert_attributes)
 
     def forward(self, x: torch.Tensor, m_splits):
         """``(out, bias)``: bias is the (unapplied) bias with ``skip_bias_add``, else None (as TEGroupedLinear)."""
