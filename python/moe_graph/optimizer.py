@@ -34,6 +34,10 @@ one model-parallel rank and re-shards them for any data-parallel size::
 ``mp_rank`` identifies the tensor/pipeline (and, for expert params, expert-parallel) position;
 the files of the ranks that differ only in their expert-parallel rank may share a set: expert
 pieces carry the saving rank's ``ep_rank`` and are only loaded by ranks with the same one.
+
+Each saved shard carries a sha256 checksum over its tensors' bytes and values; a load checks every shard (checksum,
+keys, types, sizes, ranges, coverage) before the first write and the ranks agree on the outcome before anything
+is copied, so a failed load raises on every rank and leaves the live state unchanged.
 """
 
 from __future__ import annotations
@@ -313,7 +317,12 @@ class DistributedOptimizer:
             ``zero_grad_buffer``), or a list of them (the model chunks of the interleaved pipeline
             schedule: one optimizer, one global grad norm; checkpoint names ``chunk{i}.<name>``).
         lr, betas, eps, weight_decay: Adam hyper-parameters (``lr`` lives in a device tensor;
-            change it with :meth:`set_lr`).
+            change it with :meth:`set_lr`). The settings are attributes (``beta1``, ``beta2``, ``eps``,
+            ``weight_decay``, ``adamw``, ``clip_grad``); with ``impl="tensor"`` the numbers also live in device
+            tensors written in place, so replays of a captured step see changes. A change a captured step
+            cannot see (``adamw``; betas/eps/weight decay with ``impl="fused"``; clipping or weight decay
+            turned on from 0) raises RuntimeError while a graph holds the step: call
+            ``FullIterationGraph.reset()`` (or :meth:`release_captures` for a graph captured by hand).
         adamw: decoupled weight decay (AdamW, default) or L2 added to the gradient (Adam).
         clip_grad: clip by global grad norm when > 0.
         loss_scaler: ``None``, :class:`ConstantLossScaler` or :class:`DynamicLossScaler`; grads
