@@ -42,7 +42,12 @@ try:
     from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
-    from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, TEGroupedMLP
+    from megatron.core.transformer.moe.experts import TEGroupedMLP
+
+    try:  # megatron-core >= 0.16 (tested: 0.19.2)
+        from megatron.core.transformer.moe.experts import GroupedMLPSubmodules
+    except ImportError:  # older releases build TEGroupedMLP from MLPSubmodules
+        from megatron.core.transformer.mlp import MLPSubmodules as GroupedMLPSubmodules
     from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
     from megatron.core.utils import get_pg_rank, get_pg_size
 except ImportError as exc:  # pragma: no cover - exercised only without megatron-core
