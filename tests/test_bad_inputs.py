@@ -142,6 +142,15 @@ def _echo(num_experts=4, num_ep_ranks=1, ep_rank=0):
     return EchoExpertDispatcher(num_experts, num_ep_ranks, ep_rank, 1, backend=LocalBackend())
 
 
+def _reroute(tokens_to_spare, routing_map=None):
+    """reroute_tokens on the docstring's example (T=4, E=2, one slot hosting expert 0; 3 tokens routed to it)."""
+    from moe_graph.ops.reroute import reroute_tokens
+
+    if routing_map is None:
+        routing_map = torch.tensor([[1, 0], [1, 1], [0, 1], [1, 0]], dtype=torch.bool)
+    return reroute_tokens(routing_map, torch.rand(4, 2), tokens_to_spare, torch.tensor([[True], [False]]))
+
+
 def _demo(argv):
     from moe_graph import demo
 
@@ -221,6 +230,12 @@ ROWS = [
     Row("planner.gen_plan", "counts past the planner's limit",
         lambda: _planner().gen_plan(torch.tensor([[2**41, 1, 1, 1], [1, 1, 1, 1]])), ValueError,
         r"exceeds the planner's limit MAX_TOTAL_TOKENS"),
+    Row("reroute_tokens", "a plan moving more tokens than are routed", lambda: _reroute(torch.tensor([5])), FLAG,
+        r"reroute_tokens: the plan asked to move more tokens than are routed locally"),
+    Row("reroute_tokens", "a negative request", lambda: _reroute(torch.tensor([-1])), FLAG,
+        r"offloading plan input was inconsistent"),
+    Row("reroute_tokens", "routing_map not bool", lambda: _reroute(torch.tensor([1]), routing_map=torch.ones(4, 2)),
+        RuntimeError, r"reroute_tokens: routing_map must have dtype Bool, got Float"),
     Row("EchoExpertDispatcher", "num_ep_ranks=0", lambda: _echo(4, 0, 0), ValueError, r"num_ep_ranks must be >= 1, got 0"),
     Row("EchoExpertDispatcher.aggregate_grads", "neither home_params nor out",
         lambda: _echo().aggregate_grads(torch.zeros(4, 1, dtype=torch.long), [torch.zeros(1, 3)]), ValueError,
@@ -403,7 +418,7 @@ def _id(row: Row) -> str:
 
 
 def test_every_entry_point_family_has_rows():
-    families = {"grouped_gemm", "GroupedLinear", "planner", "EchoExpertDispatcher", "parallel_state", "ParamAndGradBuffer",
+    families = {"grouped_gemm", "GroupedLinear", "planner", "reroute_tokens", "EchoExpertDispatcher", "parallel_state", "ParamAndGradBuffer",
                 "DistributedDataParallel", "DistributedOptimizer", "pipeline", "FullIterationGraph", "demo"}
     assert all(any(f in r.entry for r in ROWS) for f in families)
     assert len({_id(r) for r in ROWS}) == len(ROWS)
