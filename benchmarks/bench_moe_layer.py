@@ -70,6 +70,7 @@ def time_layer(name, H, Fh, E, K, T, spare, device, dtype, reps):
         graph_ms = None
     flops = 2 * T * K * H * (Fh * (2 if layer.activation == "swiglu" else 1) + Fh) * 3  # fwd + 2x bwd
     return {"name": name, "hidden": H, "ffn": Fh, "experts": E, "topk": K, "tokens": T, "spare": spare,
+            "echo_buffer_bytes": layer.echo_buffer_bytes()["total"],
             "eager_ms": eager, "graph_ms": graph_ms, "speedup": (eager / graph_ms) if graph_ms else None,
             "eager_tflops": flops / eager / 1e9, "graph_tflops": (flops / graph_ms / 1e9) if graph_ms else None}
 
@@ -122,7 +123,7 @@ def main():
     rows = []
     print(f"MoE layer forward+backward on {device} ({dtype}), capacity factor 1.25, EP=1")
     print(f"{'case':<20} {'H':>5} {'F':>6} {'E':>4} {'K':>2} {'T':>6} {'echo':>4} {'eager ms':>9} {'graph ms':>9} "
-          f"{'speedup':>7} {'TFLOP/s':>8}")
+          f"{'speedup':>7} {'TFLOP/s':>8} {'echo MB':>8}")
     for name, H, Fh, E, K, T in sizes:
         for spare in (0, 2):
             r = time_layer(name, H, Fh, E, K, T, spare, device, dtype, reps)
@@ -130,7 +131,8 @@ def main():
             gm = f"{r['graph_ms']:9.3f}" if r["graph_ms"] else f"{'-':>9}"
             sp = f"{r['speedup']:7.2f}" if r["speedup"] else f"{'-':>7}"
             tf = r["graph_tflops"] or r["eager_tflops"]
-            print(f"{name:<20} {H:>5} {Fh:>6} {E:>4} {K:>2} {T:>6} {spare:>4} {r['eager_ms']:9.3f} {gm} {sp} {tf:8.3f}")
+            print(f"{name:<20} {H:>5} {Fh:>6} {E:>4} {K:>2} {T:>6} {spare:>4} {r['eager_ms']:9.3f} {gm} {sp} {tf:8.3f} "
+                  f"{r['echo_buffer_bytes'] / 2**20:8.2f}")
 
     T_sim = 4096 if device == "cuda" else 1024
     drops = []

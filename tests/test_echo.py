@@ -454,3 +454,93 @@ def test_aggregate_sums_in_fixed_order_without_index_add_atomics():
     for v in g[:, 0]:
         seq = seq + v
     assert torch.equal(out[1], seq) and out[0].item() == 0
+
+
+def test_moe_layer_plans_with_one_native_op(monkeypatch):
+    """MoELayer makes its echo plan with planner.gen_plan (the single native echo_plan op when built), not with
+    gen_assignment + gen_allocation (~100 small ops); same layer output either way."""
+    from moe_graph import planner as P
+    from moe_graph.moe_layer import MoELayer
+
+    torch.manual_seed(0)
+    layer = MoELayer(16, 24, 8, 2, num_spare_experts_per_ep_rank=2, device="cpu", params_dtype=torch.float64)
+    x = torch.randn(40, 16, dtype=torch.float64)
+    with torch.no_grad():
+        ref = layer(x)
+    calls = []
+    monkeypatch.setattr(P, "gen_assignment", lambda *a, **k: calls.append("gen_assignment"))
+    with torch.no_grad():
+        out = layer(x)
+    assert not calls
+    assert torch.equal(out, ref)
+    assert layer.echo_buffer_bytes()["total"] > 0 and layer.echo_buffer_bytes()["blocks"] == 1
+
+
+def _layer_modes_worker(rank, world, seed):
+    """MoELayer with donor-constrained echo and plan-once-per-iteration over two microbatches: outputs and
+    accumulated expert / router gradients equal the same layer without echo (plain autograd and fused main_grad
+    paths); in "iteration" mode the second microbatch moves no weights."""
+    from moe_graph.moe_layer import MoELayer
+
+    R, H, Fh, E, K, T = world, 8, 12, 4 * world, 2, 24
+    dt = torch.float64
+    gw = torch.Generator().manual_seed(seed)
+    w1_all = torch.randn(E, 2 * Fh, H, generator=gw, dtype=dt) / 3
+    w2_all = torch.randn(E, H, Fh, generator=gw, dtype=dt) / 3
+    gate = torch.randn(E, H, generator=gw, dtype=dt)
+    gate[0] += 3.0  # expert 0 (rank 0) is hot
+    L = E // R
+    mbs = []
+    for m in range(2):
+        g = torch.Generator().manual_seed(seed * 1000 + rank * 10 + m)
+        mbs.append((torch.randn(T, H, generator=g, dtype=dt) + 0.5, torch.randn(T, H, generator=g, dtype=dt)))
+
+    def make(k, **kw):
+        layer = MoELayer(H, Fh, E, K, num_spare_experts_per_ep_rank=k, ep_size=R, device="cpu", params_dtype=dt,
+                         **kw)
+        with torch.no_grad():
+            layer.fc1.weight.copy_(w1_all[rank * L:(rank + 1) * L])
+            layer.fc2.weight.copy_(w2_all[rank * L:(rank + 1) * L])
+            layer.router.weight.copy_(gate)
+        return layer
+
+    def run(layer, fused):
+        if fused:
+            for w in layer.expert_weights():
+                w.main_grad = torch.zeros_like(w)
+        ys = []
+        for m, (x, t) in enumerate(mbs):
+            y = layer(x, is_first_microbatch=(m == 0))
+            (y * t).sum().backward()
+            ys.append(y.detach())
+        gs = [w.main_grad if fused else w.grad for w in layer.expert_weights()]
+        return ys, gs, layer.router.weight.grad
+
+    ref = run(make(0), False)
+    out = {}
+    for name, kw in (("w1", dict(echo_donors=1)), ("iter", dict(echo_plan_mode="iteration")),
+                     ("w1_iter", dict(echo_donors=1, echo_plan_mode="iteration"))):
+        for fused in (False, True):
+            layer = make(2, **kw)
+            calls = []
+            orig = layer.echo.dispatch
+            layer.echo.dispatch = lambda *a, **k: (calls.append(1), orig(*a, **k))[1]
+            moved = []
+            hooks = layer.register_forward_hook(lambda mod, i, o: moved.append(int(mod.last_m_splits[L:].sum())))
+            ys, gs, gg = run(layer, fused)
+            hooks.remove()
+            err = max([float((a - b).abs().max()) for a, b in zip(ys, ref[0])]
+                      + [float((a - b).abs().max()) for a, b in zip(gs, ref[1])] + [float((gg - ref[2]).abs().max())])
+            out[(name, fused)] = {"err": err, "dispatches": len(calls), "moved": moved}
+    return {f"{n}/{f}": v for (n, f), v in out.items()}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_moe_layer_donors_and_plan_once_per_iteration_gloo(world):
+    res = run_distributed(_layer_modes_worker, world, 21)
+    for r in res:
+        for key, c in r.items():
+            assert c["err"] < 1e-12, (key, c)
+            assert c["dispatches"] == (1 if "iter" in key else 2), (key, c)
+    for key in res[0]:
+        assert sum(sum(r[key]["moved"]) for r in res) > 0, f"{key}: no route went to a spare slot"

@@ -556,11 +556,13 @@ class EchoExpertDispatcher:
 
 class _DispatchSpare(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, dispatcher, expert_offloading_map, *home_weights):
+    def forward(ctx, dispatcher, expert_offloading_map, spare, *home_weights):
         ctx.dispatcher = dispatcher
         ctx.shapes = [(w.shape, w.dtype) for w in home_weights]
         ctx.params = home_weights  # to find main_grad in backward
         ctx.save_for_backward(expert_offloading_map)
+        if spare is not None:  # a plan reused within the iteration: the copies are already here (no exchange)
+            return tuple(t.view_as(t) for t in spare)
         return tuple(dispatcher.dispatch(expert_offloading_map, home_weights))
 
     @staticmethod
@@ -578,16 +580,21 @@ class _DispatchSpare(torch.autograd.Function):
         ]
         d.aggregate_grads(offloading_map, grads, out=outs)
         home = [None if m else o.to(dt) for m, o, (_, dt) in zip(use_main, outs, ctx.shapes)]
-        return (None, None, *home)
+        return (None, None, None, *home)
 
 
 def dispatch_spare_weights(
-    dispatcher: EchoExpertDispatcher, expert_offloading_map: torch.Tensor, home_weights: Sequence[torch.Tensor]
+    dispatcher: EchoExpertDispatcher, expert_offloading_map: torch.Tensor, home_weights: Sequence[torch.Tensor],
+    spare: Optional[Sequence[torch.Tensor]] = None,
 ) -> List[torch.Tensor]:
     """Autograd-aware :meth:`EchoExpertDispatcher.dispatch`: returns the ``[k, ...]`` spare weights; in backward
     their gradients go home (collective) and are added to the home weights' gradients, or straight into
-    ``main_grad`` for weights that have one (then autograd gets no gradient for that weight)."""
-    return list(_DispatchSpare.apply(dispatcher, expert_offloading_map, *home_weights))
+    ``main_grad`` for weights that have one (then autograd gets no gradient for that weight).
+
+    ``spare``: copies already dispatched for this plan (a plan reused for all microbatches of an iteration): they
+    are returned as views, nothing is exchanged in forward; the backward still sends the gradients home."""
+    return list(_DispatchSpare.apply(dispatcher, expert_offloading_map, None if spare is None else tuple(spare),
+                                     *home_weights))
 
 
 class _EchoGroupedGemmFn(torch.autograd.Function):

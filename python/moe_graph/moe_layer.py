@@ -341,6 +341,16 @@ class MoELayer(nn.Module):
         ep_group: the EP process group (``None``: a single process, ``R = 1``, or the default group with
             ``ep_size=-1``). ep_size: ``R`` (default: the group's size, 1 without torch.distributed).
         num_spare_experts_per_ep_rank: echo slots ``k`` (0: echo off). assignment: the planner's assignment.
+        echo_donors: ``w``, donor-constrained echo: a rank's spare slots host only experts of its ``w`` fixed donor
+            ranks (:func:`moe_graph.planner.donor_ranks`, ring pattern), so the weight exchange is ``w`` peer blocks
+            and its memory ``O(w*k*N)`` instead of ``O(R*k*N)`` (:func:`moe_graph.echo.echo_buffer_bytes`);
+            ``None`` (default) or ``>= ep_size``: unconstrained (today's all-to-all).
+        echo_plan_mode: ``"microbatch"`` (default: plan and move weights in every forward) or ``"iteration"``:
+            plan and move the weights only in the forward called with ``is_first_microbatch=True`` (or ``None``),
+            and reuse that placement in the forwards with ``is_first_microbatch=False``
+            (:func:`moe_graph.planner.reuse_plan`: the slots keep their experts, their token amounts follow the
+            microbatch's counts). The plan and the spare copies live in static buffers (graph-safe). Not with
+            ``recompute`` (a recomputed first microbatch would rewrite buffers later microbatches saved).
         capacity_factor: per (source, destination) rank capacity ``ceil(cf * T * K / R)`` routes; ``None``:
             dropless (``T * K`` rows from each rank, ``R`` times the memory).
         shared_expert_ffn_size: hidden size of a shared expert (an MLP with the same activation that every token
@@ -379,6 +389,8 @@ class MoELayer(nn.Module):
         ep_size: Optional[int] = None,
         num_spare_experts_per_ep_rank: int = 0,
         assignment: str = "auto",
+        echo_donors: Optional[int] = None,
+        echo_plan_mode: str = "microbatch",
         capacity_factor: Optional[float] = None,
         token_drop_policy: str = "probs",
         shared_expert_ffn_size: Optional[int] = None,
@@ -419,6 +431,13 @@ class MoELayer(nn.Module):
         self.L = num_experts // ep_size
         self.k = num_spare_experts_per_ep_rank
         self.assignment = assignment
+        from .echo import PLAN_MODES
+
+        if echo_plan_mode not in PLAN_MODES:
+            raise ValueError(f"echo_plan_mode must be one of {PLAN_MODES}, got {echo_plan_mode!r}")
+        if echo_plan_mode == "iteration" and recompute and self.k > 0:
+            raise ValueError("echo_plan_mode='iteration' cannot be combined with recompute=True")
+        self.echo_plan_mode = echo_plan_mode
         self.capacity_factor = capacity_factor
         self.recompute = bool(recompute)
         dtype = params_dtype if params_dtype is not None else torch.get_default_dtype()
@@ -464,9 +483,21 @@ class MoELayer(nn.Module):
 
             backend = LocalBackend() if ep_size == 1 else None
             self.echo = EchoExpertDispatcher(num_experts, ep_size, self.ep_rank, self.k, backend=backend,
-                                             group=ep_group)
+                                             group=ep_group, donors=echo_donors if ep_size > 1 else None,
+                                             device=device)
+            dm = self.echo.donor_mask
+            self.register_buffer("_echo_donor_mask", dm.to(device) if dm is not None else None, persistent=False)
+            if echo_plan_mode == "iteration":  # the iteration's plan and spare copies (written in place)
+                S = ep_size * self.k
+                for name, shape, dt in (("_echo_ref_h2s", (num_experts, S), torch.int64),
+                                        ("_echo_ref_load", (num_experts,), torch.int64),
+                                        ("_echo_ref_omap", (num_experts, S), torch.bool),
+                                        ("_echo_spare1", (self.k,) + tuple(self.fc1.weight.shape[1:]), dtype),
+                                        ("_echo_spare2", (self.k,) + tuple(self.fc2.weight.shape[1:]), dtype)):
+                    self.register_buffer(name, torch.zeros(shape, dtype=dt, device=device), persistent=False)
             if ep_size > 1:
                 _ = self.echo.backend  # probe the process group now, never during capture
+        self._reuse = False  # set by each _forward: it reuses the iteration's plan
         # statistics: non-persistent buffers written in place by every forward (see the module docstring)
         loss_dtype = router_dtype if router_dtype is not None else torch.promote_types(dtype, torch.float32)
         for name, shape, dt in (("last_aux_loss", (), loss_dtype), ("last_z_loss", (), loss_dtype),
@@ -491,6 +522,18 @@ class MoELayer(nn.Module):
                 "load_before": self.last_load_before, "load_after": self.last_load_after,
                 "m_splits": self.last_m_splits, "aux_loss": self.last_aux_loss, "z_loss": self.last_z_loss}
 
+    def echo_buffer_bytes(self, num_microbatches: int = 1) -> dict:
+        """Static echo buffer bytes of this layer (:func:`moe_graph.echo.echo_buffer_bytes` for its ``E, R, k, w``,
+        both expert weights, their dtype and fp32 gradients); all zeros with echo off."""
+        from .echo import echo_buffer_bytes
+
+        if self.echo is None:
+            return {"total": 0}
+        w1, w2 = self.expert_weights()
+        n = (w1[0].numel() + w2[0].numel()) if self.L else 0
+        return echo_buffer_bytes(self.num_experts, self.R, self.k, self.echo.w if self.echo.donors else None, n,
+                                 w1.dtype, num_microbatches=num_microbatches)
+
     def reset_statistics(self) -> None:
         """Zeroes the cumulative counters (the drop counter) in place: a device op, no sync, capturable."""
         self.dispatcher.reset_drop_counter()
@@ -514,9 +557,18 @@ class MoELayer(nn.Module):
         if self.k == 0:
             self._stat("last_load_after", self.last_load_before)
             return routing_map, probs, None
-        h2s = P.gen_assignment(counts, self.k, self.assignment)  # [E, S]
-        alloc = P.gen_allocation(counts, h2s)  # [R, S]
-        omap = h2s > 0
+        if self._reuse:  # the iteration's placement, amounts for this microbatch's counts
+            h2s, alloc = P.reuse_plan(counts, self._echo_ref_h2s, self._echo_ref_load)
+            omap = self._echo_ref_omap
+        else:
+            # the whole plan in one native op (moe_graph::echo_plan; the torch functions without the extension)
+            h2s, alloc = P.gen_plan(counts, self.k, self.assignment, donor_mask=self._echo_donor_mask)  # [E,S],[R,S]
+            omap = h2s > 0
+            if self.echo_plan_mode == "iteration":
+                with torch.no_grad():
+                    self._echo_ref_h2s.copy_(h2s)
+                    self._echo_ref_load.copy_(counts.sum(0))
+                    self._echo_ref_omap.copy_(omap)
         try:
             from .ops.reroute import native_available, reroute_tokens
 
@@ -549,12 +601,24 @@ class MoELayer(nn.Module):
         if self.echo is not None:
             from .echo import dispatch_spare_weights
 
-            s1, s2 = dispatch_spare_weights(self.echo, omap, [w1, w2])
+            s1, s2 = dispatch_spare_weights(self.echo, omap, [w1, w2], spare=self._spares(omap, w1, w2))
             # one 2-D weight per local expert (home views + spare copies): no concatenated copy of all weights
             w1 = list(w1.unbind(0)) + list(s1.to(w1.dtype).unbind(0))
             w2 = list(w2.unbind(0)) + list(s2.to(w2.dtype).unbind(0))
         mid = self._activation(grouped_gemm(expert_in, w1, m_splits))
         return grouped_gemm(mid, w2, m_splits)
+
+    def _spares(self, omap, w1, w2):
+        """Plan once per iteration: the iteration's spare copies (dispatched into the static buffers by its first
+        microbatch); ``None`` in ``"microbatch"`` mode (every forward dispatches)."""
+        if self.echo_plan_mode != "iteration":
+            return None
+        if not self._reuse:
+            s1, s2 = self.echo.dispatch(omap, [w1, w2])
+            with torch.no_grad():
+                self._echo_spare1.copy_(s1)
+                self._echo_spare2.copy_(s2)
+        return self._echo_spare1, self._echo_spare2
 
     def _echo_wgrad_state(self, w1, w2):
         """``(accumulate_mask [L+k], spare_grad_1 [k, ...], spare_grad_2 [k, ...])``: static device buffers,
@@ -586,24 +650,31 @@ class MoELayer(nn.Module):
         from .echo import echo_grouped_gemm
 
         mask, b1, b2 = self._echo_wgrad_state(w1, w2)
-        s1, s2 = self.echo.dispatch(omap, [w1, w2])  # detached copies: their gradients never enter autograd
+        s1, s2 = self._spares(omap, w1, w2) or self.echo.dispatch(omap, [w1, w2])  # detached copies
         mid = self._activation(echo_grouped_gemm(expert_in, w1, s1, m_splits, self.echo, omap, mask, b1))
         return echo_grouped_gemm(mid, w2, s2, m_splits, self.echo, omap, mask, b2)
 
     # ------------------------------------------------------------------------------------------ forward --
-    def forward(self, x: torch.Tensor, padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, padding_mask: Optional[torch.Tensor] = None,
+                is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
         """``x`` ``[..., H]`` (see :meth:`_forward`); with ``recompute`` and grad enabled, through
-        :func:`moe_graph.graph.checkpoint`."""
+        :func:`moe_graph.graph.checkpoint`. ``is_first_microbatch``: with ``echo_plan_mode="iteration"``,
+        ``False`` reuses the plan and spare weights of the iteration's first microbatch (``True``/``None``: plan
+        afresh); ignored otherwise."""
+        if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
+            raise TypeError(f"is_first_microbatch must be a bool or None, got {type(is_first_microbatch).__name__}")
+        reuse = self.echo is not None and self.echo_plan_mode == "iteration" and is_first_microbatch is False
         if self.recompute and torch.is_grad_enabled():
             from .graph import checkpoint
 
             return checkpoint(self._forward, x, padding_mask, preserve_rng_state=False)  # no random numbers here
-        return self._forward(x, padding_mask)
+        return self._forward(x, padding_mask, reuse)
 
-    def _forward(self, x: torch.Tensor, padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor, padding_mask: Optional[torch.Tensor] = None, reuse: bool = False) -> torch.Tensor:
         """``x`` ``[..., H]``. ``padding_mask`` (shape ``x.shape[:-1]``, bool, True: padding, as in Megatron):
         padding tokens get no route (zero routed output; the shared expert still sees them), and the planner
-        counts, the losses and the expert-bias counts leave them out."""
+        counts, the losses and the expert-bias counts leave them out. ``reuse``: see :meth:`forward`."""
+        self._reuse = reuse
         if x.shape[-1] != self.hidden_size:
             raise ValueError(f"x must have last dimension hidden_size={self.hidden_size}, got shape {tuple(x.shape)}")
         lead = x.shape[:-1]
