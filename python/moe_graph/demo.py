@@ -325,6 +325,7 @@ def _train_loop(rank, world, cfg, layout, device, dtype, dist, C, ps, P, Distrib
     start = 0
     resumed = None
     if cfg.load:
+        t_load = time.perf_counter()
         folder = C.resolve_checkpoint(cfg.load)
         meta = C.read_meta(folder)
         check_checkpoint_compatible(meta, cfg, layout)
@@ -352,7 +353,7 @@ def _train_loop(rank, world, cfg, layout, device, dtype, dist, C, ps, P, Distrib
             _set_rng_state(C.read_rank_state(folder, rank)["rng"])
         resumed = {"from": folder, "step": start, "rng": "restored" if same_layout else "fresh (other layout)"}
         say(f"resumed from {folder} at step {start} (saved on {meta['layout']['world']} ranks; RNG "
-            f"{resumed['rng']})")
+            f"{resumed['rng']}; {time.perf_counter() - t_load:.2f} s)")
 
     say(f"moe_graph demo: {layout} on {device.type} ({dist.get_backend()}), "
         f"{cfg.layers} layers, hidden {cfg.hidden}, {cfg.experts} experts top-{cfg.topk} ({cfg.experts // layout.ep} "
