@@ -475,7 +475,8 @@ def suite_worker(rank: int, ws: int, tasks: dict) -> bytes:
     ``tasks`` keys: ``train`` (list of configs for :func:`train_worker`), ``memory`` (bool),
     ``inf`` (bool), ``allreduce`` (bool), ``save`` (list of ``(prefix, dtype, steps_before)``),
     ``load`` (list of ``(prefix, dtype, steps_before, dp_size)``; runs after ``save``), ``missing``
-    (list of ``(prefix, dtype, dp_size)``: load without the last saved file).
+    (list of ``(prefix, dtype, dp_size)``: load without the last saved file), ``load_failure`` (the arguments of
+    :func:`load_failure_worker` after ``rank, ws``).
     Returns a packed dict with the same keys (lists in the same order).
     """
     out = {}
@@ -494,6 +495,8 @@ def suite_worker(rank: int, ws: int, tasks: dict) -> bytes:
         out["load"] = [unpack(checkpoint_load_worker(rank, ws, *t)) for t in tasks["load"]]
     if tasks.get("missing"):
         out["missing"] = [unpack(checkpoint_missing_shard_worker(rank, ws, *t, ws)) for t in tasks["missing"]]
+    if tasks.get("load_failure"):
+        out["load_failure"] = unpack(load_failure_worker(rank, ws, *tasks["load_failure"]))
     return pack(out)
 
 
@@ -621,19 +624,28 @@ CORRUPTIONS = {
 }
 
 
-def load_failure_worker(rank: int, ws: int, cases: List[str], group_timeout_s: float) -> bytes:
-    """DP = ``ws`` (a group with a ``group_timeout_s`` timeout), fp32 + dynamic loss scaler: train 2 steps, save
-    (every rank gathers every rank's shard), train 1 more. Then per case, the last rank loads a list of files in
-    which its own shard is corrupted by :data:`CORRUPTIONS` ``[case]`` while the other ranks load clean files.
+def load_failure_worker(rank: int, ws: int, cases: List[str], group_timeout_s: float, dp_size: int = None) -> bytes:
+    """DP = ``dp_size`` (default ``ws``; groups of consecutive ranks, with a ``group_timeout_s`` timeout), and with
+    ``ws // dp_size > 1`` model-parallel groups across them (ranks ``dp_size`` apart, passed as
+    ``model_parallel_group``, as pipeline stages would be); fp32 + dynamic loss scaler: train 2 steps, save (every
+    rank gathers its DP group's shards), train 1 more. Then per case, the last rank loads a list of files in which
+    its own shard is corrupted by :data:`CORRUPTIONS` ``[case]`` while every other rank loads clean files.
     Returns per case ``(exception type, message, seconds in load_state_dict, state unchanged)``; finally a clean
-    load on every rank (the group is still usable) and whether it restored the saved state exactly."""
+    load on every rank (the groups are still usable) and whether it restored the saved state exactly."""
     import time
     from datetime import timedelta
 
-    group = dist.new_group(list(range(ws)), timeout=timedelta(seconds=group_timeout_s))
+    dp_size = dp_size or ws
+    timeout = timedelta(seconds=group_timeout_s)
+    dp_groups = [dist.new_group(list(range(s, s + dp_size)), timeout=timeout) for s in range(0, ws, dp_size)]
+    mp_groups = [dist.new_group(list(range(r, ws, dp_size)), timeout=timeout) for r in range(dp_size)]
+    group = dp_groups[rank // dp_size]
+    mp_group = mp_groups[rank % dp_size] if ws > dp_size else None
     ddp = DistributedDataParallel(make_model(), use_distributed_optimizer=True, data_parallel_group=group)
     opt = DistributedOptimizer(ddp, lr=1e-2, weight_decay=0.1, clip_grad=1.0, impl="tensor",
-                               loss_scaler=DynamicLossScaler(initial_scale=1024.0))
+                               loss_scaler=DynamicLossScaler(initial_scale=1024.0), model_parallel_group=mp_group)
+    rank, ws = rank % dp_size, dp_size  # the data-parallel position from here on
+    last = dist.get_rank() == dist.get_world_size() - 1
     _train(ddp, opt, rank, ws, 2)
     files = [None] * ws
     dist.all_gather_object(files, opt.state_dict(), group=group)
@@ -644,7 +656,7 @@ def load_failure_worker(rank: int, ws: int, cases: List[str], group_timeout_s: f
     for case in cases:
         corrupt, _, _, verify = CORRUPTIONS[case]
         mine = list(files)
-        if rank == ws - 1:
+        if last:
             mine[-1] = corrupt(files[-1], name)
         t0 = time.monotonic()
         try:
