@@ -282,25 +282,26 @@ def moe_statistics(module: nn.Module) -> dict:
     out = {}
     for key in per_layer[0]:
         ts = [st[key] for st in per_layer]
-        same = all(t.shape == ts[0].shape and t.dtype == ts[0].dtype for t in ts)
+        same = all(t.shape == ts[0].shape and t.dtype == ts[0].dtype and t.device == ts[0].device for t in ts)
         out[key] = torch.stack(ts) if same else ts
     return out
 
 
 def read_moe_statistics(module: nn.Module, reset: bool = False) -> dict:
-    """:func:`moe_statistics` on the host as Python lists (ints for counts, floats for losses), read with one
-    device-to-host copy: the one call that syncs, by design (off the hot path, e.g. every N iterations).
-    ``reset=True`` then zeroes the cumulative counters (:meth:`MoELayer.reset_statistics`)."""
+    """:func:`moe_statistics` on the host as Python lists per layer (ints for counts, floats for losses), read with
+    one device-to-host copy per device: the one call that syncs, by design (off the hot path, e.g. every N
+    iterations). ``reset=True`` then zeroes the cumulative counters (:meth:`MoELayer.reset_statistics`)."""
     layers = _moe_layers(module)
     per_layer = [m.statistics() for m in layers]
-    flat = [t.reshape(-1) for st in per_layer for t in st.values()]
-    host = torch.cat([t.to(torch.float64) for t in flat]).cpu()  # counts < 2**53: exact in float64
+    by_device: dict = {}
+    for st in per_layer:
+        for t in st.values():
+            by_device.setdefault(t.device, []).append(t.reshape(-1).to(torch.float64))  # counts < 2**53: exact
+    host = {dev: iter(torch.cat(ts).cpu().split([t.numel() for t in ts])) for dev, ts in by_device.items()}
     out = {key: [] for key in per_layer[0]}
-    pos = 0
     for st in per_layer:
         for key, t in st.items():
-            vals = host[pos:pos + t.numel()]
-            pos += t.numel()
+            vals = next(host[t.device])
             vals = vals.to(t.dtype) if not t.is_floating_point() else vals
             out[key].append(vals.view(t.shape).tolist())
     if reset:
