@@ -84,6 +84,11 @@ def _check_real(where: str, name: str, value, *, expected: str = "a finite numbe
     return v
 
 
+def _keys(d: dict) -> list:
+    """The keys of ``d`` for a message (sorted; keys of mixed types shown as they are)."""
+    return sorted(d, key=repr)
+
+
 def _check_settings(where: str, betas, eps, weight_decay, adamw, clip_grad) -> Dict[str, object]:
     """The validated optimizer settings as plain Python values (also used for the checkpoint's ``hyper``)."""
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
@@ -792,8 +797,8 @@ class DistributedOptimizer:
                              f"got {sd['step']!r}")
         lr = _check_real(w, "'lr'", sd["lr"], expected="a finite number >= 0 (a 0-dim tensor or a number)")
         hyper = sd["hyper"]
-        if not isinstance(hyper, dict) or sorted(hyper) != sorted(_HYPER_KEYS):
-            got = sorted(hyper) if isinstance(hyper, dict) else type(hyper).__name__
+        if not isinstance(hyper, dict) or set(hyper) != set(_HYPER_KEYS):
+            got = _keys(hyper) if isinstance(hyper, dict) else type(hyper).__name__
             raise ValueError(f"{w}: 'hyper' must be a dict with keys {sorted(_HYPER_KEYS)}, got {got}")
         settings = _check_settings(f"{w} 'hyper'", hyper["betas"], hyper["eps"], hyper["weight_decay"],
                                    hyper["adamw"], hyper["clip_grad"])
@@ -802,8 +807,8 @@ class DistributedOptimizer:
             raise ValueError(f"{w}: 'loss_scaler' must be None or a dict, got {type(scaler).__name__}")
         if scaler is not None and self.loss_scaler is not None:
             own = self.loss_scaler.state_dict()
-            if sorted(scaler) != sorted(own):
-                raise ValueError(f"{w}: 'loss_scaler' has keys {sorted(scaler)}, this optimizer's "
+            if set(scaler) != set(own):
+                raise ValueError(f"{w}: 'loss_scaler' has keys {_keys(scaler)}, this optimizer's "
                                  f"{type(self.loss_scaler).__name__} expects {sorted(own)}")
             parsed = {}
             for k, v in scaler.items():
@@ -842,8 +847,8 @@ class DistributedOptimizer:
                 raise ValueError(f"{where}: 'range' must be (start, end) with 0 <= start <= end <= {numels[name]} "
                                  f"(the parameter's numel), got {r!r}")
             want = _PIECE_FIELDS if md["params"][name]["dtype"] in _SIXTEEN_BIT else _PIECE_FIELDS[1:]
-            if sorted(e) != sorted(("range",) + want):
-                raise ValueError(f"{where} has keys {sorted(e)}, expected {sorted(('range',) + want)} "
+            if set(e) != {"range", *want}:
+                raise ValueError(f"{where} has keys {_keys(e)}, expected {sorted(('range',) + want)} "
                                  f"(for a {md['params'][name]['dtype']} parameter)")
             for k in want:
                 t = e[k]
