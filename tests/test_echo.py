@@ -47,6 +47,17 @@ def _gather(t):
     return torch.stack(out)
 
 
+def _check_spare_copies(s1, s2, omap, rank, k, fc1_all, fc2_all):
+    """Spare slots hold exact copies of their home experts (zeros when unused)."""
+    for i in range(k):
+        col = omap[:, rank * k + i]
+        if col.any():
+            e = int(col.to(torch.int8).argmax())
+            assert torch.equal(s1[i], fc1_all[e]) and torch.equal(s2[i], fc2_all[e])
+        else:
+            assert not s1[i].any() and not s2[i].any()
+
+
 def _echo_worker(rank, world, seed):
     import torch.distributed as dist
 
@@ -108,14 +119,7 @@ def _echo_worker(rank, world, seed):
         else:
             s1, s2 = dispatch_spare_weights(d, omap, [fc1, fc2])
         assert s1.shape == (k, F, H) and s2.shape == (k, H, F)
-        # spare slots hold exact copies of their home experts (zeros when unused)
-        for i in range(k):
-            col = omap[:, rank * k + i]
-            if col.any():
-                e = int(col.to(torch.int8).argmax())
-                assert torch.equal(s1[i], fc1_all[e]) and torch.equal(s2[i], fc2_all[e])
-            else:
-                assert not s1[i].any() and not s2[i].any()
+        _check_spare_copies(s1, s2, omap, rank, k, fc1_all, fc2_all)
         cols = [(c, fc1[i], fc2[i]) for i, c in enumerate(home_cols)]
         cols += [(E + rank * k + i, s1[i], s2[i]) for i in range(k)]
         out = _toy_moe(x_all, _gather(new_map.to(torch.uint8)), _gather(new_probs), cols, rank)
@@ -274,13 +278,7 @@ def _donor_worker(rank, world, seed):
             assert mask[j // k, e // L], (e, j)
         fc1, fc2 = home_params()
         s1, s2 = dispatch_spare_weights(d, omap, [fc1, fc2])
-        for i in range(k):
-            col = omap[:, rank * k + i]
-            if col.any():
-                e = int(col.to(torch.int8).argmax())
-                assert torch.equal(s1[i], fc1_all[e]) and torch.equal(s2[i], fc2_all[e])
-            else:
-                assert not s1[i].any() and not s2[i].any()
+        _check_spare_copies(s1, s2, omap, rank, k, fc1_all, fc2_all)
         cols = [(c, fc1[i], fc2[i]) for i, c in enumerate(home_cols)]
         cols += [(E + rank * k + i, s1[i], s2[i]) for i in range(k)]
         out = _toy_moe(x_all, _gather(new_map.to(torch.uint8)), _gather(new_probs), cols, rank)

@@ -565,3 +565,27 @@ def test_count_limit_and_zero_experts():
     m, p = P.reroute_tokens_torch(torch.zeros(4, 0, dtype=torch.bool), torch.zeros(4, 0), torch.zeros(2, dtype=torch.int64),
                                   torch.zeros(0, 2, dtype=torch.bool))
     assert m.shape == (4, 2) and not m.any() and p.shape == (4, 2)
+
+
+def test_bench_echo_sweep_smoke(tmp_path):
+    """bench_echo.py --sweep in a tiny configuration: one table with both plan modes and every w, JSON with the
+    commit, a PNG; writes only where --out says."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "sweep.json"
+    env = {**os.environ, "PYTHONPATH": os.path.join(root, "python"), "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "bench_echo.py"), "--sweep", "--skews", "1.2",
+                        "--experts", "64", "--ranks", "8", "--seeds", "1", "--microbatches", "2", "--tokens", "128",
+                        "--donors", "1", "2", "--out", str(out)], env=env, cwd=tmp_path, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert "microbatch" in p.stdout and "iteration" in p.stdout and "w=R" in p.stdout
+    d = json.load(open(out))
+    assert d["env"]["commit"] and {r["w"] for r in d["rows"]} == {1, 2, 8}
+    for r in d["rows"]:
+        assert 1.0 <= r["microbatch"] <= r["before"] + 1e-9 and r["iteration"] >= 1.0
+    assert sorted(os.listdir(tmp_path)) == ["sweep.json", "sweep.png"] or "matplotlib not installed" in p.stdout

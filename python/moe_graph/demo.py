@@ -360,6 +360,8 @@ def _train_loop(rank, world, cfg, layout, device, dtype, dist, C, ps, P, Distrib
         f"per rank + {cfg.spare} echo slot(s)), capacity factor {cfg.capacity}, {n_params / 1e3:.0f}k params on "
         f"rank 0, vocab {data.vocab_size}, {cfg.microbatches} x {cfg.batch} x {cfg.seq} tokens per data-parallel "
         f"rank per step")
+    say(f"echo buffers per MoE layer: {moe_layers[0].echo_buffer_bytes(cfg.microbatches)['total'] / 2**20:.2f} MiB "
+        f"(moe_graph.echo.echo_buffer_bytes)" if moe_layers else "echo buffers: no MoE layer on this rank")
 
     step = make_train_step(ddps, opt, cfg.microbatches, layout.pp, layout.vpp, (cfg.batch, cfg.seq, cfg.hidden),
                            dtype)
