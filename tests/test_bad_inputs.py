@@ -389,6 +389,10 @@ ROWS = [
         lambda: __import__("moe_graph.optimizer").optimizer.DynamicLossScaler(growth_interval=1.5), ValueError,
         r"growth_interval must be an int >= 1, got 1.5"),
     # ---- pipeline schedules ----
+    Row("pipeline.get_schedule_table", "microbatch group size 0", lambda: _pipeline().get_schedule_table(4, 2, 0),
+        ValueError, r"microbatch_group_size_per_vp_stage must be an int >= 1, got 0"),
+    Row("pipeline.get_schedule_table", "num_model_chunks=0", lambda: _pipeline().get_schedule_table(4, 0, 2),
+        ValueError, r"num_model_chunks must be an int >= 1, got 0"),
     Row("pipeline.num_warmup_microbatches", "num_microbatches=0", lambda: _pipeline().num_warmup_microbatches(0, 2, 0),
         ValueError, r"num_microbatches must be an int >= 1, got 0"),
     Row("pipeline.num_warmup_microbatches", "pp_rank past pp_size",

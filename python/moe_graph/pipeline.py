@@ -117,6 +117,9 @@ def get_schedule_table(
         >>> get_schedule_table(5, 2, 3)
         [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1), (3, 0), (4, 0), (3, 1), (4, 1)]
     """
+    _check_int("num_microbatches", num_microbatches, 1)
+    _check_int("num_model_chunks", num_model_chunks, 1)
+    _check_int("microbatch_group_size_per_vp_stage", microbatch_group_size_per_vp_stage, 1)
     table = []
     for start in range(0, num_microbatches, microbatch_group_size_per_vp_stage):
         end = min(start + microbatch_group_size_per_vp_stage, num_microbatches)
