@@ -151,6 +151,12 @@ def _reroute(tokens_to_spare, routing_map=None):
     return reroute_tokens(routing_map, torch.rand(4, 2), tokens_to_spare, torch.tensor([[True], [False]]))
 
 
+def _moe(**kw):
+    from moe_graph.moe_layer import MoELayer
+
+    return MoELayer(**{"hidden_size": 8, "ffn_hidden_size": 16, "num_experts": 4, "topk": 2, **kw})
+
+
 def _demo(argv):
     from moe_graph import demo
 
@@ -252,6 +258,27 @@ ROWS = [
     Row("EchoExpertDispatcher.aggregate_grads", "an out tensor of the wrong shape",
         lambda: _echo().aggregate_grads(torch.zeros(4, 1, dtype=torch.long), [torch.zeros(1, 3)], out=[torch.zeros(4, 5)]),
         ValueError, r"gradient tensor 0 must have shape \[L=4, 3\]"),
+    # ---- MoELayer ----
+    *[Row("MoELayer", bad, lambda kw=kw: _moe(**kw), exc, msg) for bad, kw, exc, msg in [
+        ("unknown activation", dict(activation="relu"), ValueError, r"activation must be 'swiglu' or 'gelu', got 'relu'"),
+        ("topk above num_experts", dict(topk=5), ValueError, r"topk must be in \[1, num_experts=4\], got 5"),
+        ("unknown aux_loss_type", dict(aux_loss_type="x"), ValueError, r"aux_loss_type must be 'local', 'global' or 'sequence'"),
+        ("sequence_dim=2", dict(sequence_dim=2), ValueError, r"sequence_dim must be 0 \(\[S, B, H\] input\) or 1"),
+        ("negative spare slots", dict(num_spare_experts_per_ep_rank=-1), ValueError,
+         r"num_spare_experts_per_ep_rank must be >= 0, got -1"),
+        ("negative capacity_factor", dict(capacity_factor=-1.0), ValueError,
+         r"capacity_factor must be a finite number > 0 or None \(dropless\), got -1.0"),
+        ("unknown token_drop_policy", dict(token_drop_policy="x"), ValueError, r"drop_policy must be 'position' or 'probs'"),
+        ("groups not dividing the experts", dict(num_groups=3, group_topk=1), ValueError,
+         r"num_groups=3 must divide num_experts=4"),
+        ("ep_size=2 without torch.distributed", dict(ep_size=2), RuntimeError,
+         r"ep_size=2 needs an initialized torch.distributed"),
+    ]],
+    Row("MoELayer.forward", "input of the wrong width", lambda: _moe()(torch.randn(2, 3, 7)), ValueError,
+        r"x must have last dimension hidden_size=8, got shape \(2, 3, 7\)"),
+    Row("MoELayer.forward", "padding_mask of the wrong shape",
+        lambda: _moe()(torch.randn(2, 3, 8), padding_mask=torch.zeros(2, 4, dtype=torch.bool)), ValueError,
+        r"padding_mask must have shape \(2, 3\) \(x without its last dimension\), got \(2, 4\)"),
     # ---- parallel_state ----
     Row("parallel_state.initialize_model_parallel", "tensor_model_parallel_size=0",
         lambda: _ps().initialize_model_parallel(0), ValueError, r"tensor_model_parallel_size must be a positive int, got 0"),
@@ -431,7 +458,7 @@ def _id(row: Row) -> str:
 
 
 def test_every_entry_point_family_has_rows():
-    families = {"grouped_gemm", "GroupedLinear", "planner", "reroute_tokens", "EchoExpertDispatcher", "parallel_state", "ParamAndGradBuffer",
+    families = {"grouped_gemm", "GroupedLinear", "planner", "reroute_tokens", "EchoExpertDispatcher", "MoELayer", "parallel_state", "ParamAndGradBuffer",
                 "DistributedDataParallel", "DistributedOptimizer", "pipeline", "FullIterationGraph", "demo"}
     assert all(any(f in r.entry for r in ROWS) for f in families)
     assert len({_id(r) for r in ROWS}) == len(ROWS)

@@ -439,6 +439,9 @@ class MoELayer(nn.Module):
         if echo_plan_mode == "iteration" and recompute and self.k > 0:
             raise ValueError("echo_plan_mode='iteration' cannot be combined with recompute=True")
         self.echo_plan_mode = echo_plan_mode
+        if capacity_factor is not None and (isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float))
+                                            or not 0 < capacity_factor < float("inf")):
+            raise ValueError(f"capacity_factor must be a finite number > 0 or None (dropless), got {capacity_factor!r}")
         self.capacity_factor = capacity_factor
         self.recompute = bool(recompute)
         dtype = params_dtype if params_dtype is not None else torch.get_default_dtype()
