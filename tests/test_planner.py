@@ -549,6 +549,13 @@ def test_count_limit_and_zero_experts():
         P.gen_plan(big, 1)
     with pytest.raises(ValueError, match="MAX_TOTAL_TOKENS"):
         P.gen_assignment(big, 1, native=False)
+    if _native_plan_available():
+        from moe_graph.ops.reroute import echo_best_fit, echo_plan
+
+        with pytest.raises(ValueError, match="MAX_TOTAL_TOKENS"):
+            echo_plan(big, 1)
+        with pytest.raises(ValueError, match="MAX_TOTAL_TOKENS"):
+            echo_best_fit(big, 1)
     ok = torch.full((2, 4), P.MAX_TOTAL_TOKENS // 8, dtype=torch.int64)
     ok[0] *= 2
     ok[1] = 0

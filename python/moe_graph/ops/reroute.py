@@ -54,6 +54,7 @@ def echo_best_fit(counts: torch.Tensor, num_spare_experts_per_ep_rank: int = 1, 
     the pure-torch ``moe_graph.planner.best_fit_assignment`` loop (one kernel instead of ``R*k`` rounds of tiny
     ones). CUDA: one block, needs ``3*R + E <= 6016``. ``donor_mask``: optional ``[R, R]`` bool
     (``moe_graph.planner.donor_mask``)."""
+    _check_total(counts)
     return torch.ops.moe_graph.echo_best_fit(counts, int(num_spare_experts_per_ep_rank), donor_mask)
 
 
@@ -74,8 +75,22 @@ def echo_plan(counts: torch.Tensor, num_spare_experts_per_ep_rank: int = 1, assi
     (``moe_graph.planner.donor_mask``): a slot on rank ``r`` hosts only experts of ranks ``q`` with ``mask[r, q]``."""
     if assignment not in _PLAN_MODES:
         raise ValueError(f"assignment must be one of {tuple(_PLAN_MODES)}, got {assignment!r}")
+    _check_total(counts)
     return torch.ops.moe_graph.echo_plan(counts, int(num_spare_experts_per_ep_rank), _PLAN_MODES[assignment],
                                          donor_mask)
+
+
+def _check_total(counts) -> None:
+    """The planner's documented count limit (``moe_graph.planner.MAX_TOTAL_TOKENS``) for eager CPU counts; device
+    counts go through ``moe_graph.planner.gen_plan``, which flags them instead (no sync)."""
+    from moe_graph.planner import MAX_TOTAL_TOKENS, _real_host_values
+
+    if isinstance(counts, torch.Tensor) and counts.device.type == "cpu" and counts.numel() and \
+            not counts.dtype.is_floating_point and _real_host_values(counts):
+        total = int(counts.to(torch.int64).clamp(min=0).sum())
+        if total > MAX_TOTAL_TOKENS:
+            raise ValueError(f"counts: the total token count {total} exceeds MAX_TOTAL_TOKENS={MAX_TOTAL_TOKENS} "
+                             f"(int64 products of two counts would overflow)")
 
 
 def reroute_tokens(
