@@ -434,6 +434,26 @@ def test_planner_cuda_matches_cpu_no_sync_and_graph():
                 h_ref = P.gen_assignment(fresh, k, native=False)
                 _eq(out[0].cpu(), h_ref)
                 _eq(out[1].cpu(), P.gen_allocation(fresh, h_ref))
+        # donor-constrained plans: the CUDA kernels (plan and best fit) equal the torch code on CPU, capturable
+        for w in (1, 2, 4):
+            m = P.donor_mask(8, w)
+            md = m.to(dev)
+            for a in P.ASSIGNMENTS:
+                hn, an = P.gen_plan(cc, k, a, donor_mask=md)
+                h_ref = P.gen_assignment(counts, k, a, native=False, donor_mask=m)
+                _eq(hn.cpu(), h_ref)
+                _eq(an.cpu(), P.gen_allocation(counts, h_ref))
+            _eq(P.best_fit_assignment(cc, k, donor_mask=md).cpu(),
+                P.best_fit_assignment(counts, k, native=False, donor_mask=m))
+            static = cc.clone()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = P.gen_plan(static, k, donor_mask=md)
+            fresh = zipf_counts(8, 64, 512, 4, 1.5, torch.Generator().manual_seed(30 + w))
+            static.copy_(fresh)
+            graph.replay()
+            h_ref = P.gen_assignment(fresh, k, native=False, donor_mask=m)
+            _eq(out[0].cpu(), h_ref)
 
 
 # ---------------------------------------------------------------------------------------------------------------
