@@ -533,7 +533,7 @@ def _layer_modes_worker(rank, world, seed):
     return {f"{n}/{f}": v for (n, f), v in out.items()}
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [4])  # w=1 < R-1: a real constraint (2 ranks have one other rank anyway)
 def test_moe_layer_donors_and_plan_once_per_iteration_gloo(world):
     res = run_distributed(_layer_modes_worker, world, 21)
     for r in res:
