@@ -542,3 +542,24 @@ def test_moe_layer_donors_and_plan_once_per_iteration_gloo(world):
             assert c["dispatches"] == (1 if "iter" in key else 2), (key, c)
     for key in res[0]:
         assert sum(sum(r[key]["moved"]) for r in res) > 0, f"{key}: no route went to a spare slot"
+
+
+def test_plan_once_per_iteration_has_no_data_dependent_ops():
+    """CPU proxy for "no host syncs": both microbatches of an iteration-mode MoE layer (fresh plan + dispatch into
+    the static buffers, then reuse_plan) forward and backward under FakeTensorMode."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from moe_graph.moe_layer import MoELayer
+
+    layer = MoELayer(16, 24, 8, 2, num_spare_experts_per_ep_rank=2, echo_plan_mode="iteration", device="cpu")
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        for first in (True, False):
+            x = torch.randn(12, 16, requires_grad=True)
+            layer(x, is_first_microbatch=first).sum().backward()
+    with pytest.raises(ValueError, match="echo_plan_mode"):
+        MoELayer(16, 24, 8, 2, num_spare_experts_per_ep_rank=1, echo_plan_mode="nope", device="cpu")
+    with pytest.raises(ValueError, match="recompute"):
+        MoELayer(16, 24, 8, 2, num_spare_experts_per_ep_rank=1, echo_plan_mode="iteration", recompute=True,
+                 device="cpu")
+    with pytest.raises(TypeError, match="is_first_microbatch"):
+        layer(torch.randn(4, 16), is_first_microbatch=1)
