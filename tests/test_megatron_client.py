@@ -649,3 +649,15 @@ def test_meta_device_init_then_reset_parameters(pg):
         assert all(torch.count_nonzero(b) == 0 for b in lin._biases())
         # Megatron's attributes are set again on the new parameter objects (to_empty replaced them)
         assert all(p.allreduce is True and hasattr(p, "tensor_model_parallel") for p in lin.parameters())
+
+
+def test_stand_in_call_counter_sees_calls(monkeypatch):
+    # The zero-call checks above can fail: a call on a Megatron module's MagicMock is counted.
+    from unittest.mock import MagicMock
+
+    import megatron.core.extensions.transformer_engine as te_ext
+
+    monkeypatch.setattr(te_ext, "probe_stand_in", MagicMock(), raising=False)
+    baseline = _te_stand_in_calls()
+    te_ext.probe_stand_in.pytorch.GroupedLinear(2, 8, 8)
+    assert _stand_in_calls_since(baseline) == {"megatron.core.extensions.transformer_engine.probe_stand_in": 1}
