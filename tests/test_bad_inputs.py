@@ -157,6 +157,19 @@ def _moe(**kw):
     return MoELayer(**{"hidden_size": 8, "ffn_hidden_size": 16, "num_experts": 4, "topk": 2, **kw})
 
 
+def _dispatcher(num_local_experts, num_ranks, rank, **kw):
+    from moe_graph.dispatcher import TokenDispatcher
+
+    cols = torch.zeros(2, dtype=torch.long)
+    return TokenDispatcher(num_local_experts, num_ranks, rank, cols, cols.clone(), **kw)
+
+
+def _launch():
+    from moe_graph import launch
+
+    return launch
+
+
 def _demo(argv):
     from moe_graph import demo
 
@@ -279,6 +292,19 @@ ROWS = [
     Row("MoELayer.forward", "padding_mask of the wrong shape",
         lambda: _moe()(torch.randn(2, 3, 8), padding_mask=torch.zeros(2, 4, dtype=torch.bool)), ValueError,
         r"padding_mask must have shape \(2, 3\) \(x without its last dimension\), got \(2, 4\)"),
+    # ---- token dispatcher ----
+    Row("TokenDispatcher", "num_local_experts=0", lambda: _dispatcher(0, 1, 0), ValueError,
+        r"num_local_experts must be >= 1, got 0"),
+    Row("TokenDispatcher", "rank past num_ranks", lambda: _dispatcher(1, 2, 2), ValueError,
+        r"need num_ranks >= 1 and 0 <= rank < num_ranks, got num_ranks=2, rank=2"),
+    Row("TokenDispatcher", "capacity=0", lambda: _dispatcher(1, 1, 0, capacity=0), ValueError,
+        r"capacity must be >= 1 or None \(dropless\), got 0"),
+    Row("dispatcher.expert_columns", "experts not divisible by ranks",
+        lambda: __import__("moe_graph.dispatcher").dispatcher.expert_columns(5, 2), ValueError,
+        r"num_experts=5 must be divisible by num_ranks=2"),
+    Row("dispatcher.capacity_for", "capacity_factor=0",
+        lambda: __import__("moe_graph.dispatcher").dispatcher.capacity_for(10, 2, 2, 0.0), ValueError,
+        r"capacity_factor must be > 0 or None \(dropless\), got 0.0"),
     # ---- parallel_state ----
     Row("parallel_state.initialize_model_parallel", "tensor_model_parallel_size=0",
         lambda: _ps().initialize_model_parallel(0), ValueError, r"tensor_model_parallel_size must be a positive int, got 0"),
@@ -436,6 +462,16 @@ ROWS = [
         r"warmup_steps must be >= 1"),
     Row("FullIterationGraph", "unknown capture_error_mode", lambda: _graph(lambda: None, capture_error_mode="loose"),
         ValueError, r"capture_error_mode must be 'global', 'thread_local' or 'relaxed'"),
+    # ---- training entry point: launch layout and checkpoints ----
+    Row("launch.resolve_layout", "--pp not dividing the world", lambda: _launch().resolve_layout(3, pp=2), ValueError,
+        r"--pp 2 does not divide the world size 3"),
+    Row("launch.resolve_layout", "--pp 0", lambda: _launch().resolve_layout(4, pp=0), ValueError,
+        r"--pp must be an integer >= 1, got 0"),
+    Row("launch.resolve_layout", "--ep not dividing the data-parallel size", lambda: _launch().resolve_layout(4, ep=3),
+        ValueError, r"--ep 3 does not divide the data-parallel size 4"),
+    Row("checkpoint.resolve_checkpoint", "a missing folder",
+        lambda: __import__("moe_graph.checkpoint").checkpoint.resolve_checkpoint("/nonexistent/moe_graph_ckpt"),
+        FileNotFoundError, r"--load /nonexistent/moe_graph_ckpt: no such folder"),
     # ---- demo command line (choices checked by argparse) ----
     *[Row("python -m moe_graph.demo", " ".join(args), lambda args=args: _demo(args), EXIT, msg) for args, msg in [
         (["--ep", "0"], r"argument --ep: expected an integer >= 1, got 0"),
@@ -458,7 +494,8 @@ def _id(row: Row) -> str:
 
 
 def test_every_entry_point_family_has_rows():
-    families = {"grouped_gemm", "GroupedLinear", "planner", "reroute_tokens", "EchoExpertDispatcher", "MoELayer", "parallel_state", "ParamAndGradBuffer",
+    families = {"grouped_gemm", "GroupedLinear", "planner", "reroute_tokens", "EchoExpertDispatcher", "MoELayer",
+                "TokenDispatcher", "launch", "checkpoint", "parallel_state", "ParamAndGradBuffer",
                 "DistributedDataParallel", "DistributedOptimizer", "pipeline", "FullIterationGraph", "demo"}
     assert all(any(f in r.entry for r in ROWS) for f in families)
     assert len({_id(r) for r in ROWS}) == len(ROWS)
