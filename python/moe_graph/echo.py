@@ -162,8 +162,8 @@ def echo_buffer_bytes(
 
     * ``dispatch_send`` / ``dispatch_recv``: ``B*k*N`` weight elements each (:meth:`EchoExpertDispatcher.dispatch`);
     * ``spare_weights``: ``k*N`` per dispatch, held until the backward of every microbatch that uses it: one copy per
-      microbatch in flight with ``plan_mode="microbatch"`` (``num_microbatches``), one per iteration with
-      ``"iteration"``;
+      microbatch in flight with ``plan_mode="microbatch"`` (``num_microbatches``), one static buffer per layer with
+      ``"iteration"`` (the dispatch writes into it);
     * ``grad_send`` / ``grad_recv``: ``B*k*N`` gradient elements each, ``grad_acc``: ``(L+1)*N``
       (:meth:`EchoExpertDispatcher.aggregate_grads`, per backward);
     * ``spare_grads``: ``k*N``, the spare slots' static wgrad buffers (fused ``main_grad`` path).
@@ -411,13 +411,15 @@ class EchoExpertDispatcher:
         return out
 
     # -- forward: weights to spare slots --
-    def dispatch(self, expert_offloading_map: torch.Tensor, home_weights: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    def dispatch(self, expert_offloading_map: torch.Tensor, home_weights: Sequence[torch.Tensor],
+                 out: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
         """Copies of the home experts for this rank's ``k`` spare slots: one ``[k, ...]`` tensor per input tensor
         (zeros for an unused slot). Collective: every rank of the group must call it with the same plan.
 
         Allocates exactly three ``N``-sized buffers (``N`` = one expert's elements over all tensors, in the weights'
         dtype): the send and receive blocks ``[B, k, N]`` (``B = R``, or ``w`` with donors) and the spare copies
-        ``[k, N]`` (the returned tensors are views of it); see :func:`echo_buffer_bytes`."""
+        ``[k, N]`` (the returned tensors are views of it; ``out``: a contiguous ``[k, N]`` buffer of the weights'
+        dtype to write them into instead, e.g. a static one); see :func:`echo_buffer_bytes`."""
         self._check_weights(home_weights)
         dev = home_weights[0].device
         home_rank, home_local, has_home = self.slot_homes(expert_offloading_map.to(dev))
@@ -447,7 +449,11 @@ class EchoExpertDispatcher:
             ok = has_home[my] & (pos >= 0)
             block = pos.clamp(min=0)
         rows = block * k + torch.arange(k, device=dev)
-        spare = torch.empty(k, N, dtype=send.dtype, device=dev)
+        if out is not None and (out.shape != (k, N) or out.dtype != send.dtype or out.device != dev
+                                or not out.is_contiguous()):
+            raise ValueError(f"out must be a contiguous [{k}, {N}] {send.dtype} tensor on {dev}, got "
+                             f"{tuple(out.shape)} {out.dtype} {out.device}")
+        spare = torch.empty(k, N, dtype=send.dtype, device=dev) if out is None else out
         torch.index_select(recv.view(B * k, N), 0, rows, out=spare)
         spare.masked_fill_(~ok[:, None], 0)
         return self._unpack(spare, home_weights, k)

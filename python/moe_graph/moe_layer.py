@@ -496,8 +496,8 @@ class MoELayer(nn.Module):
                 for name, shape, dt in (("_echo_ref_h2s", (num_experts, S), torch.int64),
                                         ("_echo_ref_load", (num_experts,), torch.int64),
                                         ("_echo_ref_omap", (num_experts, S), torch.bool),
-                                        ("_echo_spare1", (self.k,) + tuple(self.fc1.weight.shape[1:]), dtype),
-                                        ("_echo_spare2", (self.k,) + tuple(self.fc2.weight.shape[1:]), dtype)):
+                                        ("_echo_spare", (self.k, self.fc1.weight[0].numel()
+                                                         + self.fc2.weight[0].numel()), dtype)):
                     self.register_buffer(name, torch.zeros(shape, dtype=dt, device=device), persistent=False)
             if ep_size > 1:
                 _ = self.echo.backend  # probe the process group now, never during capture
@@ -617,12 +617,9 @@ class MoELayer(nn.Module):
         microbatch); ``None`` in ``"microbatch"`` mode (every forward dispatches)."""
         if self.echo_plan_mode != "iteration":
             return None
-        if not self._reuse:
-            s1, s2 = self.echo.dispatch(omap, [w1, w2])
-            with torch.no_grad():
-                self._echo_spare1.copy_(s1)
-                self._echo_spare2.copy_(s2)
-        return self._echo_spare1, self._echo_spare2
+        if not self._reuse:  # the dispatch writes straight into the static buffer
+            return tuple(self.echo.dispatch(omap, [w1, w2], out=self._echo_spare))
+        return tuple(self.echo._unpack(self._echo_spare, [w1, w2], self.k))
 
     def _echo_wgrad_state(self, w1, w2):
         """``(accumulate_mask [L+k], spare_grad_1 [k, ...], spare_grad_2 [k, ...])``: static device buffers,
