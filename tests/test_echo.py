@@ -563,3 +563,34 @@ def test_plan_once_per_iteration_has_no_data_dependent_ops():
                  device="cpu")
     with pytest.raises(TypeError, match="is_first_microbatch"):
         layer(torch.randn(4, 16), is_first_microbatch=1)
+
+
+def _subgroup_worker(rank, world, seed):
+    """Peer exchange inside EP subgroups whose group ranks differ from the global ranks ({0, 2} and {1, 3}),
+    R = 2 with w = 1: spare weights are the home experts' and gradients come home."""
+    import torch.distributed as dist
+
+    from moe_graph.echo import PeerBackend
+
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    g = groups[rank % 2]
+    R, L, k, n = 2, 2, 1, 5
+    me = dist.get_rank(g)
+    d = EchoExpertDispatcher(R * L, R, me, k, group=g, donors=1)
+    assert isinstance(d.backend, PeerBackend)
+    w_all = torch.arange(R * L * n, dtype=torch.float64).view(R * L, n) + 100 * (rank % 2)
+    omap = torch.zeros(R * L, R * k, dtype=torch.bool)
+    omap[1, 1] = True  # rank 1's slot hosts expert 1 (home rank 0)
+    spare = d.dispatch(omap, [w_all[me * L:(me + 1) * L]])[0]
+    out = torch.zeros(L, n, dtype=torch.float64)
+    d.aggregate_grads(omap, [torch.full((k, n), float(me + 1), dtype=torch.float64)], out=[out])
+    return {"me": me, "spare": spare.tolist(), "expect": (w_all[1:2] if me == 1 else torch.zeros(1, n)).tolist(),
+            "out": out.tolist()}
+
+
+def test_peer_exchange_in_subgroups_gloo():
+    res = run_distributed(_subgroup_worker, 4, 0)
+    for r in res:
+        assert r["spare"] == r["expect"]
+        expect_out = [[0.0] * 5, [2.0] * 5] if r["me"] == 0 else [[0.0] * 5, [0.0] * 5]
+        assert r["out"] == expect_out, r
