@@ -2,16 +2,24 @@
 
 Environment:
   MOE_GRAPH_CUDA=0        force a CPU-only build (=1 forces CUDA and fails loudly if it cannot be built)
-  MOE_GRAPH_ARCHS         GPU targets, ';'-separated (default "90a;100a"). Files named *_sm90.cu build only for
-                          9x targets and *_sm100.cu only for 10x targets; other .cu files build for all.
+  MOE_GRAPH_ARCHS         GPU targets, ';'-separated (default "90a;100a"). Files named *_sm90.cu are compiled only
+                          for the 9x targets and *_sm100.cu only for the 10x targets (per-source -gencode: no
+                          dead-stub pass of the other architecture); other .cu files build for all.
   CUTLASS_DIR             a CUTLASS checkout (its include/ is used) instead of the nvidia-cutlass wheel
   MAX_JOBS                parallel compile jobs (ninja)
 Never probes a GPU: everything is decided from the environment and the installed toolchain.
+
+The per-architecture CUTLASS files are compiled by a small ninja file of their own (build/arch_objects/), with
+`--resource-usage`; the build log ends with a table of the grouped GEMM kernels' registers, stack, local memory
+(spills) and shared memory. The C++ host code of the grouped GEMM's launch logic is compiled with the CuTe headers
+whenever they and the CUDA headers are found (also in CPU-only builds), so CPU tests can check it.
 """
 
 import glob
 import os
 import re
+import shlex
+import subprocess
 import sys
 
 from setuptools import setup
@@ -59,6 +67,93 @@ def _cuda_include_dirs():
     except ImportError:
         pass
     return dirs
+
+
+def _cuda_header_dirs(cuda_home):
+    """CUDA runtime headers and libcu++ (cuda/std/..., under include/cccl since CUDA 13) for host compilers."""
+    if not cuda_home:
+        return []
+    inc = os.path.join(cuda_home, "include")
+    if not os.path.isfile(os.path.join(inc, "cuda_runtime_api.h")):
+        return []
+    dirs = [inc]
+    if os.path.isdir(os.path.join(inc, "cccl", "cuda", "std")):
+        dirs.append(os.path.join(inc, "cccl"))
+    return dirs
+
+
+def _arch_of_source(src):
+    m = re.search(r"_sm(\d+)\.cu$", src)
+    return int(m.group(1)) if m else None
+
+
+def _arch_family(a):
+    return int(re.match(r"\d+", a).group()) // 10
+
+
+def _compile_arch_objects(sources, archs, nvcc, flags, build_dir, jobs):
+    """Compiles each *_smXX.cu with only the -gencode of its architecture family (ninja, incremental through
+    depfiles); returns (objects, ptxas resource-usage lines)."""
+    os.makedirs(build_dir, exist_ok=True)
+    lines = ["ninja_required_version = 1.3", f"nvcc = {nvcc}", "rule nvcc_arch",
+             "  command = $nvcc -MD -MF $out.d $flags -c $in -o $out", "  depfile = $out.d", "  deps = gcc", ""]
+    objects = []
+    for src in sources:
+        fam = _arch_of_source(src) // 10
+        gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs if _arch_family(a) == fam]
+        obj = os.path.join(build_dir, os.path.basename(src)[:-3] + ".o")
+        objects.append(obj)
+        lines += [f"build {obj}: nvcc_arch {os.path.abspath(src)}",
+                  "  flags = " + " ".join(shlex.quote(f) for f in flags + gencode), ""]
+    ninja_file = os.path.join(build_dir, "build.ninja")
+    text = "\n".join(lines) + "\n"
+    if not os.path.exists(ninja_file) or open(ninja_file).read() != text:
+        with open(ninja_file, "w") as f:
+            f.write(text)
+    proc = subprocess.run(["ninja", "-f", ninja_file, "-j", str(jobs)], cwd=build_dir, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+    print(proc.stdout, flush=True)
+    if proc.returncode != 0:
+        sys.exit("moe_graph build: compiling the per-architecture CUDA sources failed (see above)")
+    return objects, proc.stdout
+
+
+def _resource_table(ptxas_out):
+    """One line per grouped GEMM kernel from `ptxas --resource-usage` output: arch, configuration, kind, element
+    type, registers, stack frame and spill bytes (read from the mangled names: c++filt gives up on them), and one
+    summary line for the small kernels."""
+    rows, others = [], []
+    pat = re.compile(r"Compiling entry function '(\S+)' for '(sm_\w+)'\n(?:.*\n)*?\s*(\d+) bytes stack frame, "
+                     r"(\d+) bytes spill stores, (\d+) bytes spill loads\n.*?Used (\d+) registers")
+    for m in pat.finditer(ptxas_out):
+        name, arch, stack, st, ld, regs = m.groups()
+        spill = int(st) + int(ld)
+        if not name.startswith("_ZN7cutlass13device_kernel"):
+            others.append((int(regs), int(stack), spill))
+            continue
+        if "Cooperative" in name:
+            cfg = "cooperative 128x256"
+        elif "Pingpong" in name:
+            cfg = "pingpong 64x128"
+        else:
+            mn = re.search(r"SM100_MMA_F16BF16_(2x1SM_)?SS\w*?fLi(\d+)ELi(\d+)E", name)
+            cfg = (("2sm " if mn.group(1) else "1sm ") + f"{mn.group(2)}x{mn.group(3)}") if mn else "?"
+        lin = re.search(r"LinearCombinationI(f|\w+?_)f(v|f|\w+?_)f", name)
+        if "RowBroadcast" in name:
+            kind = "forward (bias fused)"
+        elif lin:
+            kind = "wgrad " + ("fp32" if lin.group(1) == "f" else "16-bit") + (
+                " overwrite" if lin.group(2) == "v" else " accumulate")
+        else:
+            kind = "?"
+        elem = "bf16" if name.find("bfloat16_t") != -1 and (name.find("half_t") == -1 or
+                                                           name.find("bfloat16_t") < name.find("half_t")) else "fp16"
+        rows.append(f"  {arch:8s} {cfg:20s} {kind:24s} {elem:5s} regs {regs:>3s}  stack {stack:>3s}  spill {spill}")
+    rows = sorted(rows)
+    if others:
+        rows.append(f"  + {len(others)} argument/helper kernels: regs <= {max(r for r, _, _ in others)}, "
+                    f"stack <= {max(s for _, s, _ in others)}, spill bytes {sum(x for _, _, x in others)}")
+    return rows
 
 
 def _archs():
@@ -109,17 +204,11 @@ def main():
     cpp_sources = sorted(glob.glob(os.path.join("csrc", "**", "*.cpp"), recursive=True))
     cu_sources = sorted(glob.glob(os.path.join("csrc", "**", "*.cu"), recursive=True)) if use_cuda else []
 
-    def arch_family(a):
-        return int(re.match(r"\d+", a).group()) // 10
-
-    # Per-arch files: *_sm90.cu for 9x, *_sm100.cu for 10x; a file whose arch is not built is dropped.
-    kept = []
-    for src in cu_sources:
-        m = re.search(r"_sm(\d+)\.cu$", src)
-        if m and not any(arch_family(a) == int(m.group(1)) // 10 for a in archs):
-            continue
-        kept.append(src)
-    cu_sources = kept
+    # Per-arch files: *_sm90.cu for 9x, *_sm100.cu for 10x (compiled apart, for their own family only); a file
+    # whose arch is not built is dropped.
+    arch_sources = [s for s in cu_sources
+                    if _arch_of_source(s) and any(_arch_family(a) == _arch_of_source(s) // 10 for a in archs)]
+    cu_sources = [s for s in cu_sources if not _arch_of_source(s)]
 
     cxx = ["-O3", "-DNDEBUG"]
     define = []
@@ -140,7 +229,15 @@ def main():
         cxx += [f"-idirafter{d}" for d in _cuda_include_dirs()]
         for a in archs:
             nvcc.append(f"-gencode=arch=compute_{a},code=sm_{a}")
-            define.append(f"-DMOE_GRAPH_BUILD_SM{arch_family(a) * 10}")
+            define.append(f"-DMOE_GRAPH_BUILD_SM{_arch_family(a) * 10}")
+    # Host-side CuTe for the launch-logic tests (grouped_probe.cpp), in CPU-only builds too.
+    cute_dirs = []
+    if cutlass_inc is not None:
+        cute_dirs = _cuda_header_dirs(ce.CUDA_HOME)
+        if cute_dirs:
+            define.append("-DMOE_GRAPH_HAVE_CUTE")
+            include_dirs += [d for d in cutlass_inc if d not in include_dirs]
+            cxx += [f"-idirafter{d}" for d in cute_dirs]
     cxx += define
     nvcc += define
 
@@ -152,7 +249,8 @@ def main():
     print(f"  CUDA_HOME      {ce.CUDA_HOME}")
     print(f"  archs          {';'.join(archs) if archs else '-'}")
     print(f"  CUTLASS        {cutlass_msg}")
-    print(f"  sources        {len(cpp_sources)} C++, {len(cu_sources)} CUDA")
+    print(f"  sources        {len(cpp_sources)} C++, {len(cu_sources)} CUDA, {len(arch_sources)} per-arch CUDA")
+    print(f"  host CuTe      {'ON (launch-logic tests)' if cute_dirs else 'OFF (no CUTLASS or CUDA headers)'}")
     print("=" * 72)
 
     Ext = ce.CUDAExtension if use_cuda else ce.CppExtension
@@ -163,10 +261,33 @@ def main():
         extra_compile_args={"cxx": cxx, "nvcc": nvcc} if use_cuda else {"cxx": cxx},
         py_limited_api=False,
     )
-    setup(
-        ext_modules=[ext],
-        cmdclass={"build_ext": ce.BuildExtension.with_options(use_ninja=True)},
-    )
+    base = ce.BuildExtension.with_options(use_ninja=True)
+
+    class BuildExt(base):
+        def build_extensions(self):
+            if arch_sources:
+                # The flags torch's ninja build gives every .cu, without the -gencode list (added per file).
+                flags = [f for f in nvcc if not f.startswith("-gencode")] + list(ce.COMMON_NVCC_FLAGS)
+                flags += ["--compiler-options", "-fPIC", "--resource-usage", "-DTORCH_API_INCLUDE_EXTENSION_H",
+                          "-DTORCH_EXTENSION_NAME=_C", "-std=c++20"]
+                flags += [f"-I{os.path.abspath(d)}" for d in include_dirs + ce.include_paths(device_type="cuda")]
+                objs, out = _compile_arch_objects(
+                    arch_sources, archs, os.path.join(ce.CUDA_HOME, "bin", "nvcc"), flags,
+                    os.path.join(os.path.abspath(self.build_temp), "arch_objects"),
+                    int(os.environ.get("MAX_JOBS") or os.cpu_count() or 1))
+                for e in self.extensions:
+                    e.extra_objects = list(e.extra_objects or []) + objs
+                    e.depends = list(e.depends or []) + objs  # relink when only a per-arch object changed
+                table = _resource_table(out)
+                print("=" * 72)
+                print("moe_graph grouped GEMM kernels: ptxas resource usage (LOCAL > 0 means spills; empty when "
+                      "the objects were up to date)")
+                for row in table:
+                    print(row)
+                print("=" * 72, flush=True)
+            super().build_extensions()
+
+    setup(ext_modules=[ext], cmdclass={"build_ext": BuildExt})
 
 
 main()

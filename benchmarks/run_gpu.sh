@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One scripted GPU session (e.g. through the `device` tool): build for the local GPU, run the GPU tests, the
-# CUDA-graph tests under compute-sanitizer memcheck, the self-check and the benchmarks; copy logs and JSON to
+# One scripted GPU session (e.g. through the `device` tool): build for the local GPU (with the grouped kernels'
+# ptxas resource usage), run the GPU tests, the CUDA-graph tests under compute-sanitizer memcheck, the self-check
+# and the benchmarks (incl. fine-grained experts, fused bias, fp32 wgrad overwrite); copy logs and JSON to
 # $OUT (or benchmarks/results/ when OUT is unset). Needs the nvidia-cutlass wheel (pip, or carried in .whl/).
 #
 #   bash benchmarks/run_gpu.sh [build|test|memcheck|bench|all ...]   (default: all)
@@ -26,10 +27,14 @@ if want build; then
   MOE_GRAPH_ARCHS=${cap}a MAX_JOBS=${MAX_JOBS:-16} python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1 \
     || { tail -40 "$OUT/build.log"; exit 1; }
   if grep -n C7510 "$OUT/build.log"; then echo "C7510 WARNING"; rc=1; fi
+  sed -n '/ptxas resource usage/,/^====/p' "$OUT/build.log"
+  if grep -E "REG:[0-9]+ STACK:[0-9]+ SHARED:[0-9]+ LOCAL:[1-9]" "$OUT/build.log"; then echo "SPILLS"; rc=1; fi
 fi
 if want test; then
   echo "== self-check"; python3 -m moe_graph.selfcheck 2>&1 | tee "$OUT/selfcheck.log" || rc=1
-  echo "== all tests (GPU tests included)"
+  echo "== host launch logic and the GPU tests of the grouped GEMM first (fail fast), then all tests"
+  python3 -m pytest -q -x -p no:cacheprovider tests/test_grouped_launch_logic.py tests/test_grouped_gemm_cuda.py \
+    2>&1 | tail -15 | tee "$OUT/grouped_gemm_gpu_tests.log" || rc=1
   python3 -m pytest -q tests -p no:cacheprovider -rs > "$OUT/gpu_tests.log" 2>&1 || rc=1
   tail -25 "$OUT/gpu_tests.log"
 fi

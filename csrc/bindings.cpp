@@ -5,6 +5,7 @@
 
 #include "common/error_flag_torch.h"
 #include "grouped_gemm/grouped_gemm_ops.h"
+#include "grouped_gemm/grouped_probe.h"
 #include "reroute/reroute_ops.h"
 
 namespace moe_graph {
@@ -36,6 +37,19 @@ TORCH_LIBRARY(moe_graph, m) {
       "Tensor? accumulate_mask) -> ()");
   // Bias gradient: db[e] = sum of dy rows of expert e -> [E, N] fp32.
   m.def("grouped_bias_grad(Tensor dy, Tensor m_splits) -> Tensor");
+
+  // ---- grouped GEMM host logic, test-only (csrc/grouped_gemm/grouped_probe.h) ---------------------------
+  m.def("_grouped_plan_forward(int arch, int rows, int num_experts, int n, int k, bool has_bias, bool b_is_list, "
+        "int config) -> int[]",
+        &moe_graph::grouped_plan_forward_probe);
+  m.def("_grouped_plan_wgrad(int arch, int rows, int num_experts, int n, int k, int out_dtype, bool accumulate_all, "
+        "bool has_mask, bool out_is_list, int config) -> int[]",
+        &moe_graph::grouped_plan_wgrad_probe);
+  m.def("_grouped_config_name(int config) -> str", &moe_graph::grouped_config_name_probe);
+  m.def("_grouped_effective_sm_count(int sm_count, int carveout) -> int", &moe_graph::grouped_effective_sm_count_probe);
+  m.def("_grouped_args_probe(Tensor m_splits, int rows, int n, int k, int kind, bool b_list, bool has_bias, "
+        "Tensor coords) -> (Tensor, Tensor)",
+        &moe_graph::grouped_args_probe);
 
   // ---- token rerouting (echo experts) ------------------------------------------------------------------
   // routing_map [T, E] bool, probs [T, E], tokens_to_spare [S] int, home_to_spare_map [E, S] bool

@@ -26,6 +26,16 @@ if ! MAX_JOBS=${MAX_JOBS:-2} $PY setup.py build_ext --inplace > build/build.log 
   exit 1
 fi
 sed -n '/moe_graph build summary/,/^====/p' build/build.log
+sed -n '/moe_graph grouped GEMM kernels: ptxas resource usage/,/^====/p' build/build.log
+if grep -E "REG:[0-9]+ STACK:[0-9]+ SHARED:[0-9]+ LOCAL:[1-9]" build/build.log | grep -q .; then
+  echo "[setup] a kernel uses local memory (spills): failing the build" >&2
+  exit 1
+fi
+if grep -E "ptxas (warning|W)" build/build.log | grep -q .; then
+  grep -nE "ptxas (warning|W)" build/build.log | head
+  echo "[setup] ptxas warnings: failing the build" >&2
+  exit 1
+fi
 if grep -q "C7510" build/build.log; then
   grep -n "C7510" build/build.log | head
   echo "[setup] ptxas warning C7510 (wgmma pipeline serialized): failing the build" >&2

@@ -509,3 +509,32 @@ def test_integer_like_python_splits_accepted(gen):
     a, w = _data(gen, 10, 8, 8, 3, torch.float32)
     y = grouped_gemm(a, w, [np.int64(4), torch.tensor(3), 3])
     torch.testing.assert_close(y, ref_grouped_gemm(a, w, [4, 3, 3]).float())
+
+
+# --------------------------------------------------------------------------- K = 0 and the rounding rule --
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_k_zero_gives_bias_rows_and_zero_tail(gen, with_bias):
+    E, N = 3, 8
+    splits = [2, 0, 3]
+    a = torch.randn(7, 0).bfloat16()
+    w = torch.randn(E, N, 0).bfloat16()
+    bias = torch.randn(E, N, generator=gen).bfloat16() if with_bias else None
+    out = torch.full((7, N), float("nan")).bfloat16()
+    grouped_gemm(a, w, splits, bias=bias, out=out)
+    torch.testing.assert_close(out, ref_grouped_gemm(a, w, splits, bias=bias).bfloat16(), rtol=0, atol=0)
+
+
+def test_bias_is_added_in_fp32_before_the_one_rounding(gen):
+    """y = round_bf16(fp32(a_e @ W_e) + bias_e) exactly: the rounding rule of cuBLASLt/TE and of the CUDA epilogue
+    (not round(round(acc) + bias), which differs in the last bit for some elements)."""
+    E, K, N = 2, 64, 64
+    splits = [50, 78]
+    a, w = _data(gen, 128, K, N, E, torch.bfloat16)
+    bias = (torch.randn(E, N, generator=gen) * 3).bfloat16()
+    y = grouped_gemm(a, w, splits, bias=bias)
+    acc = torch.cat([a[:50].float() @ w[0].float().t(), a[50:].float() @ w[1].float().t()])
+    b = torch.cat([bias[0].float().expand(50, N), bias[1].float().expand(78, N)])
+    one_rounding = (acc + b).bfloat16()
+    two_roundings = (acc.bfloat16().float() + b).bfloat16()
+    assert torch.equal(y, one_rounding)
+    assert not torch.equal(one_rounding, two_roundings)  # the case distinguishes the two rules

@@ -269,3 +269,55 @@ def test_overlapping_outputs_rejected_on_cuda(gen):
         grouped_gemm_wgrad(a, dy, torch.tensor([8, 8], device=DEV), out=[t, t], accumulate=True)
     torch.cuda.synchronize()
     assert torch.equal(buf, before) and torch.all(t == 0)
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_k_zero_gives_bias_rows_without_a_gemm(gen, with_bias):
+    E, N = 3, 64
+    splits = torch.tensor([20, 0, 30], device=DEV)
+    a = torch.empty(60, 0, device=DEV, dtype=torch.bfloat16)
+    w = torch.empty(E, N, 0, device=DEV, dtype=torch.bfloat16)
+    bias = torch.randn(E, N, device=DEV).bfloat16() if with_bias else None
+    out = torch.full((60, N), float("nan"), device=DEV).bfloat16()
+    grouped_gemm(a, w, splits, bias=bias, out=out)
+    ref = ref_grouped_gemm(a.cpu(), w.cpu(), [20, 0, 30], bias=None if bias is None else bias.cpu())
+    assert torch.equal(out.cpu(), ref.bfloat16())
+
+
+def test_fused_bias_rounds_once(gen):
+    # small integers: the fp32 accumulation is exact, so the only rounding is the final one of acc + bias
+    E, K, N = 2, 64, 128
+    a = torch.randint(-3, 4, (256, K), device=DEV).bfloat16()
+    w = torch.randint(-3, 4, (E, N, K), device=DEV).bfloat16()
+    bias = (torch.randn(E, N, device=DEV) * 100).bfloat16() + 0.5
+    y = grouped_gemm(a, w, torch.tensor([100, 156], device=DEV), bias=bias.bfloat16())
+    ref = ref_grouped_gemm(a.cpu(), w.cpu(), [100, 156], bias=bias.bfloat16().cpu())
+    assert torch.equal(y.cpu(), ref.bfloat16())
+
+
+def test_fp32_wgrad_overwrite_never_reads_out(gen):
+    E, K, N, T = 6, 128, 64, 700
+    splits = random_splits(E, T, gen)
+    splits[2] = 0
+    a = torch.randn(T, K, device=DEV).bfloat16()
+    dy = torch.randn(T, N, device=DEV).bfloat16()
+    out = torch.full((E, N, K), float("nan"), device=DEV)
+    grouped_gemm_wgrad(a, dy, torch.tensor(splits, device=DEV), out=out, accumulate=False)
+    assert not torch.isnan(out).any()
+    assert rel_err(out, ref_wgrad(a.cpu(), dy.cpu(), splits)) < 1e-5
+
+
+def test_sm_carveout_is_honoured(gen):
+    setter = getattr(torch._C, "_set_sm_carveout_experimental", None)
+    if setter is None:
+        pytest.skip("this torch has no SM carve-out setting")
+    E, K, N, T = 8, 256, 256, 2048
+    splits = random_splits(E, T, gen)
+    a = torch.randn(T, K, device=DEV).bfloat16()
+    w = torch.randn(E, N, K, device=DEV).bfloat16()
+    try:
+        setter(torch.cuda.get_device_properties(0).multi_processor_count - 8)
+        y = grouped_gemm(a, w, torch.tensor(splits, device=DEV))
+    finally:
+        setter(None)
+    assert rel_err(y, ref_grouped_gemm(a.cpu(), w.cpu(), splits)) < 1e-2

@@ -8,9 +8,11 @@
 
 #include <cub/block/block_scan.cuh>
 #include <cute/tensor.hpp>
-#include <cutlass/util/packed_stride.hpp>
+
+#include <type_traits>
 
 #include "common/error_flag.h"
+#include "grouped_gemm/grouped_expert_args.h"
 #include "grouped_gemm/grouped_spans.h"
 
 namespace moe_graph {
@@ -56,8 +58,9 @@ __device__ __forceinline__ void for_each_expert_span(const void* splits, bool is
   if (err) set_device_error(error_flag, err);
 }
 
-// Pointers and strides of one grouped launch, all device arrays of length E inside the workspace.
-template <class GemmKernel>
+// Pointers and strides of one grouped launch, all device arrays of length E inside the workspace. `Tags`: the
+// operand layouts (grouped_expert_args.h) the kernel was built from.
+template <class GemmKernel, class Tags>
 struct GroupedArrays {
   using ProblemShape = typename GemmKernel::ProblemShape::UnderlyingProblemShape;
   using ElementA = typename GemmKernel::ElementA;
@@ -67,6 +70,15 @@ struct GroupedArrays {
   using StrideB = typename GemmKernel::InternalStrideB;
   using StrideC = typename GemmKernel::InternalStrideC;
   using StrideD = typename GemmKernel::InternalStrideD;
+  using Expert = ExpertArgs<Tags, ElementA, ElementB, ElementD>;
+  // The host-tested argument function computes exactly the kernel's stride types, and the workspace formula of
+  // grouped_plan.cpp (argument_bytes) holds for them.
+  static_assert(std::is_same_v<ProblemShape, cute::Shape<int, int, int>>);
+  static_assert(std::is_same_v<StrideA, typename Expert::Strides::A>);
+  static_assert(std::is_same_v<StrideB, typename Expert::Strides::B>);
+  static_assert(std::is_same_v<StrideC, typename Expert::Strides::D>);
+  static_assert(std::is_same_v<StrideD, typename Expert::Strides::D>);
+  static_assert(sizeof(StrideA) == 8 && sizeof(StrideB) == 8 && sizeof(StrideD) == 8 && sizeof(ProblemShape) == 12);
 
   ProblemShape* shapes;
   const ElementA** ptr_a;
@@ -77,51 +89,45 @@ struct GroupedArrays {
   StrideB* stride_b;
   StrideC* stride_c;
   StrideD* stride_d;
+  const ElementD** ptr_bias;  // forward: bias row of each expert (null when the launch has no bias)
+
+  __device__ __forceinline__ void store(int e, const Expert& x) {
+    shapes[e] = x.shape;
+    ptr_a[e] = x.a;
+    ptr_b[e] = x.b;
+    ptr_c[e] = x.d;
+    ptr_d[e] = x.d;
+    stride_a[e] = x.stride_a;
+    stride_b[e] = x.stride_b;
+    stride_c[e] = x.stride_d;
+    stride_d[e] = x.stride_d;
+    if (ptr_bias != nullptr) ptr_bias[e] = x.bias;
+  }
 };
 
-// Forward / dgrad: D_e[count, n] = A[start: start+count, :k] x B_e.
-template <class GemmKernel>
+// Forward / dgrad: D_e[count, n] = A[start: start+count, :k] x B_e (+ bias_e).
+template <class GemmKernel, bool kBKMajor>
 __global__ void __launch_bounds__(kArgThreads) forward_args_kernel(
-    GroupedArrays<GemmKernel> arr, const void* splits, bool is_int64, int num_experts, int64_t rows, int n, int k,
-    const typename GemmKernel::ElementA* a, const typename GemmKernel::ElementB* b_base, int64_t b_stride,
-    const void* const* b_table, typename GemmKernel::ElementD* d, int64_t* offsets, int32_t* error_flag) {
-  using Arr = GroupedArrays<GemmKernel>;
+    GroupedArrays<GemmKernel, ForwardTags<kBKMajor>> arr, const void* splits, bool is_int64, int num_experts,
+    int64_t rows, int n, int k, const typename GemmKernel::ElementA* a, const typename GemmKernel::ElementB* b_base,
+    int64_t b_stride, const void* const* b_table, typename GemmKernel::ElementD* d,
+    const typename GemmKernel::ElementD* bias, int64_t* offsets, int32_t* error_flag) {
   for_each_expert_span(splits, is_int64, num_experts, rows, error_flag, offsets, [&](int e, int64_t start,
                                                                                      int64_t count) {
-    const int m = static_cast<int>(count);
-    arr.shapes[e] = typename Arr::ProblemShape(m, n, k);
-    arr.ptr_a[e] = a + start * k;
-    arr.ptr_b[e] = b_table ? static_cast<const typename Arr::ElementB*>(b_table[e]) : b_base + e * b_stride;
-    arr.ptr_d[e] = d + start * n;
-    arr.ptr_c[e] = arr.ptr_d[e];
-    arr.stride_a[e] = cutlass::make_cute_packed_stride(typename Arr::StrideA{}, cute::make_shape(m, k, 1));
-    arr.stride_b[e] = cutlass::make_cute_packed_stride(typename Arr::StrideB{}, cute::make_shape(n, k, 1));
-    arr.stride_c[e] = cutlass::make_cute_packed_stride(typename Arr::StrideC{}, cute::make_shape(m, n, 1));
-    arr.stride_d[e] = cutlass::make_cute_packed_stride(typename Arr::StrideD{}, cute::make_shape(m, n, 1));
+    arr.store(e, forward_expert_args<kBKMajor>(e, start, count, n, k, a, b_base, b_stride, b_table, d, bias));
   });
 }
 
-// Wgrad: D_e[n, k] = dy_e^T x a_e, GEMM (M, N, K) = (n, k, count). Experts without rows get M = 0 (no tiles):
-// an empty K loop would leave the accumulators unwritten.
+// Wgrad: D_e[n, k] = dy_e^T x a_e, GEMM (M, N, K) = (n, k, count).
 template <class GemmKernel>
 __global__ void __launch_bounds__(kArgThreads) wgrad_args_kernel(
-    GroupedArrays<GemmKernel> arr, const void* splits, bool is_int64, int num_experts, int64_t rows, int n, int k,
-    const typename GemmKernel::ElementA* dy, const typename GemmKernel::ElementB* a,
+    GroupedArrays<GemmKernel, WgradTags> arr, const void* splits, bool is_int64, int num_experts, int64_t rows, int n,
+    int k, const typename GemmKernel::ElementA* dy, const typename GemmKernel::ElementB* a,
     typename GemmKernel::ElementD* out_base, int64_t out_stride, void* const* out_table, int64_t* offsets,
     int32_t* error_flag) {
-  using Arr = GroupedArrays<GemmKernel>;
   for_each_expert_span(splits, is_int64, num_experts, rows, error_flag, offsets, [&](int e, int64_t start,
                                                                                      int64_t count) {
-    const int kk = static_cast<int>(count);
-    arr.shapes[e] = typename Arr::ProblemShape(kk > 0 ? n : 0, k, kk);
-    arr.ptr_a[e] = dy + start * n;
-    arr.ptr_b[e] = a + start * k;
-    arr.ptr_d[e] = out_table ? static_cast<typename Arr::ElementD*>(out_table[e]) : out_base + e * out_stride;
-    arr.ptr_c[e] = arr.ptr_d[e];
-    arr.stride_a[e] = cutlass::make_cute_packed_stride(typename Arr::StrideA{}, cute::make_shape(n, kk, 1));
-    arr.stride_b[e] = cutlass::make_cute_packed_stride(typename Arr::StrideB{}, cute::make_shape(k, kk, 1));
-    arr.stride_c[e] = cutlass::make_cute_packed_stride(typename Arr::StrideC{}, cute::make_shape(n, k, 1));
-    arr.stride_d[e] = cutlass::make_cute_packed_stride(typename Arr::StrideD{}, cute::make_shape(n, k, 1));
+    arr.store(e, wgrad_expert_args(e, start, count, n, k, dy, a, out_base, out_stride, out_table));
   });
 }
 

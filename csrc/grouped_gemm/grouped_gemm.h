@@ -16,33 +16,10 @@
 #include <stdexcept>
 #include <string>
 
+#include "grouped_gemm/grouped_plan.h"
+
 namespace moe_graph {
 namespace gg {
-
-enum class DType : int { kBF16 = 0, kF16 = 1, kF32 = 2 };
-
-inline const char* dtype_name(DType t) {
-  switch (t) {
-    case DType::kBF16:
-      return "bfloat16";
-    case DType::kF16:
-      return "float16";
-    default:
-      return "float32";
-  }
-}
-
-// Which CUTLASS configuration runs. kAuto picks from shapes known on the host (rows / num_experts, n, k),
-// never from the counts themselves.
-enum class Config : int {
-  kAuto = 0,
-  kSm90Cooperative = 1,  // 128x256x64 tile, cluster 1x2: large groups
-  kSm90Pingpong = 2,     // 64x128x64 tile, cluster 1x2: small groups (fine-grained experts)
-  kSm100OneSm = 3,       // 128x256 MMA tile on one SM
-  kSm100TwoSm = 4,       // 256x256 MMA tile on an SM pair (cluster 2x1)
-};
-
-const char* config_name(Config c);
 
 // Per-expert tensors: either one base pointer with a fixed element stride between experts, or a host array of
 // `num_experts` device pointers (one tensor per expert, as TransformerEngine keeps them). In the second case the
@@ -118,10 +95,6 @@ void run_bias_grad(const BiasGradProblem& p, const LaunchEnv& env);
 // Which architectures the library was compiled for (e.g. "sm90a sm100a"), and whether `arch` can run.
 const char* compiled_archs();
 bool arch_supported(int arch);
-
-// Picks the configuration that kAuto resolves to for a problem (exposed for tests and benchmarks).
-Config choose_forward_config(int arch, int64_t rows, int num_experts, int64_t n, int64_t k);
-Config choose_wgrad_config(int arch, int64_t rows, int num_experts, int64_t n, int64_t k);
 
 }  // namespace gg
 }  // namespace moe_graph

@@ -1,6 +1,6 @@
-// Arch-neutral part of the CUDA grouped GEMM: configuration choice, dispatch to the per-arch CUTLASS
-// instantiations, and the small kernels around them (pointer tables, rows past the splits, bias, zero-fill of
-// overwritten wgrad experts, bias gradient). Torch-free.
+// Arch-neutral part of the CUDA grouped GEMM: execution of the host launch plans (grouped_plan.h), dispatch to
+// the per-arch CUTLASS instantiations, and the small kernels around them (pointer tables, rows past the splits,
+// the K = 0 fill, zero-fill of overwritten wgrad experts, bias gradient). Torch-free.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -19,22 +19,6 @@
 
 namespace moe_graph {
 namespace gg {
-
-const char* config_name(Config c) {
-  switch (c) {
-    case Config::kAuto:
-      return "auto";
-    case Config::kSm90Cooperative:
-      return "sm90_cooperative";
-    case Config::kSm90Pingpong:
-      return "sm90_pingpong";
-    case Config::kSm100OneSm:
-      return "sm100_1sm";
-    case Config::kSm100TwoSm:
-      return "sm100_2sm";
-  }
-  return "?";
-}
 
 const char* compiled_archs() {
   return ""
@@ -56,18 +40,6 @@ bool arch_supported(int arch) {
 #endif
   (void)arch;
   return false;
-}
-
-// The heuristics see only host-known shapes: the capacity `rows`, the expert count and n/k.
-Config choose_forward_config(int arch, int64_t rows, int num_experts, int64_t n, int64_t k) {
-  (void)k;
-  const int64_t avg_rows = num_experts > 0 ? rows / num_experts : rows;
-  if (arch / 10 == 9) return avg_rows <= 64 ? Config::kSm90Pingpong : Config::kSm90Cooperative;
-  return (avg_rows >= 256 && n >= 256) ? Config::kSm100TwoSm : Config::kSm100OneSm;
-}
-
-Config choose_wgrad_config(int arch, int64_t, int, int64_t, int64_t) {
-  return arch / 10 == 9 ? Config::kSm90Cooperative : Config::kSm100TwoSm;
 }
 
 namespace {
@@ -112,59 +84,46 @@ __device__ __forceinline__ int expert_of_row(const int64_t* offsets, int num_exp
 // Explicit conversions: torch builds define __CUDA_NO_HALF_CONVERSIONS__ / __CUDA_NO_BFLOAT16_CONVERSIONS__.
 __device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
-template <class T>
-__device__ __forceinline__ T from_f32(float x);
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
-template <>
-__device__ __forceinline__ __half from_f32<__half>(float x) { return __float2half(x); }
-
 struct alignas(16) Vec16 {
   uint32_t w[4];
 };
 
-// Rows past the clamped total become zero; rows of expert e get bias[e] added (16-bit types, n % 8 == 0).
+// Rows past the clamped total become zero. With `fill` (K == 0: no GEMM ran), rows of expert e also become
+// bias[e] (or zero without bias). 16-bit types, n % 8 == 0.
 template <class T>
-__global__ void rows_fixup_kernel(T* out, const T* bias, const int64_t* offsets, int num_experts, int64_t rows,
-                                  int n) {
+__global__ void rows_fill_kernel(T* out, const T* bias, const int64_t* offsets, int num_experts, int64_t rows, int n,
+                                 bool fill) {
   const int64_t total = offsets[num_experts];
   const int vec_per_row = n / 8;
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-    if (r < total && bias == nullptr) {
+    if (r < total && !fill) {
       // Only rows past the total need work: jump straight there.
       const int64_t skip = (total - r + gridDim.x - 1) / gridDim.x;
       r += (skip - 1) * gridDim.x;
       continue;
     }
     Vec16* row = reinterpret_cast<Vec16*>(out + r * n);
-    if (r >= total) {
+    if (r >= total || bias == nullptr) {
       for (int v = threadIdx.x; v < vec_per_row; v += blockDim.x) row[v] = Vec16{{0u, 0u, 0u, 0u}};
     } else {
       const int e = expert_of_row(offsets, num_experts, r);
       const Vec16* b = reinterpret_cast<const Vec16*>(bias + static_cast<int64_t>(e) * n);
-      for (int v = threadIdx.x; v < vec_per_row; v += blockDim.x) {
-        Vec16 x = row[v];
-        const Vec16 y = b[v];
-        T* xs = reinterpret_cast<T*>(&x);
-        const T* ys = reinterpret_cast<const T*>(&y);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) xs[j] = from_f32<T>(to_f32(xs[j]) + to_f32(ys[j]));
-        row[v] = x;
-      }
+      for (int v = threadIdx.x; v < vec_per_row; v += blockDim.x) row[v] = b[v];
     }
   }
 }
 
-// Zeroes out_e for experts whose result overwrites (mask false / !accumulate_all) when either the accumulating
-// kernel runs (it adds into out_e) or the expert has no rows (no GEMM tile writes it).
+// Zeroes out_e for experts whose result overwrites (mask false / !accumulate_all) when either `all_overwritten`
+// (the accumulating kernel runs and adds into out_e, or no GEMM runs) or the expert has no rows (no GEMM tile
+// writes it).
 __global__ void wgrad_zero_kernel(void* out_base, int64_t expert_bytes, void* const* out_table,
                                   const int64_t* offsets, const bool* mask, bool accumulate_all,
-                                  bool accumulating_kernel, int num_experts) {
+                                  bool all_overwritten, int num_experts) {
   const int e = blockIdx.y;
   if (e >= num_experts) return;
   const bool acc = mask ? mask[e] : accumulate_all;
   const bool empty = offsets[e + 1] == offsets[e];
-  if (acc || !(accumulating_kernel || empty)) return;
+  if (acc || !(all_overwritten || empty)) return;
   char* base = out_table ? static_cast<char*>(out_table[e]) : static_cast<char*>(out_base) + e * expert_bytes;
   Vec16* p = reinterpret_cast<Vec16*>(base);
   const int64_t nvec = expert_bytes / 16;
@@ -234,79 +193,91 @@ void check_family(int arch) {
   }
 }
 
-void check_config(Config cfg, int arch) {
-  const bool sm90 = cfg == Config::kSm90Cooperative || cfg == Config::kSm90Pingpong;
-  const bool sm100 = cfg == Config::kSm100OneSm || cfg == Config::kSm100TwoSm;
-  if ((arch / 10 == 9 && !sm90) || (arch / 10 == 10 && !sm100)) {
-    std::ostringstream os;
-    os << "moe_graph grouped GEMM: config " << config_name(cfg) << " cannot run on compute capability " << arch / 10
-       << "." << arch % 10;
-    throw std::runtime_error(os.str());
-  }
-}
-
 template <class T>
-void launch_rows_fixup(const ForwardProblem& p, const LaunchEnv& env, const int64_t* offsets) {
-  if (p.rows == 0) return;
+void launch_rows_fill(const ForwardProblem& p, const LaunchEnv& env, const int64_t* offsets, bool fill) {
   const int blocks = static_cast<int>(std::min<int64_t>(p.rows, int64_t(env.sm_count) * 8));
   const int threads = static_cast<int>(std::min<int64_t>(256, std::max<int64_t>(32, p.n / 8)));
-  rows_fixup_kernel<T><<<blocks, threads, 0, env.stream>>>(static_cast<T*>(p.out), static_cast<const T*>(p.bias),
-                                                          offsets, p.splits.num_experts, p.rows,
-                                                          static_cast<int>(p.n));
-  check_launch("rows_fixup_kernel");
+  rows_fill_kernel<T><<<blocks, threads, 0, env.stream>>>(static_cast<T*>(p.out), static_cast<const T*>(p.bias),
+                                                         offsets, p.splits.num_experts, p.rows, static_cast<int>(p.n),
+                                                         fill);
+  check_launch("rows_fill_kernel");
+}
+
+void launch_offsets(const Splits& s, int64_t rows, int64_t* offsets, const LaunchEnv& env) {
+  offsets_kernel<<<1, detail::kArgThreads, 0, env.stream>>>(s.ptr, s.is_int64, s.num_experts, rows, offsets,
+                                                            env.error_flag);
+  check_launch("offsets_kernel");
+}
+
+void check_dtype_kernel(DType t, const char* what) {
+  if (t != DType::kBF16 && t != DType::kF16)
+    throw std::runtime_error(std::string("moe_graph grouped ") + what + ": no kernel for dtype " + dtype_name(t));
 }
 
 }  // namespace
 
+// Executes plan_forward (grouped_plan.cpp): every decision is made there, on the host, from host-known shapes.
 void run_forward(const ForwardProblem& p, const LaunchEnv& env) {
   check_family(env.arch);
+  check_dtype_kernel(p.dtype, "GEMM");
   const int e = p.splits.num_experts;
-  const Config cfg =
-      p.config == Config::kAuto ? choose_forward_config(env.arch, p.rows, e, p.n, p.k) : p.config;
-  check_config(cfg, env.arch);
-  auto* offsets = static_cast<int64_t*>(env.alloc(sizeof(int64_t) * (e + 1)));
-  const void* const* b_table = p.b.list ? device_ptr_table(p.b.list, e, env) : nullptr;
-  bool ran = false;
+  const ForwardPlan plan = plan_forward(env.arch, p.rows, e, p.n, p.k, p.bias != nullptr, p.b.list != nullptr,
+                                        p.config);
+  auto* offsets = static_cast<int64_t*>(env.alloc(plan.offsets_bytes));
+  if (plan.run_offsets) launch_offsets(p.splits, p.rows, offsets, env);
+  if (plan.run_gemm) {
+    const void* const* b_table = p.b.list ? device_ptr_table(p.b.list, e, env) : nullptr;
+    bool ran = false;
 #if defined(MOE_GRAPH_BUILD_SM90)
-  if (env.arch / 10 == 9) ran = detail::forward_sm90(p, env, cfg, b_table, offsets);
+    if (env.arch / 10 == 9) ran = detail::forward_sm90(p, env, plan.config, b_table, offsets);
 #endif
 #if defined(MOE_GRAPH_BUILD_SM100)
-  if (env.arch / 10 == 10) ran = detail::forward_sm100(p, env, cfg, b_table, offsets);
+    if (env.arch / 10 == 10) ran = detail::forward_sm100(p, env, plan.config, b_table, offsets);
 #endif
-  if (!ran) throw std::runtime_error(std::string("moe_graph grouped GEMM: no kernel for dtype ") + dtype_name(p.dtype));
-  if (p.dtype == DType::kBF16)
-    launch_rows_fixup<__nv_bfloat16>(p, env, offsets);
-  else
-    launch_rows_fixup<__half>(p, env, offsets);
+    if (!ran) throw std::runtime_error(std::string("moe_graph grouped GEMM: no kernel for dtype ") + dtype_name(p.dtype));
+  }
+  if (plan.zero_tail || plan.fill_rows) {
+    if (p.dtype == DType::kBF16)
+      launch_rows_fill<__nv_bfloat16>(p, env, offsets, plan.fill_rows);
+    else
+      launch_rows_fill<__half>(p, env, offsets, plan.fill_rows);
+  }
 }
 
+// Executes plan_wgrad (grouped_plan.cpp).
 void run_wgrad(const WgradProblem& p, const LaunchEnv& env) {
   check_family(env.arch);
+  check_dtype_kernel(p.dtype, "wgrad");
   const int e = p.splits.num_experts;
-  auto* offsets = static_cast<int64_t*>(env.alloc(sizeof(int64_t) * (e + 1)));
-  void* const* out_table =
-      p.out.list ? const_cast<void* const*>(reinterpret_cast<const void* const*>(device_ptr_table(p.out.list, e, env)))
-                 : nullptr;
-  // fp32 output always goes through the accumulating kernel (C = D); 16-bit output accumulates only when every
-  // expert does (a per-expert mask with 16-bit output also uses the accumulating kernel).
-  const bool accumulating_kernel =
-      p.out_dtype == DType::kF32 || p.accumulate_mask != nullptr || p.accumulate_all;
+  const WgradPlan plan = plan_wgrad(env.arch, p.rows, e, p.n, p.k, p.out_dtype, p.accumulate_all,
+                                    p.accumulate_mask != nullptr, p.out.list != nullptr, p.config);
+  auto* offsets = static_cast<int64_t*>(env.alloc(plan.offsets_bytes));
+  void* const* out_table = nullptr;
+  if (plan.ptr_table_bytes)
+    out_table = const_cast<void* const*>(reinterpret_cast<const void* const*>(device_ptr_table(p.out.list, e, env)));
   const int64_t elem = p.out_dtype == DType::kF32 ? 4 : 2;
   const int64_t expert_bytes = p.n * p.k * elem;
   auto zero_fill = [&]() {
+    if (!plan.zero_fill) return;
     const int64_t nvec = expert_bytes / 16;
     const int bx = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(64, (nvec + 255) / 256)));
     dim3 grid(bx, e);
     wgrad_zero_kernel<<<grid, 256, 0, env.stream>>>(const_cast<void*>(p.out.base), expert_bytes, out_table, offsets,
-                                                    p.accumulate_mask, p.accumulate_all, accumulating_kernel, e);
+                                                    p.accumulate_mask, p.accumulate_all,
+                                                    plan.zero_fill_all_overwritten, e);
     check_launch("wgrad_zero_kernel");
   };
+  if (plan.run_offsets) {
+    launch_offsets(p.splits, p.rows, offsets, env);
+    zero_fill();
+  }
+  if (plan.kernel == WgradKernel::kNone) return;
   bool ran = false;
 #if defined(MOE_GRAPH_BUILD_SM90)
-  if (env.arch / 10 == 9) ran = detail::wgrad_sm90(p, env, accumulating_kernel, out_table, offsets, zero_fill);
+  if (env.arch / 10 == 9) ran = detail::wgrad_sm90(p, env, plan.kernel, out_table, offsets, zero_fill);
 #endif
 #if defined(MOE_GRAPH_BUILD_SM100)
-  if (env.arch / 10 == 10) ran = detail::wgrad_sm100(p, env, accumulating_kernel, out_table, offsets, zero_fill);
+  if (env.arch / 10 == 10) ran = detail::wgrad_sm100(p, env, plan.kernel, out_table, offsets, zero_fill);
 #endif
   if (!ran) throw std::runtime_error(std::string("moe_graph grouped wgrad: no kernel for dtype ") + dtype_name(p.dtype));
 }
@@ -314,9 +285,7 @@ void run_wgrad(const WgradProblem& p, const LaunchEnv& env) {
 void run_bias_grad(const BiasGradProblem& p, const LaunchEnv& env) {
   const int e = p.splits.num_experts;
   auto* offsets = static_cast<int64_t*>(env.alloc(sizeof(int64_t) * (e + 1)));
-  offsets_kernel<<<1, detail::kArgThreads, 0, env.stream>>>(p.splits.ptr, p.splits.is_int64, e, p.rows, offsets,
-                                                            env.error_flag);
-  check_launch("offsets_kernel");
+  launch_offsets(p.splits, p.rows, offsets, env);
   if (p.n == 0 || e == 0) return;
   const int64_t chunks = (p.rows + kBiasRowsPerChunk - 1) / kBiasRowsPerChunk;
   // one slot per (chunk, expert) piece: ids c + e < chunks + E

@@ -110,7 +110,8 @@ FwdShape check_forward(const char* op, const at::Tensor& a, at::TensorList b, co
     check_cuda_extent(s.k, op, "K (a.size(1))");
     check_cuda_extent(s.n, op, "N (output features)");
     TORCH_CHECK(s.rows < (int64_t(1) << 31) && s.n < (int64_t(1) << 31) && s.k < (int64_t(1) << 31), op,
-                ": every dimension must be below 2^31");
+                ": every dimension must be below 2^31 (the kernels index rows with int), got a of shape ",
+                shape_str(a), " and N = ", s.n);
     check_aligned16(a, op, "a");
     for (size_t e = 0; e < b.size(); ++e) check_aligned16(b[e], op, "b");
     if (bias.has_value() && bias->defined()) check_aligned16(*bias, op, "bias");
@@ -141,6 +142,9 @@ WgradShape check_wgrad(const char* op, const at::Tensor& a, const at::Tensor& dy
   if (a.is_cuda()) {
     check_cuda_extent(s.k, op, "K (a.size(1))");
     check_cuda_extent(s.n, op, "N (dy.size(1))");
+    TORCH_CHECK(s.rows < (int64_t(1) << 31) && s.n < (int64_t(1) << 31) && s.k < (int64_t(1) << 31), op,
+                ": every dimension must be below 2^31 (the kernels index rows with int), got a of shape ",
+                shape_str(a), " and dy of shape ", shape_str(dy));
     check_aligned16(a, op, "a");
     check_aligned16(dy, op, "dy");
   }
@@ -231,8 +235,8 @@ void forward_cpu_into(const at::Tensor& a, at::TensorList b, const at::Tensor& m
     if (counts[e] == 0) continue;
     auto x = a.narrow(0, starts[e], counts[e]).to(ct);
     auto w = expert_weight(b, e, s.stacked).to(ct);
-    auto y = at::mm(x, trans_b ? w.t() : w).to(a.scalar_type());
-    if (bias.has_value() && bias->defined()) y = (y.to(ct) + (*bias)[e].to(ct)).to(a.scalar_type());
+    auto y = at::mm(x, trans_b ? w.t() : w);  // compute type: fp32 (fp64 for fp64)
+    if (bias.has_value() && bias->defined()) y = y + (*bias)[e].to(ct);  // bias added before the one rounding
     out.narrow(0, starts[e], counts[e]).copy_(y);
   }
   if (total < s.rows) out.narrow(0, total, s.rows - total).zero_();
@@ -413,7 +417,9 @@ gg::LaunchEnv make_env(const at::Tensor& like, std::vector<at::Tensor>& keep) {
   gg::LaunchEnv env;
   env.device = like.device().index();
   const auto& info = device_info(env.device);
-  env.sm_count = info.sm_count;
+  // torch's SM carve-out (torch._C._set_sm_carveout_experimental), read per call: SMs left to communication
+  // kernels that overlap the GEMM; the persistent CUTLASS kernels size their grid from what remains.
+  env.sm_count = gg::effective_sm_count(info.sm_count, at::globalContext()._SMCarveout_EXPERIMENTAL().value_or(0));
   env.arch = info.arch;
   env.stream = c10::cuda::getCurrentCUDAStream(env.device).stream();
   env.error_flag = error_flag_ptr(like.device());

@@ -1,5 +1,5 @@
 // Torch-level grouped GEMM ops (schemas in csrc/bindings.cpp). The CPU versions define the semantics; the CUDA
-// versions match them (fp32 accumulation, one rounding to the output dtype, bias added after that rounding).
+// versions match them (fp32 accumulation, bias added in fp32, one rounding to the output dtype).
 #pragma once
 #include <ATen/ATen.h>
 

@@ -15,6 +15,7 @@ using namespace cute;
 
 struct Sm90Cooperative {
   using Tile = Shape<_128, _256, _64>;
+  using CtaTile = Tile;
   using Cluster = Shape<_1, _2, _1>;
   using Mainloop = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
   using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
@@ -23,13 +24,15 @@ struct Sm90Cooperative {
 
 struct Sm90Pingpong {
   using Tile = Shape<_64, _128, _64>;
+  using CtaTile = Tile;
   using Cluster = Shape<_1, _2, _1>;
   using Mainloop = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
   using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
   static constexpr const char* name = "sm90_pingpong_64x128x64_c1x2";
 };
 
-using Sm90Kernels = ArchKernels<cutlass::arch::Sm90, Config::kSm90Pingpong, Sm90Pingpong, Sm90Cooperative, Sm90Cooperative>;
+using Sm90Kernels = ArchKernels<cutlass::arch::Sm90, Config::kSm90Pingpong, Sm90Pingpong, Config::kSm90Cooperative,
+                                Sm90Cooperative, Sm90Cooperative, Sm90Cooperative>;
 
 }  // namespace
 
@@ -38,9 +41,9 @@ bool forward_sm90(const ForwardProblem& p, const LaunchEnv& env, Config cfg, con
   return Sm90Kernels::forward(p, env, cfg, b_table, offsets);
 }
 
-bool wgrad_sm90(const WgradProblem& p, const LaunchEnv& env, bool accumulate_kernel, void* const* out_table,
+bool wgrad_sm90(const WgradProblem& p, const LaunchEnv& env, WgradKernel kernel, void* const* out_table,
                 int64_t* offsets, const Hook& after_args) {
-  return Sm90Kernels::wgrad(p, env, accumulate_kernel, out_table, offsets, after_args);
+  return Sm90Kernels::wgrad(p, env, kernel, out_table, offsets, after_args);
 }
 
 }  // namespace detail

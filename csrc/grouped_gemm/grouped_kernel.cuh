@@ -1,11 +1,13 @@
 // One config struct -> one CUTLASS grouped (ptr-array) kernel type, and the runtime -> template dispatch shared
-// by the per-architecture files. A config struct provides Tile, Cluster, Mainloop (kernel schedule), Epilogue
-// (epilogue schedule) and a name.
+// by the per-architecture files. A config struct provides Tile (MMA tile), CtaTile (the tile of one CTA: Tile,
+// or half of it along M for 2-SM MMAs), Cluster, Mainloop (kernel schedule), Epilogue (epilogue schedule) and a
+// name.
 #pragma once
 
 #include <cutlass/cutlass.h>
 #include <cutlass/epilogue/collective/collective_builder.hpp>
 #include <cutlass/epilogue/fusion/operations.hpp>
+#include <cutlass/epilogue/fusion/sm90_callbacks_tma_warpspecialized.hpp>
 #include <cutlass/gemm/collective/collective_builder.hpp>
 #include <cutlass/gemm/device/gemm_universal_adapter.h>
 #include <cutlass/gemm/dispatch_policy.hpp>
@@ -19,9 +21,18 @@ namespace moe_graph {
 namespace gg {
 namespace detail {
 
-// Element: A/B type. LayoutA/LayoutB: CUTLASS layouts of the GEMM operands. ElementC: void (no source) or the type
-// of D (D = A.B + C with C aliasing D). ElementD: output type. Row-major C/D.
-template <class ArchTag, class Cfg, class Element, class LayoutA, class LayoutB, class ElementC, class ElementD>
+// Forward epilogue: D = round(acc + bias_e[n]) in fp32, one rounding (as cuBLASLt and TransformerEngine do).
+// The bias is a per-group row broadcast from an array of pointers (one per expert); a null array adds zero.
+template <class CtaTile, class ElementD>
+using BiasEpilogue = cutlass::epilogue::fusion::Sm90EVT<
+    cutlass::epilogue::fusion::Sm90Compute<cutlass::plus, ElementD, float, cutlass::FloatRoundStyle::round_to_nearest>,
+    cutlass::epilogue::fusion::Sm90AccFetch,
+    cutlass::epilogue::fusion::Sm90RowBroadcast<0, CtaTile, ElementD*, float, BiasStride,
+                                                128 / cutlass::sizeof_bits<ElementD>::value>>;
+
+// Element: A/B type. Tags: operand layouts (grouped_expert_args.h). ElementC: void (no source) or the type of D
+// (D = A.B + C with C aliasing D). Fusion: the epilogue's fusion operation or callbacks. Row-major C/D.
+template <class ArchTag, class Cfg, class Element, class Tags, class ElementC, class ElementD, class Fusion>
 struct GroupedGemmKernel {
   using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
   using LayoutD = cutlass::layout::RowMajor;
@@ -31,12 +42,11 @@ struct GroupedGemmKernel {
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       ArchTag, cutlass::arch::OpClassTensorOp, typename Cfg::Tile, typename Cfg::Cluster,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementC, LayoutD*, kAlignD, ElementD, LayoutD*,
-      kAlignD, typename Cfg::Epilogue,
-      cutlass::epilogue::fusion::LinearCombination<ElementD, float, ElementC, float>>::CollectiveOp;
+      kAlignD, typename Cfg::Epilogue, Fusion>::CollectiveOp;
 
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      ArchTag, cutlass::arch::OpClassTensorOp, Element, LayoutA*, kAlignAB, Element, LayoutB*, kAlignAB, float,
-      typename Cfg::Tile, typename Cfg::Cluster,
+      ArchTag, cutlass::arch::OpClassTensorOp, Element, typename Tags::A*, kAlignAB, Element, typename Tags::B*,
+      kAlignAB, float, typename Cfg::Tile, typename Cfg::Cluster,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
       typename Cfg::Mainloop>::CollectiveOp;
 
@@ -44,49 +54,61 @@ struct GroupedGemmKernel {
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 };
 
-using RowMajor = cutlass::layout::RowMajor;
-using ColMajor = cutlass::layout::ColumnMajor;
+template <class ElementC, class ElementD>
+using LinComb = cutlass::epilogue::fusion::LinearCombination<ElementD, float, ElementC, float>;
 
-// Forward / dgrad with configuration Cfg: b_k_major (B_e stored [n, k]) -> CUTLASS ColumnMajor B (K contiguous);
-// else ([k, n]) RowMajor B.
-template <class ArchTag, class Cfg, class Element>
-void forward_with(const ForwardProblem& p, const LaunchEnv& env, const void* const* b_table, int64_t* offsets) {
-  if (p.b_k_major) {
-    using G = GroupedGemmKernel<ArchTag, Cfg, Element, RowMajor, ColMajor, void, Element>;
-    launch_forward<typename G::Gemm>(p, env, b_table, offsets, Cfg::name);
-  } else {
-    using G = GroupedGemmKernel<ArchTag, Cfg, Element, RowMajor, RowMajor, void, Element>;
-    launch_forward<typename G::Gemm>(p, env, b_table, offsets, Cfg::name);
-  }
+// Forward / dgrad with configuration Cfg, bias fused in the epilogue. b_k_major (B_e stored [n, k]) -> CUTLASS
+// ColumnMajor B (K contiguous); else ([k, n]) RowMajor B.
+template <class ArchTag, class Cfg, class Element, bool kBKMajor>
+void forward_with_layout(const ForwardProblem& p, const LaunchEnv& env, const void* const* b_table,
+                         int64_t* offsets) {
+  using G = GroupedGemmKernel<ArchTag, Cfg, Element, ForwardTags<kBKMajor>, void, Element,
+                              BiasEpilogue<typename Cfg::CtaTile, Element>>;
+  launch_forward<typename G::Gemm, kBKMajor>(p, env, b_table, offsets, Cfg::name);
 }
 
-// Wgrad with configuration Cfg. Operands: A = dy^T (dy is [rows, n] row-major: M-major, CUTLASS ColumnMajor A),
-// B = a ([rows, k] row-major: N-major, CUTLASS RowMajor B). fp32 output (main_grad) always uses the accumulating
-// kernel (overwritten experts are zeroed first by `after`); 16-bit output accumulates when `acc`.
 template <class ArchTag, class Cfg, class Element>
-void wgrad_with(const WgradProblem& p, const LaunchEnv& env, bool acc, void* const* out_table, int64_t* offsets,
-                const Hook& after) {
+void forward_with(const ForwardProblem& p, const LaunchEnv& env, const void* const* b_table, int64_t* offsets) {
+  if (p.b_k_major)
+    forward_with_layout<ArchTag, Cfg, Element, true>(p, env, b_table, offsets);
+  else
+    forward_with_layout<ArchTag, Cfg, Element, false>(p, env, b_table, offsets);
+}
+
+// Wgrad with configuration Cfg (operands: grouped_expert_args.h). kAccumulate: D = A.B + D (C aliases D, beta 1);
+// kOverwrite: D = A.B without reading D, for fp32 (main_grad) and 16-bit outputs alike.
+template <class ArchTag, class Cfg, class Element>
+void wgrad_with(const WgradProblem& p, const LaunchEnv& env, WgradKernel kernel, void* const* out_table,
+                int64_t* offsets, const Hook& after) {
+  const bool acc = kernel == WgradKernel::kAccumulate;
   if (p.out_dtype == DType::kF32) {
-    using G = GroupedGemmKernel<ArchTag, Cfg, Element, ColMajor, RowMajor, float, float>;
-    launch_wgrad<typename G::Gemm, true>(p, env, out_table, offsets, Cfg::name, after);
+    if (acc) {
+      using G = GroupedGemmKernel<ArchTag, Cfg, Element, WgradTags, float, float, LinComb<float, float>>;
+      launch_wgrad<typename G::Gemm, true>(p, env, out_table, offsets, Cfg::name, after);
+    } else {
+      using G = GroupedGemmKernel<ArchTag, Cfg, Element, WgradTags, void, float, LinComb<void, float>>;
+      launch_wgrad<typename G::Gemm, false>(p, env, out_table, offsets, Cfg::name, after);
+    }
   } else if (acc) {
-    using G = GroupedGemmKernel<ArchTag, Cfg, Element, ColMajor, RowMajor, Element, Element>;
+    using G = GroupedGemmKernel<ArchTag, Cfg, Element, WgradTags, Element, Element, LinComb<Element, Element>>;
     launch_wgrad<typename G::Gemm, true>(p, env, out_table, offsets, Cfg::name, after);
   } else {
-    using G = GroupedGemmKernel<ArchTag, Cfg, Element, ColMajor, RowMajor, void, Element>;
+    using G = GroupedGemmKernel<ArchTag, Cfg, Element, WgradTags, void, Element, LinComb<void, Element>>;
     launch_wgrad<typename G::Gemm, false>(p, env, out_table, offsets, Cfg::name, after);
   }
 }
 
-// The dispatch of one architecture: forward configs CfgSmall (picked by config == kSmall) and CfgLarge, wgrad
-// config CfgWgrad; bf16 and fp16.
-template <class ArchTag, Config kSmall, class CfgSmall, class CfgLarge, class CfgWgrad>
+// The dispatch of one architecture: forward configs CfgSmall (config == kSmall), CfgMid (config == kMid) and
+// CfgLarge (otherwise), wgrad config CfgWgrad; bf16 and fp16.
+template <class ArchTag, Config kSmall, class CfgSmall, Config kMid, class CfgMid, class CfgLarge, class CfgWgrad>
 struct ArchKernels {
   template <class Element>
   static void forward_typed(const ForwardProblem& p, const LaunchEnv& env, Config cfg, const void* const* b_table,
                             int64_t* offsets) {
     if (cfg == kSmall)
       forward_with<ArchTag, CfgSmall, Element>(p, env, b_table, offsets);
+    else if (cfg == kMid)
+      forward_with<ArchTag, CfgMid, Element>(p, env, b_table, offsets);
     else
       forward_with<ArchTag, CfgLarge, Element>(p, env, b_table, offsets);
   }
@@ -102,12 +124,12 @@ struct ArchKernels {
     return true;
   }
 
-  static bool wgrad(const WgradProblem& p, const LaunchEnv& env, bool accumulate_kernel, void* const* out_table,
+  static bool wgrad(const WgradProblem& p, const LaunchEnv& env, WgradKernel kernel, void* const* out_table,
                     int64_t* offsets, const Hook& after_args) {
     if (p.dtype == DType::kBF16)
-      wgrad_with<ArchTag, CfgWgrad, cutlass::bfloat16_t>(p, env, accumulate_kernel, out_table, offsets, after_args);
+      wgrad_with<ArchTag, CfgWgrad, cutlass::bfloat16_t>(p, env, kernel, out_table, offsets, after_args);
     else if (p.dtype == DType::kF16)
-      wgrad_with<ArchTag, CfgWgrad, cutlass::half_t>(p, env, accumulate_kernel, out_table, offsets, after_args);
+      wgrad_with<ArchTag, CfgWgrad, cutlass::half_t>(p, env, kernel, out_table, offsets, after_args);
     else
       return false;
     return true;

@@ -43,20 +43,34 @@ def _forward_case(device, dtype, E, K, N, T, zipf, trans_b, g):
     return f"rel err {err:.1e}"
 
 
-def _wgrad_case(device, g):
+def _wgrad_case(device, g, overwrite=False):
+    """Into an fp32 main_grad with a per-expert accumulate mask, or (overwrite) with accumulate=False into a
+    main_grad full of NaN, which the overwrite kernel must never read."""
     E, K, N = 6, 64, 48
     splits = random_splits(E, 300, g)
     splits[3] = 0
     a = torch.randn(320, K, generator=g).bfloat16()
     dy = torch.randn(320, N, generator=g).bfloat16()
-    init = torch.randn(E, N, K, generator=g)
-    mask = [bool(x) for x in torch.randint(0, 2, (E,), generator=g)]
+    init = torch.full((E, N, K), float("nan")) if overwrite else torch.randn(E, N, K, generator=g)
+    mask = [False] * E if overwrite else [bool(x) for x in torch.randint(0, 2, (E,), generator=g)]
     out = init.to(device, copy=True)
     grouped_gemm_wgrad(a.to(device), dy.to(device), torch.tensor(splits, device=device), out=out,
-                       accumulate=torch.tensor(mask, device=device))
+                       accumulate=False if overwrite else torch.tensor(mask, device=device))
     err = rel_err(out, ref_wgrad(a, dy, splits, out_init=init, accumulate=mask))
     assert err < 5e-3, f"relative error {err:.2e}"
     return f"rel err {err:.1e}"
+
+
+def _k_zero_case(device, g):
+    """K = 0: each expert's rows are its bias, rows past the sum zero (no GEMM may run)."""
+    splits = [3, 0, 5]
+    bias = torch.randn(3, 16, generator=g).bfloat16()
+    a = torch.empty(10, 0, dtype=torch.bfloat16)
+    w = torch.empty(3, 16, 0, dtype=torch.bfloat16)
+    out = torch.full((10, 16), float("nan"), device=device).bfloat16()
+    grouped_gemm(a.to(device), w.to(device), torch.tensor(splits, device=device), bias=bias.to(device), out=out)
+    assert torch.equal(out.cpu(), ref_grouped_gemm(a, w, splits, bias=bias).bfloat16()), "K = 0 result wrong"
+    return "bias rows, zero tail"
 
 
 def _bias_grad_case(device, g):
@@ -132,6 +146,8 @@ def main(argv=None) -> int:
         for trans_b in (True, False):
             _check(f"forward {str(dtype)[6:]} trans_b={trans_b}", lambda: _forward_case("cpu", dtype, 12, 40, 24, 200, 1.1, trans_b, g), results)
     _check("wgrad fp32 main_grad, per-expert mask", lambda: _wgrad_case("cpu", g), results)
+    _check("wgrad fp32 main_grad, overwrite", lambda: _wgrad_case("cpu", g, overwrite=True), results)
+    _check("forward K = 0 with bias", lambda: _k_zero_case("cpu", g), results)
     _check("bias grad", lambda: _bias_grad_case("cpu", g), results)
     _check("overflow flag", lambda: _overflow_case("cpu"), results)
     if torch.cuda.is_available() and cuda_built():
@@ -141,6 +157,8 @@ def main(argv=None) -> int:
                 _check(f"forward {str(dtype)[6:]} trans_b={trans_b} E=128", lambda: _forward_case("cuda", dtype, 128, 512, 256, 8192, 1.2, trans_b, g), results)
         _check("forward bf16 E=1024", lambda: _forward_case("cuda", torch.bfloat16, 1024, 128, 128, 16384, 0.0, True, g), results)
         _check("wgrad fp32 main_grad, per-expert mask", lambda: _wgrad_case("cuda", g), results)
+        _check("wgrad fp32 main_grad, overwrite", lambda: _wgrad_case("cuda", g, overwrite=True), results)
+        _check("forward K = 0 with bias", lambda: _k_zero_case("cuda", g), results)
         _check("bias grad", lambda: _bias_grad_case("cuda", g), results)
         _check("overflow flag", lambda: _overflow_case("cuda"), results)
         _check("CUDA graph capture/replay + sync-free", lambda: _graph_case(g), results)
