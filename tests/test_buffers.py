@@ -292,3 +292,24 @@ def test_ddp_no_sync_overlap_and_finish_single_rank():
     assert len(DistributedDataParallel(_mlp(), bucket_size=30).bucket_groups) == 1
     # default bucket size with overlap: max(40M, 1M * dp)
     assert DistributedDataParallel(_mlp(), overlap_grad_reduce=True).bucket_size == 40_000_000
+
+
+def test_ddp_overlap_refuses_second_gradient_without_no_sync():
+    # Several microbatches with overlap_grad_reduce and no no_sync: the first backward launches the bucket
+    # reductions, a second one would accumulate into buffers already being reduced (lost). Megatron raises
+    # "Cannot set grad twice"; the error names the fix.
+    from moe_graph.ddp import DistributedDataParallel
+
+    ddp = DistributedDataParallel(_mlp(), overlap_grad_reduce=True, bucket_size=30)
+    x = torch.randn(4, 6)
+    ddp.zero_grad_buffer()
+    ddp(x).sum().backward()
+    with pytest.raises(RuntimeError, match=r"Cannot set grad twice.*no_sync"):
+        ddp(x).sum().backward()
+    # the documented wiring works, iteration after iteration
+    for _ in range(2):
+        ddp.zero_grad_buffer()
+        with ddp.no_sync():
+            ddp(x).sum().backward()
+        ddp(x).sum().backward()
+        ddp.finish_grad_sync()

@@ -601,13 +601,26 @@ class BucketGroup:
         self.grad_reduce_handles = None
 
     def register_grad_ready(self, param: torch.nn.Parameter) -> None:
-        """Mark ``param``'s grad ready; launch the group's collective once all params are ready."""
+        """Mark ``param``'s grad ready; launch the group's collective once all params are ready.
+
+        Outside ``no_sync`` (the last microbatch) a parameter may become ready once per iteration: a second
+        time raises ``RuntimeError`` (Megatron's "Cannot set grad twice"), since its new gradient would land
+        in a buffer whose reduction already started and never be reduced itself."""
         if not self.overlap_grad_reduce:
             raise RuntimeError("register_grad_ready() needs overlap_grad_reduce=True")
         if not self.is_last_microbatch:
             return
         if param not in self.params:
             raise KeyError("register_grad_ready: param does not belong to this bucket group")
+        if param in self.ready_params:
+            # Megatron-core's "Cannot set grad twice": a second gradient of the same parameter before
+            # the reduction finished would be accumulated into a buffer already being reduced and lost.
+            raise RuntimeError(
+                "register_grad_ready: Cannot set grad twice: a parameter's gradient became ready again after "
+                "its bucket's reduction was launched (several microbatches, or a second backward, with "
+                "overlap_grad_reduce=True). Run all microbatches but the last inside `with ddp.no_sync():` "
+                "(moe_graph.training.train_step and the pipeline schedules do), and call "
+                "ddp.zero_grad_buffer() before each iteration.")
         self.ready_params.add(param)
         if len(self.ready_params) == len(self.params):
             self.start_grad_sync()

@@ -75,14 +75,32 @@ def _check_ddp_args(module, data_parallel_group, expert_data_parallel_group, buc
         raise ValueError(f"DistributedDataParallel: bucket_size must be a positive int or None, got {bucket_size!r}")
 
 
+def _check_experts_replicated(module: torch.nn.Module, dp: int) -> None:
+    """Refuse to reduce expert params over the dense DP group unless every rank of it holds the same experts."""
+    if dp == 1 or all(getattr(p, "allreduce", True) for p in module.parameters()):
+        return
+    sharded = [name for name, m in module.named_modules() if getattr(m, "R", 1) > 1 and hasattr(m, "expert_weights")]
+    if sharded:
+        raise ValueError(
+            f"DistributedDataParallel: MoE layers {sharded[:3]} use expert parallelism but no "
+            "expert_data_parallel_group was given and moe_graph.parallel_state is not initialized; reducing expert "
+            f"parameters over the dense data-parallel group ({dp} ranks) would average different experts. Pass "
+            "expert_data_parallel_group=<the ranks holding the same experts> or call "
+            "parallel_state.initialize_model_parallel(expert_model_parallel_size=...)")
+
+
 class DistributedDataParallel(torch.nn.Module):
     """Wrap ``module`` with contiguous grad buffers, bucketed reductions and grad hooks.
 
     Args:
         module: the model (parameters may be fp32, bf16, fp16 or fp8).
-        data_parallel_group: dense data-parallel group (default: WORLD if initialized, else none).
-        expert_data_parallel_group: group for expert params (``allreduce=False``); default: the
-            dense group.
+        data_parallel_group: dense data-parallel group. Default: :mod:`moe_graph.parallel_state`'s
+            data-parallel group (with context parallelism, as Megatron) when it is initialized, else WORLD
+            when torch.distributed is initialized, else none.
+        expert_data_parallel_group: group for expert params (``allreduce=False``): the ranks holding the
+            *same* experts. Default: parallel_state's expert-data-parallel group when it is initialized; else
+            the dense group, unless a ``MoELayer`` in the module has ``ep_size > 1``: then ``ValueError`` (the
+            dense group holds different experts, and averaging them would silently corrupt them).
         use_distributed_optimizer: reduce-scatter instead of all-reduce; pad buffers for even
             sharding and move ``param.data`` into the buffers (needed by
             :class:`moe_graph.optimizer.DistributedOptimizer`).
@@ -121,8 +139,16 @@ class DistributedDataParallel(torch.nn.Module):
         self.overlap_grad_reduce = overlap_grad_reduce
         self.grad_reduce_in_fp32 = grad_reduce_in_fp32
         self.average_in_collective = average_in_collective
+        from . import parallel_state as ps
+
+        ps_on = ps.model_parallel_is_initialized()
+        if data_parallel_group is None and ps_on:
+            data_parallel_group = ps.get_data_parallel_group(with_context_parallel=True)
+        if expert_data_parallel_group is None and ps_on:
+            expert_data_parallel_group = ps.get_expert_data_parallel_group()
         self.data_parallel_group, self.data_parallel_world_size = _resolve_group(data_parallel_group)
         if expert_data_parallel_group is None:
+            _check_experts_replicated(module, self.data_parallel_world_size)
             self.expert_data_parallel_group = self.data_parallel_group
             self.expert_data_parallel_world_size = self.data_parallel_world_size
         else:

@@ -48,8 +48,9 @@ from torch import nn
 from . import planner as P
 from .dispatcher import TokenDispatcher, capacity_for, counting_enabled, expert_columns, topk_from_routing_map
 
-__all__ = ["MoELayer", "TopKRouter", "aux_loss_scores", "group_limited_topk", "moe_statistics", "read_moe_statistics",
-           "router_aux_loss", "router_z_loss", "sequence_aux_loss", "update_expert_bias"]
+__all__ = ["MoEAuxLossAutoScaler", "MoELayer", "TopKRouter", "aux_loss_scores", "group_limited_topk", "moe_statistics",
+           "read_moe_statistics", "router_aux_loss", "router_z_loss", "sequence_aux_loss", "set_aux_loss_scale",
+           "update_expert_bias"]
 
 
 def router_aux_loss(scores: torch.Tensor, routing_map: torch.Tensor, topk: int,
@@ -76,11 +77,24 @@ def router_aux_loss(scores: torch.Tensor, routing_map: torch.Tensor, topk: int,
     return E * (f * p).sum()
 
 
-class _AttachAux(torch.autograd.Function):
-    """Identity on ``out``; backward also feeds gradient 1 to ``aux`` (Megatron's ``MoEAuxLossAutoScaler``)."""
+class MoEAuxLossAutoScaler(torch.autograd.Function):
+    """Identity on ``out``; its backward also feeds the gradient ``loss_scale`` to ``aux`` (Megatron-core's
+    ``MoEAuxLossAutoScaler``), so the router losses reach backward through the layer output without being added
+    to the reported loss.
+
+    The aux gradient must carry the same factors as the main loss's gradient: ``1 / num_microbatches`` (each
+    microbatch's loss is divided by it) and the loss scale (``DynamicLossScaler``: the optimizer divides every
+    gradient by it). :meth:`set_loss_scale` sets that factor in a device tensor, once per step;
+    :func:`moe_graph.training.train_step` and the pipeline schedules (:mod:`moe_graph.pipeline`) set it to
+    ``loss_scale / num_microbatches`` for you. Its default is 1 (one microbatch, no loss scaling).
+    """
+
+    _scales: dict = {}  # device -> 0-dim fp32 tensor (static address: a captured graph reads the current value)
+    _default = 1.0
 
     @staticmethod
     def forward(ctx, out, aux):
+        """``aux``: the router losses already multiplied by the scale tensor (:meth:`attach`)."""
         ctx.save_for_backward(aux)
         return out
 
@@ -88,6 +102,47 @@ class _AttachAux(torch.autograd.Function):
     def backward(ctx, g):
         (aux,) = ctx.saved_tensors
         return g, torch.ones_like(aux)
+
+    @staticmethod
+    def attach(out: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        """``out`` unchanged; backward adds the gradient of ``aux * loss_scale`` (the current scale, read from the
+        device tensor when backward runs the graph: no host value is frozen)."""
+        return MoEAuxLossAutoScaler.apply(out, aux * MoEAuxLossAutoScaler.loss_scale(aux.device).to(aux.dtype))
+
+    @staticmethod
+    def loss_scale(device) -> torch.Tensor:
+        """The 0-dim fp32 device tensor holding the aux-loss gradient scale on ``device``."""
+        device = torch.device(device)
+        t = MoEAuxLossAutoScaler._scales.get(device)
+        if t is None:
+            t = torch.full((), MoEAuxLossAutoScaler._default, dtype=torch.float32, device=device)
+            MoEAuxLossAutoScaler._scales[device] = t
+        return t
+
+    @staticmethod
+    def set_loss_scale(scale) -> None:
+        """Set the aux/z-loss gradient scale: a Python number, or a 0-dim / one-element device tensor (e.g.
+        ``loss_scaler.scale / num_microbatches``; copied in place, no host sync, capturable)."""
+        if isinstance(scale, torch.Tensor):
+            if scale.numel() != 1:
+                raise ValueError(f"set_loss_scale: scale must have one element, got shape {tuple(scale.shape)}")
+            scale = scale.detach().reshape(())
+            MoEAuxLossAutoScaler.loss_scale(scale.device).copy_(scale)
+            for dev, t in MoEAuxLossAutoScaler._scales.items():
+                if dev != scale.device:
+                    t.copy_(scale)
+            return
+        scale = float(scale)
+        if not math.isfinite(scale):
+            raise ValueError(f"set_loss_scale: scale must be finite, got {scale}")
+        MoEAuxLossAutoScaler._default = scale
+        for t in MoEAuxLossAutoScaler._scales.values():
+            t.fill_(scale)
+
+
+def set_aux_loss_scale(scale) -> None:
+    """Module-level alias of :meth:`MoEAuxLossAutoScaler.set_loss_scale`."""
+    MoEAuxLossAutoScaler.set_loss_scale(scale)
 
 
 def group_limited_topk(scores: torch.Tensor, topk: int, num_groups: int, group_topk: int):
@@ -321,6 +376,36 @@ def _all_gather_counts(local: torch.Tensor, group, R: int) -> torch.Tensor:
     return out
 
 
+def _resolve_ep(ep_group, ep_size):
+    """``(ep_group, ep_size)`` with the defaults of :class:`MoELayer` (see its ``ep_group`` argument)."""
+    dist_on = dist.is_available() and dist.is_initialized()
+    if ep_size is not None and (not isinstance(ep_size, int) or isinstance(ep_size, bool) or ep_size < 1):
+        raise ValueError(f"ep_size must be an int >= 1 or None, got {ep_size!r}")
+    if ep_group is not None:
+        size = dist.get_world_size(ep_group)
+        if ep_size is not None and ep_size != size:
+            raise ValueError(f"ep_size={ep_size} does not match the size {size} of ep_group")
+        return ep_group, size
+    if ep_size is not None:
+        world = dist.get_world_size() if dist_on else ep_size  # no torch.distributed: MoELayer raises for R > 1
+        if ep_size not in (1, world):
+            raise ValueError(f"ep_size={ep_size} without ep_group: pass the EP process group (ep_size must be 1 or "
+                             f"the world size {world} to use the default group)")
+        return None, ep_size
+    from . import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        group = ps.get_expert_model_parallel_group()
+        return group, dist.get_world_size(group)
+    if dist_on and dist.get_world_size() > 1:
+        raise ValueError(
+            f"MoELayer: torch.distributed runs {dist.get_world_size()} ranks but neither ep_group/ep_size nor "
+            "moe_graph.parallel_state is set, so the expert-parallel layout is ambiguous: call "
+            "parallel_state.initialize_model_parallel(expert_model_parallel_size=...), or pass ep_size=1 (every rank "
+            "holds all experts) or ep_group=<the EP group>")
+    return None, 1
+
+
 class MoELayer(nn.Module):
     """Mixture-of-experts MLP with expert parallelism, echo balancing and static buffers.
 
@@ -332,15 +417,21 @@ class MoELayer(nn.Module):
             router options (:class:`TopKRouter`; group-limited routing, scaled probabilities, auxiliary-loss-free
             balancing with :func:`update_expert_bias` after each optimizer step, gate GEMM precision).
         activation: ``"swiglu"`` (fc1 is ``[2F, H]``) or ``"gelu"``.
-        aux_loss_coeff: weight of the load-balancing loss (0: off); its gradient flows through the output.
+        aux_loss_coeff: weight of the load-balancing loss (0: off); its gradient flows through the output, times
+            the factor of :meth:`MoEAuxLossAutoScaler.set_loss_scale` (``loss_scale / num_microbatches``, set for
+            you by :func:`moe_graph.training.train_step` and the pipeline schedules).
         aux_loss_type: ``"local"`` (expert fractions of this rank's tokens), ``"global"`` (fractions of all the
             EP group's tokens, from the counts the echo planner all-gathers anyway: global-batch balancing) or
             ``"sequence"`` (DeepSeek-V3's sequence-wise loss, :func:`sequence_aux_loss`; the input must be
             ``[B, S, H]``, or ``[S, B, H]`` with ``sequence_dim=0``). Sigmoid scores are normalized per token
             for these losses (:func:`aux_loss_scores`).
         z_loss_coeff: weight of the router z-loss (:func:`router_z_loss`; 0: off), attached the same way.
-        ep_group: the EP process group (``None``: a single process, ``R = 1``, or the default group with
-            ``ep_size=-1``). ep_size: ``R`` (default: the group's size, 1 without torch.distributed).
+        ep_group, ep_size: the EP process group and its size ``R``. Defaults: with both ``None``, the expert-model-
+            parallel group of :mod:`moe_graph.parallel_state` when it is initialized, else ``R = 1`` in a single
+            process; with torch.distributed initialized on several ranks and no parallel_state the setup is
+            ambiguous and refused (pass ``ep_size=1`` for experts replicated on every rank, or ``ep_group``).
+            ``ep_group`` alone: ``R`` is its size. ``ep_size`` alone: ``1``, or the world size (``ep_group`` then
+            is the default group).
         num_spare_experts_per_ep_rank: echo slots ``k`` (0: echo off). assignment: the planner's assignment.
         echo_donors: ``w``, donor-constrained echo: a rank's spare slots host only experts of its ``w`` fixed donor
             ranks (:func:`moe_graph.planner.donor_ranks`, ring pattern), so the weight exchange is ``w`` peer blocks
@@ -406,9 +497,7 @@ class MoELayer(nn.Module):
 
         if activation not in ("swiglu", "gelu"):
             raise ValueError(f"activation must be 'swiglu' or 'gelu', got {activation!r}")
-        if ep_size is None:
-            ep_size = dist.get_world_size(ep_group) if (ep_group is not None or (
-                dist.is_available() and dist.is_initialized())) else 1
+        ep_group, ep_size = _resolve_ep(ep_group, ep_size)
         if num_experts % ep_size:
             raise ValueError(f"num_experts={num_experts} must be divisible by the EP size {ep_size}")
         if ep_size > 1 and not (dist.is_available() and dist.is_initialized()):
@@ -731,7 +820,7 @@ class MoELayer(nn.Module):
                 shared = torch.sigmoid(se["gate"](h)) * shared
             out = out + shared.to(out.dtype)
         if aux is not None:
-            out = _AttachAux.apply(out, aux)
+            out = MoEAuxLossAutoScaler.attach(out, aux)
         return out.reshape(*lead, self.hidden_size)
 
     def extra_repr(self) -> str:

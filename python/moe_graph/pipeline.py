@@ -591,7 +591,9 @@ class PipelineConfig:
             reduction; default: each chunk's ``no_sync`` if it has one.
         grad_sync_func: ``f(params)`` (or list per chunk) launching the gradient reduction of a
             chunk; called once per chunk after its last backward (e.g. ``ddp.start_grad_sync``).
-        grad_scale_func: applied to the loss before backward (loss scaling).
+        grad_scale_func: applied to the loss before backward (loss scaling). The schedules also set the
+            MoE aux/z-loss gradient scale to ``grad_scale_func(1) / num_microbatches``
+            (:func:`set_aux_loss_scale_for_step`), and back to 1 when they return.
         microbatch_group_size_per_vp_stage: interleaved group size (default ``pp``).
         trace: a list to which every executed step ``(is_forward, mb, chunk)`` is appended.
     """
@@ -673,6 +675,33 @@ def backward_step(input_tensor, output_tensor, output_tensor_grad, config: Pipel
     grad = input_tensor.grad
     input_tensor.grad = None  # receive buffers are reused; do not accumulate into them
     return grad
+
+
+def set_aux_loss_scale_for_step(config: PipelineConfig, models, num_microbatches: int) -> None:
+    """Set the MoE aux/z-loss gradient scale (:class:`moe_graph.moe_layer.MoEAuxLossAutoScaler`) to
+    ``loss_scale / num_microbatches``, the factors the main loss gets (``loss_scale`` from
+    ``config.grad_scale_func``, 1 without one), as Megatron's schedules do. Device work only (capturable)."""
+    from .moe_layer import MoEAuxLossAutoScaler
+
+    if config.grad_scale_func is None:
+        MoEAuxLossAutoScaler.set_loss_scale(1.0 / num_microbatches)
+        return
+    device = None
+    for m in models:
+        for p in m.parameters():
+            device = p.device
+            break
+        if device is not None:
+            break
+    one = torch.ones((), dtype=torch.float32, device=device)
+    MoEAuxLossAutoScaler.set_loss_scale(config.grad_scale_func(one) / num_microbatches)
+
+
+def _reset_aux_loss_scale() -> None:
+    """Back to 1 after a schedule, so that a later hand-written backward does not inherit this step's factor."""
+    from .moe_layer import MoEAuxLossAutoScaler
+
+    MoEAuxLossAutoScaler.set_loss_scale(1.0)
 
 
 class _GradSync:
@@ -782,6 +811,7 @@ def forward_backward_no_pipelining(
     config = config or PipelineConfig()
     model, data_iterator = _single_chunk(model, data_iterator, "forward_backward_no_pipelining")
     steps = _Steps(schedule_order(num_microbatches, 1, 0, forward_only=forward_only), config.trace)
+    set_aux_loss_scale_for_step(config, [model], num_microbatches)
     sync = _GradSync(_no_sync_factory(config, [model]))
     store: list = []
     try:
@@ -799,6 +829,7 @@ def forward_backward_no_pipelining(
     finally:
         sync.enable()
     steps.finish()
+    _reset_aux_loss_scale()
     return store
 
 
@@ -827,6 +858,7 @@ def forward_backward_pipelining_without_interleaving(
     first, last = comm.is_first_stage, comm.is_last_stage
     m = num_microbatches
     steps = _Steps(schedule_order(m, pp, rank, forward_only=forward_only), config.trace)
+    set_aux_loss_scale_for_step(config, [model], m)
     warmup = num_warmup_microbatches(m, pp, rank) if not forward_only else min(pp - rank - 1, m)
     remaining = m - warmup
     comm.reset_buffers()
@@ -898,6 +930,7 @@ def forward_backward_pipelining_without_interleaving(
     finally:
         sync.enable()
     steps.finish()
+    _reset_aux_loss_scale()
     return store
 
 
@@ -939,6 +972,7 @@ def forward_backward_pipelining_with_interleaving(
     remaining = total - warmup
     all_warmup = warmup >= total
     steps = _Steps(order, config.trace)
+    set_aux_loss_scale_for_step(config, list(model), m)
     grad_sync_funcs = None if config.grad_sync_func is None else _as_list(config.grad_sync_func, nc, "grad_sync_func")
     comm.reset_buffers()
     sync = _GradSync(_no_sync_factory(config, list(model)))
@@ -1090,6 +1124,7 @@ def forward_backward_pipelining_with_interleaving(
     leftovers = [c for c in range(nc) if inputs[c] or outputs[c] or grads[c]]
     if leftovers:
         raise RuntimeError(f"pipeline rank {rank}: unconsumed tensors for chunks {leftovers}")
+    _reset_aux_loss_scale()
     return store
 
 

@@ -1,0 +1,580 @@
+"""Training equivalence: the library's whole training machinery against an independent single-process oracle.
+
+For each configuration (:data:`MATRIX`) the same model (same initial parameters, seeded by their *global* names)
+is trained for :data:`STEPS` steps twice:
+
+* **machinery** (:func:`machinery_worker`, on gloo ranks): parallel_state, ``MoELayer`` with expert parallelism and
+  echo, ``DistributedDataParallel`` (buffers, fused ``main_grad``, optional ``overlap_grad_reduce``),
+  ``DistributedOptimizer`` (ZeRO-1, clipping, loss scaler), the pipeline schedules and
+  :func:`moe_graph.training.train_step`;
+* **oracle** (:func:`oracle_train`): ONE process, the whole global batch in one forward, plain autograd,
+  ``torch.optim.AdamW`` and ``torch.nn.utils.clip_grad_norm_``; no DDP, no distributed optimizer, no echo, no
+  pipeline, no microbatch split, no loss scaler, dropless routing. It uses the model classes (their per-token math
+  is tested elsewhere) with ``aux_loss_coeff = z_loss_coeff = 0``: it computes the router losses itself from the
+  routers' outputs, and applies the expert-bias sign rule itself.
+
+The objective both must minimize: the global batch is split into ``D x M`` token groups (``D`` data-parallel ranks,
+``M`` microbatches; group ``(d, j)`` is microbatch ``j`` of rank ``d``), and
+
+    loss = mean over tokens of cross-entropy + mean over groups of (aux_coeff * aux_g + z_coeff * z_g)
+
+summed over layers, with ``aux_g`` the load-balancing loss of the group's tokens (``local``), of the group's
+scores against the expert fractions of microbatch ``j`` over the rank's EP group (``global``), or averaged over
+the group's sequences (``sequence``), as Megatron defines them per microbatch.
+
+Equal math gives equal parameters because (1) Adam's ``eps`` is 1e-3, not 1e-8: the update ``m / (sqrt(v) + eps)``
+of a gradient near 0 has slope ``lr / eps`` in the gradient, so with eps = 1e-8 a rounding difference of 1e-9 in a
+tiny gradient summed in another order (microbatches, ranks, echo's spare-slot gradients) moves a weight by 1e-3;
+with eps = 1e-3 it moves it by 1e-8, while the gradients that matter (1e-2 .. 1) still get Adam's normalized step;
+(2) no parameter starts at a value its update dwarfs: LayerNorm weights and biases start at random values, not 1
+and 0 (a zero-initialized bias compared relative to its own size after three steps magnifies the same effect);
+(3) the data are continuous random values (no exact routing ties) and the router weights are large (std 0.5) so
+that top-k margins are far above fp32 rounding; (4) the loss scale is a power of two (exact in fp32).
+With eps = 1e-4 and LayerNorm at 1/0 the 4-layer rows differed by 2e-5 relative on a LayerNorm bias.
+
+Tolerances (fp32): parameters 1e-5 relative (max |diff| / max |oracle| per tensor), losses 1e-5, grad norm 1e-4.
+bf16 parameters with fp32 ``main_grad`` against the fp32 oracle: losses 5e-3 relative, grad norm 2e-2 relative,
+parameters 3e-2 *absolute* (the weights are O(1)). bf16 keeps 8 bits of mantissa: every stored weight and
+activation is off by up to 2^-9 relative, so gradients differ by about 1e-2 relative, and Adam's first steps are
+about ``lr * sign(g)``: a small gradient whose sign flips moves its weight by up to ``2 lr`` per step, i.e.
+``STEPS * 2 lr = 6e-2`` at worst, far more than 1e-5 relative for the zero-initialized LayerNorm biases.
+
+CLI: ``python -m moe_graph.testing.equivalence [--all] [--only NAME ...] [--out PATH]`` prints one line per
+configuration (PASS/FAIL and the max differences) and a total; without ``--all`` it runs the CI subset
+(:data:`CI_ROWS`). It writes nothing unless ``--out`` is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+import time
+import zlib
+from typing import Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+STEPS = 3
+VOCAB, HIDDEN, FFN, EXPERTS, TOPK, SEQ, GLOBAL_BATCH = 13, 16, 12, 8, 2, 8, 8
+LR, EPS, WD, BETAS = 1e-2, 1e-3, 0.01, (0.9, 0.999)
+PAD = 0  # token id whose positions are MoE padding (padding_mask rows)
+TOL = {"param": 1e-5, "loss": 1e-5, "norm": 1e-4}
+TOL_BF16 = {"param": 3e-2, "loss": 5e-3, "norm": 2e-2}  # bf16 "param": absolute (see the module docstring)
+
+
+@dataclasses.dataclass
+class Row:
+    """One configuration of the matrix (``world = pp * dp``; EP ranks are data-parallel ranks too)."""
+
+    name: str
+    world: int = 1
+    ep: int = 1
+    pp: int = 1
+    vpp: Optional[int] = None
+    microbatches: int = 1
+    layers: int = 2
+    overlap: bool = False
+    echo: int = 0
+    aux: Optional[str] = None  # "local" | "global" | "sequence"
+    z_loss: bool = False
+    expert_bias: bool = False
+    shared_expert: bool = False
+    padding: bool = False
+    loss_scaler: bool = False
+    clip: float = 0.0
+    default_groups: bool = False
+    grouped: Optional[str] = None  # None | "fused" | "delay" | "delay_fused": a GroupedLinear block per layer
+    bf16: bool = False
+    expect_error: Optional[str] = None  # the machinery must raise this (regex), e.g. overlap without no_sync
+
+    @property
+    def dp(self) -> int:
+        return self.world // self.pp
+
+
+MATRIX: List[Row] = [
+    Row("dp1_mb1"),
+    Row("dp1_mb4", microbatches=4),
+    Row("dp2_mb1", world=2),
+    Row("dp2_mb2", world=2, microbatches=2),
+    Row("dp2_mb4", world=2, microbatches=4),
+    Row("dp2_mb4_overlap", world=2, microbatches=4, overlap=True),
+    Row("dp2_mb2_overlap_without_no_sync", world=2, microbatches=2, overlap=True,
+        expect_error=r"Cannot set grad twice.*no_sync"),
+    Row("ep2_mb2", world=2, ep=2, microbatches=2),
+    Row("ep2xdp2_mb2", world=4, ep=2, microbatches=2),
+    Row("ep2_echo1", world=2, ep=2, microbatches=2, echo=1),
+    Row("ep2_echo2", world=2, ep=2, microbatches=2, echo=2),
+    Row("ep2xdp2_echo2_overlap", world=4, ep=2, microbatches=2, echo=2, overlap=True),
+    Row("ep2_aux_local", world=2, ep=2, microbatches=2, aux="local"),
+    Row("ep2_aux_global", world=2, ep=2, microbatches=2, aux="global"),
+    Row("ep2_aux_sequence", world=2, ep=2, microbatches=2, aux="sequence"),
+    Row("ep2_zloss", world=2, ep=2, microbatches=2, z_loss=True),
+    Row("ep2_expert_bias", world=2, ep=2, microbatches=2, expert_bias=True, aux="sequence"),
+    Row("ep2_shared_expert", world=2, ep=2, microbatches=2, shared_expert=True),
+    Row("ep2_padding_aux_z", world=2, ep=2, microbatches=2, padding=True, aux="local", z_loss=True),
+    Row("ep2_loss_scaler_aux", world=2, ep=2, microbatches=2, loss_scaler=True, aux="local", z_loss=True),
+    Row("ep2_clip", world=2, ep=2, microbatches=2, clip=0.05, aux="local"),
+    Row("ep2_default_groups", world=2, ep=2, microbatches=2, default_groups=True, aux="local", echo=1),
+    Row("ep2xdp2_default_groups", world=4, ep=2, microbatches=2, default_groups=True, aux="global"),
+    Row("pp2_1f1b_mb4", world=2, pp=2, microbatches=4, aux="local", echo=0),
+    Row("pp2_vpp2_mb4", world=2, pp=2, vpp=2, layers=4, microbatches=4, aux="local"),
+    Row("pp2xep2_1f1b_mb4_echo1", world=4, pp=2, ep=2, microbatches=4, aux="local", echo=1),
+    Row("grouped_fused_main_grad", world=2, microbatches=2, grouped="fused"),
+    Row("grouped_delay_wgrad", world=2, microbatches=2, grouped="delay"),
+    Row("grouped_delay_wgrad_fused_overlap", world=2, microbatches=2, grouped="delay_fused", overlap=True),
+    Row("bf16_ep2_main_grad_fp32", world=2, ep=2, microbatches=2, bf16=True, aux="local"),
+]
+CI_ROWS = ["dp2_mb4_overlap", "dp2_mb2_overlap_without_no_sync", "ep2xdp2_echo2_overlap", "ep2_loss_scaler_aux",
+           "ep2_aux_global", "pp2_vpp2_mb4", "grouped_delay_wgrad_fused_overlap"]
+
+
+# ================================================================================================ the model ==
+class Block(nn.Module):
+    def __init__(self, moe_kwargs: Dict, dtype, grouped: Optional[str]):
+        super().__init__()
+        from ..grouped_linear import GroupedLinear
+        from ..moe_layer import MoELayer
+
+        self.ln = nn.LayerNorm(HIDDEN, dtype=dtype)
+        self.moe = MoELayer(HIDDEN, FFN, EXPERTS, TOPK, device="cpu", params_dtype=dtype, **moe_kwargs)
+        self.gl = None
+        if grouped is not None:  # two token halves through two weights: TE's GroupedLinear surface
+            self.gl = GroupedLinear(2, HIDDEN, HIDDEN, bias=True, params_dtype=dtype, device="cpu",
+                                    fuse_wgrad_accumulation="fused" in grouped, delay_wgrad_compute="delay" in grouped)
+
+    def forward(self, x, pad):
+        x = x + self.moe(self.ln(x), padding_mask=pad)
+        if self.gl is not None:  # GEMM 0 for the first half of the sequence positions, GEMM 1 for the second
+            B, S, H = x.shape
+            h = torch.cat([x[:, :S // 2].reshape(-1, H), x[:, S // 2:].reshape(-1, H)])
+            if self.gl.delay_wgrad_compute and h.requires_grad:
+                gl = self.gl
+                h.register_hook(lambda g: gl.backward_dw())  # the delayed wgrad GEMM, later in backward
+            n0 = B * (S // 2)
+            y = torch.tanh(self.gl(h, [n0, h.shape[0] - n0]))
+            x = x + torch.cat([y[:n0].view(B, S // 2, H), y[n0:].view(B, S - S // 2, H)], dim=1)
+        return x
+
+
+class EquivLM(nn.Module):
+    """Embedding -> blocks (LayerNorm, MoE with residual, optional GroupedLinear) -> LayerNorm -> head -> CE.
+
+    A pipeline stage with ``layer_ids`` / ``first`` / ``last`` (``set_input_tensor`` takes the previous stage's
+    activation). ``forward(tokens, labels)`` returns the mean cross-entropy (last stage) or the activation;
+    MoE padding: positions whose token is :data:`PAD` (when ``padding``)."""
+
+    def __init__(self, moe_kwargs: Dict, dtype=torch.float32, layer_ids=None, first=True, last=True, layers=2,
+                 grouped=None, padding=False):
+        super().__init__()
+        self.layer_ids = list(range(layers)) if layer_ids is None else list(layer_ids)
+        self.first, self.last, self.padding = first, last, padding
+        if first:
+            self.emb = nn.Embedding(VOCAB, HIDDEN, dtype=dtype)
+        self.blocks = nn.ModuleList([Block(moe_kwargs, dtype, grouped) for _ in self.layer_ids])
+        if last:
+            self.ln_f = nn.LayerNorm(HIDDEN, dtype=dtype)
+            self.head = nn.Linear(HIDDEN, VOCAB, bias=False, dtype=dtype)
+        self.input_tensor = None
+
+    def set_input_tensor(self, t) -> None:
+        self.input_tensor = t
+
+    def moe_layers(self):
+        return [b.moe for b in self.blocks]
+
+    def forward(self, tokens, labels):
+        x = self.emb(tokens) if self.first else self.input_tensor
+        pad = (tokens == PAD) if self.padding else None
+        for b in self.blocks:
+            x = b(x, pad)
+        if not self.last:
+            return x
+        logits = self.head(self.ln_f(x)).float()
+        return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
+
+
+def _global_name(stage: EquivLM, name: str) -> str:
+    if name.startswith("blocks."):
+        _, i, rest = name.split(".", 2)
+        return f"blocks.{stage.layer_ids[int(i)]}.{rest}"
+    return name
+
+
+def _is_expert(name: str) -> bool:
+    return ".moe.fc1." in name or ".moe.fc2." in name
+
+
+def init_model(stage: EquivLM, ep_rank: int) -> None:
+    """Every parameter from a generator seeded by its global name (experts: the global ``[E, ...]`` tensor, then
+    this EP rank's slice), so that every layout holds the same model. Routing is skewed: a direction ``u`` is
+    added to every embedding and to the router rows of experts 0..E/2-1 (homed on EP rank 0 with EP 2), so that rank 0
+    is overloaded at init and echo has routes to move (k = 2 fills both spare slots)."""
+    gu = torch.Generator().manual_seed(7)
+    u = torch.randn(HIDDEN, generator=gu)
+    u = u - u.mean()
+    u = u / u.norm()
+    with torch.no_grad():
+        for name, p in stage.named_parameters():
+            g = _global_name(stage, name)
+            gen = torch.Generator().manual_seed(zlib.crc32(g.encode()))
+            if ".ln" in name or name.startswith("ln_f"):  # LayerNorm: weight 1 + noise, bias not at 0
+                p.copy_((1.0 if name.endswith("weight") else 0.0) + 0.2 * torch.randn(p.shape, generator=gen))
+                continue
+            if _is_expert(name):
+                L = p.shape[0]
+                full = torch.randn((EXPERTS,) + tuple(p.shape[1:]), generator=gen) * 0.3
+                p.copy_(full[ep_rank * L:(ep_rank + 1) * L])
+            elif name.endswith("router.weight"):
+                w = torch.randn(p.shape, generator=gen) * 0.5
+                w[:EXPERTS // 2] += 2.0 * u
+                p.copy_(w)
+            elif name == "emb.weight":
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5 + 1.5 * u)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+
+
+def moe_kwargs(row: Row, oracle: bool) -> Dict:
+    kw: Dict = dict(capacity_factor=None)
+    if row.shared_expert:
+        kw.update(shared_expert_ffn_size=8, shared_expert_gate=True)
+    if row.expert_bias:
+        kw.update(score_func="sigmoid", enable_expert_bias=True, expert_bias_update_rate=0.05)
+    if oracle:
+        return dict(kw, ep_size=1)
+    if row.aux:
+        kw.update(aux_loss_coeff=0.05, aux_loss_type=row.aux)
+    if row.z_loss:
+        kw.update(z_loss_coeff=0.01)
+    if row.echo:
+        kw.update(num_spare_experts_per_ep_rank=row.echo)
+    return kw
+
+
+def global_batch(step: int, padding: bool):
+    """``(tokens, labels)`` ``[GLOBAL_BATCH, SEQ]`` of a step (fresh random data every step)."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    t = torch.randint(1 if not padding else 0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=gen)
+    if padding:  # about a quarter of the positions are padding; one sequence of the batch is all padding
+        t = torch.where(torch.rand(t.shape, generator=gen) < 0.25, torch.zeros_like(t), t.clamp(min=1))
+        t[3] = PAD
+    return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+
+
+def microbatch_rows(row: Row, d: int, j: int) -> slice:
+    """Sequences of the global batch that data-parallel rank ``d`` gets as microbatch ``j``."""
+    per = GLOBAL_BATCH // (row.dp * row.microbatches)
+    start = (d * row.microbatches + j) * per
+    return slice(start, start + per)
+
+
+# ============================================================================================= the oracle ==
+def oracle_train(row: Row) -> Dict:
+    """Plain single-process training of the whole global batch (see the module docstring). Returns per-step
+    losses and grad norms and the final parameters by global name (experts per expert index)."""
+    from ..moe_layer import aux_loss_scores, router_aux_loss, router_z_loss, sequence_aux_loss
+
+    torch.manual_seed(0)
+    model = EquivLM(moe_kwargs(row, oracle=True), torch.float32, layers=row.layers,
+                    grouped=None if row.grouped is None else "plain", padding=row.padding)
+    init_model(model, 0)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    captured: List = []
+    for b in model.blocks:
+        b.moe.router.register_forward_hook(lambda mod, inp, out: captured.append((out, mod.last_logits)))
+    D, M = row.dp, row.microbatches
+    ep = row.ep
+    groups = [(d, j, microbatch_rows(row, d, j)) for d in range(D) for j in range(M)]
+    losses, norms = [], []
+    for step in range(STEPS):
+        tokens, labels = global_batch(step, row.padding)
+        captured.clear()
+        opt.zero_grad(set_to_none=True)
+        ce = model(tokens, labels)
+        real = (tokens != PAD) if row.padding else torch.ones_like(tokens, dtype=torch.bool)
+        total = ce
+        for (routing_map, probs, scores), logits in captured:
+            rm, sc = routing_map.view(GLOBAL_BATCH, SEQ, EXPERTS), scores.view(GLOBAL_BATCH, SEQ, EXPERTS)
+            lg = logits.view(GLOBAL_BATCH, SEQ, EXPERTS)
+            asc = aux_loss_scores(sc, "sigmoid" if row.expert_bias else "softmax")
+            extra = 0.0
+            for d, j, rows in groups:
+                m = real[rows].reshape(-1)
+                if row.aux == "local":
+                    extra = extra + 0.05 * router_aux_loss(asc[rows].reshape(-1, EXPERTS), rm[rows].reshape(
+                        -1, EXPERTS), TOPK, None, m if row.padding else None)
+                elif row.aux == "global":  # expert fractions of microbatch j over the rank's EP group
+                    e0 = (d // ep) * ep
+                    counts = sum(rm[microbatch_rows(row, e, j)].reshape(-1, EXPERTS).sum(0).to(torch.float32)
+                                 for e in range(e0, e0 + ep))
+                    extra = extra + 0.05 * router_aux_loss(asc[rows].reshape(-1, EXPERTS), rm[rows].reshape(
+                        -1, EXPERTS), TOPK, counts, m if row.padding else None)
+                elif row.aux == "sequence":
+                    extra = extra + 0.05 * sequence_aux_loss(asc[rows], rm[rows], TOPK,
+                                                             real[rows] if row.padding else None)
+                if row.z_loss:
+                    extra = extra + 0.01 * router_z_loss(lg[rows].reshape(-1, EXPERTS), m if row.padding else None)
+            total = total + extra / len(groups)
+        total.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), row.clip if row.clip > 0 else float("inf"))
+        opt.step()
+        if row.expert_bias:  # DeepSeek-V3's sign rule on the whole global batch's routes per expert
+            with torch.no_grad():
+                for b, ((routing_map, _, _), _l) in zip(model.blocks, captured):
+                    counts = routing_map.sum(0).to(torch.float32)
+                    b.moe.router.expert_bias.add_(torch.sign(counts.mean() - counts), alpha=0.05)
+                    b.moe.router.local_tokens_per_expert.zero_()
+        losses.append(float(ce.detach()))
+        norms.append(float(norm))
+    params = {}
+    for name, p in model.named_parameters():
+        if _is_expert(name):
+            for i, w in enumerate(p.detach()):
+                params[f"{name}[{i}]"] = w.clone()
+        else:
+            params[name] = p.detach().clone()
+    for name, buf in model.named_buffers():
+        if name.endswith("expert_bias"):
+            params[name] = buf.clone()
+    return {"losses": losses, "norms": norms, "params": params}
+
+
+# ========================================================================================== the machinery ==
+def machinery_worker(rank: int, world: int, row: Row) -> Dict:
+    """The library's machinery on this rank (parallel_state, MoELayer EP/echo, DDP, DistributedOptimizer, pipeline
+    schedules, :func:`moe_graph.training.train_step`)."""
+    import torch.distributed as dist
+
+    from .. import parallel_state as ps
+    from .. import pipeline as P
+    from ..ddp import DistributedDataParallel
+    from ..optimizer import DistributedOptimizer, DynamicLossScaler
+    from ..training import train_step
+
+    ps.initialize_model_parallel(pipeline_model_parallel_size=row.pp, expert_model_parallel_size=row.ep,
+                                 virtual_pipeline_model_parallel_size=row.vpp)
+    try:
+        pp_rank, dp_rank = ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank()
+        ep_rank = ps.get_expert_model_parallel_rank()
+        chunk_ids = P.chunk_layer_ids(row.layers, row.pp, pp_rank, row.vpp)
+        nc = len(chunk_ids)
+        dtype = torch.bfloat16 if row.bf16 else torch.float32
+        kw = moe_kwargs(row, oracle=False)
+        if not row.default_groups:
+            kw.update(ep_group=ps.get_expert_model_parallel_group(), ep_size=row.ep)
+        moved = [0]
+
+        slots = [0]
+
+        def count_moved(mod, inp, out):  # routes echo moved, and the most spare slots in use on this rank
+            moved[0] += int((mod.last_load_before - mod.last_load_after).clamp(min=0).sum())
+            slots[0] = max(slots[0], int((mod.last_m_splits[mod.L:] > 0).sum()))
+
+        stages, ddps = [], []
+        for c, ids in enumerate(chunk_ids):
+            torch.manual_seed(0)
+            stage = EquivLM(kw, dtype, layer_ids=ids, first=pp_rank == 0 and c == 0,
+                            last=pp_rank == row.pp - 1 and c == nc - 1, layers=row.layers, grouped=row.grouped,
+                            padding=row.padding)
+            init_model(stage, ep_rank)
+            for m in stage.moe_layers():
+                m.register_forward_hook(count_moved)
+            stages.append(stage)
+            groups = {} if row.default_groups else dict(
+                data_parallel_group=ps.get_data_parallel_group(),
+                expert_data_parallel_group=ps.get_expert_data_parallel_group())
+            ddps.append(DistributedDataParallel(stage, use_distributed_optimizer=True, overlap_grad_reduce=row.overlap,
+                                                bucket_size=200 if row.overlap else None,
+                                                grad_reduce_in_fp32=row.bf16, **groups))
+        scaler = DynamicLossScaler(initial_scale=2.0 ** 12) if row.loss_scaler else None
+        opt = DistributedOptimizer(ddps, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, clip_grad=row.clip,
+                                   loss_scaler=scaler)
+        model = ddps if row.vpp else ddps[0]
+
+        def my_microbatches(step):
+            tokens, labels = global_batch(step, row.padding)
+            return [(tokens[microbatch_rows(row, dp_rank, j)], labels[microbatch_rows(row, dp_rank, j)])
+                    for j in range(row.microbatches)]
+
+        if row.expect_error is not None:  # the wiring without no_sync must fail loudly, on every rank
+            import re
+
+            try:
+                opt.zero_grad()
+                for mb in my_microbatches(0):
+                    (model(*mb) / row.microbatches).backward()
+                opt.step()
+            except RuntimeError as e:
+                return {"error": str(e), "matched": bool(re.search(row.expect_error, str(e), re.S))}
+            return {"error": None, "matched": False}
+
+        shape = (GLOBAL_BATCH // (row.dp * row.microbatches), SEQ, HIDDEN)
+        losses, norms, skipped = [], [], []
+        for step in range(STEPS):
+            res = train_step(model, opt, my_microbatches(step), tensor_shape=shape, dtype=dtype)
+            losses.append(None if res.loss is None else float(res.loss))
+            norms.append(float(res.grad_norm))
+            skipped.append(bool(res.skipped))
+        params = {}
+        for stage in stages:
+            for name, p in stage.named_parameters():
+                g = _global_name(stage, name)
+                if _is_expert(name):
+                    for i, w in enumerate(p.detach()):
+                        params[f"{g}[{ep_rank * p.shape[0] + i}]"] = w.float().clone()
+                else:
+                    params[g] = p.detach().float().clone()
+            for name, buf in stage.named_buffers():
+                if name.endswith("expert_bias"):
+                    params[_global_name(stage, name)] = buf.float().clone()
+        dropped = sum(m.dispatcher.check_drops() for s in stages for m in s.moe_layers())
+        return {"rank": rank, "losses": losses, "norms": norms, "skipped": skipped, "params": params,
+                "moved": moved[0], "slots": slots[0], "dropped": dropped, "world": dist.get_world_size()}
+    finally:
+        ps.destroy_model_parallel()
+
+
+# ============================================================================================= comparison ==
+def compare(row: Row, ref: Dict, outs: List[Dict]) -> Dict:
+    """Max relative differences of parameters (every rank's copy), losses and grad norms; PASS/FAIL."""
+    if row.expect_error is not None:
+        ok = all(o.get("matched") for o in outs)
+        return {"name": row.name, "ok": ok, "param": float("nan"), "loss": float("nan"), "norm": float("nan"),
+                "note": "raised: " + (outs[0].get("error") or "nothing").splitlines()[0][:90]}
+    tol = TOL_BF16 if row.bf16 else TOL
+    pdiff, seen = 0.0, set()
+    for o in outs:
+        for name, t in o["params"].items():
+            r = ref["params"][name]
+            denom = 1.0 if row.bf16 else max(float(r.abs().max()), 1e-12)
+            pdiff = max(pdiff, float((t - r).abs().max()) / denom)
+            seen.add(name)
+    missing = set(ref["params"]) - seen
+    ldiff = ndiff = 0.0
+    for o in outs:
+        for a, b in zip(o["losses"], ref["losses"]):
+            if a is not None:
+                ldiff = max(ldiff, abs(a - b) / max(abs(b), 1e-12))
+        for a, b in zip(o["norms"], ref["norms"]):
+            ndiff = max(ndiff, abs(a - b) / max(abs(b), 1e-12))
+    have_loss = any(a is not None for o in outs for a in o["losses"])
+    skipped = any(any(o["skipped"]) for o in outs)
+    clipped = row.clip > 0 and min(ref["norms"]) > row.clip
+    note = f"dropped {sum(o['dropped'] for o in outs)}"
+    if row.echo:
+        slots = max(o["slots"] for o in outs)
+        note = f"echo moved {sum(o['moved'] for o in outs)} routes, {slots} of {row.echo} spare slots used, " + note
+        ok_slots = slots == row.echo
+    else:
+        ok_slots = True
+    ok = (pdiff <= tol["param"] and ldiff <= tol["loss"] and ndiff <= tol["norm"] and not missing and have_loss
+          and not skipped and (row.clip == 0 or clipped) and ok_slots)
+    if missing:
+        note += f"; params missing: {sorted(missing)[:3]}"
+    if row.clip:
+        note += f"; clip {row.clip} < oracle norms {min(ref['norms']):.3g}" if clipped else "; clip never clipped"
+    if skipped:
+        note += "; a step was skipped"
+    return {"name": row.name, "ok": ok, "param": pdiff, "loss": ldiff, "norm": ndiff, "note": note}
+
+
+def rows_worker(rank: int, world: int, rows: List[Row]) -> List[Dict]:
+    """:func:`machinery_worker` for several configurations in one spawn (imports cost seconds per process); an
+    exception of one configuration is returned as ``{"exception": text}`` and the next one still runs."""
+    import traceback
+
+    out = []
+    for row in rows:
+        try:
+            out.append(machinery_worker(rank, world, row))
+        except Exception:  # noqa: BLE001
+            out.append({"exception": traceback.format_exc()})
+    return out
+
+
+def run_rows(rows: List[Row], report=None) -> List[Dict]:
+    """Oracle and machinery for ``rows`` (one spawn per world size); ``report(result)`` after each row."""
+    from .distributed import run_distributed
+
+    results: Dict[str, Dict] = {}
+    for world in sorted({r.world for r in rows}):
+        batch = [r for r in rows if r.world == world]
+        t = time.perf_counter()
+        try:
+            per_rank = run_distributed(rows_worker, world, batch, timeout=120.0 + 90.0 * len(batch))
+        except Exception as e:  # noqa: BLE001 - every row of the spawn fails, the other spawns still run
+            per_rank = [[{"exception": str(e)}] * len(batch)] * world
+        spawn_s = (time.perf_counter() - t) / len(batch)
+        for i, row in enumerate(batch):
+            outs = [per_rank[r][i] for r in range(world)]
+            t = time.perf_counter()
+            bad = [o["exception"] for o in outs if "exception" in o]
+            if bad:
+                res = {"name": row.name, "ok": False, "param": math.nan, "loss": math.nan, "norm": math.nan,
+                       "note": "error: " + bad[0].strip().splitlines()[-1][:160]}
+            else:
+                res = compare(row, oracle_train(row), outs)
+            res["seconds"] = spawn_s + time.perf_counter() - t
+            results[row.name] = res
+            if report is not None:
+                report(res)
+    return [results[r.name] for r in rows]
+
+
+def run_row(row: Row) -> Dict:
+    return run_rows([row])[0]
+
+
+def format_result(r: Dict) -> str:
+    return (f"{'PASS' if r['ok'] else 'FAIL'}  {r['name']:<36} param {r['param']:.2e}  loss {r['loss']:.2e}  "
+            f"grad-norm {r['norm']:.2e}  ({r['note']})")
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m moe_graph.testing.equivalence", description=__doc__.split("\n")[0])
+    ap.add_argument("--all", action="store_true", help="the whole matrix (default: the CI subset)")
+    ap.add_argument("--only", nargs="*", default=None, help="run these configurations by name")
+    ap.add_argument("--out", default=None, help="also write the output (and the commit measured) to this file")
+    args = ap.parse_args(argv)
+    names = {r.name for r in MATRIX}
+    if args.only:
+        bad = [n for n in args.only if n not in names]
+        if bad:
+            ap.error(f"unknown configuration(s) {bad}; known: {sorted(names)}")
+        rows = [r for r in MATRIX if r.name in args.only]
+    else:
+        rows = MATRIX if args.all else [r for r in MATRIX if r.name in CI_ROWS]
+    lines = []
+
+    def emit(s):
+        print(s, flush=True)
+        lines.append(s)
+
+    import subprocess
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=__file__.rsplit("/", 1)[0]).stdout.strip() or "unknown"
+    except OSError:
+        commit = "unknown"
+    emit(f"training equivalence vs the single-process AdamW oracle: {len(rows)} configurations, {STEPS} steps each, "
+         f"commit {commit}, torch {torch.__version__}")
+    emit(f"tolerances (relative): params {TOL['param']}, loss {TOL['loss']}, grad norm {TOL['norm']} "
+         f"(bf16 rows: {TOL_BF16['param']}, {TOL_BF16['loss']}, {TOL_BF16['norm']})")
+    t0 = time.perf_counter()
+    results = run_rows(rows, report=lambda r: emit(format_result(r) + f"  [{r['seconds']:.1f} s]"))
+    n_ok = sum(bool(r["ok"]) for r in results)
+    emit(f"total: {n_ok}/{len(rows)} PASS in {time.perf_counter() - t0:.1f} s")
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+    return 0 if n_ok == len(rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
