@@ -33,7 +33,7 @@ that top-k margins are far above fp32 rounding; (4) the loss scale is a power of
 With eps = 1e-4 and LayerNorm at 1/0 the 4-layer rows differed by 2e-5 relative on a LayerNorm bias.
 
 Tolerances (fp32): parameters 1e-5 relative (max |diff| / max |oracle| per tensor), losses 1e-5, grad norm 1e-4.
-bf16 parameters with fp32 ``main_grad`` against the fp32 oracle: losses 5e-3 relative, grad norm 2e-2 relative,
+bf16 parameters with fp32 ``main_grad`` against the fp32 oracle: losses 5e-3 relative, grad norm 5e-2 relative,
 parameters 3e-2 *absolute* (the weights are O(1)). bf16 keeps 8 bits of mantissa: every stored weight and
 activation is off by up to 2^-9 relative, so gradients differ by about 1e-2 relative, and Adam's first steps are
 about ``lr * sign(g)``: a small gradient whose sign flips moves its weight by up to ``2 lr`` per step, i.e.
@@ -63,7 +63,7 @@ VOCAB, HIDDEN, FFN, EXPERTS, TOPK, SEQ, GLOBAL_BATCH = 13, 16, 12, 8, 2, 8, 8
 LR, EPS, WD, BETAS = 1e-2, 1e-3, 0.01, (0.9, 0.999)
 PAD = 0  # token id whose positions are MoE padding (padding_mask rows)
 TOL = {"param": 1e-5, "loss": 1e-5, "norm": 1e-4}
-TOL_BF16 = {"param": 3e-2, "loss": 5e-3, "norm": 2e-2}  # bf16 "param": absolute (see the module docstring)
+TOL_BF16 = {"param": 3e-2, "loss": 5e-3, "norm": 5e-2}  # bf16 "param": absolute (see the module docstring)
 
 
 @dataclasses.dataclass
@@ -79,6 +79,7 @@ class Row:
     layers: int = 2
     overlap: bool = False
     echo: int = 0
+    echo_donors: Optional[int] = None  # w < R: donor-constrained echo (a rank's spare slots host w donors' experts)
     aux: Optional[str] = None  # "local" | "global" | "sequence"
     z_loss: bool = False
     expert_bias: bool = False
@@ -110,6 +111,7 @@ MATRIX: List[Row] = [
     Row("ep2_echo1", world=2, ep=2, microbatches=2, echo=1),
     Row("ep2_echo2", world=2, ep=2, microbatches=2, echo=2),
     Row("ep2xdp2_echo2_overlap", world=4, ep=2, microbatches=2, echo=2, overlap=True),
+    Row("ep4_echo2_donors_w1", world=4, ep=4, microbatches=2, echo=2, echo_donors=1),
     Row("ep2_aux_local", world=2, ep=2, microbatches=2, aux="local"),
     Row("ep2_aux_global", world=2, ep=2, microbatches=2, aux="global"),
     Row("ep2_aux_sequence", world=2, ep=2, microbatches=2, aux="sequence"),
@@ -253,6 +255,8 @@ def moe_kwargs(row: Row, oracle: bool) -> Dict:
         kw.update(z_loss_coeff=0.01)
     if row.echo:
         kw.update(num_spare_experts_per_ep_rank=row.echo)
+    if row.echo_donors is not None:
+        kw.update(echo_donors=row.echo_donors)
     return kw
 
 
