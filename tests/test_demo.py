@@ -85,24 +85,25 @@ def test_demo_step_has_no_data_dependent_ops():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from moe_graph.ddp import DistributedDataParallel
-    from moe_graph.demo import MoETransformerLM, _parser, make_train_step
+    from moe_graph.demo import MoETransformerLM, _parser
     from moe_graph.optimizer import DistributedOptimizer
+    from moe_graph.training import make_train_step
 
     cfg = _parser().parse_args(["--layers", "1", "--batch", "2"])
     moe = dict(aux_loss_coeff=0.01, num_spare_experts_per_ep_rank=1, capacity_factor=1.25, assignment="greedy")
     model = MoETransformerLM(cfg, 37, moe, "cpu", torch.float32)
     ddp = DistributedDataParallel(model, use_distributed_optimizer=True)
     opt = DistributedOptimizer(ddp, lr=1e-3, weight_decay=0.0, clip_grad=1.0)
-    step = make_train_step([ddp], opt, num_microbatches=2)
+    step = make_train_step(ddp, opt)  # the demo's step
 
     def batch():
         return [(torch.randint(0, 37, (2, 64)), torch.randint(0, 37, (2, 64))) for _ in range(2)]
 
-    loss, norm = step(batch())  # real step first (lazy state)
-    assert torch.isfinite(loss) and torch.isfinite(norm)
+    res = step(batch())  # real step first (lazy state)
+    assert torch.isfinite(res.loss) and torch.isfinite(res.grad_norm) and not res.skipped
     with FakeTensorMode(allow_non_fake_inputs=True):
-        loss, norm = step(batch())
-        assert loss.shape == () and norm.numel() == 1
+        res = step(batch())
+        assert res.loss.shape == () and res.grad_norm.numel() == 1
 
 
 @requires_cuda

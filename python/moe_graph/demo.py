@@ -161,44 +161,6 @@ class MoETransformerLM(nn.Module):
 
 
 # ------------------------------------------------------------------------------------------------ training --
-def make_train_step(ddps, opt, num_microbatches: int, pp: int = 1, vpp: Optional[int] = None,
-                    tensor_shape=None, dtype=torch.float32):
-    """One training iteration on this rank: zero the grad buffers, the forward/backward of every microbatch through
-    the pipeline schedule of ``pp`` / ``vpp`` (no pipelining, 1F1B or interleaved; gradient reduction only with the
-    last microbatch), the optimizer step (grad reduce-scatter, global-norm clipping, Adam on the shard, param
-    all-gather) and, for routers with expert bias, the auxiliary-loss-free bias update (one all-reduce).
-
-    ``ddps``: the :class:`moe_graph.ddp.DistributedDataParallel` model chunk(s) of this rank (a list with ``vpp``).
-    Returns ``step(microbatches) -> (mean loss, grad norm)``; the loss is 0 off the last pipeline stage. Device
-    work only: with ``pp == 1`` the whole function is one CUDA graph."""
-    from torch import nn
-
-    from . import pipeline as P
-    from .moe_layer import update_expert_bias
-
-    chunks = list(ddps) if isinstance(ddps, (list, tuple)) else [ddps]
-    pick = (lambda xs: xs) if vpp else (lambda xs: xs[0])
-    fb = P.get_forward_backward_func(pp, vpp)
-    config = P.PipelineConfig(tensor_shape=tensor_shape, dtype=dtype, no_sync_func=pick([d.no_sync for d in chunks]))
-    modules = nn.ModuleList([d.module for d in chunks])
-    zero = torch.zeros((), device=opt.device)
-
-    def forward_step(data_iterator, model):
-        tokens, labels = next(data_iterator)
-        return model(tokens, labels), (lambda loss: loss)
-
-    def step(microbatches):
-        opt.zero_grad()
-        losses = fb(forward_step_func=forward_step, data_iterator=pick([iter(microbatches) for _ in chunks]),
-                    model=pick(chunks), num_microbatches=num_microbatches, config=config)
-        _, grad_norm = opt.step()
-        update_expert_bias(modules)  # no-op without enable_expert_bias
-        loss = torch.stack(losses).float().mean() if losses else zero
-        return loss, grad_norm
-
-    return step
-
-
 def _global_name(stage, name: str) -> str:
     """A pipeline stage's tensor name in the whole model (``blocks.<i>`` numbered by the stage's ``layer_ids``)."""
     if name.startswith("blocks."):
@@ -262,15 +224,8 @@ def check_checkpoint_compatible(meta: Dict, cfg, layout) -> None:
 def _train(rank: int, world: int, cfg) -> Dict:
     """The training loop of one rank, the same under torchrun and under the demo's own processes; expects
     ``torch.distributed`` initialized (any world size, 1 included)."""
-    import torch.distributed as dist
-
-    from . import checkpoint as C
     from . import parallel_state as ps
-    from . import pipeline as P
-    from .ddp import DistributedDataParallel
-    from .graph import FullIterationGraph
     from .launch import resolve_layout
-    from .optimizer import DistributedOptimizer
 
     layout = resolve_layout(world, cfg.pp, cfg.vpp, cfg.ep)
     is_cuda = cfg.device == "cuda"
@@ -281,14 +236,22 @@ def _train(rank: int, world: int, cfg) -> Dict:
     ps.initialize_model_parallel(pipeline_model_parallel_size=layout.pp, expert_model_parallel_size=layout.ep,
                                  virtual_pipeline_model_parallel_size=layout.vpp)
     try:
-        return _train_loop(rank, world, cfg, layout, device, dtype, dist, C, ps, P, DistributedDataParallel,
-                           FullIterationGraph, DistributedOptimizer)
+        return _train_loop(rank, world, cfg, layout, device, dtype)
     finally:
         ps.destroy_model_parallel()
 
 
-def _train_loop(rank, world, cfg, layout, device, dtype, dist, C, ps, P, DistributedDataParallel,
-                FullIterationGraph, DistributedOptimizer) -> Dict:
+def _train_loop(rank: int, world: int, cfg, layout, device: torch.device, dtype: torch.dtype) -> Dict:
+    import torch.distributed as dist
+
+    from . import checkpoint as C
+    from . import parallel_state as ps
+    from . import pipeline as P
+    from .ddp import DistributedDataParallel
+    from .graph import FullIterationGraph
+    from .optimizer import DistributedOptimizer
+    from .training import make_train_step
+
     is_cuda = device.type == "cuda"
     pp_rank, dp_rank = ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank()
     ep_rank, edp_rank = ps.get_expert_model_parallel_rank(), ps.get_expert_data_parallel_rank()
@@ -363,8 +326,10 @@ def _train_loop(rank, world, cfg, layout, device, dtype, dist, C, ps, P, Distrib
     say(f"echo buffers per MoE layer: {moe_layers[0].echo_buffer_bytes(cfg.microbatches)['total'] / 2**20:.2f} MiB "
         f"(moe_graph.echo.echo_buffer_bytes)" if moe_layers else "echo buffers: no MoE layer on this rank")
 
-    step = make_train_step(ddps, opt, cfg.microbatches, layout.pp, layout.vpp, (cfg.batch, cfg.seq, cfg.hidden),
-                           dtype)
+    # the training step (moe_graph.training): microbatches through the layout's pipeline schedule with no_sync on
+    # all but the last, MoE aux-loss gradient scale, the optimizer step, the expert-bias update
+    step = make_train_step(ddps if layout.vpp else ddps[0], opt, tensor_shape=(cfg.batch, cfg.seq, cfg.hidden),
+                           dtype=dtype)
     per_rank = cfg.microbatches * cfg.batch
 
     def next_batch(it: int):
@@ -379,7 +344,7 @@ def _train_loop(rank, world, cfg, layout, device, dtype, dist, C, ps, P, Distrib
                 for w in win]
 
     tokens_per_step = layout.dp * per_rank * cfg.seq
-    history = {"step": [], "loss": [], "grad_norm": [], "imb_before": [], "imb_after": [], "tok_s": []}
+    history = {"step": [], "loss": [], "grad_norm": [], "skipped": [], "imb_before": [], "imb_after": [], "tok_s": []}
     eager_ms: List[float] = []
     graph_ms: List[float] = []
     metrics_path = os.path.join(out_dir, "metrics.jsonl")
@@ -412,24 +377,25 @@ def _train_loop(rank, world, cfg, layout, device, dtype, dist, C, ps, P, Distrib
         n_log = 0
         for it in range(first, last):
             t0 = time.perf_counter()
-            loss, grad_norm = fn(next_batch(it))
+            res = fn(next_batch(it))
             if is_cuda and times is not None:
                 torch.cuda.synchronize()
             if times is not None:
                 times.append((time.perf_counter() - t0) * 1e3)
             n_log += 1
             if (it + 1) % cfg.log_every == 0 or it == last - 1 or it == first:
-                # host reads, outside the graph: the mean loss of the last stage's data-parallel ranks
-                red = torch.stack([loss.detach().float() if last_stage else torch.zeros((), device=device),
-                                   grad_norm.detach().float().reshape(())])
+                # host reads, outside the graph: the loss (already the data-parallel mean) from the last stage
+                red = torch.stack([res.loss.float() if last_stage else torch.zeros((), device=device),
+                                   res.grad_norm.float().reshape(()), res.skipped.float().reshape(())])
                 dist.all_reduce(red)
                 lval = float(red[0]) / layout.dp
-                gnorm = float(red[1]) / world  # every rank holds the same global norm
+                gnorm = float(red[1]) / world  # every rank holds the same global norm and skipped flag
+                skipped = bool(red[2] > 0)
                 lb, la = loads()
                 now = time.perf_counter()
                 tok_s = tokens_per_step * n_log / max(now - t_log, 1e-9)
                 t_log, n_log = now, 0
-                rec = {"step": it + 1, "loss": lval, "grad_norm": gnorm,
+                rec = {"step": it + 1, "loss": lval, "grad_norm": gnorm, "skipped": skipped,
                        "imb_before": float((lb.max(1).values / lb.mean(1)).mean()),
                        "imb_after": float((la.max(1).values / la.mean(1)).mean()), "tok_s": tok_s}
                 for k, v in rec.items():
