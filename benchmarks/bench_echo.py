@@ -43,7 +43,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 
 from moe_graph import planner as P  # noqa: E402
-from moe_graph.testing.bench import environment  # noqa: E402
+from moe_graph.testing.bench import environment, results_path  # noqa: E402
 
 
 def gumbel_topk_routing(num_rows, p_log, topk, gen, device):
@@ -254,7 +254,7 @@ def main(argv=None):
         print(f"speed, E=256, T={T}/rank on {device}: planner max {worst_plan:.1f} us (target < 100), reroute min "
               f"{worst_pct:.1f}% of copy bandwidth (target >= 60%)")
     print(f"total {time.perf_counter() - t_start:.1f} s")
-    out = args.out or f"bench_echo_{device.type}.json"
+    out = args.out or results_path(f"bench_echo_{device.type}", dated=False)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         json.dump({"args": vars(args), "env": environment(), "rows": rows, "target_case": summary}, f, indent=1)
@@ -327,7 +327,7 @@ def sweep(args):
         print(f"default w rule (Zipf 1.2, E=256, R=64, k=2): unconstrained {unc:.3f}; smallest w within 3%: "
               f"w={ok[0]} ({tgt[ok[0]]['microbatch']:.3f})")
     print(f"total {time.perf_counter() - t_start:.1f} s")
-    out = args.out or "bench_echo_sweep.json"
+    out = args.out or results_path("bench_echo_sweep", dated=False)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         json.dump({"args": vars(args), "env": environment(), "rows": rows, "default_w": choice}, f, indent=1)

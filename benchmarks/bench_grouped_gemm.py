@@ -4,7 +4,7 @@
 Ops: forward (fc1 and fc2 shapes), forward with bias (fused in moe_graph's epilogue; peers add it after), dgrad,
 wgrad with fp32 accumulation into a main_grad (peers: their wgrad followed by a separate add) and wgrad overwriting
 the fp32 main_grad (peers: followed by a copy). Each row records the kernel configuration the launch plan chose. Prints one line per case and writes JSON (+ a PNG plot of TFLOP/s) under
-benchmarks/results/. Needs a GPU.
+./moe_graph_results/ ($MOE_GRAPH_RESULTS). Needs a GPU.
 
     python benchmarks/bench_grouped_gemm.py [--quick] [--models qwen3,deepseek,mixtral] [--no-plot]
 """

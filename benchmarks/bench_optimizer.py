@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from moe_graph.ddp import DistributedDataParallel  # noqa: E402
 from moe_graph.optimizer import DistributedOptimizer  # noqa: E402
-from moe_graph.testing.bench import environment  # noqa: E402
+from moe_graph.testing.bench import environment, results_path  # noqa: E402
 
 SIZES = [1_000_000, 10_000_000, 100_000_000, 1_000_000_000]
 PRECISIONS = {  # name: (param dtype, grad_reduce_in_fp32)
@@ -125,7 +125,7 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=None, help="timed steps per case (default 20 CUDA / 3 CPU)")
     ap.add_argument("--precisions", default=",".join(PRECISIONS), help="comma list of " + ",".join(PRECISIONS))
     ap.add_argument("--dp", default="1,8,64", help="DP sizes for the bytes-per-param shard math")
-    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/bench_optimizer_<device>.json)")
+    ap.add_argument("--out", default=None, help="JSON path (default: results_path(), outside the tracked tree)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     max_params = args.max_params if args.max_params is not None else (1e9 if device.type == "cuda" else 1e7)
@@ -165,8 +165,7 @@ def main(argv=None):
                       + " ".join(f"{v:>8.3f}" for v in per_dp) + f" {f'{a}+{b}/d':>10}")
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                   f"bench_optimizer_{device.type}.json")
+    out = args.out or results_path(f"bench_optimizer_{device.type}", dated=False)
     os.makedirs(os.path.dirname(out), exist_ok=True)
     meta = dict(device=str(device), torch=torch.__version__, python=platform.python_version(), iters=iters,
                 gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),

@@ -8,7 +8,7 @@ layers), a backward ``t_bwd / vpp``. Without bubbles a step would take
     measured bubble = step_time / ideal - 1     vs     ideal bubble = (pp - 1) / (m * vpp)
 
 Run: ``PYTHONPATH=python python3 benchmarks/bench_pipeline_bubble.py [--quick]``. Prints one line per
-configuration and writes ``benchmarks/results/pipeline_bubble.json``. ``zero_ms`` is the same schedule
+configuration and writes ``pipeline_bubble.json`` (``--out``; default ``./moe_graph_results/``). ``zero_ms`` is the same schedule
 with no compute: the fixed cost of the p2p exchanges and Python per step, which the sleeps do not
 hide and which grows with the number of steps (``2 * m * vpp`` per rank).
 """
@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "python"))
 
 from moe_graph import pipeline as P  # noqa: E402
 from moe_graph import parallel_state as ps  # noqa: E402
-from moe_graph.testing.bench import environment  # noqa: E402
+from moe_graph.testing.bench import environment, results_path  # noqa: E402
 from moe_graph.testing.distributed import run_distributed  # noqa: E402
 
 SHAPE = (4, 16)  # activation passed between stages (tiny: the benchmark measures scheduling, not bandwidth)
@@ -115,7 +115,7 @@ def main(argv=None):
     ap.add_argument("--t-bwd-ms", type=float, default=40.0, help="backward time of one microbatch on one stage")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "pipeline_bubble.json"))
+    ap.add_argument("--out", default=None, help="JSON path (default: results_path(), outside the tracked tree)")
     args = ap.parse_args(argv)
     t_fwd, t_bwd = args.t_fwd_ms / 1e3, args.t_bwd_ms / 1e3
     configs = QUICK if args.quick else CONFIGS
@@ -139,7 +139,8 @@ def main(argv=None):
             rows.append(row)
             print(f"{pp_:>3} {str(vpp):>4} {m:>3} {ideal * 1e3:>9.1f} {step * 1e3:>9.1f} {bubble:>7.3f} "
                   f"{ideal_bubble:>12.3f} {bubble / ideal_bubble:>6.2f} {zero * 1e3:>8.1f}")
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    args.out = args.out or results_path("pipeline_bubble", dated=False)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     meta = dict(device="cpu", backend="gloo", torch=torch.__version__, python=platform.python_version(),
                 machine=platform.machine(), cpus=os.cpu_count(), repeats=args.repeats,
                 note="stage compute simulated with time.sleep; bubble = step/ideal - 1", commit=environment()["commit"])

@@ -2,7 +2,7 @@
 # One scripted GPU session (e.g. through the `device` tool): build for the local GPU (with the grouped kernels'
 # ptxas resource usage), run the GPU tests, the CUDA-graph tests under compute-sanitizer memcheck, the self-check
 # and the benchmarks (incl. fine-grained experts, fused bias, fp32 wgrad overwrite); copy logs and JSON to
-# $OUT (or benchmarks/results/ when OUT is unset). Needs the nvidia-cutlass wheel (pip, or carried in .whl/).
+# $OUT (default ./moe_graph_results, never the tracked benchmarks/results/). Needs the nvidia-cutlass wheel (pip, or carried in .whl/).
 #
 #   bash benchmarks/run_gpu.sh [build|test|memcheck|bench|all ...]   (default: all)
 #
@@ -10,8 +10,9 @@
 # MOE_GRAPH_COMMIT to the measured commit when the copy has no .git (it goes into every JSON).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-benchmarks/results}
+OUT=${OUT:-moe_graph_results}
 mkdir -p "$OUT"
+export MOE_GRAPH_RESULTS="$OUT"   # every benchmark's default JSON/PNG path (testing/bench.results_dir)
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
 if ! python3 -c "import cutlass_library" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
   [ -d /tmp/site/cutlass_library ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
@@ -48,7 +49,6 @@ if want bench; then
   echo "== benchmarks"
   python3 benchmarks/bench_grouped_gemm.py 2>&1 | tee "$OUT/bench_grouped_gemm.log"
   for b in bench_echo bench_moe_layer bench_optimizer; do python3 benchmarks/$b.py 2>&1 | tail -40 | tee "$OUT/$b.log"; done
-  echo "== demo"; python3 -m moe_graph.demo --quick 2>&1 | tail -20 | tee "$OUT/demo.log"
-  cp benchmarks/results/*.json benchmarks/results/*.png "$OUT/" 2>/dev/null || true
+  echo "== demo"; python3 -m moe_graph.demo --quick --out "$OUT/demo" 2>&1 | tail -20 | tee "$OUT/demo.log"
 fi
 exit $rc

@@ -3,7 +3,7 @@
 # capture and no-sync checks on a GPU), then the end-to-end demo (a small MoE transformer LM trained with expert
 # parallelism, echo load balancing, the static dispatcher, the ZeRO-1 optimizer and, on a GPU, one CUDA graph per
 # iteration), and on a GPU the grouped-GEMM benchmark. The demo writes into ./moe_graph_demo at the checkout's root
-# (git-ignored; --out DIR elsewhere), the benchmark into benchmarks/results/. Nothing tracked is modified.
+# (git-ignored; --out DIR elsewhere), the benchmark into ./moe_graph_results/. Nothing tracked is modified.
 # Extra arguments go to the demo (e.g. --quick, --ep 4, --save ckpt --save-every 50).
 set -euo pipefail
 cd "$(dirname "$0")/.."

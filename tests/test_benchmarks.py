@@ -11,10 +11,11 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _run(script, *args, timeout=300):
-    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "python") + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "OMP_NUM_THREADS": "1"}
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), *args], env=env, cwd=ROOT,
+def _run(script, *args, timeout=300, cwd=ROOT, env_extra=None):
+    env = {k: v for k, v in os.environ.items() if k != "MOE_GRAPH_RESULTS"}
+    env.update(PYTHONPATH=os.path.join(ROOT, "python") + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               OMP_NUM_THREADS="1", **(env_extra or {}))
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), *args], env=env, cwd=cwd,
                        capture_output=True, text=True, timeout=timeout)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     return p.stdout
@@ -53,6 +54,23 @@ def test_bench_pipeline_bubble(tmp_path):
     for r in d["results"]:
         assert r["step_ms"] >= r["ideal_ms"] * 0.95  # a schedule cannot beat its ideal
         assert 0 < r["ideal_bubble"] < 1
+
+
+def test_benchmarks_default_output_is_outside_the_tree(tmp_path):
+    """Without --out a benchmark writes under ./moe_graph_results of the current directory (or $MOE_GRAPH_RESULTS),
+    never into the checkout's tracked benchmarks/results/."""
+    tracked = os.path.join(ROOT, "benchmarks", "results")
+    before = {f: os.path.getmtime(os.path.join(tracked, f)) for f in os.listdir(tracked)}
+    _run("bench_pipeline_bubble.py", "--quick", "--t-fwd-ms", "1", "--t-bwd-ms", "2", "--repeats", "1",
+         cwd=str(tmp_path))
+    assert json.load(open(tmp_path / "moe_graph_results" / "pipeline_bubble.json"))["results"]
+    elsewhere = tmp_path / "elsewhere"
+    _run("bench_optimizer.py", "--device", "cpu", "--max-params", "1e5", "--iters", "1", "--precisions", "bf16+fp32grad",
+         "--dp", "1",
+         cwd=str(tmp_path), env_extra={"MOE_GRAPH_RESULTS": str(elsewhere)})
+    assert json.load(open(elsewhere / "bench_optimizer_cpu.json"))
+    after = {f: os.path.getmtime(os.path.join(tracked, f)) for f in os.listdir(tracked)}
+    assert after == before
 
 
 def test_bench_moe_layer(tmp_path):

@@ -62,13 +62,22 @@ def environment() -> Dict[str, object]:
     return env
 
 
-def results_path(prefix: str) -> str:
-    """benchmarks/results/<prefix>-<gpu or cpu>-<date>.json"""
-    root = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))), "benchmarks", "results")
+def results_dir() -> str:
+    """Where benchmarks write when not given ``--out``: ``$MOE_GRAPH_RESULTS`` or ``./moe_graph_results`` in the
+    current directory. Never the package's or the checkout's tree: a benchmark run never modifies tracked files;
+    committed results are copied into ``benchmarks/results/`` by hand, with the commit they measured inside."""
+    root = os.path.abspath(os.environ.get("MOE_GRAPH_RESULTS") or "moe_graph_results")
     os.makedirs(root, exist_ok=True)
+    return root
+
+
+def results_path(prefix: str, dated: bool = True) -> str:
+    """``results_dir()/<prefix>-<gpu or cpu>-<date>.json`` (``<prefix>.json`` with ``dated=False``)."""
+    if not dated:
+        return os.path.join(results_dir(), f"{prefix}.json")
     dev = torch.cuda.get_device_name().replace(" ", "_").replace("/", "_") if torch.cuda.is_available() else "cpu"
     day = datetime.date.today().isoformat()
-    return os.path.join(root, f"{prefix}-{dev}-{day}.json")
+    return os.path.join(results_dir(), f"{prefix}-{dev}-{day}.json")
 
 
 def write_json(path: str, payload: Dict[str, object]) -> None:
