@@ -131,6 +131,24 @@ def _graph(*args, **kw):
         return FullIterationGraph(*args, **kw)
 
 
+def _graph_wrapper(*args, **kw):
+    from moe_graph.graph import FullCudaGraphWrapper
+
+    return FullCudaGraphWrapper(*args, **kw)
+
+
+def _check_errors(device):
+    from moe_graph.ops.errors import check_errors
+
+    return check_errors(device)
+
+
+def _group_params(params):
+    from moe_graph.buffers import group_params_for_buffers
+
+    return group_params_for_buffers(params)
+
+
 def _inference_zeros(*shape):
     with torch.inference_mode():
         return torch.zeros(*shape)
@@ -462,6 +480,16 @@ ROWS = [
         r"warmup_steps must be >= 1"),
     Row("FullIterationGraph", "unknown capture_error_mode", lambda: _graph(lambda: None, capture_error_mode="loose"),
         ValueError, r"capture_error_mode must be 'global', 'thread_local' or 'relaxed'"),
+    Row("FullCudaGraphWrapper", "forward_backward_func not callable", lambda: _graph_wrapper(3), TypeError,
+        r"forward_backward_func must be callable"),
+    Row("check_errors", "device not a device name", lambda: _check_errors("bogus"), ValueError,
+        r"check_errors: device must name a device"),
+    Row("check_errors", "device of the wrong type", lambda: _check_errors(3.5), TypeError,
+        r"check_errors: device must be a str, a torch.device or None, got float"),
+    Row("group_params_for_buffers", "params=None", lambda: _group_params(None), TypeError,
+        r"params must be an iterable of parameters"),
+    Row("group_params_for_buffers", "an int in params", lambda: _group_params([1]), TypeError,
+        r"every entry of params must be a parameter, got int"),
     # ---- training entry point: launch layout and checkpoints ----
     Row("launch.resolve_layout", "--pp not dividing the world", lambda: _launch().resolve_layout(3, pp=2), ValueError,
         r"--pp 2 does not divide the world size 3"),

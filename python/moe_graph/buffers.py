@@ -124,9 +124,15 @@ def group_params_for_buffers(
     Example: ``[w1 bf16, e1 bf16 (allreduce=False), b1 bf16]`` with ``grad_reduce_in_fp32=True``
     gives ``{(bf16, fp32, False): ([w1, b1], [0, 1]), (bf16, fp32, True): ([e1], [0])}``.
     """
+    if params is None or isinstance(params, torch.Tensor) or not hasattr(params, "__iter__"):
+        raise TypeError(f"group_params_for_buffers: params must be an iterable of parameters (e.g. "
+                        f"model.parameters()), got {type(params).__name__}")
     out: Dict[BufferKey, Tuple[List[torch.nn.Parameter], List[int]]] = {}
     offsets: Dict[BufferKey, int] = {}
     for param in params:
+        if not isinstance(param, torch.Tensor):
+            raise TypeError(f"group_params_for_buffers: every entry of params must be a parameter, got "
+                            f"{type(param).__name__}")
         if not param.requires_grad:
             raise ValueError("group_params_for_buffers: every param must have requires_grad=True")
         logical = param_logical_dtype(param)

@@ -617,6 +617,9 @@ class FullCudaGraphWrapper:
     """
 
     def __init__(self, forward_backward_func: Callable, cuda_graph_warmup_steps: int = 2, **graph_kwargs):
+        if not callable(forward_backward_func):
+            raise TypeError(f"FullCudaGraphWrapper: forward_backward_func must be callable (e.g. "
+                            f"pipeline.get_forward_backward_func()), got {type(forward_backward_func).__name__}")
         self.forward_backward_func = forward_backward_func
         self._fixed: Dict[str, Any] = {}
         self.graph = FullIterationGraph(lambda data, n, per_chunk: self._run(data, n, per_chunk, False),

@@ -81,8 +81,13 @@ def check_errors(device: Union[str, torch.device, None] = None) -> None:
     Checks the CPU flag and the CUDA flag of ``device`` (default: the current CUDA device when available). This is
     the one call that syncs, by design: call it outside the hot path (e.g. once every N iterations).
     """
+    if device is not None and not isinstance(device, (str, torch.device)):
+        raise TypeError(f"check_errors: device must be a str, a torch.device or None, got {type(device).__name__}")
+    try:
+        dev = torch.device(device) if device is not None else _default_device()
+    except RuntimeError as e:
+        raise ValueError(f"check_errors: device must name a device such as 'cpu' or 'cuda:0', got {device!r}") from e
     bits = read_error_flag("cpu")
-    dev = torch.device(device) if device is not None else _default_device()
     if dev.type == "cuda":
         bits |= read_error_flag(dev)
     if bits:
