@@ -58,6 +58,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .pipeline_moe import _global_name, _is_expert  # one naming rule for every stage layout
+
 STEPS = 3
 VOCAB, HIDDEN, FFN, EXPERTS, TOPK, SEQ, GLOBAL_BATCH = 13, 16, 12, 8, 2, 8, 8
 LR, EPS, WD, BETAS = 1e-2, 1e-3, 0.01, (0.9, 0.999)
@@ -198,17 +200,6 @@ class EquivLM(nn.Module):
             return x
         logits = self.head(self.ln_f(x)).float()
         return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
-
-
-def _global_name(stage: EquivLM, name: str) -> str:
-    if name.startswith("blocks."):
-        _, i, rest = name.split(".", 2)
-        return f"blocks.{stage.layer_ids[int(i)]}.{rest}"
-    return name
-
-
-def _is_expert(name: str) -> bool:
-    return ".moe.fc1." in name or ".moe.fc2." in name
 
 
 def init_model(stage: EquivLM, ep_rank: int) -> None:
