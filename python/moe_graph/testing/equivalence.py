@@ -58,7 +58,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .pipeline_moe import _global_name, _is_expert  # one naming rule for every stage layout
+from .pipeline_moe import _global_name, _is_expert, global_params  # one naming rule for every stage layout
 
 STEPS = 3
 VOCAB, HIDDEN, FFN, EXPERTS, TOPK, SEQ, GLOBAL_BATCH = 13, 16, 12, 8, 2, 8, 8
@@ -326,17 +326,7 @@ def oracle_train(row: Row) -> Dict:
                     b.moe.router.local_tokens_per_expert.zero_()
         losses.append(float(ce.detach()))
         norms.append(float(norm))
-    params = {}
-    for name, p in model.named_parameters():
-        if _is_expert(name):
-            for i, w in enumerate(p.detach()):
-                params[f"{name}[{i}]"] = w.clone()
-        else:
-            params[name] = p.detach().clone()
-    for name, buf in model.named_buffers():
-        if name.endswith("expert_bias"):
-            params[name] = buf.clone()
-    return {"losses": losses, "norms": norms, "params": params}
+    return {"losses": losses, "norms": norms, "params": global_params(model)}
 
 
 # ========================================================================================== the machinery ==

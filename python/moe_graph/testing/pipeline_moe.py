@@ -34,6 +34,23 @@ def _is_expert(name: str) -> bool:
     return ".moe.fc1." in name or ".moe.fc2." in name
 
 
+def global_params(stage: nn.Module, ep_rank: int = 0) -> dict:
+    """Copies of a stage's parameters (and expert biases) under their whole-model names; experts one entry per
+    global expert ``name[e]``, so that stages of any pipeline/expert layout compare with the whole model."""
+    params = {}
+    for name, p in stage.named_parameters():
+        g = _global_name(stage, name)
+        if _is_expert(name):
+            for i, w in enumerate(p.detach()):
+                params[f"{g}[{ep_rank * p.shape[0] + i}]"] = w.clone()
+        else:
+            params[g] = p.detach().clone()
+    for name, buf in stage.named_buffers():
+        if name.endswith("expert_bias"):
+            params[_global_name(stage, name)] = buf.clone()
+    return params
+
+
 def init_from_global_names(stage: nn.Module, ep_rank: int) -> None:
     """Every parameter from a generator seeded by its global name (experts: the global ``[E, ...]`` tensor, then
     this EP rank's slice), so that any pipeline/expert layout holds the same model."""
@@ -118,16 +135,7 @@ def pipeline_moe_worker(rank: int, world: int, pp: int, clip: float, layers: int
             norms.append(float(norm))
         params = {}
         for stage in stages:
-            for name, p in stage.named_parameters():
-                g = _global_name(stage, name)
-                if _is_expert(name):
-                    for i, w in enumerate(p.detach()):
-                        params[f"{g}[{ep_rank * p.shape[0] + i}]"] = w.clone()
-                else:
-                    params[g] = p.detach().clone()
-            for name, buf in stage.named_buffers():
-                if name.endswith("expert_bias"):
-                    params[_global_name(stage, name)] = buf.clone()
+            params.update(global_params(stage, ep_rank))
         drops = sum(b.moe.dispatcher.check_drops() for stage in stages for b in stage.blocks)
         return {"pp_rank": pp_rank, "dp_rank": dp_rank, "losses": losses, "norms": norms, "params": params,
                 "drops": drops}
