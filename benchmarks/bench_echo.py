@@ -15,10 +15,10 @@ Prints one line per case and writes JSON to ``--out`` (default ``./bench_echo_<d
 directory: a run never modifies tracked files unless told to). The issue's target case (Zipf 1.2, 128 experts,
 16 ranks, 8 routes/token) is summarized at the end: ``k=1 <= 1.10``, ``k=2 <= 1.02``, never worse than greedy.
 
-``--sweep``: balance under donor-constrained placement (:func:`moe_graph.planner.donor_mask`, ``w`` donor ranks per
+``--sweep``: balance under donor-constrained placement (:func:`moe_graph.moe.echo_planner.donor_mask`, ``w`` donor ranks per
 rank, ``w = R`` unconstrained) and both plan modes, over Zipf skew x E x R x k x w: ``microbatch`` plans every
 microbatch from its own counts, ``iteration`` plans from the first microbatch's counts and reuses the placement for
-the others (:func:`moe_graph.planner.reuse_plan`). The value is max/mean tokens per rank after echo (auto
+the others (:func:`moe_graph.moe.echo_planner.reuse_plan`). The value is max/mean tokens per rank after echo (auto
 assignment), averaged over the microbatches and seeds. One table, JSON with the commit measured (``--out``,
 default ``./bench_echo_sweep.json``) and a PNG plot next to it; the default ``w`` rule (the smallest within 3% of
 unconstrained on Zipf 1.2, E=256, R=64, k=2) is evaluated at the end.
@@ -42,8 +42,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 
-from moe_graph import planner as P  # noqa: E402
-from moe_graph.testing.bench import environment, results_path  # noqa: E402
+from common import environment, results_path  # noqa: E402
+from moe_graph.moe import echo_planner as P  # noqa: E402
 
 
 def gumbel_topk_routing(num_rows, p_log, topk, gen, device):

@@ -19,8 +19,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 
+from common import environment, results_path, time_cuda, write_json  # noqa: E402
 from moe_graph.ops import grouped_gemm, grouped_gemm_wgrad  # noqa: E402
-from moe_graph.testing.bench import environment, results_path, time_cuda, write_json  # noqa: E402
 from moe_graph.testing.grouped_gemm_ref import random_splits  # noqa: E402
 
 # (name, hidden, expert ffn, local experts, tokens routed to this rank)

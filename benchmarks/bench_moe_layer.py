@@ -3,7 +3,7 @@ capacity drops of the static dispatcher under Zipf routing, without and with ech
 
 Timing (one process, EP = 1; echo then plans, dispatches the spare weights and aggregates their gradients but has
 no other rank to offload to, so the echo columns measure its overhead): ``eager_ms`` is ``layer(x).backward(g)``;
-``graph_ms`` is the same step replayed from a :class:`moe_graph.graph.FullIterationGraph` (GPU only); ``speedup`` =
+``graph_ms`` is the same step replayed from a :class:`moe_graph.cuda_graph.FullIterationGraph` (GPU only); ``speedup`` =
 eager / graph. On CPU only the eager column runs, with small sizes (< 1 min).
 
 Drops (simulated EP in one process, exactly the dispatcher's rule: ``ceil(cf * T * K / R)`` routes per (source,
@@ -27,11 +27,11 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 
-from moe_graph import planner as P  # noqa: E402
-from moe_graph.dispatcher import capacity_for, expert_columns  # noqa: E402
-from moe_graph.graph import FullIterationGraph, GraphCaptureError  # noqa: E402
-from moe_graph.moe_layer import MoELayer  # noqa: E402
-from moe_graph.testing.bench import environment, results_path, time_cpu, time_cuda, write_json  # noqa: E402
+from common import environment, results_path, time_cpu, time_cuda, write_json  # noqa: E402
+from moe_graph.cuda_graph import FullIterationGraph, GraphCaptureError  # noqa: E402
+from moe_graph.moe import echo_planner as P  # noqa: E402
+from moe_graph.moe.layer import MoELayer  # noqa: E402
+from moe_graph.moe.token_dispatcher import capacity_for, expert_columns  # noqa: E402
 
 GPU_SIZES = [  # name, hidden, ffn, experts, topk, tokens
     ("demo", 256, 512, 8, 2, 2048),

@@ -1,4 +1,4 @@
-"""Step time and memory of ``moe_graph.optimizer.DistributedOptimizer`` vs ``torch.optim.AdamW``.
+"""Step time and memory of ``moe_graph.distributed.optimizer.DistributedOptimizer`` vs ``torch.optim.AdamW``.
 
 Runs in one process (dp=1) on one device. For every size (parameters) and precision it times:
 
@@ -36,9 +36,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 
-from moe_graph.ddp import DistributedDataParallel  # noqa: E402
-from moe_graph.optimizer import DistributedOptimizer  # noqa: E402
-from moe_graph.testing.bench import environment, results_path  # noqa: E402
+from common import environment, results_path  # noqa: E402
+from moe_graph.distributed.ddp import DistributedDataParallel  # noqa: E402
+from moe_graph.distributed.optimizer import DistributedOptimizer  # noqa: E402
 
 SIZES = [1_000_000, 10_000_000, 100_000_000, 1_000_000_000]
 PRECISIONS = {  # name: (param dtype, grad_reduce_in_fp32)

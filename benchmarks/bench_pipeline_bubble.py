@@ -1,4 +1,4 @@
-"""Pipeline bubble: measured step time of the moe_graph.pipeline schedules vs the ideal bubble fraction.
+"""Pipeline bubble: measured step time of the moe_graph.train.schedules schedules vs the ideal bubble fraction.
 
 Each pipeline rank is a CPU process (gloo). Stage compute is a ``time.sleep``: a forward of one
 microbatch through one model chunk sleeps ``t_fwd / vpp`` (a chunk holds 1/vpp of the stage's
@@ -28,10 +28,11 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "python"))
 
-from moe_graph import pipeline as P  # noqa: E402
+from common import environment, results_path  # noqa: E402
 from moe_graph import parallel_state as ps  # noqa: E402
-from moe_graph.testing.bench import environment, results_path  # noqa: E402
-from moe_graph.testing.distributed import run_distributed  # noqa: E402
+from moe_graph.distributed.launch import run_distributed  # noqa: E402
+from moe_graph.train import p2p  # noqa: E402
+from moe_graph.train import schedules as P
 
 SHAPE = (4, 16)  # activation passed between stages (tiny: the benchmark measures scheduling, not bandwidth)
 
@@ -74,7 +75,7 @@ def _worker(rank, world_size, configs, t_fwd, t_bwd, repeats):
     torch.manual_seed(0)
     out = []
     ps.initialize_model_parallel(pipeline_model_parallel_size=world_size)
-    comm = P.P2PCommunicator(ps.get_pipeline_model_parallel_group(), device="cpu")
+    comm = p2p.P2PCommunicator(ps.get_pipeline_model_parallel_group(), device="cpu")
     group = ps.get_pipeline_model_parallel_group()
     for pp, vpp, m in configs:
         assert pp == world_size

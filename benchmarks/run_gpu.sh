@@ -12,7 +12,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-moe_graph_results}
 mkdir -p "$OUT"
-export MOE_GRAPH_RESULTS="$OUT"   # every benchmark's default JSON/PNG path (testing/bench.results_dir)
+export MOE_GRAPH_RESULTS="$OUT"   # every benchmark's default JSON/PNG path (benchmarks/common.results_dir)
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
 if ! python3 -c "import cutlass_library" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
   [ -d /tmp/site/cutlass_library ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl

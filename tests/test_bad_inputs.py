@@ -13,6 +13,7 @@ and test_grouped_linear.py hold those checks with the state compared bit for bit
 
 from __future__ import annotations
 
+import importlib
 import re
 from typing import Any, Callable, NamedTuple
 
@@ -71,13 +72,13 @@ def _w(e=2, n=3, k=4):
 
 
 def _ddp(module=None, **kw):
-    from moe_graph.ddp import DistributedDataParallel
+    from moe_graph.distributed.ddp import DistributedDataParallel
 
     return DistributedDataParallel(module if module is not None else torch.nn.Linear(4, 3), **kw)
 
 
 def _opt(**kw):
-    from moe_graph.optimizer import DistributedOptimizer
+    from moe_graph.distributed.optimizer import DistributedOptimizer
 
     model = kw.pop("model", None)
     if model is None:
@@ -94,7 +95,7 @@ def _saved():
 
 
 def _buffer(params, dp=1, **kw):
-    from moe_graph.buffers import ParamAndGradBuffer
+    from moe_graph.distributed.buffers import ParamAndGradBuffer
 
     return ParamAndGradBuffer(params, dp, **kw)
 
@@ -110,13 +111,13 @@ def _ps():
 
 
 def _planner():
-    from moe_graph import planner
+    from moe_graph.moe import echo_planner as planner
 
     return planner
 
 
 def _pipeline():
-    from moe_graph import pipeline
+    from moe_graph.train import schedules as pipeline
 
     return pipeline
 
@@ -124,7 +125,7 @@ def _pipeline():
 def _graph(*args, **kw):
     import warnings
 
-    from moe_graph.graph import FullIterationGraph
+    from moe_graph.cuda_graph import FullIterationGraph
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "running eagerly" without CUDA
@@ -132,7 +133,7 @@ def _graph(*args, **kw):
 
 
 def _graph_wrapper(*args, **kw):
-    from moe_graph.graph import FullCudaGraphWrapper
+    from moe_graph.cuda_graph import FullCudaGraphWrapper
 
     return FullCudaGraphWrapper(*args, **kw)
 
@@ -144,7 +145,7 @@ def _check_errors(device):
 
 
 def _group_params(params):
-    from moe_graph.buffers import group_params_for_buffers
+    from moe_graph.distributed.buffers import group_params_for_buffers
 
     return group_params_for_buffers(params)
 
@@ -155,7 +156,7 @@ def _inference_zeros(*shape):
 
 
 def _echo(num_experts=4, num_ep_ranks=1, ep_rank=0):
-    from moe_graph.echo import EchoExpertDispatcher, LocalBackend
+    from moe_graph.moe.echo import EchoExpertDispatcher, LocalBackend
 
     return EchoExpertDispatcher(num_experts, num_ep_ranks, ep_rank, 1, backend=LocalBackend())
 
@@ -170,26 +171,26 @@ def _reroute(tokens_to_spare, routing_map=None):
 
 
 def _moe(**kw):
-    from moe_graph.moe_layer import MoELayer
+    from moe_graph.moe.layer import MoELayer
 
     return MoELayer(**{"hidden_size": 8, "ffn_hidden_size": 16, "num_experts": 4, "topk": 2, **kw})
 
 
 def _dispatcher(num_local_experts, num_ranks, rank, **kw):
-    from moe_graph.dispatcher import TokenDispatcher
+    from moe_graph.moe.token_dispatcher import TokenDispatcher
 
     cols = torch.zeros(2, dtype=torch.long)
     return TokenDispatcher(num_local_experts, num_ranks, rank, cols, cols.clone(), **kw)
 
 
 def _launch():
-    from moe_graph import launch
+    from moe_graph.distributed import launch as launch
 
     return launch
 
 
 def _demo(argv):
-    from moe_graph import demo
+    from moe_graph.demo import loop as demo
 
     return demo.main(argv)
 
@@ -259,7 +260,7 @@ ROWS = [
         ValueError, r"parallel_mode"),
     Row("GroupedLinear", "userbuffers overlap", lambda: _gl(2, 4, 3, ub_overlap_rs=True), NotImplementedError,
         r"ub_overlap"),
-    # ---- echo planner (moe_graph.planner) ----
+    # ---- echo planner (moe_graph.moe.echo_planner) ----
     Row("planner.gen_offloading_plan", "counts not a tensor",
         lambda: _planner().gen_offloading_plan(torch.zeros(3, 4, dtype=torch.bool), torch.ones(3, 4), [[1, 2]], 0, 2),
         TypeError, r"counts must be a torch.Tensor \[R, E\]"),
@@ -318,10 +319,10 @@ ROWS = [
     Row("TokenDispatcher", "capacity=0", lambda: _dispatcher(1, 1, 0, capacity=0), ValueError,
         r"capacity must be >= 1 or None \(dropless\), got 0"),
     Row("dispatcher.expert_columns", "experts not divisible by ranks",
-        lambda: __import__("moe_graph.dispatcher").dispatcher.expert_columns(5, 2), ValueError,
+        lambda: importlib.import_module("moe_graph.moe.token_dispatcher").expert_columns(5, 2), ValueError,
         r"num_experts=5 must be divisible by num_ranks=2"),
     Row("dispatcher.capacity_for", "capacity_factor=0",
-        lambda: __import__("moe_graph.dispatcher").dispatcher.capacity_for(10, 2, 2, 0.0), ValueError,
+        lambda: importlib.import_module("moe_graph.moe.token_dispatcher").capacity_for(10, 2, 2, 0.0), ValueError,
         r"capacity_factor must be > 0 or None \(dropless\), got 0.0"),
     # ---- parallel_state ----
     Row("parallel_state.initialize_model_parallel", "tensor_model_parallel_size=0",
@@ -451,13 +452,13 @@ ROWS = [
                       verify_checksum=False), ValueError, r"'hyper' must be a dict with keys"),
     Row("DistributedOptimizer.load_state_dict", "an edited (checksum-failing) state",
         lambda: _load({**_saved(), "lr": torch.tensor(0.5)}), ValueError, r"fails its checksum"),
-    Row("ConstantLossScaler", "scale 0", lambda: __import__("moe_graph.optimizer").optimizer.ConstantLossScaler(0.0),
+    Row("ConstantLossScaler", "scale 0", lambda: importlib.import_module("moe_graph.distributed.optimizer").ConstantLossScaler(0.0),
         ValueError, r"scale must be a finite number > 0"),
     Row("DynamicLossScaler", "min_scale above initial_scale",
-        lambda: __import__("moe_graph.optimizer").optimizer.DynamicLossScaler(initial_scale=1.0, min_scale=4.0),
+        lambda: importlib.import_module("moe_graph.distributed.optimizer").DynamicLossScaler(initial_scale=1.0, min_scale=4.0),
         ValueError, r"min_scale \(4.0\) must not exceed initial_scale \(1.0\)"),
     Row("DynamicLossScaler", "fractional growth_interval",
-        lambda: __import__("moe_graph.optimizer").optimizer.DynamicLossScaler(growth_interval=1.5), ValueError,
+        lambda: importlib.import_module("moe_graph.distributed.optimizer").DynamicLossScaler(growth_interval=1.5), ValueError,
         r"growth_interval must be an int >= 1, got 1.5"),
     # ---- pipeline schedules ----
     Row("pipeline.get_schedule_table", "microbatch group size 0", lambda: _pipeline().get_schedule_table(4, 2, 0),
@@ -470,7 +471,7 @@ ROWS = [
         lambda: _pipeline().num_warmup_microbatches(4, 2, 5), ValueError, r"pp_rank 5 out of range for pp_size 2"),
     Row("pipeline.schedule_order", "interleaving without pipeline stages",
         lambda: _pipeline().schedule_order(4, 1, 0, vpp_size=2), ValueError, r"vpp_size=2 \(interleaved schedule\) needs pp_size > 1"),
-    Row("python -m moe_graph.pipeline", "--pp 0", lambda: _pipeline().main(["--pp", "0", "-m", "4"]), EXIT,
+    Row("python -m moe_graph.train.schedules", "--pp 0", lambda: _pipeline().main(["--pp", "0", "-m", "4"]), EXIT,
         r"argument --pp: expected an integer >= 1, got 0"),
     Row("pipeline.chunk_layer_ids", "layers not divisible by stages", lambda: _pipeline().chunk_layer_ids(5, 2, 0),
         ValueError, r"num_layers=5 is not divisible by pp_size\*vpp_size = 2\*1 = 2"),
@@ -498,7 +499,7 @@ ROWS = [
     Row("launch.resolve_layout", "--ep not dividing the data-parallel size", lambda: _launch().resolve_layout(4, ep=3),
         ValueError, r"--ep 3 does not divide the data-parallel size 4"),
     Row("checkpoint.resolve_checkpoint", "a missing folder",
-        lambda: __import__("moe_graph.checkpoint").checkpoint.resolve_checkpoint("/nonexistent/moe_graph_ckpt"),
+        lambda: importlib.import_module("moe_graph.train.checkpoint").resolve_checkpoint("/nonexistent/moe_graph_ckpt"),
         FileNotFoundError, r"--load /nonexistent/moe_graph_ckpt: no such folder"),
     # ---- demo command line (choices checked by argparse) ----
     *[Row("python -m moe_graph.demo", " ".join(args), lambda args=args: _demo(args), EXIT, msg) for args, msg in [

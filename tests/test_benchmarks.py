@@ -81,10 +81,11 @@ def test_bench_moe_layer(tmp_path):
     assert d
 
 
-def test_bench_grouped_gemm_plot(tmp_path):
+def test_bench_grouped_gemm_plot(tmp_path, monkeypatch):
     import importlib.util
 
     pytest.importorskip("matplotlib")
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))  # as when run as a script: benchmarks/common.py
     spec = importlib.util.spec_from_file_location("bench_grouped_gemm", os.path.join(ROOT, "benchmarks",
                                                                                      "bench_grouped_gemm.py"))
     mod = importlib.util.module_from_spec(spec)

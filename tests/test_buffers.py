@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from moe_graph.buffers import (
+from moe_graph.distributed.buffers import (
     BufferKey,
     ParamAndGradBuffer,
     compute_param_layout,
@@ -248,7 +248,7 @@ def _mlp():
 
 
 def test_ddp_hook_accumulates_into_main_grad_and_respects_fused_flag():
-    from moe_graph.ddp import DistributedDataParallel
+    from moe_graph.distributed.ddp import DistributedDataParallel
 
     ref = _mlp()
     model = _mlp()
@@ -273,7 +273,7 @@ def test_ddp_hook_accumulates_into_main_grad_and_respects_fused_flag():
 
 
 def test_ddp_no_sync_overlap_and_finish_single_rank():
-    from moe_graph.ddp import DistributedDataParallel
+    from moe_graph.distributed.ddp import DistributedDataParallel
 
     model = _mlp()
     ddp = DistributedDataParallel(model, overlap_grad_reduce=True, bucket_size=30, use_distributed_optimizer=True)
@@ -298,7 +298,7 @@ def test_ddp_overlap_refuses_second_gradient_without_no_sync():
     # Several microbatches with overlap_grad_reduce and no no_sync: the first backward launches the bucket
     # reductions, a second one would accumulate into buffers already being reduced (lost). Megatron raises
     # "Cannot set grad twice"; the error names the fix.
-    from moe_graph.ddp import DistributedDataParallel
+    from moe_graph.distributed.ddp import DistributedDataParallel
 
     ddp = DistributedDataParallel(_mlp(), overlap_grad_reduce=True, bucket_size=30)
     x = torch.randn(4, 6)

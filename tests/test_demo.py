@@ -67,7 +67,7 @@ def test_demo_quick_deepseek_router(tmp_path):
 
 
 def test_corpus_and_png_fallback(tmp_path):
-    from moe_graph.demo import _png_fallback, build_corpus
+    from moe_graph.demo.loop import _png_fallback, build_corpus
 
     a, b = build_corpus(50, seed=1), build_corpus(50, seed=1)
     assert a == b and a.count("\n") == 50 and a != build_corpus(50, seed=2)
@@ -84,10 +84,10 @@ def test_demo_step_has_no_data_dependent_ops():
     or data-dependent shape raises."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from moe_graph.ddp import DistributedDataParallel
-    from moe_graph.demo import MoETransformerLM, _parser
-    from moe_graph.optimizer import DistributedOptimizer
-    from moe_graph.training import make_train_step
+    from moe_graph.demo.loop import MoETransformerLM, _parser
+    from moe_graph.distributed.ddp import DistributedDataParallel
+    from moe_graph.distributed.optimizer import DistributedOptimizer
+    from moe_graph.train.step import make_train_step
 
     cfg = _parser().parse_args(["--layers", "1", "--batch", "2"])
     moe = dict(aux_loss_coeff=0.01, num_spare_experts_per_ep_rank=1, capacity_factor=1.25, assignment="greedy")
@@ -131,7 +131,7 @@ import pytest  # noqa: E402
     (["--device", "cuda"] if not torch.cuda.is_available() else ["--ep", "x"], "--"),
 ])
 def test_demo_flags_rejected_before_anything_is_written(argv, flag, tmp_path, capsys):
-    from moe_graph.demo import main
+    from moe_graph.demo.loop import main
 
     out = tmp_path / "out"
     with pytest.raises(SystemExit) as e:
@@ -143,7 +143,7 @@ def test_demo_flags_rejected_before_anything_is_written(argv, flag, tmp_path, ca
 
 
 def test_demo_quick_keeps_explicit_flags_and_defaults():
-    from moe_graph.demo import _parser, _resolve
+    from moe_graph.demo.loop import _parser, _resolve
 
     p = _parser()
     args = p.parse_args(["--quick", "--device", "cpu", "--batch", "4", "--layers", "3", "--steps", "7"])
@@ -157,7 +157,7 @@ def test_demo_quick_keeps_explicit_flags_and_defaults():
 
 
 def test_torchrun_env_detection():
-    from moe_graph.launch import torchrun_env
+    from moe_graph.distributed.launch import torchrun_env
 
     assert torchrun_env({}) is None
     env = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "1"}
@@ -170,7 +170,7 @@ def test_torchrun_env_detection():
                                         (["--pp", "1", "--vpp", "2", "-m", "4"], "--vpp"),
                                         (["--pp", "2", "--group", "0", "-m", "4"], "--group")])
 def test_pipeline_cli_rejects_bad_sizes(argv, flag, capsys):
-    from moe_graph.pipeline import main
+    from moe_graph.train.schedules import main
 
     with pytest.raises(SystemExit) as e:
         main(argv)
@@ -238,7 +238,7 @@ def test_killed_save_leaves_previous_checkpoint_and_resume_at_other_dp(tmp_path)
     """A rank SIGKILLed in the middle of the step-4 save: the run fails at once (no rank left waiting), 'latest'
     still names step 2, which loads; resumed at data-parallel size 1 (the optimizer reshards 2 -> 1) with the same
     global batch, steps 3-4 reproduce the 2-rank run's losses (fp32; only the reduction order differs)."""
-    from moe_graph.checkpoint import FAULT_ENV, resolve_checkpoint
+    from moe_graph.train.checkpoint import FAULT_ENV, resolve_checkpoint
 
     ck, out1 = tmp_path / "ck", tmp_path / "run1"
     base = [sys.executable, "-m", "moe_graph.demo", "--device", "cpu", "--ep", "1", "--layers", "1", "--hidden", "32",
@@ -275,7 +275,7 @@ def test_killed_save_leaves_previous_checkpoint_and_resume_at_other_dp(tmp_path)
         assert abs(res[s]["loss"] - ref[s]["loss"]) <= tol * abs(ref[s]["loss"]), (s, res[s], ref[s])
         assert abs(res[s]["grad_norm"] - ref[s]["grad_norm"]) <= 10 * tol * ref[s]["grad_norm"], (s, res[s], ref[s])
     # a corrupted tensor is refused (checksum) before anything is copied
-    from moe_graph.checkpoint import read_meta, read_model_state, tensor_crc32
+    from moe_graph.train.checkpoint import read_meta, read_model_state, tensor_crc32
 
     folder = resolve_checkpoint(str(ck))
     f = ck / "step_00000002" / "state_rank00000.pt"

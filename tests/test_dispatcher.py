@@ -5,11 +5,17 @@ import pytest
 import torch
 
 from conftest import requires_cuda
-from moe_graph.dispatcher import (TokenDispatcher, capacity_for, expert_columns, gather_rows,
-                                  topk_from_routing_map)
+from helpers.moe_workers import dispatcher_worker
+from moe_graph.distributed.launch import run_distributed
+from moe_graph.moe.token_dispatcher import (
+    TokenDispatcher,
+    capacity_for,
+    expert_columns,
+    gather_rows,
+    topk_from_routing_map,
+)
 from moe_graph.ops import check_errors, read_error_flag
-from moe_graph.testing.distributed import run_distributed
-from moe_graph.testing.moe_reference import dispatcher_worker, kept_routes, scale_experts
+from moe_graph.testing.moe_reference import kept_routes, scale_experts
 
 
 def _one_process(E, cap=None):

@@ -5,8 +5,8 @@ step with echo gives the outputs and home-expert gradients of the same step with
 import pytest
 import torch
 
-from moe_graph.echo import EchoExpertDispatcher, wgrad_accumulate_mask
-from moe_graph.testing.distributed import run_distributed
+from moe_graph.distributed.launch import run_distributed
+from moe_graph.moe.echo import EchoExpertDispatcher, wgrad_accumulate_mask
 
 
 class _AllReduceSum(torch.autograd.Function):
@@ -61,8 +61,8 @@ def _check_spare_copies(s1, s2, omap, rank, k, fc1_all, fc2_all):
 def _echo_worker(rank, world, seed):
     import torch.distributed as dist
 
-    from moe_graph import planner as P
-    from moe_graph.echo import (
+    from moe_graph.moe import echo_planner as P
+    from moe_graph.moe.echo import (
         AllGatherBackend,
         AllToAllBackend,
         default_backend,
@@ -178,7 +178,7 @@ def test_echo_grouped_gemm_mask_and_spare_buffers():
     unused): one fused wgrad call accumulates the home experts into main_grad and overwrites the spare buffers,
     then the aggregation adds the spare slots' gradients into expert 1's main_grad; over two microbatches
     main_grad accumulates while the spare buffers hold only the last one."""
-    from moe_graph.echo import LocalBackend, echo_grouped_gemm, spare_grad_buffers
+    from moe_graph.moe.echo import LocalBackend, echo_grouped_gemm, spare_grad_buffers
 
     g = torch.Generator().manual_seed(0)
     dt = torch.float64
@@ -238,8 +238,8 @@ def test_echo_grouped_gemm_mask_and_spare_buffers():
 def _donor_worker(rank, world, seed):
     import torch.distributed as dist
 
-    from moe_graph import planner as P
-    from moe_graph.echo import AllToAllBackend, PeerBackend, dispatch_spare_weights
+    from moe_graph.moe import echo_planner as P
+    from moe_graph.moe.echo import AllToAllBackend, PeerBackend, dispatch_spare_weights
     from moe_graph.testing.echo_reference import zipf_routing
 
     R, L, T, H, F = world, 2, 24, 6, 5
@@ -329,7 +329,7 @@ class _LoopbackPeer:
     """One-process stand-in for a group of one rank: the peer exchange's allocation, with a local copy."""
 
     def __init__(self):
-        from moe_graph.echo import PeerBackend
+        from moe_graph.moe.echo import PeerBackend
 
         self.backend = PeerBackend()
         self.backend._send_recv = lambda send, recv, to, frm: recv.copy_(send)
@@ -361,8 +361,8 @@ def _new_storage_bytes(fn, known, min_bytes):
 
 @pytest.mark.parametrize("donors", [None, 1])
 def test_echo_buffer_bytes_matches_allocations(donors):
-    from moe_graph import planner as P
-    from moe_graph.echo import LocalBackend, echo_buffer_bytes
+    from moe_graph.moe import echo_planner as P
+    from moe_graph.moe.echo import LocalBackend, echo_buffer_bytes
 
     # a one-rank group cannot have donors; emulate rank 0 of R = 4 with w = 1 through a loopback exchange whose
     # block o carries what rank 0 would receive (shapes and allocations are what count here)
@@ -397,7 +397,7 @@ def test_echo_buffer_bytes_matches_allocations(donors):
 
 
 def test_aggregate_validates_before_writing_and_clear_errors():
-    from moe_graph.echo import LocalBackend
+    from moe_graph.moe.echo import LocalBackend
 
     d = EchoExpertDispatcher(4, 1, 0, 2, backend=LocalBackend())
     omap = torch.zeros(4, 2, dtype=torch.bool)
@@ -429,7 +429,7 @@ def test_aggregate_sums_in_fixed_order_without_index_add_atomics():
     multi-row index_add_, whose CUDA atomics order the adds arbitrarily)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from moe_graph.echo import LocalBackend
+    from moe_graph.moe.echo import LocalBackend
 
     k = 6
     d = EchoExpertDispatcher(2, 1, 0, k, backend=LocalBackend())
@@ -457,8 +457,8 @@ def test_aggregate_sums_in_fixed_order_without_index_add_atomics():
 def test_moe_layer_plans_with_one_native_op(monkeypatch):
     """MoELayer makes its echo plan with planner.gen_plan (the single native echo_plan op when built), not with
     gen_assignment + gen_allocation (~100 small ops); same layer output either way."""
-    from moe_graph import planner as P
-    from moe_graph.moe_layer import MoELayer
+    from moe_graph.moe import echo_planner as P
+    from moe_graph.moe.layer import MoELayer
 
     torch.manual_seed(0)
     layer = MoELayer(16, 24, 8, 2, num_spare_experts_per_ep_rank=2, device="cpu", params_dtype=torch.float64)
@@ -478,7 +478,7 @@ def _layer_modes_worker(rank, world, seed):
     """MoELayer with donor-constrained echo and plan-once-per-iteration over two microbatches: outputs and
     accumulated expert / router gradients equal the same layer without echo (plain autograd and fused main_grad
     paths); in "iteration" mode the second microbatch moves no weights."""
-    from moe_graph.moe_layer import MoELayer
+    from moe_graph.moe.layer import MoELayer
 
     R, H, Fh, E, K, T = world, 8, 12, 4 * world, 2, 24
     dt = torch.float64
@@ -549,7 +549,7 @@ def test_plan_once_per_iteration_has_no_data_dependent_ops():
     the static buffers, then reuse_plan) forward and backward under FakeTensorMode."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from moe_graph.moe_layer import MoELayer
+    from moe_graph.moe.layer import MoELayer
 
     layer = MoELayer(16, 24, 8, 2, num_spare_experts_per_ep_rank=2, echo_plan_mode="iteration", device="cpu")
     with FakeTensorMode(allow_non_fake_inputs=True):
@@ -570,7 +570,7 @@ def _subgroup_worker(rank, world, seed):
     R = 2 with w = 1: spare weights are the home experts' and gradients come home."""
     import torch.distributed as dist
 
-    from moe_graph.echo import PeerBackend
+    from moe_graph.moe.echo import PeerBackend
 
     groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     g = groups[rank % 2]

@@ -1,5 +1,5 @@
 """FullIterationGraph: eager fallback on CPU (with a note), argument checks that name the changed input, separate
-training/validation state, reset; the graph-safe recompute (moe_graph.graph.checkpoint: forward and recomputation
+training/validation state, reset; the graph-safe recompute (moe_graph.cuda_graph.checkpoint: forward and recomputation
 draw the same random numbers, against a float64 autograd oracle); on CUDA: replayed steps equal eager steps on
 changing data (a MoE model with the optimizer step inside the graph, one warm-up step, recomputation), no host
 syncs, dropout differs per replay (also inside recomputed regions), statistics follow the training replays after a
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import requires_cuda
-from moe_graph.graph import FullIterationGraph, GraphCaptureError, GraphShapeError, checkpoint, recompute_rng
+from moe_graph.cuda_graph import FullIterationGraph, GraphCaptureError, GraphShapeError, checkpoint, recompute_rng
 
 _PY_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python")
 
@@ -164,7 +164,7 @@ def test_checkpoint_abandoned_forward_and_double_backward(gen):
 def test_moe_layer_recompute_is_graph_safe_checkpoint(gen):
     # MoELayer(recompute=True): the activations inside the layer are not kept (an outer saved-tensor hook sees far
     # fewer tensors), gradients and counters equal the plain layer's, the layer draws no random numbers.
-    from moe_graph.moe_layer import MoELayer
+    from moe_graph.moe.layer import MoELayer
 
     def make(recompute):
         torch.manual_seed(0)
@@ -202,7 +202,7 @@ def test_moe_layer_recompute_is_graph_safe_checkpoint(gen):
 def test_recompute_rng_refuses_what_a_capture_cannot_do(monkeypatch, gen):
     # During a capture no generator state can be created or registered, and the get/set_state fallback is refused:
     # both are clear GraphCaptureErrors (simulated here by declaring the CPU stream "capturing").
-    import moe_graph.graph as G
+    import moe_graph.cuda_graph as G
 
     rng = G.RecomputeRNG("cpu")
     w = torch.randn(4, 4, dtype=torch.float64, generator=gen, requires_grad=True)
@@ -223,7 +223,7 @@ def test_recompute_rng_refuses_what_a_capture_cannot_do(monkeypatch, gen):
 
 
 def test_captured_graphs_hook():
-    from moe_graph.graph import captured_graphs
+    from moe_graph.cuda_graph import captured_graphs
 
     g, _ = _eager_graph(lambda x: x + 1)
     g(torch.zeros(2))
@@ -232,7 +232,7 @@ def test_captured_graphs_hook():
 
 # ------------------------------------------------------------------------------------------------- CUDA --
 def _moe_model(seed=0, spare=0, recompute=False):
-    from moe_graph.moe_layer import MoELayer
+    from moe_graph.moe.layer import MoELayer
 
     torch.manual_seed(seed)
     return torch.nn.ModuleDict({
@@ -420,7 +420,7 @@ def test_cuda_failed_capture_is_reported():
     # capture mode on torch < 2.12, breaking later captures: run it in a child process.
     code = (
         "import torch\n"
-        "from moe_graph.graph import FullIterationGraph, GraphCaptureError\n"
+        "from moe_graph.cuda_graph import FullIterationGraph, GraphCaptureError\n"
         "g = FullIterationGraph(lambda x: x * x.sum().item(), warmup_steps=1, check_syncs=False)\n"
         "g(torch.ones(4, device='cuda'))\n"
         "try:\n"
@@ -450,7 +450,7 @@ def test_cuda_validation_graph_and_shared_pool_and_reset():
 
 
 def _pipeline_setup(device):
-    from moe_graph.pipeline import get_forward_backward_func
+    from moe_graph.train.schedules import get_forward_backward_func
 
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1, device=device)
@@ -464,7 +464,7 @@ def _pipeline_setup(device):
 
 
 def test_full_cuda_graph_wrapper_eager_matches_direct_schedule():
-    from moe_graph.graph import FullCudaGraphWrapper
+    from moe_graph.cuda_graph import FullCudaGraphWrapper
 
     data = [{"x": torch.randn(3, 4), "y": torch.randn(3)} for _ in range(6)]
     m1, fs1, fb = _pipeline_setup("cpu")
@@ -485,7 +485,7 @@ def test_full_cuda_graph_wrapper_eager_matches_direct_schedule():
 
 def test_full_cuda_graph_wrapper_list_microbatches_and_per_chunk_iterators():
     """A microbatch that is itself a list ([x, y]) is one item, not a list of per-chunk iterators."""
-    from moe_graph.graph import FullCudaGraphWrapper
+    from moe_graph.cuda_graph import FullCudaGraphWrapper
 
     data = [{"x": torch.randn(3, 4), "y": torch.randn(3)} for _ in range(3)]
     m1, fs1, fb = _pipeline_setup("cpu")
@@ -513,8 +513,8 @@ def test_full_cuda_graph_wrapper_list_microbatches_and_per_chunk_iterators():
 
 @requires_cuda
 def test_cuda_full_cuda_graph_wrapper_replays_schedule():
-    from moe_graph.ddp import DistributedDataParallel
-    from moe_graph.graph import FullCudaGraphWrapper
+    from moe_graph.cuda_graph import FullCudaGraphWrapper
+    from moe_graph.distributed.ddp import DistributedDataParallel
 
     m_e, fs_e, fb = _pipeline_setup("cuda")
     m_g, fs_g, _ = _pipeline_setup("cuda")

@@ -208,7 +208,7 @@ def test_sequence_parallel_and_parallel_attributes_as_te():
 def test_ddp_grad_ready_hooks_run_from_backward_dw(gen):
     # Weights and biases with delayed wgrad: DDP's grad-ready hook runs at the end of backward_dw, not in backward.
     # dp=1, so no process group is needed; bucket readiness shows when the hooks ran.
-    from moe_graph.ddp import DistributedDataParallel
+    from moe_graph.distributed.ddp import DistributedDataParallel
 
     for fuse in (False, True):
         ref, dly = _pair(gen, fuse=False, single=False, bias=True)
@@ -231,7 +231,7 @@ def test_ddp_grad_ready_hooks_run_from_backward_dw(gen):
 
 
 def test_ddp_rejects_delayed_param_without_hook_owner():
-    from moe_graph.ddp import DistributedDataParallel
+    from moe_graph.distributed.ddp import DistributedDataParallel
 
     lin = torch.nn.Linear(4, 4)
     lin.weight.skip_backward_post_hook = True

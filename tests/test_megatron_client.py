@@ -33,7 +33,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moe_graph.testing.distributed import run_distributed
+from moe_graph.distributed.launch import run_distributed
 
 MCORE_VERSION = "0.19.2"
 _ROOT = Path(__file__).resolve().parents[1]

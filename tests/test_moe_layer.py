@@ -7,10 +7,10 @@ import torch
 import torch.nn.functional as F
 
 from conftest import requires_cuda
-from moe_graph.moe_layer import MoELayer, router_aux_loss
-from moe_graph.testing.distributed import run_distributed
-from moe_graph.testing.moe_reference import (dense_moe_reference, kept_routes, moe_layer_checks_worker,
-                                             moe_layer_ddp_worker, reference_aux_loss, reference_route)
+from helpers.moe_workers import moe_layer_checks_worker, moe_layer_ddp_worker
+from moe_graph.distributed.launch import run_distributed
+from moe_graph.moe.layer import MoELayer, router_aux_loss
+from moe_graph.testing.moe_reference import dense_moe_reference, kept_routes, reference_aux_loss, reference_route
 
 DT = torch.float64
 
@@ -143,7 +143,7 @@ def test_statistics_are_buffers_written_in_place(gen):
 def test_drops_are_statistics_not_errors(gen):
     # With a capacity factor, drops are normal: check_errors() stays quiet, the per-layer drop counters (stacked by
     # moe_statistics on the device, read once by read_moe_statistics) equal the reference count, reset zeroes them.
-    from moe_graph.moe_layer import moe_statistics, read_moe_statistics
+    from moe_graph.moe.layer import moe_statistics, read_moe_statistics
     from moe_graph.ops import check_errors
 
     T, K, cap = 15, 2, 18
@@ -249,7 +249,7 @@ _DEEPSEEK_ROUTER = dict(score_func="sigmoid", num_groups=4, group_topk=2, topk_s
 @requires_cuda
 @pytest.mark.parametrize("k,router_kw", [(0, {}), (1, {}), (1, _DEEPSEEK_ROUTER)])
 def test_cuda_forward_backward_no_host_sync(k, router_kw):
-    from moe_graph.moe_layer import update_expert_bias
+    from moe_graph.moe.layer import update_expert_bias
 
     torch.manual_seed(0)
     layer = MoELayer(64, 128, 8, 2, num_spare_experts_per_ep_rank=k, capacity_factor=1.5, aux_loss_coeff=0.01,
@@ -289,7 +289,7 @@ def _native_best_fit():
 def test_best_fit_torch_fallback_has_no_data_dependent_ops():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from moe_graph.planner import best_fit_assignment
+    from moe_graph.moe.echo_planner import best_fit_assignment
 
     counts = torch.randint(0, 100, (4, 8))
     expect = best_fit_assignment(counts, 2, native=False)
@@ -334,7 +334,7 @@ def _as_sets(idx):
 
 @pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
 def test_group_limited_routing_matches_per_token_reference(gen, score_func):
-    from moe_graph.moe_layer import TopKRouter
+    from moe_graph.moe.layer import TopKRouter
 
     E, G, gk, K, H = 16, 4, 2, 4, 12
     router = TopKRouter(H, E, K, score_func, device="cpu", dtype=DT, num_groups=G, group_topk=gk, scaling_factor=2.5)
@@ -379,7 +379,7 @@ def test_shared_expert_matches_dense_reference(gen, activation, gate):
 
 
 def test_router_option_errors():
-    from moe_graph.moe_layer import TopKRouter
+    from moe_graph.moe.layer import TopKRouter
 
     with pytest.raises(ValueError, match="go together"):
         TopKRouter(8, 16, 4, num_groups=4)
@@ -394,7 +394,7 @@ def test_router_option_errors():
 
 
 def test_expert_bias_steers_selection_not_probabilities(gen):
-    from moe_graph.moe_layer import TopKRouter
+    from moe_graph.moe.layer import TopKRouter
 
     E, K, H = 8, 2, 6
     router = TopKRouter(H, E, K, "sigmoid", device="cpu", dtype=DT, enable_expert_bias=True)
@@ -416,7 +416,7 @@ def test_expert_bias_steers_selection_not_probabilities(gen):
 
 
 def test_update_expert_bias_sign_rule_and_reset():
-    from moe_graph.moe_layer import update_expert_bias
+    from moe_graph.moe.layer import update_expert_bias
 
     layer = MoELayer(8, 8, 4, 1, score_func="sigmoid", enable_expert_bias=True, expert_bias_update_rate=0.01,
                      device="cpu")
@@ -431,7 +431,7 @@ def test_update_expert_bias_sign_rule_and_reset():
 
 def test_aux_loss_free_balancing_reduces_imbalance(gen):
     # Skewed gate: a few experts win most tokens. Repeated bias updates (no gradient step) must even out the load.
-    from moe_graph.moe_layer import TopKRouter, update_expert_bias
+    from moe_graph.moe.layer import TopKRouter, update_expert_bias
 
     E, K, H, T = 16, 2, 32, 2048
     router = TopKRouter(H, E, K, "sigmoid", device="cpu", enable_expert_bias=True, expert_bias_update_rate=2e-3)
@@ -455,7 +455,7 @@ def test_aux_loss_free_balancing_reduces_imbalance(gen):
 
 
 def test_z_loss_gradient_flows_through_output(gen):
-    from moe_graph.moe_layer import router_z_loss
+    from moe_graph.moe.layer import router_z_loss
 
     layer = _layer(E=6, K=2)
     layer.z_loss_coeff = 0.1
@@ -474,7 +474,7 @@ def test_z_loss_gradient_flows_through_output(gen):
 
 @pytest.mark.parametrize("world", [2])
 def test_update_expert_bias_is_identical_across_ranks(world):
-    from moe_graph.testing.moe_reference import expert_bias_worker
+    from helpers.moe_workers import expert_bias_worker
 
     res = run_distributed(expert_bias_worker, world)
     assert all(torch.equal(res[0]["bias"], r["bias"]) for r in res)
@@ -486,7 +486,7 @@ def test_router_options_have_no_data_dependent_ops():
     expert, a padding mask and the bias update: forward, backward and update_expert_bias under FakeTensorMode."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from moe_graph.moe_layer import update_expert_bias
+    from moe_graph.moe.layer import update_expert_bias
 
     layer = MoELayer(16, 24, 8, 2, score_func="sigmoid", num_groups=4, group_topk=2, topk_scaling_factor=2.0,
                      enable_expert_bias=True, z_loss_coeff=1e-3, aux_loss_coeff=1e-2,
@@ -500,7 +500,7 @@ def test_router_options_have_no_data_dependent_ops():
 
 
 def test_global_aux_loss_uses_the_ep_groups_counts():
-    from moe_graph.testing.moe_reference import global_aux_loss_worker
+    from helpers.moe_workers import global_aux_loss_worker
 
     for r in run_distributed(global_aux_loss_worker, 2):
         assert r["aux"] == pytest.approx(r["ref"], rel=1e-12)
@@ -512,7 +512,7 @@ def test_global_aux_loss_uses_the_ep_groups_counts():
 
 @pytest.mark.parametrize("sequence_dim", [0, 1])
 def test_sequence_aux_loss_matches_per_sequence_reference(gen, sequence_dim):
-    from moe_graph.moe_layer import sequence_aux_loss
+    from moe_graph.moe.layer import sequence_aux_loss
 
     B, S, E, K = 3, 7, 6, 2
     layer = _layer(score_func="sigmoid", E=E, K=K)
@@ -627,7 +627,7 @@ def test_torch_compile_matches_eager(gen):
 def test_router_dtype_runs_the_gate_in_that_precision(gen):
     # bf16 input and weights: the default upcasts the bf16 GEMM's result; router_dtype=float64 computes the gate in
     # fp64 from the same bf16 values (the exact logits of those values).
-    from moe_graph.moe_layer import TopKRouter
+    from moe_graph.moe.layer import TopKRouter
 
     r64 = TopKRouter(16, 8, 2, device="cpu", dtype=torch.bfloat16, router_dtype=torch.float64)
     x = torch.randn(32, 16, generator=gen).bfloat16()

@@ -4,15 +4,15 @@
 import pytest
 import torch
 
-from moe_graph.buffers import ParamAndGradBuffer
-from moe_graph.ddp import DistributedDataParallel
-from moe_graph.optimizer import (
+from helpers import optimizer_checks as C
+from moe_graph.distributed.buffers import ParamAndGradBuffer
+from moe_graph.distributed.ddp import DistributedDataParallel
+from moe_graph.distributed.optimizer import (
     ConstantLossScaler,
     DistributedOptimizer,
     DynamicLossScaler,
     build_shard_ranges,
 )
-from moe_graph.testing import distributed_optimizer_checks as C
 
 
 def _params(*numels, dtype=torch.float32):
@@ -730,8 +730,8 @@ def test_tensor_path_reads_every_setting_from_device_tensors():
 
 def _captured(monkeypatch, opt, fig):
     """Run one step as if ``fig`` (a FullIterationGraph) were capturing it on a CUDA stream."""
-    from moe_graph import graph as G
-    from moe_graph import optimizer as O
+    from moe_graph import cuda_graph as G
+    from moe_graph.distributed import optimizer as O
 
     monkeypatch.setattr(O, "_stream_capturing", lambda device: True)
     x, y = C.batch(0)
@@ -745,7 +745,7 @@ def _captured(monkeypatch, opt, fig):
 @pytest.mark.filterwarnings("ignore:FullIterationGraph")
 @pytest.mark.parametrize("impl", ["tensor", "fused"])
 def test_settings_baked_into_a_capture_raise_until_reset(monkeypatch, impl):
-    from moe_graph.graph import FullIterationGraph
+    from moe_graph.cuda_graph import FullIterationGraph
 
     ddp = DistributedDataParallel(C.make_model(), use_distributed_optimizer=True)
     opt = DistributedOptimizer(ddp, lr=1e-2, weight_decay=0.1, clip_grad=0.0, impl=impl)
@@ -786,7 +786,7 @@ def test_settings_baked_into_a_capture_raise_until_reset(monkeypatch, impl):
 def test_release_captures_for_graphs_captured_by_hand(monkeypatch):
     ddp = DistributedDataParallel(C.make_model(), use_distributed_optimizer=True)
     opt = DistributedOptimizer(ddp, lr=1e-2, impl="fused")
-    from moe_graph import optimizer as O
+    from moe_graph.distributed import optimizer as O
 
     monkeypatch.setattr(O, "_stream_capturing", lambda device: True)  # a torch.cuda.graph outside FullIterationGraph
     x, y = C.batch(0)
@@ -817,7 +817,7 @@ def test_settings_changed_under_a_real_capture_match_eager():
     """FullIterationGraph captures forward + backward + step (tensor path); after two replays beta1, beta2, eps,
     weight_decay, clip_grad and lr change: the replays follow, equal to an eager optimizer with the same changes.
     On the fused path beta1 raises until reset(); after reset the recaptured step uses the new value."""
-    from moe_graph.graph import FullIterationGraph
+    from moe_graph.cuda_graph import FullIterationGraph
 
     dev = torch.device("cuda")
     changes = dict(beta1=0.5, beta2=0.9, eps=1e-3, weight_decay=0.3, clip_grad=0.2)

@@ -355,7 +355,7 @@ def _dist_worker(rank, world_size):
 
 
 def test_initialize_model_parallel_8_ranks():
-    from moe_graph.testing.distributed import run_distributed
+    from moe_graph.distributed.launch import run_distributed
 
     results = run_distributed(_dist_worker, 8)
     for r, (a, b) in enumerate(results):

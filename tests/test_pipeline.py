@@ -1,4 +1,4 @@
-"""moe_graph.pipeline: schedule orders (hand-derived, simulated for deadlock freedom), errors, layer
+"""moe_graph.train.schedules: schedule orders (hand-derived, simulated for deadlock freedom), errors, layer
 assignment, CLI, and gloo multi-process runs checking losses and gradients against the unsplit model."""
 
 import contextlib
@@ -9,8 +9,9 @@ import sys
 import pytest
 import torch
 
-from moe_graph import pipeline as P
-from moe_graph.pipeline import schedule_order, num_warmup_microbatches
+from moe_graph.train import p2p
+from moe_graph.train import schedules as P
+from moe_graph.train.schedules import num_warmup_microbatches, schedule_order
 
 
 def fmt(order):
@@ -195,7 +196,7 @@ def test_schedule_errors(args, match):
 
 
 def test_schedule_functions_reject_bad_configs_before_communicating():
-    comm = P.P2PCommunicator(rank=0, world_size=4, prev_rank=3, next_rank=1)
+    comm = p2p.P2PCommunicator(rank=0, world_size=4, prev_rank=3, next_rank=1)
     chunks = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]
     cfg = P.PipelineConfig(tensor_shape=(2,))
     with pytest.raises(ValueError, match="6 % microbatch_group_size"):
@@ -259,7 +260,7 @@ def test_cli_subprocess_error():
     env = dict(os.environ)
     root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "python"))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    res = subprocess.run([sys.executable, "-m", "moe_graph.pipeline", "--pp", "4", "--vpp", "2", "--microbatches", "6"],
+    res = subprocess.run([sys.executable, "-m", "moe_graph.train.schedules", "--pp", "4", "--vpp", "2", "--microbatches", "6"],
                          capture_output=True, text=True, env=env, timeout=120)
     assert res.returncode == 2
     assert "last microbatch group must be empty or hold at least pp_size=4" in res.stderr
@@ -352,7 +353,7 @@ def make_forward_step(observed, produced=None):
 
 
 def printed_order(m, pp, pp_rank, vpp=None, group=None, forward_only=False):
-    """This rank's steps as ``python -m moe_graph.pipeline`` prints them (``format_schedule``)."""
+    """This rank's steps as ``python -m moe_graph.train.schedules`` prints them (``format_schedule``)."""
     line = P.format_schedule(m, pp, vpp, group, forward_only).splitlines()[pp_rank]
     return line.split(": ", 1)[1].split()
 
@@ -436,7 +437,7 @@ def test_no_pipelining_single_process():
 
 
 def test_p2p_communicator_static_buffers():
-    comm = P.P2PCommunicator(rank=1, world_size=2, prev_rank=0, next_rank=0, device="cpu")
+    comm = p2p.P2PCommunicator(rank=1, world_size=2, prev_rank=0, next_rank=0, device="cpu")
     a = comm._recv_buffer("fwd", (2, 3), torch.float32)
     b = comm._recv_buffer("fwd", (2, 3), torch.float32)
     c = comm._recv_buffer("bwd", (2, 3), torch.float32)
@@ -468,27 +469,27 @@ PP4_CONFIGS = [
 
 def _p2p_checks(rank):
     """Module-level p2p helpers on the default (parallel_state) communicator, pp 2."""
-    stage = P.get_default_communicator().rank
+    stage = p2p.get_default_communicator().rank
     shape = (2, 3)
     val = lambda tag: torch.full(shape, float(100 * tag + 10 * stage + rank % 2))  # noqa: E731
     got = {}
     if stage == 0:
-        P.send_forward(val(1))
-        got["recv_backward"] = P.recv_backward(shape).tolist()
-        got["send_forward_recv_backward"] = P.send_forward_recv_backward(val(2), shape).tolist()
-        assert P.recv_forward(shape) is None  # first stage: nothing to receive
+        p2p.send_forward(val(1))
+        got["recv_backward"] = p2p.recv_backward(shape).tolist()
+        got["send_forward_recv_backward"] = p2p.send_forward_recv_backward(val(2), shape).tolist()
+        assert p2p.recv_forward(shape) is None  # first stage: nothing to receive
     else:
-        got["recv_forward"] = P.recv_forward(shape).tolist()
-        P.send_backward(val(1))
-        got["send_backward_recv_forward"] = P.send_backward_recv_forward(val(2), shape).tolist()
-        assert P.recv_backward(shape) is None  # last stage
+        got["recv_forward"] = p2p.recv_forward(shape).tolist()
+        p2p.send_backward(val(1))
+        got["send_backward_recv_forward"] = p2p.send_backward_recv_forward(val(2), shape).tolist()
+        assert p2p.recv_backward(shape) is None  # last stage
     # both neighbours are the same rank with pp 2: activations and gradients must not swap
     for batch in (True, False):
-        comm = P.get_default_communicator(batch_p2p_comm=batch)
-        x, dy = P.send_forward_backward_recv_forward_backward(val(3), val(4), True, True, shape, communicator=comm)
+        comm = p2p.get_default_communicator(batch_p2p_comm=batch)
+        x, dy = p2p.send_forward_backward_recv_forward_backward(val(3), val(4), True, True, shape, communicator=comm)
         got[f"both_{batch}"] = (x.tolist(), dy.tolist())
-        x = P.send_forward_recv_forward(val(5), True, shape, communicator=comm)
-        dy = P.send_backward_recv_backward(val(6), True, shape, communicator=comm)
+        x = p2p.send_forward_recv_forward(val(5), True, shape, communicator=comm)
+        dy = p2p.send_backward_recv_backward(val(6), True, shape, communicator=comm)
         got[f"same_dir_{batch}"] = (x.tolist(), dy.tolist())
     return stage, got
 
@@ -510,8 +511,8 @@ def _pipeline_worker(rank, world_size):
     # pp 4 on all ranks; explicit communicator built from the group
     ps.initialize_model_parallel(pipeline_model_parallel_size=4)
     assert P.get_forward_backward_func() is P.forward_backward_pipelining_without_interleaving
-    comm = P.P2PCommunicator(ps.get_pipeline_model_parallel_group())
-    comm_plain = P.P2PCommunicator(ps.get_pipeline_model_parallel_group(), batch_p2p_comm=False)
+    comm = p2p.P2PCommunicator(ps.get_pipeline_model_parallel_group())
+    comm_plain = p2p.P2PCommunicator(ps.get_pipeline_model_parallel_group(), batch_p2p_comm=False)
     for i, c in enumerate(PP4_CONFIGS):
         c = dict(c)
         use = comm_plain if not c.get("batch_p2p", True) else comm
@@ -575,7 +576,7 @@ def _check(res_by_stage, cfg, seed):
 
 
 def test_pipeline_gloo_pp2_pp4():
-    from moe_graph.testing.distributed import run_distributed
+    from moe_graph.distributed.launch import run_distributed
 
     results = run_distributed(_pipeline_worker, 4)
     for r in range(4):
@@ -601,7 +602,7 @@ def test_pipeline_gloo_pp2_pp4():
         assert before == after and before > 0
 
 
-# ---------------------------------------------------------------- moe_graph.ddp.DistributedDataParallel chunks
+# ---------------------------------------------------------------- moe_graph.distributed.ddp.DistributedDataParallel chunks
 
 
 def _record_grad_reduce_launches(ddp, chunk_id, observed, launches, running):
@@ -629,7 +630,7 @@ def run_ddp_config(pp, pp_rank, dp, dp_rank, vpp, m, seed, *, grad_sync=False, d
     ``main_grad`` of every layer with the mask of elements this rank holds reduced (all of them, or its
     shard of each bucket under the distributed optimizer), and the launches of the bucket reductions.
     """
-    from moe_graph.ddp import DistributedDataParallel
+    from moe_graph.distributed.ddp import DistributedDataParallel
 
     nc = vpp or 1
     num_layers = 2 * pp * nc
@@ -743,7 +744,7 @@ def _check_ddp(res_by_rank, cfg, seed, pp, dp):
 
 def test_pipeline_gloo_ddp_chunks():
     """pp 2 x dp 2 on 4 gloo ranks; every model chunk is a moe_graph DistributedDataParallel (overlapped)."""
-    from moe_graph.testing.distributed import run_distributed
+    from moe_graph.distributed.launch import run_distributed
 
     results = run_distributed(_ddp_pipeline_worker, 4)
     for i, cfg in enumerate(DDP_CONFIGS):
@@ -753,7 +754,7 @@ def test_pipeline_gloo_ddp_chunks():
 
 def test_ddp_wrapper_as_single_stage_chunk():
     """Single process (no process group): pass-through set_input_tensor, Megatron's grad-sync calling convention."""
-    from moe_graph.ddp import DistributedDataParallel
+    from moe_graph.distributed.ddp import DistributedDataParallel
 
     plain = DistributedDataParallel(torch.nn.Linear(2, 2))
     plain.set_input_tensor(None)  # nothing to pass on: fine without the method
@@ -798,8 +799,8 @@ def test_moe_lm_pipeline_pp2_matches_pp1(layers, vpp, expert_bias):
     Exercises the grad norm over the model-parallel group and the expert-tensor-model-pipeline group: without them
     each stage would clip with its own norm. With expert bias, update_expert_bias must reduce the route counts
     within each stage (not over the world, which would mix different layers' counts)."""
-    from moe_graph.testing.distributed import run_distributed
-    from moe_graph.testing.pipeline_moe import pipeline_moe_worker
+    from helpers.pipeline_moe import pipeline_moe_worker
+    from moe_graph.distributed.launch import run_distributed
 
     ref = run_distributed(pipeline_moe_worker, 2, 1, 0.5, layers, None, expert_bias)
     got = run_distributed(pipeline_moe_worker, 4, 2, 0.5, layers, vpp, expert_bias)

@@ -5,7 +5,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from moe_graph import planner as P
+from moe_graph.moe import echo_planner as P
 from moe_graph.testing.echo_reference import loads_after, reroute_tokens_reference, zipf_counts
 
 T = torch.tensor

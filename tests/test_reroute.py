@@ -4,7 +4,7 @@ device error flag, opcheck and autograd; CUDA kernel vs CPU, CUDA-graph capture/
 import pytest
 import torch
 
-from moe_graph import planner as P
+from moe_graph.moe import echo_planner as P
 from moe_graph.testing.echo_reference import reroute_tokens_reference
 
 try:

@@ -1,10 +1,10 @@
 """Training equivalence against an independent single-process oracle, and the composition fixes it found.
 
-The CI subset of :mod:`moe_graph.testing.equivalence` (overlap with the ``no_sync`` wiring, overlap without it must
+The CI subset of :mod:`helpers.equivalence` (overlap with the ``no_sync`` wiring, overlap without it must
 raise, EP 2 x DP 2 with echo k=2 and overlap, loss scaling with aux and z losses, the global aux loss, interleaved
 pipeline, delayed fused weight gradients): the library's machinery on gloo ranks against one process training the
-whole global batch with plain autograd and ``torch.optim.AdamW``. The whole matrix: ``python -m
-moe_graph.testing.equivalence --all``.
+whole global batch with plain autograd and ``torch.optim.AdamW``. The whole matrix, from the checkout's root:
+``PYTHONPATH=python:tests python -m helpers.equivalence --all``.
 """
 
 import os
@@ -13,8 +13,8 @@ import re
 import pytest
 import torch
 
-from moe_graph.testing import equivalence as Q
-from moe_graph.testing.distributed import run_distributed
+from helpers import equivalence as Q
+from moe_graph.distributed.launch import run_distributed
 
 README = os.path.join(os.path.dirname(__file__), "..", "README.md")
 
@@ -60,7 +60,7 @@ def test_cli_prints_one_line_per_configuration_and_writes_only_with_out(tmp_path
 
 # ------------------------------------------------------------------------------------------------ aux scale --
 def _router_grad(scale, aux=0.05, z=0.01):
-    from moe_graph.moe_layer import MoEAuxLossAutoScaler, MoELayer
+    from moe_graph.moe.layer import MoEAuxLossAutoScaler, MoELayer
 
     torch.manual_seed(0)
     layer = MoELayer(8, 8, 4, 2, aux_loss_coeff=aux, z_loss_coeff=z, device="cpu", params_dtype=torch.float64)
@@ -77,7 +77,7 @@ def _router_grad(scale, aux=0.05, z=0.01):
 def test_aux_loss_gradient_scale_is_set_per_step():
     # Megatron's MoEAuxLossAutoScaler: the router losses' gradient is multiplied by the scale set for the step
     # (loss_scale / num_microbatches), a device tensor (a captured graph reads the current value).
-    from moe_graph.moe_layer import MoEAuxLossAutoScaler
+    from moe_graph.moe.layer import MoEAuxLossAutoScaler
 
     plain = _router_grad(None, aux=0.0, z=0.0)  # the main loss alone
     one = _router_grad(None)
@@ -93,8 +93,8 @@ def test_aux_loss_gradient_scale_is_set_per_step():
 
 
 def test_schedules_set_the_aux_scale_and_reset_it():
-    from moe_graph import pipeline as P
-    from moe_graph.moe_layer import MoEAuxLossAutoScaler
+    from moe_graph.moe.layer import MoEAuxLossAutoScaler
+    from moe_graph.train import schedules as P
 
     seen = []
     model = torch.nn.Linear(2, 1)
@@ -122,9 +122,9 @@ def test_readme_train_step_example_runs():
 
 
 def test_train_step_validates_its_arguments():
-    from moe_graph.ddp import DistributedDataParallel
-    from moe_graph.optimizer import DistributedOptimizer
-    from moe_graph.training import train_step
+    from moe_graph.distributed.ddp import DistributedDataParallel
+    from moe_graph.distributed.optimizer import DistributedOptimizer
+    from moe_graph.train.step import train_step
 
     ddp = DistributedDataParallel(torch.nn.Linear(2, 1), use_distributed_optimizer=True)
     opt = DistributedOptimizer(ddp, lr=1e-3)
@@ -139,8 +139,8 @@ def test_train_step_validates_its_arguments():
 # --------------------------------------------------------------------------------------- default groups --
 def _defaults_worker(rank, world):
     from moe_graph import parallel_state as ps
-    from moe_graph.ddp import DistributedDataParallel
-    from moe_graph.moe_layer import MoELayer
+    from moe_graph.distributed.ddp import DistributedDataParallel
+    from moe_graph.moe.layer import MoELayer
 
     out = {}
 

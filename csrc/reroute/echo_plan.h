@@ -36,7 +36,7 @@ void plan_host(const PlanArgs& args);
 #ifdef MOE_GRAPH_WITH_CUDA
 // Bytes of dynamic shared memory the CUDA kernel needs (8 * (3R + E)); the caller checks it against
 // kBestFitMaxDynamicSmem: the 48 KiB a launch may use without an opt-in, less 1 KiB for the kernel's static
-// shared memory. So 3R + E <= 6016 (moe_graph.planner falls back to the torch path above that).
+// shared memory. So 3R + E <= 6016 (moe_graph.ops.reroute.BEST_FIT_CUDA_MAX; the planner takes the torch path above it).
 constexpr int64_t kBestFitMaxDynamicSmem = 47 * 1024;
 int64_t best_fit_shared_bytes(int64_t R, int64_t E);
 // One block; no host synchronization.

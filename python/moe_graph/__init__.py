@@ -1,33 +1,16 @@
-"""moe_graph: sync-free grouped GEMM and MoE training machinery for one-CUDA-graph-per-iteration training.
+"""moe_graph: Mixture-of-Experts training as one CUDA graph per iteration, with zero host-device syncs.
 
-The pure-Python training machinery (``parallel_state``, ``buffers``, ``optimizer``, ``pipeline``, ``planner``)
-imports without the compiled extension; the grouped-GEMM ops and ``GroupedLinear`` need ``moe_graph._C``
-and are loaded on first use.
+The public face: the sync-free grouped GEMM ops (``grouped_gemm``, ``grouped_gemm_wgrad``, ``gmm``,
+``check_errors``) and ``GroupedLinear`` (TransformerEngine's drop-in). The layers below them, lowest first:
+``ops`` (the compiled extension), ``parallel_state`` and ``cuda_graph``, ``grouped_linear``, ``distributed``
+(buffers, DDP, ZeRO-1, launch) and ``moe`` (router, dispatcher, echo, experts, layer), ``train`` (pipeline
+schedules, the training step, checkpoints), then ``integrations`` and the ``demo``. Every module imports without
+a built extension; the grouped-GEMM entry points then raise an ``ImportError`` that says how to build.
 """
+
+from moe_graph.grouped_linear import GroupedLinear
+from moe_graph.ops import check_errors, gmm, grouped_gemm, grouped_gemm_wgrad, reroute_tokens
 
 __version__ = "0.1.0"
 
-_LAZY = {
-    # name -> module that defines it
-    "grouped_gemm": "ops",
-    "grouped_gemm_wgrad": "ops",
-    "gmm": "ops",
-    "check_errors": "ops",
-    "reroute_tokens": "ops",
-    "GroupedLinear": "grouped_linear",
-}
-
-
-def __getattr__(name):
-    mod = _LAZY.get(name)
-    if mod is None:
-        raise AttributeError(f"module 'moe_graph' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(f"{__name__}.{mod}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(list(globals()) + list(_LAZY))
+__all__ = ["GroupedLinear", "check_errors", "gmm", "grouped_gemm", "grouped_gemm_wgrad", "reroute_tokens"]

@@ -23,7 +23,7 @@ from typing import Callable, List, Optional, Union
 import torch
 from torch import nn
 
-from .ops.grouped_gemm import (
+from moe_graph.ops.grouped_gemm import (
     _as_splits,
     _grouped_gemm_autograd,
     _has_main_grad_source,

@@ -13,9 +13,10 @@ import time
 
 import torch
 
-from .ops import check_errors, grouped_bias_grad, grouped_gemm, grouped_gemm_wgrad, read_error_flag
-from .ops._lib import cuda_built
-from .testing.grouped_gemm_ref import random_splits, ref_grouped_gemm, ref_wgrad, rel_err, spans
+from moe_graph.grouped_linear import GroupedLinear
+from moe_graph.ops import check_errors, grouped_bias_grad, grouped_gemm, grouped_gemm_wgrad, read_error_flag
+from moe_graph.ops._lib import cuda_built
+from moe_graph.testing.grouped_gemm_ref import random_splits, ref_grouped_gemm, ref_wgrad, rel_err, spans
 
 
 def _check(name, fn, results):
@@ -98,8 +99,6 @@ def _overflow_case(device):
 
 
 def _graph_case(g):
-    from .grouped_linear import GroupedLinear
-
     dev = "cuda"
     layer = GroupedLinear(8, 256, 256, device=dev, params_dtype=torch.bfloat16)
     x = torch.randn(1024, 256, device=dev, dtype=torch.bfloat16, requires_grad=True)

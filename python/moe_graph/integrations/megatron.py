@@ -55,7 +55,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without megatron
         "moe_graph.integrations.megatron needs megatron-core (tested with 0.19.2): pip install megatron-core"
     ) from exc
 
-from ..grouped_linear import GroupedLinear
+from moe_graph.grouped_linear import GroupedLinear
 
 __all__ = [
     "MoeGraphGroupedLinear",

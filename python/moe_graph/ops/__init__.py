@@ -1,8 +1,8 @@
 """moe_graph ops: thin wrappers over ``torch.ops.moe_graph.*`` (one module per op family)."""
 
-from .errors import check_errors, flag_error_if, read_error_flag
-from .grouped_gemm import gmm, grouped_bias_grad, grouped_gemm, grouped_gemm_wgrad
-from .reroute import reroute_tokens
+from moe_graph.ops.errors import check_errors, flag_error_if, read_error_flag
+from moe_graph.ops.grouped_gemm import gmm, grouped_bias_grad, grouped_gemm, grouped_gemm_wgrad
+from moe_graph.ops.reroute import reroute_tokens
 
 __all__ = [
     "grouped_gemm",

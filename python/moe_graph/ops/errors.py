@@ -3,7 +3,7 @@ out of bounds); ``check_errors()`` reads and clears them (the one call that sync
 
 Only real errors set bits (a buffer overflow, negative counts, an inconsistent plan). Statistics of normal training
 (routes dropped over a capacity, tokens per expert) are device counters read through
-:func:`moe_graph.moe_layer.moe_statistics` / :func:`moe_graph.moe_layer.read_moe_statistics` (or
+:func:`moe_graph.moe.layer.moe_statistics` / :func:`moe_graph.moe.layer.read_moe_statistics` (or
 ``TokenDispatcher.check_drops()``), so a periodic ``check_errors()`` never raises because of a capacity factor."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Union
 
 import torch
 
-from ._lib import cuda_built, ops
+from moe_graph.ops._lib import available, cuda_built, ops
 
 __all__ = ["check_errors", "read_error_flag", "flag_error_if", "ERROR_BITS", "SPLITS_OVERFLOW", "NEGATIVE_SPLIT",
            "REROUTE_OVER_ASK", "PLAN_INVALID"]
@@ -30,9 +30,11 @@ ERROR_BITS = {
 }
 
 
-@torch.library.register_fake("moe_graph::error_flag")
-def _(device_like):
-    return torch.empty(1, dtype=torch.int32, device=device_like.device)
+if available():
+
+    @torch.library.register_fake("moe_graph::error_flag")
+    def _(device_like):
+        return torch.empty(1, dtype=torch.int32, device=device_like.device)
 
 
 @torch.library.custom_op("moe_graph::flag_error_if", mutates_args=())
@@ -76,7 +78,7 @@ def read_error_flag(device: Union[str, torch.device, None] = None) -> int:
 
 def check_errors(device: Union[str, torch.device, None] = None) -> None:
     """Raises RuntimeError if a moe_graph kernel flagged a device-side error since the last check (and clears it).
-    Capacity drops are not errors and never make it raise (read them with ``moe_graph.moe_layer.read_moe_statistics``).
+    Capacity drops are not errors and never make it raise (read them with ``moe_graph.moe.layer.read_moe_statistics``).
 
     Checks the CPU flag and the CUDA flag of ``device`` (default: the current CUDA device when available). This is
     the one call that syncs, by design: call it outside the hot path (e.g. once every N iterations).

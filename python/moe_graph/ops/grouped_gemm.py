@@ -13,7 +13,7 @@ from typing import List, Optional, Sequence, Union
 
 import torch
 
-from ._lib import ops
+from moe_graph.ops._lib import available, ops, require
 
 TensorOrList = Union[torch.Tensor, Sequence[torch.Tensor]]
 
@@ -21,32 +21,30 @@ __all__ = ["grouped_gemm", "grouped_gemm_wgrad", "gmm", "grouped_bias_grad"]
 
 
 # ----------------------------------------------------------------------------------------------- fake impls --
-@torch.library.register_fake("moe_graph::grouped_gemm")
-def _(a, b, m_splits, trans_b, bias):
-    n = (b[0].shape[1] if trans_b else b[0].shape[2]) if (len(b) == 1 and b[0].dim() == 3) else (
-        b[0].shape[0] if trans_b else b[0].shape[1]
-    )
-    return a.new_empty((a.shape[0], n))
+if available():  # without a build the entry points raise require()'s ImportError
 
+    @torch.library.register_fake("moe_graph::grouped_gemm")
+    def _(a, b, m_splits, trans_b, bias):
+        n = (b[0].shape[1] if trans_b else b[0].shape[2]) if (len(b) == 1 and b[0].dim() == 3) else (
+            b[0].shape[0] if trans_b else b[0].shape[1]
+        )
+        return a.new_empty((a.shape[0], n))
 
-@torch.library.register_fake("moe_graph::grouped_gemm_out")
-def _(a, b, m_splits, trans_b, bias, out):
-    return None
+    @torch.library.register_fake("moe_graph::grouped_gemm_out")
+    def _(a, b, m_splits, trans_b, bias, out):
+        return None
 
+    @torch.library.register_fake("moe_graph::grouped_gemm_wgrad")
+    def _(a, dy, m_splits, out_dtype):
+        return a.new_empty((m_splits.shape[0], dy.shape[1], a.shape[1]), dtype=out_dtype or a.dtype)
 
-@torch.library.register_fake("moe_graph::grouped_gemm_wgrad")
-def _(a, dy, m_splits, out_dtype):
-    return a.new_empty((m_splits.shape[0], dy.shape[1], a.shape[1]), dtype=out_dtype or a.dtype)
+    @torch.library.register_fake("moe_graph::grouped_gemm_wgrad_out")
+    def _(a, dy, m_splits, out, accumulate, accumulate_mask):
+        return None
 
-
-@torch.library.register_fake("moe_graph::grouped_gemm_wgrad_out")
-def _(a, dy, m_splits, out, accumulate, accumulate_mask):
-    return None
-
-
-@torch.library.register_fake("moe_graph::grouped_bias_grad")
-def _(dy, m_splits):
-    return dy.new_empty((m_splits.shape[0], dy.shape[1]), dtype=torch.float64 if dy.dtype == torch.float64 else torch.float32)
+    @torch.library.register_fake("moe_graph::grouped_bias_grad")
+    def _(dy, m_splits):
+        return dy.new_empty((m_splits.shape[0], dy.shape[1]), dtype=torch.float64 if dy.dtype == torch.float64 else torch.float32)
 
 
 # ---------------------------------------------------------------------------------------------- utilities --

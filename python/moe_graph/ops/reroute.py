@@ -15,45 +15,52 @@ from __future__ import annotations
 from typing import Tuple
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
-from ._lib import load
+from moe_graph.ops._lib import has_kernel
 
-__all__ = ["reroute_tokens", "native_available", "echo_best_fit", "best_fit_available", "echo_plan", "plan_available"]
+__all__ = ["reroute_tokens", "native_available", "echo_best_fit", "best_fit_available", "echo_plan", "plan_available",
+           "MAX_TOTAL_TOKENS", "BEST_FIT_CUDA_MAX", "real_host_values"]
 
 _OP = "moe_graph::reroute_tokens"
 _BF = "moe_graph::echo_best_fit"
 _PLAN = "moe_graph::echo_plan"
 _PLAN_MODES = {"auto": 0, "greedy": 1, "best_fit": 2}
 
+# Largest total token count (counts.sum()) a plan accepts: the allocation multiplies two counts (int64), so both stay
+# below 2**31. Above it: ValueError for CPU counts; on CUDA the plan moves nothing (all counts read as 0) and the
+# device error flag's "inconsistent plan input" bit is set (moe_graph.check_errors() reports it): raising would sync.
+MAX_TOTAL_TOKENS = 2**31 - 1
+
+# The CUDA best-fit / plan kernels run in one block with ``3*R + E`` 8-byte words of dynamic shared memory (48 KiB:
+# csrc/reroute/echo_plan.h): larger problems take the torch path.
+BEST_FIT_CUDA_MAX = 6016
+
+
+def real_host_values(t: torch.Tensor) -> bool:
+    """True when ``t``'s values can be read on the host without tracing or faking (eager CPU)."""
+    if isinstance(t, FakeTensor) or torch.compiler.is_compiling():
+        return False
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is None
+
 
 @torch.compiler.assume_constant_result  # fixed per process: traced once by torch.compile
 def native_available() -> bool:
     """True when the loaded ``moe_graph._C`` has the reroute op (CPU kernel at least)."""
-    try:
-        load()
-    except ImportError:
-        return False
-    try:
-        return torch._C._dispatch_has_kernel_for_dispatch_key(_OP, "CPU")
-    except RuntimeError:  # the loaded extension predates the op
-        return False
+    return has_kernel(_OP, "cpu")
 
 
 @torch.compiler.assume_constant_result  # fixed per process: traced once by torch.compile
 def best_fit_available(device_type: str = "cpu") -> bool:
     """True when the loaded extension has ``echo_best_fit`` for ``device_type`` ("cpu" or "cuda")."""
-    try:
-        load()
-        return torch._C._dispatch_has_kernel_for_dispatch_key(_BF, device_type.upper())
-    except (ImportError, RuntimeError):
-        return False
+    return has_kernel(_BF, device_type)
 
 
 def echo_best_fit(counts: torch.Tensor, num_spare_experts_per_ep_rank: int = 1, donor_mask=None) -> torch.Tensor:
     """Native best-fit placement: ``counts [R, E]`` int32/int64 -> ``home_to_spare [E, R*k]`` int64, identical to
-    the pure-torch ``moe_graph.planner.best_fit_assignment`` loop (one kernel instead of ``R*k`` rounds of tiny
-    ones). CUDA: one block, needs ``3*R + E <= 6016``. ``donor_mask``: optional ``[R, R]`` bool
-    (``moe_graph.planner.donor_mask``)."""
+    the pure-torch ``moe_graph.moe.echo_planner.best_fit_assignment`` loop (one kernel instead of ``R*k`` rounds of tiny
+    ones). CUDA: one block, needs ``3*R + E <= BEST_FIT_CUDA_MAX``. ``donor_mask``: optional ``[R, R]`` bool
+    (``moe_graph.moe.echo_planner.donor_mask``)."""
     _check_total(counts)
     return torch.ops.moe_graph.echo_best_fit(counts, int(num_spare_experts_per_ep_rank), donor_mask)
 
@@ -61,18 +68,14 @@ def echo_best_fit(counts: torch.Tensor, num_spare_experts_per_ep_rank: int = 1, 
 @torch.compiler.assume_constant_result  # fixed per process: traced once by torch.compile
 def plan_available(device_type: str = "cpu") -> bool:
     """True when the loaded extension has ``echo_plan`` for ``device_type`` ("cpu" or "cuda")."""
-    try:
-        load()
-        return torch._C._dispatch_has_kernel_for_dispatch_key(_PLAN, device_type.upper())
-    except (ImportError, RuntimeError):
-        return False
+    return has_kernel(_PLAN, device_type)
 
 
 def echo_plan(counts: torch.Tensor, num_spare_experts_per_ep_rank: int = 1, assignment: str = "auto", donor_mask=None):
     """The whole echo plan in one native step: ``counts [R, E]`` -> ``(home_to_spare [E, R*k],
-    allocation [R, R*k])`` int64, identical to ``moe_graph.planner.gen_assignment(counts, k, assignment)`` followed by
+    allocation [R, R*k])`` int64, identical to ``moe_graph.moe.echo_planner.gen_assignment(counts, k, assignment)`` followed by
     ``gen_allocation``. One kernel launch on CUDA (one block), no host sync. ``donor_mask``: optional ``[R, R]`` bool
-    (``moe_graph.planner.donor_mask``): a slot on rank ``r`` hosts only experts of ranks ``q`` with ``mask[r, q]``."""
+    (``moe_graph.moe.echo_planner.donor_mask``): a slot on rank ``r`` hosts only experts of ranks ``q`` with ``mask[r, q]``."""
     if assignment not in _PLAN_MODES:
         raise ValueError(f"assignment must be one of {tuple(_PLAN_MODES)}, got {assignment!r}")
     _check_total(counts)
@@ -81,12 +84,10 @@ def echo_plan(counts: torch.Tensor, num_spare_experts_per_ep_rank: int = 1, assi
 
 
 def _check_total(counts) -> None:
-    """The planner's documented count limit (``moe_graph.planner.MAX_TOTAL_TOKENS``) for eager CPU counts; device
-    counts go through ``moe_graph.planner.gen_plan``, which flags them instead (no sync)."""
-    from moe_graph.planner import MAX_TOTAL_TOKENS, _real_host_values
-
+    """The planner's documented count limit (``moe_graph.moe.echo_planner.MAX_TOTAL_TOKENS``) for eager CPU counts; device
+    counts go through ``moe_graph.moe.echo_planner.gen_plan``, which flags them instead (no sync)."""
     if isinstance(counts, torch.Tensor) and counts.device.type == "cpu" and counts.numel() and \
-            not counts.dtype.is_floating_point and _real_host_values(counts):
+            not counts.dtype.is_floating_point and real_host_values(counts):
         total = int(counts.to(torch.int64).clamp(min=0).sum())
         if total > MAX_TOTAL_TOKENS:
             raise ValueError(f"counts: the total token count {total} exceeds MAX_TOTAL_TOKENS={MAX_TOTAL_TOKENS} "

@@ -21,7 +21,7 @@ probable ones are dropped.
 Drops are a statistic of normal training with a capacity factor, not an error: every drop is counted on the device
 (:attr:`TokenDispatcher.dropped_routes`, cumulative int64; ``handle.dropped`` for one call) and never sets the device
 error flag, so ``moe_graph.check_errors()`` does not raise on them. Nothing syncs until asked:
-:meth:`TokenDispatcher.check_drops` (or :func:`moe_graph.moe_layer.read_moe_statistics` for a whole model) reads the
+:meth:`TokenDispatcher.check_drops` (or :func:`moe_graph.moe.layer.read_moe_statistics` for a whole model) reads the
 counter, the one call that syncs, by design.
 ``capacity=None`` is dropless (``capacity = T * K``: every route fits even if all go to one rank).
 
@@ -48,6 +48,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from moe_graph.moe.echo import default_backend
+
 __all__ = [
     "TokenDispatcher",
     "DispatchHandle",
@@ -70,7 +72,7 @@ def counting_enabled() -> bool:
 def expert_columns(num_experts: int, num_ranks: int, num_spare_per_rank: int = 0, device=None):
     """``(column_rank [E+S], column_local [E+S])`` int64 for ``E`` home experts (``L = E // R`` per rank, expert
     ``e`` on rank ``e // L`` at local index ``e % L``) and ``S = R * k`` spare slots (slot ``j`` on rank ``j // k``
-    at local index ``L + j % k``), as in :mod:`moe_graph.planner` and :mod:`moe_graph.echo`."""
+    at local index ``L + j % k``), as in :mod:`moe_graph.moe.echo_planner` and :mod:`moe_graph.moe.echo`."""
     if num_experts % num_ranks:
         raise ValueError(f"num_experts={num_experts} must be divisible by num_ranks={num_ranks}")
     L, k = num_experts // num_ranks, num_spare_per_rank
@@ -188,7 +190,7 @@ class TokenDispatcher(nn.Module):
         group: the EP process group (``None``: the default group when ``R > 1``).
         drop_policy: ``"position"`` or ``"probs"``: which routes are dropped over the capacity (see above).
         backend: an object with ``exchange(send [R, ...]) -> recv [R, ...]`` (default:
-            :func:`moe_graph.echo.default_backend`: ``all_to_all_single`` where the group supports it, else an
+            :func:`moe_graph.moe.echo.default_backend`: ``all_to_all_single`` where the group supports it, else an
             ``all_gather`` fallback; chosen once here, never during capture).
         device: where the constant tables and the drop counter live (default: ``column_rank``'s device); the
             tokens given to :meth:`dispatch` must be on it (``.to(device)`` moves them).
@@ -255,7 +257,6 @@ class TokenDispatcher(nn.Module):
                 raise ValueError(
                     f"num_ranks={num_ranks} must equal the EP group's size {dist.get_world_size(group)}"
                 )
-            from .echo import default_backend
 
             self.backend = default_backend(group)
 

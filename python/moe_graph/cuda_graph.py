@@ -118,7 +118,7 @@ class _RegionContext:
         reg = self.region
         if self.which == 1 and reg.state["recomputed"]:
             raise RuntimeError(
-                "moe_graph.graph.checkpoint: this region was already recomputed once (a second backward through "
+                "moe_graph.cuda_graph.checkpoint: this region was already recomputed once (a second backward through "
                 "the same graph, retain_graph=True); its random stream was handed to another region. Run the "
                 "forward again, or use preserve_rng_state=False if the region draws no random numbers")
         self._cm = reg.rng._use(reg.rng._pairs[reg.index][self.which])
@@ -171,7 +171,7 @@ class RecomputeRNG:
             return heapq.heappop(self._free)
         if _capturing(self.device):
             raise GraphCaptureError(
-                f"moe_graph.graph.checkpoint: the captured step has more recomputed regions in flight than its warm-up "
+                f"moe_graph.cuda_graph.checkpoint: the captured step has more recomputed regions in flight than its warm-up "
                 f"({len(self._pairs)}): generator states cannot be created or registered during capture. Run a "
                 "warm-up step with the same structure first (FullIterationGraph does)")
         default = self._default()
@@ -214,7 +214,7 @@ class RecomputeRNG:
             return
         if _capturing(self.device):
             raise GraphCaptureError(
-                "moe_graph.graph.checkpoint: random numbers in a recomputed region under CUDA graph capture need "
+                "moe_graph.cuda_graph.checkpoint: random numbers in a recomputed region under CUDA graph capture need "
                 "torch >= 2.5 (Generator.graphsafe_set_state, CUDAGraph.register_generator_state); use "
                 "preserve_rng_state=False if the region draws no random numbers")
         saved = default.get_state()
@@ -276,7 +276,8 @@ def checkpoint(function: Callable, *args, preserve_rng_state: bool = True, **kwa
     ``function``. Nesting: only the outermost region may draw random numbers."""
     if not torch.is_grad_enabled():
         return function(*args, **kwargs)
-    from torch.utils.checkpoint import checkpoint as torch_checkpoint, noop_context_fn
+    from torch.utils.checkpoint import checkpoint as torch_checkpoint
+    from torch.utils.checkpoint import noop_context_fn
 
     context_fn = noop_context_fn
     if preserve_rng_state:
@@ -605,7 +606,7 @@ class FullIterationGraph:
 
 
 class FullCudaGraphWrapper:
-    """Megatron-style wrapper of a pipeline ``forward_backward_func`` (:func:`moe_graph.pipeline.get_forward_backward_func`):
+    """Megatron-style wrapper of a pipeline ``forward_backward_func`` (:func:`moe_graph.train.schedules.get_forward_backward_func`):
     ``wrapper(forward_step_func=..., data_iterator=..., model=..., num_microbatches=..., forward_only=False, ...)``
     reads all microbatches from ``data_iterator`` (one iterator, or a list with one per model chunk / ``None``),
     copies them into static buffers and runs the whole schedule (every microbatch, every pipeline stage's sends and

@@ -10,24 +10,24 @@ GPU, the full-iteration CUDA graph.
 
 Launch: under torchrun (``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` / ``MASTER_ADDR`` set) every process joins the
 ``env://`` rendezvous (NCCL on GPUs, gloo on CPUs) and runs the training loop; without torchrun the demo starts
-``pp x dp`` processes itself (:func:`moe_graph.testing.distributed.run_distributed`). Both run :func:`_train`.
+``pp x dp`` processes itself (:func:`moe_graph.distributed.launch.run_distributed`). Both run :func:`_train`.
 
-Layout (:func:`moe_graph.launch.resolve_layout`): ``world = pp x dp``; each stage's ``dp`` ranks are ``ep`` expert-
+Layout (:func:`moe_graph.distributed.launch.resolve_layout`): ``world = pp x dp``; each stage's ``dp`` ranks are ``ep`` expert-
 parallel x ``dp / ep`` expert-data-parallel; ``--vpp`` chunks per pipeline rank select the interleaved schedule.
 Dense tensor parallelism is not supported here (dense layers are data-parallel).
 
 Data: a built-in synthetic corpus (sentences from a small grammar, generated deterministically), modelled
 character by character; the global batch of step ``k`` is a function of ``--seed`` and ``k``, cut into equal parts
 by data-parallel rank (the data position of a checkpoint is the step). Model: token + position embeddings,
-``--layers`` pre-norm blocks of causal self-attention and a :class:`moe_graph.moe_layer.MoELayer` (top-k softmax
+``--layers`` pre-norm blocks of causal self-attention and a :class:`moe_graph.moe.layer.MoELayer` (top-k softmax
 router with the aux load-balancing loss, SwiGLU experts, ``E / ep`` experts per rank plus ``--spare`` echo slots), a
 final norm and the LM head, cut into pipeline stages. Dense parameters are data-parallel, expert parameters expert-
-parallel; gradients go through :class:`moe_graph.ddp.DistributedDataParallel` buffers into the
-:class:`moe_graph.optimizer.DistributedOptimizer`. One training step (``--microbatches`` forward/backward passes
-through the pipeline schedule and the optimizer step) runs through :class:`moe_graph.graph.FullIterationGraph`: one
+parallel; gradients go through :class:`moe_graph.distributed.ddp.DistributedDataParallel` buffers into the
+:class:`moe_graph.distributed.optimizer.DistributedOptimizer`. One training step (``--microbatches`` forward/backward passes
+through the pipeline schedule and the optimizer step) runs through :class:`moe_graph.cuda_graph.FullIterationGraph`: one
 CUDA graph on a GPU with ``pp = 1``, eager otherwise (it says so).
 
-Checkpoints (:mod:`moe_graph.checkpoint`): ``--save DIR --save-every N`` and ``--load DIR`` (exact resume with the
+Checkpoints (:mod:`moe_graph.train.checkpoint`): ``--save DIR --save-every N`` and ``--load DIR`` (exact resume with the
 same layout; another data-parallel size reshards the optimizer).
 
 Output: a progress line with the loss and tokens/s, the per-rank load (tokens received by each rank's experts)
@@ -52,6 +52,16 @@ from typing import Dict, List, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from moe_graph import parallel_state as ps
+from moe_graph.cuda_graph import FullIterationGraph
+from moe_graph.distributed.ddp import DistributedDataParallel
+from moe_graph.distributed.launch import environment, init_distributed, resolve_layout, run_distributed, torchrun_env
+from moe_graph.distributed.optimizer import DistributedOptimizer
+from moe_graph.moe.layer import MoELayer
+from moe_graph.train import checkpoint as C
+from moe_graph.train import schedules as P
+from moe_graph.train.step import make_train_step
 
 __all__ = ["build_corpus", "MoETransformerLM", "main"]
 
@@ -102,7 +112,6 @@ class CharData:
 class Block(nn.Module):
     def __init__(self, cfg, moe_kwargs, device, dtype):
         super().__init__()
-        from .moe_layer import MoELayer
 
         H = cfg.hidden
         self.heads = cfg.heads
@@ -224,9 +233,6 @@ def check_checkpoint_compatible(meta: Dict, cfg, layout) -> None:
 def _train(rank: int, world: int, cfg) -> Dict:
     """The training loop of one rank, the same under torchrun and under the demo's own processes; expects
     ``torch.distributed`` initialized (any world size, 1 included)."""
-    from . import parallel_state as ps
-    from .launch import resolve_layout
-
     layout = resolve_layout(world, cfg.pp, cfg.vpp, cfg.ep)
     is_cuda = cfg.device == "cuda"
     if is_cuda and os.environ.get("LOCAL_RANK") is None:  # own processes on one machine (torchrun: LOCAL_RANK)
@@ -243,14 +249,6 @@ def _train(rank: int, world: int, cfg) -> Dict:
 
 def _train_loop(rank: int, world: int, cfg, layout, device: torch.device, dtype: torch.dtype) -> Dict:
     import torch.distributed as dist
-
-    from . import checkpoint as C
-    from . import parallel_state as ps
-    from . import pipeline as P
-    from .ddp import DistributedDataParallel
-    from .graph import FullIterationGraph
-    from .optimizer import DistributedOptimizer
-    from .training import make_train_step
 
     is_cuda = device.type == "cuda"
     pp_rank, dp_rank = ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank()
@@ -324,9 +322,9 @@ def _train_loop(rank: int, world: int, cfg, layout, device: torch.device, dtype:
         f"rank 0, vocab {data.vocab_size}, {cfg.microbatches} x {cfg.batch} x {cfg.seq} tokens per data-parallel "
         f"rank per step")
     say(f"echo buffers per MoE layer: {moe_layers[0].echo_buffer_bytes(cfg.microbatches)['total'] / 2**20:.2f} MiB "
-        f"(moe_graph.echo.echo_buffer_bytes)" if moe_layers else "echo buffers: no MoE layer on this rank")
+        f"(moe_graph.moe.echo.echo_buffer_bytes)" if moe_layers else "echo buffers: no MoE layer on this rank")
 
-    # the training step (moe_graph.training): microbatches through the layout's pipeline schedule with no_sync on
+    # the training step (moe_graph.train.step): microbatches through the layout's pipeline schedule with no_sync on
     # all but the last, MoE aux-loss gradient scale, the optimizer step, the expert-bias update
     step = make_train_step(ddps if layout.vpp else ddps[0], opt, tensor_shape=(cfg.batch, cfg.seq, cfg.hidden),
                            dtype=dtype)
@@ -588,7 +586,7 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--topk", type=_POS, default=2)
     m.add_argument("--spare", type=_NONNEG, default=1, help="echo slots per rank (0: no echo)")
     m.add_argument("--assignment", choices=["auto", "greedy", "best_fit"], default="auto",
-                   help="echo planner assignment (moe_graph.planner.gen_assignment)")
+                   help="echo planner assignment (moe_graph.moe.echo_planner.gen_assignment)")
     m.add_argument("--capacity", type=_finite_float(0.0, False), default=1.25, help="capacity factor (0: dropless)")
     m.add_argument("--aux", type=_finite_float(0.0, False), default=0.01, help="aux load-balancing loss coefficient")
     m.add_argument("--router", choices=["softmax", "deepseek"], default="softmax",
@@ -624,9 +622,6 @@ Dense layers are data-parallel (no tensor parallelism); experts are expert-paral
 
 def _resolve(p: argparse.ArgumentParser, args, env) -> "Layout":  # noqa: F821
     """Fill the defaults and check every flag against the others (``p.error`` names the flag); nothing is written."""
-    from . import pipeline as P
-    from .launch import resolve_layout
-
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -672,8 +667,6 @@ def _resolve(p: argparse.ArgumentParser, args, env) -> "Layout":  # noqa: F821
     if args.capacity == 0:
         args.capacity = None
     if args.load:
-        from . import checkpoint as C
-
         try:
             meta = C.read_meta(C.resolve_checkpoint(args.load))
             check_checkpoint_compatible(meta, args, layout)
@@ -698,8 +691,6 @@ def _run(args, env, world: int) -> Dict:
     import torch.distributed as dist
 
     if env is not None:
-        from .launch import init_distributed
-
         init_distributed(args.device)
         try:
             return _train(env["rank"], env["world"], args)
@@ -712,7 +703,6 @@ def _run(args, env, world: int) -> Dict:
             return _train(0, 1, args)
         finally:
             dist.destroy_process_group()
-    from .testing.distributed import run_distributed
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     return run_distributed(_train, world, args, backend="nccl" if args.device == "cuda" else "gloo",
@@ -722,7 +712,6 @@ def _run(args, env, world: int) -> Dict:
 def main(argv: Optional[List[str]] = None) -> Dict:
     p = _parser()
     args = p.parse_args(argv)
-    from .launch import torchrun_env
 
     try:
         env = torchrun_env()
@@ -754,8 +743,6 @@ def main(argv: Optional[List[str]] = None) -> Dict:
     how = _plot(summary, png)
     summary["wall_s"] = wall
     summary["config"] = {k: v for k, v in vars(args).items()}
-    from .testing.bench import environment
-
     summary["env"] = environment()  # torch / CUDA versions, the commit measured, date
     summary["finished"], summary["status"] = True, "finished"
     _write_json_atomic(summary_path, summary)

@@ -1,10 +1,10 @@
 """Data-parallel wrapper over contiguous param/grad buffers (Megatron-core's ``DistributedDataParallel``).
 
 ``DistributedDataParallel(module, ...)`` groups the module's trainable parameters by
-``(param_dtype, grad_dtype, is_expert)`` (:func:`moe_graph.buffers.group_params_for_buffers`),
-builds one :class:`~moe_graph.buffers.ParamAndGradBuffer` per group (expert parameters, marked
+``(param_dtype, grad_dtype, is_expert)`` (:func:`moe_graph.distributed.buffers.group_params_for_buffers`),
+builds one :class:`~moe_graph.distributed.buffers.ParamAndGradBuffer` per group (expert parameters, marked
 ``param.allreduce = False``, go to buffers sized for and reduced over the expert-data-parallel
-group), regroups the buckets into bucket groups (:func:`~moe_graph.buffers.partition_buckets`) and
+group), regroups the buckets into bucket groups (:func:`~moe_graph.distributed.buffers.partition_buckets`) and
 registers one gradient-accumulation hook per parameter (for weights with delayed weight gradients,
 ``skip_backward_post_hook``, on their module's ``register_wgrad_accumulation_and_reduce_hooks``: the hook
 then runs at the end of ``module.backward_dw()``).
@@ -17,7 +17,7 @@ while a CUDA graph is being captured (the ``add_`` is recorded like any other ke
 Typical iteration::
 
     ddp = DistributedDataParallel(model, use_distributed_optimizer=True, overlap_grad_reduce=True)
-    opt = moe_graph.optimizer.DistributedOptimizer(ddp, lr=1e-3)
+    opt = moe_graph.distributed.optimizer.DistributedOptimizer(ddp, lr=1e-3)
     ddp.zero_grad_buffer()
     with ddp.no_sync():                    # all microbatches but the last: no communication
         for mb in microbatches[:-1]:
@@ -25,7 +25,7 @@ Typical iteration::
     loss_fn(ddp(microbatches[-1])).backward()   # buckets launch their reductions when ready
     opt.step()                             # finish_grad_sync, Adam on the shard, all-gather params
 
-As a pipeline model chunk (:mod:`moe_graph.pipeline`), the wrapper forwards ``set_input_tensor`` to
+As a pipeline model chunk (:mod:`moe_graph.train.schedules`), the wrapper forwards ``set_input_tensor`` to
 the module, and its methods plug into the schedule as in Megatron::
 
     config = PipelineConfig(..., no_sync_func=ddp.no_sync, grad_sync_func=ddp.start_grad_sync)
@@ -46,7 +46,8 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from .buffers import BucketGroup, ParamAndGradBuffer, group_params_for_buffers, partition_buckets
+from moe_graph import parallel_state as ps
+from moe_graph.distributed.buffers import BucketGroup, ParamAndGradBuffer, group_params_for_buffers, partition_buckets
 
 __all__ = ["DistributedDataParallel"]
 
@@ -103,7 +104,7 @@ class DistributedDataParallel(torch.nn.Module):
             dense group holds different experts, and averaging them would silently corrupt them).
         use_distributed_optimizer: reduce-scatter instead of all-reduce; pad buffers for even
             sharding and move ``param.data`` into the buffers (needed by
-            :class:`moe_graph.optimizer.DistributedOptimizer`).
+            :class:`moe_graph.distributed.optimizer.DistributedOptimizer`).
         overlap_grad_reduce: launch each bucket group's collective asynchronously as soon as all
             its params have their grads (last microbatch only); :meth:`finish_grad_sync` waits.
         bucket_size: elements per bucket. ``None``: Megatron's default, ``max(40M, 1M * dp)`` with
@@ -139,7 +140,6 @@ class DistributedDataParallel(torch.nn.Module):
         self.overlap_grad_reduce = overlap_grad_reduce
         self.grad_reduce_in_fp32 = grad_reduce_in_fp32
         self.average_in_collective = average_in_collective
-        from . import parallel_state as ps
 
         ps_on = ps.model_parallel_is_initialized()
         if data_parallel_group is None and ps_on:
@@ -258,7 +258,7 @@ class DistributedDataParallel(torch.nn.Module):
     def set_input_tensor(self, input_tensor) -> None:
         """Pass the previous pipeline stage's activation to the wrapped model chunk (as Megatron's wrapper).
 
-        The pipeline schedules (:mod:`moe_graph.pipeline`) call ``model_chunk.set_input_tensor(t)``
+        The pipeline schedules (:mod:`moe_graph.train.schedules`) call ``model_chunk.set_input_tensor(t)``
         before each forward step (with ``None`` on the first stage). A module without the method
         accepts ``None`` (nothing to pass on) and raises ``TypeError`` for a real activation.
         """

@@ -1,21 +1,21 @@
 """The training step, wired correctly: microbatches, ``no_sync``, loss scaling, MoE aux losses, pipeline schedules.
 
-:func:`train_step` runs one optimizer iteration of a :class:`moe_graph.ddp.DistributedDataParallel` model (or a
-list of model chunks for the interleaved pipeline schedule) with a :class:`moe_graph.optimizer.DistributedOptimizer`:
+:func:`train_step` runs one optimizer iteration of a :class:`moe_graph.distributed.ddp.DistributedDataParallel` model (or a
+list of model chunks for the interleaved pipeline schedule) with a :class:`moe_graph.distributed.optimizer.DistributedOptimizer`:
 
 1. ``optimizer.zero_grad()`` (the grad buffers);
 2. forward and backward of every microbatch through the pipeline schedule of the layout
-   (:func:`moe_graph.pipeline.get_forward_backward_func`; no pipelining when parallel_state is not initialized or
+   (:func:`moe_graph.train.schedules.get_forward_backward_func`; no pipelining when parallel_state is not initialized or
    ``pp == 1``). The schedule divides each microbatch's loss by the number of microbatches, multiplies it by the
    optimizer's loss scale (``DynamicLossScaler``), runs every microbatch but the last inside ``ddp.no_sync()`` (so
    ``overlap_grad_reduce`` launches each bucket's reduction once, during the last backward) and sets the MoE
    aux/z-loss gradient scale to ``loss_scale / num_microbatches``
-   (:meth:`moe_graph.moe_layer.MoEAuxLossAutoScaler.set_loss_scale`);
+   (:meth:`moe_graph.moe.layer.MoEAuxLossAutoScaler.set_loss_scale`);
 3. ``optimizer.step()``: finish the reductions, unscale, global grad norm, clipping, Adam, param all-gather;
-4. the auxiliary-loss-free expert-bias update of sigmoid routers (:func:`moe_graph.moe_layer.update_expert_bias`).
+4. the auxiliary-loss-free expert-bias update of sigmoid routers (:func:`moe_graph.moe.layer.update_expert_bias`).
 
 It returns :class:`TrainStepResult` ``(loss, grad_norm, skipped)``: device tensors, no host sync, so the whole
-step can be captured in one CUDA graph (:class:`moe_graph.graph.FullIterationGraph` over
+step can be captured in one CUDA graph (:class:`moe_graph.cuda_graph.FullIterationGraph` over
 :func:`make_train_step`). Example (one process; the same code runs on every rank of a distributed job)::
 
     model = MyModel()                      # forward(tokens, labels) -> scalar loss
@@ -35,6 +35,10 @@ from typing import Any, Callable, List, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+
+from moe_graph import parallel_state as ps
+from moe_graph.moe.layer import update_expert_bias as _update_bias
+from moe_graph.train import schedules as P
 
 __all__ = ["TrainStepResult", "train_step", "make_train_step"]
 
@@ -73,18 +77,15 @@ def train_step(model, optimizer, microbatches: Sequence[Any], *, loss_func: Opti
         microbatches: one entry per microbatch: a tuple (``model(*mb)``), a dict (``model(**mb)``) or one
             tensor. Every pipeline stage gets the same list (each stage uses what it needs).
         loss_func: turns the last stage's output into the loss (``loss``, ``(loss, reported)`` or
-            ``(loss, num_tokens, reported)``, as :mod:`moe_graph.pipeline`); default: the output is the loss.
+            ``(loss, num_tokens, reported)``, as :mod:`moe_graph.train.schedules`); default: the output is the loss.
         tensor_shape, dtype: activation shape/dtype between pipeline stages (needed when ``pp > 1``).
-        config: a :class:`moe_graph.pipeline.PipelineConfig` to start from; ``grad_scale_func`` defaults to
+        config: a :class:`moe_graph.train.schedules.PipelineConfig` to start from; ``grad_scale_func`` defaults to
             multiplying by the optimizer's loss scale.
         forward_backward_func: the schedule (default: from parallel_state, or the list length of ``model``).
-        update_expert_bias: run :func:`moe_graph.moe_layer.update_expert_bias` after the optimizer step.
+        update_expert_bias: run :func:`moe_graph.moe.layer.update_expert_bias` after the optimizer step.
         average_loss_over_data_parallel: average the returned loss over the data-parallel group (one
             all-reduce of a scalar).
     """
-    from . import pipeline as P
-    from .moe_layer import update_expert_bias as _update_bias
-
     chunks: List = list(model) if isinstance(model, (list, tuple)) else [model]
     if not chunks:
         raise ValueError("train_step: model is an empty list of model chunks")
@@ -106,8 +107,6 @@ def train_step(model, optimizer, microbatches: Sequence[Any], *, loss_func: Opti
     if config.grad_scale_func is None and scaler is not None:
         config.grad_scale_func = lambda loss: loss * scaler.scale.to(loss.dtype)
     if forward_backward_func is None:
-        from . import parallel_state as ps
-
         if ps.model_parallel_is_initialized():
             forward_backward_func = P.get_forward_backward_func()
         elif len(chunks) > 1:
@@ -142,7 +141,7 @@ def train_step(model, optimizer, microbatches: Sequence[Any], *, loss_func: Opti
 
 def make_train_step(model, optimizer, **kwargs) -> Callable[[Sequence[Any]], TrainStepResult]:
     """``step(microbatches) -> TrainStepResult``: :func:`train_step` with ``model``, ``optimizer`` and ``kwargs``
-    bound (the callable :class:`moe_graph.graph.FullIterationGraph` captures)."""
+    bound (the callable :class:`moe_graph.cuda_graph.FullIterationGraph` captures)."""
 
     def step(microbatches):
         return train_step(model, optimizer, microbatches, **kwargs)

@@ -625,7 +625,7 @@ class BucketGroup:
                 "register_grad_ready: Cannot set grad twice: a parameter's gradient became ready again after "
                 "its bucket's reduction was launched (several microbatches, or a second backward, with "
                 "overlap_grad_reduce=True). Run all microbatches but the last inside `with ddp.no_sync():` "
-                "(moe_graph.training.train_step and the pipeline schedules do), and call "
+                "(moe_graph.train.step.train_step and the pipeline schedules do), and call "
                 "ddp.zero_grad_buffer() before each iteration.")
         self.ready_params.add(param)
         if len(self.ready_params) == len(self.params):

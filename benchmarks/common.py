@@ -1,4 +1,5 @@
-"""Benchmark helpers shared by benchmarks/: device timing, result files, environment stamp."""
+"""Benchmark helpers shared by benchmarks/: device timing and result files (the environment stamp is
+:func:`moe_graph.distributed.launch.environment`)."""
 
 from __future__ import annotations
 
@@ -6,10 +7,12 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
+import time
 from typing import Callable, Dict, List
 
 import torch
+
+from moe_graph.distributed.launch import environment, git_commit  # noqa: F401  (re-exported)
 
 
 def time_cuda(fn: Callable[[], object], warmup: int = 5, reps: int = 20) -> float:
@@ -30,8 +33,6 @@ def time_cuda(fn: Callable[[], object], warmup: int = 5, reps: int = 20) -> floa
 
 def time_cpu(fn: Callable[[], object], warmup: int = 2, reps: int = 10) -> float:
     """Median milliseconds of ``fn`` on the host clock."""
-    import time
-
     for _ in range(warmup):
         fn()
     times = []
@@ -40,26 +41,6 @@ def time_cpu(fn: Callable[[], object], warmup: int = 2, reps: int = 10) -> float
         fn()
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
-
-
-def git_commit() -> str:
-    """HEAD of the checkout, or $MOE_GRAPH_COMMIT (set by run_gpu.sh on machines that get a copy without .git)."""
-    if os.environ.get("MOE_GRAPH_COMMIT"):
-        return os.environ["MOE_GRAPH_COMMIT"]
-    try:
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=root, text=True, stderr=subprocess.DEVNULL).strip()
-    except Exception:  # noqa: BLE001
-        return "unknown"
-
-
-def environment() -> Dict[str, object]:
-    env = {"torch": torch.__version__, "cuda": torch.version.cuda, "commit": git_commit(),
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-    if torch.cuda.is_available():
-        p = torch.cuda.get_device_properties(0)
-        env.update(gpu=p.name, sm_count=p.multi_processor_count, capability=f"{p.major}.{p.minor}")
-    return env
 
 
 def results_dir() -> str:

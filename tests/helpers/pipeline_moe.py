@@ -17,6 +17,13 @@ from typing import Dict
 import torch
 from torch import nn
 
+from moe_graph import parallel_state as ps
+from moe_graph.demo.loop import MoETransformerLM
+from moe_graph.distributed.ddp import DistributedDataParallel
+from moe_graph.distributed.optimizer import DistributedOptimizer
+from moe_graph.moe.layer import update_expert_bias
+from moe_graph.train import schedules as P
+
 CFG = types.SimpleNamespace(hidden=16, heads=2, ffn=24, experts=4, topk=2, seq=8, layers=2)
 VOCAB, BATCH, MICROBATCHES, STEPS = 11, 2, 2, 3
 DT = torch.float32  # the optimizer keeps fp32 main params
@@ -82,13 +89,6 @@ def pipeline_moe_worker(rank: int, world: int, pp: int, clip: float, layers: int
     """``STEPS`` training steps of a ``layers``-layer model on ``pp`` stages (``vpp`` model chunks per stage:
     the interleaved schedule, one DDP wrapper per chunk, one optimizer over all of them). ``expert_bias``: sigmoid
     routers with auxiliary-loss-free balancing, ``update_expert_bias`` after every step (default group)."""
-    from ..moe_layer import update_expert_bias
-    from .. import parallel_state as ps
-    from .. import pipeline as P
-    from ..ddp import DistributedDataParallel
-    from ..demo import MoETransformerLM
-    from ..optimizer import DistributedOptimizer
-
     dp = world // pp
     ps.initialize_model_parallel(pipeline_model_parallel_size=pp, expert_model_parallel_size=dp,
                                  virtual_pipeline_model_parallel_size=vpp)

@@ -34,7 +34,7 @@ import torch
 __all__ = ["FORMAT", "step_dirname", "resolve_checkpoint", "read_meta", "save_checkpoint", "read_model_state",
            "read_optimizer_shards", "read_rank_state", "tensor_crc32"]
 
-FORMAT = "moe_graph.checkpoint.v1"
+FORMAT = "moe_graph.train.checkpoint.v1"
 FAULT_ENV = "MOE_GRAPH_CHECKPOINT_FAULT"  # testing only: "RANK:STEP" -> that rank SIGKILLs itself mid-save
 
 
@@ -126,7 +126,7 @@ def save_checkpoint(root: str, step: int, *, rank: int, world: int, model_state:
     """Write one checkpoint (a collective over ``group``, default the world; every rank calls it).
 
     ``model_state``: the tensors this rank saves, under global names (each global tensor saved by one rank);
-    ``optimizer``: a :class:`moe_graph.optimizer.DistributedOptimizer` (its ``state_dict()``, this rank's shard);
+    ``optimizer``: a :class:`moe_graph.distributed.optimizer.DistributedOptimizer` (its ``state_dict()``, this rank's shard);
     ``rank_state``: small picklable extras (RNG states, data position, the rank's coordinates);
     ``meta``: JSON-serializable description (layout, model config) written by rank 0 into ``meta.json``.
     Returns the final folder.

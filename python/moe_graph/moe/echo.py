@@ -1,7 +1,7 @@
 """Echo experts: copy home expert weights into the spare slots the planner chose, and send the spare slots' weight
 gradients back to the home experts.
 
-Layout (as in :mod:`moe_graph.planner`): ``R`` EP ranks, ``E`` home experts (``L = E // R`` local ones per rank,
+Layout (as in :mod:`moe_graph.moe.echo_planner`): ``R`` EP ranks, ``E`` home experts (``L = E // R`` local ones per rank,
 expert ``e`` on rank ``e // L`` at local index ``e % L``), ``k`` spare slots per rank (``S = R * k``, slot ``j``
 on rank ``j // k`` at local index ``j % k``). ``expert_offloading_map [E, S]`` bool (identical on every rank)
 says which home expert each slot hosts.
@@ -20,7 +20,7 @@ gather indices. The exchange goes through a :class:`EchoBackend`:
 * :class:`AllGatherBackend`: the same exchange through ``all_gather`` (for process groups without all-to-all);
   ``R`` times the traffic.
 * :class:`PeerBackend` (donor-constrained placement, ``donors=w``): the plan lets a rank's slots host only
-  experts of its ``w`` fixed donor ranks (:func:`moe_graph.planner.donor_ranks`), so the exchange is ``w`` static
+  experts of its ``w`` fixed donor ranks (:func:`moe_graph.moe.echo_planner.donor_ranks`), so the exchange is ``w`` static
   peer blocks of ``k*N`` (one ``batch_isend_irecv`` of ``w`` sends and ``w`` receives; capturable with NCCL):
   per-rank memory and traffic ``O(w*k*N)``, independent of ``R``.
 
@@ -31,7 +31,7 @@ mask overwrites those while it accumulates the home experts into ``main_grad``, 
 :meth:`EchoExpertDispatcher.aggregate_grads` sends them home and adds them into the home experts' gradients
 (``main_grad`` when present). :func:`dispatch_spare_weights` wraps dispatch + aggregation as an autograd function.
 
-Fused path (weights with ``main_grad``, e.g. under :class:`moe_graph.ddp.DistributedDataParallel`):
+Fused path (weights with ``main_grad``, e.g. under :class:`moe_graph.distributed.ddp.DistributedDataParallel`):
 :func:`echo_grouped_gemm` runs one grouped GEMM over the ``L`` home + ``k`` spare experts; its backward computes
 dgrad, then ONE ``grouped_gemm_wgrad`` call with the per-expert mask (home experts accumulate into ``main_grad``,
 spare slots overwrite their own buffers), then :meth:`EchoExpertDispatcher.aggregate_grads` adds the spare slots'
@@ -46,6 +46,9 @@ from typing import List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+
+from moe_graph.moe.echo_planner import donor_ranks
+from moe_graph.ops.grouped_gemm import _as_splits, _dummy_wgrad, grouped_gemm, grouped_gemm_wgrad
 
 __all__ = [
     "EchoBackend",
@@ -175,8 +178,6 @@ def echo_buffer_bytes(
     Example: DeepSeek-V3-sized experts (``N = 3 * 7168 * 2048``, bf16), ``E=256``, ``R=64``, ``k=2``: the
     unconstrained dispatch send buffer is ``64*2*N*2`` bytes = 11.3 GB; with ``w=2`` it is 0.35 GB.
     """
-    from .planner import donor_ranks
-
     R = int(num_ep_ranks)
     if R < 1 or num_experts < 1 or num_experts % R:
         raise ValueError(f"num_experts={num_experts} must be a positive multiple of num_ep_ranks={num_ep_ranks}")
@@ -254,8 +255,8 @@ class EchoExpertDispatcher:
         group: the EP process group (``None``: the default group).
         donors: ``w``, the fixed donor ranks per rank (``None`` or ``>= R``: any rank, today's all-to-all of ``R``
             blocks). The plans must come from the planner with the matching
-            :func:`moe_graph.planner.donor_mask` (:attr:`donor_mask`); slots hosting an expert of a non-donor rank
-            get zeros. donor_pattern, node_size: see :func:`moe_graph.planner.donor_ranks`.
+            :func:`moe_graph.moe.echo_planner.donor_mask` (:attr:`donor_mask`); slots hosting an expert of a non-donor rank
+            get zeros. donor_pattern, node_size: see :func:`moe_graph.moe.echo_planner.donor_ranks`.
 
     Example (4 ranks, 2 experts each, ``k = 1``; the plan put a copy of expert 5 (rank 2) into slot 1)::
 
@@ -278,8 +279,6 @@ class EchoExpertDispatcher:
         node_size: Optional[int] = None,
         device=None,
     ):
-        from .planner import donor_ranks
-
         for name, v in (("num_experts", num_experts), ("num_ep_ranks", num_ep_ranks), ("ep_rank", ep_rank),
                         ("num_spare_experts_per_ep_rank", num_spare_experts_per_ep_rank)):
             if isinstance(v, bool) or not isinstance(v, int):
@@ -345,7 +344,7 @@ class EchoExpertDispatcher:
 
     @property
     def donor_mask(self) -> Optional[torch.Tensor]:
-        """``[R, R]`` bool for the planner (:func:`moe_graph.planner.gen_plan`'s ``donor_mask``), ``None`` when
+        """``[R, R]`` bool for the planner (:func:`moe_graph.moe.echo_planner.gen_plan`'s ``donor_mask``), ``None`` when
         unconstrained."""
         if self.donors is None:
             return None
@@ -622,8 +621,6 @@ class _EchoGroupedGemmFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, m_splits, home_weight, spare_weight, expert_offloading_map, dispatcher, accumulate_mask,
                 spare_grad):
-        from .ops.grouped_gemm import grouped_gemm
-
         weights = list(home_weight.unbind(0)) + list(spare_weight.unbind(0))
         out = grouped_gemm(a, weights, m_splits)
         ctx.dispatcher = dispatcher
@@ -634,8 +631,6 @@ class _EchoGroupedGemmFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        from .ops.grouped_gemm import _dummy_wgrad, grouped_gemm, grouped_gemm_wgrad
-
         a, m_splits, home, spare, omap = ctx.saved_tensors
         dy = dy.contiguous()
         da = dw = None
@@ -675,8 +670,6 @@ def echo_grouped_gemm(
 
     Returns ``[M, N]``. Backward is collective over the EP group (the spare gradients' exchange).
     """
-    from .ops.grouped_gemm import _as_splits
-
     L, k = home_weight.shape[0], spare_weight.shape[0]
     m_splits = _as_splits(m_splits, a.device)
     mg = getattr(home_weight, "main_grad", None)

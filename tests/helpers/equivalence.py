@@ -6,7 +6,7 @@ is trained for :data:`STEPS` steps twice:
 * **machinery** (:func:`machinery_worker`, on gloo ranks): parallel_state, ``MoELayer`` with expert parallelism and
   echo, ``DistributedDataParallel`` (buffers, fused ``main_grad``, optional ``overlap_grad_reduce``),
   ``DistributedOptimizer`` (ZeRO-1, clipping, loss scaler), the pipeline schedules and
-  :func:`moe_graph.training.train_step`;
+  :func:`moe_graph.train.step.train_step`;
 * **oracle** (:func:`oracle_train`): ONE process, the whole global batch in one forward, plain autograd,
   ``torch.optim.AdamW`` and ``torch.nn.utils.clip_grad_norm_``; no DDP, no distributed optimizer, no echo, no
   pipeline, no microbatch split, no loss scaler, dropless routing. It uses the model classes (their per-token math
@@ -39,7 +39,7 @@ activation is off by up to 2^-9 relative, so gradients differ by about 1e-2 rela
 about ``lr * sign(g)``: a small gradient whose sign flips moves its weight by up to ``2 lr`` per step, i.e.
 ``STEPS * 2 lr = 6e-2`` at worst, far more than 1e-5 relative for the zero-initialized LayerNorm biases.
 
-CLI: ``python -m moe_graph.testing.equivalence [--all] [--only NAME ...] [--out PATH]`` prints one line per
+CLI (from the checkout's root): ``PYTHONPATH=python:tests python -m helpers.equivalence [--all] [--only NAME ...] [--out PATH]`` prints one line per
 configuration (PASS/FAIL and the max differences) and a total; without ``--all`` it runs the CI subset
 (:data:`CI_ROWS`). It writes nothing unless ``--out`` is given.
 """
@@ -58,7 +58,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .pipeline_moe import _global_name, _is_expert, global_params  # one naming rule for every stage layout
+from helpers.pipeline_moe import _global_name, _is_expert, global_params  # one naming rule for every stage layout
+from moe_graph import parallel_state as ps
+from moe_graph.distributed.ddp import DistributedDataParallel
+from moe_graph.distributed.launch import run_distributed
+from moe_graph.distributed.optimizer import DistributedOptimizer, DynamicLossScaler
+from moe_graph.grouped_linear import GroupedLinear
+from moe_graph.moe.layer import MoELayer, aux_loss_scores, router_aux_loss, router_z_loss, sequence_aux_loss
+from moe_graph.train import schedules as P
+from moe_graph.train.step import train_step
 
 STEPS = 3
 VOCAB, HIDDEN, FFN, EXPERTS, TOPK, SEQ, GLOBAL_BATCH = 13, 16, 12, 8, 2, 8, 8
@@ -141,9 +149,6 @@ CI_ROWS = ["dp2_mb4_overlap", "dp2_mb2_overlap_without_no_sync", "ep2xdp2_echo2_
 class Block(nn.Module):
     def __init__(self, moe_kwargs: Dict, dtype, grouped: Optional[str]):
         super().__init__()
-        from ..grouped_linear import GroupedLinear
-        from ..moe_layer import MoELayer
-
         self.ln = nn.LayerNorm(HIDDEN, dtype=dtype)
         self.moe = MoELayer(HIDDEN, FFN, EXPERTS, TOPK, device="cpu", params_dtype=dtype, **moe_kwargs)
         self.gl = None
@@ -272,8 +277,6 @@ def microbatch_rows(row: Row, d: int, j: int) -> slice:
 def oracle_train(row: Row) -> Dict:
     """Plain single-process training of the whole global batch (see the module docstring). Returns per-step
     losses and grad norms and the final parameters by global name (experts per expert index)."""
-    from ..moe_layer import aux_loss_scores, router_aux_loss, router_z_loss, sequence_aux_loss
-
     torch.manual_seed(0)
     model = EquivLM(moe_kwargs(row, oracle=True), torch.float32, layers=row.layers,
                     grouped=None if row.grouped is None else "plain", padding=row.padding)
@@ -332,14 +335,8 @@ def oracle_train(row: Row) -> Dict:
 # ========================================================================================== the machinery ==
 def machinery_worker(rank: int, world: int, row: Row) -> Dict:
     """The library's machinery on this rank (parallel_state, MoELayer EP/echo, DDP, DistributedOptimizer, pipeline
-    schedules, :func:`moe_graph.training.train_step`)."""
+    schedules, :func:`moe_graph.train.step.train_step`)."""
     import torch.distributed as dist
-
-    from .. import parallel_state as ps
-    from .. import pipeline as P
-    from ..ddp import DistributedDataParallel
-    from ..optimizer import DistributedOptimizer, DynamicLossScaler
-    from ..training import train_step
 
     ps.initialize_model_parallel(pipeline_model_parallel_size=row.pp, expert_model_parallel_size=row.ep,
                                  virtual_pipeline_model_parallel_size=row.vpp)
@@ -484,8 +481,6 @@ def rows_worker(rank: int, world: int, rows: List[Row]) -> List[Dict]:
 
 def run_rows(rows: List[Row], report=None) -> List[Dict]:
     """Oracle and machinery for ``rows`` (one spawn per world size); ``report(result)`` after each row."""
-    from .distributed import run_distributed
-
     results: Dict[str, Dict] = {}
     for world in sorted({r.world for r in rows}):
         batch = [r for r in rows if r.world == world]
@@ -521,7 +516,7 @@ def format_result(r: Dict) -> str:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m moe_graph.testing.equivalence", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m helpers.equivalence", description=__doc__.split("\n")[0])
     ap.add_argument("--all", action="store_true", help="the whole matrix (default: the CI subset)")
     ap.add_argument("--only", nargs="*", default=None, help="run these configurations by name")
     ap.add_argument("--out", default=None, help="also write the output (and the commit measured) to this file")

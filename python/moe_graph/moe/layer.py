@@ -2,16 +2,16 @@
 
 Everything in :meth:`MoELayer.forward` and its backward is device tensor code with static shapes: top-k routing,
 the aux load-balancing loss, the all-gather of the per-rank expert counts, the echo plan
-(:mod:`moe_graph.planner`), the expert-weight dispatch to spare slots (:mod:`moe_graph.echo`), the fixed-split
-all-to-all (:mod:`moe_graph.dispatcher`) and the grouped GEMMs with ``m_splits`` on the device. No host sync, so a
-whole training step can be captured in one CUDA graph (:mod:`moe_graph.graph`).
+(:mod:`moe_graph.moe.echo_planner`), the expert-weight dispatch to spare slots (:mod:`moe_graph.moe.echo`), the fixed-split
+all-to-all (:mod:`moe_graph.moe.token_dispatcher`) and the grouped GEMMs with ``m_splits`` on the device. No host sync, so a
+whole training step can be captured in one CUDA graph (:mod:`moe_graph.cuda_graph`).
 
 Layout: ``R`` EP ranks (the ``ep_group``), ``E`` experts, ``L = E // R`` home experts per rank (expert ``e`` on
 rank ``e // L``), ``k`` spare (echo) slots per rank. The rank's grouped GEMMs run over ``L + k`` local experts:
 its home experts' weights, then copies of the home experts the plan put in its spare slots. Expert parameters are
-marked ``param.allreduce = False`` (Megatron's convention, used by :class:`moe_graph.ddp.DistributedDataParallel`).
+marked ``param.allreduce = False`` (Megatron's convention, used by :class:`moe_graph.distributed.ddp.DistributedDataParallel`).
 
-Weight gradients: when both expert weights carry ``main_grad`` (:class:`moe_graph.ddp.DistributedDataParallel`
+Weight gradients: when both expert weights carry ``main_grad`` (:class:`moe_graph.distributed.ddp.DistributedDataParallel`
 attaches views into its grad buffer), the expert GEMMs take a fused path: wgrad goes straight into ``main_grad``
 (``grad_added_to_main_grad = True``, zero gradients returned to autograd so the DDP hooks fire but add nothing).
 With echo, each GEMM's backward runs one ``grouped_gemm_wgrad`` with the per-expert accumulate mask (home experts
@@ -45,8 +45,29 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from . import planner as P
-from .dispatcher import TokenDispatcher, capacity_for, counting_enabled, expert_columns, topk_from_routing_map
+from moe_graph import parallel_state as ps
+from moe_graph.cuda_graph import checkpoint
+from moe_graph.grouped_linear import GroupedLinear
+from moe_graph.moe import echo_planner as P
+from moe_graph.moe.echo import (
+    PLAN_MODES,
+    EchoExpertDispatcher,
+    LocalBackend,
+    dispatch_spare_weights,
+    echo_buffer_bytes,
+    echo_grouped_gemm,
+    spare_grad_buffers,
+    wgrad_accumulate_mask,
+)
+from moe_graph.moe.token_dispatcher import (
+    TokenDispatcher,
+    capacity_for,
+    counting_enabled,
+    expert_columns,
+    topk_from_routing_map,
+)
+from moe_graph.ops.grouped_gemm import _grouped_gemm_autograd, grouped_gemm
+from moe_graph.ops.reroute import native_available, reroute_tokens
 
 __all__ = ["MoEAuxLossAutoScaler", "MoELayer", "TopKRouter", "aux_loss_scores", "group_limited_topk", "moe_statistics",
            "read_moe_statistics", "router_aux_loss", "router_z_loss", "sequence_aux_loss", "set_aux_loss_scale",
@@ -85,7 +106,7 @@ class MoEAuxLossAutoScaler(torch.autograd.Function):
     The aux gradient must carry the same factors as the main loss's gradient: ``1 / num_microbatches`` (each
     microbatch's loss is divided by it) and the loss scale (``DynamicLossScaler``: the optimizer divides every
     gradient by it). :meth:`set_loss_scale` sets that factor in a device tensor, once per step;
-    :func:`moe_graph.training.train_step` and the pipeline schedules (:mod:`moe_graph.pipeline`) set it to
+    :func:`moe_graph.train.step.train_step` and the pipeline schedules (:mod:`moe_graph.train.schedules`) set it to
     ``loss_scale / num_microbatches`` for you. Its default is 1 (one microbatch, no loss scaling).
     """
 
@@ -273,8 +294,6 @@ def update_expert_bias(module: nn.Module, group=None) -> None:
         return
     counts = torch.stack([r.local_tokens_per_expert for r in routers])  # [layers, E]
     if group is None:
-        from . import parallel_state as ps
-
         if ps.model_parallel_is_initialized():
             group = ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
     if dist.is_available() and dist.is_initialized() and (group is not None or dist.get_world_size() > 1):
@@ -392,7 +411,6 @@ def _resolve_ep(ep_group, ep_size):
             raise ValueError(f"ep_size={ep_size} without ep_group: pass the EP process group (ep_size must be 1 or "
                              f"the world size {world} to use the default group)")
         return None, ep_size
-    from . import parallel_state as ps
 
     if ps.model_parallel_is_initialized():
         group = ps.get_expert_model_parallel_group()
@@ -419,7 +437,7 @@ class MoELayer(nn.Module):
         activation: ``"swiglu"`` (fc1 is ``[2F, H]``) or ``"gelu"``.
         aux_loss_coeff: weight of the load-balancing loss (0: off); its gradient flows through the output, times
             the factor of :meth:`MoEAuxLossAutoScaler.set_loss_scale` (``loss_scale / num_microbatches``, set for
-            you by :func:`moe_graph.training.train_step` and the pipeline schedules).
+            you by :func:`moe_graph.train.step.train_step` and the pipeline schedules).
         aux_loss_type: ``"local"`` (expert fractions of this rank's tokens), ``"global"`` (fractions of all the
             EP group's tokens, from the counts the echo planner all-gathers anyway: global-batch balancing) or
             ``"sequence"`` (DeepSeek-V3's sequence-wise loss, :func:`sequence_aux_loss`; the input must be
@@ -434,13 +452,13 @@ class MoELayer(nn.Module):
             is the default group).
         num_spare_experts_per_ep_rank: echo slots ``k`` (0: echo off). assignment: the planner's assignment.
         echo_donors: ``w``, donor-constrained echo: a rank's spare slots host only experts of its ``w`` fixed donor
-            ranks (:func:`moe_graph.planner.donor_ranks`, ring pattern), so the weight exchange is ``w`` peer blocks
-            and its memory ``O(w*k*N)`` instead of ``O(R*k*N)`` (:func:`moe_graph.echo.echo_buffer_bytes`);
+            ranks (:func:`moe_graph.moe.echo_planner.donor_ranks`, ring pattern), so the weight exchange is ``w`` peer blocks
+            and its memory ``O(w*k*N)`` instead of ``O(R*k*N)`` (:func:`moe_graph.moe.echo.echo_buffer_bytes`);
             ``None`` (default) or ``>= ep_size``: unconstrained (today's all-to-all).
         echo_plan_mode: ``"microbatch"`` (default: plan and move weights in every forward) or ``"iteration"``:
             plan and move the weights only in the forward called with ``is_first_microbatch=True`` (or ``None``),
             and reuse that placement in the forwards with ``is_first_microbatch=False``
-            (:func:`moe_graph.planner.reuse_plan`: the slots keep their experts, their token amounts follow the
+            (:func:`moe_graph.moe.echo_planner.reuse_plan`: the slots keep their experts, their token amounts follow the
             microbatch's counts). The plan and the spare copies live in static buffers (graph-safe). Not with
             ``recompute`` (a recomputed first microbatch would rewrite buffers later microbatches saved).
         capacity_factor: per (source, destination) rank capacity ``ceil(cf * T * K / R)`` routes; ``None``:
@@ -449,10 +467,10 @@ class MoELayer(nn.Module):
             goes through, added to the routed output, as DeepSeek-V3 and Qwen2-MoE have; ``None``: none).
             shared_expert_gate: scale the shared expert's output by ``sigmoid(x @ w_gate)`` per token (Qwen2-MoE).
         token_drop_policy: ``"probs"`` (drop the least probable routes over the capacity, Megatron's default) or
-            ``"position"`` (drop the last ones in token order); see :class:`moe_graph.dispatcher.TokenDispatcher`.
+            ``"position"`` (drop the last ones in token order); see :class:`moe_graph.moe.token_dispatcher.TokenDispatcher`.
         params_dtype, device: of all parameters. init_std: expert weight init.
         recompute: activation recomputation of the whole layer in training (its activations are not kept; backward
-            runs the forward again) through :func:`moe_graph.graph.checkpoint`, the graph-safe recompute, so a
+            runs the forward again) through :func:`moe_graph.cuda_graph.checkpoint`, the graph-safe recompute, so a
             captured step may contain it. The layer draws no random numbers, so no RNG state is carried. The
             statistics and counters count every token once.
     """
@@ -493,7 +511,6 @@ class MoELayer(nn.Module):
         recompute: bool = False,
     ):
         super().__init__()
-        from .grouped_linear import GroupedLinear
 
         if activation not in ("swiglu", "gelu"):
             raise ValueError(f"activation must be 'swiglu' or 'gelu', got {activation!r}")
@@ -521,7 +538,6 @@ class MoELayer(nn.Module):
         self.L = num_experts // ep_size
         self.k = num_spare_experts_per_ep_rank
         self.assignment = assignment
-        from .echo import PLAN_MODES
 
         if echo_plan_mode not in PLAN_MODES:
             raise ValueError(f"echo_plan_mode must be one of {PLAN_MODES}, got {echo_plan_mode!r}")
@@ -572,8 +588,6 @@ class MoELayer(nn.Module):
                                           device=device)  # its constant tables are built here, on the device
         self.echo = None
         if self.k > 0:
-            from .echo import EchoExpertDispatcher, LocalBackend
-
             backend = LocalBackend() if ep_size == 1 else None
             self.echo = EchoExpertDispatcher(num_experts, ep_size, self.ep_rank, self.k, backend=backend,
                                              group=ep_group, donors=echo_donors if ep_size > 1 else None,
@@ -616,10 +630,8 @@ class MoELayer(nn.Module):
                 "m_splits": self.last_m_splits, "aux_loss": self.last_aux_loss, "z_loss": self.last_z_loss}
 
     def echo_buffer_bytes(self, num_microbatches: int = 1) -> dict:
-        """Static echo buffer bytes of this layer (:func:`moe_graph.echo.echo_buffer_bytes` for its ``E, R, k, w``,
+        """Static echo buffer bytes of this layer (:func:`moe_graph.moe.echo.echo_buffer_bytes` for its ``E, R, k, w``,
         both expert weights, their dtype and fp32 gradients); all zeros with echo off."""
-        from .echo import echo_buffer_bytes
-
         if self.echo is None:
             return {"total": 0}
         w1, w2 = self.expert_weights()
@@ -663,8 +675,6 @@ class MoELayer(nn.Module):
                     self._echo_ref_load.copy_(counts.sum(0))
                     self._echo_ref_omap.copy_(omap)
         try:
-            from .ops.reroute import native_available, reroute_tokens
-
             native = native_available()
         except ImportError:  # pragma: no cover
             native = False
@@ -679,7 +689,7 @@ class MoELayer(nn.Module):
 
     def _use_fused_wgrad(self) -> bool:
         """Fused weight-gradient path: grad enabled, both expert weights need grad and have ``main_grad``
-        (as :class:`moe_graph.ddp.DistributedDataParallel` attaches)."""
+        (as :class:`moe_graph.distributed.ddp.DistributedDataParallel` attaches)."""
         if not torch.is_grad_enabled():
             return False
         ws = self.expert_weights()
@@ -687,13 +697,9 @@ class MoELayer(nn.Module):
 
     def _experts_autograd(self, expert_in, m_splits, omap):
         """Plain autograd: per-expert weight list (home views + spare copies); the weight gradients come back
-        through autograd (spare slots' via :func:`moe_graph.echo.dispatch_spare_weights`)."""
-        from .ops.grouped_gemm import grouped_gemm
-
+        through autograd (spare slots' via :func:`moe_graph.moe.echo.dispatch_spare_weights`)."""
         w1, w2 = self.expert_weights()
         if self.echo is not None:
-            from .echo import dispatch_spare_weights
-
             s1, s2 = dispatch_spare_weights(self.echo, omap, [w1, w2], spare=self._spares(omap, w1, w2))
             # one 2-D weight per local expert (home views + spare copies): no concatenated copy of all weights
             w1 = list(w1.unbind(0)) + list(s1.to(w1.dtype).unbind(0))
@@ -714,8 +720,6 @@ class MoELayer(nn.Module):
         """``(accumulate_mask [L+k], spare_grad_1 [k, ...], spare_grad_2 [k, ...])``: static device buffers,
         built on the first fused forward (warm-up, before any capture) and reused; rebuilt only if the
         ``main_grad`` dtype/device changes."""
-        from .echo import spare_grad_buffers, wgrad_accumulate_mask
-
         key = (w1.main_grad.dtype, w2.main_grad.dtype, w1.main_grad.device)
         st = getattr(self, "_fused_wgrad_state", None)
         if st is None or st[0] != key:
@@ -730,14 +734,11 @@ class MoELayer(nn.Module):
         """Weights with ``main_grad``: wgrad fused into ``main_grad`` (``grad_added_to_main_grad`` set, zero
         weight gradients returned). With echo, one ``grouped_gemm_wgrad`` per GEMM with the per-expert mask (home
         experts accumulate into ``main_grad``, spare slots overwrite their own buffers), then the spare slots'
-        gradients are aggregated home into ``main_grad`` (:func:`moe_graph.echo.echo_grouped_gemm`)."""
+        gradients are aggregated home into ``main_grad`` (:func:`moe_graph.moe.echo.echo_grouped_gemm`)."""
         w1, w2 = self.expert_weights()
         if self.echo is None:
-            from .ops.grouped_gemm import _grouped_gemm_autograd  # GroupedLinear(fuse_wgrad_accumulation=True)'s path
-
             mid = self._activation(_grouped_gemm_autograd(expert_in, [w1], m_splits, True, None, True))
             return _grouped_gemm_autograd(mid, [w2], m_splits, True, None, True)
-        from .echo import echo_grouped_gemm
 
         mask, b1, b2 = self._echo_wgrad_state(w1, w2)
         s1, s2 = self._spares(omap, w1, w2) or self.echo.dispatch(omap, [w1, w2])  # detached copies
@@ -748,15 +749,13 @@ class MoELayer(nn.Module):
     def forward(self, x: torch.Tensor, padding_mask: Optional[torch.Tensor] = None,
                 is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
         """``x`` ``[..., H]`` (see :meth:`_forward`); with ``recompute`` and grad enabled, through
-        :func:`moe_graph.graph.checkpoint`. ``is_first_microbatch``: with ``echo_plan_mode="iteration"``,
+        :func:`moe_graph.cuda_graph.checkpoint`. ``is_first_microbatch``: with ``echo_plan_mode="iteration"``,
         ``False`` reuses the plan and spare weights of the iteration's first microbatch (``True``/``None``: plan
         afresh); ignored otherwise."""
         if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
             raise TypeError(f"is_first_microbatch must be a bool or None, got {type(is_first_microbatch).__name__}")
         reuse = self.echo is not None and self.echo_plan_mode == "iteration" and is_first_microbatch is False
         if self.recompute and torch.is_grad_enabled():
-            from .graph import checkpoint
-
             return checkpoint(self._forward, x, padding_mask, preserve_rng_state=False)  # no random numbers here
         return self._forward(x, padding_mask, reuse)
 

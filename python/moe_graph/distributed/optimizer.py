@@ -1,6 +1,6 @@
-"""Distributed optimizer (ZeRO-1) over the contiguous buffers of :mod:`moe_graph.ddp`.
+"""Distributed optimizer (ZeRO-1) over the contiguous buffers of :mod:`moe_graph.distributed.ddp`.
 
-Each bucket of a :class:`~moe_graph.buffers.ParamAndGradBuffer` (padded to a multiple of ``dp``
+Each bucket of a :class:`~moe_graph.distributed.buffers.ParamAndGradBuffer` (padded to a multiple of ``dp``
 elements) is cut into ``dp`` equal contiguous shards; rank ``r`` owns shard ``r`` of every bucket:
 it receives the reduced gradients of that shard (reduce-scatter), keeps the optimizer state of that
 shard only (fp32 main params for 16-bit params, Adam moments), updates it, and the updated shards
@@ -50,7 +50,9 @@ from typing import Dict, Iterable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from .buffers import ParamAndGradBuffer
+from moe_graph import parallel_state as ps
+from moe_graph.cuda_graph import _note_capture
+from moe_graph.distributed.buffers import ParamAndGradBuffer
 
 __all__ = ["build_shard_ranges", "DistributedOptimizer", "DynamicLossScaler", "ConstantLossScaler", "state_checksum"]
 
@@ -314,7 +316,7 @@ class _ModelChunks:
 
 
 class DistributedOptimizer:
-    """ZeRO-1 Adam/AdamW over a :class:`moe_graph.ddp.DistributedDataParallel` model.
+    """ZeRO-1 Adam/AdamW over a :class:`moe_graph.distributed.ddp.DistributedDataParallel` model.
 
     Args:
         model: a ``DistributedDataParallel`` built with ``use_distributed_optimizer=True`` (or any
@@ -392,7 +394,6 @@ class DistributedOptimizer:
             if not (g is None or (isinstance(g, str) and g == "auto") or isinstance(g, dist.ProcessGroup)):
                 raise ValueError(f"DistributedOptimizer: {name} must be 'auto', None or a torch.distributed "
                                  f"ProcessGroup, got {g!r}")
-        from . import parallel_state as ps
 
         mp_on = ps.model_parallel_is_initialized()  # "auto" / None below: Megatron's groups and ranks from it
         if isinstance(expert_model_parallel_group, str) and expert_model_parallel_group == "auto":
@@ -539,7 +540,7 @@ class DistributedOptimizer:
 
     def note_capture(self, token=None) -> None:
         """Record that :meth:`step` is being captured into a CUDA graph (called by ``step()`` itself when the
-        current stream captures; ``token`` identifies the graph, given by :class:`moe_graph.graph.FullIterationGraph`).
+        current stream captures; ``token`` identifies the graph, given by :class:`moe_graph.cuda_graph.FullIterationGraph`).
         While a capture is held, changing a setting the graph baked in raises."""
         self._captures[token] = dict(self._settings)
 
@@ -599,8 +600,6 @@ class DistributedOptimizer:
         Returns ``(update_successful, grad_norm)`` as 0-dim device tensors (no host sync).
         """
         if _stream_capturing(self.device):
-            from .graph import _note_capture  # FullIterationGraph.reset() releases the capture
-
             self.note_capture(_note_capture(self))
         self.model.finish_grad_sync()
         grads = []

@@ -1,6 +1,6 @@
 """Multi-process workers and references for the DDP / distributed-optimizer tests.
 
-Every ``*_worker(rank, world_size, ...)`` runs inside :func:`moe_graph.testing.distributed.run_distributed`
+Every ``*_worker(rank, world_size, ...)`` runs inside :func:`moe_graph.distributed.launch.run_distributed`
 and returns plain CPU tensors / numbers. The single-process references (plain
 ``torch.optim.AdamW`` on the whole batch) live here too so that tests and workers share the model
 and data definitions.
@@ -14,8 +14,9 @@ from typing import Dict, List, Tuple
 import torch
 import torch.distributed as dist
 
-from ..ddp import DistributedDataParallel
-from ..optimizer import DistributedOptimizer, DynamicLossScaler
+from moe_graph.distributed.ddp import DistributedDataParallel
+from moe_graph.distributed.launch import run_distributed
+from moe_graph.distributed.optimizer import DistributedOptimizer, DynamicLossScaler
 
 IN, HID, OUT = 12, 40, 6
 
@@ -35,8 +36,6 @@ def unpack(blob: bytes):
 
 def run(fn, world_size: int, *args):
     """``run_distributed`` for the workers below; returns the unpacked per-rank results."""
-    from .distributed import run_distributed
-
     return [unpack(b) for b in run_distributed(fn, world_size, *args)]
 GLOBAL_BATCH = 16
 

@@ -32,6 +32,19 @@ from typing import Tuple
 
 import torch
 
+from moe_graph.ops.errors import PLAN_INVALID, flag_error_if
+from moe_graph.ops.reroute import (
+    BEST_FIT_CUDA_MAX,
+    MAX_TOTAL_TOKENS,
+    best_fit_available,
+    echo_best_fit,
+    echo_plan,
+    native_available,
+    plan_available,
+    real_host_values,
+    reroute_tokens,
+)
+
 __all__ = [
     "gen_intermediate",
     "one_shot_greedy_assignment",
@@ -57,10 +70,6 @@ __all__ = [
 ASSIGNMENTS = ("auto", "greedy", "best_fit")
 DONOR_PATTERNS = ("ring", "node")
 
-# Largest total token count (counts.sum()) a plan accepts: the allocation multiplies two counts (int64), so both stay
-# below 2**31. Above it: ValueError for CPU counts; on CUDA the plan moves nothing (all counts read as 0) and the
-# device error flag's "inconsistent plan input" bit is set (moe_graph.check_errors() reports it): raising would sync.
-MAX_TOTAL_TOKENS = 2**31 - 1
 
 
 def donor_ranks(num_ep_ranks: int, w: int | None, pattern: str = "ring", node_size: int | None = None):
@@ -126,15 +135,6 @@ def _check_donor_mask(donor_mask_: torch.Tensor | None, R: int, device) -> torch
     return donor_mask_.to(device)
 
 
-def _real_host_values(t: torch.Tensor) -> bool:
-    """True when ``t``'s values can be read on the host without tracing or faking (eager CPU)."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    if isinstance(t, FakeTensor) or torch.compiler.is_compiling():
-        return False
-    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is None
-
-
 def _check_counts(counts: torch.Tensor, num_ep_ranks: int | None = None) -> torch.Tensor:
     if not isinstance(counts, torch.Tensor):
         raise TypeError(f"counts must be a torch.Tensor [R, E], got {type(counts).__name__}")
@@ -148,16 +148,14 @@ def _check_counts(counts: torch.Tensor, num_ep_ranks: int | None = None) -> torc
     if R < 1 or E % R != 0:
         raise ValueError(f"counts [R, E]: the number of experts E={E} must be divisible by the number of EP ranks R={R}")
     counts = counts.to(torch.int64)
-    if counts.device.type == "cpu" and _real_host_values(counts):  # no device sync: check and raise
+    if counts.device.type == "cpu" and real_host_values(counts):  # no device sync: check and raise
         if counts.numel() and int(counts.clamp(min=0).sum()) > MAX_TOTAL_TOKENS:
             raise ValueError(
                 f"counts: the total token count {int(counts.clamp(min=0).sum())} exceeds the planner's limit "
                 f"MAX_TOTAL_TOKENS={MAX_TOTAL_TOKENS} (int64 products of two counts would overflow)")
     elif counts.numel():  # device: flag it and plan nothing (raising would need a sync)
-        from .ops.errors import flag_error_if
-
         over = counts.clamp(min=0).sum() > MAX_TOTAL_TOKENS
-        flag_error_if(over, 8)
+        flag_error_if(over, PLAN_INVALID)
         counts = torch.where(over, torch.zeros((), dtype=counts.dtype, device=counts.device), counts)
     # Negative counts are meaningless; treat them as 0 (no sync to report them).
     return counts.clamp(min=0)
@@ -294,18 +292,10 @@ def greedy_assignment(counts: torch.Tensor, num_spare_experts_per_ep_rank: int =
     return assign_spillover(spill, cap, num_spare_experts_per_ep_rank, mask)
 
 
-# 3R + E limit of the one-block CUDA best-fit kernel (kBestFitMaxDynamicSmem / 8 in csrc/reroute/echo_plan.h).
-_BEST_FIT_CUDA_MAX = 6016
-
-
 def _native_best_fit(counts: torch.Tensor):
     """The native ``echo_best_fit`` op when the extension has it for ``counts``' device (and the shape fits)."""
-    try:
-        from moe_graph.ops.reroute import best_fit_available, echo_best_fit
-    except (ImportError, RuntimeError, AttributeError):  # no (or a stale) extension: the torch loop runs
-        return None
     R, E = counts.shape
-    if counts.device.type == "cuda" and 3 * R + E > _BEST_FIT_CUDA_MAX:
+    if counts.device.type == "cuda" and 3 * R + E > BEST_FIT_CUDA_MAX:
         return None
     return echo_best_fit if best_fit_available(counts.device.type) else None
 
@@ -521,10 +511,6 @@ def gen_allocation(counts: torch.Tensor, home_to_spare: torch.Tensor) -> torch.T
 
 
 def _native_plan(counts: torch.Tensor):
-    try:
-        from moe_graph.ops.reroute import echo_plan, plan_available
-    except (ImportError, RuntimeError, AttributeError):  # no (or a stale) extension
-        return None
     return echo_plan if plan_available(counts.device.type) else None
 
 
@@ -625,17 +611,9 @@ def reroute_tokens_torch(
 
 
 def _reroute(routing_map, probs, tokens_to_spare, home_to_spare_map):
-    op = None
-    try:
-        from moe_graph.ops.reroute import native_available, reroute_tokens
-
-        if native_available():
-            op = reroute_tokens
-    except (ImportError, RuntimeError, AttributeError):  # no (or a stale) extension: the torch version runs
-        op = None
-    if op is None:
-        return reroute_tokens_torch(routing_map, probs, tokens_to_spare, home_to_spare_map)
-    return op(routing_map, probs, tokens_to_spare, home_to_spare_map)
+    if native_available():
+        return reroute_tokens(routing_map, probs, tokens_to_spare, home_to_spare_map)
+    return reroute_tokens_torch(routing_map, probs, tokens_to_spare, home_to_spare_map)
 
 
 def gen_offloading_plan(
