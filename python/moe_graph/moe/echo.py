@@ -626,6 +626,7 @@ class _EchoGroupedGemmFn(torch.autograd.Function):
         ctx.dispatcher = dispatcher
         ctx.accumulate_mask = accumulate_mask
         ctx.spare_grad = spare_grad
+        ctx.home_param = home_weight  # main_grad's owner: a saved tensor unpacks without it under saved_tensors_hooks
         ctx.save_for_backward(a, m_splits, home_weight, spare_weight, expert_offloading_map)
         return out
 
@@ -638,11 +639,11 @@ class _EchoGroupedGemmFn(torch.autograd.Function):
             weights = list(home.unbind(0)) + list(spare.unbind(0))
             da = grouped_gemm(dy, weights, m_splits, trans_b=False)
         if ctx.needs_input_grad[2]:
-            main_grad = home.main_grad
+            main_grad = ctx.home_param.main_grad
             outs = list(main_grad.unbind(0)) + list(ctx.spare_grad.unbind(0))
             grouped_gemm_wgrad(a, dy, m_splits, out=outs, accumulate=ctx.accumulate_mask)
             ctx.dispatcher.aggregate_grads(omap, [ctx.spare_grad], out=[main_grad])
-            home.grad_added_to_main_grad = True
+            ctx.home_param.grad_added_to_main_grad = True
             dw = _dummy_wgrad(home)
         return da, None, dw, None, None, None, None, None
 

@@ -277,6 +277,10 @@ class _GroupedGemmFn(torch.autograd.Function):
         ctx.trans_b = trans_b
         ctx.bias_dtype = bias.dtype if bias is not None else None
         ctx.fuse_main_grad, ctx.accumulate, ctx.defer = fuse_main_grad, accumulate, defer
+        # The weight objects themselves (not only saved tensors) for main_grad and grad_added_to_main_grad:
+        # under saved_tensors_hooks (e.g. save_on_cpu offloading) the saved weights unpack as new tensors
+        # without those attributes. The saved copies carry the GEMM operands and their version check.
+        ctx.weight_objects = weights
         ctx.save_for_backward(a, m_splits, *weights)
         return out
 
@@ -288,7 +292,8 @@ class _GroupedGemmFn(torch.autograd.Function):
         need_bias = ctx.bias_dtype is not None and ctx.needs_input_grad[3]
         deferred = need_w and ctx.defer is not None
         fused = need_w and not deferred and ctx.fuse_main_grad
-        main_grads = [_resolve_main_grad(w) for w in weights] if fused else None
+        params = ctx.weight_objects
+        main_grads = [_resolve_main_grad(w) for w in params] if fused else None
         need_w_now = [need_w and not deferred] * len(weights)  # main_grad accumulation covers the whole group
         da, w_grads, db = _grouped_gemm_backward(
             dy, a, weights, m_splits, ctx.trans_b, ctx.bias_dtype, ctx.needs_input_grad[0], need_w_now,
@@ -297,15 +302,15 @@ class _GroupedGemmFn(torch.autograd.Function):
         if deferred:
             ctx.defer(a, dy.contiguous(), m_splits)
             if ctx.fuse_main_grad:
-                for w in weights:
+                for w in params:
                     w.grad_added_to_main_grad = True
-                w_grads = [_dummy_wgrad(w) for w in weights]
+                w_grads = [_dummy_wgrad(w) for w in params]
             else:
-                w_grads = [w.new_zeros(()).expand(w.shape) for w in weights]
+                w_grads = [w.new_zeros(()).expand(w.shape) for w in params]
         elif fused:
-            for w in weights:
+            for w in params:
                 w.grad_added_to_main_grad = True
-            w_grads = [_dummy_wgrad(w) for w in weights]
+            w_grads = [_dummy_wgrad(w) for w in params]
         return (da, None, None, db, None, None, None, *w_grads)
 
 
