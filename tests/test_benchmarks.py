@@ -104,3 +104,65 @@ def test_bench_grouped_gemm_without_gpu():
     if torch.cuda.is_available():
         pytest.skip("with a GPU the full benchmark runs in benchmarks/run_gpu.sh")
     assert "needs a CUDA device" in _run("bench_grouped_gemm.py", "--quick")
+
+
+def _load_benchmark(name, monkeypatch):
+    import importlib.util
+
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))  # as when run as a script: benchmarks/common.py
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "benchmarks", f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_moe_cost_smoke(tmp_path):
+    """The smallest configuration (Mixtral-like, 8 experts) with few tokens: every system measured (Megatron's rows
+    skipped only with the reason) with the same routing and weights (outputs equal moe_graph's), moe_graph and the
+    native MoE free of host syncs, Megatron's all-to-all dispatcher with its one."""
+    out = tmp_path / "cost.json"
+    text = _run("bench_moe_cost.py", "--configs", "mixtral", "--tokens", "64", "--reps", "1", "--out", str(out))
+    assert "launches fwd/bwd" in text
+    d = json.load(open(out))
+    assert d["env"]["commit"]
+    rows = {r["system"]: r for r in d["rows"]}
+    assert set(rows) == {"megatron_sequential", "megatron_grouped", "native", "moe_graph", "moe_graph_fused",
+                         "moe_graph_echo"}
+    for key, r in rows.items():
+        if "skipped" in r:
+            assert key.startswith("megatron") and r["skipped"], r
+            continue
+        assert r["launches_fwd"] > 0 and r["launches_bwd"] > 0 and r["non_gemm_bytes_per_token"] > 0, r
+        assert r["saved_bytes_per_token"] > 0 and r["max_abs_diff"] < 1e-4, r
+        assert r["host_syncs"] == (1 if key.startswith("megatron") else 0), (key, r["sync_points"])
+    # echo adds the plan, the spare-weight dispatch and the gradient aggregation
+    assert rows["moe_graph_echo"]["launches_fwd"] > rows["moe_graph"]["launches_fwd"]
+
+
+def test_cost_meter_counts(monkeypatch):
+    """The meter on known ops: views and allocations launch nothing, GEMMs move no counted bytes, reads of device
+    values on the host are syncs (reads of host copies are not), saved-tensor counting skips nothing it should."""
+    import torch
+
+    bench = _load_benchmark("bench_moe_cost", monkeypatch)
+    x = torch.randn(4, 8)
+    w = torch.randn(8, 8)
+    meter = bench.CostMeter(device_tensors=[x, w])
+    with meter, bench.host_reads(meter):
+        y = (x * 2).view(32)  # one launch: 128 B read, 128 B written; the view is free
+        torch.empty(3)  # free
+        z = x @ w  # GEMM: a launch, no counted bytes
+        y.sum().item()  # sum (launch, 128 B + 4 B) and _local_scalar_dense (launch, 4 B read: a sync)
+        z.tolist()  # host read of a device value: a sync
+        z.cpu()  # a device-to-host copy: a sync
+        meter.host_copy(z)  # as Megatron's maybe_move_tensor_to_cpu reports its result (megatron_env.cpu_shims)
+        z.tolist()  # a host copy: no sync
+    assert meter.launches["fwd"] == 4, meter.ops
+    assert meter.bytes["fwd"] == 128 + 128 + 128 + 4 + 4
+    assert [s.split(":")[1] for s in meter.syncs] == ["_local_scalar_dense", "Tensor.tolist", "Tensor.cpu"]
+    before = len(meter.syncs)
+    with meter, bench.host_reads(meter):
+        torch.arange(3, device="cpu").tolist()  # a factory's result counts as a device value
+        idx = torch.tensor([2, 0, 1])  # host values (lift_fresh) and values computed from them only
+        (idx + 1).tolist()
+    assert len(meter.syncs) == before + 1, meter.syncs

@@ -15,18 +15,15 @@ overrides the folder). Without network or pip the tests skip with the reason.
 
 Megatron's import-time stand-ins for TransformerEngine (``unittest.mock.MagicMock`` objects it installs when TE is
 missing, e.g. ``megatron.core.extensions.transformer_engine.te``) must never be called on this path: every test
-asserts their call count is zero. The CPU shims for Megatron's CUDA calls are in ``_cpu_shims`` (each says why).
+asserts their call count is zero. The fetch and the CPU shims for Megatron's CUDA calls are in
+``benchmarks/megatron_env.py`` (each says why).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-import subprocess
 import sys
 import tempfile
-import zipfile
-from functools import partial
 from pathlib import Path
 
 import pytest
@@ -35,143 +32,15 @@ import torch.nn.functional as F
 
 from moe_graph.distributed.launch import run_distributed
 
-MCORE_VERSION = "0.19.2"
 _ROOT = Path(__file__).resolve().parents[1]
-_CACHE = Path(os.environ.get("MOE_GRAPH_MEGATRON_CACHE", _ROOT / "build" / f"megatron-core-{MCORE_VERSION}"))
-
-
-def _installed_version():
-    try:
-        from megatron.core.package_info import __version__
-
-        return __version__.split("+")[0]  # 0.19.2 appends the git hash of the current directory's repository
-    except ImportError:
-        return None
-
-
-def _pip_unpack(requirement: str, dest: Path, marker: str, extra_args=()):
-    """``pip download`` one wheel and unpack it into ``dest`` (atomically); returns an error string or None."""
-    if (dest / marker).exists():
-        return None
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", *extra_args, requirement,
-               "-d", tmp, "-q"]
-        try:
-            res = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            return f"cannot fetch {requirement} with pip: {exc}"
-        wheels = list(Path(tmp).glob("*.whl"))
-        if res.returncode != 0 or not wheels:
-            return f"cannot fetch {requirement} with pip: {res.stderr.strip()[-300:]}"
-        unpacked = Path(tmp) / "site"
-        with zipfile.ZipFile(wheels[0]) as z:
-            z.extractall(unpacked)
-        try:
-            os.replace(unpacked, dest)  # atomic: a concurrent run finds a complete folder or none
-        except OSError:
-            if not (dest / marker).exists():
-                raise
-    return None
-
-
-def _provide_megatron():
-    """Put megatron-core 0.19.2 (and psutil, which its checkpoint writer needs) on sys.path; returns a skip
-    reason or None."""
-    if _installed_version() != MCORE_VERSION:
-        err = _pip_unpack(f"megatron-core=={MCORE_VERSION}", _CACHE, "megatron/core/__init__.py",
-                          ("--python-version", "3.12"))  # the wheel declares >= 3.12; the modules used run on 3.11
-        if err:
-            return err
-        sys.path.insert(0, str(_CACHE))
-        for name in [m for m in sys.modules if m == "megatron" or m.startswith("megatron.")]:
-            del sys.modules[name]
-        if _installed_version() != MCORE_VERSION:
-            return f"megatron-core {MCORE_VERSION} unpacked in {_CACHE} does not import"
-    try:
-        import psutil  # noqa: F401
-    except ImportError:
-        deps = _CACHE.parent / f"megatron-core-{MCORE_VERSION}-deps"
-        err = _pip_unpack("psutil", deps, "psutil/__init__.py")
-        if err:
-            return err
-        sys.path.insert(0, str(deps))
-    return None
-
+sys.path.insert(0, str(_ROOT / "benchmarks"))
+from megatron_env import cpu_shims as _cpu_shims  # noqa: E402  (the fetch and the CPU shims, shared with benchmarks)
+from megatron_env import provide_megatron as _provide_megatron  # noqa: E402
 
 _SKIP = _provide_megatron()
 pytestmark = pytest.mark.skipif(_SKIP is not None, reason=str(_SKIP))
 
 H, FFN, E = 16, 24, 4
-
-
-# --------------------------------------------------------------------------------------------------- shims --
-class _CpuStream:
-    """The one CPU "stream": CPU work runs in program order, so there is nothing to wait for and every recorded
-    event is already complete. Megatron's all-to-all token dispatcher creates a device-to-host side stream
-    (``torch.cuda.Stream()``), enters it (``torch.cuda.stream``), records an event there and synchronizes on it;
-    its DDP bucket groups ask for the current stream to wait on CUDA-graph wgrad events (none exist on CPU)."""
-
-    def wait_stream(self, stream):
-        pass
-
-    def wait_event(self, event):  # pragma: no cover - only CUDA-graph wgrad events reach it
-        raise AssertionError("no CUDA-graph events on CPU")
-
-    def record_event(self, event=None):
-        return _CpuEvent()
-
-
-class _CpuEvent:
-    def synchronize(self):
-        pass
-
-
-_CPU_STREAM = _CpuStream()
-
-
-@contextlib.contextmanager
-def _cpu_shims():
-    """The only CUDA calls Megatron makes on this path, redirected for CPU (each exists because Megatron calls
-    it unconditionally, not because moe_graph needs it):
-
-    * ``torch.cuda.current_device()``: Megatron's DDP allocates its grad buffers on it (``device=...``), and
-      dist_checkpointing its status flags; "cpu" puts them where the parameters are.
-    * ``torch.cuda.Stream()``, ``torch.cuda.stream(s)``, ``torch.cuda.current_stream()``: the all-to-all
-      dispatcher's device-to-host copy stream and DDP's wait for CUDA-graph events: one CPU stream (see
-      ``_CpuStream``).
-    * ``torch.cuda.synchronize()``: dist_checkpointing's save waits for device copies of the tensors it writes;
-      on CPU every copy is already complete.
-    * the all-to-all dispatcher's ``maybe_move_tensor_to_cpu``: on GPU it copies the EP split sizes to host numpy
-      arrays (``as_numpy=True``), the form ``all_to_all_single`` takes; on CPU it returns host tensors unchanged,
-      which ``all_to_all_single`` rejects. The shim applies the same conversion to host tensors.
-    """
-    from megatron.core.transformer.moe import token_dispatcher
-    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
-
-    move = token_dispatcher.maybe_move_tensor_to_cpu
-
-    def move_on_cpu(tensor, as_numpy=False, record_stream=False):
-        if torch.is_tensor(tensor) and tensor.device.type == "cpu" and as_numpy:
-            return tensor.numpy()
-        return move(tensor, as_numpy=as_numpy, record_stream=record_stream)
-
-    names = ("current_device", "Stream", "stream", "current_stream", "synchronize")
-    saved = {n: getattr(torch.cuda, n) for n in names}
-    torch.cuda.current_device = lambda: "cpu"
-    torch.cuda.Stream = lambda *a, **k: _CPU_STREAM
-    torch.cuda.stream = lambda s=None: contextlib.nullcontext()
-    torch.cuda.current_stream = lambda device=None: _CPU_STREAM
-    torch.cuda.synchronize = lambda device=None: None
-    token_dispatcher.maybe_move_tensor_to_cpu = move_on_cpu
-    try:
-        yield
-    finally:
-        for n, f in saved.items():
-            setattr(torch.cuda, n, f)
-        token_dispatcher.maybe_move_tensor_to_cpu = move
-        if MoEAlltoAllTokenDispatcher.cuda_dtoh_stream is _CPU_STREAM:  # a class attribute Megatron sets once
-            MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = None
 
 
 def _te_stand_in_calls():

@@ -1,0 +1,485 @@
+"""The cost of one MoE layer outside its GEMMs, measured on the CPU: moe_graph's MoELayer, Megatron-core 0.19.2's
+MoELayer and a PyTorch-native MoE side by side, with the same weights, routing and inputs (fp32, EP 1).
+
+On a GPU the part of the layer outside the GEMMs is memory-bound (bytes / ~3 TB/s) and each op is a kernel launch
+or a CUDA-graph node, so these device-independent counts predict it. For one forward + backward:
+
+* ``launches fwd/bwd``: ops reaching the dispatcher (a ``TorchDispatchMode``), views and allocations left out
+  (they launch nothing); each counted op is a kernel launch or a graph node.
+* ``non-GEMM bytes/token``: for every op that is not a GEMM, the bytes of its tensor arguments (read) and results
+  (written), each tensor counted whole (broadcast dimensions once), over the tokens of the batch. An upper bound
+  for gathers, which read only the rows they index; the same rule for every system.
+* ``saved bytes/token``: unique storages autograd saves for backward in the forward
+  (``torch.autograd.graph.saved_tensors_hooks``), parameters left out.
+* ``host syncs``: places where the host waits for device values: ``aten._local_scalar_dense`` (``.item()``,
+  ``bool(t)``), data-dependent-shape ops (``nonzero``, ``masked_select``, ``unique``, ...), ``.tolist()`` /
+  ``.numpy()`` / ``.cpu()`` of tensors the device computed, and stream/event/device synchronizes (Megatron's
+  device-to-host copy of its split sizes, through ``megatron_env.cpu_shims``).
+* ``cpu_ms``: the host time of a forward + backward on this CPU (information only: GEMMs included).
+
+Systems: moe_graph's MoELayer (echo off; echo off with weight gradients fused into ``main_grad``; one echo slot with
+fused ``main_grad``), Megatron-core's MoELayer (all-to-all dispatcher; ``SequentialMLP`` experts, and
+``TEGroupedMLP`` on moe_graph's GroupedLinear through ``moe_graph.integrations.megatron``) and a PyTorch-native MoE
+(``torch._grouped_mm`` experts, index-based permutation). Configurations (scaled down): Qwen3-30B-A3B-like
+(softmax top-8 of 128, renormalized), Mixtral-like (top-2 of 8), DeepSeek-V3-like (sigmoid top-8 of 64 in 8 groups,
+4 groups per token, expert bias, scaling 2.5, one shared expert). Dropless, router losses off. Every system's output
+is checked against moe_graph's (``max_abs_diff``): the same routing and weights.
+
+Megatron-core is fetched into ``build/`` (``megatron_env.provide_megatron``); without it its rows are skipped with
+the reason.
+
+    PYTHONPATH=python python3 benchmarks/bench_moe_cost.py                       # all configurations
+    PYTHONPATH=python python3 benchmarks/bench_moe_cost.py --configs mixtral --tokens 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import tempfile
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+
+from common import environment, results_path, time_cpu, write_json  # noqa: E402
+from megatron_env import cpu_shims, provide_megatron  # noqa: E402
+from moe_graph.moe import echo_planner as P  # noqa: E402
+from moe_graph.moe.layer import MoELayer  # noqa: E402
+from moe_graph.ops import reroute  # noqa: E402
+
+CONFIGS = {  # hidden, ffn (per expert), experts, topk, tokens, router options
+    "qwen3": dict(H=256, F=96, E=128, K=8, T=2048, score="softmax"),
+    "mixtral": dict(H=256, F=896, E=8, K=2, T=2048, score="softmax"),
+    "deepseek": dict(H=256, F=64, E=64, K=8, T=2048, score="sigmoid", groups=8, group_topk=4, scaling=2.5,
+                     shared=64),
+}
+LABELS = {"qwen3": "Qwen3-30B-A3B-like", "mixtral": "Mixtral-like", "deepseek": "DeepSeek-V3-like"}
+
+GEMM_OPS = {"mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "addmv", "mv", "grouped_gemm", "grouped_gemm_out",
+            "grouped_gemm_wgrad", "grouped_gemm_wgrad_out"}
+# no kernel: allocation, metadata and aliasing ops
+FREE_OPS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "_unsafe_view", "lift_fresh",
+            "detach", "alias", "is_same_size", "_has_compatible_shallow_copy_type", "sym_size", "sym_stride",
+            "sym_numel", "sym_storage_offset", "is_nonzero", "set_", "resize_", "record_stream"}
+# the host reads device values (a device-to-host copy the host waits for)
+SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique", "_unique2", "unique_dim",
+            "unique_consecutive", "bincount", "equal", "allclose", "masked_scatter_", "_assert_async"}
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    """Bytes a kernel touches for ``t``: its elements, broadcast (stride 0) dimensions once."""
+    n = 1
+    for size, stride in zip(t.shape, t.stride()):
+        if stride != 0:
+            n *= size
+    return n * t.element_size() if t.numel() else 0
+
+
+def _storage_key(t: torch.Tensor):
+    return (t.device, t.untyped_storage().data_ptr())
+
+
+class CostMeter(TorchDispatchMode):
+    """Counts ops, non-GEMM bytes and host syncs per phase (``self.phase``) while entered; see the module
+    docstring. Device values: the storages of ``device_tensors`` (parameters, buffers, the input) and of every result
+    of an op with a device value among its arguments or with no tensor argument (a factory: on a GPU it is given the
+    device); host copies (``host_copy``, ``Tensor.cpu``) and values computed from host values only are host values,
+    which the host reads without a sync (e.g. Megatron's host-side sort indices)."""
+
+    def __init__(self, device_tensors=()):
+        super().__init__()
+        self.phase = "fwd"
+        self.active = False
+        self.launches: Dict[str, int] = {"fwd": 0, "bwd": 0}
+        self.bytes: Dict[str, int] = {"fwd": 0, "bwd": 0}
+        self.syncs: List[str] = []
+        self.ops: Dict[str, Dict[str, int]] = {"fwd": {}, "bwd": {}}
+        self.device_storages = {_storage_key(t) for t in device_tensors}
+
+    def __enter__(self):
+        self.active = True
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self.active = False
+        return super().__exit__(*exc)
+
+    def sync(self, what: str) -> None:
+        if self.active:
+            self.syncs.append(f"{self.phase}:{what}")
+
+    def host_copy(self, value) -> None:
+        if torch.is_tensor(value):
+            self.device_storages.discard(_storage_key(value))
+
+    def read_on_host(self, t: torch.Tensor, what: str) -> None:
+        if torch.is_tensor(t) and _storage_key(t) in self.device_storages:
+            self.sync(what)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func.overloadpacket.__name__
+        ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        on_device = not ins or any(_storage_key(t) in self.device_storages for t in ins)
+        # every new storage is some op's result: its status is set here (a freed address may be reused)
+        if on_device and name != "lift_fresh":  # lift_fresh: torch.tensor(host values)
+            self.device_storages.update(_storage_key(t) for t in outs)
+        else:
+            self.device_storages.difference_update(_storage_key(t) for t in outs)
+        if func.is_view or name in FREE_OPS:
+            return out
+        if name in SYNC_OPS and on_device:
+            self.sync(name)
+        self.launches[self.phase] += 1
+        key = f"{func.namespace}.{name}"
+        self.ops[self.phase][key] = self.ops[self.phase].get(key, 0) + 1
+        if name not in GEMM_OPS:
+            self.bytes[self.phase] += sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in outs)
+        return out
+
+
+@contextlib.contextmanager
+def host_reads(meter: CostMeter):
+    """``Tensor.tolist/numpy/cpu`` report to ``meter`` (they bypass the dispatcher on a host tensor)."""
+    saved = {n: getattr(torch.Tensor, n) for n in ("tolist", "numpy", "cpu")}
+
+    def wrap(n):
+        f = saved[n]
+
+        def reading(self, *a, **k):
+            meter.read_on_host(self, f"Tensor.{n}")
+            out = f(self, *a, **k)
+            if n == "cpu" and out is not self:
+                meter.host_copy(out)
+            return out
+        return reading
+
+    for n in saved:
+        setattr(torch.Tensor, n, wrap(n))
+    try:
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(torch.Tensor, n, f)
+
+
+def measure(step_fwd: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, g: torch.Tensor,
+            module: torch.nn.Module, meter: CostMeter, reps: int) -> Dict[str, object]:
+    """One forward + backward of ``step_fwd`` under ``meter`` (after one warm-up step), then the CPU time."""
+    params = list(module.parameters())
+    meter.device_storages.update(_storage_key(t) for t in params + list(module.buffers()) + [x, g])
+    def step():
+        xi = x.detach().requires_grad_()
+        step_fwd(xi).backward(g)
+        return xi
+
+    step()  # warm-up: lazily built state (plans, buffers) is not part of the per-step cost
+    for p in params:
+        p.grad = None
+    param_keys = {_storage_key(p) for p in params}
+    saved: Dict[object, int] = {}
+
+    def pack(t):
+        k = _storage_key(t)
+        if k not in param_keys and t.untyped_storage().nbytes():
+            saved[k] = t.untyped_storage().nbytes()
+        return t
+
+    xi = x.detach().requires_grad_()
+    with meter, host_reads(meter):
+        meter.phase = "fwd"
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = step_fwd(xi)
+        meter.phase = "bwd"
+        out.backward(g)
+    result = out.detach().clone()
+    del out
+    T = x.numel() // x.shape[-1]
+    cpu_ms = time_cpu(step, warmup=0, reps=reps)
+    return {"launches_fwd": meter.launches["fwd"], "launches_bwd": meter.launches["bwd"],
+            "non_gemm_bytes_per_token": (meter.bytes["fwd"] + meter.bytes["bwd"]) / T,
+            "non_gemm_bytes_per_token_fwd": meter.bytes["fwd"] / T,
+            "saved_bytes_per_token": sum(saved.values()) / T, "host_syncs": len(meter.syncs),
+            "sync_points": meter.syncs, "cpu_ms": cpu_ms, "ops": meter.ops, "out": result}
+
+
+# ---------------------------------------------------------------------------------------------- weights --
+def make_weights(cfg, seed: int = 0) -> Dict[str, torch.Tensor]:
+    """The one set of weights every system copies: router ``[E, H]``, fc1 ``[E, 2F, H]`` (gate rows then up rows,
+    SwiGLU), fc2 ``[E, H, F]``, and the shared expert's fc1/fc2."""
+    gen = torch.Generator().manual_seed(seed)
+    H, Fh, E = cfg["H"], cfg["F"], cfg["E"]
+    w = {"router": torch.randn(E, H, generator=gen) * 0.1,
+         "fc1": torch.randn(E, 2 * Fh, H, generator=gen) * H ** -0.5,
+         "fc2": torch.randn(E, H, Fh, generator=gen) * Fh ** -0.5}
+    if cfg.get("shared"):
+        S = cfg["shared"]
+        w["shared_fc1"] = torch.randn(2 * S, H, generator=gen) * H ** -0.5
+        w["shared_fc2"] = torch.randn(H, S, generator=gen) * S ** -0.5
+    return w
+
+
+# -------------------------------------------------------------------------------------------- moe_graph --
+def moe_graph_system(cfg, w, spare: int, fused: bool):
+    layer = MoELayer(cfg["H"], cfg["F"], cfg["E"], cfg["K"], score_func=cfg["score"],
+                     norm_topk_prob=cfg["score"] == "softmax", activation="swiglu",
+                     num_groups=cfg.get("groups"), group_topk=cfg.get("group_topk"),
+                     topk_scaling_factor=cfg.get("scaling"), enable_expert_bias=cfg["score"] == "sigmoid",
+                     num_spare_experts_per_ep_rank=spare, shared_expert_ffn_size=cfg.get("shared"),
+                     device="cpu", params_dtype=torch.float32)
+    with torch.no_grad():
+        layer.router.weight.copy_(w["router"])
+        layer.fc1.weight.copy_(w["fc1"])
+        layer.fc2.weight.copy_(w["fc2"])
+        if cfg.get("shared"):
+            layer.shared_expert["fc1"].weight.copy_(w["shared_fc1"])
+            layer.shared_expert["fc2"].weight.copy_(w["shared_fc2"])
+    if fused:  # as moe_graph's DistributedDataParallel attaches: fp32 views of a grad buffer
+        for p in layer.expert_weights():
+            p.main_grad = torch.zeros(p.shape, dtype=torch.float32)
+    return (lambda x: layer(x)), layer
+
+
+@contextlib.contextmanager
+def device_branch():
+    """moe_graph checks eager CPU counts on the host (``real_host_values``: raise at once instead of flagging the
+    device error); a GPU never takes that branch. Measure the branch a GPU runs."""
+    saved = [(m, m.real_host_values) for m in (P, reroute)]
+    for m, _ in saved:
+        m.real_host_values = lambda t: False
+    try:
+        yield
+    finally:
+        for m, f in saved:
+            m.real_host_values = f
+
+
+# ---------------------------------------------------------------------------------------------- native --
+class NativeMoE(torch.nn.Module):
+    """A PyTorch-native MoE: top-k router, index-based permutation (one stable sort of the routes), the experts as
+    two ``torch._grouped_mm`` calls, the probabilities applied to the narrow ``[rows, F]`` activation, and
+    ``index_add`` back to the tokens. Sync-free (counts by ``scatter_add``, offsets by ``cumsum``)."""
+
+    def __init__(self, cfg, w):
+        super().__init__()
+        self.cfg = cfg
+        self.router = torch.nn.Parameter(w["router"].clone())
+        self.fc1 = torch.nn.Parameter(w["fc1"].clone())
+        self.fc2 = torch.nn.Parameter(w["fc2"].clone())
+        if cfg.get("shared"):
+            self.shared_fc1 = torch.nn.Parameter(w["shared_fc1"].clone())
+            self.shared_fc2 = torch.nn.Parameter(w["shared_fc2"].clone())
+            self.register_buffer("expert_bias", torch.zeros(cfg["E"]))
+
+    def route(self, x):
+        cfg, K, E = self.cfg, self.cfg["K"], self.cfg["E"]
+        logits = x @ self.router.t()
+        if cfg["score"] == "softmax":
+            top, idx = logits.topk(K, dim=-1)
+            return top.softmax(-1), idx  # = the renormalized top-k of the softmax
+        scores = logits.sigmoid()
+        sel = scores.detach() + self.expert_bias
+        T, G = x.shape[0], cfg["groups"]
+        group_scores = sel.view(T, G, E // G).topk(K // cfg["group_topk"], dim=-1)[0].sum(-1)
+        allowed = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(cfg["group_topk"], dim=-1)[1], 1.0)
+        sel = sel.masked_fill(allowed.repeat_interleave(E // G, dim=1) == 0, float("-inf"))
+        idx = sel.topk(K, dim=-1)[1]
+        top = scores.gather(1, idx)
+        return top / (top.sum(-1, keepdim=True) + 1e-20) * cfg["scaling"], idx
+
+    def forward(self, x):
+        K, E, Fh = self.cfg["K"], self.cfg["E"], self.cfg["F"]
+        probs, idx = self.route(x)
+        flat = idx.reshape(-1)
+        order = flat.argsort(stable=True)
+        token = order // K
+        counts = torch.zeros(E, dtype=torch.int64).scatter_add_(0, flat, torch.ones_like(flat))
+        offs = counts.cumsum(0).to(torch.int32)
+        h = torch._grouped_mm(x[token], self.fc1.transpose(-2, -1), offs=offs)
+        act = F.silu(h[:, :Fh]) * h[:, Fh:] * probs.reshape(-1)[order].unsqueeze(-1)
+        y = torch._grouped_mm(act, self.fc2.transpose(-2, -1), offs=offs)
+        out = torch.zeros_like(x).index_add_(0, token, y)
+        if self.cfg.get("shared"):
+            s = x @ self.shared_fc1.t()
+            out = out + (F.silu(s[:, :self.cfg["shared"]]) * s[:, self.cfg["shared"]:]) @ self.shared_fc2.t()
+        return out
+
+
+def native_system(cfg, w):
+    m = NativeMoE(cfg, w)
+    return m, m
+
+
+# -------------------------------------------------------------------------------------------- Megatron --
+def megatron_config(cfg):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kw = dict(num_layers=1, hidden_size=cfg["H"], num_attention_heads=2, num_moe_experts=cfg["E"],
+              moe_ffn_hidden_size=cfg["F"], ffn_hidden_size=cfg["F"], use_cpu_initialization=True,
+              gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, bias_activation_fusion=False,
+              bias_dropout_fusion=False, gradient_accumulation_fusion=False, params_dtype=torch.float32,
+              moe_router_topk=cfg["K"], moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=0.0,
+              moe_router_load_balancing_type="none", moe_grouped_gemm=True,
+              moe_router_score_function=cfg["score"])
+    if cfg["score"] == "sigmoid":
+        kw.update(moe_router_enable_expert_bias=True, moe_router_num_groups=cfg["groups"],
+                  moe_router_group_topk=cfg["group_topk"], moe_router_topk_scaling_factor=cfg["scaling"],
+                  moe_router_dtype="fp32")
+    if cfg.get("shared"):
+        kw.update(moe_shared_expert_intermediate_size=cfg["shared"])
+    return TransformerConfig(**kw)
+
+
+def megatron_system(cfg, w, grouped: bool, pg):
+    """Megatron's MoELayer at EP 1: ``SequentialMLP`` (its local spec) or ``TEGroupedMLP`` on moe_graph's
+    GroupedLinear (``get_gpt_layer_with_moe_graph_spec``), with the shared weights copied in."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from moe_graph.integrations.megatron import get_gpt_layer_with_moe_graph_spec
+
+    mcfg = megatron_config(cfg)
+    if grouped:
+        spec = get_gpt_layer_with_moe_graph_spec(num_experts=cfg["E"], use_transformer_engine=False)
+    else:
+        spec = get_gpt_layer_local_spec(num_experts=cfg["E"], moe_grouped_gemm=True)
+    layer = spec.submodules.mlp(config=mcfg, pg_collection=pg)
+    with torch.no_grad():
+        layer.router.weight.copy_(w["router"])
+        if grouped:
+            for name, key in (("linear_fc1", "fc1"), ("linear_fc2", "fc2")):
+                ws = getattr(layer.experts, name)._weights()
+                if len(ws) == 1 and ws[0].dim() == 3:
+                    ws[0].copy_(w[key])
+                else:
+                    for e, p in enumerate(ws):
+                        p.copy_(w[key][e])
+        else:
+            for e, mlp in enumerate(layer.experts.local_experts):
+                # Megatron's RowParallelLinear at TP=EP=1 returns through a no-op all-reduce Function; at EP>1 the
+                # layer skips it (explicit_expert_comm), as here (see tests/test_megatron_client.py)
+                mlp.linear_fc2.explicit_expert_comm = True
+                mlp.linear_fc1.weight.copy_(w["fc1"][e])
+                mlp.linear_fc2.weight.copy_(w["fc2"][e])
+        if cfg.get("shared"):
+            layer.shared_experts.linear_fc1.weight.copy_(w["shared_fc1"])
+            layer.shared_experts.linear_fc2.weight.copy_(w["shared_fc2"])
+    return (lambda x: layer(x.unsqueeze(1))[0].squeeze(1)), layer
+
+
+@contextlib.contextmanager
+def megatron_parallel_state():
+    """One-process gloo group and Megatron's model-parallel state at TP = PP = EP = 1."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
+        try:
+            ps.initialize_model_parallel(1, 1, expert_model_parallel_size=1)
+            try:
+                yield ProcessGroupCollection.use_mpu_process_groups()
+            finally:
+                ps.destroy_model_parallel()
+        finally:
+            dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------------------------- run --
+SYSTEMS = [  # key, label
+    ("megatron_sequential", "Megatron-core 0.19.2 MoELayer (alltoall, SequentialMLP)"),
+    ("megatron_grouped", "Megatron-core MoELayer, TEGroupedMLP on moe_graph GroupedLinear"),
+    ("native", "PyTorch-native MoE (torch._grouped_mm, index permutation)"),
+    ("moe_graph", "moe_graph MoELayer, echo off"),
+    ("moe_graph_fused", "moe_graph MoELayer, echo off, fused main_grad"),
+    ("moe_graph_echo", "moe_graph MoELayer, 1 echo slot, fused main_grad"),
+]
+
+
+def run_config(name: str, cfg, reps: int, megatron_skip: Optional[str], pg) -> List[Dict[str, object]]:
+    w = make_weights(cfg)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(cfg["T"], cfg["H"], generator=gen)
+    g = torch.randn(cfg["T"], cfg["H"], generator=gen)
+    rows, outs = [], {}
+    for key, label in SYSTEMS:
+        row = {"config": name, "system": key, "label": label}
+        if key.startswith("megatron") and megatron_skip is not None:
+            rows.append(dict(row, skipped=megatron_skip))
+            continue
+        meter = CostMeter()
+        torch.manual_seed(0)
+        if key.startswith("megatron"):
+            with cpu_shims(on_sync=meter.sync, on_host_copy=meter.host_copy):
+                fwd, module = megatron_system(cfg, w, key == "megatron_grouped", pg)
+                res = measure(fwd, x, g, module, meter, reps)
+        else:
+            if key == "native":
+                fwd, module = native_system(cfg, w)
+            else:
+                fwd, module = moe_graph_system(cfg, w, spare=1 if key == "moe_graph_echo" else 0,
+                                               fused=key != "moe_graph")
+            with device_branch():
+                res = measure(fwd, x, g, module, meter, reps)
+        outs[key] = res.pop("out")
+        row.update(res)
+        rows.append(row)
+    for row in rows:  # the same routing and weights: every system's output against moe_graph's
+        if "skipped" not in row:
+            row["max_abs_diff"] = (outs[row["system"]] - outs["moe_graph"]).abs().max().item()
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    ap.add_argument("--tokens", type=int, default=None, help="override the tokens of every configuration")
+    ap.add_argument("--reps", type=int, default=3, help="CPU-time repetitions")
+    ap.add_argument("--no-megatron", action="store_true", help="skip Megatron-core's rows")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    skip = "--no-megatron given" if args.no_megatron else provide_megatron()
+    rows = []
+    with (megatron_parallel_state() if skip is None else contextlib.nullcontext()) as pg:
+        for name in args.configs:
+            cfg = dict(CONFIGS[name])
+            if args.tokens:
+                cfg["T"] = args.tokens
+            rows += run_config(name, cfg, args.reps, skip, pg)
+    print_table(rows)
+    path = args.out or results_path("moe_cost")
+    write_json(path, {"env": environment(), "configs": {n: CONFIGS[n] for n in args.configs},
+                      "tokens_override": args.tokens, "megatron_skipped": skip, "rows": rows})
+    return rows
+
+
+def print_table(rows) -> None:
+    for name in dict.fromkeys(r["config"] for r in rows):
+        cfg = CONFIGS[name]
+        print(f"\n{LABELS[name]}: H {cfg['H']}, F {cfg['F']}, E {cfg['E']}, top-{cfg['K']}, fp32, EP 1")
+        print("| system | launches fwd/bwd | non-GEMM bytes/token | saved bytes/token | host syncs | cpu ms | "
+              "max abs diff |")
+        print("|---|---|---|---|---|---|---|")
+        for r in rows:
+            if r["config"] != name:
+                continue
+            if "skipped" in r:
+                print(f"| {r['label']} | skipped: {r['skipped']} |||||")
+                continue
+            print(f"| {r['label']} | {r['launches_fwd']} / {r['launches_bwd']} | "
+                  f"{r['non_gemm_bytes_per_token']:,.0f} | {r['saved_bytes_per_token']:,.0f} | {r['host_syncs']} | "
+                  f"{r['cpu_ms']:.1f} | {r['max_abs_diff']:.1e} |")
+
+
+if __name__ == "__main__":
+    main()
