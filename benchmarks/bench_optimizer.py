@@ -92,7 +92,6 @@ def bench_distopt(numel, dtype, grad_fp32, device, impl, iters):
     t = max(_time(step, device, iters) - t_copy, 1e-9)
     buf_bytes = sum(b.nbytes() for b in ddp.all_buffers)
     state_bytes = opt.state_nbytes()
-    del saved
     return t, buf_bytes / numel, state_bytes / numel, opt.impl
 
 

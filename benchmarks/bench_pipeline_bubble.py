@@ -32,7 +32,7 @@ from common import environment, results_path  # noqa: E402
 from moe_graph import parallel_state as ps  # noqa: E402
 from moe_graph.distributed.launch import run_distributed  # noqa: E402
 from moe_graph.train import p2p  # noqa: E402
-from moe_graph.train import schedules as P
+from moe_graph.train import schedules
 
 SHAPE = (4, 16)  # activation passed between stages (tiny: the benchmark measures scheduling, not bandwidth)
 
@@ -80,8 +80,8 @@ def _worker(rank, world_size, configs, t_fwd, t_bwd, repeats):
     for pp, vpp, m in configs:
         assert pp == world_size
         nc = vpp or 1
-        fn = P.get_forward_backward_func(pp, vpp)
-        cfg = P.PipelineConfig(tensor_shape=SHAPE)
+        fn = schedules.get_forward_backward_func(pp, vpp)
+        cfg = schedules.PipelineConfig(tensor_shape=SHAPE)
         res = {}
         # "zero": the same schedule with no compute (p2p + Python overhead only)
         for kind, (tf, tb) in (("zero", (0.0, 0.0)), ("sleep", (t_fwd, t_bwd))):

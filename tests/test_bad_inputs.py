@@ -190,9 +190,9 @@ def _launch():
 
 
 def _demo(argv):
-    from moe_graph.demo import loop as demo
+    from moe_graph.demo import cli
 
-    return demo.main(argv)
+    return cli.main(argv)
 
 
 def _counts(r=2, e=4):

@@ -67,13 +67,14 @@ def test_demo_quick_deepseek_router(tmp_path):
 
 
 def test_corpus_and_png_fallback(tmp_path):
-    from moe_graph.demo.loop import _png_fallback, build_corpus
+    from moe_graph.demo.data import build_corpus
+    from moe_graph.demo.report import png_fallback
 
     a, b = build_corpus(50, seed=1), build_corpus(50, seed=1)
     assert a == b and a.count("\n") == 50 and a != build_corpus(50, seed=2)
     summary = {"history": {"step": [1, 2, 3], "loss": [3.0, 2.0, 1.5], "imb_before": [1.2, 1.3, 1.1],
                            "imb_after": [1.0, 1.0, 1.0]}}
-    _png_fallback(summary, str(tmp_path / "p.png"), W=64, Hh=48)
+    png_fallback(summary, str(tmp_path / "p.png"), width=64, height=48)
     data = (tmp_path / "p.png").read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and b"IHDR" in data and data.endswith(b"IEND\xaeB`\x82")
 
@@ -84,12 +85,13 @@ def test_demo_step_has_no_data_dependent_ops():
     or data-dependent shape raises."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from moe_graph.demo.loop import MoETransformerLM, _parser
+    from moe_graph.demo.cli import parser
+    from moe_graph.demo.model import MoETransformerLM
     from moe_graph.distributed.ddp import DistributedDataParallel
     from moe_graph.distributed.optimizer import DistributedOptimizer
     from moe_graph.train.step import make_train_step
 
-    cfg = _parser().parse_args(["--layers", "1", "--batch", "2"])
+    cfg = parser().parse_args(["--layers", "1", "--batch", "2"])
     moe = dict(aux_loss_coeff=0.01, num_spare_experts_per_ep_rank=1, capacity_factor=1.25, assignment="greedy")
     model = MoETransformerLM(cfg, 37, moe, "cpu", torch.float32)
     ddp = DistributedDataParallel(model, use_distributed_optimizer=True)
@@ -131,7 +133,7 @@ import pytest  # noqa: E402
     (["--device", "cuda"] if not torch.cuda.is_available() else ["--ep", "x"], "--"),
 ])
 def test_demo_flags_rejected_before_anything_is_written(argv, flag, tmp_path, capsys):
-    from moe_graph.demo.loop import main
+    from moe_graph.demo.cli import main
 
     out = tmp_path / "out"
     with pytest.raises(SystemExit) as e:
@@ -143,15 +145,15 @@ def test_demo_flags_rejected_before_anything_is_written(argv, flag, tmp_path, ca
 
 
 def test_demo_quick_keeps_explicit_flags_and_defaults():
-    from moe_graph.demo.loop import _parser, _resolve
+    from moe_graph.demo.cli import parser, resolve_args
 
-    p = _parser()
+    p = parser()
     args = p.parse_args(["--quick", "--device", "cpu", "--batch", "4", "--layers", "3", "--steps", "7"])
-    layout = _resolve(p, args, None)
+    layout = resolve_args(p, args, None)
     assert (args.batch, args.layers, args.steps, args.microbatches) == (4, 3, 7, 1)  # quick fills only the rest
     assert (layout.world, layout.pp, layout.dp, layout.ep) == (2, 1, 2, 2)
     args = p.parse_args(["--device", "cpu", "--pp", "2", "--ep", "1", "--dp", "2", "--layers", "2"])
-    layout = _resolve(p, args, {"rank": 0, "world": 4, "local_rank": 0})  # under torchrun: world from the env
+    layout = resolve_args(p, args, {"rank": 0, "world": 4, "local_rank": 0})  # under torchrun: world from the env
     assert (layout.world, layout.pp, layout.dp, layout.ep, layout.edp) == (4, 2, 2, 1, 2)
     assert args.out.endswith("moe_graph_demo") and os.path.isabs(args.out)  # default: under the current directory
 

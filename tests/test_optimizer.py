@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from helpers import optimizer_checks as C
+from helpers import optimizer_checks
 from moe_graph.distributed.buffers import ParamAndGradBuffer
 from moe_graph.distributed.ddp import DistributedDataParallel
 from moe_graph.distributed.optimizer import (
@@ -94,21 +94,21 @@ def test_shard_ranges_errors():
 # single-process optimizer (dp=1, no process group)
 # --------------------------------------------------------------------------------------------
 def _run_single(impl, dtype=torch.float32, steps=4, clip=0.0, adamw=True, no_wd=False, **opt_kw):
-    model = C.make_model(dtype)
+    model = optimizer_checks.make_model(dtype)
     ddp = DistributedDataParallel(model, use_distributed_optimizer=True, grad_reduce_in_fp32=True)
     nwd = [p for n, p in model.named_parameters() if n.endswith("bias")] if no_wd else None
     opt = DistributedOptimizer(ddp, lr=1e-2, weight_decay=0.1, impl=impl, clip_grad=clip, adamw=adamw,
                                no_weight_decay_params=nwd, **opt_kw)
     for it in range(steps):
-        x, y = C.batch(it)
+        x, y = optimizer_checks.batch(it)
         ddp.zero_grad_buffer()
-        (C.loss_fn(ddp(x.to(dtype)), y) * opt.loss_scale).backward()
+        (optimizer_checks.loss_fn(ddp(x.to(dtype)), y) * opt.loss_scale).backward()
         opt.step()
     return model, opt
 
 
 def _torch_ref(steps=4, clip=0.0, adamw=True, no_wd=False):
-    m = C.make_model()
+    m = optimizer_checks.make_model()
     cls = torch.optim.AdamW if adamw else torch.optim.Adam
     if no_wd:
         groups = [{"params": [p for n, p in m.named_parameters() if not n.endswith("bias")]},
@@ -117,9 +117,9 @@ def _torch_ref(steps=4, clip=0.0, adamw=True, no_wd=False):
         groups = m.parameters()
     opt = cls(groups, lr=1e-2, weight_decay=0.1, foreach=False)
     for it in range(steps):
-        x, y = C.batch(it)
+        x, y = optimizer_checks.batch(it)
         opt.zero_grad()
-        C.loss_fn(m(x), y).backward()
+        optimizer_checks.loss_fn(m(x), y).backward()
         if clip:
             torch.nn.utils.clip_grad_norm_(m.parameters(), clip)
         opt.step()
@@ -140,7 +140,7 @@ def test_step_matches_torch_adamw_single_process(impl, clip):
     assert opt.impl == impl
     ref = _torch_ref(clip=clip)
     assert _maxdiff(model, ref) < 2e-6
-    assert _maxdiff(model, C.make_model()) > 1e-2  # it trained
+    assert _maxdiff(model, optimizer_checks.make_model()) > 1e-2  # it trained
     assert float(opt.step_count) == 4.0
 
 
@@ -173,7 +173,7 @@ def test_dynamic_loss_scaler_updates_without_branches():
 def test_step_has_no_host_sync(monkeypatch):
     """Forbid every Tensor -> Python conversion while step() runs (the CPU stand-in for
     torch.cuda.set_sync_debug_mode('error'))."""
-    model = C.make_model()
+    model = optimizer_checks.make_model()
     ddp = DistributedDataParallel(model, use_distributed_optimizer=True)
     opts = [DistributedOptimizer(ddp, lr=1e-2, impl="tensor", clip_grad=1.0, loss_scaler=DynamicLossScaler()),
             DistributedOptimizer(ddp, lr=1e-2, impl="fused", clip_grad=1.0, loss_scaler=DynamicLossScaler())]
@@ -182,9 +182,9 @@ def test_step_has_no_host_sync(monkeypatch):
         raise AssertionError("host sync in step()")
 
     for opt in opts:
-        x, y = C.batch(0)
+        x, y = optimizer_checks.batch(0)
         ddp.zero_grad_buffer()
-        (C.loss_fn(ddp(x), y) * opt.loss_scale).backward()
+        (optimizer_checks.loss_fn(ddp(x), y) * opt.loss_scale).backward()
         with monkeypatch.context() as m:
             for name in ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy"):
                 m.setattr(torch.Tensor, name, boom)
@@ -196,17 +196,17 @@ def test_step_has_no_host_sync(monkeypatch):
 @pytest.mark.parametrize("amp_check", [True, False])
 @pytest.mark.parametrize("bad", [float("inf"), float("nan")])
 def test_nonfinite_grad_skips_update(impl, amp_check, bad):
-    model = C.make_model()
+    model = optimizer_checks.make_model()
     ddp = DistributedDataParallel(model, use_distributed_optimizer=True)
     opt = DistributedOptimizer(ddp, lr=1e-2, impl=impl, clip_grad=1.0, loss_scaler=ConstantLossScaler(4.0))
     opt._amp_check = amp_check and opt._amp_check  # also exercise the portable fallback
-    x, y = C.batch(0)
+    x, y = optimizer_checks.batch(0)
     ddp.zero_grad_buffer()
-    (C.loss_fn(ddp(x), y) * opt.loss_scale).backward()
+    (optimizer_checks.loss_fn(ddp(x), y) * opt.loss_scale).backward()
     opt.step()
     state = [t.clone() for s in opt.shards for t in (s.main_param, s.exp_avg, s.exp_avg_sq)]
     ddp.zero_grad_buffer()
-    (C.loss_fn(ddp(x), y) * opt.loss_scale).backward()
+    (optimizer_checks.loss_fn(ddp(x), y) * opt.loss_scale).backward()
     model.fc2.bias.main_grad[1] = bad
     ok, norm = opt.step()
     assert not bool(ok) and not torch.isfinite(norm)
@@ -214,17 +214,17 @@ def test_nonfinite_grad_skips_update(impl, amp_check, bad):
     assert all(torch.equal(a, b) for a, b in zip(state, after))
     assert float(opt.step_count) == 1.0
     ddp.zero_grad_buffer()
-    (C.loss_fn(ddp(x), y) * opt.loss_scale).backward()
+    (optimizer_checks.loss_fn(ddp(x), y) * opt.loss_scale).backward()
     ok, norm = opt.step()  # the next clean step proceeds
     assert bool(ok) and float(opt.step_count) == 2.0
     assert all(torch.isfinite(s.main_param).all() for s in opt.shards)
 
 
 def test_optimizer_argument_errors():
-    model = C.make_model()
+    model = optimizer_checks.make_model()
     with pytest.raises(ValueError, match="use_distributed_optimizer=True"):
         DistributedOptimizer(DistributedDataParallel(model), lr=1e-3)
-    ddp = DistributedDataParallel(C.make_model(), use_distributed_optimizer=True)
+    ddp = DistributedDataParallel(optimizer_checks.make_model(), use_distributed_optimizer=True)
     with pytest.raises(ValueError, match="impl"):
         DistributedOptimizer(ddp, impl="apex")
     with pytest.raises(ValueError, match="betas"):
@@ -241,7 +241,7 @@ def test_state_dict_single_process_roundtrip(dtype):
     assert (sd["metadata"]["dp_size"], sd["metadata"]["dp_rank"]) == (1, 0)
     w = sd["shard"]["fc1.weight"]
     assert w["range"] == (0, model.fc1.weight.numel()) and w["exp_avg_sq"].min() >= 0
-    assert sd["metadata"]["params"]["fc1.weight"] == {"shape": (C.HID, C.IN), "dtype": str(dtype), "expert": False}
+    assert sd["metadata"]["params"]["fc1.weight"] == {"shape": (optimizer_checks.HID, optimizer_checks.IN), "dtype": str(dtype), "expert": False}
     # fp32: the model params are the main params (saved with the model); 16-bit: fp32 copies
     assert ("main_param" in w) == (dtype != torch.float32)
     if dtype != torch.float32:
@@ -263,7 +263,7 @@ def test_load_state_dict_errors_name_the_parameter():
     sd = opt.state_dict()
     _, opt2 = _run_single("tensor", steps=0)
     bad = {**sd, "metadata": {**sd["metadata"], "params": {**sd["metadata"]["params"]}}}
-    bad["metadata"]["params"]["fc2.weight"] = {**bad["metadata"]["params"]["fc2.weight"], "shape": (7, C.HID)}
+    bad["metadata"]["params"]["fc2.weight"] = {**bad["metadata"]["params"]["fc2.weight"], "shape": (7, optimizer_checks.HID)}
     with pytest.raises(ValueError, match="fails its checksum"):  # an edited state fails its checksum
         opt2.load_state_dict(bad)
     with pytest.raises(ValueError, match=r"'fc2.weight'.*\(7, 40\)"):
@@ -296,24 +296,24 @@ def _trained_bf16_with_scaler(steps):
                        loss_scaler=DynamicLossScaler(initial_scale=256.0, growth_interval=2))
 
 
-@pytest.mark.parametrize("case", sorted(C.CORRUPTIONS))
+@pytest.mark.parametrize("case", sorted(optimizer_checks.CORRUPTIONS))
 def test_failed_load_leaves_state_bit_identical(case):
     """bf16 params (fp32 main params in the state) and a dynamic loss scaler: save after 2 steps, take a 3rd,
     then load a corrupted copy of the save. The load raises the expected error and leaves every byte the load
     could write (moments, main params, bf16 params, step, lr, settings, scaler) as it was."""
-    corrupt, exc, msg, verify = C.CORRUPTIONS[case]
+    corrupt, exc, msg, verify = optimizer_checks.CORRUPTIONS[case]
     model, opt = _trained_bf16_with_scaler(2)
     sd = opt.state_dict()
-    x, y = C.batch(9)
+    x, y = optimizer_checks.batch(9)
     opt.zero_grad()
-    (C.loss_fn(opt.model(x.to(torch.bfloat16)), y) * opt.loss_scale).backward()
+    (optimizer_checks.loss_fn(opt.model(x.to(torch.bfloat16)), y) * opt.loss_scale).backward()
     opt.step()
-    before = C.optimizer_snapshot(opt)
+    before = optimizer_checks.optimizer_snapshot(opt)
     # the last piece in the copy order, so that a partial load would already have written the others
     name = [opt._name(p) for s in opt.shards for p in s.ranges][-1]
     with pytest.raises(exc, match=msg):
         opt.load_state_dict([corrupt(sd, name)], verify_checksum=verify)
-    assert C.snapshots_identical(before, C.optimizer_snapshot(opt))
+    assert optimizer_checks.snapshots_identical(before, optimizer_checks.optimizer_snapshot(opt))
     opt.load_state_dict(sd)  # the intact state still loads, and restores the save exactly
     assert opt.state_dict()["checksum"] == sd["checksum"]
 
@@ -328,10 +328,10 @@ def test_failed_load_leaves_state_bit_identical(case):
 ])
 def test_load_rejects_what_is_not_a_state(state, msg):
     _, opt = _run_single("tensor", steps=1)
-    before = C.optimizer_snapshot(opt)
+    before = optimizer_checks.optimizer_snapshot(opt)
     with pytest.raises(ValueError, match=msg):
         opt.load_state_dict(state)
-    assert C.snapshots_identical(before, C.optimizer_snapshot(opt))
+    assert optimizer_checks.snapshots_identical(before, optimizer_checks.optimizer_snapshot(opt))
 
 
 def test_load_takes_number_step_and_lr():
@@ -358,7 +358,7 @@ def test_checksum_survives_torch_save_and_detects_damage():
     # one flipped bit anywhere in a tensor, or a changed number, fails the check
     for field in ("exp_avg", "exp_avg_sq", "main_param"):
         with pytest.raises(ValueError, match="fails its checksum"):
-            opt2.load_state_dict(C._flip_byte(loaded, "fc1.weight", field))
+            opt2.load_state_dict(optimizer_checks._flip_byte(loaded, "fc1.weight", field))
     with pytest.raises(ValueError, match="fails its checksum"):
         opt2.load_state_dict({**loaded, "step": loaded["step"] + 1})
     with pytest.raises(ValueError, match="fails its checksum"):
@@ -369,7 +369,7 @@ def test_checksum_survives_torch_save_and_detects_damage():
     with pytest.raises(ValueError, match=r"has no 'checksum'.*verify_checksum=False"):
         opt2.load_state_dict(plain)
     opt2.load_state_dict(plain, verify_checksum=False)
-    opt2.load_state_dict(C._flip_byte(loaded, "fc1.weight", "exp_avg"), verify_checksum=False)  # no check: loads
+    opt2.load_state_dict(optimizer_checks._flip_byte(loaded, "fc1.weight", "exp_avg"), verify_checksum=False)  # no check: loads
 
 
 LOAD_FAILURE_CASES = ["short_piece", "range_none", "hyper_no_eps", "no_lr", "scaler_missing_key", "flipped_bit",
@@ -377,14 +377,14 @@ LOAD_FAILURE_CASES = ["short_piece", "range_none", "hyper_no_eps", "no_lr", "sca
 
 
 def _check_load_failures(res, cases=LOAD_FAILURE_CASES):
-    """Results of :func:`C.load_failure_worker` on every rank (groups with a 30 s timeout): the last rank read a
+    """Results of :func:`optimizer_checks.load_failure_worker` on every rank (groups with a 30 s timeout): the last rank read a
     corrupted shard and raises its own error; every other rank raises too, after one flag all-reduce per group,
     instead of waiting in the param all-gather; all return within a few seconds with the state unchanged, and a
     clean load afterwards works everywhere. Run by the multi-process suites below (one spawn each)."""
     import re
 
     for case in cases:
-        _, exc, msg, _ = C.CORRUPTIONS[case]
+        _, exc, msg, _ = optimizer_checks.CORRUPTIONS[case]
         t, m, _, _ = res[-1][case]
         assert t == exc.__name__ and re.search(msg, m), (case, t, m)
         for r in res[:-1]:
@@ -401,24 +401,24 @@ def test_cuda_graph_capture_of_full_step(impl):
     dev = torch.device("cuda")
 
     def build():
-        m = C.make_model().to(dev)
+        m = optimizer_checks.make_model().to(dev)
         d = DistributedDataParallel(m, use_distributed_optimizer=True)
         return m, d, DistributedOptimizer(d, lr=1e-2, impl=impl, clip_grad=1.0, loss_scaler=DynamicLossScaler())
 
     m_e, d_e, o_e = build()
     m_g, d_g, o_g = build()
-    sx = torch.zeros(C.GLOBAL_BATCH, C.IN, device=dev)
-    sy = torch.zeros(C.GLOBAL_BATCH, C.OUT, device=dev)
+    sx = torch.zeros(optimizer_checks.GLOBAL_BATCH, optimizer_checks.IN, device=dev)
+    sy = torch.zeros(optimizer_checks.GLOBAL_BATCH, optimizer_checks.OUT, device=dev)
 
     def it(d, o, x, y):
         d.zero_grad_buffer()
-        (C.loss_fn(d(x), y) * o.loss_scale).backward()
+        (optimizer_checks.loss_fn(d(x), y) * o.loss_scale).backward()
         o.step()
 
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):  # warm-up (also step 0 of the graphed model)
-        x, y = C.batch(0)
+        x, y = optimizer_checks.batch(0)
         sx.copy_(x)
         sy.copy_(y)
         it(d_g, o_g, sx, sy)
@@ -432,7 +432,7 @@ def test_cuda_graph_capture_of_full_step(impl):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     for step in range(1, 4):
-        x, y = C.batch(step)
+        x, y = optimizer_checks.batch(step)
         sx.copy_(x)
         sy.copy_(y)
         g.replay()
@@ -451,8 +451,8 @@ STEPS = 3
 def _check_train(results, cfgs, ws):
     for cfg, r in zip(cfgs, results):
         dtype = cfg.get("dtype", torch.float32)
-        ref = C.reference_adamw(STEPS, dtype, clip=cfg.get("clip", 0.0))
-        init = C.make_model(dtype).float().state_dict()
+        ref = optimizer_checks.reference_adamw(STEPS, dtype, clip=cfg.get("clip", 0.0))
+        init = optimizer_checks.make_model(dtype).float().state_dict()
         diff = torch.cat([(r["params"][k] - ref[k]).abs().flatten() for k in ref])
         moved = torch.cat([(init[k] - ref[k]).abs().flatten() for k in ref])
         assert r["consistent"], f"ranks disagree ({cfg}, ws={ws})"
@@ -485,7 +485,7 @@ def _expected_bytes(d):
 
 
 def test_two_ranks_training_memory_inf_allreduce_failed_load():
-    res = C.run(C.suite_worker, 2, {"train": TRAIN_CFGS, "memory": True, "inf": True, "allreduce": True,
+    res = optimizer_checks.run(optimizer_checks.suite_worker, 2, {"train": TRAIN_CFGS, "memory": True, "inf": True, "allreduce": True,
                                      "load_failure": (LOAD_FAILURE_CASES, 30.0)})
     _check_train(res[0]["train"], TRAIN_CFGS, 2)
     # DP=2: only rank 1 reads a corrupted shard; both raise at once, state unchanged (issue 12)
@@ -499,9 +499,9 @@ def test_two_ranks_training_memory_inf_allreduce_failed_load():
         assert r["inf"]["scales"] == [1024.0, 512.0, 512.0, 1024.0]
         assert r["inf"]["step"] == 3.0
     # plain DDP (all-reduce): main_grad == grad of the mean loss over the global batch
-    m = C.make_model()
-    x, y = C.batch(0)
-    C.loss_fn(m(x), y).backward()
+    m = optimizer_checks.make_model()
+    x, y = optimizer_checks.batch(0)
+    optimizer_checks.loss_fn(m(x), y).backward()
     for r in res:
         for mode in ("sum", "avg"):
             got = r["allreduce"][mode]
@@ -531,7 +531,7 @@ def test_four_ranks_then_resume_at_two_and_one(tmp_path):
     prefixes = [str(tmp_path / f"ckpt_{str(d)[6:]}") for d in dtypes]
     save = [(pre, d, 2) for pre, d in zip(prefixes, dtypes)]
     load = [(pre, d, 2, dp) for pre, d in zip(prefixes, dtypes) for dp in (2, 1)]
-    res = C.run(C.suite_worker, 4, {"train": cfgs, "memory": True, "save": save, "load": load,
+    res = optimizer_checks.run(optimizer_checks.suite_worker, 4, {"train": cfgs, "memory": True, "save": save, "load": load,
                                      "missing": [(prefixes[1], torch.bfloat16, 2)],
                                      "load_failure": (["short_piece", "flipped_bit"], 30.0, 2)})
     _check_train(res[0]["train"], cfgs, 4)
@@ -541,7 +541,7 @@ def test_four_ranks_then_resume_at_two_and_one(tmp_path):
     _check_load_failures([r["load_failure"] for r in res], ["short_piece", "flipped_bit"])
     for r in res:
         assert r["memory"] == pytest.approx(_expected_bytes(4))
-    ref = C.reference_adamw(3, torch.float32)
+    ref = optimizer_checks.reference_adamw(3, torch.float32)
     for i, dtype in enumerate(dtypes):
         _check_shard_sizes([r["save"][i] for r in res], 4)
         saved = res[0]["save"][i]
@@ -582,11 +582,11 @@ def test_expert_dp_differs_from_dense_dp(tmp_path):
     the global norm counts each dense and each expert parameter once. The sharded checkpoint
     (expert params share names across EP ranks) then resumes at dense DP=2, expert DP=1."""
     steps, clip = 3, 0.05
-    res = C.run(C.expert_dp_worker, 4, str(tmp_path / "moe"), 2, steps, clip)
-    ref, ref_norms = C.moe_reference(steps, clip)
+    res = optimizer_checks.run(optimizer_checks.expert_dp_worker, 4, str(tmp_path / "moe"), 2, steps, clip)
+    ref, ref_norms = optimizer_checks.moe_reference(steps, clip)
     assert min(ref_norms) > clip  # clipping is active on every step
     assert [(r["dp"], r["expert_dp"]) for r in res] == [(4, 2)] * 4
-    assert [r["expert_names"][0] for r in res] == ["experts.0.bias", "experts.2.bias"] * 2
+    assert [r["expert_names"][0] for r in res] == ["experts.bias[0]", "experts.bias[2]"] * 2
     experts = {k for r in res for k in r["params"] if k.startswith("experts.")}
     assert experts == {k for k in ref if k.startswith("experts.")}
     for r in res:
@@ -599,7 +599,7 @@ def test_expert_dp_differs_from_dense_dp(tmp_path):
 
 def test_eight_ranks_training_and_memory():
     cfgs = [dict(dtype=torch.float32, overlap=True, bucket_size=300), dict(dtype=torch.bfloat16)]
-    res = C.run(C.suite_worker, 8, {"train": cfgs, "memory": True})
+    res = optimizer_checks.run(optimizer_checks.suite_worker, 8, {"train": cfgs, "memory": True})
     _check_train(res[0]["train"], cfgs, 8)
     assert res[0]["memory"] == pytest.approx(_expected_bytes(8))
     assert res[0]["memory"]["bf16/fp32"] == pytest.approx(6 + 12 / 8)  # the seed's 6 + 12/d row
@@ -611,7 +611,7 @@ def test_eight_ranks_training_and_memory():
 def test_grad_norm_counts_tp_duplicates_once_single_process():
     # As tensor-parallel rank 1: the duplicate bias and the shared embedding are counted elsewhere.
     for tp_rank, shared in ((0, False), (1, False), (0, True)):
-        module = C.tp_pp_module(tp_rank, last_stage=shared)
+        module = optimizer_checks.tp_pp_module(tp_rank, last_stage=shared)
         ddp = DistributedDataParallel(module, use_distributed_optimizer=True)
         opt = DistributedOptimizer(ddp, lr=1e-2, impl="tensor", tensor_model_parallel_rank=tp_rank)
         gw, gb, ge = torch.randn(3, 4), torch.randn(4), torch.randn(5)
@@ -626,8 +626,8 @@ def test_grad_norm_counts_tp_duplicates_once_single_process():
 
 @pytest.mark.parametrize("clip", [0.0, 1.0])
 def test_grad_norm_and_clipping_over_tp2_pp2(clip):
-    res = C.run(C.tp_pp_norm_worker, 4, clip, True)
-    grads = C.tp_pp_grads()
+    res = optimizer_checks.run(optimizer_checks.tp_pp_norm_worker, 4, clip, True)
+    grads = optimizer_checks.tp_pp_grads()
     total = sum(gw.square().sum() + gb.square().sum() for gw, gb in grads["stages"].values())
     expect = float((total + grads["emb"].square().sum()).sqrt())
     assert all(r["ok"] for r in res)
@@ -639,7 +639,7 @@ def test_grad_norm_and_clipping_over_tp2_pp2(clip):
         torch.testing.assert_close(r["w_grad"], gw * coef)
     if clip > 0:
         # without the model-parallel group each stage would clip with its own partial norm
-        local = C.run(C.tp_pp_norm_worker, 4, clip, False)
+        local = optimizer_checks.run(optimizer_checks.tp_pp_norm_worker, 4, clip, False)
         assert all(abs(r["norm"] - expect) > 1e-3 for r in local)
 
 
@@ -681,16 +681,16 @@ def test_one_optimizer_over_model_chunks_single_process():
 # --------------------------------------------------------------------------------------------
 def _ref_with_settings(settings_per_step, steps=4):
     """torch.optim.AdamW / Adam with clip_grad_norm_, the settings of step i from ``settings_per_step[i]``."""
-    m = C.make_model()
+    m = optimizer_checks.make_model()
     adamw = settings_per_step[0]["adamw"]
     opt = (torch.optim.AdamW if adamw else torch.optim.Adam)(m.parameters(), lr=1e-2, foreach=False)
     for it in range(steps):
         st = settings_per_step[it]
         for g in opt.param_groups:
             g.update(betas=(st["beta1"], st["beta2"]), eps=st["eps"], weight_decay=st["weight_decay"], lr=st["lr"])
-        x, y = C.batch(it)
+        x, y = optimizer_checks.batch(it)
         opt.zero_grad()
-        C.loss_fn(m(x), y).backward()
+        optimizer_checks.loss_fn(m(x), y).backward()
         if st["clip_grad"] > 0:
             torch.nn.utils.clip_grad_norm_(m.parameters(), st["clip_grad"])
         opt.step()
@@ -703,7 +703,7 @@ def test_tensor_path_reads_every_setting_from_device_tensors():
     the tensors, and match torch.optim with the same changes."""
     a = dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, clip_grad=0.05, lr=1e-2, adamw=True)
     b = dict(beta1=0.5, beta2=0.9, eps=1e-3, weight_decay=0.3, clip_grad=0.2, lr=3e-2, adamw=True)
-    model = C.make_model()
+    model = optimizer_checks.make_model()
     ddp = DistributedDataParallel(model, use_distributed_optimizer=True)
     opt = DistributedOptimizer(ddp, lr=a["lr"], betas=(a["beta1"], a["beta2"]), eps=a["eps"],
                                weight_decay=a["weight_decay"], clip_grad=a["clip_grad"], impl="tensor")
@@ -713,9 +713,9 @@ def test_tensor_path_reads_every_setting_from_device_tensors():
             for k in ("beta1", "beta2", "eps", "weight_decay", "clip_grad"):
                 opt._settings_t[k].fill_(b[k])
             opt.lr.fill_(b["lr"])
-        x, y = C.batch(it)
+        x, y = optimizer_checks.batch(it)
         ddp.zero_grad_buffer()
-        C.loss_fn(ddp(x), y).backward()
+        optimizer_checks.loss_fn(ddp(x), y).backward()
         opt.step()
     assert opt.beta1 == a["beta1"]  # the Python value was not consulted
     ref = _ref_with_settings([a, a, b, b])
@@ -730,16 +730,16 @@ def test_tensor_path_reads_every_setting_from_device_tensors():
 
 def _captured(monkeypatch, opt, fig):
     """Run one step as if ``fig`` (a FullIterationGraph) were capturing it on a CUDA stream."""
-    from moe_graph import cuda_graph as G
-    from moe_graph.distributed import optimizer as O
+    from moe_graph import cuda_graph
+    from moe_graph.distributed import optimizer
 
-    monkeypatch.setattr(O, "_stream_capturing", lambda device: True)
-    x, y = C.batch(0)
+    monkeypatch.setattr(optimizer, "_stream_capturing", lambda device: True)
+    x, y = optimizer_checks.batch(0)
     opt.zero_grad()
-    C.loss_fn(opt.model(x), y).backward()
-    with G._capture_scope(fig._modes["training"]):
+    optimizer_checks.loss_fn(opt.model(x), y).backward()
+    with cuda_graph._capture_scope(fig._modes["training"]):
         opt.step()
-    monkeypatch.setattr(O, "_stream_capturing", lambda device: False)
+    monkeypatch.setattr(optimizer, "_stream_capturing", lambda device: False)
 
 
 @pytest.mark.filterwarnings("ignore:FullIterationGraph")
@@ -747,7 +747,7 @@ def _captured(monkeypatch, opt, fig):
 def test_settings_baked_into_a_capture_raise_until_reset(monkeypatch, impl):
     from moe_graph.cuda_graph import FullIterationGraph
 
-    ddp = DistributedDataParallel(C.make_model(), use_distributed_optimizer=True)
+    ddp = DistributedDataParallel(optimizer_checks.make_model(), use_distributed_optimizer=True)
     opt = DistributedOptimizer(ddp, lr=1e-2, weight_decay=0.1, clip_grad=0.0, impl=impl)
     fig = FullIterationGraph(lambda: None, enabled=False)
     sd = opt.state_dict()
@@ -771,10 +771,10 @@ def test_settings_baked_into_a_capture_raise_until_reset(monkeypatch, impl):
         with pytest.raises(RuntimeError, match="cannot change weight_decay"):
             opt.weight_decay = 0.2
     # a checkpoint whose hyper-parameters differ in a frozen setting is refused before anything is written
-    before = C.optimizer_snapshot(opt)
+    before = optimizer_checks.optimizer_snapshot(opt)
     with pytest.raises(RuntimeError, match=r"cannot change adamw.*FullIterationGraph\.reset\(\)"):
         opt.load_state_dict({**sd, "hyper": {**sd["hyper"], "adamw": False}}, verify_checksum=False)
-    assert C.snapshots_identical(before, C.optimizer_snapshot(opt))
+    assert optimizer_checks.snapshots_identical(before, optimizer_checks.optimizer_snapshot(opt))
     fig.reset()  # releases the capture: every setting may change again
     for name in frozen:
         setattr(opt, name, new[name])
@@ -784,13 +784,13 @@ def test_settings_baked_into_a_capture_raise_until_reset(monkeypatch, impl):
 
 
 def test_release_captures_for_graphs_captured_by_hand(monkeypatch):
-    ddp = DistributedDataParallel(C.make_model(), use_distributed_optimizer=True)
+    ddp = DistributedDataParallel(optimizer_checks.make_model(), use_distributed_optimizer=True)
     opt = DistributedOptimizer(ddp, lr=1e-2, impl="fused")
-    from moe_graph.distributed import optimizer as O
+    from moe_graph.distributed import optimizer
 
-    monkeypatch.setattr(O, "_stream_capturing", lambda device: True)  # a torch.cuda.graph outside FullIterationGraph
-    x, y = C.batch(0)
-    C.loss_fn(ddp(x), y).backward()
+    monkeypatch.setattr(optimizer, "_stream_capturing", lambda device: True)  # a torch.cuda.graph outside FullIterationGraph
+    x, y = optimizer_checks.batch(0)
+    optimizer_checks.loss_fn(ddp(x), y).backward()
     opt.step()
     with pytest.raises(RuntimeError, match=r"release_captures\(\)"):
         opt.beta2 = 0.95
@@ -804,7 +804,7 @@ def test_release_captures_for_graphs_captured_by_hand(monkeypatch):
     ("weight_decay", float("nan"), "weight_decay must be"), ("clip_grad", "x", "clip_grad must be"),
     ("adamw", 1, "adamw must be a bool")])
 def test_setting_setters_validate(name, value, msg):
-    ddp = DistributedDataParallel(C.make_model(), use_distributed_optimizer=True)
+    ddp = DistributedDataParallel(optimizer_checks.make_model(), use_distributed_optimizer=True)
     opt = DistributedOptimizer(ddp, lr=1e-2, impl="tensor")
     old = getattr(opt, name)
     with pytest.raises(ValueError, match=msg):
@@ -823,7 +823,7 @@ def test_settings_changed_under_a_real_capture_match_eager():
     changes = dict(beta1=0.5, beta2=0.9, eps=1e-3, weight_decay=0.3, clip_grad=0.2)
 
     def build(impl):
-        m = C.make_model().to(dev)
+        m = optimizer_checks.make_model().to(dev)
         d = DistributedDataParallel(m, use_distributed_optimizer=True)
         return m, d, DistributedOptimizer(d, lr=1e-2, weight_decay=0.1, clip_grad=0.05, impl=impl)
 
@@ -833,7 +833,7 @@ def test_settings_changed_under_a_real_capture_match_eager():
 
         def it(d, o, x, y):
             d.zero_grad_buffer()
-            C.loss_fn(d(x), y).backward()
+            optimizer_checks.loss_fn(d(x), y).backward()
             o.step()
 
         fig = FullIterationGraph(lambda x, y: it(d_g, o_g, x, y), warmup_steps=1)
@@ -848,7 +848,7 @@ def test_settings_changed_under_a_real_capture_match_eager():
                     setattr(o_e, k, v)
                 o_g.set_lr(3e-2)
                 o_e.set_lr(3e-2)
-            x, y = (t.to(dev) for t in C.batch(step))
+            x, y = (t.to(dev) for t in optimizer_checks.batch(step))
             fig(x, y)
             it(d_e, o_e, x, y)
         torch.cuda.synchronize()

@@ -279,7 +279,6 @@ def _dist_worker(rank, world_size):
     import torch
     import torch.distributed as dist
 
-    out = {}
     # Layout A: tp 2, pp 2 -> dp 2; experts etp 1, ep 2 -> edp 2; vpp 2.
     ps.initialize_model_parallel(2, 2, 1, 2, 1, virtual_pipeline_model_parallel_size=2,
                                  create_gloo_process_groups=True)

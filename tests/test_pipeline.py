@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from moe_graph.train import p2p
-from moe_graph.train import schedules as P
+from moe_graph.train import schedules
 from moe_graph.train.schedules import num_warmup_microbatches, schedule_order
 
 
 def fmt(order):
-    return " ".join(P.format_step(s) for s in order)
+    return " ".join(schedules.format_step(s) for s in order)
 
 
 # ---------------------------------------------------------------- hand-derived orders
@@ -38,7 +38,7 @@ def test_1f1b_orders():
     assert fmt(schedule_order(2, 4, 0)) == "F0.0 F1.0 B0.0 B1.0"
     assert [num_warmup_microbatches(8, 4, r) for r in range(4)] == [3, 2, 1, 0]
     assert [num_warmup_microbatches(2, 4, r) for r in range(4)] == [2, 2, 1, 0]
-    # pp 2 as in the seed's 1F1B description
+    # pp 2: rank 0 warms up with one forward, then alternates one forward and one backward
     assert fmt(schedule_order(4, 2, 0)) == "F0.0 F1.0 B0.0 F2.0 B1.0 F3.0 B2.0 B3.0"
     assert fmt(schedule_order(4, 2, 0, forward_only=True)) == "F0.0 F1.0 F2.0 F3.0"
 
@@ -63,7 +63,7 @@ def test_interleaved_orders():
 
 def test_interleaved_group_size():
     # Megatron's documented example: PP2 VP2 with groups of 3 and m 5
-    assert P.get_schedule_table(5, 2, 3) == [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1), (3, 0), (4, 0),
+    assert schedules.get_schedule_table(5, 2, 3) == [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1), (3, 0), (4, 0),
                                               (3, 1), (4, 1)]
     # warm-up 2*(2-0-1) + (2-1)*3 = 5 on rank 0
     assert num_warmup_microbatches(5, 2, 0, 2, 3) == 5
@@ -156,7 +156,7 @@ def test_forward_only_orders():
     for m, pp, vpp, g in CONFIGS[::7]:
         for r in range(pp):
             fo = schedule_order(m, pp, r, vpp, g, forward_only=True)
-            table = P.get_schedule_table(m, vpp or 1, g or pp) if vpp else [(i, 0) for i in range(m)]
+            table = schedules.get_schedule_table(m, vpp or 1, g or pp) if vpp else [(i, 0) for i in range(m)]
             assert fo == [(True, mb, c) for mb, c in table]
             assert num_warmup_microbatches(m, pp, r, vpp, g, forward_only=True) == m * (vpp or 1)
 
@@ -198,27 +198,27 @@ def test_schedule_errors(args, match):
 def test_schedule_functions_reject_bad_configs_before_communicating():
     comm = p2p.P2PCommunicator(rank=0, world_size=4, prev_rank=3, next_rank=1)
     chunks = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]
-    cfg = P.PipelineConfig(tensor_shape=(2,))
+    cfg = schedules.PipelineConfig(tensor_shape=(2,))
     with pytest.raises(ValueError, match="6 % microbatch_group_size"):
-        P.forward_backward_pipelining_with_interleaving(forward_step_func=None, data_iterator=[None, None],
+        schedules.forward_backward_pipelining_with_interleaving(forward_step_func=None, data_iterator=[None, None],
                                                         model=chunks, num_microbatches=6, config=cfg,
                                                         communicator=comm)
     with pytest.raises(ValueError, match="one data iterator per model chunk"):
-        P.forward_backward_pipelining_with_interleaving(forward_step_func=None, data_iterator=[None], model=chunks,
+        schedules.forward_backward_pipelining_with_interleaving(forward_step_func=None, data_iterator=[None], model=chunks,
                                                         num_microbatches=8, config=cfg, communicator=comm)
     with pytest.raises(ValueError, match="takes one model chunk"):
-        P.forward_backward_pipelining_without_interleaving(forward_step_func=None, data_iterator=None, model=chunks,
+        schedules.forward_backward_pipelining_without_interleaving(forward_step_func=None, data_iterator=None, model=chunks,
                                                            num_microbatches=8, config=cfg, communicator=comm)
     with pytest.raises(ValueError, match="tensor_shape"):
-        P.forward_backward_pipelining_without_interleaving(forward_step_func=None, data_iterator=None,
+        schedules.forward_backward_pipelining_without_interleaving(forward_step_func=None, data_iterator=None,
                                                            model=chunks[0], num_microbatches=8, communicator=comm)
 
 
 def test_get_forward_backward_func():
-    assert P.get_forward_backward_func(1) is P.forward_backward_no_pipelining
-    assert P.get_forward_backward_func(4) is P.forward_backward_pipelining_without_interleaving
-    assert P.get_forward_backward_func(4, 2) is P.forward_backward_pipelining_with_interleaving
-    assert P.get_forward_backward_func() is P.forward_backward_no_pipelining  # parallel_state not initialized
+    assert schedules.get_forward_backward_func(1) is schedules.forward_backward_no_pipelining
+    assert schedules.get_forward_backward_func(4) is schedules.forward_backward_pipelining_without_interleaving
+    assert schedules.get_forward_backward_func(4, 2) is schedules.forward_backward_pipelining_with_interleaving
+    assert schedules.get_forward_backward_func() is schedules.forward_backward_no_pipelining  # parallel_state not initialized
 
 
 # ---------------------------------------------------------------- layer assignment
@@ -226,29 +226,29 @@ def test_get_forward_backward_func():
 
 def test_layer_assignment():
     # 8 layers, pp 2, vpp 2: stage 0 holds [0, 1] and [4, 5]; stage 1 [2, 3] and [6, 7]
-    assert P.chunk_layer_ids(8, 2, 0, 2) == [[0, 1], [4, 5]]
-    assert P.chunk_layer_ids(8, 2, 1, 2) == [[2, 3], [6, 7]]
+    assert schedules.chunk_layer_ids(8, 2, 0, 2) == [[0, 1], [4, 5]]
+    assert schedules.chunk_layer_ids(8, 2, 1, 2) == [[2, 3], [6, 7]]
     # 16 layers, pp 4, vpp 2 (1-based in Megatron's docstring: GPU 0 [1, 2] [9, 10], GPU 3 [7, 8] [15, 16])
-    assert P.chunk_layer_ids(16, 4, 0, 2) == [[0, 1], [8, 9]]
-    assert P.chunk_layer_ids(16, 4, 3, 2) == [[6, 7], [14, 15]]
+    assert schedules.chunk_layer_ids(16, 4, 0, 2) == [[0, 1], [8, 9]]
+    assert schedules.chunk_layer_ids(16, 4, 3, 2) == [[6, 7], [14, 15]]
     # 8 layers, pp 2, vpp 4: one layer per chunk, [0] [2] [4] [6] on stage 0
-    assert P.chunk_layer_ids(8, 2, 0, 4) == [[0], [2], [4], [6]]
-    assert P.chunk_layer_ids(8, 2, 1) == [[4, 5, 6, 7]]
-    assert P.get_layer_offset(16, 4, 2, 2, 1) == 8 + 4
-    assert P.get_num_layers_per_chunk(16, 4, 2) == 2
-    all_ids = sorted(i for r in range(4) for ch in P.chunk_layer_ids(24, 4, r, 3) for i in ch)
+    assert schedules.chunk_layer_ids(8, 2, 0, 4) == [[0], [2], [4], [6]]
+    assert schedules.chunk_layer_ids(8, 2, 1) == [[4, 5, 6, 7]]
+    assert schedules.get_layer_offset(16, 4, 2, 2, 1) == 8 + 4
+    assert schedules.get_num_layers_per_chunk(16, 4, 2) == 2
+    all_ids = sorted(i for r in range(4) for ch in schedules.chunk_layer_ids(24, 4, r, 3) for i in ch)
     assert all_ids == list(range(24))
     with pytest.raises(ValueError, match=r"num_layers=10 is not divisible by pp_size\*vpp_size = 2\*2 = 4"):
-        P.chunk_layer_ids(10, 2, 0, 2)
+        schedules.chunk_layer_ids(10, 2, 0, 2)
     with pytest.raises(ValueError, match="vpp_rank 2 out of range"):
-        P.get_layer_offset(8, 2, 0, 2, 2)
+        schedules.get_layer_offset(8, 2, 0, 2, 2)
 
 
 # ---------------------------------------------------------------- CLI
 
 
 def test_cli(capsys):
-    assert P.main(["--pp", "4", "--vpp", "2", "--microbatches", "8"]) == 0
+    assert schedules.main(["--pp", "4", "--vpp", "2", "--microbatches", "8"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "pp=4 vpp=2 microbatches=8 ideal bubble fraction=0.188"
     assert lines[1] == "rank 0 (warmup 10): " + fmt(schedule_order(8, 4, 0, 2))
@@ -354,7 +354,7 @@ def make_forward_step(observed, produced=None):
 
 def printed_order(m, pp, pp_rank, vpp=None, group=None, forward_only=False):
     """This rank's steps as ``python -m moe_graph.train.schedules`` prints them (``format_schedule``)."""
-    line = P.format_schedule(m, pp, vpp, group, forward_only).splitlines()[pp_rank]
+    line = schedules.format_schedule(m, pp, vpp, group, forward_only).splitlines()[pp_rank]
     return line.split(": ", 1)[1].split()
 
 
@@ -378,18 +378,18 @@ def run_config(pp, pp_rank, vpp, m, seed, *, group=None, batch_p2p=True, forward
     nc = vpp or 1
     num_layers = 2 * pp * nc
     layers = build_layers(num_layers, seed)
-    ids = P.chunk_layer_ids(num_layers, pp, pp_rank, vpp)
+    ids = schedules.chunk_layer_ids(num_layers, pp, pp_rank, vpp)
     log = []
     chunks = [Chunk([layers[i] for i in chunk_ids], c, log) for c, chunk_ids in enumerate(ids)]
     data = make_data(m, seed)
     sync_calls = []
     trace = []
     observed = []
-    cfg = P.PipelineConfig(tensor_shape=(B, H), batch_p2p_comm=batch_p2p, microbatch_group_size_per_vp_stage=group,
+    cfg = schedules.PipelineConfig(tensor_shape=(B, H), batch_p2p_comm=batch_p2p, microbatch_group_size_per_vp_stage=group,
                            deallocate_pipeline_outputs=deallocate, trace=trace,
                            grad_sync_func=(lambda params: sync_calls.append(sorted(id(p) for p in params)))
                            if grad_sync else None)
-    fn = P.get_forward_backward_func(pp, vpp)
+    fn = schedules.get_forward_backward_func(pp, vpp)
     produced = []  # (chunk id, stage output) to check deallocation after send
     fstep = make_forward_step(observed, produced)
     kwargs = dict(forward_step_func=fstep, num_microbatches=m, forward_only=forward_only, config=cfg,
@@ -501,7 +501,7 @@ def _pipeline_worker(rank, world_size):
     # pp 2 on 4 ranks -> two independent pipelines [0, 2] and [1, 3] (dp 2)
     ps.initialize_model_parallel(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
     assert ps.get_pipeline_model_parallel_global_ranks() == [rank % 2, rank % 2 + 2]
-    assert P.get_forward_backward_func() is P.forward_backward_pipelining_with_interleaving
+    assert schedules.get_forward_backward_func() is schedules.forward_backward_pipelining_with_interleaving
     results["p2p"] = _p2p_checks(rank)
     for i, c in enumerate(PP2_CONFIGS):
         c = dict(c)
@@ -510,7 +510,7 @@ def _pipeline_worker(rank, world_size):
     ps.destroy_model_parallel()
     # pp 4 on all ranks; explicit communicator built from the group
     ps.initialize_model_parallel(pipeline_model_parallel_size=4)
-    assert P.get_forward_backward_func() is P.forward_backward_pipelining_without_interleaving
+    assert schedules.get_forward_backward_func() is schedules.forward_backward_pipelining_without_interleaving
     comm = p2p.P2PCommunicator(ps.get_pipeline_model_parallel_group())
     comm_plain = p2p.P2PCommunicator(ps.get_pipeline_model_parallel_group(), batch_p2p_comm=False)
     for i, c in enumerate(PP4_CONFIGS):
@@ -528,7 +528,7 @@ def _pipeline_worker(rank, world_size):
 def _check_observed_order(res, cfg, r):
     """What ran (steps observed in the forward step function and in the autograd backward) is the printed
     schedule; the schedule's own ``trace`` agrees with it."""
-    assert [P.format_step(s) for s in res["observed"]] == res["printed"], (cfg, r)
+    assert [schedules.format_step(s) for s in res["observed"]] == res["printed"], (cfg, r)
     assert res["trace"] == res["observed"], (cfg, r)
 
 
@@ -553,7 +553,7 @@ def _check(res_by_stage, cfg, seed):
         for c, n in res["output_numels"]:
             sent = not (c == nc - 1 and r == pp - 1)
             assert n == (1 if sent and cfg.get("deallocate", True) else B * H), (cfg, r, c, n)
-        assert sorted(res["grads"]) == sorted(i for ch in P.chunk_layer_ids(num_layers, pp, r, vpp) for i in ch)
+        assert sorted(res["grads"]) == sorted(i for ch in schedules.chunk_layer_ids(num_layers, pp, r, vpp) for i in ch)
         for i, (gw, gb) in res["grads"].items():
             torch.testing.assert_close(torch.tensor(gw), ref_grads[i][0], rtol=1e-5, atol=1e-6, msg=f"{cfg} layer {i}")
             torch.testing.assert_close(torch.tensor(gb), ref_grads[i][1], rtol=1e-5, atol=1e-6, msg=f"{cfg} layer {i}")
@@ -635,7 +635,7 @@ def run_ddp_config(pp, pp_rank, dp, dp_rank, vpp, m, seed, *, grad_sync=False, d
     nc = vpp or 1
     num_layers = 2 * pp * nc
     layers = build_layers(num_layers, seed)
-    ids = P.chunk_layer_ids(num_layers, pp, pp_rank, vpp)
+    ids = schedules.chunk_layer_ids(num_layers, pp, pp_rank, vpp)
     data = [(i, x, y) for i, (_, x, y) in enumerate(make_data(dp * m, seed)[dp_rank * m:(dp_rank + 1) * m])]
     observed, launches, running = [], [], [False]
     ddps = []
@@ -647,9 +647,9 @@ def run_ddp_config(pp, pp_rank, dp, dp_rank, vpp, m, seed, *, grad_sync=False, d
         _record_grad_reduce_launches(ddp, c, observed, launches, running)
         ddps.append(ddp)
     pick = (lambda fns: fns) if vpp else (lambda fns: fns[0])
-    cfg = P.PipelineConfig(tensor_shape=(B, H), no_sync_func=pick([d.no_sync for d in ddps]),
+    cfg = schedules.PipelineConfig(tensor_shape=(B, H), no_sync_func=pick([d.no_sync for d in ddps]),
                            grad_sync_func=pick([d.start_grad_sync for d in ddps]) if grad_sync else None)
-    fn = P.get_forward_backward_func(pp, vpp)
+    fn = schedules.get_forward_backward_func(pp, vpp)
     kwargs = dict(forward_step_func=make_forward_step(observed), num_microbatches=m, config=cfg, communicator=communicator)
     running[0] = True
     out = fn(data_iterator=pick([iter(data) for _ in range(nc)]), model=pick(ddps), **kwargs)
@@ -714,10 +714,10 @@ def _check_ddp(res_by_rank, cfg, seed, pp, dp):
     for r in range(pp):
         for d in range(dp):
             res, where = res_by_rank[r][d], (cfg, r, d)
-            assert [P.format_step(s) for s in res["observed"]] == res["printed"], where
+            assert [schedules.format_step(s) for s in res["observed"]] == res["printed"], where
             assert res["losses"] == (pytest.approx(ref_losses[d * m:(d + 1) * m], rel=1e-5, abs=1e-6)
                                      if r == pp - 1 else []), where
-            assert sorted(res["grads"]) == sorted(i for ch in P.chunk_layer_ids(num_layers, pp, r, vpp) for i in ch)
+            assert sorted(res["grads"]) == sorted(i for ch in schedules.chunk_layer_ids(num_layers, pp, r, vpp) for i in ch)
             for i, pair in res["grads"].items():
                 for (got, valid), want in zip(pair, ref_grads[i]):
                     got, valid = torch.tensor(got), torch.tensor(valid)
@@ -761,8 +761,8 @@ def test_ddp_wrapper_as_single_stage_chunk():
     with pytest.raises(TypeError, match="Linear has no set_input_tensor"):
         plain.set_input_tensor(torch.zeros(2))
     with pytest.raises(TypeError, match="has no set_input_tensor"):
-        P.forward_step(lambda it, mdl: (mdl(torch.zeros(1, 2)), None), None, plain, 1, torch.zeros(2), [],
-                       P.PipelineConfig(), False)
+        schedules.forward_step(lambda it, mdl: (mdl(torch.zeros(1, 2)), None), None, plain, 1, torch.zeros(2), [],
+                       schedules.PipelineConfig(), False)
 
     m = 3
     res = run_ddp_config(1, 0, 1, 0, None, m, seed=11, grad_sync=True)
@@ -778,7 +778,7 @@ def test_ddp_wrapper_as_single_stage_chunk():
         for (got, valid), want in zip(pair, ref_grads[i]):
             assert torch.tensor(valid).all()
             torch.testing.assert_close(torch.tensor(got), want)
-    assert [P.format_step(s) for s in res["observed"]] == res["printed"]
+    assert [schedules.format_step(s) for s in res["observed"]] == res["printed"]
     assert len(res["launches"]) == sum(res["num_bucket_groups"]) >= 2
     assert all(l["in_backward"] and l["backwards"] == m and l["running"] for l in res["launches"])
 
@@ -786,7 +786,7 @@ def test_ddp_wrapper_as_single_stage_chunk():
 def test_docstring_examples():
     import doctest
 
-    res = doctest.testmod(P, verbose=False)
+    res = doctest.testmod(schedules, verbose=False)
     assert res.failed == 0 and res.attempted >= 5
 
 

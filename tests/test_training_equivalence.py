@@ -13,7 +13,7 @@ import re
 import pytest
 import torch
 
-from helpers import equivalence as Q
+from helpers import equivalence
 from moe_graph.distributed.launch import run_distributed
 
 README = os.path.join(os.path.dirname(__file__), "..", "README.md")
@@ -21,21 +21,21 @@ README = os.path.join(os.path.dirname(__file__), "..", "README.md")
 
 @pytest.fixture(scope="module")
 def ci_results():
-    rows = [r for r in Q.MATRIX if r.name in Q.CI_ROWS]
-    assert len(rows) == len(Q.CI_ROWS)
-    return {r["name"]: r for r in Q.run_rows(rows)}
+    rows = [r for r in equivalence.MATRIX if r.name in equivalence.CI_ROWS]
+    assert len(rows) == len(equivalence.CI_ROWS)
+    return {r["name"]: r for r in equivalence.run_rows(rows)}
 
 
-@pytest.mark.parametrize("name", Q.CI_ROWS)
+@pytest.mark.parametrize("name", equivalence.CI_ROWS)
 def test_machinery_trains_like_the_oracle(ci_results, name):
     r = ci_results[name]
-    assert r["ok"], Q.format_result(r)
+    assert r["ok"], equivalence.format_result(r)
 
 
 def test_matrix_covers_the_issue():
-    names = {r.name for r in Q.MATRIX}
-    assert len(names) == len(Q.MATRIX)
-    rows = Q.MATRIX
+    names = {r.name for r in equivalence.MATRIX}
+    assert len(names) == len(equivalence.MATRIX)
+    rows = equivalence.MATRIX
     assert {r.microbatches for r in rows if r.dp in (1, 2) and r.ep == 1 and r.pp == 1} >= {1, 2, 4}
     assert any(r.overlap for r in rows) and any(r.expect_error for r in rows)
     assert {r.echo for r in rows if r.ep == 2} >= {0, 1, 2}
@@ -50,12 +50,12 @@ def test_matrix_covers_the_issue():
 
 def test_cli_prints_one_line_per_configuration_and_writes_only_with_out(tmp_path, capsys):
     out = tmp_path / "eq.txt"
-    assert Q.main(["--only", "dp1_mb1", "--out", str(out)]) == 0
+    assert equivalence.main(["--only", "dp1_mb1", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert re.search(r"^PASS  dp1_mb1 .*param .* loss .* grad-norm ", printed, re.M)
     assert "total: 1/1 PASS" in printed and out.read_text().strip().endswith(printed.strip().splitlines()[-1])
     with pytest.raises(SystemExit):
-        Q.main(["--only", "no_such_row"])
+        equivalence.main(["--only", "no_such_row"])
 
 
 # ------------------------------------------------------------------------------------------------ aux scale --
@@ -94,7 +94,7 @@ def test_aux_loss_gradient_scale_is_set_per_step():
 
 def test_schedules_set_the_aux_scale_and_reset_it():
     from moe_graph.moe.layer import MoEAuxLossAutoScaler
-    from moe_graph.train import schedules as P
+    from moe_graph.train import schedules
 
     seen = []
     model = torch.nn.Linear(2, 1)
@@ -103,8 +103,8 @@ def test_schedules_set_the_aux_scale_and_reset_it():
         seen.append(float(MoEAuxLossAutoScaler.loss_scale("cpu")))
         return m(next(it)).sum(), (lambda loss: loss)
 
-    cfg = P.PipelineConfig(grad_scale_func=lambda loss: loss * 8.0)
-    P.forward_backward_no_pipelining(forward_step_func=fwd, data_iterator=iter([torch.ones(2)] * 4), model=model,
+    cfg = schedules.PipelineConfig(grad_scale_func=lambda loss: loss * 8.0)
+    schedules.forward_backward_no_pipelining(forward_step_func=fwd, data_iterator=iter([torch.ones(2)] * 4), model=model,
                                      num_microbatches=4, config=cfg)
     assert seen == [2.0] * 4  # loss_scale / num_microbatches
     assert float(MoEAuxLossAutoScaler.loss_scale("cpu")) == 1.0

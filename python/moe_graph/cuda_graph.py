@@ -62,7 +62,7 @@ __all__ = ["FullIterationGraph", "FullCudaGraphWrapper", "GraphCaptureError", "G
 _SYNC_HINT = (
     "a host-device synchronization (.item(), .tolist(), .cpu(), nonzero(), boolean-mask indexing, a "
     "data-dependent shape, a Python branch on a device value, torch.cuda.synchronize()) cannot be captured; "
-    "keep the value on the device (see DESIGN.md section 3)"
+    "keep the value on the device"
 )
 
 

@@ -49,23 +49,27 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import re
+import subprocess
 import sys
 import time
+import traceback
 import zlib
 from typing import Dict, List, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from helpers.pipeline_moe import _global_name, _is_expert, global_params  # one naming rule for every stage layout
 from moe_graph import parallel_state as ps
 from moe_graph.distributed.ddp import DistributedDataParallel
 from moe_graph.distributed.launch import run_distributed
 from moe_graph.distributed.optimizer import DistributedOptimizer, DynamicLossScaler
 from moe_graph.grouped_linear import GroupedLinear
 from moe_graph.moe.layer import MoELayer, aux_loss_scores, router_aux_loss, router_z_loss, sequence_aux_loss
-from moe_graph.train import schedules as P
+from moe_graph.train import schedules
+from moe_graph.train.checkpoint import global_name, global_tensors, is_expert
 from moe_graph.train.step import train_step
 
 STEPS = 3
@@ -218,12 +222,12 @@ def init_model(stage: EquivLM, ep_rank: int) -> None:
     u = u / u.norm()
     with torch.no_grad():
         for name, p in stage.named_parameters():
-            g = _global_name(stage, name)
+            g = global_name(stage, name)
             gen = torch.Generator().manual_seed(zlib.crc32(g.encode()))
             if ".ln" in name or name.startswith("ln_f"):  # LayerNorm: weight 1 + noise, bias not at 0
                 p.copy_((1.0 if name.endswith("weight") else 0.0) + 0.2 * torch.randn(p.shape, generator=gen))
                 continue
-            if _is_expert(name):
+            if is_expert(p):
                 L = p.shape[0]
                 full = torch.randn((EXPERTS,) + tuple(p.shape[1:]), generator=gen) * 0.3
                 p.copy_(full[ep_rank * L:(ep_rank + 1) * L])
@@ -329,21 +333,19 @@ def oracle_train(row: Row) -> Dict:
                     b.moe.router.local_tokens_per_expert.zero_()
         losses.append(float(ce.detach()))
         norms.append(float(norm))
-    return {"losses": losses, "norms": norms, "params": global_params(model)}
+    return {"losses": losses, "norms": norms, "params": {k: v.clone() for k, v in global_tensors(model).items()}}
 
 
 # ========================================================================================== the machinery ==
 def machinery_worker(rank: int, world: int, row: Row) -> Dict:
     """The library's machinery on this rank (parallel_state, MoELayer EP/echo, DDP, DistributedOptimizer, pipeline
     schedules, :func:`moe_graph.train.step.train_step`)."""
-    import torch.distributed as dist
-
     ps.initialize_model_parallel(pipeline_model_parallel_size=row.pp, expert_model_parallel_size=row.ep,
                                  virtual_pipeline_model_parallel_size=row.vpp)
     try:
         pp_rank, dp_rank = ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank()
         ep_rank = ps.get_expert_model_parallel_rank()
-        chunk_ids = P.chunk_layer_ids(row.layers, row.pp, pp_rank, row.vpp)
+        chunk_ids = schedules.chunk_layer_ids(row.layers, row.pp, pp_rank, row.vpp)
         nc = len(chunk_ids)
         dtype = torch.bfloat16 if row.bf16 else torch.float32
         kw = moe_kwargs(row, oracle=False)
@@ -384,8 +386,6 @@ def machinery_worker(rank: int, world: int, row: Row) -> Dict:
                     for j in range(row.microbatches)]
 
         if row.expect_error is not None:  # the wiring without no_sync must fail loudly, on every rank
-            import re
-
             try:
                 opt.zero_grad()
                 for mb in my_microbatches(0):
@@ -402,18 +402,7 @@ def machinery_worker(rank: int, world: int, row: Row) -> Dict:
             losses.append(None if res.loss is None else float(res.loss))
             norms.append(float(res.grad_norm))
             skipped.append(bool(res.skipped))
-        params = {}
-        for stage in stages:
-            for name, p in stage.named_parameters():
-                g = _global_name(stage, name)
-                if _is_expert(name):
-                    for i, w in enumerate(p.detach()):
-                        params[f"{g}[{ep_rank * p.shape[0] + i}]"] = w.float().clone()
-                else:
-                    params[g] = p.detach().float().clone()
-            for name, buf in stage.named_buffers():
-                if name.endswith("expert_bias"):
-                    params[_global_name(stage, name)] = buf.float().clone()
+        params = {k: v.float().clone() for stage in stages for k, v in global_tensors(stage, ep_rank).items()}
         dropped = sum(m.dispatcher.check_drops() for s in stages for m in s.moe_layers())
         return {"rank": rank, "losses": losses, "norms": norms, "skipped": skipped, "params": params,
                 "moved": moved[0], "slots": slots[0], "dropped": dropped, "world": dist.get_world_size()}
@@ -468,8 +457,6 @@ def compare(row: Row, ref: Dict, outs: List[Dict]) -> Dict:
 def rows_worker(rank: int, world: int, rows: List[Row]) -> List[Dict]:
     """:func:`machinery_worker` for several configurations in one spawn (imports cost seconds per process); an
     exception of one configuration is returned as ``{"exception": text}`` and the next one still runs."""
-    import traceback
-
     out = []
     for row in rows:
         try:
@@ -534,8 +521,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     def emit(s):
         print(s, flush=True)
         lines.append(s)
-
-    import subprocess
 
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,

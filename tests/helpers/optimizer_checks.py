@@ -17,6 +17,7 @@ import torch.distributed as dist
 from moe_graph.distributed.ddp import DistributedDataParallel
 from moe_graph.distributed.launch import run_distributed
 from moe_graph.distributed.optimizer import DistributedOptimizer, DynamicLossScaler
+from moe_graph.train.checkpoint import global_tensors, is_expert_name
 
 IN, HID, OUT = 12, 40, 6
 
@@ -344,11 +345,28 @@ class _GatherFromGroup(torch.autograd.Function):
         return grad.chunk(dist.get_world_size(ctx.group))[dist.get_rank(ctx.group)], None
 
 
+class _Experts(torch.nn.Module):
+    """``L`` expert layers ``tanh(x W_e^T + b_e)`` stored as the library stores experts: one ``[L, ...]`` weight
+    and bias marked ``allreduce = False`` (row ``e``: local expert ``e``)."""
+
+    def __init__(self, layers: List[torch.nn.Linear]):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.stack([e.weight.detach() for e in layers]))
+        self.bias = torch.nn.Parameter(torch.stack([e.bias.detach() for e in layers]))
+        for p in self.parameters():
+            p.allreduce = False
+
+    def forward(self, x):  # [T, HID] -> [L, T, HID]
+        w = self.weight
+        return torch.tanh(torch.baddbmm(self.bias.unsqueeze(1), x.expand(w.shape[0], -1, -1), w.transpose(1, 2)))
+
+
 class TinyMoEModel(torch.nn.Module):
-    """Dense layers, a dense softmax gate and ``NUM_EXPERTS`` expert MLPs (``allreduce = False``),
-    every token weighted over every expert. With ``ep_group`` the rank keeps the experts of its
-    expert-parallel rank (contiguous blocks, as the library's MoE layer) and the tokens of the
-    expert-parallel group are gathered through them; without it, all experts run locally (reference)."""
+    """Dense layers, a dense softmax gate and ``NUM_EXPERTS`` expert MLPs (:class:`_Experts`), every token
+    weighted over every expert. With ``ep_group`` the rank keeps the experts of its expert-parallel rank
+    (contiguous blocks, as the library's MoE layer) and the tokens of the expert-parallel group are gathered
+    through them; without it, all experts run locally (reference). Whole-model names:
+    :func:`moe_graph.train.checkpoint.global_tensors` with ``ep_rank``."""
 
     def __init__(self, ep_group=None, seed=0):
         super().__init__()
@@ -361,26 +379,22 @@ class TinyMoEModel(torch.nn.Module):
         ep = dist.get_world_size(ep_group) if ep_group is not None else 1
         self.ep_rank = dist.get_rank(ep_group) if ep_group is not None else 0
         self.local = NUM_EXPERTS // ep
-        self.experts = torch.nn.ModuleList(experts[self.ep_rank * self.local:(self.ep_rank + 1) * self.local])
-        for p in self.experts.parameters():
-            p.allreduce = False
-
-    def global_name(self, name: str) -> str:
-        if name.startswith("experts."):
-            _, i, rest = name.split(".", 2)
-            return f"experts.{self.ep_rank * self.local + int(i)}.{rest}"
-        return name
+        self.experts = _Experts(experts[self.ep_rank * self.local:(self.ep_rank + 1) * self.local])
 
     def forward(self, x):
         h = torch.nn.functional.gelu(self.fc1(x))
         probs = torch.softmax(self.gate(h), dim=-1)
         tokens = h if self.ep_group is None else _GatherFromGroup.apply(h, self.ep_group)
-        ys = torch.stack([torch.tanh(e(tokens)) for e in self.experts])  # (local experts, tokens, HID)
+        ys = self.experts(tokens)  # (local experts, tokens, HID)
         if self.ep_group is not None:
             ys = _GatherFromGroup.apply(ys, self.ep_group)  # (all experts, group tokens, HID)
             n = h.shape[0]
             ys = ys[:, self.ep_rank * n:(self.ep_rank + 1) * n]
         return self.fc2(h + torch.einsum("te,eth->th", probs, ys))
+
+
+def _whole_model(model: TinyMoEModel) -> Dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in global_tensors(model, model.ep_rank).items()}
 
 
 def moe_reference(steps: int, clip: float) -> Tuple[Dict[str, torch.Tensor], List[float]]:
@@ -395,7 +409,7 @@ def moe_reference(steps: int, clip: float) -> Tuple[Dict[str, torch.Tensor], Lis
         loss_fn(m(x), y).backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(m.parameters(), clip)))
         opt.step()
-    return {k: v.detach().clone() for k, v in m.state_dict().items()}, norms
+    return _whole_model(m), norms
 
 
 def expert_dp_worker(rank: int, ws: int, prefix: str, ep: int, steps: int, clip: float) -> dict:
@@ -426,19 +440,15 @@ def expert_dp_worker(rank: int, ws: int, prefix: str, ep: int, steps: int, clip:
             norms.append(float(norm))
         return norms
 
-    def params(model):
-        return {model.global_name(k): v.detach().clone() for k, v in model.state_dict().items()}
-
     model, ddp, opt = build(None, edp_group, seed=0)
     out = {"dp": ddp.buffers[0].data_parallel_world_size,
            "expert_dp": ddp.expert_parallel_buffers[0].data_parallel_world_size,
-           "expert_names": sorted(model.global_name(n) for n, p in model.named_parameters()
-                                  if p in set(model.experts.parameters()))}
+           "expert_names": sorted(k for k in global_tensors(model, model.ep_rank) if is_expert_name(k))}
     norms = train(model, ddp, opt, rank, ws, range(steps - 1))
     torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, shard_path(prefix, rank))
     dist.barrier()
     norms += train(model, ddp, opt, rank, ws, [steps - 1])
-    out.update(norms=norms, params=params(model))
+    out.update(norms=norms, params=_whole_model(model))
 
     # resume the last step at dense DP = ep: replicas = the expert-parallel groups, expert DP = 1
     singles = [dist.new_group([r]) for r in range(ws)]
@@ -446,7 +456,7 @@ def expert_dp_worker(rank: int, ws: int, prefix: str, ep: int, steps: int, clip:
     model.load_state_dict(torch.load(shard_path(prefix, rank), weights_only=True)["model"])  # same EP rank
     opt.load_state_dict([torch.load(shard_path(prefix, r), weights_only=True)["optim"] for r in range(ws)])
     out["resumed_norm"] = train(model, ddp, opt, rank % ep, ep, [steps - 1])[0]
-    out["resumed_params"] = params(model)
+    out["resumed_params"] = _whole_model(model)
     return pack(out)
 
 

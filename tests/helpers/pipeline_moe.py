@@ -1,11 +1,12 @@
-"""Integration of the training machinery: the demo's MoE language model (:class:`moe_graph.demo.MoETransformerLM`)
-cut into pipeline stages, trained with the 1F1B schedule, expert parallelism with echo, DDP buffers and the ZeRO-1
-optimizer with global grad-norm clipping.
+"""Integration of the training machinery: the demo's MoE language model
+(:class:`moe_graph.demo.model.MoETransformerLM`) cut into pipeline stages, trained with the 1F1B schedule, expert
+parallelism with echo, DDP buffers and the ZeRO-1 optimizer with global grad-norm clipping.
 
 :func:`pipeline_moe_worker` runs the same training on any ``pp`` (world = ``pp * dp``, EP = DP = ``dp`` ranks per
-stage, expert DP = 1). Parameters are initialized from their *global* names, so every layout starts from the same
-model, and data-parallel rank ``d`` trains on the same microbatches in every layout: ``pp = 1`` and ``pp = 2`` must
-give the same losses, grad norms and parameters.
+stage, expert DP = 1). Parameters are initialized from their whole-model names
+(:func:`moe_graph.train.checkpoint.global_name`), so every layout starts from the same model, and data-parallel rank
+``d`` trains on the same microbatches in every layout: ``pp = 1`` and ``pp = 2`` must give the same losses, grad
+norms and parameters (compared under the names of :func:`moe_graph.train.checkpoint.global_tensors`).
 """
 
 from __future__ import annotations
@@ -18,44 +19,16 @@ import torch
 from torch import nn
 
 from moe_graph import parallel_state as ps
-from moe_graph.demo.loop import MoETransformerLM
+from moe_graph.demo.model import MoETransformerLM
 from moe_graph.distributed.ddp import DistributedDataParallel
 from moe_graph.distributed.optimizer import DistributedOptimizer
 from moe_graph.moe.layer import update_expert_bias
-from moe_graph.train import schedules as P
+from moe_graph.train import schedules
+from moe_graph.train.checkpoint import global_name, global_tensors, is_expert
 
 CFG = types.SimpleNamespace(hidden=16, heads=2, ffn=24, experts=4, topk=2, seq=8, layers=2)
 VOCAB, BATCH, MICROBATCHES, STEPS = 11, 2, 2, 3
 DT = torch.float32  # the optimizer keeps fp32 main params
-
-
-def _global_name(stage: nn.Module, name: str) -> str:
-    """A stage's parameter name in the whole model (``blocks.<i>`` numbered by the stage's ``layer_ids``)."""
-    if name.startswith("blocks."):
-        _, i, rest = name.split(".", 2)
-        return f"blocks.{stage.layer_ids[int(i)]}.{rest}"
-    return name
-
-
-def _is_expert(name: str) -> bool:
-    return ".moe.fc1." in name or ".moe.fc2." in name
-
-
-def global_params(stage: nn.Module, ep_rank: int = 0) -> dict:
-    """Copies of a stage's parameters (and expert biases) under their whole-model names; experts one entry per
-    global expert ``name[e]``, so that stages of any pipeline/expert layout compare with the whole model."""
-    params = {}
-    for name, p in stage.named_parameters():
-        g = _global_name(stage, name)
-        if _is_expert(name):
-            for i, w in enumerate(p.detach()):
-                params[f"{g}[{ep_rank * p.shape[0] + i}]"] = w.clone()
-        else:
-            params[g] = p.detach().clone()
-    for name, buf in stage.named_buffers():
-        if name.endswith("expert_bias"):
-            params[_global_name(stage, name)] = buf.clone()
-    return params
 
 
 def init_from_global_names(stage: nn.Module, ep_rank: int) -> None:
@@ -63,11 +36,11 @@ def init_from_global_names(stage: nn.Module, ep_rank: int) -> None:
     this EP rank's slice), so that any pipeline/expert layout holds the same model."""
     with torch.no_grad():
         for name, p in stage.named_parameters():
-            g = _global_name(stage, name)
+            g = global_name(stage, name)
             if ".ln" in name or name.startswith("ln."):
                 continue  # LayerNorm keeps its deterministic ones / zeros
             gen = torch.Generator().manual_seed(zlib.crc32(g.encode()))
-            if _is_expert(name):
+            if is_expert(p):
                 L = p.shape[0]
                 full = torch.randn((CFG.experts,) + tuple(p.shape[1:]), generator=gen, dtype=DT) * 0.2
                 p.copy_(full[ep_rank * L:(ep_rank + 1) * L])
@@ -96,7 +69,7 @@ def pipeline_moe_worker(rank: int, world: int, pp: int, clip: float, layers: int
         pp_rank, dp_rank, ep_rank = (ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank(),
                                      ps.get_expert_model_parallel_rank())
         assert ps.get_expert_data_parallel_world_size() == 1 and ep_rank == dp_rank
-        chunk_ids = P.chunk_layer_ids(layers, pp, pp_rank, vpp)
+        chunk_ids = schedules.chunk_layer_ids(layers, pp, pp_rank, vpp)
         nc = len(chunk_ids)
         moe_kwargs = dict(ep_group=ps.get_expert_model_parallel_group(), ep_size=dp, num_spare_experts_per_ep_rank=1,
                           capacity_factor=1.25, aux_loss_coeff=0.01)
@@ -114,9 +87,9 @@ def pipeline_moe_worker(rank: int, world: int, pp: int, clip: float, layers: int
         # the norm groups (TP x PP, ETP x EP x PP) default from parallel_state
         opt = DistributedOptimizer(ddps, lr=1e-2, weight_decay=0.0, clip_grad=clip, impl="tensor")
         pick = (lambda xs: xs) if vpp else (lambda xs: xs[0])
-        cfg = P.PipelineConfig(tensor_shape=(BATCH, CFG.seq, CFG.hidden), dtype=DT,
+        cfg = schedules.PipelineConfig(tensor_shape=(BATCH, CFG.seq, CFG.hidden), dtype=DT,
                                no_sync_func=pick([d.no_sync for d in ddps]))
-        fb = P.get_forward_backward_func(pp, vpp)
+        fb = schedules.get_forward_backward_func(pp, vpp)
 
         def forward_step(data_iterator, model):
             tokens, labels = next(data_iterator)
@@ -133,9 +106,7 @@ def pipeline_moe_worker(rank: int, world: int, pp: int, clip: float, layers: int
             update_expert_bias(nn.ModuleList(stages))  # no-op without expert bias
             losses.append([float(x) for x in out])
             norms.append(float(norm))
-        params = {}
-        for stage in stages:
-            params.update(global_params(stage, ep_rank))
+        params = {k: v.clone() for stage in stages for k, v in global_tensors(stage, ep_rank).items()}
         drops = sum(b.moe.dispatcher.check_drops() for stage in stages for b in stage.blocks)
         return {"pp_rank": pp_rank, "dp_rank": dp_rank, "losses": losses, "norms": norms, "params": params,
                 "drops": drops}

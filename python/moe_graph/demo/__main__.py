@@ -1,6 +1,6 @@
 """``python -m moe_graph.demo``: train the demo MoE language model (flags: ``--help``)."""
 
-from moe_graph.demo.loop import main
+from moe_graph.demo.cli import main
 
 if __name__ == "__main__":
     main()

@@ -5,11 +5,13 @@ Two ways to start the same training loop:
 * under ``torchrun`` (one process per GPU, one or many nodes): :func:`torchrun_env` finds ``RANK`` /
   ``WORLD_SIZE`` / ``LOCAL_RANK`` / ``MASTER_ADDR`` / ``MASTER_PORT`` and :func:`init_distributed` joins the
   ``env://`` rendezvous with NCCL on GPUs, gloo on CPUs;
-* without it, the entry point spawns its own processes (:func:`moe_graph.distributed.launch.run_distributed`, a
-  file-store rendezvous) - one command on one machine.
+* without it, the entry point spawns its own processes (:func:`run_distributed`, a file-store rendezvous) - one
+  command on one machine. The tests' multi-process workers run through :func:`run_distributed` too.
 
 :func:`resolve_layout` maps the world size and the ``--pp / --vpp / --ep`` flags to the data-parallel and
-expert-data-parallel sizes, with errors that name the flag for impossible layouts.
+expert-data-parallel sizes, with errors that name the flag for impossible layouts. The run stamp
+(:func:`environment`: torch / CUDA versions, GPU, :func:`git_commit`, date) goes into every summary and benchmark
+result.
 """
 
 from __future__ import annotations
@@ -105,11 +107,6 @@ def torchrun_env(environ=None) -> Optional[Dict[str, int]]:
 def init_distributed(device_type: str, timeout_minutes: float = 30.0) -> Dict[str, int]:
     """Join the ``env://`` rendezvous of a torchrun job: NCCL on CUDA (device ``LOCAL_RANK``), gloo on CPU.
     Returns :func:`torchrun_env`'s dict."""
-    from datetime import timedelta
-
-    import torch
-    import torch.distributed as dist
-
     env = torchrun_env()
     if env is None:
         raise RuntimeError("init_distributed: not started by torchrun (RANK / WORLD_SIZE / MASTER_ADDR unset)")
@@ -120,7 +117,7 @@ def init_distributed(device_type: str, timeout_minutes: float = 30.0) -> Dict[st
                                f"--nproc-per-node <= {n}")
         torch.cuda.set_device(env["local_rank"])
     dist.init_process_group("nccl" if device_type == "cuda" else "gloo", init_method="env://",
-                            rank=env["rank"], world_size=env["world"], timeout=timedelta(minutes=timeout_minutes))
+                            rank=env["rank"], world_size=env["world"], timeout=datetime.timedelta(minutes=timeout_minutes))
     return env
 
 
@@ -233,6 +230,8 @@ def git_commit() -> str:
 
 
 def environment() -> Dict[str, object]:
+    """The run stamp: torch and CUDA versions, the commit measured, the UTC date and, on a GPU, its name, SM count and
+    compute capability."""
     env = {"torch": torch.__version__, "cuda": torch.version.cuda, "commit": git_commit(),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     if torch.cuda.is_available():

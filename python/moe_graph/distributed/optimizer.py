@@ -884,8 +884,8 @@ class DistributedOptimizer:
             raise ValueError(f"load_state_dict: the checkpoint has parameters this model does not have: {extra[:5]}"
                              f"{' ...' if len(extra) > 5 else ''} (a different model, or files of another "
                              "model-parallel rank?)")
-        for name, ps in pieces.items():  # the same element saved twice: a file passed twice, or mixed runs
-            spans = sorted(tuple(e["range"]) for e in ps if e["range"][0] < e["range"][1])
+        for name, entries in pieces.items():  # the same element saved twice: a file passed twice, or mixed runs
+            spans = sorted(tuple(e["range"]) for e in entries if e["range"][0] < e["range"][1])
             for (a0, a1), (b0, b1) in zip(spans, spans[1:]):
                 if b0 < a1:
                     raise ValueError(f"load_state_dict: elements [{b0}, {min(a1, b1)}) of {name!r} are in two shards "

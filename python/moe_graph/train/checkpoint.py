@@ -14,10 +14,11 @@ every rank has finished (a barrier) and it has written ``meta.json``; ``latest``
 point (a rank killed mid-save) leaves ``latest`` naming the previous complete checkpoint, which still loads.
 The folder must be on a file system every rank sees (one shared folder for all nodes).
 
-Model tensors are stored under *global* names (layer ``blocks.<global layer>``, expert ``...fc1.weight[<global
-expert>]``), each once (dense tensors by data-parallel rank 0 of each stage, experts by expert-data-parallel rank 0),
-so a checkpoint loads into another data-parallel size. Loading (:func:`read_model_state`,
-:func:`read_optimizer_shards`) validates everything before the caller copies anything.
+Model tensors are stored under their *whole-model* names (:func:`global_tensors`: layer ``blocks.<global layer>``,
+expert ``...fc1.weight[<global expert>]``), each once (dense tensors by data-parallel rank 0 of each stage, experts
+by expert-data-parallel rank 0), so a checkpoint loads into another data-parallel size. Loading
+(:func:`read_model_state`, :func:`read_optimizer_shards`, :func:`copy_plan`) validates everything before the caller
+copies anything.
 """
 
 from __future__ import annotations
@@ -27,12 +28,15 @@ import os
 import shutil
 import signal
 import zlib
-from typing import Dict, Iterable, List, Optional
+from typing import Dict, Iterable, List
 
 import torch
+import torch.distributed as dist
+from torch import nn
 
 __all__ = ["FORMAT", "step_dirname", "resolve_checkpoint", "read_meta", "save_checkpoint", "read_model_state",
-           "read_optimizer_shards", "read_rank_state", "tensor_crc32"]
+           "read_optimizer_shards", "read_rank_state", "tensor_crc32", "global_name", "is_expert", "is_expert_name",
+           "global_tensors", "copy_plan"]
 
 FORMAT = "moe_graph.train.checkpoint.v1"
 FAULT_ENV = "MOE_GRAPH_CHECKPOINT_FAULT"  # testing only: "RANK:STEP" -> that rank SIGKILLs itself mid-save
@@ -131,8 +135,6 @@ def save_checkpoint(root: str, step: int, *, rank: int, world: int, model_state:
     ``meta``: JSON-serializable description (layout, model config) written by rank 0 into ``meta.json``.
     Returns the final folder.
     """
-    import torch.distributed as dist
-
     name = step_dirname(step)
     final = os.path.join(root, name)
     partial = os.path.join(root, "." + name + ".partial")
@@ -205,26 +207,56 @@ def read_optimizer_shards(folder: str, ranks: Iterable[int]) -> List[Dict]:
     return [_load(os.path.join(folder, _optim_file(r))) for r in ranks]
 
 
-def copy_plan(params: Dict[str, torch.Tensor], saved: Dict[str, torch.Tensor],
-              expert_slices: Optional[Dict[str, range]] = None) -> List:
-    """(destination, source) pairs filling ``params`` (local tensors by global name) from ``saved``; an entry of
-    ``expert_slices`` maps a local ``[L, ...]`` expert tensor to the global expert indices of its rows (saved as
-    ``name[<e>]``). Raises ``KeyError`` / ``ValueError`` before anything is copied."""
-    plan = []
-    expert_slices = expert_slices or {}
-    for name, dst in params.items():
-        if name in expert_slices:
-            for i, e in enumerate(expert_slices[name]):
-                key = f"{name}[{e}]"
-                if key not in saved:
-                    raise KeyError(f"checkpoint has no expert tensor {key!r}")
-                _check(key, dst[i], saved[key])
-                plan.append((dst[i], saved[key]))
+def global_name(module: nn.Module, name: str) -> str:
+    """The whole-model name of ``module``'s parameter or buffer ``name``. A pipeline stage (a module with
+    ``layer_ids``: the global layer of each of its ``blocks``) numbers its blocks from 0, the whole model by layer:
+    ``blocks.<i>.rest`` is ``blocks.<layer_ids[i]>.rest``; every other name is the same in every layout."""
+    layer_ids = getattr(module, "layer_ids", None)
+    if layer_ids is not None and name.startswith("blocks."):
+        _, i, rest = name.split(".", 2)
+        return f"blocks.{layer_ids[int(i)]}.{rest}"
+    return name
+
+
+def is_expert(param: torch.Tensor) -> bool:
+    """An expert parameter: marked ``allreduce = False`` (Megatron's convention), ``[L, ...]`` with row ``i`` the
+    rank's local expert ``i``."""
+    return not getattr(param, "allreduce", True)
+
+
+def is_expert_name(name: str) -> bool:
+    """Whether a whole-model name (:func:`global_tensors`) is one global expert's entry ``<name>[<e>]``."""
+    return name.endswith("]")
+
+
+def global_tensors(module: nn.Module, ep_rank: int = 0) -> Dict[str, torch.Tensor]:
+    """``module``'s parameters and persistent buffers under their whole-model names (:func:`global_name`), as
+    detached views: writing an entry writes the module. An expert parameter ``[L, ...]`` on expert-parallel rank
+    ``ep_rank`` gives one entry per global expert, ``<name>[<ep_rank * L + i>]`` for row ``i``, so that every
+    pipeline / expert-parallel layout names the same tensors the same way."""
+    persistent = module.state_dict(keep_vars=True)
+    out: Dict[str, torch.Tensor] = {}
+    for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+        if name not in persistent:
+            continue  # non-persistent buffers: per-step statistics and constant tables, not model state
+        g = global_name(module, name)
+        if is_expert(t):
+            for i, row in enumerate(t.detach()):
+                out[f"{g}[{ep_rank * t.shape[0] + i}]"] = row
         else:
-            if name not in saved:
-                raise KeyError(f"checkpoint has no tensor {name!r}")
-            _check(name, dst, saved[name])
-            plan.append((dst, saved[name]))
+            out[g] = t.detach()
+    return out
+
+
+def copy_plan(params: Dict[str, torch.Tensor], saved: Dict[str, torch.Tensor]) -> List:
+    """(destination, source) pairs filling ``params`` (this rank's tensors by whole-model name,
+    :func:`global_tensors`) from ``saved``. Raises ``KeyError`` / ``ValueError`` before anything is copied."""
+    plan = []
+    for name, dst in params.items():
+        if name not in saved:
+            raise KeyError(f"checkpoint has no tensor {name!r}")
+        _check(name, dst, saved[name])
+        plan.append((dst, saved[name]))
     return plan
 
 

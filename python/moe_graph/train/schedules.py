@@ -45,7 +45,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
-import torch.distributed as dist
 
 from moe_graph import parallel_state as ps
 from moe_graph.moe.layer import MoEAuxLossAutoScaler

@@ -31,6 +31,7 @@ other than the last, ``loss`` is ``None``.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, List, NamedTuple, Optional, Sequence
 
 import torch
@@ -38,7 +39,7 @@ import torch.distributed as dist
 
 from moe_graph import parallel_state as ps
 from moe_graph.moe.layer import update_expert_bias as _update_bias
-from moe_graph.train import schedules as P
+from moe_graph.train import schedules
 
 __all__ = ["TrainStepResult", "train_step", "make_train_step"]
 
@@ -94,10 +95,8 @@ def train_step(model, optimizer, microbatches: Sequence[Any], *, loss_func: Opti
         raise ValueError("train_step: microbatches is empty (expected at least one microbatch)")
     m = len(microbatches)
     if config is None:
-        config = P.PipelineConfig()
+        config = schedules.PipelineConfig()
     else:
-        import dataclasses
-
         config = dataclasses.replace(config)
     if tensor_shape is not None:
         config.tensor_shape = tuple(tensor_shape)
@@ -108,12 +107,12 @@ def train_step(model, optimizer, microbatches: Sequence[Any], *, loss_func: Opti
         config.grad_scale_func = lambda loss: loss * scaler.scale.to(loss.dtype)
     if forward_backward_func is None:
         if ps.model_parallel_is_initialized():
-            forward_backward_func = P.get_forward_backward_func()
+            forward_backward_func = schedules.get_forward_backward_func()
         elif len(chunks) > 1:
             raise ValueError("train_step: several model chunks need parallel_state (pp, vpp) or forward_backward_func")
         else:
-            forward_backward_func = P.forward_backward_no_pipelining
-    interleaved = forward_backward_func is P.forward_backward_pipelining_with_interleaving
+            forward_backward_func = schedules.forward_backward_no_pipelining
+    interleaved = forward_backward_func is schedules.forward_backward_pipelining_with_interleaving
     if len(chunks) > 1 and not interleaved:
         raise ValueError(f"train_step: {len(chunks)} model chunks need the interleaved schedule")
 
