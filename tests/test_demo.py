@@ -330,3 +330,39 @@ def test_sigint_to_the_parent_stops_the_workers(tmp_path):
     assert not alive, f"workers {alive} still running after SIGINT to the parent"
     summary = json.loads((out / "demo_summary.json").read_text())
     assert summary["finished"] is False and summary["status"] == "interrupted"
+
+
+def test_whole_model_names_of_a_pipeline_stage_on_an_expert_rank():
+    """One naming rule for checkpoints and layout comparisons: blocks by global layer, experts one entry per global
+    expert, persistent buffers included, per-step buffers not; the entries are views of the module's tensors."""
+    from torch import nn
+
+    from moe_graph.train.checkpoint import copy_plan, global_tensors, is_expert_name
+
+    class Blk(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.arange(6.0).view(2, 3))
+            self.experts = nn.Parameter(torch.arange(8.0).view(2, 4))  # 2 local experts
+            self.experts.allreduce = False
+            self.register_buffer("bias", torch.zeros(3))
+            self.register_buffer("scratch", torch.zeros(3), persistent=False)
+
+    stage = nn.Module()
+    stage.layer_ids = [3, 5]
+    stage.blocks = nn.ModuleList([Blk(), Blk()])
+    stage.head = nn.Linear(2, 2, bias=False)
+    names = global_tensors(stage, ep_rank=1)
+    assert sorted(names) == ["blocks.3.bias", "blocks.3.experts[2]", "blocks.3.experts[3]", "blocks.3.w",
+                             "blocks.5.bias", "blocks.5.experts[2]", "blocks.5.experts[3]", "blocks.5.w",
+                             "head.weight"]
+    assert [is_expert_name(n) for n in ("blocks.3.experts[2]", "blocks.3.w")] == [True, False]
+    assert names["blocks.5.experts[3]"].tolist() == [4.0, 5.0, 6.0, 7.0]
+    saved = {k: torch.full_like(v, 9.0) for k, v in names.items()}
+    with torch.no_grad():
+        for dst, src in copy_plan(names, saved):
+            dst.copy_(src)
+    assert bool((stage.blocks[1].experts == 9.0).all()) and bool((stage.blocks[0].bias == 9.0).all())
+    del saved["blocks.5.experts[3]"]
+    with pytest.raises(KeyError, match=r"blocks\.5\.experts\[3\]"):
+        copy_plan(names, saved)
