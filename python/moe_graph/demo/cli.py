@@ -115,8 +115,8 @@ _LAUNCH_HELP = """launch:
 Dense layers are data-parallel (no tensor parallelism); experts are expert-parallel."""
 
 
-def resolve_args(p: argparse.ArgumentParser, args, env) -> Layout:
-    """Fill the defaults and check every flag against the others (``p.error`` names the flag); nothing is written."""
+def _fill_defaults(p: argparse.ArgumentParser, args) -> None:
+    """The device, then the defaults that depend on it and on ``--quick`` (explicit flags win)."""
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -129,16 +129,26 @@ def resolve_args(p: argparse.ArgumentParser, args, env) -> Layout:
             setattr(args, k, v)
     args.steps = args.steps or (400 if args.device == "cuda" else 250)
     args.log_every = args.log_every or max(1, args.steps // 15)
+
+
+def _world_size(p: argparse.ArgumentParser, args, env) -> int:
+    """torchrun's world, else the ``pp x dp`` processes the demo starts itself (one GPU per rank on CUDA)."""
     if env is not None:
-        world = env["world"]
-    else:
-        dp = args.dp or args.ep
-        if dp is None:
-            dp = max(1, torch.cuda.device_count() // args.pp) if args.device == "cuda" else 2
-        world = args.pp * dp
-        if args.device == "cuda" and world > torch.cuda.device_count():
-            p.error(f"--pp {args.pp} x dp {dp} = {world} processes but only {torch.cuda.device_count()} GPU(s) "
-                    "(NCCL needs one GPU per rank; use torchrun for several nodes)")
+        return env["world"]
+    dp = args.dp or args.ep
+    if dp is None:
+        dp = max(1, torch.cuda.device_count() // args.pp) if args.device == "cuda" else 2
+    world = args.pp * dp
+    if args.device == "cuda" and world > torch.cuda.device_count():
+        p.error(f"--pp {args.pp} x dp {dp} = {world} processes but only {torch.cuda.device_count()} GPU(s) "
+                "(NCCL needs one GPU per rank; use torchrun for several nodes)")
+    return world
+
+
+def resolve_args(p: argparse.ArgumentParser, args, env) -> Layout:
+    """Fill the defaults and check every flag against the others (``p.error`` names the flag); nothing is written."""
+    _fill_defaults(p, args)
+    world = _world_size(p, args, env)
     try:
         layout = resolve_layout(world, args.pp, args.vpp, args.ep, args.dp)
         schedules.get_num_layers_per_chunk(args.layers, args.pp, args.vpp)
