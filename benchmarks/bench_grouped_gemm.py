@@ -28,7 +28,8 @@ MODELS = {
     "qwen3": ("Qwen3-30B-A3B", 2048, 768, 128, 32768),  # 4096 tokens x top-8, all 128 experts local
     "deepseek": ("DeepSeek-V3 EP8", 7168, 2048, 32, 32768),  # 256 experts over EP=8, 4096 tokens x top-8
     "mixtral": ("Mixtral-8x7B", 4096, 14336, 8, 16384),  # 8192 tokens x top-2
-    # fine-grained experts, 32 rows each on average: the 64-row tile configs (SM90 ping-pong, SM100 1-SM M=64)
+    # fine-grained experts, 32 rows each on average: SM90 ping-pong 64-row tiles (SM100 keeps 128-row tiles: a hot
+    # expert may have far more rows than the average)
     "finegrained": ("fine-grained E256", 2048, 512, 256, 8192),
 }
 

@@ -46,7 +46,8 @@ TORCH_LIBRARY(moe_graph, m) {
         "bool has_mask, bool out_is_list, int config) -> int[]",
         &moe_graph::grouped_plan_wgrad_probe);
   m.def("_grouped_config_name(int config) -> str", &moe_graph::grouped_config_name_probe);
-  m.def("_grouped_effective_sm_count(int sm_count, int carveout) -> int", &moe_graph::grouped_effective_sm_count_probe);
+  m.def("_grouped_effective_sm_count(int sm_count, int carveout, int config=0) -> int",
+        &moe_graph::grouped_effective_sm_count_probe);
   m.def("_grouped_args_probe(Tensor m_splits, int rows, int n, int k, int kind, bool b_list, bool has_bias, "
         "Tensor coords) -> (Tensor, Tensor)",
         &moe_graph::grouped_args_probe);

@@ -321,3 +321,51 @@ def test_sm_carveout_is_honoured(gen):
     finally:
         setter(None)
     assert rel_err(y, ref_grouped_gemm(a.cpu(), w.cpu(), splits)) < 1e-2
+
+
+@pytest.mark.parametrize("left", [17, 1])
+def test_sm_carveout_leaving_odd_sm_counts(gen, left):
+    # 1x2-cluster configurations need an even grid: the launch rounds the SMs left down to whole clusters (at least
+    # one); small and large groups cover both SM90 configurations (ping-pong and cooperative)
+    setter = getattr(torch._C, "_set_sm_carveout_experimental", None)
+    if setter is None:
+        pytest.skip("this torch has no SM carve-out setting")
+    for E, T in [(64, 2048), (4, 2048)]:
+        K, N = 256, 256
+        splits = random_splits(E, T, gen)
+        a = torch.randn(T, K, device=DEV).bfloat16()
+        w = torch.randn(E, N, K, device=DEV).bfloat16()
+        dy = torch.randn(T, N, device=DEV).bfloat16()
+        try:
+            setter(torch.cuda.get_device_properties(0).multi_processor_count - left)
+            y = grouped_gemm(a, w, torch.tensor(splits, device=DEV))
+            dw = grouped_gemm_wgrad(a, dy, torch.tensor(splits, device=DEV))
+            torch.cuda.synchronize()
+        finally:
+            setter(None)
+        assert rel_err(y, ref_grouped_gemm(a.cpu(), w.cpu(), splits)) < 1e-2
+        assert rel_err(dw, ref_wgrad(a.cpu(), dy.cpu(), splits)) < 1e-2
+    check_errors()
+
+
+def test_large_tail_zeroed_by_the_argument_kernel(gen):
+    # rows past sum(m_splits) (here most of a poisoned buffer) are zeroed by the argument kernel's extra blocks
+    E, K, N, T, M = 8, 64, 4096, 100, 8192
+    splits = random_splits(E, T, gen)
+    a = torch.randn(M, K, device=DEV).bfloat16()
+    w = torch.randn(E, N, K, device=DEV).bfloat16()
+    out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device=DEV)
+    grouped_gemm(a, w, torch.tensor(splits, device=DEV), out=out)
+    assert torch.all(out[T:] == 0)
+    assert rel_err(out[:T], ref_grouped_gemm(a.cpu()[:T], w.cpu(), splits)) < 1e-2
+
+
+def test_fp32_denormals_kept_in_main_grad_accumulation():
+    # the GEMM objects are built without --use_fast_math: C = main_grad is read without flushing denormals
+    E, K, N, T = 4, 64, 64, 256
+    a = torch.zeros(T, K, device=DEV).bfloat16()
+    dy = torch.zeros(T, N, device=DEV).bfloat16()
+    tiny = torch.finfo(torch.float32).tiny / 4  # a denormal
+    out = torch.full((E, N, K), tiny, device=DEV)
+    grouped_gemm_wgrad(a, dy, torch.tensor([64] * E, device=DEV), out=out, accumulate=True)
+    assert torch.all(out == tiny)

@@ -1,7 +1,7 @@
 """Host-side launch logic of the CUDA grouped GEMM, checked on the CPU (no GPU needed).
 
 * The launch plans (grouped_plan.cpp): configuration chosen, which of the small kernels around the CUTLASS call
-  run, K = 0 / empty launches, workspace sizes, the SM carve-out.
+  run, K = 0 / empty launches, workspace sizes, the SM carve-out (checked against CUTLASS's grid rule).
 * The per-expert argument function that the device argument kernel runs (grouped_expert_args.h), evaluated on
   the host: for every expert, CuTe's layout of each operand with the computed pointer and stride must address
   exactly the element that the torch index of that operand names (independent oracle: index arithmetic on
@@ -17,7 +17,7 @@ from moe_graph.ops._lib import ops
 from moe_graph.testing.grouped_gemm_ref import random_splits, spans
 
 FWD_FIELDS = ["config", "run_offsets", "run_gemm", "fill_rows", "zero_tail", "offsets_bytes", "ptr_table_bytes",
-              "argument_bytes"]
+              "argument_bytes", "run_rows_fill", "arg_tail_blocks"]
 WG_FIELDS = ["config", "run_offsets", "kernel", "zero_fill", "zero_fill_all_overwritten", "offsets_bytes",
              "ptr_table_bytes", "argument_bytes"]
 CFG = {"auto": 0, "sm90_cooperative": 1, "sm90_pingpong": 2, "sm100_1sm": 3, "sm100_2sm": 4, "sm100_1sm_m64": 5}
@@ -50,7 +50,12 @@ def a128(x):
         (90, 64 * 8, 8, 4096, "sm90_pingpong"),  # avg 64 rows: 64-row tiles
         (90, 65 * 8, 8, 4096, "sm90_cooperative"),
         (90, 100, 0, 4096, "sm90_cooperative"),  # no experts: avg = rows
-        (100, 64 * 128, 128, 4096, "sm100_1sm_m64"),  # fine-grained experts on SM100 (issue 13.4)
+        # SM100's 64-row tile only where no expert can exceed 64 rows (rows <= 64), whatever the routing: 64 rows
+        # per expert on average still lets a hot expert take many more
+        (100, 64, 8, 4096, "sm100_1sm_m64"),
+        (100, 64, 1, 4096, "sm100_1sm_m64"),
+        (100, 65, 128, 4096, "sm100_1sm"),
+        (100, 64 * 128, 128, 4096, "sm100_1sm"),
         (100, 200 * 8, 8, 4096, "sm100_1sm"),
         (100, 256 * 8, 8, 4096, "sm100_2sm"),
         (100, 256 * 8, 8, 128, "sm100_1sm"),  # n < 256: one SM
@@ -83,6 +88,8 @@ def test_forward_plan_normal_launch_and_workspace():
     for E, bias, b_list in [(1, False, False), (8, True, False), (1024, True, True), (1000, False, True)]:
         p = plan_fwd(90, 4096, E, 256, 128, bias, b_list)
         assert p["run_gemm"] and p["zero_tail"] and not p["fill_rows"] and not p["run_offsets"]
+        # the tail past sum(m_splits) is zeroed by the argument kernel's extra blocks: no launch of its own
+        assert not p["run_rows_fill"] and p["arg_tail_blocks"] == 32  # 4096 x 256 elements, 32 Ki per block
         assert p["offsets_bytes"] == 8 * (E + 1)
         assert p["ptr_table_bytes"] == (8 * E if b_list else 0)
         # shapes (3 x int32), pointers A, B, C, D (+ bias), strides A, B, C, D (8 bytes each), 128-byte aligned
@@ -94,7 +101,8 @@ def test_forward_plan_k_zero_fills_without_gemm(bias):
     """Issue 13.1: with K = 0 CUTLASS would store unzeroed accumulators; the plan runs no GEMM, only the offsets
     scan and the fill (bias rows or zeros, zero past the sum)."""
     p = plan_fwd(90, 100, 4, 64, 0, bias)
-    assert not p["run_gemm"] and p["run_offsets"] and p["fill_rows"]
+    assert not p["run_gemm"] and p["run_offsets"] and p["fill_rows"] and p["run_rows_fill"] and p["zero_tail"]
+    assert p["arg_tail_blocks"] == 0
     assert p["argument_bytes"] == 0 and p["ptr_table_bytes"] == 0
     assert plan_fwd(100, 100, 4, 64, 0, bias)["fill_rows"]
 
@@ -103,6 +111,7 @@ def test_forward_plan_k_zero_fills_without_gemm(bias):
 def test_forward_plan_empty_output_only_scans_for_flags(rows, n):
     p = plan_fwd(90, rows, 4, n, 64, True)
     assert p["run_offsets"] and not p["run_gemm"] and not p["fill_rows"] and not p["zero_tail"]
+    assert not p["run_rows_fill"] and p["arg_tail_blocks"] == 0
 
 
 @pytest.mark.parametrize("out_dtype", [F32, BF16])
@@ -136,6 +145,51 @@ def test_effective_sm_count_honours_carveout():
     assert ops._grouped_effective_sm_count(132, 32) == 100
     assert ops._grouped_effective_sm_count(132, -4) == 132
     assert ops._grouped_effective_sm_count(132, 500) == 1
+
+
+@pytest.mark.parametrize("rows,n,blocks", [(1, 8, 1), (128, 256, 1), (129, 256, 2), (4096, 2048, 256),
+                                           (1 << 20, 4096, 512)])
+def test_forward_tail_blocks_cover_the_largest_tail(rows, n, blocks):
+    # every block zeroes at most 32 Ki elements of a tail as large as the whole output, up to 512 blocks
+    assert plan_fwd(90, rows, 8, n, 64)["arg_tail_blocks"] == blocks
+
+
+def _cutlass_ctas(sm_count, cluster_m, cluster_n, max_sm_per_gpc=18):
+    """The CTAs of the persistent grid CUTLASS's tile scheduler proposes for a large problem
+    (tile_scheduler_params.h: get_max_cta_occupancy, then get_grid_shape with max_active_clusters = 0)."""
+    cluster = cluster_m * cluster_n
+    gpcs = 1 if sm_count < max_sm_per_gpc else sm_count // max_sm_per_gpc
+    cta = gpcs * (max_sm_per_gpc - max_sm_per_gpc % cluster)
+    residual = 0 if sm_count < max_sm_per_gpc else sm_count % max_sm_per_gpc
+    cta += residual - residual % cluster
+    return min(sm_count, cta)
+
+
+def _whole_clusters(ctas, cluster_m, cluster_n):
+    # get_grid_shape: grid.y = ctas / cluster_m (raster along N) or grid.x = ctas / cluster_n (along M); a launch
+    # needs each a multiple of the cluster's extent in that dimension
+    return ctas >= cluster_m * cluster_n and (ctas // cluster_m) % cluster_n == 0 and (ctas // cluster_n) % cluster_m == 0
+
+
+@pytest.mark.parametrize("config,cluster_m,cluster_n", [("sm90_cooperative", 1, 2), ("sm90_pingpong", 1, 2),
+                                                        ("sm100_2sm", 2, 1), ("sm100_1sm", 1, 1),
+                                                        ("sm100_1sm_m64", 1, 1)])
+def test_carveout_leaves_whole_clusters(config, cluster_m, cluster_n):
+    """Under any carve-out the SM count a launch gives CUTLASS yields a grid of whole clusters (1x2: even grid.y),
+    at least one cluster, never more SMs than the carve-out leaves unless that is less than one cluster."""
+    cluster = cluster_m * cluster_n
+    odd_grids = 0
+    for carve in range(0, 133):
+        left = ops._grouped_effective_sm_count(132, carve)
+        sms = ops._grouped_effective_sm_count(132, carve, CFG[config])
+        assert sms % cluster == 0 and sms >= cluster and sms <= max(left, cluster), (carve, sms)
+        assert sms > left - cluster  # rounded down by less than one cluster
+        assert _whole_clusters(_cutlass_ctas(sms, cluster_m, cluster_n), cluster_m, cluster_n), (carve, sms)
+        odd_grids += not _whole_clusters(_cutlass_ctas(left, cluster_m, cluster_n), cluster_m, cluster_n)
+    # without the rounding the clustered configurations propose invalid grids (e.g. 17 SMs left, or one)
+    assert (odd_grids > 0) == (cluster > 1)
+    assert ops._grouped_effective_sm_count(132, 115, CFG[config]) == (16 if cluster == 2 else 17)
+    assert ops._grouped_effective_sm_count(132, 131, CFG[config]) == cluster  # one SM left: one cluster
 
 
 # ---------------------------------------------------------------------------------- argument function --

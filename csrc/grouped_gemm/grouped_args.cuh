@@ -1,11 +1,13 @@
 // Device-side argument construction for the CUTLASS grouped kernels: one block scans m_splits (int32/int64, any
 // number of experts, in chunks of the block size) and writes, for every expert, its problem size, operand
-// pointers and strides. No host involvement, so it runs inside CUDA graphs.
+// pointers and strides (the forward kernel's other blocks zero the output rows past the splits). No host
+// involvement, so it runs inside CUDA graphs.
 //
 // Clamping rule: grouped_spans.h (shared with the CPU implementation). `offsets` receives the clamped row starts
 // of the E experts and, at [E], the clamped total.
 #pragma once
 
+#include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 #include <cute/tensor.hpp>
 
@@ -105,13 +107,43 @@ struct GroupedArrays {
   }
 };
 
-// Forward / dgrad: D_e[count, n] = A[start: start+count, :k] x B_e (+ bias_e).
+// The clamped total of the splits (grouped_spans.h: the last offset for_each_expert_span writes), summed by one
+// block without a scan.
+__device__ __forceinline__ int64_t clamped_total(const void* splits, bool is_int64, int num_experts, int64_t rows) {
+  using Reduce = cub::BlockReduce<int64_t, kArgThreads>;
+  __shared__ typename Reduce::TempStorage temp;
+  __shared__ int64_t total_smem;
+  int64_t sum = 0;  // at most E * (rows + 1) (< 2^62, see grouped_spans.h)
+  for (int e = threadIdx.x; e < num_experts; e += kArgThreads) {
+    const int64_t raw = is_int64 ? static_cast<const int64_t*>(splits)[e] : static_cast<const int32_t*>(splits)[e];
+    bool negative;
+    sum += clamp_split(raw, rows, &negative);
+  }
+  const int64_t total = Reduce(temp).Sum(sum);
+  if (threadIdx.x == 0) total_smem = total < rows ? total : rows;
+  __syncthreads();
+  return total_smem;
+}
+
+// Forward / dgrad: D_e[count, n] = A[start: start+count, :k] x B_e (+ bias_e). Block 0 writes the arguments; the
+// other blocks (tail_zero_blocks of grouped_plan.cpp) zero the rows of D past the clamped total, which no GEMM
+// tile writes. 16-bit D, n % 8 == 0 (16-byte rows, checked by the op).
 template <class GemmKernel, bool kBKMajor>
 __global__ void __launch_bounds__(kArgThreads) forward_args_kernel(
     GroupedArrays<GemmKernel, ForwardTags<kBKMajor>> arr, const void* splits, bool is_int64, int num_experts,
     int64_t rows, int n, int k, const typename GemmKernel::ElementA* a, const typename GemmKernel::ElementB* b_base,
     int64_t b_stride, const void* const* b_table, typename GemmKernel::ElementD* d,
     const typename GemmKernel::ElementD* bias, int64_t* offsets, int32_t* error_flag) {
+  static_assert(sizeof(typename GemmKernel::ElementD) == 2, "the tail zeroing writes 8 elements per 16 bytes");
+  if (blockIdx.x > 0) {
+    const int64_t total = clamped_total(splits, is_int64, num_experts, rows);
+    uint4* base = reinterpret_cast<uint4*>(d + total * n);
+    const int64_t nvec = (rows - total) * (n / 8);
+    const int64_t stride = int64_t(gridDim.x - 1) * kArgThreads;
+    for (int64_t i = int64_t(blockIdx.x - 1) * kArgThreads + threadIdx.x; i < nvec; i += stride)
+      base[i] = make_uint4(0u, 0u, 0u, 0u);
+    return;
+  }
   for_each_expert_span(splits, is_int64, num_experts, rows, error_flag, offsets, [&](int e, int64_t start,
                                                                                      int64_t count) {
     arr.store(e, forward_expert_args<kBKMajor>(e, start, count, n, k, a, b_base, b_stride, b_table, d, bias));

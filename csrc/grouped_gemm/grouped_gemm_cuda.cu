@@ -1,6 +1,6 @@
 // Arch-neutral part of the CUDA grouped GEMM: execution of the host launch plans (grouped_plan.h), dispatch to
-// the per-arch CUTLASS instantiations, and the small kernels around them (pointer tables, rows past the splits,
-// the K = 0 fill, zero-fill of overwritten wgrad experts, bias gradient). Torch-free.
+// the per-arch CUTLASS instantiations, and the small kernels around them (pointer tables, the K = 0 fill,
+// zero-fill of overwritten wgrad experts, bias gradient). Torch-free.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -88,20 +88,14 @@ struct alignas(16) Vec16 {
   uint32_t w[4];
 };
 
-// Rows past the clamped total become zero. With `fill` (K == 0: no GEMM ran), rows of expert e also become
-// bias[e] (or zero without bias). 16-bit types, n % 8 == 0.
+// K == 0 (no GEMM ran): rows of expert e become bias[e] (or zero without bias), rows past the clamped total
+// zero. 16-bit types, n % 8 == 0.
 template <class T>
-__global__ void rows_fill_kernel(T* out, const T* bias, const int64_t* offsets, int num_experts, int64_t rows, int n,
-                                 bool fill) {
+__global__ void rows_fill_kernel(T* out, const T* bias, const int64_t* offsets, int num_experts, int64_t rows,
+                                 int n) {
   const int64_t total = offsets[num_experts];
   const int vec_per_row = n / 8;
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-    if (r < total && !fill) {
-      // Only rows past the total need work: jump straight there.
-      const int64_t skip = (total - r + gridDim.x - 1) / gridDim.x;
-      r += (skip - 1) * gridDim.x;
-      continue;
-    }
     Vec16* row = reinterpret_cast<Vec16*>(out + r * n);
     if (r >= total || bias == nullptr) {
       for (int v = threadIdx.x; v < vec_per_row; v += blockDim.x) row[v] = Vec16{{0u, 0u, 0u, 0u}};
@@ -194,12 +188,11 @@ void check_family(int arch) {
 }
 
 template <class T>
-void launch_rows_fill(const ForwardProblem& p, const LaunchEnv& env, const int64_t* offsets, bool fill) {
+void launch_rows_fill(const ForwardProblem& p, const LaunchEnv& env, const int64_t* offsets) {
   const int blocks = static_cast<int>(std::min<int64_t>(p.rows, int64_t(env.sm_count) * 8));
   const int threads = static_cast<int>(std::min<int64_t>(256, std::max<int64_t>(32, p.n / 8)));
   rows_fill_kernel<T><<<blocks, threads, 0, env.stream>>>(static_cast<T*>(p.out), static_cast<const T*>(p.bias),
-                                                         offsets, p.splits.num_experts, p.rows, static_cast<int>(p.n),
-                                                         fill);
+                                                         offsets, p.splits.num_experts, p.rows, static_cast<int>(p.n));
   check_launch("rows_fill_kernel");
 }
 
@@ -236,11 +229,11 @@ void run_forward(const ForwardProblem& p, const LaunchEnv& env) {
 #endif
     if (!ran) throw std::runtime_error(std::string("moe_graph grouped GEMM: no kernel for dtype ") + dtype_name(p.dtype));
   }
-  if (plan.zero_tail || plan.fill_rows) {
+  if (plan.run_rows_fill) {  // with a GEMM the argument kernel zeroes the tail
     if (p.dtype == DType::kBF16)
-      launch_rows_fill<__nv_bfloat16>(p, env, offsets, plan.fill_rows);
+      launch_rows_fill<__nv_bfloat16>(p, env, offsets);
     else
-      launch_rows_fill<__half>(p, env, offsets, plan.fill_rows);
+      launch_rows_fill<__half>(p, env, offsets);
   }
 }
 

@@ -42,6 +42,10 @@ struct Sm100TwoSm {
   static constexpr const char* name = "sm100_2sm_256x256x64";
 };
 
+static_assert(decltype(size(Sm100OneSmM64::Cluster{}))::value == cluster_size(Config::kSm100OneSmM64));
+static_assert(decltype(size(Sm100OneSm::Cluster{}))::value == cluster_size(Config::kSm100OneSm));
+static_assert(decltype(size(Sm100TwoSm::Cluster{}))::value == cluster_size(Config::kSm100TwoSm));
+
 using Sm100Kernels = ArchKernels<cutlass::arch::Sm100, Config::kSm100OneSmM64, Sm100OneSmM64, Config::kSm100OneSm,
                                  Sm100OneSm, Sm100TwoSm, Sm100TwoSm>;
 

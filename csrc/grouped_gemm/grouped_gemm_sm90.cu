@@ -31,6 +31,9 @@ struct Sm90Pingpong {
   static constexpr const char* name = "sm90_pingpong_64x128x64_c1x2";
 };
 
+static_assert(decltype(size(Sm90Cooperative::Cluster{}))::value == cluster_size(Config::kSm90Cooperative));
+static_assert(decltype(size(Sm90Pingpong::Cluster{}))::value == cluster_size(Config::kSm90Pingpong));
+
 using Sm90Kernels = ArchKernels<cutlass::arch::Sm90, Config::kSm90Pingpong, Sm90Pingpong, Config::kSm90Cooperative,
                                 Sm90Cooperative, Sm90Cooperative, Sm90Cooperative>;
 

@@ -57,7 +57,8 @@ template <class Gemm>
 cutlass::KernelHardwareInfo hardware_info(const LaunchEnv& env) {
   cutlass::KernelHardwareInfo hw;
   hw.device_id = env.device;
-  hw.sm_count = env.sm_count;  // already less torch's SM carve-out (effective_sm_count)
+  // env.sm_count is already less torch's SM carve-out (effective_sm_count); whole clusters of it
+  hw.sm_count = cluster_sm_count(env.sm_count, cute::size(typename Gemm::GemmKernel::ClusterShape{}));
   return hw;
 }
 
@@ -98,8 +99,9 @@ void launch_forward(const ForwardProblem& p, const LaunchEnv& env, const void* c
   args.epilogue.dD = arr.stride_d;
   args.hw_info = hardware_info<Gemm>(env);
 
+  const int tail_blocks = tail_zero_blocks(p.rows, p.n);  // plan_forward's arg_tail_blocks
   checked_run<Gemm>(args, env, name, [&] {
-    forward_args_kernel<GemmKernel, kBKMajor><<<1, kArgThreads, 0, env.stream>>>(
+    forward_args_kernel<GemmKernel, kBKMajor><<<1 + tail_blocks, kArgThreads, 0, env.stream>>>(
         arr, p.splits.ptr, p.splits.is_int64, e, p.rows, static_cast<int>(p.n), static_cast<int>(p.k),
         static_cast<const typename GemmKernel::ElementA*>(p.a),
         static_cast<const typename GemmKernel::ElementB*>(p.b.base), p.b.expert_stride, b_table,

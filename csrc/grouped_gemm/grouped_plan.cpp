@@ -37,13 +37,15 @@ const char* dtype_name(DType t) {
   }
 }
 
-// The heuristics see only host-known shapes: the capacity `rows`, the expert count and n/k. Experts with <= 64
-// rows on average waste half of a 128-row MMA: 64-row tiles there (as torch's GroupMM does on SM90).
+// The heuristics see only host-known shapes: the capacity `rows`, the expert count and n/k. SM90: experts with
+// <= 64 rows on average waste half of a 128-row tile, so 64-row ping-pong tiles there (as torch's GroupMM does).
+// SM100: the 64-row MMA tile only where it holds for every expert, hot ones included: `rows` <= 64 bounds each
+// expert's rows. With skewed routing the hot experts set the time and an average says nothing about them.
 Config choose_forward_config(int arch, int64_t rows, int num_experts, int64_t n, int64_t k) {
   (void)k;
   const int64_t avg_rows = num_experts > 0 ? rows / num_experts : rows;
   if (arch / 10 == 9) return avg_rows <= 64 ? Config::kSm90Pingpong : Config::kSm90Cooperative;
-  if (avg_rows <= 64) return Config::kSm100OneSmM64;
+  if (rows <= 64) return Config::kSm100OneSmM64;
   return (avg_rows >= 256 && n >= 256) ? Config::kSm100TwoSm : Config::kSm100OneSm;
 }
 
@@ -54,6 +56,18 @@ Config choose_wgrad_config(int arch, int64_t, int, int64_t, int64_t) {
 
 int effective_sm_count(int device_sm_count, int carveout) {
   return std::max(1, device_sm_count - std::max(0, carveout));
+}
+
+int cluster_sm_count(int sm_count, int cluster) {
+  const int c = std::max(1, cluster);
+  return std::max(c, sm_count / c * c);
+}
+
+int tail_zero_blocks(int64_t rows, int64_t n) {
+  constexpr int64_t kElemsPerBlock = 1 << 15;  // 64 KB of 16-bit elements per block at the largest tail
+  constexpr int64_t kMaxBlocks = 512;
+  const int64_t elems = std::max<int64_t>(0, rows) * std::max<int64_t>(0, n);
+  return static_cast<int>(std::max<int64_t>(1, std::min(kMaxBlocks, (elems + kElemsPerBlock - 1) / kElemsPerBlock)));
 }
 
 namespace {
@@ -96,10 +110,13 @@ ForwardPlan plan_forward(int arch, int64_t rows, int num_experts, int64_t n, int
   if (k == 0) {  // a GEMM with an empty reduction never zeroes its accumulators: no GEMM at all
     p.run_offsets = true;
     p.fill_rows = true;
+    p.zero_tail = true;
+    p.run_rows_fill = true;
     return p;
   }
   p.run_gemm = true;
-  p.zero_tail = true;
+  p.zero_tail = true;  // by the argument kernel's extra blocks: no launch of its own
+  p.arg_tail_blocks = tail_zero_blocks(rows, n);
   p.ptr_table_bytes = b_is_list ? sizeof(void*) * static_cast<size_t>(std::max(num_experts, 1)) : 0;
   p.argument_bytes = argument_bytes(num_experts, has_bias);
   return p;

@@ -19,8 +19,14 @@ enum class Config : int {
   kSm90Pingpong = 2,     // 64x128x64 tile, cluster 1x2: small groups (fine-grained experts)
   kSm100OneSm = 3,       // 128x256 MMA tile on one SM
   kSm100TwoSm = 4,       // 256x256 MMA tile on an SM pair (cluster 2x1)
-  kSm100OneSmM64 = 5,    // 64x256 MMA tile on one SM: experts with <= 64 rows on average
+  kSm100OneSmM64 = 5,    // 64x256 MMA tile on one SM: launches where no expert can have more than 64 rows
 };
+
+// CTAs per thread-block cluster of a configuration (1 for kAuto); the CUTLASS instantiations static_assert their
+// cluster shapes against it.
+constexpr int cluster_size(Config c) {
+  return (c == Config::kSm90Cooperative || c == Config::kSm90Pingpong || c == Config::kSm100TwoSm) ? 2 : 1;
+}
 
 const char* config_name(Config c);
 const char* dtype_name(DType t);
@@ -33,6 +39,15 @@ Config choose_wgrad_config(int arch, int64_t rows, int num_experts, int64_t n, i
 // negative carve-out counts as 0).
 int effective_sm_count(int device_sm_count, int carveout);
 
+// The SM count a persistent launch with clusters of `cluster` CTAs is given (KernelHardwareInfo::sm_count):
+// `sm_count` rounded down to whole clusters, at least one cluster. CUTLASS sizes the grid from it, and a grid
+// that is not a multiple of the cluster shape cannot launch (an odd count below 18 SMs with a 1x2 cluster).
+int cluster_sm_count(int sm_count, int cluster);
+
+// Blocks of the forward argument kernel that zero the rows past the clamped sum(m_splits) while block 0 builds
+// the GEMM arguments: enough for a tail as large as the whole [rows, n] output (16-bit elements).
+int tail_zero_blocks(int64_t rows, int64_t n);
+
 // Bytes of the per-expert argument arrays one grouped launch carves from its workspace: problem shapes
 // (3 x int32), pointers A/B/C/D (+ bias when `with_bias_ptrs`) and strides A/B/C/D (one int64 each; the
 // launcher static_asserts these sizes against the CUTLASS kernel's types), each array 128-byte aligned.
@@ -44,6 +59,8 @@ struct ForwardPlan {
   bool run_gemm = false;          // argument kernel + CUTLASS grouped GEMM, bias fused in its epilogue
   bool fill_rows = false;         // K == 0: rows of expert e become bias[e] (or zero); no GEMM can produce them
   bool zero_tail = false;         // rows past the clamped sum(m_splits) are zeroed
+  bool run_rows_fill = false;     // the rows-fill kernel runs (fill_rows, or zero_tail without the GEMM)
+  int arg_tail_blocks = 0;        // with run_gemm: blocks of the argument kernel that zero the tail (no own launch)
   size_t offsets_bytes = 0;       // int64 [E + 1]
   size_t ptr_table_bytes = 0;     // device copy of a per-expert weight pointer list
   size_t argument_bytes = 0;      // argument arrays of the GEMM

@@ -41,7 +41,7 @@ std::vector<int64_t> grouped_plan_forward_probe(int64_t arch, int64_t rows, int6
   }
   return {static_cast<int64_t>(p.config), p.run_offsets, p.run_gemm, p.fill_rows, p.zero_tail,
           static_cast<int64_t>(p.offsets_bytes), static_cast<int64_t>(p.ptr_table_bytes),
-          static_cast<int64_t>(p.argument_bytes)};
+          static_cast<int64_t>(p.argument_bytes), p.run_rows_fill, p.arg_tail_blocks};
 }
 
 std::vector<int64_t> grouped_plan_wgrad_probe(int64_t arch, int64_t rows, int64_t num_experts, int64_t n, int64_t k,
@@ -61,8 +61,10 @@ std::vector<int64_t> grouped_plan_wgrad_probe(int64_t arch, int64_t rows, int64_
 
 std::string grouped_config_name_probe(int64_t config) { return gg::config_name(to_config(config)); }
 
-int64_t grouped_effective_sm_count_probe(int64_t sm_count, int64_t carveout) {
-  return gg::effective_sm_count(static_cast<int>(sm_count), static_cast<int>(carveout));
+int64_t grouped_effective_sm_count_probe(int64_t sm_count, int64_t carveout, int64_t config) {
+  // what a launch of `config` gives CUTLASS (grouped_gemm_ops.cpp, then hardware_info in grouped_launch.cuh)
+  return gg::cluster_sm_count(gg::effective_sm_count(static_cast<int>(sm_count), static_cast<int>(carveout)),
+                              gg::cluster_size(to_config(config)));
 }
 
 #if defined(MOE_GRAPH_HAVE_CUTE)

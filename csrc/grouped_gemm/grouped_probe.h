@@ -16,7 +16,8 @@ std::vector<int64_t> grouped_plan_wgrad_probe(int64_t arch, int64_t rows, int64_
                                               int64_t out_dtype, bool accumulate_all, bool has_mask, bool out_is_list,
                                               int64_t config);
 std::string grouped_config_name_probe(int64_t config);
-int64_t grouped_effective_sm_count_probe(int64_t sm_count, int64_t carveout);
+// The SM count a launch of `config` (kAuto: no cluster rounding) gives CUTLASS under torch's SM carve-out.
+int64_t grouped_effective_sm_count_probe(int64_t sm_count, int64_t carveout, int64_t config);
 
 // The per-expert arguments of the argument kernel computed on the host (grouped_expert_args.h) for m_splits
 // (CPU int64), then CuTe's operand layouts evaluated at `coords` ([P, 4] int64: expert e, GEMM m, n, k):
