@@ -10,7 +10,7 @@ or a CUDA-graph node, so these device-independent counts predict it. For one for
   (written), each tensor counted whole (broadcast dimensions once), over the tokens of the batch. An upper bound
   for gathers, which read only the rows they index; the same rule for every system.
 * ``saved bytes/token``: unique storages autograd saves for backward in the forward
-  (``torch.autograd.graph.saved_tensors_hooks``), parameters left out.
+  (``torch.autograd.graph.saved_tensors_hooks``) and still holds when the forward returns, parameters left out.
 * ``host syncs``: places where the host waits for device values: ``aten._local_scalar_dense`` (``.item()``,
   ``bool(t)``), data-dependent-shape ops (``nonzero``, ``masked_select``, ``unique``, ...), ``.tolist()`` /
   ``.numpy()`` / ``.cpu()`` of tensors the device computed, and stream/event/device synchronizes (Megatron's
@@ -39,6 +39,7 @@ import contextlib
 import os
 import sys
 import tempfile
+import weakref
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -186,12 +187,12 @@ def measure(step_fwd: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, g
     for p in params:
         p.grad = None
     param_keys = {_storage_key(p) for p in params}
-    saved: Dict[object, int] = {}
+    saved: Dict[object, List] = {}  # storage -> [(weak reference to the packed tensor, storage bytes)]
 
     def pack(t):
         k = _storage_key(t)
         if k not in param_keys and t.untyped_storage().nbytes():
-            saved[k] = t.untyped_storage().nbytes()
+            saved.setdefault(k, []).append((weakref.ref(t), t.untyped_storage().nbytes()))
         return t
 
     xi = x.detach().requires_grad_()
@@ -199,6 +200,10 @@ def measure(step_fwd: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, g
         meter.phase = "fwd"
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = step_fwd(xi)
+        # what backward holds: storages of packed tensors still alive (a graph branch that does not reach the
+        # output is freed during the forward, and its storages may be reused at the same address)
+        saved_bytes = sum(max(n for ref, n in refs if ref() is not None) for refs in saved.values()
+                          if any(ref() is not None for ref, _ in refs))
         meter.phase = "bwd"
         out.backward(g)
     result = out.detach().clone()
@@ -208,7 +213,7 @@ def measure(step_fwd: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, g
     return {"launches_fwd": meter.launches["fwd"], "launches_bwd": meter.launches["bwd"],
             "non_gemm_bytes_per_token": (meter.bytes["fwd"] + meter.bytes["bwd"]) / T,
             "non_gemm_bytes_per_token_fwd": meter.bytes["fwd"] / T,
-            "saved_bytes_per_token": sum(saved.values()) / T, "host_syncs": len(meter.syncs),
+            "saved_bytes_per_token": saved_bytes / T, "host_syncs": len(meter.syncs),
             "sync_points": meter.syncs, "cpu_ms": cpu_ms, "ops": meter.ops, "out": result}
 
 
