@@ -3,13 +3,15 @@ balances the per-rank load, and it writes the summary and the PNG plot."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 
 import torch
 
-from conftest import requires_cuda
+from conftest import alive, descendants, proc_state, requires_cuda, run_cmd, started, wait_for
+from moe_graph.distributed.launch import STOP_EXIT_CODE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -23,8 +25,8 @@ def _run_demo(tmp_path, device, *extra):
     env["PYTHONPATH"] = os.path.join(ROOT, "python") + os.pathsep + env.get("PYTHONPATH", "")
     committed = os.stat(COMMITTED).st_mtime_ns if os.path.exists(COMMITTED) else None
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "moe_graph.demo", "--quick", "--device", device, *extra], env=env,
-                          capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
+    proc = run_cmd([sys.executable, "-m", "moe_graph.demo", "--quick", "--device", device, *extra], 300,
+                   "the quick demo", env=env, cwd=str(tmp_path))
     wall = time.perf_counter() - t0
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
@@ -192,21 +194,19 @@ def _metrics(out):
         return {r["step"]: r for r in map(json.loads, f)}
 
 
-def _free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _torchrun_cmd(tmp_path, name, *extra, nproc=4):
+    # --standalone: the rendezvous store binds a port the kernel picks (no free-port-by-luck that another process on
+    # the machine can take first); the workers reuse that store
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), "-m",
+            "moe_graph.demo", "--device", "cpu", "--pp", "2", "--ep", "2", "--layers", "2", "--hidden", "32",
+            "--heads", "2", "--ffn", "48", "--seq", "32", "--batch", "4", "--microbatches", "2", "--steps", "6",
+            "--log-every", "1", "--out", str(tmp_path / name), *extra]
 
 
 def _torchrun(tmp_path, name, *extra, timeout=240):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()), "-m", "moe_graph.demo", "--device", "cpu", "--pp", "2", "--ep", "2",
-           "--layers", "2", "--hidden", "32", "--heads", "2", "--ffn", "48", "--seq", "32", "--batch", "4",
-           "--microbatches", "2", "--steps", "6", "--log-every", "1", "--out", str(tmp_path / name), *extra]
+    cmd = _torchrun_cmd(tmp_path, name, *extra)
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout, cwd=str(tmp_path))
+    proc = run_cmd(cmd, timeout, "torchrun with 4 demo ranks", env=_env(), cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout, time.perf_counter() - t0
 
@@ -249,8 +249,8 @@ def test_killed_save_leaves_previous_checkpoint_and_resume_at_other_dp(tmp_path)
     env = _env()
     env[FAULT_ENV] = "1:4"
     t0 = time.perf_counter()
-    proc = subprocess.run(base + ["--dp", "2", "--microbatches", "1", "--out", str(out1), "--save", str(ck),
-                                  "--save-every", "2"], env=env, capture_output=True, text=True, timeout=240)
+    proc = run_cmd(base + ["--dp", "2", "--microbatches", "1", "--out", str(out1), "--save", str(ck), "--save-every",
+                           "2"], 240, "the demo whose rank 1 is killed mid-save", env=env)
     wall = time.perf_counter() - t0
     assert proc.returncode != 0 and "rank 1 exited with code -9 (signal 9)" in proc.stderr, proc.stderr[-3000:]
     assert wall < 120
@@ -264,8 +264,8 @@ def test_killed_save_leaves_previous_checkpoint_and_resume_at_other_dp(tmp_path)
 
     out2 = tmp_path / "run2"
     t0 = time.perf_counter()
-    proc = subprocess.run(base + ["--dp", "1", "--microbatches", "2", "--out", str(out2), "--load", str(ck)],
-                          env=_env(), capture_output=True, text=True, timeout=240)
+    proc = run_cmd(base + ["--dp", "1", "--microbatches", "2", "--out", str(out2), "--load", str(ck)], 240,
+                   "the demo resumed on 1 rank", env=_env())
     print(f"load + 2 steps on 1 rank: {time.perf_counter() - t0:.1f} s")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "at step 2" in proc.stdout and "RNG fresh" in proc.stdout, proc.stdout
@@ -290,46 +290,122 @@ def test_killed_save_leaves_previous_checkpoint_and_resume_at_other_dp(tmp_path)
         read_model_state(folder, read_meta(folder))
 
 
-def test_sigint_to_the_parent_stops_the_workers(tmp_path):
-    import signal
+_SMALL = ["--layers", "1", "--hidden", "32", "--heads", "2", "--ffn", "48", "--seq", "32", "--batch", "4",
+          "--log-every", "1", "--no-graph"]
 
-    out = tmp_path / "o"
-    proc = subprocess.Popen([sys.executable, "-m", "moe_graph.demo", "--device", "cpu", "--layers", "1", "--steps",
-                             "100000", "--log-every", "1", "--no-graph", "--out", str(out)], env=_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 120
-        while not (out / "metrics.jsonl").exists():
-            assert proc.poll() is None and time.monotonic() < deadline, "the demo did not start training"
-            time.sleep(0.2)
-        workers = []
-        for pid in os.listdir("/proc"):
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-                with open(f"/proc/{pid}/cmdline") as f:
-                    cmd = f.read()
-            except (OSError, ValueError, IndexError):
-                continue
-            if ppid == proc.pid and "spawn_main" in cmd:
-                workers.append(int(pid))
-        assert len(workers) == 2, workers
+
+def _demo_cmd(out, *extra):
+    return [sys.executable, "-m", "moe_graph.demo", "--device", "cpu", *_SMALL, "--out", str(out), *extra]
+
+
+def _started_demo(out, log, *extra):
+    """The demo in the background (its whole process tree killed when the block ends), stderr into ``log``."""
+    return started(_demo_cmd(out, *extra), env=_env(), stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+
+
+def _training(proc, out, log, steps: int = 1):
+    """Wait until the demo has logged ``steps`` steps; returns its two workers' ``(pid, start time)``."""
+    def logged():
+        assert proc.poll() is None, f"the demo exited ({proc.returncode}): {open(log).read()[-3000:]}"
+        return (out / "metrics.jsonl").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= steps
+    wait_for(logged, 240, f"the demo to log {steps} step(s) in {out}/metrics.jsonl")
+    workers = [(p, proc_state(p)[2]) for p in descendants(proc.pid)
+               if proc_state(p) and "spawn_main" in proc_state(p)[3] and alive(p)]
+    assert len(workers) == 2, workers
+    return workers
+
+
+def _gone(workers, what):
+    wait_for(lambda: not any(alive(p, t) for p, t in workers), 30, f"the workers {[p for p, _ in workers]} to exit "
+             f"after {what}")
+
+
+def test_sigint_to_the_parent_stops_the_workers(tmp_path):
+    out, log = tmp_path / "o", tmp_path / "stderr.txt"
+    with _started_demo(out, log, "--steps", "100000") as proc:
+        workers = _training(proc, out, log)
         proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode != 0
-    deadline = time.monotonic() + 10
-    alive = workers
-    while alive and time.monotonic() < deadline:
-        alive = [w for w in alive if os.path.exists(f"/proc/{w}") and
-                 open(f"/proc/{w}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"]
-        time.sleep(0.1)
-    assert not alive, f"workers {alive} still running after SIGINT to the parent"
+        wait_for(lambda: proc.poll() is not None, 60, "the demo to exit after SIGINT")
+        assert proc.returncode != 0
+        _gone(workers, "SIGINT to the parent")
     summary = json.loads((out / "demo_summary.json").read_text())
     assert summary["finished"] is False and summary["status"] == "interrupted"
+
+
+def test_sigkill_of_the_parent_leaves_no_worker(tmp_path):
+    """The OOM killer or kill -9 on the self-spawned demo's parent: its workers die with it."""
+    out, log = tmp_path / "o", tmp_path / "stderr.txt"
+    with _started_demo(out, log, "--steps", "100000") as proc:
+        workers = _training(proc, out, log)
+        proc.kill()
+        t0 = time.monotonic()
+        _gone(workers, "SIGKILL of their parent")
+        print(f"workers gone {time.monotonic() - t0:.2f} s after SIGKILL of the demo's parent")
+
+
+def test_sigterm_saves_and_the_checkpoint_resumes_exactly(tmp_path):
+    """SIGTERM to the self-spawned demo (--save, no periodic save due): both ranks finish the step, save it, the
+    summary says interrupted, the exit status is 143 with a message; --load continues with the losses and grad norms
+    of an uninterrupted run, bit for bit."""
+    ck, out, log = tmp_path / "ck", tmp_path / "stopped", tmp_path / "stderr.txt"
+    with _started_demo(out, log, "--steps", "100000", "--save", str(ck), "--save-every", "100000") as proc:
+        workers = _training(proc, out, log, steps=2)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: proc.poll() is not None, 120, "the demo to save and exit after SIGTERM")
+        took = time.monotonic() - t0
+        _gone(workers, "they stopped on SIGTERM")
+    stderr = log.read_text()
+    assert proc.returncode == STOP_EXIT_CODE, stderr[-3000:]
+    summary = json.loads((out / "demo_summary.json").read_text())
+    assert summary["finished"] is False and summary["status"] == "interrupted"
+    stop = summary["stopped"]["step"]
+    assert stop >= 2 and summary["stopped"]["reason"] == "SIGTERM to the launcher"
+    assert f"stopped by SIGTERM to the launcher after step {stop} of 100000" in stderr, stderr[-3000:]
+    assert "grace 25 s" in stderr
+    assert (ck / "latest").read_text().strip() == f"step_{stop:08d}"
+    size = sum(f.stat().st_size for f in (ck / f"step_{stop:08d}").iterdir())
+    print(f"SIGTERM -> exit {took:.1f} s, checkpoint at step {stop}: {size / 2**20:.2f} MiB")
+    stopped = _metrics(out)
+    assert sorted(stopped) == list(range(1, stop + 1))  # every step logged, the stop step included
+
+    resumed = tmp_path / "resumed"
+    proc = run_cmd(_demo_cmd(resumed, "--steps", str(stop + 2), "--load", str(ck)), 240, "the resumed demo",
+                   env=_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"at step {stop}" in proc.stdout and "RNG restored" in proc.stdout
+    ref = tmp_path / "ref"
+    proc = run_cmd(_demo_cmd(ref, "--steps", str(stop + 2)), 240, "the uninterrupted demo", env=_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    full, res = _metrics(ref), _metrics(resumed)
+    assert sorted(res) == [stop + 1, stop + 2]
+    for s in range(1, stop + 3):
+        got = stopped[s] if s <= stop else res[s]
+        assert (got["loss"], got["grad_norm"]) == (full[s]["loss"], full[s]["grad_norm"]), s
+
+
+def test_sigterm_to_torchrun_stops_every_rank_with_a_checkpoint(tmp_path):
+    """torchrun forwards SIGTERM to its 4 ranks (pp 2 x ep 2): they agree on one step, save it and exit with 143."""
+    ck, out, log = tmp_path / "ck", tmp_path / "o", tmp_path / "stderr.txt"
+    cmd = _torchrun_cmd(tmp_path, "o", "--steps", "100000", "--save", str(ck), "--save-every", "100000")
+    with started(cmd, env=_env(), stdout=subprocess.DEVNULL, stderr=open(log, "w"), cwd=str(tmp_path)) as proc:
+        def logged():
+            assert proc.poll() is None, f"torchrun exited ({proc.returncode}): {log.read_text()[-3000:]}"
+            return (out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().count("\n") >= 2
+        wait_for(logged, 240, f"torchrun's ranks to log 2 steps in {out}/metrics.jsonl")
+        proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: proc.poll() is not None, 120, "torchrun to exit after SIGTERM")
+    stderr = log.read_text()
+    assert proc.returncode != 0
+    summary = json.loads((out / "demo_summary.json").read_text())
+    assert summary["status"] == "interrupted", summary["status"]
+    # every rank got SIGTERM; rank 0 may see another rank's request first
+    assert summary["stopped"]["reason"] in ("SIGTERM", "another rank's stop request"), summary["stopped"]
+    stop = summary["stopped"]["step"]
+    assert (ck / "latest").read_text().strip() == f"step_{stop:08d}"
+    assert sorted(os.listdir(ck / f"step_{stop:08d}")) == ["meta.json"] + [
+        f"{k}_rank{r:05d}.pt" for k in ("optim", "state") for r in range(4)]
+    assert f"after step {stop} of 100000" in stderr
 
 
 def test_whole_model_names_of_a_pipeline_stage_on_an_expert_rank():

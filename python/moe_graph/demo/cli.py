@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 import time
 from typing import Dict, List, Optional
 
@@ -20,8 +21,8 @@ import torch.distributed as dist
 from moe_graph import demo
 from moe_graph.demo.loop import check_checkpoint_compatible, train
 from moe_graph.demo.report import plot, print_report, write_json_atomic
-from moe_graph.distributed.launch import (Layout, environment, init_distributed, resolve_layout, run_distributed,
-                                          torchrun_env)
+from moe_graph.distributed.launch import (STOP_EXIT_CODE, Layout, die_with_parent, environment, init_distributed,
+                                          resolve_layout, run_distributed, torchrun_env)
 from moe_graph.train import checkpoint, schedules
 
 __all__ = ["parser", "resolve_args", "launch", "main"]
@@ -105,6 +106,10 @@ def parser() -> argparse.ArgumentParser:
                    help="save every N steps (default with --save: at the end only)")
     o.add_argument("--load", default=None, metavar="DIR",
                    help="resume from DIR's latest checkpoint, or from DIR itself if it is one step_* folder")
+    o.add_argument("--stop-grace", type=_finite_float(0.0, True), default=25.0, metavar="SECONDS",
+                   help="after SIGTERM the ranks finish the current step, save (--save) and exit with status "
+                        f"{STOP_EXIT_CODE}; past this many seconds they exit without a checkpoint (default 25: "
+                        "within the 30 s before SIGKILL of torchrun, Kubernetes and SLURM's default KillWait)")
     return p
 
 
@@ -189,6 +194,8 @@ def resolve_args(p: argparse.ArgumentParser, args, env) -> Layout:
 def launch(args, env, world: int) -> Dict:
     """Rank 0's summary: the training loop on this process (torchrun, or one rank) or on ``world`` own processes."""
     if env is not None:
+        if "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun's agent: do not outlive it
+            die_with_parent(os.getppid())
         init_distributed(args.device)
         try:
             return train(env["rank"], env["world"], args)
@@ -204,7 +211,22 @@ def launch(args, env, world: int) -> Dict:
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     return run_distributed(train, world, args, backend="nccl" if args.device == "cuda" else "gloo",
-                           timeout=None)[0]
+                           timeout=None, stop_on_sigterm=True, stop_grace=args.stop_grace)[0]
+
+
+def _stopped(summary: Dict, args, writer: bool, summary_path: str, wall: float) -> None:
+    """A run stopped on request (SIGTERM): the summary says ``interrupted`` (with the step and the checkpoint),
+    a message says why, and the process exits with :data:`STOP_EXIT_CODE`."""
+    st = summary["stopped"]
+    if writer:
+        summary.update(wall_s=wall, config=dict(vars(args)), env=environment(), finished=False, status="interrupted")
+        write_json_atomic(summary_path, summary)
+        saved = (f"checkpoint {st['checkpoint']} (resume with --load {args.save})" if st["checkpoint"] else
+                 "no checkpoint (no --save)")
+        print(f"moe_graph demo: stopped by {st['reason']} after step {st['step']} of {args.steps}; {saved}; "
+              f"summary {summary_path} (status interrupted); exit status {STOP_EXIT_CODE}", file=sys.stderr,
+              flush=True)
+    raise SystemExit(STOP_EXIT_CODE)
 
 
 def main(argv: Optional[List[str]] = None) -> Dict:
@@ -234,6 +256,8 @@ def main(argv: Optional[List[str]] = None) -> Dict:
                                               "config": vars(args), "wall_s": time.perf_counter() - t0})
         raise
     wall = time.perf_counter() - t0
+    if summary.get("stopped"):
+        _stopped(summary, args, writer, summary_path, wall)
     if not writer:
         return summary
     print_report(summary)

@@ -22,7 +22,7 @@ from moe_graph.demo.data import CharData, build_corpus
 from moe_graph.demo.model import MoETransformerLM, moe_options
 from moe_graph.demo.report import append_metrics, metrics_record, progress_line
 from moe_graph.distributed.ddp import DistributedDataParallel
-from moe_graph.distributed.launch import Layout, resolve_layout
+from moe_graph.distributed.launch import Layout, StopRequest, resolve_layout
 from moe_graph.distributed.optimizer import DistributedOptimizer
 from moe_graph.train import checkpoint, schedules
 from moe_graph.train.step import make_train_step
@@ -75,14 +75,19 @@ def train(rank: int, world: int, cfg) -> Dict:
     dtype = torch.bfloat16 if is_cuda else torch.float32
     ps.initialize_model_parallel(pipeline_model_parallel_size=layout.pp, expert_model_parallel_size=layout.ep,
                                  virtual_pipeline_model_parallel_size=layout.vpp)
+    # SIGTERM: every rank stops after the same step (agreed over a CPU group: no device sync)
+    stop = StopRequest(cfg.stop_grace, group=dist.new_group(backend="gloo") if is_cuda else None,
+                       announce=rank == 0).install()
     try:
         trainer = Trainer(rank, world, cfg, layout, device, dtype)
+        trainer.stop = stop
         if cfg.load:
             trainer.resume(cfg.load)
         trainer.describe()
         trainer.run()
         return trainer.summary()
     finally:
+        stop.uninstall()
         ps.destroy_model_parallel()
 
 
@@ -120,6 +125,8 @@ class Trainer:
         self.moe_layers = [m for s in self.stages for m in s.moe_layers()]
         self.samples_per_step = layout.dp * cfg.microbatches * cfg.batch  # the global batch, in sequences
         self.start, self.resumed = 0, None
+        self.stop: Optional[StopRequest] = None  # checked after every step; train() installs one
+        self.stopped: Optional[Dict] = None  # {"step", "reason", "checkpoint"} when the run stopped on request
         self.history: Dict[str, List] = {k: [] for k in ("step", "loss", "grad_norm", "skipped", "imb_before",
                                                          "imb_after", "tok_s")}
         self.eager_ms: List[float] = []
@@ -189,9 +196,9 @@ class Trainer:
             self.say("echo buffers: no MoE layer on this rank")
 
     # ---------------------------------------------------------------------------------------------- saving --
-    def save(self, step: int) -> None:
+    def save(self, step: int) -> str:
         """A checkpoint at ``step`` (a collective): dense tensors from data-parallel rank 0 of each stage, experts
-        from expert-data-parallel rank 0, each under its whole-model name."""
+        from expert-data-parallel rank 0, each under its whole-model name. Returns its folder."""
         cfg, layout = self.cfg, self.layout
         state = {k: v for k, v in self.model_tensors().items()
                  if (self.edp_rank == 0 if checkpoint.is_expert_name(k) else self.dp_rank == 0)}
@@ -208,6 +215,7 @@ class Trainer:
                   "model": {k: getattr(cfg, k) for k in CHECKPOINT_MODEL_KEYS},
                   "data": {"step": step, "seed": cfg.seed, "global_batch": self.samples_per_step}})
         self.say(f"saved {folder} ({time.perf_counter() - t0:.2f} s)")
+        return folder
 
     # ------------------------------------------------------------------------------------------------- run --
     def microbatches(self, step: int):
@@ -243,7 +251,9 @@ class Trainer:
 
     def run_steps(self, fn: Callable, first: int, last: int, times: List[float]) -> None:
         """Steps ``first .. last - 1`` through ``fn`` (the eager step or the graph), each timed into ``times``;
-        logs every ``--log-every`` steps and the first and last, saves every ``--save-every`` and at the end."""
+        logs every ``--log-every`` steps and the first and last, saves every ``--save-every`` and at the end.
+        A stop request (:attr:`stop`, agreed by all ranks after each step) ends the run after that step, logged and
+        saved (with ``--save``), in :attr:`stopped`."""
         cfg = self.cfg
         t_window, n_steps = time.perf_counter(), 0
         for it in range(first, last):
@@ -253,10 +263,15 @@ class Trainer:
                 torch.cuda.synchronize()
             times.append((time.perf_counter() - t0) * 1e3)
             n_steps += 1
-            if (it + 1) % cfg.log_every == 0 or it == last - 1 or it == first:
+            stop = self.stop is not None and self.stop.agreed()
+            if (it + 1) % cfg.log_every == 0 or it == last - 1 or it == first or stop:
                 t_window, n_steps = self.log(it, res, n_steps, t_window), 0
-            if cfg.save and ((it + 1) % cfg.save_every == 0 or it == cfg.steps - 1):
-                self.save(it + 1)
+            folder = None
+            if cfg.save and ((it + 1) % cfg.save_every == 0 or it == cfg.steps - 1 or stop):
+                folder = self.save(it + 1)
+            if stop:
+                self.stopped = {"step": it + 1, "reason": self.stop.reason, "checkpoint": folder}
+                return
 
     def run(self) -> None:
         """Train from :attr:`start` to ``--steps``: through the full-iteration graph where it applies (one CUDA
@@ -277,7 +292,8 @@ class Trainer:
         if self.device.type == "cuda" and graph is not None and graph.enabled:
             n_eager = max(4, min(20, (cfg.steps - self.start) // 4))
             self.run_steps(self.step, self.start, self.start + n_eager, self.eager_ms)  # plain eager steps, timed
-            self.run_steps(graph, self.start + n_eager, cfg.steps, self.graph_ms)  # warm-up, capture, replays
+            if self.stopped is None:
+                self.run_steps(graph, self.start + n_eager, cfg.steps, self.graph_ms)  # warm-up, capture, replays
             self.graph_ms = self.graph_ms[3:]  # without warm-up and capture
         else:
             self.run_steps(graph if graph is not None else self.step, self.start, cfg.steps, self.eager_ms)
@@ -295,11 +311,13 @@ class Trainer:
         h = self.history
         return {
             "rank": self.rank, "world": self.world, "layout": layout.as_dict(), "device": self.device.type,
-            "steps": cfg.steps, "start_step": self.start, "resumed": self.resumed, "history": h,
+            "steps": cfg.steps, "start_step": self.start, "resumed": self.resumed, "stopped": self.stopped,
+            "history": h,
             "first_loss": h["loss"][0], "final_loss": h["loss"][-1],
             "load_before": lb.tolist(), "load_after": la.tolist(), "dropped_routes": drops,
             "dropped_routes_all_ranks": all_drops,
-            "routes": (cfg.steps - self.start) * self.samples_per_step * cfg.seq * cfg.topk * cfg.layers,
+            "routes": ((self.stopped or {}).get("step", cfg.steps) - self.start) * self.samples_per_step * cfg.seq
+                      * cfg.topk * cfg.layers,
             "eager_step_ms": _mean(self.eager_ms), "graph_step_ms": _mean(self.graph_ms),
             "total_s": self.total_s, "tokens_per_step": self.samples_per_step * cfg.seq, "config": vars(cfg),
             "graph_note": self.graph_note,
