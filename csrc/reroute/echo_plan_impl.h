@@ -1,7 +1,13 @@
 // The whole echo offloading plan (assignment + allocation) as one native step, shared by the CPU and the CUDA
 // implementation: the same phase functions run with one "thread" on the CPU and with a CUDA block on the GPU
-// (strided loops, a barrier between phases; the sequential best-fit loop runs on one warp). Results are identical
-// to moe_graph.planner's torch code (gen_assignment + gen_allocation), tie-breaking included.
+// (strided loops, a barrier between phases; each sequential best-fit loop runs on one group: a warp on the GPU,
+// the donor-constrained level search runs kLevelCandidates groups side by side). Results are identical to
+// moe_graph.moe.echo_planner's torch code (gen_assignment + gen_allocation), tie-breaking included.
+//
+// Cost (R ranks, E experts, k slots, S = R*k, B = kLevelCandidates, N = kLevelRounds): unconstrained best fit S
+// steps of O(R + E/R) on one group; donor-constrained (a mask that forbids some pair) (N*B + 1) level fills of
+// (S + R) steps of O(R + E/R) each plus O(R^2) set-up, B fills at a time (one per warp on the GPU: per step three
+// warp reductions, no block barrier). The CPU runs the fills one after the other.
 //
 // Torch-free and CUDA-header-free: compiled by the host compiler for the CPU path and by nvcc for the kernel.
 #pragma once
@@ -18,10 +24,18 @@ namespace echo_plan {
 
 enum PlanMode : int { kPlanAuto = 0, kPlanGreedy = 1, kPlanBestFit = 2 };
 
+// Donor-constrained level search: kLevelRounds rounds of kLevelCandidates levels evaluated side by side
+// (moe_graph.moe.echo_planner.LEVEL_CANDIDATES / LEVEL_ROUNDS must match).
+constexpr int64_t kLevelCandidates = 16;
+constexpr int64_t kLevelRounds = 6;
+
+// Per-candidate state of a level fill: ex, cap, used, pot, stuck, hl [R]; avail [E].
+MG_HD int64_t level_state_elems(int64_t R, int64_t E) { return 6 * R + E; }
+
 // int64 workspace elements the plan needs.
 MG_HD int64_t plan_workspace_elems(int64_t R, int64_t E, int64_t k) {
   const int64_t S = R * k;
-  return 4 * E + 8 * R + 2 * E * S + R * E + 4 * S + 4;
+  return 4 * E + 8 * R + 2 * E * S + R * E + 4 * S + 12 + kLevelCandidates * (level_state_elems(R, E) + 2);
 }
 
 struct PlanArgs {
@@ -42,7 +56,8 @@ struct PlanArrays {
   int64_t *hg, *hb;                                 // [E, S]
   int64_t* left;                                    // [R, E]
   int64_t *home, *amount, *rem, *bstart;            // [S]
-  int64_t* sc;                                      // [4]: avg, choose
+  int64_t* sc;  // [12]: avg, choose, restrictive, lo[2], hi[2], best level, best max, best cascade
+  int64_t *lv_state, *lv_lam, *lv_max;  // level search: [B, 6R + E] states; [B] levels and max loads
 };
 
 MG_HD PlanArrays carve_plan(int64_t* ws, int64_t R, int64_t E, int64_t k) {
@@ -68,7 +83,10 @@ MG_HD PlanArrays carve_plan(int64_t* ws, int64_t R, int64_t E, int64_t k) {
   a.amount = p; p += S;
   a.rem = p; p += S;
   a.bstart = p; p += S;
-  a.sc = p;
+  a.sc = p; p += 12;
+  a.lv_lam = p; p += kLevelCandidates;
+  a.lv_max = p; p += kLevelCandidates;
+  a.lv_state = p;
   return a;
 }
 
@@ -93,9 +111,182 @@ MG_HD int64_t donor_key(const PlanArrays& a, const bool* allowed, int64_t R, int
   return 0;
 }
 
+// Receiver key of a donor-constrained fill step (smaller is better; kRecvClosed: r may not take the piece):
+// class 0 the smallest capacity that fits x, 1 the largest capacity (some left, none fits), 2 the smallest
+// cascade capacity that fits x, 3 the largest cascade capacity.
+constexpr int64_t kRecvClass = int64_t(1) << 36;
+constexpr int64_t kRecvClosed = 4 * kRecvClass;
+
+// Cascade capacity of receiver r: its room below the level plus what it could pass on from its own home experts to
+// its open receivers (pot); 0 when its slots are used up.
+MG_HD int64_t cascade_capacity(bool cascade, int64_t cap, int64_t used, int64_t k, int64_t hl, int64_t ex,
+                               int64_t pot) {
+  return used < k ? cap + (cascade ? imax(0, imin(hl - ex, pot)) : 0) : 0;
+}
+
+MG_HD int64_t receiver_key(bool open, int64_t cap, int64_t ceff, int64_t x) {
+  if (!open) return kRecvClosed;
+  if (cap >= x) return cap;
+  if (cap > 0) return kRecvClass + (kRecvClass / 2 - cap);
+  if (ceff >= x) return 2 * kRecvClass + ceff;
+  return 3 * kRecvClass + (kRecvClass / 2 - ceff);
+}
+
+struct LevelState {
+  int64_t *ex, *cap, *used, *pot, *stuck, *hl, *avail;
+};
+
+MG_HD LevelState carve_level(int64_t* p, int64_t R) {
+  LevelState s;
+  s.ex = p; p += R;
+  s.cap = p; p += R;
+  s.used = p; p += R;
+  s.pot = p; p += R;
+  s.stuck = p; p += R;
+  s.hl = p; p += R;
+  s.avail = p;
+  return s;
+}
+
+// Donor-constrained fill at level lam, on one group (moe_graph.moe.echo_planner._level_fill is the same in torch).
+// Donors shed what exceeds lam, receivers take up to lam, a receiver may take more (its cascade capacity) and then
+// sheds its own home experts further. S + R steps; each places one piece into one new slot or marks the most
+// loaded donor stuck (no open receiver may host it: final, the capacities only shrink). Writes the pieces into h
+// when h != nullptr. Afterwards rank r's load is lam + ex[r] - cap[r].
+template <typename Ctx>
+MG_HD void level_fill(const PlanArgs& args, const PlanArrays& a, Ctx& ctx, LevelState s, int64_t lam, bool cascade,
+                      int64_t* h) {
+  const int64_t R = args.R, E = args.E, k = args.k, L = E / R, S = R * k;
+  const bool* allowed = args.allowed;
+  const int64_t lane = ctx.lane, nl = ctx.nlanes;
+  for (int64_t i = lane; i < R; i += nl) {
+    s.ex[i] = imax(0, a.load_r[i] - lam);
+    s.cap[i] = imax(0, lam - a.load_r[i]);
+    s.used[i] = 0;
+    s.stuck[i] = 0;
+    s.hl[i] = a.load_r[i];
+  }
+  for (int64_t e = lane; e < E; e += nl) s.avail[e] = a.load_e[e];
+  ctx.group_sync();
+  for (int64_t p = lane; p < R; p += nl) {
+    int64_t v = 0;
+    for (int64_t r = 0; r < R; ++r)
+      if (allowed[r * R + p]) v += s.cap[r];
+    s.pot[p] = v;
+  }
+  ctx.group_sync();
+  for (int64_t step = 0; step < S + R; ++step) {
+    Best m = no_best();
+    for (int64_t i = lane; i < R; i += nl) m = pick(m, Best{s.stuck[i] ? 0 : s.ex[i], i});
+    const Best qb = ctx.group_best(m);
+    const int64_t q = qb.i, kq = qb.v;
+    if (kq <= 0) break;  // nothing left to shed (group-uniform)
+    m = no_best();
+    for (int64_t i = q * L + lane; i < (q + 1) * L; i += nl) m = pick(m, Best{s.avail[i], i});
+    const int64_t e = ctx.group_best(m).i;
+    const int64_t x = imin(kq, s.avail[e]);
+    m = no_best();
+    for (int64_t r = lane; r < R; r += nl) {
+      const int64_t ceff = cascade_capacity(cascade, s.cap[r], s.used[r], k, s.hl[r], s.ex[r], s.pot[r]);
+      const bool open = ceff > 0 && allowed[r * R + q] && r != q;
+      m = pick(m, Best{-receiver_key(open, s.cap[r], ceff, x), r});
+    }
+    const Best rb = ctx.group_best(m);
+    const int64_t r = rb.i;
+    const bool none = -rb.v == kRecvClosed;
+    const int64_t cap_r = s.cap[r], used_r = s.used[r];
+    const int64_t ceff_r = cascade_capacity(cascade, cap_r, used_r, k, s.hl[r], s.ex[r], s.pot[r]);
+    ctx.group_sync();  // every lane has read the state this step changes
+    if (none) {
+      if (lane == 0) s.stuck[q] = 1;
+      ctx.group_sync();
+      continue;
+    }
+    const int64_t amt = imin(x, ceff_r);
+    const int64_t cap_new = amt > cap_r ? 0 : cap_r - amt;
+    const int64_t used_new = used_r + 1;
+    const int64_t delta = (used_new < k ? cap_new : 0) - cap_r;  // r's contribution to its donors' pot
+    if (lane == 0) {
+      if (h != nullptr) h[e * S + r * k + used_r] += amt;
+      s.ex[q] -= amt;
+      s.hl[q] -= amt;
+      s.avail[e] -= amt;
+      if (amt > cap_r) s.ex[r] += amt - cap_r;
+      s.cap[r] = cap_new;
+      s.used[r] = used_new;
+    }
+    for (int64_t p = lane; p < R; p += nl)
+      if (allowed[r * R + p]) s.pot[p] += delta;
+    ctx.group_sync();
+  }
+}
+
+// Level search on the group(s) of ctx (gid in [0, ngroups), -1: none), then the fill at the best level into hb.
+// Two searches side by side (c = 0: receivers take up to the level; c = 1: cascading receivers), candidate
+// g = 2 * j + c evaluating level j of its search. Per search, every round evaluates H = B / 2 levels evenly inside
+// (lo, hi) (lo starts at avg - 1: below the mean no level is reached; hi at the highest load: nothing to shed) and
+// zooms in to the neighbours of its best one. The plan is the evaluated (level, c) with the lowest maximum load
+// after the fill (first candidate in evaluation order on ties; the empty plan at the highest load to start).
+template <typename Ctx>
+MG_HD void level_search(const PlanArgs& args, const PlanArrays& a, Ctx& ctx) {
+  const int64_t R = args.R, E = args.E, B = kLevelCandidates, H = B / 2;
+  int64_t* lo = a.sc + 3;  // [2]
+  int64_t* hi = a.sc + 5;  // [2]
+  if (ctx.tid == 0) {
+    int64_t top = 0;
+    for (int64_t q = 0; q < R; ++q) top = imax(top, a.load_r[q]);
+    lo[0] = lo[1] = a.sc[0] - 1;
+    hi[0] = hi[1] = top;
+    a.sc[7] = top;
+    a.sc[8] = top;
+    a.sc[9] = 0;
+  }
+  ctx.sync();
+  for (int64_t round = 0; round < kLevelRounds; ++round) {
+    for (int64_t g = ctx.gid; g >= 0 && g < B; g += ctx.ngroups) {
+      const int64_t c = g % 2, j = g / 2;
+      const int64_t lam = lo[c] + (hi[c] - lo[c]) * (j + 1) / (H + 1);
+      LevelState st = carve_level(a.lv_state + g * level_state_elems(R, E), R);
+      int64_t mx = INT64_MAX;
+      if (lam > lo[c]) {
+        level_fill(args, a, ctx, st, lam, c == 1, nullptr);
+        Best d = no_best();
+        for (int64_t i = ctx.lane; i < R; i += ctx.nlanes) d = pick(d, Best{st.ex[i] - st.cap[i], i});
+        mx = lam + ctx.group_best(d).v;
+      }
+      if (ctx.lane == 0) {
+        a.lv_lam[g] = lam;
+        a.lv_max[g] = mx;
+      }
+      ctx.group_sync();
+    }
+    ctx.sync();
+    if (ctx.tid == 0) {
+      for (int64_t g = 0; g < B; ++g)
+        if (a.lv_max[g] < a.sc[8]) {
+          a.sc[8] = a.lv_max[g];
+          a.sc[7] = a.lv_lam[g];
+          a.sc[9] = g % 2;
+        }
+      for (int64_t c = 0; c < 2; ++c) {
+        int64_t f = 0;
+        for (int64_t j = 1; j < H; ++j)
+          if (a.lv_max[2 * j + c] < a.lv_max[2 * f + c]) f = j;
+        const int64_t lo_new = f > 0 ? a.lv_lam[2 * (f - 1) + c] : lo[c];
+        if (f < H - 1) hi[c] = a.lv_lam[2 * (f + 1) + c];
+        lo[c] = imax(lo[c], lo_new);
+      }
+    }
+    ctx.sync();
+  }
+  if (ctx.gid == 0) level_fill(args, a, ctx, carve_level(a.lv_state, R), a.sc[7], a.sc[9] != 0, a.hb);
+  ctx.sync();
+}
+
 // Ctx provides: tid, nthreads (block-wide strided loops), sync() (block barrier); lane, nlanes, group
-// (the best-fit group: lane/nlanes strided loops when group is true), group_best(Best) (reduction over the group,
-// result on every lane), group_sync().
+// (the best-fit group: lane/nlanes strided loops when group is true), gid / ngroups (this thread's level-search
+// group, -1 for none, and the number of groups), group_best(Best) (reduction over the thread's group, result on
+// every lane), group_sync().
 template <typename Ctx>
 MG_HD void plan_body(const PlanArgs& args, Ctx& ctx) {
   const int64_t R = args.R, E = args.E, k = args.k, L = E / R, S = R * k;
@@ -184,8 +375,17 @@ MG_HD void plan_body(const PlanArgs& args, Ctx& ctx) {
       }
     }
   }
-  // P7: best fit (sequential over S steps, on the group)
-  if (args.mode != kPlanGreedy && ctx.group) {
+  // P7: best fit. A donor mask that forbids some pair of distinct ranks: level search (level_search); otherwise
+  // the unconstrained best fit at avg (sequential over S steps, on the group)
+  if (tid == 0) a.sc[2] = 0;
+  ctx.sync();
+  if (args.allowed != nullptr)
+    for (int64_t i = tid; i < R * R; i += nt)
+      if (!args.allowed[i] && i / R != i % R) a.sc[2] = 1;  // every writer writes 1
+  ctx.sync();
+  const bool restrictive = a.sc[2] != 0;
+  if (args.mode != kPlanGreedy && restrictive) level_search(args, a, ctx);
+  if (args.mode != kPlanGreedy && !restrictive && ctx.group) {
     const int64_t lane = ctx.lane, nl = ctx.nlanes;
     const int64_t kBig = int64_t(1) << 61, kClosed = int64_t(1) << 62;
     for (int64_t step = 0; step < S; ++step) {

@@ -147,28 +147,14 @@ std::tuple<at::Tensor, at::Tensor> echo_plan_cuda(const at::Tensor& counts, int6
 }
 #endif
 
+// The best-fit assignment is the plan's home_to_spare in best-fit mode (one algorithm, one implementation).
 at::Tensor echo_best_fit_cpu(const at::Tensor& counts, int64_t k, const c10::optional<at::Tensor>& donor_mask) {
-  at::Tensor c = check_counts(counts, k);
-  at::Tensor m = check_donor_mask(donor_mask, counts, kBestFit);
-  const int64_t R = c.size(0), E = c.size(1);
-  at::Tensor h = at::zeros({E, R * k}, c.options());
-  echo_plan::best_fit_host(c.data_ptr<int64_t>(), R, E, k, h.data_ptr<int64_t>(), mask_ptr(m));
-  return h;
+  return std::get<0>(echo_plan_cpu(counts, k, echo_plan::kPlanBestFit, donor_mask));
 }
 
 #ifdef MOE_GRAPH_WITH_CUDA
 at::Tensor echo_best_fit_cuda(const at::Tensor& counts, int64_t k, const c10::optional<at::Tensor>& donor_mask) {
-  c10::cuda::CUDAGuard guard(counts.device());
-  at::Tensor c = check_counts(counts, k);
-  at::Tensor m = check_donor_mask(donor_mask, counts, kBestFit);
-  const int64_t R = c.size(0), E = c.size(1);
-  TORCH_CHECK(echo_plan::best_fit_shared_bytes(R, E) <= echo_plan::kBestFitMaxDynamicSmem, kBestFit,
-              ": counts shape ", shape_str(counts), " is too large for the one-block CUDA kernel (3*R + E must be <= ",
-              echo_plan::kBestFitMaxDynamicSmem / 8, ")");
-  at::Tensor h = at::zeros({E, R * k}, c.options());
-  auto stream = at::cuda::getCurrentCUDAStream(counts.device().index()).stream();
-  C10_CUDA_CHECK(echo_plan::best_fit_cuda_launch(c.data_ptr<int64_t>(), R, E, k, h.data_ptr<int64_t>(), mask_ptr(m), stream));
-  return h;
+  return std::get<0>(echo_plan_cuda(counts, k, echo_plan::kPlanBestFit, donor_mask));
 }
 #endif
 

@@ -34,7 +34,6 @@ import torch
 
 from moe_graph.ops.errors import PLAN_INVALID, flag_error_if
 from moe_graph.ops.reroute import (
-    BEST_FIT_CUDA_MAX,
     MAX_TOTAL_TOKENS,
     best_fit_available,
     echo_best_fit,
@@ -64,11 +63,19 @@ __all__ = [
     "donor_mask",
     "ASSIGNMENTS",
     "DONOR_PATTERNS",
+    "LEVEL_CANDIDATES",
+    "LEVEL_ROUNDS",
     "MAX_TOTAL_TOKENS",
 ]
 
 ASSIGNMENTS = ("auto", "greedy", "best_fit")
 DONOR_PATTERNS = ("ring", "node")
+# Donor-constrained best fit: rounds of the level search and levels per round (csrc/reroute/echo_plan_impl.h:
+# kLevelRounds, kLevelCandidates; the native op evaluates one level per warp).
+LEVEL_ROUNDS = 6
+LEVEL_CANDIDATES = 16
+# Receiver key classes of a donor-constrained fill step (echo_plan_impl.h: kRecvClass).
+_RECV_CLASS = 1 << 36
 
 
 
@@ -293,10 +300,7 @@ def greedy_assignment(counts: torch.Tensor, num_spare_experts_per_ep_rank: int =
 
 
 def _native_best_fit(counts: torch.Tensor):
-    """The native ``echo_best_fit`` op when the extension has it for ``counts``' device (and the shape fits)."""
-    R, E = counts.shape
-    if counts.device.type == "cuda" and 3 * R + E > BEST_FIT_CUDA_MAX:
-        return None
+    """The native ``echo_best_fit`` op when the extension has it for ``counts``' device."""
     return echo_best_fit if best_fit_available(counts.device.type) else None
 
 
@@ -330,8 +334,13 @@ def best_fit_assignment(
     has it and otherwise this loop in torch; ``True`` requires the op, ``False`` forces the torch loop. Both give
     identical results.
 
-    ``donor_mask`` (``[R, R]`` bool, :func:`donor_mask`; ``None``: unconstrained): step 1 considers only ranks
-    that still have an open receiver allowed to host their experts, and step 2 only such receivers.
+    ``donor_mask`` (``[R, R]`` bool, :func:`donor_mask`; ``None``: unconstrained). A mask that allows every pair
+    of distinct ranks gives the unconstrained plan (steps 1 and 2 skip ranks without an open allowed receiver). A
+    mask that forbids some pair aims above the mean: filling receivers only up to ``avg`` would leave a hot rank's
+    few donors (already near the mean) almost no room. Instead a level search (:func:`_level_search`) finds the
+    lowest level that a fill (:func:`_level_fill`: the steps above with capacities ``level - load``, receivers
+    that pass their own home tokens on to their receivers, ``S + R`` steps) reaches, and a hot expert is split
+    over as many donor slots as that level needs.
     """
     counts = _check_counts(counts)
     k = int(num_spare_experts_per_ep_rank)
@@ -342,6 +351,131 @@ def best_fit_assignment(
             return op(counts, k, mask)
         if native:
             raise RuntimeError("best_fit_assignment(native=True): moe_graph._C has no echo_best_fit for this device")
+    if mask is None:
+        return _best_fit_at_avg(counts, k, None)
+    restrictive = _restrictive(mask)
+    if isinstance(restrictive, bool):  # host-readable mask: run only the branch that counts
+        return _level_search(counts, k, mask) if restrictive else _best_fit_at_avg(counts, k, mask)
+    return torch.where(restrictive, _level_search(counts, k, mask), _best_fit_at_avg(counts, k, mask))
+
+
+def _restrictive(mask: torch.Tensor):
+    """Whether ``mask`` forbids some pair of distinct ranks: a bool for a host-readable mask, else a 0-d tensor."""
+    R = mask.shape[0]
+    eye = torch.eye(R, dtype=torch.bool, device=mask.device)
+    flag = (~mask & ~eye).any()
+    return bool(flag) if mask.device.type == "cpu" and real_host_values(mask) else flag
+
+
+def _level_fill(load_e: torch.Tensor, load_r: torch.Tensor, allowed: torch.Tensor, k: int, lam: torch.Tensor,
+                cascade: torch.Tensor, record: bool):
+    """Donor-constrained fill at each level of ``lam`` ``[B]`` side by side (the native ``level_fill`` per warp).
+
+    Donors shed what exceeds the level, receivers take up to it; a receiver may take more than its room (its
+    cascade capacity: the room plus what it could pass on from its own home experts to its open receivers) and
+    then sheds its home experts in turn. ``S + R`` steps, each either places one piece of the most loaded donor's
+    heaviest remaining expert into one new slot of the best receiver or marks that donor stuck (no open receiver
+    may host it; final, capacities only shrink). Receiver preference: the smallest room that fits, else the
+    largest room, else the smallest cascade capacity that fits, else the largest (lowest rank on ties).
+
+    Returns ``(ex [B, R], cap [B, R], plan)``: rank ``r``'s load afterwards is ``lam + ex[r] - cap[r]``;
+    ``plan`` is ``[B, E * S]`` (the pieces) when ``record`` else ``None``.
+    """
+    B, R, E = lam.shape[0], load_r.shape[0], load_e.shape[0]
+    L, S, dev = E // R, R * k, load_e.device
+    ex = (load_r[None, :] - lam[:, None]).clamp(min=0)
+    cap = (lam[:, None] - load_r[None, :]).clamp(min=0)
+    used = torch.zeros(B, R, dtype=torch.int64, device=dev)
+    stuck = torch.zeros(B, R, dtype=torch.bool, device=dev)
+    hl = load_r[None, :].repeat(B, 1)
+    avail = load_e[None, :].repeat(B, 1)
+    a_int = allowed.to(torch.int64)  # [r, q]
+    pot = (cap[:, :, None] * a_int[None]).sum(1)  # pot[b, p]: room of the receivers that may host p's experts
+    ranks = torch.arange(R, device=dev)
+    experts = torch.arange(E, device=dev)
+    plan = torch.zeros(B, E * S + 1, dtype=torch.int64, device=dev) if record else None  # last: sink
+    c = _RECV_CLASS
+    for _ in range(S + R):
+        key = torch.where(stuck, 0, ex)
+        q = torch.argmax(key, 1)
+        kq = key.gather(1, q[:, None]).squeeze(1)
+        av_q = avail.view(B, R, L).gather(1, q.view(B, 1, 1).expand(B, 1, L)).squeeze(1)
+        e_loc = torch.argmax(av_q, 1)
+        e = q * L + e_loc
+        x = torch.minimum(kq, av_q.gather(1, e_loc[:, None]).squeeze(1))[:, None]
+        ceff = torch.where(used < k, cap + torch.where(cascade[:, None], torch.minimum(hl - ex, pot).clamp(min=0), 0), 0)
+        is_open = (ceff > 0) & allowed.index_select(1, q).t() & (ranks[None, :] != q[:, None])
+        rkey = torch.where(cap >= x, cap, torch.where(cap > 0, c + (c // 2 - cap), torch.where(
+            ceff >= x, 2 * c + ceff, 3 * c + (c // 2 - ceff))))
+        rkey = torch.where(is_open, rkey, 4 * c)
+        r = torch.argmin(rkey, 1)
+        none = rkey.gather(1, r[:, None]).squeeze(1) == 4 * c
+        active = (kq > 0) & ~none
+        is_q = ranks[None, :] == q[:, None]
+        is_r = ranks[None, :] == r[:, None]
+        stuck = stuck | (is_q & ((kq > 0) & none)[:, None])
+        cap_r = cap.gather(1, r[:, None]).squeeze(1)
+        used_r = used.gather(1, r[:, None]).squeeze(1)
+        ceff_r = ceff.gather(1, r[:, None]).squeeze(1)
+        amt = torch.where(active, torch.minimum(x.squeeze(1), ceff_r), 0)
+        cap_new = torch.where(amt > cap_r, 0, cap_r - amt)
+        used_new = used_r + active.to(torch.int64)
+        delta = torch.where(active, torch.where(used_new < k, cap_new, 0) - cap_r, 0)
+        if record:
+            pos = torch.where(active, e * S + r * k + used_r, E * S)
+            plan.scatter_add_(1, pos[:, None], amt[:, None])
+        ex = ex - torch.where(is_q, amt[:, None], 0) + torch.where(is_r, (amt - cap_r).clamp(min=0)[:, None], 0)
+        hl = hl - torch.where(is_q, amt[:, None], 0)
+        avail = avail - torch.where(experts[None, :] == e[:, None], amt[:, None], 0)
+        cap = torch.where(is_r, cap_new[:, None], cap)
+        used = torch.where(is_r, used_new[:, None], used)
+        pot = pot + a_int.index_select(0, r) * delta[:, None]
+    return ex, cap, (plan[:, : E * S] if record else None)
+
+
+def _level_search(counts: torch.Tensor, k: int, mask: torch.Tensor) -> torch.Tensor:
+    """Donor-constrained best fit: ``home_to_spare [E, R*k]`` of :func:`_level_fill` at the best level found.
+
+    Two searches side by side, one without and one with cascading receivers (each does better on some cases),
+    candidate ``2 * j + cascade`` evaluating level ``j`` of its search, ``H = LEVEL_CANDIDATES // 2`` levels per
+    search and round. Per search ``lo`` starts at ``avg - 1`` (below the mean no level is reached) and ``hi`` at
+    the highest rank load (nothing to shed); each of :data:`LEVEL_ROUNDS` rounds evaluates ``H`` levels evenly
+    inside ``(lo, hi)`` and zooms in to the neighbours of its best one (the lowest maximum rank load after the
+    fill). The plan is the fill of the best evaluated (level, cascade) pair (first in evaluation order on ties;
+    the empty plan at the highest load to start), so it never loads a rank more than no plan does.
+    """
+    R, E = counts.shape
+    dev = counts.device
+    load_e = counts.sum(0)
+    load_r = load_e.view(R, E // R).sum(1)
+    H = LEVEL_CANDIDATES // 2
+    big = torch.iinfo(torch.int64).max
+    hi = load_r.max().repeat(2)  # per search (no cascade, cascade)
+    lo = (load_r.sum() // R - 1).repeat(2)
+    best_lam, best_m, best_cascade = hi[0], hi[0], torch.zeros((), dtype=torch.bool, device=dev)
+    g = torch.arange(1, H + 1, device=dev)[:, None]  # [H, 1]
+    j = torch.arange(H, device=dev)[:, None]
+    cascade = torch.tensor([False, True], device=dev).repeat(H)  # candidate 2 * j + c
+    for _ in range(LEVEL_ROUNDS):
+        lam = lo[None, :] + (hi - lo)[None, :] * g // (H + 1)  # [H, 2]
+        valid = lam > lo[None, :]
+        ex, cap, _ = _level_fill(load_e, load_r, mask, k, lam.reshape(-1), cascade, False)
+        m = torch.where(valid, lam + (ex - cap).max(1).values.view(H, 2), big)  # [H, 2]
+        i = torch.argmin(m.reshape(-1))
+        better = _at(m.reshape(-1), i) < best_m
+        best_m = torch.where(better, _at(m.reshape(-1), i), best_m)
+        best_lam = torch.where(better, _at(lam.reshape(-1), i), best_lam)
+        best_cascade = torch.where(better, _at(cascade, i), best_cascade)
+        f = torch.argmin(m, 0)  # [2]: per search, zoom in around its best level
+        lo_new = torch.where(f > 0, lam.gather(0, (f - 1).clamp(min=0)[None, :]).squeeze(0), lo)
+        hi = torch.where(f < H - 1, lam.gather(0, (f + 1).clamp(max=H - 1)[None, :]).squeeze(0), hi)
+        lo = torch.maximum(lo, lo_new)
+    _, _, plan = _level_fill(load_e, load_r, mask, k, best_lam.view(1), best_cascade.view(1), True)
+    return plan.view(E, R * k)
+
+
+def _best_fit_at_avg(counts: torch.Tensor, k: int, mask: torch.Tensor | None) -> torch.Tensor:
+    """Best fit with every receiver filled up to the mean (unconstrained, or a mask that allows every pair)."""
     R, E = counts.shape
     epr = E // R
     S = R * k

@@ -89,3 +89,49 @@ def loads_after(counts: torch.Tensor, home_to_spare: torch.Tensor, k: int) -> Tu
     before = counts.sum(0).view(R, E // R).sum(1)
     after = before - home_to_spare.sum(1).view(R, E // R).sum(1) + home_to_spare.sum(0).view(R, k).sum(1)
     return before, after
+
+
+def water_filling_max_load(counts: torch.Tensor, k: int, donor_mask: torch.Tensor | None, quanta: int = 256) -> int:
+    """Water-filling reference for a donor-constrained echo plan: the highest rank load it reaches (tokens).
+
+    Repeatedly take the most loaded rank ``q`` (lowest index on ties) and move a share of at most
+    ``delta = total // (R * quanta)`` tokens (and at most half the gap) of one of its home experts to the least
+    loaded rank ``r`` allowed to host ``q``'s experts (``donor_mask[r, q]``; any other rank when ``None``): into
+    ``r``'s replica of that expert if it has one with tokens left to take, else into a new replica (a free slot on
+    ``r``, ``k`` per rank) of ``q``'s heaviest remaining expert. Stops when the most loaded rank can move nothing.
+    Plain Python, independent of the planner's code.
+    """
+    R, E = counts.shape
+    L = E // R
+    per_expert = [int(v) for v in counts.clamp(min=0).sum(0).tolist()]
+    load = [sum(per_expert[q * L:(q + 1) * L]) for q in range(R)]
+    avail = per_expert[:]
+    delta = max(1, sum(per_expert) // (R * quanta))
+    slots: List[List[int]] = [[] for _ in range(R)]  # experts hosted per rank
+    allowed = [[(bool(donor_mask[r, q]) if donor_mask is not None else True) and r != q for q in range(R)]
+               for r in range(R)]
+    while True:
+        q = max(range(R), key=lambda i: (load[i], -i))
+        best = None
+        for r in range(R):
+            gap = load[q] - load[r]
+            if not allowed[r][q] or gap < 2:
+                continue
+            hosted = [e for e in slots[r] if e // L == q and avail[e] > 0]
+            if hosted:
+                e = max(hosted, key=lambda f: (avail[f], -f))
+            elif len(slots[r]) < k:
+                e = max(range(q * L, (q + 1) * L), key=lambda f: (avail[f], -f))
+            else:
+                continue
+            amount = min(avail[e], gap // 2, delta)
+            if amount > 0 and (best is None or (load[r], r) < best[0]):
+                best = ((load[r], r), r, e, amount)
+        if best is None:
+            return max(load)
+        _, r, e, amount = best
+        if e not in slots[r]:
+            slots[r].append(e)
+        avail[e] -= amount
+        load[q] -= amount
+        load[r] += amount
