@@ -29,13 +29,14 @@ enum PlanMode : int { kPlanAuto = 0, kPlanGreedy = 1, kPlanBestFit = 2 };
 constexpr int64_t kLevelCandidates = 16;
 constexpr int64_t kLevelRounds = 6;
 
-// Per-candidate state of a level fill: ex, cap, used, pot, stuck, hl [R]; avail [E].
-MG_HD int64_t level_state_elems(int64_t R, int64_t E) { return 6 * R + E; }
+
+// Per-candidate state of a level fill: ex, cap, used, pot, stuck, hl, nfree, ntop [R]; avail [E]; slot_e [S].
+MG_HD int64_t level_state_elems(int64_t R, int64_t E, int64_t k) { return 8 * R + E + R * k; }
 
 // int64 workspace elements the plan needs.
 MG_HD int64_t plan_workspace_elems(int64_t R, int64_t E, int64_t k) {
   const int64_t S = R * k;
-  return 4 * E + 8 * R + 2 * E * S + R * E + 4 * S + 12 + kLevelCandidates * (level_state_elems(R, E) + 2);
+  return 4 * E + 8 * R + 2 * E * S + R * E + 4 * S + 12 + kLevelCandidates * (level_state_elems(R, E, k) + 2);
 }
 
 struct PlanArgs {
@@ -57,7 +58,7 @@ struct PlanArrays {
   int64_t* left;                                    // [R, E]
   int64_t *home, *amount, *rem, *bstart;            // [S]
   int64_t* sc;  // [12]: avg, choose, restrictive, lo[2], hi[2], best level, best max, best cascade
-  int64_t *lv_state, *lv_lam, *lv_max;  // level search: [B, 6R + E] states; [B] levels and max loads
+  int64_t *lv_state, *lv_lam, *lv_max;  // level search: [B, level_state_elems] states; [B] levels and max loads
 };
 
 MG_HD PlanArrays carve_plan(int64_t* ws, int64_t R, int64_t E, int64_t k) {
@@ -111,32 +112,26 @@ MG_HD int64_t donor_key(const PlanArrays& a, const bool* allowed, int64_t R, int
   return 0;
 }
 
-// Receiver key of a donor-constrained fill step (smaller is better; kRecvClosed: r may not take the piece):
-// class 0 the smallest capacity that fits x, 1 the largest capacity (some left, none fits), 2 the smallest
-// cascade capacity that fits x, 3 the largest cascade capacity.
+// Receiver key of a donor-constrained fill step (smaller is better): below kRecvClass a top-up (the most room
+// first), then a new slot: class 1 the smallest room that fits x, 2 the largest room (some left, none fits), 3 the
+// smallest cascade capacity that fits x, 4 the largest cascade capacity; kRecvClosed: r may take nothing.
 constexpr int64_t kRecvClass = int64_t(1) << 36;
-constexpr int64_t kRecvClosed = 4 * kRecvClass;
+constexpr int64_t kRecvClosed = 5 * kRecvClass;
 
-// Cascade capacity of receiver r: its room below the level plus what it could pass on from its own home experts to
-// its open receivers (pot); 0 when its slots are used up.
-MG_HD int64_t cascade_capacity(bool cascade, int64_t cap, int64_t used, int64_t k, int64_t hl, int64_t ex,
-                               int64_t pot) {
-  return used < k ? cap + (cascade ? imax(0, imin(hl - ex, pot)) : 0) : 0;
-}
-
-MG_HD int64_t receiver_key(bool open, int64_t cap, int64_t ceff, int64_t x) {
+MG_HD int64_t receiver_key(bool top, bool open, int64_t cap, int64_t ceff, int64_t x) {
+  if (top) return kRecvClass / 2 - cap;
   if (!open) return kRecvClosed;
-  if (cap >= x) return cap;
-  if (cap > 0) return kRecvClass + (kRecvClass / 2 - cap);
-  if (ceff >= x) return 2 * kRecvClass + ceff;
-  return 3 * kRecvClass + (kRecvClass / 2 - ceff);
+  if (cap >= x) return kRecvClass + cap;
+  if (cap > 0) return 2 * kRecvClass + (kRecvClass / 2 - cap);
+  if (ceff >= x) return 3 * kRecvClass + ceff;
+  return 4 * kRecvClass + (kRecvClass / 2 - ceff);
 }
 
 struct LevelState {
-  int64_t *ex, *cap, *used, *pot, *stuck, *hl, *avail;
+  int64_t *ex, *cap, *used, *pot, *stuck, *hl, *nfree, *ntop, *avail, *slot_e;
 };
 
-MG_HD LevelState carve_level(int64_t* p, int64_t R) {
+MG_HD LevelState carve_level(int64_t* p, int64_t R, int64_t E) {
   LevelState s;
   s.ex = p; p += R;
   s.cap = p; p += R;
@@ -144,15 +139,40 @@ MG_HD LevelState carve_level(int64_t* p, int64_t R) {
   s.pot = p; p += R;
   s.stuck = p; p += R;
   s.hl = p; p += R;
-  s.avail = p;
+  s.nfree = p; p += R;
+  s.ntop = p; p += R;
+  s.avail = p; p += E;
+  s.slot_e = p;
   return s;
 }
 
+// Cascade capacity of receiver r for a new slot: its room below the level plus (cascade) what it could pass on
+// from its home experts: at most its home tokens beyond its own excess, the room of its receivers (pot), and its
+// heaviest remaining expert per slot it could use (free slots of its receivers and replicas of its experts).
+MG_HD int64_t cascade_capacity(const LevelState& s, bool cascade, int64_t r, int64_t L, int64_t k) {
+  if (s.used[r] >= k) return 0;
+  if (!cascade) return s.cap[r];
+  int64_t maxav = INT64_MIN;
+  for (int64_t e = r * L; e < (r + 1) * L; ++e) maxav = imax(maxav, s.avail[e]);
+  const int64_t passable = imin(imin(s.hl[r] - s.ex[r], s.pot[r]), (s.nfree[r] + s.ntop[r]) * maxav);
+  return s.cap[r] + imax(0, passable);
+}
+
+// Whether receiver r hosts an expert of rank p in one of its slots.
+MG_HD bool hosts_rank(const LevelState& s, int64_t r, int64_t p, int64_t L, int64_t k) {
+  for (int64_t i = 0; i < k; ++i) {
+    const int64_t e = s.slot_e[r * k + i];
+    if (e >= 0 && e / L == p) return true;
+  }
+  return false;
+}
+
 // Donor-constrained fill at level lam, on one group (moe_graph.moe.echo_planner._level_fill is the same in torch).
-// Donors shed what exceeds lam, receivers take up to lam, a receiver may take more (its cascade capacity) and then
-// sheds its own home experts further. S + R steps; each places one piece into one new slot or marks the most
-// loaded donor stuck (no open receiver may host it: final, the capacities only shrink). Writes the pieces into h
-// when h != nullptr. Afterwards rank r's load is lam + ex[r] - cap[r].
+// Donors shed what exceeds lam, receivers take up to lam. S + R steps; each takes the most loaded donor q and
+// tops up a replica of one of q's experts that a receiver already hosts (no new slot), or puts a piece of q's
+// heaviest remaining expert into a new slot (a cascading receiver may take more than its room and sheds its own
+// home experts in turn), or marks q stuck when no allowed receiver can take anything (final: room only shrinks).
+// Writes the pieces into h when h != nullptr. Afterwards rank r's load is lam + ex[r] - cap[r].
 template <typename Ctx>
 MG_HD void level_fill(const PlanArgs& args, const PlanArrays& a, Ctx& ctx, LevelState s, int64_t lam, bool cascade,
                       int64_t* h) {
@@ -165,14 +185,20 @@ MG_HD void level_fill(const PlanArgs& args, const PlanArrays& a, Ctx& ctx, Level
     s.used[i] = 0;
     s.stuck[i] = 0;
     s.hl[i] = a.load_r[i];
+    s.ntop[i] = 0;
   }
   for (int64_t e = lane; e < E; e += nl) s.avail[e] = a.load_e[e];
+  for (int64_t j = lane; j < S; j += nl) s.slot_e[j] = -1;
   ctx.group_sync();
   for (int64_t p = lane; p < R; p += nl) {
-    int64_t v = 0;
+    int64_t v = 0, n = 0;
     for (int64_t r = 0; r < R; ++r)
-      if (allowed[r * R + p]) v += s.cap[r];
+      if (allowed[r * R + p]) {
+        v += s.cap[r];
+        n += k;
+      }
     s.pot[p] = v;
+    s.nfree[p] = n;
   }
   ctx.group_sync();
   for (int64_t step = 0; step < S + R; ++step) {
@@ -183,40 +209,61 @@ MG_HD void level_fill(const PlanArgs& args, const PlanArrays& a, Ctx& ctx, Level
     if (kq <= 0) break;  // nothing left to shed (group-uniform)
     m = no_best();
     for (int64_t i = q * L + lane; i < (q + 1) * L; i += nl) m = pick(m, Best{s.avail[i], i});
-    const int64_t e = ctx.group_best(m).i;
-    const int64_t x = imin(kq, s.avail[e]);
+    const int64_t e_new = ctx.group_best(m).i;
+    const int64_t x = imin(kq, s.avail[e_new]);
     m = no_best();
     for (int64_t r = lane; r < R; r += nl) {
-      const int64_t ceff = cascade_capacity(cascade, s.cap[r], s.used[r], k, s.hl[r], s.ex[r], s.pot[r]);
-      const bool open = ceff > 0 && allowed[r * R + q] && r != q;
-      m = pick(m, Best{-receiver_key(open, s.cap[r], ceff, x), r});
+      const bool ok = allowed[r * R + q] && r != q;
+      bool top = false;
+      for (int64_t i = 0; i < k && ok && !top; ++i) {
+        const int64_t e = s.slot_e[r * k + i];
+        top = e >= 0 && e / L == q && s.avail[e] > 0;
+      }
+      const int64_t ceff = cascade_capacity(s, cascade, r, L, k);
+      m = pick(m, Best{-receiver_key(top && s.cap[r] > 0, ok && ceff > 0, s.cap[r], ceff, x), r});
     }
     const Best rb = ctx.group_best(m);
-    const int64_t r = rb.i;
-    const bool none = -rb.v == kRecvClosed;
+    const int64_t r = rb.i, rkey = -rb.v;
+    const bool none = rkey == kRecvClosed, topup = rkey < kRecvClass;
     const int64_t cap_r = s.cap[r], used_r = s.used[r];
-    const int64_t ceff_r = cascade_capacity(cascade, cap_r, used_r, k, s.hl[r], s.ex[r], s.pot[r]);
-    ctx.group_sync();  // every lane has read the state this step changes
-    if (none) {
-      if (lane == 0) s.stuck[q] = 1;
-      ctx.group_sync();
-      continue;
+    int64_t slot = r * k + used_r, e = e_new, amt = 0;
+    if (topup) {
+      for (int64_t i = k - 1; i >= 0; --i) {  // the first hosting slot with tokens left
+        const int64_t f = s.slot_e[r * k + i];
+        if (f >= 0 && f / L == q && s.avail[f] > 0) slot = r * k + i;
+      }
+      e = s.slot_e[slot];
+      amt = imin(imin(kq, s.avail[e]), cap_r);
+    } else if (!none) {
+      amt = imin(x, cascade_capacity(s, cascade, r, L, k));
     }
-    const int64_t amt = imin(x, ceff_r);
     const int64_t cap_new = amt > cap_r ? 0 : cap_r - amt;
-    const int64_t used_new = used_r + 1;
-    const int64_t delta = (used_new < k ? cap_new : 0) - cap_r;  // r's contribution to its donors' pot
+    const int64_t used_new = used_r + (topup ? 0 : 1);
+    if (!none)  // r's contribution to pot[p]: its room while it has a free slot or hosts one of p's experts
+      for (int64_t p = lane; p < R; p += nl)
+        if (allowed[r * R + p]) {
+          const bool hosts_old = hosts_rank(s, r, p, L, k), hosts_new = hosts_old || (p == q && !topup);
+          s.pot[p] += ((used_new < k || hosts_new) ? cap_new : 0) - ((used_r < k || hosts_old) ? cap_r : 0);
+          if (!topup) s.nfree[p] -= 1;
+        }
+    ctx.group_sync();  // every lane has read the state this step changes
     if (lane == 0) {
-      if (h != nullptr) h[e * S + r * k + used_r] += amt;
-      s.ex[q] -= amt;
-      s.hl[q] -= amt;
-      s.avail[e] -= amt;
-      if (amt > cap_r) s.ex[r] += amt - cap_r;
-      s.cap[r] = cap_new;
-      s.used[r] = used_new;
+      if (none) {
+        s.stuck[q] = 1;
+      } else {
+        if (h != nullptr) h[e * S + slot] += amt;
+        if (!topup) {
+          s.slot_e[slot] = e;
+          s.ntop[q] += 1;
+        }
+        s.ex[q] -= amt;
+        s.hl[q] -= amt;
+        s.avail[e] -= amt;
+        if (amt > cap_r) s.ex[r] += amt - cap_r;
+        s.cap[r] = cap_new;
+        s.used[r] = used_new;
+      }
     }
-    for (int64_t p = lane; p < R; p += nl)
-      if (allowed[r * R + p]) s.pot[p] += delta;
     ctx.group_sync();
   }
 }
@@ -246,7 +293,7 @@ MG_HD void level_search(const PlanArgs& args, const PlanArrays& a, Ctx& ctx) {
     for (int64_t g = ctx.gid; g >= 0 && g < B; g += ctx.ngroups) {
       const int64_t c = g % 2, j = g / 2;
       const int64_t lam = lo[c] + (hi[c] - lo[c]) * (j + 1) / (H + 1);
-      LevelState st = carve_level(a.lv_state + g * level_state_elems(R, E), R);
+      LevelState st = carve_level(a.lv_state + g * level_state_elems(R, E, args.k), R, E);
       int64_t mx = INT64_MAX;
       if (lam > lo[c]) {
         level_fill(args, a, ctx, st, lam, c == 1, nullptr);
@@ -279,7 +326,7 @@ MG_HD void level_search(const PlanArgs& args, const PlanArrays& a, Ctx& ctx) {
     }
     ctx.sync();
   }
-  if (ctx.gid == 0) level_fill(args, a, ctx, carve_level(a.lv_state, R), a.sc[7], a.sc[9] != 0, a.hb);
+  if (ctx.gid == 0) level_fill(args, a, ctx, carve_level(a.lv_state, R, E), a.sc[7], a.sc[9] != 0, a.hb);
   ctx.sync();
 }
 

@@ -371,12 +371,14 @@ def _level_fill(load_e: torch.Tensor, load_r: torch.Tensor, allowed: torch.Tenso
                 cascade: torch.Tensor, record: bool):
     """Donor-constrained fill at each level of ``lam`` ``[B]`` side by side (the native ``level_fill`` per warp).
 
-    Donors shed what exceeds the level, receivers take up to it; a receiver may take more than its room (its
-    cascade capacity: the room plus what it could pass on from its own home experts to its open receivers) and
-    then sheds its home experts in turn. ``S + R`` steps, each either places one piece of the most loaded donor's
-    heaviest remaining expert into one new slot of the best receiver or marks that donor stuck (no open receiver
-    may host it; final, capacities only shrink). Receiver preference: the smallest room that fits, else the
-    largest room, else the smallest cascade capacity that fits, else the largest (lowest rank on ties).
+    Donors shed what exceeds the level, receivers take up to it. ``S + R`` steps; each takes the most loaded
+    donor ``q`` (the largest excess, lowest rank on ties) and either tops up a replica of one of ``q``'s experts
+    that a receiver already hosts (no new slot; the receiver with the most room below the level), or puts a
+    piece of ``q``'s heaviest remaining expert into a new slot of a receiver (the smallest room that fits, else
+    the largest room, else, with ``cascade``, the smallest cascade capacity that fits, else the largest), or marks
+    ``q`` stuck when no allowed receiver can take anything (final: room only shrinks). A receiver's cascade
+    capacity is its room plus what it could pass on from its home experts to the room of its own receivers (those
+    with a free slot or hosting one of its experts); taking more than its room makes it a donor in turn.
 
     Returns ``(ex [B, R], cap [B, R], plan)``: rank ``r``'s load afterwards is ``lam + ex[r] - cap[r]``;
     ``plan`` is ``[B, E * S]`` (the pieces) when ``record`` else ``None``.
@@ -389,10 +391,15 @@ def _level_fill(load_e: torch.Tensor, load_r: torch.Tensor, allowed: torch.Tenso
     stuck = torch.zeros(B, R, dtype=torch.bool, device=dev)
     hl = load_r[None, :].repeat(B, 1)
     avail = load_e[None, :].repeat(B, 1)
+    slot_e = torch.full((B, S), -1, dtype=torch.int64, device=dev)  # expert hosted by each slot, -1: free
     a_int = allowed.to(torch.int64)  # [r, q]
-    pot = (cap[:, :, None] * a_int[None]).sum(1)  # pot[b, p]: room of the receivers that may host p's experts
+    pot = (cap[:, :, None] * a_int[None]).sum(1)  # pot[b, p]: room of the receivers that p could pass tokens to
+    nfree = (k * a_int).sum(0)[None, :].repeat(B, 1)  # nfree[b, p]: free slots of the receivers of p
+    ntop = torch.zeros(B, R, dtype=torch.int64, device=dev)  # ntop[b, p]: slots hosting an expert of p
     ranks = torch.arange(R, device=dev)
     experts = torch.arange(E, device=dev)
+    kk = torch.arange(k, device=dev)
+    bi = torch.arange(B, device=dev)
     plan = torch.zeros(B, E * S + 1, dtype=torch.int64, device=dev) if record else None  # last: sink
     c = _RECV_CLASS
     for _ in range(S + R):
@@ -401,15 +408,26 @@ def _level_fill(load_e: torch.Tensor, load_r: torch.Tensor, allowed: torch.Tenso
         kq = key.gather(1, q[:, None]).squeeze(1)
         av_q = avail.view(B, R, L).gather(1, q.view(B, 1, 1).expand(B, 1, L)).squeeze(1)
         e_loc = torch.argmax(av_q, 1)
-        e = q * L + e_loc
+        e_new = q * L + e_loc
         x = torch.minimum(kq, av_q.gather(1, e_loc[:, None]).squeeze(1))[:, None]
-        ceff = torch.where(used < k, cap + torch.where(cascade[:, None], torch.minimum(hl - ex, pot).clamp(min=0), 0), 0)
-        is_open = (ceff > 0) & allowed.index_select(1, q).t() & (ranks[None, :] != q[:, None])
-        rkey = torch.where(cap >= x, cap, torch.where(cap > 0, c + (c // 2 - cap), torch.where(
-            ceff >= x, 2 * c + ceff, 3 * c + (c // 2 - ceff))))
-        rkey = torch.where(is_open, rkey, 4 * c)
+        passable = torch.minimum(torch.minimum(hl - ex, pot), (nfree + ntop) * avail.view(B, R, L).max(2).values)
+        ceff = torch.where(used < k, cap + torch.where(cascade[:, None], passable.clamp(min=0), 0), 0)
+        # top-up: the first slot of r hosting an expert of q with tokens left
+        se = slot_e.view(B, R, k)
+        se_av = avail.gather(1, se.clamp(min=0).view(B, S)).view(B, R, k)
+        top = (se >= 0) & (se // L == q[:, None, None]) & (se_av > 0)
+        top_i = torch.argmax(top.to(torch.int8), 2)  # [B, R]
+        has_top = top.any(2)
+        allowed_q = allowed.index_select(1, q).t() & (ranks[None, :] != q[:, None])
+        is_top = allowed_q & has_top & (cap > 0)
+        is_open = allowed_q & (ceff > 0)
+        rkey = torch.where(cap >= x, c + cap, torch.where(cap > 0, 2 * c + (c // 2 - cap), torch.where(
+            ceff >= x, 3 * c + ceff, 4 * c + (c // 2 - ceff))))
+        rkey = torch.where(is_top, c // 2 - cap, torch.where(is_open, rkey, 5 * c))
         r = torch.argmin(rkey, 1)
-        none = rkey.gather(1, r[:, None]).squeeze(1) == 4 * c
+        rk = rkey.gather(1, r[:, None]).squeeze(1)
+        none = rk == 5 * c
+        topup = rk < c
         active = (kq > 0) & ~none
         is_q = ranks[None, :] == q[:, None]
         is_r = ranks[None, :] == r[:, None]
@@ -417,19 +435,34 @@ def _level_fill(load_e: torch.Tensor, load_r: torch.Tensor, allowed: torch.Tenso
         cap_r = cap.gather(1, r[:, None]).squeeze(1)
         used_r = used.gather(1, r[:, None]).squeeze(1)
         ceff_r = ceff.gather(1, r[:, None]).squeeze(1)
-        amt = torch.where(active, torch.minimum(x.squeeze(1), ceff_r), 0)
+        t_slot = r * k + top_i.gather(1, r[:, None]).squeeze(1)
+        e_top = slot_e.gather(1, t_slot[:, None]).squeeze(1).clamp(min=0)
+        e = torch.where(topup, e_top, e_new)
+        slot = torch.where(topup, t_slot, r * k + used_r.clamp(max=k - 1))
+        amt_top = torch.minimum(torch.minimum(kq, avail.gather(1, e[:, None]).squeeze(1)), cap_r)
+        amt = torch.where(active, torch.where(topup, amt_top, torch.minimum(x.squeeze(1), ceff_r)), 0)
         cap_new = torch.where(amt > cap_r, 0, cap_r - amt)
-        used_new = used_r + active.to(torch.int64)
-        delta = torch.where(active, torch.where(used_new < k, cap_new, 0) - cap_r, 0)
+        new_slot = active & ~topup
+        used_new = used_r + new_slot.to(torch.int64)
+        # r's contribution to pot[p] (p: the ranks r may host): its room while it has a free slot or hosts p's expert
+        se_r = slot_e.gather(1, (r[:, None] * k + kk[None, :]))  # [B, k]
+        hosts = torch.zeros(B, R + 1, dtype=torch.bool, device=dev)
+        hosts[bi[:, None], torch.where(se_r >= 0, se_r // L, R)] = True
+        hosts_old = hosts[:, :R]
+        hosts_new = hosts_old | ((ranks[None, :] == q[:, None]) & new_slot[:, None])
+        c_old = torch.where((used_r < k)[:, None] | hosts_old, cap_r[:, None], 0)
+        c_new = torch.where((used_new < k)[:, None] | hosts_new, cap_new[:, None], 0)
         if record:
-            pos = torch.where(active, e * S + r * k + used_r, E * S)
-            plan.scatter_add_(1, pos[:, None], amt[:, None])
+            plan.scatter_add_(1, torch.where(active, e * S + slot, E * S)[:, None], amt[:, None])
+        slot_e = slot_e.scatter(1, slot[:, None], torch.where(new_slot, e, slot_e.gather(1, slot[:, None]).squeeze(1))[:, None])
         ex = ex - torch.where(is_q, amt[:, None], 0) + torch.where(is_r, (amt - cap_r).clamp(min=0)[:, None], 0)
         hl = hl - torch.where(is_q, amt[:, None], 0)
         avail = avail - torch.where(experts[None, :] == e[:, None], amt[:, None], 0)
         cap = torch.where(is_r, cap_new[:, None], cap)
         used = torch.where(is_r, used_new[:, None], used)
-        pot = pot + a_int.index_select(0, r) * delta[:, None]
+        pot = pot + a_int.index_select(0, r) * torch.where(active[:, None], c_new - c_old, 0)
+        nfree = nfree - a_int.index_select(0, r) * new_slot.to(torch.int64)[:, None]
+        ntop = ntop + (is_q & new_slot[:, None]).to(torch.int64)
     return ex, cap, (plan[:, : E * S] if record else None)
 
 
