@@ -6,7 +6,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from moe_graph.moe import echo_planner as P
-from moe_graph.testing.echo_reference import loads_after, reroute_tokens_reference, zipf_counts
+from moe_graph.testing.echo_reference import (loads_after, reroute_tokens_reference, water_filling_max_load,
+                                             zipf_counts)
 
 T = torch.tensor
 
@@ -506,8 +507,10 @@ def test_donor_constrained_plans(case):
         if mask is not None:
             _check_constraint(h_t, mask, R, E, k)
         assert ((h_t > 0).sum(0) <= 1).all()
-        _, cap, _ = P.gen_intermediate(counts)
-        assert (h_t.sum(0).view(R, k).sum(1) <= cap).all()
+        home_rank = torch.arange(E) // (E // R)
+        assert not ((h_t > 0) & (home_rank[:, None] == torch.arange(R * k)[None, :] // k)).any(), "own expert"
+        before, after = loads_after(counts, h_t, k)
+        assert after.max() <= before.max(), "the plan loads some rank more than no plan does"
         assert (h_t.sum(1) <= counts.sum(0)).all()
         alloc = P.gen_allocation(counts, h_t)
         _eq(alloc.sum(0), h_t.sum(0))
@@ -518,6 +521,52 @@ def test_donor_constrained_plans(case):
     if _native_best_fit_available():
         _eq(P.best_fit_assignment(counts, k, native=True, donor_mask=mask),
             P.best_fit_assignment(counts, k, native=False, donor_mask=mask))
+
+
+@pytest.mark.parametrize("skew", [1.0, 1.2])
+def test_donor_plan_within_5pct_of_water_filling(skew):
+    # The issue's cases: Zipf popularity, E=256, R=64, k=2, top-8, 4096 tokens per rank, ring of w donors. The
+    # reference moves small shares from the most loaded rank to the least loaded allowed one until nothing improves.
+    for seed in range(3):
+        counts = zipf_counts(64, 256, 4096, 8, skew, torch.Generator().manual_seed(seed))
+        for w in (4, 8, 16, 32):
+            mask = P.donor_mask(64, w)
+            h, alloc = P.gen_plan(counts, 2, donor_mask=mask)
+            _check_constraint(h, mask, 64, 256, 2)
+            _eq(alloc.sum(0), h.sum(0))
+            got = int(loads_after(counts, h, 2)[1].max())
+            ref = water_filling_max_load(counts, 2, mask)
+            assert got <= 1.05 * ref, (seed, w, got, ref)
+
+
+def test_water_filling_reference_hand_checked():
+    # ranks 0, 1, 2 hold 100, 20, 20 tokens (one expert each carries them); rank 1 may host rank 0's experts, rank 2
+    # rank 1's, one slot each. The reference moves shares from rank 0 to rank 1 until both hold 60 and stops there
+    # (rank 0, the first most loaded, can move nothing more); the planner's cascade also moves rank 1's own expert
+    # on to rank 2 and meets at 50: 50 / 50 / 40.
+    counts = T([[100, 0, 20, 0, 20, 0], [0] * 6, [0] * 6])
+    mask = T([[False, False, False], [True, False, False], [False, True, False]])
+    assert water_filling_max_load(counts, 1, mask, quanta=1000) == 60
+    h, _ = P.gen_plan(counts, 1, donor_mask=mask)
+    _eq(loads_after(counts, h, 1)[1], [50, 50, 40])
+    _eq(h, P.gen_assignment(counts, 1, native=False, donor_mask=mask))
+    # unconstrained, the reference spreads rank 0's expert over both others: 140 / 3 rounded up by the shares
+    assert water_filling_max_load(counts, 1, None, quanta=1000) == 47
+
+
+@pytest.mark.skipif(not _native_plan_available(), reason="moe_graph._C with echo_plan is not built")
+def test_native_donor_plans_match_torch_at_scale():
+    # E not a multiple of 32, zero-token experts, k up to 4, R up to 256 (the torch loop is slow there: one case)
+    g = torch.Generator().manual_seed(11)
+    for R, L, k, w in [(6, 7, 4, 2), (12, 3, 3, 5), (40, 1, 2, 4), (256, 1, 1, 8)]:
+        counts = zipf_counts(R, R * L, 64, min(8, R * L), 1.2, g)
+        counts[:, torch.arange(R * L) % 5 == 0] = 0
+        mask = P.donor_mask(R, w)
+        h_n, a_n = P.gen_plan(counts, k, "best_fit", native=True, donor_mask=mask)
+        h_t = P.gen_assignment(counts, k, "best_fit", native=False, donor_mask=mask)
+        _eq(h_n, h_t)
+        _eq(a_n, P.gen_allocation(counts, h_t))
+        _eq(P.best_fit_assignment(counts, k, native=True, donor_mask=mask), h_t)
 
 
 def test_donor_w_equal_R_reproduces_unconstrained_plans_bit_for_bit():
