@@ -316,6 +316,16 @@ def sweep(args):
         for mode in modes:
             cells = " ".join(f"{byw[w][mode]:7.3f}" if w in byw and w != R else f"{'-':>7}" for w in wcols)
             print(f"{skew:>4} {E:>4} {R:>3} {k:>2} {mode:>10} | {byw[R]['before']:6.3f} | {cells} | {byw[R][mode]:7.3f}")
+    # the rule per case: the smallest w whose plan (microbatch mode) is within 3% of unconstrained
+    rule = []
+    print("smallest w within 3% of unconstrained (microbatch plans):")
+    for (skew, E, R, k), byw in groups.items():
+        unc = byw[R]["microbatch"]
+        w_min = min(w for w in byw if byw[w]["microbatch"] <= 1.03 * unc)
+        rule.append({"skew": skew, "E": E, "R": R, "k": k, "w": w_min, "value": byw[w_min]["microbatch"],
+                     "unconstrained": unc, "buffer_fraction": w_min / R})
+        print(f"  Zipf {skew} E={E} R={R} k={k}: w={w_min} ({byw[w_min]['microbatch']:.3f} vs {unc:.3f}), "
+              f"exchange buffers {w_min}/{R} of unconstrained")
     # default w rule: smallest w within 3% of unconstrained on Zipf(1.2), E=256, R=64, k=2 (microbatch plans)
     choice = None
     tgt = groups.get((1.2, 256, 64, 2))
@@ -330,7 +340,8 @@ def sweep(args):
     out = args.out or results_path("bench_echo_sweep", dated=False)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
-        json.dump({"args": vars(args), "env": environment(), "rows": rows, "default_w": choice}, f, indent=1)
+        json.dump({"args": vars(args), "env": environment(), "rows": rows, "default_w": choice, "rule": rule}, f,
+                  indent=1)
     print(f"wrote {out}")
     png = args.png or os.path.splitext(out)[0] + ".png"
     try:

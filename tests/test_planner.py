@@ -497,7 +497,7 @@ def donor_cases(draw):
     return counts, k, P.donor_mask(R, w, pattern, 2 if pattern == "node" else None)
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(donor_cases())
 def test_donor_constrained_plans(case):
     counts, k, mask = case

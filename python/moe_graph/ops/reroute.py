@@ -20,7 +20,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from moe_graph.ops._lib import has_kernel
 
 __all__ = ["reroute_tokens", "native_available", "echo_best_fit", "best_fit_available", "echo_plan", "plan_available",
-           "MAX_TOTAL_TOKENS", "BEST_FIT_CUDA_MAX", "real_host_values"]
+           "MAX_TOTAL_TOKENS", "real_host_values"]
 
 _OP = "moe_graph::reroute_tokens"
 _BF = "moe_graph::echo_best_fit"
@@ -32,9 +32,6 @@ _PLAN_MODES = {"auto": 0, "greedy": 1, "best_fit": 2}
 # device error flag's "inconsistent plan input" bit is set (moe_graph.check_errors() reports it): raising would sync.
 MAX_TOTAL_TOKENS = 2**31 - 1
 
-# The CUDA best-fit / plan kernels run in one block with ``3*R + E`` 8-byte words of dynamic shared memory (48 KiB:
-# csrc/reroute/echo_plan.h): larger problems take the torch path.
-BEST_FIT_CUDA_MAX = 6016
 
 
 def real_host_values(t: torch.Tensor) -> bool:
@@ -58,9 +55,9 @@ def best_fit_available(device_type: str = "cpu") -> bool:
 
 def echo_best_fit(counts: torch.Tensor, num_spare_experts_per_ep_rank: int = 1, donor_mask=None) -> torch.Tensor:
     """Native best-fit placement: ``counts [R, E]`` int32/int64 -> ``home_to_spare [E, R*k]`` int64, identical to
-    the pure-torch ``moe_graph.moe.echo_planner.best_fit_assignment`` loop (one kernel instead of ``R*k`` rounds of tiny
-    ones). CUDA: one block, needs ``3*R + E <= BEST_FIT_CUDA_MAX``. ``donor_mask``: optional ``[R, R]`` bool
-    (``moe_graph.moe.echo_planner.donor_mask``)."""
+    the pure-torch ``moe_graph.moe.echo_planner.best_fit_assignment`` (the ``echo_plan`` kernel in best-fit mode: one
+    launch instead of rounds of tiny kernels; with a restrictive donor mask, the level search). ``donor_mask``:
+    optional ``[R, R]`` bool (``moe_graph.moe.echo_planner.donor_mask``)."""
     _check_total(counts)
     return torch.ops.moe_graph.echo_best_fit(counts, int(num_spare_experts_per_ep_rank), donor_mask)
 
@@ -74,7 +71,8 @@ def plan_available(device_type: str = "cpu") -> bool:
 def echo_plan(counts: torch.Tensor, num_spare_experts_per_ep_rank: int = 1, assignment: str = "auto", donor_mask=None):
     """The whole echo plan in one native step: ``counts [R, E]`` -> ``(home_to_spare [E, R*k],
     allocation [R, R*k])`` int64, identical to ``moe_graph.moe.echo_planner.gen_assignment(counts, k, assignment)`` followed by
-    ``gen_allocation``. One kernel launch on CUDA (one block), no host sync. ``donor_mask``: optional ``[R, R]`` bool
+    ``gen_allocation``. One kernel launch on CUDA (one block of 16 warps, state in a global workspace), no host sync;
+    cost in ``csrc/reroute/echo_plan_impl.h``. ``donor_mask``: optional ``[R, R]`` bool
     (``moe_graph.moe.echo_planner.donor_mask``): a slot on rank ``r`` hosts only experts of ranks ``q`` with ``mask[r, q]``."""
     if assignment not in _PLAN_MODES:
         raise ValueError(f"assignment must be one of {tuple(_PLAN_MODES)}, got {assignment!r}")
