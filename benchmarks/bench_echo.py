@@ -43,7 +43,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 
 from common import environment, results_path  # noqa: E402
-from moe_graph.moe import echo_planner as P  # noqa: E402
+from moe_graph.moe import echo_planner  # noqa: E402
+from moe_graph.ops import reroute as reroute_ops  # noqa: E402
 
 
 def gumbel_topk_routing(num_rows, p_log, topk, gen, device):
@@ -118,11 +119,11 @@ def copy_bandwidth(nbytes, device, reps):
 
 
 def plan_fn(counts, k):
-    return P.gen_plan(counts, k)  # native echo_plan when built, else the torch code
+    return echo_planner.gen_plan(counts, k)  # native echo_plan when built, else the torch code
 
 
 def plan_impl(device):
-    return "native" if P._native_plan(torch.zeros(1, 1, dtype=torch.int64, device=device)) is not None else "torch"
+    return "native" if reroute_ops.plan_available(device.type) else "torch"
 
 
 def time_planner(counts, k, device, reps):
@@ -141,14 +142,9 @@ def time_planner(counts, k, device, reps):
 
 
 def reroute_impl():
-    try:
-        from moe_graph.ops.reroute import native_available, reroute_tokens
-
-        if native_available():
-            return reroute_tokens, "native"
-    except ImportError:
-        pass
-    return P.reroute_tokens_torch, "torch"
+    if reroute_ops.native_available():
+        return reroute_ops.reroute_tokens, "native"
+    return echo_planner.reroute_tokens_torch, "torch"
 
 
 def main(argv=None):
@@ -203,16 +199,16 @@ def main(argv=None):
                     bal = {"before": [], "greedy": [], "best_fit": [], "auto": []}
                     for counts, _, _ in cases:
                         for a in ("greedy", "best_fit", "auto"):
-                            b, aft = balance(counts, P.gen_assignment(counts, k, a), k)
+                            b, aft = balance(counts, echo_planner.gen_assignment(counts, k, a), k)
                             bal[a].append(aft)
                         bal["before"].append(b)
                     counts, rm0, probs0 = cases[0]
                     probs0 = probs0.to(pdtype)
                     plan_us = time_planner(counts, k, device, reps)
                     h, alloc = plan_fn(counts, k)
-                    tts, omap = alloc[0].contiguous(), (h > 0)
-                    reroute(rm0, probs0, tts, omap)  # warm-up
-                    rr_us = time_fn(lambda: reroute(rm0, probs0, tts, omap), device, reps)
+                    tts, offload_map = alloc[0].contiguous(), (h > 0)
+                    reroute(rm0, probs0, tts, offload_map)  # warm-up
+                    rr_us = time_fn(lambda: reroute(rm0, probs0, tts, offload_map), device, reps)
                     S = R * k
                     pb = probs0.element_size()
                     nbytes = T * E * (1 + pb) + T * (E + S) * (1 + pb)
@@ -235,7 +231,7 @@ def main(argv=None):
         for s in range(max(args.seeds, 3)):
             counts, _, _ = make_case(16, 128, T, 8, 1.2, 5000 + s, True, device)
             for a in vals:
-                vals[a].append(balance(counts, P.gen_assignment(counts, k, a), k))
+                vals[a].append(balance(counts, echo_planner.gen_assignment(counts, k, a), k))
         before = statistics.mean(v[0] for v in vals["auto"])
         g = statistics.mean(v[1] for v in vals["greedy"])
         a = statistics.mean(v[1] for v in vals["auto"])
@@ -267,10 +263,10 @@ def sweep_value(counts_mbs, k, mask, mode):
     ref = None
     for counts in counts_mbs:
         if mode == "microbatch" or ref is None:
-            h, _ = P.gen_plan(counts, k, "auto", donor_mask=mask)
+            h, _ = echo_planner.gen_plan(counts, k, "auto", donor_mask=mask)
             ref = (h, counts.sum(0))
         else:
-            h, _ = P.reuse_plan(counts, *ref)
+            h, _ = echo_planner.reuse_plan(counts, *ref)
         vals.append(balance(counts, h, k)[1])
     return statistics.mean(vals)
 
@@ -296,7 +292,7 @@ def sweep(args):
                 ws = sorted({w for w in args.donors if w < R} | {R})
                 for k in args.spares:
                     for w in ws:
-                        mask = P.donor_mask(R, w, device=device)
+                        mask = echo_planner.donor_mask(R, w, device=device)
                         row = {"skew": skew, "E": E, "R": R, "k": k, "w": w, "before": before, "T": T,
                                "microbatches": M, "topk": args.topk}
                         for mode in modes:

@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from common import environment, results_path, time_cpu, time_cuda, write_json  # noqa: E402
 from moe_graph.cuda_graph import FullIterationGraph, GraphCaptureError  # noqa: E402
-from moe_graph.moe import echo_planner as P  # noqa: E402
+from moe_graph.moe import echo_planner  # noqa: E402
 from moe_graph.moe.layer import MoELayer  # noqa: E402
 from moe_graph.moe.token_dispatcher import capacity_for, expert_columns  # noqa: E402
 
@@ -90,12 +90,12 @@ def simulate_drops(R, E, K, T, skew, spare, cf, seed):
         col_rank, _ = expert_columns(E, R)
         per_pair = torch.stack([torch.zeros(R, dtype=torch.int64).index_add_(0, col_rank, c) for c in counts])
     else:
-        h2s = P.gen_assignment(counts, spare)
-        alloc = P.gen_allocation(counts, h2s)
+        h2s = echo_planner.gen_assignment(counts, spare)
+        alloc = echo_planner.gen_allocation(counts, h2s)
         col_rank, _ = expert_columns(E, R, spare)
         rows = []
         for r, m in enumerate(maps):
-            nm, _ = P._reroute(m, torch.ones(T, E), alloc[r], h2s > 0)
+            nm, _ = echo_planner.reroute_tokens(m, torch.ones(T, E), alloc[r], h2s > 0)
             rows.append(torch.zeros(R, dtype=torch.int64).index_add_(0, col_rank, nm.sum(0).to(torch.int64)))
         per_pair = torch.stack(rows)
     dropped = int((per_pair - cap).clamp(min=0).sum())

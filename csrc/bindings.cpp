@@ -53,10 +53,10 @@ TORCH_LIBRARY(moe_graph, m) {
         &moe_graph::grouped_args_probe);
 
   // ---- token rerouting (echo experts) ------------------------------------------------------------------
-  // routing_map [T, E] bool, probs [T, E], tokens_to_spare [S] int, home_to_spare_map [E, S] bool
+  // routing_map [T, E] bool, probs [T, E], tokens_to_spare [S] int, offload_map [E, S] bool
   // -> (rerouted_routing_map [T, E+S] bool, rerouted_probs [T, E+S]); see csrc/reroute/reroute.h.
   m.def(
-      "reroute_tokens(Tensor routing_map, Tensor probs, Tensor tokens_to_spare, Tensor home_to_spare_map) -> "
+      "reroute_tokens(Tensor routing_map, Tensor probs, Tensor tokens_to_spare, Tensor offload_map) -> "
       "(Tensor, Tensor)");
   // counts [R, E] -> home_to_spare [E, R*k] int64: best-fit placement of rank overload (reroute/echo_plan.h).
   // donor_mask: optional [R, R] bool, a slot on rank r may host rank q's experts only where donor_mask[r, q].

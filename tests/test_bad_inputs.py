@@ -176,11 +176,11 @@ def _moe(**kw):
     return MoELayer(**{"hidden_size": 8, "ffn_hidden_size": 16, "num_experts": 4, "topk": 2, **kw})
 
 
-def _dispatcher(num_local_experts, num_ranks, rank, **kw):
+def _dispatcher(num_local_columns, num_ep_ranks, ep_rank, **kw):
     from moe_graph.moe.token_dispatcher import TokenDispatcher
 
     cols = torch.zeros(2, dtype=torch.long)
-    return TokenDispatcher(num_local_experts, num_ranks, rank, cols, cols.clone(), **kw)
+    return TokenDispatcher(num_local_columns, num_ep_ranks, ep_rank, cols, cols.clone(), **kw)
 
 
 def _launch():
@@ -312,15 +312,15 @@ ROWS = [
         lambda: _moe()(torch.randn(2, 3, 8), padding_mask=torch.zeros(2, 4, dtype=torch.bool)), ValueError,
         r"padding_mask must have shape \(2, 3\) \(x without its last dimension\), got \(2, 4\)"),
     # ---- token dispatcher ----
-    Row("TokenDispatcher", "num_local_experts=0", lambda: _dispatcher(0, 1, 0), ValueError,
-        r"num_local_experts must be >= 1, got 0"),
-    Row("TokenDispatcher", "rank past num_ranks", lambda: _dispatcher(1, 2, 2), ValueError,
-        r"need num_ranks >= 1 and 0 <= rank < num_ranks, got num_ranks=2, rank=2"),
+    Row("TokenDispatcher", "num_local_columns=0", lambda: _dispatcher(0, 1, 0), ValueError,
+        r"num_local_columns must be >= 1, got 0"),
+    Row("TokenDispatcher", "ep_rank past num_ep_ranks", lambda: _dispatcher(1, 2, 2), ValueError,
+        r"need num_ep_ranks >= 1 and 0 <= ep_rank < num_ep_ranks, got num_ep_ranks=2, ep_rank=2"),
     Row("TokenDispatcher", "capacity=0", lambda: _dispatcher(1, 1, 0, capacity=0), ValueError,
         r"capacity must be >= 1 or None \(dropless\), got 0"),
     Row("dispatcher.expert_columns", "experts not divisible by ranks",
         lambda: importlib.import_module("moe_graph.moe.token_dispatcher").expert_columns(5, 2), ValueError,
-        r"num_experts=5 must be divisible by num_ranks=2"),
+        r"num_experts=5 must be divisible by num_ep_ranks=2"),
     Row("dispatcher.capacity_for", "capacity_factor=0",
         lambda: importlib.import_module("moe_graph.moe.token_dispatcher").capacity_for(10, 2, 2, 0.0), ValueError,
         r"capacity_factor must be > 0 or None \(dropless\), got 0.0"),

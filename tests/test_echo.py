@@ -47,10 +47,10 @@ def _gather(t):
     return torch.stack(out)
 
 
-def _check_spare_copies(s1, s2, omap, rank, k, fc1_all, fc2_all):
+def _check_spare_copies(s1, s2, offload_map, rank, k, fc1_all, fc2_all):
     """Spare slots hold exact copies of their home experts (zeros when unused)."""
     for i in range(k):
-        col = omap[:, rank * k + i]
+        col = offload_map[:, rank * k + i]
         if col.any():
             e = int(col.to(torch.int8).argmax())
             assert torch.equal(s1[i], fc1_all[e]) and torch.equal(s2[i], fc2_all[e])
@@ -61,7 +61,7 @@ def _check_spare_copies(s1, s2, omap, rank, k, fc1_all, fc2_all):
 def _echo_worker(rank, world, seed):
     import torch.distributed as dist
 
-    from moe_graph.moe import echo_planner as P
+    from moe_graph.moe import echo_planner
     from moe_graph.moe.echo import (
         AllGatherBackend,
         AllToAllBackend,
@@ -107,7 +107,7 @@ def _echo_worker(rank, world, seed):
               (AllGatherBackend(), 2, "explicit")]
     for backend, k, mode in combos:
         use_main_grad = mode != "autograd"
-        new_map, new_probs, omap = P.gen_offloading_plan(rm, probs, counts, rank, R, k)
+        new_map, new_probs, offload_map = echo_planner.gen_offloading_plan(rm, probs, counts, rank, R, k)
         assert torch.equal(new_map.sum(1), rm.sum(1))
         d = EchoExpertDispatcher(E, R, rank, k, backend=backend)
         fc1, fc2 = home_params()
@@ -115,11 +115,11 @@ def _echo_worker(rank, world, seed):
             fc1.main_grad = torch.zeros_like(fc1)
             fc2.main_grad = torch.zeros_like(fc2)
         if mode == "explicit":
-            s1, s2 = [w.requires_grad_() for w in d.dispatch(omap, [fc1, fc2])]  # leaves with their own grads
+            s1, s2 = [w.requires_grad_() for w in d.dispatch(offload_map, [fc1, fc2])]  # leaves with their own grads
         else:
-            s1, s2 = dispatch_spare_weights(d, omap, [fc1, fc2])
+            s1, s2 = dispatch_spare_weights(d, offload_map, [fc1, fc2])
         assert s1.shape == (k, F, H) and s2.shape == (k, H, F)
-        _check_spare_copies(s1, s2, omap, rank, k, fc1_all, fc2_all)
+        _check_spare_copies(s1, s2, offload_map, rank, k, fc1_all, fc2_all)
         cols = [(c, fc1[i], fc2[i]) for i, c in enumerate(home_cols)]
         cols += [(E + rank * k + i, s1[i], s2[i]) for i in range(k)]
         out = _toy_moe(x_all, _gather(new_map.to(torch.uint8)), _gather(new_probs), cols, rank)
@@ -128,17 +128,17 @@ def _echo_worker(rank, world, seed):
             spare = spare_grad_buffers([fc1, fc2], k, dtype=dt)
             spare[0].copy_(s1.grad)
             spare[1].copy_(s2.grad)
-            d.aggregate_grads(omap, spare, home_params=[fc1, fc2])
+            d.aggregate_grads(offload_map, spare, home_params=[fc1, fc2])
         g1 = fc1.grad + (fc1.main_grad if use_main_grad else 0)
         g2 = fc2.grad + (fc2.main_grad if use_main_grad else 0)
         if use_main_grad:  # spare-slot gradients went to main_grad (when this rank's experts were copied)
-            assert fc1.main_grad.abs().sum() > 0 or not omap[rank * L : (rank + 1) * L].any()
+            assert fc1.main_grad.abs().sum() > 0 or not offload_map[rank * L : (rank + 1) * L].any()
         torch.testing.assert_close(out.detach(), ref[0], rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(g1, ref[1], rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(g2, ref[2], rtol=1e-12, atol=1e-12)
         # plain lists: tensors sent through the result queue would need the (exited) child's shared memory
         results["cases"].append(
-            {"k": k, "backend": type(backend).__name__, "omap": omap.tolist(), "moved": int(new_map[:, E:].sum()),
+            {"k": k, "backend": type(backend).__name__, "offload_map": offload_map.tolist(), "moved": int(new_map[:, E:].sum()),
              "counts": counts.tolist(), "mode": mode}
         )
     return results
@@ -148,9 +148,9 @@ def _echo_worker(rank, world, seed):
 def test_echo_gloo(world):
     res = run_distributed(_echo_worker, world, 3 + world)
     for case_idx in range(len(res[0]["cases"])):
-        maps = [torch.tensor(r["cases"][case_idx]["omap"]) for r in res]
+        maps = [torch.tensor(r["cases"][case_idx]["offload_map"]) for r in res]
         for m in maps[1:]:
-            assert torch.equal(m, maps[0]), "every rank must compute the same expert_offloading_map"
+            assert torch.equal(m, maps[0]), "every rank must compute the same offload_map"
         c = res[0]["cases"][case_idx]
         assert maps[0].shape == (2 * world, world * c["k"])
         for r in res:
@@ -162,10 +162,10 @@ def test_echo_gloo(world):
 
 def test_argument_errors():
     d = EchoExpertDispatcher(8, 4, 1, 2)
-    with pytest.raises(ValueError, match="expert_offloading_map"):
+    with pytest.raises(ValueError, match="offload_map"):
         d.slot_homes(torch.zeros(8, 4, dtype=torch.bool))
     with pytest.raises(ValueError, match=r"home_weights\[1\]"):
-        d._check_weights([torch.zeros(2, 3), torch.zeros(3, 3)])
+        d.dispatch(torch.zeros(8, 8, dtype=torch.bool), [torch.zeros(2, 3), torch.zeros(3, 3)])
     with pytest.raises(ValueError, match="divisible"):
         EchoExpertDispatcher(7, 4, 0, 1)
     with pytest.raises(ValueError, match="ep_rank"):
@@ -184,8 +184,8 @@ def test_echo_grouped_gemm_mask_and_spare_buffers():
     dt = torch.float64
     L, k, N, K, M = 3, 3, 4, 5, 12
     d = EchoExpertDispatcher(L, 1, 0, k, backend=LocalBackend())
-    omap = torch.zeros(L, k, dtype=torch.bool)
-    omap[1, 0] = omap[1, 1] = True
+    offload_map = torch.zeros(L, k, dtype=torch.bool)
+    offload_map[1, 0] = offload_map[1, 1] = True
     w = torch.randn(L, N, K, generator=g, dtype=dt).requires_grad_()
     mg0 = torch.randn(L, N, K, generator=g, dtype=dt)
     w.main_grad = mg0.clone()
@@ -201,9 +201,9 @@ def test_echo_grouped_gemm_mask_and_spare_buffers():
     for _ in range(2):  # two microbatches
         a = torch.randn(M, K, generator=g, dtype=dt).requires_grad_()
         dy = torch.randn(M, N, generator=g, dtype=dt)
-        (spare,) = d.dispatch(omap, [w])
+        (spare,) = d.dispatch(offload_map, [w])
         assert torch.equal(spare[0], w[1].detach()) and torch.equal(spare[1], w[1].detach()) and not spare[2].any()
-        y = echo_grouped_gemm(a, w, spare, splits, d, omap, mask, spare_grad)
+        y = echo_grouped_gemm(a, w, spare, splits, d, offload_map, mask, spare_grad)
         y.backward(dy)
 
         # reference: every row through its expert's weight (spare rows through their home expert's)
@@ -224,10 +224,10 @@ def test_echo_grouped_gemm_mask_and_spare_buffers():
         assert not spare_grad[2].any()
         assert w.grad_added_to_main_grad and w.grad is not None and not w.grad.any()  # zero grad: DDP hook adds nothing
     with pytest.raises(RuntimeError, match="main_grad"):
-        echo_grouped_gemm(a, torch.zeros(L, N, K, dtype=dt, requires_grad=True), spare, splits, d, omap, mask,
+        echo_grouped_gemm(a, torch.zeros(L, N, K, dtype=dt, requires_grad=True), spare, splits, d, offload_map, mask,
                           spare_grad)
     with pytest.raises(ValueError, match="spare_grad"):
-        echo_grouped_gemm(a, w, spare, splits, d, omap, mask, spare_grad.float())
+        echo_grouped_gemm(a, w, spare, splits, d, offload_map, mask, spare_grad.float())
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -238,7 +238,7 @@ def test_echo_grouped_gemm_mask_and_spare_buffers():
 def _donor_worker(rank, world, seed):
     import torch.distributed as dist
 
-    from moe_graph.moe import echo_planner as P
+    from moe_graph.moe import echo_planner
     from moe_graph.moe.echo import AllToAllBackend, PeerBackend, dispatch_spare_weights
     from moe_graph.testing.echo_reference import zipf_routing
 
@@ -270,15 +270,15 @@ def _donor_worker(rank, world, seed):
     k = 2
     for w in sorted(w for w in {1, 2, R - 1} if 1 <= w < R):
         d = EchoExpertDispatcher(E, R, rank, k, donors=w)
-        assert isinstance(d.backend, PeerBackend) and d.w == w
+        assert isinstance(d.backend, PeerBackend) and d.donors == w
         mask = d.donor_mask
-        new_map, new_probs, omap = P.gen_offloading_plan(rm, probs, counts, rank, R, k, donor_mask=mask)
+        new_map, new_probs, offload_map = echo_planner.gen_offloading_plan(rm, probs, counts, rank, R, k, donor_mask=mask)
         # the plan honours the constraint: slot j on rank j // k hosts only experts of its donors
-        for e, j in omap.nonzero().tolist():
+        for e, j in offload_map.nonzero().tolist():
             assert mask[j // k, e // L], (e, j)
         fc1, fc2 = home_params()
-        s1, s2 = dispatch_spare_weights(d, omap, [fc1, fc2])
-        _check_spare_copies(s1, s2, omap, rank, k, fc1_all, fc2_all)
+        s1, s2 = dispatch_spare_weights(d, offload_map, [fc1, fc2])
+        _check_spare_copies(s1, s2, offload_map, rank, k, fc1_all, fc2_all)
         cols = [(c, fc1[i], fc2[i]) for i, c in enumerate(home_cols)]
         cols += [(E + rank * k + i, s1[i], s2[i]) for i in range(k)]
         out = _toy_moe(x_all, _gather(new_map.to(torch.uint8)), _gather(new_probs), cols, rank)
@@ -286,20 +286,20 @@ def _donor_worker(rank, world, seed):
         torch.testing.assert_close(out.detach(), ref[0], rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(fc1.grad, ref[1], rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(fc2.grad, ref[2], rtol=1e-12, atol=1e-12)
-        res["cases"].append({"w": w, "moved": int(new_map[:, E:].sum()), "copies": int(omap.sum())})
+        res["cases"].append({"w": w, "moved": int(new_map[:, E:].sum()), "copies": int(offload_map.sum())})
 
     # w = R: today's behaviour bit for bit. Plans equal the unconstrained planner's; aggregation through the
     # all-to-all and through R - 1 peer blocks both equal today's sum (index_add_ of every slot's row in slot
     # order into a zero accumulator, then one add), re-implemented here from all-gathered spare gradients.
-    _, _, omap = P.gen_offloading_plan(rm, probs, counts, rank, R, k)
-    _, _, omap_w = P.gen_offloading_plan(rm, probs, counts, rank, R, k, donor_mask=P.donor_mask(R, R))
-    assert torch.equal(omap, omap_w)
+    _, _, offload_map = echo_planner.gen_offloading_plan(rm, probs, counts, rank, R, k)
+    _, _, offload_map_w = echo_planner.gen_offloading_plan(rm, probs, counts, rank, R, k, donor_mask=echo_planner.donor_mask(R, R))
+    assert torch.equal(offload_map, offload_map_w)
     gk = torch.Generator().manual_seed(seed * 77 + rank)
     spare = torch.randn(k, F, H, generator=gk, dtype=torch.float32) * 1e3  # float32: summation order matters
     base = torch.randn(L, F, H, generator=gk, dtype=torch.float32)
     all_spare = _gather(spare).reshape(R * k, F * H)
-    home = omap.to(torch.int8).argmax(0)
-    mine = omap.any(0) & (home // L == rank)
+    home = offload_map.to(torch.int8).argmax(0)
+    mine = offload_map.any(0) & (home // L == rank)
     acc = torch.zeros(L + 1, F * H)
     acc.index_add_(0, torch.where(mine, home % L, L), torch.where(mine[:, None], all_spare, 0.0))
     today = base + acc[:L].view(L, F, H)
@@ -307,11 +307,11 @@ def _donor_worker(rank, world, seed):
               EchoExpertDispatcher(E, R, rank, k, donors=R),
               EchoExpertDispatcher(E, R, rank, k, donors=R - 1)):
         o = base.clone()
-        d.aggregate_grads(omap, [spare], out=[o])
+        d.aggregate_grads(offload_map, [spare], out=[o])
         assert torch.equal(o, today), (type(d.backend).__name__, (o - today).abs().max())
-        sp = d.dispatch(omap, [base])[0]
+        sp = d.dispatch(offload_map, [base])[0]
         o2 = base.clone()
-        d.aggregate_grads(omap, [spare], out=[o2])
+        d.aggregate_grads(offload_map, [spare], out=[o2])
         assert torch.equal(o2, o)  # deterministic: same bits twice
         res.setdefault("spare_sums", []).append(float(sp.double().sum()))
     return res
@@ -361,7 +361,7 @@ def _new_storage_bytes(fn, known, min_bytes):
 
 @pytest.mark.parametrize("donors", [None, 1])
 def test_echo_buffer_bytes_matches_allocations(donors):
-    from moe_graph.moe import echo_planner as P
+    from moe_graph.moe import echo_planner
     from moe_graph.moe.echo import LocalBackend, echo_buffer_bytes
 
     # a one-rank group cannot have donors; emulate rank 0 of R = 4 with w = 1 through a loopback exchange whose
@@ -375,16 +375,16 @@ def test_echo_buffer_bytes_matches_allocations(donors):
         d = EchoExpertDispatcher(E, R, 0, k, backend=_LoopbackPeer().backend, donors=donors)
     w1 = torch.randn(L, F, H, dtype=torch.bfloat16)
     w2 = torch.randn(L, H, F, dtype=torch.bfloat16)
-    omap = torch.zeros(E, R * k, dtype=torch.bool)
-    omap[0, 0] = True
+    offload_map = torch.zeros(E, R * k, dtype=torch.bool)
+    offload_map[0, 0] = True
     g1, g2 = torch.randn(k, F, H), torch.randn(k, H, F)
     o1, o2 = torch.zeros(L, F, H), torch.zeros(L, H, F)
     d.prepare("cpu")
     expect = echo_buffer_bytes(E, R, k, donors, N, torch.bfloat16)
     small = 256  # index tensors (a few int64 per slot) stay below this; every N-sized buffer is above
-    got, _ = _new_storage_bytes(lambda: d.dispatch(omap, [w1, w2]), [w1, w2, omap], small)
+    got, _ = _new_storage_bytes(lambda: d.dispatch(offload_map, [w1, w2]), [w1, w2, offload_map], small)
     assert got == expect["dispatch_send"] + expect["dispatch_recv"] + expect["spare_weights"]
-    got, _ = _new_storage_bytes(lambda: d.aggregate_grads(omap, [g1, g2], out=[o1, o2]), [g1, g2, o1, o2, omap],
+    got, _ = _new_storage_bytes(lambda: d.aggregate_grads(offload_map, [g1, g2], out=[o1, o2]), [g1, g2, o1, o2, offload_map],
                                 small)
     assert got == expect["grad_send"] + expect["grad_recv"] + expect["grad_acc"]
     assert expect["blocks"] == (R if donors is None else donors)
@@ -400,19 +400,19 @@ def test_aggregate_validates_before_writing_and_clear_errors():
     from moe_graph.moe.echo import LocalBackend
 
     d = EchoExpertDispatcher(4, 1, 0, 2, backend=LocalBackend())
-    omap = torch.zeros(4, 2, dtype=torch.bool)
-    omap[1, 0] = omap[2, 1] = True
+    offload_map = torch.zeros(4, 2, dtype=torch.bool)
+    offload_map[1, 0] = offload_map[2, 1] = True
     good, bad = torch.zeros(4, 3, 5), torch.zeros(4, 3, 6)
     g = [torch.ones(2, 3, 5), torch.ones(2, 3, 6)]
     with pytest.raises(ValueError, match="gradient tensor 1"):
-        d.aggregate_grads(omap, g, out=[good, torch.zeros(3, 3, 6)])
+        d.aggregate_grads(offload_map, g, out=[good, torch.zeros(3, 3, 6)])
     assert not good.any(), "the first output was written before the second was validated"
     with pytest.raises(ValueError, match="gradient tensor 1"):
-        d.aggregate_grads(omap, g, out=[good, torch.zeros(4, 3, 7)])
+        d.aggregate_grads(offload_map, g, out=[good, torch.zeros(4, 3, 7)])
     assert not good.any()
     with pytest.raises(ValueError, match="one tensor per spare gradient"):
-        d.aggregate_grads(omap, g, out=[good])
-    d.aggregate_grads(omap, g, out=[good, bad])
+        d.aggregate_grads(offload_map, g, out=[good])
+    d.aggregate_grads(offload_map, g, out=[good, bad])
     assert good[1].eq(1).all() and good[2].eq(1).all() and not good[0].any()
     with pytest.raises(ValueError, match="num_ep_ranks"):
         EchoExpertDispatcher(8, 0, 0, 1)
@@ -433,8 +433,8 @@ def test_aggregate_sums_in_fixed_order_without_index_add_atomics():
 
     k = 6
     d = EchoExpertDispatcher(2, 1, 0, k, backend=LocalBackend())
-    omap = torch.zeros(2, k, dtype=torch.bool)
-    omap[1, :] = True  # all six slots host expert 1
+    offload_map = torch.zeros(2, k, dtype=torch.bool)
+    offload_map[1, :] = True  # all six slots host expert 1
     g = torch.tensor([1e8, 1.0, -1e8, 1.0, 0.5, 3.0]).view(k, 1)
     out = torch.zeros(2, 1)
     calls = []
@@ -446,7 +446,7 @@ def test_aggregate_sums_in_fixed_order_without_index_add_atomics():
             return func(*args, **(kwargs or {}))
 
     with Mode():
-        d.aggregate_grads(omap, [g], out=[out])
+        d.aggregate_grads(offload_map, [g], out=[out])
     assert calls and max(calls) == 1, "index_add_ with more than one index row"
     seq = torch.zeros(1)
     for v in g[:, 0]:
@@ -457,7 +457,7 @@ def test_aggregate_sums_in_fixed_order_without_index_add_atomics():
 def test_moe_layer_plans_with_one_native_op(monkeypatch):
     """MoELayer makes its echo plan with planner.gen_plan (the single native echo_plan op when built), not with
     gen_assignment + gen_allocation (~100 small ops); same layer output either way."""
-    from moe_graph.moe import echo_planner as P
+    from moe_graph.moe import echo_planner
     from moe_graph.moe.layer import MoELayer
 
     torch.manual_seed(0)
@@ -466,7 +466,7 @@ def test_moe_layer_plans_with_one_native_op(monkeypatch):
     with torch.no_grad():
         ref = layer(x)
     calls = []
-    monkeypatch.setattr(P, "gen_assignment", lambda *a, **k: calls.append("gen_assignment"))
+    monkeypatch.setattr(echo_planner, "gen_assignment", lambda *a, **k: calls.append("gen_assignment"))
     with torch.no_grad():
         out = layer(x)
     assert not calls
@@ -497,21 +497,21 @@ def _layer_modes_worker(rank, world, seed):
         layer = MoELayer(H, Fh, E, K, num_spare_experts_per_ep_rank=k, ep_size=R, device="cpu", params_dtype=dt,
                          **kw)
         with torch.no_grad():
-            layer.fc1.weight.copy_(w1_all[rank * L:(rank + 1) * L])
-            layer.fc2.weight.copy_(w2_all[rank * L:(rank + 1) * L])
+            layer.experts.fc1.weight.copy_(w1_all[rank * L:(rank + 1) * L])
+            layer.experts.fc2.weight.copy_(w2_all[rank * L:(rank + 1) * L])
             layer.router.weight.copy_(gate)
         return layer
 
     def run(layer, fused):
         if fused:
-            for w in layer.expert_weights():
+            for w in layer.experts.weights():
                 w.main_grad = torch.zeros_like(w)
         ys = []
         for m, (x, t) in enumerate(mbs):
             y = layer(x, is_first_microbatch=(m == 0))
             (y * t).sum().backward()
             ys.append(y.detach())
-        gs = [w.main_grad if fused else w.grad for w in layer.expert_weights()]
+        gs = [w.main_grad if fused else w.grad for w in layer.experts.weights()]
         return ys, gs, layer.router.weight.grad
 
     ref = run(make(0), False)
@@ -521,8 +521,8 @@ def _layer_modes_worker(rank, world, seed):
         for fused in (False, True):
             layer = make(2, **kw)
             calls = []
-            orig = layer.echo.dispatch
-            layer.echo.dispatch = lambda *a, **k: (calls.append(1), orig(*a, **k))[1]
+            orig = layer.echo.dispatcher.dispatch
+            layer.echo.dispatcher.dispatch = lambda *a, **k: (calls.append(1), orig(*a, **k))[1]
             moved = []
             hooks = layer.register_forward_hook(lambda mod, i, o: moved.append(int(mod.last_m_splits[L:].sum())))
             ys, gs, gg = run(layer, fused)
@@ -579,11 +579,11 @@ def _subgroup_worker(rank, world, seed):
     d = EchoExpertDispatcher(R * L, R, me, k, group=g, donors=1)
     assert isinstance(d.backend, PeerBackend)
     w_all = torch.arange(R * L * n, dtype=torch.float64).view(R * L, n) + 100 * (rank % 2)
-    omap = torch.zeros(R * L, R * k, dtype=torch.bool)
-    omap[1, 1] = True  # rank 1's slot hosts expert 1 (home rank 0)
-    spare = d.dispatch(omap, [w_all[me * L:(me + 1) * L]])[0]
+    offload_map = torch.zeros(R * L, R * k, dtype=torch.bool)
+    offload_map[1, 1] = True  # rank 1's slot hosts expert 1 (home rank 0)
+    spare = d.dispatch(offload_map, [w_all[me * L:(me + 1) * L]])[0]
     out = torch.zeros(L, n, dtype=torch.float64)
-    d.aggregate_grads(omap, [torch.full((k, n), float(me + 1), dtype=torch.float64)], out=[out])
+    d.aggregate_grads(offload_map, [torch.full((k, n), float(me + 1), dtype=torch.float64)], out=[out])
     return {"me": me, "spare": spare.tolist(), "expect": (w_all[1:2] if me == 1 else torch.zeros(1, n)).tolist(),
             "out": out.tolist()}
 

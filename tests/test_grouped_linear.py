@@ -365,7 +365,7 @@ def test_delayed_wgrad_gives_placeholder_grads_for_overlap_grad_reduce_hooks(gen
 def test_fused_dummy_grad_is_adopted_not_cloned(gen):
     # The zero placeholder returned after fused main_grad accumulation becomes p.grad without a copy: every
     # weight's p.grad shares one cached buffer, across microbatches (no new [N, K] tensor per weight per step).
-    from moe_graph.ops.grouped_gemm import _DUMMY_WGRAD
+    from moe_graph.ops.grouped_gemm import zero_wgrad_placeholder
 
     for delayed in (False, True):
         layer = GroupedLinear(3, 16, 8, bias=False, device="cpu", fuse_wgrad_accumulation=True,
@@ -380,18 +380,18 @@ def test_fused_dummy_grad_is_adopted_not_cloned(gen):
             ptrs |= {w.grad.untyped_storage().data_ptr() for w in ws}
             for w in ws:  # as Megatron's DDP hook does
                 w.grad = None
-        cached = _DUMMY_WGRAD[((8, 16), torch.float32, torch.device("cpu"))][0]
+        cached = zero_wgrad_placeholder(ws[0])  # an alias of the cached [8, 16] fp32 zero buffer
         assert ptrs == {cached.untyped_storage().data_ptr()}
         assert torch.count_nonzero(cached) == 0
 
 
 def test_dummy_grad_written_by_someone_is_not_handed_out_again(gen):
-    from moe_graph.ops.grouped_gemm import _dummy_wgrad
+    from moe_graph.ops.grouped_gemm import zero_wgrad_placeholder
 
     w = torch.nn.Parameter(torch.randn(5, 4))
-    d = _dummy_wgrad(w)
+    d = zero_wgrad_placeholder(w)
     d.add_(1.0)  # a user writes into p.grad that aliases the placeholder
-    d2 = _dummy_wgrad(w)
+    d2 = zero_wgrad_placeholder(w)
     assert torch.count_nonzero(d2) == 0 and d2.data_ptr() != d.data_ptr() and torch.all(d == 1)
 
 

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from conftest import requires_cuda
 from helpers.moe_workers import moe_layer_checks_worker, moe_layer_ddp_worker
 from moe_graph.distributed.launch import run_distributed
-from moe_graph.moe.layer import MoELayer, router_aux_loss
+from moe_graph.moe.layer import MoELayer
+from moe_graph.moe.router import router_aux_loss
 from moe_graph.testing.moe_reference import dense_moe_reference, kept_routes, reference_aux_loss, reference_route
 
 DT = torch.float64
@@ -26,8 +27,8 @@ def _layer(activation="swiglu", score_func="softmax", k=0, cf=None, aux=0.0, E=6
 
 
 def _reference(layer, x, target, keep_fn=None, aux=0.0):
-    w1 = layer.fc1.weight.detach().clone().requires_grad_()
-    w2 = layer.fc2.weight.detach().clone().requires_grad_()
+    w1 = layer.experts.fc1.weight.detach().clone().requires_grad_()
+    w2 = layer.experts.fc2.weight.detach().clone().requires_grad_()
     gate = layer.router.weight.detach().clone().requires_grad_()
     xr = x.detach().clone().requires_grad_()
     r = layer.router
@@ -35,14 +36,14 @@ def _reference(layer, x, target, keep_fn=None, aux=0.0):
                                      group_topk=r.group_topk, scaling_factor=r.scaling_factor,
                                      expert_bias=r.expert_bias if r.enable_expert_bias else None)
     keep = keep_fn(idx, p.detach()) if keep_fn is not None else None
-    y = dense_moe_reference(xr, idx, p, w1, w2, layer.activation, keep)
+    y = dense_moe_reference(xr, idx, p, w1, w2, layer.experts.activation, keep)
     shared = {}
     if layer.shared_expert is not None:  # every token through the shared MLP, one at a time
-        shared = {k: m.weight.detach().clone().requires_grad_() for k, m in layer.shared_expert.items()}
+        shared = {k: m.weight.detach().clone().requires_grad_() for k, m in layer.shared_expert.named_children()}
         rows = []
         for t in range(xr.shape[0]):
             a = shared["fc1"] @ xr[t]
-            a = F.silu(a[: a.shape[0] // 2]) * a[a.shape[0] // 2:] if layer.activation == "swiglu" else F.gelu(a)
+            a = F.silu(a[: a.shape[0] // 2]) * a[a.shape[0] // 2:] if layer.experts.activation == "swiglu" else F.gelu(a)
             o = shared["fc2"] @ a
             rows.append(o * torch.sigmoid(shared["gate"] @ xr[t]) if "gate" in shared else o)
         y = y + torch.stack(rows)
@@ -62,10 +63,10 @@ def _check(layer, x, target, keep_fn=None, aux=0.0):
     torch.testing.assert_close(y.detach(), y_ref, **tol)
     torch.testing.assert_close(xl.grad, gx, **tol)
     torch.testing.assert_close(layer.router.weight.grad, gg, **tol)
-    torch.testing.assert_close(layer.fc1.weight.grad, g1, **tol)
-    torch.testing.assert_close(layer.fc2.weight.grad, g2, **tol)
+    torch.testing.assert_close(layer.experts.fc1.weight.grad, g1, **tol)
+    torch.testing.assert_close(layer.experts.fc2.weight.grad, g2, **tol)
     for k, g in g_shared.items():
-        torch.testing.assert_close(layer.shared_expert[k].weight.grad, g, **tol)
+        torch.testing.assert_close(getattr(layer.shared_expert, k).weight.grad, g, **tol)
 
 
 @pytest.mark.parametrize("activation", ["swiglu", "gelu"])
@@ -117,7 +118,7 @@ def test_statistics_are_buffers_written_in_place(gen):
     # last_* are device buffers written in place: references taken once (e.g. by a reader set up before a graph
     # was captured) see every later forward; values match the router written out independently.
     layer = _layer(aux=0.05, E=6, K=2)
-    layer.z_loss_coeff = 0.01
+    layer.router_loss.z_loss_coeff = 0.01
     stats = layer.statistics()
     assert set(stats) == {"dropped_routes", "tokens_per_expert", "load_before", "load_after", "m_splits",
                           "aux_loss", "z_loss"}
@@ -211,14 +212,14 @@ def test_main_grad_fused_path_single_process(gen, k):
     ts = [torch.randn(12, 8, generator=gen, dtype=DT) for _ in range(2)]
     for x, t in zip(xs, ts):
         (layer(x) * t).sum().backward()
-    g1, g2 = layer.fc1.weight.grad.clone(), layer.fc2.weight.grad.clone()
+    g1, g2 = layer.experts.fc1.weight.grad.clone(), layer.experts.fc2.weight.grad.clone()
     layer.zero_grad(set_to_none=True)
-    for w in layer.expert_weights():
+    for w in layer.experts.weights():
         w.main_grad = torch.full_like(w, 0.5)
         w.grad_added_to_main_grad = False
     for x, t in zip(xs, ts):
         (layer(x) * t).sum().backward()
-    for w, g in zip(layer.expert_weights(), (g1, g2)):
+    for w, g in zip(layer.experts.weights(), (g1, g2)):
         torch.testing.assert_close(w.main_grad, g + 0.5, rtol=1e-12, atol=1e-12)
         assert w.grad_added_to_main_grad and not w.grad.any()
 
@@ -249,7 +250,7 @@ _DEEPSEEK_ROUTER = dict(score_func="sigmoid", num_groups=4, group_topk=2, topk_s
 @requires_cuda
 @pytest.mark.parametrize("k,router_kw", [(0, {}), (1, {}), (1, _DEEPSEEK_ROUTER)])
 def test_cuda_forward_backward_no_host_sync(k, router_kw):
-    from moe_graph.moe.layer import update_expert_bias
+    from moe_graph.moe.router import update_expert_bias
 
     torch.manual_seed(0)
     layer = MoELayer(64, 128, 8, 2, num_spare_experts_per_ep_rank=k, capacity_factor=1.5, aux_loss_coeff=0.01,
@@ -311,10 +312,10 @@ def test_hot_path_has_no_data_dependent_ops(k, assignment, main_grad):
     layer = MoELayer(16, 24, 8, 2, num_spare_experts_per_ep_rank=k, assignment=assignment, capacity_factor=1.0,
                      aux_loss_coeff=0.01, device="cpu")
     if main_grad:
-        for w in layer.expert_weights():
+        for w in layer.experts.weights():
             w.main_grad = torch.zeros_like(w)
         layer(torch.randn(4, 16)).sum().backward()  # static mask / spare buffers built outside the checked region
-        assert layer.fc1.weight.grad_added_to_main_grad
+        assert layer.experts.fc1.weight.grad_added_to_main_grad
     layer(torch.randn(4, 16))  # lazy state (drop counter, column tables) outside the checked region
     with FakeTensorMode(allow_non_fake_inputs=True):
         x = torch.randn(32, 16, requires_grad=True)
@@ -334,7 +335,7 @@ def _as_sets(idx):
 
 @pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
 def test_group_limited_routing_matches_per_token_reference(gen, score_func):
-    from moe_graph.moe.layer import TopKRouter
+    from moe_graph.moe.router import TopKRouter
 
     E, G, gk, K, H = 16, 4, 2, 4, 12
     router = TopKRouter(H, E, K, score_func, device="cpu", dtype=DT, num_groups=G, group_topk=gk, scaling_factor=2.5)
@@ -379,7 +380,7 @@ def test_shared_expert_matches_dense_reference(gen, activation, gate):
 
 
 def test_router_option_errors():
-    from moe_graph.moe.layer import TopKRouter
+    from moe_graph.moe.router import TopKRouter
 
     with pytest.raises(ValueError, match="go together"):
         TopKRouter(8, 16, 4, num_groups=4)
@@ -394,7 +395,7 @@ def test_router_option_errors():
 
 
 def test_expert_bias_steers_selection_not_probabilities(gen):
-    from moe_graph.moe.layer import TopKRouter
+    from moe_graph.moe.router import TopKRouter
 
     E, K, H = 8, 2, 6
     router = TopKRouter(H, E, K, "sigmoid", device="cpu", dtype=DT, enable_expert_bias=True)
@@ -416,7 +417,7 @@ def test_expert_bias_steers_selection_not_probabilities(gen):
 
 
 def test_update_expert_bias_sign_rule_and_reset():
-    from moe_graph.moe.layer import update_expert_bias
+    from moe_graph.moe.router import update_expert_bias
 
     layer = MoELayer(8, 8, 4, 1, score_func="sigmoid", enable_expert_bias=True, expert_bias_update_rate=0.01,
                      device="cpu")
@@ -431,7 +432,7 @@ def test_update_expert_bias_sign_rule_and_reset():
 
 def test_aux_loss_free_balancing_reduces_imbalance(gen):
     # Skewed gate: a few experts win most tokens. Repeated bias updates (no gradient step) must even out the load.
-    from moe_graph.moe.layer import TopKRouter, update_expert_bias
+    from moe_graph.moe.router import TopKRouter, update_expert_bias
 
     E, K, H, T = 16, 2, 32, 2048
     router = TopKRouter(H, E, K, "sigmoid", device="cpu", enable_expert_bias=True, expert_bias_update_rate=2e-3)
@@ -455,16 +456,16 @@ def test_aux_loss_free_balancing_reduces_imbalance(gen):
 
 
 def test_z_loss_gradient_flows_through_output(gen):
-    from moe_graph.moe.layer import router_z_loss
+    from moe_graph.moe.router import router_z_loss
 
     layer = _layer(E=6, K=2)
-    layer.z_loss_coeff = 0.1
+    layer.router_loss.z_loss_coeff = 0.1
     x = torch.randn(12, 8, generator=gen, dtype=DT)
     target = torch.randn(12, 8, generator=gen, dtype=DT)
     layer(x).mul(target).sum().backward()
     g_with = layer.router.weight.grad.clone()
     layer.router.weight.grad = None
-    layer.z_loss_coeff = 0.0
+    layer.router_loss.z_loss_coeff = 0.0
     layer(x).mul(target).sum().backward()
     gate = layer.router.weight.detach().clone().requires_grad_()
     (0.1 * router_z_loss(x @ gate.t())).backward()
@@ -486,7 +487,7 @@ def test_router_options_have_no_data_dependent_ops():
     expert, a padding mask and the bias update: forward, backward and update_expert_bias under FakeTensorMode."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from moe_graph.moe.layer import update_expert_bias
+    from moe_graph.moe.router import update_expert_bias
 
     layer = MoELayer(16, 24, 8, 2, score_func="sigmoid", num_groups=4, group_topk=2, topk_scaling_factor=2.0,
                      enable_expert_bias=True, z_loss_coeff=1e-3, aux_loss_coeff=1e-2,
@@ -512,11 +513,12 @@ def test_global_aux_loss_uses_the_ep_groups_counts():
 
 @pytest.mark.parametrize("sequence_dim", [0, 1])
 def test_sequence_aux_loss_matches_per_sequence_reference(gen, sequence_dim):
-    from moe_graph.moe.layer import sequence_aux_loss
+    from moe_graph.moe.router import sequence_aux_loss
 
     B, S, E, K = 3, 7, 6, 2
     layer = _layer(score_func="sigmoid", E=E, K=K)
-    layer.aux_loss_coeff, layer.aux_loss_type, layer.sequence_dim = 0.1, "sequence", sequence_dim
+    loss = layer.router_loss
+    loss.aux_loss_coeff, loss.aux_loss_type, loss.sequence_dim = 0.1, "sequence", sequence_dim
     x = torch.randn(B, S, 8, generator=gen, dtype=DT)
     xin = x if sequence_dim == 1 else x.transpose(0, 1).contiguous()
     gate = layer.router.weight.detach().clone().requires_grad_()
@@ -568,8 +570,8 @@ def test_padding_mask_equals_running_on_the_real_tokens(gen, aux_type):
     kw = dict(score_func="sigmoid", enable_expert_bias=True, k=1, aux=0.05, E=6, K=2)
     masked, ref = _layer(**kw), _layer(**kw)
     for m in (masked, ref):
-        m.z_loss_coeff = 0.01
-        m.aux_loss_type = aux_type
+        m.router_loss.z_loss_coeff = 0.01
+        m.router_loss.aux_loss_type = aux_type
     x = torch.randn(B, S, H, generator=gen, dtype=DT)
     pad = torch.zeros(B, S, dtype=torch.bool)
     pad[0, 4:] = True
@@ -627,7 +629,7 @@ def test_torch_compile_matches_eager(gen):
 def test_router_dtype_runs_the_gate_in_that_precision(gen):
     # bf16 input and weights: the default upcasts the bf16 GEMM's result; router_dtype=float64 computes the gate in
     # fp64 from the same bf16 values (the exact logits of those values).
-    from moe_graph.moe.layer import TopKRouter
+    from moe_graph.moe.router import TopKRouter
 
     r64 = TopKRouter(16, 8, 2, device="cpu", dtype=torch.bfloat16, router_dtype=torch.float64)
     x = torch.randn(32, 16, generator=gen).bfloat16()

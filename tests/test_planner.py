@@ -5,7 +5,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from moe_graph.moe import echo_planner as P
+from moe_graph.moe import echo_planner
 from moe_graph.testing.echo_reference import (loads_after, reroute_tokens_reference, water_filling_max_load,
                                              zipf_counts)
 
@@ -25,7 +25,7 @@ def test_spillover_seed_example():
     # One rank with experts [50, 100, 150, 200]; a second, empty rank brings avg to 250.
     counts = T([[50, 100, 150, 200, 0, 0, 0, 0]])
     counts = torch.cat([counts, torch.zeros_like(counts)])
-    spill, cap, avg = P.gen_intermediate(counts)
+    spill, cap, avg = echo_planner.gen_intermediate(counts)
     assert int(avg) == 250
     _eq(spill, [0, 0, 50, 200, 0, 0, 0, 0])
     _eq(cap, [0, 250])
@@ -34,7 +34,7 @@ def test_spillover_seed_example():
 def test_spillover_sorting_keeps_light_experts():
     # The seed's unsorted order [200, 50, 150, 100]: sorting first makes the heavy experts spill.
     counts = T([[200, 50, 150, 100, 0, 0, 0, 0], [0] * 8])
-    spill, _, _ = P.gen_intermediate(counts)
+    spill, _, _ = echo_planner.gen_intermediate(counts)
     _eq(spill, [200, 0, 50, 0, 0, 0, 0, 0])
     assert int(spill.sum()) == 250
 
@@ -44,7 +44,7 @@ def test_spillover_split_over_source_ranks_and_deviation():
     per_rank = [[100, 400], [150, 50], [200, 100], [250, 150]]
     tot = T(sum(per_rank, []))
     counts = torch.stack([tot - 3 * (tot // 4), tot // 4, tot // 4, tot // 4])  # 4 source ranks
-    spill, cap, avg = P.gen_intermediate(counts)
+    spill, cap, avg = echo_planner.gen_intermediate(counts)
     assert int(avg) == 350
     _eq(cap, [0, 150, 50, 0])
     # rank 0: sorted [100, 400] -> cumsum [100, 500] - 350 -> [0, 150] (expert 1 spills);
@@ -54,11 +54,11 @@ def test_spillover_split_over_source_ranks_and_deviation():
 
 def test_one_shot_interval_overlap_two_by_two():
     # chunks [0,100) [100,250) vs buckets [0,80) [80,200)
-    _eq(P.one_shot_greedy_assignment(T([100, 150]), T([80, 120])), [[80, 20], [0, 100]])
+    _eq(echo_planner.one_shot_greedy_assignment(T([100, 150]), T([80, 120])), [[80, 20], [0, 100]])
 
 
 def test_one_shot_seed_eight_experts_four_ranks():
-    a = P.one_shot_greedy_assignment(T([100, 80, 50, 30, 0, 0, 0, 0]), T([120, 60, 0, 0]))
+    a = echo_planner.one_shot_greedy_assignment(T([100, 80, 50, 30, 0, 0, 0, 0]), T([120, 60, 0, 0]))
     expected = torch.zeros(8, 4, dtype=torch.int64)
     expected[0, 0] = 100
     expected[1, 0] = 20
@@ -69,12 +69,12 @@ def test_one_shot_seed_eight_experts_four_ranks():
 def test_assign_spillover_seed_example_k1_k2():
     spill = T([0, 80, 0, 0, 50, 100, 0, 30])
     cap = T([0, 120, 60, 0])
-    h1 = P.assign_spillover(spill, cap, 1)
+    h1 = echo_planner.assign_spillover(spill, cap, 1)
     e1 = torch.zeros(8, 4, dtype=torch.int64)
     e1[5, 1] = 100  # rank 1's slot: expert 5 (top-1 of its column [100 from e5, 20 from e1])
     e1[1, 2] = 60  # rank 2's slot: expert 1
     _eq(h1, e1)
-    h2 = P.assign_spillover(spill, cap, 2)
+    h2 = echo_planner.assign_spillover(spill, cap, 2)
     e2 = torch.zeros(8, 8, dtype=torch.int64)
     e2[5, 2] = 100  # rank 1, slot 0
     e2[1, 3] = 20  # rank 1, slot 1 (second largest of the column)
@@ -93,19 +93,19 @@ def _one_expert_case(amount):
 
 def test_breadth_first_exact_proportions():
     counts, h = _one_expert_case(80)
-    bf = P.breadth_first_allocation(counts, h)
+    bf = echo_planner.breadth_first_allocation(counts, h)
     _eq(bf[:, 1], [24, 40, 16])
     _eq(bf[:, 0], [0, 0, 0])
-    _eq(P.depth_first_allocation(counts, h, bf)[:, 1], [24, 40, 16])
+    _eq(echo_planner.depth_first_allocation(counts, h, bf)[:, 1], [24, 40, 16])
 
 
 def test_breadth_first_rounding_repaired_by_depth_first():
     counts, h = _one_expert_case(83)
-    bf = P.breadth_first_allocation(counts, h)
+    bf = echo_planner.breadth_first_allocation(counts, h)
     _eq(bf[:, 1], [24, 41, 16])  # floor([24.9, 41.5, 16.6])
-    df = P.depth_first_allocation(counts, h, bf)
+    df = echo_planner.depth_first_allocation(counts, h, bf)
     _eq(df[:, 1], [26, 41, 16])  # the 2 leftover tokens come from rank 0 (6 left), rank order
-    _eq(P.gen_allocation(counts, h), df)
+    _eq(echo_planner.gen_allocation(counts, h), df)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -119,11 +119,11 @@ K2_COUNTS = T([[200, 100, 10, 0, 20, 10], [100, 100, 0, 10, 0, 10], [0, 0, 0, 0,
 
 
 def test_k2_greedy_hand_checked():
-    spill, cap, avg = P.gen_intermediate(K2_COUNTS)
+    spill, cap, avg = echo_planner.gen_intermediate(K2_COUNTS)
     assert int(avg) == 186
     _eq(spill, [300, 14, 0, 0, 0, 0])
     _eq(cap, [0, 166, 146])
-    h = P.gen_assignment(K2_COUNTS, 2, "greedy")
+    h = echo_planner.gen_assignment(K2_COUNTS, 2, "greedy")
     e = torch.zeros(6, 6, dtype=torch.int64)
     e[0, 2] = 166  # rank 1 slot 0
     e[0, 4] = 134  # rank 2 slot 0
@@ -132,7 +132,7 @@ def test_k2_greedy_hand_checked():
     before, after = loads_after(K2_COUNTS, h, 2)
     _eq(after, [188, 186, 186])
     # k = 1: rank 2 keeps only expert 0's 134.
-    h1 = P.gen_assignment(K2_COUNTS, 1, "greedy")
+    h1 = echo_planner.gen_assignment(K2_COUNTS, 1, "greedy")
     e1 = torch.zeros(6, 3, dtype=torch.int64)
     e1[0, 1] = 166
     e1[0, 2] = 134
@@ -140,61 +140,61 @@ def test_k2_greedy_hand_checked():
 
 
 def test_k2_allocation_hand_checked():
-    h = P.gen_assignment(K2_COUNTS, 2, "greedy")
-    bf = P.breadth_first_allocation(K2_COUNTS, h)
+    h = echo_planner.gen_assignment(K2_COUNTS, 2, "greedy")
+    bf = echo_planner.breadth_first_allocation(K2_COUNTS, h)
     # slot 2: 166 * [200, 100] / 300 = [110.67, 55.33]; slot 4: 134 * [200, 100] / 300 = [89.33, 44.67];
     # slot 5: 12 * [100, 100] / 200 = [6, 6]
     _eq(bf, [[0, 0, 110, 0, 89, 6], [0, 0, 55, 0, 44, 6], [0] * 6])
     # left of e0: [200 - 199, 100 - 99] = [1, 1]; slot 2's leftover 1 -> rank 0, slot 4's leftover 1 -> rank 1
-    df = P.depth_first_allocation(K2_COUNTS, h, bf)
+    df = echo_planner.depth_first_allocation(K2_COUNTS, h, bf)
     _eq(df, [[0, 0, 111, 0, 89, 6], [0, 0, 55, 0, 45, 6], [0] * 6])
 
 
 def test_k2_best_fit_hand_checked():
     # Excess of rank 0: 314. Step 1: heaviest expert e0 offers min(314, 300) = 300, no slot fits -> the largest
     # capacity (rank 1, 166) takes 166. Step 2: e1 (200 left) offers min(148, 200) = 148 -> rank 2 takes 146.
-    h = P.gen_assignment(K2_COUNTS, 2, "best_fit")
+    h = echo_planner.gen_assignment(K2_COUNTS, 2, "best_fit")
     e = torch.zeros(6, 6, dtype=torch.int64)
     e[0, 2] = 166
     e[1, 4] = 146
     _eq(h, e)
     _eq(loads_after(K2_COUNTS, h, 2)[1], [188, 186, 186])
-    h1 = P.gen_assignment(K2_COUNTS, 1, "best_fit")
+    h1 = echo_planner.gen_assignment(K2_COUNTS, 1, "best_fit")
     _eq(loads_after(K2_COUNTS, h1, 1)[1], [188, 186, 186])  # greedy k=1 leaves rank 0 at 200
-    _eq(loads_after(K2_COUNTS, P.gen_assignment(K2_COUNTS, 1), 1)[1], [188, 186, 186])  # auto picks best fit
+    _eq(loads_after(K2_COUNTS, echo_planner.gen_assignment(K2_COUNTS, 1), 1)[1], [188, 186, 186])  # auto picks best fit
 
 
 def test_best_fit_prefers_smallest_fitting_slot():
     # 4 ranks x 1 expert, k = 1. loads [330, 80, 100, 90] avg 150: excess 180, capacities [0, 70, 50, 60].
     # Pieces: 180 (no fit) -> rank 1 takes 70; 110 (no fit) -> rank 3 takes 60; 50 -> best fit rank 2 (50).
     counts = T([[330, 80, 100, 90], [0] * 4, [0] * 4, [0] * 4])
-    h = P.gen_assignment(counts, 1, "best_fit")
+    h = echo_planner.gen_assignment(counts, 1, "best_fit")
     _eq(h, [[0, 70, 50, 60], [0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]])
     # greedy, the same here: one expert spills
-    _eq(P.gen_assignment(counts, 1, "greedy"), h)
+    _eq(echo_planner.gen_assignment(counts, 1, "greedy"), h)
 
 
 def test_offloading_plan_docstring_example():
     counts = T([[60, 20, 5, 5], [60, 20, 5, 5]])
-    h = P.gen_assignment(counts, 1)
+    h = echo_planner.gen_assignment(counts, 1)
     _eq(h, [[0, 70], [0, 0], [0, 0], [0, 0]])
-    _eq(P.gen_allocation(counts, h), [[0, 35], [0, 35]])
+    _eq(echo_planner.gen_allocation(counts, h), [[0, 35], [0, 35]])
 
 
 def test_argument_errors_name_the_tensor():
     with pytest.raises(ValueError, match="counts"):
-        P.gen_intermediate(torch.zeros(3, 4, dtype=torch.int64))
+        echo_planner.gen_intermediate(torch.zeros(3, 4, dtype=torch.int64))
     with pytest.raises(TypeError, match="counts"):
-        P.gen_intermediate(torch.zeros(2, 4))
+        echo_planner.gen_intermediate(torch.zeros(2, 4))
     with pytest.raises(ValueError, match="num_spare_experts_per_ep_rank"):
-        P.gen_assignment(torch.zeros(2, 4, dtype=torch.int64), 0)
+        echo_planner.gen_assignment(torch.zeros(2, 4, dtype=torch.int64), 0)
     with pytest.raises(ValueError, match="assignment"):
-        P.gen_assignment(torch.zeros(2, 4, dtype=torch.int64), 1, "nope")
+        echo_planner.gen_assignment(torch.zeros(2, 4, dtype=torch.int64), 1, "nope")
     rm = torch.zeros(5, 4, dtype=torch.bool)
     with pytest.raises(ValueError, match="probs"):
-        P.gen_offloading_plan(rm, torch.zeros(5, 3), torch.zeros(2, 4, dtype=torch.int64), 0, 2)
+        echo_planner.gen_offloading_plan(rm, torch.zeros(5, 3), torch.zeros(2, 4, dtype=torch.int64), 0, 2)
     with pytest.raises(ValueError, match="num_ep_ranks"):
-        P.gen_offloading_plan(rm, torch.zeros(5, 4), torch.zeros(2, 4, dtype=torch.int64), 0, 4)
+        echo_planner.gen_offloading_plan(rm, torch.zeros(5, 4), torch.zeros(2, 4, dtype=torch.int64), 0, 4)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -222,11 +222,11 @@ def count_cases(draw):
 def check_plan(counts, k, assignment):
     R, E = counts.shape
     epr, S = E // R, R * k
-    h = P.gen_assignment(counts, k, assignment)
+    h = echo_planner.gen_assignment(counts, k, assignment)
     assert h.shape == (E, S) and h.dtype == torch.int64
     assert (h >= 0).all()
     assert ((h > 0).sum(0) <= 1).all(), "a slot hosts at most one home expert"
-    spill, cap, avg = P.gen_intermediate(counts)
+    spill, cap, avg = echo_planner.gen_intermediate(counts)
     slot_rank = torch.arange(S) // k
     expert_rank = torch.arange(E) // epr
     assert not ((h > 0) & (expert_rank[:, None] == slot_rank[None, :])).any(), "no copy onto the home rank"
@@ -236,7 +236,7 @@ def check_plan(counts, k, assignment):
     assert (after <= torch.maximum(before, avg)).all(), "a rank's load went up past the average"
     assert int(after.sum()) == int(before.sum())
     assert int(after.max()) <= int(before.max())
-    alloc = P.gen_allocation(counts, h)
+    alloc = echo_planner.gen_allocation(counts, h)
     assert (alloc >= 0).all()
     _eq(alloc.sum(0), h.sum(0))  # allocation sums equal the assignment
     home = (h > 0).to(torch.int8).argmax(0)
@@ -250,11 +250,11 @@ def check_plan(counts, k, assignment):
 def test_plan_properties(case):
     counts, k = case
     hs = {}
-    for a in P.ASSIGNMENTS:
+    for a in echo_planner.ASSIGNMENTS:
         hs[a] = check_plan(counts, k, a)
     assert int(hs["auto"][2].max()) <= int(hs["greedy"][2].max()), "auto must never be worse than greedy"
     # determinism
-    _eq(P.gen_assignment(counts, k), hs["auto"][0])
+    _eq(echo_planner.gen_assignment(counts, k), hs["auto"][0])
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -272,14 +272,14 @@ def test_end_to_end_conservation(R, epr, k, T_, density, seed):
     maps = [torch.rand(T_, E, generator=g) < density for _ in range(R)]
     probs = [torch.rand(T_, E, generator=g) for _ in range(R)]
     counts = torch.stack([m.sum(0) for m in maps]).to(torch.int64)
-    h = P.gen_assignment(counts, k)
-    alloc = P.gen_allocation(counts, h)
+    h = echo_planner.gen_assignment(counts, k)
+    alloc = echo_planner.gen_allocation(counts, h)
     S = R * k
     received = torch.zeros(E + S, dtype=torch.int64)
-    omaps = []
+    offload_maps = []
     for r in range(R):
-        nm, npr, om = P.gen_offloading_plan(maps[r], probs[r], counts, r, R, k)
-        omaps.append(om)
+        nm, npr, om = echo_planner.gen_offloading_plan(maps[r], probs[r], counts, r, R, k)
+        offload_maps.append(om)
         _eq(om, h > 0)
         assert nm.shape == (T_, E + S) and npr.shape == (T_, E + S)
         _eq(nm.sum(1), maps[r].sum(1))  # every token keeps its number of routes
@@ -292,8 +292,8 @@ def test_end_to_end_conservation(R, epr, k, T_, density, seed):
         _eq(npr, ref_probs)
         received += nm.sum(0)
     _eq(received[E:], h.sum(0))
-    for om in omaps[1:]:
-        _eq(om, omaps[0])
+    for om in offload_maps[1:]:
+        _eq(om, offload_maps[0])
 
 
 def _native_best_fit_available():
@@ -310,7 +310,7 @@ def _native_best_fit_available():
 @given(count_cases())
 def test_native_best_fit_matches_torch_loop(case):
     counts, k = case
-    _eq(P.best_fit_assignment(counts, k, native=True), P.best_fit_assignment(counts, k, native=False))
+    _eq(echo_planner.best_fit_assignment(counts, k, native=True), echo_planner.best_fit_assignment(counts, k, native=False))
 
 
 def test_native_best_fit_matches_torch_loop_zipf():
@@ -319,7 +319,7 @@ def test_native_best_fit_matches_torch_loop_zipf():
     for seed, (R, E) in enumerate([(8, 64), (16, 128), (64, 256)]):
         counts = zipf_counts(R, E, 256, 8, 1.2, torch.Generator().manual_seed(seed))
         for k in (1, 2):
-            _eq(P.best_fit_assignment(counts, k, native=True), P.best_fit_assignment(counts, k, native=False))
+            _eq(echo_planner.best_fit_assignment(counts, k, native=True), echo_planner.best_fit_assignment(counts, k, native=False))
 
 
 def _native_plan_available():
@@ -336,11 +336,11 @@ def _native_plan_available():
 @given(count_cases())
 def test_native_plan_matches_torch(case):
     counts, k = case
-    for a in P.ASSIGNMENTS:
-        h, alloc = P.gen_plan(counts, k, a, native=True)
-        h_ref = P.gen_assignment(counts, k, a, native=False)
+    for a in echo_planner.ASSIGNMENTS:
+        h, alloc = echo_planner.gen_plan(counts, k, a, native=True)
+        h_ref = echo_planner.gen_assignment(counts, k, a, native=False)
         _eq(h, h_ref)
-        _eq(alloc, P.gen_allocation(counts, h_ref))
+        _eq(alloc, echo_planner.gen_allocation(counts, h_ref))
 
 
 def test_native_plan_matches_torch_zipf_and_seed_cases():
@@ -350,11 +350,11 @@ def test_native_plan_matches_torch_zipf_and_seed_cases():
     for seed, (R, E) in enumerate([(8, 64), (16, 128), (64, 256), (4, 4), (1, 8)]):
         cases += [(zipf_counts(R, E, 256, min(8, E), 1.2, torch.Generator().manual_seed(seed)), k) for k in (1, 2, 3)]
     for counts, k in cases:
-        for a in P.ASSIGNMENTS:
-            h, alloc = P.gen_plan(counts, k, a, native=True)
-            h_ref = P.gen_assignment(counts, k, a, native=False)
+        for a in echo_planner.ASSIGNMENTS:
+            h, alloc = echo_planner.gen_plan(counts, k, a, native=True)
+            h_ref = echo_planner.gen_assignment(counts, k, a, native=False)
             _eq(h, h_ref)
-            _eq(alloc, P.gen_allocation(counts, h_ref))
+            _eq(alloc, echo_planner.gen_allocation(counts, h_ref))
 
 
 def test_reroute_torch_matches_reference_random_plans():
@@ -368,7 +368,7 @@ def test_reroute_torch_matches_reference_random_plans():
             if torch.rand(1, generator=g) < 0.8:
                 hmap[int(torch.randint(0, E, (1,), generator=g)), j] = True
         want = torch.randint(-2, 12, (S,), generator=g)  # includes over-asks and negatives
-        m, p = P.reroute_tokens_torch(rm, pr, want, hmap)
+        m, p = echo_planner.reroute_tokens_torch(rm, pr, want, hmap)
         rmap, rprobs, _ = reroute_tokens_reference(rm, pr, want, hmap)
         _eq(m, rmap)
         _eq(p, rprobs)
@@ -385,7 +385,7 @@ def test_zipf_balance_targets():
         counts = zipf_counts(16, 128, 1024, 8, 1.2, torch.Generator().manual_seed(seed))
         for k in (1, 2):
             for a in ("greedy", "auto"):
-                _, after = loads_after(counts, P.gen_assignment(counts, k, a), k)
+                _, after = loads_after(counts, echo_planner.gen_assignment(counts, k, a), k)
                 res[k][a].append(float(after.max()) / float(after.float().mean()))
     mean = {k: {a: sum(v) / len(v) for a, v in d.items()} for k, d in res.items()}
     assert mean[1]["auto"] <= 1.10, mean
@@ -399,61 +399,61 @@ def test_planner_cuda_matches_cpu_no_sync_and_graph():
     counts = zipf_counts(8, 64, 512, 4, 1.2, torch.Generator().manual_seed(1))
     dev = torch.device("cuda")
     for k in (1, 2):
-        ref = P.gen_assignment(counts, k)
+        ref = echo_planner.gen_assignment(counts, k)
         cc = counts.to(dev)
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            h = P.gen_assignment(cc, k)
-            alloc = P.gen_allocation(cc, h)
+            h = echo_planner.gen_assignment(cc, k)
+            alloc = echo_planner.gen_allocation(cc, h)
         finally:
             torch.cuda.set_sync_debug_mode(0)
         _eq(h.cpu(), ref)
-        _eq(alloc.cpu(), P.gen_allocation(counts, ref))
-        _eq(P.best_fit_assignment(cc, k).cpu(), P.best_fit_assignment(counts, k, native=False))
-        _eq(P.best_fit_assignment(cc, k, native=False).cpu(), P.best_fit_assignment(counts, k, native=False))
-        for a in P.ASSIGNMENTS:  # the one-kernel plan on CUDA vs the torch code on CPU
-            hn, an = P.gen_plan(cc, k, a)
-            h_ref = P.gen_assignment(counts, k, a, native=False)
+        _eq(alloc.cpu(), echo_planner.gen_allocation(counts, ref))
+        _eq(echo_planner.best_fit_assignment(cc, k).cpu(), echo_planner.best_fit_assignment(counts, k, native=False))
+        _eq(echo_planner.best_fit_assignment(cc, k, native=False).cpu(), echo_planner.best_fit_assignment(counts, k, native=False))
+        for a in echo_planner.ASSIGNMENTS:  # the one-kernel plan on CUDA vs the torch code on CPU
+            hn, an = echo_planner.gen_plan(cc, k, a)
+            h_ref = echo_planner.gen_assignment(counts, k, a, native=False)
             _eq(hn.cpu(), h_ref)
-            _eq(an.cpu(), P.gen_allocation(counts, h_ref))
+            _eq(an.cpu(), echo_planner.gen_allocation(counts, h_ref))
         # capture (native and torch paths) and replay on fresh counts
         for native in (None, False):
             static = cc.clone()
             s = torch.cuda.Stream()
             s.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(s):
-                P.gen_plan(static, k, native=native)
+                echo_planner.gen_plan(static, k, native=native)
             torch.cuda.current_stream().wait_stream(s)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                out = P.gen_plan(static, k, native=native)
+                out = echo_planner.gen_plan(static, k, native=native)
             for seed in range(2):
                 fresh = zipf_counts(8, 64, 512, 4, 1.5, torch.Generator().manual_seed(10 + seed))
                 static.copy_(fresh)
                 graph.replay()
-                h_ref = P.gen_assignment(fresh, k, native=False)
+                h_ref = echo_planner.gen_assignment(fresh, k, native=False)
                 _eq(out[0].cpu(), h_ref)
-                _eq(out[1].cpu(), P.gen_allocation(fresh, h_ref))
+                _eq(out[1].cpu(), echo_planner.gen_allocation(fresh, h_ref))
         # donor-constrained plans: the CUDA kernels (plan and best fit) equal the torch code on CPU, capturable
         for w in (1, 2, 4):
-            m = P.donor_mask(8, w)
+            m = echo_planner.donor_mask(8, w)
             md = m.to(dev)
-            for a in P.ASSIGNMENTS:
-                hn, an = P.gen_plan(cc, k, a, donor_mask=md)
-                h_ref = P.gen_assignment(counts, k, a, native=False, donor_mask=m)
+            for a in echo_planner.ASSIGNMENTS:
+                hn, an = echo_planner.gen_plan(cc, k, a, donor_mask=md)
+                h_ref = echo_planner.gen_assignment(counts, k, a, native=False, donor_mask=m)
                 _eq(hn.cpu(), h_ref)
-                _eq(an.cpu(), P.gen_allocation(counts, h_ref))
-            _eq(P.best_fit_assignment(cc, k, donor_mask=md).cpu(),
-                P.best_fit_assignment(counts, k, native=False, donor_mask=m))
+                _eq(an.cpu(), echo_planner.gen_allocation(counts, h_ref))
+            _eq(echo_planner.best_fit_assignment(cc, k, donor_mask=md).cpu(),
+                echo_planner.best_fit_assignment(counts, k, native=False, donor_mask=m))
             static = cc.clone()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                out = P.gen_plan(static, k, donor_mask=md)
+                out = echo_planner.gen_plan(static, k, donor_mask=md)
             fresh = zipf_counts(8, 64, 512, 4, 1.5, torch.Generator().manual_seed(30 + w))
             static.copy_(fresh)
             graph.replay()
-            h_ref = P.gen_assignment(fresh, k, native=False, donor_mask=m)
+            h_ref = echo_planner.gen_assignment(fresh, k, native=False, donor_mask=m)
             _eq(out[0].cpu(), h_ref)
 
 
@@ -463,10 +463,10 @@ def test_planner_cuda_matches_cpu_no_sync_and_graph():
 
 
 def test_donor_patterns():
-    assert P.donor_ranks(8, 2)[7] == [0, 1]
-    assert P.donor_ranks(8, 2, "node", 4)[7] == [4, 5]
-    assert P.donor_ranks(8, 8) is None and P.donor_ranks(8, None) is None and P.donor_mask(4, 4) is None
-    m = P.donor_mask(8, 3)
+    assert echo_planner.donor_ranks(8, 2)[7] == [0, 1]
+    assert echo_planner.donor_ranks(8, 2, "node", 4)[7] == [4, 5]
+    assert echo_planner.donor_ranks(8, 8) is None and echo_planner.donor_ranks(8, None) is None and echo_planner.donor_mask(4, 4) is None
+    m = echo_planner.donor_mask(8, 3)
     assert m.dtype == torch.bool and m.shape == (8, 8)
     _eq(m.sum(1), [3] * 8)
     _eq(m.sum(0), [3] * 8)  # every offset is a permutation: each rank donates to exactly w ranks
@@ -474,11 +474,11 @@ def test_donor_patterns():
     for bad in (dict(w=0), dict(w=-1), dict(w=1.5), dict(w=2, pattern="nope"), dict(w=4, pattern="node", node_size=4),
                 dict(w=1, pattern="node"), dict(w=1, pattern="node", node_size=3)):
         with pytest.raises(ValueError, match="w|pattern|node_size"):
-            P.donor_ranks(8, **bad)
+            echo_planner.donor_ranks(8, **bad)
     with pytest.raises(ValueError, match="num_ep_ranks"):
-        P.donor_ranks(0, 1)
+        echo_planner.donor_ranks(0, 1)
     with pytest.raises(ValueError, match="donor_mask"):
-        P.gen_plan(torch.zeros(4, 8, dtype=torch.int64), 1, donor_mask=torch.ones(3, 3, dtype=torch.bool))
+        echo_planner.gen_plan(torch.zeros(4, 8, dtype=torch.int64), 1, donor_mask=torch.ones(3, 3, dtype=torch.bool))
 
 
 def _check_constraint(h, mask, R, E, k):
@@ -494,7 +494,7 @@ def donor_cases(draw):
     R = counts.shape[0]
     w = draw(st.integers(1, R))
     pattern = draw(st.sampled_from(["ring", "node"])) if R % 2 == 0 and w < 2 and R > 2 else "ring"
-    return counts, k, P.donor_mask(R, w, pattern, 2 if pattern == "node" else None)
+    return counts, k, echo_planner.donor_mask(R, w, pattern, 2 if pattern == "node" else None)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -502,8 +502,8 @@ def donor_cases(draw):
 def test_donor_constrained_plans(case):
     counts, k, mask = case
     R, E = counts.shape
-    for a in P.ASSIGNMENTS:
-        h_t = P.gen_assignment(counts, k, a, native=False, donor_mask=mask)
+    for a in echo_planner.ASSIGNMENTS:
+        h_t = echo_planner.gen_assignment(counts, k, a, native=False, donor_mask=mask)
         if mask is not None:
             _check_constraint(h_t, mask, R, E, k)
         assert ((h_t > 0).sum(0) <= 1).all()
@@ -512,15 +512,15 @@ def test_donor_constrained_plans(case):
         before, after = loads_after(counts, h_t, k)
         assert after.max() <= before.max(), "the plan loads some rank more than no plan does"
         assert (h_t.sum(1) <= counts.sum(0)).all()
-        alloc = P.gen_allocation(counts, h_t)
+        alloc = echo_planner.gen_allocation(counts, h_t)
         _eq(alloc.sum(0), h_t.sum(0))
         if _native_plan_available():  # native echo_plan and echo_best_fit honour the same constraint identically
-            h_n, alloc_n = P.gen_plan(counts, k, a, native=True, donor_mask=mask)
+            h_n, alloc_n = echo_planner.gen_plan(counts, k, a, native=True, donor_mask=mask)
             _eq(h_n, h_t)
             _eq(alloc_n, alloc)
     if _native_best_fit_available():
-        _eq(P.best_fit_assignment(counts, k, native=True, donor_mask=mask),
-            P.best_fit_assignment(counts, k, native=False, donor_mask=mask))
+        _eq(echo_planner.best_fit_assignment(counts, k, native=True, donor_mask=mask),
+            echo_planner.best_fit_assignment(counts, k, native=False, donor_mask=mask))
 
 
 @pytest.mark.parametrize("skew", [1.0, 1.2])
@@ -530,8 +530,8 @@ def test_donor_plan_within_5pct_of_water_filling(skew):
     for seed in range(3):
         counts = zipf_counts(64, 256, 4096, 8, skew, torch.Generator().manual_seed(seed))
         for w in (4, 8, 16, 32):
-            mask = P.donor_mask(64, w)
-            h, alloc = P.gen_plan(counts, 2, donor_mask=mask)
+            mask = echo_planner.donor_mask(64, w)
+            h, alloc = echo_planner.gen_plan(counts, 2, donor_mask=mask)
             _check_constraint(h, mask, 64, 256, 2)
             _eq(alloc.sum(0), h.sum(0))
             got = int(loads_after(counts, h, 2)[1].max())
@@ -547,9 +547,9 @@ def test_water_filling_reference_hand_checked():
     counts = T([[100, 0, 20, 0, 20, 0], [0] * 6, [0] * 6])
     mask = T([[False, False, False], [True, False, False], [False, True, False]])
     assert water_filling_max_load(counts, 1, mask, quanta=1000) == 60
-    h, _ = P.gen_plan(counts, 1, donor_mask=mask)
+    h, _ = echo_planner.gen_plan(counts, 1, donor_mask=mask)
     _eq(loads_after(counts, h, 1)[1], [50, 50, 40])
-    _eq(h, P.gen_assignment(counts, 1, native=False, donor_mask=mask))
+    _eq(h, echo_planner.gen_assignment(counts, 1, native=False, donor_mask=mask))
     # unconstrained, the reference spreads rank 0's expert over both others: 140 / 3 rounded up by the shares
     assert water_filling_max_load(counts, 1, None, quanta=1000) == 47
 
@@ -561,12 +561,12 @@ def test_native_donor_plans_match_torch_at_scale():
     for R, L, k, w in [(6, 7, 4, 2), (12, 3, 3, 5), (40, 1, 2, 4), (256, 1, 1, 8)]:
         counts = zipf_counts(R, R * L, 64, min(8, R * L), 1.2, g)
         counts[:, torch.arange(R * L) % 5 == 0] = 0
-        mask = P.donor_mask(R, w)
-        h_n, a_n = P.gen_plan(counts, k, "best_fit", native=True, donor_mask=mask)
-        h_t = P.gen_assignment(counts, k, "best_fit", native=False, donor_mask=mask)
+        mask = echo_planner.donor_mask(R, w)
+        h_n, a_n = echo_planner.gen_plan(counts, k, "best_fit", native=True, donor_mask=mask)
+        h_t = echo_planner.gen_assignment(counts, k, "best_fit", native=False, donor_mask=mask)
         _eq(h_n, h_t)
-        _eq(a_n, P.gen_allocation(counts, h_t))
-        _eq(P.best_fit_assignment(counts, k, native=True, donor_mask=mask), h_t)
+        _eq(a_n, echo_planner.gen_allocation(counts, h_t))
+        _eq(echo_planner.best_fit_assignment(counts, k, native=True, donor_mask=mask), h_t)
 
 
 def test_donor_w_equal_R_reproduces_unconstrained_plans_bit_for_bit():
@@ -575,11 +575,11 @@ def test_donor_w_equal_R_reproduces_unconstrained_plans_bit_for_bit():
         full = torch.ones(R, R, dtype=torch.bool)  # every rank a donor: the constraint code runs, allows all
         others = ~torch.eye(R, dtype=torch.bool)  # w = R - 1: every other rank
         for k in (1, 2):
-            for a in P.ASSIGNMENTS:
-                ref = P.gen_plan(counts, k, a, native=False)  # today's unconstrained plan
-                for m in (P.donor_mask(R, R), full, others):
+            for a in echo_planner.ASSIGNMENTS:
+                ref = echo_planner.gen_plan(counts, k, a, native=False)  # today's unconstrained plan
+                for m in (echo_planner.donor_mask(R, R), full, others):
                     for native in ([False, True] if _native_plan_available() else [False]):
-                        h, al = P.gen_plan(counts, k, a, native=native, donor_mask=m)
+                        h, al = echo_planner.gen_plan(counts, k, a, native=native, donor_mask=m)
                         _eq(h, ref[0])
                         _eq(al, ref[1])
 
@@ -589,7 +589,7 @@ def test_donor_constraint_costs_balance_monotonically_enough():
     counts = zipf_counts(16, 128, 512, 8, 1.2, torch.Generator().manual_seed(3))
     vals = []
     for w in (1, 8, 16):
-        h, _ = P.gen_plan(counts, 2, donor_mask=P.donor_mask(16, w))
+        h, _ = echo_planner.gen_plan(counts, 2, donor_mask=echo_planner.donor_mask(16, w))
         vals.append(int(loads_after(counts, h, 2)[1].max()))
     assert vals[0] > vals[2] and vals[1] >= vals[2]
 
@@ -597,13 +597,13 @@ def test_donor_constraint_costs_balance_monotonically_enough():
 def test_reuse_plan_keeps_placement_and_never_overasks():
     g = torch.Generator().manual_seed(0)
     c0 = zipf_counts(8, 32, 256, 4, 1.2, g)
-    h0, a0 = P.gen_plan(c0, 2)
-    h, a = P.reuse_plan(c0, h0, c0.sum(0))
+    h0, a0 = echo_planner.gen_plan(c0, 2)
+    h, a = echo_planner.reuse_plan(c0, h0, c0.sum(0))
     _eq(h, h0)
     _eq(a, a0)
     for _ in range(5):
         c = zipf_counts(8, 32, 256, 4, 1.2, g)
-        h, a = P.reuse_plan(c, h0, c0.sum(0))
+        h, a = echo_planner.reuse_plan(c, h0, c0.sum(0))
         assert not ((h > 0) & (h0 == 0)).any(), "reuse_plan moved an expert to another slot"
         assert (h.sum(1) <= c.sum(0)).all()
         _eq(a.sum(0), h.sum(0))
@@ -615,9 +615,9 @@ def test_reuse_plan_keeps_placement_and_never_overasks():
 def test_count_limit_and_zero_experts():
     big = torch.full((2, 4), 2**40, dtype=torch.int64)  # used to overflow to negative allocations
     with pytest.raises(ValueError, match="MAX_TOTAL_TOKENS"):
-        P.gen_plan(big, 1)
+        echo_planner.gen_plan(big, 1)
     with pytest.raises(ValueError, match="MAX_TOTAL_TOKENS"):
-        P.gen_assignment(big, 1, native=False)
+        echo_planner.gen_assignment(big, 1, native=False)
     if _native_plan_available():
         from moe_graph.ops.reroute import echo_best_fit, echo_plan
 
@@ -625,20 +625,20 @@ def test_count_limit_and_zero_experts():
             echo_plan(big, 1)
         with pytest.raises(ValueError, match="MAX_TOTAL_TOKENS"):
             echo_best_fit(big, 1)
-    ok = torch.full((2, 4), P.MAX_TOTAL_TOKENS // 8, dtype=torch.int64)
+    ok = torch.full((2, 4), echo_planner.MAX_TOTAL_TOKENS // 8, dtype=torch.int64)
     ok[0] *= 2
     ok[1] = 0
-    h, a = P.gen_plan(ok, 1)
+    h, a = echo_planner.gen_plan(ok, 1)
     assert (h >= 0).all() and (a >= 0).all()
     # E = 0: an empty plan on both paths, and the torch reroute gives [T, S] empty routes
     z = torch.zeros(2, 0, dtype=torch.int64)
-    h_t, a_t = P.gen_plan(z, 1, native=False)
+    h_t, a_t = echo_planner.gen_plan(z, 1, native=False)
     assert h_t.shape == (0, 2) and a_t.shape == (2, 2) and not a_t.any()
     if _native_plan_available():
-        h_n, a_n = P.gen_plan(z, 1, native=True)
+        h_n, a_n = echo_planner.gen_plan(z, 1, native=True)
         _eq(h_n, h_t)
         _eq(a_n, a_t)
-    m, p = P.reroute_tokens_torch(torch.zeros(4, 0, dtype=torch.bool), torch.zeros(4, 0), torch.zeros(2, dtype=torch.int64),
+    m, p = echo_planner.reroute_tokens_torch(torch.zeros(4, 0, dtype=torch.bool), torch.zeros(4, 0), torch.zeros(2, dtype=torch.int64),
                                   torch.zeros(0, 2, dtype=torch.bool))
     assert m.shape == (4, 2) and not m.any() and p.shape == (4, 2)
 

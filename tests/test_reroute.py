@@ -4,13 +4,13 @@ device error flag, opcheck and autograd; CUDA kernel vs CPU, CUDA-graph capture/
 import pytest
 import torch
 
-from moe_graph.moe import echo_planner as P
+from moe_graph.moe import echo_planner
 from moe_graph.testing.echo_reference import reroute_tokens_reference
 
 try:
-    from moe_graph.ops import reroute as R
+    from moe_graph.ops import reroute as reroute_ops
 
-    HAVE_OP = R.native_available()
+    HAVE_OP = reroute_ops.native_available()
 except ImportError:  # extension not built
     HAVE_OP = False
 
@@ -52,7 +52,7 @@ def random_case(g, T, E, S, density=0.3, dtype=torch.float32, over=False, multi_
 
 def check_against_reference(rm, probs, want, hmap, device="cpu"):
     read_flag(device)
-    m, p = R.reroute_tokens(rm.to(device), probs.to(device), want.to(device), hmap.to(device))
+    m, p = reroute_ops.reroute_tokens(rm.to(device), probs.to(device), want.to(device), hmap.to(device))
     flag = read_flag(device)
     rmap, rprobs, over = reroute_tokens_reference(rm, probs, want, hmap)
     assert m.dtype == torch.bool and p.dtype == probs.dtype
@@ -75,8 +75,8 @@ def test_cpu_matches_torch_implementation():
     g = torch.Generator().manual_seed(2)
     for _ in range(10):
         rm, probs, want, hmap = random_case(g, 2500, 12, 7, 0.4, over=True)
-        m, p = R.reroute_tokens(rm, probs, want, hmap)
-        tm, tp = P.reroute_tokens_torch(rm, probs, want, hmap)
+        m, p = reroute_ops.reroute_tokens(rm, probs, want, hmap)
+        tm, tp = echo_planner.reroute_tokens_torch(rm, probs, want, hmap)
         assert torch.equal(m, tm) and torch.equal(bits(p), bits(tp))
 
 
@@ -89,7 +89,7 @@ def test_order_lowest_tokens_first_in_slot_order():
     hmap = torch.tensor([[True, False, True], [False, True, False]])
     want = torch.tensor([2, 1, 2])
     read_flag("cpu")
-    m, p = R.reroute_tokens(rm, probs, want, hmap)
+    m, p = reroute_ops.reroute_tokens(rm, probs, want, hmap)
     assert m[:, 2].nonzero().flatten().tolist() == [1, 2]  # slot 0 (column E + 0)
     assert m[:, 4].nonzero().flatten().tolist() == [4, 5]  # slot 2
     assert m[:, 3].nonzero().flatten().tolist() == [0]  # slot 1 takes expert 1's first token
@@ -105,19 +105,19 @@ def test_edge_cases():
     check_against_reference(*random_case(g, 0, 4, 2))
     # no slots
     rm = torch.rand(10, 4, generator=g) < 0.5
-    m, p = R.reroute_tokens(rm, torch.rand(10, 4), torch.zeros(0, dtype=torch.int64), torch.zeros(4, 0, dtype=torch.bool))
+    m, p = reroute_ops.reroute_tokens(rm, torch.rand(10, 4), torch.zeros(0, dtype=torch.int64), torch.zeros(4, 0, dtype=torch.bool))
     assert torch.equal(m, rm) and m.shape == (10, 4)
     # int32 requests, non-contiguous inputs
     rm, probs, want, hmap = random_case(g, 50, 6, 4)
     big = torch.rand(50, 12, generator=g)
     big[:, ::2] = probs
-    m, p = R.reroute_tokens(rm, big[:, ::2], want.to(torch.int32), hmap)
+    m, p = reroute_ops.reroute_tokens(rm, big[:, ::2], want.to(torch.int32), hmap)
     rmap, rprobs, _ = reroute_tokens_reference(rm, probs, want, hmap)
     assert torch.equal(m, rmap) and torch.equal(p, rprobs)
     # special probability bits survive the move: -0.0, inf, NaN
     rm = torch.ones(3, 1, dtype=torch.bool)
     probs = torch.tensor([[-0.0], [float("inf")], [float("nan")]])
-    m, p = R.reroute_tokens(rm, probs, torch.tensor([3]), torch.tensor([[True]]))
+    m, p = reroute_ops.reroute_tokens(rm, probs, torch.tensor([3]), torch.tensor([[True]]))
     assert torch.equal(bits(p[:, 1]), bits(probs[:, 0]))
     assert torch.equal(bits(p[:, 0]), torch.zeros(3, dtype=torch.int32))
 
@@ -129,24 +129,24 @@ def test_error_flag_over_ask_and_invalid_plans():
     probs = torch.rand(6, 2)
     hmap = torch.tensor([[True, True], [False, False]])
     # asks 2 + 3 = 5 of expert 0's 3 tokens: slot 0 gets 2, slot 1 the last 1
-    m, _ = R.reroute_tokens(rm, probs, torch.tensor([2, 3]), hmap)
+    m, _ = reroute_ops.reroute_tokens(rm, probs, torch.tensor([2, 3]), hmap)
     assert read_flag("cpu") == ERR_OVER_ASK
     assert m[:, 2].nonzero().flatten().tolist() == [0, 3] and m[:, 3].nonzero().flatten().tolist() == [4]
     assert int(m.sum()) == 3
     # a slot without a home asked for tokens
-    R.reroute_tokens(rm, probs, torch.tensor([0, 1]), torch.tensor([[True, False], [False, False]]))
+    reroute_ops.reroute_tokens(rm, probs, torch.tensor([0, 1]), torch.tensor([[True, False], [False, False]]))
     assert read_flag("cpu") == ERR_OVER_ASK
     # negative request
-    m, _ = R.reroute_tokens(rm, probs, torch.tensor([-1, 1]), hmap)
+    m, _ = reroute_ops.reroute_tokens(rm, probs, torch.tensor([-1, 1]), hmap)
     assert read_flag("cpu") == ERR_PLAN_INVALID
     assert m[:, 3].nonzero().flatten().tolist() == [0]
     # a slot listed for two experts: the first one is used, plan flagged invalid
     rm[1, 1] = True
-    m, _ = R.reroute_tokens(rm, probs, torch.tensor([1, 0]), torch.tensor([[True, False], [True, False]]))
+    m, _ = reroute_ops.reroute_tokens(rm, probs, torch.tensor([1, 0]), torch.tensor([[True, False], [True, False]]))
     assert read_flag("cpu") == ERR_PLAN_INVALID
     assert m[0, 2] and not m[1, 2]
     # exact asks: no flag
-    R.reroute_tokens(rm, probs, torch.tensor([1, 2]), hmap)
+    reroute_ops.reroute_tokens(rm, probs, torch.tensor([1, 2]), hmap)
     assert read_flag("cpu") == 0
 
 
@@ -156,19 +156,19 @@ def test_argument_errors_name_the_tensor():
     tts = torch.zeros(2, dtype=torch.int64)
     hmap = torch.zeros(3, 2, dtype=torch.bool)
     with pytest.raises(RuntimeError, match="routing_map"):
-        R.reroute_tokens(rm.float(), probs, tts, hmap)
+        reroute_ops.reroute_tokens(rm.float(), probs, tts, hmap)
     with pytest.raises(RuntimeError, match="probs"):
-        R.reroute_tokens(rm, probs[:, :2], tts, hmap)
+        reroute_ops.reroute_tokens(rm, probs[:, :2], tts, hmap)
     with pytest.raises(RuntimeError, match="probs"):
-        R.reroute_tokens(rm, probs.to(torch.int32), tts, hmap)
+        reroute_ops.reroute_tokens(rm, probs.to(torch.int32), tts, hmap)
     with pytest.raises(RuntimeError, match="tokens_to_spare"):
-        R.reroute_tokens(rm, probs, tts[:1], hmap)
+        reroute_ops.reroute_tokens(rm, probs, tts[:1], hmap)
     with pytest.raises(RuntimeError, match="tokens_to_spare"):
-        R.reroute_tokens(rm, probs, tts.float(), hmap)
-    with pytest.raises(RuntimeError, match="home_to_spare_map"):
-        R.reroute_tokens(rm, probs, tts, hmap[:2])
-    with pytest.raises(RuntimeError, match="home_to_spare_map"):
-        R.reroute_tokens(rm, probs, tts, hmap.int())
+        reroute_ops.reroute_tokens(rm, probs, tts.float(), hmap)
+    with pytest.raises(RuntimeError, match="offload_map"):
+        reroute_ops.reroute_tokens(rm, probs, tts, hmap[:2])
+    with pytest.raises(RuntimeError, match="offload_map"):
+        reroute_ops.reroute_tokens(rm, probs, tts, hmap.int())
 
 
 def test_opcheck():
@@ -188,7 +188,7 @@ def test_opcheck():
 def test_opcheck_plan_ops():
     from moe_graph.testing.echo_reference import zipf_counts
 
-    if not (R.plan_available() and R.best_fit_available()):
+    if not (reroute_ops.plan_available() and reroute_ops.best_fit_available()):
         pytest.skip("echo_plan / echo_best_fit not built")
     counts = zipf_counts(4, 8, 64, 2, 1.2, torch.Generator().manual_seed(9))
     for k in (1, 2):
@@ -214,7 +214,7 @@ def test_compile_aot_eager_with_grad():
     w = torch.randn(30, 7, generator=g)
 
     def f(p):
-        m, q = R.reroute_tokens(rm, p, want, hmap)
+        m, q = reroute_ops.reroute_tokens(rm, p, want, hmap)
         return (q * w).sum() + m.sum()
 
     p1 = probs.clone().requires_grad_()
@@ -228,10 +228,10 @@ def test_autograd_through_probs():
     g = torch.Generator().manual_seed(5)
     rm, probs, want, hmap = random_case(g, 40, 5, 3, 0.5, torch.float64)
     probs.requires_grad_()
-    torch.autograd.gradcheck(lambda p: R.reroute_tokens(rm, p, want, hmap)[1], (probs,))
+    torch.autograd.gradcheck(lambda p: reroute_ops.reroute_tokens(rm, p, want, hmap)[1], (probs,))
     # gradient of a weighted sum lands where each probability came from
     w = torch.randn(40, 8, dtype=torch.float64, generator=g)
-    _, p = R.reroute_tokens(rm, probs, want, hmap)
+    _, p = reroute_ops.reroute_tokens(rm, probs, want, hmap)
     (p * w).sum().backward()
     m_ref, _, _ = reroute_tokens_reference(rm, probs.detach(), want, hmap)
     home = hmap.to(torch.int8).argmax(0)
@@ -266,9 +266,9 @@ def test_cuda_matches_cpu(dtype):
             if T * E <= 200000:  # the Python reference is slow on big cases; those compare CUDA with CPU only
                 check_against_reference(*case, device="cuda")
             rm, probs, want, hmap = case
-            mc, pc = R.reroute_tokens(rm, probs, want, hmap)
+            mc, pc = reroute_ops.reroute_tokens(rm, probs, want, hmap)
             cpu_flag = read_flag("cpu")
-            md, pd = R.reroute_tokens(rm.cuda(), probs.cuda(), want.cuda(), hmap.cuda())
+            md, pd = reroute_ops.reroute_tokens(rm.cuda(), probs.cuda(), want.cuda(), hmap.cuda())
             assert read_flag("cuda") == cpu_flag
             assert torch.equal(md.cpu(), mc) and torch.equal(bits(pd.cpu()), bits(pc))
 
@@ -293,23 +293,23 @@ def test_cuda_graph_capture_replay_and_no_sync():
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         for _ in range(2):
-            P.gen_offloading_plan(static[0], static[1], static[2], 0, R_, k)
+            echo_planner.gen_offloading_plan(static[0], static[1], static[2], 0, R_, k)
     torch.cuda.current_stream().wait_stream(s)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        eager = P.gen_offloading_plan(static[0], static[1], static[2], 0, R_, k)
+        eager = echo_planner.gen_offloading_plan(static[0], static[1], static[2], 0, R_, k)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = P.gen_offloading_plan(static[0], static[1], static[2], 0, R_, k)
+        out = echo_planner.gen_offloading_plan(static[0], static[1], static[2], 0, R_, k)
     for _ in range(3):
         fresh = make_inputs()
         for dst, src in zip(static, fresh):
             dst.copy_(src)
         graph.replay()
-        ref = P.gen_offloading_plan(fresh[0], fresh[1], fresh[2], 0, R_, k)  # CPU eager
+        ref = echo_planner.gen_offloading_plan(fresh[0], fresh[1], fresh[2], 0, R_, k)  # CPU eager
         for a, b in zip(out, ref):
             assert torch.equal(a.cpu(), b)
     assert read_flag("cuda") == 0

@@ -60,7 +60,8 @@ def test_cli_prints_one_line_per_configuration_and_writes_only_with_out(tmp_path
 
 # ------------------------------------------------------------------------------------------------ aux scale --
 def _router_grad(scale, aux=0.05, z=0.01):
-    from moe_graph.moe.layer import MoEAuxLossAutoScaler, MoELayer
+    from moe_graph.moe.layer import MoELayer
+    from moe_graph.moe.router import MoEAuxLossAutoScaler
 
     torch.manual_seed(0)
     layer = MoELayer(8, 8, 4, 2, aux_loss_coeff=aux, z_loss_coeff=z, device="cpu", params_dtype=torch.float64)
@@ -77,7 +78,7 @@ def _router_grad(scale, aux=0.05, z=0.01):
 def test_aux_loss_gradient_scale_is_set_per_step():
     # Megatron's MoEAuxLossAutoScaler: the router losses' gradient is multiplied by the scale set for the step
     # (loss_scale / num_microbatches), a device tensor (a captured graph reads the current value).
-    from moe_graph.moe.layer import MoEAuxLossAutoScaler
+    from moe_graph.moe.router import MoEAuxLossAutoScaler
 
     plain = _router_grad(None, aux=0.0, z=0.0)  # the main loss alone
     one = _router_grad(None)
@@ -93,7 +94,7 @@ def test_aux_loss_gradient_scale_is_set_per_step():
 
 
 def test_schedules_set_the_aux_scale_and_reset_it():
-    from moe_graph.moe.layer import MoEAuxLossAutoScaler
+    from moe_graph.moe.router import MoEAuxLossAutoScaler
     from moe_graph.train import schedules
 
     seen = []
@@ -162,7 +163,7 @@ def _defaults_worker(rank, world):
     try:
         layer = MoELayer(8, 8, 4, 2, device="cpu")
         ddp = DistributedDataParallel(layer)
-        out["ps_R"] = layer.R
+        out["ps_R"] = layer.num_ep_ranks
         out["ps_expert_dp"] = ddp.expert_data_parallel_world_size
         out["ps_dp"] = ddp.data_parallel_world_size
     finally:

@@ -1,10 +1,10 @@
 // Token rerouting for echo experts (torch-free). Semantics, shared by the CPU and CUDA implementations:
 //
 //   inputs   routing_map [T, E] bool, probs [T, E] (2-, 4- or 8-byte floats, copied bit for bit),
-//            tokens_to_spare [S] int64 (this rank's row of the allocation), home_to_spare [E, S] bool
+//            tokens_to_spare [S] int64 (this rank's row of the allocation), offload_map [E, S] bool
 //   outputs  out_map [T, E+S] bool, out_probs [T, E+S]
 //
-// Slot j hosts home expert home(j) = the first e with home_to_spare[e, j] (a second one sets kErrPlanInvalid;
+// Slot j hosts home expert home(j) = the first e with offload_map[e, j] (a second one sets kErrPlanInvalid;
 // none: the slot takes nothing). For each home expert e, its slots in ascending j take e's routed tokens in
 // ascending token order: the first tokens_to_spare[j1] go to j1, the next tokens_to_spare[j2] to j2, ... A moved
 // route leaves column e (map false, prob +0) for column E + j (map true, prob = the original bits); every other
@@ -29,7 +29,7 @@ struct RerouteProblem {
   const void* probs = nullptr;             // [T, E]
   int prob_bytes = 4;                      // 2, 4 or 8
   const int64_t* tokens_to_spare = nullptr;  // [S]
-  const bool* home_to_spare = nullptr;     // [E, S]
+  const bool* offload_map = nullptr;       // [E, S]
   bool* out_map = nullptr;                 // [T, E+S]
   void* out_probs = nullptr;               // [T, E+S]
   int32_t* error_flag = nullptr;           // host flag (CPU) or device flag (CUDA)

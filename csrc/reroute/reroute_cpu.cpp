@@ -99,7 +99,7 @@ void reroute_tokens_host(const RerouteProblem& p, const ParallelFor& parallel_fo
   std::vector<int64_t> home(S, -1), want(S, 0);
   for (int64_t j = 0; j < S; ++j) {
     for (int64_t e = 0; e < E; ++e) {
-      if (p.home_to_spare[e * S + j]) {
+      if (p.offload_map[e * S + j]) {
         if (home[j] < 0)
           home[j] = e;
         else

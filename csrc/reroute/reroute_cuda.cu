@@ -62,7 +62,7 @@ __global__ void count_kernel(const bool* __restrict__ map, int64_t T, int64_t E,
   }
 }
 
-__global__ void slots_kernel(const bool* __restrict__ home_to_spare, const int64_t* __restrict__ tokens_to_spare,
+__global__ void slots_kernel(const bool* __restrict__ offload_map, const int64_t* __restrict__ tokens_to_spare,
                              int64_t T, int64_t E, int64_t S, int32_t* __restrict__ slot_home,
                              int32_t* __restrict__ slot_want, int32_t* error_flag) {
   const int64_t j = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
@@ -70,7 +70,7 @@ __global__ void slots_kernel(const bool* __restrict__ home_to_spare, const int64
   int32_t home = -1;
   int32_t err = 0;
   for (int64_t e = 0; e < E; ++e) {
-    if (home_to_spare[e * S + j]) {
+    if (offload_map[e * S + j]) {
       if (home < 0)
         home = static_cast<int32_t>(e);
       else
@@ -227,7 +227,7 @@ cudaError_t reroute_tokens_cuda_launch(const RerouteProblem& p, int32_t* workspa
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;  // blame each launch on its own
   if (S > 0)
     slots_kernel<<<static_cast<unsigned>((S + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
-        p.home_to_spare, p.tokens_to_spare, T, E, S, ws.slot_home, ws.slot_want, p.error_flag);
+        p.offload_map, p.tokens_to_spare, T, E, S, ws.slot_home, ws.slot_want, p.error_flag);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   if (E > 0)
     experts_kernel<<<static_cast<unsigned>((E + kWarpsPerBlockB2 - 1) / kWarpsPerBlockB2), 32 * kWarpsPerBlockB2, 0,

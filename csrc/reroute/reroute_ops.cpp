@@ -22,37 +22,37 @@ namespace {
 constexpr const char* kOp = "reroute_tokens";
 
 struct Prepared {
-  at::Tensor routing_map, probs, tokens_to_spare, home_to_spare_map;
+  at::Tensor routing_map, probs, tokens_to_spare, offload_map;
   int64_t T, E, S;
 };
 
 Prepared check_and_prepare(const at::Tensor& routing_map, const at::Tensor& probs, const at::Tensor& tokens_to_spare,
-                           const at::Tensor& home_to_spare_map) {
+                           const at::Tensor& offload_map) {
   check_defined(routing_map, kOp, "routing_map");
   check_defined(probs, kOp, "probs");
   check_defined(tokens_to_spare, kOp, "tokens_to_spare");
-  check_defined(home_to_spare_map, kOp, "home_to_spare_map");
+  check_defined(offload_map, kOp, "offload_map");
   check_dim(routing_map, 2, kOp, "routing_map", "[T, E]");
   check_dtype(routing_map, {at::kBool}, kOp, "routing_map");
   check_dim(probs, 2, kOp, "probs", "[T, E]");
   check_shape(probs, routing_map.sizes(), kOp, "probs");
   check_dtype(probs, {at::kFloat, at::kBFloat16, at::kHalf, at::kDouble}, kOp, "probs");
-  check_dim(home_to_spare_map, 2, kOp, "home_to_spare_map", "[E, S]");
-  check_dtype(home_to_spare_map, {at::kBool}, kOp, "home_to_spare_map");
-  const int64_t T = routing_map.size(0), E = routing_map.size(1), S = home_to_spare_map.size(1);
-  TORCH_CHECK(home_to_spare_map.size(0) == E, kOp, ": home_to_spare_map must have shape [E, S] with E = ", E,
-              " (the columns of routing_map), got shape ", shape_str(home_to_spare_map));
+  check_dim(offload_map, 2, kOp, "offload_map", "[E, S]");
+  check_dtype(offload_map, {at::kBool}, kOp, "offload_map");
+  const int64_t T = routing_map.size(0), E = routing_map.size(1), S = offload_map.size(1);
+  TORCH_CHECK(offload_map.size(0) == E, kOp, ": offload_map must have shape [E, S] with E = ", E,
+              " (the columns of routing_map), got shape ", shape_str(offload_map));
   check_dim(tokens_to_spare, 1, kOp, "tokens_to_spare", "[S]");
   check_dtype(tokens_to_spare, {at::kLong, at::kInt}, kOp, "tokens_to_spare");
   TORCH_CHECK(tokens_to_spare.size(0) == S, kOp, ": tokens_to_spare must have shape [S] with S = ", S,
-              " (the columns of home_to_spare_map), got shape ", shape_str(tokens_to_spare));
+              " (the columns of offload_map), got shape ", shape_str(tokens_to_spare));
   const auto dev = routing_map.device();
   check_device(probs, dev, kOp, "probs");
   check_device(tokens_to_spare, dev, kOp, "tokens_to_spare");
-  check_device(home_to_spare_map, dev, kOp, "home_to_spare_map");
+  check_device(offload_map, dev, kOp, "offload_map");
   TORCH_CHECK(T < std::numeric_limits<int32_t>::max(), kOp, ": routing_map has too many tokens (", T, ")");
   return Prepared{routing_map.contiguous(), probs.contiguous(), tokens_to_spare.to(at::kLong).contiguous(),
-                  home_to_spare_map.contiguous(), T, E, S};
+                  offload_map.contiguous(), T, E, S};
 }
 
 reroute::RerouteProblem make_problem(const Prepared& in, at::Tensor& out_map, at::Tensor& out_probs) {
@@ -64,7 +64,7 @@ reroute::RerouteProblem make_problem(const Prepared& in, at::Tensor& out_map, at
   p.probs = in.probs.data_ptr();
   p.prob_bytes = static_cast<int>(in.probs.element_size());
   p.tokens_to_spare = in.tokens_to_spare.data_ptr<int64_t>();
-  p.home_to_spare = in.home_to_spare_map.data_ptr<bool>();
+  p.offload_map = in.offload_map.data_ptr<bool>();
   p.out_map = out_map.data_ptr<bool>();
   p.out_probs = out_probs.data_ptr();
   return p;
@@ -160,8 +160,8 @@ at::Tensor echo_best_fit_cuda(const at::Tensor& counts, int64_t k, const c10::op
 
 std::tuple<at::Tensor, at::Tensor> reroute_tokens_cpu(const at::Tensor& routing_map, const at::Tensor& probs,
                                                       const at::Tensor& tokens_to_spare,
-                                                      const at::Tensor& home_to_spare_map) {
-  Prepared in = check_and_prepare(routing_map, probs, tokens_to_spare, home_to_spare_map);
+                                                      const at::Tensor& offload_map) {
+  Prepared in = check_and_prepare(routing_map, probs, tokens_to_spare, offload_map);
   at::Tensor out_map = at::empty({in.T, in.E + in.S}, in.routing_map.options());
   at::Tensor out_probs = at::empty({in.T, in.E + in.S}, in.probs.options());
   reroute::RerouteProblem p = make_problem(in, out_map, out_probs);
@@ -175,10 +175,10 @@ std::tuple<at::Tensor, at::Tensor> reroute_tokens_cpu(const at::Tensor& routing_
 #ifdef MOE_GRAPH_WITH_CUDA
 std::tuple<at::Tensor, at::Tensor> reroute_tokens_cuda(const at::Tensor& routing_map, const at::Tensor& probs,
                                                        const at::Tensor& tokens_to_spare,
-                                                       const at::Tensor& home_to_spare_map) {
+                                                       const at::Tensor& offload_map) {
   c10::cuda::CUDAGuard guard(routing_map.device());
-  Prepared in = check_and_prepare(routing_map, probs, tokens_to_spare, home_to_spare_map);
-  TORCH_CHECK(in.S <= reroute::kRerouteMaxSlots, kOp, ": home_to_spare_map has too many spare slots (", in.S,
+  Prepared in = check_and_prepare(routing_map, probs, tokens_to_spare, offload_map);
+  TORCH_CHECK(in.S <= reroute::kRerouteMaxSlots, kOp, ": offload_map has too many spare slots (", in.S,
               " > ", reroute::kRerouteMaxSlots, ")");
   at::Tensor out_map = at::empty({in.T, in.E + in.S}, in.routing_map.options());
   at::Tensor out_probs = at::empty({in.T, in.E + in.S}, in.probs.options());

@@ -8,11 +8,11 @@
 
 namespace moe_graph {
 
-// routing_map [T, E] bool, probs [T, E] floating, tokens_to_spare [S] int32/int64, home_to_spare_map [E, S] bool
+// routing_map [T, E] bool, probs [T, E] floating, tokens_to_spare [S] int32/int64, offload_map [E, S] bool
 // -> (rerouted_routing_map [T, E+S] bool, rerouted_probs [T, E+S] of probs' dtype).
 std::tuple<at::Tensor, at::Tensor> reroute_tokens_cpu(const at::Tensor& routing_map, const at::Tensor& probs,
                                                       const at::Tensor& tokens_to_spare,
-                                                      const at::Tensor& home_to_spare_map);
+                                                      const at::Tensor& offload_map);
 
 // counts [R, E] int32/int64 -> home_to_spare [E, R*k] int64: the best-fit placement of
 // moe_graph.planner.best_fit_assignment (semantics in reroute/echo_plan.h).
@@ -31,7 +31,7 @@ std::tuple<at::Tensor, at::Tensor> echo_plan_cuda(const at::Tensor& counts, int6
                                                   int64_t mode, const c10::optional<at::Tensor>& donor_mask);
 std::tuple<at::Tensor, at::Tensor> reroute_tokens_cuda(const at::Tensor& routing_map, const at::Tensor& probs,
                                                        const at::Tensor& tokens_to_spare,
-                                                       const at::Tensor& home_to_spare_map);
+                                                       const at::Tensor& offload_map);
 #endif
 
 }  // namespace moe_graph

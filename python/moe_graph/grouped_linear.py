@@ -24,13 +24,13 @@ import torch
 from torch import nn
 
 from moe_graph.ops.grouped_gemm import (
-    _as_splits,
-    _grouped_gemm_autograd,
-    _has_main_grad_source,
-    _is_untouched_dummy_wgrad,
-    _resolve_main_grad,
-    _weight_grads,
+    as_splits,
     grouped_bias_grad,
+    grouped_gemm_autograd,
+    grouped_gemm_wgrad,
+    has_main_grad_source,
+    is_zero_wgrad_placeholder,
+    resolve_main_grad,
 )
 
 __all__ = ["GroupedLinear"]
@@ -52,7 +52,7 @@ def _check_int(name: str, value, minimum: int) -> int:
 
 def _add_grad(p: torch.Tensor, g: torch.Tensor) -> None:
     """Accumulate ``g`` into ``p.grad`` as autograd would (set when None or an untouched zero placeholder)."""
-    if p.grad is None or _is_untouched_dummy_wgrad(p.grad):
+    if p.grad is None or is_zero_wgrad_placeholder(p.grad):
         p.grad = g.to(p.dtype)
     else:
         p.grad.add_(g)
@@ -248,12 +248,12 @@ class GroupedLinear(nn.Module):
         x = inp.reshape(-1, self.in_features)
         if not x.is_contiguous():
             x = x.contiguous()
-        splits = _as_splits(m_splits, x.device)
+        splits = as_splits(m_splits, x.device)
         weights = self._weights()
         fuse = self.fuse_wgrad_accumulation and torch.is_grad_enabled()
         if fuse:
             for w in weights:
-                if not _has_main_grad_source(w):
+                if not has_main_grad_source(w):
                     raise RuntimeError(
                         "GroupedLinear(fuse_wgrad_accumulation=True): every weight needs a .main_grad tensor "
                         "(fp32 or the weight dtype), as Megatron's DDP allocates, or a get_main_grad() that "
@@ -273,7 +273,7 @@ class GroupedLinear(nn.Module):
             def defer(a, dy, splits_, fuse=fuse, accumulate=accumulate, with_bias=with_bias):
                 queue.append((a, dy, splits_, fuse, accumulate, with_bias))
 
-        out = _grouped_gemm_autograd(x, weights, splits, True, bias, fuse, accumulate, defer)
+        out = grouped_gemm_autograd(x, weights, splits, bias=bias, fuse_main_grad=fuse, accumulate=accumulate, defer=defer)
         out = out.reshape(*lead, self.out_features)
         if self.return_bias:
             bs = self._biases()
@@ -310,11 +310,12 @@ class GroupedLinear(nn.Module):
         weights = self._weights()
         with torch.no_grad():
             if fuse:
-                _weight_grads(a, dy, splits, True, weights, [_resolve_main_grad(w) for w in weights], accumulate)
+                grouped_gemm_wgrad(a, dy, splits, out=[resolve_main_grad(w) for w in weights], accumulate=accumulate)
                 for w in weights:
                     w.grad_added_to_main_grad = True
             else:
-                for w, g in zip(weights, _weight_grads(a, dy, splits, True, weights)):
+                dw = grouped_gemm_wgrad(a, dy, splits)  # [E, out, in]
+                for w, g in zip(weights, [dw] if self.single_grouped_weight else dw.unbind(0)):
                     _add_grad(w, g)
             if with_bias:
                 db = grouped_bias_grad(dy, splits)

@@ -67,7 +67,8 @@ from moe_graph.distributed.ddp import DistributedDataParallel
 from moe_graph.distributed.launch import run_distributed
 from moe_graph.distributed.optimizer import DistributedOptimizer, DynamicLossScaler
 from moe_graph.grouped_linear import GroupedLinear
-from moe_graph.moe.layer import MoELayer, aux_loss_scores, router_aux_loss, router_z_loss, sequence_aux_loss
+from moe_graph.moe.layer import MoELayer
+from moe_graph.moe.router import aux_loss_scores, router_aux_loss, router_z_loss, sequence_aux_loss
 from moe_graph.train import schedules
 from moe_graph.train.checkpoint import global_name, global_tensors, is_expert
 from moe_graph.train.step import train_step
@@ -357,7 +358,7 @@ def machinery_worker(rank: int, world: int, row: Row) -> Dict:
 
         def count_moved(mod, inp, out):  # routes echo moved, and the most spare slots in use on this rank
             moved[0] += int((mod.last_load_before - mod.last_load_after).clamp(min=0).sum())
-            slots[0] = max(slots[0], int((mod.last_m_splits[mod.L:] > 0).sum()))
+            slots[0] = max(slots[0], int((mod.last_m_splits[mod.num_local_experts:] > 0).sum()))
 
         stages, ddps = [], []
         for c, ids in enumerate(chunk_ids):

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 from moe_graph.distributed.ddp import DistributedDataParallel
 from moe_graph.moe.echo import AllGatherBackend, AllToAllBackend
-from moe_graph.moe.layer import MoELayer, update_expert_bias
+from moe_graph.moe.layer import MoELayer
+from moe_graph.moe.router import update_expert_bias
 from moe_graph.moe.token_dispatcher import TokenDispatcher, expert_columns
 from moe_graph.testing.moe_reference import (
     dense_moe_reference,
@@ -86,8 +87,8 @@ def moe_layer_worker(rank: int, world: int, seed: int, k: int, capacity_factor: 
     gate[0] += 3.0  # expert 0 (rank 0) is hot: echo has work to do
     L = E // R
     with torch.no_grad():
-        layer.fc1.weight.copy_(w1_all[rank * L:(rank + 1) * L])
-        layer.fc2.weight.copy_(w2_all[rank * L:(rank + 1) * L])
+        layer.experts.fc1.weight.copy_(w1_all[rank * L:(rank + 1) * L])
+        layer.experts.fc2.weight.copy_(w2_all[rank * L:(rank + 1) * L])
         layer.router.weight.copy_(gate)
     gx = torch.Generator().manual_seed(seed * 1000 + rank)
     x = (torch.randn(T, H, generator=gx, dtype=dt) + 0.5).requires_grad_()
@@ -122,8 +123,8 @@ def moe_layer_worker(rank: int, world: int, seed: int, k: int, capacity_factor: 
     return {
         "y_err": float((y.detach() - y_ref.detach()).abs().max()),
         "gx_err": float((x.grad - gx_ref).abs().max()),
-        "gw1_err": float((layer.fc1.weight.grad - w1r.grad[sl]).abs().max()),
-        "gw2_err": float((layer.fc2.weight.grad - w2r.grad[sl]).abs().max()),
+        "gw1_err": float((layer.experts.fc1.weight.grad - w1r.grad[sl]).abs().max()),
+        "gw2_err": float((layer.experts.fc2.weight.grad - w2r.grad[sl]).abs().max()),
         "ggate_err": float((layer.router.weight.grad - gater.grad).abs().max()),
         "aux_err": float((layer.last_aux_loss - aux_ref.detach()).abs()),
         "load_before": layer.last_load_before.tolist(),
@@ -206,8 +207,8 @@ def moe_layer_ddp_worker(rank: int, world: int, seed: int, ks=(0, 1, 2)) -> Dict
         layer = MoELayer(H, Fh, E, K, activation="swiglu", num_spare_experts_per_ep_rank=k, ep_size=R,
                          capacity_factor=None, device="cpu", params_dtype=dt)
         with torch.no_grad():
-            layer.fc1.weight.copy_(w1_all[rank * L:(rank + 1) * L])
-            layer.fc2.weight.copy_(w2_all[rank * L:(rank + 1) * L])
+            layer.experts.fc1.weight.copy_(w1_all[rank * L:(rank + 1) * L])
+            layer.experts.fc2.weight.copy_(w2_all[rank * L:(rank + 1) * L])
             layer.router.weight.copy_(gate)
         return layer
 
@@ -216,7 +217,7 @@ def moe_layer_ddp_worker(rank: int, world: int, seed: int, ks=(0, 1, 2)) -> Dict
     for x, t in mbs:
         layer = make(0)
         (layer(x) * t).sum().backward()
-        plain.append((layer.fc1.weight.grad.clone(), layer.fc2.weight.grad.clone(), layer.router.weight.grad.clone()))
+        plain.append((layer.experts.fc1.weight.grad.clone(), layer.experts.fc2.weight.grad.clone(), layer.router.weight.grad.clone()))
     dense = [_dense_expert_grads(x, t, gate, w1_all, w2_all, K, rank, L) for x, t in mbs]
 
     def err(a, b):
@@ -227,7 +228,7 @@ def moe_layer_ddp_worker(rank: int, world: int, seed: int, ks=(0, 1, 2)) -> Dict
         layer = make(k)
         ddp = DistributedDataParallel(layer, expert_data_parallel_group=singletons[rank], overlap_grad_reduce=True)
         ddp.zero_grad_buffer()
-        w1, w2 = layer.fc1.weight, layer.fc2.weight
+        w1, w2 = layer.experts.fc1.weight, layer.experts.fc2.weight
         res: Dict = {"moved": 0}
         with ddp.no_sync():
             (ddp(mbs[0][0]) * mbs[0][1]).sum().backward()
@@ -237,7 +238,7 @@ def moe_layer_ddp_worker(rank: int, world: int, seed: int, ks=(0, 1, 2)) -> Dict
         res["mb1_plain_err"] = max(err(w1.main_grad, plain[0][0]), err(w2.main_grad, plain[0][1]))
         res["mb1_dense_err"] = max(err(w1.main_grad, dense[0][0]), err(w2.main_grad, dense[0][1]))
         res["mb1_router_err"] = err(layer.router.weight.main_grad, plain[0][2])
-        spare1 = [b.clone() for b in getattr(layer, "_fused_wgrad_state", (None, None))[2:]] if k else []
+        spare1 = [b.clone() for b in (layer.experts.spare_grads or ())] if k else []
         (ddp(mbs[1][0]) * mbs[1][1]).sum().backward()  # last microbatch: reductions launch from the hooks
         res["moved"] += int(layer.last_m_splits[L:].sum())
         ddp.finish_grad_sync()
@@ -247,7 +248,7 @@ def moe_layer_ddp_worker(rank: int, world: int, seed: int, ks=(0, 1, 2)) -> Dict
         res["mb2_dense_err"] = max(err(w1.main_grad, scale * (dense[0][0] + dense[1][0])),
                                    err(w2.main_grad, scale * (dense[0][1] + dense[1][1])))
         if k:
-            spare2 = list(layer._fused_wgrad_state[2:])
+            spare2 = list(layer.experts.spare_grads)
             # overwritten, not accumulated: the buffers hold the second microbatch's spare gradients only
             res["spare_changed"] = any(not torch.equal(a, b) for a, b in zip(spare1, spare2))
         out[k] = res

@@ -22,7 +22,7 @@ from moe_graph import parallel_state as ps
 from moe_graph.demo.model import MoETransformerLM
 from moe_graph.distributed.ddp import DistributedDataParallel
 from moe_graph.distributed.optimizer import DistributedOptimizer
-from moe_graph.moe.layer import update_expert_bias
+from moe_graph.moe.router import update_expert_bias
 from moe_graph.train import schedules
 from moe_graph.train.checkpoint import global_name, global_tensors, is_expert
 

@@ -1,16 +1,28 @@
-"""Mixture-of-Experts layer pieces: the echo planner (``echo_planner``), the token dispatcher
-(``token_dispatcher``), echo weight dispatch and gradient aggregation (``echo``) and the layer (``layer``).
+"""Mixture-of-Experts layer, one module per piece (each imports only the ones listed before it):
 
-Notation used throughout ``moe/``:
+    echo_planner      which home experts the spare slots host, and which tokens move there (pure tensor code)
+    echo              copies of expert weights into spare slots, their gradients back home (EchoExpertDispatcher)
+    token_dispatcher  fixed-capacity permutation + all-to-all of tokens to the ranks of their experts, and back
+    echo_balancer     a layer's echo step: plan, reroute, spare copies (EchoBalancer)
+    router            TopKRouter, the router losses, MoEAuxLossAutoScaler, update_expert_bias
+    experts           GroupedMLP (grouped GEMMs over home experts + spare slots, fused main_grad wgrad), SharedExpert
+    config            MoEConfig: the layer's options, validated in one place
+    layer             MoELayer (router -> echo -> dispatcher -> experts -> combine), moe_statistics
+
+Notation used throughout ``moe/`` (single letters are for local variables and docstrings; attributes and keywords
+spell the name out, e.g. ``num_ep_ranks``):
 
     T   tokens of this rank (a microbatch's sequence x batch)
-    H   hidden size (model width)
-    F   expert FFN size (per expert; gated experts have 2F first-GEMM outputs)
-    E   experts in the whole layer (home experts); E / R live on each rank
-    R   expert-parallel ranks (the EP group size)
-    k   spare (echo) slots per rank; S = R * k slots in the group
-    K   top-k: routes per token
+    H   hidden size (``hidden_size``)
+    F   expert FFN size (``ffn_hidden_size``; SwiGLU experts have 2F first-GEMM outputs)
+    E   experts of the layer, all EP ranks together (``num_experts``); expert ``e`` lives on rank ``e // L``
+    R   expert-parallel ranks, the EP group size (``num_ep_ranks``; ``ep_size`` of ``MoELayer``)
+    L   home experts per rank, ``E // R`` (``num_local_experts``)
+    k   echo spare slots per rank (``num_spare_experts_per_ep_rank``); slot ``j`` lives on rank ``j // k``
+    S   spare slots of the EP group, ``R * k``
+    K   routes per token (``topk``)
 
-``offload_map`` is the bool ``[E, S]`` map (slot ``j`` hosts home expert ``e``); ``home_to_spare`` names the same
-plan as the planner returns it.
+Echo plans are two ``[E, S]`` tensors: ``home_to_spare`` (int64, tokens of home expert ``e`` that slot ``j`` takes)
+and ``offload_map = home_to_spare > 0`` (bool, slot ``j`` hosts a copy of expert ``e``). A rank's grouped GEMMs run
+over ``L + k`` local experts: its home experts, then its spare slots.
 """

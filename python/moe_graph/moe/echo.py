@@ -3,7 +3,7 @@ gradients back to the home experts.
 
 Layout (as in :mod:`moe_graph.moe.echo_planner`): ``R`` EP ranks, ``E`` home experts (``L = E // R`` local ones per rank,
 expert ``e`` on rank ``e // L`` at local index ``e % L``), ``k`` spare slots per rank (``S = R * k``, slot ``j``
-on rank ``j // k`` at local index ``j % k``). ``expert_offloading_map [E, S]`` bool (identical on every rank)
+on rank ``j // k`` at local index ``j % k``). ``offload_map [E, S]`` bool (identical on every rank)
 says which home expert each slot hosts.
 
 Weights are "any list of per-expert tensors": each tensor holds this rank's ``L`` home experts stacked on dim 0
@@ -47,8 +47,8 @@ from typing import List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from moe_graph.moe.echo_planner import donor_ranks
-from moe_graph.ops.grouped_gemm import _as_splits, _dummy_wgrad, grouped_gemm, grouped_gemm_wgrad
+from moe_graph.moe import echo_planner
+from moe_graph.ops.grouped_gemm import as_splits, grouped_gemm, grouped_gemm_wgrad, zero_wgrad_placeholder
 
 __all__ = [
     "EchoBackend",
@@ -187,7 +187,7 @@ def echo_buffer_bytes(
                          f"{k}, {expert_numel}, {num_microbatches}")
     if plan_mode not in PLAN_MODES:
         raise ValueError(f"plan_mode must be one of {PLAN_MODES}, got {plan_mode!r}")
-    d = donor_ranks(R, donors)
+    d = echo_planner.donor_ranks(R, donors)
     B = R if d is None else len(d[0])
     L, N = num_experts // R, int(expert_numel)
     wb = torch.empty((), dtype=dtype).element_size()
@@ -253,7 +253,7 @@ class EchoExpertDispatcher:
             constructor when torch.distributed is initialized, so construct the dispatcher before capturing; with
             ``donors < R``: a :class:`PeerBackend`).
         group: the EP process group (``None``: the default group).
-        donors: ``w``, the fixed donor ranks per rank (``None`` or ``>= R``: any rank, today's all-to-all of ``R``
+        donors: ``w``, the fixed donor ranks per rank (``None`` or ``>= R``: any rank, the all-to-all of ``R``
             blocks). The plans must come from the planner with the matching
             :func:`moe_graph.moe.echo_planner.donor_mask` (:attr:`donor_mask`); slots hosting an expert of a non-donor rank
             get zeros. donor_pattern, node_size: see :func:`moe_graph.moe.echo_planner.donor_ranks`.
@@ -261,9 +261,9 @@ class EchoExpertDispatcher:
     Example (4 ranks, 2 experts each, ``k = 1``; the plan put a copy of expert 5 (rank 2) into slot 1)::
 
         d = EchoExpertDispatcher(8, 4, rank, 1)
-        fc1_spare, fc2_spare = d.dispatch(offloading_map, [fc1, fc2])   # on rank 1: fc1[1] of rank 2, ...
+        fc1_spare, fc2_spare = d.dispatch(offload_map, [fc1, fc2])   # on rank 1: fc1[1] of rank 2, ...
         ...  # backward produced fc1_spare_grad, fc2_spare_grad ([1, ...] each)
-        d.aggregate_grads(offloading_map, [g1, g2], [fc1, fc2])          # rank 2 adds them into expert 5's grads
+        d.aggregate_grads(offload_map, [g1, g2], [fc1, fc2])          # rank 2 adds them into expert 5's grads
     """
 
     def __init__(
@@ -293,27 +293,30 @@ class EchoExpertDispatcher:
             raise ValueError(f"ep_rank must be in [0, {num_ep_ranks}), got {ep_rank}")
         if num_spare_experts_per_ep_rank < 1:
             raise ValueError(f"num_spare_experts_per_ep_rank must be >= 1, got {num_spare_experts_per_ep_rank}")
-        self.E = num_experts
-        self.R = num_ep_ranks
-        self.rank = ep_rank
-        self.k = num_spare_experts_per_ep_rank
-        self.L = num_experts // num_ep_ranks
-        self.S = self.R * self.k
-        self.donors = donor_ranks(num_ep_ranks, donors, donor_pattern, node_size)  # None: unconstrained
+        self.num_experts = num_experts
+        self.num_ep_ranks = num_ep_ranks
+        self.ep_rank = ep_rank
+        self.num_spare_experts_per_ep_rank = num_spare_experts_per_ep_rank
+        self.num_local_experts = num_experts // num_ep_ranks
+        self.num_spare_slots = self.num_ep_ranks * self.num_spare_experts_per_ep_rank
+        self.donor_pattern, self.node_size = donor_pattern, node_size
+        # donor_ranks[r]: the ranks whose experts rank r's slots may host; None (and donors None): unconstrained
+        self.donor_ranks = echo_planner.donor_ranks(num_ep_ranks, donors, donor_pattern, node_size)
+        self.donors = None
         self.group = group
-        if self.donors is not None:
-            R, me = self.R, self.rank
-            self.w = len(self.donors[0])
-            self.from_ranks = list(self.donors[me])  # block o of the weights comes from my o-th donor
+        if self.donor_ranks is not None:
+            R, me = self.num_ep_ranks, self.ep_rank
+            self.donors = len(self.donor_ranks[0])
+            self.from_ranks = list(self.donor_ranks[me])  # block o of the weights comes from my o-th donor
             # block o of my weights goes to the rank whose o-th donor I am (each offset is a permutation)
-            self.to_ranks = [next(r for r in range(R) if self.donors[r][o] == me) for o in range(self.w)]
+            self.to_ranks = [next(r for r in range(R) if self.donor_ranks[r][o] == me) for o in range(self.donors)]
             pos = [-1] * R
             for o, q in enumerate(self.from_ranks):
                 pos[q] = o
-            k = self.k
+            k = self.num_spare_experts_per_ep_rank
             # gradient rows in ascending source slot order (source rank, then slot): a fixed summation order, the
             # same as the all-to-all path's, so both give bit-identical sums
-            order = sorted(range(self.w), key=lambda o: self.to_ranks[o])
+            order = sorted(range(self.donors), key=lambda o: self.to_ranks[o])
             self._grad_rows = [o * k + i for o in order for i in range(k)]
             self._consts = {
                 "donor_pos": pos,  # [R]: block index of a donor rank, -1 otherwise
@@ -324,9 +327,8 @@ class EchoExpertDispatcher:
             if backend is None:
                 backend = PeerBackend(group)
         else:
-            self.w = self.R
-            self._grad_rows = list(range(self.S))
-            self._consts = {"grad_src_slots": list(range(self.S))}
+            self._grad_rows = list(range(self.num_spare_slots))
+            self._consts = {"grad_src_slots": list(range(self.num_spare_slots))}
         self._backend = backend
         self._tables = {}  # (name, device) -> the constant index tensors above, copied once (prepare())
         if device is not None:
@@ -346,12 +348,7 @@ class EchoExpertDispatcher:
     def donor_mask(self) -> Optional[torch.Tensor]:
         """``[R, R]`` bool for the planner (:func:`moe_graph.moe.echo_planner.gen_plan`'s ``donor_mask``), ``None`` when
         unconstrained."""
-        if self.donors is None:
-            return None
-        m = torch.zeros(self.R, self.R, dtype=torch.bool)
-        for r, ds in enumerate(self.donors):
-            m[r, ds] = True
-        return m
+        return echo_planner.donor_mask(self.num_ep_ranks, self.donors, self.donor_pattern, self.node_size)
 
     def prepare(self, device) -> None:
         """Copies the constant index tables to ``device`` now (the constructor does it for its ``device``; a table
@@ -368,27 +365,27 @@ class EchoExpertDispatcher:
         return t
 
     def _blocks(self) -> int:
-        return self.R if self.donors is None else self.w
+        return self.num_ep_ranks if self.donor_ranks is None else self.donors
 
     # -- plan decoding (device tensors only) --
-    def slot_homes(self, expert_offloading_map: torch.Tensor):
-        """``(home_rank[S], home_local[S], has_home[S])`` from ``expert_offloading_map [E, S]`` (first true row)."""
-        m = expert_offloading_map
-        if m.dim() != 2 or m.shape != (self.E, self.S):
+    def slot_homes(self, offload_map: torch.Tensor):
+        """``(home_rank[S], home_local[S], has_home[S])`` from ``offload_map [E, S]`` (first true row)."""
+        m = offload_map
+        if m.dim() != 2 or m.shape != (self.num_experts, self.num_spare_slots):
             raise ValueError(
-                f"expert_offloading_map must have shape [E, S] = [{self.E}, {self.S}], got {tuple(m.shape)}"
+                f"offload_map must have shape [E, S] = [{self.num_experts}, {self.num_spare_slots}], got {tuple(m.shape)}"
             )
         m = m.to(torch.bool)
         home = torch.argmax(m.to(torch.int8), dim=0)
-        return home // self.L, home % self.L, m.any(0)
+        return home // self.num_local_experts, home % self.num_local_experts, m.any(0)
 
     def _check_weights(self, home_weights: Sequence[torch.Tensor]) -> None:
         if len(home_weights) == 0:
             raise ValueError("home_weights must hold at least one tensor [L, ...]")
         for i, w in enumerate(home_weights):
-            if w.dim() < 1 or w.shape[0] != self.L:
+            if w.dim() < 1 or w.shape[0] != self.num_local_experts:
                 raise ValueError(
-                    f"home_weights[{i}] must stack this rank's L={self.L} home experts on dim 0, got shape {tuple(w.shape)}"
+                    f"home_weights[{i}] must stack this rank's L={self.num_local_experts} home experts on dim 0, got shape {tuple(w.shape)}"
                 )
             if w.dtype != home_weights[0].dtype or w.device != home_weights[0].device:
                 raise ValueError(
@@ -397,11 +394,10 @@ class EchoExpertDispatcher:
                 )
 
     @staticmethod
-    def _pack(tensors: Sequence[torch.Tensor], n: int) -> torch.Tensor:
-        return torch.cat([t.reshape(n, -1) for t in tensors], dim=1)
-
-    @staticmethod
-    def _unpack(flat: torch.Tensor, like: Sequence[torch.Tensor], n: int) -> List[torch.Tensor]:
+    def unpack(flat: torch.Tensor, like: Sequence[torch.Tensor], n: int) -> List[torch.Tensor]:
+        """Views of ``flat [n, N]`` (``N``: one expert's elements over all tensors of ``like``, in their order) as one
+        ``[n, ...]`` tensor per tensor of ``like`` (whose expert shapes, ``shape[1:]``, they take): the layout of the
+        spare copies :meth:`dispatch` writes into its ``out`` buffer."""
         out, off = [], 0
         for t in like:
             size = math.prod(t.shape[1:])
@@ -410,7 +406,7 @@ class EchoExpertDispatcher:
         return out
 
     # -- forward: weights to spare slots --
-    def dispatch(self, expert_offloading_map: torch.Tensor, home_weights: Sequence[torch.Tensor],
+    def dispatch(self, offload_map: torch.Tensor, home_weights: Sequence[torch.Tensor],
                  out: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
         """Copies of the home experts for this rank's ``k`` spare slots: one ``[k, ...]`` tensor per input tensor
         (zeros for an unused slot). Collective: every rank of the group must call it with the same plan.
@@ -421,24 +417,24 @@ class EchoExpertDispatcher:
         dtype to write them into instead, e.g. a static one); see :func:`echo_buffer_bytes`."""
         self._check_weights(home_weights)
         dev = home_weights[0].device
-        home_rank, home_local, has_home = self.slot_homes(expert_offloading_map.to(dev))
-        B, k, L = self._blocks(), self.k, self.L
+        home_rank, home_local, has_home = self.slot_homes(offload_map.to(dev))
+        B, k, L = self._blocks(), self.num_spare_experts_per_ep_rank, self.num_local_experts
         sizes = [math.prod(w.shape[1:]) for w in home_weights]
         N = sum(sizes)
-        if self.donors is None:  # block d: the k slots of rank d
+        if self.donor_ranks is None:  # block d: the k slots of rank d
             slot_home, slot_local, slot_has = home_rank, home_local, has_home
         else:  # block o: the k slots of to_ranks[o]
             idx = self._const("send_slots", dev)
             slot_home, slot_local, slot_has = home_rank[idx], home_local[idx], has_home[idx]
-        mine = slot_has & (slot_home == self.rank)  # [B*k]: the slot hosts one of our experts
+        mine = slot_has & (slot_home == self.ep_rank)  # [B*k]: the slot hosts one of our experts
         send = torch.empty(B * k, N, dtype=home_weights[0].dtype, device=dev)
         off = 0
         for w, n in zip(home_weights, sizes):
             torch.index_select(w.detach().reshape(L, n), 0, slot_local, out=send[:, off:off + n])
             off += n
         send.masked_fill_(~mine[:, None], 0)
-        my = slice(self.rank * k, (self.rank + 1) * k)
-        if self.donors is None:
+        my = slice(self.ep_rank * k, (self.ep_rank + 1) * k)
+        if self.donor_ranks is None:
             recv = self.backend.exchange(send.view(B, k, N))  # recv[s, i]: rank s's copy for our slot i
             block = home_rank[my]
             ok = has_home[my]
@@ -455,10 +451,10 @@ class EchoExpertDispatcher:
         spare = torch.empty(k, N, dtype=send.dtype, device=dev) if out is None else out
         torch.index_select(recv.view(B * k, N), 0, rows, out=spare)
         spare.masked_fill_(~ok[:, None], 0)
-        return self._unpack(spare, home_weights, k)
+        return self.unpack(spare, home_weights, k)
 
     # -- backward: spare-slot gradients home --
-    def exchange_grads(self, expert_offloading_map: torch.Tensor, spare_grads: Sequence[torch.Tensor]):
+    def exchange_grads(self, offload_map: torch.Tensor, spare_grads: Sequence[torch.Tensor]):
         """Sends the spare slots' gradients to their home ranks. Returns ``(recv [B*k, N], target [B*k])``: the
         received rows and, for the ``j``-th row in summation order (ascending source slot; row
         ``self._grad_rows[j]`` of ``recv``), the local home expert it adds into (``L``: a sink row, not ours).
@@ -467,12 +463,12 @@ class EchoExpertDispatcher:
         self._check_grads(spare_grads)
         dev = spare_grads[0].device
         dtype = torch.promote_types(spare_grads[0].dtype, torch.float32) if spare_grads[0].is_floating_point() else spare_grads[0].dtype
-        home_rank, home_local, has_home = self.slot_homes(expert_offloading_map.to(dev))
-        B, k = self._blocks(), self.k
+        home_rank, home_local, has_home = self.slot_homes(offload_map.to(dev))
+        B, k = self._blocks(), self.num_spare_experts_per_ep_rank
         sizes = [math.prod(g.shape[1:]) for g in spare_grads]
         N = sum(sizes)
-        my = slice(self.rank * k, (self.rank + 1) * k)
-        dest_ranks = torch.arange(self.R, device=dev) if self.donors is None else self._const("from", dev)
+        my = slice(self.ep_rank * k, (self.ep_rank + 1) * k)
+        dest_ranks = torch.arange(self.num_ep_ranks, device=dev) if self.donor_ranks is None else self._const("from", dev)
         dest = (dest_ranks[:, None] == home_rank[my][None, :]) & has_home[my][None, :]  # [B, k]
         send = torch.empty(B, k, N, dtype=dtype, device=dev)
         off = 0
@@ -480,27 +476,27 @@ class EchoExpertDispatcher:
             send[:, :, off:off + n].copy_(g.reshape(1, k, n).expand(B, k, n))
             off += n
         send.masked_fill_(~dest[:, :, None], 0)
-        if self.donors is None:
-            recv = self.backend.exchange(send).reshape(self.S, N)  # row s*k+i: slot s*k+i's gradient (if ours)
+        if self.donor_ranks is None:
+            recv = self.backend.exchange(send).reshape(self.num_spare_slots, N)  # row s*k+i: slot s*k+i's gradient (if ours)
         else:  # row o*k+i: slot i of to_ranks[o]
             recv = self.backend.exchange(send, self.from_ranks, self.to_ranks).reshape(B * k, N)
-        for_me = has_home & (home_rank == self.rank)
-        target = torch.where(for_me, home_local, torch.full_like(home_local, self.L))
+        for_me = has_home & (home_rank == self.ep_rank)
+        target = torch.where(for_me, home_local, torch.full_like(home_local, self.num_local_experts))
         return recv, target.index_select(0, self._const("grad_src_slots", dev))
 
     def _check_grads(self, spare_grads: Sequence[torch.Tensor]) -> None:
         if len(spare_grads) == 0:
             raise ValueError("spare_grads must hold at least one tensor [k, ...]")
         for i, g in enumerate(spare_grads):
-            if not isinstance(g, torch.Tensor) or g.dim() < 1 or g.shape[0] != self.k:
-                raise ValueError(f"spare_grads[{i}] must have k={self.k} slots on dim 0, got shape "
+            if not isinstance(g, torch.Tensor) or g.dim() < 1 or g.shape[0] != self.num_spare_experts_per_ep_rank:
+                raise ValueError(f"spare_grads[{i}] must have k={self.num_spare_experts_per_ep_rank} slots on dim 0, got shape "
                                  f"{tuple(getattr(g, 'shape', ()))}")
             if g.device != spare_grads[0].device:
                 raise ValueError(f"spare_grads[{i}] must be on {spare_grads[0].device}, got {g.device}")
 
     def aggregate_grads(
         self,
-        expert_offloading_map: torch.Tensor,
+        offload_map: torch.Tensor,
         spare_grads: Sequence[torch.Tensor],
         home_params: Optional[Sequence[torch.Tensor]] = None,
         out: Optional[Sequence[torch.Tensor]] = None,
@@ -535,13 +531,13 @@ class EchoExpertDispatcher:
             targets = list(out)
             shapes = [tuple(o.shape) for o in out]
         for i, (shape, g) in enumerate(zip(shapes, spare_grads)):
-            if len(shape) < 1 or shape[0] != self.L or tuple(shape[1:]) != tuple(g.shape[1:]):
-                raise ValueError(f"gradient tensor {i} must have shape [L={self.L}, {', '.join(map(str, g.shape[1:]))}] "
+            if len(shape) < 1 or shape[0] != self.num_local_experts or tuple(shape[1:]) != tuple(g.shape[1:]):
+                raise ValueError(f"gradient tensor {i} must have shape [L={self.num_local_experts}, {', '.join(map(str, g.shape[1:]))}] "
                                  f"(the spare gradient's expert shape), got {list(shape)}")
         for i, t in enumerate(targets):
             if t is not None and (t.device != spare_grads[0].device or t.is_inference()):
                 raise ValueError(f"gradient tensor {i} must be a writable tensor on {spare_grads[0].device}")
-        recv, target = self.exchange_grads(expert_offloading_map, spare_grads)
+        recv, target = self.exchange_grads(offload_map, spare_grads)
         if out is None:  # only now create missing .grad tensors: nothing is written before validation
             out = []
             for p, t in zip(home_params, targets):
@@ -550,10 +546,10 @@ class EchoExpertDispatcher:
                         p.grad = torch.zeros_like(p)
                     t = p.grad
                 out.append(t)
-        acc = torch.zeros(self.L + 1, recv.shape[1], dtype=recv.dtype, device=recv.device)
+        acc = torch.zeros(self.num_local_experts + 1, recv.shape[1], dtype=recv.dtype, device=recv.device)
         for j, r in enumerate(self._grad_rows):  # fixed order, one row per add: no atomics racing on a row
             acc.index_add_(0, target[j:j + 1], recv[r:r + 1])
-        parts = self._unpack(acc[: self.L], list(out), self.L)
+        parts = self.unpack(acc[: self.num_local_experts], list(out), self.num_local_experts)
         for o, part in zip(out, parts):
             o.add_(part.to(o.dtype))
         return list(out)
@@ -561,21 +557,21 @@ class EchoExpertDispatcher:
 
 class _DispatchSpare(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, dispatcher, expert_offloading_map, spare, *home_weights):
+    def forward(ctx, dispatcher, offload_map, spare, *home_weights):
         ctx.dispatcher = dispatcher
         ctx.shapes = [(w.shape, w.dtype) for w in home_weights]
         ctx.params = home_weights  # to find main_grad in backward
-        ctx.save_for_backward(expert_offloading_map)
+        ctx.save_for_backward(offload_map)
         if spare is not None:  # a plan reused within the iteration: the copies are already here (no exchange)
             return tuple(t.view_as(t) for t in spare)
-        return tuple(dispatcher.dispatch(expert_offloading_map, home_weights))
+        return tuple(dispatcher.dispatch(offload_map, home_weights))
 
     @staticmethod
     def backward(ctx, *spare_grads):
-        (offloading_map,) = ctx.saved_tensors
+        (offload_map,) = ctx.saved_tensors
         d: EchoExpertDispatcher = ctx.dispatcher
         grads = [
-            g if g is not None else torch.zeros((d.k,) + tuple(s[1:]), dtype=dt, device=offloading_map.device)
+            g if g is not None else torch.zeros((d.num_spare_experts_per_ep_rank,) + tuple(s[1:]), dtype=dt, device=offload_map.device)
             for g, (s, dt) in zip(spare_grads, ctx.shapes)
         ]
         use_main = [getattr(p, "main_grad", None) is not None for p in ctx.params]
@@ -583,13 +579,13 @@ class _DispatchSpare(torch.autograd.Function):
             p.main_grad if m else torch.zeros(s, dtype=torch.promote_types(dt, torch.float32), device=g.device)
             for p, m, (s, dt), g in zip(ctx.params, use_main, ctx.shapes, grads)
         ]
-        d.aggregate_grads(offloading_map, grads, out=outs)
+        d.aggregate_grads(offload_map, grads, out=outs)
         home = [None if m else o.to(dt) for m, o, (_, dt) in zip(use_main, outs, ctx.shapes)]
         return (None, None, None, *home)
 
 
 def dispatch_spare_weights(
-    dispatcher: EchoExpertDispatcher, expert_offloading_map: torch.Tensor, home_weights: Sequence[torch.Tensor],
+    dispatcher: EchoExpertDispatcher, offload_map: torch.Tensor, home_weights: Sequence[torch.Tensor],
     spare: Optional[Sequence[torch.Tensor]] = None,
 ) -> List[torch.Tensor]:
     """Autograd-aware :meth:`EchoExpertDispatcher.dispatch`: returns the ``[k, ...]`` spare weights; in backward
@@ -598,7 +594,7 @@ def dispatch_spare_weights(
 
     ``spare``: copies already dispatched for this plan (a plan reused for all microbatches of an iteration): they
     are returned as views, nothing is exchanged in forward; the backward still sends the gradients home."""
-    return list(_DispatchSpare.apply(dispatcher, expert_offloading_map, None if spare is None else tuple(spare),
+    return list(_DispatchSpare.apply(dispatcher, offload_map, None if spare is None else tuple(spare),
                                      *home_weights))
 
 
@@ -619,7 +615,7 @@ class _EchoGroupedGemmFn(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, a, m_splits, home_weight, spare_weight, expert_offloading_map, dispatcher, accumulate_mask,
+    def forward(ctx, a, m_splits, home_weight, spare_weight, offload_map, dispatcher, accumulate_mask,
                 spare_grad):
         weights = list(home_weight.unbind(0)) + list(spare_weight.unbind(0))
         out = grouped_gemm(a, weights, m_splits)
@@ -627,12 +623,12 @@ class _EchoGroupedGemmFn(torch.autograd.Function):
         ctx.accumulate_mask = accumulate_mask
         ctx.spare_grad = spare_grad
         ctx.home_param = home_weight  # main_grad's owner: a saved tensor unpacks without it under saved_tensors_hooks
-        ctx.save_for_backward(a, m_splits, home_weight, spare_weight, expert_offloading_map)
+        ctx.save_for_backward(a, m_splits, home_weight, spare_weight, offload_map)
         return out
 
     @staticmethod
     def backward(ctx, dy):
-        a, m_splits, home, spare, omap = ctx.saved_tensors
+        a, m_splits, home, spare, offload_map = ctx.saved_tensors
         dy = dy.contiguous()
         da = dw = None
         if ctx.needs_input_grad[0]:
@@ -642,9 +638,9 @@ class _EchoGroupedGemmFn(torch.autograd.Function):
             main_grad = ctx.home_param.main_grad
             outs = list(main_grad.unbind(0)) + list(ctx.spare_grad.unbind(0))
             grouped_gemm_wgrad(a, dy, m_splits, out=outs, accumulate=ctx.accumulate_mask)
-            ctx.dispatcher.aggregate_grads(omap, [ctx.spare_grad], out=[main_grad])
+            ctx.dispatcher.aggregate_grads(offload_map, [ctx.spare_grad], out=[main_grad])
             ctx.home_param.grad_added_to_main_grad = True
-            dw = _dummy_wgrad(home)
+            dw = zero_wgrad_placeholder(home)
         return da, None, dw, None, None, None, None, None
 
 
@@ -654,7 +650,7 @@ def echo_grouped_gemm(
     spare_weight: torch.Tensor,
     m_splits: torch.Tensor,
     dispatcher: EchoExpertDispatcher,
-    expert_offloading_map: torch.Tensor,
+    offload_map: torch.Tensor,
     accumulate_mask: torch.Tensor,
     spare_grad: torch.Tensor,
 ) -> torch.Tensor:
@@ -672,7 +668,7 @@ def echo_grouped_gemm(
     Returns ``[M, N]``. Backward is collective over the EP group (the spare gradients' exchange).
     """
     L, k = home_weight.shape[0], spare_weight.shape[0]
-    m_splits = _as_splits(m_splits, a.device)
+    m_splits = as_splits(m_splits, a.device)
     mg = getattr(home_weight, "main_grad", None)
     if mg is None:
         raise RuntimeError("echo_grouped_gemm: home_weight needs a .main_grad tensor (e.g. from DistributedDataParallel)")
@@ -684,5 +680,5 @@ def echo_grouped_gemm(
             f"got {tuple(spare_grad.shape)} {spare_grad.dtype}")
     if accumulate_mask.shape != (L + k,) or accumulate_mask.dtype != torch.bool:
         raise ValueError(f"echo_grouped_gemm: accumulate_mask must be a [{L + k}] bool tensor")
-    return _EchoGroupedGemmFn.apply(a, m_splits, home_weight, spare_weight.detach(), expert_offloading_map,
+    return _EchoGroupedGemmFn.apply(a, m_splits, home_weight, spare_weight.detach(), offload_map,
                                     dispatcher, accumulate_mask, spare_grad)

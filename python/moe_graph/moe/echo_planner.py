@@ -1,9 +1,8 @@
 """Echo offloading planner: which home experts get copied into which spare slots, and which tokens move there.
 
-Notation (as in DESIGN.md): ``R`` EP ranks, ``E`` home experts (``E // R`` per rank, expert ``e`` lives on rank
-``e // (E // R)``), ``k`` spare slots per rank, ``S = R * k`` spare slots (slot ``j`` lives on rank ``j // k``),
-``T`` local tokens. ``counts[r, e]`` is the number of tokens that source rank ``r`` routes to expert ``e`` (the
-all-gathered per-rank histograms, identical on every rank).
+Notation: the legend of :mod:`moe_graph.moe` (``T``, ``E``, ``R``, ``k``, ``S = R * k``). ``counts[r, e]`` is the
+number of tokens that source rank ``r`` routes to expert ``e`` (the all-gathered per-rank histograms, identical on
+every rank).
 
 Every function here is pure tensor code on the inputs' device: integer arithmetic only (int64), no host syncs
 (no ``.item()``, ``.tolist()``, ``nonzero()``, boolean-mask indexing or data-dependent shapes), a fixed sequence
@@ -17,7 +16,8 @@ Pipeline (``gen_offloading_plan``)::
                  --breadth_first_allocation + depth_first_allocation--> allocation[R, S]
                                                                  (tokens source rank r sends to slot j)
                  (both steps at once: gen_plan)
-    routing_map, probs, allocation[ep_rank] --reroute_tokens--> rerouted map / probs [T, E + S]
+    routing_map, probs, allocation[ep_rank], offload_map = home_to_spare > 0
+                 --reroute_tokens--> rerouted map / probs [T, E + S]
 
 This module imports without the compiled extension. When ``moe_graph._C`` is built, the same results come from
 native ops: :func:`gen_plan` (assignment + allocation) from ``moe_graph::echo_plan`` (one kernel launch on CUDA
@@ -33,15 +33,14 @@ from typing import Tuple
 import torch
 
 from moe_graph.ops.errors import PLAN_INVALID, flag_error_if
+from moe_graph.ops import reroute as reroute_ops
 from moe_graph.ops.reroute import (
     MAX_TOTAL_TOKENS,
     best_fit_available,
     echo_best_fit,
     echo_plan,
-    native_available,
     plan_available,
     real_host_values,
-    reroute_tokens,
 )
 
 __all__ = [
@@ -58,6 +57,8 @@ __all__ = [
     "reuse_plan",
     "gen_offloading_plan",
     "rank_loads",
+    "rank_loads_after",
+    "reroute_tokens",
     "reroute_tokens_torch",
     "donor_ranks",
     "donor_mask",
@@ -293,7 +294,7 @@ def assign_spillover(spillover: torch.Tensor, spare_capacity: torch.Tensor, num_
 
 def greedy_assignment(counts: torch.Tensor, num_spare_experts_per_ep_rank: int = 1,
                       donor_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """The seed's assignment: :func:`gen_intermediate` then :func:`assign_spillover`. ``[E, R*k]`` int64."""
+    """Interval-overlap assignment: :func:`gen_intermediate` then :func:`assign_spillover`. ``[E, R*k]`` int64."""
     spill, cap, _ = gen_intermediate(counts)
     mask = _check_donor_mask(donor_mask, counts.shape[0], counts.device)
     return assign_spillover(spill, cap, num_spare_experts_per_ep_rank, mask)
@@ -555,12 +556,12 @@ def _best_fit_at_avg(counts: torch.Tensor, k: int, mask: torch.Tensor | None) ->
     return flat[: E * S].view(E, S)
 
 
-def _max_load_after(counts: torch.Tensor, home_to_spare: torch.Tensor, k: int) -> torch.Tensor:
-    R, E = counts.shape
-    load_r = counts.sum(0).view(R, E // R).sum(1)
-    out_r = home_to_spare.sum(1).view(R, E // R).sum(1)
-    in_r = home_to_spare.sum(0).view(R, k).sum(1)
-    return (load_r - out_r + in_r).max()
+def rank_loads_after(counts: torch.Tensor, home_to_spare: torch.Tensor) -> torch.Tensor:
+    """Tokens received by each EP rank with the plan: ``[R]`` int64, :func:`rank_loads` minus what its home
+    experts send to spare slots plus what its own slots take (``home_to_spare [E, R*k]``)."""
+    R = counts.shape[0]
+    E, S = home_to_spare.shape
+    return rank_loads(counts) - home_to_spare.sum(1).view(R, E // R).sum(1) + home_to_spare.sum(0).view(R, S // R).sum(1)
 
 
 def gen_assignment(
@@ -572,7 +573,7 @@ def gen_assignment(
     Args:
         counts: ``[R, E]`` integer token counts (source rank x home expert), identical on every rank.
         num_spare_experts_per_ep_rank: ``k >= 1`` spare slots per rank.
-        assignment: ``"greedy"`` (the seed's interval overlap + top-k per rank column, :func:`greedy_assignment`),
+        assignment: ``"greedy"`` (interval overlap + top-k per rank column, :func:`greedy_assignment`),
             ``"best_fit"`` (:func:`best_fit_assignment`) or ``"auto"`` (default: both, keeping the one with the
             lower maximum rank load after offloading; ties keep greedy, so never worse than greedy).
         native: passed to :func:`best_fit_assignment` (``False``: pure torch).
@@ -584,7 +585,7 @@ def gen_assignment(
         expert); a slot on rank ``r`` only takes experts of other ranks; the slots of a rank take at most its spare
         capacity in total; the tokens taken from expert ``e`` never exceed its total count.
 
-    Example (the seed's 8-expert/4-rank case, greedy, ``k = 1``): slot 1 takes 100 tokens of expert 5, slot 2
+    Example (8 experts on 4 ranks, greedy, ``k = 1``): slot 1 takes 100 tokens of expert 5, slot 2
     takes 60 tokens of expert 1, slots 0 and 3 are empty.
     """
     counts = _check_counts(counts)
@@ -603,7 +604,7 @@ def gen_assignment(
         raise ValueError(f"assignment must be one of {ASSIGNMENTS}, got {assignment!r}")
     g = greedy_assignment(counts, k, donor_mask)
     b = best_fit_assignment(counts, k, native, donor_mask)
-    better = _max_load_after(counts, b, k) < _max_load_after(counts, g, k)
+    better = rank_loads_after(counts, b).max() < rank_loads_after(counts, g).max()
     return torch.where(better, b, g)
 
 
@@ -741,22 +742,22 @@ def reuse_plan(
 
 
 def reroute_tokens_torch(
-    routing_map: torch.Tensor, probs: torch.Tensor, tokens_to_spare: torch.Tensor, home_to_spare_map: torch.Tensor
+    routing_map: torch.Tensor, probs: torch.Tensor, tokens_to_spare: torch.Tensor, offload_map: torch.Tensor
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch equivalent of ``moe_graph.ops.reroute_tokens`` (same results, bit for bit).
 
-    For each home expert ``e`` and its slots ``j1 < j2 < ...`` (``home_to_spare_map[e, j]``), the routed tokens of
+    For each home expert ``e`` and its slots ``j1 < j2 < ...`` (``offload_map[e, j]``), the routed tokens of
     ``e`` in ascending token order move: the first ``tokens_to_spare[j1]`` to slot ``j1``, the next ones to
     ``j2``... A moved token's route leaves column ``e`` for column ``E + j`` together with its probability; if the
     plan asks for more tokens than are routed, the request is clamped (the native op also sets the device error
     flag). A slot's expert is the first ``True`` of its column.
     """
     T, E = routing_map.shape
-    S = home_to_spare_map.shape[1]
+    S = offload_map.shape[1]
     dev = routing_map.device
     if E == 0:  # no home experts: no routes, nothing moves (as the native op)
         return (torch.zeros(T, S, dtype=torch.bool, device=dev), torch.zeros(T, S, dtype=probs.dtype, device=dev))
-    hmap = home_to_spare_map.to(torch.bool)
+    hmap = offload_map.to(torch.bool)
     first = torch.argmax(hmap.to(torch.int8), dim=0)  # [S]
     has_home = hmap.any(0)
     owner = torch.zeros(E, S, dtype=torch.bool, device=dev)
@@ -777,10 +778,14 @@ def reroute_tokens_torch(
     return out_map[:, : E + S].contiguous(), out_probs[:, : E + S].contiguous()
 
 
-def _reroute(routing_map, probs, tokens_to_spare, home_to_spare_map):
-    if native_available():
-        return reroute_tokens(routing_map, probs, tokens_to_spare, home_to_spare_map)
-    return reroute_tokens_torch(routing_map, probs, tokens_to_spare, home_to_spare_map)
+def reroute_tokens(routing_map: torch.Tensor, probs: torch.Tensor, tokens_to_spare: torch.Tensor,
+                   offload_map: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Move routed tokens to their spare slots: the native op :func:`moe_graph.ops.reroute.reroute_tokens` when the
+    extension has it (decided once per process, :func:`moe_graph.ops.reroute.native_available`), else
+    :func:`reroute_tokens_torch`; both give the same bits. Arguments and result as the native op's."""
+    if reroute_ops.native_available():
+        return reroute_ops.reroute_tokens(routing_map, probs, tokens_to_spare, offload_map)
+    return reroute_tokens_torch(routing_map, probs, tokens_to_spare, offload_map)
 
 
 def gen_offloading_plan(
@@ -803,8 +808,8 @@ def gen_offloading_plan(
         num_spare_experts_per_ep_rank: ``k``. assignment, donor_mask: see :func:`gen_assignment`.
 
     Returns:
-        ``(rerouted_routing_map [T, E+S] bool, rerouted_probs [T, E+S], expert_offloading_map [E, S] bool)``.
-        Columns ``0..E-1`` are the home experts, ``E..E+S-1`` the spare slots. ``expert_offloading_map[e, j]``
+        ``(rerouted_routing_map [T, E+S] bool, rerouted_probs [T, E+S], offload_map [E, S] bool)``.
+        Columns ``0..E-1`` are the home experts, ``E..E+S-1`` the spare slots. ``offload_map[e, j]``
         says slot ``j`` hosts a copy of home expert ``e``; it depends only on ``counts`` so every rank gets the
         same one. Every token keeps its number of routes, and moved probabilities are bit-identical.
 
@@ -825,6 +830,6 @@ def gen_offloading_plan(
         raise ValueError(f"ep_rank must be in [0, {num_ep_ranks}), got {ep_rank}")
     counts = counts.to(routing_map.device)
     home_to_spare, allocation = gen_plan(counts, num_spare_experts_per_ep_rank, assignment, donor_mask=donor_mask)
-    offloading_map = home_to_spare > 0
-    new_map, new_probs = _reroute(routing_map, probs, allocation[ep_rank], offloading_map)
-    return new_map, new_probs, offloading_map
+    offload_map = home_to_spare > 0
+    new_map, new_probs = reroute_tokens(routing_map, probs, allocation[ep_rank], offload_map)
+    return new_map, new_probs, offload_map

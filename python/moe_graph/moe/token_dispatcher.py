@@ -9,7 +9,7 @@ indexing, no ``.item()``), and the all-to-all always moves ``capacity`` rows per
 
 Layout. ``R`` EP ranks, ``T`` local tokens with ``K`` routes each (``indices [T, K]`` into ``C`` routing
 *columns*: the ``E`` home experts and, with echo, the ``S = R * k`` spare slots). Column ``c`` lives on rank
-``column_rank[c]`` as local expert ``column_local[c]`` of ``num_local = L + k`` (``L = E // R`` home experts
+``column_rank[c]`` as local expert ``column_local[c]`` of ``num_local_columns = L + k`` (``L = E // R`` home experts
 first, then the ``k`` spare slots; :func:`expert_columns` builds this map). Each rank sends at most ``capacity``
 routes to each rank (the send buffer is ``[R, capacity, H]``) and receives ``R * capacity`` rows.
 
@@ -32,7 +32,7 @@ the first :meth:`TokenDispatcher.dispatch` makes no host-to-device copy (it may 
 
 Example (one process, 4 experts, top-2)::
 
-    d = TokenDispatcher(num_local_experts=4, num_ranks=1, rank=0, column_rank=torch.zeros(4, dtype=torch.long),
+    d = TokenDispatcher(num_local_columns=4, num_ep_ranks=1, ep_rank=0, column_rank=torch.zeros(4, dtype=torch.long),
                         column_local=torch.arange(4), capacity=None)
     expert_in, m_splits, h = d.dispatch(x, indices, probs)      # rows grouped by expert, m_splits on device
     y = d.combine(grouped_mlp(expert_in, m_splits), h)          # [T, H]
@@ -58,7 +58,11 @@ __all__ = [
     "topk_from_routing_map",
     "gather_rows",
     "counting_enabled",
+    "DROP_POLICIES",
 ]
+
+
+DROP_POLICIES = ("position", "probs")
 
 
 # ------------------------------------------------------------------------------------------------ helpers --
@@ -69,21 +73,21 @@ def counting_enabled() -> bool:
     return torch._C._current_graph_task_id() == -1
 
 
-def expert_columns(num_experts: int, num_ranks: int, num_spare_per_rank: int = 0, device=None):
+def expert_columns(num_experts: int, num_ep_ranks: int, num_spare_experts_per_ep_rank: int = 0, device=None):
     """``(column_rank [E+S], column_local [E+S])`` int64 for ``E`` home experts (``L = E // R`` per rank, expert
     ``e`` on rank ``e // L`` at local index ``e % L``) and ``S = R * k`` spare slots (slot ``j`` on rank ``j // k``
     at local index ``L + j % k``), as in :mod:`moe_graph.moe.echo_planner` and :mod:`moe_graph.moe.echo`."""
-    if num_experts % num_ranks:
-        raise ValueError(f"num_experts={num_experts} must be divisible by num_ranks={num_ranks}")
-    L, k = num_experts // num_ranks, num_spare_per_rank
+    if num_experts % num_ep_ranks:
+        raise ValueError(f"num_experts={num_experts} must be divisible by num_ep_ranks={num_ep_ranks}")
+    L, k = num_experts // num_ep_ranks, num_spare_experts_per_ep_rank
     e = torch.arange(num_experts, device=device)
-    j = torch.arange(num_ranks * k, device=device)
+    j = torch.arange(num_ep_ranks * k, device=device)
     rank = torch.cat([e // L, j // k if k else j])
     local = torch.cat([e % L, L + (j % k) if k else j])
     return rank.to(torch.int64), local.to(torch.int64)
 
 
-def capacity_for(num_tokens: int, topk: int, num_ranks: int, capacity_factor: Optional[float]) -> int:
+def capacity_for(num_tokens: int, topk: int, num_ep_ranks: int, capacity_factor: Optional[float]) -> int:
     """Routes each rank may send to each rank: ``ceil(capacity_factor * T * K / R)`` (at least 1, at most
     ``T * K``); ``None`` -> ``T * K`` (dropless)."""
     full = num_tokens * topk
@@ -91,7 +95,7 @@ def capacity_for(num_tokens: int, topk: int, num_ranks: int, capacity_factor: Op
         return max(full, 1)
     if capacity_factor <= 0:
         raise ValueError(f"capacity_factor must be > 0 or None (dropless), got {capacity_factor}")
-    return max(1, min(full, int(math.ceil(round(capacity_factor * full / num_ranks, 6)))))
+    return max(1, min(full, int(math.ceil(round(capacity_factor * full / num_ep_ranks, 6)))))
 
 
 def topk_from_routing_map(routing_map: torch.Tensor, probs: torch.Tensor, topk: int):
@@ -172,7 +176,7 @@ class DispatchHandle:
     num_tokens: int
     topk: int
     dropped: torch.Tensor  # 0-dim int64: routes dropped by this call (over capacity)
-    recv_counts: torch.Tensor  # [num_local] int64: rows received per local expert (== m_splits)
+    recv_counts: torch.Tensor  # [num_local_columns] int64: rows received per local expert (== m_splits)
 
 
 # ---------------------------------------------------------------------------------------------- dispatcher --
@@ -180,9 +184,10 @@ class TokenDispatcher(nn.Module):
     """Static-buffer token dispatcher over an EP process group.
 
     Args:
-        num_local_experts: local experts per rank (home + spare: ``L + k``); the grouped GEMM's ``E``.
-        num_ranks: ``R`` (EP group size); ``1``: single process, no communication.
-        rank: this rank's index in the EP group.
+        num_local_columns: routing columns each rank hosts (home experts + spare slots: ``L + k``); the grouped
+            GEMM's experts.
+        num_ep_ranks: ``R`` (EP group size); ``1``: single process, no communication.
+        ep_rank: this rank's index in the EP group.
         column_rank, column_local: ``[C]`` int tensors, the destination rank and local expert of each routing
             column (see :func:`expert_columns`).
         capacity: routes each rank sends to each rank (static); ``None``: dropless (``T * K``, known at the first
@@ -198,9 +203,9 @@ class TokenDispatcher(nn.Module):
 
     def __init__(
         self,
-        num_local_experts: int,
-        num_ranks: int,
-        rank: int,
+        num_local_columns: int,
+        num_ep_ranks: int,
+        ep_rank: int,
         column_rank: torch.Tensor,
         column_local: torch.Tensor,
         capacity: Optional[int] = None,
@@ -210,13 +215,14 @@ class TokenDispatcher(nn.Module):
         device=None,
     ):
         super().__init__()
-        if drop_policy not in ("position", "probs"):
+        if drop_policy not in DROP_POLICIES:
             raise ValueError(f"drop_policy must be 'position' or 'probs', got {drop_policy!r}")
         self.drop_policy = drop_policy
-        if num_local_experts < 1:
-            raise ValueError(f"num_local_experts must be >= 1, got {num_local_experts}")
-        if num_ranks < 1 or not 0 <= rank < num_ranks:
-            raise ValueError(f"need num_ranks >= 1 and 0 <= rank < num_ranks, got num_ranks={num_ranks}, rank={rank}")
+        if num_local_columns < 1:
+            raise ValueError(f"num_local_columns must be >= 1, got {num_local_columns}")
+        if num_ep_ranks < 1 or not 0 <= ep_rank < num_ep_ranks:
+            raise ValueError(f"need num_ep_ranks >= 1 and 0 <= ep_rank < num_ep_ranks, got num_ep_ranks={num_ep_ranks}, "
+                             f"ep_rank={ep_rank}")
         if column_rank.dim() != 1 or column_local.shape != column_rank.shape:
             raise ValueError(
                 f"column_rank and column_local must be 1-D of equal length, got {tuple(column_rank.shape)} and "
@@ -226,36 +232,36 @@ class TokenDispatcher(nn.Module):
             raise ValueError(f"capacity must be >= 1 or None (dropless), got {capacity}")
         # validated once here (host values at construction, not on the hot path)
         cr, cl = column_rank.detach().cpu(), column_local.detach().cpu()
-        if cr.numel() and (cr.min() < 0 or cr.max() >= num_ranks):
-            raise ValueError(f"column_rank values must be in [0, {num_ranks}), got {cr.tolist()}")
-        if cl.numel() and (cl.min() < 0 or cl.max() >= num_local_experts):
-            raise ValueError(f"column_local values must be in [0, {num_local_experts}), got {cl.tolist()}")
-        self.num_local = num_local_experts
-        self.R = num_ranks
-        self.rank = rank
+        if cr.numel() and (cr.min() < 0 or cr.max() >= num_ep_ranks):
+            raise ValueError(f"column_rank values must be in [0, {num_ep_ranks}), got {cr.tolist()}")
+        if cl.numel() and (cl.min() < 0 or cl.max() >= num_local_columns):
+            raise ValueError(f"column_local values must be in [0, {num_local_columns}), got {cl.tolist()}")
+        self.num_local_columns = num_local_columns
+        self.num_ep_ranks = num_ep_ranks
+        self.ep_rank = ep_rank
         self.capacity = capacity
         self.group = group
         self._num_columns = cr.numel()
         device = torch.device(device) if device is not None else column_rank.device
         # every constant table is built here, on the device (never lazily with a blocking copy in dispatch):
-        # the column map with a sentinel column C (destination R: nowhere; local index num_local: sorts last)
-        self.register_buffer("column_rank_ext", torch.cat([cr.to(torch.int64), torch.tensor([num_ranks])]).to(device),
+        # the column map with a sentinel column C (destination R: nowhere; local index num_local_columns: sorts last)
+        self.register_buffer("column_rank_ext", torch.cat([cr.to(torch.int64), torch.tensor([num_ep_ranks])]).to(device),
                              persistent=False)
         self.register_buffer("column_local_ext",
-                             torch.cat([cl.to(torch.int64), torch.tensor([num_local_experts])]).to(device),
+                             torch.cat([cl.to(torch.int64), torch.tensor([num_local_columns])]).to(device),
                              persistent=False)
         # cumulative routes dropped over the capacity (a statistic, written in place: its identity never changes)
         self.register_buffer("dropped_routes", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
-        if num_ranks == 1:
+        if num_ep_ranks == 1:
             self.backend = _IdentityBackend()
         elif backend is not None:
             self.backend = backend
         else:
             if not (dist.is_available() and dist.is_initialized()):
-                raise RuntimeError(f"TokenDispatcher: num_ranks={num_ranks} needs an initialized torch.distributed")
-            if dist.get_world_size(group) != num_ranks:
+                raise RuntimeError(f"TokenDispatcher: num_ep_ranks={num_ep_ranks} needs an initialized torch.distributed")
+            if dist.get_world_size(group) != num_ep_ranks:
                 raise ValueError(
-                    f"num_ranks={num_ranks} must equal the EP group's size {dist.get_world_size(group)}"
+                    f"num_ep_ranks={num_ep_ranks} must equal the EP group's size {dist.get_world_size(group)}"
                 )
 
             self.backend = default_backend(group)
@@ -304,7 +310,7 @@ class TokenDispatcher(nn.Module):
                 are ignored).
 
         Returns:
-            ``(expert_input [R * capacity, H], m_splits [num_local] int64 on the device, handle)``: received rows
+            ``(expert_input [R * capacity, H], m_splits [num_local_columns] int64 on the device, handle)``: received rows
             grouped by local expert (expert order, then source rank, then the sender's order), padding rows
             (zeros) at the end; ``m_splits`` goes straight to the grouped GEMM.
         """
@@ -326,7 +332,7 @@ class TokenDispatcher(nn.Module):
                 f"TokenDispatcher.dispatch: hidden is on {dev} but the dispatcher's tables were built on {self.device} "
                 f"(at construction: device=...); move the dispatcher (or the model owning it) with .to({str(dev)!r})"
             )
-        R, TK = self.R, T * K
+        R, TK = self.num_ep_ranks, T * K
         cap = self.capacity if self.capacity is not None else max(TK, 1)
         N = R * cap
         col_rank, col_local = self.column_rank_ext, self.column_local_ext
@@ -338,7 +344,7 @@ class TokenDispatcher(nn.Module):
             ok = ok & valid.reshape(-1).to(torch.bool)
         col = torch.where(ok, idx, C)
         dst = col_rank.index_select(0, col)  # [TK] in [0, R]
-        lid = col_local.index_select(0, col)  # [TK] in [0, num_local]
+        lid = col_local.index_select(0, col)  # [TK] in [0, num_local_columns]
 
         if self.drop_policy == "probs":  # route order: destination, then probability (descending), then (token, k)
             by_prob = torch.argsort(probs.reshape(-1).detach(), descending=True, stable=True)
@@ -360,8 +366,8 @@ class TokenDispatcher(nn.Module):
         src_pos = (start.index_select(0, d) + p).clamp(max=max(TK - 1, 0))
         route_of_slot = torch.where(has, order.index_select(0, src_pos) if TK else src_pos, TK)
         token_of_slot = torch.where(has, route_of_slot // K, T)
-        lid_ext = torch.cat([lid, lid.new_full((1,), self.num_local)])
-        lid_of_slot = torch.where(has, lid_ext.index_select(0, route_of_slot), self.num_local)
+        lid_ext = torch.cat([lid, lid.new_full((1,), self.num_local_columns)])
+        lid_of_slot = torch.where(has, lid_ext.index_select(0, route_of_slot), self.num_local_columns)
         dropped = (cnt[:R] - cap).clamp(min=0).sum()
         if counting_enabled():  # not again when activation recomputation re-runs this forward
             self.dropped_routes.add_(dropped)  # a statistic, not an error: the device error flag is left alone
@@ -375,9 +381,9 @@ class TokenDispatcher(nn.Module):
         order2 = torch.argsort(recv_lid, stable=True)
         inv2 = torch.empty_like(order2).scatter_(0, order2, torch.arange(N, device=dev))
         expert_in = gather_rows(recv, order2, inv2, 1)
-        counts = torch.zeros(self.num_local + 1, dtype=torch.int64, device=dev).scatter_add_(
+        counts = torch.zeros(self.num_local_columns + 1, dtype=torch.int64, device=dev).scatter_add_(
             0, recv_lid, torch.ones_like(recv_lid)
-        )[: self.num_local]
+        )[: self.num_local_columns]
         pw = probs.reshape(-1)
         pw = torch.where(col < C, pw, torch.zeros((), dtype=pw.dtype, device=dev)).view(T, K)
         handle = DispatchHandle(route_slot, route_of_slot, order2, inv2, pw, T, K, dropped, counts)
@@ -393,8 +399,8 @@ class TokenDispatcher(nn.Module):
         H = expert_output.shape[1]
         T, K = handle.num_tokens, handle.topk
         y_recv = gather_rows(expert_output, handle.inv_order, handle.order, 1)
-        if self.R > 1:
-            y_send = _Exchange.apply(self.backend, y_recv.view(self.R, N // self.R, H)).reshape(N, H)
+        if self.num_ep_ranks > 1:
+            y_send = _Exchange.apply(self.backend, y_recv.view(self.num_ep_ranks, N // self.num_ep_ranks, H)).reshape(N, H)
         else:
             y_send = y_recv
         y_route = gather_rows(y_send, handle.route_slot, handle.route_of_slot, 1).view(T, K, H)

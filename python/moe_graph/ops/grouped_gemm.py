@@ -9,7 +9,7 @@ those output rows are zero. A sum larger than the buffer sets the device error f
 from __future__ import annotations
 
 import operator
-from typing import List, Optional, Sequence, Union
+from typing import Callable, List, Optional, Sequence, Union
 
 import torch
 
@@ -17,7 +17,8 @@ from moe_graph.ops._lib import available, ops, require
 
 TensorOrList = Union[torch.Tensor, Sequence[torch.Tensor]]
 
-__all__ = ["grouped_gemm", "grouped_gemm_wgrad", "gmm", "grouped_bias_grad"]
+__all__ = ["grouped_gemm", "grouped_gemm_wgrad", "gmm", "grouped_bias_grad", "grouped_gemm_autograd", "as_splits",
+           "zero_wgrad_placeholder", "is_zero_wgrad_placeholder", "resolve_main_grad", "has_main_grad_source"]
 
 
 # ----------------------------------------------------------------------------------------------- fake impls --
@@ -66,7 +67,7 @@ def _split_ints(m_splits) -> List[int]:
     return vals
 
 
-def _as_splits(m_splits, device: torch.device) -> torch.Tensor:
+def as_splits(m_splits, device: torch.device) -> torch.Tensor:
     """A device tensor is used as is (no copy, no sync). A list/tuple (TransformerEngine's API) is copied to
     ``device`` from pinned memory without blocking the host; it cannot be captured in a CUDA graph (its values
     would be frozen into the graph), so pass a device tensor there."""
@@ -100,10 +101,10 @@ def _stack_bias(bias) -> Optional[torch.Tensor]:
     return torch.stack(list(bias))
 
 
-_DUMMY_WGRAD: dict = {}
+_ZERO_WGRAD_PLACEHOLDERS: dict = {}
 
 
-def _dummy_wgrad(w: torch.Tensor) -> torch.Tensor:
+def zero_wgrad_placeholder(w: torch.Tensor) -> torch.Tensor:
     """Zero placeholder gradient for a weight whose gradient already went (or will go) into ``main_grad``, so that
     autograd still runs the weight's grad-accumulation node and DDP's hooks fire (TransformerEngine does the same).
 
@@ -113,23 +114,23 @@ def _dummy_wgrad(w: torch.Tensor) -> torch.Tensor:
     is a placeholder (read ``main_grad``). If anything wrote into the buffer (its version counter moved), it is
     left to its holders and a new zero buffer is cached."""
     key = (tuple(w.shape), w.dtype, w.device)
-    entry = _DUMMY_WGRAD.get(key)
+    entry = _ZERO_WGRAD_PLACEHOLDERS.get(key)
     if entry is None or entry[0]._version != entry[1]:
         t = torch.zeros(w.shape, dtype=w.dtype, device=w.device)
         entry = (t, t._version)
-        _DUMMY_WGRAD[key] = entry
+        _ZERO_WGRAD_PLACEHOLDERS[key] = entry
     return entry[0].detach()
 
 
-def _is_untouched_dummy_wgrad(g: Optional[torch.Tensor]) -> bool:
+def is_zero_wgrad_placeholder(g: Optional[torch.Tensor]) -> bool:
     """Whether ``g`` is (an alias of) the cached zero placeholder, never written since it was handed out."""
     if g is None:
         return False
-    entry = _DUMMY_WGRAD.get((tuple(g.shape), g.dtype, g.device))
+    entry = _ZERO_WGRAD_PLACEHOLDERS.get((tuple(g.shape), g.dtype, g.device))
     return entry is not None and g.data_ptr() == entry[0].data_ptr() and entry[0]._version == entry[1]
 
 
-def _resolve_main_grad(w: torch.Tensor) -> torch.Tensor:
+def resolve_main_grad(w: torch.Tensor) -> torch.Tensor:
     """``w.main_grad``, fetched lazily as TransformerEngine does: Megatron-FSDP parameters (``__fsdp_param__``)
     allocate it through ``w.get_main_grad()`` only before backward. The result is stored as ``w.main_grad``."""
     if hasattr(w, "__fsdp_param__") and callable(getattr(w, "get_main_grad", None)):
@@ -142,7 +143,7 @@ def _resolve_main_grad(w: torch.Tensor) -> torch.Tensor:
     return mg
 
 
-def _has_main_grad_source(w: torch.Tensor) -> bool:
+def has_main_grad_source(w: torch.Tensor) -> bool:
     """A ``main_grad`` now, or a lazy ``get_main_grad()`` (Megatron-FSDP) that will provide one in backward."""
     return getattr(w, "main_grad", None) is not None or callable(getattr(w, "get_main_grad", None))
 
@@ -260,7 +261,7 @@ class _GroupedGemmFn(torch.autograd.Function):
     * ``fuse_main_grad``: the weight gradients go in place into ``w.main_grad`` (fp32 or the weight dtype; fetched
       at backward, lazily through ``get_main_grad()`` for Megatron-FSDP parameters) inside the GEMM epilogue,
       added (``accumulate``) or overwriting (TE's ``is_first_microbatch=True`` or ``w.overwrite_main_grad``);
-      ``w.grad_added_to_main_grad`` is set and a zero placeholder returned (no allocation, see ``_dummy_wgrad``)
+      ``w.grad_added_to_main_grad`` is set and a zero placeholder returned (no allocation, see ``zero_wgrad_placeholder``)
       so that the grad-accumulation hooks still fire.
     * ``defer`` (a callable, TE's ``delay_wgrad_compute``): backward computes the input gradient only and hands
       ``(a, dy, m_splits)`` to ``defer``; the weight- and bias-gradient work runs later
@@ -293,7 +294,7 @@ class _GroupedGemmFn(torch.autograd.Function):
         deferred = need_w and ctx.defer is not None
         fused = need_w and not deferred and ctx.fuse_main_grad
         params = ctx.weight_objects
-        main_grads = [_resolve_main_grad(w) for w in params] if fused else None
+        main_grads = [resolve_main_grad(w) for w in params] if fused else None
         need_w_now = [need_w and not deferred] * len(weights)  # main_grad accumulation covers the whole group
         da, w_grads, db = _grouped_gemm_backward(
             dy, a, weights, m_splits, ctx.trans_b, ctx.bias_dtype, ctx.needs_input_grad[0], need_w_now,
@@ -304,20 +305,29 @@ class _GroupedGemmFn(torch.autograd.Function):
             if ctx.fuse_main_grad:
                 for w in params:
                     w.grad_added_to_main_grad = True
-                w_grads = [_dummy_wgrad(w) for w in params]
+                w_grads = [zero_wgrad_placeholder(w) for w in params]
             else:
                 w_grads = [w.new_zeros(()).expand(w.shape) for w in params]
         elif fused:
             for w in params:
                 w.grad_added_to_main_grad = True
-            w_grads = [_dummy_wgrad(w) for w in params]
+            w_grads = [zero_wgrad_placeholder(w) for w in params]
         return (da, None, None, db, None, None, None, *w_grads)
 
 
-def _grouped_gemm_autograd(a, weights, m_splits, trans_b, bias, fuse_main_grad: bool, accumulate: bool = True,
-                           defer=None) -> torch.Tensor:
-    """``ops.grouped_gemm`` (differentiable through the op's registered autograd), or ``_GroupedGemmFn`` when the
-    weight gradients go into ``w.main_grad`` (``fuse_main_grad``, ``accumulate``) or are deferred (``defer``)."""
+def grouped_gemm_autograd(a: torch.Tensor, weights: Sequence[torch.Tensor], m_splits: torch.Tensor, *,
+                          trans_b: bool = True, bias: Optional[torch.Tensor] = None, fuse_main_grad: bool = False,
+                          accumulate: bool = True, defer: Optional[Callable] = None) -> torch.Tensor:
+    """Differentiable grouped GEMM with TransformerEngine's weight-gradient modes (the layer-facing entry point of
+    :class:`moe_graph.GroupedLinear` and the MoE experts; ``m_splits`` is already a device tensor, see
+    :func:`as_splits`).
+
+    * ``fuse_main_grad``: the weight gradients go in place into each ``w.main_grad`` (added when ``accumulate``,
+      else overwritten), ``w.grad_added_to_main_grad`` is set and autograd gets :func:`zero_wgrad_placeholder`.
+    * ``defer``: a callable; backward computes the input gradient only and calls ``defer(a, dy, m_splits)`` for
+      the weight- and bias-gradient work (TE's ``delay_wgrad_compute``).
+
+    Without either it is ``torch.ops.moe_graph.grouped_gemm``, whose autograd is registered on the op."""
     if fuse_main_grad or defer is not None:
         return _GroupedGemmFn.apply(a, m_splits, trans_b, bias, fuse_main_grad, accumulate, defer, *weights)
     return ops.grouped_gemm(a, list(weights), m_splits, trans_b, bias)
@@ -350,7 +360,7 @@ def grouped_gemm(
         >>> y = grouped_gemm(a, w, [2, 3])    # rows 0-1 use w[0], rows 2-4 use w[1], row 5 is zero
     """
     weights = _as_list(b, "b")
-    splits = _as_splits(m_splits, a.device)
+    splits = as_splits(m_splits, a.device)
     bias_t = _stack_bias(bias)
     if out is not None:
         if torch.is_grad_enabled() and (a.requires_grad or any(w.requires_grad for w in weights)):
@@ -379,7 +389,7 @@ def grouped_gemm_wgrad(
     Returns ``out`` (or a new ``[E, N, K]`` tensor in a's dtype). Without ``out=`` it is differentiable with
     respect to ``a`` and ``dy`` (double backward of grouped_gemm).
     """
-    splits = _as_splits(m_splits, a.device)
+    splits = as_splits(m_splits, a.device)
     if out is None:
         if isinstance(accumulate, torch.Tensor) or accumulate:
             raise ValueError("grouped_gemm_wgrad: accumulate needs out= (the tensor to accumulate into)")
@@ -396,7 +406,7 @@ def grouped_gemm_wgrad(
 
 def grouped_bias_grad(dy: torch.Tensor, m_splits) -> torch.Tensor:
     """``db[e] = sum of dy rows of expert e`` -> ``[E, N]`` fp32 (fp64 for fp64 input)."""
-    return ops.grouped_bias_grad(dy, _as_splits(m_splits, dy.device))
+    return ops.grouped_bias_grad(dy, as_splits(m_splits, dy.device))
 
 
 def gmm(a: torch.Tensor, b: torch.Tensor, batch_sizes, trans_b: bool = False) -> torch.Tensor:

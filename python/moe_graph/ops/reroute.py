@@ -2,7 +2,7 @@
 (C++ on CPU, CUDA kernels on GPU), its fake (meta) implementation and autograd (through ``probs``).
 
 Semantics (also in ``csrc/reroute/reroute.h``): slot ``j`` hosts the home expert ``e`` with
-``home_to_spare_map[e, j]`` (the first one if several: that also sets the device error flag). For each home
+``offload_map[e, j]`` (the first one if several: that also sets the device error flag). For each home
 expert, its slots in ascending order take its routed tokens in ascending token order: the first
 ``tokens_to_spare[j1]`` go to ``j1``, the next ``tokens_to_spare[j2]`` to ``j2``, ... A moved route leaves column
 ``e`` (map ``False``, probability ``+0``) for column ``E + j`` with the bit-identical probability; every token keeps
@@ -96,7 +96,7 @@ def reroute_tokens(
     routing_map: torch.Tensor,
     probs: torch.Tensor,
     tokens_to_spare: torch.Tensor,
-    home_to_spare_map: torch.Tensor,
+    offload_map: torch.Tensor,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Move routed tokens of home experts to their spare slots.
 
@@ -105,7 +105,7 @@ def reroute_tokens(
         probs: ``[T, E]`` float32/bf16/fp16/float64 routing probabilities.
         tokens_to_spare: ``[S]`` int32/int64 on the same device, tokens this rank sends to each spare slot (its
             row of the planner's allocation).
-        home_to_spare_map: ``[E, S]`` bool, ``expert_offloading_map``: slot ``j`` hosts home expert ``e``.
+        offload_map: ``[E, S]`` bool: slot ``j`` hosts home expert ``e`` (the planner's ``home_to_spare > 0``).
 
     Returns:
         ``(rerouted_routing_map [T, E+S] bool, rerouted_probs [T, E+S])``.
@@ -116,7 +116,7 @@ def reroute_tokens(
         -> tokens 0 and 1 (the lowest routed to expert 0) move to column 2:
            [[0, 0, 1], [0, 1, 1], [0, 1, 0], [1, 0, 0]]
     """
-    return torch.ops.moe_graph.reroute_tokens(routing_map, probs, tokens_to_spare, home_to_spare_map)
+    return torch.ops.moe_graph.reroute_tokens(routing_map, probs, tokens_to_spare, offload_map)
 
 
 def _register() -> None:
@@ -124,31 +124,31 @@ def _register() -> None:
         return
 
     @torch.library.register_fake(_OP)
-    def _(routing_map, probs, tokens_to_spare, home_to_spare_map):
+    def _(routing_map, probs, tokens_to_spare, offload_map):
         torch._check(routing_map.dim() == 2, lambda: "reroute_tokens: routing_map must be a 2-D tensor [T, E]")
-        torch._check(home_to_spare_map.dim() == 2, lambda: "reroute_tokens: home_to_spare_map must be [E, S]")
+        torch._check(offload_map.dim() == 2, lambda: "reroute_tokens: offload_map must be [E, S]")
         T, E = routing_map.shape
-        S = home_to_spare_map.shape[1]
+        S = offload_map.shape[1]
         return (
             routing_map.new_empty((T, E + S), dtype=torch.bool),
             probs.new_empty((T, E + S)),
         )
 
     def _setup_context(ctx, inputs, output):
-        routing_map, _probs, _tts, home_to_spare_map = inputs
-        ctx.save_for_backward(routing_map, home_to_spare_map, output[0])
+        routing_map, _probs, _tts, offload_map = inputs
+        ctx.save_for_backward(routing_map, offload_map, output[0])
 
     def _backward(ctx, grad_map, grad_probs):
         # The op permutes probability entries: a moved (t, e) now lives in (t, E + j) with home(j) = e.
-        routing_map, home_to_spare_map, out_map = ctx.saved_tensors
+        routing_map, offload_map, out_map = ctx.saved_tensors
         if grad_probs is None:
             return None, None, None, None
         T, E = routing_map.shape
-        S = home_to_spare_map.shape[1]
+        S = offload_map.shape[1]
         zero = torch.zeros((), dtype=grad_probs.dtype, device=grad_probs.device)
         moved = routing_map & ~out_map[:, :E]
         base = torch.where(moved, zero, grad_probs[:, :E])
-        home = torch.argmax(home_to_spare_map.to(torch.int8), dim=0)  # [S] first true
+        home = torch.argmax(offload_map.to(torch.int8), dim=0)  # [S] first true
         spare_routed = out_map[:, E:]
         tgt = torch.where(spare_routed, home[None, :], E)  # sink column E for unused entries
         full = torch.cat([base, base.new_zeros(T, 1)], dim=1)

@@ -47,7 +47,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 import torch
 
 from moe_graph import parallel_state as ps
-from moe_graph.moe.layer import MoEAuxLossAutoScaler
+from moe_graph.moe.router import MoEAuxLossAutoScaler
 from moe_graph.train.p2p import P2PCommunicator, Shape, get_default_communicator
 
 # ==================================================================================================
@@ -383,7 +383,7 @@ def backward_step(input_tensor, output_tensor, output_tensor_grad, config: Pipel
 
 
 def set_aux_loss_scale_for_step(config: PipelineConfig, models, num_microbatches: int) -> None:
-    """Set the MoE aux/z-loss gradient scale (:class:`moe_graph.moe.layer.MoEAuxLossAutoScaler`) to
+    """Set the MoE aux/z-loss gradient scale (:class:`moe_graph.moe.router.MoEAuxLossAutoScaler`) to
     ``loss_scale / num_microbatches``, the factors the main loss gets (``loss_scale`` from
     ``config.grad_scale_func``, 1 without one), as Megatron's schedules do. Device work only (capturable)."""
     if config.grad_scale_func is None:

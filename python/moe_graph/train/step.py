@@ -10,9 +10,9 @@ list of model chunks for the interleaved pipeline schedule) with a :class:`moe_g
    optimizer's loss scale (``DynamicLossScaler``), runs every microbatch but the last inside ``ddp.no_sync()`` (so
    ``overlap_grad_reduce`` launches each bucket's reduction once, during the last backward) and sets the MoE
    aux/z-loss gradient scale to ``loss_scale / num_microbatches``
-   (:meth:`moe_graph.moe.layer.MoEAuxLossAutoScaler.set_loss_scale`);
+   (:meth:`moe_graph.moe.router.MoEAuxLossAutoScaler.set_loss_scale`);
 3. ``optimizer.step()``: finish the reductions, unscale, global grad norm, clipping, Adam, param all-gather;
-4. the auxiliary-loss-free expert-bias update of sigmoid routers (:func:`moe_graph.moe.layer.update_expert_bias`).
+4. the auxiliary-loss-free expert-bias update of sigmoid routers (:func:`moe_graph.moe.router.update_expert_bias`).
 
 It returns :class:`TrainStepResult` ``(loss, grad_norm, skipped)``: device tensors, no host sync, so the whole
 step can be captured in one CUDA graph (:class:`moe_graph.cuda_graph.FullIterationGraph` over
@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from moe_graph import parallel_state as ps
-from moe_graph.moe.layer import update_expert_bias as _update_bias
+from moe_graph.moe.router import update_expert_bias as _update_bias
 from moe_graph.train import schedules
 
 __all__ = ["TrainStepResult", "train_step", "make_train_step"]
@@ -83,7 +83,7 @@ def train_step(model, optimizer, microbatches: Sequence[Any], *, loss_func: Opti
         config: a :class:`moe_graph.train.schedules.PipelineConfig` to start from; ``grad_scale_func`` defaults to
             multiplying by the optimizer's loss scale.
         forward_backward_func: the schedule (default: from parallel_state, or the list length of ``model``).
-        update_expert_bias: run :func:`moe_graph.moe.layer.update_expert_bias` after the optimizer step.
+        update_expert_bias: run :func:`moe_graph.moe.router.update_expert_bias` after the optimizer step.
         average_loss_over_data_parallel: average the returned loss over the data-parallel group (one
             all-reduce of a scalar).
     """

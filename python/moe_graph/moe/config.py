@@ -1,0 +1,90 @@
+"""``MoEConfig``: the options of one :class:`moe_graph.moe.layer.MoELayer`, validated in one place.
+
+``MoELayer(hidden_size, ffn_hidden_size, num_experts, topk, **options)`` builds one from its keywords (the names
+and defaults are the fields below); ``MoELayer.from_config(config)`` takes one directly. The process group and the
+device are construction arguments of the layer, not options.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from moe_graph.moe.echo import PLAN_MODES
+from moe_graph.moe.echo_planner import ASSIGNMENTS
+from moe_graph.moe.experts import ACTIVATIONS
+from moe_graph.moe.router import check_loss_options, check_router_options
+from moe_graph.moe.token_dispatcher import DROP_POLICIES
+
+__all__ = ["MoEConfig"]
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Options of an MoE layer (see :class:`moe_graph.moe.layer.MoELayer` for what each does).
+
+    Routing (:class:`moe_graph.moe.router.TopKRouter`): ``topk``, ``score_func``, ``norm_topk_prob``,
+    ``num_groups``, ``group_topk``, ``topk_scaling_factor``, ``enable_expert_bias``, ``expert_bias_update_rate``,
+    ``router_dtype``. Losses (:class:`moe_graph.moe.router.RouterLoss`): ``aux_loss_coeff``, ``aux_loss_type``,
+    ``sequence_dim``, ``z_loss_coeff``. Expert parallelism and echo: ``ep_size``,
+    ``num_spare_experts_per_ep_rank``, ``assignment``, ``echo_donors``, ``echo_plan_mode``. Token dispatch:
+    ``capacity_factor``, ``token_drop_policy``. Experts (:class:`moe_graph.moe.experts.GroupedMLP`):
+    ``activation``, ``shared_expert_ffn_size``, ``shared_expert_gate``, ``params_dtype``, ``init_std``;
+    ``recompute``: activation recomputation of the whole layer.
+    """
+
+    hidden_size: int
+    ffn_hidden_size: int
+    num_experts: int
+    topk: int = 2
+    score_func: str = "softmax"
+    norm_topk_prob: bool = False
+    activation: str = "swiglu"
+    aux_loss_coeff: float = 0.0
+    aux_loss_type: str = "local"
+    sequence_dim: int = 1
+    z_loss_coeff: float = 0.0
+    num_groups: Optional[int] = None
+    group_topk: Optional[int] = None
+    topk_scaling_factor: Optional[float] = None
+    enable_expert_bias: bool = False
+    expert_bias_update_rate: float = 1e-3
+    router_dtype: Optional[torch.dtype] = None
+    ep_size: Optional[int] = None
+    num_spare_experts_per_ep_rank: int = 0
+    assignment: str = "auto"
+    echo_donors: Optional[int] = None
+    echo_plan_mode: str = "microbatch"
+    capacity_factor: Optional[float] = None
+    token_drop_policy: str = "probs"
+    shared_expert_ffn_size: Optional[int] = None
+    shared_expert_gate: bool = False
+    params_dtype: Optional[torch.dtype] = None
+    init_std: float = 0.02
+    recompute: bool = False
+
+    def __post_init__(self):
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be 'swiglu' or 'gelu', got {self.activation!r}")
+        k = self.num_spare_experts_per_ep_rank
+        if k < 0:
+            raise ValueError(f"num_spare_experts_per_ep_rank must be >= 0, got {k}")
+        check_loss_options(self.aux_loss_type, self.sequence_dim)
+        if self.echo_plan_mode not in PLAN_MODES:
+            raise ValueError(f"echo_plan_mode must be one of {PLAN_MODES}, got {self.echo_plan_mode!r}")
+        if self.echo_plan_mode == "iteration" and self.recompute and k > 0:
+            raise ValueError("echo_plan_mode='iteration' cannot be combined with recompute=True")
+        if self.assignment not in ASSIGNMENTS:
+            raise ValueError(f"assignment must be one of {ASSIGNMENTS}, got {self.assignment!r}")
+        cf = self.capacity_factor
+        if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or not 0 < cf < float("inf")):
+            raise ValueError(f"capacity_factor must be a finite number > 0 or None (dropless), got {cf!r}")
+        check_router_options(self.num_experts, self.topk, self.score_func, self.num_groups, self.group_topk,
+                             self.enable_expert_bias, self.router_dtype)
+        if self.token_drop_policy not in DROP_POLICIES:
+            raise ValueError(f"token_drop_policy must be 'position' or 'probs', got {self.token_drop_policy!r}")
+        if self.shared_expert_gate and not self.shared_expert_ffn_size:
+            raise ValueError("shared_expert_gate needs shared_expert_ffn_size")
+

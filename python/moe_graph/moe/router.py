@@ -1,0 +1,351 @@
+"""Routing: :class:`TopKRouter` (gate, softmax/sigmoid scores, top-k with the DeepSeek-V3/Qwen3 options), the
+auxiliary losses (:func:`router_aux_loss`, :func:`sequence_aux_loss`, :func:`router_z_loss`, combined per layer by
+:class:`RouterLoss`), :class:`MoEAuxLossAutoScaler` that feeds their gradient into backward through the layer
+output, and auxiliary-loss-free balancing (:func:`update_expert_bias`).
+
+All of it is device code without host syncs (capturable). Notation: the legend of :mod:`moe_graph.moe`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from moe_graph import parallel_state as ps
+from moe_graph.moe.token_dispatcher import counting_enabled
+
+__all__ = ["AUX_LOSS_TYPES", "MoEAuxLossAutoScaler", "RouterLoss", "SCORE_FUNCS", "TopKRouter", "aux_loss_scores",
+           "check_loss_options", "check_router_options", "group_limited_topk", "router_aux_loss", "router_z_loss", "sequence_aux_loss",
+           "set_aux_loss_scale", "update_expert_bias"]
+
+SCORE_FUNCS = ("softmax", "sigmoid")
+AUX_LOSS_TYPES = ("local", "global", "sequence")
+
+
+def router_aux_loss(scores: torch.Tensor, routing_map: torch.Tensor, topk: int,
+                    tokens_per_expert: Optional[torch.Tensor] = None,
+                    token_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Switch-transformer load-balancing loss ``E * sum_e f_e * P_e`` (``f_e``: fraction of the routes that go
+    to expert ``e``, ``P_e``: mean score of ``e`` over the local tokens); 1.0 for perfect balance. With
+    ``tokens_per_expert`` (e.g. counts summed over the EP group: global-batch balancing, as Qwen3 trains) ``f``
+    comes from those counts instead of the local ``routing_map``. ``token_mask`` ``[T]`` (1: real token, 0:
+    padding, whose routes must already be off the map): means over the real tokens only. Device-only, no sync."""
+    T, E = scores.shape
+    if token_mask is None:
+        n = max(T, 1)  # a Python number: no host-to-device copy on the hot path (capturable)
+    else:
+        m = token_mask.to(scores.dtype)
+        scores = scores * m[:, None]
+        n = m.sum().clamp(min=1)
+    if tokens_per_expert is None:
+        f = routing_map.to(scores.dtype).sum(0) / (n * topk)
+    else:
+        counts = tokens_per_expert.to(scores.dtype)
+        f = counts / counts.sum().clamp(min=1)
+    p = scores.sum(0) / n
+    return E * (f * p).sum()
+
+
+class MoEAuxLossAutoScaler(torch.autograd.Function):
+    """Identity on ``out``; its backward also feeds the gradient ``loss_scale`` to ``aux`` (Megatron-core's
+    ``MoEAuxLossAutoScaler``), so the router losses reach backward through the layer output without being added
+    to the reported loss.
+
+    The aux gradient must carry the same factors as the main loss's gradient: ``1 / num_microbatches`` (each
+    microbatch's loss is divided by it) and the loss scale (``DynamicLossScaler``: the optimizer divides every
+    gradient by it). :meth:`set_loss_scale` sets that factor in a device tensor, once per step;
+    :func:`moe_graph.train.step.train_step` and the pipeline schedules (:mod:`moe_graph.train.schedules`) set it to
+    ``loss_scale / num_microbatches`` for you. Its default is 1 (one microbatch, no loss scaling).
+    """
+
+    _scales: dict = {}  # device -> 0-dim fp32 tensor (static address: a captured graph reads the current value)
+    _default = 1.0
+
+    @staticmethod
+    def forward(ctx, out, aux):
+        """``aux``: the router losses already multiplied by the scale tensor (:meth:`attach`)."""
+        ctx.save_for_backward(aux)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        (aux,) = ctx.saved_tensors
+        return g, torch.ones_like(aux)
+
+    @staticmethod
+    def attach(out: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        """``out`` unchanged; backward adds the gradient of ``aux * loss_scale`` (the current scale, read from the
+        device tensor when backward runs the graph: no host value is frozen)."""
+        return MoEAuxLossAutoScaler.apply(out, aux * MoEAuxLossAutoScaler.loss_scale(aux.device).to(aux.dtype))
+
+    @staticmethod
+    def loss_scale(device) -> torch.Tensor:
+        """The 0-dim fp32 device tensor holding the aux-loss gradient scale on ``device``."""
+        device = torch.device(device)
+        t = MoEAuxLossAutoScaler._scales.get(device)
+        if t is None:
+            t = torch.full((), MoEAuxLossAutoScaler._default, dtype=torch.float32, device=device)
+            MoEAuxLossAutoScaler._scales[device] = t
+        return t
+
+    @staticmethod
+    def set_loss_scale(scale) -> None:
+        """Set the aux/z-loss gradient scale: a Python number, or a 0-dim / one-element device tensor (e.g.
+        ``loss_scaler.scale / num_microbatches``; copied in place, no host sync, capturable)."""
+        if isinstance(scale, torch.Tensor):
+            if scale.numel() != 1:
+                raise ValueError(f"set_loss_scale: scale must have one element, got shape {tuple(scale.shape)}")
+            scale = scale.detach().reshape(())
+            MoEAuxLossAutoScaler.loss_scale(scale.device).copy_(scale)
+            for dev, t in MoEAuxLossAutoScaler._scales.items():
+                if dev != scale.device:
+                    t.copy_(scale)
+            return
+        scale = float(scale)
+        if not math.isfinite(scale):
+            raise ValueError(f"set_loss_scale: scale must be finite, got {scale}")
+        MoEAuxLossAutoScaler._default = scale
+        for t in MoEAuxLossAutoScaler._scales.values():
+            t.fill_(scale)
+
+
+def set_aux_loss_scale(scale) -> None:
+    """Module-level alias of :meth:`MoEAuxLossAutoScaler.set_loss_scale`."""
+    MoEAuxLossAutoScaler.set_loss_scale(scale)
+
+
+def group_limited_topk(scores: torch.Tensor, topk: int, num_groups: int, group_topk: int):
+    """DeepSeek-V3's device/node-limited routing: experts form ``num_groups`` consecutive groups; a group's score
+    is the sum of its ``topk // group_topk`` best scores; each token picks its ``group_topk`` best groups and then
+    its ``topk`` best experts among those groups. Returns ``(values [T, topk], indices [T, topk])``."""
+    T, E = scores.shape
+    grouped = scores.view(T, num_groups, E // num_groups)
+    group_scores = grouped.topk(topk // group_topk, dim=-1)[0].sum(-1)  # [T, G]
+    group_idx = group_scores.topk(group_topk, dim=-1, sorted=False)[1]
+    allowed = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
+    allowed = allowed.unsqueeze(-1).expand_as(grouped).reshape(T, E)
+    return scores.masked_fill(~allowed, float("-inf")).topk(topk, dim=-1)
+
+
+def check_router_options(num_experts: int, topk: int, score_func: str = "softmax", num_groups: Optional[int] = None,
+                         group_topk: Optional[int] = None, enable_expert_bias: bool = False,
+                         router_dtype: Optional[torch.dtype] = None) -> None:
+    """Raises ``ValueError`` naming the first bad routing option (:class:`TopKRouter`'s arguments)."""
+    if score_func not in SCORE_FUNCS:
+        raise ValueError(f"score_func must be 'softmax' or 'sigmoid', got {score_func!r}")
+    if not 1 <= topk <= num_experts:
+        raise ValueError(f"topk must be in [1, num_experts={num_experts}], got {topk}")
+    if (num_groups is None) != (group_topk is None):
+        raise ValueError(f"num_groups and group_topk go together, got num_groups={num_groups}, group_topk={group_topk}")
+    if num_groups is not None:
+        if num_groups < 1 or num_experts % num_groups:
+            raise ValueError(f"num_groups={num_groups} must divide num_experts={num_experts}")
+        if not 1 <= group_topk <= num_groups:
+            raise ValueError(f"group_topk must be in [1, num_groups={num_groups}], got {group_topk}")
+        if topk < group_topk or topk > group_topk * (num_experts // num_groups):
+            raise ValueError(
+                f"topk={topk} must be in [group_topk={group_topk}, group_topk * experts per group = "
+                f"{group_topk * (num_experts // num_groups)}] for group-limited routing")
+    if enable_expert_bias and score_func != "sigmoid":
+        raise ValueError("enable_expert_bias (auxiliary-loss-free balancing) needs score_func='sigmoid'")
+    if router_dtype not in (None, torch.float32, torch.float64):
+        raise ValueError(f"router_dtype must be None, torch.float32 or torch.float64, got {router_dtype}")
+
+
+def check_loss_options(aux_loss_type: str = "local", sequence_dim: int = 1) -> None:
+    """Raises ``ValueError`` naming a bad :class:`RouterLoss` option."""
+    if aux_loss_type not in AUX_LOSS_TYPES:
+        raise ValueError(f"aux_loss_type must be 'local', 'global' or 'sequence', got {aux_loss_type!r}")
+    if sequence_dim not in (0, 1):
+        raise ValueError(f"sequence_dim must be 0 ([S, B, H] input) or 1 ([B, S, H]), got {sequence_dim}")
+
+
+class TopKRouter(nn.Module):
+    """Linear gate + softmax or sigmoid scores + top-k, with the routing options of DeepSeek-V3/Qwen3-style models
+    (Megatron-core's ``moe_router_*`` semantics).
+
+    ``score_func="softmax"``: probabilities = the top-k softmax scores (renormalized to sum 1 when
+    ``norm_topk_prob``). ``"sigmoid"`` (DeepSeek-V3): the top-k sigmoid scores, renormalized to sum 1 when
+    ``topk > 1``.
+
+    * ``num_groups`` / ``group_topk``: group-limited routing (:func:`group_limited_topk`).
+    * ``scaling_factor``: multiplies the probabilities (DeepSeek-V3's ``routed_scaling_factor`` 2.5).
+    * ``router_dtype`` (``torch.float32`` / ``torch.float64``): run the gate GEMM in that precision (Megatron's
+      ``moe_router_dtype``; by default the GEMM runs in the input dtype and the logits are upcast to fp32).
+    * ``enable_expert_bias`` (sigmoid only): auxiliary-loss-free balancing. A buffer ``expert_bias [E]`` is added
+      to the scores for the *selection* only (the probabilities use the unbiased scores); each training-mode forward
+      (once, also under activation recomputation) adds this rank's routes per expert to the buffer ``local_tokens_per_expert``, and
+      :func:`update_expert_bias` (after the optimizer step) moves the bias by ``expert_bias_update_rate`` towards
+      balance and clears the counts. All of it is device code without host syncs (capturable).
+
+    Returns ``(routing_map [T, E] bool, probs [T, E] (zero off the map), scores [T, E])``; ``last_logits`` keeps
+    the fp32 logits of the last call (the z-loss of :class:`MoELayer` uses them).
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, topk: int, score_func: str = "softmax",
+                 norm_topk_prob: bool = False, device=None, dtype=None, *, num_groups: Optional[int] = None,
+                 group_topk: Optional[int] = None, scaling_factor: Optional[float] = None,
+                 enable_expert_bias: bool = False, expert_bias_update_rate: float = 1e-3,
+                 router_dtype: Optional[torch.dtype] = None):
+        super().__init__()
+        check_router_options(num_experts, topk, score_func, num_groups, group_topk, enable_expert_bias, router_dtype)
+        self.num_experts, self.topk, self.score_func = num_experts, topk, score_func
+        self.norm_topk_prob = norm_topk_prob or (score_func == "sigmoid" and topk > 1)
+        self.num_groups, self.group_topk = num_groups, group_topk
+        self.scaling_factor = scaling_factor
+        self.enable_expert_bias = bool(enable_expert_bias)
+        self.expert_bias_update_rate = float(expert_bias_update_rate)
+        self.router_dtype = router_dtype
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, device=device, dtype=dtype))
+        nn.init.normal_(self.weight, std=0.02)
+        if self.enable_expert_bias:
+            self.register_buffer("expert_bias", torch.zeros(num_experts, device=device, dtype=torch.float32))
+            self.register_buffer("local_tokens_per_expert",
+                                 torch.zeros(num_experts, device=device, dtype=torch.float32), persistent=False)
+        self.last_logits = None
+
+    def _select(self, scores: torch.Tensor) -> torch.Tensor:
+        if self.num_groups is not None:
+            return group_limited_topk(scores, self.topk, self.num_groups, self.group_topk)[1]
+        return torch.topk(scores, self.topk, dim=-1)[1]
+
+    def forward(self, x: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
+        """``x`` ``[T, H]``; ``padding_mask`` ``[T]`` bool (True: a padding token, which gets no route)."""
+        if self.router_dtype is not None:  # Megatron's moe_router_dtype: the gate GEMM itself in fp32 / fp64
+            logits = F.linear(x.to(self.router_dtype), self.weight.to(self.router_dtype))
+        else:
+            logits = F.linear(x, self.weight)
+            logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32 scores (fp64 stays fp64)
+        self.last_logits = logits
+        scores = torch.softmax(logits, -1) if self.score_func == "softmax" else torch.sigmoid(logits)
+        if self.enable_expert_bias:
+            idx = self._select(scores.detach() + self.expert_bias.to(scores.dtype))
+        else:
+            idx = self._select(scores)
+        top = scores.gather(1, idx)
+        if self.norm_topk_prob:
+            top = top / (top.sum(-1, keepdim=True) + 1e-20)
+        if self.scaling_factor:
+            top = top * self.scaling_factor
+        routing_map = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, idx, True)
+        probs = torch.zeros_like(scores).scatter(1, idx, top)
+        if padding_mask is not None:
+            real = ~padding_mask.reshape(-1, 1).to(torch.bool)
+            routing_map = routing_map & real
+            probs = probs * real.to(probs.dtype)
+        # training forwards count (also the no-grad first pass of a reentrant checkpoint); its recomputation
+        # inside backward does not (counting_enabled)
+        if self.enable_expert_bias and self.training and counting_enabled():
+            with torch.no_grad():
+                self.local_tokens_per_expert.add_(routing_map.sum(0).to(torch.float32))
+        return routing_map, probs, scores
+
+
+@torch.no_grad()
+def update_expert_bias(module: nn.Module, group=None) -> None:
+    """Auxiliary-loss-free balancing step (DeepSeek-V3; Megatron's ``get_updated_expert_bias``) for every
+    :class:`TopKRouter` with ``enable_expert_bias`` in ``module``: sum the routes counted since the last call over
+    ``group``, then ``expert_bias += rate * sign(mean - count)`` per expert, and clear the counts. One all-reduce
+    for all routers; device code only, capturable.
+
+    ``group`` must hold the ranks whose routers are the same layers: the data-, expert-, context- and
+    tensor-parallel ranks of one pipeline stage (Megatron's TP x DP x CP group). Default: that group from
+    :mod:`moe_graph.parallel_state` when it is initialized, else the whole world (when torch.distributed is
+    initialized; no pipeline parallelism then)."""
+    routers = [m for m in module.modules() if isinstance(m, TopKRouter) and m.enable_expert_bias]
+    if not routers:
+        return
+    counts = torch.stack([r.local_tokens_per_expert for r in routers])  # [layers, E]
+    if group is None:
+        if ps.model_parallel_is_initialized():
+            group = ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
+    if dist.is_available() and dist.is_initialized() and (group is not None or dist.get_world_size() > 1):
+        dist.all_reduce(counts, group=group)
+    offset = counts.mean(dim=-1, keepdim=True) - counts
+    for r, off in zip(routers, offset.unbind(0)):
+        r.expert_bias.add_(torch.sign(off), alpha=r.expert_bias_update_rate)
+        r.local_tokens_per_expert.zero_()
+
+
+def aux_loss_scores(scores: torch.Tensor, score_func: str) -> torch.Tensor:
+    """Scores the load-balancing losses use (Megatron-core's): the softmax scores, or the sigmoid scores
+    normalized to sum 1 per token (so that perfect balance gives 1.0 for both)."""
+    if score_func == "sigmoid":
+        return scores / (scores.sum(-1, keepdim=True) + 1e-20)
+    return scores
+
+
+def sequence_aux_loss(scores: torch.Tensor, routing_map: torch.Tensor, topk: int,
+                      token_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """DeepSeek-V3's sequence-wise balance loss on ``[B, S, E]`` scores / routing map: per sequence
+    ``sum_e f_e * P_e`` with ``f_e = E / (S * K) * (routes of the sequence to e)`` and ``P_e`` the mean score of
+    ``e`` over the sequence, averaged over the ``B`` sequences; 1.0 for perfect balance. ``token_mask`` ``[B, S]``
+    (1: real token): ``S`` counts the real tokens of each sequence, sequences without any are left out.
+    Device-only, no sync."""
+    B, S, E = scores.shape
+    m = scores.new_ones(B, S) if token_mask is None else token_mask.to(scores.dtype)
+    n = m.sum(1, keepdim=True)  # [B, 1] real tokens per sequence
+    f = routing_map.to(scores.dtype).sum(1) * E / (n * topk).clamp(min=1)  # [B, E]
+    p = (scores * m[..., None]).sum(1) / n.clamp(min=1)
+    per_seq = (f * p).sum(1)
+    has = (n[:, 0] > 0).to(scores.dtype)
+    return (per_seq * has).sum() / has.sum().clamp(min=1)
+
+
+def router_z_loss(logits: torch.Tensor, token_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """ST-MoE router z-loss ``mean(logsumexp(logits)^2)`` over the (real, with ``token_mask``) tokens (scale it
+    by the coefficient)."""
+    z = torch.logsumexp(logits, dim=-1).square()
+    if token_mask is None:
+        return z.mean()
+    m = token_mask.to(z.dtype)
+    return (z * m).sum() / m.sum().clamp(min=1)
+
+
+class RouterLoss:
+    """The router losses of one MoE layer, weighted by their coefficients (0: off; computed in training mode only).
+
+    ``aux_loss_type``: ``"local"`` (:func:`router_aux_loss` over this rank's tokens), ``"global"`` (expert
+    fractions from the EP group's counts: global-batch balancing) or ``"sequence"`` (:func:`sequence_aux_loss`;
+    the tokens must form ``[B, S]`` or, with ``sequence_dim=0``, ``[S, B]``). Scores are normalized per token for
+    these losses (:func:`aux_loss_scores`). ``z_loss_coeff`` weights :func:`router_z_loss`."""
+
+    def __init__(self, topk: int, score_func: str, aux_loss_coeff: float = 0.0, aux_loss_type: str = "local",
+                 sequence_dim: int = 1, z_loss_coeff: float = 0.0):
+        check_loss_options(aux_loss_type, sequence_dim)
+        self.topk, self.score_func = topk, score_func
+        self.aux_loss_coeff, self.aux_loss_type = float(aux_loss_coeff), aux_loss_type
+        self.sequence_dim, self.z_loss_coeff = sequence_dim, float(z_loss_coeff)
+
+    def __call__(self, scores: torch.Tensor, routing_map: torch.Tensor, logits: torch.Tensor,
+                 input_shape: Sequence[int], token_mask: Optional[torch.Tensor] = None,
+                 tokens_per_expert: Optional[torch.Tensor] = None) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """``(aux, z)``: the weighted losses (``None`` when off) for the router's ``[T, E]`` ``scores``,
+        ``routing_map`` and ``logits``; ``input_shape``: the layer input's shape ``[..., H]`` (``T`` tokens before
+        ``H``); ``token_mask`` ``[T]`` (1: real token); ``tokens_per_expert`` ``[E]``: the EP group's counts
+        (``"global"``)."""
+        aux = z = None
+        token_shape = tuple(input_shape[:-1])
+        if self.aux_loss_coeff > 0:
+            sc = aux_loss_scores(scores, self.score_func)
+            if self.aux_loss_type == "sequence":
+                if len(token_shape) != 2:
+                    raise ValueError(f"aux_loss_type='sequence' needs a [B, S, H] or [S, B, H] input, got shape "
+                                     f"{tuple(input_shape)}")
+                sc, rm = sc.view(*token_shape, -1), routing_map.view(*token_shape, -1)
+                m = token_mask.view(*token_shape) if token_mask is not None else None
+                if self.sequence_dim == 0:
+                    sc, rm = sc.transpose(0, 1), rm.transpose(0, 1)
+                    m = m.transpose(0, 1) if m is not None else None
+                aux = self.aux_loss_coeff * sequence_aux_loss(sc, rm, self.topk, m)
+            else:
+                counts = tokens_per_expert if self.aux_loss_type == "global" else None
+                aux = self.aux_loss_coeff * router_aux_loss(sc, routing_map, self.topk, counts, token_mask)
+        if self.z_loss_coeff > 0:
+            z = self.z_loss_coeff * router_z_loss(logits, token_mask)
+        return aux, z
