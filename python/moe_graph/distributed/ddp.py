@@ -80,7 +80,8 @@ def _check_experts_replicated(module: torch.nn.Module, dp: int) -> None:
     """Refuse to reduce expert params over the dense DP group unless every rank of it holds the same experts."""
     if dp == 1 or all(getattr(p, "allreduce", True) for p in module.parameters()):
         return
-    sharded = [name for name, m in module.named_modules() if getattr(m, "R", 1) > 1 and hasattr(m, "expert_weights")]
+    sharded = [name for name, m in module.named_modules()
+               if getattr(m, "num_ep_ranks", 1) > 1 and hasattr(m, "experts")]  # MoELayer with EP
     if sharded:
         raise ValueError(
             f"DistributedDataParallel: MoE layers {sharded[:3]} use expert parallelism but no "

@@ -9,7 +9,7 @@ import torch
 
 
 def reroute_tokens_reference(
-    routing_map: torch.Tensor, probs: torch.Tensor, tokens_to_spare: torch.Tensor, home_to_spare_map: torch.Tensor
+    routing_map: torch.Tensor, probs: torch.Tensor, tokens_to_spare: torch.Tensor, offload_map: torch.Tensor
 ) -> Tuple[torch.Tensor, torch.Tensor, bool]:
     """Token-by-token reference of ``reroute_tokens``. Returns ``(map [T, E+S], probs [T, E+S], over_ask)``.
 
@@ -20,8 +20,8 @@ def reroute_tokens_reference(
     rm = routing_map.to(torch.bool).cpu()
     pr = probs.cpu()
     T, E = rm.shape
-    S = home_to_spare_map.shape[1]
-    hmap = home_to_spare_map.to(torch.bool).cpu()
+    S = offload_map.shape[1]
+    hmap = offload_map.to(torch.bool).cpu()
     want = [max(0, int(v)) for v in tokens_to_spare.cpu().tolist()]
     out_map = torch.zeros(T, E + S, dtype=torch.bool)
     out_probs = torch.zeros(T, E + S, dtype=probs.dtype)
