@@ -68,7 +68,7 @@ def time_layer(name, H, Fh, E, K, T, spare, device, dtype, reps):
     else:
         eager = time_cpu(lambda: step(x, g), warmup=1, reps=reps)
         graph_ms = None
-    flops = 2 * T * K * H * (Fh * (2 if layer.activation == "swiglu" else 1) + Fh) * 3  # fwd + 2x bwd
+    flops = 2 * T * K * H * (Fh * (2 if layer.experts.activation == "swiglu" else 1) + Fh) * 3  # fwd + 2x bwd
     return {"name": name, "hidden": H, "ffn": Fh, "experts": E, "topk": K, "tokens": T, "spare": spare,
             "echo_buffer_bytes": layer.echo_buffer_bytes()["total"],
             "eager_ms": eager, "graph_ms": graph_ms, "speedup": (eager / graph_ms) if graph_ms else None,
