@@ -644,3 +644,22 @@ def test_router_dtype_runs_the_gate_in_that_precision(gen):
     assert float((r_def.last_logits.detach().double() - exact).abs().max()) > 1e-6  # bf16 GEMM rounding
     with pytest.raises(ValueError, match="router_dtype"):
         TopKRouter(16, 8, 2, router_dtype=torch.float16)
+
+
+def test_config_and_keywords_build_the_same_layer():
+    # The keyword constructor and MoELayer.from_config(MoEConfig(...)) are one construction path: same parameters
+    # (names, values with the same seed) and the same output; an unknown keyword names itself.
+    from moe_graph.moe.config import MoEConfig
+
+    kw = dict(num_spare_experts_per_ep_rank=1, aux_loss_coeff=0.01, shared_expert_ffn_size=6, capacity_factor=1.5)
+    torch.manual_seed(3)
+    a = MoELayer(8, 12, 4, 2, device="cpu", **kw)
+    torch.manual_seed(3)
+    b = MoELayer.from_config(MoEConfig(8, 12, 4, 2, **kw), device="cpu")
+    assert a.config == b.config
+    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    assert list(pa) == list(pb) and all(torch.equal(pa[n], pb[n]) for n in pa)
+    x = torch.randn(5, 8)
+    assert torch.equal(a(x), b(x))
+    with pytest.raises(TypeError, match="num_spare_slots"):
+        MoELayer(8, 12, 4, 2, device="cpu", num_spare_slots=1)

@@ -273,7 +273,8 @@ class GroupedLinear(nn.Module):
             def defer(a, dy, splits_, fuse=fuse, accumulate=accumulate, with_bias=with_bias):
                 queue.append((a, dy, splits_, fuse, accumulate, with_bias))
 
-        out = grouped_gemm_autograd(x, weights, splits, bias=bias, fuse_main_grad=fuse, accumulate=accumulate, defer=defer)
+        out = grouped_gemm_autograd(x, weights, splits, bias=bias, fuse_main_grad=fuse, accumulate=accumulate,
+                                    defer=defer)
         out = out.reshape(*lead, self.out_features)
         if self.return_bias:
             bs = self._biases()

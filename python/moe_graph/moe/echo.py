@@ -1,7 +1,7 @@
 """Echo experts: copy home expert weights into the spare slots the planner chose, and send the spare slots' weight
 gradients back to the home experts.
 
-Layout (as in :mod:`moe_graph.moe.echo_planner`): ``R`` EP ranks, ``E`` home experts (``L = E // R`` local ones per rank,
+Layout (legend in :mod:`moe_graph.moe`): ``R`` EP ranks, ``E`` home experts (``L = E // R`` local ones per rank,
 expert ``e`` on rank ``e // L`` at local index ``e % L``), ``k`` spare slots per rank (``S = R * k``, slot ``j``
 on rank ``j // k`` at local index ``j % k``). ``offload_map [E, S]`` bool (identical on every rank)
 says which home expert each slot hosts.
@@ -373,7 +373,8 @@ class EchoExpertDispatcher:
         m = offload_map
         if m.dim() != 2 or m.shape != (self.num_experts, self.num_spare_slots):
             raise ValueError(
-                f"offload_map must have shape [E, S] = [{self.num_experts}, {self.num_spare_slots}], got {tuple(m.shape)}"
+                f"offload_map must have shape [E, S] = [{self.num_experts}, {self.num_spare_slots}], got "
+                f"{tuple(m.shape)}"
             )
         m = m.to(torch.bool)
         home = torch.argmax(m.to(torch.int8), dim=0)
@@ -385,7 +386,8 @@ class EchoExpertDispatcher:
         for i, w in enumerate(home_weights):
             if w.dim() < 1 or w.shape[0] != self.num_local_experts:
                 raise ValueError(
-                    f"home_weights[{i}] must stack this rank's L={self.num_local_experts} home experts on dim 0, got shape {tuple(w.shape)}"
+                    f"home_weights[{i}] must stack this rank's L={self.num_local_experts} home experts on dim 0, got "
+                    f"shape {tuple(w.shape)}"
                 )
             if w.dtype != home_weights[0].dtype or w.device != home_weights[0].device:
                 raise ValueError(
@@ -468,7 +470,10 @@ class EchoExpertDispatcher:
         sizes = [math.prod(g.shape[1:]) for g in spare_grads]
         N = sum(sizes)
         my = slice(self.ep_rank * k, (self.ep_rank + 1) * k)
-        dest_ranks = torch.arange(self.num_ep_ranks, device=dev) if self.donor_ranks is None else self._const("from", dev)
+        if self.donor_ranks is None:
+            dest_ranks = torch.arange(self.num_ep_ranks, device=dev)
+        else:
+            dest_ranks = self._const("from", dev)
         dest = (dest_ranks[:, None] == home_rank[my][None, :]) & has_home[my][None, :]  # [B, k]
         send = torch.empty(B, k, N, dtype=dtype, device=dev)
         off = 0
@@ -477,7 +482,8 @@ class EchoExpertDispatcher:
             off += n
         send.masked_fill_(~dest[:, :, None], 0)
         if self.donor_ranks is None:
-            recv = self.backend.exchange(send).reshape(self.num_spare_slots, N)  # row s*k+i: slot s*k+i's gradient (if ours)
+            # row s*k+i: slot s*k+i's gradient (if ours)
+            recv = self.backend.exchange(send).reshape(self.num_spare_slots, N)
         else:  # row o*k+i: slot i of to_ranks[o]
             recv = self.backend.exchange(send, self.from_ranks, self.to_ranks).reshape(B * k, N)
         for_me = has_home & (home_rank == self.ep_rank)
@@ -489,7 +495,8 @@ class EchoExpertDispatcher:
             raise ValueError("spare_grads must hold at least one tensor [k, ...]")
         for i, g in enumerate(spare_grads):
             if not isinstance(g, torch.Tensor) or g.dim() < 1 or g.shape[0] != self.num_spare_experts_per_ep_rank:
-                raise ValueError(f"spare_grads[{i}] must have k={self.num_spare_experts_per_ep_rank} slots on dim 0, got shape "
+                k = self.num_spare_experts_per_ep_rank
+                raise ValueError(f"spare_grads[{i}] must have k={k} slots on dim 0, got shape "
                                  f"{tuple(getattr(g, 'shape', ()))}")
             if g.device != spare_grads[0].device:
                 raise ValueError(f"spare_grads[{i}] must be on {spare_grads[0].device}, got {g.device}")
@@ -532,7 +539,8 @@ class EchoExpertDispatcher:
             shapes = [tuple(o.shape) for o in out]
         for i, (shape, g) in enumerate(zip(shapes, spare_grads)):
             if len(shape) < 1 or shape[0] != self.num_local_experts or tuple(shape[1:]) != tuple(g.shape[1:]):
-                raise ValueError(f"gradient tensor {i} must have shape [L={self.num_local_experts}, {', '.join(map(str, g.shape[1:]))}] "
+                expert_shape = ", ".join(map(str, g.shape[1:]))
+                raise ValueError(f"gradient tensor {i} must have shape [L={self.num_local_experts}, {expert_shape}] "
                                  f"(the spare gradient's expert shape), got {list(shape)}")
         for i, t in enumerate(targets):
             if t is not None and (t.device != spare_grads[0].device or t.is_inference()):
@@ -571,7 +579,8 @@ class _DispatchSpare(torch.autograd.Function):
         (offload_map,) = ctx.saved_tensors
         d: EchoExpertDispatcher = ctx.dispatcher
         grads = [
-            g if g is not None else torch.zeros((d.num_spare_experts_per_ep_rank,) + tuple(s[1:]), dtype=dt, device=offload_map.device)
+            g if g is not None
+            else torch.zeros((d.num_spare_experts_per_ep_rank,) + tuple(s[1:]), dtype=dt, device=offload_map.device)
             for g, (s, dt) in zip(spare_grads, ctx.shapes)
         ]
         use_main = [getattr(p, "main_grad", None) is not None for p in ctx.params]

@@ -561,7 +561,9 @@ def rank_loads_after(counts: torch.Tensor, home_to_spare: torch.Tensor) -> torch
     experts send to spare slots plus what its own slots take (``home_to_spare [E, R*k]``)."""
     R = counts.shape[0]
     E, S = home_to_spare.shape
-    return rank_loads(counts) - home_to_spare.sum(1).view(R, E // R).sum(1) + home_to_spare.sum(0).view(R, S // R).sum(1)
+    sent = home_to_spare.sum(1).view(R, E // R).sum(1)  # [R] tokens of each rank's experts that moved away
+    taken = home_to_spare.sum(0).view(R, S // R).sum(1)  # [R] tokens each rank's slots take
+    return rank_loads(counts) - sent + taken
 
 
 def gen_assignment(

@@ -91,23 +91,24 @@ def _resolve_ep(ep_group, ep_size):
 class MoELayer(nn.Module):
     """Mixture-of-experts MLP with expert parallelism, echo balancing and static buffers.
 
-    Args:
+    Args (router and loss names from :mod:`moe_graph.moe.router`):
         hidden_size, ffn_hidden_size: ``H``, ``F`` (per expert).
         num_experts: ``E`` (global). topk: routes per token.
         score_func: ``"softmax"`` or ``"sigmoid"``. norm_topk_prob: renormalize the top-k softmax probabilities.
         num_groups, group_topk, topk_scaling_factor, enable_expert_bias, expert_bias_update_rate, router_dtype:
-            router options (:class:`moe_graph.moe.router.TopKRouter`; group-limited routing, scaled probabilities, auxiliary-loss-free
-            balancing with :func:`moe_graph.moe.router.update_expert_bias` after each optimizer step, gate GEMM precision).
+            router options (:class:`TopKRouter`; group-limited routing, scaled probabilities,
+            auxiliary-loss-free balancing with :func:`update_expert_bias` after each optimizer step, gate GEMM
+            precision).
         activation: ``"swiglu"`` (fc1 is ``[2F, H]``) or ``"gelu"``.
         aux_loss_coeff: weight of the load-balancing loss (0: off); its gradient flows through the output, times
-            the factor of :meth:`moe_graph.moe.router.MoEAuxLossAutoScaler.set_loss_scale` (``loss_scale / num_microbatches``, set for
+            the factor of :meth:`MoEAuxLossAutoScaler.set_loss_scale` (``loss_scale / num_microbatches``, set for
             you by :func:`moe_graph.train.step.train_step` and the pipeline schedules).
         aux_loss_type: ``"local"`` (expert fractions of this rank's tokens), ``"global"`` (fractions of all the
             EP group's tokens, from the counts the echo planner all-gathers anyway: global-batch balancing) or
-            ``"sequence"`` (DeepSeek-V3's sequence-wise loss, :func:`moe_graph.moe.router.sequence_aux_loss`; the input must be
+            ``"sequence"`` (DeepSeek-V3's sequence-wise loss, :func:`sequence_aux_loss`; the input must be
             ``[B, S, H]``, or ``[S, B, H]`` with ``sequence_dim=0``). Sigmoid scores are normalized per token
-            for these losses (:func:`moe_graph.moe.router.aux_loss_scores`).
-        z_loss_coeff: weight of the router z-loss (:func:`moe_graph.moe.router.router_z_loss`; 0: off), attached the same way.
+            for these losses (:func:`aux_loss_scores`).
+        z_loss_coeff: weight of the router z-loss (:func:`router_z_loss`; 0: off), attached the same way.
         ep_group, ep_size: the EP process group and its size ``R``. Defaults: with both ``None``, the expert-model-
             parallel group of :mod:`moe_graph.parallel_state` when it is initialized, else ``R = 1`` in a single
             process; with torch.distributed initialized on several ranks and no parallel_state the setup is

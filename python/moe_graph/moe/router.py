@@ -20,8 +20,8 @@ from moe_graph import parallel_state as ps
 from moe_graph.moe.token_dispatcher import counting_enabled
 
 __all__ = ["AUX_LOSS_TYPES", "MoEAuxLossAutoScaler", "RouterLoss", "SCORE_FUNCS", "TopKRouter", "aux_loss_scores",
-           "check_loss_options", "check_router_options", "group_limited_topk", "router_aux_loss", "router_z_loss", "sequence_aux_loss",
-           "set_aux_loss_scale", "update_expert_bias"]
+           "check_loss_options", "check_router_options", "group_limited_topk", "router_aux_loss", "router_z_loss",
+           "sequence_aux_loss", "set_aux_loss_scale", "update_expert_bias"]
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 AUX_LOSS_TYPES = ("local", "global", "sequence")
@@ -324,7 +324,8 @@ class RouterLoss:
 
     def __call__(self, scores: torch.Tensor, routing_map: torch.Tensor, logits: torch.Tensor,
                  input_shape: Sequence[int], token_mask: Optional[torch.Tensor] = None,
-                 tokens_per_expert: Optional[torch.Tensor] = None) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+                 tokens_per_expert: Optional[torch.Tensor] = None
+                 ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         """``(aux, z)``: the weighted losses (``None`` when off) for the router's ``[T, E]`` ``scores``,
         ``routing_map`` and ``logits``; ``input_shape``: the layer input's shape ``[..., H]`` (``T`` tokens before
         ``H``); ``token_mask`` ``[T]`` (1: real token); ``tokens_per_expert`` ``[E]``: the EP group's counts

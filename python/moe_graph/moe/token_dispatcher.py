@@ -221,7 +221,8 @@ class TokenDispatcher(nn.Module):
         if num_local_columns < 1:
             raise ValueError(f"num_local_columns must be >= 1, got {num_local_columns}")
         if num_ep_ranks < 1 or not 0 <= ep_rank < num_ep_ranks:
-            raise ValueError(f"need num_ep_ranks >= 1 and 0 <= ep_rank < num_ep_ranks, got num_ep_ranks={num_ep_ranks}, "
+            raise ValueError("need num_ep_ranks >= 1 and 0 <= ep_rank < num_ep_ranks, got "
+                             f"num_ep_ranks={num_ep_ranks}, "
                              f"ep_rank={ep_rank}")
         if column_rank.dim() != 1 or column_local.shape != column_rank.shape:
             raise ValueError(
@@ -245,8 +246,8 @@ class TokenDispatcher(nn.Module):
         device = torch.device(device) if device is not None else column_rank.device
         # every constant table is built here, on the device (never lazily with a blocking copy in dispatch):
         # the column map with a sentinel column C (destination R: nowhere; local index num_local_columns: sorts last)
-        self.register_buffer("column_rank_ext", torch.cat([cr.to(torch.int64), torch.tensor([num_ep_ranks])]).to(device),
-                             persistent=False)
+        self.register_buffer("column_rank_ext",
+                             torch.cat([cr.to(torch.int64), torch.tensor([num_ep_ranks])]).to(device), persistent=False)
         self.register_buffer("column_local_ext",
                              torch.cat([cl.to(torch.int64), torch.tensor([num_local_columns])]).to(device),
                              persistent=False)
@@ -258,7 +259,8 @@ class TokenDispatcher(nn.Module):
             self.backend = backend
         else:
             if not (dist.is_available() and dist.is_initialized()):
-                raise RuntimeError(f"TokenDispatcher: num_ep_ranks={num_ep_ranks} needs an initialized torch.distributed")
+                raise RuntimeError(
+                    f"TokenDispatcher: num_ep_ranks={num_ep_ranks} needs an initialized torch.distributed")
             if dist.get_world_size(group) != num_ep_ranks:
                 raise ValueError(
                     f"num_ep_ranks={num_ep_ranks} must equal the EP group's size {dist.get_world_size(group)}"
@@ -310,8 +312,8 @@ class TokenDispatcher(nn.Module):
                 are ignored).
 
         Returns:
-            ``(expert_input [R * capacity, H], m_splits [num_local_columns] int64 on the device, handle)``: received rows
-            grouped by local expert (expert order, then source rank, then the sender's order), padding rows
+            ``(expert_input [R * capacity, H], m_splits [num_local_columns] int64 on the device, handle)``: received
+            rows grouped by local expert (expert order, then source rank, then the sender's order), padding rows
             (zeros) at the end; ``m_splits`` goes straight to the grouped GEMM.
         """
         if hidden.dim() != 2:
@@ -400,7 +402,8 @@ class TokenDispatcher(nn.Module):
         T, K = handle.num_tokens, handle.topk
         y_recv = gather_rows(expert_output, handle.inv_order, handle.order, 1)
         if self.num_ep_ranks > 1:
-            y_send = _Exchange.apply(self.backend, y_recv.view(self.num_ep_ranks, N // self.num_ep_ranks, H)).reshape(N, H)
+            R = self.num_ep_ranks
+            y_send = _Exchange.apply(self.backend, y_recv.view(R, N // R, H)).reshape(N, H)
         else:
             y_send = y_recv
         y_route = gather_rows(y_send, handle.route_slot, handle.route_of_slot, 1).view(T, K, H)

@@ -261,7 +261,8 @@ class _GroupedGemmFn(torch.autograd.Function):
     * ``fuse_main_grad``: the weight gradients go in place into ``w.main_grad`` (fp32 or the weight dtype; fetched
       at backward, lazily through ``get_main_grad()`` for Megatron-FSDP parameters) inside the GEMM epilogue,
       added (``accumulate``) or overwriting (TE's ``is_first_microbatch=True`` or ``w.overwrite_main_grad``);
-      ``w.grad_added_to_main_grad`` is set and a zero placeholder returned (no allocation, see ``zero_wgrad_placeholder``)
+      ``w.grad_added_to_main_grad`` is set and a zero placeholder returned (no allocation, see
+      ``zero_wgrad_placeholder``)
       so that the grad-accumulation hooks still fire.
     * ``defer`` (a callable, TE's ``delay_wgrad_compute``): backward computes the input gradient only and hands
       ``(a, dy, m_splits)`` to ``defer``; the weight- and bias-gradient work runs later
