@@ -51,9 +51,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from common import environment, results_path, time_cpu, write_json  # noqa: E402
 from megatron_env import cpu_shims, provide_megatron  # noqa: E402
-from moe_graph.moe import echo_planner as P  # noqa: E402
+from moe_graph.moe import echo_planner  # noqa: E402
 from moe_graph.moe.layer import MoELayer  # noqa: E402
-from moe_graph.ops import reroute  # noqa: E402
+from moe_graph.ops import reroute as reroute_ops  # noqa: E402
 
 CONFIGS = {  # hidden, ffn (per expert), experts, topk, tokens, router options
     "qwen3": dict(H=256, F=96, E=128, K=8, T=2048, score="softmax"),
@@ -243,13 +243,13 @@ def moe_graph_system(cfg, w, spare: int, fused: bool):
                      device="cpu", params_dtype=torch.float32)
     with torch.no_grad():
         layer.router.weight.copy_(w["router"])
-        layer.fc1.weight.copy_(w["fc1"])
-        layer.fc2.weight.copy_(w["fc2"])
+        layer.experts.fc1.weight.copy_(w["fc1"])
+        layer.experts.fc2.weight.copy_(w["fc2"])
         if cfg.get("shared"):
-            layer.shared_expert["fc1"].weight.copy_(w["shared_fc1"])
-            layer.shared_expert["fc2"].weight.copy_(w["shared_fc2"])
+            layer.shared_expert.fc1.weight.copy_(w["shared_fc1"])
+            layer.shared_expert.fc2.weight.copy_(w["shared_fc2"])
     if fused:  # as moe_graph's DistributedDataParallel attaches: fp32 views of a grad buffer
-        for p in layer.expert_weights():
+        for p in layer.experts.weights():
             p.main_grad = torch.zeros(p.shape, dtype=torch.float32)
     return (lambda x: layer(x)), layer
 
@@ -258,7 +258,7 @@ def moe_graph_system(cfg, w, spare: int, fused: bool):
 def device_branch():
     """moe_graph checks eager CPU counts on the host (``real_host_values``: raise at once instead of flagging the
     device error); a GPU never takes that branch. Measure the branch a GPU runs."""
-    saved = [(m, m.real_host_values) for m in (P, reroute)]
+    saved = [(m, m.real_host_values) for m in (echo_planner, reroute_ops)]
     for m, _ in saved:
         m.real_host_values = lambda t: False
     try:

@@ -106,13 +106,13 @@ def test_moe_layer_fused_main_grad_under_saved_tensor_hooks(gen, hooks, spare):
         out = ddp(xm)
     out.backward(g)
     ddp.finish_grad_sync()
-    assert layer._use_fused_wgrad()  # the fused path ran: DDP attached main_grad to both expert weights
+    assert layer.experts.uses_fused_wgrad()  # the fused path ran: DDP attached main_grad to both expert weights
     if hooks == "unwrapping":
         assert ctx.unpacked > 0
 
     # float64 reference: the router and every token through its experts one at a time
-    w1 = layer.fc1.weight.detach().double().requires_grad_()
-    w2 = layer.fc2.weight.detach().double().requires_grad_()
+    w1 = layer.experts.fc1.weight.detach().double().requires_grad_()
+    w2 = layer.experts.fc2.weight.detach().double().requires_grad_()
     gate = layer.router.weight.detach().double().requires_grad_()
     xr = x.double().requires_grad_()
     idx, probs, _ = reference_route(xr, gate, K)
@@ -121,7 +121,7 @@ def test_moe_layer_fused_main_grad_under_saved_tensor_hooks(gen, hooks, spare):
                                                                           w1.detach(), w2.detach()),
                                rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(xm.grad.double(), xr.grad, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(layer.fc1.weight.main_grad.double(), w1.grad, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(layer.fc2.weight.main_grad.double(), w2.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layer.experts.fc1.weight.main_grad.double(), w1.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layer.experts.fc2.weight.main_grad.double(), w2.grad, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(layer.router.weight.main_grad.double(), gate.grad, rtol=1e-5, atol=1e-5)
-    assert layer.fc1.weight.grad_added_to_main_grad and layer.fc2.weight.grad_added_to_main_grad
+    assert layer.experts.fc1.weight.grad_added_to_main_grad and layer.experts.fc2.weight.grad_added_to_main_grad
