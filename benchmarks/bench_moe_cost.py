@@ -236,7 +236,7 @@ def make_weights(cfg, seed: int = 0) -> Dict[str, torch.Tensor]:
 # -------------------------------------------------------------------------------------------- moe_graph --
 def moe_graph_system(cfg, w, spare: int, fused: bool):
     layer = MoELayer(cfg["H"], cfg["F"], cfg["E"], cfg["K"], score_func=cfg["score"],
-                     norm_topk_prob=cfg["score"] == "softmax", activation="swiglu",
+                     norm_topk_prob=True if cfg["score"] == "softmax" else None, activation="swiglu",
                      num_groups=cfg.get("groups"), group_topk=cfg.get("group_topk"),
                      topk_scaling_factor=cfg.get("scaling"), enable_expert_bias=cfg["score"] == "sigmoid",
                      num_spare_experts_per_ep_rank=spare, shared_expert_ffn_size=cfg.get("shared"),

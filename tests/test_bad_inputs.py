@@ -292,7 +292,7 @@ ROWS = [
         ValueError, r"gradient tensor 0 must have shape \[L=4, 3\]"),
     # ---- MoELayer ----
     *[Row("MoELayer", bad, lambda kw=kw: _moe(**kw), exc, msg) for bad, kw, exc, msg in [
-        ("unknown activation", dict(activation="relu"), ValueError, r"activation must be 'swiglu' or 'gelu', got 'relu'"),
+        ("unknown activation", dict(activation="tanh"), ValueError, r"activation must be one of \(.*got 'tanh'"),
         ("topk above num_experts", dict(topk=5), ValueError, r"topk must be in \[1, num_experts=4\], got 5"),
         ("unknown aux_loss_type", dict(aux_loss_type="x"), ValueError, r"aux_loss_type must be 'local', 'global' or 'sequence'"),
         ("sequence_dim=2", dict(sequence_dim=2), ValueError, r"sequence_dim must be 0 \(\[S, B, H\] input\) or 1"),

@@ -178,7 +178,7 @@ def test_input_shape_error():
     with pytest.raises(ValueError, match="hidden_size=8"):
         layer(torch.randn(3, 5, dtype=DT))
     with pytest.raises(ValueError, match="activation"):
-        MoELayer(8, 8, 4, 2, activation="relu", device="cpu")
+        MoELayer(8, 8, 4, 2, activation="tanh", device="cpu")
     with pytest.raises(ValueError, match="divisible"):
         MoELayer(8, 8, 6, 2, ep_size=4, device="cpu")
     with pytest.raises(RuntimeError, match="torch.distributed"):

@@ -14,7 +14,7 @@ import torch
 
 from moe_graph.moe.echo import PLAN_MODES
 from moe_graph.moe.echo_planner import ASSIGNMENTS
-from moe_graph.moe.experts import ACTIVATIONS
+from moe_graph.moe.experts import check_activation
 from moe_graph.moe.router import check_loss_options, check_router_options
 from moe_graph.moe.token_dispatcher import DROP_POLICIES
 
@@ -26,9 +26,10 @@ class MoEConfig:
     """Options of an MoE layer (see :class:`moe_graph.moe.layer.MoELayer` for what each does).
 
     Routing (:class:`moe_graph.moe.router.TopKRouter`): ``topk``, ``score_func``, ``norm_topk_prob``,
-    ``num_groups``, ``group_topk``, ``topk_scaling_factor``, ``enable_expert_bias``, ``expert_bias_update_rate``,
-    ``router_dtype``. Losses (:class:`moe_graph.moe.router.RouterLoss`): ``aux_loss_coeff``, ``aux_loss_type``,
-    ``sequence_dim``, ``z_loss_coeff``. Expert parallelism and echo: ``ep_size``,
+    ``num_groups``, ``group_topk``, ``group_score_topk``, ``topk_scaling_factor``, ``router_bias``,
+    ``enable_expert_bias``, ``expert_bias_update_rate``, ``router_dtype``. Losses
+    (:class:`moe_graph.moe.router.RouterLoss`): ``aux_loss_coeff``, ``aux_loss_type``, ``sequence_dim``,
+    ``z_loss_coeff``. Expert parallelism and echo: ``ep_size``,
     ``num_spare_experts_per_ep_rank``, ``assignment``, ``echo_donors``, ``echo_plan_mode``. Token dispatch:
     ``capacity_factor``, ``token_drop_policy``. Experts (:class:`moe_graph.moe.experts.GroupedMLP`):
     ``activation``, ``shared_expert_ffn_size``, ``shared_expert_gate``, ``params_dtype``, ``init_std``;
@@ -40,15 +41,20 @@ class MoEConfig:
     num_experts: int
     topk: int = 2
     score_func: str = "softmax"
-    norm_topk_prob: bool = False
+    norm_topk_prob: Optional[bool] = None
     activation: str = "swiglu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    add_bias_linear: bool = False
     aux_loss_coeff: float = 0.0
     aux_loss_type: str = "local"
     sequence_dim: int = 1
     z_loss_coeff: float = 0.0
     num_groups: Optional[int] = None
     group_topk: Optional[int] = None
+    group_score_topk: Optional[int] = None
     topk_scaling_factor: Optional[float] = None
+    router_bias: bool = False
     enable_expert_bias: bool = False
     expert_bias_update_rate: float = 1e-3
     router_dtype: Optional[torch.dtype] = None
@@ -66,8 +72,7 @@ class MoEConfig:
     recompute: bool = False
 
     def __post_init__(self):
-        if self.activation not in ACTIVATIONS:
-            raise ValueError(f"activation must be 'swiglu' or 'gelu', got {self.activation!r}")
+        check_activation(self.activation, self.swiglu_alpha, self.swiglu_limit)
         k = self.num_spare_experts_per_ep_rank
         if k < 0:
             raise ValueError(f"num_spare_experts_per_ep_rank must be >= 0, got {k}")
@@ -82,7 +87,7 @@ class MoEConfig:
         if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or not 0 < cf < float("inf")):
             raise ValueError(f"capacity_factor must be a finite number > 0 or None (dropless), got {cf!r}")
         check_router_options(self.num_experts, self.topk, self.score_func, self.num_groups, self.group_topk,
-                             self.enable_expert_bias, self.router_dtype)
+                             self.enable_expert_bias, self.router_dtype, self.norm_topk_prob, self.group_score_topk)
         if self.token_drop_policy not in DROP_POLICIES:
             raise ValueError(f"token_drop_policy must be 'position' or 'probs', got {self.token_drop_policy!r}")
         if self.shared_expert_gate and not self.shared_expert_ffn_size:

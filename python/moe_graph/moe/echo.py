@@ -48,7 +48,13 @@ import torch
 import torch.distributed as dist
 
 from moe_graph.moe import echo_planner
-from moe_graph.ops.grouped_gemm import as_splits, grouped_gemm, grouped_gemm_wgrad, zero_wgrad_placeholder
+from moe_graph.ops.grouped_gemm import (
+    as_splits,
+    grouped_bias_grad,
+    grouped_gemm,
+    grouped_gemm_wgrad,
+    zero_wgrad_placeholder,
+)
 
 __all__ = [
     "EchoBackend",
@@ -608,29 +614,33 @@ def dispatch_spare_weights(
 
 
 class _EchoGroupedGemmFn(torch.autograd.Function):
-    """``y = grouped(a_e @ W_e^T)`` over ``L`` home experts (``home_weight [L, N, K]``, a parameter with
-    ``main_grad``) followed by ``k`` spare slots (``spare_weight [k, N, K]``, detached copies from
-    :meth:`EchoExpertDispatcher.dispatch`).
+    """``y = grouped(a_e @ W_e^T + b_e)`` over ``L`` home experts (``home_weight [L, N, K]``, a parameter with
+    ``main_grad``; optional ``home_bias [L, N]``) followed by ``k`` spare slots (``spare_weight [k, N, K]``,
+    ``spare_bias [k, N]``: detached copies from :meth:`EchoExpertDispatcher.dispatch`).
 
     Backward: dgrad through all ``L + k`` experts; wgrad in one :func:`~moe_graph.ops.grouped_gemm.grouped_gemm_wgrad`
-    call into ``main_grad[0..L)`` (accumulate) and ``spare_grad[0..k)`` (overwrite) per ``accumulate_mask``;
-    the spare slots' gradients are then sent home and added into ``main_grad`` (a collective: every EP rank runs
-    it, in the same order). The weight's returned gradient is a cached zero tensor, with
-    ``grad_added_to_main_grad = True``, as the DDP hook expects.
+    call into ``main_grad[0..L)`` (accumulate) and ``spare_grad[0..k)`` (overwrite) per ``accumulate_mask``; the
+    bias gradient (per-expert row sums) of the spare slots goes into ``spare_bias_grad``; the spare slots' gradients
+    are then sent home (one exchange for weight and bias) and added into ``main_grad`` and the home bias gradient
+    (a collective: every EP rank runs it, in the same order). The weight's returned gradient is a cached zero
+    tensor, with ``grad_added_to_main_grad = True``, as the DDP hook expects; the bias gradient is returned to
+    autograd, as :class:`moe_graph.GroupedLinear` (and TransformerEngine) return it.
 
-    ``accumulate_mask`` and ``spare_grad`` are static buffers shared across microbatches: kept as ctx attributes
-    (not saved tensors) so that rewriting ``spare_grad`` in one backward does not trip the version check of
+    ``accumulate_mask`` and the spare gradient buffers are static buffers shared across microbatches: kept as ctx
+    attributes (not saved tensors) so that rewriting them in one backward does not trip the version check of
     another microbatch's saved tensors.
     """
 
     @staticmethod
     def forward(ctx, a, m_splits, home_weight, spare_weight, offload_map, dispatcher, accumulate_mask,
-                spare_grad):
+                spare_grad, home_bias, spare_bias, spare_bias_grad):
         weights = list(home_weight.unbind(0)) + list(spare_weight.unbind(0))
-        out = grouped_gemm(a, weights, m_splits)
+        bias = torch.cat([home_bias, spare_bias.to(home_bias.dtype)]) if home_bias is not None else None
+        out = grouped_gemm(a, weights, m_splits, bias=bias)
         ctx.dispatcher = dispatcher
         ctx.accumulate_mask = accumulate_mask
-        ctx.spare_grad = spare_grad
+        ctx.spare_grad, ctx.spare_bias_grad = spare_grad, spare_bias_grad
+        ctx.bias_dtype = home_bias.dtype if home_bias is not None else None
         ctx.home_param = home_weight  # main_grad's owner: a saved tensor unpacks without it under saved_tensors_hooks
         ctx.save_for_backward(a, m_splits, home_weight, spare_weight, offload_map)
         return out
@@ -639,18 +649,28 @@ class _EchoGroupedGemmFn(torch.autograd.Function):
     def backward(ctx, dy):
         a, m_splits, home, spare, offload_map = ctx.saved_tensors
         dy = dy.contiguous()
-        da = dw = None
+        da = dw = db = None
         if ctx.needs_input_grad[0]:
             weights = list(home.unbind(0)) + list(spare.unbind(0))
             da = grouped_gemm(dy, weights, m_splits, trans_b=False)
-        if ctx.needs_input_grad[2]:
+        if ctx.needs_input_grad[2] or ctx.needs_input_grad[8]:
             main_grad = ctx.home_param.main_grad
             outs = list(main_grad.unbind(0)) + list(ctx.spare_grad.unbind(0))
             grouped_gemm_wgrad(a, dy, m_splits, out=outs, accumulate=ctx.accumulate_mask)
-            ctx.dispatcher.aggregate_grads(offload_map, [ctx.spare_grad], out=[main_grad])
+            spare_grads, targets = [ctx.spare_grad], [main_grad]
+            if ctx.bias_dtype is not None:
+                L = main_grad.shape[0]
+                bias_grads = grouped_bias_grad(dy, m_splits)  # [L + k, N], fp32 (fp64 for fp64)
+                db = bias_grads[:L].clone()
+                ctx.spare_bias_grad.copy_(bias_grads[L:])
+                spare_grads.append(ctx.spare_bias_grad)
+                targets.append(db)
+            ctx.dispatcher.aggregate_grads(offload_map, spare_grads, out=targets)
             ctx.home_param.grad_added_to_main_grad = True
             dw = zero_wgrad_placeholder(home)
-        return da, None, dw, None, None, None, None, None
+            if db is not None:
+                db = db.to(ctx.bias_dtype)
+        return da, None, dw, None, None, None, None, None, db, None, None
 
 
 def echo_grouped_gemm(
@@ -662,8 +682,12 @@ def echo_grouped_gemm(
     offload_map: torch.Tensor,
     accumulate_mask: torch.Tensor,
     spare_grad: torch.Tensor,
+    *,
+    home_bias: Optional[torch.Tensor] = None,
+    spare_bias: Optional[torch.Tensor] = None,
+    spare_bias_grad: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Grouped GEMM over home + spare experts with the weight gradient fused into ``home_weight.main_grad``.
+    """Grouped GEMM over home + spare experts with the weight gradient fused into ``main_grad``.
 
     Args:
         a: ``[M, K]`` rows grouped by local expert (``L`` home, then ``k`` spare slots).
@@ -673,6 +697,9 @@ def echo_grouped_gemm(
         accumulate_mask: ``[L + k]`` bool on the device, :func:`wgrad_accumulate_mask` (built once).
         spare_grad: ``[k, N, K]`` buffer of ``main_grad``'s dtype (:func:`spare_grad_buffers`), overwritten in
             every backward.
+        home_bias, spare_bias, spare_bias_grad: all three or none: the ``[L, N]`` bias parameter (added in the
+            GEMM epilogue; its gradient goes to autograd), its ``[k, N]`` spare copies and their ``[k, N]``
+            gradient buffer (fp32), overwritten in every backward.
 
     Returns ``[M, N]``. Backward is collective over the EP group (the spare gradients' exchange).
     """
@@ -689,5 +716,14 @@ def echo_grouped_gemm(
             f"got {tuple(spare_grad.shape)} {spare_grad.dtype}")
     if accumulate_mask.shape != (L + k,) or accumulate_mask.dtype != torch.bool:
         raise ValueError(f"echo_grouped_gemm: accumulate_mask must be a [{L + k}] bool tensor")
+    if (home_bias is None) != (spare_bias is None) or (home_bias is None) != (spare_bias_grad is None):
+        raise ValueError("echo_grouped_gemm: home_bias, spare_bias and spare_bias_grad go together")
+    if home_bias is not None:
+        N = home_weight.shape[1]
+        if home_bias.shape != (L, N) or spare_bias.shape != (k, N) or spare_bias_grad.shape != (k, N):
+            raise ValueError(f"echo_grouped_gemm: home_bias must be [{L}, {N}], spare_bias and spare_bias_grad "
+                             f"[{k}, {N}], got {tuple(home_bias.shape)}, {tuple(spare_bias.shape)}, "
+                             f"{tuple(spare_bias_grad.shape)}")
+        spare_bias = spare_bias.detach()
     return _EchoGroupedGemmFn.apply(a, m_splits, home_weight, spare_weight.detach(), offload_map,
-                                    dispatcher, accumulate_mask, spare_grad)
+                                    dispatcher, accumulate_mask, spare_grad, home_bias, spare_bias, spare_bias_grad)

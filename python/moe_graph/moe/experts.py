@@ -16,7 +16,7 @@ them into ``main_grad`` (:func:`moe_graph.moe.echo.echo_grouped_gemm`). Without 
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -32,78 +32,128 @@ from moe_graph.moe.echo import (
 )
 from moe_graph.ops.grouped_gemm import grouped_gemm, grouped_gemm_autograd
 
-__all__ = ["ACTIVATIONS", "GroupedMLP", "SharedExpert", "activation_fn"]
+__all__ = ["ACTIVATIONS", "GATED_ACTIVATIONS", "GroupedMLP", "SharedExpert", "activation_fn", "check_activation",
+           "fc1_out_features"]
 
-ACTIVATIONS = ("swiglu", "gelu")
+ACTIVATIONS = ("swiglu", "clamped_swiglu", "gelu", "relu", "silu")
+GATED_ACTIVATIONS = ("swiglu", "clamped_swiglu")  # fc1 holds the gate rows, then the up rows: [2F, H]
 
 
-def activation_fn(h: torch.Tensor, activation: str) -> torch.Tensor:
-    """``"swiglu"``: ``silu(a) * b`` of the two halves of ``h``'s last dimension; ``"gelu"``: ``gelu(h)``."""
+def check_activation(activation: str, swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0) -> None:
+    """Raises ``ValueError`` naming a bad activation option."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    for name, v in (("swiglu_alpha", swiglu_alpha), ("swiglu_limit", swiglu_limit)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
+            raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
+
+
+def activation_fn(h: torch.Tensor, activation: str, swiglu_alpha: float = 1.702,
+                  swiglu_limit: float = 7.0) -> torch.Tensor:
+    """The expert activation of ``h`` (fc1's output).
+
+    Gated (``h``'s last dimension is the gate half ``a``, then the up half ``b``): ``"swiglu"``: ``silu(a) * b``;
+    ``"clamped_swiglu"`` (GPT-OSS): ``a' * sigmoid(swiglu_alpha * a') * (b' + 1)`` with ``a' = min(a, limit)``,
+    ``b' = clamp(b, -limit, limit)`` (Megatron: ``quick_gelu`` with ``activation_func_clamp_value`` and
+    ``glu_linear_offset=1``). Not gated: ``"gelu"`` (erf), ``"relu"``, ``"silu"``."""
     if activation == "swiglu":
         a, b = h.chunk(2, dim=-1)
         return F.silu(a) * b
-    return F.gelu(h)
+    if activation == "clamped_swiglu":
+        a, b = h.chunk(2, dim=-1)
+        a = a.clamp(max=swiglu_limit)
+        b = b.clamp(min=-swiglu_limit, max=swiglu_limit)
+        return a * torch.sigmoid(a * swiglu_alpha) * (b + 1)
+    if activation == "gelu":
+        return F.gelu(h)
+    if activation == "relu":
+        return F.relu(h)
+    if activation == "silu":
+        return F.silu(h)
+    raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
 
 
-def _fc1_out(ffn_hidden_size: int, activation: str) -> int:
-    return 2 * ffn_hidden_size if activation == "swiglu" else ffn_hidden_size
+def fc1_out_features(ffn_hidden_size: int, activation: str) -> int:
+    """Rows of fc1 per expert: ``2F`` for a gated activation, else ``F``."""
+    return 2 * ffn_hidden_size if activation in GATED_ACTIVATIONS else ffn_hidden_size
 
 
 class GroupedMLP(nn.Module):
     """``num_local_experts`` (``L``) expert MLPs as two :class:`moe_graph.GroupedLinear` (``fc1 [L, fc1_out, H]``,
-    ``fc2 [L, H, F]``, ``fc1_out = 2F`` for SwiGLU), run over the rows of ``L + k`` local experts: the home experts,
-    then ``k = num_spare_experts_per_ep_rank`` echo spare slots whose weights are copies of other ranks' experts.
+    ``fc2 [L, H, F]``, ``fc1_out = 2F`` for a gated activation), run over the rows of ``L + k`` local experts: the
+    home experts, then ``k = num_spare_experts_per_ep_rank`` echo spare slots whose weights are copies of other
+    ranks' experts.
 
     Args:
+        activation, swiglu_alpha, swiglu_limit: :func:`activation_fn`.
+        bias: biases ``fc1.bias [L, fc1_out]``, ``fc2.bias [L, H]`` (zero-initialized), added in the grouped GEMM
+            epilogue; the echo spare slots carry copies of them and send their gradients home like the weights'.
         init_std: normal init of ``fc1``; ``fc2`` gets ``init_std / sqrt(2)``.
     """
 
     def __init__(self, num_local_experts: int, hidden_size: int, ffn_hidden_size: int, activation: str = "swiglu",
                  num_spare_experts_per_ep_rank: int = 0, params_dtype: Optional[torch.dtype] = None, device=None,
-                 init_std: float = 0.02):
+                 init_std: float = 0.02, *, swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0,
+                 bias: bool = False):
         super().__init__()
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"activation must be 'swiglu' or 'gelu', got {activation!r}")
+        check_activation(activation, swiglu_alpha, swiglu_limit)
         self.num_local_experts = num_local_experts
         self.num_spare_experts_per_ep_rank = num_spare_experts_per_ep_rank
         self.activation = activation
-        self.fc1 = GroupedLinear(num_local_experts, hidden_size, _fc1_out(ffn_hidden_size, activation), bias=False,
-                                 params_dtype=params_dtype, device=device, single_grouped_weight=True,
+        self.swiglu_alpha, self.swiglu_limit = float(swiglu_alpha), float(swiglu_limit)
+        self.fc1 = GroupedLinear(num_local_experts, hidden_size, fc1_out_features(ffn_hidden_size, activation),
+                                 bias=bias, params_dtype=params_dtype, device=device, single_grouped_weight=True,
                                  init_method=lambda t: nn.init.normal_(t, std=init_std))
-        self.fc2 = GroupedLinear(num_local_experts, ffn_hidden_size, hidden_size, bias=False,
+        self.fc2 = GroupedLinear(num_local_experts, ffn_hidden_size, hidden_size, bias=bias,
                                  params_dtype=params_dtype, device=device, single_grouped_weight=True,
                                  init_method=lambda t: nn.init.normal_(t, std=init_std / math.sqrt(2)))
         for p in self.parameters():
             p.allreduce = False  # expert parameters: reduced over the expert-data-parallel group
         self._spare_grad_key = None
         self._accumulate_mask: Optional[torch.Tensor] = None
-        self.spare_grads: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+        self.spare_grads: Optional[Tuple[torch.Tensor, ...]] = None
+
+    def _act(self, h: torch.Tensor) -> torch.Tensor:
+        return activation_fn(h, self.activation, self.swiglu_alpha, self.swiglu_limit)
 
     def weights(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(fc1 [L, fc1_out, H], fc2 [L, H, F])``: this rank's home expert weights."""
         return self.fc1.weight, self.fc2.weight
 
+    def biases(self) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+        """``(fc1 [L, fc1_out], fc2 [L, H])`` biases, ``None`` without ``bias``."""
+        return (self.fc1.bias, self.fc2.bias) if self.fc1.use_bias else None
+
+    def expert_params(self) -> List[torch.Tensor]:
+        """Every per-expert tensor echo copies into a spare slot, stacked over the ``L`` home experts on dim 0:
+        the weights, then the biases (when present)."""
+        return list(self.weights()) + list(self.biases() or ())
+
     @property
     def expert_numel(self) -> int:
-        """Elements of one expert over both weights (what echo copies per spare slot)."""
-        return self.fc1.weight[0].numel() + self.fc2.weight[0].numel()
+        """Elements of one expert over all its tensors (what echo copies per spare slot)."""
+        return sum(t[0].numel() for t in self.expert_params())
 
     def uses_fused_wgrad(self) -> bool:
-        """Fused weight-gradient path: grad enabled, both weights need grad and have ``main_grad``."""
+        """Fused weight-gradient path: grad enabled, both weights need grad and have ``main_grad`` (the biases'
+        gradients go through autograd, as :class:`moe_graph.GroupedLinear` delivers them)."""
         return torch.is_grad_enabled() and all(
             w.requires_grad and getattr(w, "main_grad", None) is not None for w in self.weights())
 
     def _prepare_spare_grads(self) -> torch.Tensor:
-        """The accumulate mask ``[L + k]`` and :attr:`spare_grads` (``[k, ...]`` per weight, ``main_grad``'s dtype):
-        static device buffers built on the first fused forward (warm-up, before any capture) and reused; rebuilt
-        only if the ``main_grad`` dtype/device changes."""
+        """The accumulate mask ``[L + k]`` and :attr:`spare_grads` (``[k, ...]`` per :meth:`expert_params` tensor:
+        the weights' in ``main_grad``'s dtype, the biases' in fp32 or wider): static device buffers built on the
+        first fused forward (warm-up, before any capture) and reused; rebuilt only if the ``main_grad``
+        dtype/device changes."""
         w1, w2 = self.weights()
         key = (w1.main_grad.dtype, w2.main_grad.dtype, w1.main_grad.device)
         if self._spare_grad_key != key:
             L, k = self.num_local_experts, self.num_spare_experts_per_ep_rank
             self._accumulate_mask = wgrad_accumulate_mask(L, k, device=w1.main_grad.device)
-            self.spare_grads = (spare_grad_buffers([w1], k, dtype=w1.main_grad.dtype)[0],
-                                spare_grad_buffers([w2], k, dtype=w2.main_grad.dtype)[0])
+            grads = [spare_grad_buffers([w], k, dtype=w.main_grad.dtype)[0] for w in (w1, w2)]
+            grads += [spare_grad_buffers([b], k, dtype=torch.promote_types(b.dtype, torch.float32))[0]
+                      for b in self.biases() or ()]
+            self.spare_grads = tuple(grads)
             self._spare_grad_key = key
         return self._accumulate_mask
 
@@ -113,55 +163,72 @@ class GroupedMLP(nn.Module):
         """``expert_in [M, H]`` rows grouped by local expert, ``m_splits [L + k]`` device tensor -> ``[M, H]``.
 
         ``echo`` and ``offload_map [E, S]``: the echo weight dispatcher and this forward's plan (both ``None``
-        without echo); ``spare_weights``: the spare copies already dispatched for this plan (a plan reused for the
-        iteration), else the copies are dispatched here. Backward is collective over the EP group with echo."""
+        without echo); ``spare_weights``: the spare copies (one per :meth:`expert_params` tensor) already
+        dispatched for this plan (a plan reused for the iteration), else the copies are dispatched here. Backward
+        is collective over the EP group with echo."""
         w1, w2 = self.weights()
+        b1, b2 = self.biases() or (None, None)
         if self.uses_fused_wgrad():
             if echo is None:
-                mid = activation_fn(grouped_gemm_autograd(expert_in, [w1], m_splits, fuse_main_grad=True),
-                                    self.activation)
-                return grouped_gemm_autograd(mid, [w2], m_splits, fuse_main_grad=True)
+                mid = self._act(grouped_gemm_autograd(expert_in, [w1], m_splits, bias=b1, fuse_main_grad=True))
+                return grouped_gemm_autograd(mid, [w2], m_splits, bias=b2, fuse_main_grad=True)
             mask = self._prepare_spare_grads()
-            b1, b2 = self.spare_grads
-            s1, s2 = spare_weights or echo.dispatch(offload_map, [w1, w2])  # detached copies
-            mid = activation_fn(echo_grouped_gemm(expert_in, w1, s1, m_splits, echo, offload_map, mask, b1),
-                                self.activation)
-            return echo_grouped_gemm(mid, w2, s2, m_splits, echo, offload_map, mask, b2)
+            spares = spare_weights or echo.dispatch(offload_map, self.expert_params())  # detached copies
+            s1, s2 = spares[0], spares[1]
+            g1, g2 = self.spare_grads[0], self.spare_grads[1]
+            sb1 = sb2 = gb1 = gb2 = None
+            if b1 is not None:
+                sb1, sb2 = spares[2], spares[3]
+                gb1, gb2 = self.spare_grads[2], self.spare_grads[3]
+            mid = self._act(echo_grouped_gemm(expert_in, w1, s1, m_splits, echo, offload_map, mask, g1,
+                                              home_bias=b1, spare_bias=sb1, spare_bias_grad=gb1))
+            return echo_grouped_gemm(mid, w2, s2, m_splits, echo, offload_map, mask, g2,
+                                     home_bias=b2, spare_bias=sb2, spare_bias_grad=gb2)
         weights1, weights2 = w1, w2
         if echo is not None:
-            s1, s2 = dispatch_spare_weights(echo, offload_map, [w1, w2], spare=spare_weights)
+            spares = dispatch_spare_weights(echo, offload_map, self.expert_params(), spare=spare_weights)
             # one 2-D weight per local expert (home views + spare copies): no concatenated copy of all weights
-            weights1 = list(w1.unbind(0)) + list(s1.to(w1.dtype).unbind(0))
-            weights2 = list(w2.unbind(0)) + list(s2.to(w2.dtype).unbind(0))
-        mid = activation_fn(grouped_gemm(expert_in, weights1, m_splits), self.activation)
-        return grouped_gemm(mid, weights2, m_splits)
+            weights1 = list(w1.unbind(0)) + list(spares[0].to(w1.dtype).unbind(0))
+            weights2 = list(w2.unbind(0)) + list(spares[1].to(w2.dtype).unbind(0))
+            if b1 is not None:
+                b1 = torch.cat([b1, spares[2].to(b1.dtype)])
+                b2 = torch.cat([b2, spares[3].to(b2.dtype)])
+        mid = self._act(grouped_gemm(expert_in, weights1, m_splits, bias=b1))
+        return grouped_gemm(mid, weights2, m_splits, bias=b2)
 
     def extra_repr(self) -> str:
         return (f"local={self.num_local_experts}, spare={self.num_spare_experts_per_ep_rank}, "
-                f"activation={self.activation}")
+                f"activation={self.activation}, bias={self.fc1.use_bias}")
 
 
 class SharedExpert(nn.Module):
     """An MLP every token goes through, added to the routed output (DeepSeek-V3, Qwen2-MoE): ``fc1``, the
-    activation, ``fc2``; with ``gate`` its output is scaled by ``sigmoid(x @ w_gate)`` per token (Qwen2-MoE).
-    Dense parameters (reduced over the data-parallel group like any other)."""
+    activation (:func:`activation_fn`), ``fc2`` (with biases when ``bias``); with ``gate`` its output is scaled by
+    ``sigmoid(x @ w_gate)`` per token (Qwen2-MoE). Dense parameters (reduced over the data-parallel group like any
+    other)."""
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, activation: str = "swiglu", gate: bool = False,
-                 params_dtype: Optional[torch.dtype] = None, device=None, init_std: float = 0.02):
+                 params_dtype: Optional[torch.dtype] = None, device=None, init_std: float = 0.02, *,
+                 swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0, bias: bool = False):
         super().__init__()
+        check_activation(activation, swiglu_alpha, swiglu_limit)
         self.activation = activation
-        self.fc1 = nn.Linear(hidden_size, _fc1_out(ffn_hidden_size, activation), bias=False, device=device,
+        self.swiglu_alpha, self.swiglu_limit = float(swiglu_alpha), float(swiglu_limit)
+        self.fc1 = nn.Linear(hidden_size, fc1_out_features(ffn_hidden_size, activation), bias=bias, device=device,
                              dtype=params_dtype)
-        self.fc2 = nn.Linear(ffn_hidden_size, hidden_size, bias=False, device=device, dtype=params_dtype)
+        self.fc2 = nn.Linear(ffn_hidden_size, hidden_size, bias=bias, device=device, dtype=params_dtype)
         nn.init.normal_(self.fc1.weight, std=init_std)
         nn.init.normal_(self.fc2.weight, std=init_std / math.sqrt(2))
+        for lin in (self.fc1, self.fc2):
+            if lin.bias is not None:
+                nn.init.zeros_(lin.bias)
         self.gate = None
         if gate:
             self.gate = nn.Linear(hidden_size, 1, bias=False, device=device, dtype=params_dtype)
             nn.init.normal_(self.gate.weight, std=init_std)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        out = self.fc2(activation_fn(self.fc1(h), self.activation))
+        out = self.fc2(activation_fn(self.fc1(h), self.activation, self.swiglu_alpha, self.swiglu_limit))
         if self.gate is not None:
             out = torch.sigmoid(self.gate(h)) * out
         return out

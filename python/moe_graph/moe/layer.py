@@ -94,12 +94,16 @@ class MoELayer(nn.Module):
     Args (router and loss names from :mod:`moe_graph.moe.router`):
         hidden_size, ffn_hidden_size: ``H``, ``F`` (per expert).
         num_experts: ``E`` (global). topk: routes per token.
-        score_func: ``"softmax"`` or ``"sigmoid"``. norm_topk_prob: renormalize the top-k softmax probabilities.
-        num_groups, group_topk, topk_scaling_factor, enable_expert_bias, expert_bias_update_rate, router_dtype:
-            router options (:class:`TopKRouter`; group-limited routing, scaled probabilities,
-            auxiliary-loss-free balancing with :func:`update_expert_bias` after each optimizer step, gate GEMM
-            precision).
-        activation: ``"swiglu"`` (fc1 is ``[2F, H]``) or ``"gelu"``.
+        score_func: ``"softmax"`` or ``"sigmoid"``. norm_topk_prob: renormalize the top-k probabilities (``None``:
+            on for sigmoid with ``topk > 1``, off for softmax, Megatron's rule; ``True``/``False`` for either).
+        num_groups, group_topk, group_score_topk, topk_scaling_factor, router_bias, enable_expert_bias,
+            expert_bias_update_rate, router_dtype: router options (:class:`TopKRouter`; group-limited routing and
+            its group score rule, scaled probabilities, a learned gate bias, auxiliary-loss-free balancing with
+            :func:`update_expert_bias` after each optimizer step, gate GEMM precision).
+        activation: ``"swiglu"`` (fc1 is ``[2F, H]``), ``"clamped_swiglu"`` (GPT-OSS's, with ``swiglu_alpha`` and
+            ``swiglu_limit``; fc1 ``[2F, H]``), or the non-gated ``"gelu"``, ``"relu"``, ``"silu"``
+            (:func:`moe_graph.moe.experts.activation_fn`). add_bias_linear: biases on the experts' (and the shared
+            expert's) fc1 and fc2, fused into the grouped GEMM epilogue.
         aux_loss_coeff: weight of the load-balancing loss (0: off); its gradient flows through the output, times
             the factor of :meth:`MoEAuxLossAutoScaler.set_loss_scale` (``loss_scale / num_microbatches``, set for
             you by :func:`moe_graph.train.step.train_step` and the pipeline schedules).
@@ -176,17 +180,19 @@ class MoELayer(nn.Module):
 
         self.router = TopKRouter(c.hidden_size, c.num_experts, c.topk, c.score_func, c.norm_topk_prob, device=device,
                                  dtype=dtype, num_groups=c.num_groups, group_topk=c.group_topk,
-                                 scaling_factor=c.topk_scaling_factor, enable_expert_bias=c.enable_expert_bias,
+                                 group_score_topk=c.group_score_topk, scaling_factor=c.topk_scaling_factor,
+                                 router_bias=c.router_bias, enable_expert_bias=c.enable_expert_bias,
                                  expert_bias_update_rate=c.expert_bias_update_rate, router_dtype=c.router_dtype)
         self.router_loss = RouterLoss(c.topk, c.score_func, c.aux_loss_coeff, c.aux_loss_type, c.sequence_dim,
                                       c.z_loss_coeff)
+        act = dict(swiglu_alpha=c.swiglu_alpha, swiglu_limit=c.swiglu_limit, bias=c.add_bias_linear)
         self.experts = GroupedMLP(self.num_local_experts, c.hidden_size, c.ffn_hidden_size, c.activation, k,
-                                  params_dtype=dtype, device=device, init_std=c.init_std)
+                                  params_dtype=dtype, device=device, init_std=c.init_std, **act)
         self.shared_expert = None
         if c.shared_expert_ffn_size:
             self.shared_expert = SharedExpert(c.hidden_size, c.shared_expert_ffn_size, c.activation,
                                               c.shared_expert_gate, params_dtype=dtype, device=device,
-                                              init_std=c.init_std)
+                                              init_std=c.init_std, **act)
         col_rank, col_local = expert_columns(c.num_experts, ep_size, k)
         self.dispatcher = TokenDispatcher(self.num_local_experts + k, ep_size, self.ep_rank, col_rank, col_local,
                                           capacity=None, group=ep_group, drop_policy=c.token_drop_policy,
@@ -281,7 +287,7 @@ class MoELayer(nn.Module):
         if self.echo is None:
             expert_out = self.experts(expert_in, m_splits)
         else:
-            spares = self.echo.iteration_spares(offload_map, self.experts.weights(), reuse)
+            spares = self.echo.iteration_spares(offload_map, self.experts.expert_params(), reuse)
             expert_out = self.experts(expert_in, m_splits, self.echo.dispatcher, offload_map, spares)
         out = self.dispatcher.combine(expert_out, handle).to(x.dtype)
         if self.shared_expert is not None:

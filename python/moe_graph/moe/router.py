@@ -119,13 +119,17 @@ def set_aux_loss_scale(scale) -> None:
     MoEAuxLossAutoScaler.set_loss_scale(scale)
 
 
-def group_limited_topk(scores: torch.Tensor, topk: int, num_groups: int, group_topk: int):
+def group_limited_topk(scores: torch.Tensor, topk: int, num_groups: int, group_topk: int,
+                       group_score_topk: Optional[int] = None):
     """DeepSeek-V3's device/node-limited routing: experts form ``num_groups`` consecutive groups; a group's score
-    is the sum of its ``topk // group_topk`` best scores; each token picks its ``group_topk`` best groups and then
-    its ``topk`` best experts among those groups. Returns ``(values [T, topk], indices [T, topk])``."""
+    is the sum of its ``group_score_topk`` best scores (``None``: ``topk // group_topk``, Megatron's rule;
+    DeepSeek-V3's reference code and Hugging Face transformers sum the best 2); each token picks its ``group_topk``
+    best groups and then its ``topk`` best experts among those groups. Returns ``(values [T, topk], indices
+    [T, topk])``."""
     T, E = scores.shape
     grouped = scores.view(T, num_groups, E // num_groups)
-    group_scores = grouped.topk(topk // group_topk, dim=-1)[0].sum(-1)  # [T, G]
+    n = group_score_topk if group_score_topk is not None else topk // group_topk
+    group_scores = grouped.topk(n, dim=-1)[0].sum(-1)  # [T, G]
     group_idx = group_scores.topk(group_topk, dim=-1, sorted=False)[1]
     allowed = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
     allowed = allowed.unsqueeze(-1).expand_as(grouped).reshape(T, E)
@@ -134,10 +138,14 @@ def group_limited_topk(scores: torch.Tensor, topk: int, num_groups: int, group_t
 
 def check_router_options(num_experts: int, topk: int, score_func: str = "softmax", num_groups: Optional[int] = None,
                          group_topk: Optional[int] = None, enable_expert_bias: bool = False,
-                         router_dtype: Optional[torch.dtype] = None) -> None:
+                         router_dtype: Optional[torch.dtype] = None, norm_topk_prob: Optional[bool] = None,
+                         group_score_topk: Optional[int] = None) -> None:
     """Raises ``ValueError`` naming the first bad routing option (:class:`TopKRouter`'s arguments)."""
     if score_func not in SCORE_FUNCS:
         raise ValueError(f"score_func must be 'softmax' or 'sigmoid', got {score_func!r}")
+    if norm_topk_prob not in (None, True, False):
+        raise ValueError(f"norm_topk_prob must be None (the score function's default), True or False, got "
+                         f"{norm_topk_prob!r}")
     if not 1 <= topk <= num_experts:
         raise ValueError(f"topk must be in [1, num_experts={num_experts}], got {topk}")
     if (num_groups is None) != (group_topk is None):
@@ -151,6 +159,14 @@ def check_router_options(num_experts: int, topk: int, score_func: str = "softmax
             raise ValueError(
                 f"topk={topk} must be in [group_topk={group_topk}, group_topk * experts per group = "
                 f"{group_topk * (num_experts // num_groups)}] for group-limited routing")
+    if group_score_topk is not None:
+        if num_groups is None:
+            raise ValueError("group_score_topk needs group-limited routing (num_groups and group_topk)")
+        per = num_experts // num_groups
+        n = group_score_topk
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= per:
+            raise ValueError(f"group_score_topk must be an int in [1, experts per group = {per}] or None "
+                             f"(topk // group_topk), got {group_score_topk!r}")
     if enable_expert_bias and score_func != "sigmoid":
         raise ValueError("enable_expert_bias (auxiliary-loss-free balancing) needs score_func='sigmoid'")
     if router_dtype not in (None, torch.float32, torch.float64):
@@ -169,12 +185,14 @@ class TopKRouter(nn.Module):
     """Linear gate + softmax or sigmoid scores + top-k, with the routing options of DeepSeek-V3/Qwen3-style models
     (Megatron-core's ``moe_router_*`` semantics).
 
-    ``score_func="softmax"``: probabilities = the top-k softmax scores (renormalized to sum 1 when
-    ``norm_topk_prob``). ``"sigmoid"`` (DeepSeek-V3): the top-k sigmoid scores, renormalized to sum 1 when
-    ``topk > 1``.
+    ``score_func="softmax"``: probabilities = the top-k softmax scores; ``"sigmoid"`` (DeepSeek-V3): the top-k
+    sigmoid scores. ``norm_topk_prob``: renormalize the top-k probabilities to sum 1 (``True``/``False``, for either
+    score function; ``None``: Megatron's rule, on for sigmoid with ``topk > 1``, off for softmax).
 
-    * ``num_groups`` / ``group_topk``: group-limited routing (:func:`group_limited_topk`).
+    * ``num_groups`` / ``group_topk`` / ``group_score_topk``: group-limited routing (:func:`group_limited_topk`).
     * ``scaling_factor``: multiplies the probabilities (DeepSeek-V3's ``routed_scaling_factor`` 2.5).
+    * ``router_bias``: a learned bias ``bias [E]`` added to the logits (GPT-OSS; Megatron's router gets one with
+      ``add_bias_linear``). It moves both the selection and the probabilities, unlike ``expert_bias``.
     * ``router_dtype`` (``torch.float32`` / ``torch.float64``): run the gate GEMM in that precision (Megatron's
       ``moe_router_dtype``; by default the GEMM runs in the input dtype and the logits are upcast to fp32).
     * ``enable_expert_bias`` (sigmoid only): auxiliary-loss-free balancing. A buffer ``expert_bias [E]`` is added
@@ -188,21 +206,26 @@ class TopKRouter(nn.Module):
     """
 
     def __init__(self, hidden_size: int, num_experts: int, topk: int, score_func: str = "softmax",
-                 norm_topk_prob: bool = False, device=None, dtype=None, *, num_groups: Optional[int] = None,
-                 group_topk: Optional[int] = None, scaling_factor: Optional[float] = None,
+                 norm_topk_prob: Optional[bool] = None, device=None, dtype=None, *, num_groups: Optional[int] = None,
+                 group_topk: Optional[int] = None, group_score_topk: Optional[int] = None,
+                 scaling_factor: Optional[float] = None, router_bias: bool = False,
                  enable_expert_bias: bool = False, expert_bias_update_rate: float = 1e-3,
                  router_dtype: Optional[torch.dtype] = None):
         super().__init__()
-        check_router_options(num_experts, topk, score_func, num_groups, group_topk, enable_expert_bias, router_dtype)
+        check_router_options(num_experts, topk, score_func, num_groups, group_topk, enable_expert_bias, router_dtype,
+                             norm_topk_prob, group_score_topk)
         self.num_experts, self.topk, self.score_func = num_experts, topk, score_func
-        self.norm_topk_prob = norm_topk_prob or (score_func == "sigmoid" and topk > 1)
-        self.num_groups, self.group_topk = num_groups, group_topk
+        if norm_topk_prob is None:
+            norm_topk_prob = score_func == "sigmoid" and topk > 1
+        self.norm_topk_prob = bool(norm_topk_prob)
+        self.num_groups, self.group_topk, self.group_score_topk = num_groups, group_topk, group_score_topk
         self.scaling_factor = scaling_factor
         self.enable_expert_bias = bool(enable_expert_bias)
         self.expert_bias_update_rate = float(expert_bias_update_rate)
         self.router_dtype = router_dtype
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, device=device, dtype=dtype))
         nn.init.normal_(self.weight, std=0.02)
+        self.bias = nn.Parameter(torch.zeros(num_experts, device=device, dtype=dtype)) if router_bias else None
         if self.enable_expert_bias:
             self.register_buffer("expert_bias", torch.zeros(num_experts, device=device, dtype=torch.float32))
             self.register_buffer("local_tokens_per_expert",
@@ -211,15 +234,16 @@ class TopKRouter(nn.Module):
 
     def _select(self, scores: torch.Tensor) -> torch.Tensor:
         if self.num_groups is not None:
-            return group_limited_topk(scores, self.topk, self.num_groups, self.group_topk)[1]
+            return group_limited_topk(scores, self.topk, self.num_groups, self.group_topk, self.group_score_topk)[1]
         return torch.topk(scores, self.topk, dim=-1)[1]
 
     def forward(self, x: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
         """``x`` ``[T, H]``; ``padding_mask`` ``[T]`` bool (True: a padding token, which gets no route)."""
         if self.router_dtype is not None:  # Megatron's moe_router_dtype: the gate GEMM itself in fp32 / fp64
-            logits = F.linear(x.to(self.router_dtype), self.weight.to(self.router_dtype))
+            bias = self.bias.to(self.router_dtype) if self.bias is not None else None
+            logits = F.linear(x.to(self.router_dtype), self.weight.to(self.router_dtype), bias)
         else:
-            logits = F.linear(x, self.weight)
+            logits = F.linear(x, self.weight, self.bias)
             logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32 scores (fp64 stays fp64)
         self.last_logits = logits
         scores = torch.softmax(logits, -1) if self.score_func == "softmax" else torch.sigmoid(logits)

@@ -11,11 +11,15 @@ import torch.nn.functional as F
 
 # ---------------------------------------------------------------------------------------------- references --
 def reference_route(h: torch.Tensor, gate_weight: torch.Tensor, topk: int, score_func: str = "softmax",
-                    norm_topk_prob: bool = False, *, num_groups=None, group_topk=None, scaling_factor=None,
-                    expert_bias=None):
+                    norm_topk_prob: Optional[bool] = None, *, num_groups=None, group_topk=None, scaling_factor=None,
+                    expert_bias=None, group_score_topk=None, gate_bias=None):
     """``(topk_idx [T, K], topk_probs [T, K], scores [T, E])``: the router written out independently (group-limited
-    selection one token at a time, in plain Python)."""
+    selection one token at a time, in plain Python). ``norm_topk_prob=None``: on for sigmoid with ``topk > 1``;
+    ``group_score_topk=None``: a group scores the sum of its ``topk // group_topk`` best; ``gate_bias``: added to
+    the logits."""
     logits = (h @ gate_weight.t()).float() if h.dtype != torch.float64 else h @ gate_weight.t()
+    if gate_bias is not None:
+        logits = logits + gate_bias.to(logits.dtype)
     scores = torch.softmax(logits, -1) if score_func == "softmax" else torch.sigmoid(logits)
     sel = scores.detach() + (expert_bias.to(scores.dtype) if expert_bias is not None else 0)
     T, E = scores.shape
@@ -23,16 +27,19 @@ def reference_route(h: torch.Tensor, gate_weight: torch.Tensor, topk: int, score
         idx = torch.topk(sel, topk, dim=-1)[1]
     else:
         per = E // num_groups
+        n = group_score_topk if group_score_topk is not None else topk // group_topk
         rows = []
         for t in range(T):
             s = sel[t].tolist()
-            gscore = [sum(sorted(s[g * per:(g + 1) * per], reverse=True)[: topk // group_topk]) for g in range(num_groups)]
+            gscore = [sum(sorted(s[g * per:(g + 1) * per], reverse=True)[:n]) for g in range(num_groups)]
             groups = sorted(range(num_groups), key=lambda g: -gscore[g])[:group_topk]
             cand = [e for g in groups for e in range(g * per, (g + 1) * per)]
             rows.append(sorted(cand, key=lambda e: -s[e])[:topk])
         idx = torch.tensor(rows, dtype=torch.int64)
     top = scores.gather(1, idx)
-    if norm_topk_prob or (score_func == "sigmoid" and topk > 1):
+    if norm_topk_prob is None:
+        norm_topk_prob = score_func == "sigmoid" and topk > 1
+    if norm_topk_prob:
         top = top / (top.sum(-1, keepdim=True) + 1e-20)
     if scaling_factor:
         top = top * scaling_factor
@@ -60,10 +67,32 @@ def kept_routes(indices: torch.Tensor, column_rank: torch.Tensor, capacity: int,
     return keep
 
 
-def dense_moe_reference(h, indices, probs, w1, w2, activation: str = "swiglu", keep: Optional[torch.Tensor] = None):
+def reference_activation(a: torch.Tensor, activation: str = "swiglu", swiglu_alpha: float = 1.702,
+                         swiglu_limit: float = 7.0) -> torch.Tensor:
+    """The expert activations written out from their definitions (gated ones: gate half, then up half)."""
+    if activation in ("swiglu", "clamped_swiglu"):
+        g, u = a.chunk(2, -1)
+        if activation == "swiglu":
+            return g * torch.sigmoid(g) * u
+        g = torch.minimum(g, torch.full_like(g, swiglu_limit))
+        u = torch.maximum(torch.minimum(u, torch.full_like(u, swiglu_limit)), torch.full_like(u, -swiglu_limit))
+        return g / (1 + torch.exp(-swiglu_alpha * g)) * (u + 1)
+    if activation == "gelu":
+        return 0.5 * a * (1 + torch.erf(a / 2 ** 0.5))
+    if activation == "relu":
+        return torch.where(a > 0, a, torch.zeros_like(a))
+    if activation == "silu":
+        return a / (1 + torch.exp(-a))
+    raise ValueError(f"unknown activation {activation!r}")
+
+
+def dense_moe_reference(h, indices, probs, w1, w2, activation: str = "swiglu", keep: Optional[torch.Tensor] = None,
+                        b1: Optional[torch.Tensor] = None, b2: Optional[torch.Tensor] = None,
+                        swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0):
     """Every token through each of its top-k experts, one at a time: ``sum_k probs[t, k] * mlp_{e_k}(h[t])``.
 
-    ``w1 [E, fc1_out, H]``, ``w2 [E, H, F]`` (``nn.Linear`` layout); ``keep`` masks dropped routes."""
+    ``w1 [E, fc1_out, H]``, ``w2 [E, H, F]`` (``nn.Linear`` layout), optional biases ``b1 [E, fc1_out]``,
+    ``b2 [E, H]``; ``keep`` masks dropped routes; activation: :func:`reference_activation`."""
     T, K = indices.shape
     rows = []
     for t in range(T):
@@ -73,12 +102,12 @@ def dense_moe_reference(h, indices, probs, w1, w2, activation: str = "swiglu", k
                 continue
             e = int(indices[t, k])
             a = h[t] @ w1[e].t()
-            if activation == "swiglu":
-                g, u = a.chunk(2, -1)
-                a = F.silu(g) * u
-            else:
-                a = F.gelu(a)
-            acc = acc + probs[t, k].to(h.dtype) * (a @ w2[e].t())
+            if b1 is not None:
+                a = a + b1[e]
+            a = reference_activation(a, activation, swiglu_alpha, swiglu_limit) @ w2[e].t()
+            if b2 is not None:
+                a = a + b2[e]
+            acc = acc + probs[t, k].to(h.dtype) * a
         rows.append(acc)
     return torch.stack(rows)
 
@@ -101,3 +130,33 @@ def scale_experts(expert_in: torch.Tensor, m_splits: torch.Tensor, scales: torch
     pad = expert_in.shape[0] - per_row.shape[0]
     per_row = torch.cat([per_row, per_row.new_zeros(pad)])
     return expert_in * per_row[:, None].to(expert_in.dtype)
+
+
+def reference_moe_layer(x: torch.Tensor, params: Dict[str, torch.Tensor], config) -> torch.Tensor:
+    """A whole MoE layer from its definition, dropless: ``x [..., H]`` -> ``[..., H]``.
+
+    ``params``: global tensors under :class:`moe_graph.moe.layer.MoELayer`'s state-dict names, every expert on
+    dim 0 (``router.weight`` and optionally ``router.bias``, ``router.expert_bias``; ``experts.fc1.weight [E, ...]``,
+    ``experts.fc2.weight``, optionally ``experts.fc1.bias`` / ``experts.fc2.bias``; ``shared_expert.fc1.weight``,
+    ... when ``config`` has a shared expert). ``config``: anything with :class:`moe_graph.moe.config.MoEConfig`'s
+    option attributes."""
+    c = config
+    h = x.reshape(-1, x.shape[-1])
+    idx, probs, _ = reference_route(h, params["router.weight"], c.topk, c.score_func, c.norm_topk_prob,
+                                    num_groups=c.num_groups, group_topk=c.group_topk,
+                                    scaling_factor=c.topk_scaling_factor, expert_bias=params.get("router.expert_bias"),
+                                    group_score_topk=c.group_score_topk, gate_bias=params.get("router.bias"))
+    act = dict(swiglu_alpha=c.swiglu_alpha, swiglu_limit=c.swiglu_limit)
+    y = dense_moe_reference(h, idx, probs, params["experts.fc1.weight"], params["experts.fc2.weight"], c.activation,
+                            b1=params.get("experts.fc1.bias"), b2=params.get("experts.fc2.bias"), **act)
+    if c.shared_expert_ffn_size:
+        a = h @ params["shared_expert.fc1.weight"].t()
+        if "shared_expert.fc1.bias" in params:
+            a = a + params["shared_expert.fc1.bias"]
+        s = reference_activation(a, c.activation, **act) @ params["shared_expert.fc2.weight"].t()
+        if "shared_expert.fc2.bias" in params:
+            s = s + params["shared_expert.fc2.bias"]
+        if c.shared_expert_gate:
+            s = s / (1 + torch.exp(-(h @ params["shared_expert.gate.weight"].t())))
+        y = y + s
+    return y.reshape(x.shape)

@@ -1,0 +1,220 @@
+"""MoELayer's routing and expert options against the float64 layer reference written from their definitions
+(:func:`moe_graph.testing.moe_reference.reference_moe_layer`): renormalisation independent of the score function,
+the group score rule, the router bias, expert biases (fused epilogue, fused ``main_grad`` and echo spare slots) and
+the ``relu`` / ``silu`` / ``clamped_swiglu`` activations; outputs, input gradients and every parameter gradient,
+in one process (echo with one rank, recompute) and with EP=2 on gloo (echo)."""
+
+import pytest
+import torch
+
+from helpers.moe_option_workers import option_layer_ep_worker
+from moe_graph.distributed.launch import run_distributed
+from moe_graph.moe.config import MoEConfig
+from moe_graph.moe.experts import activation_fn
+from moe_graph.moe.layer import MoELayer
+from moe_graph.moe.router import TopKRouter
+from moe_graph.testing.moe_reference import reference_activation, reference_moe_layer, reference_route
+
+DT = torch.float64
+TOL = dict(rtol=1e-10, atol=1e-12)
+
+
+def _layer(E=8, K=2, H=8, F=6, seed=0, **options):
+    torch.manual_seed(seed)
+    layer = MoELayer(H, F, E, K, device="cpu", params_dtype=DT, init_std=0.5, **options)
+    with torch.no_grad():
+        layer.router.weight.normal_(0, 1.0)
+        for p in layer.parameters():  # biases start at zero: give them values that matter
+            if p.dim() <= 2 and p is not layer.router.weight and "bias" in _name(layer, p):
+                p.normal_(0, 0.5)
+    return layer
+
+
+def _name(module, param):
+    return next(n for n, p in module.named_parameters() if p is param)
+
+
+def _attach_main_grads(layer):
+    for w in layer.experts.weights():  # the fused path: weight gradients into main_grad, biases' through autograd
+        w.main_grad = torch.zeros_like(w)
+
+
+def _grad(p):
+    mg = getattr(p, "main_grad", None)
+    return mg if mg is not None else p.grad
+
+
+def _check(layer, x, *, reps=1):
+    """Layer vs :func:`reference_moe_layer` on the same parameters: output, input gradient, every parameter's
+    gradient (``main_grad`` where the layer has one). ``reps`` forwards/backwards accumulate."""
+    target = torch.randn(x.shape, dtype=DT, generator=torch.Generator().manual_seed(7))
+    params = {n: p.detach().clone().requires_grad_() for n, p in layer.named_parameters()}
+    if layer.router.enable_expert_bias:
+        params["router.expert_bias"] = layer.router.expert_bias.clone()
+    xl, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+    for _ in range(reps):
+        y = layer(xl)
+        (y * target).sum().backward()
+        y_ref = reference_moe_layer(xr, params, layer.config)
+        (y_ref * target).sum().backward()
+    torch.testing.assert_close(y.detach(), y_ref.detach(), **TOL)
+    torch.testing.assert_close(xl.grad, xr.grad, **TOL)
+    for n, p in layer.named_parameters():
+        torch.testing.assert_close(_grad(p), params[n].grad, **TOL, msg=lambda m: f"{n}: {m}")
+    return y
+
+
+# ------------------------------------------------------------------------------------------------- router --
+def test_norm_topk_prob_independent_of_score_func(gen):
+    x = torch.randn(16, 8, generator=gen, dtype=DT)
+    for score_func in ("softmax", "sigmoid"):
+        for norm in (None, True, False):
+            layer = _layer(score_func=score_func, norm_topk_prob=norm)
+            expected = (score_func == "sigmoid") if norm is None else norm  # None: Megatron's rule, unchanged
+            assert layer.router.norm_topk_prob == expected
+            _check(layer, x)
+            _, probs, _ = layer.router(x.reshape(-1, 8))
+            sums = probs.sum(-1)
+            if expected:
+                torch.testing.assert_close(sums, torch.ones_like(sums), **TOL)
+            else:
+                assert (sums - 1).abs().max() > 1e-3
+
+
+def test_group_score_topk_rules_differ_and_match(gen):
+    """top-6 of 16 experts in 4 groups, 2 groups kept: Megatron's rule sums a group's best 3 scores, DeepSeek's
+    best 2; both are reproduced, and they pick different experts for some tokens."""
+    E, K, G, gk = 16, 6, 4, 2
+    x = torch.randn(64, 8, generator=gen, dtype=DT)
+    picks = {}
+    for rule in (None, 2):
+        layer = _layer(E=E, K=K, score_func="sigmoid", num_groups=G, group_topk=gk, group_score_topk=rule,
+                       topk_scaling_factor=2.5)
+        _check(layer, x)
+        routing_map, _, _ = layer.router(x)
+        picks[rule] = routing_map
+        idx, _, _ = reference_route(x, layer.router.weight.detach(), K, "sigmoid", num_groups=G, group_topk=gk,
+                                    group_score_topk=rule)
+        ref_map = torch.zeros(64, E, dtype=torch.bool).scatter_(1, idx, True)
+        assert torch.equal(routing_map, ref_map)
+    assert (picks[None] != picks[2]).any(dim=1).sum() >= 3  # the rules differ on these tokens
+
+
+def test_group_score_topk_with_expert_bias(gen):
+    layer = _layer(E=16, K=4, score_func="sigmoid", num_groups=4, group_topk=2, group_score_topk=2,
+                   enable_expert_bias=True, norm_topk_prob=False)
+    with torch.no_grad():
+        layer.router.expert_bias.normal_(0, 0.3)
+    _check(layer, torch.randn(24, 8, generator=gen, dtype=DT))
+
+
+def test_router_bias(gen):
+    layer = _layer(router_bias=True, norm_topk_prob=True)
+    assert layer.router.bias.shape == (8,) and layer.router.bias.requires_grad
+    with torch.no_grad():
+        layer.router.bias.copy_(torch.linspace(-2, 2, 8, dtype=DT))
+    _check(layer, torch.randn(20, 8, generator=gen, dtype=DT))
+    assert layer.router.bias.grad.abs().max() > 0
+
+
+def test_router_bias_router_dtype(gen):
+    torch.manual_seed(0)
+    r = TopKRouter(8, 4, 2, router_bias=True, router_dtype=torch.float64, dtype=torch.float32)
+    with torch.no_grad():
+        r.bias.normal_()
+    x = torch.randn(10, 8, generator=gen)
+    _, probs, _ = r(x)
+    idx, top, _ = reference_route(x.double(), r.weight.detach().double(), 2, gate_bias=r.bias.detach().double())
+    torch.testing.assert_close(probs.gather(1, idx), top)
+
+
+# ----------------------------------------------------------------------------------------- activations --
+@pytest.mark.parametrize("activation", ["relu", "silu", "gelu", "swiglu", "clamped_swiglu"])
+def test_activation_fn_matches_definition(gen, activation):
+    h = torch.randn(50, 12, generator=gen, dtype=DT) * 6  # beyond the clamp limit on both sides
+    torch.testing.assert_close(activation_fn(h, activation, 1.3, 2.5), reference_activation(h, activation, 1.3, 2.5),
+                               **TOL)
+
+
+def test_clamped_swiglu_clamps():
+    h = torch.tensor([[10.0, -10.0], [-10.0, 10.0], [1.0, 0.5]], dtype=DT)  # [gate | up]
+    y = activation_fn(h, "clamped_swiglu", 1.702, 7.0)
+    g = torch.tensor([7.0, -10.0, 1.0], dtype=DT)
+    u = torch.tensor([-7.0, 7.0, 0.5], dtype=DT)
+    torch.testing.assert_close(y[:, 0], g * torch.sigmoid(1.702 * g) * (u + 1), **TOL)
+
+
+@pytest.mark.parametrize("activation", ["relu", "silu", "clamped_swiglu"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_activation_and_bias_layer(gen, activation, bias):
+    layer = _layer(activation=activation, add_bias_linear=bias, swiglu_limit=1.5, swiglu_alpha=1.2,
+                   shared_expert_ffn_size=5, shared_expert_gate=True)
+    x = torch.randn(24, 8, generator=gen, dtype=DT)
+    _check(layer, x)
+    if activation == "clamped_swiglu":  # the clamps are active on these inputs
+        fc1 = layer.experts.fc1
+        a = x @ fc1.weight[0].detach().t() + (fc1.bias[0].detach() if bias else 0)
+        assert (a.abs() > 1.5).any()
+
+
+# ------------------------------------------------------------------ biases with echo, main_grad, recompute --
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("echo", [0, 1])
+def test_bias_echo_fused(gen, fused, echo):
+    layer = _layer(activation="clamped_swiglu", add_bias_linear=True, router_bias=True,
+                   num_spare_experts_per_ep_rank=echo)
+    if fused:
+        _attach_main_grads(layer)
+        assert layer.experts.uses_fused_wgrad()
+    # one rank: the echo paths run with an idle spare slot (test_options_ep2_echo gives the slots tokens)
+    _check(layer, torch.randn(32, 8, generator=gen, dtype=DT), reps=2)  # twice: accumulation, buffers reused
+
+
+@pytest.mark.parametrize("plan_mode", ["microbatch", "iteration"])
+def test_bias_echo_recompute(gen, plan_mode):
+    kw = dict(recompute=True) if plan_mode == "microbatch" else dict(echo_plan_mode="iteration")
+    layer = _layer(activation="relu", add_bias_linear=True, num_spare_experts_per_ep_rank=1, **kw)
+    layer.train()
+    _check(layer, torch.randn(32, 8, generator=gen, dtype=DT))
+
+
+def test_options_static_capacity(gen):
+    """The fixed-capacity (static) dispatcher with room for every route carries the new options unchanged."""
+    layer = _layer(activation="clamped_swiglu", swiglu_limit=1.5, add_bias_linear=True, router_bias=True,
+                   capacity_factor=8.0)
+    _check(layer, torch.randn(24, 8, generator=gen, dtype=DT))
+    assert layer.dispatcher.check_drops() == 0
+
+
+def test_expert_numel_counts_biases():
+    plain = _layer(num_spare_experts_per_ep_rank=1)
+    biased = _layer(num_spare_experts_per_ep_rank=1, add_bias_linear=True)
+    assert biased.experts.expert_numel == plain.experts.expert_numel + 2 * 6 + 8
+    assert len(biased.experts.expert_params()) == 4
+
+
+# -------------------------------------------------------------------------------------------------- errors --
+@pytest.mark.parametrize("kw, match", [
+    (dict(activation="tanh"), "activation"),
+    (dict(activation="clamped_swiglu", swiglu_limit=0), "swiglu_limit"),
+    (dict(swiglu_alpha=float("nan")), "swiglu_alpha"),
+    (dict(norm_topk_prob="yes"), "norm_topk_prob"),
+    (dict(group_score_topk=2), "group_score_topk needs"),
+    (dict(num_groups=2, group_topk=1, group_score_topk=5), "group_score_topk must"),
+    (dict(num_groups=2, group_topk=1, group_score_topk=True), "group_score_topk must"),
+])
+def test_bad_options(kw, match):
+    with pytest.raises(ValueError, match=match):
+        MoEConfig(8, 6, 8, 2, **kw)
+
+
+# ---------------------------------------------------------------------------------------------- EP=2 gloo --
+def test_options_ep2_echo():
+    """Two EP ranks on gloo, echo (one spare slot per rank), the new router and expert options, plain and fused
+    main_grad: each rank's output, input gradient and home-expert gradients against the reference on all tokens."""
+    results = run_distributed(option_layer_ep_worker, 2, 3)
+    for res in results:
+        for case, errs in res["errors"].items():
+            for what, err in errs.items():
+                assert err < 1e-10, (case, what, err)
+    assert sum(res["spare_rows"] for res in results) > 0  # rank 1's spare slot hosted a hot expert of rank 0
