@@ -12,6 +12,9 @@ for mod_pkg in cutlass_library:nvidia-cutlass pybind11:pybind11 ninja:ninja pyte
                expecttest:expecttest numpy:numpy matplotlib:matplotlib; do
   $PY -c "import ${mod_pkg%%:*}" 2>/dev/null || missing+=("${mod_pkg##*:}")
 done
+# test dependency (tests/test_hf_models.py, moe_graph.integrations.hf), pinned: its MoE blocks are the oracle
+$PY -c "import sys, transformers; sys.exit(transformers.__version__ != '5.24.0')" 2>/dev/null \
+  || missing+=("transformers==5.24.0")
 if [ ${#missing[@]} -gt 0 ]; then
   echo "[setup] installing: ${missing[*]}"
   $PY -m pip install -q "${missing[@]}"

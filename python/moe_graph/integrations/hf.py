@@ -1,0 +1,345 @@
+"""Hugging Face transformers MoE blocks as :class:`moe_graph.moe.layer.MoELayer`: configs, checkpoints in and out,
+and swapping the blocks of a loaded model.
+
+Families (``config.model_type``; block class -> what the layer reproduces):
+
+* ``mixtral`` (``MixtralSparseMoeBlock``): softmax, top-k renormalized, SwiGLU experts.
+* ``qwen2_moe`` (``Qwen2MoeSparseMoeBlock``): softmax, ``norm_topk_prob``, SwiGLU experts, a shared expert scaled
+  by ``sigmoid(shared_expert_gate(x))``.
+* ``qwen3_moe`` (``Qwen3MoeSparseMoeBlock``): softmax, ``norm_topk_prob``, SwiGLU experts.
+* ``deepseek_v3`` (``DeepseekV3MoE``): fp32 gate GEMM, sigmoid scores, ``e_score_correction_bias`` added for the
+  selection only (``router.expert_bias``), ``n_group`` groups of which ``topk_group`` are kept, a group scoring the
+  sum of its best 2 (``group_score_topk=2``), ``norm_topk_prob``, ``routed_scaling_factor``, ``n_shared_experts``
+  shared SwiGLU experts as one.
+* ``gpt_oss`` (``GptOssMLP``): a gate with a bias (``router_bias``), softmax over the top-k logits (the
+  renormalized top-k softmax), expert biases (``add_bias_linear``) and the clamped SwiGLU (``swiglu_alpha``,
+  ``swiglu_limit``); its checkpoints store ``gate_up_proj [E, H, 2F]`` with gate and up interleaved along the last
+  dimension, and ``down_proj [E, F, H]``.
+
+Checkpoint layouts (names relative to the block, e.g. ``model.layers.3.mlp.``): transformers v5 fuses the experts
+(``experts.gate_up_proj [E, 2F, H]``: the gate rows, then the up rows; ``experts.down_proj [E, H, F]``), which is
+MoELayer's ``experts.fc1.weight`` / ``experts.fc2.weight`` layout; v4 checkpoints have one module per expert
+(``experts.{e}.w1/w3/w2.weight`` for Mixtral, ``experts.{e}.gate_proj/up_proj/down_proj.weight`` for the others).
+:func:`hf_to_moe_state_dict` reads either, :func:`moe_to_hf_state_dict` writes either. With ``ep_size > 1`` both
+take this rank's experts (``experts.fc1.weight`` holds ``L = E / ep_size`` of them).
+
+Auxiliary loss: transformers' ``load_balancing_loss_func`` (Mixtral, Qwen2/3-MoE, GPT-OSS; added as
+``router_aux_loss_coef * aux`` when ``output_router_logits``) pools the router logits of *all* layers: with
+``f_e`` the fraction of all layers' routes that go to expert ``e`` and ``P_e`` the mean softmax score of ``e`` over
+all layers' tokens, ``aux = K * E * sum_e f_e P_e``. MoELayer's loss (``aux_loss_coeff``) is per layer,
+``E * sum_e f_e P_e`` over the layer's own tokens, and the layers' losses add up. The two agree (up to the factor
+``K``) only for one layer; to reproduce a transformers training run after :func:`swap_moe_blocks`, leave
+MoELayer's loss off (the default here), call the model with ``output_router_logits=False`` and add
+``router_aux_loss_coef * hf_load_balancing_loss(model, attention_mask)`` (:func:`hf_load_balancing_loss`) to the
+loss.
+
+Example::
+
+    model = AutoModelForCausalLM.from_pretrained(...)          # fp32 or bf16
+    swapped = swap_moe_blocks(model)                           # every sparse-MoE block -> MoELayer, same weights
+    out = model(input_ids, labels=labels)                      # same logits and gradients as before
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moe_graph.moe.config import MoEConfig
+from moe_graph.moe.layer import MoELayer
+
+__all__ = ["BLOCK_CLASSES", "HFMoEBlock", "hf_load_balancing_loss", "hf_to_moe_state_dict", "moe_config_from_hf",
+           "moe_layer_from_hf", "moe_to_hf_state_dict", "swap_moe_blocks"]
+
+
+@dataclass(frozen=True)
+class _Family:
+    block: str  # the transformers class of the sparse-MoE block
+    router: str  # the gate module's name in the block
+    v4_experts: Optional[Tuple[str, str, str]]  # per-expert (gate, up, down) module names of v4 checkpoints
+    shared: Optional[str] = None  # the shared expert's module name (gate_proj / up_proj / down_proj inside)
+    shared_gate: Optional[str] = None  # Qwen2-MoE's sigmoid gate of the shared expert
+    returns_router_scores: bool = False  # the block returns (out, router_scores)
+
+
+_FAMILIES: Dict[str, _Family] = {
+    "mixtral": _Family("MixtralSparseMoeBlock", "gate", ("w1", "w3", "w2")),
+    "qwen2_moe": _Family("Qwen2MoeSparseMoeBlock", "gate", ("gate_proj", "up_proj", "down_proj"),
+                         shared="shared_expert", shared_gate="shared_expert_gate"),
+    "qwen3_moe": _Family("Qwen3MoeSparseMoeBlock", "gate", ("gate_proj", "up_proj", "down_proj")),
+    "deepseek_v3": _Family("DeepseekV3MoE", "gate", ("gate_proj", "up_proj", "down_proj"), shared="shared_experts"),
+    "gpt_oss": _Family("GptOssMLP", "router", None, returns_router_scores=True),
+}
+BLOCK_CLASSES = {f.block: t for t, f in _FAMILIES.items()}  # block class name -> model_type
+
+
+def _text_config(config):
+    get = getattr(config, "get_text_config", None)
+    return get() if callable(get) else config
+
+
+def _family(config) -> Tuple[str, _Family]:
+    t = getattr(config, "model_type", None)
+    if t not in _FAMILIES:
+        raise ValueError(f"config.model_type={t!r} is not a supported MoE family; supported: {sorted(_FAMILIES)}")
+    return t, _FAMILIES[t]
+
+
+def _gated_silu(config, model_type: str) -> None:
+    act = getattr(config, "hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"{model_type}: hidden_act={act!r} cannot be expressed: MoELayer's gated experts are SwiGLU "
+                         f"(hidden_act='silu')")
+
+
+def moe_config_from_hf(config, **overrides) -> MoEConfig:
+    """The :class:`moe_graph.moe.config.MoEConfig` of one sparse-MoE block of a transformers ``config`` (a
+    ``PretrainedConfig`` of a supported family, or a multimodal one whose text config is). ``overrides``: further
+    MoELayer options (``ep_size``, ``num_spare_experts_per_ep_rank``, ``capacity_factor``, ``params_dtype``,
+    ``aux_loss_coeff``, ...). Raises ``ValueError`` naming the option for a config it cannot express."""
+    config = _text_config(config)
+    t, _ = _family(config)
+    c = config
+    opts: Dict = {}
+    if t == "mixtral":
+        _gated_silu(c, t)
+        jitter = getattr(c, "router_jitter_noise", 0.0) or 0.0
+        if jitter > 0:
+            raise ValueError(f"mixtral: router_jitter_noise={jitter} cannot be expressed: the jitter is random per "
+                             "forward and MoELayer draws no random numbers (set router_jitter_noise=0)")
+        opts = dict(hidden_size=c.hidden_size, ffn_hidden_size=c.intermediate_size, num_experts=c.num_local_experts,
+                    topk=c.num_experts_per_tok, norm_topk_prob=True)
+    elif t in ("qwen2_moe", "qwen3_moe"):
+        _gated_silu(c, t)
+        opts = dict(hidden_size=c.hidden_size, ffn_hidden_size=c.moe_intermediate_size, num_experts=c.num_experts,
+                    topk=c.num_experts_per_tok, norm_topk_prob=bool(c.norm_topk_prob))
+        if t == "qwen2_moe" and c.shared_expert_intermediate_size:
+            opts.update(shared_expert_ffn_size=c.shared_expert_intermediate_size, shared_expert_gate=True)
+    elif t == "deepseek_v3":
+        _gated_silu(c, t)
+        opts = dict(hidden_size=c.hidden_size, ffn_hidden_size=c.moe_intermediate_size, num_experts=c.n_routed_experts,
+                    topk=c.num_experts_per_tok, score_func="sigmoid", norm_topk_prob=bool(c.norm_topk_prob),
+                    topk_scaling_factor=float(c.routed_scaling_factor), enable_expert_bias=True,
+                    router_dtype=torch.float32)
+        if c.n_group and c.n_group > 1:
+            per = c.n_routed_experts // c.n_group
+            if c.n_routed_experts % c.n_group or per < 2:
+                raise ValueError(f"deepseek_v3: n_group={c.n_group} must divide n_routed_experts="
+                                 f"{c.n_routed_experts} into groups of at least 2 (a group scores its best 2)")
+            opts.update(num_groups=c.n_group, group_topk=c.topk_group, group_score_topk=2)
+        if c.n_shared_experts:
+            opts.update(shared_expert_ffn_size=c.moe_intermediate_size * c.n_shared_experts)
+    elif t == "gpt_oss":
+        opts = dict(hidden_size=c.hidden_size, ffn_hidden_size=c.intermediate_size, num_experts=c.num_local_experts,
+                    topk=c.num_experts_per_tok, norm_topk_prob=True, router_bias=True, add_bias_linear=True,
+                    activation="clamped_swiglu", swiglu_alpha=float(c.swiglu_alpha),
+                    swiglu_limit=float(c.swiglu_limit))
+    opts.update(overrides)
+    return MoEConfig(**opts)
+
+
+def moe_layer_from_hf(config, *, ep_group=None, device=None, **overrides) -> MoELayer:
+    """A :class:`MoELayer` for one sparse-MoE block of ``config`` (:func:`moe_config_from_hf`; freshly
+    initialized: load a block's weights with :func:`hf_to_moe_state_dict`)."""
+    return MoELayer.from_config(moe_config_from_hf(config, **overrides), ep_group=ep_group, device=device)
+
+
+# ------------------------------------------------------------------------------------------- state dicts --
+def _ep_slice(ep_rank: int, ep_size: int, num_experts: int) -> slice:
+    if ep_size < 1 or num_experts % ep_size or not 0 <= ep_rank < ep_size:
+        raise ValueError(f"ep_rank={ep_rank}, ep_size={ep_size}: ep_size must divide num_experts={num_experts} and "
+                         f"0 <= ep_rank < ep_size")
+    L = num_experts // ep_size
+    return slice(ep_rank * L, (ep_rank + 1) * L)
+
+
+def _v4_expert_ids(sd: Dict[str, torch.Tensor]) -> List[int]:
+    return sorted({int(m.group(1)) for k in sd if (m := re.match(r"experts\.(\d+)\.", k))})
+
+
+def _take(sd: Dict[str, torch.Tensor], key: str, model_type: str) -> torch.Tensor:
+    if key not in sd:
+        raise KeyError(f"{model_type} block state dict has no {key!r} (keys: {sorted(sd)[:8]}...)")
+    return sd[key]
+
+
+def hf_to_moe_state_dict(hf_state_dict: Dict[str, torch.Tensor], config, *, ep_rank: int = 0,
+                         ep_size: int = 1) -> Dict[str, torch.Tensor]:
+    """A transformers MoE block's state dict (names relative to the block; v5 fused or v4 per-expert experts,
+    detected from the names) -> :class:`MoELayer`'s state dict holding experts ``[ep_rank * L, (ep_rank + 1) * L)``
+    (``L = E / ep_size``). Tensors that need no reshaping are returned as they are (the same objects); nothing
+    is read for another rank's experts."""
+    config = _text_config(config)
+    t, fam = _family(config)
+    cfg = moe_config_from_hf(config)
+    sd = hf_state_dict
+    sl = _ep_slice(ep_rank, ep_size, cfg.num_experts)
+    out: Dict[str, torch.Tensor] = {"router.weight": _take(sd, f"{fam.router}.weight", t)}
+    if cfg.router_bias:
+        out["router.bias"] = _take(sd, f"{fam.router}.bias", t)
+    if cfg.enable_expert_bias:
+        out["router.expert_bias"] = _take(sd, f"{fam.router}.e_score_correction_bias", t)
+    whole = sl.start == 0 and sl.stop == cfg.num_experts
+    if t == "gpt_oss":
+        gu = _take(sd, "experts.gate_up_proj", t)[sl]  # [L, H, 2F], gate/up interleaved
+        gub = _take(sd, "experts.gate_up_proj_bias", t)[sl]
+        out["experts.fc1.weight"] = torch.cat([gu[..., 0::2], gu[..., 1::2]], dim=-1).transpose(1, 2).contiguous()
+        out["experts.fc1.bias"] = torch.cat([gub[..., 0::2], gub[..., 1::2]], dim=-1).contiguous()
+        out["experts.fc2.weight"] = _take(sd, "experts.down_proj", t)[sl].transpose(1, 2).contiguous()
+        b2 = _take(sd, "experts.down_proj_bias", t)
+        out["experts.fc2.bias"] = b2 if whole else b2[sl]
+    elif "experts.gate_up_proj" in sd:  # v5
+        gu, dp = sd["experts.gate_up_proj"], _take(sd, "experts.down_proj", t)
+        out["experts.fc1.weight"] = gu if whole else gu[sl]
+        out["experts.fc2.weight"] = dp if whole else dp[sl]
+    else:  # v4: one module per expert
+        if not _v4_expert_ids(sd):
+            raise KeyError(f"{t} block state dict has neither experts.gate_up_proj (v5) nor experts.<e>.* (v4) keys")
+        g, u, d = fam.v4_experts
+        ids = range(sl.start, sl.stop)
+        out["experts.fc1.weight"] = torch.stack([torch.cat([_take(sd, f"experts.{e}.{g}.weight", t),
+                                                            _take(sd, f"experts.{e}.{u}.weight", t)]) for e in ids])
+        out["experts.fc2.weight"] = torch.stack([_take(sd, f"experts.{e}.{d}.weight", t) for e in ids])
+    if fam.shared is not None and cfg.shared_expert_ffn_size:
+        s = fam.shared
+        out["shared_expert.fc1.weight"] = torch.cat([_take(sd, f"{s}.gate_proj.weight", t),
+                                                     _take(sd, f"{s}.up_proj.weight", t)])
+        out["shared_expert.fc2.weight"] = _take(sd, f"{s}.down_proj.weight", t)
+        if fam.shared_gate is not None:
+            out["shared_expert.gate.weight"] = _take(sd, f"{fam.shared_gate}.weight", t)
+    return out
+
+
+def moe_to_hf_state_dict(moe_state_dict: Dict[str, torch.Tensor], config, *, layout: str = "v5", ep_rank: int = 0,
+                         ep_size: int = 1) -> Dict[str, torch.Tensor]:
+    """:class:`MoELayer`'s state dict (this rank's ``L`` experts with ``ep_size > 1``) -> the transformers block's,
+    in ``layout`` ``"v5"`` (fused experts; with EP the ``[L, ...]`` slices of this rank, to concatenate over the
+    ranks on dim 0) or ``"v4"`` (per-expert modules, named by global expert index; GPT-OSS has one layout, its
+    fused one). Echo and statistics buffers are not part of either."""
+    if layout not in ("v4", "v5"):
+        raise ValueError(f"layout must be 'v4' or 'v5', got {layout!r}")
+    config = _text_config(config)
+    t, fam = _family(config)
+    cfg = moe_config_from_hf(config)
+    sd = moe_state_dict
+    first = _ep_slice(ep_rank, ep_size, cfg.num_experts).start
+    out: Dict[str, torch.Tensor] = {f"{fam.router}.weight": sd["router.weight"]}
+    if cfg.router_bias:
+        out[f"{fam.router}.bias"] = sd["router.bias"]
+    if cfg.enable_expert_bias and "router.expert_bias" in sd:  # a buffer: absent from e.g. a gradient dict
+        out[f"{fam.router}.e_score_correction_bias"] = sd["router.expert_bias"]
+    w1, w2 = sd["experts.fc1.weight"], sd["experts.fc2.weight"]
+    F = w2.shape[-1]
+    if t == "gpt_oss":
+        b1 = sd["experts.fc1.bias"]
+        gu = torch.stack([w1[:, :F], w1[:, F:]], dim=2).reshape(w1.shape).transpose(1, 2)  # rows interleaved
+        out["experts.gate_up_proj"] = gu.contiguous()
+        out["experts.gate_up_proj_bias"] = torch.stack([b1[:, :F], b1[:, F:]], dim=-1).reshape(b1.shape).contiguous()
+        out["experts.down_proj"] = w2.transpose(1, 2).contiguous()
+        out["experts.down_proj_bias"] = sd["experts.fc2.bias"]
+    elif layout == "v5":
+        out["experts.gate_up_proj"], out["experts.down_proj"] = w1, w2
+    else:
+        g, u, d = fam.v4_experts
+        for i in range(w1.shape[0]):
+            e = first + i
+            out[f"experts.{e}.{g}.weight"], out[f"experts.{e}.{u}.weight"] = w1[i, :F], w1[i, F:]
+            out[f"experts.{e}.{d}.weight"] = w2[i]
+    if fam.shared is not None and cfg.shared_expert_ffn_size:
+        s, sw1 = fam.shared, sd["shared_expert.fc1.weight"]
+        Fs = sw1.shape[0] // 2
+        out[f"{s}.gate_proj.weight"], out[f"{s}.up_proj.weight"] = sw1[:Fs], sw1[Fs:]
+        out[f"{s}.down_proj.weight"] = sd["shared_expert.fc2.weight"]
+        if fam.shared_gate is not None:
+            out[f"{fam.shared_gate}.weight"] = sd["shared_expert.gate.weight"]
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ swapping --
+class HFMoEBlock(nn.Module):
+    """A :class:`MoELayer` in the place of a transformers sparse-MoE block: same input ``[B, S, H]`` and output
+    (``(out, None)`` where the block returned ``(out, router_scores)``, GPT-OSS; no caller reads the scores)."""
+
+    def __init__(self, layer: MoELayer, returns_router_scores: bool = False):
+        super().__init__()
+        self.moe = layer
+        self.returns_router_scores = returns_router_scores
+
+    def forward(self, hidden_states: torch.Tensor):
+        out = self.moe(hidden_states)
+        return (out, None) if self.returns_router_scores else out
+
+
+def _set_tensor(module: nn.Module, name: str, value: torch.Tensor) -> None:
+    owner, _, attr = name.rpartition(".")
+    owner = module.get_submodule(owner) if owner else module
+    current = getattr(owner, attr)
+    if isinstance(value, nn.Parameter) and isinstance(current, nn.Parameter) and value.shape == current.shape \
+            and value.dtype == current.dtype and value.device == current.device:
+        if hasattr(current, "allreduce"):
+            value.allreduce = current.allreduce
+        setattr(owner, attr, value)  # the block's own parameter: shared, not copied
+    else:
+        with torch.no_grad():
+            current.copy_(value)
+
+
+def swap_moe_blocks(model: nn.Module, *, ep_group=None, **overrides) -> List[str]:
+    """Replaces every sparse-MoE block of a transformers ``model`` (the classes of :data:`BLOCK_CLASSES`) by an
+    :class:`HFMoEBlock` around a :class:`MoELayer` with the block's weights, on the block's device and dtype, and
+    returns the replaced modules' names. Parameters whose layout is MoELayer's (the router, v5 fused experts without
+    EP) are the block's own parameter objects; the others (shared-expert fc1 = gate and up rows, GPT-OSS's experts,
+    this rank's slice with EP) are copies, so build the optimizer after swapping. With expert parallelism
+    (``ep_group``, or ``overrides`` such as ``ep_size``) each rank keeps its experts. ``overrides``: further
+    MoELayer options (:func:`moe_config_from_hf`)."""
+    config = _text_config(model.config)
+    t, fam = _family(config)
+    names = [n for n, m in model.named_modules() if type(m).__name__ == fam.block]
+    if not names:
+        raise ValueError(f"{type(model).__name__} has no {fam.block} block to swap")
+    for name in names:
+        block = model.get_submodule(name)
+        ref = next(block.parameters())
+        opts = dict(params_dtype=ref.dtype)
+        opts.update(overrides)
+        layer = moe_layer_from_hf(config, ep_group=ep_group, device=ref.device, **opts)
+        ep_size = layer.num_ep_ranks
+        ep_rank = dist.get_rank(layer.ep_group) if ep_size > 1 else 0
+        src = dict(block.named_parameters())
+        src.update(block.named_buffers())
+        for key, value in hf_to_moe_state_dict(src, config, ep_rank=ep_rank, ep_size=ep_size).items():
+            _set_tensor(layer, key, value)
+        layer.train(block.training)
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attr,
+                HFMoEBlock(layer, fam.returns_router_scores))
+    return names
+
+
+def hf_load_balancing_loss(model: nn.Module, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """transformers' ``load_balancing_loss_func`` over the router logits of every :class:`MoELayer` of ``model``
+    from its last forward (``router.last_logits``, in module order): ``K * E * sum_e f_e P_e`` with the route
+    fractions ``f`` and mean softmax scores ``P`` pooled over all layers' (unpadded, ``attention_mask [B, S]``
+    1 = real) tokens. Differentiable, device-only (no host sync)."""
+    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+    if not layers or any(m.router.last_logits is None for m in layers):
+        raise ValueError("hf_load_balancing_loss: the model has no MoELayer that ran a forward")
+    E, K = layers[0].num_experts, layers[0].topk
+    counts = torch.zeros(E, dtype=torch.float32, device=layers[0].router.last_logits.device)
+    prob_sum = torch.zeros_like(counts)
+    rows = counts.new_zeros(())
+    for m in layers:
+        logits = m.router.last_logits
+        probs = torch.softmax(logits.float(), dim=-1)
+        top = torch.topk(probs, K, dim=-1)[1]
+        w = (torch.ones(logits.shape[0], dtype=torch.float32, device=logits.device) if attention_mask is None
+             else attention_mask.reshape(-1).to(device=logits.device, dtype=torch.float32))
+        counts = counts + torch.zeros_like(counts).scatter_add_(0, top.reshape(-1), w.repeat_interleave(K))
+        prob_sum = prob_sum + (probs * w[:, None]).sum(0)
+        rows = rows + w.sum()
+    return E * ((counts / rows) * (prob_sum / rows)).sum()
