@@ -408,6 +408,22 @@ def test_sigterm_to_torchrun_stops_every_rank_with_a_checkpoint(tmp_path):
     assert f"after step {stop} of 100000" in stderr
 
 
+def test_sigkill_of_torchrun_leaves_no_rank(tmp_path):
+    """torchrun's agent killed with SIGKILL: its 4 ranks (each in its own session) die with it."""
+    out, log = tmp_path / "o", tmp_path / "stderr.txt"
+    with started(_torchrun_cmd(tmp_path, "o", "--steps", "100000"), env=_env(), stdout=subprocess.DEVNULL,
+                 stderr=open(log, "w"), cwd=str(tmp_path)) as proc:
+        def logged():
+            assert proc.poll() is None, f"torchrun exited ({proc.returncode}): {log.read_text()[-3000:]}"
+            return (out / "metrics.jsonl").exists()
+        wait_for(logged, 240, f"torchrun's ranks to log a step in {out}/metrics.jsonl")
+        ranks = [(p, proc_state(p)[2]) for p in descendants(proc.pid) if alive(p)
+                 and "moe_graph.demo" in proc_state(p)[3] and "torch.distributed.run" not in proc_state(p)[3]]
+        assert len(ranks) == 4, ranks
+        proc.kill()
+        _gone(ranks, "SIGKILL of torchrun's agent")
+
+
 def test_whole_model_names_of_a_pipeline_stage_on_an_expert_rank():
     """One naming rule for checkpoints and layout comparisons: blocks by global layer, experts one entry per global
     expert, persistent buffers included, per-step buffers not; the entries are views of the module's tensors."""
