@@ -490,13 +490,14 @@ def test_fine_grained_offloading_sets_save_original_input(pg, gen):
 
 
 def test_readme_example(pg):
-    # The README's Megatron example, run as written (it builds its own config on the initialized parallel state).
-    text = (_ROOT / "README.md").read_text()
+    # The integrations README's Megatron example, run as written (it builds its own config on the initialized
+    # parallel state).
+    text = (_ROOT / "python" / "moe_graph" / "integrations" / "README.md").read_text()
     start = text.index("<!-- megatron-example -->")
     block = text[start:].split("```python\n", 1)[1].split("```", 1)[0]
     scope = {}
     with _cpu_shims():  # the all-to-all dispatcher's stream calls on CPU (the example itself is device-agnostic)
-        exec(compile(block, "README.md:megatron-example", "exec"), scope)
+        exec(compile(block, "integrations/README.md:megatron-example", "exec"), scope)
     assert "layer" in scope and "out" in scope
 
 

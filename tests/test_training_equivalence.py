@@ -7,7 +7,6 @@ whole global batch with plain autograd and ``torch.optim.AdamW``. The whole matr
 ``PYTHONPATH=python:tests python -m helpers.equivalence --all``.
 """
 
-import os
 import re
 
 import pytest
@@ -15,8 +14,6 @@ import torch
 
 from helpers import equivalence
 from moe_graph.distributed.launch import run_distributed
-
-README = os.path.join(os.path.dirname(__file__), "..", "README.md")
 
 
 @pytest.fixture(scope="module")
@@ -109,17 +106,6 @@ def test_schedules_set_the_aux_scale_and_reset_it():
                                      num_microbatches=4, config=cfg)
     assert seen == [2.0] * 4  # loss_scale / num_microbatches
     assert float(MoEAuxLossAutoScaler.loss_scale("cpu")) == 1.0
-
-
-# ------------------------------------------------------------------------------------------ README example --
-def test_readme_train_step_example_runs():
-    text = open(README).read()
-    m = re.search(r"<!-- train-step-example[^>]*-->\s*```python\n(.*?)```\s*<!-- /train-step-example -->", text, re.S)
-    assert m, "README lost its train-step example"
-    ns = {}
-    exec(compile(m.group(1), "README.md:train-step-example", "exec"), ns)  # noqa: S102 - our own README
-    res = ns["res"]
-    assert torch.isfinite(res.loss) and torch.isfinite(res.grad_norm) and not bool(res.skipped)
 
 
 def test_train_step_validates_its_arguments():
