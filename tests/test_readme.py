@@ -242,6 +242,13 @@ def test_every_command_names_a_module_and_flags_that_exist():
             assert not unknown, f"python -m {module}: flags the pages use that --help does not list: {unknown}"
 
 
+def test_benchmarks_readme_lists_every_benchmark():
+    text = _text("benchmarks/README.md")
+    scripts = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "benchmarks", "*.py")))
+    unlisted = [s for s in scripts if f"`{s}`" not in text]
+    assert not unlisted, f"benchmarks/README.md does not list {unlisted}"
+
+
 # --------------------------------------------------------------------------------------------- layout --
 def _layout_tree() -> List[Tuple[str, str]]:
     """(path, floor or '') for every entry of README's Layout block."""
