@@ -56,7 +56,7 @@ MAX_LINES = 230
 PATH_RE = re.compile(r"(?<![\w./-])((?:python/moe_graph|tests|benchmarks|scripts|docs|csrc|third_party|\.ci)"
                      r"/[\w./*{},<>:-]*)")
 NAME_RE = re.compile(r"(?<![\w.])moe_graph(?:\.[A-Za-z_]\w*)+")
-COMMAND_RE = re.compile(r"-m ((?:moe_graph|helpers)(?:\.\w+)*)((?: +--?[\w-]+(?: +[^\s`-][^\s`]*)?)*)")
+COMMAND_RE = re.compile(r"-m ((?:moe_graph|helpers)(?:\.\w+)*)((?:\s+--?[\w-]+(?: +[^\s`-][^\s`]*)?)*)")
 
 
 def _text(page: str) -> str:
