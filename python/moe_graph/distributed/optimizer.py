@@ -16,7 +16,8 @@ Bytes per parameter (``d`` = data-parallel size; model param + grad buffer + sha
 
 The step is written as device tensor code: the learning rate and the step count are device
 tensors, the found-inf check and the global grad norm are reductions whose results never leave
-the device, and a skipped update (inf/nan grads) is a multiplication by zero / ``masked_fill``,
+the device, and a skipped update (inf/nan grads, or a dispatcher overflow in dropless mode: the
+``overflow`` flag of :meth:`DistributedOptimizer.step`) is a multiplication by zero / ``masked_fill``,
 not a Python ``if``. Nothing calls ``.item()``, so :meth:`DistributedOptimizer.step` can be
 captured in a CUDA graph together with forward and backward.
 
@@ -161,13 +162,13 @@ def build_shard_ranges(buffer: ParamAndGradBuffer, bucket_index: int, dp_rank: i
 # loss scaling
 # ----------------------------------------------------------------------------------------------
 class ConstantLossScaler:
-    """A fixed loss scale held in a device tensor. ``update(found_inf)`` does nothing."""
+    """A fixed loss scale held in a device tensor. ``update(found_inf, skip=None)`` does nothing."""
 
     def __init__(self, scale: float, device=None):
         scale = _check_real("ConstantLossScaler", "scale", scale, expected="a finite number > 0", ok=lambda v: v > 0)
         self.scale = torch.full((), scale, dtype=torch.float32, device=device)
 
-    def update(self, found_inf: torch.Tensor) -> None:
+    def update(self, found_inf: torch.Tensor, skip: Optional[torch.Tensor] = None) -> None:
         pass
 
     def state_dict(self):
@@ -182,7 +183,9 @@ class DynamicLossScaler:
 
     On an inf/nan step the hysteresis counter drops; when it reaches 0 the scale is multiplied by
     ``backoff_factor`` (not below ``min_scale``). After ``growth_interval`` clean steps in a row the
-    scale is multiplied by ``growth_factor`` and the hysteresis counter refills.
+    scale is multiplied by ``growth_factor`` and the hysteresis counter refills. ``update(found_inf, skip)``
+    leaves everything as it was where the device flag ``skip`` is set (a step skipped for a reason that says
+    nothing about the scale: an MoE capacity overflow, whose rerun updates the scaler).
     """
 
     def __init__(self, initial_scale: float = 2.0**16, min_scale: float = 1.0, growth_factor: float = 2.0,
@@ -207,7 +210,7 @@ class DynamicLossScaler:
         self._growth_tracker = torch.zeros((), **f)
         self._hysteresis_tracker = torch.full((), float(hysteresis), **f)
 
-    def update(self, found_inf: torch.Tensor) -> None:
+    def update(self, found_inf: torch.Tensor, skip: Optional[torch.Tensor] = None) -> None:
         inf = found_inf.to(torch.bool)
         hyst = torch.where(inf, self._hysteresis_tracker - 1, self._hysteresis_tracker)
         backoff = inf & (hyst <= 0)
@@ -215,9 +218,16 @@ class DynamicLossScaler:
         grow = growth >= self.growth_interval
         scale = torch.where(backoff, torch.clamp(self.scale * self.backoff_factor, min=self.min_scale), self.scale)
         scale = torch.where(grow, scale * self.growth_factor, scale)
+        growth = torch.where(grow, torch.zeros_like(growth), growth)
+        hyst = torch.where(grow, torch.full_like(hyst, self.hysteresis), hyst)
+        if skip is not None:
+            keep = skip.to(torch.bool)
+            scale = torch.where(keep, self.scale, scale)
+            growth = torch.where(keep, self._growth_tracker, growth)
+            hyst = torch.where(keep, self._hysteresis_tracker, hyst)
         self.scale.copy_(scale)
-        self._growth_tracker.copy_(torch.where(grow, torch.zeros_like(growth), growth))
-        self._hysteresis_tracker.copy_(torch.where(grow, torch.full_like(hyst, self.hysteresis), hyst))
+        self._growth_tracker.copy_(growth)
+        self._hysteresis_tracker.copy_(hyst)
 
     def state_dict(self):
         # copies, also on CPU: a saved state must not alias the live tensors
@@ -333,7 +343,8 @@ class DistributedOptimizer:
         adamw: decoupled weight decay (AdamW, default) or L2 added to the gradient (Adam).
         clip_grad: clip by global grad norm when > 0.
         loss_scaler: ``None``, :class:`ConstantLossScaler` or :class:`DynamicLossScaler`; grads
-            are divided by its scale; an inf/nan anywhere skips the update on every rank.
+            are divided by its scale; an inf/nan anywhere skips the update on every rank. With
+            ``step(overflow=...)`` its ``update`` takes ``skip=`` as well.
         no_weight_decay_params: params excluded from weight decay (e.g. biases and norms).
         impl: ``"auto"`` (``torch._fused_adamw_`` when available for the device and weight decay
             is uniform), ``"fused"``, or ``"tensor"`` (portable device-tensor code).
@@ -457,6 +468,8 @@ class DistributedOptimizer:
         # settings read on the device by the tensor path (replays of a captured graph see new values)
         self._settings_t = {k: torch.full((), float(settings[k]), **f32) for k in _TENSOR_SETTINGS}
         self.step_count = torch.zeros((), **f32)
+        # job-wide overflow flag of the last step (written in place: a captured step's output keeps its identity)
+        self.found_overflow = torch.zeros((), dtype=torch.bool, device=device)
         self._one = torch.ones((), **f32)
         # shards grouped by the process group their norm / inf statistics are reduced over
         self._stat_groups: List[Tuple[object, bool, List[int]]] = []  # (dp group or None, is_expert, shards)
@@ -594,11 +607,23 @@ class DistributedOptimizer:
 
     # ------------------------------------------------------------------
     @torch.no_grad()
-    def step(self) -> Tuple[torch.Tensor, torch.Tensor]:
+    def step(self, overflow: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
         """Finish the grad reductions, update this rank's shards, all-gather the params.
+
+        ``overflow``: this rank's one-element device flag (nonzero: set), e.g. an MoE dispatcher that met a route
+        over its static capacity in ``overflow="rerun"`` mode (:func:`moe_graph.train.step.train_step`). It is summed
+        in the all-reduce of the inf/nan check; set on any rank, the update is skipped on every rank as for an
+        inf/nan step, and the loss scaler is left as it was (``update(found_inf, skip=...)``: the rerun updates
+        it). The job-wide flag is written to :attr:`found_overflow` (0-dim bool, in place).
 
         Returns ``(update_successful, grad_norm)`` as 0-dim device tensors (no host sync).
         """
+        if overflow is not None and (not isinstance(overflow, torch.Tensor) or overflow.numel() != 1
+                                     or overflow.device != self.found_overflow.device):
+            got = (f"a tensor of shape {tuple(overflow.shape)} on {overflow.device}" if isinstance(overflow, torch.Tensor)
+                   else type(overflow).__name__)
+            raise ValueError(f"DistributedOptimizer.step: overflow must be None or a one-element tensor on "
+                             f"{self.found_overflow.device}, got {got}")
         if _stream_capturing(self.device):
             self.note_capture(_note_capture(self))
         self.model.finish_grad_sync()
@@ -609,11 +634,14 @@ class DistributedOptimizer:
             grads.append(s.main_grad)
         inv_scale = torch.reciprocal(self.loss_scaler.scale) if self.loss_scaler is not None else None
 
-        # [inf flag, sum of squares] per statistics group, all-reduced, then summed
-        total = torch.zeros(2, dtype=torch.float32, device=self.device)
+        # [inf flag, sum of squares, overflow flag] per statistics group, all-reduced, then summed: each group's
+        # reduction spans every rank of the job (data- x model-parallel, or expert-data- x expert-model-parallel)
+        total = torch.zeros(3, dtype=torch.float32, device=self.device)
         for group, expert, idx in self._stat_groups:
             gs = [grads[i] for i in idx]
-            t = torch.zeros(2, dtype=torch.float32, device=self.device)
+            t = torch.zeros(3, dtype=torch.float32, device=self.device)
+            if overflow is not None:
+                t[2] = overflow.reshape(()).to(torch.float32)
             if self._amp_check:  # one fused pass: unscale and flag non-finite values
                 found = torch.zeros(1, dtype=torch.float32, device=self.device)
                 torch._amp_foreach_non_finite_check_and_unscale_(
@@ -635,7 +663,10 @@ class DistributedOptimizer:
             total += t
         found_inf = total[0] > 0
         grad_norm = total[1].sqrt()
-        ok = torch.logical_not(found_inf)
+        overflowed = total[2] > 0
+        self.found_overflow.copy_(overflowed)
+        skip = found_inf | overflowed
+        ok = torch.logical_not(skip)
         okf = ok.float()
 
         if self.clip_grad > 0.0:  # the value is read on the device: a captured step sees changes
@@ -645,9 +676,9 @@ class DistributedOptimizer:
             torch._foreach_mul_(grads, coef)
 
         if self.impl == "fused":
-            self._step_fused(grads, found_inf, okf)
+            self._step_fused(grads, skip, okf)
         else:
-            self._step_tensor(grads, found_inf, okf)
+            self._step_tensor(grads, skip, okf)
 
         # main -> model param shards, then all-gather every bucket's param_data
         for s in self.shards:
@@ -655,25 +686,28 @@ class DistributedOptimizer:
                 s.model_param.copy_(s.main_param)
         for g in self.model.all_bucket_groups:
             g.start_param_sync(async_op=False)
-        if self.loss_scaler is not None:
-            self.loss_scaler.update(found_inf)
+        if self.loss_scaler is not None:  # an overflowed step leaves it alone: its rerun updates it
+            if overflow is not None:
+                self.loss_scaler.update(found_inf, skip=overflowed)
+            else:
+                self.loss_scaler.update(found_inf)
         return ok, grad_norm
 
-    def _step_fused(self, grads, found_inf, okf):
-        # torch's fused AdamW skips the whole update when found_inf == 1 (read on the device). The
-        # kernel only reads the step tensors, so every shard can share the one step count.
+    def _step_fused(self, grads, skip, okf):
+        # torch's fused AdamW skips the whole update when found_inf == 1 (read on the device): here ``skip``
+        # (inf/nan or overflow). The kernel only reads the step tensors, so every shard can share the one step count.
         self.step_count.add_(okf)
         fn = torch._fused_adamw_ if self.adamw else torch._fused_adam_
         fn([s.main_param for s in self.shards], grads, [s.exp_avg for s in self.shards],
            [s.exp_avg_sq for s in self.shards], [], [self.step_count] * len(self.shards), lr=self.lr,
            beta1=self.beta1, beta2=self.beta2, weight_decay=self.weight_decay, eps=self.eps, amsgrad=False,
-           maximize=False, grad_scale=None, found_inf=found_inf.float())
+           maximize=False, grad_scale=None, found_inf=skip.float())
 
-    def _step_tensor(self, grads, found_inf, okf):
+    def _step_tensor(self, grads, skip, okf):
         # every setting is read from a device tensor: replays of a captured step see set values
         b1, b2, eps, wd = (self._settings_t[k] for k in ("beta1", "beta2", "eps", "weight_decay"))
         for g in grads:
-            g.masked_fill_(found_inf, 0.0)
+            g.masked_fill_(skip, 0.0)
         self.step_count.add_(okf)
         step = torch.clamp(self.step_count, min=1.0)
         bc1 = 1.0 - torch.pow(b1, step)
