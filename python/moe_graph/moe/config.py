@@ -16,7 +16,7 @@ from moe_graph.moe.echo import PLAN_MODES
 from moe_graph.moe.echo_planner import ASSIGNMENTS
 from moe_graph.moe.experts import check_activation
 from moe_graph.moe.router import check_loss_options, check_router_options
-from moe_graph.moe.token_dispatcher import DROP_POLICIES
+from moe_graph.moe.token_dispatcher import DROP_POLICIES, OVERFLOW_MODES
 
 __all__ = ["MoEConfig"]
 
@@ -31,7 +31,8 @@ class MoEConfig:
     (:class:`moe_graph.moe.router.RouterLoss`): ``aux_loss_coeff``, ``aux_loss_type``, ``sequence_dim``,
     ``z_loss_coeff``. Expert parallelism and echo: ``ep_size``,
     ``num_spare_experts_per_ep_rank``, ``assignment``, ``echo_donors``, ``echo_plan_mode``. Token dispatch:
-    ``capacity_factor``, ``token_drop_policy``. Experts (:class:`moe_graph.moe.experts.GroupedMLP`):
+    ``capacity_factor``, ``token_drop_policy``, ``overflow`` (``"drop"`` or ``"rerun"``: dropless with the static
+    capacity). Experts (:class:`moe_graph.moe.experts.GroupedMLP`):
     ``activation``, ``shared_expert_ffn_size``, ``shared_expert_gate``, ``params_dtype``, ``init_std``;
     ``recompute``: activation recomputation of the whole layer.
     """
@@ -65,6 +66,7 @@ class MoEConfig:
     echo_plan_mode: str = "microbatch"
     capacity_factor: Optional[float] = None
     token_drop_policy: str = "probs"
+    overflow: str = "drop"
     shared_expert_ffn_size: Optional[int] = None
     shared_expert_gate: bool = False
     params_dtype: Optional[torch.dtype] = None
@@ -90,6 +92,8 @@ class MoEConfig:
                              self.enable_expert_bias, self.router_dtype, self.norm_topk_prob, self.group_score_topk)
         if self.token_drop_policy not in DROP_POLICIES:
             raise ValueError(f"token_drop_policy must be 'position' or 'probs', got {self.token_drop_policy!r}")
+        if self.overflow not in OVERFLOW_MODES:
+            raise ValueError(f"overflow must be one of {OVERFLOW_MODES}, got {self.overflow!r}")
         if self.shared_expert_gate and not self.shared_expert_ffn_size:
             raise ValueError("shared_expert_gate needs shared_expert_ffn_size")
 

@@ -20,7 +20,10 @@ reference stays valid across forwards, ``.to()``-free training, and CUDA graph c
 validation graph both write the same tensors, and whichever replayed last is what they hold.
 :meth:`MoELayer.statistics` names them; :func:`moe_statistics` stacks them over a model (device tensors, no sync)
 and :func:`read_moe_statistics` copies them to the host (the one sync, off the hot path). Drops are statistics, not
-errors: ``moe_graph.check_errors()`` never raises on them.
+errors: ``moe_graph.check_errors()`` never raises on them. With ``overflow="rerun"`` a route over the capacity is
+not a statistic but a reason to redo the step: :func:`moe_graph.train.step.train_step` zeroes the per-step
+counters (:func:`reset_step_counters`), reduces :func:`step_overflow` with the optimizer's inf/nan check and skips
+the update, and :class:`moe_graph.train.step.OverflowRerun` reruns the step at :func:`step_max_load_ratio`.
 
 Example (one process)::
 
@@ -45,7 +48,8 @@ from moe_graph.moe.experts import GroupedMLP, SharedExpert
 from moe_graph.moe.router import MoEAuxLossAutoScaler, RouterLoss, TopKRouter
 from moe_graph.moe.token_dispatcher import TokenDispatcher, capacity_for, expert_columns, topk_from_routing_map
 
-__all__ = ["MoELayer", "moe_statistics", "read_moe_statistics"]
+__all__ = ["MoELayer", "moe_statistics", "read_moe_statistics", "moe_layers", "reset_step_counters", "step_overflow",
+           "step_max_load_ratio"]
 
 
 def _all_gather_counts(local: torch.Tensor, group, R: int) -> torch.Tensor:
@@ -137,6 +141,9 @@ class MoELayer(nn.Module):
             shared_expert_gate: scale the shared expert's output by ``sigmoid(x @ w_gate)`` per token (Qwen2-MoE).
         token_drop_policy: ``"probs"`` (drop the least probable routes over the capacity, Megatron's default) or
             ``"position"`` (drop the last ones in token order); see :class:`moe_graph.moe.token_dispatcher.TokenDispatcher`.
+        overflow: ``"drop"`` (default: routes over the capacity are dropped and counted) or ``"rerun"`` (dropless
+            training with the static capacity: a route over it skips the step's update on every rank and the step
+            is rerun eagerly with the capacity it needed; :class:`moe_graph.train.step.OverflowRerun`).
         params_dtype, device: of all parameters. init_std: expert weight init.
         The options (all but ``ep_group`` and ``device``) form a :class:`moe_graph.moe.config.MoEConfig`
         (:meth:`from_config`).
@@ -174,6 +181,7 @@ class MoELayer(nn.Module):
         self.num_local_experts = c.num_experts // ep_size
         self.num_spare_experts_per_ep_rank = k = c.num_spare_experts_per_ep_rank
         self.capacity_factor, self.recompute = c.capacity_factor, bool(c.recompute)
+        self.overflow = c.overflow
         dtype = c.params_dtype if c.params_dtype is not None else torch.get_default_dtype()
         device = torch.device(device) if device is not None else torch.device(
             "cuda" if torch.cuda.is_available() else "cpu")
@@ -221,7 +229,8 @@ class MoELayer(nn.Module):
         """This layer's statistics: the device buffers themselves (no copy, no sync; the same tensors every call).
         ``dropped_routes`` (0-dim int64, cumulative since :meth:`reset_statistics`), and of the last forward:
         ``tokens_per_expert [E]``, ``load_before [R]``, ``load_after [R]``, ``m_splits [L + k]``, ``aux_loss``,
-        ``z_loss`` (0 while the loss is off)."""
+        ``z_loss`` (0 while the loss is off). The current step's overflow counters are the dispatcher's
+        (``step_dropped_routes``, ``step_max_load_ratio``; :func:`step_overflow`)."""
         return {"dropped_routes": self.dispatcher.dropped_routes, "tokens_per_expert": self.last_tokens_per_expert,
                 "load_before": self.last_load_before, "load_after": self.last_load_after,
                 "m_splits": self.last_m_splits, "aux_loss": self.last_aux_loss, "z_loss": self.last_z_loss}
@@ -312,11 +321,36 @@ class MoELayer(nn.Module):
     def extra_repr(self) -> str:
         return (f"hidden={self.hidden_size}, ffn={self.ffn_hidden_size}, experts={self.num_experts}, topk={self.topk}, "
                 f"ep={self.num_ep_ranks}, local={self.num_local_experts}, spare={self.num_spare_experts_per_ep_rank}, "
-                f"capacity_factor={self.capacity_factor}")
+                f"capacity_factor={self.capacity_factor}, overflow={self.overflow}")
+
+
+def moe_layers(module: nn.Module) -> list:
+    """Every :class:`MoELayer` in ``module`` (``module.modules()`` order; may be empty)."""
+    return [m for m in module.modules() if isinstance(m, MoELayer)]
+
+
+def reset_step_counters(layers) -> None:
+    """Zeroes the per-step overflow counters of ``layers`` (device ops: the first thing of a captured step)."""
+    for m in layers:
+        m.dispatcher.reset_step_counters()
+
+
+def step_overflow(layers, device) -> torch.Tensor:
+    """0-dim bool on ``device``: some route of this step went over the capacity in one of ``layers`` (no sync)."""
+    if not layers:
+        return torch.zeros((), dtype=torch.bool, device=device)
+    return torch.stack([m.dispatcher.step_dropped_routes for m in layers]).sum() > 0
+
+
+def step_max_load_ratio(layers, device) -> torch.Tensor:
+    """0-dim float64: the largest load ratio of this step over ``layers`` (0 when there are none)."""
+    if not layers:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    return torch.stack([m.dispatcher.step_max_load_ratio for m in layers]).max()
 
 
 def _moe_layers(module: nn.Module):
-    layers = [m for m in module.modules() if isinstance(m, MoELayer)]
+    layers = moe_layers(module)
     if not layers:
         raise ValueError(f"{type(module).__name__} contains no MoELayer")
     return layers

@@ -25,6 +25,13 @@ error flag, so ``moe_graph.check_errors()`` does not raise on them. Nothing sync
 counter, the one call that syncs, by design.
 ``capacity=None`` is dropless (``capacity = T * K``: every route fits even if all go to one rank).
 
+Overflow. Besides the cumulative counter, each dispatch adds its drops to :attr:`TokenDispatcher.step_dropped_routes`
+and keeps the step's largest *load ratio* in :attr:`TokenDispatcher.step_max_load_ratio` (the most routes one rank
+sends one rank, over the mean ``T * K / R``: the capacity factor at which nothing would have dropped);
+:meth:`TokenDispatcher.reset_step_counters` zeroes both (device ops). They are what the dropless mode with a static
+capacity (``overflow="rerun"``, :data:`OVERFLOW_MODES`; :func:`moe_graph.train.step.train_step`) reads: a
+nonzero step count skips the optimizer update on every rank, and the rerun uses the ratio as its capacity factor.
+
 Constant tables (the column map with its sentinel, the drop counter) are built on ``device`` at construction, so
 the first :meth:`TokenDispatcher.dispatch` makes no host-to-device copy (it may run under
 ``torch.cuda.set_sync_debug_mode("error")`` or inside a capture); the dispatcher is an ``nn.Module`` whose
@@ -59,10 +66,15 @@ __all__ = [
     "gather_rows",
     "counting_enabled",
     "DROP_POLICIES",
+    "OVERFLOW_MODES",
+    "receive_buffer_bytes",
 ]
 
 
 DROP_POLICIES = ("position", "probs")
+# what a route over the static capacity does: "drop" (dropped, counted) or "rerun" (the step's update is skipped and
+# the step rerun with the capacity it needed: dropless training; see moe_graph.train.step.OverflowRerun)
+OVERFLOW_MODES = ("drop", "rerun")
 
 
 # ------------------------------------------------------------------------------------------------ helpers --
@@ -96,6 +108,14 @@ def capacity_for(num_tokens: int, topk: int, num_ep_ranks: int, capacity_factor:
     if capacity_factor <= 0:
         raise ValueError(f"capacity_factor must be > 0 or None (dropless), got {capacity_factor}")
     return max(1, min(full, int(math.ceil(round(capacity_factor * full / num_ep_ranks, 6)))))
+
+
+def receive_buffer_bytes(num_tokens: int, topk: int, num_ep_ranks: int, hidden_size: int,
+                         capacity_factor: Optional[float], dtype: torch.dtype) -> int:
+    """Bytes of one dispatch's receive buffer (``[R * capacity, H]``): ``R * ceil(cf * T * K / R) * H`` elements,
+    about ``cf`` times the mean load ``T * K`` rows whatever ``R``; ``capacity_factor=None``: ``R * T * K`` rows."""
+    rows = num_ep_ranks * capacity_for(num_tokens, topk, num_ep_ranks, capacity_factor)
+    return rows * hidden_size * torch.empty((), dtype=dtype).element_size()
 
 
 def topk_from_routing_map(routing_map: torch.Tensor, probs: torch.Tensor, topk: int):
@@ -253,6 +273,11 @@ class TokenDispatcher(nn.Module):
                              persistent=False)
         # cumulative routes dropped over the capacity (a statistic, written in place: its identity never changes)
         self.register_buffer("dropped_routes", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
+        # this step's drops and largest load ratio (see the module docstring), zeroed by reset_step_counters()
+        self.register_buffer("step_dropped_routes", torch.zeros((), dtype=torch.int64, device=device),
+                             persistent=False)
+        self.register_buffer("step_max_load_ratio", torch.zeros((), dtype=torch.float64, device=device),
+                             persistent=False)
         if num_ep_ranks == 1:
             self.backend = _IdentityBackend()
         elif backend is not None:
@@ -279,6 +304,11 @@ class TokenDispatcher(nn.Module):
     def reset_drop_counter(self) -> None:
         """Zeroes the cumulative drop counter in place (a device op: no sync, capturable)."""
         self.dropped_routes.zero_()
+
+    def reset_step_counters(self) -> None:
+        """Zeroes :attr:`step_dropped_routes` and :attr:`step_max_load_ratio` in place (device ops, capturable)."""
+        self.step_dropped_routes.zero_()
+        self.step_max_load_ratio.zero_()
 
     @property
     def drop_flag(self) -> torch.Tensor:
@@ -373,6 +403,10 @@ class TokenDispatcher(nn.Module):
         dropped = (cnt[:R] - cap).clamp(min=0).sum()
         if counting_enabled():  # not again when activation recomputation re-runs this forward
             self.dropped_routes.add_(dropped)  # a statistic, not an error: the device error flag is left alone
+            self.step_dropped_routes.add_(dropped)
+            if TK:
+                ratio = cnt[:R].max().to(torch.float64) * (R / TK)
+                self.step_max_load_ratio.copy_(torch.maximum(self.step_max_load_ratio, ratio))
 
         send = gather_rows(hidden, token_of_slot, route_slot, K)  # [N, H]
         if R > 1:

@@ -14,7 +14,7 @@ list of model chunks for the interleaved pipeline schedule) with a :class:`moe_g
 3. ``optimizer.step()``: finish the reductions, unscale, global grad norm, clipping, Adam, param all-gather;
 4. the auxiliary-loss-free expert-bias update of sigmoid routers (:func:`moe_graph.moe.router.update_expert_bias`).
 
-It returns :class:`TrainStepResult` ``(loss, grad_norm, skipped)``: device tensors, no host sync, so the whole
+It returns :class:`TrainStepResult` ``(loss, grad_norm, skipped, overflowed)``: device tensors, no host sync, so the whole
 step can be captured in one CUDA graph (:class:`moe_graph.cuda_graph.FullIterationGraph` over
 :func:`make_train_step`). Example (one process; the same code runs on every rank of a distributed job)::
 
@@ -27,21 +27,38 @@ step can be captured in one CUDA graph (:class:`moe_graph.cuda_graph.FullIterati
 
 With pipeline parallelism pass ``tensor_shape`` (the activation of one microbatch between stages); on stages
 other than the last, ``loss`` is ``None``.
+
+Dropless training with a static capacity (``overflow="rerun"``, an option of each MoE layer and of
+:func:`train_step`): the step zeroes the dispatchers' per-step counters, a route over the static capacity in any
+MoE layer, microbatch or pipeline stage sets this rank's flag, and the optimizer reduces it in the all-reduce of its
+inf/nan check and skips the update on every rank (``overflowed``; the loss scaler is left alone, the expert bias
+too). :class:`OverflowRerun` reads the flag after the step (after the graph's replay) and reruns the same
+microbatches eagerly with the step's observed capacity, so the run trains exactly like a dropless one, and raises
+the capacity factor when reruns become frequent::
+
+    step = FullIterationGraph(make_train_step(ddp, opt, overflow="rerun"))
+    rerun = OverflowRerun(ddp, opt)                        # window=100 steps, threshold=1 %, margin=10 %
+    for it in range(steps):
+        res = rerun.step(step, microbatches(it))          # res: the applied (possibly rerun) step
+    rerun.statistics()                                     # capacity_factor, reruns, rerun_rate, recaptures
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
-from typing import Any, Callable, List, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Deque, Dict, List, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from moe_graph import parallel_state as ps
+from moe_graph.moe.layer import moe_layers, reset_step_counters, step_max_load_ratio, step_overflow
 from moe_graph.moe.router import update_expert_bias as _update_bias
+from moe_graph.moe.token_dispatcher import OVERFLOW_MODES
 from moe_graph.train import schedules
 
-__all__ = ["TrainStepResult", "train_step", "make_train_step"]
+__all__ = ["TrainStepResult", "train_step", "make_train_step", "OverflowRerun"]
 
 
 class TrainStepResult(NamedTuple):
@@ -49,12 +66,16 @@ class TrainStepResult(NamedTuple):
 
     ``loss``: the mean reported loss over the microbatches and the data-parallel ranks (without the MoE aux
     losses, which only reach the gradients), ``None`` on pipeline stages other than the last. ``grad_norm``: the
-    global grad norm before clipping. ``skipped``: True when the update was skipped (inf/nan gradients).
+    global grad norm before clipping. ``skipped``: True when the update was skipped (inf/nan gradients, or an
+    overflow). ``overflowed``: with ``overflow="rerun"``, True when a route went over an MoE layer's static
+    capacity on some rank of the job (the update was skipped on every rank; :class:`OverflowRerun` reruns the
+    step); ``None`` in drop mode.
     """
 
     loss: Optional[torch.Tensor]
     grad_norm: torch.Tensor
     skipped: torch.Tensor
+    overflowed: Optional[torch.Tensor] = None
 
 
 def _call(chunk, batch):
@@ -68,7 +89,8 @@ def _call(chunk, batch):
 def train_step(model, optimizer, microbatches: Sequence[Any], *, loss_func: Optional[Callable] = None,
                tensor_shape: Optional[Sequence[int]] = None, dtype: Optional[torch.dtype] = None,
                config=None, forward_backward_func: Optional[Callable] = None,
-               update_expert_bias: bool = True, average_loss_over_data_parallel: bool = True) -> TrainStepResult:
+               update_expert_bias: bool = True, average_loss_over_data_parallel: bool = True,
+               overflow: Optional[str] = None) -> TrainStepResult:
     """One training iteration (see the module docstring).
 
     Args:
@@ -86,7 +108,12 @@ def train_step(model, optimizer, microbatches: Sequence[Any], *, loss_func: Opti
         update_expert_bias: run :func:`moe_graph.moe.router.update_expert_bias` after the optimizer step.
         average_loss_over_data_parallel: average the returned loss over the data-parallel group (one
             all-reduce of a scalar).
+        overflow: ``"rerun"``: a route over any MoE layer's static capacity skips the update on every rank and
+            sets ``overflowed`` (see the module docstring); ``"drop"``: such routes are dropped (counted only);
+            ``None``: the layers' own ``overflow`` option (rerun when any layer of this rank has it).
     """
+    if overflow is not None and overflow not in OVERFLOW_MODES:
+        raise ValueError(f"train_step: overflow must be one of {OVERFLOW_MODES} or None, got {overflow!r}")
     chunks: List = list(model) if isinstance(model, (list, tuple)) else [model]
     if not chunks:
         raise ValueError("train_step: model is an empty list of model chunks")
@@ -119,14 +146,31 @@ def train_step(model, optimizer, microbatches: Sequence[Any], *, loss_func: Opti
     def forward_step(data_iterator, chunk):
         return _call(chunk, next(data_iterator)), (loss_func if loss_func is not None else (lambda out: out))
 
+    modules = _moe_modules(chunks)
+    layers = moe_layers(modules)
+    rerun = overflow == "rerun" or (overflow is None and any(m.overflow == "rerun" for m in layers))
+    if rerun:
+        if not isinstance(getattr(optimizer, "found_overflow", None), torch.Tensor):
+            raise ValueError("train_step: overflow='rerun' needs an optimizer whose step(overflow=...) reduces the flag "
+                             f"(moe_graph.distributed.optimizer.DistributedOptimizer), got {type(optimizer).__name__}")
+        reset_step_counters(layers)  # device zero_: part of a captured step
     optimizer.zero_grad()
     iters = [iter(microbatches) for _ in chunks]
     kwargs = dict(forward_step_func=forward_step, data_iterator=iters if interleaved else iters[0],
                   model=chunks if interleaved else chunks[0], num_microbatches=m, config=config)
     reported = forward_backward_func(**kwargs)
-    ok, grad_norm = optimizer.step()
+    overflowed = None
+    if rerun:
+        ok, grad_norm = optimizer.step(overflow=step_overflow(layers, optimizer.found_overflow.device))
+        overflowed = optimizer.found_overflow.clone()
+    else:
+        ok, grad_norm = optimizer.step()
     if update_expert_bias:
-        _update_bias(torch.nn.ModuleList([getattr(c, "module", c) for c in chunks]))
+        if overflowed is not None:  # a skipped step leaves the expert bias alone: zero counts give sign 0
+            for m in layers:
+                if m.router.enable_expert_bias:
+                    m.router.local_tokens_per_expert.mul_(torch.logical_not(overflowed))
+        _update_bias(modules)
     loss = None
     if reported:
         loss = torch.stack([r.detach().float().reshape(()) for r in reported]).mean()
@@ -135,7 +179,7 @@ def train_step(model, optimizer, microbatches: Sequence[Any], *, loss_func: Opti
         if average_loss_over_data_parallel and size > 1:
             dist.all_reduce(loss, group=group)
             loss = loss / size
-    return TrainStepResult(loss, grad_norm, torch.logical_not(ok))
+    return TrainStepResult(loss, grad_norm, torch.logical_not(ok), overflowed)
 
 
 def make_train_step(model, optimizer, **kwargs) -> Callable[[Sequence[Any]], TrainStepResult]:
@@ -146,3 +190,158 @@ def make_train_step(model, optimizer, **kwargs) -> Callable[[Sequence[Any]], Tra
         return train_step(model, optimizer, microbatches, **kwargs)
 
     return step
+
+
+def _moe_modules(chunks) -> torch.nn.ModuleList:
+    return torch.nn.ModuleList([getattr(c, "module", c) for c in chunks])
+
+
+def _rng_state(device) -> Dict[str, torch.Tensor]:
+    st = {"cpu": torch.get_rng_state()}
+    if device is not None and device.type == "cuda":
+        st["cuda"] = torch.cuda.get_rng_state(device)
+    return st
+
+
+def _set_rng_state(st: Dict[str, torch.Tensor], device) -> None:
+    torch.set_rng_state(st["cpu"])
+    if "cuda" in st:
+        torch.cuda.set_rng_state(st["cuda"], device)
+
+
+class OverflowRerun:
+    """Dropless training with a static capacity (``overflow="rerun"``): runs each step through ``step_fn`` (the
+    captured graph, or the eager step), reads the job-wide ``overflowed`` flag once after it, and when it is set
+    reruns the same microbatches eagerly, from the RNG state the step started with, with every MoE layer's capacity
+    raised to the step's observed maximum load ratio (all-reduced over the job: outside the graph, host reads are
+    allowed), so the update applied is that of a dropless step. The overflowed pass applied nothing (the optimizer
+    skipped it on every rank, without a loss-scaler update).
+
+    Adaptive capacity: when more than ``threshold * window`` of the last ``window`` steps reran, every MoE layer's
+    capacity factor becomes ``max(current, max observed load ratio * (1 + margin))`` (never lower than the user's
+    setting) and ``step_fn.reset()`` is called (a :class:`moe_graph.cuda_graph.FullIterationGraph` captures again at
+    its next step; eager step functions have no ``reset``).
+
+    Args:
+        model, optimizer: as :func:`train_step` (the rerun calls it eagerly).
+        window, threshold, margin: the adaptive rule above (``threshold=None``: never adapt).
+        train_step_kwargs: :func:`train_step`'s keywords for the rerun (the same as the step function's).
+
+    ``statistics()`` and ``state_dict()`` / ``load_state_dict()`` (a resumed run keeps the adapted capacity).
+    """
+
+    def __init__(self, model, optimizer, *, window: int = 100, threshold: Optional[float] = 0.01,
+                 margin: float = 0.1, **train_step_kwargs):
+        if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+            raise ValueError(f"OverflowRerun: window must be an int >= 1, got {window!r}")
+        if threshold is not None and not (isinstance(threshold, (int, float)) and 0 <= threshold < 1):
+            raise ValueError(f"OverflowRerun: threshold must be in [0, 1) or None (never adapt), got {threshold!r}")
+        if not (isinstance(margin, (int, float)) and 0 <= margin < float("inf")):
+            raise ValueError(f"OverflowRerun: margin must be a finite number >= 0, got {margin!r}")
+        if train_step_kwargs.get("overflow", "rerun") != "rerun":
+            raise ValueError("OverflowRerun: the rerun needs overflow='rerun' (the step reports overflowed)")
+        self.model, self.optimizer = model, optimizer
+        self.window, self.threshold, self.margin = window, threshold, margin
+        self.train_step_kwargs = dict(train_step_kwargs, overflow="rerun")
+        chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+        self.layers = moe_layers(_moe_modules(chunks))
+        self.user_capacity_factor = [m.capacity_factor for m in self.layers]
+        self.steps = self.reruns = self.recaptures = 0
+        self.recent: Deque[bool] = collections.deque(maxlen=window)
+        self.max_load_ratio = 0.0  # largest observed load ratio of the steps in ``recent`` that reran
+        self.device = getattr(optimizer, "device", None)
+
+    # ------------------------------------------------------------------------------------------------ step --
+    def step(self, step_fn: Callable[[Sequence[Any]], TrainStepResult], microbatches: Sequence[Any]) -> TrainStepResult:
+        """One training step through ``step_fn`` (a :func:`make_train_step` with ``overflow="rerun"``, or a
+        :class:`moe_graph.cuda_graph.FullIterationGraph` over it), rerun eagerly when it overflowed. Reads the
+        ``overflowed`` flag on the host (one sync per step, after the replay)."""
+        microbatches = list(microbatches)
+        rng = _rng_state(self.device)
+        res = step_fn(microbatches)
+        if res.overflowed is None:
+            raise ValueError("OverflowRerun: the step function returned no overflowed flag (it needs "
+                             "train_step(..., overflow='rerun'))")
+        reran = bool(res.overflowed)
+        self.steps += 1
+        if reran:
+            ratio = self._job_max_load_ratio()
+            _set_rng_state(rng, self.device)
+            res = self._rerun(microbatches, ratio)
+            self.reruns += 1
+            self.max_load_ratio = max(self.max_load_ratio, ratio)
+        self.recent.append(reran)
+        self._adapt(step_fn)
+        return res
+
+    def _job_max_load_ratio(self) -> float:
+        """The largest load ratio any MoE layer of any rank saw this step (a host read and, with torch.distributed,
+        a MAX all-reduce over the job: outside the graph)."""
+        ratio = step_max_load_ratio(self.layers, self.optimizer.found_overflow.device).reshape(1)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(ratio, op=dist.ReduceOp.MAX)
+        return float(ratio)
+
+    def _rerun(self, microbatches, ratio: float) -> TrainStepResult:
+        saved = [m.capacity_factor for m in self.layers]
+        try:
+            for m in self.layers:
+                if m.capacity_factor is not None:
+                    m.capacity_factor = max(m.capacity_factor, ratio)
+            res = train_step(self.model, self.optimizer, microbatches, **self.train_step_kwargs)
+        finally:
+            for m, cf in zip(self.layers, saved):
+                m.capacity_factor = cf
+        if bool(res.overflowed):  # capacity >= every pair's load of this step: only non-determinism gets here
+            raise RuntimeError(f"OverflowRerun: the rerun at capacity factor {ratio:.4g} (the step's observed maximum "
+                               "load ratio) overflowed again: the step is not deterministic")
+        return res
+
+    def _adapt(self, step_fn) -> None:
+        if self.threshold is None or sum(self.recent) <= self.threshold * self.window:
+            return
+        raised = False
+        for m, user in zip(self.layers, self.user_capacity_factor):
+            if m.capacity_factor is not None:
+                new = max(m.capacity_factor, user, self.max_load_ratio * (1.0 + self.margin))
+                raised |= new > m.capacity_factor
+                m.capacity_factor = new
+        self.recent.clear()
+        self.max_load_ratio = 0.0
+        if raised and callable(getattr(step_fn, "reset", None)):
+            step_fn.reset()  # the captured graph holds the old capacity: capture again
+            self.recaptures += 1
+
+    # ------------------------------------------------------------------------------------------ statistics --
+    @property
+    def capacity_factor(self) -> Optional[float]:
+        """The largest capacity factor of the MoE layers (``None``: some layer is ``capacity_factor=None``)."""
+        cfs = [m.capacity_factor for m in self.layers]
+        return None if not cfs or any(c is None for c in cfs) else max(cfs)
+
+    def statistics(self) -> Dict[str, Any]:
+        """Host values: ``capacity_factor`` (current, adapted), ``user_capacity_factor``, ``steps``, ``reruns``,
+        ``rerun_rate`` (all steps), ``window_rerun_rate`` (the last ``window`` steps) and ``recaptures``."""
+        user = [c for c in self.user_capacity_factor if c is not None]
+        return {"capacity_factor": self.capacity_factor, "user_capacity_factor": max(user) if user else None,
+                "steps": self.steps, "reruns": self.reruns, "rerun_rate": self.reruns / max(self.steps, 1),
+                "window_rerun_rate": sum(self.recent) / max(len(self.recent), 1), "recaptures": self.recaptures}
+
+    def state_dict(self) -> Dict[str, Any]:
+        """JSON-serializable host values (the same on every rank: every decision is job-wide)."""
+        return {"capacity_factor": self.capacity_factor, "steps": self.steps, "reruns": self.reruns,
+                "recaptures": self.recaptures, "recent": list(self.recent), "max_load_ratio": self.max_load_ratio}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restores the counters and the adapted capacity factor: every MoE layer gets ``max(its own setting,
+        the saved one)`` (layers with ``capacity_factor=None`` stay dropless)."""
+        saved = state["capacity_factor"]
+        if saved is not None and not (isinstance(saved, (int, float)) and 0 < saved < float("inf")):
+            raise ValueError(f"OverflowRerun.load_state_dict: capacity_factor must be a finite number > 0 or None, "
+                             f"got {saved!r}")
+        for m, user in zip(self.layers, self.user_capacity_factor):
+            if user is not None and saved is not None:
+                m.capacity_factor = max(user, float(saved))
+        self.steps, self.reruns, self.recaptures = int(state["steps"]), int(state["reruns"]), int(state["recaptures"])
+        self.recent = collections.deque((bool(x) for x in state["recent"]), maxlen=self.window)
+        self.max_load_ratio = float(state["max_load_ratio"])
