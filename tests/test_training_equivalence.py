@@ -2,7 +2,8 @@
 
 The CI subset of :mod:`helpers.equivalence` (overlap with the ``no_sync`` wiring, overlap without it must
 raise, EP 2 x DP 2 with echo k=2 and overlap, loss scaling with aux and z losses, the global aux loss, interleaved
-pipeline, delayed fused weight gradients): the library's machinery on gloo ranks against one process training the
+pipeline, delayed fused weight gradients, dropless training at capacity factor 1.0 / 1.1 with reruns and its drop-mode
+control): the library's machinery on gloo ranks against one process training the
 whole global batch with plain autograd and ``torch.optim.AdamW``. The whole matrix, from the checkout's root:
 ``PYTHONPATH=python:tests python -m helpers.equivalence --all``.
 """
@@ -43,6 +44,11 @@ def test_matrix_covers_the_issue():
     assert any(r.pp == 2 and r.vpp is None and r.microbatches == 4 for r in rows)
     assert any(r.pp == 2 and r.vpp == 2 and r.microbatches == 4 for r in rows)
     assert {r.grouped for r in rows} >= {"fused", "delay", "delay_fused"}
+    dropless = [r for r in rows if r.capacity is not None]
+    for mode in ("rerun", "drop"):  # rerun rows equal the oracle; drop rows are the control
+        got = {(r.capacity, r.world, r.ep, r.pp, r.echo) for r in dropless if r.overflow == mode}
+        assert got >= {(cf, w, 2, pp, e) for cf in (1.0, 1.1) for (w, pp, e) in ((2, 1, 0), (4, 1, 0), (2, 1, 1),
+                                                                                  (4, 2, 0))}, mode
 
 
 def test_cli_prints_one_line_per_configuration_and_writes_only_with_out(tmp_path, capsys):

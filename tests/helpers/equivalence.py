@@ -32,6 +32,12 @@ and 0 (a zero-initialized bias compared relative to its own size after three ste
 that top-k margins are far above fp32 rounding; (4) the loss scale is a power of two (exact in fp32).
 With eps = 1e-4 and LayerNorm at 1/0 the 4-layer rows differed by 2e-5 relative on a LayerNorm bias.
 
+Dropless rows (``capacity`` set): the machinery runs at a tight static capacity factor (1.0, 1.1) on the skewed
+routing of :func:`init_model`. With ``overflow="rerun"`` (:class:`moe_graph.train.step.OverflowRerun`, no adaptive
+raise) an overflowed step is skipped and rerun, and the row must equal the dropless oracle and have rerun at least
+one step (or it proves nothing); with ``overflow="drop"`` (the control) routes are dropped and the row must differ
+from the oracle.
+
 Tolerances (fp32): parameters 1e-5 relative (max |diff| / max |oracle| per tensor), losses 1e-5, grad norm 1e-4.
 bf16 parameters with fp32 ``main_grad`` against the fp32 oracle: losses 5e-3 relative, grad norm 5e-2 relative,
 parameters 3e-2 *absolute* (the weights are O(1)). bf16 keeps 8 bits of mantissa: every stored weight and
@@ -71,7 +77,7 @@ from moe_graph.moe.layer import MoELayer
 from moe_graph.moe.router import aux_loss_scores, router_aux_loss, router_z_loss, sequence_aux_loss
 from moe_graph.train import schedules
 from moe_graph.train.checkpoint import global_name, global_tensors, is_expert
-from moe_graph.train.step import train_step
+from moe_graph.train.step import OverflowRerun, make_train_step, train_step
 
 STEPS = 3
 VOCAB, HIDDEN, FFN, EXPERTS, TOPK, SEQ, GLOBAL_BATCH = 13, 16, 12, 8, 2, 8, 8
@@ -106,6 +112,8 @@ class Row:
     grouped: Optional[str] = None  # None | "fused" | "delay" | "delay_fused": a GroupedLinear block per layer
     bf16: bool = False
     expect_error: Optional[str] = None  # the machinery must raise this (regex), e.g. overlap without no_sync
+    capacity: Optional[float] = None  # a static capacity factor (the oracle stays dropless)
+    overflow: str = "rerun"  # with capacity: "rerun" (must equal the oracle) or "drop" (the control: must differ)
 
     @property
     def dp(self) -> int:
@@ -146,8 +154,18 @@ MATRIX: List[Row] = [
     Row("grouped_delay_wgrad_fused_overlap", world=2, microbatches=2, grouped="delay_fused", overlap=True),
     Row("bf16_ep2_main_grad_fp32", world=2, ep=2, microbatches=2, bf16=True, aux="local"),
 ]
+for _cf in (1.0, 1.1):  # dropless at a static capacity: rerun rows equal the oracle, drop rows (the control) differ
+    for _mode in ("rerun", "drop"):
+        MATRIX += [
+            Row(f"ep2_cap{_cf}_{_mode}", world=2, ep=2, microbatches=2, capacity=_cf, overflow=_mode),
+            Row(f"ep2xdp2_cap{_cf}_{_mode}", world=4, ep=2, microbatches=2, capacity=_cf, overflow=_mode),
+            Row(f"ep2_echo1_cap{_cf}_{_mode}", world=2, ep=2, microbatches=2, echo=1, capacity=_cf, overflow=_mode),
+            Row(f"pp2xep2_1f1b_cap{_cf}_{_mode}", world=4, pp=2, ep=2, microbatches=4, aux="local", capacity=_cf,
+                overflow=_mode),
+        ]
 CI_ROWS = ["dp2_mb4_overlap", "dp2_mb2_overlap_without_no_sync", "ep2xdp2_echo2_overlap", "ep2_loss_scaler_aux",
-           "ep2_aux_global", "pp2_vpp2_mb4", "grouped_delay_wgrad_fused_overlap"]
+           "ep2_aux_global", "pp2_vpp2_mb4", "grouped_delay_wgrad_fused_overlap", "ep2_cap1.0_rerun", "ep2_cap1.0_drop",
+           "ep2xdp2_cap1.1_rerun"]
 
 
 # ================================================================================================ the model ==
@@ -258,6 +276,8 @@ def moe_kwargs(row: Row, oracle: bool) -> Dict:
         kw.update(num_spare_experts_per_ep_rank=row.echo)
     if row.echo_donors is not None:
         kw.update(echo_donors=row.echo_donors)
+    if row.capacity is not None:
+        kw.update(capacity_factor=row.capacity, overflow=row.overflow)
     return kw
 
 
@@ -398,15 +418,23 @@ def machinery_worker(rank: int, world: int, row: Row) -> Dict:
 
         shape = (GLOBAL_BATCH // (row.dp * row.microbatches), SEQ, HIDDEN)
         losses, norms, skipped = [], [], []
+        rerun = None
+        if row.capacity is not None and row.overflow == "rerun":  # every overflowed step reruns (no raise)
+            rerun = OverflowRerun(model, opt, threshold=None, tensor_shape=shape, dtype=dtype)
+            step_fn = make_train_step(model, opt, tensor_shape=shape, dtype=dtype, overflow="rerun")
         for step in range(STEPS):
-            res = train_step(model, opt, my_microbatches(step), tensor_shape=shape, dtype=dtype)
+            if rerun is not None:
+                res = rerun.step(step_fn, my_microbatches(step))
+            else:
+                res = train_step(model, opt, my_microbatches(step), tensor_shape=shape, dtype=dtype)
             losses.append(None if res.loss is None else float(res.loss))
             norms.append(float(res.grad_norm))
             skipped.append(bool(res.skipped))
         params = {k: v.float().clone() for stage in stages for k, v in global_tensors(stage, ep_rank).items()}
         dropped = sum(m.dispatcher.check_drops() for s in stages for m in s.moe_layers())
         return {"rank": rank, "losses": losses, "norms": norms, "skipped": skipped, "params": params,
-                "moved": moved[0], "slots": slots[0], "dropped": dropped, "world": dist.get_world_size()}
+                "moved": moved[0], "slots": slots[0], "dropped": dropped, "world": dist.get_world_size(),
+                "reruns": rerun.reruns if rerun is not None else 0}
     finally:
         ps.destroy_model_parallel()
 
@@ -444,8 +472,16 @@ def compare(row: Row, ref: Dict, outs: List[Dict]) -> Dict:
         ok_slots = slots == row.echo
     else:
         ok_slots = True
-    ok = (pdiff <= tol["param"] and ldiff <= tol["loss"] and ndiff <= tol["norm"] and not missing and have_loss
-          and not skipped and (row.clip == 0 or clipped) and ok_slots)
+    equal = pdiff <= tol["param"] and ldiff <= tol["loss"] and ndiff <= tol["norm"]
+    ok = (equal and not missing and have_loss and not skipped and (row.clip == 0 or clipped) and ok_slots)
+    if row.capacity is not None:
+        reruns = outs[0]["reruns"]
+        if row.overflow == "rerun":
+            note += f"; reran {reruns} of {STEPS} steps at capacity factor {row.capacity}"
+            ok = ok and reruns > 0 and all(o["reruns"] == reruns for o in outs)
+        else:  # the control: dropping at this capacity must change the training
+            note += f"; control: {'equals' if equal else 'differs from'} the oracle"
+            ok = (not equal) and sum(o["dropped"] for o in outs) > 0 and not missing and have_loss
     if missing:
         note += f"; params missing: {sorted(missing)[:3]}"
     if row.clip:
