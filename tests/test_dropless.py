@@ -11,7 +11,10 @@ overflowing replay, the rerun and the next replay.
 
 import json
 import math
+import json
 import os
+import subprocess
+import sys
 import warnings
 import re
 import subprocess
@@ -305,3 +308,50 @@ def test_overflowing_step_reruns_between_steps_eagerly_on_cpu():
 def test_capture_overflowing_replay_rerun_replay_again_cuda():
     graph = _capture_overflow_rerun_replay(torch.device("cuda"))
     assert graph.captured()
+
+
+def test_rerun_mode_step_has_no_data_dependent_ops():
+    """CPU proxy for "no host sync in the captured step": the rerun-mode step (per-step counters, the flag in the
+    optimizer's all-reduce, the skipped update) runs under FakeTensorMode, where .item()/nonzero()/mask indexing or
+    a data-dependent shape raises."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    model, ddp, opt = _build(1, 0.6)
+    step = make_train_step(ddp, opt, overflow="rerun")
+    res = step(_batch(0, 0, 0.0))
+    assert bool(res.overflowed) and bool(res.skipped)  # capacity factor 0.6 with one rank: every step overflows
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        res = step(_batch(1, 0, 0.0))
+        assert res.overflowed.shape == () and res.overflowed.dtype == torch.bool
+
+
+# ----------------------------------------------------------------------------------------------- the demo --
+def _demo(tmp_path, name, *extra):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.path.join(ROOT, "python") + os.pathsep + env.get("PYTHONPATH", "")
+    out = tmp_path / name
+    proc = subprocess.run([sys.executable, "-m", "moe_graph.demo", "--quick", "--device", "cpu", "--spare", "0",
+                           "--capacity", "1.0", "--rerun-window", "8", "--rerun-threshold", "0.2", "--log-every", "1",
+                           "--out", str(out), *extra], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(out / "metrics.jsonl") as f:
+        metrics = [json.loads(line) for line in f]
+    return proc.stdout, metrics, json.load(open(out / "demo_summary.json"))
+
+
+def test_demo_dropless_mode_reports_reruns_and_a_resumed_run_keeps_the_adapted_capacity(tmp_path):
+    ck = tmp_path / "ck"
+    out, metrics, s = _demo(tmp_path, "first", "--steps", "24", "--save", str(ck))
+    assert s["config"]["overflow"] == "rerun"  # the default
+    d = s["dropless"]
+    assert d["reruns"] > 0 and d["steps"] == 24 and d["user_capacity_factor"] == 1.0, d
+    assert d["capacity_factor"] > 1.0 and d["recaptures"] >= 1, d
+    assert "reran" in out and "capacity factor" in out
+    for key in ("reran", "reruns", "rerun_rate", "capacity_factor"):
+        assert all(key in m for m in metrics), key
+    assert sum(m["reran"] for m in metrics) == d["reruns"]
+    assert not any(m["skipped"] for m in metrics)  # every overflowed step was rerun and applied
+    out2, metrics2, s2 = _demo(tmp_path, "resumed", "--steps", "28", "--load", str(ck))
+    assert metrics2[0]["step"] == 25 and metrics2[0]["capacity_factor"] == pytest.approx(d["capacity_factor"])
+    assert s2["dropless"]["reruns"] >= d["reruns"]

@@ -83,7 +83,17 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--spare", type=_NONNEG, default=1, help="echo slots per rank (0: no echo)")
     m.add_argument("--assignment", choices=["auto", "greedy", "best_fit"], default="auto",
                    help="echo planner assignment (moe_graph.moe.echo_planner.gen_assignment)")
-    m.add_argument("--capacity", type=_finite_float(0.0, False), default=1.25, help="capacity factor (0: dropless)")
+    m.add_argument("--capacity", type=_finite_float(0.0, False), default=1.25,
+                   help="capacity factor: static routes per (source, destination) rank, in units of the mean "
+                        "(0: capacity_factor=None, every route fits, EP times the memory)")
+    m.add_argument("--overflow", choices=["rerun", "drop"], default="rerun",
+                   help="a route over the capacity: rerun (default, dropless: the step's update is skipped on the "
+                        "device and the step rerun eagerly with the capacity it needed) or drop (dropped and counted)")
+    m.add_argument("--rerun-window", type=_POS, default=100, metavar="N",
+                   help="adaptive capacity: steps over which the rerun rate is measured (default 100)")
+    m.add_argument("--rerun-threshold", type=_finite_float(0.0, False), default=0.01, metavar="RATE",
+                   help="adaptive capacity: raise the capacity factor (and capture again) when more than RATE of the "
+                        "last --rerun-window steps reran (default 0.01; 1: never raise)")
     m.add_argument("--aux", type=_finite_float(0.0, False), default=0.01, help="aux load-balancing loss coefficient")
     m.add_argument("--router", choices=["softmax", "deepseek"], default="softmax",
                    help="deepseek: sigmoid scores, group-limited top-k, auxiliary-loss-free expert bias, "
@@ -176,6 +186,8 @@ def resolve_args(p: argparse.ArgumentParser, args, env) -> Layout:
         args.save_every = args.steps
     if args.capacity == 0:
         args.capacity = None
+    if args.rerun_threshold > 1:
+        p.error(f"--rerun-threshold {args.rerun_threshold}: expected a rate in [0, 1]")
     if args.load:
         try:
             meta = checkpoint.read_meta(checkpoint.resolve_checkpoint(args.load))

@@ -25,7 +25,7 @@ from moe_graph.distributed.ddp import DistributedDataParallel
 from moe_graph.distributed.launch import Layout, StopRequest, resolve_layout
 from moe_graph.distributed.optimizer import DistributedOptimizer
 from moe_graph.train import checkpoint, schedules
-from moe_graph.train.step import make_train_step
+from moe_graph.train.step import OverflowRerun, make_train_step
 
 __all__ = ["CHECKPOINT_MODEL_KEYS", "check_checkpoint_compatible", "Trainer", "train"]
 
@@ -121,7 +121,10 @@ class Trainer:
                                         expert_model_parallel_group=ep_group)
         # the training step (moe_graph.train.step): microbatches through the layout's pipeline schedule with
         # no_sync on all but the last, MoE aux-loss gradient scale, the optimizer step, the expert-bias update
-        self.step = make_train_step(model, self.opt, tensor_shape=(cfg.batch, cfg.seq, cfg.hidden), dtype=dtype)
+        step_kwargs = dict(tensor_shape=(cfg.batch, cfg.seq, cfg.hidden), dtype=dtype, overflow=cfg.overflow)
+        self.step = make_train_step(model, self.opt, **step_kwargs)
+        self.rerun = self.overflow_rerun(model, step_kwargs)
+        self.reran = False  # whether the last step reran (host value)
         self.moe_layers = [m for s in self.stages for m in s.moe_layers()]
         self.samples_per_step = layout.dp * cfg.microbatches * cfg.batch  # the global batch, in sequences
         self.start, self.resumed = 0, None
@@ -135,6 +138,33 @@ class Trainer:
         self.total_s = 0.0
         self.t_start = time.perf_counter()
         self.metrics_path = os.path.join(cfg.out, "metrics.jsonl")
+
+    def overflow_rerun(self, model, step_kwargs) -> Optional[OverflowRerun]:
+        """The dropless mode's rerun and adaptive capacity (``--overflow rerun``, ``--rerun-window``,
+        ``--rerun-threshold``), or ``None`` in drop mode."""
+        cfg = self.cfg
+        if cfg.overflow != "rerun":
+            return None
+        return OverflowRerun(model, self.opt, window=cfg.rerun_window,
+                             threshold=None if cfg.rerun_threshold >= 1 else cfg.rerun_threshold, **step_kwargs)
+
+    def train_one(self, fn: Callable, microbatches):
+        """One step through ``fn`` (the eager step or the graph); in dropless mode rerun when it overflowed."""
+        if self.rerun is None:
+            return fn(microbatches)
+        before = self.rerun.reruns
+        res = self.rerun.step(fn, microbatches)
+        self.reran = self.rerun.reruns > before
+        return res
+
+    def dropless_record(self) -> Dict:
+        """The metrics fields of the dropless mode (host values): this step reran, the reruns so far, their
+        rate and the capacity factor in use."""
+        if self.rerun is None:
+            return {}
+        st = self.rerun.statistics()
+        return {"reran": self.reran, "reruns": st["reruns"], "rerun_rate": st["rerun_rate"],
+                "capacity_factor": st["capacity_factor"]}
 
     def say(self, msg: str) -> None:
         if self.rank == 0:
@@ -173,6 +203,8 @@ class Trainer:
             for dst, src in plan:
                 dst.copy_(src)
         self.start = meta["step"]
+        if self.rerun is not None and meta.get("dropless"):
+            self.rerun.load_state_dict(meta["dropless"])  # the adapted capacity and the rerun counts
         same_layout = meta["layout"] == layout.as_dict()
         if same_layout:
             _set_rng_state(checkpoint.read_rank_state(folder, self.rank)["rng"])
@@ -186,7 +218,8 @@ class Trainer:
         n_params = sum(p.numel() for s in self.stages for p in s.parameters())
         self.say(f"moe_graph demo: {layout} on {self.device.type} ({dist.get_backend()}), "
                  f"{cfg.layers} layers, hidden {cfg.hidden}, {cfg.experts} experts top-{cfg.topk} "
-                 f"({cfg.experts // layout.ep} per rank + {cfg.spare} echo slot(s)), capacity factor {cfg.capacity}, "
+                 f"({cfg.experts // layout.ep} per rank + {cfg.spare} echo slot(s)), capacity factor {cfg.capacity} "
+                 f"(overflow: {cfg.overflow}), "
                  f"{n_params / 1e3:.0f}k params on rank 0, vocab {self.data.vocab_size}, {cfg.microbatches} x "
                  f"{cfg.batch} x {cfg.seq} tokens per data-parallel rank per step")
         if self.moe_layers:
@@ -213,7 +246,8 @@ class Trainer:
                         "coords": coords},
             meta={"layout": layout.as_dict(), "coords": all_coords,
                   "model": {k: getattr(cfg, k) for k in CHECKPOINT_MODEL_KEYS},
-                  "data": {"step": step, "seed": cfg.seed, "global_batch": self.samples_per_step}})
+                  "data": {"step": step, "seed": cfg.seed, "global_batch": self.samples_per_step},
+                  "dropless": self.rerun.state_dict() if self.rerun is not None else None})
         self.say(f"saved {folder} ({time.perf_counter() - t0:.2f} s)")
         return folder
 
@@ -242,8 +276,9 @@ class Trainer:
         rec = metrics_record(step + 1, float(red[0]) / self.layout.dp,
                              float(red[1]) / self.world,  # every rank holds the same global norm and skipped flag
                              bool(red[2] > 0), lb, la, tok_s)
+        rec.update(self.dropless_record())
         for k, v in rec.items():
-            self.history[k].append(v)
+            self.history.setdefault(k, []).append(v)
         if self.rank == 0:
             append_metrics(self.metrics_path, rec)
         self.say(progress_line(rec, self.cfg.steps, time.perf_counter() - self.t_start))
@@ -258,7 +293,7 @@ class Trainer:
         t_window, n_steps = time.perf_counter(), 0
         for it in range(first, last):
             t0 = time.perf_counter()
-            res = fn(self.microbatches(it))
+            res = self.train_one(fn, self.microbatches(it))
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
             times.append((time.perf_counter() - t0) * 1e3)
@@ -321,6 +356,7 @@ class Trainer:
             "eager_step_ms": _mean(self.eager_ms), "graph_step_ms": _mean(self.graph_ms),
             "total_s": self.total_s, "tokens_per_step": self.samples_per_step * cfg.seq, "config": vars(cfg),
             "graph_note": self.graph_note,
+            "dropless": self.rerun.statistics() if self.rerun is not None else None,
             "expert_bias": [m.router.expert_bias.float().cpu().tolist() for m in self.moe_layers
                             if m.router.enable_expert_bias],
         }

@@ -36,8 +36,10 @@ def append_metrics(path: str, rec: Dict) -> None:
 def progress_line(rec: Dict, steps: int, elapsed_s: float) -> str:
     done = rec["step"] / steps
     bar = "#" * int(24 * done) + "." * (24 - int(24 * done))
+    rerun = (f"  reruns {rec['reruns']} (capacity factor {rec['capacity_factor']:.3g})"
+             if rec.get("capacity_factor") is not None else "")
     return (f"[{bar}] step {rec['step']:4d}/{steps}  loss {rec['loss']:6.3f}  {rec['tok_s']:8.0f} tok/s  "
-            f"max/mean load {rec['imb_before']:.2f} -> {rec['imb_after']:.2f} with echo  ({elapsed_s:5.1f} s)")
+            f"max/mean load {rec['imb_before']:.2f} -> {rec['imb_after']:.2f} with echo{rerun}  ({elapsed_s:5.1f} s)")
 
 
 def write_json_atomic(path: str, obj) -> None:
@@ -58,8 +60,13 @@ def print_report(summary: Dict) -> None:
     h = summary["history"]
     n = len(h["imb_before"])
     print(f"mean max/mean load over training: {sum(h['imb_before']) / n:.3f} without echo -> "
-          f"{sum(h['imb_after']) / n:.3f} with echo; dropped routes over capacity (all ranks): "
-          f"{sum(summary['dropped_routes_all_ranks'])}")
+          f"{sum(h['imb_after']) / n:.3f} with echo; {_over_capacity(summary)}")
+    d = summary.get("dropless")
+    if d is not None:
+        cf = d["capacity_factor"]
+        print(f"dropless (overflow=rerun): {d['reruns']} of {d['steps']} steps reran ({100 * d['rerun_rate']:.1f}%); "
+              f"capacity factor {d['user_capacity_factor']} -> {cf if cf is None else round(cf, 4)} "
+              f"({d['recaptures']} raise(s), each a new capture)")
     print(f"loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f} in steps {summary['start_step'] + 1}-"
           f"{summary['steps']}; {sum(h['tok_s'][1:]) / max(len(h['tok_s']) - 1, 1):.0f} tokens/s")
     if summary["graph_step_ms"] is not None:
@@ -68,6 +75,13 @@ def print_report(summary: Dict) -> None:
     else:
         ms = summary["eager_step_ms"]
         print(f"step time: eager {ms:.1f} ms ({summary['graph_note']})" if ms else summary["graph_note"])
+
+
+def _over_capacity(summary: Dict) -> str:
+    over = sum(summary["dropped_routes_all_ranks"])
+    if summary.get("dropless") is not None:  # overflowed passes were skipped and rerun with the capacity they needed
+        return f"routes over capacity (all ranks): {over}, all rerun (none dropped)"
+    return f"dropped routes over capacity (all ranks): {over}"
 
 
 def plot(summary: Dict, path: str) -> str:
