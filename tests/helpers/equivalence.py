@@ -434,7 +434,8 @@ def machinery_worker(rank: int, world: int, row: Row) -> Dict:
         dropped = sum(m.dispatcher.check_drops() for s in stages for m in s.moe_layers())
         return {"rank": rank, "losses": losses, "norms": norms, "skipped": skipped, "params": params,
                 "moved": moved[0], "slots": slots[0], "dropped": dropped, "world": dist.get_world_size(),
-                "reruns": rerun.reruns if rerun is not None else 0}
+                "reruns": rerun.reruns if rerun is not None else 0,
+                "passes": rerun.rerun_passes if rerun is not None else 0}
     finally:
         ps.destroy_model_parallel()
 
@@ -477,7 +478,7 @@ def compare(row: Row, ref: Dict, outs: List[Dict]) -> Dict:
     if row.capacity is not None:
         reruns = outs[0]["reruns"]
         if row.overflow == "rerun":
-            note += f"; reran {reruns} of {STEPS} steps at capacity factor {row.capacity}"
+            note += f"; reran {reruns} of {STEPS} steps ({outs[0]['passes']} passes) at capacity factor {row.capacity}"
             ok = ok and reruns > 0 and all(o["reruns"] == reruns for o in outs)
         else:  # the control: dropping at this capacity must change the training
             note += f"; control: {'equals' if equal else 'differs from'} the oracle"

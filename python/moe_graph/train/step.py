@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Any, Callable, Deque, Dict, List, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Deque, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -214,8 +214,9 @@ class OverflowRerun:
     captured graph, or the eager step), reads the job-wide ``overflowed`` flag once after it, and when it is set
     reruns the same microbatches eagerly, from the RNG state the step started with, with every MoE layer's capacity
     raised to the step's observed maximum load ratio (all-reduced over the job: outside the graph, host reads are
-    allowed), so the update applied is that of a dropless step. The overflowed pass applied nothing (the optimizer
-    skipped it on every rank, without a loss-scaler update).
+    allowed), again at the new ratio while a later layer still overflows (its input changed once the layers before
+    it stopped dropping), so the update applied is that of a dropless step. The overflowed pass applied nothing
+    (the optimizer skipped it on every rank, without a loss-scaler update).
 
     Adaptive capacity: when more than ``threshold * window`` of the last ``window`` steps reran, every MoE layer's
     capacity factor becomes ``max(current, max observed load ratio * (1 + margin))`` (never lower than the user's
@@ -246,7 +247,7 @@ class OverflowRerun:
         chunks = list(model) if isinstance(model, (list, tuple)) else [model]
         self.layers = moe_layers(_moe_modules(chunks))
         self.user_capacity_factor = [m.capacity_factor for m in self.layers]
-        self.steps = self.reruns = self.recaptures = 0
+        self.steps = self.reruns = self.rerun_passes = self.recaptures = 0
         self.recent: Deque[bool] = collections.deque(maxlen=window)
         self.max_load_ratio = 0.0  # largest observed load ratio of the steps in ``recent`` that reran
         self.device = getattr(optimizer, "device", None)
@@ -265,9 +266,7 @@ class OverflowRerun:
         reran = bool(res.overflowed)
         self.steps += 1
         if reran:
-            ratio = self._job_max_load_ratio()
-            _set_rng_state(rng, self.device)
-            res = self._rerun(microbatches, ratio)
+            res, ratio = self._rerun(microbatches, rng)
             self.reruns += 1
             self.max_load_ratio = max(self.max_load_ratio, ratio)
         self.recent.append(reran)
@@ -282,20 +281,32 @@ class OverflowRerun:
             dist.all_reduce(ratio, op=dist.ReduceOp.MAX)
         return float(ratio)
 
-    def _rerun(self, microbatches, ratio: float) -> TrainStepResult:
+    def _rerun(self, microbatches, rng) -> Tuple[TrainStepResult, float]:
+        """Eager passes from the step's RNG state at the observed load ratio until one fits: ``(result, ratio)``.
+        A layer's routing depends on the layers before it (and a pipeline stage's on the stages before), so the
+        first pass's ratios are exact only up to the first layer that dropped; each pass that still overflows has
+        exact inputs up to its first overflowing layer, whose ratio strictly exceeds the capacity used, so the
+        ratio grows every pass and reaches what the step needs (at most ``R``: capacity ``T * K``)."""
+        ratio = 0.0
         saved = [m.capacity_factor for m in self.layers]
         try:
-            for m in self.layers:
-                if m.capacity_factor is not None:
-                    m.capacity_factor = max(m.capacity_factor, ratio)
-            res = train_step(self.model, self.optimizer, microbatches, **self.train_step_kwargs)
+            while True:
+                seen = self._job_max_load_ratio()
+                if seen <= ratio:  # a pass at `ratio` fits every load it saw: only a non-deterministic step gets here
+                    raise RuntimeError(f"OverflowRerun: the rerun at capacity factor {ratio:.4g} overflowed without a "
+                                       "larger load: the step is not deterministic")
+                ratio = seen
+                for m, cf in zip(self.layers, saved):
+                    if cf is not None:
+                        m.capacity_factor = max(cf, ratio)
+                _set_rng_state(rng, self.device)
+                res = train_step(self.model, self.optimizer, microbatches, **self.train_step_kwargs)
+                self.rerun_passes += 1
+                if not bool(res.overflowed):
+                    return res, ratio
         finally:
             for m, cf in zip(self.layers, saved):
                 m.capacity_factor = cf
-        if bool(res.overflowed):  # capacity >= every pair's load of this step: only non-determinism gets here
-            raise RuntimeError(f"OverflowRerun: the rerun at capacity factor {ratio:.4g} (the step's observed maximum "
-                               "load ratio) overflowed again: the step is not deterministic")
-        return res
 
     def _adapt(self, step_fn) -> None:
         if self.threshold is None or sum(self.recent) <= self.threshold * self.window:
@@ -320,17 +331,19 @@ class OverflowRerun:
         return None if not cfs or any(c is None for c in cfs) else max(cfs)
 
     def statistics(self) -> Dict[str, Any]:
-        """Host values: ``capacity_factor`` (current, adapted), ``user_capacity_factor``, ``steps``, ``reruns``,
+        """Host values: ``capacity_factor`` (current, adapted), ``user_capacity_factor``, ``steps``, ``reruns``
+        (steps that overflowed and were rerun), ``rerun_passes`` (eager passes they took, >= ``reruns``),
         ``rerun_rate`` (all steps), ``window_rerun_rate`` (the last ``window`` steps) and ``recaptures``."""
         user = [c for c in self.user_capacity_factor if c is not None]
         return {"capacity_factor": self.capacity_factor, "user_capacity_factor": max(user) if user else None,
-                "steps": self.steps, "reruns": self.reruns, "rerun_rate": self.reruns / max(self.steps, 1),
+                "steps": self.steps, "reruns": self.reruns, "rerun_passes": self.rerun_passes,
+                "rerun_rate": self.reruns / max(self.steps, 1),
                 "window_rerun_rate": sum(self.recent) / max(len(self.recent), 1), "recaptures": self.recaptures}
 
     def state_dict(self) -> Dict[str, Any]:
         """JSON-serializable host values (the same on every rank: every decision is job-wide)."""
         return {"capacity_factor": self.capacity_factor, "steps": self.steps, "reruns": self.reruns,
-                "recaptures": self.recaptures, "recent": list(self.recent), "max_load_ratio": self.max_load_ratio}
+                "rerun_passes": self.rerun_passes, "recaptures": self.recaptures, "recent": list(self.recent), "max_load_ratio": self.max_load_ratio}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restores the counters and the adapted capacity factor: every MoE layer gets ``max(its own setting,
@@ -343,5 +356,6 @@ class OverflowRerun:
             if user is not None and saved is not None:
                 m.capacity_factor = max(user, float(saved))
         self.steps, self.reruns, self.recaptures = int(state["steps"]), int(state["reruns"]), int(state["recaptures"])
+        self.rerun_passes = int(state.get("rerun_passes", self.reruns))
         self.recent = collections.deque((bool(x) for x in state["recent"]), maxlen=self.window)
         self.max_load_ratio = float(state["max_load_ratio"])
