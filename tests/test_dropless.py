@@ -5,20 +5,17 @@ load ratio (counted here route by route in Python), the optimizer's overflow ski
 scale unchanged; an inf step as the contrast halves the scale), a step that overflows on one EP rank only (every
 rank skips, none waits), the eager rerun (equal to the same training with ``capacity_factor=None``, whose equality
 to the single-process AdamW oracle the equivalence rows check), adaptive capacity, the statistics and state API,
-the demo's dropless mode with a resumed run, the README's memory table, and on a GPU the captured step with an
+the demo's dropless mode with a resumed run, the memory table of docs/training.md, and on a GPU the captured step with an
 overflowing replay, the rerun and the next replay.
 """
 
 import json
 import math
-import json
 import os
-import subprocess
-import sys
-import warnings
 import re
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -355,3 +352,25 @@ def test_demo_dropless_mode_reports_reruns_and_a_resumed_run_keeps_the_adapted_c
     out2, metrics2, s2 = _demo(tmp_path, "resumed", "--steps", "28", "--load", str(ck))
     assert metrics2[0]["step"] == 25 and metrics2[0]["capacity_factor"] == pytest.approx(d["capacity_factor"])
     assert s2["dropless"]["reruns"] >= d["reruns"]
+
+
+# ------------------------------------------------------------------------------------------------ docs --
+def test_docs_document_the_mode_and_its_memory_table():
+    assert 'overflow="rerun"' in open(os.path.join(ROOT, "README.md")).read()
+    text = open(os.path.join(ROOT, "docs", "training.md")).read()
+    m = re.search(r"<!-- dropless-memory[^>]*-->(.*?)<!-- /dropless-memory -->", text, re.S)
+    assert m, "docs/training.md lost its dropless memory table"
+    rows = [r for r in m.group(1).splitlines() if r.startswith("|") and re.search(r"\d", r.split("|")[1])]
+    assert len(rows) >= 4
+    for r in rows:
+        cells = [c.strip() for c in r.strip("|").split("|")]
+        model, ep, hidden = cells[0], int(cells[1]), {"Qwen3-30B-A3B": 2048, "DeepSeek-V3": 7168}
+        h = next(v for k, v in hidden.items() if k in model)
+        f = {2048: 768, 7168: 2048}[h]
+        acts = [float(c.replace(",", "")) for c in cells[5].split("/")]
+        for cell, act, cf in zip(cells[2:5], acts, (1.0, 1.25, None)):
+            mib = receive_buffer_bytes(8192, 8, ep, h, cf, torch.bfloat16) / 2**20
+            assert float(cell.split()[0].replace(",", "")) == pytest.approx(mib, rel=1e-3), (r, cf)
+            assert act == pytest.approx(receive_buffer_bytes(8192, 8, ep, 3 * f, cf, torch.bfloat16) / 2**20, rel=1e-3)
+    for phrase in ('overflow="rerun"', "FullIterationGraph.reset()", "capacity_factor=None"):
+        assert phrase in text, phrase

@@ -14,6 +14,9 @@ Inputs are any nest of lists/tuples/dicts of tensors (e.g. a list of microbatche
 static buffers allocated at the first call, non-tensor leaves must stay equal. A changed shape, dtype or structure
 raises :class:`GraphShapeError` naming the argument (call :meth:`FullIterationGraph.reset` to re-capture). Outputs
 of a replay are the graph's static tensors, overwritten by the next replay (``clone_outputs=True`` copies them).
+A captured :func:`moe_graph.train.step.train_step` returns its ``TrainStepResult`` this way, ``overflowed`` (dropless
+mode) included: :class:`moe_graph.train.step.OverflowRerun` reads it after the replay, reruns an overflowed step
+eagerly (outside the graph) and calls :meth:`FullIterationGraph.reset` when it raises the capacity.
 
 RNG: the default CUDA generator is registered by ``torch.cuda.graph`` itself (each replay advances its Philox
 offset, so dropout masks differ per replay); extra ``torch.Generator(device="cuda")`` objects given as
