@@ -356,7 +356,7 @@ def test_demo_dropless_mode_reports_reruns_and_a_resumed_run_keeps_the_adapted_c
 
 # ------------------------------------------------------------------------------------------------ docs --
 def test_docs_document_the_mode_and_its_memory_table():
-    assert 'overflow="rerun"' in open(os.path.join(ROOT, "README.md")).read()
+    assert "`overflow` drop / rerun" in open(os.path.join(ROOT, "README.md")).read()
     text = open(os.path.join(ROOT, "docs", "training.md")).read()
     m = re.search(r"<!-- dropless-memory[^>]*-->(.*?)<!-- /dropless-memory -->", text, re.S)
     assert m, "docs/training.md lost its dropless memory table"
