@@ -6,6 +6,7 @@
 #include "common/error_flag_torch.h"
 #include "grouped_gemm/grouped_gemm_ops.h"
 #include "grouped_gemm/grouped_probe.h"
+#include "permute/permute_ops.h"
 #include "reroute/reroute_ops.h"
 
 namespace moe_graph {
@@ -66,6 +67,14 @@ TORCH_LIBRARY(moe_graph, m) {
   m.def(
       "echo_plan(Tensor counts, int num_spare_experts_per_ep_rank, int mode, Tensor? donor_mask=None) -> "
       "(Tensor, Tensor)");
+
+  // ---- row expansion / reduction over a route index (csrc/permute/permute.h) ------------------------------
+  // out[i] = weights[r] * src[r // K] with r = route_of_row[i]; r == n*K: a zero row. -> [m, H]
+  m.def("expand_rows(Tensor src, Tensor route_of_row, int K, Tensor? weights=None) -> Tensor");
+  // out[j] = sum_k weights[j, k] * src[route_rows[j, k]] (k ascending, fp32 accumulation); == m: skipped. -> [n, H]
+  m.def("reduce_rows(Tensor src, Tensor route_rows, Tensor? weights=None) -> Tensor");
+  // out[j, k] = dot(rows[j], src[route_rows[j, k]]) -> [n, K] fp32 (fp64 for fp64 data); == m: 0.
+  m.def("route_dot(Tensor rows, Tensor src, Tensor route_rows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(moe_graph, CompositeExplicitAutograd, m) {
@@ -82,6 +91,9 @@ TORCH_LIBRARY_IMPL(moe_graph, CPU, m) {
   m.impl("reroute_tokens", &moe_graph::reroute_tokens_cpu);
   m.impl("echo_best_fit", &moe_graph::echo_best_fit_cpu);
   m.impl("echo_plan", &moe_graph::echo_plan_cpu);
+  m.impl("expand_rows", &moe_graph::expand_rows_cpu);
+  m.impl("reduce_rows", &moe_graph::reduce_rows_cpu);
+  m.impl("route_dot", &moe_graph::route_dot_cpu);
 }
 
 #ifdef MOE_GRAPH_WITH_CUDA
@@ -94,6 +106,9 @@ TORCH_LIBRARY_IMPL(moe_graph, CUDA, m) {
   m.impl("reroute_tokens", &moe_graph::reroute_tokens_cuda);
   m.impl("echo_best_fit", &moe_graph::echo_best_fit_cuda);
   m.impl("echo_plan", &moe_graph::echo_plan_cuda);
+  m.impl("expand_rows", &moe_graph::expand_rows_cuda);
+  m.impl("reduce_rows", &moe_graph::reduce_rows_cuda);
+  m.impl("route_dot", &moe_graph::route_dot_cuda);
 }
 #endif
 

@@ -16,6 +16,7 @@ enum ErrorCode : int32_t {
   kErrPlanInvalid = 1 << 3,      // other inconsistent plan input (e.g. negative token counts)
   // 1 << 4 is retired (it was "tokens dropped past a static capacity"): drops are statistics of normal training,
   // counted on the device by the dispatcher and read without an error, so check_errors() never raises on them.
+  kErrIndexOutOfRange = 1 << 5,  // a row/route index outside [0, sentinel] (permute ops): read as the sentinel
 };
 
 // Human-readable text for each bit, used by check_errors().
@@ -31,6 +32,8 @@ inline const char* error_text(int32_t bit) {
              "(clamped)";
     case kErrPlanInvalid:
       return "an offloading plan input was inconsistent (negative counts)";
+    case kErrIndexOutOfRange:
+      return "expand_rows/reduce_rows: a row or route index was outside [0, sentinel] (read as the sentinel)";
     default:
       return "unknown error bit";
   }

@@ -15,18 +15,20 @@ import torch
 from moe_graph.ops._lib import available, cuda_built, ops
 
 __all__ = ["check_errors", "read_error_flag", "flag_error_if", "ERROR_BITS", "SPLITS_OVERFLOW", "NEGATIVE_SPLIT",
-           "REROUTE_OVER_ASK", "PLAN_INVALID"]
+           "REROUTE_OVER_ASK", "PLAN_INVALID", "INDEX_OUT_OF_RANGE"]
 
 # Mirrors csrc/common/error_flag.h (bit 16, once "capacity drop", is retired: drops are statistics, not errors).
 SPLITS_OVERFLOW = 1
 NEGATIVE_SPLIT = 2
 REROUTE_OVER_ASK = 4
 PLAN_INVALID = 8
+INDEX_OUT_OF_RANGE = 32
 ERROR_BITS = {
     SPLITS_OVERFLOW: "sum(m_splits) exceeded the rows of the buffer (clamped; rows past the buffer were not computed)",
     NEGATIVE_SPLIT: "m_splits contained a negative count (treated as 0)",
     REROUTE_OVER_ASK: "reroute_tokens: the plan asked to move more tokens than are routed locally (clamped)",
     PLAN_INVALID: "an offloading plan input was inconsistent (negative counts)",
+    INDEX_OUT_OF_RANGE: "expand_rows/reduce_rows: a row or route index was outside [0, sentinel] (read as the sentinel)",
 }
 
 

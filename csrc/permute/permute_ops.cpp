@@ -1,0 +1,201 @@
+// Torch glue of the permute ops: argument checks that name the tensor, allocation, the CPU thread split (raising on
+// an out-of-range index) and the CUDA launch on the current stream (flagging it instead: no sync).
+#include "permute/permute_ops.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+
+#include "common/error_flag_torch.h"
+#include "common/torch_checks.h"
+#include "permute/permute.h"
+
+#ifdef MOE_GRAPH_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#endif
+
+namespace moe_graph {
+namespace {
+
+constexpr const char* kExpand = "expand_rows";
+constexpr const char* kReduce = "reduce_rows";
+constexpr const char* kDot = "route_dot";
+
+permute::DType dtype_of(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kDouble: return permute::DType::kDouble;
+    case at::kBFloat16: return permute::DType::kBFloat16;
+    case at::kHalf: return permute::DType::kHalf;
+    default: return permute::DType::kFloat;
+  }
+}
+
+// The accumulation dtype of data of `t`'s dtype: float64 for float64, float32 otherwise.
+at::ScalarType acc_dtype(const at::Tensor& t) { return t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
+
+void check_data(const at::Tensor& t, const char* op, const char* name, const char* layout) {
+  check_defined(t, op, name);
+  check_dim(t, 2, op, name, layout);
+  check_dtype(t, {at::kFloat, at::kBFloat16, at::kHalf, at::kDouble}, op, name);
+}
+
+void check_index(const at::Tensor& t, int64_t dim, const at::Tensor& src, const char* op, const char* name,
+                 const char* layout) {
+  check_defined(t, op, name);
+  check_dim(t, dim, op, name, layout);
+  check_dtype(t, {at::kLong}, op, name);
+  check_device(t, src.device(), op, name);
+}
+
+// Weights [n, K] of src's dtype or float32, converted to the accumulation dtype; or undefined.
+at::Tensor prepare_weights(const c10::optional<at::Tensor>& weights, const at::Tensor& src, int64_t n, int64_t K,
+                           const char* op) {
+  if (!weights.has_value() || !weights->defined()) return at::Tensor();
+  const at::Tensor& w = *weights;
+  check_dim(w, 2, op, "weights", "[n, K]");
+  const std::vector<int64_t> expected{n, K};
+  check_shape(w, expected, op, "weights");
+  check_device(w, src.device(), op, "weights");
+  TORCH_CHECK(w.scalar_type() == src.scalar_type() || w.scalar_type() == at::kFloat, op,
+              ": weights must have the dtype of src (", c10::toString(src.scalar_type()), ") or Float, got ",
+              c10::toString(w.scalar_type()));
+  return w.to(acc_dtype(src)).contiguous();
+}
+
+// A prepared op: the contiguous operands (kept alive), the output and the kernel's view of them.
+struct Prepared {
+  permute::RouteOp op;
+  at::Tensor tokens, rows, route_rows, route_of_row, weights, out;
+  permute::RouteProblem p;
+};
+
+// Fills p from the prepared tensors (undefined ones stay null); n, K, m come from the caller.
+void fill(Prepared& x, const at::Tensor& data, int64_t n, int64_t K, int64_t m) {
+  auto ptr = [](const at::Tensor& t) -> const void* { return t.defined() ? t.data_ptr() : nullptr; };
+  x.p.dtype = dtype_of(data);
+  x.p.tokens = n;
+  x.p.topk = K;
+  x.p.rows = m;
+  x.p.hidden = data.size(1);
+  x.p.token_data = ptr(x.tokens);
+  x.p.row_data = ptr(x.rows);
+  x.p.route_rows = x.route_rows.defined() ? x.route_rows.data_ptr<int64_t>() : nullptr;
+  x.p.route_of_row = x.route_of_row.defined() ? x.route_of_row.data_ptr<int64_t>() : nullptr;
+  x.p.weights = ptr(x.weights);
+  x.p.out = x.out.data_ptr();
+}
+
+Prepared prepare_expand(const at::Tensor& src, const at::Tensor& route_of_row, int64_t K,
+                        const c10::optional<at::Tensor>& weights) {
+  check_data(src, kExpand, "src", "[n, H]");
+  check_index(route_of_row, 1, src, kExpand, "route_of_row", "[m]");
+  TORCH_CHECK(K >= 0, kExpand, ": K must be >= 0, got ", K);
+  Prepared x{permute::RouteOp::kExpand};
+  x.tokens = src.contiguous();
+  x.route_of_row = route_of_row.contiguous();
+  x.weights = prepare_weights(weights, src, src.size(0), K, kExpand);
+  x.out = at::empty({route_of_row.size(0), src.size(1)}, src.options());
+  fill(x, src, src.size(0), K, route_of_row.size(0));
+  return x;
+}
+
+Prepared prepare_reduce(const at::Tensor& src, const at::Tensor& route_rows, const c10::optional<at::Tensor>& weights) {
+  check_data(src, kReduce, "src", "[m, H]");
+  check_index(route_rows, 2, src, kReduce, "route_rows", "[n, K]");
+  const int64_t n = route_rows.size(0), K = route_rows.size(1);
+  Prepared x{permute::RouteOp::kReduce};
+  x.rows = src.contiguous();
+  x.route_rows = route_rows.contiguous();
+  x.weights = prepare_weights(weights, src, n, K, kReduce);
+  x.out = at::empty({n, src.size(1)}, src.options());
+  fill(x, src, n, K, src.size(0));
+  return x;
+}
+
+Prepared prepare_dot(const at::Tensor& rows, const at::Tensor& src, const at::Tensor& route_rows) {
+  check_data(rows, kDot, "rows", "[n, H]");
+  check_data(src, kDot, "src", "[m, H]");
+  check_same_dtype(src, rows, kDot, "src", "rows");
+  check_device(src, rows.device(), kDot, "src");
+  check_index(route_rows, 2, rows, kDot, "route_rows", "[n, K]");
+  TORCH_CHECK(src.size(1) == rows.size(1), kDot, ": src must have shape [m, H] with H = ", rows.size(1),
+              " (the columns of rows), got shape ", shape_str(src));
+  TORCH_CHECK(route_rows.size(0) == rows.size(0), kDot, ": route_rows must have shape [n, K] with n = ",
+              rows.size(0), " (the rows of rows), got shape ", shape_str(route_rows));
+  Prepared x{permute::RouteOp::kDot};
+  x.tokens = rows.contiguous();
+  x.rows = src.contiguous();
+  x.route_rows = route_rows.contiguous();
+  x.out = at::empty({route_rows.size(0), route_rows.size(1)}, rows.options().dtype(acc_dtype(rows)));
+  fill(x, rows, route_rows.size(0), route_rows.size(1), src.size(0));
+  return x;
+}
+
+// Runs the op on torch's CPU threads; raises on the first out-of-range index, naming it.
+at::Tensor run_cpu(const Prepared& x, const char* op) {
+  const permute::RouteProblem& p = x.p;
+  std::atomic<int64_t> first_bad{-1};
+  const int64_t cost = std::max<int64_t>(1, p.hidden * (x.op == permute::RouteOp::kExpand ? 1 : p.topk));
+  at::parallel_for(0, permute::output_rows(x.op, p), std::max<int64_t>(1, 32768 / cost), [&](int64_t b, int64_t e) {
+    const int64_t bad = permute::route_op_host(x.op, p, b, e);
+    int64_t cur = first_bad.load();
+    while (bad >= 0 && (cur < 0 || bad < cur) && !first_bad.compare_exchange_weak(cur, bad)) {
+    }
+  });
+  const int64_t pos = first_bad.load();
+  if (pos < 0) return x.out;
+  const bool expand = x.op == permute::RouteOp::kExpand;
+  const at::Tensor& index = expand ? x.route_of_row : x.route_rows;
+  const int64_t sentinel = expand ? p.tokens * p.topk : p.rows;
+  TORCH_CHECK(false, op, ": ", expand ? "route_of_row" : "route_rows", " holds ", index.reshape(-1)[pos].item<int64_t>(),
+              " at flat position ", pos, ", outside [0, ", sentinel, "] (", sentinel,
+              expand ? " = n*K is the sentinel: a zero row)" : " = m, the rows of src, is the sentinel: skipped)");
+  return x.out;
+}
+
+#ifdef MOE_GRAPH_WITH_CUDA
+at::Tensor run_cuda(const Prepared& x, const at::Device& device) {
+  auto stream = at::cuda::getCurrentCUDAStream(device.index()).stream();
+  C10_CUDA_CHECK(permute::route_op_cuda_launch(x.op, x.p, error_flag_ptr(device), stream));
+  return x.out;
+}
+#endif
+
+}  // namespace
+
+at::Tensor expand_rows_cpu(const at::Tensor& src, const at::Tensor& route_of_row, int64_t K,
+                           const c10::optional<at::Tensor>& weights) {
+  return run_cpu(prepare_expand(src, route_of_row, K, weights), kExpand);
+}
+
+at::Tensor reduce_rows_cpu(const at::Tensor& src, const at::Tensor& route_rows,
+                           const c10::optional<at::Tensor>& weights) {
+  return run_cpu(prepare_reduce(src, route_rows, weights), kReduce);
+}
+
+at::Tensor route_dot_cpu(const at::Tensor& rows, const at::Tensor& src, const at::Tensor& route_rows) {
+  return run_cpu(prepare_dot(rows, src, route_rows), kDot);
+}
+
+#ifdef MOE_GRAPH_WITH_CUDA
+at::Tensor expand_rows_cuda(const at::Tensor& src, const at::Tensor& route_of_row, int64_t K,
+                            const c10::optional<at::Tensor>& weights) {
+  c10::cuda::CUDAGuard guard(src.device());
+  return run_cuda(prepare_expand(src, route_of_row, K, weights), src.device());
+}
+
+at::Tensor reduce_rows_cuda(const at::Tensor& src, const at::Tensor& route_rows,
+                            const c10::optional<at::Tensor>& weights) {
+  c10::cuda::CUDAGuard guard(src.device());
+  return run_cuda(prepare_reduce(src, route_rows, weights), src.device());
+}
+
+at::Tensor route_dot_cuda(const at::Tensor& rows, const at::Tensor& src, const at::Tensor& route_rows) {
+  c10::cuda::CUDAGuard guard(rows.device());
+  return run_cuda(prepare_dot(rows, src, route_rows), rows.device());
+}
+#endif
+
+}  // namespace moe_graph

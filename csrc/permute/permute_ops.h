@@ -1,0 +1,25 @@
+// Torch-level row expansion / reduction ops (schemas in csrc/bindings.cpp; semantics in permute/permute.h).
+#pragma once
+#include <ATen/ATen.h>
+
+#include <c10/util/Optional.h>
+
+namespace moe_graph {
+
+// src [n, H], route_of_row [m] int64, K >= 0, weights [n, K] or None -> out [m, H] of src's dtype.
+at::Tensor expand_rows_cpu(const at::Tensor& src, const at::Tensor& route_of_row, int64_t topk,
+                           const c10::optional<at::Tensor>& weights);
+// src [m, H], route_rows [n, K] int64, weights [n, K] or None -> out [n, H] of src's dtype.
+at::Tensor reduce_rows_cpu(const at::Tensor& src, const at::Tensor& route_rows, const c10::optional<at::Tensor>& weights);
+// rows [n, H], src [m, H] (same dtype), route_rows [n, K] int64 -> [n, K] float32 (float64 for float64 data).
+at::Tensor route_dot_cpu(const at::Tensor& rows, const at::Tensor& src, const at::Tensor& route_rows);
+
+#ifdef MOE_GRAPH_WITH_CUDA
+at::Tensor expand_rows_cuda(const at::Tensor& src, const at::Tensor& route_of_row, int64_t topk,
+                            const c10::optional<at::Tensor>& weights);
+at::Tensor reduce_rows_cuda(const at::Tensor& src, const at::Tensor& route_rows,
+                            const c10::optional<at::Tensor>& weights);
+at::Tensor route_dot_cuda(const at::Tensor& rows, const at::Tensor& src, const at::Tensor& route_rows);
+#endif
+
+}  // namespace moe_graph

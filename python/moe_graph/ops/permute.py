@@ -1,0 +1,211 @@
+"""Row expansion and reduction over a route index: ``expand_rows`` / ``reduce_rows`` (differentiable, w.r.t. the
+rows and the weights) over the native ops ``torch.ops.moe_graph.{expand_rows, reduce_rows, route_dot}`` (C++ on CPU,
+CUDA kernels on GPU), their fake (meta) implementations, and a pure-torch path for builds without the ops.
+
+Semantics (defined by the native ops, ``csrc/permute/permute.h``; the torch path here computes the same): ``n``
+tokens with ``K`` routes each, ``m`` routed rows (e.g. an expert-input buffer). Route ``r = j*K + k`` is token
+``j``'s ``k``-th route. Two index tensors describe one routing and are inverses of each other:
+
+- ``route_rows [n, K]`` int64: the row of each route, ``m`` (the sentinel) for a route without a row;
+- ``route_of_row [m]`` int64: the route of each row, ``n*K`` (the sentinel) for a padding row.
+
+``expand_rows(src [n, H], route_of_row, route_rows, weights=None) -> [m, H]``: ``out[i] = w[r] * src[r // K]``
+with ``r = route_of_row[i]`` (no weights: an exact copy), a zero row for the sentinel.
+``reduce_rows(src [m, H], route_rows, route_of_row, weights=None) -> [n, H]``: ``out[j] = sum_k w[j, k] *
+src[route_rows[j, k]]``, ``k`` ascending, accumulated in float32 (float64 for float64 data) from ``+0``, the
+sentinel skipped. Output dtype = ``src``'s; ``weights [n, K]`` in ``src``'s dtype or float32. The two are adjoint:
+each one's backward is the other with the same weights, the weights' gradient is ``route_dot`` (a dot product per
+route); no atomics anywhere, deterministic. A permutation is ``K = 1``.
+
+Indices outside ``[0, sentinel]``: a ``RuntimeError`` naming the argument on the CPU; on CUDA they read as the
+sentinel and set the device error flag's ``INDEX_OUT_OF_RANGE`` bit (``moe_graph.check_errors()``): no sync,
+capturable.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from moe_graph.ops._lib import has_kernel
+from moe_graph.ops.reroute import real_host_values
+
+__all__ = ["expand_rows", "reduce_rows", "native_available"]
+
+_EXPAND = "moe_graph::expand_rows"
+_REDUCE = "moe_graph::reduce_rows"
+_DOT = "moe_graph::route_dot"
+
+
+@torch.compiler.assume_constant_result  # fixed per process: traced once by torch.compile
+def native_available(device_type: str = "cpu") -> bool:
+    """True when the loaded extension has the permute ops for ``device_type`` ("cpu" or "cuda")."""
+    return has_kernel(_EXPAND, device_type) and has_kernel(_REDUCE, device_type) and has_kernel(_DOT, device_type)
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# ---------------------------------------------------------------------------------- the torch path (no build) --
+def _checked_index(index: torch.Tensor, sentinel: int, op: str, name: str) -> torch.Tensor:
+    """``index`` with values outside ``[0, sentinel]`` replaced by the sentinel; on eager CPU values such a value
+    raises instead (the native ops' rule)."""
+    bad = (index < 0) | (index > sentinel)
+    if index.device.type == "cpu" and real_host_values(index) and bool(bad.any()):
+        pos = int(bad.reshape(-1).nonzero()[0])
+        raise RuntimeError(f"{op}: {name} holds {int(index.reshape(-1)[pos])} at flat position {pos}, outside "
+                           f"[0, {sentinel}] ({sentinel} is the sentinel)")
+    return torch.where(bad, sentinel, index)
+
+
+def _expand_torch(src, route_of_row, K: int, weights=None):
+    n, H = src.shape
+    r = _checked_index(route_of_row, n * K, "expand_rows", "route_of_row")
+    rows = torch.where(r == n * K, n, torch.div(r, max(K, 1), rounding_mode="floor"))
+    out = torch.cat([src, src.new_zeros(1, H)]).index_select(0, rows)
+    if weights is None:
+        return out
+    acc = _acc_dtype(src.dtype)
+    w = torch.cat([weights.reshape(-1).to(acc), weights.new_zeros(1, dtype=acc)]).index_select(0, r)
+    return (w[:, None] * out.to(acc)).to(src.dtype)
+
+
+def _gather_routes(src, route_rows):
+    """``[n, K, H]`` in the accumulation dtype: the row of each route, zeros for the sentinel."""
+    m, H = src.shape
+    n, K = route_rows.shape
+    acc = _acc_dtype(src.dtype)
+    ext = torch.cat([src.to(acc), src.new_zeros(1, H, dtype=acc)])
+    return ext.index_select(0, route_rows.reshape(-1)).view(n, K, H)
+
+
+def _reduce_torch(src, route_rows, weights=None):
+    m, H = src.shape
+    n, K = route_rows.shape
+    g = _gather_routes(src, _checked_index(route_rows, m, "reduce_rows", "route_rows"))
+    acc = torch.zeros(n, H, dtype=g.dtype, device=src.device)
+    for k in range(K):  # k ascending, as the native op
+        acc = acc + (g[:, k] if weights is None else weights[:, k:k + 1].to(g.dtype) * g[:, k])
+    return acc.to(src.dtype)
+
+
+def _route_dot_torch(rows, src, route_rows):
+    g = _gather_routes(src, _checked_index(route_rows, src.shape[0], "route_dot", "route_rows"))
+    return (rows.to(g.dtype)[:, None, :] * g).sum(-1)
+
+
+# ------------------------------------------------------------------------------------------ dispatch per op --
+def _expand(src, route_of_row, K: int, weights=None):
+    if native_available(src.device.type):
+        return torch.ops.moe_graph.expand_rows(src, route_of_row, K, weights)
+    return _expand_torch(src, route_of_row, K, weights)
+
+
+def _reduce(src, route_rows, weights=None):
+    if native_available(src.device.type):
+        return torch.ops.moe_graph.reduce_rows(src, route_rows, weights)
+    return _reduce_torch(src, route_rows, weights)
+
+
+def _route_dot(rows, src, route_rows):
+    if native_available(rows.device.type):
+        return torch.ops.moe_graph.route_dot(rows, src, route_rows)
+    return _route_dot_torch(rows, src, route_rows)
+
+
+# --------------------------------------------------------------------------------------------------- autograd --
+class _ExpandRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, src, route_of_row, route_rows, weights):
+        ctx.save_for_backward(src if ctx.needs_input_grad[3] else None, route_rows, weights)
+        return _expand(src, route_of_row, route_rows.shape[1], weights)
+
+    @staticmethod
+    def backward(ctx, g):
+        src, route_rows, weights = ctx.saved_tensors
+        g = g.contiguous()
+        grad_src = _reduce(g, route_rows, weights) if ctx.needs_input_grad[0] else None
+        grad_w = _route_dot(src, g, route_rows).to(weights.dtype) if ctx.needs_input_grad[3] else None
+        return grad_src, None, None, grad_w
+
+
+class _ReduceRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, src, route_rows, route_of_row, weights):
+        ctx.save_for_backward(src if ctx.needs_input_grad[3] else None, route_rows, route_of_row, weights)
+        return _reduce(src, route_rows, weights)
+
+    @staticmethod
+    def backward(ctx, g):
+        src, route_rows, route_of_row, weights = ctx.saved_tensors
+        g = g.contiguous()
+        grad_src = _expand(g, route_of_row, route_rows.shape[1], weights) if ctx.needs_input_grad[0] else None
+        grad_w = _route_dot(g, src, route_rows).to(weights.dtype) if ctx.needs_input_grad[3] else None
+        return grad_src, None, None, grad_w
+
+
+def _check_args(op: str, src, a, a_name: str, a_dim: int, b, b_name: str, b_dim: int, weights) -> None:
+    if not isinstance(src, torch.Tensor) or src.dim() != 2:
+        raise ValueError(f"{op}: src must be a 2-D tensor, got {getattr(src, 'shape', type(src).__name__)}")
+    for t, name, dim in ((a, a_name, a_dim), (b, b_name, b_dim)):
+        if not isinstance(t, torch.Tensor) or t.dim() != dim or t.dtype != torch.int64:
+            raise ValueError(f"{op}: {name} must be a {dim}-D int64 tensor, got "
+                             f"{getattr(t, 'shape', type(t).__name__)} {getattr(t, 'dtype', '')}")
+    if weights is not None and not isinstance(weights, torch.Tensor):
+        raise ValueError(f"{op}: weights must be a tensor [n, K] or None, got {type(weights).__name__}")
+
+
+def expand_rows(src: torch.Tensor, route_of_row: torch.Tensor, route_rows: torch.Tensor,
+                weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``[m, H]``: row ``i`` is ``weights[r] * src[r // K]`` for ``r = route_of_row[i]`` (a copy without weights),
+    zero for ``r == n*K``. ``src [n, H]``; ``route_of_row [m]`` and ``route_rows [n, K]`` int64, the two inverse
+    indices of one routing (``K = route_rows.shape[1]``; ``route_rows`` serves the backward, a ``reduce_rows`` of
+    the gradient). Differentiable w.r.t. ``src`` and ``weights``.
+
+    Example: ``src = [[a], [b]]`` (n=2, K=2), ``route_of_row = [3, 0, 4]`` -> ``[[b], [a], [0]]``
+    (``route_rows = [[1, 3], [3, 0]]``: routes 1 and 2 have no row, sentinel m=3)."""
+    _check_args("expand_rows", src, route_of_row, "route_of_row", 1, route_rows, "route_rows", 2, weights)
+    if route_rows.shape[0] != src.shape[0]:
+        raise ValueError(f"expand_rows: route_rows must have shape [n, K] with n = {src.shape[0]} (the rows of src), "
+                         f"got {tuple(route_rows.shape)}")
+    return _ExpandRows.apply(src, route_of_row, route_rows, weights)
+
+
+def reduce_rows(src: torch.Tensor, route_rows: torch.Tensor, route_of_row: torch.Tensor,
+                weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``[n, H]``: row ``j`` is ``sum_k weights[j, k] * src[route_rows[j, k]]`` (``k`` ascending, float32
+    accumulation for 16-bit data; a plain sum without weights), routes equal to ``m`` skipped. ``src [m, H]``;
+    ``route_rows [n, K]`` and ``route_of_row [m]`` int64, the two inverse indices of one routing (``route_of_row``
+    serves the backward, an ``expand_rows`` of the gradient). Differentiable w.r.t. ``src`` and ``weights``."""
+    _check_args("reduce_rows", src, route_rows, "route_rows", 2, route_of_row, "route_of_row", 1, weights)
+    if route_of_row.shape[0] != src.shape[0]:
+        raise ValueError(f"reduce_rows: route_of_row must have shape [m] with m = {src.shape[0]} (the rows of src), "
+                         f"got {tuple(route_of_row.shape)}")
+    return _ReduceRows.apply(src, route_rows, route_of_row, weights)
+
+
+def _register() -> None:
+    if not native_available():  # pragma: no cover - a build without the ops
+        return
+
+    @torch.library.register_fake(_EXPAND)
+    def _(src, route_of_row, K, weights=None):
+        torch._check(src.dim() == 2, lambda: "expand_rows: src must be a 2-D tensor [n, H]")
+        torch._check(route_of_row.dim() == 1, lambda: "expand_rows: route_of_row must be a 1-D tensor [m]")
+        return src.new_empty((route_of_row.shape[0], src.shape[1]))
+
+    @torch.library.register_fake(_REDUCE)
+    def _(src, route_rows, weights=None):
+        torch._check(src.dim() == 2, lambda: "reduce_rows: src must be a 2-D tensor [m, H]")
+        torch._check(route_rows.dim() == 2, lambda: "reduce_rows: route_rows must be a 2-D tensor [n, K]")
+        return src.new_empty((route_rows.shape[0], src.shape[1]))
+
+    @torch.library.register_fake(_DOT)
+    def _(rows, src, route_rows):
+        torch._check(route_rows.dim() == 2, lambda: "route_dot: route_rows must be a 2-D tensor [n, K]")
+        return rows.new_empty(tuple(route_rows.shape), dtype=_acc_dtype(rows.dtype))
+
+
+_register()
