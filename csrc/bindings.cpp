@@ -7,6 +7,7 @@
 #include "grouped_gemm/grouped_gemm_ops.h"
 #include "grouped_gemm/grouped_probe.h"
 #include "permute/permute_ops.h"
+#include "permute/dispatch_layout_ops.h"
 #include "reroute/reroute_ops.h"
 
 namespace moe_graph {
@@ -75,6 +76,17 @@ TORCH_LIBRARY(moe_graph, m) {
   m.def("reduce_rows(Tensor src, Tensor route_rows, Tensor? weights=None) -> Tensor");
   // out[j, k] = dot(rows[j], src[route_rows[j, k]]) -> [n, K] fp32 (fp64 for fp64 data); == m: 0.
   m.def("route_dot(Tensor rows, Tensor src, Tensor route_rows) -> Tensor");
+
+  // ---- the token dispatcher's layout (csrc/permute/dispatch_layout.h) -------------------------------------
+  // indices [T, K] -> (route_slot [T*K], route_of_slot [R*capacity], send_counts [R, Lc], column_counts [C],
+  // dropped []) int64; the given counters take this call's drops and load ratio in place.
+  m.def(
+      "dispatch_layout(Tensor indices, Tensor? valid, Tensor column_rank, Tensor column_local, Tensor? route_order, "
+      "int num_ep_ranks, int num_local_columns, int capacity, Tensor(a!)? dropped_routes=None, "
+      "Tensor(b!)? step_dropped_routes=None, Tensor(c!)? step_max_load_ratio=None) -> "
+      "(Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // recv_counts [R, Lc] -> (expert_row_source [R*capacity], recv_row_target [R*capacity], m_splits [Lc]) int64.
+  m.def("receive_layout(Tensor recv_counts, int capacity) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(moe_graph, CompositeExplicitAutograd, m) {
@@ -94,6 +106,8 @@ TORCH_LIBRARY_IMPL(moe_graph, CPU, m) {
   m.impl("expand_rows", &moe_graph::expand_rows_cpu);
   m.impl("reduce_rows", &moe_graph::reduce_rows_cpu);
   m.impl("route_dot", &moe_graph::route_dot_cpu);
+  m.impl("dispatch_layout", &moe_graph::dispatch_layout);
+  m.impl("receive_layout", &moe_graph::receive_layout);
 }
 
 #ifdef MOE_GRAPH_WITH_CUDA
@@ -109,6 +123,8 @@ TORCH_LIBRARY_IMPL(moe_graph, CUDA, m) {
   m.impl("expand_rows", &moe_graph::expand_rows_cuda);
   m.impl("reduce_rows", &moe_graph::reduce_rows_cuda);
   m.impl("route_dot", &moe_graph::route_dot_cuda);
+  m.impl("dispatch_layout", &moe_graph::dispatch_layout);
+  m.impl("receive_layout", &moe_graph::receive_layout);
 }
 #endif
 

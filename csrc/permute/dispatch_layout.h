@@ -1,0 +1,98 @@
+// The token dispatcher's index bookkeeping (torch-free). Semantics, shared by the CPU and CUDA implementations:
+//
+//   dispatch_layout  n = T*K routes (route r = token r / K, choice r % K) into C routing columns; column c lives on
+//                    rank column_rank[c] of R as local expert column_local[c] of Lc; `capacity` routes at most go
+//                    from this rank to each rank (send slots N = R * capacity, slot = destination * capacity +
+//                    position).
+//     live route     valid[r] (all when no mask) and 0 <= indices[r] < C; a valid route with an index (or a column
+//                    table entry) out of range is an error: the CPU reports it, CUDA sets kErrIndexOutOfRange and
+//                    treats the route as not live.
+//     kept route     per destination, the first `capacity` live routes in drop order: route_order[0], [1], ...
+//                    (a permutation of [0, n): the probability order of the "probs" policy) or, without it, route
+//                    order (token, then k: the "position" policy). The others are dropped.
+//     positions      within one destination the kept routes are ordered by (local expert, route): position p of a
+//                    route = kept routes of that destination with a smaller local expert + kept routes of its local
+//                    expert with a smaller route index. At R = 1 the send buffer is the expert input grouped by
+//                    local expert, padding after the real rows.
+//     outputs        route_slot [n] (N: dropped or not live), route_of_slot [N] (n: empty), send_counts [R, Lc]
+//                    (kept routes per destination and local expert), column_counts [C] (live routes per column,
+//                    before drops), dropped [1] (live routes over the capacity). When the counters are given:
+//                    dropped_routes += dropped, step_dropped_routes += dropped, step_max_load_ratio =
+//                    max(itself, max_d live_d * R / n) (n > 0).
+//
+//   receive_layout   recv_counts [R, Lc] (rows source rank s sent this rank per local expert, in the order above:
+//                    block s of the receive buffer is [capacity] rows, grouped by local expert, padding after).
+//     outputs        m_splits [Lc] = sum over s; the expert input groups the rows by local expert, then source rank,
+//                    then the sender's order, padding rows last: expert_row_source [N] (the receive row of each
+//                    expert-input row; N: padding) and recv_row_target [N] (its inverse; N: an empty receive row).
+//                    A negative count reads as 0 (kErrNegativeSplit), counts of one source past `capacity` are
+//                    clamped (kErrSplitsOverflow); the CPU reports both.
+#pragma once
+#include <cstdint>
+
+#ifdef MOE_GRAPH_WITH_CUDA
+#include <cuda_runtime.h>
+#endif
+
+namespace moe_graph {
+namespace dispatch {
+
+struct LayoutProblem {
+  int64_t num_routes = 0;    // n = T * K
+  int64_t num_columns = 0;   // C
+  int64_t num_ranks = 0;     // R
+  int64_t num_local = 0;     // Lc
+  int64_t capacity = 0;      // per destination
+  const int64_t* indices = nullptr;       // [n]
+  const bool* valid = nullptr;            // [n] or null (all valid)
+  const int64_t* column_rank = nullptr;   // [C]
+  const int64_t* column_local = nullptr;  // [C]
+  const int64_t* route_order = nullptr;   // [n] or null (route order)
+  int64_t* route_slot = nullptr;          // [n]
+  int64_t* route_of_slot = nullptr;       // [R * capacity]
+  int64_t* send_counts = nullptr;         // [R, Lc]
+  int64_t* column_counts = nullptr;       // [C]
+  int64_t* dropped = nullptr;             // [1]
+  int64_t* dropped_routes = nullptr;      // [1] or null (no counting)
+  int64_t* step_dropped_routes = nullptr; // [1] or null
+  double* step_max_load_ratio = nullptr;  // [1] or null
+};
+
+struct ReceiveProblem {
+  int64_t num_ranks = 0;  // R
+  int64_t num_local = 0;  // Lc
+  int64_t capacity = 0;
+  const int64_t* recv_counts = nullptr;  // [R, Lc]
+  int64_t* expert_row_source = nullptr;  // [R * capacity]
+  int64_t* recv_row_target = nullptr;    // [R * capacity]
+  int64_t* m_splits = nullptr;           // [Lc]
+};
+
+// What the CPU functions found wrong (the glue raises with it): kind 0 none; otherwise the first offending position.
+struct LayoutError {
+  enum Kind { kNone = 0, kIndex, kColumnRank, kColumnLocal, kOrderRange, kOrderRepeat, kNegativeCount,
+              kCountOverflow };
+  Kind kind = kNone;
+  int64_t where = -1;  // route, column or [s, l] flat position
+  int64_t value = 0;
+};
+
+LayoutError dispatch_layout_host(const LayoutProblem& p);
+LayoutError receive_layout_host(const ReceiveProblem& p);
+
+#ifdef MOE_GRAPH_WITH_CUDA
+// Routes per tile of the CUDA kernels (one warp per tile); the workspace depends on it.
+constexpr int64_t kLayoutTile = 256;
+// int32 elements of device workspace dispatch_layout_cuda_launch needs (the caller allocates it).
+int64_t dispatch_layout_workspace_elems(int64_t num_routes, int64_t num_ranks, int64_t num_local);
+// int64 elements of device workspace receive_layout_cuda_launch needs.
+int64_t receive_layout_workspace_elems(int64_t num_ranks, int64_t num_local);
+// Fixed launch configuration for fixed shapes, no host synchronization (capturable), deterministic.
+cudaError_t dispatch_layout_cuda_launch(const LayoutProblem& p, int32_t* workspace, int32_t* error_flag,
+                                        cudaStream_t stream);
+cudaError_t receive_layout_cuda_launch(const ReceiveProblem& p, int64_t* workspace, int32_t* error_flag,
+                                       cudaStream_t stream);
+#endif
+
+}  // namespace dispatch
+}  // namespace moe_graph

@@ -1,0 +1,113 @@
+// CPU implementation of dispatch_layout / receive_layout (semantics in dispatch_layout.h). Torch-free.
+//
+// dispatch_layout is two stable counting passes: (1) the routes in drop order, counted per destination, decide which
+// are kept; (2) the kept routes in route order, counted per (destination, local expert), get their positions from
+// the exclusive prefix of those counts within each destination. O(n + R * Lc + N).
+#include <algorithm>
+#include <vector>
+
+#include "permute/dispatch_layout.h"
+#include "permute/dispatch_layout_impl.h"
+
+namespace moe_graph {
+namespace dispatch {
+
+LayoutError dispatch_layout_host(const LayoutProblem& p) {
+  const int64_t n = p.num_routes, R = p.num_ranks, Lc = p.num_local, cap = p.capacity, N = R * cap;
+  LayoutError e;
+  // the tables first: every entry in range (the CUDA path flags only the entries a live route reaches)
+  for (int64_t c = 0; c < p.num_columns; ++c) {
+    if (p.column_rank[c] < 0 || p.column_rank[c] >= R) return {LayoutError::kColumnRank, c, p.column_rank[c]};
+    if (p.column_local[c] < 0 || p.column_local[c] >= Lc) return {LayoutError::kColumnLocal, c, p.column_local[c]};
+  }
+  std::vector<int64_t> dst(n), local(n);
+  for (int64_t r = 0; r < n; ++r) {
+    int err = LayoutError::kNone;
+    dst[r] = route_destination(p, r, &local[r], &err);
+    if (err != LayoutError::kNone) return {static_cast<LayoutError::Kind>(err), r, p.indices[r]};
+  }
+  if (p.route_order != nullptr) {
+    std::vector<char> seen(n, 0);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t r = p.route_order[i];
+      if (r < 0 || r >= n) return {LayoutError::kOrderRange, i, r};
+      if (seen[r]) return {LayoutError::kOrderRepeat, i, r};
+      seen[r] = 1;
+    }
+  }
+  // (1) drop order: the first `cap` live routes of each destination are kept
+  std::vector<int64_t> live(R + 1, 0);
+  std::vector<char> kept(n, 0);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t r = p.route_order != nullptr ? p.route_order[i] : i;
+    const int64_t rank = live[dst[r]]++;
+    kept[r] = dst[r] < R && rank < cap;
+  }
+  std::fill(p.column_counts, p.column_counts + p.num_columns, 0);
+  for (int64_t r = 0; r < n; ++r)
+    if (dst[r] < R) p.column_counts[p.indices[r]]++;
+  // (2) positions by (local expert, route) within each destination
+  std::fill(p.send_counts, p.send_counts + R * Lc, 0);
+  for (int64_t r = 0; r < n; ++r)
+    if (kept[r]) p.send_counts[dst[r] * Lc + local[r]]++;
+  std::vector<int64_t> next(R * Lc);
+  for (int64_t d = 0; d < R; ++d) {
+    int64_t run = 0;
+    for (int64_t l = 0; l < Lc; ++l) {
+      next[d * Lc + l] = run;
+      run += p.send_counts[d * Lc + l];
+    }
+  }
+  std::fill(p.route_of_slot, p.route_of_slot + N, n);
+  for (int64_t r = 0; r < n; ++r) {
+    if (!kept[r]) {
+      p.route_slot[r] = N;
+      continue;
+    }
+    const int64_t s = send_slot(dst[r], next[dst[r] * Lc + local[r]]++, cap);
+    p.route_slot[r] = s;
+    p.route_of_slot[s] = r;
+  }
+  int64_t dropped = 0, max_live = 0;
+  for (int64_t d = 0; d < R; ++d) {
+    dropped += over_capacity(live[d], cap);
+    max_live = std::max(max_live, live[d]);
+  }
+  fold_statistics(p, dropped, max_live);
+  return e;
+}
+
+LayoutError receive_layout_host(const ReceiveProblem& p) {
+  const int64_t R = p.num_ranks, Lc = p.num_local, cap = p.capacity, N = R * cap;
+  std::vector<int64_t> cnt(R * Lc), row_start(R * Lc);
+  for (int64_t s = 0; s < R; ++s) {
+    int64_t used = 0;
+    for (int64_t l = 0; l < Lc; ++l) {
+      int err = LayoutError::kNone;
+      const int64_t v = p.recv_counts[s * Lc + l];
+      cnt[s * Lc + l] = usable_count(v, used, cap, &err);
+      if (err != LayoutError::kNone) return {static_cast<LayoutError::Kind>(err), s * Lc + l, v};
+      row_start[s * Lc + l] = used;
+      used += cnt[s * Lc + l];
+    }
+  }
+  // expert rows: local expert, then source rank
+  std::fill(p.expert_row_source, p.expert_row_source + N, N);
+  std::fill(p.recv_row_target, p.recv_row_target + N, N);
+  int64_t row = 0;
+  for (int64_t l = 0; l < Lc; ++l) {
+    const int64_t first = row;
+    for (int64_t s = 0; s < R; ++s) {
+      for (int64_t j = 0; j < cnt[s * Lc + l]; ++j, ++row) {
+        const int64_t recv = s * cap + row_start[s * Lc + l] + j;
+        p.expert_row_source[row] = recv;
+        p.recv_row_target[recv] = row;
+      }
+    }
+    p.m_splits[l] = row - first;
+  }
+  return {};
+}
+
+}  // namespace dispatch
+}  // namespace moe_graph

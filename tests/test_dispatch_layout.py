@@ -1,0 +1,257 @@
+"""The dispatcher's layout ops against a plain-Python reference (loops over routes): kept routes under both drop
+policies, send slots by (destination, local expert, route), counts, counters; the receive order of a simulated
+multi-rank exchange; errors naming the argument; fake tensors and opcheck. CUDA vs CPU where a GPU exists."""
+
+import pytest
+import torch
+
+from conftest import requires_cuda
+from moe_graph.moe.token_dispatcher import expert_columns
+from moe_graph.ops.dispatch_layout import dispatch_layout, receive_layout
+from moe_graph.testing.moe_reference import kept_routes
+
+
+def reference_layout(indices, valid, col_rank, col_local, R, Lc, cap, probs=None):
+    """Plain loops: (route_slot, route_of_slot, send_counts, column_counts, dropped, max_live)."""
+    T, K = indices.shape
+    n, N = T * K, R * cap
+    idx = [int(v) for v in indices.reshape(-1)]
+    ok = [True] * n if valid is None else [bool(v) for v in valid.reshape(-1)]
+    order = list(range(n))
+    if probs is not None:
+        pf = [float(v) for v in probs.reshape(-1)]
+        order.sort(key=lambda r: -pf[r])  # stable: ties in route order
+    live = [0] * R
+    kept = set()
+    for r in order:
+        if not ok[r]:
+            continue
+        d = int(col_rank[idx[r]])
+        if live[d] < cap:
+            kept.add(r)
+        live[d] += 1
+    route_slot, route_of_slot = [N] * n, [n] * N
+    send_counts = [[0] * Lc for _ in range(R)]
+    for d in range(R):
+        mine = sorted((int(col_local[idx[r]]), r) for r in kept if int(col_rank[idx[r]]) == d)
+        for p, (l, r) in enumerate(mine):
+            route_slot[r] = d * cap + p
+            route_of_slot[d * cap + p] = r
+            send_counts[d][l] += 1
+    column_counts = [0] * len(col_rank)
+    for r in range(n):
+        if ok[r]:
+            column_counts[idx[r]] += 1
+    dropped = sum(max(v - cap, 0) for v in live)
+    return route_slot, route_of_slot, send_counts, column_counts, dropped, max(live) if live else 0
+
+
+def _order(probs):
+    return torch.argsort(probs.reshape(-1), descending=True, stable=True)
+
+
+def _routing(T, C, K, g, p_invalid=0.0, skew=None):
+    if skew is None:
+        idx = torch.stack([torch.randperm(C, generator=g)[:K] for _ in range(T)]) if T else torch.zeros(0, K)
+    else:  # every route to the first `skew` columns
+        idx = torch.stack([torch.randperm(skew, generator=g)[:K] for _ in range(T)])
+    idx = idx.to(torch.int64)
+    valid = torch.rand(T, K, generator=g) >= p_invalid
+    probs = torch.rand(T, K, generator=g)
+    return idx, valid, probs
+
+
+def _check(idx, valid, cr, cl, R, Lc, cap, probs=None):
+    counters = (torch.zeros((), dtype=torch.int64), torch.zeros((), dtype=torch.int64),
+                torch.zeros((), dtype=torch.float64))
+    out = dispatch_layout(idx, cr, cl, R, Lc, cap, valid=valid, route_order=None if probs is None else _order(probs),
+                          counters=counters)
+    rs, ros, sc, cc, dropped, max_live = reference_layout(idx, valid, cr, cl, R, Lc, cap, probs)
+    assert out.route_slot.tolist() == rs
+    assert out.route_of_slot.tolist() == ros
+    assert out.send_counts.tolist() == sc
+    assert out.column_counts.tolist() == cc
+    assert int(out.dropped) == dropped
+    assert int(counters[0]) == int(counters[1]) == dropped
+    n = idx.numel()
+    assert float(counters[2]) == (max_live * R / n if n else 0.0)
+    if n:  # the kept routes are the ones the MoE reference keeps
+        keep = kept_routes(idx, cr, cap, valid=valid, probs=probs)
+        assert (out.route_slot.view_as(idx) < R * cap).tolist() == keep.tolist()
+    return out
+
+
+@pytest.mark.parametrize("policy", ["position", "probs"])
+@pytest.mark.parametrize("R,E,k", [(1, 8, 0), (2, 8, 0), (4, 8, 1), (3, 6, 2)])
+def test_layout_matches_reference(gen, policy, R, E, k):
+    cr, cl = expert_columns(E, R, k)
+    Lc, C = E // R + k, E + R * k
+    for T, K, cf, p_invalid in [(40, 2, 1.0, 0.0), (33, 3, 0.6, 0.2), (25, 4, 2.0, 0.5), (17, 1, 0.3, 0.0)]:
+        idx, valid, probs = _routing(T, C, K, gen, p_invalid)
+        cap = max(1, int(cf * T * K / R))
+        _check(idx, valid, cr, cl, R, Lc, cap, probs if policy == "probs" else None)
+        _check(idx, None, cr, cl, R, Lc, T * K, probs if policy == "probs" else None)  # dropless
+
+
+def test_one_expert_takes_everything_and_zero_token_experts(gen):
+    R, E = 2, 8
+    cr, cl = expert_columns(E, R)
+    T = 30
+    idx = torch.full((T, 1), 5, dtype=torch.int64)  # all on rank 1, local expert 1
+    out = _check(idx, None, cr, cl, R, E // R, 10)
+    assert out.send_counts.tolist() == [[0, 0, 0, 0], [0, 10, 0, 0]]
+    assert out.column_counts.tolist() == [0] * 5 + [30, 0, 0]
+    assert out.route_of_slot[:10].tolist() == [T] * 10  # rank 0's block is empty
+    assert out.route_of_slot[10:].tolist() == list(range(10))  # the first ten routes, in order
+    idx, valid, probs = _routing(T, E, 2, gen, skew=3)  # experts 3..7 get nothing
+    out = _check(idx, valid, cr, cl, R, E // R, 12, probs)
+    assert out.send_counts[:, 3].tolist() == [0, 0] and out.send_counts[1].tolist() == [0] * 4
+
+
+def test_docstring_example_and_r1_send_buffer_is_the_expert_input(gen):
+    out = dispatch_layout(torch.tensor([[2, 0], [0, 1]]), torch.zeros(3, dtype=torch.int64), torch.arange(3), 1, 3, 4)
+    assert out.route_slot.tolist() == [3, 0, 1, 2] and out.route_of_slot.tolist() == [1, 2, 3, 0]
+    assert out.send_counts.tolist() == [[2, 1, 1]]
+    # R = 1: slot order is expert order, then token order; padding after the real rows
+    T, E, K = 23, 5, 2
+    idx, valid, _ = _routing(T, E, K, gen, 0.3)
+    out = dispatch_layout(idx, torch.zeros(E, dtype=torch.int64), torch.arange(E), 1, E, T * K, valid=valid)
+    expected = [t * K + j for e in range(E) for t in range(T) for j in range(K) if valid[t, j] and idx[t, j] == e]
+    n = len(expected)
+    assert out.route_of_slot[:n].tolist() == expected and out.route_of_slot[n:].tolist() == [T * K] * (T * K - n)
+    assert out.send_counts[0].tolist() == [int(((idx == e) & valid).sum()) for e in range(E)]
+
+
+def test_empty_and_int32_and_no_counters(gen):
+    cr, cl = expert_columns(4, 2)
+    out = dispatch_layout(torch.zeros(0, 2, dtype=torch.int64), cr, cl, 2, 2, 3)
+    assert out.route_slot.shape == (0,) and out.route_of_slot.tolist() == [0] * 6
+    assert out.send_counts.tolist() == [[0, 0], [0, 0]] and int(out.dropped) == 0
+    idx, valid, _ = _routing(9, 4, 2, gen)
+    a = dispatch_layout(idx.to(torch.int32), cr, cl, 2, 2, 5, valid=valid)
+    b = dispatch_layout(idx, cr, cl, 2, 2, 5, valid=valid)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    # counters: cumulative drops add up, the load ratio keeps the step's largest
+    c = (torch.zeros((), dtype=torch.int64), torch.zeros((), dtype=torch.int64), torch.zeros((), dtype=torch.float64))
+    dispatch_layout(idx, cr, cl, 2, 2, 5, counters=c)
+    first = (int(c[0]), float(c[2]))
+    dispatch_layout(idx[:, :1], cr, cl, 2, 2, 100, counters=c)  # no drops, another ratio
+    assert int(c[0]) == int(c[1]) == first[0] > 0
+    assert float(c[2]) == max(first[1], float(torch.bincount(cr[idx[:, 0]], minlength=2).max()) * 2 / 9)
+
+
+def test_invalid_routes_ignore_their_index():
+    cr, cl = expert_columns(4, 1)
+    idx = torch.tensor([[0, -1], [99, 3]])
+    valid = torch.tensor([[True, False], [False, True]])
+    out = dispatch_layout(idx, cr, cl, 1, 4, 4, valid=valid)
+    assert out.route_slot.tolist() == [0, 4, 4, 1] and out.column_counts.tolist() == [1, 0, 0, 1]
+
+
+def test_receive_layout_of_a_simulated_exchange(gen):
+    # R ranks each lay out their routes; rank `me` receives block s = rank s's slots for `me`; the expert input must
+    # be its rows grouped by local expert, then source rank, then the sender's order.
+    for R, E, k, T, K, cf in [(2, 8, 0, 20, 2, 1.0), (4, 8, 1, 15, 3, 0.7), (3, 3, 0, 10, 2, 3.0)]:
+        cr, cl = expert_columns(E, R, k)
+        Lc = E // R + k
+        cap = max(1, int(cf * T * K / R))
+        lays, idxs = [], []
+        for s in range(R):
+            idx, valid, probs = _routing(T, E + R * k, K, gen, 0.1)
+            lays.append(dispatch_layout(idx, cr, cl, R, Lc, cap, valid=valid))
+            idxs.append(idx)
+        for me in range(R):
+            recv_counts = torch.stack([lays[s].send_counts[me] for s in range(R)])
+            # payload: (source, route, local expert) per receive row
+            recv = [(s, int(r), int(cl[idxs[s].reshape(-1)[r]]) if r < T * K else None)
+                    for s in range(R) for r in lays[s].route_of_slot[me * cap:(me + 1) * cap]]
+            src, tgt, m_splits = receive_layout(recv_counts, cap)
+            N = R * cap
+            got = [recv[i] if i < N else None for i in src.tolist()]
+            real = sorted([x for x in recv if x[2] is not None], key=lambda x: (x[2], x[0]))  # stable: sender order
+            assert got == real + [None] * (N - len(real))
+            assert m_splits.tolist() == [sum(1 for x in real if x[2] == l) for l in range(Lc)]
+            for i, t in enumerate(tgt.tolist()):  # the inverse; empty receive rows map to N
+                assert (t == N) == (recv[i][2] is None)
+                if t < N:
+                    assert src[t] == i
+
+
+def test_errors_name_the_argument():
+    cr, cl = expert_columns(4, 2)
+    idx = torch.zeros(3, 2, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match=r"indices must be in \[0, 4\).*indices\[1, 0\] = 7"):
+        dispatch_layout(torch.tensor([[0, 1], [7, 0]]), cr, cl, 2, 2, 4)
+    with pytest.raises(RuntimeError, match=r"indices must be a 2-D tensor"):
+        dispatch_layout(idx.view(-1), cr, cl, 2, 2, 4)
+    with pytest.raises(RuntimeError, match=r"indices must have dtype"):
+        dispatch_layout(idx.float(), cr, cl, 2, 2, 4)
+    with pytest.raises(RuntimeError, match=r"valid must have shape"):
+        dispatch_layout(idx, cr, cl, 2, 2, 4, valid=torch.ones(3, dtype=torch.bool))
+    with pytest.raises(RuntimeError, match=r"column_rank values must be in \[0, num_ep_ranks=2\); column_rank\[3\] = 2"):
+        dispatch_layout(idx, torch.tensor([0, 0, 1, 2]), cl, 2, 2, 4)
+    with pytest.raises(RuntimeError, match=r"column_local values must be in \[0, num_local_columns=2\)"):
+        dispatch_layout(idx, cr, torch.tensor([0, 1, 0, 5]), 2, 2, 4)
+    with pytest.raises(RuntimeError, match=r"column_local must have shape"):
+        dispatch_layout(idx, cr, cl[:3], 2, 2, 4)
+    with pytest.raises(RuntimeError, match=r"route_order must be a permutation.*route 1 appears again"):
+        dispatch_layout(idx, cr, cl, 2, 2, 4, route_order=torch.tensor([0, 1, 2, 3, 4, 1]))
+    with pytest.raises(RuntimeError, match=r"route_order must be a permutation.*route_order\[0\] = 6"):
+        dispatch_layout(idx, cr, cl, 2, 2, 4, route_order=torch.tensor([6, 1, 2, 3, 4, 5]))
+    with pytest.raises(RuntimeError, match=r"capacity must be >= 1, got 0"):
+        dispatch_layout(idx, cr, cl, 2, 2, 0)
+    with pytest.raises(RuntimeError, match=r"step_max_load_ratio must have dtype Double"):
+        dispatch_layout(idx, cr, cl, 2, 2, 4, counters=(torch.zeros((), dtype=torch.int64),) * 3)
+    with pytest.raises(RuntimeError, match=r"step_max_load_ratio requires grad"):
+        dispatch_layout(idx, cr, cl, 2, 2, 4, counters=(torch.zeros((), dtype=torch.int64),) * 2 +
+                        (torch.zeros((), dtype=torch.float64, requires_grad=True),))
+    with pytest.raises(RuntimeError, match=r"recv_counts must be >= 0; recv_counts\[1, 0\] = -1"):
+        receive_layout(torch.tensor([[1, 1], [-1, 0]]), 3)
+    with pytest.raises(RuntimeError, match=r"recv_counts must sum to at most capacity=3; recv_counts\[0, 1\] = 3"):
+        receive_layout(torch.tensor([[1, 3], [0, 0]]), 3)
+    with pytest.raises(RuntimeError, match=r"recv_counts must have dtype Long"):
+        receive_layout(torch.tensor([[1.0, 1.0]]), 3)
+
+
+def test_fake_tensors_and_opcheck(gen):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    cr, cl = expert_columns(6, 2, 1)
+    idx, valid, probs = _routing(7, 8, 2, gen, 0.2)
+    c = (torch.zeros((), dtype=torch.int64), torch.zeros((), dtype=torch.int64), torch.zeros((), dtype=torch.float64))
+    torch.library.opcheck(torch.ops.moe_graph.dispatch_layout.default,
+                          (idx, valid, cr, cl, _order(probs), 2, 4, 5, *c))
+    torch.library.opcheck(torch.ops.moe_graph.dispatch_layout.default, (idx, None, cr, cl, None, 2, 4, 5))
+    torch.library.opcheck(torch.ops.moe_graph.receive_layout.default, (torch.tensor([[1, 2, 0, 1], [0, 0, 3, 0]]), 5))
+    with FakeTensorMode() as mode:
+        out = dispatch_layout(mode.from_tensor(idx), mode.from_tensor(cr), mode.from_tensor(cl), 2, 4, 5)
+        src, tgt, ms = receive_layout(mode.from_tensor(torch.zeros(2, 4, dtype=torch.int64)), 5)
+    assert [tuple(t.shape) for t in out] == [(14,), (10,), (2, 4), (8,), ()]
+    assert [tuple(t.shape) for t in (src, tgt, ms)] == [(10,), (10,), (4,)]
+
+
+@requires_cuda
+def test_cuda_matches_cpu_without_sync(gen):
+    from moe_graph.ops import check_errors
+
+    for R, E, k, T, K, cf in [(1, 8, 0, 1000, 2, 1.0), (4, 64, 2, 3000, 8, 0.8), (8, 128, 0, 517, 8, 1.3)]:
+        cr, cl = expert_columns(E, R, k)
+        Lc = E // R + k
+        cap = max(1, int(cf * T * K / R))
+        idx, valid, probs = _routing(T, E + R * k, K, gen, 0.1)
+        ref = dispatch_layout(idx, cr, cl, R, Lc, cap, valid=valid, route_order=_order(probs))
+        dev = [t.cuda() for t in (idx, valid, cr, cl, _order(probs))]
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = dispatch_layout(dev[0], dev[2], dev[3], R, Lc, cap, valid=dev[1], route_order=dev[4])
+            got = receive_layout(out.send_counts, cap)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert all(torch.equal(a.cpu(), b) for a, b in zip(out, ref))
+        assert all(torch.equal(a.cpu(), b) for a, b in zip(got, receive_layout(ref.send_counts, cap)))
+    check_errors()
+    bad = dispatch_layout(torch.tensor([[0, 10**6]], device="cuda"), cr.cuda(), cl.cuda(), R, Lc, 4)
+    assert bad.route_slot.tolist() == [0, R * 4]  # the bad route is not live; the flag says why
+    with pytest.raises(RuntimeError, match="out of range|outside"):
+        check_errors()
