@@ -11,7 +11,6 @@ from moe_graph.moe.token_dispatcher import (
     TokenDispatcher,
     capacity_for,
     expert_columns,
-    gather_rows,
     topk_from_routing_map,
 )
 from moe_graph.ops import check_errors, read_error_flag
@@ -153,14 +152,6 @@ def test_errors_name_arguments():
         TokenDispatcher(2, 1, 0, torch.zeros(2, dtype=torch.long), torch.arange(2), capacity=0)
 
 
-def test_gather_rows_sentinel():
-    src = torch.arange(6.0).view(3, 2).requires_grad_()
-    out = gather_rows(src, torch.tensor([2, 3, 0]), torch.tensor([2, 3, 0]), 1)
-    assert out.tolist() == [[4, 5], [0, 0], [0, 1]]
-    out.sum().backward()
-    assert src.grad.tolist() == [[1, 1], [0, 0], [1, 1]]
-
-
 @pytest.mark.parametrize("world", [2, 4])
 def test_multiprocess_matches_one_process(world):
     res = run_distributed(dispatcher_worker, world, 7)
@@ -203,10 +194,10 @@ def test_constant_tables_are_built_at_construction_on_the_device(gen):
     cr, cl = expert_columns(E, 2, 1)
     d = TokenDispatcher(E // 2 + 1, 2, 0, cr, cl, capacity=5, backend=_Loopback(), device="meta")
     names = {n for n, _ in d.named_buffers()}
-    assert {"column_rank_ext", "column_local_ext", "dropped_routes"} <= names
+    assert {"column_rank", "column_local", "dropped_routes", "step_dropped_routes", "step_max_load_ratio"} <= names
     assert all(b.device.type == "meta" for b in d.buffers())
     assert d.state_dict() == {}  # tables and statistics are not checkpoint state
-    tables = [d.column_rank_ext, d.column_local_ext, d.dropped_routes]
+    tables = [d.column_rank, d.column_local, d.dropped_routes]
     idx, probs = _routing(T, E + 2, K, gen)
     x, idx_m, probs_m = torch.randn(T, H, device="meta"), idx.to("meta"), probs.to("meta")
     with HostInputs() as mode:
@@ -214,13 +205,12 @@ def test_constant_tables_are_built_at_construction_on_the_device(gen):
         d.combine(ein, h)
     assert mode.seen == [], f"dispatch touched host tensors / copied to the device: {mode.seen}"
     assert ein.device.type == "meta" and ms.shape == (E // 2 + 1,)
-    assert all(a is b for a, b in zip(tables, [d.column_rank_ext, d.column_local_ext, d.dropped_routes]))
+    assert all(a is b for a, b in zip(tables, [d.column_rank, d.column_local, d.dropped_routes]))
     # a dispatcher built for one device refuses tokens on another (naming both), and follows .to()
     with pytest.raises(ValueError, match="hidden is on cpu but the dispatcher's tables were built on meta"):
         d.dispatch(torch.zeros(T, H), idx, probs)
     c = TokenDispatcher(E // 2 + 1, 2, 0, cr, cl, capacity=5, backend=_Loopback())  # default: the columns' device
-    assert c.column_rank_ext.tolist() == cr.tolist() + [2]  # the sentinel column: rank R, local index L + k
-    assert c.column_local_ext.tolist() == cl.tolist() + [E // 2 + 1]
+    assert c.column_rank.tolist() == cr.tolist() and c.column_local.tolist() == cl.tolist()
     assert all(b.device.type == "meta" for b in c.to("meta").buffers())
 
 

@@ -1,23 +1,28 @@
-"""Static-capacity token dispatcher: permute tokens by (EP rank, local expert), exchange them with a fixed-split
-all-to-all, hand the grouped GEMM its rows with per-local-expert ``m_splits`` on the device, and combine the
-expert outputs back (unpermute + weighted sum by the routing probabilities).
+"""Static-capacity token dispatcher: lay the routes out by (EP rank, local expert), exchange them with a fixed-split
+all-to-all, hand the grouped GEMM its rows with per-local-expert ``m_splits`` on the device, and combine the expert
+outputs back (a weighted or plain sum of each token's routes).
 
 Every buffer has a static size, so :meth:`TokenDispatcher.dispatch` / :meth:`TokenDispatcher.combine` and their
-backward passes are capturable in a CUDA graph and never synchronize with the host: the permutation is built from
-a stable ``argsort``, ``cumsum``, one-hot ``scatter_add_`` counts and gathers (no ``nonzero``, no boolean
-indexing, no ``.item()``), and the all-to-all always moves ``capacity`` rows per (source, destination) pair.
+backward passes are capturable in a CUDA graph and never synchronize with the host: the index bookkeeping is one
+native op (:func:`moe_graph.ops.dispatch_layout.dispatch_layout`, plus :func:`~moe_graph.ops.dispatch_layout.receive_layout`
+at EP > 1), the rows move with the native row ops :func:`moe_graph.ops.permute.expand_rows` /
+:func:`~moe_graph.ops.permute.reduce_rows` (zero rows for the sentinels, gather-only backward, no atomics), and the
+all-to-all always moves ``capacity`` rows per (source, destination) pair.
 
 Layout. ``R`` EP ranks, ``T`` local tokens with ``K`` routes each (``indices [T, K]`` into ``C`` routing
 *columns*: the ``E`` home experts and, with echo, the ``S = R * k`` spare slots). Column ``c`` lives on rank
 ``column_rank[c]`` as local expert ``column_local[c]`` of ``num_local_columns = L + k`` (``L = E // R`` home experts
 first, then the ``k`` spare slots; :func:`expert_columns` builds this map). Each rank sends at most ``capacity``
-routes to each rank (the send buffer is ``[R, capacity, H]``) and receives ``R * capacity`` rows.
+routes to each rank (the send buffer is ``[R, capacity, H]``, each destination's block grouped by local expert, then
+token order, padding rows last) and receives ``R * capacity`` rows. At ``R = 1`` the send buffer is the expert input;
+at ``R > 1`` the receiver exchanges the ``[R, num_local_columns]`` counts too and regroups its rows by local expert,
+then source rank.
 
 Drops. When more than ``capacity`` routes go to one rank, the ones past the capacity are dropped (they contribute
 zero to the output, with zero gradient), deterministically: with ``drop_policy="position"`` the routes to one
-destination keep the order (token, then column) and the last ones are dropped; with ``"probs"`` (Megatron's
-default policy) they are ranked by routing probability, highest first (ties: token, then column), and the least
-probable ones are dropped.
+destination keep the order (token, then k) and the last ones are dropped; with ``"probs"`` (Megatron's default
+policy) they are ranked by routing probability, highest first (ties: token, then k), and the least probable ones are
+dropped.
 Drops are a statistic of normal training with a capacity factor, not an error: every drop is counted on the device
 (:attr:`TokenDispatcher.dropped_routes`, cumulative int64; ``handle.dropped`` for one call) and never sets the device
 error flag, so ``moe_graph.check_errors()`` does not raise on them. Nothing syncs until asked:
@@ -31,9 +36,11 @@ sends one rank, over the mean ``T * K / R``: the capacity factor at which nothin
 :meth:`TokenDispatcher.reset_step_counters` zeroes both (device ops). They are what the dropless mode with a static
 capacity (``overflow="rerun"``, :data:`OVERFLOW_MODES`; :func:`moe_graph.train.step.train_step`) reads: a
 nonzero step count skips the optimizer update on every rank, and the rerun uses the ratio as its capacity factor.
+The layout op updates all three counters in place (not while a backward recomputes the forward:
+:func:`counting_enabled`).
 
-Constant tables (the column map with its sentinel, the drop counter) are built on ``device`` at construction, so
-the first :meth:`TokenDispatcher.dispatch` makes no host-to-device copy (it may run under
+Constant tables (the column map, the counters) are built on ``device`` at construction, so the first
+:meth:`TokenDispatcher.dispatch` makes no host-to-device copy (it may run under
 ``torch.cuda.set_sync_debug_mode("error")`` or inside a capture); the dispatcher is an ``nn.Module`` whose
 (non-persistent) buffers follow ``.to(device)`` of the model that owns it.
 
@@ -42,7 +49,9 @@ Example (one process, 4 experts, top-2)::
     d = TokenDispatcher(num_local_columns=4, num_ep_ranks=1, ep_rank=0, column_rank=torch.zeros(4, dtype=torch.long),
                         column_local=torch.arange(4), capacity=None)
     expert_in, m_splits, h = d.dispatch(x, indices, probs)      # rows grouped by expert, m_splits on device
-    y = d.combine(grouped_mlp(expert_in, m_splits), h)          # [T, H]
+    y = d.combine(grouped_mlp(expert_in, m_splits), h)          # [T, H]: sum_k probs[t, k] * expert output
+    # or, the probabilities applied inside the experts (e.g. before the second GEMM):
+    y = d.combine(grouped_mlp(expert_in, m_splits, row_scale=d.row_weights(h)), h, weighted=False)
 """
 
 from __future__ import annotations
@@ -56,6 +65,8 @@ import torch.distributed as dist
 from torch import nn
 
 from moe_graph.moe.echo import default_backend
+from moe_graph.ops.dispatch_layout import dispatch_layout, receive_layout
+from moe_graph.ops.permute import expand_rows, reduce_rows
 
 __all__ = [
     "TokenDispatcher",
@@ -63,7 +74,6 @@ __all__ = [
     "expert_columns",
     "capacity_for",
     "topk_from_routing_map",
-    "gather_rows",
     "counting_enabled",
     "DROP_POLICIES",
     "OVERFLOW_MODES",
@@ -137,34 +147,6 @@ def topk_from_routing_map(routing_map: torch.Tensor, probs: torch.Tensor, topk: 
 
 
 # ------------------------------------------------------------------------------------------------ autograd --
-class _GatherRows(torch.autograd.Function):
-    """``out[i] = src[idx[i]]`` (``idx == len(src)``: a zero row). Backward is a gather too (deterministic, no
-    atomics): ``grad_src[j] = sum_f grad_out[inv[j * fold + f]]`` (``inv == len(out)``: zero)."""
-
-    @staticmethod
-    def forward(ctx, src, idx, inv, fold):
-        ctx.save_for_backward(inv)
-        ctx.fold = fold
-        ctx.n_src = src.shape[0]
-        ext = torch.cat([src, src.new_zeros((1,) + tuple(src.shape[1:]))])
-        return ext.index_select(0, idx)
-
-    @staticmethod
-    def backward(ctx, g):
-        (inv,) = ctx.saved_tensors
-        g = g.contiguous()
-        ext = torch.cat([g, g.new_zeros((1,) + tuple(g.shape[1:]))])
-        out = ext.index_select(0, inv)
-        if ctx.fold > 1:
-            out = out.view((ctx.n_src, ctx.fold) + tuple(g.shape[1:])).sum(1)
-        return out, None, None, None
-
-
-def gather_rows(src: torch.Tensor, idx: torch.Tensor, inv: torch.Tensor, fold: int = 1) -> torch.Tensor:
-    """Row gather with a zero sentinel row and a gather-only backward (see :class:`_GatherRows`)."""
-    return _GatherRows.apply(src, idx, inv, fold)
-
-
 class _Exchange(torch.autograd.Function):
     """Fixed-split all-to-all of ``[R, ...]`` blocks; backward sends the gradients back the same way."""
 
@@ -186,17 +168,25 @@ class _IdentityBackend:
 # -------------------------------------------------------------------------------------------------- handle --
 @dataclass
 class DispatchHandle:
-    """What :meth:`TokenDispatcher.combine` needs from :meth:`TokenDispatcher.dispatch` (all device tensors)."""
+    """What :meth:`TokenDispatcher.combine` / :meth:`TokenDispatcher.row_weights` need from
+    :meth:`TokenDispatcher.dispatch` (all device tensors)."""
 
     route_slot: torch.Tensor  # [T*K] send slot of each route (N = R*capacity: dropped or invalid)
     route_of_slot: torch.Tensor  # [N] route in each send slot (T*K: empty)
-    order: torch.Tensor  # [N] received rows sorted by local expert (stable)
-    inv_order: torch.Tensor  # [N] inverse permutation
-    probs: torch.Tensor  # [T, K] routing weights (zero for invalid routes)
+    expert_row_source: Optional[torch.Tensor]  # [N] received row of each expert-input row (N: padding); R > 1 only
+    recv_row_target: Optional[torch.Tensor]  # [N] expert-input row of each received row (N: empty); R > 1 only
+    probs: torch.Tensor  # [T, K] routing weights (invalid and dropped routes are never read)
     num_tokens: int
     topk: int
+    capacity: int
     dropped: torch.Tensor  # 0-dim int64: routes dropped by this call (over capacity)
-    recv_counts: torch.Tensor  # [num_local_columns] int64: rows received per local expert (== m_splits)
+    m_splits: torch.Tensor  # [num_local_columns] int64: expert-input rows per local expert
+    column_counts: torch.Tensor  # [C] int64: valid routes per routing column (before drops)
+
+    @property
+    def route_rows(self) -> torch.Tensor:
+        """``[T, K]``: the send slot of each route (the inverse of :attr:`route_of_slot`)."""
+        return self.route_slot.view(self.num_tokens, self.topk)
 
 
 # ---------------------------------------------------------------------------------------------- dispatcher --
@@ -264,13 +254,9 @@ class TokenDispatcher(nn.Module):
         self.group = group
         self._num_columns = cr.numel()
         device = torch.device(device) if device is not None else column_rank.device
-        # every constant table is built here, on the device (never lazily with a blocking copy in dispatch):
-        # the column map with a sentinel column C (destination R: nowhere; local index num_local_columns: sorts last)
-        self.register_buffer("column_rank_ext",
-                             torch.cat([cr.to(torch.int64), torch.tensor([num_ep_ranks])]).to(device), persistent=False)
-        self.register_buffer("column_local_ext",
-                             torch.cat([cl.to(torch.int64), torch.tensor([num_local_columns])]).to(device),
-                             persistent=False)
+        # every constant table is built here, on the device (never lazily with a blocking copy in dispatch)
+        self.register_buffer("column_rank", cr.to(torch.int64).to(device), persistent=False)
+        self.register_buffer("column_local", cl.to(torch.int64).to(device), persistent=False)
         # cumulative routes dropped over the capacity (a statistic, written in place: its identity never changes)
         self.register_buffer("dropped_routes", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
         # this step's drops and largest load ratio (see the module docstring), zeroed by reset_step_counters()
@@ -364,83 +350,66 @@ class TokenDispatcher(nn.Module):
                 f"TokenDispatcher.dispatch: hidden is on {dev} but the dispatcher's tables were built on {self.device} "
                 f"(at construction: device=...); move the dispatcher (or the model owning it) with .to({str(dev)!r})"
             )
-        R, TK = self.num_ep_ranks, T * K
+        R, TK, Lc = self.num_ep_ranks, T * K, self.num_local_columns
         cap = self.capacity if self.capacity is not None else max(TK, 1)
-        N = R * cap
-        col_rank, col_local = self.column_rank_ext, self.column_local_ext
-        C = self.num_columns
-
-        idx = indices.reshape(-1).to(torch.int64)
-        ok = (idx >= 0) & (idx < C)
-        if valid is not None:
-            ok = ok & valid.reshape(-1).to(torch.bool)
-        col = torch.where(ok, idx, C)
-        dst = col_rank.index_select(0, col)  # [TK] in [0, R]
-        lid = col_local.index_select(0, col)  # [TK] in [0, num_local_columns]
-
-        if self.drop_policy == "probs":  # route order: destination, then probability (descending), then (token, k)
-            by_prob = torch.argsort(probs.reshape(-1).detach(), descending=True, stable=True)
-            order = by_prob.index_select(0, torch.argsort(dst.index_select(0, by_prob), stable=True))
-        else:  # route order: destination, then (token, k)
-            order = torch.argsort(dst, stable=True)
-        cnt = torch.zeros(R + 1, dtype=torch.int64, device=dev).scatter_add_(0, dst, torch.ones_like(dst))
-        start = torch.cumsum(cnt, 0) - cnt
-        ar = torch.arange(TK, device=dev)
-        key_sorted = dst.index_select(0, order)
-        pos = ar - start.index_select(0, key_sorted)
-        keep = (key_sorted < R) & (pos < cap)
-        slot_sorted = torch.where(keep, key_sorted * cap + pos, N)
-        route_slot = torch.empty_like(slot_sorted).scatter_(0, order, slot_sorted)  # a permutation: deterministic
-
-        s = torch.arange(N, device=dev)
-        d, p = s // cap, s % cap
-        has = p < cnt.index_select(0, d)
-        src_pos = (start.index_select(0, d) + p).clamp(max=max(TK - 1, 0))
-        route_of_slot = torch.where(has, order.index_select(0, src_pos) if TK else src_pos, TK)
-        token_of_slot = torch.where(has, route_of_slot // K, T)
-        lid_ext = torch.cat([lid, lid.new_full((1,), self.num_local_columns)])
-        lid_of_slot = torch.where(has, lid_ext.index_select(0, route_of_slot), self.num_local_columns)
-        dropped = (cnt[:R] - cap).clamp(min=0).sum()
+        if valid is not None and valid.dtype != torch.bool:
+            valid = valid.to(torch.bool)
+        # drop order: route order ("position") or probability, highest first, ties in route order ("probs")
+        order = None
+        if self.drop_policy == "probs":
+            order = torch.argsort(probs.detach().reshape(-1), descending=True, stable=True)
+        counters = None
         if counting_enabled():  # not again when activation recomputation re-runs this forward
-            self.dropped_routes.add_(dropped)  # a statistic, not an error: the device error flag is left alone
-            self.step_dropped_routes.add_(dropped)
-            if TK:
-                ratio = cnt[:R].max().to(torch.float64) * (R / TK)
-                self.step_max_load_ratio.copy_(torch.maximum(self.step_max_load_ratio, ratio))
-
-        send = gather_rows(hidden, token_of_slot, route_slot, K)  # [N, H]
+            counters = (self.dropped_routes, self.step_dropped_routes, self.step_max_load_ratio)
+        lay = dispatch_layout(indices, self.column_rank, self.column_local, R, Lc, cap, valid=valid, route_order=order,
+                              counters=counters)
         if R > 1:
-            recv = _Exchange.apply(self.backend, send.view(R, cap, H)).reshape(N, H)
-            recv_lid = self.backend.exchange(lid_of_slot.view(R, cap).contiguous()).reshape(N)
-        else:
-            recv, recv_lid = send, lid_of_slot
-        order2 = torch.argsort(recv_lid, stable=True)
-        inv2 = torch.empty_like(order2).scatter_(0, order2, torch.arange(N, device=dev))
-        expert_in = gather_rows(recv, order2, inv2, 1)
-        counts = torch.zeros(self.num_local_columns + 1, dtype=torch.int64, device=dev).scatter_add_(
-            0, recv_lid, torch.ones_like(recv_lid)
-        )[: self.num_local_columns]
-        pw = probs.reshape(-1)
-        pw = torch.where(col < C, pw, torch.zeros((), dtype=pw.dtype, device=dev)).view(T, K)
-        handle = DispatchHandle(route_slot, route_of_slot, order2, inv2, pw, T, K, dropped, counts)
-        return expert_in, counts, handle
+            recv_counts = self.backend.exchange(lay.send_counts)  # row s: what rank s sends this rank
+            source, target, m_splits = receive_layout(recv_counts, cap)
+        else:  # the send buffer is the expert input
+            source, target, m_splits = None, None, lay.send_counts.view(Lc)
+        handle = DispatchHandle(lay.route_slot, lay.route_of_slot, source, target, probs, T, K, cap, lay.dropped,
+                                m_splits, lay.column_counts)
+        send = expand_rows(hidden, lay.route_of_slot, handle.route_rows)  # [N, H] by (destination, local expert)
+        return self._to_expert_order(send, handle), m_splits, handle
+
+    def _to_expert_order(self, send: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        """Send-slot rows ``[N, X]`` to the expert input of their destinations (the exchange and the regrouping by
+        local expert at R > 1; the send buffer itself at R = 1)."""
+        if self.num_ep_ranks == 1:
+            return send
+        R, (N, X) = self.num_ep_ranks, send.shape
+        recv = _Exchange.apply(self.backend, send.view(R, N // R, X)).reshape(N, X)
+        return expand_rows(recv, handle.expert_row_source, handle.recv_row_target.view(N, 1))
+
+    def _to_send_order(self, rows: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        """Expert-input-ordered rows ``[N, X]`` back to this rank's send slots (the reverse exchange at R > 1)."""
+        if self.num_ep_ranks == 1:
+            return rows
+        N, X = rows.shape
+        back = expand_rows(rows, handle.recv_row_target, handle.expert_row_source.view(N, 1))
+        return _Exchange.apply(self.backend, back.view(self.num_ep_ranks, N // self.num_ep_ranks, X)).reshape(N, X)
+
+    def row_weights(self, handle: DispatchHandle) -> torch.Tensor:
+        """``[N]``: the routing probability of each expert-input row (0 for padding rows), differentiable w.r.t. the
+        ``probs`` given to :meth:`dispatch`; for experts that scale their rows themselves (then
+        ``combine(..., weighted=False)``)."""
+        TK, N = handle.num_tokens * handle.topk, handle.route_of_slot.shape[0]
+        w = expand_rows(handle.probs.reshape(TK, 1), handle.route_of_slot, handle.route_slot.view(TK, 1))  # [N, 1]
+        return self._to_expert_order(w, handle).view(N)
 
     # ----------------------------------------------------------------------------------------- combine --
-    def combine(self, expert_output: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-        """Send the expert outputs back and sum each token's routes weighted by their probabilities: ``[T, H]``
-        (dropped routes contribute zero)."""
-        N = handle.order.shape[0]
+    def combine(self, expert_output: torch.Tensor, handle: DispatchHandle, weighted: bool = True) -> torch.Tensor:
+        """Send the expert outputs back and sum each token's routes, weighted by their probabilities (``weighted``)
+        or plainly (``weighted=False``: the probabilities were applied inside the experts, e.g. with
+        :meth:`row_weights`): ``[T, H]`` in ``expert_output``'s dtype, accumulated in fp32 for 16-bit outputs;
+        dropped routes contribute zero."""
+        N = handle.route_of_slot.shape[0]
         if expert_output.dim() != 2 or expert_output.shape[0] != N:
             raise ValueError(f"expert_output must be [{N}, H] (the dispatched rows), got {tuple(expert_output.shape)}")
-        H = expert_output.shape[1]
-        T, K = handle.num_tokens, handle.topk
-        y_recv = gather_rows(expert_output, handle.inv_order, handle.order, 1)
-        if self.num_ep_ranks > 1:
-            R = self.num_ep_ranks
-            y_send = _Exchange.apply(self.backend, y_recv.view(R, N // R, H)).reshape(N, H)
-        else:
-            y_send = y_recv
-        y_route = gather_rows(y_send, handle.route_slot, handle.route_of_slot, 1).view(T, K, H)
-        ct = torch.promote_types(expert_output.dtype, torch.float32)
-        out = (y_route.to(ct) * handle.probs.to(ct).unsqueeze(-1)).sum(1)
-        return out.to(expert_output.dtype)
+        y_send = self._to_send_order(expert_output, handle)
+        w = None
+        if weighted:
+            acc = torch.float64 if expert_output.dtype == torch.float64 else torch.float32
+            w = handle.probs if handle.probs.dtype in (acc, expert_output.dtype) else handle.probs.to(acc)
+        return reduce_rows(y_send, handle.route_rows, handle.route_of_slot, w)
