@@ -16,7 +16,7 @@ enum ErrorCode : int32_t {
   kErrPlanInvalid = 1 << 3,      // other inconsistent plan input (e.g. negative token counts)
   // 1 << 4 is retired (it was "tokens dropped past a static capacity"): drops are statistics of normal training,
   // counted on the device by the dispatcher and read without an error, so check_errors() never raises on them.
-  kErrIndexOutOfRange = 1 << 5,  // a row/route index outside [0, sentinel] (permute ops): read as the sentinel
+  kErrIndexOutOfRange = 1 << 5,  // a row/route/column index out of range (permute, dispatch layout): the sentinel
 };
 
 // Human-readable text for each bit, used by check_errors().
@@ -33,7 +33,8 @@ inline const char* error_text(int32_t bit) {
     case kErrPlanInvalid:
       return "an offloading plan input was inconsistent (negative counts)";
     case kErrIndexOutOfRange:
-      return "expand_rows/reduce_rows: a row or route index was outside [0, sentinel] (read as the sentinel)";
+      return "expand_rows/reduce_rows/dispatch_layout: a row, route or column index was outside its range (read as "
+             "the sentinel: no row, no route)";
     default:
       return "unknown error bit";
   }

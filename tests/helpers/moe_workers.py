@@ -46,14 +46,19 @@ def dispatcher_worker(rank: int, world: int, seed: int) -> Dict:
     valid = torch.rand(T, K, generator=g) > 0.1
     scales = torch.arange(1, E + 1, dtype=torch.float64)  # global expert e scales by e + 1
     out: Dict = {"cases": []}
+    # "_rows": the experts scale their rows by the dispatcher's row_weights and combine sums without weights
     for name, backend, cap in [("a2a", AllToAllBackend(), None), ("allgather", AllGatherBackend(), None),
-                               ("a2a_cap", AllToAllBackend(), 3)]:
+                               ("a2a_cap", AllToAllBackend(), 3), ("a2a_cap_rows", AllToAllBackend(), 3)]:
         cr, cl = expert_columns(E, R)
         d = TokenDispatcher(E // R, R, rank, cr, cl, capacity=cap, backend=backend)
         xd = x.clone().requires_grad_()
         pd = probs.clone().requires_grad_()
         ein, ms, hd = d.dispatch(xd, idx, pd, valid)
-        y = d.combine(scale_experts(ein, ms, scales[rank * (E // R):(rank + 1) * (E // R)]), hd)
+        ye = scale_experts(ein, ms, scales[rank * (E // R):(rank + 1) * (E // R)])
+        if name.endswith("_rows"):
+            y = d.combine(ye * d.row_weights(hd)[:, None], hd, weighted=False)
+        else:
+            y = d.combine(ye, hd)
         (y * torch.arange(H, dtype=torch.float64)).sum().backward()
         # one process, all experts local, same capacity per destination rank
         cr1 = torch.zeros(E, dtype=torch.int64)

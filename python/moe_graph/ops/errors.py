@@ -28,7 +28,8 @@ ERROR_BITS = {
     NEGATIVE_SPLIT: "m_splits contained a negative count (treated as 0)",
     REROUTE_OVER_ASK: "reroute_tokens: the plan asked to move more tokens than are routed locally (clamped)",
     PLAN_INVALID: "an offloading plan input was inconsistent (negative counts)",
-    INDEX_OUT_OF_RANGE: "expand_rows/reduce_rows: a row or route index was outside [0, sentinel] (read as the sentinel)",
+    INDEX_OUT_OF_RANGE: ("expand_rows/reduce_rows/dispatch_layout: a row, route or column index was outside its range "
+                         "(read as the sentinel: no row, no route)"),
 }
 
 
