@@ -7,8 +7,17 @@ import torch
 
 from conftest import requires_cuda
 from moe_graph.moe.token_dispatcher import expert_columns
+import moe_graph.ops.dispatch_layout as DL
 from moe_graph.ops.dispatch_layout import dispatch_layout, receive_layout
 from moe_graph.testing.moe_reference import kept_routes
+
+
+@pytest.fixture(params=["native", "torch"])
+def impl(request, monkeypatch):
+    """The native ops, or the pure-torch path of builds without them (which must compute the same)."""
+    if request.param == "torch":
+        monkeypatch.setattr(DL, "native_available", lambda device_type="cpu": False)
+    return request.param
 
 
 def reference_layout(indices, valid, col_rank, col_local, R, Lc, cap, probs=None):
@@ -83,7 +92,7 @@ def _check(idx, valid, cr, cl, R, Lc, cap, probs=None):
 
 @pytest.mark.parametrize("policy", ["position", "probs"])
 @pytest.mark.parametrize("R,E,k", [(1, 8, 0), (2, 8, 0), (4, 8, 1), (3, 6, 2)])
-def test_layout_matches_reference(gen, policy, R, E, k):
+def test_layout_matches_reference(gen, impl, policy, R, E, k):
     cr, cl = expert_columns(E, R, k)
     Lc, C = E // R + k, E + R * k
     for T, K, cf, p_invalid in [(40, 2, 1.0, 0.0), (33, 3, 0.6, 0.2), (25, 4, 2.0, 0.5), (17, 1, 0.3, 0.0)]:
@@ -93,7 +102,7 @@ def test_layout_matches_reference(gen, policy, R, E, k):
         _check(idx, None, cr, cl, R, Lc, T * K, probs if policy == "probs" else None)  # dropless
 
 
-def test_one_expert_takes_everything_and_zero_token_experts(gen):
+def test_one_expert_takes_everything_and_zero_token_experts(gen, impl):
     R, E = 2, 8
     cr, cl = expert_columns(E, R)
     T = 30
@@ -108,7 +117,7 @@ def test_one_expert_takes_everything_and_zero_token_experts(gen):
     assert out.send_counts[:, 3].tolist() == [0, 0] and out.send_counts[1].tolist() == [0] * 4
 
 
-def test_docstring_example_and_r1_send_buffer_is_the_expert_input(gen):
+def test_docstring_example_and_r1_send_buffer_is_the_expert_input(gen, impl):
     out = dispatch_layout(torch.tensor([[2, 0], [0, 1]]), torch.zeros(3, dtype=torch.int64), torch.arange(3), 1, 3, 4)
     assert out.route_slot.tolist() == [3, 0, 1, 2] and out.route_of_slot.tolist() == [1, 2, 3, 0]
     assert out.send_counts.tolist() == [[2, 1, 1]]
@@ -122,7 +131,7 @@ def test_docstring_example_and_r1_send_buffer_is_the_expert_input(gen):
     assert out.send_counts[0].tolist() == [int(((idx == e) & valid).sum()) for e in range(E)]
 
 
-def test_empty_and_int32_and_no_counters(gen):
+def test_empty_and_int32_and_no_counters(gen, impl):
     cr, cl = expert_columns(4, 2)
     out = dispatch_layout(torch.zeros(0, 2, dtype=torch.int64), cr, cl, 2, 2, 3)
     assert out.route_slot.shape == (0,) and out.route_of_slot.tolist() == [0] * 6
@@ -140,7 +149,7 @@ def test_empty_and_int32_and_no_counters(gen):
     assert float(c[2]) == max(first[1], float(torch.bincount(cr[idx[:, 0]], minlength=2).max()) * 2 / 9)
 
 
-def test_invalid_routes_ignore_their_index():
+def test_invalid_routes_ignore_their_index(impl):
     cr, cl = expert_columns(4, 1)
     idx = torch.tensor([[0, -1], [99, 3]])
     valid = torch.tensor([[True, False], [False, True]])
@@ -148,7 +157,7 @@ def test_invalid_routes_ignore_their_index():
     assert out.route_slot.tolist() == [0, 4, 4, 1] and out.column_counts.tolist() == [1, 0, 0, 1]
 
 
-def test_receive_layout_of_a_simulated_exchange(gen):
+def test_receive_layout_of_a_simulated_exchange(gen, impl):
     # R ranks each lay out their routes; rank `me` receives block s = rank s's slots for `me`; the expert input must
     # be its rows grouped by local expert, then source rank, then the sender's order.
     for R, E, k, T, K, cf in [(2, 8, 0, 20, 2, 1.0), (4, 8, 1, 15, 3, 0.7), (3, 3, 0, 10, 2, 3.0)]:
@@ -211,6 +220,17 @@ def test_errors_name_the_argument():
         receive_layout(torch.tensor([[1, 3], [0, 0]]), 3)
     with pytest.raises(RuntimeError, match=r"recv_counts must have dtype Long"):
         receive_layout(torch.tensor([[1.0, 1.0]]), 3)
+
+
+def test_torch_path_errors(monkeypatch):
+    monkeypatch.setattr(DL, "native_available", lambda device_type="cpu": False)
+    cr, cl = expert_columns(4, 2)
+    with pytest.raises(RuntimeError, match=r"indices must be in \[0, 4\).*indices\[1, 0\] = 7"):
+        dispatch_layout(torch.tensor([[0, 1], [7, 0]]), cr, cl, 2, 2, 4)
+    with pytest.raises(RuntimeError, match=r"recv_counts must be >= 0; recv_counts\[1, 0\] = -1"):
+        receive_layout(torch.tensor([[1, 1], [-1, 0]]), 3)
+    with pytest.raises(RuntimeError, match=r"recv_counts must sum to at most capacity=3; recv_counts\[0, 1\] = 3"):
+        receive_layout(torch.tensor([[1, 3], [0, 0]]), 3)
 
 
 def test_fake_tensors_and_opcheck(gen):

@@ -329,3 +329,29 @@ def test_16bit_tokens_keep_their_dtype(gen):
     assert y.dtype == torch.bfloat16
     ref = (x.to(torch.bfloat16).double()[:, None, :] * probs[..., None]).sum(1)  # fp64 of the bf16 inputs
     torch.testing.assert_close(y.double(), ref, rtol=2 ** -8, atol=2 ** -8)  # one bf16 rounding of the sum
+
+
+def test_builds_without_the_native_ops_dispatch_the_same(gen, monkeypatch):
+    # the pure-torch paths of the layout and row ops (builds without moe_graph._C) give the native results
+    import moe_graph.ops.dispatch_layout as DL
+    import moe_graph.ops.permute as P
+
+    T, E, K, H, R = 13, 4, 2, 3, 2
+    idx, probs = _routing(T, E, K, gen)
+    valid = torch.rand(T, K, generator=gen) > 0.2
+    x = torch.randn(T, H, generator=gen, dtype=torch.float64)
+    cr, cl = expert_columns(E, R)
+
+    def run():
+        d = TokenDispatcher(E // R, R, 0, cr, cl, capacity=7, backend=_Loopback(), drop_policy="probs")
+        xd, pd = x.clone().requires_grad_(), probs.clone().requires_grad_()
+        ein, ms, h = d.dispatch(xd, idx, pd, valid)
+        y = d.combine(ein * d.row_weights(h)[:, None], h, weighted=False) + d.combine(ein * 2, h)
+        (y * torch.arange(H)).sum().backward()
+        return [ein, ms, y, xd.grad, pd.grad, d.dropped_routes, d.step_max_load_ratio]
+
+    native = run()
+    monkeypatch.setattr(DL, "native_available", lambda device_type="cpu": False)
+    monkeypatch.setattr(P, "native_available", lambda device_type="cpu": False)
+    for a, b in zip(run(), native):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)

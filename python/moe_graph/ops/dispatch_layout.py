@@ -15,6 +15,10 @@ Errors: a valid route whose index lies outside ``[0, C)``, table entries outside
 that is no permutation raise on the CPU; on CUDA the device error flag's ``INDEX_OUT_OF_RANGE`` bit is set (the
 route counts as not live; ``moe_graph.check_errors()`` reports it). Receive counts below 0 or past ``capacity`` per
 source: CPU raises, CUDA sets ``NEGATIVE_SPLIT`` / ``SPLITS_OVERFLOW`` and clamps.
+
+The native ops define the semantics; builds without them (or devices without a kernel) take a pure-torch path here
+that computes the same outputs with stable sorts and scatters (sync-free; on eager CPU values it raises for a valid
+route's index out of range and for bad receive counts, elsewhere it reads them as not live / clamped, unflagged).
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-from moe_graph.ops._lib import has_kernel, require
+from moe_graph.ops._lib import has_kernel
+from moe_graph.ops.reroute import real_host_values
 
 __all__ = ["dispatch_layout", "receive_layout", "DispatchLayout", "native_available"]
 
@@ -67,11 +72,12 @@ def dispatch_layout(
         indices = [[2, 0], [0, 1]]  ->  send slots ordered by (expert, route): routes 1, 2 (expert 0), 3 (expert 1),
         0 (expert 2): route_slot = [3, 0, 1, 2], route_of_slot = [1, 2, 3, 0], send_counts = [[2, 1, 1]]
     """
-    require()
     dr, sd, sm = counters if counters is not None else (None, None, None)
-    return DispatchLayout(*torch.ops.moe_graph.dispatch_layout(
-        indices, valid, column_rank, column_local, route_order, int(num_ep_ranks), int(num_local_columns),
-        int(capacity), dr, sd, sm))
+    args = (indices, valid, column_rank, column_local, route_order, int(num_ep_ranks), int(num_local_columns),
+            int(capacity), dr, sd, sm)
+    if native_available(indices.device.type):
+        return DispatchLayout(*torch.ops.moe_graph.dispatch_layout(*args))
+    return _layout_torch(*args)
 
 
 def receive_layout(recv_counts: torch.Tensor, capacity: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -80,8 +86,82 @@ def receive_layout(recv_counts: torch.Tensor, capacity: int) -> Tuple[torch.Tens
     expert input groups the received rows by local expert, then source rank, then the sender's order, padding last;
     ``expert_row_source[i]`` is the receive row of expert row ``i`` and ``recv_row_target`` its inverse (``R*capacity``:
     none)."""
-    require()
-    return torch.ops.moe_graph.receive_layout(recv_counts, int(capacity))
+    if native_available(recv_counts.device.type):
+        return torch.ops.moe_graph.receive_layout(recv_counts, int(capacity))
+    return _receive_torch(recv_counts, int(capacity))
+
+
+# ---------------------------------------------------------------------------------- the torch path (no build) --
+def _eager_check(bad: torch.Tensor, message) -> None:
+    """Raises ``message(flat position)`` when ``bad`` has a true entry and its values are real host values."""
+    if bad.device.type == "cpu" and real_host_values(bad) and bool(bad.any()):
+        raise RuntimeError(message(int(bad.reshape(-1).nonzero()[0])))
+
+
+def _layout_torch(indices, valid, column_rank, column_local, route_order, R, Lc, cap, dropped_routes=None,
+                  step_dropped_routes=None, step_max_load_ratio=None) -> DispatchLayout:
+    T, K = indices.shape
+    n, C, N, dev = T * K, column_rank.shape[0], R * cap, indices.device
+    i64 = dict(dtype=torch.int64, device=dev)
+    idx = indices.reshape(-1).to(torch.int64)
+    want = valid.reshape(-1) if valid is not None else torch.ones(n, dtype=torch.bool, device=dev)
+    _eager_check(want & ((idx < 0) | (idx >= C)), lambda r: f"dispatch_layout: indices must be in [0, {C}) (the "
+                 f"routing columns) for valid routes; indices[{r // K}, {r % K}] = {int(idx[r])}")
+    col = torch.where(want & (idx >= 0) & (idx < C), idx, 0)
+    d_col, l_col = column_rank.index_select(0, col), column_local.index_select(0, col)
+    live = want & (idx >= 0) & (idx < C) & (d_col >= 0) & (d_col < R) & (l_col >= 0) & (l_col < Lc)
+    dst = torch.where(live, d_col, R)
+    # (1) drop order: each destination's first `cap` live routes are kept
+    seq = route_order if route_order is not None else torch.arange(n, **i64)
+    d_seq = dst.index_select(0, seq)
+    by_dst = torch.argsort(d_seq, stable=True)
+    live_count = torch.zeros(R + 1, **i64).scatter_add_(0, dst, torch.ones_like(dst))
+    d_sorted = d_seq.index_select(0, by_dst)
+    rank = torch.arange(n, **i64) - (live_count.cumsum(0) - live_count).index_select(0, d_sorted)
+    kept = torch.zeros(n, dtype=torch.bool, device=dev).scatter_(
+        0, seq.index_select(0, by_dst), (d_sorted < R) & (rank < cap))
+    # (2) positions by (destination, local expert, route)
+    key = torch.where(kept, dst * Lc + l_col, R * Lc)
+    by_key = torch.argsort(key, stable=True)
+    key_count = torch.zeros(R * Lc + 1, **i64).scatter_add_(0, key, torch.ones_like(key))
+    k_sorted = key.index_select(0, by_key)
+    d_sorted = torch.div(k_sorted, Lc, rounding_mode="floor")
+    first = (key_count.cumsum(0) - key_count).index_select(0, (d_sorted * Lc).clamp(max=R * Lc))
+    slot = torch.where(k_sorted < R * Lc, d_sorted * cap + torch.arange(n, **i64) - first, N)
+    route_slot = torch.empty(n, **i64).scatter_(0, by_key, slot)
+    route_of_slot = torch.full((N + 1,), n, **i64).scatter_(0, slot, by_key)[:N]
+    column_counts = torch.zeros(C, **i64).scatter_add_(0, col, live.to(torch.int64))
+    dropped = (live_count[:R] - cap).clamp(min=0).sum()
+    if dropped_routes is not None:
+        dropped_routes.add_(dropped)
+    if step_dropped_routes is not None:
+        step_dropped_routes.add_(dropped)
+    if step_max_load_ratio is not None and n:
+        ratio = live_count[:R].max().to(torch.float64) * R / n  # the native rounding: (max * R) / n
+        step_max_load_ratio.copy_(torch.maximum(step_max_load_ratio, ratio.view_as(step_max_load_ratio)))
+    return DispatchLayout(route_slot, route_of_slot, key_count[:R * Lc].view(R, Lc), column_counts, dropped)
+
+
+def _receive_torch(recv_counts, cap):
+    R, Lc = recv_counts.shape
+    N, dev = R * cap, recv_counts.device
+    _eager_check(recv_counts < 0, lambda i: f"receive_layout: recv_counts must be >= 0; recv_counts[{i // Lc}, "
+                 f"{i % Lc}] = {int(recv_counts.reshape(-1)[i])}")
+    end = recv_counts.clamp(min=0).cumsum(1)
+    _eager_check(end > cap, lambda i: f"receive_layout: each row of recv_counts must sum to at most capacity={cap}; "
+                 f"recv_counts[{i // Lc}, {i % Lc}] = {int(recv_counts.reshape(-1)[i])} goes past it")
+    end = end.clamp(max=cap)
+    row_start = torch.cat([end.new_zeros(R, 1), end[:, :-1]], 1)
+    cnt = end - row_start
+    m_splits = cnt.sum(0)
+    col_base = (m_splits.cumsum(0) - m_splits)[None, :] + (cnt.cumsum(0) - cnt)
+    pos = torch.arange(cap, dtype=torch.int64, device=dev).expand(R, cap).contiguous()
+    local = torch.searchsorted(row_start, pos, right=True) - 1  # the last local expert starting at or before pos
+    real = pos < end.gather(1, local)
+    target = torch.where(real, col_base.gather(1, local) + pos - row_start.gather(1, local), N).reshape(N)
+    source = torch.full((N + 1,), N, dtype=torch.int64, device=dev).scatter_(
+        0, target, torch.arange(N, dtype=torch.int64, device=dev))[:N]
+    return source, target, m_splits
 
 
 def _register() -> None:
