@@ -60,6 +60,11 @@ TORCH_LIBRARY(moe_graph, m) {
   m.def(
       "reroute_tokens(Tensor routing_map, Tensor probs, Tensor tokens_to_spare, Tensor offload_map) -> "
       "(Tensor, Tensor)");
+  // indices [T, K] int64, tokens_to_spare [S], offload_map [E, S] bool/int ("> 0"), valid [T, K] bool
+  // -> (rerouted indices [T, K] in [0, E+S), slot_home [S] int64, E: none); the same rule as reroute_tokens.
+  m.def(
+      "reroute_indices(Tensor indices, Tensor tokens_to_spare, Tensor offload_map, Tensor? valid=None) -> "
+      "(Tensor, Tensor)");
   // counts [R, E] -> home_to_spare [E, R*k] int64: best-fit placement of rank overload (reroute/echo_plan.h).
   // donor_mask: optional [R, R] bool, a slot on rank r may host rank q's experts only where donor_mask[r, q].
   m.def("echo_best_fit(Tensor counts, int num_spare_experts_per_ep_rank, Tensor? donor_mask=None) -> Tensor");
@@ -101,6 +106,7 @@ TORCH_LIBRARY_IMPL(moe_graph, CPU, m) {
   m.impl("grouped_gemm_wgrad_out", &moe_graph::grouped_gemm_wgrad_out_cpu);
   m.impl("grouped_bias_grad", &moe_graph::grouped_bias_grad_cpu);
   m.impl("reroute_tokens", &moe_graph::reroute_tokens_cpu);
+  m.impl("reroute_indices", &moe_graph::reroute_indices_cpu);
   m.impl("echo_best_fit", &moe_graph::echo_best_fit_cpu);
   m.impl("echo_plan", &moe_graph::echo_plan_cpu);
   m.impl("expand_rows", &moe_graph::expand_rows_cpu);
@@ -118,6 +124,7 @@ TORCH_LIBRARY_IMPL(moe_graph, CUDA, m) {
   m.impl("grouped_gemm_wgrad_out", &moe_graph::grouped_gemm_wgrad_out_cuda);
   m.impl("grouped_bias_grad", &moe_graph::grouped_bias_grad_cuda);
   m.impl("reroute_tokens", &moe_graph::reroute_tokens_cuda);
+  m.impl("reroute_indices", &moe_graph::reroute_indices_cuda);
   m.impl("echo_best_fit", &moe_graph::echo_best_fit_cuda);
   m.impl("echo_plan", &moe_graph::echo_plan_cuda);
   m.impl("expand_rows", &moe_graph::expand_rows_cuda);

@@ -288,9 +288,10 @@ def _donor_worker(rank, world, seed):
         torch.testing.assert_close(fc2.grad, ref[2], rtol=1e-12, atol=1e-12)
         res["cases"].append({"w": w, "moved": int(new_map[:, E:].sum()), "copies": int(offload_map.sum())})
 
-    # w = R: today's behaviour bit for bit. Plans equal the unconstrained planner's; aggregation through the
-    # all-to-all and through R - 1 peer blocks both equal today's sum (index_add_ of every slot's row in slot
-    # order into a zero accumulator, then one add), re-implemented here from all-gathered spare gradients.
+    # w = R: the unconstrained behaviour bit for bit. Plans equal the unconstrained planner's; aggregation through
+    # the all-to-all and through R - 1 peer blocks both equal the documented sum (each slot's row added into its
+    # home expert's gradient one at a time, in ascending slot order), re-implemented here from all-gathered spare
+    # gradients.
     _, _, offload_map = echo_planner.gen_offloading_plan(rm, probs, counts, rank, R, k)
     _, _, offload_map_w = echo_planner.gen_offloading_plan(rm, probs, counts, rank, R, k, donor_mask=echo_planner.donor_mask(R, R))
     assert torch.equal(offload_map, offload_map_w)
@@ -300,9 +301,11 @@ def _donor_worker(rank, world, seed):
     all_spare = _gather(spare).reshape(R * k, F * H)
     home = offload_map.to(torch.int8).argmax(0)
     mine = offload_map.any(0) & (home // L == rank)
-    acc = torch.zeros(L + 1, F * H)
-    acc.index_add_(0, torch.where(mine, home % L, L), torch.where(mine[:, None], all_spare, 0.0))
-    today = base + acc[:L].view(L, F, H)
+    today = base.clone().view(L, F * H)
+    for j in range(R * k):
+        if mine[j]:
+            today[int(home[j]) % L] += all_spare[j]
+    today = today.view(L, F, H)
     for d in (EchoExpertDispatcher(E, R, rank, k, backend=AllToAllBackend()),
               EchoExpertDispatcher(E, R, rank, k, donors=R),
               EchoExpertDispatcher(E, R, rank, k, donors=R - 1)):
@@ -386,7 +389,7 @@ def test_echo_buffer_bytes_matches_allocations(donors):
     assert got == expect["dispatch_send"] + expect["dispatch_recv"] + expect["spare_weights"]
     got, _ = _new_storage_bytes(lambda: d.aggregate_grads(offload_map, [g1, g2], out=[o1, o2]), [g1, g2, o1, o2, offload_map],
                                 small)
-    assert got == expect["grad_send"] + expect["grad_recv"] + expect["grad_acc"]
+    assert got == expect["grad_send"] + expect["grad_recv"]
     assert expect["blocks"] == (R if donors is None else donors)
     # formula sanity: DeepSeek-V3-sized experts at EP 64, k=2: 11.3 GB send buffer unconstrained, w=2: 0.35 GB
     ds = 3 * 7168 * 2048
@@ -594,3 +597,107 @@ def test_peer_exchange_in_subgroups_gloo():
         assert r["spare"] == r["expect"]
         expect_out = [[0.0] * 5, [2.0] * 5] if r["me"] == 0 else [[0.0] * 5, [0.0] * 5]
         assert r["out"] == expect_out, r
+
+
+def _op_footprint(fn, targets):
+    """``[(op, largest tensor argument or result in elements)]`` of the non-view ops ``fn`` runs, leaving out the
+    tensors that share storage with ``targets`` (the gradients added into), and the index sizes of ``index_add_``."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    skip = {t.untyped_storage().data_ptr() for t in targets}
+    ops, index_rows = [], []
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if not func.is_view:
+                ts = [t for t in torch.utils._pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+                ops.append((func.overloadpacket.__name__,
+                            max([t.numel() for t in ts if t.untyped_storage().data_ptr() not in skip], default=0)))
+                if func.overloadpacket is torch.ops.aten.index_add_:
+                    index_rows.append(args[2].numel())
+            return out
+
+    with Mode():
+        fn()
+    return ops, index_rows
+
+
+def test_aggregate_traffic_is_independent_of_the_home_experts():
+    """aggregate_grads moves O(k*N), not O(L*N): with a decoded plan it runs the same ops for L = 2 and L = 64 home
+    experts, none of them on a tensor larger than the k spare rows except the single-row index_add_ into the
+    gradients; the sums equal a float64 loop over the slots."""
+    from moe_graph.moe.echo import LocalBackend
+
+    k, F, H = 3, 5, 4
+    runs = []
+    for L in (2, 64):
+        d = EchoExpertDispatcher(L, 1, 0, k, backend=LocalBackend())
+        offload_map = torch.zeros(L, k, dtype=torch.bool)
+        offload_map[1, 0] = offload_map[1, 2] = True  # slot 1 hosts nothing
+        plan = d.decode(d.slot_home(offload_map))
+        g = torch.Generator().manual_seed(L)
+        spare = [torch.randn(k, F, H, generator=g, dtype=torch.float64), torch.randn(k, H, generator=g,
+                                                                                       dtype=torch.float64)]
+        base = [torch.randn(L, F, H, generator=g, dtype=torch.float64), torch.randn(L, H, generator=g,
+                                                                                      dtype=torch.float64)]
+        out = [b.clone() for b in base]
+        ops, rows = _op_footprint(lambda: d.aggregate_grads(plan, spare, out=out), out)
+        runs.append(ops)
+        assert rows and set(rows) == {1}
+        assert max(n for _, n in ops) <= k * (F * H + H)
+        for o, b, s in zip(out, base, spare):
+            expect = b.clone()
+            expect[1] += s[0]
+            expect[1] += s[2]
+            assert torch.equal(o, expect)
+    assert runs[0] == runs[1]
+
+
+def test_moe_layer_echo_uses_indices_and_decodes_once(monkeypatch):
+    """The layer's echo path reroutes the top-k indices (reroute_indices; no dense [T, E+S] map), decodes the
+    plan once per forward and hands the decoded plan to every expert GEMM and its backward (no offload_map
+    decoding); outputs and main_grad equal the layer without echo (one rank: the slot is idle)."""
+    from moe_graph.moe import echo_balancer
+    from moe_graph.moe.layer import MoELayer
+    from moe_graph.ops import reroute as reroute_ops
+
+    calls = {"decode": 0, "slot_home": 0, "dense": 0}
+    orig_decode = EchoExpertDispatcher.decode
+    orig_home = EchoExpertDispatcher.slot_home
+    orig_dense = reroute_ops.reroute_tokens
+
+    def decode(self, *a):
+        calls["decode"] += 1
+        return orig_decode(self, *a)
+
+    def slot_home(self, *a):
+        calls["slot_home"] += 1
+        return orig_home(self, *a)
+
+    def dense(*a):
+        calls["dense"] += 1
+        return orig_dense(*a)
+
+    monkeypatch.setattr(EchoExpertDispatcher, "decode", decode)
+    monkeypatch.setattr(EchoExpertDispatcher, "slot_home", slot_home)
+    monkeypatch.setattr(reroute_ops, "reroute_tokens", dense)
+    assert echo_balancer.reroute_indices is reroute_ops.reroute_indices
+    dt = torch.float64
+    torch.manual_seed(0)
+    x = torch.randn(40, 16, dtype=dt)
+    dy = torch.randn(40, 16, dtype=dt)
+    res = []
+    for k in (0, 1):
+        torch.manual_seed(1)
+        layer = MoELayer(16, 24, 8, 2, num_spare_experts_per_ep_rank=k, device="cpu", params_dtype=dt)
+        for w in layer.experts.weights():
+            w.main_grad = torch.zeros_like(w)
+        y = layer(x)
+        y.backward(dy)
+        res.append((y.detach(), [w.main_grad for w in layer.experts.weights()], layer.router.weight.grad))
+    assert calls == {"decode": 1, "slot_home": 0, "dense": 0}
+    (y0, g0, r0), (y1, g1, r1) = res
+    torch.testing.assert_close(y1, y0, rtol=1e-13, atol=1e-13)
+    for a, b in zip(g1 + [r1], g0 + [r0]):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

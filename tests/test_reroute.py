@@ -1,5 +1,6 @@
-"""Native token rerouting (moe_graph.ops.reroute_tokens): CPU kernel vs a plain-Python reference, edge cases, the
-device error flag, opcheck and autograd; CUDA kernel vs CPU, CUDA-graph capture/replay and no-sync checks on a GPU."""
+"""Native token rerouting (moe_graph.ops.reroute_tokens and its index form reroute_indices): CPU kernel vs a
+plain-Python reference, edge cases, the device error flag, opcheck and autograd; the index form moves exactly the
+routes the dense form moves; CUDA kernels vs CPU, CUDA-graph capture/replay and no-sync checks on a GPU."""
 
 import pytest
 import torch
@@ -242,6 +243,131 @@ def test_autograd_through_probs():
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Index form: reroute_indices
+# ---------------------------------------------------------------------------------------------------------------
+
+HAVE_IDX = HAVE_OP and torch._C._dispatch_has_kernel_for_dispatch_key("moe_graph::reroute_indices", "CPU")
+idx_op = pytest.mark.skipif(not HAVE_IDX, reason="moe_graph._C without reroute_indices")
+
+
+def random_index_case(g, T, E, K, S, invalid=0.1, over=False, multi_home=False):
+    """Top-k indices (distinct experts per token, rows in random order), a validity mask and a plan."""
+    K = min(K, E)
+    idx = torch.rand(T, E, generator=g).argsort(dim=1)[:, :K] if E else torch.zeros(T, 0, dtype=torch.int64)
+    valid = torch.rand(T, K, generator=g) >= invalid
+    rm = torch.zeros(T, E, dtype=torch.bool)
+    rm.scatter_(1, idx, valid)
+    _, _, want, hmap = random_case(g, 0, E, S, multi_home=multi_home)
+    routed = rm.sum(0)
+    homes = hmap.to(torch.int8).argmax(0)
+    left = routed.clone()
+    for j in range(S):  # requests from the real routing (random_case drew them for zero tokens)
+        if hmap[:, j].any():
+            e = int(homes[j])
+            want[j] = int(torch.randint(0, int(left[e]) + (5 if over else 0) + 1, (1,), generator=g))
+            left[e] = max(0, int(left[e]) - int(want[j]))
+    return idx, valid, rm, want, hmap
+
+
+def index_map(indices, valid, width):
+    m = torch.zeros(indices.shape[0], width, dtype=torch.bool)
+    return m.scatter_(1, indices.cpu(), valid.cpu())
+
+
+def check_index_form(idx, valid, rm, want, hmap, device="cpu"):
+    """reroute_indices moves the routes the dense op moves (same map, same flag, positions kept) and returns each
+    slot's home; the int64 plan (home_to_spare, read as > 0) and the bool map agree."""
+    E, S = hmap.shape
+    read_flag("cpu")
+    m, _ = reroute_ops.reroute_tokens(rm, torch.rand(rm.shape), want, hmap)
+    dense_flag = read_flag("cpu")
+    rmap, _, over = reroute_tokens_reference(rm, torch.zeros(rm.shape), want, hmap)
+    assert torch.equal(m, rmap)
+    read_flag(device)
+    plan_int = hmap.to(torch.int64) * torch.randint(1, 9, hmap.shape)
+    out = []
+    for om in (hmap, plan_int):
+        out.append(reroute_ops.reroute_indices(idx.to(device), want.to(device), om.to(device), valid.to(device)))
+        assert read_flag(device) == dense_flag, "the index form flags what the dense form flags"
+    (ni, home), (ni2, home2) = [(a.cpu(), b.cpu()) for a, b in out]
+    assert torch.equal(ni, ni2) and torch.equal(home, home2)
+    assert ni.dtype == torch.int64 and ni.shape == idx.shape
+    assert torch.equal(index_map(ni, valid, E + S), rmap), "the same routes move to the same slots"
+    assert torch.equal(ni[~valid], idx[~valid]), "invalid routes are copied unchanged"
+    moved = ni != idx
+    assert (ni[moved] >= E).all() and (idx[moved] < E).all()
+    expect_home = [next((e for e in range(E) if hmap[e, j]), E) for j in range(S)]
+    assert home.tolist() == expect_home
+    assert bool(dense_flag & ERR_OVER_ASK) == over
+    return ni
+
+
+@idx_op
+def test_index_form_matches_dense_form_random():
+    g = torch.Generator().manual_seed(11)
+    for T, E, K, S in [(1, 1, 1, 1), (7, 4, 2, 2), (100, 8, 3, 8), (3000, 16, 4, 6), (4500, 5, 5, 3), (0, 4, 2, 2)]:
+        for invalid in (0.0, 0.3):
+            for over in (False, True):
+                check_index_form(*random_index_case(g, T, E, K, S, invalid, over, multi_home=(E == 8)))
+
+
+@idx_op
+def test_index_form_docstring_example_and_order():
+    read_flag("cpu")
+    idx = torch.tensor([[0], [1], [1], [0], [0]])
+    ni, home = reroute_ops.reroute_indices(idx, torch.tensor([2]), torch.tensor([[True], [False]]))
+    assert ni.flatten().tolist() == [2, 1, 1, 2, 0] and home.tolist() == [0]
+    # expert 0 routed at tokens 1, 2, 4, 5, 7 (in varying positions of the row; token 6's route to it is invalid:
+    # not counted, not moved); slots 0 and 2 host expert 0 (2 then 3 tokens), slot 1 expert 1 (routed at tokens
+    # 0, 2, 3; 1 token), slot 3 nothing
+    idx = torch.tensor([[1, 3], [0, 2], [1, 0], [2, 1], [0, 3], [3, 0], [0, 3], [0, 2]])
+    valid = torch.ones(8, 2, dtype=torch.bool)
+    valid[6, 0] = False
+    ni, home = reroute_ops.reroute_indices(idx, torch.tensor([2, 1, 3, 0]),
+                                           torch.tensor([[1, 0, 3, 0], [0, 5, 0, 0], [0] * 4, [0] * 4]), valid)
+    assert home.tolist() == [0, 1, 0, 4]
+    assert ni.tolist() == [[5, 3], [4, 2], [1, 4], [2, 1], [6, 3], [3, 6], [0, 3], [6, 2]]
+    assert read_flag("cpu") == 0
+
+
+@idx_op
+def test_index_form_edge_cases_and_argument_errors():
+    # no slots; routes outside [0, E) are neither counted nor moved
+    idx = torch.tensor([[0, 5], [-1, 0], [0, 1]])
+    ni, home = reroute_ops.reroute_indices(idx, torch.zeros(0, dtype=torch.int64), torch.zeros(2, 0, dtype=torch.bool))
+    assert torch.equal(ni, idx) and home.shape == (0,)
+    read_flag("cpu")
+    ni, _ = reroute_ops.reroute_indices(idx, torch.tensor([1], dtype=torch.int32), torch.tensor([[True], [False]]))
+    assert ni.tolist() == [[2, 5], [-1, 0], [0, 1]] and read_flag("cpu") == 0
+    # non-contiguous indices
+    big = torch.stack([idx, idx], dim=2)[:, :, 0]
+    assert torch.equal(reroute_ops.reroute_indices(big, torch.tensor([2]), torch.tensor([[True], [False]]))[0],
+                       torch.tensor([[2, 5], [-1, 2], [0, 1]]))
+    t, hm = torch.zeros(2, dtype=torch.int64), torch.zeros(3, 2, dtype=torch.bool)
+    for bad, name in [(dict(indices=idx.int()), "indices"), (dict(indices=idx[0]), "indices"),
+                      (dict(tokens_to_spare=t[:1]), "tokens_to_spare"), (dict(tokens_to_spare=t.float()), "tokens_to_spare"),
+                      (dict(offload_map=hm.float()), "offload_map"), (dict(offload_map=hm[0]), "offload_map"),
+                      (dict(valid=torch.ones(3, 1, dtype=torch.bool)), "valid"),
+                      (dict(valid=torch.ones(3, 2)), "valid")]:
+        args = dict(indices=idx, tokens_to_spare=t, offload_map=hm, valid=None)
+        args.update(bad)
+        with pytest.raises(RuntimeError, match=f"reroute_indices: {name}"):
+            reroute_ops.reroute_indices(**args)
+
+
+@idx_op
+def test_index_form_opcheck_and_compile():
+    g = torch.Generator().manual_seed(12)
+    for T, E, K, S in [(20, 4, 2, 2), (33, 6, 3, 4), (0, 3, 1, 1)]:
+        idx, valid, _, want, hmap = random_index_case(g, T, E, K, S)
+        torch.library.opcheck(torch.ops.moe_graph.reroute_indices.default, (idx, want, hmap, valid))
+        torch.library.opcheck(torch.ops.moe_graph.reroute_indices.default, (idx, want, hmap.long()))
+    idx, valid, _, want, hmap = random_index_case(g, 30, 6, 2, 3)
+    f = lambda i: reroute_ops.reroute_indices(i, want, hmap, valid)[0] * 2  # noqa: E731
+    assert torch.equal(torch.compile(f, backend="aot_eager", fullgraph=True)(idx), f(idx))
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # GPU
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -314,3 +440,38 @@ def test_cuda_graph_capture_replay_and_no_sync():
             assert torch.equal(a.cpu(), b)
     assert read_flag("cuda") == 0
     del eager
+
+
+HAVE_CUDA_IDX = HAVE_CUDA_OP and torch._C._dispatch_has_kernel_for_dispatch_key("moe_graph::reroute_indices", "CUDA")
+
+
+@pytest.mark.skipif(not HAVE_CUDA_IDX, reason="needs CUDA and the CUDA build of reroute_indices")
+def test_cuda_index_form_matches_cpu_and_captures():
+    g = torch.Generator().manual_seed(13)
+    for T, E, K, S, over in [(1, 1, 1, 1, False), (63, 4, 2, 2, False), (65, 8, 3, 8, True), (5000, 64, 8, 16, False),
+                             (16384, 256, 8, 32, False), (3000, 300, 6, 70, True), (0, 8, 2, 4, False)]:
+        case = random_index_case(g, T, E, K, S, 0.1, over, multi_home=(E == 8))
+        if T * E <= 200000:
+            check_index_form(*case, device="cuda")
+        idx, valid, _, want, hmap = case
+        read_flag("cpu")
+        ni, home = reroute_ops.reroute_indices(idx, want, hmap, valid)
+        cpu_flag = read_flag("cpu")
+        read_flag("cuda")
+        nd, hd = reroute_ops.reroute_indices(idx.cuda(), want.cuda(), hmap.cuda(), valid.cuda())
+        assert read_flag("cuda") == cpu_flag
+        assert torch.equal(nd.cpu(), ni) and torch.equal(hd.cpu(), home)
+    idx, valid, _, want, hmap = random_index_case(g, 4096, 64, 8, 16)
+    static = [t.cuda() for t in (idx, want, hmap, valid)]
+    reroute_ops.reroute_indices(*static)  # warm-up
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = reroute_ops.reroute_indices(*static)
+    for _ in range(3):
+        idx, valid, _, want, hmap = random_index_case(g, 4096, 64, 8, 16)
+        for dst, src in zip(static, (idx, want, hmap, valid)):
+            dst.copy_(src)
+        graph.replay()
+        ref = reroute_ops.reroute_indices(idx, want, hmap, valid)
+        assert all(torch.equal(a.cpu(), b) for a, b in zip(out, ref))

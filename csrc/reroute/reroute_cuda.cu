@@ -1,6 +1,7 @@
-// CUDA implementation of token rerouting (semantics in reroute.h). Torch-free: raw pointers and a stream.
+// CUDA implementation of token rerouting, dense and index form (semantics in reroute.h). Torch-free: raw
+// pointers and a stream.
 //
-// Four launches, fixed configuration for fixed shapes (capturable), no host synchronization:
+// Dense form: four launches, fixed configuration for fixed shapes (capturable), no host synchronization:
 //   A  count    grid = tiles of kRerouteTileRows rows; each thread owns columns and counts routed tokens per
 //               (tile, expert) with row-major, coalesced reads.
 //   B1 slots    one thread per slot: its home expert (first true of the column), its request (clamped), flags.
@@ -9,6 +10,10 @@
 //   C  apply    grid = tiles; first zero the tile's spare columns, then each thread walks its column down the
 //               tile's rows keeping the running rank: a routed token whose rank falls in a slot's range moves
 //               there (map + exact probability bits), everything else is copied. Row-major, coalesced.
+// Index form: the same four steps; A counts a tile's routes per expert in shared memory (integer atomics: the
+// counts do not depend on their order), C first copies the tile's indices, then one thread per expert that has
+// slots walks the tile's routes (staged in shared memory) in row-major order with its running rank and rewrites
+// the moved ones.
 #include <cstdint>
 
 #include "common/error_flag.h"
@@ -62,33 +67,18 @@ __global__ void count_kernel(const bool* __restrict__ map, int64_t T, int64_t E,
   }
 }
 
-__global__ void slots_kernel(const bool* __restrict__ offload_map, const int64_t* __restrict__ tokens_to_spare,
-                             int64_t T, int64_t E, int64_t S, int32_t* __restrict__ slot_home,
-                             int32_t* __restrict__ slot_want, int32_t* error_flag) {
+// slot_home_out: optional [S] int64 (E: none), the index form's second output.
+__global__ void slots_kernel(const void* __restrict__ offload_map, int offload_bytes,
+                             const int64_t* __restrict__ tokens_to_spare, int64_t T, int64_t E, int64_t S,
+                             int32_t* __restrict__ slot_home, int32_t* __restrict__ slot_want,
+                             int64_t* __restrict__ slot_home_out, int32_t* error_flag) {
   const int64_t j = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   if (j >= S) return;
-  int32_t home = -1;
-  int32_t err = 0;
-  for (int64_t e = 0; e < E; ++e) {
-    if (offload_map[e * S + j]) {
-      if (home < 0)
-        home = static_cast<int32_t>(e);
-      else
-        err |= kErrPlanInvalid;
-    }
-  }
-  int64_t w = tokens_to_spare[j];
-  if (w < 0) {
-    err |= kErrPlanInvalid;
-    w = 0;
-  }
-  if (home < 0 && w > 0) err |= kErrRerouteOverAsk;
-  if (w > T) {  // more than there are tokens: certainly an over-ask
-    err |= kErrRerouteOverAsk;
-    w = T;
-  }
-  slot_home[j] = home;
-  slot_want[j] = static_cast<int32_t>(w);
+  int64_t home = -1, want = 0;
+  const int32_t err = slot_request(offload_map, offload_bytes, tokens_to_spare, T, E, S, j, &home, &want);
+  slot_home[j] = static_cast<int32_t>(home);
+  slot_want[j] = static_cast<int32_t>(want);
+  if (slot_home_out != nullptr) slot_home_out[j] = home < 0 ? E : home;
   if (err) set_device_error(error_flag, err);
 }
 
@@ -183,7 +173,7 @@ __global__ void apply_kernel(const bool* __restrict__ map, const P* __restrict__
         if (t >= t1) break;
         bool moved = false;
         if (m[b] && n > 0) {
-          while (i < n && rank >= end[i]) ++i;
+          i = static_cast<int32_t>(slot_position(rank, end, n, i));
           if (i < n) {
             const int64_t j = list[i];
             out_map[t * W + E + j] = true;
@@ -195,6 +185,60 @@ __global__ void apply_kernel(const bool* __restrict__ map, const P* __restrict__
         out_map[t * W + c] = m[b] && !moved;
         out_probs[t * W + c] = moved ? P(0) : v[b];
       }
+    }
+  }
+}
+
+// A route of the index form that counts: valid and a home expert in [0, E).
+__device__ __forceinline__ bool counted(const int64_t* indices, const bool* valid, int64_t r, int64_t E,
+                                        int64_t* e_out) {
+  const int64_t e = indices[r];
+  *e_out = e;
+  return (valid == nullptr || valid[r]) && e >= 0 && e < E;
+}
+
+__global__ void count_indices_kernel(const int64_t* __restrict__ indices, const bool* __restrict__ valid, int64_t T,
+                                     int64_t K, int64_t E, int32_t* __restrict__ tile_rank) {
+  extern __shared__ int32_t hist[];  // [E]
+  for (int64_t e = threadIdx.x; e < E; e += blockDim.x) hist[e] = 0;
+  __syncthreads();
+  const int64_t tile = blockIdx.x;
+  const int64_t r0 = tile * kRerouteTileRows * K;
+  const int64_t r1 = min(T, (tile + 1) * kRerouteTileRows) * K;
+  for (int64_t r = r0 + threadIdx.x; r < r1; r += blockDim.x) {
+    int64_t e;
+    if (counted(indices, valid, r, E, &e)) atomicAdd(&hist[e], 1);
+  }
+  __syncthreads();
+  for (int64_t e = threadIdx.x; e < E; e += blockDim.x) tile_rank[tile * E + e] = hist[e];
+}
+
+// Shared memory of apply_indices_kernel: the tile's experts (-1: not counted), kRerouteTileRows * K int32.
+__global__ void apply_indices_kernel(const int64_t* __restrict__ indices, const bool* __restrict__ valid, int64_t T,
+                                     int64_t K, int64_t E, int64_t S, Workspace ws,
+                                     int64_t* __restrict__ out_indices) {
+  extern __shared__ int32_t expert_of[];  // [(t1 - t0) * K]
+  const int64_t tile = blockIdx.x;
+  const int64_t r0 = tile * kRerouteTileRows * K;
+  const int64_t n = min(T, (tile + 1) * kRerouteTileRows) * K - r0;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    int64_t e;
+    const bool c = counted(indices, valid, r0 + i, E, &e);
+    expert_of[i] = c ? static_cast<int32_t>(e) : -1;
+    out_indices[r0 + i] = e;
+  }
+  __syncthreads();
+  for (int64_t c = threadIdx.x; c < E; c += blockDim.x) {
+    const int32_t last = ws.num_slots[c];
+    if (last == 0) continue;
+    const int32_t* list = ws.slot_list + c * S;
+    const int32_t* end = ws.slot_end + c * S;
+    int64_t rank = ws.tile_rank[tile * E + c];
+    int64_t pos = 0;
+    for (int64_t i = 0; i < n && pos < last; ++i) {
+      if (expert_of[i] != c) continue;
+      pos = slot_position(rank++, end, last, pos);
+      if (pos < last) out_indices[r0 + i] = E + list[pos];
     }
   }
 }
@@ -227,7 +271,8 @@ cudaError_t reroute_tokens_cuda_launch(const RerouteProblem& p, int32_t* workspa
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;  // blame each launch on its own
   if (S > 0)
     slots_kernel<<<static_cast<unsigned>((S + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
-        p.offload_map, p.tokens_to_spare, T, E, S, ws.slot_home, ws.slot_want, p.error_flag);
+        p.offload_map, p.offload_bytes, p.tokens_to_spare, T, E, S, ws.slot_home, ws.slot_want, nullptr,
+        p.error_flag);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   if (E > 0)
     experts_kernel<<<static_cast<unsigned>((E + kWarpsPerBlockB2 - 1) / kWarpsPerBlockB2), 32 * kWarpsPerBlockB2, 0,
@@ -239,6 +284,31 @@ cudaError_t reroute_tokens_cuda_launch(const RerouteProblem& p, int32_t* workspa
       case 4: launch_apply<uint32_t>(p, ws, tiles, stream); break;
       default: launch_apply<uint64_t>(p, ws, tiles, stream); break;
     }
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t reroute_indices_cuda_launch(const RerouteIndexProblem& p, int32_t* workspace, cudaStream_t stream) {
+  const int64_t T = p.num_tokens, K = p.topk, E = p.num_experts, S = p.num_slots;
+  const int64_t tiles = num_tiles_of(T);
+  Workspace ws = carve(workspace, T, E, S);
+  const int threads = tile_threads(E);
+  if (tiles > 0 && E > 0 && K > 0)
+    count_indices_kernel<<<static_cast<unsigned>(tiles), threads, E * sizeof(int32_t), stream>>>(
+        p.indices, p.valid, T, K, E, ws.tile_rank);
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  if (S > 0)
+    slots_kernel<<<static_cast<unsigned>((S + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
+        p.offload_map, p.offload_bytes, p.tokens_to_spare, T, E, S, ws.slot_home, ws.slot_want, p.slot_home,
+        p.error_flag);
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  if (E > 0)
+    experts_kernel<<<static_cast<unsigned>((E + kWarpsPerBlockB2 - 1) / kWarpsPerBlockB2), 32 * kWarpsPerBlockB2, 0,
+                     stream>>>(T, E, S, ws, p.error_flag);
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  if (tiles > 0 && K > 0) {
+    apply_indices_kernel<<<static_cast<unsigned>(tiles), threads, kRerouteTileRows * K * sizeof(int32_t), stream>>>(
+          p.indices, p.valid, T, K, E, S, ws, p.out_indices);
   }
   return cudaGetLastError();
 }

@@ -1,4 +1,4 @@
-// Torch glue of reroute_tokens: argument checks that name the tensor, allocation, current stream.
+// Torch glue of reroute_tokens and reroute_indices: argument checks that name the tensor, allocation, current stream.
 #include "reroute/reroute_ops.h"
 
 #include <ATen/Parallel.h>
@@ -64,7 +64,8 @@ reroute::RerouteProblem make_problem(const Prepared& in, at::Tensor& out_map, at
   p.probs = in.probs.data_ptr();
   p.prob_bytes = static_cast<int>(in.probs.element_size());
   p.tokens_to_spare = in.tokens_to_spare.data_ptr<int64_t>();
-  p.offload_map = in.offload_map.data_ptr<bool>();
+  p.offload_map = in.offload_map.data_ptr();
+  p.offload_bytes = 1;
   p.out_map = out_map.data_ptr<bool>();
   p.out_probs = out_probs.data_ptr();
   return p;
@@ -171,6 +172,98 @@ std::tuple<at::Tensor, at::Tensor> reroute_tokens_cpu(const at::Tensor& routing_
   });
   return {out_map, out_probs};
 }
+
+namespace {
+constexpr const char* kIdx = "reroute_indices";
+
+struct PreparedIndices {
+  at::Tensor indices, valid, tokens_to_spare, offload_map;
+  int64_t T, K, E, S;
+};
+
+PreparedIndices check_and_prepare_indices(const at::Tensor& indices, const at::Tensor& tokens_to_spare,
+                                          const at::Tensor& offload_map, const c10::optional<at::Tensor>& valid) {
+  check_defined(indices, kIdx, "indices");
+  check_defined(tokens_to_spare, kIdx, "tokens_to_spare");
+  check_defined(offload_map, kIdx, "offload_map");
+  check_dim(indices, 2, kIdx, "indices", "[T, K]");
+  check_dtype(indices, {at::kLong}, kIdx, "indices");
+  check_dim(offload_map, 2, kIdx, "offload_map", "[E, S]");
+  check_dtype(offload_map, {at::kBool, at::kInt, at::kLong}, kIdx, "offload_map");
+  const int64_t T = indices.size(0), K = indices.size(1), E = offload_map.size(0), S = offload_map.size(1);
+  check_dim(tokens_to_spare, 1, kIdx, "tokens_to_spare", "[S]");
+  check_dtype(tokens_to_spare, {at::kLong, at::kInt}, kIdx, "tokens_to_spare");
+  TORCH_CHECK(tokens_to_spare.size(0) == S, kIdx, ": tokens_to_spare must have shape [S] with S = ", S,
+              " (the columns of offload_map), got shape ", shape_str(tokens_to_spare));
+  const auto dev = indices.device();
+  check_device(tokens_to_spare, dev, kIdx, "tokens_to_spare");
+  check_device(offload_map, dev, kIdx, "offload_map");
+  at::Tensor v;
+  if (valid.has_value() && valid->defined()) {
+    check_dtype(*valid, {at::kBool}, kIdx, "valid");
+    check_shape(*valid, indices.sizes(), kIdx, "valid");
+    check_device(*valid, dev, kIdx, "valid");
+    v = valid->contiguous();
+  }
+  TORCH_CHECK(T < std::numeric_limits<int32_t>::max(), kIdx, ": indices has too many tokens (", T, ")");
+  return PreparedIndices{indices.contiguous(), v, tokens_to_spare.to(at::kLong).contiguous(), offload_map.contiguous(),
+                         T, K, E, S};
+}
+
+reroute::RerouteIndexProblem make_index_problem(const PreparedIndices& in, at::Tensor& out, at::Tensor& slot_home) {
+  reroute::RerouteIndexProblem p;
+  p.num_tokens = in.T;
+  p.topk = in.K;
+  p.num_experts = in.E;
+  p.num_slots = in.S;
+  p.indices = in.indices.data_ptr<int64_t>();
+  p.valid = in.valid.defined() ? in.valid.data_ptr<bool>() : nullptr;
+  p.tokens_to_spare = in.tokens_to_spare.data_ptr<int64_t>();
+  p.offload_map = in.offload_map.data_ptr();
+  p.offload_bytes = static_cast<int>(in.offload_map.element_size());
+  p.out_indices = out.data_ptr<int64_t>();
+  p.slot_home = slot_home.data_ptr<int64_t>();
+  return p;
+}
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> reroute_indices_cpu(const at::Tensor& indices, const at::Tensor& tokens_to_spare,
+                                                       const at::Tensor& offload_map,
+                                                       const c10::optional<at::Tensor>& valid) {
+  PreparedIndices in = check_and_prepare_indices(indices, tokens_to_spare, offload_map, valid);
+  at::Tensor out = at::empty({in.T, in.K}, in.indices.options());
+  at::Tensor slot_home = at::empty({in.S}, in.indices.options());
+  reroute::RerouteIndexProblem p = make_index_problem(in, out, slot_home);
+  p.error_flag = error_flag_ptr(indices.device());
+  reroute::reroute_indices_host(p, [](int64_t n, const std::function<void(int64_t, int64_t)>& body) {
+    at::parallel_for(0, n, 1, body);
+  });
+  return {out, slot_home};
+}
+
+#ifdef MOE_GRAPH_WITH_CUDA
+std::tuple<at::Tensor, at::Tensor> reroute_indices_cuda(const at::Tensor& indices, const at::Tensor& tokens_to_spare,
+                                                        const at::Tensor& offload_map,
+                                                        const c10::optional<at::Tensor>& valid) {
+  c10::cuda::CUDAGuard guard(indices.device());
+  PreparedIndices in = check_and_prepare_indices(indices, tokens_to_spare, offload_map, valid);
+  TORCH_CHECK(in.S <= reroute::kRerouteMaxSlots, kIdx, ": offload_map has too many spare slots (", in.S, " > ",
+              reroute::kRerouteMaxSlots, ")");
+  TORCH_CHECK(in.E <= reroute::kRerouteIndexMaxExperts, kIdx, ": offload_map has too many experts (", in.E, " > ",
+              reroute::kRerouteIndexMaxExperts, ")");
+  TORCH_CHECK(in.K <= reroute::kRerouteIndexMaxTopk, kIdx, ": indices has too many routes per token (", in.K, " > ",
+              reroute::kRerouteIndexMaxTopk, ")");
+  at::Tensor out = at::empty({in.T, in.K}, in.indices.options());
+  at::Tensor slot_home = at::empty({in.S}, in.indices.options());
+  at::Tensor workspace =
+      at::empty({reroute::reroute_workspace_elems(in.T, in.E, in.S)}, in.indices.options().dtype(at::kInt));
+  reroute::RerouteIndexProblem p = make_index_problem(in, out, slot_home);
+  p.error_flag = error_flag_ptr(indices.device());
+  auto stream = at::cuda::getCurrentCUDAStream(indices.device().index()).stream();
+  C10_CUDA_CHECK(reroute::reroute_indices_cuda_launch(p, workspace.data_ptr<int32_t>(), stream));
+  return {out, slot_home};
+}
+#endif
 
 #ifdef MOE_GRAPH_WITH_CUDA
 std::tuple<at::Tensor, at::Tensor> reroute_tokens_cuda(const at::Tensor& routing_map, const at::Tensor& probs,

@@ -14,6 +14,12 @@ std::tuple<at::Tensor, at::Tensor> reroute_tokens_cpu(const at::Tensor& routing_
                                                       const at::Tensor& tokens_to_spare,
                                                       const at::Tensor& offload_map);
 
+// indices [T, K] int64, tokens_to_spare [S] int32/int64, offload_map [E, S] bool/int32/int64 ("> 0"),
+// valid [T, K] bool or undefined -> (rerouted indices [T, K] int64 in [0, E+S), slot_home [S] int64, E: none).
+std::tuple<at::Tensor, at::Tensor> reroute_indices_cpu(const at::Tensor& indices, const at::Tensor& tokens_to_spare,
+                                                       const at::Tensor& offload_map,
+                                                       const c10::optional<at::Tensor>& valid);
+
 // counts [R, E] int32/int64 -> home_to_spare [E, R*k] int64: the best-fit placement of
 // moe_graph.planner.best_fit_assignment (semantics in reroute/echo_plan.h).
 // donor_mask: optional [R, R] bool (allowed[r, q]: a slot on rank r may host rank q's experts; undefined: all).
@@ -29,6 +35,9 @@ at::Tensor echo_best_fit_cuda(const at::Tensor& counts, int64_t num_spare_expert
                               const c10::optional<at::Tensor>& donor_mask);
 std::tuple<at::Tensor, at::Tensor> echo_plan_cuda(const at::Tensor& counts, int64_t num_spare_experts_per_ep_rank,
                                                   int64_t mode, const c10::optional<at::Tensor>& donor_mask);
+std::tuple<at::Tensor, at::Tensor> reroute_indices_cuda(const at::Tensor& indices, const at::Tensor& tokens_to_spare,
+                                                        const at::Tensor& offload_map,
+                                                        const c10::optional<at::Tensor>& valid);
 std::tuple<at::Tensor, at::Tensor> reroute_tokens_cuda(const at::Tensor& routing_map, const at::Tensor& probs,
                                                        const at::Tensor& tokens_to_spare,
                                                        const at::Tensor& offload_map);

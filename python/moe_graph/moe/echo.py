@@ -42,7 +42,7 @@ gradient (the DDP hook still fires, adds nothing).
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Sequence
+from typing import List, NamedTuple, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -69,6 +69,7 @@ __all__ = [
     "echo_grouped_gemm",
     "PeerBackend",
     "echo_buffer_bytes",
+    "SlotPlan",
 ]
 
 
@@ -167,18 +168,20 @@ def echo_buffer_bytes(
     """Bytes of the echo buffers one MoE layer allocates, for ``E`` experts, ``R`` EP ranks, ``k`` spare slots,
     ``w = donors`` donor ranks (``None`` or ``>= R``: unconstrained, all-to-all of ``R`` blocks), ``N =
     expert_numel`` parameters per expert (all expert weight tensors together, e.g. fc1 + fc2), weights in
-    ``dtype`` and gradients (``main_grad``) in ``grad_dtype``. With ``B = R`` (unconstrained) or ``w``, ``L = E/R``:
+    ``dtype`` and gradients (``main_grad``) in ``grad_dtype``. With ``B = R`` (unconstrained) or ``w``:
 
     * ``dispatch_send`` / ``dispatch_recv``: ``B*k*N`` weight elements each (:meth:`EchoExpertDispatcher.dispatch`);
     * ``spare_weights``: ``k*N`` per dispatch, held until the backward of every microbatch that uses it: one copy per
       microbatch in flight with ``plan_mode="microbatch"`` (``num_microbatches``), one static buffer per layer with
       ``"iteration"`` (the dispatch writes into it);
-    * ``grad_send`` / ``grad_recv``: ``B*k*N`` gradient elements each, ``grad_acc``: ``(L+1)*N``
-      (:meth:`EchoExpertDispatcher.aggregate_grads`, per backward);
+    * ``grad_send`` / ``grad_recv``: ``B*k*N`` gradient elements each (:meth:`EchoExpertDispatcher.aggregate_grads`,
+      per backward; the received rows are added straight into the home experts' gradients, no accumulator);
     * ``spare_grads``: ``k*N``, the spare slots' static wgrad buffers (fused ``main_grad`` path).
 
+    With ``R = 1`` nothing is exchanged: the dispatch gathers the copies straight into the spare buffer
+    (``dispatch_send = dispatch_recv = 0``) and the aggregation adds the masked spare gradients (``grad_recv = 0``).
     ``total`` sums them (an upper bound of what a CUDA graph's pool holds: the send/receive blocks are transient
-    and reused across microbatches). Everything but ``grad_acc`` is ``O(B*k*N)``: with donors, independent of ``R``.
+    and reused across microbatches). Everything is ``O(B*k*N)``: with donors, independent of ``R``.
     The tests check the per-call numbers against the tensors the dispatcher actually allocates.
 
     Example: DeepSeek-V3-sized experts (``N = 3 * 7168 * 2048``, bf16), ``E=256``, ``R=64``, ``k=2``: the
@@ -195,17 +198,17 @@ def echo_buffer_bytes(
         raise ValueError(f"plan_mode must be one of {PLAN_MODES}, got {plan_mode!r}")
     d = echo_planner.donor_ranks(R, donors)
     B = R if d is None else len(d[0])
-    L, N = num_experts // R, int(expert_numel)
+    N = int(expert_numel)
     wb = torch.empty((), dtype=dtype).element_size()
     gb = torch.empty((), dtype=grad_dtype).element_size()
     copies = num_microbatches if plan_mode == "microbatch" else 1
+    x = 0 if R == 1 else 1  # a one-rank group exchanges nothing
     out = {
-        "dispatch_send": B * k * N * wb,
-        "dispatch_recv": B * k * N * wb,
+        "dispatch_send": x * B * k * N * wb,
+        "dispatch_recv": x * B * k * N * wb,
         "spare_weights": copies * k * N * wb,
         "grad_send": B * k * N * gb,
-        "grad_recv": B * k * N * gb,
-        "grad_acc": (L + 1) * N * gb,
+        "grad_recv": x * B * k * N * gb,
         "spare_grads": k * N * gb,
     }
     out["total"] = sum(out.values())
@@ -247,6 +250,20 @@ def wgrad_accumulate_mask(num_local_experts: int, num_spare: int, device=None) -
 def spare_grad_buffers(home_weights: Sequence[torch.Tensor], num_spare: int, dtype=torch.float32) -> List[torch.Tensor]:
     """Separate fp32 gradient buffers ``[k, ...]`` for the spare slots, one per weight tensor."""
     return [torch.zeros((num_spare,) + tuple(w.shape[1:]), dtype=dtype, device=w.device) for w in home_weights]
+
+
+class SlotPlan(NamedTuple):
+    """One plan decoded for one rank (:meth:`EchoExpertDispatcher.decode`), once per forward, for the weight
+    dispatch and the gradient aggregation of every expert GEMM: device tensors only. ``B`` exchange blocks
+    (``R``, or ``w`` with donors) of ``k`` rows each."""
+
+    slot_home: torch.Tensor  # [S] int64: the home expert of each slot (E: none)
+    send_src: torch.Tensor  # [B*k] int64: local expert copied into each weight-send row (0 where none)
+    send_off: torch.Tensor  # [B*k, 1] bool: the row carries none of our experts (sent as zeros)
+    recv_rows: Optional[torch.Tensor]  # [k] int64: the receive row holding each of our slots' copy (R > 1)
+    recv_off: Optional[torch.Tensor]  # [k, 1] bool: our slot hosts nothing a donor sends (zeros; R > 1)
+    grad_off: torch.Tensor  # [B, k, 1] bool: our slot i's gradient does not go to block b
+    grad_target: torch.Tensor  # [B*k] int64: home expert of the j-th received gradient row in summation order
 
 
 class EchoExpertDispatcher:
@@ -335,6 +352,22 @@ class EchoExpertDispatcher:
         else:
             self._grad_rows = list(range(self.num_spare_slots))
             self._consts = {"grad_src_slots": list(range(self.num_spare_slots))}
+        R, k, L, me = self.num_ep_ranks, self.num_spare_experts_per_ep_rank, self.num_local_experts, self.ep_rank
+        # per home expert e (index E: no expert): its local index if it is ours (else 0), whether it is not ours,
+        # and the exchange block of its rank (-1: none, or not a donor)
+        ours = [me * L <= e < (me + 1) * L for e in range(num_experts)] + [False]
+        if self.donor_ranks is None:
+            block = [e // L for e in range(num_experts)] + [-1]
+        else:
+            block = [self._consts["donor_pos"][e // L] for e in range(num_experts)] + [-1]
+        self._consts.update({
+            "local_or0": [e - me * L if o else 0 for e, o in enumerate(ours)],
+            "not_ours": ([not o for o in ours], torch.bool),
+            "block_of": block,
+            "ar_k": list(range(k)),
+            "ar_B": list(range(self._blocks())),
+            "zero": (0.0, torch.float32),  # the masked gradient value (0-dim: where() keeps the gradients' dtype)
+        })
         self._backend = backend
         self._tables = {}  # (name, device) -> the constant index tensors above, copied once (prepare())
         if device is not None:
@@ -366,7 +399,9 @@ class EchoExpertDispatcher:
         device = torch.device(device)
         t = self._tables.get((name, device))
         if t is None:
-            t = torch.tensor(self._consts[name], dtype=torch.int64, device=device)
+            v = self._consts[name]
+            values, dtype = v if isinstance(v, tuple) else (v, torch.int64)
+            t = torch.tensor(values, dtype=dtype, device=device)
             self._tables[(name, device)] = t
         return t
 
@@ -374,8 +409,8 @@ class EchoExpertDispatcher:
         return self.num_ep_ranks if self.donor_ranks is None else self.donors
 
     # -- plan decoding (device tensors only) --
-    def slot_homes(self, offload_map: torch.Tensor):
-        """``(home_rank[S], home_local[S], has_home[S])`` from ``offload_map [E, S]`` (first true row)."""
+    def slot_home(self, offload_map: torch.Tensor) -> torch.Tensor:
+        """``[S]`` int64: the home expert of each slot (the first true row of ``offload_map [E, S]``; ``E``: none)."""
         m = offload_map
         if m.dim() != 2 or m.shape != (self.num_experts, self.num_spare_slots):
             raise ValueError(
@@ -384,7 +419,42 @@ class EchoExpertDispatcher:
             )
         m = m.to(torch.bool)
         home = torch.argmax(m.to(torch.int8), dim=0)
-        return home // self.num_local_experts, home % self.num_local_experts, m.any(0)
+        return torch.where(m.any(0), home, self.num_experts)
+
+    def slot_homes(self, offload_map: torch.Tensor):
+        """``(home_rank[S], home_local[S], has_home[S])`` from ``offload_map [E, S]`` (first true row)."""
+        home = self.slot_home(offload_map)
+        return home // self.num_local_experts, home % self.num_local_experts, home < self.num_experts
+
+    def decode(self, slot_home: torch.Tensor) -> SlotPlan:
+        """The :class:`SlotPlan` of ``slot_home [S]`` int64 (``E``: none; e.g. the second output of
+        :func:`moe_graph.ops.reroute.reroute_indices`): a few gathers from constant tables, no host sync. Every rank
+        decodes the same ``slot_home``."""
+        if slot_home.shape != (self.num_spare_slots,):
+            raise ValueError(f"slot_home must have shape [S] = [{self.num_spare_slots}], got {tuple(slot_home.shape)}")
+        dev = slot_home.device
+        B, k, R = self._blocks(), self.num_spare_experts_per_ep_rank, self.num_ep_ranks
+        sent = slot_home if self.donor_ranks is None else slot_home.index_select(0, self._const("send_slots", dev))
+        send_src = self._const("local_or0", dev).index_select(0, sent)
+        send_off = self._const("not_ours", dev).index_select(0, sent)[:, None]
+        if R == 1:  # nothing to exchange: our slots' copies come from our own experts
+            return SlotPlan(slot_home, send_src, send_off, None, None, send_off.view(1, k, 1), send_src)
+        mine = slot_home[self.ep_rank * k:(self.ep_rank + 1) * k]
+        blk = self._const("block_of", dev).index_select(0, mine)  # [k] block of each of our slots' home rank
+        recv_rows = torch.add(self._const("ar_k", dev), blk.clamp(min=0), alpha=k)
+        grad_off = (blk[None, :] != self._const("ar_B", dev)[:, None])[:, :, None]
+        if self.donor_ranks is None:  # summation row j is slot j
+            target = send_src
+        else:
+            target = self._const("local_or0", dev).index_select(
+                0, slot_home.index_select(0, self._const("grad_src_slots", dev)))
+        return SlotPlan(slot_home, send_src, send_off, recv_rows, (blk < 0)[:, None], grad_off, target)
+
+    def _plan(self, plan: Union[SlotPlan, torch.Tensor], device) -> SlotPlan:
+        """``plan`` as a :class:`SlotPlan` on ``device``: decoded here when it is an ``offload_map [E, S]``."""
+        if isinstance(plan, SlotPlan):
+            return plan
+        return self.decode(self.slot_home(plan.to(device)))
 
     def _check_weights(self, home_weights: Sequence[torch.Tensor]) -> None:
         if len(home_weights) == 0:
@@ -414,87 +484,77 @@ class EchoExpertDispatcher:
         return out
 
     # -- forward: weights to spare slots --
-    def dispatch(self, offload_map: torch.Tensor, home_weights: Sequence[torch.Tensor],
+    def dispatch(self, plan: Union[SlotPlan, torch.Tensor], home_weights: Sequence[torch.Tensor],
                  out: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
         """Copies of the home experts for this rank's ``k`` spare slots: one ``[k, ...]`` tensor per input tensor
-        (zeros for an unused slot). Collective: every rank of the group must call it with the same plan.
+        (zeros for an unused slot). ``plan``: a :class:`SlotPlan` (:meth:`decode`) or an ``offload_map [E, S]``.
+        Collective: every rank of the group must call it with the same plan.
 
         Allocates exactly three ``N``-sized buffers (``N`` = one expert's elements over all tensors, in the weights'
-        dtype): the send and receive blocks ``[B, k, N]`` (``B = R``, or ``w`` with donors) and the spare copies
-        ``[k, N]`` (the returned tensors are views of it; ``out``: a contiguous ``[k, N]`` buffer of the weights'
-        dtype to write them into instead, e.g. a static one); see :func:`echo_buffer_bytes`."""
+        dtype): the send and receive blocks ``[B, k, N]`` (``B = R``, or ``w`` with donors; none for ``R = 1``) and
+        the spare copies ``[k, N]`` (the returned tensors are views of it; ``out``: a contiguous ``[k, N]`` buffer of
+        the weights' dtype to write them into instead, e.g. a static one); see :func:`echo_buffer_bytes`."""
         self._check_weights(home_weights)
         dev = home_weights[0].device
-        home_rank, home_local, has_home = self.slot_homes(offload_map.to(dev))
+        p = self._plan(plan, dev)
         B, k, L = self._blocks(), self.num_spare_experts_per_ep_rank, self.num_local_experts
         sizes = [math.prod(w.shape[1:]) for w in home_weights]
         N = sum(sizes)
-        if self.donor_ranks is None:  # block d: the k slots of rank d
-            slot_home, slot_local, slot_has = home_rank, home_local, has_home
-        else:  # block o: the k slots of to_ranks[o]
-            idx = self._const("send_slots", dev)
-            slot_home, slot_local, slot_has = home_rank[idx], home_local[idx], has_home[idx]
-        mine = slot_has & (slot_home == self.ep_rank)  # [B*k]: the slot hosts one of our experts
-        send = torch.empty(B * k, N, dtype=home_weights[0].dtype, device=dev)
+        dtype = home_weights[0].dtype
+        if out is not None and (out.shape != (k, N) or out.dtype != dtype or out.device != dev
+                                or not out.is_contiguous()):
+            raise ValueError(f"out must be a contiguous [{k}, {N}] {dtype} tensor on {dev}, got "
+                             f"{tuple(out.shape)} {out.dtype} {out.device}")
+        single = self.num_ep_ranks == 1
+        if single:  # our slots take our own experts: gather straight into the spare buffer
+            send = torch.empty(k, N, dtype=dtype, device=dev) if out is None else out
+        else:
+            send = torch.empty(B * k, N, dtype=dtype, device=dev)
         off = 0
         for w, n in zip(home_weights, sizes):
-            torch.index_select(w.detach().reshape(L, n), 0, slot_local, out=send[:, off:off + n])
+            torch.index_select(w.detach().reshape(L, n), 0, p.send_src, out=send[:, off:off + n])
             off += n
-        send.masked_fill_(~mine[:, None], 0)
-        my = slice(self.ep_rank * k, (self.ep_rank + 1) * k)
+        send.masked_fill_(p.send_off, 0)
+        if single:
+            return self.unpack(send, home_weights, k)
         if self.donor_ranks is None:
             recv = self.backend.exchange(send.view(B, k, N))  # recv[s, i]: rank s's copy for our slot i
-            block = home_rank[my]
-            ok = has_home[my]
         else:
             recv = self.backend.exchange(send.view(B, k, N), self.to_ranks, self.from_ranks)
-            pos = self._const("donor_pos", dev).index_select(0, home_rank[my])  # block of each slot's home rank (-1: none)
-            ok = has_home[my] & (pos >= 0)
-            block = pos.clamp(min=0)
-        rows = block * k + torch.arange(k, device=dev)
-        if out is not None and (out.shape != (k, N) or out.dtype != send.dtype or out.device != dev
-                                or not out.is_contiguous()):
-            raise ValueError(f"out must be a contiguous [{k}, {N}] {send.dtype} tensor on {dev}, got "
-                             f"{tuple(out.shape)} {out.dtype} {out.device}")
-        spare = torch.empty(k, N, dtype=send.dtype, device=dev) if out is None else out
-        torch.index_select(recv.view(B * k, N), 0, rows, out=spare)
-        spare.masked_fill_(~ok[:, None], 0)
+        spare = torch.empty(k, N, dtype=dtype, device=dev) if out is None else out
+        torch.index_select(recv.view(B * k, N), 0, p.recv_rows, out=spare)
+        spare.masked_fill_(p.recv_off, 0)
         return self.unpack(spare, home_weights, k)
 
     # -- backward: spare-slot gradients home --
-    def exchange_grads(self, offload_map: torch.Tensor, spare_grads: Sequence[torch.Tensor]):
+    def exchange_grads(self, plan: Union[SlotPlan, torch.Tensor], spare_grads: Sequence[torch.Tensor]):
         """Sends the spare slots' gradients to their home ranks. Returns ``(recv [B*k, N], target [B*k])``: the
         received rows and, for the ``j``-th row in summation order (ascending source slot; row
-        ``self._grad_rows[j]`` of ``recv``), the local home expert it adds into (``L``: a sink row, not ours).
-        Allocates the send and receive blocks ``[B, k, N]`` in fp32 (or
-        the gradients' wider dtype)."""
+        ``self._grad_rows[j]`` of ``recv``), the local home expert it adds into. A row that is not ours arrives as
+        zeros (its sender masks it) and targets expert 0. Allocates the send and receive blocks ``[B, k, N]`` in
+        fp32 (or the gradients' wider dtype); with ``R = 1`` only the send block, which is also the result."""
         self._check_grads(spare_grads)
         dev = spare_grads[0].device
-        dtype = torch.promote_types(spare_grads[0].dtype, torch.float32) if spare_grads[0].is_floating_point() else spare_grads[0].dtype
-        home_rank, home_local, has_home = self.slot_homes(offload_map.to(dev))
+        g0 = spare_grads[0].dtype
+        dtype = torch.float32 if g0.is_floating_point and g0 != torch.float64 else g0  # fp32 or wider
+        p = self._plan(plan, dev)
         B, k = self._blocks(), self.num_spare_experts_per_ep_rank
         sizes = [math.prod(g.shape[1:]) for g in spare_grads]
         N = sum(sizes)
-        my = slice(self.ep_rank * k, (self.ep_rank + 1) * k)
-        if self.donor_ranks is None:
-            dest_ranks = torch.arange(self.num_ep_ranks, device=dev)
-        else:
-            dest_ranks = self._const("from", dev)
-        dest = (dest_ranks[:, None] == home_rank[my][None, :]) & has_home[my][None, :]  # [B, k]
         send = torch.empty(B, k, N, dtype=dtype, device=dev)
+        zero = self._const("zero", dev)
         off = 0
         for g, n in zip(spare_grads, sizes):
-            send[:, :, off:off + n].copy_(g.reshape(1, k, n).expand(B, k, n))
+            torch.where(p.grad_off, zero, g.reshape(1, k, n), out=send[:, :, off:off + n])
             off += n
-        send.masked_fill_(~dest[:, :, None], 0)
-        if self.donor_ranks is None:
+        if self.num_ep_ranks == 1:
+            recv = send.view(k, N)
+        elif self.donor_ranks is None:
             # row s*k+i: slot s*k+i's gradient (if ours)
             recv = self.backend.exchange(send).reshape(self.num_spare_slots, N)
         else:  # row o*k+i: slot i of to_ranks[o]
             recv = self.backend.exchange(send, self.from_ranks, self.to_ranks).reshape(B * k, N)
-        for_me = has_home & (home_rank == self.ep_rank)
-        target = torch.where(for_me, home_local, torch.full_like(home_local, self.num_local_experts))
-        return recv, target.index_select(0, self._const("grad_src_slots", dev))
+        return recv, p.grad_target
 
     def _check_grads(self, spare_grads: Sequence[torch.Tensor]) -> None:
         if len(spare_grads) == 0:
@@ -525,9 +585,13 @@ class EchoExpertDispatcher:
         Every input and output is validated before anything is written (a bad one raises and leaves all gradients
         unchanged). Returns the tensors added into. Collective, like :meth:`dispatch`.
 
-        Deterministic on every device: the received rows are summed one at a time in ascending source slot order
-        into an fp32 accumulator ``[L + 1, N]`` (a static loop of single-row adds, no atomics), then added into the
-        gradients; two runs give identical bits, and the all-to-all and the donor (peer) exchange give the same sums.
+        ``offload_map``: a :class:`SlotPlan` (:meth:`decode`) or the ``[E, S]`` map.
+
+        Traffic ``O(B*k*N)``, independent of ``L``: each received row is added straight into its home expert's rows
+        of the gradient (one single-row ``index_add_`` per row and tensor, a row not ours is zeros added to expert
+        0). Deterministic on every device: the rows are added one at a time in ascending source slot order (a static
+        loop, no atomics racing on a row); two runs give identical bits, and the all-to-all and the donor (peer)
+        exchange give the same sums.
         """
         self._check_grads(spare_grads)
         if out is None:
@@ -560,33 +624,36 @@ class EchoExpertDispatcher:
                         p.grad = torch.zeros_like(p)
                     t = p.grad
                 out.append(t)
-        acc = torch.zeros(self.num_local_experts + 1, recv.shape[1], dtype=recv.dtype, device=recv.device)
-        for j, r in enumerate(self._grad_rows):  # fixed order, one row per add: no atomics racing on a row
-            acc.index_add_(0, target[j:j + 1], recv[r:r + 1])
-        parts = self.unpack(acc[: self.num_local_experts], list(out), self.num_local_experts)
-        for o, part in zip(out, parts):
-            o.add_(part.to(o.dtype))
+        off = 0
+        for o in out:
+            n = math.prod(o.shape[1:])
+            src = recv[:, off:off + n]
+            src = src if src.dtype == o.dtype else src.to(o.dtype)
+            for j, r in enumerate(self._grad_rows):  # fixed order, one row per add: no atomics racing on a row
+                o.index_add_(0, target[j:j + 1], src[r:r + 1].view((1,) + tuple(o.shape[1:])))
+            off += n
         return list(out)
 
 
 class _DispatchSpare(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, dispatcher, offload_map, spare, *home_weights):
+    def forward(ctx, dispatcher, plan, spare, *home_weights):
         ctx.dispatcher = dispatcher
         ctx.shapes = [(w.shape, w.dtype) for w in home_weights]
         ctx.params = home_weights  # to find main_grad in backward
-        ctx.save_for_backward(offload_map)
+        ctx.device = home_weights[0].device
+        # decoded integer tables, never written in place: kept as an attribute (a SlotPlan is no tensor to save)
+        ctx.plan = dispatcher._plan(plan, ctx.device)
         if spare is not None:  # a plan reused within the iteration: the copies are already here (no exchange)
             return tuple(t.view_as(t) for t in spare)
-        return tuple(dispatcher.dispatch(offload_map, home_weights))
+        return tuple(dispatcher.dispatch(ctx.plan, home_weights))
 
     @staticmethod
     def backward(ctx, *spare_grads):
-        (offload_map,) = ctx.saved_tensors
         d: EchoExpertDispatcher = ctx.dispatcher
         grads = [
             g if g is not None
-            else torch.zeros((d.num_spare_experts_per_ep_rank,) + tuple(s[1:]), dtype=dt, device=offload_map.device)
+            else torch.zeros((d.num_spare_experts_per_ep_rank,) + tuple(s[1:]), dtype=dt, device=ctx.device)
             for g, (s, dt) in zip(spare_grads, ctx.shapes)
         ]
         use_main = [getattr(p, "main_grad", None) is not None for p in ctx.params]
@@ -594,13 +661,13 @@ class _DispatchSpare(torch.autograd.Function):
             p.main_grad if m else torch.zeros(s, dtype=torch.promote_types(dt, torch.float32), device=g.device)
             for p, m, (s, dt), g in zip(ctx.params, use_main, ctx.shapes, grads)
         ]
-        d.aggregate_grads(offload_map, grads, out=outs)
+        d.aggregate_grads(ctx.plan, grads, out=outs)
         home = [None if m else o.to(dt) for m, o, (_, dt) in zip(use_main, outs, ctx.shapes)]
         return (None, None, None, *home)
 
 
 def dispatch_spare_weights(
-    dispatcher: EchoExpertDispatcher, offload_map: torch.Tensor, home_weights: Sequence[torch.Tensor],
+    dispatcher: EchoExpertDispatcher, offload_map: Union[SlotPlan, torch.Tensor], home_weights: Sequence[torch.Tensor],
     spare: Optional[Sequence[torch.Tensor]] = None,
 ) -> List[torch.Tensor]:
     """Autograd-aware :meth:`EchoExpertDispatcher.dispatch`: returns the ``[k, ...]`` spare weights; in backward
@@ -642,12 +709,13 @@ class _EchoGroupedGemmFn(torch.autograd.Function):
         ctx.spare_grad, ctx.spare_bias_grad = spare_grad, spare_bias_grad
         ctx.bias_dtype = home_bias.dtype if home_bias is not None else None
         ctx.home_param = home_weight  # main_grad's owner: a saved tensor unpacks without it under saved_tensors_hooks
-        ctx.save_for_backward(a, m_splits, home_weight, spare_weight, offload_map)
+        ctx.plan = dispatcher._plan(offload_map, a.device)  # decoded integer tables, never written in place
+        ctx.save_for_backward(a, m_splits, home_weight, spare_weight)
         return out
 
     @staticmethod
     def backward(ctx, dy):
-        a, m_splits, home, spare, offload_map = ctx.saved_tensors
+        a, m_splits, home, spare = ctx.saved_tensors
         dy = dy.contiguous()
         da = dw = db = None
         if ctx.needs_input_grad[0]:
@@ -665,7 +733,7 @@ class _EchoGroupedGemmFn(torch.autograd.Function):
                 ctx.spare_bias_grad.copy_(bias_grads[L:])
                 spare_grads.append(ctx.spare_bias_grad)
                 targets.append(db)
-            ctx.dispatcher.aggregate_grads(offload_map, spare_grads, out=targets)
+            ctx.dispatcher.aggregate_grads(ctx.plan, spare_grads, out=targets)
             ctx.home_param.grad_added_to_main_grad = True
             dw = zero_wgrad_placeholder(home)
             if db is not None:
@@ -679,7 +747,7 @@ def echo_grouped_gemm(
     spare_weight: torch.Tensor,
     m_splits: torch.Tensor,
     dispatcher: EchoExpertDispatcher,
-    offload_map: torch.Tensor,
+    offload_map: Union[SlotPlan, torch.Tensor],
     accumulate_mask: torch.Tensor,
     spare_grad: torch.Tensor,
     *,

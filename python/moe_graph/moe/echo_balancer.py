@@ -1,5 +1,7 @@
 """``EchoBalancer``: echo for one MoE layer. From the all-gathered per-rank counts it plans which home experts the
-spare slots host (:mod:`moe_graph.moe.echo_planner`), reroutes this rank's tokens to those slots, and provides the
+spare slots host (:mod:`moe_graph.moe.echo_planner`), reroutes this rank's top-k routes to those slots
+(:func:`moe_graph.ops.reroute.reroute_indices`: only the indices change, the probabilities stay), decodes the plan
+once for the weight dispatch and the gradient aggregation (:class:`moe_graph.moe.echo.SlotPlan`), and provides the
 spare weight copies (:class:`moe_graph.moe.echo.EchoExpertDispatcher`).
 
 Plan modes: ``"microbatch"`` plans and moves weights in every forward. ``"iteration"`` plans and moves them only in
@@ -16,7 +18,8 @@ import torch
 from torch import nn
 
 from moe_graph.moe import echo_planner
-from moe_graph.moe.echo import PLAN_MODES, EchoExpertDispatcher, LocalBackend, echo_buffer_bytes
+from moe_graph.moe.echo import PLAN_MODES, EchoExpertDispatcher, LocalBackend, SlotPlan, echo_buffer_bytes
+from moe_graph.ops.reroute import reroute_indices
 
 __all__ = ["EchoBalancer"]
 
@@ -50,33 +53,40 @@ class EchoBalancer(nn.Module):
         if plan_mode == "iteration":  # the iteration's plan and spare copies (written in place)
             for name, shape, dt in (("ref_home_to_spare", (num_experts, R * k), torch.int64),
                                     ("ref_expert_loads", (num_experts,), torch.int64),
-                                    ("ref_offload_map", (num_experts, R * k), torch.bool),
                                     ("spare_weights", (k, expert_numel), dtype)):
                 self.register_buffer(name, torch.zeros(shape, dtype=dt, device=device), persistent=False)
         if R > 1:
             _ = self.dispatcher.backend  # probe the process group now, never during capture
 
-    def plan(self, counts: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor, reuse: bool = False
-             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``counts [R, E]`` (all-gathered), this rank's ``routing_map`` / ``probs [T, E]`` -> ``(routing_map
-        [T, E+S], probs [T, E+S], offload_map [E, S] bool, home_to_spare [E, S] int64)``. ``reuse``: keep the
-        iteration's placement (``"iteration"`` mode, not its first microbatch)."""
+    def plan(self, counts: torch.Tensor, indices: torch.Tensor, valid: Optional[torch.Tensor] = None,
+             reuse: bool = False) -> Tuple[torch.Tensor, SlotPlan, torch.Tensor]:
+        """``counts [R, E]`` (all-gathered), this rank's top-k ``indices [T, K]`` (home experts; ``valid``: optional
+        ``[T, K]`` bool) -> ``(indices [T, K]`` in ``[0, E+S)``, the decoded plan, ``home_to_spare [E, S]`` int64).
+        The routes' probabilities are unchanged (a moved route keeps its place in its token's row). ``reuse``: keep
+        the iteration's placement (``"iteration"`` mode, not its first microbatch)."""
         if reuse:
             home_to_spare, allocation = echo_planner.reuse_plan(counts, self.ref_home_to_spare, self.ref_expert_loads)
-            offload_map = self.ref_offload_map
+            placement = self.ref_home_to_spare  # the slots keep their experts even where no token moves now
         else:
             home_to_spare, allocation = echo_planner.gen_plan(counts, self.num_spare_experts_per_ep_rank,
                                                               self.assignment, donor_mask=self.donor_mask)
-            offload_map = home_to_spare > 0
+            placement = home_to_spare
             if self.plan_mode == "iteration":
                 with torch.no_grad():
                     self.ref_home_to_spare.copy_(home_to_spare)
                     self.ref_expert_loads.copy_(counts.sum(0))
-                    self.ref_offload_map.copy_(offload_map)
-        new_map, new_probs = echo_planner.reroute_tokens(routing_map, probs, allocation[self.ep_rank], offload_map)
-        return new_map, new_probs, offload_map, home_to_spare
+        new_indices, slot_home = reroute_indices(indices, allocation[self.ep_rank], placement, valid)
+        return new_indices, self.dispatcher.decode(slot_home), home_to_spare
 
-    def iteration_spares(self, offload_map: torch.Tensor, home_weights: Sequence[torch.Tensor], reuse: bool
+    def load_after(self, load_before: torch.Tensor, home_to_spare: torch.Tensor) -> torch.Tensor:
+        """``[R]`` tokens each EP rank receives with the plan: ``load_before`` (:func:`echo_planner.rank_loads`)
+        plus what its slots take minus what its home experts send away (``moved[a, b]``: tokens of rank ``a``'s
+        experts planned into rank ``b``'s slots)."""
+        R, k = self.num_ep_ranks, self.num_spare_experts_per_ep_rank
+        moved = home_to_spare.view(R, self.num_experts // R, R, k).sum((1, 3))
+        return load_before + (moved - moved.t()).sum(0)
+
+    def iteration_spares(self, plan: SlotPlan, home_weights: Sequence[torch.Tensor], reuse: bool
                          ) -> Optional[List[torch.Tensor]]:
         """``"iteration"`` mode: the iteration's spare copies, one ``[k, ...]`` view of :attr:`spare_weights` per
         tensor of ``home_weights`` (the first microbatch dispatches them into it, a collective; ``reuse`` only
@@ -84,7 +94,7 @@ class EchoBalancer(nn.Module):
         if self.plan_mode != "iteration":
             return None
         if not reuse:
-            return self.dispatcher.dispatch(offload_map, home_weights, out=self.spare_weights)
+            return self.dispatcher.dispatch(plan, home_weights, out=self.spare_weights)
         return self.dispatcher.unpack(self.spare_weights, home_weights, self.num_spare_experts_per_ep_rank)
 
     def buffer_bytes(self, expert_numel: int, dtype: torch.dtype, num_microbatches: int = 1) -> dict:

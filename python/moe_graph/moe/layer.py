@@ -276,7 +276,8 @@ class MoELayer(nn.Module):
         pad = padding_mask.reshape(-1) if padding_mask is not None else None
         real = (~pad.to(torch.bool)) if pad is not None else None
         routing_map, probs, scores = self.router(h, pad)
-        new_map, new_probs, offload_map = self._balance(routing_map, probs, reuse)
+        indices, top_probs, valid = topk_from_routing_map(routing_map, probs, self.topk)
+        indices, plan = self._balance(routing_map, indices, valid, reuse)
 
         aux = None
         if self.training:
@@ -288,7 +289,6 @@ class MoELayer(nn.Module):
                 self._stat("last_z_loss", z.detach())
                 aux = z if aux is None else aux + z
 
-        indices, top_probs, valid = topk_from_routing_map(new_map, new_probs, self.topk)
         expert_in, m_splits, handle = self.dispatcher.dispatch(h, indices, top_probs, valid)
         self._stat("last_m_splits", m_splits)
 
@@ -296,8 +296,8 @@ class MoELayer(nn.Module):
         if self.echo is None:
             expert_out = self.experts(expert_in, m_splits)
         else:
-            spares = self.echo.iteration_spares(offload_map, self.experts.expert_params(), reuse)
-            expert_out = self.experts(expert_in, m_splits, self.echo.dispatcher, offload_map, spares)
+            spares = self.echo.iteration_spares(plan, self.experts.expert_params(), reuse)
+            expert_out = self.experts(expert_in, m_splits, self.echo.dispatcher, plan, spares)
         out = self.dispatcher.combine(expert_out, handle).to(x.dtype)
         if self.shared_expert is not None:
             out = out + self.shared_expert(h).to(out.dtype)
@@ -305,18 +305,18 @@ class MoELayer(nn.Module):
             out = MoEAuxLossAutoScaler.attach(out, aux)
         return out.reshape(*lead, self.hidden_size)
 
-    def _balance(self, routing_map: torch.Tensor, probs: torch.Tensor, reuse: bool):
-        """All-gathers the per-expert counts (statistics), and with echo plans and reroutes: ``(routing_map
-        [T, E+S], probs [T, E+S], offload_map [E, S])``; without echo the inputs and ``None``."""
+    def _balance(self, routing_map: torch.Tensor, indices: torch.Tensor, valid: Optional[torch.Tensor], reuse: bool):
+        """All-gathers the per-expert counts (statistics), and with echo plans and reroutes: ``(indices [T, K] in
+        [0, E+S), plan)`` (:meth:`EchoBalancer.plan`); without echo ``(indices, None)``."""
         counts = _all_gather_counts(routing_map.sum(0).to(torch.int64), self.ep_group, self.num_ep_ranks)  # [R, E]
         self._stat("last_tokens_per_expert", counts.sum(0))
         self._stat("last_load_before", echo_planner.rank_loads(counts))
         if self.echo is None:
             self._stat("last_load_after", self.last_load_before)
-            return routing_map, probs, None
-        new_map, new_probs, offload_map, home_to_spare = self.echo.plan(counts, routing_map, probs, reuse)
-        self._stat("last_load_after", echo_planner.rank_loads_after(counts, home_to_spare))
-        return new_map, new_probs, offload_map
+            return indices, None
+        indices, plan, home_to_spare = self.echo.plan(counts, indices, valid, reuse)
+        self._stat("last_load_after", self.echo.load_after(self.last_load_before, home_to_spare))
+        return indices, plan
 
     def extra_repr(self) -> str:
         return (f"hidden={self.hidden_size}, ffn={self.ffn_hidden_size}, experts={self.num_experts}, topk={self.topk}, "

@@ -1,5 +1,7 @@
 """Token rerouting for echo experts: ``reroute_tokens`` over the native op ``torch.ops.moe_graph.reroute_tokens``
-(C++ on CPU, CUDA kernels on GPU), its fake (meta) implementation and autograd (through ``probs``).
+(C++ on CPU, CUDA kernels on GPU), its fake (meta) implementation and autograd (through ``probs``), and
+``reroute_indices``, the same rule on the router's top-k indices (``torch.ops.moe_graph.reroute_indices``: no
+probabilities involved, so no autograd).
 
 Semantics (also in ``csrc/reroute/reroute.h``): slot ``j`` hosts the home expert ``e`` with
 ``offload_map[e, j]`` (the first one if several: that also sets the device error flag). For each home
@@ -12,17 +14,18 @@ exactly its number of routes. Requests beyond the routed tokens are clamped and 
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from moe_graph.ops._lib import has_kernel
 
-__all__ = ["reroute_tokens", "native_available", "echo_best_fit", "best_fit_available", "echo_plan", "plan_available",
+__all__ = ["reroute_tokens", "reroute_indices", "native_available", "echo_best_fit", "best_fit_available", "echo_plan", "plan_available",
            "MAX_TOTAL_TOKENS", "real_host_values"]
 
 _OP = "moe_graph::reroute_tokens"
+_IDX = "moe_graph::reroute_indices"
 _BF = "moe_graph::echo_best_fit"
 _PLAN = "moe_graph::echo_plan"
 _PLAN_MODES = {"auto": 0, "greedy": 1, "best_fit": 2}
@@ -119,6 +122,37 @@ def reroute_tokens(
     return torch.ops.moe_graph.reroute_tokens(routing_map, probs, tokens_to_spare, offload_map)
 
 
+def reroute_indices(
+    indices: torch.Tensor,
+    tokens_to_spare: torch.Tensor,
+    offload_map: torch.Tensor,
+    valid: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Move routes of home experts to their spare slots, on top-k indices: the rule of :func:`reroute_tokens` (the
+    same routes move to the same slots), without a dense ``[T, E]`` map. The probabilities stay as they are: a
+    route keeps its position in its token's row, only its column changes.
+
+    Args:
+        indices: ``[T, K]`` int64, the home expert of each route (a token routes to an expert at most once).
+        tokens_to_spare: ``[S]`` int32/int64, tokens this rank sends to each spare slot (its row of the planner's
+            allocation).
+        offload_map: ``[E, S]`` bool, or the planner's int32/int64 ``home_to_spare`` read as ``> 0``: slot ``j``
+            hosts home expert ``e``.
+        valid: optional ``[T, K]`` bool; an invalid route (or one outside ``[0, E)``) is neither counted nor moved.
+
+    Returns:
+        ``(indices [T, K] int64 in [0, E+S), slot_home [S] int64)``: a moved route's entry becomes ``E + j``;
+        ``slot_home[j]`` is the expert slot ``j`` hosts (``E``: none).
+
+    Example::
+
+        indices = [[0], [1], [1], [0], [0]] (T=5, K=1, E=2), one slot hosting expert 0, tokens_to_spare=[2]
+        -> tokens 0 and 3 (the first two routed to expert 0) move to column 2: [[2], [1], [1], [2], [0]],
+           slot_home = [0]
+    """
+    return torch.ops.moe_graph.reroute_indices(indices, tokens_to_spare, offload_map, valid)
+
+
 def _register() -> None:
     if not native_available():  # pragma: no cover - a build without the op
         return
@@ -156,6 +190,14 @@ def _register() -> None:
         return None, full[:, :E], None, None
 
     torch.library.register_autograd(_OP, _backward, setup_context=_setup_context)
+
+    if has_kernel(_IDX, "cpu"):
+
+        @torch.library.register_fake(_IDX)
+        def _(indices, tokens_to_spare, offload_map, valid=None):
+            torch._check(indices.dim() == 2, lambda: "reroute_indices: indices must be a 2-D tensor [T, K]")
+            torch._check(offload_map.dim() == 2, lambda: "reroute_indices: offload_map must be [E, S]")
+            return torch.empty_like(indices), indices.new_empty((offload_map.shape[1],))
 
     if best_fit_available():
 
