@@ -762,6 +762,8 @@ def echo_grouped_gemm(
         home_weight: ``[L, N, K]`` parameter with ``main_grad`` (same shape; fp32 or the weight dtype).
         spare_weight: ``[k, N, K]`` copies from :meth:`EchoExpertDispatcher.dispatch` (no autograd).
         m_splits: ``[L + k]`` device tensor.
+        dispatcher, offload_map: the echo weight dispatcher and this forward's plan (a :class:`SlotPlan` from
+            :meth:`EchoExpertDispatcher.decode`, or the ``[E, S]`` map, decoded here).
         accumulate_mask: ``[L + k]`` bool on the device, :func:`wgrad_accumulate_mask` (built once).
         spare_grad: ``[k, N, K]`` buffer of ``main_grad``'s dtype (:func:`spare_grad_buffers`), overwritten in
             every backward.

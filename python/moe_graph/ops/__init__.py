@@ -3,7 +3,7 @@
 from moe_graph.ops.errors import check_errors, flag_error_if, read_error_flag
 from moe_graph.ops.grouped_gemm import gmm, grouped_bias_grad, grouped_gemm, grouped_gemm_wgrad
 from moe_graph.ops.permute import expand_rows, reduce_rows
-from moe_graph.ops.reroute import reroute_tokens
+from moe_graph.ops.reroute import reroute_indices, reroute_tokens
 
 __all__ = [
     "grouped_gemm",
@@ -14,6 +14,7 @@ __all__ = [
     "read_error_flag",
     "flag_error_if",
     "reroute_tokens",
+    "reroute_indices",
     "expand_rows",
     "reduce_rows",
 ]
