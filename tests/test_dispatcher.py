@@ -355,3 +355,30 @@ def test_builds_without_the_native_ops_dispatch_the_same(gen, monkeypatch):
     monkeypatch.setattr(P, "native_available", lambda device_type="cpu": False)
     for a, b in zip(run(), native):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("policy", ["position", "probs"])
+def test_torch_compile_fullgraph(gen, policy):
+    # dispatch / combine / row_weights trace into one graph (the layout op's in-place counters included): outputs,
+    # gradients and drop counts equal eager
+    T, E, K, H = 16, 8, 2, 4
+    idx, probs = _routing(T, E, K, gen)
+    x = torch.randn(T, H, generator=gen)
+    d = TokenDispatcher(E, 1, 0, torch.zeros(E, dtype=torch.int64), torch.arange(E), capacity=10, drop_policy=policy)
+
+    def f(x, p):
+        ein, ms, h = d.dispatch(x, idx, p)
+        return d.combine(ein * 2, h) + d.combine(ein * d.row_weights(h)[:, None], h, weighted=False)
+
+    def grads(fn):
+        xd, pd = x.clone().requires_grad_(), probs.float().clone().requires_grad_()
+        y = fn(xd, pd)
+        (y * torch.arange(H)).sum().backward()
+        return y.detach(), xd.grad, pd.grad
+
+    eager = grads(f)
+    dropped = d.check_drops()
+    compiled = grads(torch.compile(f, backend="aot_eager", fullgraph=True))
+    for a, b in zip(compiled, eager):
+        torch.testing.assert_close(a, b)
+    assert d.check_drops() == 2 * dropped > 0

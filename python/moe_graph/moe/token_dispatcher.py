@@ -91,7 +91,10 @@ OVERFLOW_MODES = ("drop", "rerun")
 def counting_enabled() -> bool:
     """Whether a forward should add to cumulative device statistics (drop counter, expert-bias route counts):
     False while autograd runs a backward, where activation recomputation (``torch.utils.checkpoint``) re-runs the
-    forward, so that every token is counted once. A host-side check: no sync, fine under capture."""
+    forward, so that every token is counted once. A host-side check: no sync, fine under capture. While
+    ``torch.compile`` traces a forward it is True (the traced graph's backward never re-runs the Python forward)."""
+    if torch.compiler.is_compiling():
+        return True
     return torch._C._current_graph_task_id() == -1
 
 
