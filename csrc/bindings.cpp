@@ -3,6 +3,7 @@
 // allocation, stream) lives next to them in <family>_ops.cpp and is declared in <family>_ops.h.
 #include <torch/library.h>
 
+#include "activation/activation_ops.h"
 #include "common/error_flag_torch.h"
 #include "grouped_gemm/grouped_gemm_ops.h"
 #include "grouped_gemm/grouped_probe.h"
@@ -92,6 +93,15 @@ TORCH_LIBRARY(moe_graph, m) {
       "(Tensor, Tensor, Tensor, Tensor, Tensor)");
   // recv_counts [R, Lc] -> (expert_row_source [R*capacity], recv_row_target [R*capacity], m_splits [Lc]) int64.
   m.def("receive_layout(Tensor recv_counts, int capacity) -> (Tensor, Tensor, Tensor)");
+
+  // ---- fused gated activation (expert MLPs) --------------------------------------------------------------
+  // h [N, 2F] (gate half, then up half), row_scale [N] (fp32 or h's dtype) or None, activation "swiglu" |
+  // "clamped_swiglu" (alpha, limit: see csrc/activation/activation_math.h) -> act(h) * row_scale[:, None] [N, F].
+  m.def("gated_activation(Tensor h, Tensor? row_scale, str activation, float alpha, float limit) -> Tensor");
+  // -> (grad_h [N, 2F], grad_row_scale [N] in row_scale's dtype; [0] without row_scale).
+  m.def(
+      "gated_activation_backward(Tensor grad_y, Tensor h, Tensor? row_scale, str activation, float alpha, "
+      "float limit) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(moe_graph, CompositeExplicitAutograd, m) {
@@ -114,6 +124,8 @@ TORCH_LIBRARY_IMPL(moe_graph, CPU, m) {
   m.impl("route_dot", &moe_graph::route_dot_cpu);
   m.impl("dispatch_layout", &moe_graph::dispatch_layout);
   m.impl("receive_layout", &moe_graph::receive_layout);
+  m.impl("gated_activation", &moe_graph::gated_activation_cpu);
+  m.impl("gated_activation_backward", &moe_graph::gated_activation_backward_cpu);
 }
 
 #ifdef MOE_GRAPH_WITH_CUDA
@@ -132,6 +144,8 @@ TORCH_LIBRARY_IMPL(moe_graph, CUDA, m) {
   m.impl("route_dot", &moe_graph::route_dot_cuda);
   m.impl("dispatch_layout", &moe_graph::dispatch_layout);
   m.impl("receive_layout", &moe_graph::receive_layout);
+  m.impl("gated_activation", &moe_graph::gated_activation_cuda);
+  m.impl("gated_activation_backward", &moe_graph::gated_activation_backward_cuda);
 }
 #endif
 

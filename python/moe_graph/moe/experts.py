@@ -30,13 +30,13 @@ from moe_graph.moe.echo import (
     spare_grad_buffers,
     wgrad_accumulate_mask,
 )
+from moe_graph.ops.activation import GATED_ACTIVATIONS, gated_activation
 from moe_graph.ops.grouped_gemm import grouped_gemm, grouped_gemm_autograd
 
 __all__ = ["ACTIVATIONS", "GATED_ACTIVATIONS", "GroupedMLP", "SharedExpert", "activation_fn", "check_activation",
            "fc1_out_features"]
 
-ACTIVATIONS = ("swiglu", "clamped_swiglu", "gelu", "relu", "silu")
-GATED_ACTIVATIONS = ("swiglu", "clamped_swiglu")  # fc1 holds the gate rows, then the up rows: [2F, H]
+ACTIVATIONS = GATED_ACTIVATIONS + ("gelu", "relu", "silu")
 
 
 def check_activation(activation: str, swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0) -> None:
@@ -48,29 +48,28 @@ def check_activation(activation: str, swiglu_alpha: float = 1.702, swiglu_limit:
             raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
 
 
-def activation_fn(h: torch.Tensor, activation: str, swiglu_alpha: float = 1.702,
-                  swiglu_limit: float = 7.0) -> torch.Tensor:
-    """The expert activation of ``h`` (fc1's output).
+def activation_fn(h: torch.Tensor, activation: str, swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0,
+                  row_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The expert activation of ``h`` (fc1's output), times ``row_scale[..., None]`` when given (``h.shape[:-1]``,
+    fp32 or ``h``'s dtype: the routing probability of each expert-input row, applied on the narrow side of the
+    MLP; the product is rounded once to ``h``'s dtype).
 
-    Gated (``h``'s last dimension is the gate half ``a``, then the up half ``b``): ``"swiglu"``: ``silu(a) * b``;
-    ``"clamped_swiglu"`` (GPT-OSS): ``a' * sigmoid(swiglu_alpha * a') * (b' + 1)`` with ``a' = min(a, limit)``,
+    Gated (``h``'s last dimension is the gate half ``a``, then the up half ``b``; the fused native op
+    :func:`moe_graph.ops.activation.gated_activation`): ``"swiglu"``: ``silu(a) * b``; ``"clamped_swiglu"``
+    (GPT-OSS): ``a' * sigmoid(swiglu_alpha * a') * (b' + 1)`` with ``a' = min(a, limit)``,
     ``b' = clamp(b, -limit, limit)`` (Megatron: ``quick_gelu`` with ``activation_func_clamp_value`` and
-    ``glu_linear_offset=1``). Not gated: ``"gelu"`` (erf), ``"relu"``, ``"silu"``."""
-    if activation == "swiglu":
-        a, b = h.chunk(2, dim=-1)
-        return F.silu(a) * b
-    if activation == "clamped_swiglu":
-        a, b = h.chunk(2, dim=-1)
-        a = a.clamp(max=swiglu_limit)
-        b = b.clamp(min=-swiglu_limit, max=swiglu_limit)
-        return a * torch.sigmoid(a * swiglu_alpha) * (b + 1)
+    ``glu_linear_offset=1``). Not gated (torch ops): ``"gelu"`` (erf), ``"relu"``, ``"silu"``."""
+    if activation in GATED_ACTIVATIONS:
+        return gated_activation(h, activation, row_scale, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
     if activation == "gelu":
-        return F.gelu(h)
-    if activation == "relu":
-        return F.relu(h)
-    if activation == "silu":
-        return F.silu(h)
-    raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+        y = F.gelu(h)
+    elif activation == "relu":
+        y = F.relu(h)
+    elif activation == "silu":
+        y = F.silu(h)
+    else:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    return y if row_scale is None else (y * row_scale[..., None]).to(h.dtype)
 
 
 def fc1_out_features(ffn_hidden_size: int, activation: str) -> int:
@@ -113,8 +112,8 @@ class GroupedMLP(nn.Module):
         self._accumulate_mask: Optional[torch.Tensor] = None
         self.spare_grads: Optional[Tuple[torch.Tensor, ...]] = None
 
-    def _act(self, h: torch.Tensor) -> torch.Tensor:
-        return activation_fn(h, self.activation, self.swiglu_alpha, self.swiglu_limit)
+    def _act(self, h: torch.Tensor, row_scale: Optional[torch.Tensor]) -> torch.Tensor:
+        return activation_fn(h, self.activation, self.swiglu_alpha, self.swiglu_limit, row_scale)
 
     def weights(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(fc1 [L, fc1_out, H], fc2 [L, H, F])``: this rank's home expert weights."""
@@ -159,8 +158,14 @@ class GroupedMLP(nn.Module):
 
     def forward(self, expert_in: torch.Tensor, m_splits: torch.Tensor,
                 echo: Optional[EchoExpertDispatcher] = None, offload_map: Optional[torch.Tensor] = None,
-                spare_weights: Optional[Sequence[torch.Tensor]] = None) -> torch.Tensor:
+                spare_weights: Optional[Sequence[torch.Tensor]] = None,
+                row_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``expert_in [M, H]`` rows grouped by local expert, ``m_splits [L + k]`` device tensor -> ``[M, H]``.
+
+        ``row_scale [M]`` (fp32 or the activation dtype, optional): each row's factor, applied to the activation
+        before fc2 (:func:`activation_fn`): the result is the expert MLP's output times ``row_scale``. Not with
+        ``bias`` (the fc2 bias would escape the scale: weight the outputs after the experts instead). Autograd
+        saves fc1's output, fc2's input and ``row_scale``.
 
         ``echo`` and ``offload_map [E, S]``: the echo weight dispatcher and this forward's plan (both ``None``
         without echo); ``spare_weights``: the spare copies (one per :meth:`expert_params` tensor) already
@@ -168,9 +173,13 @@ class GroupedMLP(nn.Module):
         is collective over the EP group with echo."""
         w1, w2 = self.weights()
         b1, b2 = self.biases() or (None, None)
+        if row_scale is not None and b2 is not None:
+            raise ValueError("row_scale: the experts have biases (the fc2 bias would not be scaled); weight the "
+                             "expert outputs after the experts instead")
         if self.uses_fused_wgrad():
             if echo is None:
-                mid = self._act(grouped_gemm_autograd(expert_in, [w1], m_splits, bias=b1, fuse_main_grad=True))
+                mid = self._act(grouped_gemm_autograd(expert_in, [w1], m_splits, bias=b1, fuse_main_grad=True),
+                                row_scale)
                 return grouped_gemm_autograd(mid, [w2], m_splits, bias=b2, fuse_main_grad=True)
             mask = self._prepare_spare_grads()
             spares = spare_weights or echo.dispatch(offload_map, self.expert_params())  # detached copies
@@ -181,7 +190,7 @@ class GroupedMLP(nn.Module):
                 sb1, sb2 = spares[2], spares[3]
                 gb1, gb2 = self.spare_grads[2], self.spare_grads[3]
             mid = self._act(echo_grouped_gemm(expert_in, w1, s1, m_splits, echo, offload_map, mask, g1,
-                                              home_bias=b1, spare_bias=sb1, spare_bias_grad=gb1))
+                                              home_bias=b1, spare_bias=sb1, spare_bias_grad=gb1), row_scale)
             return echo_grouped_gemm(mid, w2, s2, m_splits, echo, offload_map, mask, g2,
                                      home_bias=b2, spare_bias=sb2, spare_bias_grad=gb2)
         weights1, weights2 = w1, w2
@@ -193,7 +202,7 @@ class GroupedMLP(nn.Module):
             if b1 is not None:
                 b1 = torch.cat([b1, spares[2].to(b1.dtype)])
                 b2 = torch.cat([b2, spares[3].to(b2.dtype)])
-        mid = self._act(grouped_gemm(expert_in, weights1, m_splits, bias=b1))
+        mid = self._act(grouped_gemm(expert_in, weights1, m_splits, bias=b1), row_scale)
         return grouped_gemm(mid, weights2, m_splits, bias=b2)
 
     def extra_repr(self) -> str:

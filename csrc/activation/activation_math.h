@@ -1,0 +1,180 @@
+// Per-element math of the fused gated activations, shared by the CPU and CUDA implementations (torch-free).
+//
+// h = [a | b] (gate half, then up half of fc1's output row), s = the row's scale (1 without one):
+//   swiglu          act = silu(a) * b = a * sigmoid(a) * b
+//   clamped_swiglu  act = a' * sigmoid(alpha * a') * (b' + 1),  a' = min(a, limit),  b' = clamp(b, -limit, limit)
+//   y = act * s
+// Backward for dy: da = dy * s * dact/da, db = dy * s * dact/db, ds = sum over the row of dy * act. The clamps
+// pass the gradient where the input lies inside the closed interval (a <= limit, -limit <= b <= limit) and block
+// it outside, as torch.clamp does. A NaN input propagates through the clamps (NaN compares false).
+// Math in double for double data, in float otherwise (bf16 / fp16 are widened on load, rounded once on store).
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#define MOE_GRAPH_HD __host__ __device__ __forceinline__
+#else
+#define MOE_GRAPH_HD inline
+#endif
+
+namespace moe_graph {
+namespace activation {
+
+enum class GatedKind : int { kSwiglu = 0, kClampedSwiglu = 1 };
+
+// 16-bit storage types (bit patterns; converted with round-to-nearest-even).
+struct bf16_t {
+  uint16_t bits;
+};
+struct f16_t {
+  uint16_t bits;
+};
+
+MOE_GRAPH_HD float float_of_bits(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+#endif
+}
+
+MOE_GRAPH_HD uint32_t bits_of_float(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+#endif
+}
+
+// The math type of a storage type: double for double, float for everything else.
+template <typename T>
+struct Acc {
+  using type = float;
+};
+template <>
+struct Acc<double> {
+  using type = double;
+};
+template <typename T>
+using acc_t = typename Acc<T>::type;
+
+MOE_GRAPH_HD float widen(float v) { return v; }
+MOE_GRAPH_HD double widen(double v) { return v; }
+MOE_GRAPH_HD float widen(bf16_t v) { return float_of_bits(static_cast<uint32_t>(v.bits) << 16); }
+MOE_GRAPH_HD float widen(f16_t v) {
+#if defined(__CUDA_ARCH__)
+  return __half2float(__ushort_as_half(v.bits));
+#else
+  const uint32_t sign = static_cast<uint32_t>(v.bits & 0x8000u) << 16;
+  const uint32_t exp = (v.bits >> 10) & 0x1fu, mant = v.bits & 0x3ffu;
+  if (exp == 0) {  // zero or subnormal: mant * 2^-24
+    const float mag = static_cast<float>(mant) * 5.9604644775390625e-8f;
+    return sign ? -mag : mag;
+  }
+  if (exp == 0x1f) return float_of_bits(sign | 0x7f800000u | (mant << 13));  // inf / NaN
+  return float_of_bits(sign | ((exp + 112u) << 23) | (mant << 13));
+#endif
+}
+
+// Narrowing from the math type A (float or double) to the storage type T, round to nearest even.
+template <typename T>
+struct Narrow;
+template <>
+struct Narrow<float> {
+  template <typename A>
+  static MOE_GRAPH_HD float to(A v) { return static_cast<float>(v); }
+};
+template <>
+struct Narrow<double> {
+  template <typename A>
+  static MOE_GRAPH_HD double to(A v) { return static_cast<double>(v); }
+};
+template <>
+struct Narrow<bf16_t> {
+  static MOE_GRAPH_HD bf16_t to(float f) {
+#if defined(__CUDA_ARCH__)
+    return bf16_t{__bfloat16_as_ushort(__float2bfloat16_rn(f))};
+#else
+    uint32_t u = bits_of_float(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return bf16_t{0x7fc0};  // NaN
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return bf16_t{static_cast<uint16_t>(u >> 16)};
+#endif
+  }
+};
+template <>
+struct Narrow<f16_t> {
+  static MOE_GRAPH_HD f16_t to(float f) {
+#if defined(__CUDA_ARCH__)
+    return f16_t{__half_as_ushort(__float2half_rn(f))};
+#else
+    // Scale the magnitude so that the float addition below rounds the mantissa to 10 bits (nearest even),
+    // including into the subnormal range; overflow becomes inf, NaN stays NaN.
+    const float to_inf = 5.192296858534828e+33f;   // 2^112
+    const float to_zero = 7.703719777548943e-34f;  // 2^-110
+    float base = (std::fabs(f) * to_inf) * to_zero;
+    const uint32_t w = bits_of_float(f);
+    const uint32_t shl1_w = w + w;
+    const uint32_t sign = w & 0x80000000u;
+    uint32_t bias = shl1_w & 0xff000000u;
+    if (bias < 0x71000000u) bias = 0x71000000u;
+    base = float_of_bits((bias >> 1) + 0x07800000u) + base;
+    const uint32_t bits = bits_of_float(base);
+    const uint32_t nonsign = ((bits >> 13) & 0x00007c00u) + (bits & 0x00000fffu);
+    return f16_t{static_cast<uint16_t>((sign >> 16) | (shl1_w > 0xff000000u ? 0x7e00u : nonsign))};
+#endif
+  }
+};
+
+MOE_GRAPH_HD float exp_of(float x) { return expf(x); }
+MOE_GRAPH_HD double exp_of(double x) { return exp(x); }
+
+template <typename A>
+MOE_GRAPH_HD A sigmoid_of(A x) {
+  return A(1) / (A(1) + exp_of(-x));
+}
+
+// act(a, b) and its partial derivatives.
+template <typename A>
+struct GatedGrad {
+  A act, d_a, d_b;
+};
+
+template <GatedKind K, typename A>
+MOE_GRAPH_HD A gated_value(A a, A b, A alpha, A limit) {
+  if constexpr (K == GatedKind::kSwiglu) {
+    return a * sigmoid_of(a) * b;
+  } else {
+    const A ac = a > limit ? limit : a;
+    const A bc = b < -limit ? -limit : (b > limit ? limit : b);
+    return ac * sigmoid_of(alpha * ac) * (bc + A(1));
+  }
+}
+
+template <GatedKind K, typename A>
+MOE_GRAPH_HD GatedGrad<A> gated_grad(A a, A b, A alpha, A limit) {
+  if constexpr (K == GatedKind::kSwiglu) {
+    const A s = sigmoid_of(a);
+    const A silu = a * s;
+    return {silu * b, b * s * (A(1) + a * (A(1) - s)), silu};
+  } else {
+    const A ac = a > limit ? limit : a;
+    const A bc = b < -limit ? -limit : (b > limit ? limit : b);
+    const A s = sigmoid_of(alpha * ac);
+    const A glu = ac * s;
+    const A d_a = a <= limit ? (bc + A(1)) * s * (A(1) + alpha * ac * (A(1) - s)) : A(0);
+    const A d_b = (b >= -limit && b <= limit) ? glu : A(0);
+    return {glu * (bc + A(1)), d_a, d_b};
+  }
+}
+
+}  // namespace activation
+}  // namespace moe_graph

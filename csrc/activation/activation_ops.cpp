@@ -1,0 +1,152 @@
+// Torch glue of the fused gated activation: argument checks that name the tensor, allocation, threads / stream.
+#include "activation/activation_ops.h"
+
+#include <ATen/Parallel.h>
+
+#include <cmath>
+
+#include "activation/activation.h"
+#include "common/torch_checks.h"
+
+#ifdef MOE_GRAPH_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#endif
+
+namespace moe_graph {
+namespace {
+
+constexpr const char* kFwd = "gated_activation";
+constexpr const char* kBwd = "gated_activation_backward";
+
+activation::DType dtype_of(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return activation::DType::kF32;
+    case at::kDouble: return activation::DType::kF64;
+    case at::kBFloat16: return activation::DType::kBF16;
+    default: return activation::DType::kF16;
+  }
+}
+
+// Checks h, row_scale and the activation options; returns the problem without the output pointers.
+activation::GatedProblem check_and_describe(const char* op, const at::Tensor& h,
+                                            const std::optional<at::Tensor>& row_scale,
+                                            c10::string_view activation, double alpha, double limit) {
+  activation::GatedProblem p;
+  if (activation == "swiglu") {
+    p.kind = activation::GatedKind::kSwiglu;
+  } else if (activation == "clamped_swiglu") {
+    p.kind = activation::GatedKind::kClampedSwiglu;
+  } else {
+    TORCH_CHECK(false, op, ": activation must be \"swiglu\" or \"clamped_swiglu\", got \"", std::string(activation),
+                "\"");
+  }
+  TORCH_CHECK(std::isfinite(alpha) && alpha > 0, op, ": alpha (swiglu_alpha) must be a finite number > 0, got ",
+              alpha);
+  TORCH_CHECK(std::isfinite(limit) && limit > 0, op, ": limit (swiglu_limit) must be a finite number > 0, got ",
+              limit);
+  check_defined(h, op, "h");
+  check_dim(h, 2, op, "h", "[N, 2F]");
+  check_dtype(h, {at::kFloat, at::kDouble, at::kBFloat16, at::kHalf}, op, "h");
+  TORCH_CHECK(h.size(1) % 2 == 0, op, ": h must have an even number of columns [N, 2F] (gate half, then up half), "
+              "got shape ", shape_str(h));
+  check_contiguous(h, op, "h");
+  p.rows = h.size(0);
+  p.cols = h.size(1) / 2;
+  p.dtype = dtype_of(h.scalar_type());
+  p.scale_dtype = activation::DType::kF32;
+  p.alpha = alpha;
+  p.limit = limit;
+  p.h = h.data_ptr();
+  if (row_scale.has_value() && row_scale->defined()) {
+    const at::Tensor& s = *row_scale;
+    check_dim(s, 1, op, "row_scale", "[N]");
+    check_shape(s, {p.rows}, op, "row_scale");
+    TORCH_CHECK(s.scalar_type() == at::kFloat || s.scalar_type() == h.scalar_type(), op,
+                ": row_scale must have dtype Float or the dtype of h (", c10::toString(h.scalar_type()), "), got ",
+                c10::toString(s.scalar_type()));
+    check_device(s, h.device(), op, "row_scale");
+    check_contiguous(s, op, "row_scale");
+    p.scale_dtype = dtype_of(s.scalar_type());
+    p.scale = s.data_ptr();
+  }
+  return p;
+}
+
+bool has_scale(const std::optional<at::Tensor>& row_scale) { return row_scale.has_value() && row_scale->defined(); }
+
+at::Tensor forward_out(const at::Tensor& h, activation::GatedProblem& p) {
+  at::Tensor y = at::empty({p.rows, p.cols}, h.options());
+  p.y = y.data_ptr();
+  return y;
+}
+
+std::tuple<at::Tensor, at::Tensor> backward_out(const at::Tensor& grad_y, const at::Tensor& h,
+                                                const std::optional<at::Tensor>& row_scale,
+                                                activation::GatedProblem& p) {
+  check_defined(grad_y, kBwd, "grad_y");
+  check_shape(grad_y, {p.rows, p.cols}, kBwd, "grad_y");
+  check_same_dtype(grad_y, h, kBwd, "grad_y", "h");
+  check_device(grad_y, h.device(), kBwd, "grad_y");
+  check_contiguous(grad_y, kBwd, "grad_y");
+  at::Tensor grad_h = at::empty_like(h);
+  at::Tensor grad_scale = has_scale(row_scale) ? at::empty({p.rows}, row_scale->options())
+                                               : at::empty({0}, h.options().dtype(at::kFloat));
+  p.grad_y = grad_y.data_ptr();
+  p.grad_h = grad_h.data_ptr();
+  p.grad_scale = has_scale(row_scale) ? grad_scale.data_ptr() : nullptr;
+  return {grad_h, grad_scale};
+}
+
+// Rows per parallel chunk: about 32K elements of h each.
+int64_t cpu_grain(const activation::GatedProblem& p) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, 2 * p.cols)); }
+
+}  // namespace
+
+at::Tensor gated_activation_cpu(const at::Tensor& h, const std::optional<at::Tensor>& row_scale,
+                                c10::string_view activation, double alpha, double limit) {
+  auto p = check_and_describe(kFwd, h, row_scale, activation, alpha, limit);
+  at::Tensor y = forward_out(h, p);
+  at::parallel_for(0, p.rows, cpu_grain(p), [&](int64_t r0, int64_t r1) { activation::gated_forward_rows(p, r0, r1); });
+  return y;
+}
+
+std::tuple<at::Tensor, at::Tensor> gated_activation_backward_cpu(const at::Tensor& grad_y, const at::Tensor& h,
+                                                                 const std::optional<at::Tensor>& row_scale,
+                                                                 c10::string_view activation, double alpha,
+                                                                 double limit) {
+  auto p = check_and_describe(kBwd, h, row_scale, activation, alpha, limit);
+  auto out = backward_out(grad_y, h, row_scale, p);
+  at::parallel_for(0, p.rows, cpu_grain(p), [&](int64_t r0, int64_t r1) { activation::gated_backward_rows(p, r0, r1); });
+  return out;
+}
+
+#ifdef MOE_GRAPH_WITH_CUDA
+namespace {
+int sm_count_of(const at::Tensor& t) { return at::cuda::getDeviceProperties(t.device().index())->multiProcessorCount; }
+}  // namespace
+
+at::Tensor gated_activation_cuda(const at::Tensor& h, const std::optional<at::Tensor>& row_scale,
+                                 c10::string_view activation, double alpha, double limit) {
+  c10::cuda::CUDAGuard guard(h.device());
+  auto p = check_and_describe(kFwd, h, row_scale, activation, alpha, limit);
+  at::Tensor y = forward_out(h, p);
+  p.sm_count = sm_count_of(h);
+  C10_CUDA_CHECK(activation::gated_forward_cuda(p, at::cuda::getCurrentCUDAStream(h.device().index()).stream()));
+  return y;
+}
+
+std::tuple<at::Tensor, at::Tensor> gated_activation_backward_cuda(const at::Tensor& grad_y, const at::Tensor& h,
+                                                                  const std::optional<at::Tensor>& row_scale,
+                                                                  c10::string_view activation, double alpha,
+                                                                  double limit) {
+  c10::cuda::CUDAGuard guard(h.device());
+  auto p = check_and_describe(kBwd, h, row_scale, activation, alpha, limit);
+  auto out = backward_out(grad_y, h, row_scale, p);
+  p.sm_count = sm_count_of(h);
+  C10_CUDA_CHECK(activation::gated_backward_cuda(p, at::cuda::getCurrentCUDAStream(h.device().index()).stream()));
+  return out;
+}
+#endif
+
+}  // namespace moe_graph

@@ -1,0 +1,31 @@
+// Torch-level fused gated activation ops (schemas in csrc/bindings.cpp; semantics in activation/activation.h).
+#pragma once
+#include <ATen/ATen.h>
+
+#include <c10/util/string_view.h>
+
+#include <optional>
+#include <tuple>
+
+namespace moe_graph {
+
+// h [N, 2F] contiguous (fp32/fp64/bf16/fp16), row_scale [N] contiguous (fp32 or h's dtype) or None,
+// activation "swiglu" | "clamped_swiglu" -> y [N, F] in h's dtype.
+at::Tensor gated_activation_cpu(const at::Tensor& h, const std::optional<at::Tensor>& row_scale,
+                                c10::string_view activation, double alpha, double limit);
+// grad_y [N, F] -> (grad_h [N, 2F], grad_row_scale [N] in row_scale's dtype, or [0] fp32 without a scale).
+std::tuple<at::Tensor, at::Tensor> gated_activation_backward_cpu(const at::Tensor& grad_y, const at::Tensor& h,
+                                                                 const std::optional<at::Tensor>& row_scale,
+                                                                 c10::string_view activation, double alpha,
+                                                                 double limit);
+
+#ifdef MOE_GRAPH_WITH_CUDA
+at::Tensor gated_activation_cuda(const at::Tensor& h, const std::optional<at::Tensor>& row_scale,
+                                 c10::string_view activation, double alpha, double limit);
+std::tuple<at::Tensor, at::Tensor> gated_activation_backward_cuda(const at::Tensor& grad_y, const at::Tensor& h,
+                                                                  const std::optional<at::Tensor>& row_scale,
+                                                                  c10::string_view activation, double alpha,
+                                                                  double limit);
+#endif
+
+}  // namespace moe_graph
