@@ -13,12 +13,11 @@
 #include <cstdint>
 #include <cstring>
 
+#include "common/host_device.h"
+
 #if defined(__CUDACC__)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-#define MOE_GRAPH_HD __host__ __device__ __forceinline__
-#else
-#define MOE_GRAPH_HD inline
 #endif
 
 namespace moe_graph {

@@ -11,11 +11,7 @@
 
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define MOE_GRAPH_HD __host__ __device__ __forceinline__
-#else
-#define MOE_GRAPH_HD inline
-#endif
+#include "common/host_device.h"
 
 namespace moe_graph {
 namespace gg {

@@ -1,5 +1,6 @@
 """moe_graph ops: thin wrappers over ``torch.ops.moe_graph.*`` (one module per op family)."""
 
+from moe_graph.ops.activation import gated_activation
 from moe_graph.ops.errors import check_errors, flag_error_if, read_error_flag
 from moe_graph.ops.grouped_gemm import gmm, grouped_bias_grad, grouped_gemm, grouped_gemm_wgrad
 from moe_graph.ops.permute import expand_rows, reduce_rows
@@ -17,4 +18,5 @@ __all__ = [
     "reroute_indices",
     "expand_rows",
     "reduce_rows",
+    "gated_activation",
 ]
