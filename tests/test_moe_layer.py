@@ -10,7 +10,7 @@ from conftest import requires_cuda
 from helpers.moe_workers import moe_layer_checks_worker, moe_layer_ddp_worker
 from moe_graph.distributed.launch import run_distributed
 from moe_graph.moe.layer import MoELayer
-from moe_graph.moe.router import router_aux_loss
+from moe_graph.moe.router import router_aux_loss, routing_map
 from moe_graph.testing.moe_reference import dense_moe_reference, kept_routes, reference_aux_loss, reference_route
 
 DT = torch.float64
@@ -107,8 +107,9 @@ def test_capacity_drops_match_reference_and_are_counted(gen, policy):
     layer.dispatcher.drop_policy = policy
     cap = 18  # ceil(0.6 * 15 * 2 / 1)
     x = torch.randn(T, 8, generator=gen, dtype=DT)
-    # the layer orders each token's routes by expert id before applying the capacity
-    keep_fn = lambda idx, p: _keep_sorted(idx, cap, p if policy == "probs" else None)  # noqa: E731
+    # the layer walks each token's routes in the router's order, best first (reference_route's order too)
+    keep_fn = lambda idx, p: kept_routes(idx, torch.zeros(6, dtype=torch.int64), cap,  # noqa: E731
+                                         probs=p if policy == "probs" else None)
     _check(layer, x, torch.randn(T, 8, generator=gen, dtype=DT), keep_fn)
     assert layer.dispatcher.capacity == cap
     assert layer.dispatcher.check_drops() == T * K - cap
@@ -124,7 +125,9 @@ def test_statistics_are_buffers_written_in_place(gen):
                           "aux_loss", "z_loss"}
     assert stats["tokens_per_expert"] is layer.last_tokens_per_expert
     assert {n for n, _ in layer.named_buffers()} >= {"last_aux_loss", "last_z_loss", "last_load_before",
-                                                      "last_load_after", "last_tokens_per_expert", "last_m_splits"}
+                                                      "last_tokens_per_expert", "last_m_splits"}
+    assert stats["load_after"] is layer.last_load_after is layer.last_load_before  # no echo: no other load
+    assert "last_load_after_echo" in {n for n, _ in _layer(k=1).named_buffers()}
     assert not any(k.startswith("last_") for k in layer.state_dict())  # statistics are not checkpoint state
     for step in range(3):
         x = torch.randn(10 + step, 8, generator=gen, dtype=DT)
@@ -167,6 +170,7 @@ def test_drops_are_statistics_not_errors(gen):
 
 
 def _keep_sorted(idx, cap, probs=None):
+    """Kept routes with echo on (its rerouted map orders each token's routes by column)."""
     srt, perm = idx.sort(1)
     p_srt = probs.gather(1, perm) if probs is not None else None
     keep_sorted = kept_routes(srt, torch.zeros(int(idx.max()) + 1, dtype=torch.int64), cap, probs=p_srt)
@@ -272,7 +276,7 @@ def test_cuda_forward_backward_no_host_sync(k, router_kw):
     y_ref = ref(x.detach().float().cpu())
     # bf16 router logits can flip a near-tie in the top-k: compare the tokens routed the same way in both
     with torch.no_grad():
-        same = (layer.router(x.detach())[0].cpu() == ref.router(x.detach().float().cpu())[0]).all(1)
+        same = (layer.router(x.detach()).indices.cpu() == ref.router(x.detach().float().cpu()).indices).all(1)
     assert float(same.float().mean()) > 0.9
     torch.testing.assert_close(y.float().cpu()[same], y_ref.detach()[same], rtol=5e-2,
                                atol=3e-2 * float(y_ref.abs().max()))
@@ -342,19 +346,21 @@ def test_group_limited_routing_matches_per_token_reference(gen, score_func):
     with torch.no_grad():
         router.weight.normal_(generator=gen)
     x = torch.randn(64, H, generator=gen, dtype=DT)
-    rmap, probs, _ = router(x)
+    r = router(x)
     idx, top, _ = reference_route(x, router.weight.detach(), K, score_func, num_groups=G, group_topk=gk,
                                   scaling_factor=2.5)
-    expect_map = torch.zeros(64, E, dtype=torch.bool).scatter_(1, idx, True)
-    assert torch.equal(rmap, expect_map)
-    torch.testing.assert_close(probs, torch.zeros(64, E, dtype=DT).scatter(1, idx, top), rtol=1e-12, atol=1e-12)
+    assert torch.equal(r.indices, idx)  # the same experts, best first
+    torch.testing.assert_close(r.probs, top, rtol=1e-12, atol=1e-12)
+    assert r.counts.tolist() == torch.bincount(idx.reshape(-1), minlength=E).tolist()
+    rmap = routing_map(r.indices, E)
+    assert torch.equal(rmap, torch.zeros(64, E, dtype=torch.bool).scatter_(1, idx, True))
     # every token's experts lie in at most group_topk groups, and the limit changes the routing of some tokens
     assert int((rmap.view(64, G, E // G).any(-1).sum(-1) > gk).sum()) == 0
     free = TopKRouter(H, E, K, score_func, device="cpu", dtype=DT)
     free.load_state_dict(router.state_dict())
-    assert not torch.equal(free(x)[0], rmap)
+    assert not torch.equal(routing_map(free(x).indices, E), rmap)
     if score_func == "sigmoid":
-        torch.testing.assert_close(probs.sum(-1), torch.full((64,), 2.5, dtype=DT))
+        torch.testing.assert_close(r.probs.sum(-1), torch.full((64,), 2.5, dtype=DT))
 
 
 def test_layer_with_deepseek_router_options_matches_dense_reference(gen):
@@ -403,12 +409,13 @@ def test_expert_bias_steers_selection_not_probabilities(gen):
         router.weight.normal_(generator=gen)
         router.expert_bias.copy_(torch.tensor([0, 0, 0, 5.0, 0, 0, -5.0, 0]))
     x = torch.randn(40, H, generator=gen, dtype=DT, requires_grad=True)
-    rmap, probs, scores = router(x)
+    r = router(x)
+    rmap = routing_map(r.indices, E)
     assert bool(rmap[:, 3].all()) and not bool(rmap[:, 6].any())
     idx, top, _ = reference_route(x, router.weight, K, "sigmoid", expert_bias=router.expert_bias)
-    assert torch.equal(rmap, torch.zeros(40, E, dtype=torch.bool).scatter_(1, idx, True))
-    torch.testing.assert_close(probs, torch.zeros(40, E, dtype=DT).scatter(1, idx, top))  # unbiased scores
-    probs.sum().backward()
+    assert torch.equal(r.indices, idx)
+    torch.testing.assert_close(r.probs, top)  # unbiased scores
+    r.probs.sum().backward()
     assert x.grad is not None and router.weight.grad is not None  # the bias is not a differentiable input
     assert torch.equal(router.local_tokens_per_expert, rmap.sum(0).float())
     router.eval()
@@ -443,7 +450,7 @@ def test_aux_loss_free_balancing_reduces_imbalance(gen):
 
     def imbalance():
         with torch.no_grad():
-            load = router(x)[0].sum(0).float()
+            load = routing_map(router(x).indices, E).sum(0).float()
         return float(load.max() / load.mean())
 
     before = imbalance()

@@ -12,7 +12,7 @@ from moe_graph.distributed.launch import run_distributed
 from moe_graph.moe.config import MoEConfig
 from moe_graph.moe.experts import activation_fn
 from moe_graph.moe.layer import MoELayer
-from moe_graph.moe.router import TopKRouter
+from moe_graph.moe.router import TopKRouter, routing_map
 from moe_graph.testing.moe_reference import reference_activation, reference_moe_layer, reference_route
 
 DT = torch.float64
@@ -73,8 +73,7 @@ def test_norm_topk_prob_independent_of_score_func(gen):
             expected = (score_func == "sigmoid") if norm is None else norm  # None: Megatron's rule, unchanged
             assert layer.router.norm_topk_prob == expected
             _check(layer, x)
-            _, probs, _ = layer.router(x.reshape(-1, 8))
-            sums = probs.sum(-1)
+            sums = layer.router(x.reshape(-1, 8)).probs.sum(-1)
             if expected:
                 torch.testing.assert_close(sums, torch.ones_like(sums), **TOL)
             else:
@@ -91,12 +90,12 @@ def test_group_score_topk_rules_differ_and_match(gen):
         layer = _layer(E=E, K=K, score_func="sigmoid", num_groups=G, group_topk=gk, group_score_topk=rule,
                        topk_scaling_factor=2.5)
         _check(layer, x)
-        routing_map, _, _ = layer.router(x)
-        picks[rule] = routing_map
+        rmap = routing_map(layer.router(x).indices, E)
+        picks[rule] = rmap
         idx, _, _ = reference_route(x, layer.router.weight.detach(), K, "sigmoid", num_groups=G, group_topk=gk,
                                     group_score_topk=rule)
         ref_map = torch.zeros(64, E, dtype=torch.bool).scatter_(1, idx, True)
-        assert torch.equal(routing_map, ref_map)
+        assert torch.equal(rmap, ref_map)
     assert (picks[None] != picks[2]).any(dim=1).sum() >= 3  # the rules differ on these tokens
 
 
@@ -123,9 +122,10 @@ def test_router_bias_router_dtype(gen):
     with torch.no_grad():
         r.bias.normal_()
     x = torch.randn(10, 8, generator=gen)
-    _, probs, _ = r(x)
+    routing = r(x)
     idx, top, _ = reference_route(x.double(), r.weight.detach().double(), 2, gate_bias=r.bias.detach().double())
-    torch.testing.assert_close(probs.gather(1, idx), top)
+    assert torch.equal(routing.indices, idx)
+    torch.testing.assert_close(routing.probs, top)
 
 
 # ----------------------------------------------------------------------------------------- activations --

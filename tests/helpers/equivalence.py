@@ -74,7 +74,7 @@ from moe_graph.distributed.launch import run_distributed
 from moe_graph.distributed.optimizer import DistributedOptimizer, DynamicLossScaler
 from moe_graph.grouped_linear import GroupedLinear
 from moe_graph.moe.layer import MoELayer
-from moe_graph.moe.router import aux_loss_scores, router_aux_loss, router_z_loss, sequence_aux_loss
+from moe_graph.moe.router import aux_loss_scores, router_aux_loss, router_z_loss, routing_map, sequence_aux_loss
 from moe_graph.train import schedules
 from moe_graph.train.checkpoint import global_name, global_tensors, is_expert
 from moe_graph.train.step import OverflowRerun, make_train_step, train_step
@@ -321,8 +321,10 @@ def oracle_train(row: Row) -> Dict:
         ce = model(tokens, labels)
         real = (tokens != PAD) if row.padding else torch.ones_like(tokens, dtype=torch.bool)
         total = ce
-        for (routing_map, probs, scores), logits in captured:
-            rm, sc = routing_map.view(GLOBAL_BATCH, SEQ, EXPERTS), scores.view(GLOBAL_BATCH, SEQ, EXPERTS)
+        for r, logits in captured:
+            scores = r.scores if r.scores is not None else torch.softmax(logits, -1)
+            rm = routing_map(r.indices, EXPERTS, r.token_mask).view(GLOBAL_BATCH, SEQ, EXPERTS)
+            sc = scores.view(GLOBAL_BATCH, SEQ, EXPERTS)
             lg = logits.view(GLOBAL_BATCH, SEQ, EXPERTS)
             asc = aux_loss_scores(sc, "sigmoid" if row.expert_bias else "softmax")
             extra = 0.0

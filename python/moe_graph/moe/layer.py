@@ -41,12 +41,11 @@ from torch import nn
 
 from moe_graph import parallel_state as ps
 from moe_graph.cuda_graph import checkpoint
-from moe_graph.moe import echo_planner
 from moe_graph.moe.config import MoEConfig
 from moe_graph.moe.echo_balancer import EchoBalancer
 from moe_graph.moe.experts import GroupedMLP, SharedExpert
-from moe_graph.moe.router import MoEAuxLossAutoScaler, RouterLoss, TopKRouter
-from moe_graph.moe.token_dispatcher import TokenDispatcher, capacity_for, expert_columns, topk_from_routing_map
+from moe_graph.moe.router import MoEAuxLossAutoScaler, RouterLoss, Routing, TopKRouter
+from moe_graph.moe.token_dispatcher import TokenDispatcher, capacity_for, expert_columns
 
 __all__ = ["MoELayer", "moe_statistics", "read_moe_statistics", "moe_layers", "reset_step_counters", "step_overflow",
            "step_max_load_ratio"]
@@ -210,16 +209,25 @@ class MoELayer(nn.Module):
             self.echo = EchoBalancer(c.num_experts, ep_size, self.ep_rank, k, assignment=c.assignment,
                                      plan_mode=c.echo_plan_mode, donors=c.echo_donors, group=ep_group,
                                      expert_numel=self.experts.expert_numel, dtype=dtype, device=device)
-        # statistics: non-persistent buffers written in place by every forward (see the module docstring)
+        # statistics: non-persistent buffers written in place by every forward (see the module docstring); without
+        # echo the load after it is the load before (last_load_after)
         loss_dtype = c.router_dtype if c.router_dtype is not None else torch.promote_types(dtype, torch.float32)
         for name, shape, dt in (("last_aux_loss", (), loss_dtype), ("last_z_loss", (), loss_dtype),
                                 ("last_load_before", (ep_size,), torch.int64),
-                                ("last_load_after", (ep_size,), torch.int64),
                                 ("last_tokens_per_expert", (c.num_experts,), torch.int64),
-                                ("last_m_splits", (self.num_local_experts + k,), torch.int64)):
+                                ("last_m_splits", (self.num_local_experts + k,), torch.int64)
+                                ) + ((("last_load_after_echo", (ep_size,), torch.int64),) if k > 0 else ()):
             self.register_buffer(name, torch.zeros(shape, dtype=dt, device=device), persistent=False)
+        if c.aux_loss_coeff > 0 or c.z_loss_coeff > 0:
+            MoEAuxLossAutoScaler.loss_scale(device)  # made here, not inside a forward that torch.compile traces
 
     # --------------------------------------------------------------------------------------- statistics --
+    @property
+    def last_load_after(self) -> torch.Tensor:
+        """``[R]`` tokens each EP rank's experts receive with echo: the buffer ``last_load_after_echo``, without echo the
+        load before it (``last_load_before``, the same tensor)."""
+        return self.last_load_after_echo if self.echo is not None else self.last_load_before
+
     def _stat(self, name: str, value: torch.Tensor) -> None:
         """Writes statistic buffer ``name`` in place (a device copy: no sync, capturable, identity kept)."""
         with torch.no_grad():
@@ -274,22 +282,20 @@ class MoELayer(nn.Module):
         self.dispatcher.capacity = capacity_for(h.shape[0], self.topk, self.num_ep_ranks, self.capacity_factor)
 
         pad = padding_mask.reshape(-1) if padding_mask is not None else None
-        real = (~pad.to(torch.bool)) if pad is not None else None
-        routing_map, probs, scores = self.router(h, pad)
-        indices, top_probs, valid = topk_from_routing_map(routing_map, probs, self.topk)
-        indices, plan = self._balance(routing_map, indices, valid, reuse)
+        # one EP rank: the router's counts are the statistic itself, written in place
+        routing = self.router(h, pad, self.last_tokens_per_expert if self.num_ep_ranks == 1 else None)
+        indices, valid, plan = self._balance(routing, reuse)
 
         aux = None
         if self.training:
-            aux, z = self.router_loss(scores, routing_map, self.router.last_logits, x.shape, real,
-                                      self.last_tokens_per_expert)
+            aux, z = self.router_loss(routing, x.shape, self.last_tokens_per_expert)
             if aux is not None:
                 self._stat("last_aux_loss", aux.detach())
             if z is not None:
                 self._stat("last_z_loss", z.detach())
                 aux = z if aux is None else aux + z
 
-        expert_in, m_splits, handle = self.dispatcher.dispatch(h, indices, top_probs, valid)
+        expert_in, m_splits, handle = self.dispatcher.dispatch(h, indices, routing.probs, valid)
         self._stat("last_m_splits", m_splits)
 
         expert_in = expert_in.to(self.experts.fc1.weight.dtype)
@@ -305,18 +311,25 @@ class MoELayer(nn.Module):
             out = MoEAuxLossAutoScaler.attach(out, aux)
         return out.reshape(*lead, self.hidden_size)
 
-    def _balance(self, routing_map: torch.Tensor, indices: torch.Tensor, valid: Optional[torch.Tensor], reuse: bool):
-        """All-gathers the per-expert counts (statistics), and with echo plans and reroutes: ``(indices [T, K] in
-        [0, E+S), plan)`` (:meth:`EchoBalancer.plan`); without echo ``(indices, None)``."""
-        counts = _all_gather_counts(routing_map.sum(0).to(torch.int64), self.ep_group, self.num_ep_ranks)  # [R, E]
-        self._stat("last_tokens_per_expert", counts.sum(0))
-        self._stat("last_load_before", echo_planner.rank_loads(counts))
+    def _balance(self, routing: Routing, reuse: bool):
+        """Statistics (the per-expert counts all-gathered over the EP group) and, with echo, the plan and the
+        rerouted routes: ``(indices [T, K]`` in ``[0, E+S)``, ``valid [T, K]`` bool or ``None``, the plan
+        (:meth:`EchoBalancer.plan`)); without echo the router's own indices and no plan."""
+        R = self.num_ep_ranks
+        if R > 1:
+            counts = _all_gather_counts(routing.counts, self.ep_group, R)  # [R, E]
+            torch.sum(counts, 0, out=self.last_tokens_per_expert)
+        else:
+            counts = routing.counts.unsqueeze(0)  # the router wrote last_tokens_per_expert
+        torch.sum(self.last_tokens_per_expert.view(R, -1), 1, out=self.last_load_before)
+        mask = routing.token_mask
+        valid = None if mask is None else mask.view(-1, 1).expand(routing.indices.shape)
         if self.echo is None:
-            self._stat("last_load_after", self.last_load_before)
-            return indices, None
-        indices, plan, home_to_spare = self.echo.plan(counts, indices, valid, reuse)
-        self._stat("last_load_after", self.echo.load_after(self.last_load_before, home_to_spare))
-        return indices, plan
+            return routing.indices, valid, None
+        indices, plan, home_to_spare = self.echo.plan(counts, routing.indices, valid, reuse)
+        self._stat("last_load_after_echo", self.echo.load_after(self.last_load_before, home_to_spare))
+        return indices, valid, plan
+
 
     def extra_repr(self) -> str:
         return (f"hidden={self.hidden_size}, ffn={self.ffn_hidden_size}, experts={self.num_experts}, topk={self.topk}, "

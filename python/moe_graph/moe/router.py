@@ -1,4 +1,5 @@
-"""Routing: :class:`TopKRouter` (gate, softmax/sigmoid scores, top-k with the DeepSeek-V3/Qwen3 options), the
+"""Routing: :class:`TopKRouter` (gate, softmax/sigmoid scores, top-k with the DeepSeek-V3/Qwen3 options) handing
+the layer a :class:`Routing` (the top-k indices and probabilities, the per-expert route counts), the
 auxiliary losses (:func:`router_aux_loss`, :func:`sequence_aux_loss`, :func:`router_z_loss`, combined per layer by
 :class:`RouterLoss`), :class:`MoEAuxLossAutoScaler` that feeds their gradient into backward through the layer
 output, and auxiliary-loss-free balancing (:func:`update_expert_bias`).
@@ -9,7 +10,7 @@ All of it is device code without host syncs (capturable). Notation: the legend o
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence, Tuple
+from typing import NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -19,23 +20,27 @@ from torch import nn
 from moe_graph import parallel_state as ps
 from moe_graph.moe.token_dispatcher import counting_enabled
 
-__all__ = ["AUX_LOSS_TYPES", "MoEAuxLossAutoScaler", "RouterLoss", "SCORE_FUNCS", "TopKRouter", "aux_loss_scores",
-           "check_loss_options", "check_router_options", "group_limited_topk", "router_aux_loss", "router_z_loss",
-           "sequence_aux_loss", "set_aux_loss_scale", "update_expert_bias"]
+__all__ = ["AUX_LOSS_TYPES", "MoEAuxLossAutoScaler", "RouterLoss", "Routing", "SCORE_FUNCS", "TopKRouter",
+           "aux_loss_scores", "check_loss_options", "check_router_options", "group_limited_topk", "route_counts",
+           "router_aux_loss", "router_scores", "router_z_loss", "routing_map", "sequence_aux_loss",
+           "set_aux_loss_scale", "update_expert_bias"]
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 AUX_LOSS_TYPES = ("local", "global", "sequence")
 
 
-def router_aux_loss(scores: torch.Tensor, routing_map: torch.Tensor, topk: int,
+def router_aux_loss(scores: torch.Tensor, routing_map: Optional[torch.Tensor], topk: int,
                     tokens_per_expert: Optional[torch.Tensor] = None,
                     token_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Switch-transformer load-balancing loss ``E * sum_e f_e * P_e`` (``f_e``: fraction of the routes that go
     to expert ``e``, ``P_e``: mean score of ``e`` over the local tokens); 1.0 for perfect balance. With
     ``tokens_per_expert`` (e.g. counts summed over the EP group: global-batch balancing, as Qwen3 trains) ``f``
-    comes from those counts instead of the local ``routing_map``. ``token_mask`` ``[T]`` (1: real token, 0:
+    comes from those counts instead of the local ``routing_map`` (this rank's own counts, :attr:`Routing.counts`,
+    give the local loss without a map: they sum to ``T * topk``). ``token_mask`` ``[T]`` (1: real token, 0:
     padding, whose routes must already be off the map): means over the real tokens only. Device-only, no sync."""
     T, E = scores.shape
+    if routing_map is None and tokens_per_expert is None:
+        raise ValueError("router_aux_loss needs routing_map or tokens_per_expert")
     if token_mask is None:
         n = max(T, 1)  # a Python number: no host-to-device copy on the hot path (capturable)
     else:
@@ -51,6 +56,20 @@ def router_aux_loss(scores: torch.Tensor, routing_map: torch.Tensor, topk: int,
     return E * (f * p).sum()
 
 
+# device -> 0-dim fp32 tensor holding the aux-loss gradient scale (static address: a captured graph reads the current
+# value); module state rather than attributes of the autograd Function, which torch.compile cannot read in a graph
+_AUX_LOSS_SCALES: dict = {}
+_AUX_LOSS_DEFAULT = [1.0]
+
+
+def _aux_loss_scale(device: torch.device) -> torch.Tensor:
+    t = _AUX_LOSS_SCALES.get(device)
+    if t is None:
+        t = torch.full((), _AUX_LOSS_DEFAULT[0], dtype=torch.float32, device=device)
+        _AUX_LOSS_SCALES[device] = t
+    return t
+
+
 class MoEAuxLossAutoScaler(torch.autograd.Function):
     """Identity on ``out``; its backward also feeds the gradient ``loss_scale`` to ``aux`` (Megatron-core's
     ``MoEAuxLossAutoScaler``), so the router losses reach backward through the layer output without being added
@@ -62,9 +81,6 @@ class MoEAuxLossAutoScaler(torch.autograd.Function):
     :func:`moe_graph.train.step.train_step` and the pipeline schedules (:mod:`moe_graph.train.schedules`) set it to
     ``loss_scale / num_microbatches`` for you. Its default is 1 (one microbatch, no loss scaling).
     """
-
-    _scales: dict = {}  # device -> 0-dim fp32 tensor (static address: a captured graph reads the current value)
-    _default = 1.0
 
     @staticmethod
     def forward(ctx, out, aux):
@@ -81,17 +97,12 @@ class MoEAuxLossAutoScaler(torch.autograd.Function):
     def attach(out: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
         """``out`` unchanged; backward adds the gradient of ``aux * loss_scale`` (the current scale, read from the
         device tensor when backward runs the graph: no host value is frozen)."""
-        return MoEAuxLossAutoScaler.apply(out, aux * MoEAuxLossAutoScaler.loss_scale(aux.device).to(aux.dtype))
+        return MoEAuxLossAutoScaler.apply(out, aux * _aux_loss_scale(aux.device).to(aux.dtype))
 
     @staticmethod
     def loss_scale(device) -> torch.Tensor:
         """The 0-dim fp32 device tensor holding the aux-loss gradient scale on ``device``."""
-        device = torch.device(device)
-        t = MoEAuxLossAutoScaler._scales.get(device)
-        if t is None:
-            t = torch.full((), MoEAuxLossAutoScaler._default, dtype=torch.float32, device=device)
-            MoEAuxLossAutoScaler._scales[device] = t
-        return t
+        return _aux_loss_scale(torch.device(device))
 
     @staticmethod
     def set_loss_scale(scale) -> None:
@@ -101,16 +112,16 @@ class MoEAuxLossAutoScaler(torch.autograd.Function):
             if scale.numel() != 1:
                 raise ValueError(f"set_loss_scale: scale must have one element, got shape {tuple(scale.shape)}")
             scale = scale.detach().reshape(())
-            MoEAuxLossAutoScaler.loss_scale(scale.device).copy_(scale)
-            for dev, t in MoEAuxLossAutoScaler._scales.items():
+            _aux_loss_scale(scale.device).copy_(scale)
+            for dev, t in _AUX_LOSS_SCALES.items():
                 if dev != scale.device:
                     t.copy_(scale)
             return
         scale = float(scale)
         if not math.isfinite(scale):
             raise ValueError(f"set_loss_scale: scale must be finite, got {scale}")
-        MoEAuxLossAutoScaler._default = scale
-        for t in MoEAuxLossAutoScaler._scales.values():
+        _AUX_LOSS_DEFAULT[0] = scale
+        for t in _AUX_LOSS_SCALES.values():
             t.fill_(scale)
 
 
@@ -131,9 +142,8 @@ def group_limited_topk(scores: torch.Tensor, topk: int, num_groups: int, group_t
     n = group_score_topk if group_score_topk is not None else topk // group_topk
     group_scores = grouped.topk(n, dim=-1)[0].sum(-1)  # [T, G]
     group_idx = group_scores.topk(group_topk, dim=-1, sorted=False)[1]
-    allowed = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
-    allowed = allowed.unsqueeze(-1).expand_as(grouped).reshape(T, E)
-    return scores.masked_fill(~allowed, float("-inf")).topk(topk, dim=-1)
+    keep = torch.full_like(group_scores, float("-inf")).scatter_(1, group_idx, 0.0)  # 0: a chosen group
+    return (grouped + keep.unsqueeze(-1)).view(T, E).topk(topk, dim=-1)  # -inf outside the chosen groups
 
 
 def check_router_options(num_experts: int, topk: int, score_func: str = "softmax", num_groups: Optional[int] = None,
@@ -181,13 +191,61 @@ def check_loss_options(aux_loss_type: str = "local", sequence_dim: int = 1) -> N
         raise ValueError(f"sequence_dim must be 0 ([S, B, H] input) or 1 ([B, S, H]), got {sequence_dim}")
 
 
+class Routing(NamedTuple):
+    """What :class:`TopKRouter` hands the layer for ``T`` tokens (``K`` routes each, ``E`` experts):
+
+    * ``indices`` ``[T, K]`` int64: each token's experts, best selection score first;
+    * ``probs`` ``[T, K]``: their routing probabilities (differentiable; 0 for padding tokens);
+    * ``counts`` ``[E]`` int64: routes of the real tokens per expert;
+    * ``logits`` ``[T, E]``: the fp32 (fp64 with ``router_dtype``) gate logits;
+    * ``scores`` ``[T, E]``: the softmax/sigmoid scores, or ``None`` where the selection did not need them
+      (:func:`router_scores` of ``logits`` gives them);
+    * ``token_mask`` ``[T]`` bool (True: a real token), ``None`` without a padding mask.
+
+    The dense ``[T, E]`` map is :func:`routing_map` (built only where something needs it)."""
+
+    indices: torch.Tensor
+    probs: torch.Tensor
+    counts: torch.Tensor
+    logits: torch.Tensor
+    scores: Optional[torch.Tensor]
+    token_mask: Optional[torch.Tensor]
+
+
+def router_scores(logits: torch.Tensor, score_func: str) -> torch.Tensor:
+    """``[T, E]`` scores of the gate logits: ``softmax`` over the experts or elementwise ``sigmoid``."""
+    return torch.softmax(logits, -1) if score_func == "softmax" else torch.sigmoid(logits)
+
+
+def routing_map(indices: torch.Tensor, num_experts: int, token_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The dense ``[T, E]`` bool map of ``indices [T, K]`` (True where a token routes; no route for tokens whose
+    ``token_mask [T]`` is False)."""
+    T, K = indices.shape
+    hit = (torch.ones((), dtype=torch.bool, device=indices.device) if token_mask is None
+           else token_mask.to(torch.bool).view(T, 1)).expand(T, K)
+    return torch.zeros(T, num_experts, dtype=torch.bool, device=indices.device).scatter_(1, indices, hit)
+
+
+def route_counts(indices: torch.Tensor, num_experts: int, per_token: torch.Tensor,
+                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``[E]`` int64 routes per expert of ``indices [T, K]``, each route of token ``t`` adding ``per_token[t]``
+    (``[T]`` int64: 1 for a real token, 0 for padding; or a 0-dim 1 for every token): one scatter-add, written
+    into ``out`` (an ``[E]`` int64 tensor, e.g. a statistics buffer) when given."""
+    T, K = indices.shape
+    src = per_token.reshape(-1, 1).expand(T, K).reshape(-1)
+    out = torch.zeros(num_experts, dtype=torch.int64, device=indices.device) if out is None else out.zero_()
+    return out.scatter_add_(0, indices.reshape(-1), src)
+
+
 class TopKRouter(nn.Module):
     """Linear gate + softmax or sigmoid scores + top-k, with the routing options of DeepSeek-V3/Qwen3-style models
     (Megatron-core's ``moe_router_*`` semantics).
 
     ``score_func="softmax"``: probabilities = the top-k softmax scores; ``"sigmoid"`` (DeepSeek-V3): the top-k
     sigmoid scores. ``norm_topk_prob``: renormalize the top-k probabilities to sum 1 (``True``/``False``, for either
-    score function; ``None``: Megatron's rule, on for sigmoid with ``topk > 1``, off for softmax).
+    score function; ``None``: Megatron's rule, on for sigmoid with ``topk > 1``, off for softmax). Softmax with
+    ``norm_topk_prob`` and no groups computes them as the softmax of the top-k logits (the same numbers: the
+    softmax's denominator cancels), without the ``[T, E]`` scores.
 
     * ``num_groups`` / ``group_topk`` / ``group_score_topk``: group-limited routing (:func:`group_limited_topk`).
     * ``scaling_factor``: multiplies the probabilities (DeepSeek-V3's ``routed_scaling_factor`` 2.5).
@@ -197,12 +255,13 @@ class TopKRouter(nn.Module):
       ``moe_router_dtype``; by default the GEMM runs in the input dtype and the logits are upcast to fp32).
     * ``enable_expert_bias`` (sigmoid only): auxiliary-loss-free balancing. A buffer ``expert_bias [E]`` is added
       to the scores for the *selection* only (the probabilities use the unbiased scores); each training-mode forward
-      (once, also under activation recomputation) adds this rank's routes per expert to the buffer ``local_tokens_per_expert``, and
-      :func:`update_expert_bias` (after the optimizer step) moves the bias by ``expert_bias_update_rate`` towards
-      balance and clears the counts. All of it is device code without host syncs (capturable).
+      (once, also under activation recomputation) adds this rank's routes per expert to the buffer
+      ``local_tokens_per_expert``, and :func:`update_expert_bias` (after the optimizer step) moves the bias by
+      ``expert_bias_update_rate`` towards balance and clears the counts. All of it is device code without host
+      syncs (capturable).
 
-    Returns ``(routing_map [T, E] bool, probs [T, E] (zero off the map), scores [T, E])``; ``last_logits`` keeps
-    the fp32 logits of the last call (the z-loss of :class:`MoELayer` uses them).
+    Returns a :class:`Routing`; ``last_logits`` keeps the logits of the last call (e.g. for
+    :func:`moe_graph.integrations.hf.hf_load_balancing_loss`).
     """
 
     def __init__(self, hidden_size: int, num_experts: int, topk: int, score_func: str = "softmax",
@@ -230,44 +289,61 @@ class TopKRouter(nn.Module):
             self.register_buffer("expert_bias", torch.zeros(num_experts, device=device, dtype=torch.float32))
             self.register_buffer("local_tokens_per_expert",
                                  torch.zeros(num_experts, device=device, dtype=torch.float32), persistent=False)
+        # the 1 each route of a token without padding counts (a constant: no fill per forward)
+        self.register_buffer("route_one", torch.ones((), dtype=torch.int64, device=device), persistent=False)
         self.last_logits = None
+
+    @property
+    def softmax_of_topk(self) -> bool:
+        """True where the probabilities are the softmax of the top-k logits (see the class docstring)."""
+        return self.score_func == "softmax" and self.norm_topk_prob and self.num_groups is None
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        if self.router_dtype is not None:  # Megatron's moe_router_dtype: the gate GEMM itself in fp32 / fp64
+            bias = self.bias.to(self.router_dtype) if self.bias is not None else None
+            return F.linear(x.to(self.router_dtype), self.weight.to(self.router_dtype), bias)
+        logits = F.linear(x, self.weight, self.bias)
+        return logits if logits.dtype == torch.float64 else logits.float()  # fp32 scores (fp64 stays fp64)
 
     def _select(self, scores: torch.Tensor) -> torch.Tensor:
         if self.num_groups is not None:
             return group_limited_topk(scores, self.topk, self.num_groups, self.group_topk, self.group_score_topk)[1]
         return torch.topk(scores, self.topk, dim=-1)[1]
 
-    def forward(self, x: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
-        """``x`` ``[T, H]``; ``padding_mask`` ``[T]`` bool (True: a padding token, which gets no route)."""
-        if self.router_dtype is not None:  # Megatron's moe_router_dtype: the gate GEMM itself in fp32 / fp64
-            bias = self.bias.to(self.router_dtype) if self.bias is not None else None
-            logits = F.linear(x.to(self.router_dtype), self.weight.to(self.router_dtype), bias)
-        else:
-            logits = F.linear(x, self.weight, self.bias)
-            logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32 scores (fp64 stays fp64)
+    def forward(self, x: torch.Tensor, padding_mask: Optional[torch.Tensor] = None,
+                counts_out: Optional[torch.Tensor] = None) -> Routing:
+        """``x`` ``[T, H]``; ``padding_mask`` ``[T]`` bool (True: a padding token, which gets no route);
+        ``counts_out``: an ``[E]`` int64 tensor the route counts are written into (:func:`route_counts`)."""
+        logits = self._logits(x)
         self.last_logits = logits
-        scores = torch.softmax(logits, -1) if self.score_func == "softmax" else torch.sigmoid(logits)
-        if self.enable_expert_bias:
-            idx = self._select(scores.detach() + self.expert_bias.to(scores.dtype))
+        scores = None
+        if self.softmax_of_topk:
+            top, idx = torch.topk(logits, self.topk, dim=-1)
+            top = torch.softmax(top, -1)
         else:
-            idx = self._select(scores)
-        top = scores.gather(1, idx)
-        if self.norm_topk_prob:
-            top = top / (top.sum(-1, keepdim=True) + 1e-20)
+            scores = router_scores(logits, self.score_func)
+            sel = scores.detach()
+            if self.enable_expert_bias:
+                sel = sel + self.expert_bias.to(sel.dtype)
+            idx = self._select(sel)
+            top = scores.gather(1, idx)
+            if self.norm_topk_prob:
+                top = top / (top.sum(-1, keepdim=True) + 1e-20)
         if self.scaling_factor:
             top = top * self.scaling_factor
-        routing_map = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, idx, True)
-        probs = torch.zeros_like(scores).scatter(1, idx, top)
+        token_mask = None
         if padding_mask is not None:
-            real = ~padding_mask.reshape(-1, 1).to(torch.bool)
-            routing_map = routing_map & real
-            probs = probs * real.to(probs.dtype)
+            pad = padding_mask.reshape(-1).to(torch.bool)
+            top = top.masked_fill(pad.view(-1, 1), 0)
+            token_mask = ~pad
+        counts = route_counts(idx, self.num_experts, self.route_one if token_mask is None
+                              else token_mask.to(torch.int64), counts_out)
         # training forwards count (also the no-grad first pass of a reentrant checkpoint); its recomputation
         # inside backward does not (counting_enabled)
         if self.enable_expert_bias and self.training and counting_enabled():
             with torch.no_grad():
-                self.local_tokens_per_expert.add_(routing_map.sum(0).to(torch.float32))
-        return routing_map, probs, scores
+                self.local_tokens_per_expert.add_(counts)
+        return Routing(idx, top, counts, logits, scores, token_mask)
 
 
 @torch.no_grad()
@@ -346,31 +422,31 @@ class RouterLoss:
         self.aux_loss_coeff, self.aux_loss_type = float(aux_loss_coeff), aux_loss_type
         self.sequence_dim, self.z_loss_coeff = sequence_dim, float(z_loss_coeff)
 
-    def __call__(self, scores: torch.Tensor, routing_map: torch.Tensor, logits: torch.Tensor,
-                 input_shape: Sequence[int], token_mask: Optional[torch.Tensor] = None,
-                 tokens_per_expert: Optional[torch.Tensor] = None
+    def __call__(self, routing: Routing, input_shape: Sequence[int], tokens_per_expert: Optional[torch.Tensor] = None
                  ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-        """``(aux, z)``: the weighted losses (``None`` when off) for the router's ``[T, E]`` ``scores``,
-        ``routing_map`` and ``logits``; ``input_shape``: the layer input's shape ``[..., H]`` (``T`` tokens before
-        ``H``); ``token_mask`` ``[T]`` (1: real token); ``tokens_per_expert`` ``[E]``: the EP group's counts
-        (``"global"``)."""
+        """``(aux, z)``: the weighted losses (``None`` when off) of the router's :class:`Routing` of ``T`` tokens;
+        ``input_shape``: the layer input's shape ``[..., H]`` (``T`` tokens before ``H``); ``tokens_per_expert``
+        ``[E]``: the EP group's counts (``"global"``)."""
         aux = z = None
         token_shape = tuple(input_shape[:-1])
+        token_mask = routing.token_mask
         if self.aux_loss_coeff > 0:
+            scores = routing.scores if routing.scores is not None else router_scores(routing.logits, self.score_func)
             sc = aux_loss_scores(scores, self.score_func)
             if self.aux_loss_type == "sequence":
                 if len(token_shape) != 2:
                     raise ValueError(f"aux_loss_type='sequence' needs a [B, S, H] or [S, B, H] input, got shape "
                                      f"{tuple(input_shape)}")
-                sc, rm = sc.view(*token_shape, -1), routing_map.view(*token_shape, -1)
+                rm = routing_map(routing.indices, sc.shape[-1], token_mask)
+                sc, rm = sc.view(*token_shape, -1), rm.view(*token_shape, -1)
                 m = token_mask.view(*token_shape) if token_mask is not None else None
                 if self.sequence_dim == 0:
                     sc, rm = sc.transpose(0, 1), rm.transpose(0, 1)
                     m = m.transpose(0, 1) if m is not None else None
                 aux = self.aux_loss_coeff * sequence_aux_loss(sc, rm, self.topk, m)
             else:
-                counts = tokens_per_expert if self.aux_loss_type == "global" else None
-                aux = self.aux_loss_coeff * router_aux_loss(sc, routing_map, self.topk, counts, token_mask)
+                counts = tokens_per_expert if self.aux_loss_type == "global" else routing.counts
+                aux = self.aux_loss_coeff * router_aux_loss(sc, None, self.topk, counts, token_mask)
         if self.z_loss_coeff > 0:
-            z = self.z_loss_coeff * router_z_loss(logits, token_mask)
+            z = self.z_loss_coeff * router_z_loss(routing.logits, token_mask)
         return aux, z
