@@ -350,8 +350,8 @@ def oracle_train(row: Row) -> Dict:
         opt.step()
         if row.expert_bias:  # DeepSeek-V3's sign rule on the whole global batch's routes per expert
             with torch.no_grad():
-                for b, ((routing_map, _, _), _l) in zip(model.blocks, captured):
-                    counts = routing_map.sum(0).to(torch.float32)
+                for b, (r, _l) in zip(model.blocks, captured):
+                    counts = routing_map(r.indices, EXPERTS, r.token_mask).sum(0).to(torch.float32)
                     b.moe.router.expert_bias.add_(torch.sign(counts.mean() - counts), alpha=0.05)
                     b.moe.router.local_tokens_per_expert.zero_()
         losses.append(float(ce.detach()))
