@@ -218,3 +218,24 @@ def test_options_ep2_echo():
             for what, err in errs.items():
                 assert err < 1e-10, (case, what, err)
     assert sum(res["spare_rows"] for res in results) > 0  # rank 1's spare slot hosted a hot expert of rank 0
+
+
+@pytest.mark.parametrize("score_func,norm,scale", [("sigmoid", True, 2.5), ("sigmoid", True, None),
+                                                   ("softmax", True, 2.5), ("softmax", False, 2.5),
+                                                   ("sigmoid", False, None)])
+def test_router_probabilities_gradcheck(gen, score_func, norm, scale):
+    """The router's probabilities (renormalized and scaled in one op, or the softmax of the top-k logits) against
+    finite differences of the input and the gate weight (float64; the selection is constant near the point)."""
+    torch.manual_seed(0)
+    r = TopKRouter(6, 8, 3, score_func, norm, device="cpu", dtype=DT, scaling_factor=scale)
+    x = torch.randn(5, 6, generator=gen, dtype=DT, requires_grad=True)
+    w = r.weight.detach().clone().requires_grad_()
+
+    def probs(x_, w_):
+        return torch.func.functional_call(r, {"weight": w_}, (x_,)).probs
+
+    assert torch.autograd.gradcheck(probs, (x, w))
+    idx, top, _ = reference_route(x.detach(), w.detach(), 3, score_func, norm, scaling_factor=scale)
+    routing = r(x.detach())
+    assert torch.equal(routing.indices, idx)
+    torch.testing.assert_close(routing.probs, top, **TOL)

@@ -237,6 +237,28 @@ def route_counts(indices: torch.Tensor, num_experts: int, per_token: torch.Tenso
     return out.scatter_add_(0, indices.reshape(-1), src)
 
 
+class _RenormalizedTopK(torch.autograd.Function):
+    """``top * scale / (top.sum(-1) + 1e-20)`` for ``top [T, K]``: the top-k probabilities renormalized to sum
+    ``scale``, computed as ``top / d`` with ``d = (sum + 1e-20) / scale``; backward in four ops,
+    ``grad_top = (g - sum(g * p) / scale) / d``."""
+
+    @staticmethod
+    def forward(ctx, top: torch.Tensor, scale: float):
+        d = top.sum(-1, keepdim=True) + 1e-20
+        if scale != 1.0:
+            d = d / scale
+        p = top / d
+        ctx.save_for_backward(p, d)
+        ctx.scale = scale
+        return p
+
+    @staticmethod
+    def backward(ctx, g):
+        p, d = ctx.saved_tensors
+        c = (g * p).sum(-1, keepdim=True)
+        return torch.sub(g, c, alpha=1.0 / ctx.scale) / d, None
+
+
 class TopKRouter(nn.Module):
     """Linear gate + softmax or sigmoid scores + top-k, with the routing options of DeepSeek-V3/Qwen3-style models
     (Megatron-core's ``moe_router_*`` semantics).
@@ -320,6 +342,8 @@ class TopKRouter(nn.Module):
         if self.softmax_of_topk:
             top, idx = torch.topk(logits, self.topk, dim=-1)
             top = torch.softmax(top, -1)
+            if self.scaling_factor:
+                top = top * self.scaling_factor
         else:
             scores = router_scores(logits, self.score_func)
             sel = scores.detach()
@@ -327,10 +351,10 @@ class TopKRouter(nn.Module):
                 sel = sel + self.expert_bias.to(sel.dtype)
             idx = self._select(sel)
             top = scores.gather(1, idx)
-            if self.norm_topk_prob:
-                top = top / (top.sum(-1, keepdim=True) + 1e-20)
-        if self.scaling_factor:
-            top = top * self.scaling_factor
+            if self.norm_topk_prob:  # scaled in the same op
+                top = _RenormalizedTopK.apply(top, float(self.scaling_factor or 1.0))
+            elif self.scaling_factor:
+                top = top * self.scaling_factor
         token_mask = None
         if padding_mask is not None:
             pad = padding_mask.reshape(-1).to(torch.bool)
