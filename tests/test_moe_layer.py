@@ -169,14 +169,6 @@ def test_drops_are_statistics_not_errors(gen):
         moe_statistics(torch.nn.Linear(2, 2))
 
 
-def _keep_sorted(idx, cap, probs=None):
-    """Kept routes with echo on (its rerouted map orders each token's routes by column)."""
-    srt, perm = idx.sort(1)
-    p_srt = probs.gather(1, perm) if probs is not None else None
-    keep_sorted = kept_routes(srt, torch.zeros(int(idx.max()) + 1, dtype=torch.int64), cap, probs=p_srt)
-    return torch.empty_like(keep_sorted).scatter_(1, perm, keep_sorted)
-
-
 def test_input_shape_error():
     layer = _layer()
     with pytest.raises(ValueError, match="hidden_size=8"):
@@ -380,7 +372,8 @@ def test_shared_expert_matches_dense_reference(gen, activation, gate):
     assert all(getattr(p, "allreduce", True) for n, p in layer.named_parameters() if n in names)  # dense params
     x = torch.randn(20, 8, generator=gen, dtype=DT)
     _check(layer, x, torch.randn(20, 8, generator=gen, dtype=DT),
-           keep_fn=lambda idx, p: _keep_sorted(idx, layer.dispatcher.capacity, p))
+           keep_fn=lambda idx, p: kept_routes(idx, torch.zeros(6, dtype=torch.int64), layer.dispatcher.capacity,
+                                              probs=p))
     with pytest.raises(ValueError, match="shared_expert_gate needs"):
         MoELayer(8, 8, 4, 2, shared_expert_gate=True, device="cpu")
 
