@@ -169,6 +169,26 @@ def test_drops_are_statistics_not_errors(gen):
         moe_statistics(torch.nn.Linear(2, 2))
 
 
+@pytest.mark.parametrize("k,cf,policy", [(0, None, "probs"), (0, 0.6, "probs"), (0, 0.6, "position"),
+                                          (1, None, "probs")])
+def test_probabilities_on_the_narrow_side_match_dense_reference(gen, k, cf, policy):
+    # F < H: the routing probabilities scale each expert row's activation before fc2 (row_weights) and combine
+    # sums plainly; outputs and gradients (the router's through the row weights) equal the dense reference, also
+    # with capacity drops and with echo
+    T, K = 15, 2
+    layer = _layer(k=k, cf=cf, H=8, F=4)
+    layer.dispatcher.drop_policy = policy
+    assert layer.scale_rows and not _layer(H=8, F=10).scale_rows
+    keep_fn = None
+    if cf is not None:
+        cap = layer.dispatcher.capacity = 18  # ceil(0.6 * 15 * 2 / 1)
+        keep_fn = lambda idx, p: kept_routes(idx, torch.zeros(6, dtype=torch.int64), cap,  # noqa: E731
+                                             probs=p if policy == "probs" else None)
+    x = torch.randn(T, 8, generator=gen, dtype=DT)
+    _check(layer, x, torch.randn(T, 8, generator=gen, dtype=DT), keep_fn)
+    assert layer.dispatcher.check_drops() == (0 if cf is None else T * K - 18)
+
+
 def test_input_shape_error():
     layer = _layer()
     with pytest.raises(ValueError, match="hidden_size=8"):

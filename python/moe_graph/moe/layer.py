@@ -106,7 +106,10 @@ class MoELayer(nn.Module):
         activation: ``"swiglu"`` (fc1 is ``[2F, H]``), ``"clamped_swiglu"`` (GPT-OSS's, with ``swiglu_alpha`` and
             ``swiglu_limit``; fc1 ``[2F, H]``), or the non-gated ``"gelu"``, ``"relu"``, ``"silu"``
             (:func:`moe_graph.moe.experts.activation_fn`). add_bias_linear: biases on the experts' (and the shared
-            expert's) fc1 and fc2, fused into the grouped GEMM epilogue.
+            expert's) fc1 and fc2, fused into the grouped GEMM epilogue. The routing probabilities weight the
+            narrower side of the expert MLP: with ``F < H`` (and no biases) each row's ``[F]`` activation before
+            fc2 (``scale_rows``: :meth:`TokenDispatcher.row_weights`, a plain sum in combine), else the ``[H]``
+            outputs in combine.
         aux_loss_coeff: weight of the load-balancing loss (0: off); its gradient flows through the output, times
             the factor of :meth:`MoEAuxLossAutoScaler.set_loss_scale` (``loss_scale / num_microbatches``, set for
             you by :func:`moe_graph.train.step.train_step` and the pipeline schedules).
@@ -181,6 +184,9 @@ class MoELayer(nn.Module):
         self.num_spare_experts_per_ep_rank = k = c.num_spare_experts_per_ep_rank
         self.capacity_factor, self.recompute = c.capacity_factor, bool(c.recompute)
         self.overflow = c.overflow
+        # the routing probabilities scale the narrower side of the expert MLP: the [rows, F] activation before fc2
+        # when F < H (no fc2 bias, which the scale would miss), else the [rows, H] outputs in combine
+        self.scale_rows = c.ffn_hidden_size < c.hidden_size and not c.add_bias_linear
         dtype = c.params_dtype if c.params_dtype is not None else torch.get_default_dtype()
         device = torch.device(device) if device is not None else torch.device(
             "cuda" if torch.cuda.is_available() else "cpu")
@@ -299,12 +305,13 @@ class MoELayer(nn.Module):
         self._stat("last_m_splits", m_splits)
 
         expert_in = expert_in.to(self.experts.fc1.weight.dtype)
+        row_scale = self.dispatcher.row_weights(handle) if self.scale_rows else None
         if self.echo is None:
-            expert_out = self.experts(expert_in, m_splits)
+            expert_out = self.experts(expert_in, m_splits, row_scale=row_scale)
         else:
             spares = self.echo.iteration_spares(plan, self.experts.expert_params(), reuse)
-            expert_out = self.experts(expert_in, m_splits, self.echo.dispatcher, plan, spares)
-        out = self.dispatcher.combine(expert_out, handle).to(x.dtype)
+            expert_out = self.experts(expert_in, m_splits, self.echo.dispatcher, plan, spares, row_scale=row_scale)
+        out = self.dispatcher.combine(expert_out, handle, weighted=not self.scale_rows).to(x.dtype)
         if self.shared_expert is not None:
             out = out + self.shared_expert(h).to(out.dtype)
         if aux is not None:
