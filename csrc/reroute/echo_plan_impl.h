@@ -30,15 +30,22 @@ enum PlanMode : int { kPlanAuto = 0, kPlanGreedy = 1, kPlanBestFit = 2 };
 // (moe_graph.moe.echo_planner.LEVEL_CANDIDATES / LEVEL_ROUNDS must match).
 constexpr int64_t kLevelCandidates = 16;
 constexpr int64_t kLevelRounds = 6;
+// Water-filling candidates next to the level search, one per quantum (echo_planner.WATER_QUANTA must match).
+constexpr int64_t kWaterCandidates = 2;
+MG_HD int64_t water_quantum(int64_t c) { return c == 0 ? 8 : 16; }
 
 
 // Per-candidate state of a level fill: ex, cap, used, pot, stuck, hl, nfree, ntop [R]; avail [E]; slot_e [S].
 MG_HD int64_t level_state_elems(int64_t R, int64_t E, int64_t k) { return 8 * R + E + R * k; }
 
+// Per-candidate state of a water fill: load, used [R]; avail [E]; slot_e [S]; plan [E, S]; max load [1].
+MG_HD int64_t water_state_elems(int64_t R, int64_t E, int64_t k) { return 2 * R + E + R * k + E * R * k + 1; }
+
 // int64 workspace elements the plan needs.
 MG_HD int64_t plan_workspace_elems(int64_t R, int64_t E, int64_t k) {
   const int64_t S = R * k;
-  return 4 * E + 8 * R + 2 * E * S + R * E + 4 * S + 12 + kLevelCandidates * (level_state_elems(R, E, k) + 2);
+  return 4 * E + 8 * R + 2 * E * S + R * E + 4 * S + 12 + kLevelCandidates * (level_state_elems(R, E, k) + 2) +
+         kWaterCandidates * water_state_elems(R, E, k);
 }
 
 struct PlanArgs {
@@ -59,8 +66,9 @@ struct PlanArrays {
   int64_t *hg, *hb;                                 // [E, S]
   int64_t* left;                                    // [R, E]
   int64_t *home, *amount, *rem, *bstart;            // [S]
-  int64_t* sc;  // [12]: avg, choose, restrictive, lo[2], hi[2], best level, best max, best cascade
+  int64_t* sc;  // [12]: avg, choose, restrictive, lo[2], hi[2], best level, best max, best cascade, water choice
   int64_t *lv_state, *lv_lam, *lv_max;  // level search: [B, level_state_elems] states; [B] levels and max loads
+  int64_t* wf_state;                     // water filling: [kWaterCandidates, water_state_elems]
 };
 
 MG_HD PlanArrays carve_plan(int64_t* ws, int64_t R, int64_t E, int64_t k) {
@@ -89,7 +97,8 @@ MG_HD PlanArrays carve_plan(int64_t* ws, int64_t R, int64_t E, int64_t k) {
   a.sc = p; p += 12;
   a.lv_lam = p; p += kLevelCandidates;
   a.lv_max = p; p += kLevelCandidates;
-  a.lv_state = p;
+  a.lv_state = p; p += kLevelCandidates * level_state_elems(R, E, k);
+  a.wf_state = p;
   return a;
 }
 
@@ -332,6 +341,137 @@ MG_HD void level_search(const PlanArgs& args, const PlanArrays& a, Ctx& ctx) {
   ctx.sync();
 }
 
+struct WaterState {
+  int64_t *load, *used, *avail, *slot_e, *plan, *max;
+};
+
+MG_HD WaterState carve_water(int64_t* p, int64_t R, int64_t E, int64_t k) {
+  WaterState s;
+  s.load = p; p += R;
+  s.used = p; p += R;
+  s.avail = p; p += E;
+  s.slot_e = p; p += R * k;
+  s.plan = p; p += E * R * k;
+  s.max = p;
+  return s;
+}
+
+// The replica of one of q's experts that receiver r tops up: the one with the most tokens left (lowest expert on
+// ties), -1 when r hosts none with tokens left.
+MG_HD int64_t hosted_expert(const WaterState& s, int64_t r, int64_t q, int64_t L, int64_t k) {
+  int64_t eh = -1, hav = -1;
+  for (int64_t i = 0; i < k; ++i) {
+    const int64_t f = s.slot_e[r * k + i];
+    if (f >= 0 && f / L == q && s.avail[f] > 0 && (s.avail[f] > hav || (s.avail[f] == hav && f < eh))) {
+      eh = f;
+      hav = s.avail[f];
+    }
+  }
+  return eh;
+}
+
+// Donor-constrained water filling with quantum Q on one group (moe_graph.moe.echo_planner._water_fill is the same
+// in torch): at most R * Q moves, each from the most loaded rank q (lowest on ties) to the least loaded rank r
+// (lowest on ties) that may host q's experts and can take some: min(tokens left, gap / 2, total / (R * Q)) tokens
+// into r's replica of q's expert with the most tokens left, else into a new slot with q's heaviest remaining expert.
+// Stops when no move is possible. Per move three group reductions and O(R / lanes * k + L / lanes) loads per lane.
+template <typename Ctx>
+MG_HD void water_fill(const PlanArgs& args, const PlanArrays& a, Ctx& ctx, WaterState s, int64_t quantum) {
+  const int64_t R = args.R, E = args.E, k = args.k, L = E / R, S = R * k;
+  const bool* allowed = args.allowed;
+  const int64_t lane = ctx.lane, nl = ctx.nlanes;
+  int64_t total = 0;
+  for (int64_t q = 0; q < R; ++q) total += a.load_r[q];
+  const int64_t delta = imax(1, total / (R * quantum));
+  for (int64_t i = lane; i < R; i += nl) {
+    s.load[i] = a.load_r[i];
+    s.used[i] = 0;
+  }
+  for (int64_t e = lane; e < E; e += nl) s.avail[e] = a.load_e[e];
+  for (int64_t j = lane; j < S; j += nl) s.slot_e[j] = -1;
+  for (int64_t i = lane; i < E * S; i += nl) s.plan[i] = 0;
+  ctx.group_sync();
+  for (int64_t move = 0; move < R * quantum; ++move) {
+    Best m = no_best();
+    for (int64_t i = lane; i < R; i += nl) m = pick(m, Best{s.load[i], i});
+    const Best qb = ctx.group_best(m);
+    const int64_t q = qb.i, lq = qb.v;
+    m = no_best();
+    for (int64_t i = q * L + lane; i < (q + 1) * L; i += nl) m = pick(m, Best{s.avail[i], i});
+    const int64_t e_new = ctx.group_best(m).i;
+    m = no_best();
+    for (int64_t r = lane; r < R; r += nl) {
+      if (r == q || !allowed[r * R + q]) continue;
+      const int64_t eh = hosted_expert(s, r, q, L, k);
+      if (eh < 0 && s.used[r] >= k) continue;
+      const int64_t amt = imin(imin(s.avail[eh >= 0 ? eh : e_new], (lq - s.load[r]) / 2), delta);
+      if (amt > 0) m = pick(m, Best{-s.load[r], r});
+    }
+    const Best rb = ctx.group_best(m);
+    if (rb.v == INT64_MIN) break;  // no move possible (group-uniform)
+    const int64_t r = rb.i;
+    if (lane == 0) {
+      const int64_t eh = hosted_expert(s, r, q, L, k), e = eh >= 0 ? eh : e_new;
+      const int64_t amt = imin(imin(s.avail[e], (lq - s.load[r]) / 2), delta);
+      int64_t slot = r * k + s.used[r];
+      if (eh >= 0) {
+        for (int64_t i = 0; i < k; ++i)
+          if (s.slot_e[r * k + i] == e) slot = r * k + i;
+      } else {
+        s.slot_e[slot] = e;
+        s.used[r] += 1;
+      }
+      s.plan[e * S + slot] += amt;
+      s.avail[e] -= amt;
+      s.load[q] -= amt;
+      s.load[r] += amt;
+    }
+    ctx.group_sync();
+  }
+  Best m = no_best();
+  for (int64_t i = lane; i < R; i += nl) m = pick(m, Best{s.load[i], i});
+  const int64_t mx = ctx.group_best(m).v;
+  if (lane == 0) s.max[0] = mx;
+  ctx.group_sync();
+}
+
+// The water-filling candidates (one per group), then hb becomes the first plan with the lowest maximum load among
+// the level search's (hb) and theirs.
+template <typename Ctx>
+MG_HD void water_search(const PlanArgs& args, const PlanArrays& a, Ctx& ctx) {
+  const int64_t R = args.R, E = args.E, k = args.k, L = E / R, S = R * k, W = water_state_elems(R, E, k);
+  for (int64_t c = ctx.gid; c >= 0 && c < kWaterCandidates; c += ctx.ngroups)
+    water_fill(args, a, ctx, carve_water(a.wf_state + c * W, R, E, k), water_quantum(c));
+  for (int64_t r = ctx.tid; r < R; r += ctx.nthreads) {  // the level search's loads
+    int64_t out = 0, in = 0;
+    for (int64_t e = r * L; e < (r + 1) * L; ++e)
+      for (int64_t j = 0; j < S; ++j) out += a.hb[e * S + j];
+    for (int64_t j = r * k; j < (r + 1) * k; ++j)
+      for (int64_t e = 0; e < E; ++e) in += a.hb[e * S + j];
+    a.la_b[r] = a.load_r[r] - out + in;
+  }
+  ctx.sync();
+  if (ctx.tid == 0) {
+    int64_t best = INT64_MIN, choice = -1;
+    for (int64_t r = 0; r < R; ++r) best = imax(best, a.la_b[r]);
+    for (int64_t c = 0; c < kWaterCandidates; ++c) {
+      const int64_t mx = carve_water(a.wf_state + c * W, R, E, k).max[0];
+      if (mx < best) {
+        best = mx;
+        choice = c;
+      }
+    }
+    a.sc[10] = choice;
+  }
+  ctx.sync();
+  const int64_t choice = a.sc[10];
+  if (choice >= 0) {
+    const int64_t* plan = carve_water(a.wf_state + choice * W, R, E, k).plan;
+    for (int64_t i = ctx.tid; i < E * S; i += ctx.nthreads) a.hb[i] = plan[i];
+  }
+  ctx.sync();
+}
+
 // Ctx provides: tid, nthreads (block-wide strided loops), sync() (block barrier); lane, nlanes, group
 // (the best-fit group: lane/nlanes strided loops when group is true), gid / ngroups (this thread's level-search
 // group, -1 for none, and the number of groups), group_best(Best) (reduction over the thread's group, result on
@@ -433,7 +573,10 @@ MG_HD void plan_body(const PlanArgs& args, Ctx& ctx) {
       if (!args.allowed[i] && i / R != i % R) a.sc[2] = 1;  // every writer writes 1
   ctx.sync();
   const bool restrictive = a.sc[2] != 0;
-  if (args.mode != kPlanGreedy && restrictive) level_search(args, a, ctx);
+  if (args.mode != kPlanGreedy && restrictive) {
+    level_search(args, a, ctx);
+    water_search(args, a, ctx);
+  }
   if (args.mode != kPlanGreedy && !restrictive && ctx.group) {
     const int64_t lane = ctx.lane, nl = ctx.nlanes;
     const int64_t kBig = int64_t(1) << 61, kClosed = int64_t(1) << 62;

@@ -66,6 +66,7 @@ __all__ = [
     "DONOR_PATTERNS",
     "LEVEL_CANDIDATES",
     "LEVEL_ROUNDS",
+    "WATER_QUANTA",
     "MAX_TOTAL_TOKENS",
 ]
 
@@ -75,6 +76,9 @@ DONOR_PATTERNS = ("ring", "node")
 # kLevelRounds, kLevelCandidates; the native op evaluates one level per warp).
 LEVEL_ROUNDS = 6
 LEVEL_CANDIDATES = 16
+# Donor-constrained best fit: water-filling candidates next to the level search, one per quantum Q (shares of at most
+# total // (R * Q) tokens, at most R * Q moves; echo_plan_impl.h: kWaterQuanta).
+WATER_QUANTA = (8, 16)
 # Receiver key classes of a donor-constrained fill step (echo_plan_impl.h: kRecvClass).
 _RECV_CLASS = 1 << 36
 
@@ -356,8 +360,8 @@ def best_fit_assignment(
         return _best_fit_at_avg(counts, k, None)
     restrictive = _restrictive(mask)
     if isinstance(restrictive, bool):  # host-readable mask: run only the branch that counts
-        return _level_search(counts, k, mask) if restrictive else _best_fit_at_avg(counts, k, mask)
-    return torch.where(restrictive, _level_search(counts, k, mask), _best_fit_at_avg(counts, k, mask))
+        return _constrained_best_fit(counts, k, mask) if restrictive else _best_fit_at_avg(counts, k, mask)
+    return torch.where(restrictive, _constrained_best_fit(counts, k, mask), _best_fit_at_avg(counts, k, mask))
 
 
 def _restrictive(mask: torch.Tensor):
@@ -506,6 +510,77 @@ def _level_search(counts: torch.Tensor, k: int, mask: torch.Tensor) -> torch.Ten
         lo = torch.maximum(lo, lo_new)
     _, _, plan = _level_fill(load_e, load_r, mask, k, best_lam.view(1), best_cascade.view(1), True)
     return plan.view(E, R * k)
+
+
+def _water_fill(load_e: torch.Tensor, load_r: torch.Tensor, allowed: torch.Tensor, k: int):
+    """Donor-constrained water filling, one candidate per quantum of :data:`WATER_QUANTA` side by side (the native
+    ``water_fill`` per warp). Returns ``(plan [B, E * S], max_load [B])``.
+
+    Each of at most ``R * Q`` moves takes the most loaded rank ``q`` (lowest index on ties) and moves
+    ``min(tokens left, gap // 2, total // (R * Q))`` tokens of one of its experts to the least loaded rank ``r``
+    (lowest index on ties) that may host ``q``'s experts and can take some: into ``r``'s replica of ``q``'s expert
+    with the most tokens left (lowest expert on ties) if it has one with tokens left, else into a new slot with
+    ``q``'s heaviest remaining expert. A move never raises the maximum load; when none is possible the state stays.
+    """
+    R, E = load_r.shape[0], load_e.shape[0]
+    L, S, dev = E // R, R * k, load_e.device
+    B = len(WATER_QUANTA)
+    quanta = torch.tensor(WATER_QUANTA, dtype=torch.int64, device=dev)
+    delta = (load_r.sum() // (R * quanta)).clamp(min=1)  # [B]
+    moves = R * quanta  # [B]
+    load = load_r[None, :].repeat(B, 1)
+    avail = load_e[None, :].repeat(B, 1)
+    used = torch.zeros(B, R, dtype=torch.int64, device=dev)
+    slot_e = torch.full((B, S), -1, dtype=torch.int64, device=dev)
+    plan = torch.zeros(B, E * S + 1, dtype=torch.int64, device=dev)  # last: sink
+    ranks = torch.arange(R, device=dev)
+    experts = torch.arange(E, device=dev)
+    kk = torch.arange(k, device=dev)
+    big = torch.iinfo(torch.int64).max
+    for i in range(R * max(WATER_QUANTA)):
+        q = torch.argmax(load, 1)  # [B]
+        gap = load.gather(1, q[:, None]) - load  # [B, R]
+        se = slot_e.view(B, R, k)
+        se_av = avail.gather(1, se.clamp(min=0).view(B, S)).view(B, R, k)
+        hosted = (se >= 0) & (se // L == q[:, None, None]) & (se_av > 0)
+        h_av = torch.where(hosted, se_av, -1).max(2).values  # [B, R]
+        e_h = torch.where(hosted & (se_av == h_av[:, :, None]), se, E).min(2).values  # heaviest, lowest expert
+        has_h = hosted.any(2)
+        av_q = avail.view(B, R, L).gather(1, q.view(B, 1, 1).expand(B, 1, L)).squeeze(1)
+        e_new = q * L + torch.argmax(av_q, 1)  # q's heaviest remaining expert (lowest on ties)
+        e_r = torch.where(has_h, e_h, e_new[:, None])  # [B, R]
+        a_r = torch.minimum(torch.minimum(avail.gather(1, e_r.clamp(max=E - 1)), gap // 2), delta[:, None])
+        ok = allowed.index_select(1, q).t() & (ranks[None, :] != q[:, None]) & (has_h | (used < k)) & (a_r > 0)
+        ok = ok & (i < moves)[:, None]
+        r = torch.argmin(torch.where(ok, load, big), 1)
+        active = ok.gather(1, r[:, None]).squeeze(1)
+        e = e_r.gather(1, r[:, None]).squeeze(1).clamp(max=E - 1)
+        a = torch.where(active, a_r.gather(1, r[:, None]).squeeze(1), 0)
+        hosted_r = has_h.gather(1, r[:, None]).squeeze(1)
+        new_slot = active & ~hosted_r
+        se_r = slot_e.gather(1, r[:, None] * k + kk[None, :])  # [B, k]
+        slot = r * k + torch.where(hosted_r, torch.argmax((se_r == e[:, None]).to(torch.int8), 1),
+                                   used.gather(1, r[:, None]).squeeze(1).clamp(max=k - 1))
+        plan.scatter_add_(1, torch.where(active, e * S + slot, E * S)[:, None], a[:, None])
+        slot_e = slot_e.scatter(1, slot[:, None], torch.where(new_slot, e, slot_e.gather(1, slot[:, None]).squeeze(1))[:, None])
+        is_r = ranks[None, :] == r[:, None]
+        used = used + (is_r & new_slot[:, None]).to(torch.int64)
+        avail = avail - torch.where(experts[None, :] == e[:, None], a[:, None], 0)
+        load = load - torch.where(ranks[None, :] == q[:, None], a[:, None], 0) + torch.where(is_r, a[:, None], 0)
+    return plan[:, : E * S], load.max(1).values
+
+
+def _constrained_best_fit(counts: torch.Tensor, k: int, mask: torch.Tensor) -> torch.Tensor:
+    """Donor-constrained best fit: the level search's plan or a water-filling candidate, whichever leaves the lowest
+    maximum rank load (the level search's on ties, then the first quantum)."""
+    R, E = counts.shape
+    load_e = counts.sum(0)
+    load_r = load_e.view(R, E // R).sum(1)
+    level = _level_search(counts, k, mask)
+    water, water_max = _water_fill(load_e, load_r, mask, k)
+    plans = torch.cat([level.view(1, -1), water], 0)
+    maxes = torch.cat([rank_loads_after(counts, level).max().view(1), water_max])
+    return plans.index_select(0, torch.argmin(maxes).view(1)).view(E, R * k)
 
 
 def _best_fit_at_avg(counts: torch.Tensor, k: int, mask: torch.Tensor | None) -> torch.Tensor:
