@@ -35,8 +35,8 @@ constexpr int64_t kWaterCandidates = 2;
 MG_HD int64_t water_quantum(int64_t c) { return c == 0 ? 8 : 16; }
 
 
-// Per-candidate state of a level fill: ex, cap, used, pot, stuck, hl, nfree, ntop [R]; avail [E]; slot_e [S].
-MG_HD int64_t level_state_elems(int64_t R, int64_t E, int64_t k) { return 8 * R + E + R * k; }
+// Per-candidate state of a level fill: ex, cap, used, pot, stuck, hl, nfree, ntop, maxav [R]; avail [E]; slot_e [S].
+MG_HD int64_t level_state_elems(int64_t R, int64_t E, int64_t k) { return 9 * R + E + R * k; }
 
 // Per-candidate state of a water fill: load, used [R]; avail [E]; slot_e [S]; plan [E, S]; max load [1].
 MG_HD int64_t water_state_elems(int64_t R, int64_t E, int64_t k) { return 2 * R + E + R * k + E * R * k + 1; }
@@ -45,7 +45,7 @@ MG_HD int64_t water_state_elems(int64_t R, int64_t E, int64_t k) { return 2 * R 
 MG_HD int64_t plan_workspace_elems(int64_t R, int64_t E, int64_t k) {
   const int64_t S = R * k;
   return 4 * E + 8 * R + 2 * E * S + R * E + 4 * S + 12 + kLevelCandidates * (level_state_elems(R, E, k) + 2) +
-         kWaterCandidates * water_state_elems(R, E, k);
+         kWaterCandidates * water_state_elems(R, E, k) + 2 * R * R + 2 * R;
 }
 
 struct PlanArgs {
@@ -69,6 +69,9 @@ struct PlanArrays {
   int64_t* sc;  // [12]: avg, choose, restrictive, lo[2], hi[2], best level, best max, best cascade, water choice
   int64_t *lv_state, *lv_lam, *lv_max;  // level search: [B, level_state_elems] states; [B] levels and max loads
   int64_t* wf_state;                     // water filling: [kWaterCandidates, water_state_elems]
+  // donor mask as lists: rl[q * R + i], i < rn[q]: the ranks r with allowed[r, q] (ascending); dl[r * R + i],
+  // i < dn[r]: the ranks p with allowed[r, p] (ascending)
+  int64_t *rl, *rn, *dl, *dn;
 };
 
 MG_HD PlanArrays carve_plan(int64_t* ws, int64_t R, int64_t E, int64_t k) {
@@ -98,7 +101,11 @@ MG_HD PlanArrays carve_plan(int64_t* ws, int64_t R, int64_t E, int64_t k) {
   a.lv_lam = p; p += kLevelCandidates;
   a.lv_max = p; p += kLevelCandidates;
   a.lv_state = p; p += kLevelCandidates * level_state_elems(R, E, k);
-  a.wf_state = p;
+  a.wf_state = p; p += kWaterCandidates * water_state_elems(R, E, k);
+  a.rl = p; p += R * R;
+  a.dl = p; p += R * R;
+  a.rn = p; p += R;
+  a.dn = p;
   return a;
 }
 
@@ -139,7 +146,7 @@ MG_HD int64_t receiver_key(bool top, bool open, int64_t cap, int64_t ceff, int64
 }
 
 struct LevelState {
-  int64_t *ex, *cap, *used, *pot, *stuck, *hl, *nfree, *ntop, *avail, *slot_e;
+  int64_t *ex, *cap, *used, *pot, *stuck, *hl, *nfree, *ntop, *maxav, *avail, *slot_e;  // maxav[r]: max avail of r
 };
 
 MG_HD LevelState carve_level(int64_t* p, int64_t R, int64_t E) {
@@ -152,6 +159,7 @@ MG_HD LevelState carve_level(int64_t* p, int64_t R, int64_t E) {
   s.hl = p; p += R;
   s.nfree = p; p += R;
   s.ntop = p; p += R;
+  s.maxav = p; p += R;
   s.avail = p; p += E;
   s.slot_e = p;
   return s;
@@ -160,12 +168,10 @@ MG_HD LevelState carve_level(int64_t* p, int64_t R, int64_t E) {
 // Cascade capacity of receiver r for a new slot: its room below the level plus (cascade) what it could pass on
 // from its home experts: at most its home tokens beyond its own excess, the room of its receivers (pot), and its
 // heaviest remaining expert per slot it could use (free slots of its receivers and replicas of its experts).
-MG_HD int64_t cascade_capacity(const LevelState& s, bool cascade, int64_t r, int64_t L, int64_t k) {
+MG_HD int64_t cascade_capacity(const LevelState& s, bool cascade, int64_t r, int64_t k) {
   if (s.used[r] >= k) return 0;
   if (!cascade) return s.cap[r];
-  int64_t maxav = INT64_MIN;
-  for (int64_t e = r * L; e < (r + 1) * L; ++e) maxav = imax(maxav, s.avail[e]);
-  const int64_t passable = imin(imin(s.hl[r] - s.ex[r], s.pot[r]), (s.nfree[r] + s.ntop[r]) * maxav);
+  const int64_t passable = imin(imin(s.hl[r] - s.ex[r], s.pot[r]), (s.nfree[r] + s.ntop[r]) * s.maxav[r]);
   return s.cap[r] + imax(0, passable);
 }
 
@@ -188,7 +194,6 @@ template <typename Ctx>
 MG_HD void level_fill(const PlanArgs& args, const PlanArrays& a, Ctx& ctx, LevelState s, int64_t lam, bool cascade,
                       int64_t* h) {
   const int64_t R = args.R, E = args.E, k = args.k, L = E / R, S = R * k;
-  const bool* allowed = args.allowed;
   const int64_t lane = ctx.lane, nl = ctx.nlanes;
   for (int64_t i = lane; i < R; i += nl) {
     s.ex[i] = imax(0, a.load_r[i] - lam);
@@ -197,19 +202,18 @@ MG_HD void level_fill(const PlanArgs& args, const PlanArrays& a, Ctx& ctx, Level
     s.stuck[i] = 0;
     s.hl[i] = a.load_r[i];
     s.ntop[i] = 0;
+    int64_t mx = INT64_MIN;
+    for (int64_t e = i * L; e < (i + 1) * L; ++e) mx = imax(mx, a.load_e[e]);
+    s.maxav[i] = mx;
   }
   for (int64_t e = lane; e < E; e += nl) s.avail[e] = a.load_e[e];
   for (int64_t j = lane; j < S; j += nl) s.slot_e[j] = -1;
   ctx.group_sync();
   for (int64_t p = lane; p < R; p += nl) {
-    int64_t v = 0, n = 0;
-    for (int64_t r = 0; r < R; ++r)
-      if (allowed[r * R + p]) {
-        v += s.cap[r];
-        n += k;
-      }
+    int64_t v = 0;
+    for (int64_t i = 0; i < a.rn[p]; ++i) v += s.cap[a.rl[p * R + i]];
     s.pot[p] = v;
-    s.nfree[p] = n;
+    s.nfree[p] = k * a.rn[p];
   }
   ctx.group_sync();
   for (int64_t step = 0; step < S + R; ++step) {
@@ -223,18 +227,20 @@ MG_HD void level_fill(const PlanArgs& args, const PlanArrays& a, Ctx& ctx, Level
     const int64_t e_new = ctx.group_best(m).i;
     const int64_t x = imin(kq, s.avail[e_new]);
     m = no_best();
-    for (int64_t r = lane; r < R; r += nl) {
-      const bool ok = allowed[r * R + q] && r != q;
+    for (int64_t i = lane; i < a.rn[q]; i += nl) {  // the ranks that may host q's experts
+      const int64_t r = a.rl[q * R + i];
+      if (r == q) continue;
       bool top = false;
-      for (int64_t i = 0; i < k && ok && !top; ++i) {
-        const int64_t e = s.slot_e[r * k + i];
+      for (int64_t j = 0; j < k && !top; ++j) {
+        const int64_t e = s.slot_e[r * k + j];
         top = e >= 0 && e / L == q && s.avail[e] > 0;
       }
-      const int64_t ceff = cascade_capacity(s, cascade, r, L, k);
-      m = pick(m, Best{-receiver_key(top && s.cap[r] > 0, ok && ceff > 0, s.cap[r], ceff, x), r});
+      const int64_t ceff = cascade_capacity(s, cascade, r, k);
+      m = pick(m, Best{-receiver_key(top && s.cap[r] > 0, ceff > 0, s.cap[r], ceff, x), r});
     }
     const Best rb = ctx.group_best(m);
-    const int64_t r = rb.i, rkey = -rb.v;
+    const bool listed = rb.v != INT64_MIN;  // no receiver at all: closed (r is then never written)
+    const int64_t r = listed ? rb.i : 0, rkey = listed ? -rb.v : kRecvClosed;
     const bool none = rkey == kRecvClosed, topup = rkey < kRecvClass;
     const int64_t cap_r = s.cap[r], used_r = s.used[r];
     int64_t slot = r * k + used_r, e = e_new, amt = 0;
@@ -246,17 +252,17 @@ MG_HD void level_fill(const PlanArgs& args, const PlanArrays& a, Ctx& ctx, Level
       e = s.slot_e[slot];
       amt = imin(imin(kq, s.avail[e]), cap_r);
     } else if (!none) {
-      amt = imin(x, cascade_capacity(s, cascade, r, L, k));
+      amt = imin(x, cascade_capacity(s, cascade, r, k));
     }
     const int64_t cap_new = amt > cap_r ? 0 : cap_r - amt;
     const int64_t used_new = used_r + (topup ? 0 : 1);
     if (!none)  // r's contribution to pot[p]: its room while it has a free slot or hosts one of p's experts
-      for (int64_t p = lane; p < R; p += nl)
-        if (allowed[r * R + p]) {
-          const bool hosts_old = hosts_rank(s, r, p, L, k), hosts_new = hosts_old || (p == q && !topup);
-          s.pot[p] += ((used_new < k || hosts_new) ? cap_new : 0) - ((used_r < k || hosts_old) ? cap_r : 0);
-          if (!topup) s.nfree[p] -= 1;
-        }
+      for (int64_t i = lane; i < a.dn[r]; i += nl) {
+        const int64_t p = a.dl[r * R + i];
+        const bool hosts_old = hosts_rank(s, r, p, L, k), hosts_new = hosts_old || (p == q && !topup);
+        s.pot[p] += ((used_new < k || hosts_new) ? cap_new : 0) - ((used_r < k || hosts_old) ? cap_r : 0);
+        if (!topup) s.nfree[p] -= 1;
+      }
     ctx.group_sync();  // every lane has read the state this step changes
     if (lane == 0) {
       if (none) {
@@ -270,6 +276,9 @@ MG_HD void level_fill(const PlanArgs& args, const PlanArrays& a, Ctx& ctx, Level
         s.ex[q] -= amt;
         s.hl[q] -= amt;
         s.avail[e] -= amt;
+        int64_t mx = INT64_MIN;
+        for (int64_t f = q * L; f < (q + 1) * L; ++f) mx = imax(mx, s.avail[f]);
+        s.maxav[q] = mx;
         if (amt > cap_r) s.ex[r] += amt - cap_r;
         s.cap[r] = cap_new;
         s.used[r] = used_new;
@@ -378,7 +387,6 @@ MG_HD int64_t hosted_expert(const WaterState& s, int64_t r, int64_t q, int64_t L
 template <typename Ctx>
 MG_HD void water_fill(const PlanArgs& args, const PlanArrays& a, Ctx& ctx, WaterState s, int64_t quantum) {
   const int64_t R = args.R, E = args.E, k = args.k, L = E / R, S = R * k;
-  const bool* allowed = args.allowed;
   const int64_t lane = ctx.lane, nl = ctx.nlanes;
   int64_t total = 0;
   for (int64_t q = 0; q < R; ++q) total += a.load_r[q];
@@ -400,8 +408,9 @@ MG_HD void water_fill(const PlanArgs& args, const PlanArrays& a, Ctx& ctx, Water
     for (int64_t i = q * L + lane; i < (q + 1) * L; i += nl) m = pick(m, Best{s.avail[i], i});
     const int64_t e_new = ctx.group_best(m).i;
     m = no_best();
-    for (int64_t r = lane; r < R; r += nl) {
-      if (r == q || !allowed[r * R + q]) continue;
+    for (int64_t i = lane; i < a.rn[q]; i += nl) {
+      const int64_t r = a.rl[q * R + i];
+      if (r == q) continue;
       const int64_t eh = hosted_expert(s, r, q, L, k);
       if (eh < 0 && s.used[r] >= k) continue;
       const int64_t amt = imin(imin(s.avail[eh >= 0 ? eh : e_new], (lq - s.load[r]) / 2), delta);
@@ -574,6 +583,16 @@ MG_HD void plan_body(const PlanArgs& args, Ctx& ctx) {
   ctx.sync();
   const bool restrictive = a.sc[2] != 0;
   if (args.mode != kPlanGreedy && restrictive) {
+    for (int64_t q = tid; q < R; q += nt) {
+      int64_t nr = 0, nd = 0;
+      for (int64_t r = 0; r < R; ++r) {
+        if (args.allowed[r * R + q]) a.rl[q * R + nr++] = r;
+        if (args.allowed[q * R + r]) a.dl[q * R + nd++] = r;
+      }
+      a.rn[q] = nr;
+      a.dn[q] = nd;
+    }
+    ctx.sync();
     level_search(args, a, ctx);
     water_search(args, a, ctx);
   }
