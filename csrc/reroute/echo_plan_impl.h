@@ -17,8 +17,12 @@
 
 #if defined(__CUDACC__)
 #define MG_HD __host__ __device__ __forceinline__
+#define MG_NO_UNROLL _Pragma("unroll 1")  // short loops kept rolled: the plan kernel has 128 registers per thread
+#define MG_HD_CALL __host__ __device__ __noinline__  // a phase compiled on its own (registers)
 #else
+#define MG_HD_CALL inline
 #define MG_HD inline
+#define MG_NO_UNROLL
 #endif
 
 namespace moe_graph {
@@ -35,8 +39,8 @@ constexpr int64_t kWaterCandidates = 2;
 MG_HD int64_t water_quantum(int64_t c) { return c == 0 ? 8 : 16; }
 
 
-// Per-candidate state of a level fill: ex, cap, used, pot, stuck, hl, nfree, ntop, maxav [R]; avail [E]; slot_e [S].
-MG_HD int64_t level_state_elems(int64_t R, int64_t E, int64_t k) { return 9 * R + E + R * k; }
+// Per-candidate state of a level fill: ex, cap, used, pot, stuck, hl, nfree, ntop [R]; avail [E]; slot_e [S].
+MG_HD int64_t level_state_elems(int64_t R, int64_t E, int64_t k) { return 8 * R + E + R * k; }
 
 // Per-candidate state of a water fill: load, used [R]; avail [E]; slot_e [S]; plan [E, S]; max load [1].
 MG_HD int64_t water_state_elems(int64_t R, int64_t E, int64_t k) { return 2 * R + E + R * k + E * R * k + 1; }
@@ -69,10 +73,14 @@ struct PlanArrays {
   int64_t* sc;  // [12]: avg, choose, restrictive, lo[2], hi[2], best level, best max, best cascade, water choice
   int64_t *lv_state, *lv_lam, *lv_max;  // level search: [B, level_state_elems] states; [B] levels and max loads
   int64_t* wf_state;                     // water filling: [kWaterCandidates, water_state_elems]
-  // donor mask as lists: rl[q * R + i], i < rn[q]: the ranks r with allowed[r, q] (ascending); dl[r * R + i],
-  // i < dn[r]: the ranks p with allowed[r, p] (ascending)
-  int64_t *rl, *rn, *dl, *dn;
+  // donor mask as lists, [2R + 2, R]: row q < R lists the ranks r with allowed[r, q], row R + r the ranks p with
+  // allowed[r, p] (ascending); rows 2R and 2R + 1 their lengths (mask_lists)
+  int64_t* lists;
 };
+
+// Receivers of q: list(a, R, q)[i] for i < list_len(a, R, q); donors of r: list(a, R, R + r), list_len(a, R, R + r).
+MG_HD const int64_t* mask_list(const PlanArrays& a, int64_t R, int64_t row) { return a.lists + row * R; }
+MG_HD int64_t mask_list_len(const PlanArrays& a, int64_t R, int64_t row) { return a.lists[2 * R * R + row]; }
 
 MG_HD PlanArrays carve_plan(int64_t* ws, int64_t R, int64_t E, int64_t k) {
   const int64_t S = R * k;
@@ -102,10 +110,7 @@ MG_HD PlanArrays carve_plan(int64_t* ws, int64_t R, int64_t E, int64_t k) {
   a.lv_max = p; p += kLevelCandidates;
   a.lv_state = p; p += kLevelCandidates * level_state_elems(R, E, k);
   a.wf_state = p; p += kWaterCandidates * water_state_elems(R, E, k);
-  a.rl = p; p += R * R;
-  a.dl = p; p += R * R;
-  a.rn = p; p += R;
-  a.dn = p;
+  a.lists = p;
   return a;
 }
 
@@ -146,7 +151,7 @@ MG_HD int64_t receiver_key(bool top, bool open, int64_t cap, int64_t ceff, int64
 }
 
 struct LevelState {
-  int64_t *ex, *cap, *used, *pot, *stuck, *hl, *nfree, *ntop, *maxav, *avail, *slot_e;  // maxav[r]: max avail of r
+  int64_t *ex, *cap, *used, *pot, *stuck, *hl, *nfree, *ntop, *avail, *slot_e;
 };
 
 MG_HD LevelState carve_level(int64_t* p, int64_t R, int64_t E) {
@@ -159,7 +164,6 @@ MG_HD LevelState carve_level(int64_t* p, int64_t R, int64_t E) {
   s.hl = p; p += R;
   s.nfree = p; p += R;
   s.ntop = p; p += R;
-  s.maxav = p; p += R;
   s.avail = p; p += E;
   s.slot_e = p;
   return s;
@@ -168,15 +172,18 @@ MG_HD LevelState carve_level(int64_t* p, int64_t R, int64_t E) {
 // Cascade capacity of receiver r for a new slot: its room below the level plus (cascade) what it could pass on
 // from its home experts: at most its home tokens beyond its own excess, the room of its receivers (pot), and its
 // heaviest remaining expert per slot it could use (free slots of its receivers and replicas of its experts).
-MG_HD int64_t cascade_capacity(const LevelState& s, bool cascade, int64_t r, int64_t k) {
+MG_HD int64_t cascade_capacity(const LevelState& s, bool cascade, int64_t r, int64_t L, int64_t k) {
   if (s.used[r] >= k) return 0;
   if (!cascade) return s.cap[r];
-  const int64_t passable = imin(imin(s.hl[r] - s.ex[r], s.pot[r]), (s.nfree[r] + s.ntop[r]) * s.maxav[r]);
+  int64_t maxav = INT64_MIN;
+  for (int64_t e = r * L; e < (r + 1) * L; ++e) maxav = imax(maxav, s.avail[e]);
+  const int64_t passable = imin(imin(s.hl[r] - s.ex[r], s.pot[r]), (s.nfree[r] + s.ntop[r]) * maxav);
   return s.cap[r] + imax(0, passable);
 }
 
 // Whether receiver r hosts an expert of rank p in one of its slots.
 MG_HD bool hosts_rank(const LevelState& s, int64_t r, int64_t p, int64_t L, int64_t k) {
+  MG_NO_UNROLL
   for (int64_t i = 0; i < k; ++i) {
     const int64_t e = s.slot_e[r * k + i];
     if (e >= 0 && e / L == p) return true;
@@ -202,18 +209,18 @@ MG_HD void level_fill(const PlanArgs& args, const PlanArrays& a, Ctx& ctx, Level
     s.stuck[i] = 0;
     s.hl[i] = a.load_r[i];
     s.ntop[i] = 0;
-    int64_t mx = INT64_MIN;
-    for (int64_t e = i * L; e < (i + 1) * L; ++e) mx = imax(mx, a.load_e[e]);
-    s.maxav[i] = mx;
   }
   for (int64_t e = lane; e < E; e += nl) s.avail[e] = a.load_e[e];
   for (int64_t j = lane; j < S; j += nl) s.slot_e[j] = -1;
   ctx.group_sync();
   for (int64_t p = lane; p < R; p += nl) {
     int64_t v = 0;
-    for (int64_t i = 0; i < a.rn[p]; ++i) v += s.cap[a.rl[p * R + i]];
+    const int64_t* rl = mask_list(a, R, p);
+    const int64_t n = mask_list_len(a, R, p);
+    MG_NO_UNROLL
+    for (int64_t i = 0; i < n; ++i) v += s.cap[rl[i]];
     s.pot[p] = v;
-    s.nfree[p] = k * a.rn[p];
+    s.nfree[p] = k * n;
   }
   ctx.group_sync();
   for (int64_t step = 0; step < S + R; ++step) {
@@ -227,15 +234,19 @@ MG_HD void level_fill(const PlanArgs& args, const PlanArrays& a, Ctx& ctx, Level
     const int64_t e_new = ctx.group_best(m).i;
     const int64_t x = imin(kq, s.avail[e_new]);
     m = no_best();
-    for (int64_t i = lane; i < a.rn[q]; i += nl) {  // the ranks that may host q's experts
-      const int64_t r = a.rl[q * R + i];
+    const int64_t* rl = mask_list(a, R, q);
+    const int64_t nr = mask_list_len(a, R, q);
+    MG_NO_UNROLL
+    for (int64_t i = lane; i < nr; i += nl) {  // the ranks that may host q's experts
+      const int64_t r = rl[i];
       if (r == q) continue;
       bool top = false;
+      MG_NO_UNROLL
       for (int64_t j = 0; j < k && !top; ++j) {
         const int64_t e = s.slot_e[r * k + j];
         top = e >= 0 && e / L == q && s.avail[e] > 0;
       }
-      const int64_t ceff = cascade_capacity(s, cascade, r, k);
+      const int64_t ceff = cascade_capacity(s, cascade, r, L, k);
       m = pick(m, Best{-receiver_key(top && s.cap[r] > 0, ceff > 0, s.cap[r], ceff, x), r});
     }
     const Best rb = ctx.group_best(m);
@@ -245,6 +256,7 @@ MG_HD void level_fill(const PlanArgs& args, const PlanArrays& a, Ctx& ctx, Level
     const int64_t cap_r = s.cap[r], used_r = s.used[r];
     int64_t slot = r * k + used_r, e = e_new, amt = 0;
     if (topup) {
+      MG_NO_UNROLL
       for (int64_t i = k - 1; i >= 0; --i) {  // the first hosting slot with tokens left
         const int64_t f = s.slot_e[r * k + i];
         if (f >= 0 && f / L == q && s.avail[f] > 0) slot = r * k + i;
@@ -252,17 +264,19 @@ MG_HD void level_fill(const PlanArgs& args, const PlanArrays& a, Ctx& ctx, Level
       e = s.slot_e[slot];
       amt = imin(imin(kq, s.avail[e]), cap_r);
     } else if (!none) {
-      amt = imin(x, cascade_capacity(s, cascade, r, k));
+      amt = imin(x, cascade_capacity(s, cascade, r, L, k));
     }
     const int64_t cap_new = amt > cap_r ? 0 : cap_r - amt;
     const int64_t used_new = used_r + (topup ? 0 : 1);
-    if (!none)  // r's contribution to pot[p]: its room while it has a free slot or hosts one of p's experts
-      for (int64_t i = lane; i < a.dn[r]; i += nl) {
-        const int64_t p = a.dl[r * R + i];
+    if (!none) {  // r's contribution to pot[p]: its room while it has a free slot or hosts one of p's experts
+      MG_NO_UNROLL
+      for (int64_t i = lane; i < mask_list_len(a, R, R + r); i += nl) {
+        const int64_t p = mask_list(a, R, R + r)[i];
         const bool hosts_old = hosts_rank(s, r, p, L, k), hosts_new = hosts_old || (p == q && !topup);
         s.pot[p] += ((used_new < k || hosts_new) ? cap_new : 0) - ((used_r < k || hosts_old) ? cap_r : 0);
         if (!topup) s.nfree[p] -= 1;
       }
+    }
     ctx.group_sync();  // every lane has read the state this step changes
     if (lane == 0) {
       if (none) {
@@ -276,9 +290,6 @@ MG_HD void level_fill(const PlanArgs& args, const PlanArrays& a, Ctx& ctx, Level
         s.ex[q] -= amt;
         s.hl[q] -= amt;
         s.avail[e] -= amt;
-        int64_t mx = INT64_MIN;
-        for (int64_t f = q * L; f < (q + 1) * L; ++f) mx = imax(mx, s.avail[f]);
-        s.maxav[q] = mx;
         if (amt > cap_r) s.ex[r] += amt - cap_r;
         s.cap[r] = cap_new;
         s.used[r] = used_new;
@@ -295,7 +306,7 @@ MG_HD void level_fill(const PlanArgs& args, const PlanArrays& a, Ctx& ctx, Level
 // zooms in to the neighbours of its best one. The plan is the evaluated (level, c) with the lowest maximum load
 // after the fill (first candidate in evaluation order on ties; the empty plan at the highest load to start).
 template <typename Ctx>
-MG_HD void level_search(const PlanArgs& args, const PlanArrays& a, Ctx& ctx) {
+MG_HD_CALL void level_search(const PlanArgs& args, const PlanArrays& a, Ctx& ctx) {
   const int64_t R = args.R, E = args.E, B = kLevelCandidates, H = B / 2;
   int64_t* lo = a.sc + 3;  // [2]
   int64_t* hi = a.sc + 5;  // [2]
@@ -369,6 +380,7 @@ MG_HD WaterState carve_water(int64_t* p, int64_t R, int64_t E, int64_t k) {
 // ties), -1 when r hosts none with tokens left.
 MG_HD int64_t hosted_expert(const WaterState& s, int64_t r, int64_t q, int64_t L, int64_t k) {
   int64_t eh = -1, hav = -1;
+  MG_NO_UNROLL
   for (int64_t i = 0; i < k; ++i) {
     const int64_t f = s.slot_e[r * k + i];
     if (f >= 0 && f / L == q && s.avail[f] > 0 && (s.avail[f] > hav || (s.avail[f] == hav && f < eh))) {
@@ -408,8 +420,11 @@ MG_HD void water_fill(const PlanArgs& args, const PlanArrays& a, Ctx& ctx, Water
     for (int64_t i = q * L + lane; i < (q + 1) * L; i += nl) m = pick(m, Best{s.avail[i], i});
     const int64_t e_new = ctx.group_best(m).i;
     m = no_best();
-    for (int64_t i = lane; i < a.rn[q]; i += nl) {
-      const int64_t r = a.rl[q * R + i];
+    const int64_t* rl = mask_list(a, R, q);
+    const int64_t nr = mask_list_len(a, R, q);
+    MG_NO_UNROLL
+    for (int64_t i = lane; i < nr; i += nl) {
+      const int64_t r = rl[i];
       if (r == q) continue;
       const int64_t eh = hosted_expert(s, r, q, L, k);
       if (eh < 0 && s.used[r] >= k) continue;
@@ -424,6 +439,7 @@ MG_HD void water_fill(const PlanArgs& args, const PlanArrays& a, Ctx& ctx, Water
       const int64_t amt = imin(imin(s.avail[e], (lq - s.load[r]) / 2), delta);
       int64_t slot = r * k + s.used[r];
       if (eh >= 0) {
+        MG_NO_UNROLL
         for (int64_t i = 0; i < k; ++i)
           if (s.slot_e[r * k + i] == e) slot = r * k + i;
       } else {
@@ -447,7 +463,7 @@ MG_HD void water_fill(const PlanArgs& args, const PlanArrays& a, Ctx& ctx, Water
 // The water-filling candidates (one per group), then hb becomes the first plan with the lowest maximum load among
 // the level search's (hb) and theirs.
 template <typename Ctx>
-MG_HD void water_search(const PlanArgs& args, const PlanArrays& a, Ctx& ctx) {
+MG_HD_CALL void water_search(const PlanArgs& args, const PlanArrays& a, Ctx& ctx) {
   const int64_t R = args.R, E = args.E, k = args.k, L = E / R, S = R * k, W = water_state_elems(R, E, k);
   for (int64_t c = ctx.gid; c >= 0 && c < kWaterCandidates; c += ctx.ngroups)
     water_fill(args, a, ctx, carve_water(a.wf_state + c * W, R, E, k), water_quantum(c));
@@ -586,11 +602,11 @@ MG_HD void plan_body(const PlanArgs& args, Ctx& ctx) {
     for (int64_t q = tid; q < R; q += nt) {
       int64_t nr = 0, nd = 0;
       for (int64_t r = 0; r < R; ++r) {
-        if (args.allowed[r * R + q]) a.rl[q * R + nr++] = r;
-        if (args.allowed[q * R + r]) a.dl[q * R + nd++] = r;
+        if (args.allowed[r * R + q]) a.lists[q * R + nr++] = r;
+        if (args.allowed[q * R + r]) a.lists[(R + q) * R + nd++] = r;
       }
-      a.rn[q] = nr;
-      a.dn[q] = nd;
+      a.lists[2 * R * R + q] = nr;
+      a.lists[2 * R * R + R + q] = nd;
     }
     ctx.sync();
     level_search(args, a, ctx);
