@@ -19,7 +19,9 @@ directory: a run never modifies tracked files unless told to). The issue's targe
 rank, ``w = R`` unconstrained) and both plan modes, over Zipf skew x E x R x k x w: ``microbatch`` plans every
 microbatch from its own counts, ``iteration`` plans from the first microbatch's counts and reuses the placement for
 the others (:func:`moe_graph.moe.echo_planner.reuse_plan`). The value is max/mean tokens per rank after echo (auto
-assignment), averaged over the microbatches and seeds. One table, JSON with the commit measured (``--out``,
+assignment), averaged over the microbatches and seeds. Every constrained case is also compared with the
+water-filling reference (:func:`moe_graph.testing.echo_reference.water_filling_max_load`, the same ring): the worst
+instance's plan max / reference max (``--no-reference`` skips it); and the plan time at R = 8, 64, 256. One table, JSON with the commit measured (``--out``,
 default ``./bench_echo_sweep.json``) and a PNG plot next to it; the default ``w`` rule (the smallest within 3% of
 unconstrained on Zipf 1.2, E=256, R=64, k=2) is evaluated at the end.
 
@@ -45,6 +47,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from common import environment, results_path  # noqa: E402
 from moe_graph.moe import echo_planner  # noqa: E402
 from moe_graph.ops import reroute as reroute_ops  # noqa: E402
+from moe_graph.testing.echo_reference import water_filling_max_load  # noqa: E402
 
 
 def gumbel_topk_routing(num_rows, p_log, topk, gen, device):
@@ -167,6 +170,10 @@ def main(argv=None):
                     help="--sweep: donor ranks per rank w (< R; w = R, unconstrained, is always added)")
     ap.add_argument("--microbatches", type=int, default=4, help="--sweep: microbatches per iteration")
     ap.add_argument("--png", default=None, help="--sweep: plot path (default: --out with .png)")
+    ap.add_argument("--cost-ranks", type=int, nargs="+", default=[8, 64, 256],
+                    help="--sweep: R of the plan-time rows (E = 256, k = 2)")
+    ap.add_argument("--no-reference", dest="reference", action="store_false",
+                    help="--sweep: skip the water-filling reference (plain Python, the slow part)")
     args = ap.parse_args(argv)
     if args.sweep:
         if args.skews == [0.8, 1.2, 1.5]:
@@ -271,6 +278,37 @@ def sweep_value(counts_mbs, k, mask, mode):
     return statistics.mean(vals)
 
 
+def reference_ratio(counts_mbs, k, mask):
+    """``(water-filling max/mean, worst plan max / water-filling max)`` over the microbatches (microbatch plans):
+    the donor-constrained plan against the plain-Python reference under the same constraint."""
+    wf, worst = [], 0.0
+    for counts in counts_mbs:
+        h, _ = echo_planner.gen_plan(counts, k, "auto", donor_mask=mask)
+        R, E = counts.shape
+        load = counts.sum(0).view(R, E // R).sum(1)
+        after = load - h.sum(1).view(R, E // R).sum(1) + h.sum(0).view(R, k).sum(1)
+        ref = water_filling_max_load(counts.cpu(), k, None if mask is None else mask.cpu())
+        wf.append(ref / (float(load.sum()) / R))
+        worst = max(worst, float(after.max()) / ref)
+    return statistics.mean(wf), worst
+
+
+def plan_cost(device, T, topk, reps, ranks):
+    """Time of one ``gen_plan`` (native op when built) at each R of ``ranks`` (E = 256, k = 2, Zipf 1.2) for donor
+    rings of w = 2, 8, R / 2 and unconstrained (w = R): median of ``reps`` calls."""
+    out = []
+    for R in ranks:
+        counts = make_case(R, 256, T, topk, 1.2, 7, True, device)[0]
+        for w in sorted({2, 8, R // 2, R}):
+            mask = echo_planner.donor_mask(R, w, device=device)
+            fn = lambda: echo_planner.gen_plan(counts, 2, donor_mask=mask)  # noqa: E731
+            fn()
+            ts = [time_fn(fn, device, 1) for _ in range(reps)]
+            out.append({"R": R, "E": 256, "k": 2, "w": w, "plan_us": statistics.median(ts), "impl": plan_impl(device)})
+            print(f"  plan time R={R:3d} E=256 k=2 w={w:3d}: {out[-1]['plan_us']:9.1f} us ({out[-1]['impl']})")
+    return out
+
+
 def sweep(args):
     device = torch.device(args.device)
     T = args.tokens or (16384 if device.type == "cuda" else 1024)
@@ -297,6 +335,10 @@ def sweep(args):
                                "microbatches": M, "topk": args.topk}
                         for mode in modes:
                             row[mode] = statistics.mean(sweep_value(mbs, k, mask, mode) for mbs in cases)
+                        if w < R and args.reference:
+                            refs = [reference_ratio(mbs, k, mask) for mbs in cases]
+                            row["water_filling"] = statistics.mean(r[0] for r in refs)
+                            row["vs_water_filling"] = max(r[1] for r in refs)
                         rows.append(row)
     # one table: rows (skew, E, R, k, mode), columns w
     wcols = sorted({r["w"] for r in rows if r["w"] != r["R"]})
@@ -322,6 +364,24 @@ def sweep(args):
                      "unconstrained": unc, "buffer_fraction": w_min / R})
         print(f"  Zipf {skew} E={E} R={R} k={k}: w={w_min} ({byw[w_min]['microbatch']:.3f} vs {unc:.3f}), "
               f"exchange buffers {w_min}/{R} of unconstrained")
+    # the constrained plans against the water-filling reference: worst plan max / reference max over the instances
+    ref_summary = None
+    if any("vs_water_filling" in r for r in rows):
+        print("plan max load / water-filling max load, worst instance (microbatch plans):")
+        print(f"{'skew':>4} {'E':>4} {'R':>3} {'k':>2} | " + " ".join(f"{'w=' + str(w):>6}" for w in wcols))
+        for (skew, E, R, k), byw in groups.items():
+            cells = " ".join(f"{byw[w]['vs_water_filling']:6.3f}" if w in byw and "vs_water_filling" in byw[w]
+                             else f"{'-':>6}" for w in wcols)
+            print(f"{skew:>4} {E:>4} {R:>3} {k:>2} | {cells}")
+        vals = [(r["vs_water_filling"], (r["skew"], r["E"], r["R"], r["k"], r["w"])) for r in rows
+                if "vs_water_filling" in r]
+        over = [c for v, c in vals if v > 1.05]
+        ref_summary = {"cases": len(vals), "over_5pct": len(over), "over_cases": over, "worst": max(vals)[0],
+                       "worst_case": max(vals)[1], "below_reference": sum(v < 1.0 for v, _ in vals)}
+        print(f"within 5% of water filling: {len(vals) - len(over)} of {len(vals)} cases (worst {max(vals)[0]:.3f} "
+              f"at {max(vals)[1]}); better than the reference in {ref_summary['below_reference']}")
+    print("plan time (gen_plan, one call):")
+    cost = plan_cost(device, T, args.topk, 5 if device.type == "cpu" else 50, args.cost_ranks)
     # default w rule: smallest w within 3% of unconstrained on Zipf(1.2), E=256, R=64, k=2 (microbatch plans)
     choice = None
     tgt = groups.get((1.2, 256, 64, 2))
@@ -336,8 +396,8 @@ def sweep(args):
     out = args.out or results_path("bench_echo_sweep", dated=False)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
-        json.dump({"args": vars(args), "env": environment(), "rows": rows, "default_w": choice, "rule": rule}, f,
-                  indent=1)
+        json.dump({"args": vars(args), "env": environment(), "rows": rows, "default_w": choice, "rule": rule,
+                   "reference": ref_summary, "plan_cost": cost}, f, indent=1)
     print(f"wrote {out}")
     png = args.png or os.path.splitext(out)[0] + ".png"
     try:

@@ -656,12 +656,14 @@ def test_bench_echo_sweep_smoke(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.path.join(root, "python"), "OMP_NUM_THREADS": "1"}
     p = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "bench_echo.py"), "--sweep", "--skews", "1.2",
                         "--experts", "64", "--ranks", "8", "--seeds", "1", "--microbatches", "2", "--tokens", "128",
-                        "--donors", "1", "2", "--out", str(out)], env=env, cwd=tmp_path, capture_output=True,
-                       text=True, timeout=300)
+                        "--donors", "1", "2", "--cost-ranks", "8", "--out", str(out)], env=env, cwd=tmp_path,
+                       capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     assert "microbatch" in p.stdout and "iteration" in p.stdout and "w=R" in p.stdout
     d = json.load(open(out))
     assert d["env"]["commit"] and {r["w"] for r in d["rows"]} == {1, 2, 8}
     for r in d["rows"]:
         assert 1.0 <= r["microbatch"] <= r["before"] + 1e-9 and r["iteration"] >= 1.0
+        assert ("vs_water_filling" in r) == (r["w"] < 8) and r.get("water_filling", 1.0) >= 1.0
+    assert d["reference"]["cases"] == 4 and [c["R"] for c in d["plan_cost"]] == [8, 8, 8]
     assert sorted(os.listdir(tmp_path)) == ["sweep.json", "sweep.png"] or "matplotlib not installed" in p.stdout
