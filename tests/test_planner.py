@@ -539,6 +539,25 @@ def test_donor_plan_within_5pct_of_water_filling(skew):
             assert got <= 1.05 * ref, (seed, w, got, ref)
 
 
+def test_water_fill_candidates_match_reference_and_plan_takes_the_best():
+    # the planner's water fills (vectorized torch) against the plain-Python reference with the same quantum and move
+    # limit; the constrained plan is never worse than any of them (nor than the level search alone)
+    for seed, (R, E, k, w) in enumerate([(8, 64, 2, 2), (16, 128, 1, 2), (16, 48, 3, 5), (12, 36, 2, 3)]):
+        counts = zipf_counts(R, E, 256, 4, 1.2, torch.Generator().manual_seed(seed))
+        counts[:, torch.arange(E) % 7 == 0] = 0
+        mask = echo_planner.donor_mask(R, w)
+        load_e = counts.sum(0)
+        plans, maxes = echo_planner._water_fill(load_e, load_e.view(R, -1).sum(1), mask, k)
+        for b, Q in enumerate(echo_planner.WATER_QUANTA):
+            assert int(maxes[b]) == water_filling_max_load(counts, k, mask, quanta=Q, max_moves=R * Q), (seed, Q)
+            _eq(loads_after(counts, plans[b].view(E, R * k), k)[1].max(), maxes[b])
+            _check_constraint(plans[b].view(E, R * k), mask, R, E, k)
+        h = echo_planner.best_fit_assignment(counts, k, native=False, donor_mask=mask)
+        got = loads_after(counts, h, k)[1].max()
+        level = echo_planner._level_search(counts, k, mask)
+        assert got <= maxes.min() and got <= loads_after(counts, level, k)[1].max()
+
+
 def test_water_filling_reference_hand_checked():
     # ranks 0, 1, 2 hold 100, 20, 20 tokens (one expert each carries them); rank 1 may host rank 0's experts, rank 2
     # rank 1's, one slot each. The reference moves shares from rank 0 to rank 1 until both hold 60 and stops there

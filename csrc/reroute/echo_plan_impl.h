@@ -4,12 +4,14 @@
 // the donor-constrained level search runs kLevelCandidates groups side by side). Results are identical to
 // moe_graph.moe.echo_planner's torch code (gen_assignment + gen_allocation), tie-breaking included.
 //
-// Cost (R ranks, E experts, k slots, S = R*k, B = kLevelCandidates, N = kLevelRounds): unconstrained best fit S
-// steps of O(R + E/R) on one group; donor-constrained (a mask that forbids some pair of distinct ranks) N*B + 1
-// level fills of at most S + R steps of O(E + R*k) each plus O(R^2) set-up. On the GPU the B fills of a round run
-// side by side, one per warp (per step three warp reductions, no block barrier): N + 1 fills one after the other
-// per warp, ~(N + 1) * (S + R) * (E + R*k) / 32 dependent operations per lane (R=64, E=256, k=2: ~16 k, about
-// 0.1-0.3 ms at 10-30 cycles each). The CPU runs all N*B + 1 fills one after the other.
+// Cost (R ranks, E experts, k slots, S = R*k, B = kLevelCandidates, N = kLevelRounds, w receivers per donor in the
+// mask): unconstrained best fit S steps of O(R + E/R) on one group; donor-constrained (a mask that forbids some pair
+// of distinct ranks) N*B + 1 level fills of at most S + R steps plus kWaterCandidates water fills of at most
+// R * water_quantum moves, each step and move O(R + w*k + E/R) (the mask walked as lists), plus O(R^2) set-up. On
+// the GPU the B fills of a round run side by side, one per warp, then the water fills on two warps (per step three
+// warp reductions, no block barrier): (N + 1) * (S + R) steps, then at most 16 R moves, one after the other per warp,
+// each ~(R + w*k + E/R) / 32 dependent loads per lane (R=64, E=256, k=2: at most 1344 + 1024 steps). The CPU runs
+// all fills one after the other (R=64, w=32: ~5 ms).
 //
 // Torch-free and CUDA-header-free: compiled by the host compiler for the CPU path and by nvcc for the kernel.
 #pragma once

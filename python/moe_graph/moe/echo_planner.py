@@ -345,7 +345,8 @@ def best_fit_assignment(
     few donors (already near the mean) almost no room. Instead a level search (:func:`_level_search`) finds the
     lowest level that a fill (:func:`_level_fill`: the steps above with capacities ``level - load``, receivers
     that pass their own home tokens on to their receivers, ``S + R`` steps) reaches, and a hot expert is split
-    over as many donor slots as that level needs.
+    over as many donor slots as that level needs. Next to it run two water fills (:func:`_water_fill`, quanta
+    :data:`WATER_QUANTA`); the plan with the lowest maximum rank load wins (:func:`_constrained_best_fit`).
     """
     counts = _check_counts(counts)
     k = int(num_spare_experts_per_ep_rank)

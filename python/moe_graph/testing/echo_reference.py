@@ -91,7 +91,8 @@ def loads_after(counts: torch.Tensor, home_to_spare: torch.Tensor, k: int) -> Tu
     return before, after
 
 
-def water_filling_max_load(counts: torch.Tensor, k: int, donor_mask: torch.Tensor | None, quanta: int = 256) -> int:
+def water_filling_max_load(counts: torch.Tensor, k: int, donor_mask: torch.Tensor | None, quanta: int = 256,
+                           max_moves: int | None = None) -> int:
     """Water-filling reference for a donor-constrained echo plan: the highest rank load it reaches (tokens).
 
     Repeatedly take the most loaded rank ``q`` (lowest index on ties) and move a share of at most
@@ -99,7 +100,7 @@ def water_filling_max_load(counts: torch.Tensor, k: int, donor_mask: torch.Tenso
     loaded rank ``r`` allowed to host ``q``'s experts (``donor_mask[r, q]``; any other rank when ``None``): into
     ``r``'s replica of that expert if it has one with tokens left to take, else into a new replica (a free slot on
     ``r``, ``k`` per rank) of ``q``'s heaviest remaining expert. Stops when the most loaded rank can move nothing.
-    Plain Python, independent of the planner's code.
+    ``max_moves``: stop after that many moves (``None``: no limit). Plain Python, independent of the planner's code.
     """
     R, E = counts.shape
     L = E // R
@@ -110,7 +111,8 @@ def water_filling_max_load(counts: torch.Tensor, k: int, donor_mask: torch.Tenso
     slots: List[List[int]] = [[] for _ in range(R)]  # experts hosted per rank
     allowed = [[(bool(donor_mask[r, q]) if donor_mask is not None else True) and r != q for q in range(R)]
                for r in range(R)]
-    while True:
+    moves = 0
+    while max_moves is None or moves < max_moves:
         q = max(range(R), key=lambda i: (load[i], -i))
         best = None
         for r in range(R):
@@ -135,3 +137,5 @@ def water_filling_max_load(counts: torch.Tensor, k: int, donor_mask: torch.Tenso
         avail[e] -= amount
         load[q] -= amount
         load[r] += amount
+        moves += 1
+    return max(load)
