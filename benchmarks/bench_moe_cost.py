@@ -8,7 +8,8 @@ or a CUDA-graph node, so these device-independent counts predict it. For one for
   (they launch nothing); each counted op is a kernel launch or a graph node.
 * ``non-GEMM bytes/token``: for every op that is not a GEMM, the bytes of its tensor arguments (read) and results
   (written), each tensor counted whole (broadcast dimensions once), over the tokens of the batch. An upper bound
-  for gathers, which read only the rows they index; the same rule for every system.
+  for gathers, which read only the rows they index; the same rule for every system. The target of an in-place
+  indexed write (``index_add_``, ``index_copy_``, ``index_fill_``) counts as the rows it indexes, read and written.
 * ``saved bytes/token``: unique storages autograd saves for backward in the forward
   (``torch.autograd.graph.saved_tensors_hooks``) and still holds when the forward returns, parameters left out.
 * ``host syncs``: places where the host waits for device values: ``aten._local_scalar_dense`` (``.item()``,
@@ -83,6 +84,27 @@ def _nbytes(t: torch.Tensor) -> int:
     return n * t.element_size() if t.numel() else 0
 
 
+# in place into the rows an index names (``self.index_add_(dim, index, source)``, ...): the kernel reads and writes
+# those rows of ``self`` only, not all of it
+INDEXED_INPLACE_OPS = {"index_add_", "index_copy_", "index_fill_"}
+
+
+def _op_bytes(name: str, args, ins, outs) -> int:
+    """Bytes an op reads and writes: every tensor argument and result whole (:func:`_nbytes`), except the target of
+    an in-place indexed write (:data:`INDEXED_INPLACE_OPS`), counted as the rows it indexes, read and written."""
+    total = sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in outs)
+    if name in INDEXED_INPLACE_OPS and len(args) >= 3 and torch.is_tensor(args[0]) and torch.is_tensor(args[2]):
+        target, dim, index = args[0], args[1], args[2]
+        whole = _nbytes(target)
+        rows = min(index.numel(), target.shape[dim]) if target.dim() else 1
+        touched = whole * rows // max(target.shape[dim], 1) if target.dim() else whole
+        same = lambda t: t.data_ptr() == target.data_ptr() and t.shape == target.shape  # noqa: E731
+        n_target = sum(map(same, ins)) + sum(map(same, outs))
+        total -= n_target * whole
+        total += 2 * touched  # read and written once
+    return total
+
+
 def _storage_key(t: torch.Tensor):
     return (t.device, t.untyped_storage().data_ptr())
 
@@ -144,7 +166,7 @@ class CostMeter(TorchDispatchMode):
         key = f"{func.namespace}.{name}"
         self.ops[self.phase][key] = self.ops[self.phase].get(key, 0) + 1
         if name not in GEMM_OPS:
-            self.bytes[self.phase] += sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in outs)
+            self.bytes[self.phase] += _op_bytes(name, args, ins, outs)
         return out
 
 

@@ -160,6 +160,16 @@ def test_cost_meter_counts(monkeypatch):
     assert meter.launches["fwd"] == 4, meter.ops
     assert meter.bytes["fwd"] == 128 + 128 + 128 + 4 + 4
     assert [s.split(":")[1] for s in meter.syncs] == ["_local_scalar_dense", "Tensor.tolist", "Tensor.cpu"]
+    # an in-place indexed write touches the indexed rows of its target only (read + write), not all of it
+    acc, src, rows = torch.zeros(100, 8), torch.ones(2, 8), torch.tensor([3, 7])
+    meter.bytes["fwd"] = 0
+    with meter:
+        acc.index_add_(0, rows, src)
+    assert meter.bytes["fwd"] == 2 * (2 * 8 * 4) + 2 * 8 + 2 * 8 * 4, meter.bytes
+    meter.bytes["fwd"] = 0
+    with meter:
+        acc.add_(src.sum(0))  # not indexed: the whole target, read and written
+    assert meter.bytes["fwd"] == (2 * 8 * 4 + 8 * 4) + (100 * 8 * 4 * 2 + 8 * 4), meter.bytes
     before = len(meter.syncs)
     with meter, bench.host_reads(meter):
         torch.arange(3, device="cpu").tolist()  # a factory's result counts as a device value
