@@ -2,7 +2,8 @@
 graph without breaks (``fullgraph=True`` raises on any), and the compiled layer's outputs, gradients of the input and
 of every parameter, statistics and expert-bias counts equal the eager layer's over several training steps. CPU,
 ``backend="aot_eager"`` (AOTAutograd's forward/backward graphs run by eager kernels; inductor's C++ compile is too
-slow for this machine's test budget)."""
+slow for this machine's test budget). Echo is covered on the autograd ``.grad`` path; the fused ``main_grad`` path
+sets ``grad_added_to_main_grad`` on the parameter in backward, which dynamo cannot trace (as TransformerEngine's)."""
 
 import pytest
 import torch
@@ -21,6 +22,8 @@ CASES = {
     "deepseek_sequence_padding": (_DEEPSEEK, "sequence", True),
     "mixtral_local_capacity": (dict(score_func="softmax", norm_topk_prob=True, capacity_factor=1.0), "local", False),
     "softmax_unnormalized_local": (dict(score_func="softmax"), "local", True),
+    # echo: plan, index reroute, spare weights and their gradients sent home (autograd .grad path)
+    "qwen3_echo1_local": (dict(_QWEN3, num_spare_experts_per_ep_rank=1), "local", False),
 }
 
 

@@ -613,7 +613,9 @@ class EchoExpertDispatcher:
                 raise ValueError(f"gradient tensor {i} must have shape [L={self.num_local_experts}, {expert_shape}] "
                                  f"(the spare gradient's expert shape), got {list(shape)}")
         for i, t in enumerate(targets):
-            if t is not None and (t.device != spare_grads[0].device or t.is_inference()):
+            # (inference tensors cannot exist inside a compiled graph: dynamo cannot ask, and need not)
+            if t is not None and (t.device != spare_grads[0].device
+                                  or (not torch.compiler.is_compiling() and t.is_inference())):
                 raise ValueError(f"gradient tensor {i} must be a writable tensor on {spare_grads[0].device}")
         recv, target = self.exchange_grads(offload_map, spare_grads)
         if out is None:  # only now create missing .grad tensors: nothing is written before validation
