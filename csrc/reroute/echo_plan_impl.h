@@ -1,17 +1,19 @@
 // The whole echo offloading plan (assignment + allocation) as one native step, shared by the CPU and the CUDA
 // implementation: the same phase functions run with one "thread" on the CPU and with a CUDA block on the GPU
 // (strided loops, a barrier between phases; each sequential best-fit loop runs on one group: a warp on the GPU,
-// the donor-constrained level search runs kLevelCandidates groups side by side). Results are identical to
-// moe_graph.moe.echo_planner's torch code (gen_assignment + gen_allocation), tie-breaking included.
+// the donor-constrained level search runs kLevelCandidates groups side by side, the water fills on their own
+// groups at the same time). Results are identical to moe_graph.moe.echo_planner's torch code (gen_assignment +
+// gen_allocation), tie-breaking included.
 //
 // Cost (R ranks, E experts, k slots, S = R*k, B = kLevelCandidates, N = kLevelRounds, w receivers per donor in the
 // mask): unconstrained best fit S steps of O(R + E/R) on one group; donor-constrained (a mask that forbids some pair
-// of distinct ranks) N*B + 1 level fills of at most S + R steps plus kWaterCandidates water fills of at most
-// R * water_quantum moves, each step and move O(R + w*k + E/R) (the mask walked as lists), plus O(R^2) set-up. On
-// the GPU the B fills of a round run side by side, one per warp, then the water fills on two warps (per step three
-// warp reductions, no block barrier): (N + 1) * (S + R) steps, then at most 16 R moves, one after the other per warp,
-// each ~(R + w*k + E/R) / 32 dependent loads per lane (R=64, E=256, k=2: at most 1344 + 1024 steps). The CPU runs
-// all fills one after the other (R=64, w=32: ~5 ms).
+// of distinct ranks) N*B level fills of at most S + R steps plus kWaterCandidates water fills of at most
+// R * water_quantum moves, each step and move O(R + w*k + E/R) (the mask walked as lists), plus O(R^2) set-up and
+// an O(S * (S + R)) replay of the best level fill's log. On the GPU the B fills of a round run side by side, one per
+// warp, while the water fills run on two more warps (per step three warp reductions, no block barrier): the
+// critical path is max(N * (S + R) steps, 16 R moves), each ~(R + w*k + E/R) / 32 dependent loads per lane
+// (R=64, E=256, k=2: max(1152, 1024) = 1152 dependent steps, against 1344 + 1024 for the candidates in sequence).
+// The CPU runs all fills one after the other (R=64, w=32: ~5 ms).
 //
 // Torch-free and CUDA-header-free: compiled by the host compiler for the CPU path and by nvcc for the kernel.
 #pragma once
@@ -44,6 +46,9 @@ MG_HD int64_t water_quantum(int64_t c) { return c == 0 ? 8 : 16; }
 // Per-candidate state of a level fill: ex, cap, used, pot, stuck, hl, nfree, ntop [R]; avail [E]; slot_e [S].
 MG_HD int64_t level_state_elems(int64_t R, int64_t E, int64_t k) { return 8 * R + E + R * k; }
 
+// Per-candidate log of a level fill: one (e * S + slot, tokens) pair per step, S + R steps.
+MG_HD int64_t level_log_elems(int64_t R, int64_t k) { return 2 * (R * k + R); }
+
 // Per-candidate state of a water fill: load, used [R]; avail [E]; slot_e [S]; plan [E, S]; max load [1].
 MG_HD int64_t water_state_elems(int64_t R, int64_t E, int64_t k) { return 2 * R + E + R * k + E * R * k + 1; }
 
@@ -51,7 +56,8 @@ MG_HD int64_t water_state_elems(int64_t R, int64_t E, int64_t k) { return 2 * R 
 MG_HD int64_t plan_workspace_elems(int64_t R, int64_t E, int64_t k) {
   const int64_t S = R * k;
   return 4 * E + 8 * R + 2 * E * S + R * E + 4 * S + 12 + kLevelCandidates * (level_state_elems(R, E, k) + 2) +
-         kWaterCandidates * water_state_elems(R, E, k) + 2 * R * R + 2 * R;
+         (kLevelCandidates + 1) * level_log_elems(R, k) + kWaterCandidates * water_state_elems(R, E, k) +
+         2 * R * R + 2 * R;
 }
 
 struct PlanArgs {
@@ -74,6 +80,7 @@ struct PlanArrays {
   int64_t *home, *amount, *rem, *bstart;            // [S]
   int64_t* sc;  // [12]: avg, choose, restrictive, lo[2], hi[2], best level, best max, best cascade, water choice
   int64_t *lv_state, *lv_lam, *lv_max;  // level search: [B, level_state_elems] states; [B] levels and max loads
+  int64_t *lv_log, *lv_best_log;         // level fills' logs: [B, level_log_elems]; the best evaluated fill's
   int64_t* wf_state;                     // water filling: [kWaterCandidates, water_state_elems]
   // donor mask as lists, [2R + 2, R]: row q < R lists the ranks r with allowed[r, q], row R + r the ranks p with
   // allowed[r, p] (ascending); rows 2R and 2R + 1 their lengths (mask_lists)
@@ -111,6 +118,8 @@ MG_HD PlanArrays carve_plan(int64_t* ws, int64_t R, int64_t E, int64_t k) {
   a.lv_lam = p; p += kLevelCandidates;
   a.lv_max = p; p += kLevelCandidates;
   a.lv_state = p; p += kLevelCandidates * level_state_elems(R, E, k);
+  a.lv_log = p; p += kLevelCandidates * level_log_elems(R, k);
+  a.lv_best_log = p; p += level_log_elems(R, k);
   a.wf_state = p; p += kWaterCandidates * water_state_elems(R, E, k);
   a.lists = p;
   return a;
@@ -198,10 +207,11 @@ MG_HD bool hosts_rank(const LevelState& s, int64_t r, int64_t p, int64_t L, int6
 // tops up a replica of one of q's experts that a receiver already hosts (no new slot), or puts a piece of q's
 // heaviest remaining expert into a new slot (a cascading receiver may take more than its room and sheds its own
 // home experts in turn), or marks q stuck when no allowed receiver can take anything (final: room only shrinks).
-// Writes the pieces into h when h != nullptr. Afterwards rank r's load is lam + ex[r] - cap[r].
+// Step t's piece goes to log[2t] (e * S + slot) and log[2t + 1] (tokens; 0 for no piece). Afterwards rank r's load
+// is lam + ex[r] - cap[r].
 template <typename Ctx>
 MG_HD void level_fill(const PlanArgs& args, const PlanArrays& a, Ctx& ctx, LevelState s, int64_t lam, bool cascade,
-                      int64_t* h) {
+                      int64_t* log) {
   const int64_t R = args.R, E = args.E, k = args.k, L = E / R, S = R * k;
   const int64_t lane = ctx.lane, nl = ctx.nlanes;
   for (int64_t i = lane; i < R; i += nl) {
@@ -214,6 +224,7 @@ MG_HD void level_fill(const PlanArgs& args, const PlanArrays& a, Ctx& ctx, Level
   }
   for (int64_t e = lane; e < E; e += nl) s.avail[e] = a.load_e[e];
   for (int64_t j = lane; j < S; j += nl) s.slot_e[j] = -1;
+  for (int64_t t = lane; t < 2 * (S + R); t += nl) log[t] = 0;
   ctx.group_sync();
   for (int64_t p = lane; p < R; p += nl) {
     int64_t v = 0;
@@ -284,7 +295,8 @@ MG_HD void level_fill(const PlanArgs& args, const PlanArrays& a, Ctx& ctx, Level
       if (none) {
         s.stuck[q] = 1;
       } else {
-        if (h != nullptr) h[e * S + slot] += amt;
+        log[2 * step] = e * S + slot;
+        log[2 * step + 1] = amt;
         if (!topup) {
           s.slot_e[slot] = e;
           s.ntop[q] += 1;
@@ -301,15 +313,16 @@ MG_HD void level_fill(const PlanArgs& args, const PlanArrays& a, Ctx& ctx, Level
   }
 }
 
-// Level search on the group(s) of ctx (gid in [0, ngroups), -1: none), then the fill at the best level into hb.
-// Two searches side by side (c = 0: receivers take up to the level; c = 1: cascading receivers), candidate
-// g = 2 * j + c evaluating level j of its search. Per search, every round evaluates H = B / 2 levels evenly inside
-// (lo, hi) (lo starts at avg - 1: below the mean no level is reached; hi at the highest load: nothing to shed) and
-// zooms in to the neighbours of its best one. The plan is the evaluated (level, c) with the lowest maximum load
-// after the fill (first candidate in evaluation order on ties; the empty plan at the highest load to start).
+// Level search on the level groups of ctx (gid in [0, ngroups), -1: none; level_sync() the barrier among them); the
+// log of the best evaluated fill ends in lv_best_log. Two searches side by side (c = 0: receivers take up to the
+// level; c = 1: cascading receivers), candidate g = 2 * j + c evaluating level j of its search. Per search, every
+// round evaluates H = B / 2 levels evenly inside (lo, hi) (lo starts at avg - 1: below the mean no level is
+// reached; hi at the highest load: nothing to shed) and zooms in to the neighbours of its best one. The plan is the
+// evaluated (level, c) with the lowest maximum load after the fill (first candidate in evaluation order on ties;
+// the empty plan at the highest load to start).
 template <typename Ctx>
 MG_HD_CALL void level_search(const PlanArgs& args, const PlanArrays& a, Ctx& ctx) {
-  const int64_t R = args.R, E = args.E, B = kLevelCandidates, H = B / 2;
+  const int64_t R = args.R, E = args.E, B = kLevelCandidates, H = B / 2, NL = level_log_elems(R, args.k);
   int64_t* lo = a.sc + 3;  // [2]
   int64_t* hi = a.sc + 5;  // [2]
   if (ctx.tid == 0) {
@@ -321,7 +334,8 @@ MG_HD_CALL void level_search(const PlanArgs& args, const PlanArrays& a, Ctx& ctx
     a.sc[8] = top;
     a.sc[9] = 0;
   }
-  ctx.sync();
+  for (int64_t t = ctx.tid; t < NL; t += ctx.nlevel_threads) a.lv_best_log[t] = 0;  // the empty plan
+  ctx.level_sync();
   for (int64_t round = 0; round < kLevelRounds; ++round) {
     for (int64_t g = ctx.gid; g >= 0 && g < B; g += ctx.ngroups) {
       const int64_t c = g % 2, j = g / 2;
@@ -329,7 +343,7 @@ MG_HD_CALL void level_search(const PlanArgs& args, const PlanArrays& a, Ctx& ctx
       LevelState st = carve_level(a.lv_state + g * level_state_elems(R, E, args.k), R, E);
       int64_t mx = INT64_MAX;
       if (lam > lo[c]) {
-        level_fill(args, a, ctx, st, lam, c == 1, nullptr);
+        level_fill(args, a, ctx, st, lam, c == 1, a.lv_log + g * NL);
         Best d = no_best();
         for (int64_t i = ctx.lane; i < R; i += ctx.nlanes) d = pick(d, Best{st.ex[i] - st.cap[i], i});
         mx = lam + ctx.group_best(d).v;
@@ -340,13 +354,15 @@ MG_HD_CALL void level_search(const PlanArgs& args, const PlanArrays& a, Ctx& ctx
       }
       ctx.group_sync();
     }
-    ctx.sync();
+    ctx.level_sync();
     if (ctx.tid == 0) {
+      a.sc[11] = -1;
       for (int64_t g = 0; g < B; ++g)
         if (a.lv_max[g] < a.sc[8]) {
           a.sc[8] = a.lv_max[g];
           a.sc[7] = a.lv_lam[g];
           a.sc[9] = g % 2;
+          a.sc[11] = g;
         }
       for (int64_t c = 0; c < 2; ++c) {
         int64_t f = 0;
@@ -357,10 +373,12 @@ MG_HD_CALL void level_search(const PlanArgs& args, const PlanArrays& a, Ctx& ctx
         lo[c] = imax(lo[c], lo_new);
       }
     }
-    ctx.sync();
+    ctx.level_sync();
+    const int64_t won = a.sc[11];  // this round's best candidate when it beats every earlier one
+    if (won >= 0)
+      for (int64_t t = ctx.tid; t < NL; t += ctx.nlevel_threads) a.lv_best_log[t] = a.lv_log[won * NL + t];
+    ctx.level_sync();  // the copy is done before the next round rewrites the logs
   }
-  if (ctx.gid == 0) level_fill(args, a, ctx, carve_level(a.lv_state, R, E), a.sc[7], a.sc[9] != 0, a.hb);
-  ctx.sync();
 }
 
 struct WaterState {
@@ -462,13 +480,29 @@ MG_HD void water_fill(const PlanArgs& args, const PlanArrays& a, Ctx& ctx, Water
   ctx.group_sync();
 }
 
-// The water-filling candidates (one per group), then hb becomes the first plan with the lowest maximum load among
-// the level search's (hb) and theirs.
+// The water-filling candidates (one per water group, wid in [0, nwgroups), -1: none; on the GPU side by side with
+// the level search's groups).
 template <typename Ctx>
 MG_HD_CALL void water_search(const PlanArgs& args, const PlanArrays& a, Ctx& ctx) {
-  const int64_t R = args.R, E = args.E, k = args.k, L = E / R, S = R * k, W = water_state_elems(R, E, k);
-  for (int64_t c = ctx.gid; c >= 0 && c < kWaterCandidates; c += ctx.ngroups)
+  const int64_t R = args.R, E = args.E, k = args.k, W = water_state_elems(R, E, k);
+  for (int64_t c = ctx.wid; c >= 0 && c < kWaterCandidates; c += ctx.nwgroups)
     water_fill(args, a, ctx, carve_water(a.wf_state + c * W, R, E, k), water_quantum(c));
+}
+
+// hb becomes the first plan with the lowest maximum load among the level search's best fill (lv_best_log) and the
+// water fills'.
+template <typename Ctx>
+MG_HD_CALL void pick_best_fit(const PlanArgs& args, const PlanArrays& a, Ctx& ctx) {
+  const int64_t R = args.R, E = args.E, k = args.k, L = E / R, S = R * k, W = water_state_elems(R, E, k);
+  ctx.sync();
+  for (int64_t j = ctx.tid; j < S; j += ctx.nthreads) {  // one slot per thread: its pieces in step order
+    MG_NO_UNROLL
+    for (int64_t t = 0; t < S + R; ++t) {
+      const int64_t idx = a.lv_best_log[2 * t], amt = a.lv_best_log[2 * t + 1];
+      if (amt != 0 && idx - (idx / S) * S == j) a.hb[idx] += amt;
+    }
+  }
+  ctx.sync();
   for (int64_t r = ctx.tid; r < R; r += ctx.nthreads) {  // the level search's loads
     int64_t out = 0, in = 0;
     for (int64_t e = r * L; e < (r + 1) * L; ++e)
@@ -499,156 +533,71 @@ MG_HD_CALL void water_search(const PlanArgs& args, const PlanArrays& a, Ctx& ctx
   ctx.sync();
 }
 
-// Ctx provides: tid, nthreads (block-wide strided loops), sync() (block barrier); lane, nlanes, group
-// (the best-fit group: lane/nlanes strided loops when group is true), gid / ngroups (this thread's level-search
-// group, -1 for none, and the number of groups), group_best(Best) (reduction over the thread's group, result on
-// every lane), group_sync().
+// Greedy into hg: per receiving rank, the k largest overlaps (stable: ties to the lower expert); block-strided.
 template <typename Ctx>
-MG_HD void plan_body(const PlanArgs& args, Ctx& ctx) {
+MG_HD_CALL void greedy_fit(const PlanArgs& args, const PlanArrays& a, Ctx& ctx) {
+  const int64_t R = args.R, E = args.E, k = args.k, L = E / R, S = R * k, tid = ctx.tid, nt = ctx.nthreads;
+  for (int64_t r = tid; r < R; r += nt) {
+    const int64_t b0 = a.bs[r], b1 = a.bs[r] + a.cap[r];
+    int64_t pv = INT64_MAX, pe = -1;
+    for (int64_t i = 0; i < imin(k, E); ++i) {
+      Best best = no_best();
+      for (int64_t e = 0; e < E; ++e) {
+        int64_t v = imax(0, imin(a.cs[e] + a.spill[e], b1) - imax(a.cs[e], b0));
+        if (args.allowed != nullptr && !args.allowed[r * R + e / L]) v = 0;  // rank e / L is no donor of r
+        if (v < pv || (v == pv && e > pe)) best = pick(best, Best{v, e});
+      }
+      a.hg[best.i * S + r * k + i] = best.v;
+      pv = best.v;
+      pe = best.i;
+    }
+  }
+}
+
+// Unconstrained best fit at avg into hb on the group of ctx: S steps, one after the other.
+template <typename Ctx>
+MG_HD_CALL void unconstrained_best_fit(const PlanArgs& args, const PlanArrays& a, Ctx& ctx) {
+  const int64_t R = args.R, E = args.E, k = args.k, L = E / R, S = R * k;
+  const int64_t lane = ctx.lane, nl = ctx.nlanes;
+  const int64_t kBig = int64_t(1) << 61, kClosed = int64_t(1) << 62;
+  for (int64_t step = 0; step < S; ++step) {
+    // q: the largest excess among the ranks that still have an open receiver they may donate to
+    Best m = no_best();
+    for (int64_t i = lane; i < R; i += nl) m = pick(m, Best{donor_key(a, args.allowed, R, k, i), i});
+    const Best qb = ctx.group_best(m);
+    const int64_t q = qb.i;
+    m = no_best();
+    for (int64_t i = q * L + lane; i < (q + 1) * L; i += nl) m = pick(m, Best{a.avail[i], i});
+    const int64_t e = ctx.group_best(m).i;
+    const int64_t x = imin(qb.v, a.avail[e]);
+    m = no_best();
+    for (int64_t i = lane; i < R; i += nl) {
+      const bool open = a.used[i] < k && a.capb[i] > 0 && (args.allowed == nullptr || args.allowed[i * R + q]);
+      const int64_t key = open ? (a.capb[i] >= x ? a.capb[i] : kBig - a.capb[i]) : kClosed;
+      m = pick(m, Best{-key, i});
+    }
+    const int64_t r = ctx.group_best(m).i;
+    if (lane == 0) {
+      const bool open = a.used[r] < k && a.capb[r] > 0 && (args.allowed == nullptr || args.allowed[r * R + q]);
+      const int64_t amt = imin(x, a.capb[r]);
+      if (open && x > 0 && amt > 0) {
+        a.hb[e * S + r * k + imin(a.used[r], k - 1)] += amt;
+        a.used[r] += 1;
+        a.excess[q] -= amt;
+        a.capb[r] -= amt;
+        a.avail[e] -= amt;
+      }
+    }
+    ctx.group_sync();
+  }
+}
+
+// P8-P14 of plan_body: the chosen candidate into home_to_spare, then the allocation.
+template <typename Ctx>
+MG_HD_CALL void plan_allocation(const PlanArgs& args, const PlanArrays& a, Ctx& ctx) {
   const int64_t R = args.R, E = args.E, k = args.k, L = E / R, S = R * k;
   const int64_t* counts = args.counts;
-  PlanArrays a = carve_plan(args.ws, R, E, k);
   const int64_t tid = ctx.tid, nt = ctx.nthreads;
-
-  // P0/P1: zero the candidate plans; expert loads
-  for (int64_t i = tid; i < E * S; i += nt) {
-    a.hg[i] = 0;
-    a.hb[i] = 0;
-  }
-  for (int64_t e = tid; e < E; e += nt) {
-    int64_t s = 0;
-    for (int64_t r = 0; r < R; ++r) s += imax(0, counts[r * E + e]);
-    a.load_e[e] = s;
-  }
-  ctx.sync();
-  // P2: rank loads
-  for (int64_t q = tid; q < R; q += nt) {
-    int64_t s = 0;
-    for (int64_t l = 0; l < L; ++l) s += a.load_e[q * L + l];
-    a.load_r[q] = s;
-  }
-  ctx.sync();
-  if (tid == 0) {
-    int64_t total = 0;
-    for (int64_t q = 0; q < R; ++q) total += a.load_r[q];
-    a.sc[0] = total / R;
-  }
-  ctx.sync();
-  const int64_t avg = a.sc[0];
-  // P4: capacity / excess per rank; spillover per expert (ascending stable order within its rank)
-  for (int64_t q = tid; q < R; q += nt) {
-    a.cap[q] = imax(0, avg - a.load_r[q]);
-    a.excess[q] = imax(0, a.load_r[q] - avg);
-    a.capb[q] = a.cap[q];
-    a.used[q] = 0;
-  }
-  for (int64_t e = tid; e < E; e += nt) {
-    const int64_t q = e / L, le = a.load_e[e];
-    int64_t incl = 0;
-    for (int64_t f = q * L; f < (q + 1) * L; ++f) {
-      const int64_t lf = a.load_e[f];
-      if (lf < le || (lf == le && f <= e)) incl += lf;
-    }
-    a.spill[e] = imax(0, incl - avg) - imax(0, incl - le - avg);
-    a.avail[e] = le;
-  }
-  ctx.sync();
-  // P5: interval starts in descending stable order (spillover over experts, capacity over ranks)
-  for (int64_t e = tid; e < E; e += nt) {
-    const int64_t se = a.spill[e];
-    int64_t s = 0;
-    for (int64_t f = 0; f < E; ++f) {
-      const int64_t sf = a.spill[f];
-      if (sf > se || (sf == se && f < e)) s += sf;
-    }
-    a.cs[e] = s;
-  }
-  for (int64_t r = tid; r < R; r += nt) {
-    const int64_t cr = a.cap[r];
-    int64_t s = 0;
-    for (int64_t u = 0; u < R; ++u) {
-      const int64_t cu = a.cap[u];
-      if (cu > cr || (cu == cr && u < r)) s += cu;
-    }
-    a.bs[r] = s;
-  }
-  ctx.sync();
-  // P6: greedy: per receiving rank, the k largest overlaps (stable: ties to the lower expert)
-  if (args.mode != kPlanBestFit) {
-    for (int64_t r = tid; r < R; r += nt) {
-      const int64_t b0 = a.bs[r], b1 = a.bs[r] + a.cap[r];
-      int64_t pv = INT64_MAX, pe = -1;
-      for (int64_t i = 0; i < imin(k, E); ++i) {
-        Best best = no_best();
-        for (int64_t e = 0; e < E; ++e) {
-          int64_t v = imax(0, imin(a.cs[e] + a.spill[e], b1) - imax(a.cs[e], b0));
-          if (args.allowed != nullptr && !args.allowed[r * R + e / L]) v = 0;  // rank e / L is no donor of r
-          if (v < pv || (v == pv && e > pe)) best = pick(best, Best{v, e});
-        }
-        a.hg[best.i * S + r * k + i] = best.v;
-        pv = best.v;
-        pe = best.i;
-      }
-    }
-  }
-  // P7: best fit. A donor mask that forbids some pair of distinct ranks: level search (level_search); otherwise
-  // the unconstrained best fit at avg (sequential over S steps, on the group)
-  if (tid == 0) a.sc[2] = 0;
-  ctx.sync();
-  if (args.allowed != nullptr)
-    for (int64_t i = tid; i < R * R; i += nt)
-      if (!args.allowed[i] && i / R != i % R) a.sc[2] = 1;  // every writer writes 1
-  ctx.sync();
-  const bool restrictive = a.sc[2] != 0;
-  if (args.mode != kPlanGreedy && restrictive) {
-    for (int64_t q = tid; q < R; q += nt) {
-      int64_t nr = 0, nd = 0;
-      for (int64_t r = 0; r < R; ++r) {
-        if (args.allowed[r * R + q]) a.lists[q * R + nr++] = r;
-        if (args.allowed[q * R + r]) a.lists[(R + q) * R + nd++] = r;
-      }
-      a.lists[2 * R * R + q] = nr;
-      a.lists[2 * R * R + R + q] = nd;
-    }
-    ctx.sync();
-    level_search(args, a, ctx);
-    water_search(args, a, ctx);
-  }
-  if (args.mode != kPlanGreedy && !restrictive && ctx.group) {
-    const int64_t lane = ctx.lane, nl = ctx.nlanes;
-    const int64_t kBig = int64_t(1) << 61, kClosed = int64_t(1) << 62;
-    for (int64_t step = 0; step < S; ++step) {
-      // q: the largest excess among the ranks that still have an open receiver they may donate to
-      Best m = no_best();
-      for (int64_t i = lane; i < R; i += nl) m = pick(m, Best{donor_key(a, args.allowed, R, k, i), i});
-      const Best qb = ctx.group_best(m);
-      const int64_t q = qb.i;
-      m = no_best();
-      for (int64_t i = q * L + lane; i < (q + 1) * L; i += nl) m = pick(m, Best{a.avail[i], i});
-      const int64_t e = ctx.group_best(m).i;
-      const int64_t x = imin(qb.v, a.avail[e]);
-      m = no_best();
-      for (int64_t i = lane; i < R; i += nl) {
-        const bool open = a.used[i] < k && a.capb[i] > 0 && (args.allowed == nullptr || args.allowed[i * R + q]);
-        const int64_t key = open ? (a.capb[i] >= x ? a.capb[i] : kBig - a.capb[i]) : kClosed;
-        m = pick(m, Best{-key, i});
-      }
-      const int64_t r = ctx.group_best(m).i;
-      if (lane == 0) {
-        const bool open = a.used[r] < k && a.capb[r] > 0 && (args.allowed == nullptr || args.allowed[r * R + q]);
-        const int64_t amt = imin(x, a.capb[r]);
-        if (open && x > 0 && amt > 0) {
-          a.hb[e * S + r * k + imin(a.used[r], k - 1)] += amt;
-          a.used[r] += 1;
-          a.excess[q] -= amt;
-          a.capb[r] -= amt;
-          a.avail[e] -= amt;
-        }
-      }
-      ctx.group_sync();
-    }
-  }
-  ctx.sync();
   // P8: max load after each candidate; choose
   for (int64_t r = tid; r < R; r += nt) {
     int64_t out_g = 0, out_b = 0, in_g = 0, in_b = 0;
@@ -731,6 +680,112 @@ MG_HD void plan_body(const PlanArgs& args, Ctx& ctx) {
     const int64_t b0 = a.bstart[j], b1 = a.bstart[j] + a.rem[j];
     alloc[idx] += imax(0, imin(cend, b1) - imax(cstart, b0));
   }
+}
+
+// Ctx provides: tid, nthreads (block-wide strided loops), sync() (block barrier); lane, nlanes, group
+// (the best-fit group: lane/nlanes strided loops when group is true), gid / ngroups (this thread's level-search
+// group, -1 for none, and the number of groups; the level groups' threads are tid < nlevel_threads, level_sync()
+// their barrier), wid / nwgroups (the same for the water fills), group_best(Best) (reduction over the thread's
+// group, result on every lane), group_sync().
+template <typename Ctx>
+MG_HD void plan_body(const PlanArgs& args, Ctx& ctx) {
+  const int64_t R = args.R, E = args.E, k = args.k, L = E / R, S = R * k;
+  const int64_t* counts = args.counts;
+  PlanArrays a = carve_plan(args.ws, R, E, k);
+  const int64_t tid = ctx.tid, nt = ctx.nthreads;
+
+  // P0/P1: zero the candidate plans; expert loads
+  for (int64_t i = tid; i < E * S; i += nt) {
+    a.hg[i] = 0;
+    a.hb[i] = 0;
+  }
+  for (int64_t e = tid; e < E; e += nt) {
+    int64_t s = 0;
+    for (int64_t r = 0; r < R; ++r) s += imax(0, counts[r * E + e]);
+    a.load_e[e] = s;
+  }
+  ctx.sync();
+  // P2: rank loads
+  for (int64_t q = tid; q < R; q += nt) {
+    int64_t s = 0;
+    for (int64_t l = 0; l < L; ++l) s += a.load_e[q * L + l];
+    a.load_r[q] = s;
+  }
+  ctx.sync();
+  if (tid == 0) {
+    int64_t total = 0;
+    for (int64_t q = 0; q < R; ++q) total += a.load_r[q];
+    a.sc[0] = total / R;
+  }
+  ctx.sync();
+  const int64_t avg = a.sc[0];
+  // P4: capacity / excess per rank; spillover per expert (ascending stable order within its rank)
+  for (int64_t q = tid; q < R; q += nt) {
+    a.cap[q] = imax(0, avg - a.load_r[q]);
+    a.excess[q] = imax(0, a.load_r[q] - avg);
+    a.capb[q] = a.cap[q];
+    a.used[q] = 0;
+  }
+  for (int64_t e = tid; e < E; e += nt) {
+    const int64_t q = e / L, le = a.load_e[e];
+    int64_t incl = 0;
+    for (int64_t f = q * L; f < (q + 1) * L; ++f) {
+      const int64_t lf = a.load_e[f];
+      if (lf < le || (lf == le && f <= e)) incl += lf;
+    }
+    a.spill[e] = imax(0, incl - avg) - imax(0, incl - le - avg);
+    a.avail[e] = le;
+  }
+  ctx.sync();
+  // P5: interval starts in descending stable order (spillover over experts, capacity over ranks)
+  for (int64_t e = tid; e < E; e += nt) {
+    const int64_t se = a.spill[e];
+    int64_t s = 0;
+    for (int64_t f = 0; f < E; ++f) {
+      const int64_t sf = a.spill[f];
+      if (sf > se || (sf == se && f < e)) s += sf;
+    }
+    a.cs[e] = s;
+  }
+  for (int64_t r = tid; r < R; r += nt) {
+    const int64_t cr = a.cap[r];
+    int64_t s = 0;
+    for (int64_t u = 0; u < R; ++u) {
+      const int64_t cu = a.cap[u];
+      if (cu > cr || (cu == cr && u < r)) s += cu;
+    }
+    a.bs[r] = s;
+  }
+  ctx.sync();
+  // P6: greedy
+  if (args.mode != kPlanBestFit) greedy_fit(args, a, ctx);
+  // P7: best fit. A donor mask that forbids some pair of distinct ranks: level search (level_search); otherwise
+  // the unconstrained best fit at avg (sequential over S steps, on the group)
+  if (tid == 0) a.sc[2] = 0;
+  ctx.sync();
+  if (args.allowed != nullptr)
+    for (int64_t i = tid; i < R * R; i += nt)
+      if (!args.allowed[i] && i / R != i % R) a.sc[2] = 1;  // every writer writes 1
+  ctx.sync();
+  const bool restrictive = a.sc[2] != 0;
+  if (args.mode != kPlanGreedy && restrictive) {
+    for (int64_t q = tid; q < R; q += nt) {
+      int64_t nr = 0, nd = 0;
+      for (int64_t r = 0; r < R; ++r) {
+        if (args.allowed[r * R + q]) a.lists[q * R + nr++] = r;
+        if (args.allowed[q * R + r]) a.lists[(R + q) * R + nd++] = r;
+      }
+      a.lists[2 * R * R + q] = nr;
+      a.lists[2 * R * R + R + q] = nd;
+    }
+    ctx.sync();
+    if (ctx.gid >= 0) level_search(args, a, ctx);
+    water_search(args, a, ctx);
+    pick_best_fit(args, a, ctx);
+  }
+  if (args.mode != kPlanGreedy && !restrictive && ctx.group) unconstrained_best_fit(args, a, ctx);
+  ctx.sync();
+  plan_allocation(args, a, ctx);
 }
 
 }  // namespace echo_plan
