@@ -6,7 +6,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from moe_graph.moe import echo_planner
-from moe_graph.testing.echo_reference import (loads_after, reroute_tokens_reference, water_filling_max_load,
+from moe_graph.testing.echo_reference import (best_amounts_max_load, loads_after, reroute_tokens_reference, water_filling_max_load,
                                              zipf_counts)
 
 T = torch.tensor
@@ -571,6 +571,31 @@ def test_water_filling_reference_hand_checked():
     _eq(h, echo_planner.gen_assignment(counts, 1, native=False, donor_mask=mask))
     # unconstrained, the reference spreads rank 0's expert over both others: 140 / 3 rounded up by the shares
     assert water_filling_max_load(counts, 1, None, quanta=1000) == 47
+
+
+def test_relevel_keeps_homes_never_raises_and_nears_the_best_amounts():
+    # The re-levelling pass against the exact optimum for the candidate's slot homes (max flow, plain Python): it
+    # hosts no new expert anywhere, never raises the maximum rank load, and lands within 3% of the optimum.
+    gaps = []
+    for seed, (R, E, k, w, skew) in enumerate([(16, 128, 1, 2, 1.2), (16, 64, 2, 4, 1.2), (8, 64, 2, 2, 1.5),
+                                               (16, 32, 1, 4, 1.0), (12, 36, 3, 5, 1.2)]):
+        counts = zipf_counts(R, E, 512, 8, skew, torch.Generator().manual_seed(seed))
+        counts[:, torch.arange(E) % 9 == 4] = 0  # zero-token experts
+        mask = echo_planner.donor_mask(R, w)
+        load_e = counts.sum(0)
+        load_r = load_e.view(R, -1).sum(1)
+        water, _ = echo_planner._water_fill(load_e, load_r, mask, k)
+        for cand in [echo_planner._level_search(counts, k, mask)] + [p.view(E, R * k) for p in water]:
+            out = echo_planner._relevel(load_e, load_r, cand, k)
+            assert not ((out > 0) & (cand == 0)).any(), "a slot took an expert it did not host"
+            assert ((out > 0).sum(0) <= 1).all() and (out >= 0).all()
+            assert (out.sum(1) <= load_e).all(), "an expert gave more tokens than it has"
+            got, was = int(loads_after(counts, out, k)[1].max()), int(loads_after(counts, cand, k)[1].max())
+            best = best_amounts_max_load(counts, k, cand)
+            assert best <= got <= was, (seed, best, got, was)
+            assert got <= 1.03 * best, (seed, best, got)
+            gaps.append(was - got)
+    assert max(gaps) > 0, "no case exercised a move"
 
 
 @pytest.mark.skipif(not _native_plan_available(), reason="moe_graph._C with echo_plan is not built")

@@ -6,7 +6,8 @@
 //
 // Critical path (R ranks, k slots, S = R * k): max(kLevelRounds * (S + R) level-fill steps, R * 16 water moves)
 // dependent steps, each three warp reductions and ~(R + w*k + E/R) / 32 dependent loads per lane. R = 64, k = 2:
-// max(6 * 192, 1024) = 1152 steps (sequential candidates: 7 * 192 + 1024 = 2368).
+// max(6 * 192, 1024) = 1152 steps (sequential candidates: 7 * 192 + 1024 = 2368); then the re-levelling of the
+// chosen plan on one thread: kRelevelSweeps * S = 512 light steps (a few dependent loads each, no shuffles).
 #include <climits>
 #include <cstdint>
 

@@ -9,7 +9,8 @@
 // mask): unconstrained best fit S steps of O(R + E/R) on one group; donor-constrained (a mask that forbids some pair
 // of distinct ranks) N*B level fills of at most S + R steps plus kWaterCandidates water fills of at most
 // R * water_quantum moves, each step and move O(R + w*k + E/R) (the mask walked as lists), plus O(R^2) set-up and
-// an O(S * (S + R)) replay of the best level fill's log. On the GPU the B fills of a round run side by side, one per
+// an O(S * (S + R)) replay of the best level fill's log, then the re-levelling of the chosen plan
+// (kRelevelSweeps * S sequential steps of a few loads, no reductions, on one thread). On the GPU the B fills of a round run side by side, one per
 // warp, while the water fills run on two more warps (per step three warp reductions, no block barrier): the
 // critical path is max(N * (S + R) steps, 16 R moves), each ~(R + w*k + E/R) / 32 dependent loads per lane
 // (R=64, E=256, k=2: max(1152, 1024) = 1152 dependent steps, against 1344 + 1024 for the candidates in sequence).
@@ -41,6 +42,8 @@ constexpr int64_t kLevelRounds = 6;
 // Water-filling candidates next to the level search, one per quantum (echo_planner.WATER_QUANTA must match).
 constexpr int64_t kWaterCandidates = 2;
 MG_HD int64_t water_quantum(int64_t c) { return c == 0 ? 8 : 16; }
+// Sweeps of the re-levelling pass over the chosen donor-constrained plan (echo_planner.RELEVEL_SWEEPS must match).
+constexpr int64_t kRelevelSweeps = 4;
 
 
 // Per-candidate state of a level fill: ex, cap, used, pot, stuck, hl, nfree, ntop [R]; avail [E]; slot_e [S].
@@ -533,6 +536,60 @@ MG_HD_CALL void pick_best_fit(const PlanArgs& args, const PlanArrays& a, Ctx& ct
   ctx.sync();
 }
 
+// Re-levelling of the chosen donor-constrained plan hb with every slot's home expert kept
+// (moe_graph.moe.echo_planner._relevel is the same in torch): kRelevelSweeps sweeps over the slots in order; slot j
+// (home expert e of rank q, on rank r, x tokens) moves min(tokens of e still at home, gap / 2) from q to r when
+// gap = load[q] - load[r] >= 2, or min(x, -gap / 2) back when gap <= -2. A move leaves both ranks at most at the
+// larger of their loads: the maximum never rises. Set-up and write-back block-parallel; the sweeps sequential on one
+// thread (kRelevelSweeps * S steps of a few loads each, no reductions).
+template <typename Ctx>
+MG_HD_CALL void relevel(const PlanArgs& args, const PlanArrays& a, Ctx& ctx) {
+  const int64_t R = args.R, E = args.E, k = args.k, L = E / R, S = R * k;
+  const int64_t tid = ctx.tid, nt = ctx.nthreads;
+  int64_t *home = a.home, *x = a.amount, *avail = a.avail, *load = a.la_b;  // scratch until plan_allocation
+  for (int64_t j = tid; j < S; j += nt) {
+    int64_t hj = -1;
+    for (int64_t e = 0; e < E && hj < 0; ++e)
+      if (a.hb[e * S + j] > 0) hj = e;
+    home[j] = hj;
+    x[j] = hj >= 0 ? a.hb[hj * S + j] : 0;
+  }
+  for (int64_t e = tid; e < E; e += nt) {
+    int64_t out = 0;
+    for (int64_t j = 0; j < S; ++j) out += a.hb[e * S + j];
+    avail[e] = a.load_e[e] - out;
+  }
+  ctx.sync();
+  for (int64_t r = tid; r < R; r += nt) {
+    int64_t out = 0, in = 0;
+    for (int64_t e = r * L; e < (r + 1) * L; ++e) out += a.load_e[e] - avail[e];
+    for (int64_t j = r * k; j < (r + 1) * k; ++j)
+      for (int64_t e = 0; e < E; ++e) in += a.hb[e * S + j];
+    load[r] = a.load_r[r] - out + in;
+  }
+  ctx.sync();
+  if (tid == 0) {
+    MG_NO_UNROLL
+    for (int64_t sweep = 0; sweep < kRelevelSweeps; ++sweep) {
+      MG_NO_UNROLL
+      for (int64_t j = 0; j < S; ++j) {
+        const int64_t e = home[j];
+        if (e < 0) continue;
+        const int64_t q = e / L, r = j / k, gap = load[q] - load[r];
+        const int64_t d = gap >= 2 ? imin(avail[e], gap / 2) : (gap <= -2 ? -imin(x[j], -gap / 2) : 0);
+        x[j] += d;
+        avail[e] -= d;
+        load[q] -= d;
+        load[r] += d;
+      }
+    }
+  }
+  ctx.sync();
+  for (int64_t j = tid; j < S; j += nt)
+    if (home[j] >= 0) a.hb[home[j] * S + j] = x[j];
+  ctx.sync();
+}
+
 // Greedy into hg: per receiving rank, the k largest overlaps (stable: ties to the lower expert); block-strided.
 template <typename Ctx>
 MG_HD_CALL void greedy_fit(const PlanArgs& args, const PlanArrays& a, Ctx& ctx) {
@@ -782,6 +839,7 @@ MG_HD void plan_body(const PlanArgs& args, Ctx& ctx) {
     if (ctx.gid >= 0) level_search(args, a, ctx);
     water_search(args, a, ctx);
     pick_best_fit(args, a, ctx);
+    relevel(args, a, ctx);
   }
   if (args.mode != kPlanGreedy && !restrictive && ctx.group) unconstrained_best_fit(args, a, ctx);
   ctx.sync();

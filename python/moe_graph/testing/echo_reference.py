@@ -139,3 +139,70 @@ def water_filling_max_load(counts: torch.Tensor, k: int, donor_mask: torch.Tenso
         load[r] += amount
         moves += 1
     return max(load)
+
+
+def _max_flow(n: int, edges: List[Tuple[int, int, int]], s: int, t: int) -> int:
+    """Edmonds-Karp max flow on ``n`` nodes (``edges``: ``(u, v, capacity)``). Plain Python, small graphs."""
+    cap: List[dict] = [dict() for _ in range(n)]
+    for u, v, c in edges:
+        cap[u][v] = cap[u].get(v, 0) + c
+        cap[v].setdefault(u, 0)
+    flow = 0
+    while True:
+        parent = {s: s}
+        queue = [s]
+        for u in queue:  # breadth-first: shortest augmenting path
+            for v, c in cap[u].items():
+                if c > 0 and v not in parent:
+                    parent[v] = u
+                    queue.append(v)
+        if t not in parent:
+            return flow
+        path, v = [], t
+        while v != s:
+            path.append((parent[v], v))
+            v = parent[v]
+        push = min(cap[u][v] for u, v in path)
+        for u, v in path:
+            cap[u][v] -= push
+            cap[v][u] += push
+        flow += push
+
+
+def best_amounts_max_load(counts: torch.Tensor, k: int, home_to_spare: torch.Tensor) -> int:
+    """The lowest highest rank load (tokens) that any amounts reach with ``home_to_spare``'s slot homes kept: each
+    non-empty slot ``j`` (on rank ``j // k``) hosts its column's expert and may take any number of its tokens, an
+    expert giving at most all of its tokens. Binary search on the level; a level is reachable iff a max flow
+    (source -> overloaded rank: its excess; rank -> its experts: their tokens; expert -> the ranks of its slots;
+    underloaded rank -> sink: its room) carries every excess. Exact integers, independent of the planner's code."""
+    R, E = counts.shape
+    L, S = E // R, R * k
+    load_e = [int(v) for v in counts.clamp(min=0).sum(0).tolist()]
+    load_r = [sum(load_e[q * L:(q + 1) * L]) for q in range(R)]
+    h = home_to_spare.tolist()
+    slot_edges = set()
+    for j in range(S):
+        rows = [e for e in range(E) if h[e][j] > 0]
+        if rows:
+            slot_edges.add((rows[0], j // k))
+    src, snk = R + E, R + E + 1
+
+    def reachable(lam: int) -> bool:
+        edges = [(e // L, R + e, load_e[e]) for e in range(E)] + [(R + e, r, 1 << 60) for e, r in slot_edges]
+        need = 0
+        for r in range(R):
+            if load_r[r] > lam:
+                edges.append((src, r, load_r[r] - lam))
+                need += load_r[r] - lam
+            elif load_r[r] < lam:
+                edges.append((r, snk, lam - load_r[r]))
+        return _max_flow(R + E + 2, edges, src, snk) == need
+
+    lo, hi = -(-sum(load_r) // R) - 1, max(load_r)  # lo unreachable (below the mean), hi reachable (no moves)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if reachable(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
