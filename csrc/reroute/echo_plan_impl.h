@@ -46,8 +46,8 @@ MG_HD int64_t water_quantum(int64_t c) { return c == 0 ? 8 : 16; }
 constexpr int64_t kRelevelSweeps = 4;
 
 
-// Per-candidate state of a level fill: ex, cap, used, pot, stuck, hl, nfree, ntop [R]; avail [E]; slot_e [S].
-MG_HD int64_t level_state_elems(int64_t R, int64_t E, int64_t k) { return 8 * R + E + R * k; }
+// Per-candidate state of a level fill: ex, cap, used, pot, stuck, hl, nfree, ntop, dem [R]; avail [E]; slot_e [S].
+MG_HD int64_t level_state_elems(int64_t R, int64_t E, int64_t k) { return 9 * R + E + R * k; }
 
 // Per-candidate log of a level fill: one (e * S + slot, tokens) pair per step, S + R steps.
 MG_HD int64_t level_log_elems(int64_t R, int64_t k) { return 2 * (R * k + R); }
@@ -150,22 +150,31 @@ MG_HD int64_t donor_key(const PlanArrays& a, const bool* allowed, int64_t R, int
 }
 
 // Receiver key of a donor-constrained fill step (smaller is better): below kRecvClass a top-up (the most room
-// first), then a new slot: class 1 the smallest room that fits x, 2 the largest room (some left, none fits), 3 the
+// first), then a new slot: class 1 the smallest room that fits x, 2 the largest room (some left, none fits; with
+// demand ranking first the fewest other shedding donors that may use the receiver, then the largest room), 3 the
 // smallest cascade capacity that fits x, 4 the largest cascade capacity; kRecvClosed: r may take nothing.
-constexpr int64_t kRecvClass = int64_t(1) << 36;
+constexpr int64_t kRecvClass = int64_t(1) << 50;
 constexpr int64_t kRecvClosed = 5 * kRecvClass;
+// Demand steps inside class 2, one kDemandUnit apart (rooms stay below kDemandUnit / 2: totals <= 2^31 tokens;
+// demand below 2^15 ranks).
+constexpr int64_t kDemandUnit = int64_t(1) << 34;
 
-MG_HD int64_t receiver_key(bool top, bool open, int64_t cap, int64_t ceff, int64_t x) {
+MG_HD int64_t receiver_key(bool top, bool open, int64_t cap, int64_t ceff, int64_t x, int64_t demand) {
   if (top) return kRecvClass / 2 - cap;
   if (!open) return kRecvClosed;
   if (cap >= x) return kRecvClass + cap;
-  if (cap > 0) return 2 * kRecvClass + (kRecvClass / 2 - cap);
+  if (cap > 0) return 2 * kRecvClass + demand * kDemandUnit + (kDemandUnit / 2 - cap);
   if (ceff >= x) return 3 * kRecvClass + ceff;
   return 4 * kRecvClass + (kRecvClass / 2 - ceff);
 }
 
+// The level search's two searches: c = 0 receivers take up to the level; c = 1 cascading receivers, a receiver
+// that no room fits chosen by demand (echo_planner._level_search: the same).
+MG_HD bool search_cascade(int64_t c) { return c == 1; }
+MG_HD bool search_demand(int64_t c) { return c == 1; }
+
 struct LevelState {
-  int64_t *ex, *cap, *used, *pot, *stuck, *hl, *nfree, *ntop, *avail, *slot_e;
+  int64_t *ex, *cap, *used, *pot, *stuck, *hl, *nfree, *ntop, *dem, *avail, *slot_e;
 };
 
 MG_HD LevelState carve_level(int64_t* p, int64_t R, int64_t E) {
@@ -178,6 +187,7 @@ MG_HD LevelState carve_level(int64_t* p, int64_t R, int64_t E) {
   s.hl = p; p += R;
   s.nfree = p; p += R;
   s.ntop = p; p += R;
+  s.dem = p; p += R;
   s.avail = p; p += E;
   s.slot_e = p;
   return s;
@@ -210,11 +220,13 @@ MG_HD bool hosts_rank(const LevelState& s, int64_t r, int64_t p, int64_t L, int6
 // tops up a replica of one of q's experts that a receiver already hosts (no new slot), or puts a piece of q's
 // heaviest remaining expert into a new slot (a cascading receiver may take more than its room and sheds its own
 // home experts in turn), or marks q stuck when no allowed receiver can take anything (final: room only shrinks).
-// Step t's piece goes to log[2t] (e * S + slot) and log[2t + 1] (tokens; 0 for no piece). Afterwards rank r's load
-// is lam + ex[r] - cap[r].
+// With demand, a new slot that no room fits (class 2) goes to the receiver fewest other shedding donors may use
+// (dem[r]: r's donors with tokens to shed, kept up to date as donors finish or start), so that a hot rank's cascade
+// does not take the one cold receiver a neighbouring hot rank needs. Step t's piece goes to log[2t] (e * S + slot)
+// and log[2t + 1] (tokens; 0 for no piece). Afterwards rank r's load is lam + ex[r] - cap[r].
 template <typename Ctx>
 MG_HD void level_fill(const PlanArgs& args, const PlanArrays& a, Ctx& ctx, LevelState s, int64_t lam, bool cascade,
-                      int64_t* log) {
+                      bool demand, int64_t* log) {
   const int64_t R = args.R, E = args.E, k = args.k, L = E / R, S = R * k;
   const int64_t lane = ctx.lane, nl = ctx.nlanes;
   for (int64_t i = lane; i < R; i += nl) {
@@ -237,6 +249,11 @@ MG_HD void level_fill(const PlanArgs& args, const PlanArrays& a, Ctx& ctx, Level
     for (int64_t i = 0; i < n; ++i) v += s.cap[rl[i]];
     s.pot[p] = v;
     s.nfree[p] = k * n;
+    int64_t d = 0;  // dem[p]: donors of p with tokens to shed
+    const int64_t* dl = mask_list(a, R, R + p);
+    MG_NO_UNROLL
+    for (int64_t i = 0; i < mask_list_len(a, R, R + p); ++i) d += s.ex[dl[i]] > 0 ? 1 : 0;
+    s.dem[p] = d;
   }
   ctx.group_sync();
   for (int64_t step = 0; step < S + R; ++step) {
@@ -263,7 +280,8 @@ MG_HD void level_fill(const PlanArgs& args, const PlanArrays& a, Ctx& ctx, Level
         top = e >= 0 && e / L == q && s.avail[e] > 0;
       }
       const int64_t ceff = cascade_capacity(s, cascade, r, L, k);
-      m = pick(m, Best{-receiver_key(top && s.cap[r] > 0, ceff > 0, s.cap[r], ceff, x), r});
+      const int64_t dem = demand ? s.dem[r] - 1 : 0;  // r's other donors still shedding (q is one of them)
+      m = pick(m, Best{-receiver_key(top && s.cap[r] > 0, ceff > 0, s.cap[r], ceff, x, dem), r});
     }
     const Best rb = ctx.group_best(m);
     const bool listed = rb.v != INT64_MIN;  // no receiver at all: closed (r is then never written)
@@ -293,6 +311,11 @@ MG_HD void level_fill(const PlanArgs& args, const PlanArrays& a, Ctx& ctx, Level
         if (!topup) s.nfree[p] -= 1;
       }
     }
+    // dem: q stops shedding (done or stuck): one donor less for its receivers; r starts (a cascade): one more
+    const bool q_off = demand && (none || kq - amt <= 0);
+    const bool r_on = demand && !none && s.ex[r] == 0 && amt > cap_r;
+    MG_NO_UNROLL
+    for (int64_t i = lane; q_off && i < nr; i += nl) s.dem[rl[i]] -= 1;
     ctx.group_sync();  // every lane has read the state this step changes
     if (lane == 0) {
       if (none) {
@@ -312,6 +335,8 @@ MG_HD void level_fill(const PlanArgs& args, const PlanArrays& a, Ctx& ctx, Level
         s.used[r] = used_new;
       }
     }
+    MG_NO_UNROLL
+    for (int64_t i = lane; r_on && i < mask_list_len(a, R, r); i += nl) s.dem[mask_list(a, R, r)[i]] += 1;
     ctx.group_sync();
   }
 }
@@ -346,7 +371,7 @@ MG_HD_CALL void level_search(const PlanArgs& args, const PlanArrays& a, Ctx& ctx
       LevelState st = carve_level(a.lv_state + g * level_state_elems(R, E, args.k), R, E);
       int64_t mx = INT64_MAX;
       if (lam > lo[c]) {
-        level_fill(args, a, ctx, st, lam, c == 1, a.lv_log + g * NL);
+        level_fill(args, a, ctx, st, lam, search_cascade(c), search_demand(c), a.lv_log + g * NL);
         Best d = no_best();
         for (int64_t i = ctx.lane; i < R; i += ctx.nlanes) d = pick(d, Best{st.ex[i] - st.cap[i], i});
         mx = lam + ctx.group_best(d).v;

@@ -83,8 +83,10 @@ WATER_QUANTA = (8, 16)
 # Donor-constrained best fit: sweeps over the slots of the re-levelling pass on the chosen plan (echo_plan_impl.h:
 # kRelevelSweeps).
 RELEVEL_SWEEPS = 4
-# Receiver key classes of a donor-constrained fill step (echo_plan_impl.h: kRecvClass).
-_RECV_CLASS = 1 << 36
+# Receiver key classes of a donor-constrained fill step and demand steps inside class 2 (echo_plan_impl.h:
+# kRecvClass, kDemandUnit).
+_RECV_CLASS = 1 << 50
+_DEMAND_UNIT = 1 << 34
 
 
 
@@ -379,7 +381,7 @@ def _restrictive(mask: torch.Tensor):
 
 
 def _level_fill(load_e: torch.Tensor, load_r: torch.Tensor, allowed: torch.Tensor, k: int, lam: torch.Tensor,
-                cascade: torch.Tensor, record: bool):
+                cascade: torch.Tensor, demand: torch.Tensor, record: bool):
     """Donor-constrained fill at each level of ``lam`` ``[B]`` side by side (the native ``level_fill`` per warp).
 
     Donors shed what exceeds the level, receivers take up to it. ``S + R`` steps; each takes the most loaded
@@ -389,7 +391,10 @@ def _level_fill(load_e: torch.Tensor, load_r: torch.Tensor, allowed: torch.Tenso
     the largest room, else, with ``cascade``, the smallest cascade capacity that fits, else the largest), or marks
     ``q`` stuck when no allowed receiver can take anything (final: room only shrinks). A receiver's cascade
     capacity is its room plus what it could pass on from its home experts to the room of its own receivers (those
-    with a free slot or hosting one of its experts); taking more than its room makes it a donor in turn.
+    with a free slot or hosting one of its experts); taking more than its room makes it a donor in turn. With
+    ``demand`` (``[B]`` bool), a new slot that no room fits goes to the receiver that the fewest other donors still
+    shedding may use (then the largest room), so that one hot rank's cascade leaves a neighbouring hot rank's only
+    cold receiver alone.
 
     Returns ``(ex [B, R], cap [B, R], plan)``: rank ``r``'s load afterwards is ``lam + ex[r] - cap[r]``;
     ``plan`` is ``[B, E * S]`` (the pieces) when ``record`` else ``None``.
@@ -404,6 +409,7 @@ def _level_fill(load_e: torch.Tensor, load_r: torch.Tensor, allowed: torch.Tenso
     avail = load_e[None, :].repeat(B, 1)
     slot_e = torch.full((B, S), -1, dtype=torch.int64, device=dev)  # expert hosted by each slot, -1: free
     a_int = allowed.to(torch.int64)  # [r, q]
+    a_dbl = allowed.to(torch.float64)
     pot = (cap[:, :, None] * a_int[None]).sum(1)  # pot[b, p]: room of the receivers that p could pass tokens to
     nfree = (k * a_int).sum(0)[None, :].repeat(B, 1)  # nfree[b, p]: free slots of the receivers of p
     ntop = torch.zeros(B, R, dtype=torch.int64, device=dev)  # ntop[b, p]: slots hosting an expert of p
@@ -432,7 +438,10 @@ def _level_fill(load_e: torch.Tensor, load_r: torch.Tensor, allowed: torch.Tenso
         allowed_q = allowed.index_select(1, q).t() & (ranks[None, :] != q[:, None])
         is_top = allowed_q & has_top & (cap > 0)
         is_open = allowed_q & (ceff > 0)
-        rkey = torch.where(cap >= x, c + cap, torch.where(cap > 0, 2 * c + (c // 2 - cap), torch.where(
+        act = ((ex > 0) & ~stuck).to(torch.float64)  # donors still shedding; demand: r's others (q is one)
+        dem = torch.where(demand[:, None], (act @ a_dbl.t()).to(torch.int64) - 1, 0)  # exact: counts <= R
+        u = _DEMAND_UNIT
+        rkey = torch.where(cap >= x, c + cap, torch.where(cap > 0, 2 * c + dem * u + (u // 2 - cap), torch.where(
             ceff >= x, 3 * c + ceff, 4 * c + (c // 2 - ceff))))
         rkey = torch.where(is_top, c // 2 - cap, torch.where(is_open, rkey, 5 * c))
         r = torch.argmin(rkey, 1)
@@ -480,7 +489,8 @@ def _level_fill(load_e: torch.Tensor, load_r: torch.Tensor, allowed: torch.Tenso
 def _level_search(counts: torch.Tensor, k: int, mask: torch.Tensor) -> torch.Tensor:
     """Donor-constrained best fit: ``home_to_spare [E, R*k]`` of :func:`_level_fill` at the best level found.
 
-    Two searches side by side, one without and one with cascading receivers (each does better on some cases),
+    Two searches side by side, one without and one with cascading receivers (the latter ranking receivers by
+    demand; each does better on some cases),
     candidate ``2 * j + cascade`` evaluating level ``j`` of its search, ``H = LEVEL_CANDIDATES // 2`` levels per
     search and round. Per search ``lo`` starts at ``avg - 1`` (below the mean no level is reached) and ``hi`` at
     the highest rank load (nothing to shed); each of :data:`LEVEL_ROUNDS` rounds evaluates ``H`` levels evenly
@@ -500,10 +510,11 @@ def _level_search(counts: torch.Tensor, k: int, mask: torch.Tensor) -> torch.Ten
     g = torch.arange(1, H + 1, device=dev)[:, None]  # [H, 1]
     j = torch.arange(H, device=dev)[:, None]
     cascade = torch.tensor([False, True], device=dev).repeat(H)  # candidate 2 * j + c
+    demand = cascade  # the cascading search ranks receivers by demand (echo_plan_impl.h: search_demand)
     for _ in range(LEVEL_ROUNDS):
         lam = lo[None, :] + (hi - lo)[None, :] * g // (H + 1)  # [H, 2]
         valid = lam > lo[None, :]
-        ex, cap, _ = _level_fill(load_e, load_r, mask, k, lam.reshape(-1), cascade, False)
+        ex, cap, _ = _level_fill(load_e, load_r, mask, k, lam.reshape(-1), cascade, demand, False)
         m = torch.where(valid, lam + (ex - cap).max(1).values.view(H, 2), big)  # [H, 2]
         i = torch.argmin(m.reshape(-1))
         better = _at(m.reshape(-1), i) < best_m
@@ -514,7 +525,8 @@ def _level_search(counts: torch.Tensor, k: int, mask: torch.Tensor) -> torch.Ten
         lo_new = torch.where(f > 0, lam.gather(0, (f - 1).clamp(min=0)[None, :]).squeeze(0), lo)
         hi = torch.where(f < H - 1, lam.gather(0, (f + 1).clamp(max=H - 1)[None, :]).squeeze(0), hi)
         lo = torch.maximum(lo, lo_new)
-    _, _, plan = _level_fill(load_e, load_r, mask, k, best_lam.view(1), best_cascade.view(1), True)
+    _, _, plan = _level_fill(load_e, load_r, mask, k, best_lam.view(1), best_cascade.view(1), best_cascade.view(1),
+                             True)
     return plan.view(E, R * k)
 
 
