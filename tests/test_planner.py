@@ -573,6 +573,29 @@ def test_water_filling_reference_hand_checked():
     assert water_filling_max_load(counts, 1, None, quanta=1000) == 47
 
 
+def test_cascading_fill_ranks_receivers_by_demand():
+    # 10 ranks, one expert each, one slot each, ring of 4 (rank r hosts experts of r+1..r+4). Four hot ranks (3 and
+    # the neighbours 7, 8, 9), few cold receivers (1, 2, 6). Without the demand key a cascade takes a cold receiver
+    # that another hot rank needed; with it the fills leave it to that rank: the best level any fill reaches falls
+    # from 280 to 236 tokens (mean 229.8), and the plan reaches it.
+    counts = torch.zeros(10, 10, dtype=torch.int64)
+    counts[0] = T([48, 10, 10, 461, 197, 195, 10, 456, 471, 440])
+    mask = echo_planner.donor_mask(10, 4)
+    load = counts.sum(0)
+    lams = torch.arange(int(load.sum()) // 10, int(load.max()) + 1)
+    reached = {}
+    for demand in (False, True):
+        flags = torch.ones(len(lams), dtype=torch.bool)
+        ex, cap, _ = echo_planner._level_fill(load, load, mask, 1, lams, flags, flags & demand, False)
+        reached[demand] = int((lams + (ex - cap).max(1).values).min())
+    assert reached == {False: 280, True: 236}
+    for native in ([False, True] if _native_plan_available() else [False]):
+        h, _ = echo_planner.gen_plan(counts, 1, donor_mask=mask, native=native)
+        _check_constraint(h, mask, 10, 10, 1)
+        assert int(loads_after(counts, h, 1)[1].max()) == 236
+    assert water_filling_max_load(counts, 1, mask) == 440  # the reference stops at the first rank it cannot unload
+
+
 def test_relevel_keeps_homes_never_raises_and_nears_the_best_amounts():
     # The re-levelling pass against the exact optimum for the candidate's slot homes (max flow, plain Python): it
     # hosts no new expert anywhere, never raises the maximum rank load, and lands within 3% of the optimum.
