@@ -10,8 +10,9 @@
 // of distinct ranks) N*B level fills of at most S + R steps plus kWaterCandidates water fills of at most
 // R * water_quantum moves, each step and move O(R + w*k + E/R) (the mask walked as lists), plus O(R^2) set-up and
 // an O(S * (S + R)) replay of the best level fill's log, then the re-levelling of the chosen plan
-// (kRelevelSweeps * S sequential steps of a few loads, no reductions, on one thread). On the GPU the B fills of a round run side by side, one per
-// warp, while the water fills run on two more warps (per step three warp reductions, no block barrier): the
+// (kRelevelSweeps * S sequential steps of a few loads, no reductions, on one thread). On the GPU the B fills of a
+// round run side by side, one per warp, while the water fills run on two more warps (per step three warp
+// reductions, no block barrier): the
 // critical path is max(N * (S + R) steps, 16 R moves), each ~(R + w*k + E/R) / 32 dependent loads per lane
 // (R=64, E=256, k=2: max(1152, 1024) = 1152 dependent steps, against 1344 + 1024 for the candidates in sequence).
 // The CPU runs all fills one after the other (R=64, w=32: ~5 ms).
@@ -168,11 +169,6 @@ MG_HD int64_t receiver_key(bool top, bool open, int64_t cap, int64_t ceff, int64
   return 4 * kRecvClass + (kRecvClass / 2 - ceff);
 }
 
-// The level search's two searches: c = 0 receivers take up to the level; c = 1 cascading receivers, a receiver
-// that no room fits chosen by demand (echo_planner._level_search: the same).
-MG_HD bool search_cascade(int64_t c) { return c == 1; }
-MG_HD bool search_demand(int64_t c) { return c == 1; }
-
 struct LevelState {
   int64_t *ex, *cap, *used, *pot, *stuck, *hl, *nfree, *ntop, *dem, *avail, *slot_e;
 };
@@ -252,7 +248,7 @@ MG_HD void level_fill(const PlanArgs& args, const PlanArrays& a, Ctx& ctx, Level
     int64_t d = 0;  // dem[p]: donors of p with tokens to shed
     const int64_t* dl = mask_list(a, R, R + p);
     MG_NO_UNROLL
-    for (int64_t i = 0; i < mask_list_len(a, R, R + p); ++i) d += s.ex[dl[i]] > 0 ? 1 : 0;
+    for (int64_t i = 0; demand && i < mask_list_len(a, R, R + p); ++i) d += s.ex[dl[i]] > 0 ? 1 : 0;
     s.dem[p] = d;
   }
   ctx.group_sync();
@@ -371,7 +367,7 @@ MG_HD_CALL void level_search(const PlanArgs& args, const PlanArrays& a, Ctx& ctx
       LevelState st = carve_level(a.lv_state + g * level_state_elems(R, E, args.k), R, E);
       int64_t mx = INT64_MAX;
       if (lam > lo[c]) {
-        level_fill(args, a, ctx, st, lam, search_cascade(c), search_demand(c), a.lv_log + g * NL);
+        level_fill(args, a, ctx, st, lam, c == 1, c == 1, a.lv_log + g * NL);  // cascading fills rank by demand
         Best d = no_best();
         for (int64_t i = ctx.lane; i < R; i += ctx.nlanes) d = pick(d, Best{st.ex[i] - st.cap[i], i});
         mx = lam + ctx.group_best(d).v;
@@ -561,6 +557,17 @@ MG_HD_CALL void pick_best_fit(const PlanArgs& args, const PlanArrays& a, Ctx& ct
   ctx.sync();
 }
 
+// Slot j's home expert in plan h [E, S] (its first non-zero row, -1 for an empty slot) and its tokens.
+MG_HD void slot_home(const int64_t* h, int64_t E, int64_t S, int64_t j, int64_t& home, int64_t& amount) {
+  home = -1;
+  amount = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t v = h[e * S + j];
+    if (v > 0 && home < 0) home = e;
+    amount += v;
+  }
+}
+
 // Re-levelling of the chosen donor-constrained plan hb with every slot's home expert kept
 // (moe_graph.moe.echo_planner._relevel is the same in torch): kRelevelSweeps sweeps over the slots in order; slot j
 // (home expert e of rank q, on rank r, x tokens) moves min(tokens of e still at home, gap / 2) from q to r when
@@ -572,13 +579,7 @@ MG_HD_CALL void relevel(const PlanArgs& args, const PlanArrays& a, Ctx& ctx) {
   const int64_t R = args.R, E = args.E, k = args.k, L = E / R, S = R * k;
   const int64_t tid = ctx.tid, nt = ctx.nthreads;
   int64_t *home = a.home, *x = a.amount, *avail = a.avail, *load = a.la_b;  // scratch until plan_allocation
-  for (int64_t j = tid; j < S; j += nt) {
-    int64_t hj = -1;
-    for (int64_t e = 0; e < E && hj < 0; ++e)
-      if (a.hb[e * S + j] > 0) hj = e;
-    home[j] = hj;
-    x[j] = hj >= 0 ? a.hb[hj * S + j] : 0;
-  }
+  for (int64_t j = tid; j < S; j += nt) slot_home(a.hb, E, S, j, home[j], x[j]);
   for (int64_t e = tid; e < E; e += nt) {
     int64_t out = 0;
     for (int64_t j = 0; j < S; ++j) out += a.hb[e * S + j];
@@ -712,14 +713,8 @@ MG_HD_CALL void plan_allocation(const PlanArgs& args, const PlanArrays& a, Ctx& 
   ctx.sync();
   // P10: slot homes (first non-zero row, 0 if none) and amounts
   for (int64_t j = tid; j < S; j += nt) {
-    int64_t home = -1, amount = 0;
-    for (int64_t e = 0; e < E; ++e) {
-      const int64_t v = h[e * S + j];
-      if (v > 0 && home < 0) home = e;
-      amount += v;
-    }
-    a.home[j] = home < 0 ? 0 : home;
-    a.amount[j] = amount;
+    slot_home(h, E, S, j, a.home[j], a.amount[j]);
+    a.home[j] = imax(0, a.home[j]);
   }
   ctx.sync();
   // P11: breadth-first (proportional floors)

@@ -599,10 +599,10 @@ def _constrained_best_fit(counts: torch.Tensor, k: int, mask: torch.Tensor) -> t
     plans = torch.cat([level.view(1, -1), water], 0)
     maxes = torch.cat([rank_loads_after(counts, level).max().view(1), water_max])
     best = plans.index_select(0, torch.argmin(maxes).view(1)).view(E, R * k)
-    return _relevel(load_e, load_r, best, k)
+    return _relevel(counts, best, k)
 
 
-def _relevel(load_e: torch.Tensor, load_r: torch.Tensor, home_to_spare: torch.Tensor, k: int) -> torch.Tensor:
+def _relevel(counts: torch.Tensor, home_to_spare: torch.Tensor, k: int) -> torch.Tensor:
     """Re-levels a plan's amounts with every slot's home expert kept (the native ``relevel``).
 
     The candidates decide which expert each slot hosts; their amounts are greedy (a fill never takes tokens back,
@@ -614,16 +614,14 @@ def _relevel(load_e: torch.Tensor, load_r: torch.Tensor, home_to_spare: torch.Te
     converge to the best amounts for the slot homes (the LP optimum on the sweep's worst cases within ~2%).
     Empty slots stay empty. Sequential: ``RELEVEL_SWEEPS * S`` steps of a few scalar updates.
     """
-    E, S = home_to_spare.shape
-    R = load_r.shape[0]
-    L = E // R
+    R, E = counts.shape
+    L, S = E // R, home_to_spare.shape[1]
     dev = home_to_spare.device
     h = home_to_spare
-    has = (h > 0).any(0)  # [S]
-    home = torch.argmax((h > 0).to(torch.int8), 0)  # [S] first non-zero row (0 for an empty slot)
-    x = h.gather(0, home[None, :]).squeeze(0)  # [S] the home row's tokens
-    avail = load_e - h.sum(1)  # [E] tokens of each expert still at home
-    load = load_r - h.sum(1).view(R, L).sum(1) + h.sum(0).view(R, k).sum(1)
+    home, x = _slot_homes(h)  # [S]: home expert (0 for an empty slot), tokens (one non-zero per column)
+    has = x > 0
+    avail = counts.sum(0) - h.sum(1)  # [E] tokens of each expert still at home
+    load = rank_loads_after(counts, h)
     q_of = home // L
     zero = torch.zeros((), dtype=torch.int64, device=dev)
     for _ in range(RELEVEL_SWEEPS):
