@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "activation/activation.h"
+#include "common/launch.cuh"
 
 namespace moe_graph {
 namespace activation {
@@ -149,15 +150,15 @@ void launch(const GatedProblem& p, cudaStream_t stream) {
   if (can_vectorize<T>(p)) {
     const RowGroups rg = row_groups(p, V, &grid);
     if constexpr (Backward)
-      backward_kernel<K, T, S, V><<<grid, kThreads, 0, stream>>>(p, rg);
+      moe_graph::launch(backward_kernel<K, T, S, V>, grid, kThreads, 0, stream, p, rg);
     else
-      forward_kernel<K, T, S, V><<<grid, kThreads, 0, stream>>>(p, rg);
+      moe_graph::launch(forward_kernel<K, T, S, V>, grid, kThreads, 0, stream, p, rg);
   } else {
     const RowGroups rg = row_groups(p, 1, &grid);
     if constexpr (Backward)
-      backward_kernel<K, T, S, 1><<<grid, kThreads, 0, stream>>>(p, rg);
+      moe_graph::launch(backward_kernel<K, T, S, 1>, grid, kThreads, 0, stream, p, rg);
     else
-      forward_kernel<K, T, S, 1><<<grid, kThreads, 0, stream>>>(p, rg);
+      moe_graph::launch(forward_kernel<K, T, S, 1>, grid, kThreads, 0, stream, p, rg);
   }
 }
 

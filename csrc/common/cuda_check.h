@@ -11,7 +11,7 @@ inline void check_cuda(cudaError_t err, const char* what) {
   if (err != cudaSuccess) throw std::runtime_error(std::string("moe_graph: ") + what + " failed: " + cudaGetErrorString(err));
 }
 
-// Call right after a <<<>>> launch.
+// Call right after a launch (common/launch.cuh).
 inline void check_launch(const char* kernel) { check_cuda(cudaGetLastError(), kernel); }
 
 }  // namespace moe_graph

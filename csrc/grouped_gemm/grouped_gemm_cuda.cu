@@ -13,6 +13,7 @@
 
 #include "common/cuda_check.h"
 #include "common/error_flag.h"
+#include "common/launch.cuh"
 #include "grouped_gemm/grouped_args.cuh"
 #include "grouped_gemm/grouped_configs.h"
 #include "grouped_gemm/grouped_gemm.h"
@@ -62,7 +63,7 @@ const void** device_ptr_table(const void* const* host, int n, const LaunchEnv& e
     PtrChunk chunk{};
     const int count = std::min(kPtrChunk, n - base);
     for (int i = 0; i < count; ++i) chunk.p[i] = host[base + i];
-    copy_ptrs_kernel<<<1, kPtrChunk, 0, env.stream>>>(chunk, count, table + base);
+    moe_graph::launch(copy_ptrs_kernel, 1, kPtrChunk, 0, env.stream, chunk, count, table + base);
     check_launch("copy_ptrs_kernel");
   }
   return table;
@@ -191,14 +192,14 @@ template <class T>
 void launch_rows_fill(const ForwardProblem& p, const LaunchEnv& env, const int64_t* offsets) {
   const int blocks = static_cast<int>(std::min<int64_t>(p.rows, int64_t(env.sm_count) * 8));
   const int threads = static_cast<int>(std::min<int64_t>(256, std::max<int64_t>(32, p.n / 8)));
-  rows_fill_kernel<T><<<blocks, threads, 0, env.stream>>>(static_cast<T*>(p.out), static_cast<const T*>(p.bias),
-                                                         offsets, p.splits.num_experts, p.rows, static_cast<int>(p.n));
+  moe_graph::launch(rows_fill_kernel<T>, blocks, threads, 0, env.stream, static_cast<T*>(p.out),
+      static_cast<const T*>(p.bias), offsets, p.splits.num_experts, p.rows, static_cast<int>(p.n));
   check_launch("rows_fill_kernel");
 }
 
 void launch_offsets(const Splits& s, int64_t rows, int64_t* offsets, const LaunchEnv& env) {
-  offsets_kernel<<<1, detail::kArgThreads, 0, env.stream>>>(s.ptr, s.is_int64, s.num_experts, rows, offsets,
-                                                            env.error_flag);
+  moe_graph::launch(offsets_kernel, 1, detail::kArgThreads, 0, env.stream, s.ptr, s.is_int64, s.num_experts, rows,
+      offsets, env.error_flag);
   check_launch("offsets_kernel");
 }
 
@@ -255,9 +256,8 @@ void run_wgrad(const WgradProblem& p, const LaunchEnv& env) {
     const int64_t nvec = expert_bytes / 16;
     const int bx = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(64, (nvec + 255) / 256)));
     dim3 grid(bx, e);
-    wgrad_zero_kernel<<<grid, 256, 0, env.stream>>>(const_cast<void*>(p.out.base), expert_bytes, out_table, offsets,
-                                                    p.accumulate_mask, p.accumulate_all,
-                                                    plan.zero_fill_all_overwritten, e);
+    moe_graph::launch(wgrad_zero_kernel, grid, 256, 0, env.stream, const_cast<void*>(p.out.base), expert_bytes,
+        out_table, offsets, p.accumulate_mask, p.accumulate_all, plan.zero_fill_all_overwritten, e);
     check_launch("wgrad_zero_kernel");
   };
   if (plan.run_offsets) {
@@ -287,15 +287,15 @@ void run_bias_grad(const BiasGradProblem& p, const LaunchEnv& env) {
   if (chunks > 0) {
     dim3 grid(col_blocks, static_cast<unsigned>(std::min<int64_t>(chunks, 65535)));
     if (p.dtype == DType::kBF16)
-      bias_grad_partial_kernel<__nv_bfloat16><<<grid, 128, 0, env.stream>>>(
+      moe_graph::launch(bias_grad_partial_kernel<__nv_bfloat16>, grid, 128, 0, env.stream,
           static_cast<const __nv_bfloat16*>(p.dy), offsets, e, chunks, static_cast<int>(p.n), partial);
     else
-      bias_grad_partial_kernel<__half><<<grid, 128, 0, env.stream>>>(static_cast<const __half*>(p.dy), offsets, e,
-                                                                     chunks, static_cast<int>(p.n), partial);
+      moe_graph::launch(bias_grad_partial_kernel<__half>, grid, 128, 0, env.stream, static_cast<const __half*>(p.dy),
+          offsets, e, chunks, static_cast<int>(p.n), partial);
     check_launch("bias_grad_partial_kernel");
   }
-  bias_grad_reduce_kernel<<<dim3(col_blocks, static_cast<unsigned>(e)), 128, 0, env.stream>>>(
-      partial, offsets, static_cast<int>(p.n), p.out);
+  moe_graph::launch(bias_grad_reduce_kernel, dim3(col_blocks, static_cast<unsigned>(e)), 128, 0, env.stream, partial,
+      offsets, static_cast<int>(p.n), p.out);
   check_launch("bias_grad_reduce_kernel");
 }
 

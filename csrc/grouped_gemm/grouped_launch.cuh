@@ -11,6 +11,7 @@
 #include <string>
 
 #include "common/cuda_check.h"
+#include "common/launch.cuh"
 #include "grouped_gemm/grouped_args.cuh"
 #include "grouped_gemm/grouped_gemm.h"
 #include "grouped_gemm/grouped_plan.h"
@@ -101,8 +102,8 @@ void launch_forward(const ForwardProblem& p, const LaunchEnv& env, const void* c
 
   const int tail_blocks = tail_zero_blocks(p.rows, p.n);  // plan_forward's arg_tail_blocks
   checked_run<Gemm>(args, env, name, [&] {
-    forward_args_kernel<GemmKernel, kBKMajor><<<1 + tail_blocks, kArgThreads, 0, env.stream>>>(
-        arr, p.splits.ptr, p.splits.is_int64, e, p.rows, static_cast<int>(p.n), static_cast<int>(p.k),
+    moe_graph::launch(forward_args_kernel<GemmKernel, kBKMajor>, 1 + tail_blocks, kArgThreads, 0, env.stream, arr,
+        p.splits.ptr, p.splits.is_int64, e, p.rows, static_cast<int>(p.n), static_cast<int>(p.k),
         static_cast<const typename GemmKernel::ElementA*>(p.a),
         static_cast<const typename GemmKernel::ElementB*>(p.b.base), p.b.expert_stride, b_table,
         static_cast<ElementD*>(p.out), static_cast<const ElementD*>(p.bias), offsets, env.error_flag);
@@ -141,10 +142,9 @@ void launch_wgrad(const WgradProblem& p, const LaunchEnv& env, void* const* out_
                                   hardware_info<Gemm>(env)};
 
   checked_run<Gemm>(args, env, name, [&] {
-    wgrad_args_kernel<GemmKernel><<<1, kArgThreads, 0, env.stream>>>(
-        arr, p.splits.ptr, p.splits.is_int64, e, p.rows, static_cast<int>(p.n), static_cast<int>(p.k),
-        static_cast<const typename GemmKernel::ElementA*>(p.dy),
-        static_cast<const typename GemmKernel::ElementB*>(p.a),
+    moe_graph::launch(wgrad_args_kernel<GemmKernel>, 1, kArgThreads, 0, env.stream, arr, p.splits.ptr,
+        p.splits.is_int64, e, p.rows, static_cast<int>(p.n), static_cast<int>(p.k),
+        static_cast<const typename GemmKernel::ElementA*>(p.dy), static_cast<const typename GemmKernel::ElementB*>(p.a),
         static_cast<typename GemmKernel::ElementD*>(const_cast<void*>(p.out.base)), p.out.expert_stride, out_table,
         offsets, env.error_flag);
     check_launch("wgrad_args_kernel");

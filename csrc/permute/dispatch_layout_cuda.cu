@@ -19,6 +19,7 @@
 #include <cstdint>
 
 #include "common/error_flag.h"
+#include "common/launch.cuh"
 #include "permute/dispatch_layout.h"
 #include "permute/dispatch_layout_impl.h"
 
@@ -331,34 +332,34 @@ cudaError_t dispatch_layout_cuda_launch(const LayoutProblem& p, int32_t* workspa
   const int64_t N = R * p.capacity;
   int64_t widest = N > ws.zeroed ? N : ws.zeroed;
   widest = widest > p.num_columns ? widest : p.num_columns;
-  init_kernel<<<blocks_for(widest, kThreads), kThreads, 0, stream>>>(p, ws);
+  moe_graph::launch(init_kernel, blocks_for(widest, kThreads), kThreads, 0, stream, p, ws);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;  // blame each launch on its own
   const unsigned tile_blocks = blocks_for(ws.tiles, kWarpsPerBlock, int64_t(1) << 31);
   const int tile_threads = 32 * kWarpsPerBlock;
-  if (ws.tiles > 0) keys1_kernel<<<tile_blocks, tile_threads, 0, stream>>>(p, ws, error_flag);
+  if (ws.tiles > 0) moe_graph::launch(keys1_kernel, tile_blocks, tile_threads, 0, stream, p, ws, error_flag);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-  scan_kernel<<<blocks_for(R + 1, kScanWarps, int64_t(1) << 31), 32 * kScanWarps, 0, stream>>>(ws.hist1, ws.tot1,
-                                                                                                R + 1, ws.tiles);
+  moe_graph::launch(scan_kernel, blocks_for(R + 1, kScanWarps, int64_t(1) << 31), 32 * kScanWarps, 0, stream, ws.hist1,
+      ws.tot1, R + 1, ws.tiles);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-  if (ws.tiles > 0) keep_kernel<<<tile_blocks, tile_threads, 0, stream>>>(p, ws);
+  if (ws.tiles > 0) moe_graph::launch(keep_kernel, tile_blocks, tile_threads, 0, stream, p, ws);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-  if (ws.tiles > 0) keys2_kernel<<<tile_blocks, tile_threads, 0, stream>>>(p, ws);
+  if (ws.tiles > 0) moe_graph::launch(keys2_kernel, tile_blocks, tile_threads, 0, stream, p, ws);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-  scan_kernel<<<blocks_for(R * Lc + 1, kScanWarps, int64_t(1) << 31), 32 * kScanWarps, 0, stream>>>(
+  moe_graph::launch(scan_kernel, blocks_for(R * Lc + 1, kScanWarps, int64_t(1) << 31), 32 * kScanWarps, 0, stream,
       ws.hist2, ws.tot2, R * Lc + 1, ws.tiles);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-  bases_kernel<<<1, kThreads, 0, stream>>>(p, ws);
+  moe_graph::launch(bases_kernel, 1, kThreads, 0, stream, p, ws);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-  if (ws.tiles > 0) place_kernel<<<tile_blocks, tile_threads, 0, stream>>>(p, ws);
+  if (ws.tiles > 0) moe_graph::launch(place_kernel, tile_blocks, tile_threads, 0, stream, p, ws);
   return cudaGetLastError();
 }
 
 cudaError_t receive_layout_cuda_launch(const ReceiveProblem& p, int64_t* workspace, int32_t* error_flag,
                                        cudaStream_t stream) {
   RecvWorkspace ws = carve_recv(workspace, p.num_ranks, p.num_local);
-  recv_tables_kernel<<<1, kThreads, 0, stream>>>(p, ws, error_flag);
+  moe_graph::launch(recv_tables_kernel, 1, kThreads, 0, stream, p, ws, error_flag);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-  recv_rows_kernel<<<blocks_for(p.num_ranks * p.capacity, kThreads), kThreads, 0, stream>>>(p, ws);
+  moe_graph::launch(recv_rows_kernel, blocks_for(p.num_ranks * p.capacity, kThreads), kThreads, 0, stream, p, ws);
   return cudaGetLastError();
 }
 

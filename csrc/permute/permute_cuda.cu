@@ -12,6 +12,7 @@
 #include <cstdint>
 
 #include "common/error_flag.h"
+#include "common/launch.cuh"
 #include "permute/permute.h"
 #include "permute/permute_impl.h"
 
@@ -80,12 +81,12 @@ bool aligned16(const void* q) { return q == nullptr || reinterpret_cast<uintptr_
 template <RouteOp op, typename T, int V>
 cudaError_t launch(const RouteProblem& p, int32_t* flag, cudaStream_t stream) {
   if constexpr (op == RouteOp::kDot) {
-    dot_kernel<T, V><<<blocks_for(p.tokens * p.topk, kWarps), kThreads, 0, stream>>>(p, flag);
+    moe_graph::launch(dot_kernel<T, V>, blocks_for(p.tokens * p.topk, kWarps), kThreads, 0, stream, p, flag);
   } else {
     int lanes = 1;
     while (lanes < kThreads && lanes < p.hidden / V) lanes <<= 1;
     const dim3 block(lanes, kThreads / lanes);
-    rows_kernel<op, T, V><<<blocks_for(output_rows(op, p), block.y), block, 0, stream>>>(p, flag);
+    moe_graph::launch(rows_kernel<op, T, V>, blocks_for(output_rows(op, p), block.y), block, 0, stream, p, flag);
   }
   return cudaGetLastError();
 }

@@ -11,6 +11,7 @@
 #include <climits>
 #include <cstdint>
 
+#include "common/launch.cuh"
 #include "reroute/echo_plan.h"
 
 namespace moe_graph {
@@ -62,7 +63,7 @@ __global__ void __maxnreg__(112) plan_kernel(PlanArgs args) {
 
 cudaError_t plan_cuda_launch(const PlanArgs& args, cudaStream_t stream) {
   if (args.R <= 0 || args.E <= 0 || args.k <= 0) return cudaSuccess;
-  plan_kernel<<<1, kPlanThreads, 0, stream>>>(args);
+  moe_graph::launch(plan_kernel, 1, kPlanThreads, 0, stream, args);
   return cudaGetLastError();
 }
 

@@ -17,6 +17,7 @@
 #include <cstdint>
 
 #include "common/error_flag.h"
+#include "common/launch.cuh"
 #include "reroute/reroute.h"
 
 namespace moe_graph {
@@ -251,7 +252,7 @@ int tile_threads(int64_t E) {
 
 template <typename P>
 void launch_apply(const RerouteProblem& p, const Workspace& ws, int64_t tiles, cudaStream_t stream) {
-  apply_kernel<P><<<static_cast<unsigned>(tiles), tile_threads(p.num_experts), 0, stream>>>(
+  moe_graph::launch(apply_kernel<P>, static_cast<unsigned>(tiles), tile_threads(p.num_experts), 0, stream,
       p.routing_map, static_cast<const P*>(p.probs), p.num_tokens, p.num_experts, p.num_slots, ws, p.out_map,
       static_cast<P*>(p.out_probs));
 }
@@ -267,16 +268,16 @@ cudaError_t reroute_tokens_cuda_launch(const RerouteProblem& p, int32_t* workspa
   const int64_t tiles = num_tiles_of(T);
   Workspace ws = carve(workspace, T, E, S);
   if (tiles > 0 && E > 0)
-    count_kernel<<<static_cast<unsigned>(tiles), tile_threads(E), 0, stream>>>(p.routing_map, T, E, ws.tile_rank);
+    moe_graph::launch(count_kernel, static_cast<unsigned>(tiles), tile_threads(E), 0, stream, p.routing_map, T, E,
+        ws.tile_rank);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;  // blame each launch on its own
   if (S > 0)
-    slots_kernel<<<static_cast<unsigned>((S + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
-        p.offload_map, p.offload_bytes, p.tokens_to_spare, T, E, S, ws.slot_home, ws.slot_want, nullptr,
-        p.error_flag);
+    moe_graph::launch(slots_kernel, static_cast<unsigned>((S + kThreads - 1) / kThreads), kThreads, 0, stream,
+        p.offload_map, p.offload_bytes, p.tokens_to_spare, T, E, S, ws.slot_home, ws.slot_want, nullptr, p.error_flag);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   if (E > 0)
-    experts_kernel<<<static_cast<unsigned>((E + kWarpsPerBlockB2 - 1) / kWarpsPerBlockB2), 32 * kWarpsPerBlockB2, 0,
-                     stream>>>(T, E, S, ws, p.error_flag);
+    moe_graph::launch(experts_kernel, static_cast<unsigned>((E + kWarpsPerBlockB2 - 1) / kWarpsPerBlockB2),
+        32 * kWarpsPerBlockB2, 0, stream, T, E, S, ws, p.error_flag);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   if (tiles > 0) {
     switch (p.prob_bytes) {
@@ -294,21 +295,21 @@ cudaError_t reroute_indices_cuda_launch(const RerouteIndexProblem& p, int32_t* w
   Workspace ws = carve(workspace, T, E, S);
   const int threads = tile_threads(E);
   if (tiles > 0 && E > 0 && K > 0)
-    count_indices_kernel<<<static_cast<unsigned>(tiles), threads, E * sizeof(int32_t), stream>>>(
+    moe_graph::launch(count_indices_kernel, static_cast<unsigned>(tiles), threads, E * sizeof(int32_t), stream,
         p.indices, p.valid, T, K, E, ws.tile_rank);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   if (S > 0)
-    slots_kernel<<<static_cast<unsigned>((S + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
+    moe_graph::launch(slots_kernel, static_cast<unsigned>((S + kThreads - 1) / kThreads), kThreads, 0, stream,
         p.offload_map, p.offload_bytes, p.tokens_to_spare, T, E, S, ws.slot_home, ws.slot_want, p.slot_home,
         p.error_flag);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   if (E > 0)
-    experts_kernel<<<static_cast<unsigned>((E + kWarpsPerBlockB2 - 1) / kWarpsPerBlockB2), 32 * kWarpsPerBlockB2, 0,
-                     stream>>>(T, E, S, ws, p.error_flag);
+    moe_graph::launch(experts_kernel, static_cast<unsigned>((E + kWarpsPerBlockB2 - 1) / kWarpsPerBlockB2),
+        32 * kWarpsPerBlockB2, 0, stream, T, E, S, ws, p.error_flag);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   if (tiles > 0 && K > 0) {
-    apply_indices_kernel<<<static_cast<unsigned>(tiles), threads, kRerouteTileRows * K * sizeof(int32_t), stream>>>(
-          p.indices, p.valid, T, K, E, S, ws, p.out_indices);
+    moe_graph::launch(apply_indices_kernel, static_cast<unsigned>(tiles), threads,
+        kRerouteTileRows * K * sizeof(int32_t), stream, p.indices, p.valid, T, K, E, S, ws, p.out_indices);
   }
   return cudaGetLastError();
 }

@@ -1,0 +1,29 @@
+// The one way the project's kernels are launched, and the device helpers whose spelling differs between a GPU and
+// the CPU emulation of the CUDA execution model (tests/emulator). Under nvcc, launch() is `kernel<<<...>>>(args...)`;
+// compiled as host C++ with MOE_GRAPH_EMULATE (the emulator test build), the same call runs the grid on the CPU,
+// each block's threads as cooperative fibers. Launch errors are still read with cudaGetLastError() after the call.
+#pragma once
+
+#include <cstddef>
+#include <utility>
+
+#if defined(MOE_GRAPH_EMULATE)
+#include "moe_emu.h"  // tests/emulator/moe_emu.h (on the emulator build's include path only)
+#else
+#include <cuda_runtime_api.h>
+#endif
+
+namespace moe_graph {
+
+// kernel<<<grid, block, smem, stream>>>(args...): `args` convert to the kernel's parameter types.
+template <class... Params, class... Args>
+inline void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                   Args&&... args) {
+#if defined(MOE_GRAPH_EMULATE)
+  ::moe_emu::launch(kernel, grid, block, smem, stream, std::forward<Args>(args)...);
+#else
+  kernel<<<grid, block, smem, stream>>>(std::forward<Args>(args)...);
+#endif
+}
+
+}  // namespace moe_graph
