@@ -85,11 +85,12 @@ TORCH_LIBRARY(moe_graph, m) {
 
   // ---- the token dispatcher's layout (csrc/permute/dispatch_layout.h) -------------------------------------
   // indices [T, K] -> (route_slot [T*K], route_of_slot [R*capacity], send_counts [R, Lc], column_counts [C],
-  // dropped []) int64; the given counters take this call's drops and load ratio in place.
+  // dropped []) int64; the given counters take this call's drops and load ratio in place; with dest_quota [R]:
+  // per-destination limits and packed send slots (route_of_slot [T*K]).
   m.def(
       "dispatch_layout(Tensor indices, Tensor? valid, Tensor column_rank, Tensor column_local, Tensor? route_order, "
       "int num_ep_ranks, int num_local_columns, int capacity, Tensor(a!)? dropped_routes=None, "
-      "Tensor(b!)? step_dropped_routes=None, Tensor(c!)? step_max_load_ratio=None) -> "
+      "Tensor(b!)? step_dropped_routes=None, Tensor(c!)? step_max_load_ratio=None, Tensor? dest_quota=None) -> "
       "(Tensor, Tensor, Tensor, Tensor, Tensor)");
   // recv_counts [R, Lc] -> (expert_row_source [R*capacity], recv_row_target [R*capacity], m_splits [Lc]) int64.
   m.def("receive_layout(Tensor recv_counts, int capacity) -> (Tensor, Tensor, Tensor)");

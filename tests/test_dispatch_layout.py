@@ -20,10 +20,13 @@ def impl(request, monkeypatch):
     return request.param
 
 
-def reference_layout(indices, valid, col_rank, col_local, R, Lc, cap, probs=None):
-    """Plain loops: (route_slot, route_of_slot, send_counts, column_counts, dropped, max_live)."""
+def reference_layout(indices, valid, col_rank, col_local, R, Lc, cap, probs=None, quota=None):
+    """Plain loops: (route_slot, route_of_slot, send_counts, column_counts, dropped, max_live). ``quota``: one limit
+    per destination instead of ``cap`` and packed send slots (quota mode)."""
     T, K = indices.shape
-    n, N = T * K, R * cap
+    n = T * K
+    N = n if quota is not None else R * cap
+    limit = [max(int(q), 0) for q in quota] if quota is not None else [cap] * R
     idx = [int(v) for v in indices.reshape(-1)]
     ok = [True] * n if valid is None else [bool(v) for v in valid.reshape(-1)]
     order = list(range(n))
@@ -36,22 +39,25 @@ def reference_layout(indices, valid, col_rank, col_local, R, Lc, cap, probs=None
         if not ok[r]:
             continue
         d = int(col_rank[idx[r]])
-        if live[d] < cap:
+        if live[d] < limit[d]:
             kept.add(r)
         live[d] += 1
     route_slot, route_of_slot = [N] * n, [n] * N
     send_counts = [[0] * Lc for _ in range(R)]
+    before = 0  # kept routes of the destinations before d (packed slots)
     for d in range(R):
         mine = sorted((int(col_local[idx[r]]), r) for r in kept if int(col_rank[idx[r]]) == d)
+        base = before if quota is not None else d * cap
         for p, (l, r) in enumerate(mine):
-            route_slot[r] = d * cap + p
-            route_of_slot[d * cap + p] = r
+            route_slot[r] = base + p
+            route_of_slot[base + p] = r
             send_counts[d][l] += 1
+        before += len(mine)
     column_counts = [0] * len(col_rank)
     for r in range(n):
         if ok[r]:
             column_counts[idx[r]] += 1
-    dropped = sum(max(v - cap, 0) for v in live)
+    dropped = sum(max(v - lim, 0) for v, lim in zip(live, limit))
     return route_slot, route_of_slot, send_counts, column_counts, dropped, max(live) if live else 0
 
 
@@ -275,3 +281,26 @@ def test_cuda_matches_cpu_without_sync(gen):
     assert bad.route_slot.tolist() == [0, R * 4]  # the bad route is not live; the flag says why
     with pytest.raises(RuntimeError, match="out of range|outside"):
         check_errors()
+
+
+@pytest.mark.parametrize("T,K,E,R,k", [(37, 2, 8, 4, 0), (300, 4, 16, 4, 1), (0, 2, 4, 2, 0), (513, 8, 32, 8, 2)])
+@pytest.mark.parametrize("policy", ["position", "probs"])
+def test_quota_mode_packs_the_kept_routes_by_destination(impl, gen, T, K, E, R, k, policy):
+    # the per-destination exchange's layout: per-destination limits (some below, some above the live routes, one
+    # negative, one zero) and packed send slots, against the plain loops; CPU native and torch path alike
+    cr, cl = expert_columns(E, R, k)
+    Lc = E // R + k
+    idx, valid, probs = _routing(T, E + R * k, K, gen, p_invalid=0.1, skew=K + 2 if T > 100 else None)
+    quota = torch.randint(-2, max(T * K // R, 1) + 3, (R,), generator=gen)
+    quota[0] = 0
+    pr = probs if policy == "probs" else None
+    dropped_routes = torch.zeros((), dtype=torch.int64)
+    out = dispatch_layout(idx, cr, cl, R, Lc, 1, valid=valid, route_order=None if pr is None else _order(pr),
+                          counters=(dropped_routes, torch.zeros((), dtype=torch.int64), None), dest_quota=quota)
+    rs, ros, sc, cc, dropped, _ = reference_layout(idx, valid, cr, cl, R, Lc, 1, pr, quota=quota.tolist())
+    assert out.route_of_slot.shape == (T * K,)
+    assert out.route_slot.tolist() == rs
+    assert out.route_of_slot.tolist() == ros
+    assert out.send_counts.tolist() == sc
+    assert out.column_counts.tolist() == cc
+    assert int(out.dropped) == dropped == int(dropped_routes)

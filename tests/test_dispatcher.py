@@ -155,7 +155,7 @@ def test_errors_name_arguments():
 @pytest.mark.parametrize("world", [2, 4])
 def test_multiprocess_matches_one_process(world):
     res = run_distributed(dispatcher_worker, world, 7)
-    dropped = 0
+    dropped = dest_dropped = 0
     for r in res:
         for c in r["cases"]:
             torch.testing.assert_close(c["y"], c["y1"], rtol=0, atol=1e-12, msg=lambda m: f"{c['name']}: {m}")
@@ -165,9 +165,16 @@ def test_multiprocess_matches_one_process(world):
             if c["name"].startswith("a2a_cap"):
                 dropped += c["dropped"]
                 assert c["recv_rows"] <= world * 3
+            elif c["name"].startswith("dest_cap"):  # per destination: a 20-row buffer, only the hot rank drops
+                dest_dropped += c["dropped"]
+                assert c["rows"] == 20 and c["recv_rows"] <= 20
             else:
                 assert c["dropped"] == 0
+            if c["name"].startswith("dest"):  # the largest destination load of the job over the mean T * K
+                load = [sum(row[d] for row in c["demand"]) for d in range(world)]
+                assert c["ratio"] == pytest.approx(max(load) / 24, rel=1e-12)
     assert dropped > 0  # the capacity case really dropped routes (skewed routing)
+    assert dest_dropped > 0
 
 
 def test_constant_tables_are_built_at_construction_on_the_device(gen):

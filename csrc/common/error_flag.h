@@ -17,6 +17,7 @@ enum ErrorCode : int32_t {
   // 1 << 4 is retired (it was "tokens dropped past a static capacity"): drops are statistics of normal training,
   // counted on the device by the dispatcher and read without an error, so check_errors() never raises on them.
   kErrIndexOutOfRange = 1 << 5,  // a row/route/column index out of range (permute, dispatch layout): the sentinel
+  kErrExchangeCounts = 1 << 6,   // per-destination exchange counts inconsistent (set from Python): clamped
 };
 
 // Human-readable text for each bit, used by check_errors().
@@ -35,6 +36,9 @@ inline const char* error_text(int32_t bit) {
     case kErrIndexOutOfRange:
       return "expand_rows/reduce_rows/dispatch_layout: a row, route or column index was outside its range (read as "
              "the sentinel: no row, no route)";
+    case kErrExchangeCounts:
+      return "the per-destination exchange's counts were inconsistent (negative, past the routes a rank has, "
+             "disagreeing between ranks, or past a receive buffer): clamped";
     default:
       return "unknown error bit";
   }

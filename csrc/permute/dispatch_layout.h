@@ -10,6 +10,10 @@
 //     kept route     per destination, the first `capacity` live routes in drop order: route_order[0], [1], ...
 //                    (a permutation of [0, n): the probability order of the "probs" policy) or, without it, route
 //                    order (token, then k: the "position" policy). The others are dropped.
+//     quota mode     with dest_quota [R] (the per-destination-capacity exchange): destination d keeps its first
+//                    max(dest_quota[d], 0) live routes instead of `capacity`, and the send slots are packed: N = n,
+//                    slot = (kept routes of smaller destinations) + position, no padding between destinations
+//                    (empty slots after the last kept route). `capacity` is not used.
 //     positions      within one destination the kept routes are ordered by (local expert, route): position p of a
 //                    route = kept routes of that destination with a smaller local expert + kept routes of its local
 //                    expert with a smaller route index. At R = 1 the send buffer is the expert input grouped by
@@ -48,6 +52,7 @@ struct LayoutProblem {
   const int64_t* column_rank = nullptr;   // [C]
   const int64_t* column_local = nullptr;  // [C]
   const int64_t* route_order = nullptr;   // [n] or null (route order)
+  const int64_t* dest_quota = nullptr;    // [R] or null: quota mode (per-destination limits, packed slots)
   int64_t* route_slot = nullptr;          // [n]
   int64_t* route_of_slot = nullptr;       // [R * capacity]
   int64_t* send_counts = nullptr;         // [R, Lc]

@@ -13,7 +13,7 @@ namespace moe_graph {
 namespace dispatch {
 
 LayoutError dispatch_layout_host(const LayoutProblem& p) {
-  const int64_t n = p.num_routes, R = p.num_ranks, Lc = p.num_local, cap = p.capacity, N = R * cap;
+  const int64_t n = p.num_routes, R = p.num_ranks, Lc = p.num_local, N = num_slots(p);
   LayoutError e;
   // the tables first: every entry in range (the CUDA path flags only the entries a live route reaches)
   for (int64_t c = 0; c < p.num_columns; ++c) {
@@ -35,13 +35,13 @@ LayoutError dispatch_layout_host(const LayoutProblem& p) {
       seen[r] = 1;
     }
   }
-  // (1) drop order: the first `cap` live routes of each destination are kept
+  // (1) drop order: the first destination_limit live routes of each destination are kept
   std::vector<int64_t> live(R + 1, 0);
   std::vector<char> kept(n, 0);
   for (int64_t i = 0; i < n; ++i) {
     const int64_t r = p.route_order != nullptr ? p.route_order[i] : i;
     const int64_t rank = live[dst[r]]++;
-    kept[r] = dst[r] < R && rank < cap;
+    kept[r] = dst[r] < R && rank < destination_limit(p, dst[r]);
   }
   std::fill(p.column_counts, p.column_counts + p.num_columns, 0);
   for (int64_t r = 0; r < n; ++r)
@@ -50,12 +50,14 @@ LayoutError dispatch_layout_host(const LayoutProblem& p) {
   std::fill(p.send_counts, p.send_counts + R * Lc, 0);
   for (int64_t r = 0; r < n; ++r)
     if (kept[r]) p.send_counts[dst[r] * Lc + local[r]]++;
-  std::vector<int64_t> next(R * Lc);
+  std::vector<int64_t> next(R * Lc);  // the next send slot of each (destination, local expert)
+  int64_t kept_before = 0;
   for (int64_t d = 0; d < R; ++d) {
-    int64_t run = 0;
+    int64_t run = destination_base(p, d, kept_before);
     for (int64_t l = 0; l < Lc; ++l) {
       next[d * Lc + l] = run;
       run += p.send_counts[d * Lc + l];
+      kept_before += p.send_counts[d * Lc + l];
     }
   }
   std::fill(p.route_of_slot, p.route_of_slot + N, n);
@@ -64,13 +66,13 @@ LayoutError dispatch_layout_host(const LayoutProblem& p) {
       p.route_slot[r] = N;
       continue;
     }
-    const int64_t s = send_slot(dst[r], next[dst[r] * Lc + local[r]]++, cap);
+    const int64_t s = next[dst[r] * Lc + local[r]]++;
     p.route_slot[r] = s;
     p.route_of_slot[s] = r;
   }
   int64_t dropped = 0, max_live = 0;
   for (int64_t d = 0; d < R; ++d) {
-    dropped += over_capacity(live[d], cap);
+    dropped += over_capacity(live[d], destination_limit(p, d));
     max_live = std::max(max_live, live[d]);
   }
   fold_statistics(p, dropped, max_live);

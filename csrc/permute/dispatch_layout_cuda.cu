@@ -8,11 +8,13 @@
 //   init    route_of_slot = n, column_counts = 0, histograms = 0
 //   keys1   drop order: the destination of each route (R: not live) per position; histogram; route_slot = -1
 //   scan    per key, exclusive scan over tiles (one warp per key) and the key's total
-//   keep    drop order: rank among the destination's live routes -> route_slot = destination if rank < capacity
+//   keep    drop order: rank among the destination's live routes -> route_slot = destination if rank < its limit
+//           (capacity, or its quota in quota mode)
 //   keys2   route order: (destination, local expert) of each kept route (R * Lc: none); histogram
 //   scan    the same over these keys
 //   bases   one block: within each destination the exclusive prefix of the totals over local experts (and
-//           send_counts); drops, largest load and the counters
+//           send_counts), in quota mode the kept routes of the destinations before each one; drops, largest load
+//           and the counters
 //   place   route order: position = base + tile offset + rank -> route_slot, route_of_slot
 // receive_layout: one block builds the clamped counts and both prefix tables, then one thread per receive row finds
 // its local expert by binary search and writes both index maps.
@@ -41,6 +43,7 @@ struct Workspace {
   int32_t* hist2;    // [R * Lc + 1, tiles]
   int32_t* tot2;     // [R * Lc + 1]
   int32_t* base2;    // [R * Lc]
+  int32_t* dest_before;  // [R] kept routes of the destinations before d (quota mode's packed slots)
   int64_t tiles;
   int64_t zeroed;    // elements from hist1 on that start at zero (hist1, tot1, hist2, tot2)
 };
@@ -57,6 +60,7 @@ Workspace carve(int32_t* ws, int64_t n, int64_t R, int64_t Lc) {
   w.hist2 = w.tot1 + k1;
   w.tot2 = w.hist2 + k2 * w.tiles;
   w.base2 = w.tot2 + k2;
+  w.dest_before = w.base2 + R * Lc;
   w.zeroed = (k1 + k2) * (w.tiles + 1);
   return w;
 }
@@ -100,7 +104,7 @@ __device__ __forceinline__ int32_t warp_rank(int32_t* hist, int64_t tiles, int64
 __global__ void init_kernel(LayoutProblem p, Workspace ws) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t t0 = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t N = p.num_ranks * p.capacity;
+  const int64_t N = num_slots(p);
   for (int64_t i = t0; i < N; i += stride) p.route_of_slot[i] = p.num_routes;
   for (int64_t i = t0; i < p.num_columns; i += stride) p.column_counts[i] = 0;
   for (int64_t i = t0; i < ws.zeroed; i += stride) ws.hist1[i] = 0;
@@ -167,7 +171,7 @@ __global__ void keep_kernel(LayoutProblem p, Workspace ws) {
     const bool active = i < n;
     const int32_t key = active ? ws.key_seq[i] : static_cast<int32_t>(p.num_ranks);
     const int32_t rank = warp_rank(ws.hist1, ws.tiles, tile, key, active);
-    if (active && key < p.num_ranks && rank < p.capacity) {
+    if (active && key < p.num_ranks && rank < destination_limit(p, key)) {
       const int64_t r = route_at(p, i, nullptr);  // flagged by keys1 already
       if (r >= 0) p.route_slot[r] = key;
     }
@@ -201,12 +205,22 @@ __global__ void bases_kernel(LayoutProblem p, Workspace ws) {
       p.send_counts[d * Lc + l] = v;
       run += v;
     }
+    ws.dest_before[d] = run;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {  // exclusive prefix over destinations (R steps)
+    int32_t before = 0;
+    for (int64_t d = 0; d < R; ++d) {
+      const int32_t total = ws.dest_before[d];
+      ws.dest_before[d] = before;
+      before += total;
+    }
   }
   __shared__ long long s_drop[kThreads];
   __shared__ long long s_max[kThreads];
   long long drop = 0, most = 0;
   for (int64_t d = threadIdx.x; d < R; d += blockDim.x) {
-    drop += over_capacity(ws.tot1[d], p.capacity);
+    drop += over_capacity(ws.tot1[d], destination_limit(p, d));
     most = ws.tot1[d] > most ? ws.tot1[d] : most;
   }
   s_drop[threadIdx.x] = drop;
@@ -225,7 +239,7 @@ __global__ void bases_kernel(LayoutProblem p, Workspace ws) {
 __global__ void place_kernel(LayoutProblem p, Workspace ws) {
   const int64_t tile = tile_of_warp();
   if (tile >= ws.tiles) return;
-  const int64_t n = p.num_routes, none = p.num_ranks * p.num_local, N = p.num_ranks * p.capacity;
+  const int64_t n = p.num_routes, none = p.num_ranks * p.num_local, N = num_slots(p);
   for (int c = 0; c < kChunks; ++c) {
     const int64_t i = tile * kLayoutTile + c * 32 + lane_id();
     const bool active = i < n;
@@ -234,7 +248,7 @@ __global__ void place_kernel(LayoutProblem p, Workspace ws) {
     if (!active) continue;
     if (key < none) {
       const int64_t d = key / p.num_local;
-      const int64_t s = send_slot(d, static_cast<int64_t>(ws.base2[key]) + rank, p.capacity);
+      const int64_t s = destination_base(p, d, ws.dest_before[d]) + static_cast<int64_t>(ws.base2[key]) + rank;
       p.route_slot[i] = s;
       p.route_of_slot[s] = i;
     } else {
@@ -320,7 +334,7 @@ __global__ void recv_rows_kernel(ReceiveProblem p, RecvWorkspace ws) {
 
 int64_t dispatch_layout_workspace_elems(int64_t n, int64_t R, int64_t Lc) {
   const int64_t tiles = num_tiles_of(n);
-  return n + (R + 1 + R * Lc + 1) * (tiles + 1) + R * Lc;
+  return n + (R + 1 + R * Lc + 1) * (tiles + 1) + R * Lc + R;
 }
 
 int64_t receive_layout_workspace_elems(int64_t R, int64_t Lc) { return 3 * R * Lc + Lc + 1; }
@@ -329,7 +343,7 @@ cudaError_t dispatch_layout_cuda_launch(const LayoutProblem& p, int32_t* workspa
                                         cudaStream_t stream) {
   const int64_t n = p.num_routes, R = p.num_ranks, Lc = p.num_local;
   Workspace ws = carve(workspace, n, R, Lc);
-  const int64_t N = R * p.capacity;
+  const int64_t N = num_slots(p);
   int64_t widest = N > ws.zeroed ? N : ws.zeroed;
   widest = widest > p.num_columns ? widest : p.num_columns;
   moe_graph::launch(init_kernel, blocks_for(widest, kThreads), kThreads, 0, stream, p, ws);

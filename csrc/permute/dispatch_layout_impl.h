@@ -38,11 +38,28 @@ MOE_DL_HD int64_t route_destination(const LayoutProblem& p, int64_t r, int64_t* 
   return d;
 }
 
-// Send slot of a route kept at `position` of destination `d`.
-MOE_DL_HD int64_t send_slot(int64_t d, int64_t position, int64_t capacity) { return d * capacity + position; }
+// Quota mode (dest_quota given): per-destination limits and packed send slots.
+MOE_DL_HD bool quota_mode(const LayoutProblem& p) { return p.dest_quota != nullptr; }
 
-// Routes of one destination over the capacity.
-MOE_DL_HD int64_t over_capacity(int64_t live, int64_t capacity) { return live > capacity ? live - capacity : 0; }
+// Send slots N: R * capacity (one padded block per destination) or, in quota mode, n (packed).
+MOE_DL_HD int64_t num_slots(const LayoutProblem& p) {
+  return quota_mode(p) ? p.num_routes : p.num_ranks * p.capacity;
+}
+
+// Live routes destination d keeps: `capacity`, or its quota (a negative quota reads as 0).
+MOE_DL_HD int64_t destination_limit(const LayoutProblem& p, int64_t d) {
+  if (!quota_mode(p)) return p.capacity;
+  const int64_t q = p.dest_quota[d];
+  return q > 0 ? q : 0;
+}
+
+// First send slot of destination d, given the kept routes of the destinations before it (`kept_before`).
+MOE_DL_HD int64_t destination_base(const LayoutProblem& p, int64_t d, int64_t kept_before) {
+  return quota_mode(p) ? kept_before : d * p.capacity;
+}
+
+// Routes of one destination over its limit.
+MOE_DL_HD int64_t over_capacity(int64_t live, int64_t limit) { return live > limit ? live - limit : 0; }
 
 // Folds one call's drops and largest destination load into the counters (when counting).
 MOE_DL_HD void fold_statistics(const LayoutProblem& p, int64_t dropped, int64_t max_live) {

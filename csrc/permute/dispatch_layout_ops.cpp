@@ -25,7 +25,7 @@ constexpr const char* kRecv = "receive_layout";
 
 
 struct Prepared {
-  at::Tensor indices, valid, column_rank, column_local, route_order;
+  at::Tensor indices, valid, column_rank, column_local, route_order, dest_quota;
   at::Tensor counters[3];
   int64_t T, K, C, R, Lc, cap;
 };
@@ -46,7 +46,8 @@ Prepared check_and_prepare(const at::Tensor& indices, const c10::optional<at::Te
                            const c10::optional<at::Tensor>& route_order, int64_t R, int64_t Lc, int64_t cap,
                            const c10::optional<at::Tensor>& dropped_routes,
                            const c10::optional<at::Tensor>& step_dropped_routes,
-                           const c10::optional<at::Tensor>& step_max_load_ratio) {
+                           const c10::optional<at::Tensor>& step_max_load_ratio,
+                           const c10::optional<at::Tensor>& dest_quota) {
   check_defined(indices, kOp, "indices");
   check_dim(indices, 2, kOp, "indices", "[T, K]");
   check_dtype(indices, {at::kLong, at::kInt}, kOp, "indices");
@@ -80,6 +81,12 @@ Prepared check_and_prepare(const at::Tensor& indices, const c10::optional<at::Te
     check_device(*route_order, dev, kOp, "route_order");
     p.route_order = route_order->contiguous();
   }
+  if (dest_quota.has_value() && dest_quota->defined()) {
+    check_shape(*dest_quota, {R}, kOp, "dest_quota");
+    check_dtype(*dest_quota, {at::kLong}, kOp, "dest_quota");
+    check_device(*dest_quota, dev, kOp, "dest_quota");
+    p.dest_quota = dest_quota->contiguous();
+  }
   p.counters[0] = check_counter(dropped_routes, at::kLong, dev, "dropped_routes");
   p.counters[1] = check_counter(step_dropped_routes, at::kLong, dev, "step_dropped_routes");
   p.counters[2] = check_counter(step_max_load_ratio, at::kDouble, dev, "step_max_load_ratio");
@@ -103,7 +110,8 @@ V* ptr_or_null(const at::Tensor& t) {
 dispatch::LayoutProblem make_problem(const Prepared& in, Outputs& out) {
   const auto opt = in.indices.options().dtype(at::kLong);
   const int64_t n = in.T * in.K;
-  out = Outputs{at::empty({n}, opt), at::empty({in.R * in.cap}, opt), at::empty({in.R, in.Lc}, opt),
+  const int64_t N = in.dest_quota.defined() ? n : in.R * in.cap;  // packed slots in quota mode
+  out = Outputs{at::empty({n}, opt), at::empty({N}, opt), at::empty({in.R, in.Lc}, opt),
                 at::empty({in.C}, opt), at::empty({}, opt)};
   dispatch::LayoutProblem p;
   p.num_routes = n;
@@ -116,6 +124,7 @@ dispatch::LayoutProblem make_problem(const Prepared& in, Outputs& out) {
   p.column_rank = in.column_rank.data_ptr<int64_t>();
   p.column_local = in.column_local.data_ptr<int64_t>();
   p.route_order = ptr_or_null<int64_t>(in.route_order);
+  p.dest_quota = ptr_or_null<int64_t>(in.dest_quota);
   p.route_slot = std::get<0>(out).data_ptr<int64_t>();
   p.route_of_slot = std::get<1>(out).data_ptr<int64_t>();
   p.send_counts = std::get<2>(out).data_ptr<int64_t>();
@@ -186,11 +195,12 @@ Outputs dispatch_layout(const at::Tensor& indices, const c10::optional<at::Tenso
                             int64_t num_local_columns, int64_t capacity,
                             const c10::optional<at::Tensor>& dropped_routes,
                             const c10::optional<at::Tensor>& step_dropped_routes,
-                            const c10::optional<at::Tensor>& step_max_load_ratio) {
+                            const c10::optional<at::Tensor>& step_max_load_ratio,
+                            const c10::optional<at::Tensor>& dest_quota) {
   const at::OptionalDeviceGuard guard(at::device_of(indices));
   Prepared in = check_and_prepare(indices, valid, column_rank, column_local, route_order, num_ep_ranks,
                                   num_local_columns, capacity, dropped_routes, step_dropped_routes,
-                                  step_max_load_ratio);
+                                  step_max_load_ratio, dest_quota);
   Outputs out;
   dispatch::LayoutProblem p = make_problem(in, out);
   if (indices.device().is_cpu()) {

@@ -14,6 +14,7 @@ from moe_graph.moe.layer import MoELayer
 from moe_graph.moe.router import update_expert_bias
 from moe_graph.moe.token_dispatcher import TokenDispatcher, expert_columns
 from moe_graph.testing.moe_reference import (
+    apportion_quotas,
     dense_moe_reference,
     kept_routes,
     reference_aux_loss,
@@ -47,10 +48,18 @@ def dispatcher_worker(rank: int, world: int, seed: int) -> Dict:
     scales = torch.arange(1, E + 1, dtype=torch.float64)  # global expert e scales by e + 1
     out: Dict = {"cases": []}
     # "_rows": the experts scale their rows by the dispatcher's row_weights and combine sums without weights
+    # "dest": the per-destination rule (exchange="symm_mem": host-sized on gloo); capacity 20 rows per destination
+    # rank of the R * T * K = 24 R routes: the hot rank 0 overflows, the others fit
+    cr, cl = expert_columns(E, R)
+    local = [int((valid & (cr[idx] == dd)).sum()) for dd in range(R)]
+    demand = [[int(v) for v in row] for row in _gather(torch.tensor(local)).tolist()]
     for name, backend, cap in [("a2a", AllToAllBackend(), None), ("allgather", AllGatherBackend(), None),
-                               ("a2a_cap", AllToAllBackend(), 3), ("a2a_cap_rows", AllToAllBackend(), 3)]:
-        cr, cl = expert_columns(E, R)
-        d = TokenDispatcher(E // R, R, rank, cr, cl, capacity=cap, backend=backend)
+                               ("a2a_cap", AllToAllBackend(), 3), ("a2a_cap_rows", AllToAllBackend(), 3),
+                               ("dest", AllToAllBackend(), None), ("dest_cap", AllToAllBackend(), 20),
+                               ("dest_cap_rows", AllGatherBackend(), 20)]:
+        per_dest = name.startswith("dest")
+        d = TokenDispatcher(E // R, R, rank, cr, cl, capacity=cap, backend=backend,
+                            exchange="symm_mem" if per_dest else "nccl")
         xd = x.clone().requires_grad_()
         pd = probs.clone().requires_grad_()
         ein, ms, hd = d.dispatch(xd, idx, pd, valid)
@@ -63,7 +72,10 @@ def dispatcher_worker(rank: int, world: int, seed: int) -> Dict:
         # one process, all experts local, same capacity per destination rank
         cr1 = torch.zeros(E, dtype=torch.int64)
         d1 = TokenDispatcher(E, 1, 0, cr1, torch.arange(E), capacity=None)
-        keep = kept_routes(idx, cr, cap if cap is not None else T * K, valid)
+        if per_dest:
+            keep = kept_routes(idx, cr, apportion_quotas(demand, cap if cap is not None else R * T * K)[rank], valid)
+        else:
+            keep = kept_routes(idx, cr, cap if cap is not None else T * K, valid)
         x1 = x.clone().requires_grad_()
         p1 = probs.clone().requires_grad_()
         ein1, ms1, h1 = d1.dispatch(x1, idx, p1, valid & keep)
@@ -72,7 +84,8 @@ def dispatcher_worker(rank: int, world: int, seed: int) -> Dict:
         out["cases"].append({
             "name": name, "y": y.detach(), "y1": y1.detach(), "gx": xd.grad, "gx1": x1.grad, "gp": pd.grad,
             "gp1": p1.grad, "dropped": int(d.check_drops()), "dropped_ref": int((valid & ~keep).sum()),
-            "m_splits": ms.clone(), "recv_rows": int(ms.sum()),
+            "m_splits": ms.clone(), "recv_rows": int(ms.sum()), "rows": int(ein.shape[0]),
+            "demand": demand, "ratio": float(d.step_max_load_ratio),
         })
     return out
 

@@ -14,6 +14,7 @@ import torch
 
 from moe_graph.moe.echo import PLAN_MODES
 from moe_graph.moe.echo_planner import ASSIGNMENTS
+from moe_graph.moe.exchange import EXCHANGES
 from moe_graph.moe.experts import check_activation
 from moe_graph.moe.router import check_loss_options, check_router_options
 from moe_graph.moe.token_dispatcher import DROP_POLICIES, OVERFLOW_MODES
@@ -32,7 +33,8 @@ class MoEConfig:
     ``z_loss_coeff``. Expert parallelism and echo: ``ep_size``,
     ``num_spare_experts_per_ep_rank``, ``assignment``, ``echo_donors``, ``echo_plan_mode``. Token dispatch:
     ``capacity_factor``, ``token_drop_policy``, ``overflow`` (``"drop"`` or ``"rerun"``: dropless with the static
-    capacity). Experts (:class:`moe_graph.moe.experts.GroupedMLP`):
+    capacity), ``exchange`` (``"nccl"``: capacity per (source, destination) pair; ``"symm_mem"``: per destination
+    rank, variable-size; ``"auto"``: :mod:`moe_graph.moe.exchange`). Experts (:class:`moe_graph.moe.experts.GroupedMLP`):
     ``activation``, ``shared_expert_ffn_size``, ``shared_expert_gate``, ``params_dtype``, ``init_std``;
     ``recompute``: activation recomputation of the whole layer.
     """
@@ -67,6 +69,7 @@ class MoEConfig:
     capacity_factor: Optional[float] = None
     token_drop_policy: str = "probs"
     overflow: str = "drop"
+    exchange: str = "auto"
     shared_expert_ffn_size: Optional[int] = None
     shared_expert_gate: bool = False
     params_dtype: Optional[torch.dtype] = None
@@ -94,6 +97,8 @@ class MoEConfig:
             raise ValueError(f"token_drop_policy must be 'position' or 'probs', got {self.token_drop_policy!r}")
         if self.overflow not in OVERFLOW_MODES:
             raise ValueError(f"overflow must be one of {OVERFLOW_MODES}, got {self.overflow!r}")
+        if self.exchange not in EXCHANGES:
+            raise ValueError(f"exchange must be one of {EXCHANGES}, got {self.exchange!r}")
         if self.shared_expert_gate and not self.shared_expert_ffn_size:
             raise ValueError("shared_expert_gate needs shared_expert_ffn_size")
 

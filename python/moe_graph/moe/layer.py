@@ -45,7 +45,7 @@ from moe_graph.moe.config import MoEConfig
 from moe_graph.moe.echo_balancer import EchoBalancer
 from moe_graph.moe.experts import GroupedMLP, SharedExpert
 from moe_graph.moe.router import MoEAuxLossAutoScaler, RouterLoss, Routing, TopKRouter
-from moe_graph.moe.token_dispatcher import TokenDispatcher, capacity_for, expert_columns
+from moe_graph.moe.token_dispatcher import TokenDispatcher, expert_columns
 
 __all__ = ["MoELayer", "moe_statistics", "read_moe_statistics", "moe_layers", "reset_step_counters", "step_overflow",
            "step_max_load_ratio"]
@@ -146,6 +146,9 @@ class MoELayer(nn.Module):
         overflow: ``"drop"`` (default: routes over the capacity are dropped and counted) or ``"rerun"`` (dropless
             training with the static capacity: a route over it skips the step's update on every rank and the step
             is rerun eagerly with the capacity it needed; :class:`moe_graph.train.step.OverflowRerun`).
+        exchange: ``"auto"`` (default), ``"nccl"`` or ``"symm_mem"``: the capacity rule and the token exchange at
+            EP > 1 (per (source, destination) pair with a fixed-split all-to-all, or per destination rank with a
+            variable-size exchange; :mod:`moe_graph.moe.exchange`).
         params_dtype, device: of all parameters. init_std: expert weight init.
         The options (all but ``ep_group`` and ``device``) form a :class:`moe_graph.moe.config.MoEConfig`
         (:meth:`from_config`).
@@ -209,7 +212,7 @@ class MoELayer(nn.Module):
         col_rank, col_local = expert_columns(c.num_experts, ep_size, k)
         self.dispatcher = TokenDispatcher(self.num_local_experts + k, ep_size, self.ep_rank, col_rank, col_local,
                                           capacity=None, group=ep_group, drop_policy=c.token_drop_policy,
-                                          device=device)  # its constant tables are built here, on the device
+                                          device=device, exchange=c.exchange)  # its constant tables are built here, on the device
         self.echo = None
         if k > 0:
             self.echo = EchoBalancer(c.num_experts, ep_size, self.ep_rank, k, assignment=c.assignment,
@@ -285,12 +288,12 @@ class MoELayer(nn.Module):
             raise ValueError(f"padding_mask must have shape {tuple(lead)} (x without its last dimension), got "
                              f"{tuple(padding_mask.shape)}")
         h = x.reshape(-1, self.hidden_size)
-        self.dispatcher.capacity = capacity_for(h.shape[0], self.topk, self.num_ep_ranks, self.capacity_factor)
+        self.dispatcher.capacity = self.dispatcher.capacity_for(h.shape[0], self.topk, self.capacity_factor)
 
         pad = padding_mask.reshape(-1) if padding_mask is not None else None
         # one EP rank: the router's counts are the statistic itself, written in place
         routing = self.router(h, pad, self.last_tokens_per_expert if self.num_ep_ranks == 1 else None)
-        indices, valid, plan = self._balance(routing, reuse)
+        indices, valid, plan, demand = self._balance(routing, reuse)
 
         aux = None
         if self.training:
@@ -301,7 +304,7 @@ class MoELayer(nn.Module):
                 self._stat("last_z_loss", z.detach())
                 aux = z if aux is None else aux + z
 
-        expert_in, m_splits, handle = self.dispatcher.dispatch(h, indices, routing.probs, valid)
+        expert_in, m_splits, handle = self.dispatcher.dispatch(h, indices, routing.probs, valid, demand)
         self._stat("last_m_splits", m_splits)
 
         expert_in = expert_in.to(self.experts.fc1.weight.dtype)
@@ -331,11 +334,12 @@ class MoELayer(nn.Module):
         torch.sum(self.last_tokens_per_expert.view(R, -1), 1, out=self.last_load_before)
         mask = routing.token_mask
         valid = None if mask is None else mask.view(-1, 1).expand(routing.indices.shape)
-        if self.echo is None:
-            return routing.indices, valid, None
+        if self.echo is None:  # the per-destination exchange's demand is the gathered counts per rank
+            demand = counts.view(R, R, -1).sum(2) if R > 1 and self.dispatcher.rule == "destination" else None
+            return routing.indices, valid, None, demand
         indices, plan, home_to_spare = self.echo.plan(counts, routing.indices, valid, reuse)
         self._stat("last_load_after_echo", self.echo.load_after(self.last_load_before, home_to_spare))
-        return indices, valid, plan
+        return indices, valid, plan, None
 
 
     def extra_repr(self) -> str:

@@ -65,6 +65,8 @@ import torch.distributed as dist
 from torch import nn
 
 from moe_graph.moe.echo import default_backend
+from moe_graph.moe.exchange import (EXCHANGES, ToExperts, ToSources, checked_demand, destination_capacity,
+                                    destination_quotas, resolve_exchange)
 from moe_graph.ops.dispatch_layout import dispatch_layout, receive_layout
 from moe_graph.ops.permute import expand_rows, reduce_rows
 
@@ -185,6 +187,12 @@ class DispatchHandle:
     dropped: torch.Tensor  # 0-dim int64: routes dropped by this call (over capacity)
     m_splits: torch.Tensor  # [num_local_columns] int64: expert-input rows per local expert
     column_counts: torch.Tensor  # [C] int64: valid routes per routing column (before drops)
+    exchange_plan: Optional[object] = None  # the per-destination backend's plan (exchange="symm_mem"), else None
+
+    @property
+    def expert_rows(self) -> int:
+        """Rows of the expert input: ``R * capacity`` (per-pair rule) or ``capacity`` (per destination)."""
+        return self.capacity if self.exchange_plan is not None else self.route_of_slot.shape[0]
 
     @property
     def route_rows(self) -> torch.Tensor:
@@ -212,6 +220,10 @@ class TokenDispatcher(nn.Module):
             ``all_gather`` fallback; chosen once here, never during capture).
         device: where the constant tables and the drop counter live (default: ``column_rank``'s device); the
             tokens given to :meth:`dispatch` must be on it (``.to(device)`` moves them).
+        exchange: ``"nccl"`` (the fixed-split all-to-all through ``backend``: ``capacity`` per (source,
+            destination) pair), ``"symm_mem"`` (capacity per destination rank, only the routed rows on the wire:
+            :mod:`moe_graph.moe.exchange`; on CPU process groups with host-known sizes) or ``"auto"`` (``symm_mem``
+            where torch's NVSHMEM exchange serves the group, else ``nccl``). Decided here (:attr:`rule`).
     """
 
     def __init__(
@@ -226,8 +238,11 @@ class TokenDispatcher(nn.Module):
         backend=None,
         drop_policy: str = "position",
         device=None,
+        exchange: str = "auto",
     ):
         super().__init__()
+        if exchange not in EXCHANGES:
+            raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
         if drop_policy not in DROP_POLICIES:
             raise ValueError(f"drop_policy must be 'position' or 'probs', got {drop_policy!r}")
         self.drop_policy = drop_policy
@@ -267,6 +282,8 @@ class TokenDispatcher(nn.Module):
                              persistent=False)
         self.register_buffer("step_max_load_ratio", torch.zeros((), dtype=torch.float64, device=device),
                              persistent=False)
+        # the capacity rule: "pair" (fixed-split all-to-all) or "destination" (variable-size exchange)
+        self.rule, self.exchange_backend = "pair", None
         if num_ep_ranks == 1:
             self.backend = _IdentityBackend()
         elif backend is not None:
@@ -281,6 +298,15 @@ class TokenDispatcher(nn.Module):
                 )
 
             self.backend = default_backend(group)
+        if num_ep_ranks > 1:
+            self.rule, self.exchange_backend = resolve_exchange(exchange, group, device)
+
+    def capacity_for(self, num_tokens: int, topk: int, capacity_factor: Optional[float]) -> int:
+        """The static capacity of ``num_tokens`` tokens with ``topk`` routes each under this dispatcher's rule:
+        :func:`capacity_for` per pair, :func:`moe_graph.moe.exchange.destination_capacity` per destination."""
+        if self.rule == "destination":
+            return destination_capacity(num_tokens, topk, self.num_ep_ranks, capacity_factor)
+        return capacity_for(num_tokens, topk, self.num_ep_ranks, capacity_factor)
 
     @property
     def num_columns(self) -> int:
@@ -310,8 +336,9 @@ class TokenDispatcher(nn.Module):
         n = int(self.dropped_routes.item())
         if n and raise_on_drop:
             raise RuntimeError(
-                f"TokenDispatcher dropped {n} routes over the static capacity {self.capacity} per (source, destination) "
-                "pair; raise capacity_factor or enable echo balancing"
+                f"TokenDispatcher dropped {n} routes over the static capacity {self.capacity} per "
+                f"{'destination rank' if self.rule == 'destination' else '(source, destination) pair'}; raise "
+                "capacity_factor or enable echo balancing"
             )
         return n
 
@@ -322,18 +349,22 @@ class TokenDispatcher(nn.Module):
         indices: torch.Tensor,
         probs: torch.Tensor,
         valid: Optional[torch.Tensor] = None,
+        demand: Optional[torch.Tensor] = None,
     ) -> Tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
         """Send each token's routes to the ranks hosting their columns.
 
         Args:
             hidden: ``[T, H]`` tokens. indices: ``[T, K]`` int64 routing columns. probs: ``[T, K]`` weights
                 (autograd flows through them in :meth:`combine`). valid: optional ``[T, K]`` bool (invalid routes
-                are ignored).
+                are ignored). demand: per-destination rule only, optional ``[R, R]`` int64, row ``s`` the live
+                routes of source ``s`` per destination, when the caller has it from counts it gathered anyway
+                (``None``: gathered here, one small exchange).
 
         Returns:
-            ``(expert_input [R * capacity, H], m_splits [num_local_columns] int64 on the device, handle)``: received
-            rows grouped by local expert (expert order, then source rank, then the sender's order), padding rows
-            (zeros) at the end; ``m_splits`` goes straight to the grouped GEMM.
+            ``(expert_input [rows, H], m_splits [num_local_columns] int64 on the device, handle)``: received rows
+            grouped by local expert (expert order, then source rank, then the sender's order), padding rows (zeros)
+            at the end; ``rows`` is ``R * capacity`` per pair, ``capacity`` per destination; ``m_splits`` goes
+            straight to the grouped GEMM.
         """
         if hidden.dim() != 2:
             raise ValueError(f"hidden must be [T, H], got shape {tuple(hidden.shape)}")
@@ -354,7 +385,7 @@ class TokenDispatcher(nn.Module):
                 f"(at construction: device=...); move the dispatcher (or the model owning it) with .to({str(dev)!r})"
             )
         R, TK, Lc = self.num_ep_ranks, T * K, self.num_local_columns
-        cap = self.capacity if self.capacity is not None else max(TK, 1)
+        cap = self.capacity if self.capacity is not None else self.capacity_for(T, K, None)
         if valid is not None and valid.dtype != torch.bool:
             valid = valid.to(torch.bool)
         # drop order: route order ("position") or probability, highest first, ties in route order ("probs")
@@ -364,6 +395,8 @@ class TokenDispatcher(nn.Module):
         counters = None
         if counting_enabled():  # not again when activation recomputation re-runs this forward
             counters = (self.dropped_routes, self.step_dropped_routes, self.step_max_load_ratio)
+        if self.rule == "destination":
+            return self._dispatch_per_destination(hidden, indices, probs, valid, demand, order, counters, cap)
         lay = dispatch_layout(indices, self.column_rank, self.column_local, R, Lc, cap, valid=valid, route_order=order,
                               counters=counters)
         if R > 1:
@@ -376,9 +409,47 @@ class TokenDispatcher(nn.Module):
         send = expand_rows(hidden, lay.route_of_slot, handle.route_rows)  # [N, H] by (destination, local expert)
         return self._to_expert_order(send, handle), m_splits, handle
 
+    def _local_demand(self, indices: torch.Tensor, valid: Optional[torch.Tensor]) -> torch.Tensor:
+        """``[R]`` int64: this rank's live routes per destination (routes with an index outside the columns are not
+        live, as in the layout op, which flags them)."""
+        idx = indices.reshape(-1).to(torch.int64)
+        live = (idx >= 0) & (idx < self.num_columns)
+        if valid is not None:
+            live = live & valid.reshape(-1)
+        dst = self.column_rank.index_select(0, torch.where(live, idx, 0))
+        return torch.zeros(self.num_ep_ranks, dtype=torch.int64, device=idx.device).index_add_(
+            0, dst, live.to(torch.int64))
+
+    def _dispatch_per_destination(self, hidden, indices, probs, valid, demand, order, counters, cap):
+        """The per-destination rule (see :mod:`moe_graph.moe.exchange`): quotas from the all-gathered demand, the
+        layout op in quota mode, the variable-size exchange."""
+        R, (T, K) = self.num_ep_ranks, indices.shape
+        local = self._local_demand(indices, valid)
+        if demand is None:
+            demand = self.backend.exchange(local.expand(R, R).contiguous())  # row s: source s's demand
+        elif tuple(demand.shape) != (R, R):
+            raise ValueError(f"demand must be [R={R}, R={R}], got shape {tuple(demand.shape)}")
+        demand = checked_demand(demand.to(torch.int64), local, self.ep_rank, T * K)
+        quota = destination_quotas(demand, cap)
+        lay = dispatch_layout(indices, self.column_rank, self.column_local, R, self.num_local_columns, cap,
+                              valid=valid, route_order=order,
+                              counters=None if counters is None else counters[:2] + (None,),
+                              dest_quota=quota[self.ep_rank])
+        if counters is not None and T * K:  # the largest destination load of the job over the mean T * K
+            ratio = demand.sum(0).max().to(torch.float64) / (T * K)
+            counters[2].copy_(torch.maximum(counters[2], ratio.view_as(counters[2])))
+        plan = self.exchange_backend.plan(lay.send_counts, cap)
+        send = expand_rows(hidden, lay.route_of_slot, lay.route_slot.view(T, K))  # [T*K, H] packed by destination
+        expert_in = ToExperts.apply(self.exchange_backend, plan, send)
+        handle = DispatchHandle(lay.route_slot, lay.route_of_slot, None, None, probs, T, K, cap, lay.dropped,
+                                plan.m_splits, lay.column_counts, plan)
+        return expert_in, plan.m_splits, handle
+
     def _to_expert_order(self, send: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """Send-slot rows ``[N, X]`` to the expert input of their destinations (the exchange and the regrouping by
         local expert at R > 1; the send buffer itself at R = 1)."""
+        if handle.exchange_plan is not None:
+            return ToExperts.apply(self.exchange_backend, handle.exchange_plan, send)
         if self.num_ep_ranks == 1:
             return send
         R, (N, X) = self.num_ep_ranks, send.shape
@@ -387,6 +458,8 @@ class TokenDispatcher(nn.Module):
 
     def _to_send_order(self, rows: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """Expert-input-ordered rows ``[N, X]`` back to this rank's send slots (the reverse exchange at R > 1)."""
+        if handle.exchange_plan is not None:
+            return ToSources.apply(self.exchange_backend, handle.exchange_plan, rows, handle.route_of_slot.shape[0])
         if self.num_ep_ranks == 1:
             return rows
         N, X = rows.shape
@@ -397,9 +470,9 @@ class TokenDispatcher(nn.Module):
         """``[N]``: the routing probability of each expert-input row (0 for padding rows), differentiable w.r.t. the
         ``probs`` given to :meth:`dispatch`; for experts that scale their rows themselves (then
         ``combine(..., weighted=False)``)."""
-        TK, N = handle.num_tokens * handle.topk, handle.route_of_slot.shape[0]
+        TK = handle.num_tokens * handle.topk
         w = expand_rows(handle.probs.reshape(TK, 1), handle.route_of_slot, handle.route_slot.view(TK, 1))  # [N, 1]
-        return self._to_expert_order(w, handle).view(N)
+        return self._to_expert_order(w, handle).view(handle.expert_rows)
 
     # ----------------------------------------------------------------------------------------- combine --
     def combine(self, expert_output: torch.Tensor, handle: DispatchHandle, weighted: bool = True) -> torch.Tensor:
@@ -407,7 +480,7 @@ class TokenDispatcher(nn.Module):
         or plainly (``weighted=False``: the probabilities were applied inside the experts, e.g. with
         :meth:`row_weights`): ``[T, H]`` in ``expert_output``'s dtype, accumulated in fp32 for 16-bit outputs;
         dropped routes contribute zero."""
-        N = handle.route_of_slot.shape[0]
+        N = handle.expert_rows
         if expert_output.dim() != 2 or expert_output.shape[0] != N:
             raise ValueError(f"expert_output must be [{N}, H] (the dispatched rows), got {tuple(expert_output.shape)}")
         y_send = self._to_send_order(expert_output, handle)

@@ -9,7 +9,13 @@ and *kept* when among the first ``capacity`` live routes of its destination in d
 permutation of the routes: the "probs" policy's probability order; ``None``: route order, the "position" policy). A
 kept route goes to send slot ``destination * capacity + position``, positions ordered by (local expert, route): at
 one rank the send buffer already is the expert input grouped by local expert, padding rows after the real ones.
-Sentinels: ``route_slot == R * capacity`` (dropped or not live), ``route_of_slot == n`` (empty slot).
+Sentinels: ``route_slot == N`` (dropped or not live; ``N = R * capacity`` send slots), ``route_of_slot == n`` (empty
+slot).
+
+Quota mode (``dest_quota [R]``, the per-destination-capacity exchange of :mod:`moe_graph.moe.exchange`): destination
+``d`` keeps its first ``max(dest_quota[d], 0)`` live routes in drop order instead of ``capacity``, and the send slots
+are packed: ``N = n``, destination ``d``'s rows start after the kept rows of the destinations before it (no padding
+between destinations, empty slots after the last kept route); ``capacity`` is not used.
 
 Errors: a valid route whose index lies outside ``[0, C)``, table entries outside their range and a ``route_order``
 that is no permutation raise on the CPU; on CUDA the device error flag's ``INDEX_OUT_OF_RANGE`` bit is set (the
@@ -60,12 +66,14 @@ def dispatch_layout(
     valid: Optional[torch.Tensor] = None,
     route_order: Optional[torch.Tensor] = None,
     counters: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+    dest_quota: Optional[torch.Tensor] = None,
 ) -> DispatchLayout:
     """Send slots of ``indices [T, K]`` (int32/int64) over the column tables ``column_rank`` / ``column_local``
     (``[C]`` int64); ``valid``: optional ``[T, K]`` bool; ``route_order``: optional ``[T*K]`` int64 drop order.
     ``counters``: optional ``(dropped_routes, step_dropped_routes, step_max_load_ratio)`` (one element each; int64,
     int64, float64) that take this call's drops (added) and largest load ratio (``max(ratio, max_d live_d * R / n)``)
-    in place.
+    in place. ``dest_quota``: optional ``[R]`` int64 per-destination limits (quota mode: packed send slots, see the
+    module docstring).
 
     Example (one rank, 3 experts, top-2, capacity 4)::
 
@@ -74,7 +82,7 @@ def dispatch_layout(
     """
     dr, sd, sm = counters if counters is not None else (None, None, None)
     args = (indices, valid, column_rank, column_local, route_order, int(num_ep_ranks), int(num_local_columns),
-            int(capacity), dr, sd, sm)
+            int(capacity), dr, sd, sm, dest_quota)
     if native_available(indices.device.type):
         return DispatchLayout(*torch.ops.moe_graph.dispatch_layout(*args))
     return _layout_torch(*args)
@@ -99,9 +107,10 @@ def _eager_check(bad: torch.Tensor, message) -> None:
 
 
 def _layout_torch(indices, valid, column_rank, column_local, route_order, R, Lc, cap, dropped_routes=None,
-                  step_dropped_routes=None, step_max_load_ratio=None) -> DispatchLayout:
+                  step_dropped_routes=None, step_max_load_ratio=None, dest_quota=None) -> DispatchLayout:
     T, K = indices.shape
-    n, C, N, dev = T * K, column_rank.shape[0], R * cap, indices.device
+    n, C, dev = T * K, column_rank.shape[0], indices.device
+    N = n if dest_quota is not None else R * cap
     i64 = dict(dtype=torch.int64, device=dev)
     idx = indices.reshape(-1).to(torch.int64)
     want = valid.reshape(-1) if valid is not None else torch.ones(n, dtype=torch.bool, device=dev)
@@ -111,7 +120,9 @@ def _layout_torch(indices, valid, column_rank, column_local, route_order, R, Lc,
     d_col, l_col = column_rank.index_select(0, col), column_local.index_select(0, col)
     live = want & (idx >= 0) & (idx < C) & (d_col >= 0) & (d_col < R) & (l_col >= 0) & (l_col < Lc)
     dst = torch.where(live, d_col, R)
-    # (1) drop order: each destination's first `cap` live routes are kept
+    # (1) drop order: each destination's first `limit` live routes are kept (`cap`, or its quota)
+    limit = torch.full((R + 1,), cap, **i64) if dest_quota is None else torch.cat(
+        [dest_quota.to(torch.int64).clamp(min=0), dest_quota.new_zeros(1, dtype=torch.int64)])
     seq = route_order if route_order is not None else torch.arange(n, **i64)
     d_seq = dst.index_select(0, seq)
     by_dst = torch.argsort(d_seq, stable=True)
@@ -119,19 +130,21 @@ def _layout_torch(indices, valid, column_rank, column_local, route_order, R, Lc,
     d_sorted = d_seq.index_select(0, by_dst)
     rank = torch.arange(n, **i64) - (live_count.cumsum(0) - live_count).index_select(0, d_sorted)
     kept = torch.zeros(n, dtype=torch.bool, device=dev).scatter_(
-        0, seq.index_select(0, by_dst), (d_sorted < R) & (rank < cap))
+        0, seq.index_select(0, by_dst), (d_sorted < R) & (rank < limit.index_select(0, d_sorted)))
     # (2) positions by (destination, local expert, route)
     key = torch.where(kept, dst * Lc + l_col, R * Lc)
     by_key = torch.argsort(key, stable=True)
     key_count = torch.zeros(R * Lc + 1, **i64).scatter_add_(0, key, torch.ones_like(key))
     k_sorted = key.index_select(0, by_key)
     d_sorted = torch.div(k_sorted, Lc, rounding_mode="floor")
+    # the first send slot of each destination: d * cap (padded blocks) or its first kept row (packed)
     first = (key_count.cumsum(0) - key_count).index_select(0, (d_sorted * Lc).clamp(max=R * Lc))
-    slot = torch.where(k_sorted < R * Lc, d_sorted * cap + torch.arange(n, **i64) - first, N)
+    base = first if dest_quota is not None else d_sorted * cap
+    slot = torch.where(k_sorted < R * Lc, base + torch.arange(n, **i64) - first, N)
     route_slot = torch.empty(n, **i64).scatter_(0, by_key, slot)
     route_of_slot = torch.full((N + 1,), n, **i64).scatter_(0, slot, by_key)[:N]
     column_counts = torch.zeros(C, **i64).scatter_add_(0, col, live.to(torch.int64))
-    dropped = (live_count[:R] - cap).clamp(min=0).sum()
+    dropped = (live_count[:R] - limit[:R]).clamp(min=0).sum()
     if dropped_routes is not None:
         dropped_routes.add_(dropped)
     if step_dropped_routes is not None:
@@ -170,11 +183,12 @@ def _register() -> None:
 
     @torch.library.register_fake(_LAYOUT)
     def _(indices, valid, column_rank, column_local, route_order, num_ep_ranks, num_local_columns, capacity,
-          dropped_routes=None, step_dropped_routes=None, step_max_load_ratio=None):
+          dropped_routes=None, step_dropped_routes=None, step_max_load_ratio=None, dest_quota=None):
         torch._check(indices.dim() == 2, lambda: "dispatch_layout: indices must be a 2-D tensor [T, K]")
         n = indices.shape[0] * indices.shape[1]
         new = lambda *shape: indices.new_empty(shape, dtype=torch.int64)  # noqa: E731
-        return (new(n), new(num_ep_ranks * capacity), new(num_ep_ranks, num_local_columns),
+        N = n if dest_quota is not None else num_ep_ranks * capacity
+        return (new(n), new(N), new(num_ep_ranks, num_local_columns),
                 new(column_rank.shape[0]), new())
 
     @torch.library.register_fake(_RECV)

@@ -15,7 +15,7 @@ import torch
 from moe_graph.ops._lib import available, cuda_built, ops
 
 __all__ = ["check_errors", "read_error_flag", "flag_error_if", "ERROR_BITS", "SPLITS_OVERFLOW", "NEGATIVE_SPLIT",
-           "REROUTE_OVER_ASK", "PLAN_INVALID", "INDEX_OUT_OF_RANGE"]
+           "REROUTE_OVER_ASK", "PLAN_INVALID", "INDEX_OUT_OF_RANGE", "EXCHANGE_COUNTS"]
 
 # Mirrors csrc/common/error_flag.h (bit 16, once "capacity drop", is retired: drops are statistics, not errors).
 SPLITS_OVERFLOW = 1
@@ -23,6 +23,7 @@ NEGATIVE_SPLIT = 2
 REROUTE_OVER_ASK = 4
 PLAN_INVALID = 8
 INDEX_OUT_OF_RANGE = 32
+EXCHANGE_COUNTS = 64
 ERROR_BITS = {
     SPLITS_OVERFLOW: "sum(m_splits) exceeded the rows of the buffer (clamped; rows past the buffer were not computed)",
     NEGATIVE_SPLIT: "m_splits contained a negative count (treated as 0)",
@@ -30,6 +31,8 @@ ERROR_BITS = {
     PLAN_INVALID: "an offloading plan input was inconsistent (negative counts)",
     INDEX_OUT_OF_RANGE: ("expand_rows/reduce_rows/dispatch_layout: a row, route or column index was outside its range "
                          "(read as the sentinel: no row, no route)"),
+    EXCHANGE_COUNTS: ("the per-destination exchange's counts were inconsistent (negative, past the routes a rank has, "
+                      "disagreeing between ranks, or past a receive buffer): clamped, nothing written past a buffer"),
 }
 
 

@@ -3,6 +3,7 @@ compare :mod:`moe_graph.moe.token_dispatcher` and :class:`moe_graph.moe.layer.Mo
 
 from __future__ import annotations
 
+from fractions import Fraction
 from typing import Dict, List, Optional
 
 import torch
@@ -46,11 +47,11 @@ def reference_route(h: torch.Tensor, gate_weight: torch.Tensor, topk: int, score
     return idx, top, scores
 
 
-def kept_routes(indices: torch.Tensor, column_rank: torch.Tensor, capacity: int, valid: Optional[torch.Tensor] = None,
+def kept_routes(indices: torch.Tensor, column_rank: torch.Tensor, capacity, valid: Optional[torch.Tensor] = None,
                 probs: Optional[torch.Tensor] = None):
-    """``[T, K]`` bool: which routes survive a per-destination capacity. Without ``probs`` the routes are walked in
-    (token, k) order ("position" policy); with ``probs`` in descending probability, ties in (token, k) order
-    ("probs" policy)."""
+    """``[T, K]`` bool: which routes survive a per-destination capacity (an int, or one limit per destination rank).
+    Without ``probs`` the routes are walked in (token, k) order ("position" policy); with ``probs`` in descending
+    probability, ties in (token, k) order ("probs" policy)."""
     T, K = indices.shape
     routes = [(t, k) for t in range(T) for k in range(K)]
     if probs is not None:
@@ -61,10 +62,31 @@ def kept_routes(indices: torch.Tensor, column_rank: torch.Tensor, capacity: int,
         if valid is not None and not bool(valid[t, k]):
             continue
         d = int(column_rank[int(indices[t, k])])
-        if used.get(d, 0) < capacity:
+        if used.get(d, 0) < (capacity if isinstance(capacity, int) else int(capacity[d])):
             keep[t, k] = True
             used[d] = used.get(d, 0) + 1
     return keep
+
+
+def apportion_quotas(demand, capacity: int):
+    """Per-destination capacity, written out: ``demand[s][d]`` live routes of source ``s`` for destination ``d`` ->
+    ``quota[s][d]``. A destination whose total fits keeps everything; otherwise each source gets the integer part of
+    its exact share ``demand * capacity / total`` (a Fraction), and the seats left go one each to the sources with
+    the largest fractional parts, lower source rank first on ties."""
+    R = len(demand)
+    quota = [[int(demand[s][d]) for d in range(R)] for s in range(R)]
+    for d in range(R):
+        total = sum(int(demand[s][d]) for s in range(R))
+        if total <= capacity:
+            continue
+        exact = [Fraction(int(demand[s][d]) * capacity, total) for s in range(R)]
+        for s in range(R):
+            quota[s][d] = int(exact[s])  # floor: exact >= 0
+        left = capacity - sum(quota[s][d] for s in range(R))
+        by_remainder = sorted(range(R), key=lambda s: (-(exact[s] - int(exact[s])), s))
+        for s in by_remainder[:left]:
+            quota[s][d] += 1
+    return quota
 
 
 def reference_activation(a: torch.Tensor, activation: str = "swiglu", swiglu_alpha: float = 1.702,
