@@ -374,3 +374,44 @@ def test_docs_document_the_mode_and_its_memory_table():
             assert act == pytest.approx(receive_buffer_bytes(8192, 8, ep, 3 * f, cf, torch.bfloat16) / 2**20, rel=1e-3)
     for phrase in ('overflow="rerun"', "FullIterationGraph.reset()", "capacity_factor=None"):
         assert phrase in text, phrase
+
+
+# ------------------------------------------------------------------------------- fixes of the documented API --
+def test_the_rerun_uses_the_step_functions_keywords_and_refuses_different_ones():
+    # a hand-written loop that gives loss_func to make_train_step only: the rerun computes the same loss
+    loss_func = lambda out: 3.0 * out  # noqa: E731
+    model, ddp, opt = _single(0.6, torch.device("cpu"))
+    ref, ref_ddp, ref_opt = _single(None, torch.device("cpu"))
+    runner = OverflowRerun(ddp, opt, threshold=None)
+    step = make_train_step(ddp, opt, overflow="rerun", loss_func=loss_func)
+    res = runner.step(step, _padded(0, True, torch.device("cpu")))
+    want = train_step(ref_ddp, ref_opt, _padded(0, True, torch.device("cpu")), loss_func=loss_func)
+    assert runner.statistics()["reruns"] == 1
+    assert float(res.loss) == pytest.approx(float(want.loss), rel=1e-6)
+    for (k, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
+        if torch.is_floating_point(a):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=k)
+    other = OverflowRerun(ddp, opt, loss_func=lambda out: out)
+    with pytest.raises(ValueError, match="loss_func"):
+        other.step(step, _padded(1, True, torch.device("cpu")))
+
+
+def test_drop_mode_step_counters_hold_one_step():
+    model, ddp, opt = _single(0.6, torch.device("cpu"))
+    model.moe.overflow = "drop"
+    d = model.moe.dispatcher
+    for s in range(3):
+        before = int(d.dropped_routes)
+        train_step(ddp, opt, _padded(s, True, torch.device("cpu")))
+        step_drops = int(d.dropped_routes) - before
+        assert step_drops > 0 and int(d.step_dropped_routes) == step_drops, s  # not accumulated across steps
+
+
+def test_adapted_capacity_never_passes_the_factor_where_every_route_fits():
+    model, ddp, opt = _build(1, 0.9)
+    runner = OverflowRerun(ddp, opt, window=2, threshold=0.1)
+    runner.recent.extend([True, True])
+    runner.max_load_ratio = 5.0  # e.g. a skewed window: 5.0 * 1.1 would be asked for
+    runner._adapt(step_fn=None)
+    assert model.moe.capacity_factor == 1.0 == model.moe.num_ep_ranks  # at R every route fits
+    assert runner.statistics()["capacity_factor"] == 1.0

@@ -418,6 +418,11 @@ class FullIterationGraph:
             warnings.warn(self.note, UserWarning, stacklevel=2)
 
     # ----------------------------------------------------------------------------------------- public --
+
+    @property
+    def train_fn(self) -> Callable:
+        """The training step function this graph captures (e.g. a :func:`moe_graph.train.step.make_train_step`)."""
+        return self._modes["training"].fn
     def __call__(self, *args, **kwargs):
         return self.train_step(*args, **kwargs)
 

@@ -149,11 +149,10 @@ def train_step(model, optimizer, microbatches: Sequence[Any], *, loss_func: Opti
     modules = _moe_modules(chunks)
     layers = moe_layers(modules)
     rerun = overflow == "rerun" or (overflow is None and any(m.overflow == "rerun" for m in layers))
-    if rerun:
-        if not isinstance(getattr(optimizer, "found_overflow", None), torch.Tensor):
-            raise ValueError("train_step: overflow='rerun' needs an optimizer whose step(overflow=...) reduces the flag "
-                             f"(moe_graph.distributed.optimizer.DistributedOptimizer), got {type(optimizer).__name__}")
-        reset_step_counters(layers)  # device zero_: part of a captured step
+    if rerun and not isinstance(getattr(optimizer, "found_overflow", None), torch.Tensor):
+        raise ValueError("train_step: overflow='rerun' needs an optimizer whose step(overflow=...) reduces the flag "
+                         f"(moe_graph.distributed.optimizer.DistributedOptimizer), got {type(optimizer).__name__}")
+    reset_step_counters(layers)  # per-step counters, in either mode (device zero_: part of a captured step)
     optimizer.zero_grad()
     iters = [iter(microbatches) for _ in chunks]
     kwargs = dict(forward_step_func=forward_step, data_iterator=iters if interleaved else iters[0],
@@ -189,6 +188,8 @@ def make_train_step(model, optimizer, **kwargs) -> Callable[[Sequence[Any]], Tra
     def step(microbatches):
         return train_step(model, optimizer, microbatches, **kwargs)
 
+    step.train_step_kwargs = dict(kwargs)  # what OverflowRerun's eager rerun must use too
+
     return step
 
 
@@ -209,6 +210,9 @@ def _set_rng_state(st: Dict[str, torch.Tensor], device) -> None:
         torch.cuda.set_rng_state(st["cuda"], device)
 
 
+_MISSING = object()
+
+
 class OverflowRerun:
     """Dropless training with a static capacity (``overflow="rerun"``): runs each step through ``step_fn`` (the
     captured graph, or the eager step), reads the job-wide ``overflowed`` flag once after it, and when it is set
@@ -223,10 +227,16 @@ class OverflowRerun:
     setting) and ``step_fn.reset()`` is called (a :class:`moe_graph.cuda_graph.FullIterationGraph` captures again at
     its next step; eager step functions have no ``reset``).
 
+    The adapted factor never passes a layer's ``num_ep_ranks`` (``R``): at ``R`` every route fits under either
+    capacity rule (``T * K`` rows per pair, ``R * T * K`` per destination), so a larger factor only wastes memory.
+
     Args:
         model, optimizer: as :func:`train_step` (the rerun calls it eagerly).
         window, threshold, margin: the adaptive rule above (``threshold=None``: never adapt).
-        train_step_kwargs: :func:`train_step`'s keywords for the rerun (the same as the step function's).
+        train_step_kwargs: :func:`train_step`'s keywords for the rerun. A step function from
+            :func:`make_train_step` (or a ``FullIterationGraph`` over one) carries its own, and the rerun uses those:
+            keywords given here too must equal them (a ``ValueError`` names the one that differs), so the rerun
+            never computes another loss than the step.
 
     ``statistics()`` and ``state_dict()`` / ``load_state_dict()`` (a resumed run keeps the adapted capacity).
     """
@@ -243,6 +253,7 @@ class OverflowRerun:
             raise ValueError("OverflowRerun: the rerun needs overflow='rerun' (the step reports overflowed)")
         self.model, self.optimizer = model, optimizer
         self.window, self.threshold, self.margin = window, threshold, margin
+        self.given_kwargs = dict(train_step_kwargs)
         self.train_step_kwargs = dict(train_step_kwargs, overflow="rerun")
         chunks = list(model) if isinstance(model, (list, tuple)) else [model]
         self.layers = moe_layers(_moe_modules(chunks))
@@ -258,6 +269,7 @@ class OverflowRerun:
         :class:`moe_graph.cuda_graph.FullIterationGraph` over it), rerun eagerly when it overflowed. Reads the
         ``overflowed`` flag on the host (one sync per step, after the replay)."""
         microbatches = list(microbatches)
+        self._bind_kwargs(step_fn)
         rng = _rng_state(self.device)
         res = step_fn(microbatches)
         if res.overflowed is None:
@@ -272,6 +284,23 @@ class OverflowRerun:
         self.recent.append(reran)
         self._adapt(step_fn)
         return res
+
+    def _bind_kwargs(self, step_fn) -> None:
+        """The rerun's train_step keywords: the step function's own (when it carries them), checked against the
+        ones given to the constructor."""
+        bound = getattr(getattr(step_fn, "train_fn", step_fn), "train_step_kwargs", None)
+        if bound is None:
+            return
+        bound = dict(bound, overflow="rerun")
+        for key, value in self.given_kwargs.items():
+            if key == "overflow":
+                continue
+            other = bound.get(key, _MISSING)
+            if other is not value and other != value:
+                raise ValueError(f"OverflowRerun: train_step keyword {key!r} differs from the step function's "
+                                 f"({value!r} here, {'not given' if other is _MISSING else repr(other)} there): the "
+                                 "rerun would compute another step; give it to make_train_step only")
+        self.train_step_kwargs = bound
 
     def _job_max_load_ratio(self) -> float:
         """The largest load ratio any MoE layer of any rank saw this step (a host read and, with torch.distributed,
@@ -313,8 +342,8 @@ class OverflowRerun:
             return
         raised = False
         for m, user in zip(self.layers, self.user_capacity_factor):
-            if m.capacity_factor is not None:
-                new = max(m.capacity_factor, user, self.max_load_ratio * (1.0 + self.margin))
+            if m.capacity_factor is not None:  # never past R, where every route fits
+                new = max(m.capacity_factor, user, min(self.max_load_ratio * (1.0 + self.margin), m.num_ep_ranks))
                 raised |= new > m.capacity_factor
                 m.capacity_factor = new
         self.recent.clear()
