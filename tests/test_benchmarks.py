@@ -176,3 +176,16 @@ def test_cost_meter_counts(monkeypatch):
         idx = torch.tensor([2, 0, 1])  # host values (lift_fresh) and values computed from them only
         (idx + 1).tolist()
     assert len(meter.syncs) == before + 1, meter.syncs
+
+
+def test_bench_exchange_smoke(tmp_path):
+    out = tmp_path / "exchange.json"
+    text = _run("bench_exchange.py", "--ranks", "8", "--experts", "64", "--tokens", "128", "--steps", "2",
+                "--key-steps", "2", "--zipf", "1.2", "--out", str(out))
+    assert "rerun@1.1" in text and "dest wire" in text
+    d = json.load(open(out))
+    assert d["env"]["commit"] and len(d["rows"]) == 2 * 3  # same / varied x echo off, k=1, k=2
+    for r in d["rows"]:
+        assert r["cf_dest_worst"] <= r["cf_pair_worst"] + 1e-9  # a destination's load is the sum of its pairs
+    for m in d["memory"]:  # the variable-size exchange sends the routed rows only
+        assert m["dest_wire_MiB"] == m["routed_MiB"] <= m["pair_wire_MiB_at_cf"]

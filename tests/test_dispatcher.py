@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from conftest import requires_cuda
-from helpers.moe_workers import dispatcher_worker
+from helpers.moe_workers import bad_exchange_counts_worker, dispatcher_worker, symm_mem_exchange_worker
 from moe_graph.distributed.launch import run_distributed
 from moe_graph.moe.token_dispatcher import (
     TokenDispatcher,
@@ -13,7 +13,9 @@ from moe_graph.moe.token_dispatcher import (
     expert_columns,
     topk_from_routing_map,
 )
+from moe_graph.moe.exchange import symm_mem_available
 from moe_graph.ops import check_errors, read_error_flag
+from moe_graph.ops.errors import EXCHANGE_COUNTS, flag_error_if
 from moe_graph.testing.moe_reference import kept_routes, scale_experts
 
 
@@ -389,3 +391,33 @@ def test_torch_compile_fullgraph(gen, policy):
     for a, b in zip(compiled, eager):
         torch.testing.assert_close(a, b)
     assert d.check_drops() == 2 * dropped > 0
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_per_destination_exchange_clamps_and_flags_inconsistent_counts(world):
+    # a corrupted all-gather, negative counts, counts past the routes a rank has and more rows than a receive buffer
+    # holds: clamped (nothing written past the 12-row buffer) and flagged on the device, check_errors names it
+    res = run_distributed(bad_exchange_counts_worker, world)
+    for rank, r in enumerate(res):
+        assert r["consistent"]["flag"] == 0, r
+        for case in ("own_row_differs", "negative", "past_routes"):
+            assert r[case]["flag"], (rank, case, r[case])
+        assert r["overfull"]["flag"] == (EXCHANGE_COUNTS if rank == 0 else 0), (rank, r["overfull"])
+        for case, c in r.items():
+            assert c["rows"] == 12 and c["m_splits_sum"] <= 12 and c["finite"], (rank, case, c)
+
+
+def test_check_errors_names_the_exchange_counts_bit():
+    flag_error_if(torch.ones(1, dtype=torch.bool), EXCHANGE_COUNTS)
+    with pytest.raises(RuntimeError, match="per-destination exchange's counts were inconsistent"):
+        check_errors("cpu")
+
+
+@requires_cuda
+def test_symm_mem_exchange_to_itself_eager_and_captured_cuda():
+    # one GPU: the NVSHMEM exchange of a rank sending to itself, in a CUDA graph replayed with changing counts
+    if not symm_mem_available(device=torch.device("cuda", 0)):
+        pytest.skip("torch's NVSHMEM symmetric memory is not available here")
+    res = run_distributed(symm_mem_exchange_worker, 1, backend="nccl")
+    for c in res[0]["cases"]:
+        assert c["rows"] == 0.0 and c["back"] == 0.0 and c["m_splits"], c

@@ -114,6 +114,7 @@ class Row:
     expect_error: Optional[str] = None  # the machinery must raise this (regex), e.g. overlap without no_sync
     capacity: Optional[float] = None  # a static capacity factor (the oracle stays dropless)
     overflow: str = "rerun"  # with capacity: "rerun" (must equal the oracle) or "drop" (the control: must differ)
+    exchange: str = "auto"  # "symm_mem": the per-destination capacity rule (host-sized exchange on gloo)
 
     @property
     def dp(self) -> int:
@@ -163,9 +164,26 @@ for _cf in (1.0, 1.1):  # dropless at a static capacity: rerun rows equal the or
             Row(f"pp2xep2_1f1b_cap{_cf}_{_mode}", world=4, pp=2, ep=2, microbatches=4, aux="local", capacity=_cf,
                 overflow=_mode),
         ]
+for _cf in (0.9, 1.0):  # the per-destination capacity rule (exchange="symm_mem": variable-size, host-sized on gloo)
+    for _mode in ("rerun", "drop"):
+        MATRIX += [
+            Row(f"ep2_dest_cap{_cf}_{_mode}", world=2, ep=2, microbatches=2, capacity=_cf, overflow=_mode,
+                exchange="symm_mem"),
+            Row(f"ep4_dest_cap{_cf}_{_mode}", world=4, ep=4, microbatches=2, capacity=_cf, overflow=_mode,
+                exchange="symm_mem"),
+            Row(f"ep4_echo1_dest_cap{_cf}_{_mode}", world=4, ep=4, microbatches=2, echo=1, capacity=_cf,
+                overflow=_mode, exchange="symm_mem"),
+            Row(f"pp2xep2_1f1b_dest_cap{_cf}_{_mode}", world=4, pp=2, ep=2, microbatches=4, aux="local", capacity=_cf,
+                overflow=_mode, exchange="symm_mem"),
+        ]
+MATRIX += [
+    Row("ep2_dest_dropless", world=2, ep=2, microbatches=2, exchange="symm_mem"),
+    Row("ep4_echo2_dest_dropless_aux", world=4, ep=4, microbatches=2, echo=2, aux="global", exchange="symm_mem"),
+    Row("ep2xdp2_dest_cap1.0_rerun", world=4, ep=2, microbatches=2, capacity=1.0, exchange="symm_mem"),
+]
 CI_ROWS = ["dp2_mb4_overlap", "dp2_mb2_overlap_without_no_sync", "ep2xdp2_echo2_overlap", "ep2_loss_scaler_aux",
            "ep2_aux_global", "pp2_vpp2_mb4", "grouped_delay_wgrad_fused_overlap", "ep2_cap1.0_rerun", "ep2_cap1.0_drop",
-           "ep2xdp2_cap1.1_rerun"]
+           "ep2xdp2_cap1.1_rerun", "ep2_dest_cap1.0_rerun", "ep2_dest_cap1.0_drop", "ep4_echo1_dest_cap1.0_rerun"]
 
 
 # ================================================================================================ the model ==
@@ -278,6 +296,8 @@ def moe_kwargs(row: Row, oracle: bool) -> Dict:
         kw.update(echo_donors=row.echo_donors)
     if row.capacity is not None:
         kw.update(capacity_factor=row.capacity, overflow=row.overflow)
+    if row.exchange != "auto":
+        kw.update(exchange=row.exchange)
     return kw
 
 

@@ -10,9 +10,11 @@ import torch.nn.functional as F
 
 from moe_graph.distributed.ddp import DistributedDataParallel
 from moe_graph.moe.echo import AllGatherBackend, AllToAllBackend
+from moe_graph.moe.exchange import SymmMemExchange
 from moe_graph.moe.layer import MoELayer
 from moe_graph.moe.router import update_expert_bias
 from moe_graph.moe.token_dispatcher import TokenDispatcher, expert_columns
+from moe_graph.ops.errors import EXCHANGE_COUNTS, read_error_flag
 from moe_graph.testing.moe_reference import (
     apportion_quotas,
     dense_moe_reference,
@@ -317,3 +319,76 @@ def global_aux_loss_worker(rank: int, world_size: int):
     ref.backward()
     return {"aux": float(layer.last_aux_loss), "ref": float(ref), "grad_err": float((layer.router.weight.grad - gate.grad).abs().max()),
             "grad_norm": float(gate.grad.norm()), "local_f_differs": bool((local / (30 * K) - f).abs().max() > 1e-3)}
+
+
+def bad_exchange_counts_worker(rank: int, world: int) -> Dict:
+    """The per-destination exchange given inconsistent counts on gloo: a demand row that disagrees with the rank's
+    own count, a negative count, one past the routes a rank has, and (from a corrupted view on rank 0) more rows
+    arriving than its buffer holds. Returns what each case flagged and the shapes written."""
+    R, T, K, H = world, 10, 2, 3
+    E = 2 * R
+    g = torch.Generator().manual_seed(rank)
+    idx = torch.zeros(T, K, dtype=torch.int64)
+    idx[:, 1] = 1  # every route to rank 0's experts: destination 0 is over its 12-row buffer
+    x = torch.randn(T, H, generator=g, dtype=torch.float64)
+    probs = torch.rand(T, K, generator=g, dtype=torch.float64)
+    cr, cl = expert_columns(E, R)
+    out: Dict = {}
+    read_error_flag("cpu")  # clean slate
+    true_demand = torch.tensor([[T * K] + [0] * (R - 1)] * R)
+    cases = {
+        "consistent": true_demand.clone(),
+        "own_row_differs": true_demand.clone().index_fill_(0, torch.tensor([rank]), 1),
+        "negative": true_demand.clone().index_fill_(0, torch.tensor([(rank + 1) % R]), -5),
+        "past_routes": true_demand.clone().index_fill_(0, torch.tensor([(rank + 1) % R]), 10 ** 6),
+        # rank 0 alone believes the others send nothing to it: it keeps the whole buffer for itself while the
+        # others still send their shares, so more rows arrive than rank 0's buffer holds
+        "overfull": (true_demand * torch.tensor([1] + [0] * (R - 1)).unsqueeze(1)) if rank == 0 else true_demand,
+    }
+    for name, demand in cases.items():
+        d = TokenDispatcher(E // R, R, rank, cr, cl, capacity=12, backend=AllToAllBackend(), exchange="symm_mem")
+        xd = x.clone().requires_grad_()
+        ein, ms, hd = d.dispatch(xd, idx, probs, demand=demand)
+        y = d.combine(ein * 2.0, hd)
+        y.sum().backward()
+        out[name] = {"flag": read_error_flag("cpu") & EXCHANGE_COUNTS, "rows": int(ein.shape[0]),
+                     "m_splits_sum": int(ms.sum()), "finite": bool(torch.isfinite(y).all() and torch.isfinite(xd.grad).all())}
+    return out
+
+
+def symm_mem_exchange_worker(rank: int, world: int) -> Dict:
+    """GPU only (NCCL + NVSHMEM): the symmetric-memory exchange of one rank sending to itself, eager and captured in
+    a CUDA graph replayed with changing counts, against the host-known result (at R = 1 the expert input is the send
+    buffer's kept rows, grouped by local expert, zeros after them) and the fixed-split path."""
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    Lc, H, n, cap = 3, 16, 64, 80
+    ex = SymmMemExchange(device=dev)
+    counts = torch.zeros(1, Lc, dtype=torch.int64, device=dev)
+    send = torch.zeros(n, H, device=dev)
+    errors = []
+
+    def run():
+        plan = ex.plan(counts, cap)
+        rows = ex.to_experts(send, plan)
+        back = ex.to_sources(rows * 2.0, plan, n)
+        return rows, back, plan.m_splits
+
+    def fill(c):
+        counts.copy_(torch.tensor([c], device=dev))
+        send.copy_(torch.randn(n, H, device=dev) * (torch.arange(n, device=dev) < sum(c)).unsqueeze(1))
+
+    fill([5, 0, 11])
+    run()  # eager warm-up: allocates and rendezvouses the symmetric buffers (collective) before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        rows, back, ms = run()
+    for c in ([5, 0, 11], [0, 0, 0], [40, 20, 4], [1, 63, 0]):
+        fill(c)
+        graph.replay()
+        total = sum(c)
+        want = torch.zeros(cap, H, device=dev)
+        want[:total] = send[:total]
+        errors.append({"counts": c, "rows": float((rows - want).abs().max()),
+                       "back": float((back - 2.0 * send).abs().max()), "m_splits": ms.tolist() == c})
+    return {"cases": errors}

@@ -230,37 +230,41 @@ class SymmMemExchange:
         return self._buffers[key]
 
     def plan(self, send_counts: torch.Tensor, capacity: int) -> _Plan:
+        # the splits live in the plan (ordinary memory), copied into the shared symmetric buffers at each call: a
+        # later layer's dispatch reuses those buffers before this one's backward runs
         p = _Plan(send_counts, capacity)
-        R, Lc = send_counts.shape
-        p.in_splits = self._buffer("in_splits", R * Lc, (), torch.int64)
-        p.in_splits.copy_(send_counts.reshape(-1))
-        p.splits_offsets = self._buffer("out_splits_offsets", 2, (R * Lc,), torch.int64)
-        p.back_splits_offsets = self._buffer("back_splits_offsets", 2, (R * Lc,), torch.int64)
+        p.splits_offsets = None  # [2, R * Lc] of the forward exchange (expert-major), kept for the reverse one
         return p
 
     def to_experts(self, send: torch.Tensor, p: _Plan) -> torch.Tensor:
         R, Lc = p.send_counts.shape
         X = tuple(send.shape[1:])
+        splits = self._buffer("in_splits", R * Lc, (), torch.int64)
+        splits.copy_(p.send_counts.reshape(-1))
+        so = self._buffer("out_splits_offsets", 2, (R * Lc,), torch.int64)
         src = self._buffer("send", send.shape[0], X, send.dtype)
         src.copy_(send)
         dst = self._buffer("recv", p.capacity, X, send.dtype)
-        torch.ops.symm_mem.all_to_all_vdev_2d(src, dst, p.in_splits, p.splits_offsets, self.group_name)
-        # out_splits_offsets row 0: rows per (local expert, source), expert-major
+        torch.ops.symm_mem.all_to_all_vdev_2d(src, dst, splits, so, self.group_name)
+        p.splits_offsets = so.clone()
+        # row 0: rows per (local expert, source), expert-major
         p.m_splits = p.splits_offsets[0].view(Lc, R).sum(1)
-        total = p.m_splits.sum()
         pos = torch.arange(p.capacity, device=send.device).view((-1,) + (1,) * len(X))
-        return torch.where(pos < total, dst, 0)  # a copy: the buffer is reused by the next call
+        return torch.where(pos < p.m_splits.sum(), dst, 0)  # a copy: the buffer is reused by the next call
 
     def to_sources(self, rows: torch.Tensor, p: _Plan, num_slots: int) -> torch.Tensor:
+        if p.splits_offsets is None:
+            raise RuntimeError("SymmMemExchange.to_sources: the plan has not been sent forward (to_experts) yet")
         X = tuple(rows.shape[1:])
+        so_in = self._buffer("in_splits_offsets", 2, (p.splits_offsets.shape[1],), torch.int64)
+        so_in.copy_(p.splits_offsets)
+        so_out = self._buffer("back_splits_offsets", 2, (p.splits_offsets.shape[1],), torch.int64)
         src = self._buffer("recv_back", rows.shape[0], X, rows.dtype)
         src.copy_(rows)
         dst = self._buffer("send_back", num_slots, X, rows.dtype)
-        torch.ops.symm_mem.all_to_all_vdev_2d_offset(src, dst, p.splits_offsets, p.back_splits_offsets,
-                                                     self.group_name)
-        sent = p.send_counts.sum()
+        torch.ops.symm_mem.all_to_all_vdev_2d_offset(src, dst, so_in, so_out, self.group_name)
         pos = torch.arange(num_slots, device=rows.device).view((-1,) + (1,) * len(X))
-        return torch.where(pos < sent, dst, 0)
+        return torch.where(pos < p.send_counts.sum(), dst, 0)
 
 
 def resolve_exchange(exchange: str, group=None, device=None):
