@@ -21,6 +21,7 @@ import torch.distributed as dist
 from moe_graph import demo
 from moe_graph.demo.loop import check_checkpoint_compatible, train
 from moe_graph.demo.report import plot, print_report, write_json_atomic
+from moe_graph.moe.exchange import EXCHANGES
 from moe_graph.distributed.launch import (STOP_EXIT_CODE, Layout, die_with_parent, environment, init_distributed,
                                           resolve_layout, run_distributed, torchrun_env)
 from moe_graph.train import checkpoint, schedules
@@ -84,11 +85,16 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--assignment", choices=["auto", "greedy", "best_fit"], default="auto",
                    help="echo planner assignment (moe_graph.moe.echo_planner.gen_assignment)")
     m.add_argument("--capacity", type=_finite_float(0.0, False), default=1.25,
-                   help="capacity factor: static routes per (source, destination) rank, in units of the mean "
+                   help="capacity factor: static routes per (source, destination) pair or per destination rank "
+                        "(--exchange), in units of the mean "
                         "(0: capacity_factor=None, every route fits, EP times the memory)")
     m.add_argument("--overflow", choices=["rerun", "drop"], default="rerun",
                    help="a route over the capacity: rerun (default, dropless: the step's update is skipped on the "
                         "device and the step rerun eagerly with the capacity it needed) or drop (dropped and counted)")
+    m.add_argument("--exchange", choices=list(EXCHANGES), default="auto",
+                   help="the token exchange at EP > 1: nccl (capacity per (source, destination) pair, fixed-split "
+                        "all-to-all), symm_mem (capacity per destination rank, only the routed rows travel; on CPUs "
+                        "with host-known sizes) or auto (symm_mem where torch's NVSHMEM exchange exists, else nccl)")
     m.add_argument("--rerun-window", type=_POS, default=100, metavar="N",
                    help="adaptive capacity: steps over which the rerun rate is measured (default 100)")
     m.add_argument("--rerun-threshold", type=_finite_float(0.0, False), default=0.01, metavar="RATE",
