@@ -82,7 +82,7 @@ def dispatch_layout(
     """
     dr, sd, sm = counters if counters is not None else (None, None, None)
     args = (indices, valid, column_rank, column_local, route_order, int(num_ep_ranks), int(num_local_columns),
-            int(capacity), dr, sd, sm, dest_quota)
+            int(capacity), dr, sd, sm) + ((dest_quota,) if dest_quota is not None else ())
     if native_available(indices.device.type):
         return DispatchLayout(*torch.ops.moe_graph.dispatch_layout(*args))
     return _layout_torch(*args)
