@@ -44,7 +44,7 @@ inline const char* error_text(int32_t bit) {
   }
 }
 
-#if defined(__CUDACC__)
+#if defined(__CUDACC__) || defined(MOE_GRAPH_EMULATE)
 __device__ __forceinline__ void set_device_error(int32_t* flag, int32_t code) {
   if (flag != nullptr) atomicOr(flag, code);
 }

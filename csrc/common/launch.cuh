@@ -26,4 +26,25 @@ inline void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem
 #endif
 }
 
+// bar.sync kId, threads: a barrier among `threads` threads (whole warps) of the block, apart from __syncthreads.
+template <int kId>
+__device__ __forceinline__ void named_barrier_sync(int threads) {
+#if defined(MOE_GRAPH_EMULATE)
+  ::moe_emu::named_barrier(kId, threads);
+#else
+  asm volatile("bar.sync %0, %1;" ::"n"(kId), "r"(threads) : "memory");
+#endif
+}
+
+// The launch's dynamic shared memory (extern __shared__), as an array of T.
+template <class T>
+__device__ __forceinline__ T* dynamic_smem() {
+#if defined(MOE_GRAPH_EMULATE)
+  return static_cast<T*>(::moe_emu::dynamic_smem());
+#else
+  extern __shared__ __align__(16) unsigned char moe_graph_dynamic_smem[];
+  return reinterpret_cast<T*>(moe_graph_dynamic_smem);
+#endif
+}
+
 }  // namespace moe_graph

@@ -29,7 +29,7 @@ struct DevCtx {
   int64_t lane, nlanes;
   __device__ void sync() { __syncthreads(); }
   // barrier 1 among the level-search warps only (the water warps do not wait for it)
-  __device__ void level_sync() { asm volatile("bar.sync 1, %0;" ::"r"(kLevelThreads) : "memory"); }
+  __device__ void level_sync() { named_barrier_sync<1>(kLevelThreads); }
   __device__ void group_sync() { __syncwarp(); }
   // butterfly over the thread's warp: every lane ends with the group's best
   __device__ Best group_best(Best m) {

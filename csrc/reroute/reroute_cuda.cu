@@ -200,7 +200,7 @@ __device__ __forceinline__ bool counted(const int64_t* indices, const bool* vali
 
 __global__ void count_indices_kernel(const int64_t* __restrict__ indices, const bool* __restrict__ valid, int64_t T,
                                      int64_t K, int64_t E, int32_t* __restrict__ tile_rank) {
-  extern __shared__ int32_t hist[];  // [E]
+  int32_t* hist = dynamic_smem<int32_t>();  // [E]
   for (int64_t e = threadIdx.x; e < E; e += blockDim.x) hist[e] = 0;
   __syncthreads();
   const int64_t tile = blockIdx.x;
@@ -218,7 +218,7 @@ __global__ void count_indices_kernel(const int64_t* __restrict__ indices, const 
 __global__ void apply_indices_kernel(const int64_t* __restrict__ indices, const bool* __restrict__ valid, int64_t T,
                                      int64_t K, int64_t E, int64_t S, Workspace ws,
                                      int64_t* __restrict__ out_indices) {
-  extern __shared__ int32_t expert_of[];  // [(t1 - t0) * K]
+  int32_t* expert_of = dynamic_smem<int32_t>();  // [(t1 - t0) * K]
   const int64_t tile = blockIdx.x;
   const int64_t r0 = tile * kRerouteTileRows * K;
   const int64_t n = min(T, (tile + 1) * kRerouteTileRows) * K - r0;
