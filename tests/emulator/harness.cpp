@@ -295,7 +295,8 @@ int family_dispatch() {
                                {100, 4, 8, 4, 30}, {300, 3, 3, 5, 1000}, {129, 2, 1, 8, 50}, {257, 1, 64, 2, 2}};
   if (g_full) shapes.insert(shapes.end(), {{2048, 8, 16, 8, 700}, {1500, 2, 256, 1, 8}});
   for (const Shape& s : shapes) {
-    for (int variant = 0; variant < 4; ++variant) {  // bit 0: route_order (probs policy); bit 1: valid mask
+    // bit 0: route_order (probs policy); bit 1: valid mask; bit 2: quota mode (per-destination limits, packed slots)
+    for (int variant = 0; variant < 8; ++variant) {
       const int64_t n = s.T * s.K, C = s.R * s.Lc + 3;  // 3 extra columns: spare slots on random ranks
       std::vector<int64_t> col_rank(C), col_local(C), idx(n), order(n);
       for (int64_t c = 0; c < C; ++c) {
@@ -310,11 +311,14 @@ int family_dispatch() {
         order[r] = r;
       }
       std::shuffle(order.begin(), order.end(), rng.g);
+      std::vector<int64_t> quota(s.R);
+      for (int64_t d = 0; d < s.R; ++d) quota[d] = rng.bern(0.1) ? -1 : rng.uniform(0, std::max<int64_t>(1, 2 * n / s.R));
+      const bool quota_mode = variant & 4;
       const std::string what = "dispatch_layout T" + std::to_string(s.T) + " K" + std::to_string(s.K) + " R" +
                                std::to_string(s.R) + " Lc" + std::to_string(s.Lc) + " cap" + std::to_string(s.cap) +
                                " variant " + std::to_string(variant);
       auto run = [&](bool emulate) {
-        const int64_t N = s.R * s.cap;
+        const int64_t N = quota_mode ? n : s.R * s.cap;
         std::vector<int64_t> route_slot(n, -7), route_of_slot(N, -7), send_counts(s.R * s.Lc, -7),
             column_counts(C, -7), dropped(1, -7), dropped_routes(1, 5), step_dropped(1, 2);
         std::vector<double> ratio(1, 0.25);
@@ -337,6 +341,7 @@ int family_dispatch() {
         p.dropped_routes = dropped_routes.data();
         p.step_dropped_routes = step_dropped.data();
         p.step_max_load_ratio = ratio.data();
+        p.dest_quota = quota_mode ? quota.data() : nullptr;
         int32_t flag = 0;
         if (emulate) {
           std::vector<int32_t> ws(dl::dispatch_layout_workspace_elems(n, s.R, s.Lc), -9);
