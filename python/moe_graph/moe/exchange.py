@@ -218,7 +218,12 @@ class SymmMemExchange:
         self.num_ranks = dist.get_world_size(self.group)
         self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
         symm.enable_symm_mem_for_group(self.group_name)
-        symm.set_backend("NVSHMEM")
+        backend = symm.get_backend(self.device)
+        if backend is None:
+            symm.set_backend("NVSHMEM")  # global, and fixed once a symmetric tensor exists
+        elif backend != "NVSHMEM":
+            raise RuntimeError(f"exchange='symm_mem' needs the NVSHMEM symmetric-memory backend, but this process "
+                               f"already allocates with {backend!r}; use exchange='nccl'")
         self._buffers = {}
 
     def _buffer(self, tag: str, rows: int, row_shape, dtype) -> torch.Tensor:

@@ -7,7 +7,9 @@ backward passes are capturable in a CUDA graph and never synchronize with the ho
 native op (:func:`moe_graph.ops.dispatch_layout.dispatch_layout`, plus :func:`~moe_graph.ops.dispatch_layout.receive_layout`
 at EP > 1), the rows move with the native row ops :func:`moe_graph.ops.permute.expand_rows` /
 :func:`~moe_graph.ops.permute.reduce_rows` (zero rows for the sentinels, gather-only backward, no atomics), and the
-all-to-all always moves ``capacity`` rows per (source, destination) pair.
+all-to-all always moves ``capacity`` rows per (source, destination) pair. With ``exchange="symm_mem"`` the capacity
+is per destination rank instead and only the routed rows travel (:mod:`moe_graph.moe.exchange`: the layout op in
+quota mode, a variable-size exchange); everything after the exchange is shared.
 
 Layout. ``R`` EP ranks, ``T`` local tokens with ``K`` routes each (``indices [T, K]`` into ``C`` routing
 *columns*: the ``E`` home experts and, with echo, the ``S = R * k`` spare slots). Column ``c`` lives on rank
