@@ -46,6 +46,9 @@ VARIANTS = [  # (family, config overrides)
     ("deepseek_v3", {}),  # top-6 of 16 in 4 groups, 2 kept: the best-2 group score differs from Megatron's best-3
     ("deepseek_v3", dict(norm_topk_prob=False)),
     ("gpt_oss", {}),  # swiglu_limit=1: the clamps are active
+    ("ernie4_5_moe", {}),  # softmax router, selection bias on the softmax scores
+    ("kolibri1", {}),  # selection bias on the logits, sigmoid of the chosen logits
+    ("kolibri1", dict(norm_topk_prob=False)),
 ]
 
 
@@ -74,7 +77,7 @@ def test_block_matches_transformers(variant):
     target = torch.randn(x.shape, generator=g)
     assert torch.equal(_selection(layer, x), hf_router(block, x))
     errs = block_errors(block, layer, x, target, lambda grads: moe_to_hf_state_dict(grads, cfg))
-    assert len(errs) == 2 + len(list(block.parameters()))  # every weight of the block is compared
+    assert len(errs) == 2 + len([p for p in block.parameters() if p.requires_grad])  # every trained weight
     bad = {k: v for k, v in errs.items() if not v <= TOL}
     assert not bad, bad
 
@@ -141,7 +144,7 @@ def test_whole_model_swapped(family):
     names = swap_moe_blocks(model)
     expected = [f"model.layers.{i}.mlp" for i in range(cfg.num_hidden_layers)
                 if family != "deepseek_v3" or i >= cfg.first_k_dense_replace]
-    assert names == expected
+    assert names == expected and len(names) >= 1
     assert all(isinstance(model.get_submodule(n), HFMoEBlock) for n in names)
     ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3))
     out_ref, out = ref(ids, labels=ids), model(ids, labels=ids)
@@ -149,7 +152,7 @@ def test_whole_model_swapped(family):
     assert abs(float(out.loss.detach() - out_ref.loss.detach())) <= TOL * abs(float(out_ref.loss.detach()))
     out_ref.loss.backward()
     out.loss.backward()
-    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.requires_grad}
     got = {n: p.grad for n, p in model.named_parameters() if ".mlp.moe." not in n}
     for name in names:
         layer = model.get_submodule(name).moe

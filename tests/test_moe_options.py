@@ -107,6 +107,20 @@ def test_group_score_topk_with_expert_bias(gen):
     _check(layer, torch.randn(24, 8, generator=gen, dtype=DT))
 
 
+@pytest.mark.parametrize("score_func, target, norm", [("softmax", "scores", True), ("sigmoid", "logits", False),
+                                                      ("softmax", "logits", True)])
+def test_expert_bias_softmax_and_logits(gen, score_func, target, norm):
+    """Selection-only expert bias with a softmax router (ERNIE-4.5-MoE) and added to the logits (Kolibri-1); the
+    bias changes the selection of some tokens, the probabilities stay the unbiased scores."""
+    layer = _layer(score_func=score_func, enable_expert_bias=True, expert_bias_target=target, norm_topk_prob=norm)
+    x = torch.randn(24, 8, generator=gen, dtype=DT)
+    plain = layer.router(x).indices.sort(1)[0]
+    with torch.no_grad():
+        layer.router.expert_bias.copy_(torch.linspace(-1.5, 1.5, 8))
+    assert not torch.equal(layer.router(x).indices.sort(1)[0], plain)
+    _check(layer, x)
+
+
 def test_router_bias(gen):
     layer = _layer(router_bias=True, norm_topk_prob=True)
     assert layer.router.bias.shape == (8,) and layer.router.bias.requires_grad

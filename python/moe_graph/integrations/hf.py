@@ -15,6 +15,12 @@ Families (``config.model_type``; block class -> what the layer reproduces):
   renormalized top-k softmax), expert biases (``add_bias_linear``) and the clamped SwiGLU (``swiglu_alpha``,
   ``swiglu_limit``); its checkpoints store ``gate_up_proj [E, H, 2F]`` with gate and up interleaved along the last
   dimension, and ``down_proj [E, F, H]``.
+* ``ernie4_5_moe`` (``Ernie4_5_MoeSparseMoeBlock``): fp32 gate, softmax, ``moe_statics.e_score_correction_bias``
+  (``[1, E]``) added to the softmax scores for the selection only (``enable_expert_bias`` with softmax),
+  renormalized top-k, ``moe_num_shared_experts`` shared SwiGLU experts as one.
+* ``kolibri1`` (``Kolibri1SparseMoeBlock``): fp32 gate, ``e_score_correction_bias`` added to the *logits* for the
+  selection (``expert_bias_target="logits"``), the sigmoid of the chosen logits, ``norm_topk_prob``, a shared
+  SwiGLU expert.
 
 Checkpoint layouts (names relative to the block, e.g. ``model.layers.3.mlp.``): transformers v5 fuses the experts
 (``experts.gate_up_proj [E, 2F, H]``: the gate rows, then the up rows; ``experts.down_proj [E, H, F]``), which is
@@ -65,6 +71,10 @@ class _Family:
     shared: Optional[str] = None  # the shared expert's module name (gate_proj / up_proj / down_proj inside)
     shared_gate: Optional[str] = None  # Qwen2-MoE's sigmoid gate of the shared expert
     returns_router_scores: bool = False  # the block returns (out, router_scores)
+    fc1: str = "experts.gate_up_proj"  # v5 fused expert tensors ([E, 2F, H] / [E, H, F]), names in the block
+    fc2: str = "experts.down_proj"
+    expert_bias: str = "e_score_correction_bias"  # the selection bias's name in the router module
+    expert_bias_2d: bool = False  # stored as [1, E] (ERNIE-4.5's moe_statics)
 
 
 _FAMILIES: Dict[str, _Family] = {
@@ -74,6 +84,11 @@ _FAMILIES: Dict[str, _Family] = {
     "qwen3_moe": _Family("Qwen3MoeSparseMoeBlock", "gate", ("gate_proj", "up_proj", "down_proj")),
     "deepseek_v3": _Family("DeepseekV3MoE", "gate", ("gate_proj", "up_proj", "down_proj"), shared="shared_experts"),
     "gpt_oss": _Family("GptOssMLP", "router", None, returns_router_scores=True),
+    "ernie4_5_moe": _Family("Ernie4_5_MoeSparseMoeBlock", "gate", ("gate_proj", "up_proj", "down_proj"),
+                            shared="shared_experts", expert_bias="moe_statics.e_score_correction_bias",
+                            expert_bias_2d=True),
+    "kolibri1": _Family("Kolibri1SparseMoeBlock", "gate", ("gate_proj", "up_proj", "down_proj"),
+                        shared="shared_experts"),
 }
 BLOCK_CLASSES = {f.block: t for t, f in _FAMILIES.items()}  # block class name -> model_type
 
@@ -134,6 +149,22 @@ def moe_config_from_hf(config, **overrides) -> MoEConfig:
             opts.update(num_groups=c.n_group, group_topk=c.topk_group, group_score_topk=2)
         if c.n_shared_experts:
             opts.update(shared_expert_ffn_size=c.moe_intermediate_size * c.n_shared_experts)
+    elif t == "ernie4_5_moe":
+        _gated_silu(c, t)
+        if c.use_bias:
+            raise ValueError("ernie4_5_moe: use_bias=True cannot be expressed: the shared experts would have biases "
+                             "and the routed experts none (MoELayer's add_bias_linear sets both)")
+        opts = dict(hidden_size=c.hidden_size, ffn_hidden_size=c.moe_intermediate_size, num_experts=c.num_experts,
+                    topk=c.num_experts_per_tok, norm_topk_prob=True, enable_expert_bias=True,
+                    router_dtype=torch.float32)
+        if c.moe_num_shared_experts:
+            opts.update(shared_expert_ffn_size=c.moe_intermediate_size * c.moe_num_shared_experts)
+    elif t == "kolibri1":
+        _gated_silu(c, t)
+        opts = dict(hidden_size=c.hidden_size, ffn_hidden_size=c.moe_intermediate_size, num_experts=c.num_experts,
+                    topk=c.num_experts_per_tok, score_func="sigmoid", norm_topk_prob=bool(c.norm_topk_prob),
+                    enable_expert_bias=True, expert_bias_target="logits", router_dtype=torch.float32,
+                    shared_expert_ffn_size=c.shared_expert_intermediate_size)
     elif t == "gpt_oss":
         opts = dict(hidden_size=c.hidden_size, ffn_hidden_size=c.intermediate_size, num_experts=c.num_local_experts,
                     topk=c.num_experts_per_tok, norm_topk_prob=True, router_bias=True, add_bias_linear=True,
@@ -183,7 +214,7 @@ def hf_to_moe_state_dict(hf_state_dict: Dict[str, torch.Tensor], config, *, ep_r
     if cfg.router_bias:
         out["router.bias"] = _take(sd, f"{fam.router}.bias", t)
     if cfg.enable_expert_bias:
-        out["router.expert_bias"] = _take(sd, f"{fam.router}.e_score_correction_bias", t)
+        out["router.expert_bias"] = _take(sd, f"{fam.router}.{fam.expert_bias}", t).reshape(-1)
     whole = sl.start == 0 and sl.stop == cfg.num_experts
     if t == "gpt_oss":
         gu = _take(sd, "experts.gate_up_proj", t)[sl]  # [L, H, 2F], gate/up interleaved
@@ -193,13 +224,13 @@ def hf_to_moe_state_dict(hf_state_dict: Dict[str, torch.Tensor], config, *, ep_r
         out["experts.fc2.weight"] = _take(sd, "experts.down_proj", t)[sl].transpose(1, 2).contiguous()
         b2 = _take(sd, "experts.down_proj_bias", t)
         out["experts.fc2.bias"] = b2 if whole else b2[sl]
-    elif "experts.gate_up_proj" in sd:  # v5
-        gu, dp = sd["experts.gate_up_proj"], _take(sd, "experts.down_proj", t)
+    elif fam.fc1 in sd:  # v5
+        gu, dp = sd[fam.fc1], _take(sd, fam.fc2, t)
         out["experts.fc1.weight"] = gu if whole else gu[sl]
         out["experts.fc2.weight"] = dp if whole else dp[sl]
     else:  # v4: one module per expert
         if not _v4_expert_ids(sd):
-            raise KeyError(f"{t} block state dict has neither experts.gate_up_proj (v5) nor experts.<e>.* (v4) keys")
+            raise KeyError(f"{t} block state dict has neither {fam.fc1} (v5) nor experts.<e>.* (v4) keys")
         g, u, d = fam.v4_experts
         ids = range(sl.start, sl.stop)
         out["experts.fc1.weight"] = torch.stack([torch.cat([_take(sd, f"experts.{e}.{g}.weight", t),
@@ -232,7 +263,8 @@ def moe_to_hf_state_dict(moe_state_dict: Dict[str, torch.Tensor], config, *, lay
     if cfg.router_bias:
         out[f"{fam.router}.bias"] = sd["router.bias"]
     if cfg.enable_expert_bias and "router.expert_bias" in sd:  # a buffer: absent from e.g. a gradient dict
-        out[f"{fam.router}.e_score_correction_bias"] = sd["router.expert_bias"]
+        b = sd["router.expert_bias"]
+        out[f"{fam.router}.{fam.expert_bias}"] = b.view(1, -1) if fam.expert_bias_2d else b
     w1, w2 = sd["experts.fc1.weight"], sd["experts.fc2.weight"]
     F = w2.shape[-1]
     if t == "gpt_oss":
@@ -243,7 +275,7 @@ def moe_to_hf_state_dict(moe_state_dict: Dict[str, torch.Tensor], config, *, lay
         out["experts.down_proj"] = w2.transpose(1, 2).contiguous()
         out["experts.down_proj_bias"] = sd["experts.fc2.bias"]
     elif layout == "v5":
-        out["experts.gate_up_proj"], out["experts.down_proj"] = w1, w2
+        out[fam.fc1], out[fam.fc2] = w1, w2
     else:
         g, u, d = fam.v4_experts
         for i in range(w1.shape[0]):

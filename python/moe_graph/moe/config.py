@@ -28,7 +28,7 @@ class MoEConfig:
 
     Routing (:class:`moe_graph.moe.router.TopKRouter`): ``topk``, ``score_func``, ``norm_topk_prob``,
     ``num_groups``, ``group_topk``, ``group_score_topk``, ``topk_scaling_factor``, ``router_bias``,
-    ``enable_expert_bias``, ``expert_bias_update_rate``, ``router_dtype``. Losses
+    ``enable_expert_bias``, ``expert_bias_update_rate``, ``expert_bias_target``, ``router_dtype``. Losses
     (:class:`moe_graph.moe.router.RouterLoss`): ``aux_loss_coeff``, ``aux_loss_type``, ``sequence_dim``,
     ``z_loss_coeff``. Expert parallelism and echo: ``ep_size``,
     ``num_spare_experts_per_ep_rank``, ``assignment``, ``echo_donors``, ``echo_plan_mode``. Token dispatch:
@@ -60,6 +60,7 @@ class MoEConfig:
     router_bias: bool = False
     enable_expert_bias: bool = False
     expert_bias_update_rate: float = 1e-3
+    expert_bias_target: str = "scores"
     router_dtype: Optional[torch.dtype] = None
     ep_size: Optional[int] = None
     num_spare_experts_per_ep_rank: int = 0
@@ -92,7 +93,8 @@ class MoEConfig:
         if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or not 0 < cf < float("inf")):
             raise ValueError(f"capacity_factor must be a finite number > 0 or None (dropless), got {cf!r}")
         check_router_options(self.num_experts, self.topk, self.score_func, self.num_groups, self.group_topk,
-                             self.enable_expert_bias, self.router_dtype, self.norm_topk_prob, self.group_score_topk)
+                             self.enable_expert_bias, self.router_dtype, self.norm_topk_prob, self.group_score_topk,
+                             self.expert_bias_target)
         if self.token_drop_policy not in DROP_POLICIES:
             raise ValueError(f"token_drop_policy must be 'position' or 'probs', got {self.token_drop_policy!r}")
         if self.overflow not in OVERFLOW_MODES:

@@ -21,11 +21,12 @@ from moe_graph import parallel_state as ps
 from moe_graph.moe.token_dispatcher import counting_enabled
 
 __all__ = ["AUX_LOSS_TYPES", "MoEAuxLossAutoScaler", "RouterLoss", "Routing", "SCORE_FUNCS", "TopKRouter",
-           "aux_loss_scores", "check_loss_options", "check_router_options", "group_limited_topk", "route_counts",
+           "EXPERT_BIAS_TARGETS", "aux_loss_scores", "check_loss_options", "check_router_options", "group_limited_topk", "route_counts",
            "router_aux_loss", "router_scores", "router_z_loss", "routing_map", "sequence_aux_loss",
            "set_aux_loss_scale", "update_expert_bias"]
 
 SCORE_FUNCS = ("softmax", "sigmoid")
+EXPERT_BIAS_TARGETS = ("scores", "logits")  # what the selection-only expert bias is added to
 AUX_LOSS_TYPES = ("local", "global", "sequence")
 
 
@@ -149,7 +150,7 @@ def group_limited_topk(scores: torch.Tensor, topk: int, num_groups: int, group_t
 def check_router_options(num_experts: int, topk: int, score_func: str = "softmax", num_groups: Optional[int] = None,
                          group_topk: Optional[int] = None, enable_expert_bias: bool = False,
                          router_dtype: Optional[torch.dtype] = None, norm_topk_prob: Optional[bool] = None,
-                         group_score_topk: Optional[int] = None) -> None:
+                         group_score_topk: Optional[int] = None, expert_bias_target: str = "scores") -> None:
     """Raises ``ValueError`` naming the first bad routing option (:class:`TopKRouter`'s arguments)."""
     if score_func not in SCORE_FUNCS:
         raise ValueError(f"score_func must be 'softmax' or 'sigmoid', got {score_func!r}")
@@ -177,8 +178,8 @@ def check_router_options(num_experts: int, topk: int, score_func: str = "softmax
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= per:
             raise ValueError(f"group_score_topk must be an int in [1, experts per group = {per}] or None "
                              f"(topk // group_topk), got {group_score_topk!r}")
-    if enable_expert_bias and score_func != "sigmoid":
-        raise ValueError("enable_expert_bias (auxiliary-loss-free balancing) needs score_func='sigmoid'")
+    if expert_bias_target not in EXPERT_BIAS_TARGETS:
+        raise ValueError(f"expert_bias_target must be one of {EXPERT_BIAS_TARGETS}, got {expert_bias_target!r}")
     if router_dtype not in (None, torch.float32, torch.float64):
         raise ValueError(f"router_dtype must be None, torch.float32 or torch.float64, got {router_dtype}")
 
@@ -275,8 +276,10 @@ class TopKRouter(nn.Module):
       ``add_bias_linear``). It moves both the selection and the probabilities, unlike ``expert_bias``.
     * ``router_dtype`` (``torch.float32`` / ``torch.float64``): run the gate GEMM in that precision (Megatron's
       ``moe_router_dtype``; by default the GEMM runs in the input dtype and the logits are upcast to fp32).
-    * ``enable_expert_bias`` (sigmoid only): auxiliary-loss-free balancing. A buffer ``expert_bias [E]`` is added
-      to the scores for the *selection* only (the probabilities use the unbiased scores); each training-mode forward
+    * ``enable_expert_bias``: auxiliary-loss-free balancing. A buffer ``expert_bias [E]`` is added to the scores
+      (softmax or sigmoid: DeepSeek-V3, ERNIE-4.5-MoE) or, with ``expert_bias_target="logits"``, to the logits
+      (Kolibri-1: the top-k of ``logits + bias``) for the *selection* only (the probabilities use the unbiased
+      scores); each training-mode forward
       (once, also under activation recomputation) adds this rank's routes per expert to the buffer
       ``local_tokens_per_expert``, and :func:`update_expert_bias` (after the optimizer step) moves the bias by
       ``expert_bias_update_rate`` towards balance and clears the counts. All of it is device code without host
@@ -291,10 +294,11 @@ class TopKRouter(nn.Module):
                  group_topk: Optional[int] = None, group_score_topk: Optional[int] = None,
                  scaling_factor: Optional[float] = None, router_bias: bool = False,
                  enable_expert_bias: bool = False, expert_bias_update_rate: float = 1e-3,
-                 router_dtype: Optional[torch.dtype] = None):
+                 router_dtype: Optional[torch.dtype] = None, expert_bias_target: str = "scores"):
         super().__init__()
         check_router_options(num_experts, topk, score_func, num_groups, group_topk, enable_expert_bias, router_dtype,
-                             norm_topk_prob, group_score_topk)
+                             norm_topk_prob, group_score_topk, expert_bias_target)
+        self.expert_bias_target = expert_bias_target
         self.num_experts, self.topk, self.score_func = num_experts, topk, score_func
         if norm_topk_prob is None:
             norm_topk_prob = score_func == "sigmoid" and topk > 1
@@ -318,7 +322,8 @@ class TopKRouter(nn.Module):
     @property
     def softmax_of_topk(self) -> bool:
         """True where the probabilities are the softmax of the top-k logits (see the class docstring)."""
-        return self.score_func == "softmax" and self.norm_topk_prob and self.num_groups is None
+        return (self.score_func == "softmax" and self.norm_topk_prob and self.num_groups is None
+                and not self.enable_expert_bias)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         if self.router_dtype is not None:  # Megatron's moe_router_dtype: the gate GEMM itself in fp32 / fp64
@@ -346,7 +351,8 @@ class TopKRouter(nn.Module):
                 top = top * self.scaling_factor
         else:
             scores = router_scores(logits, self.score_func)
-            sel = scores.detach()
+            sel = logits.detach() if self.enable_expert_bias and self.expert_bias_target == "logits" \
+                else scores.detach()
             if self.enable_expert_bias:
                 sel = sel + self.expert_bias.to(sel.dtype)
             idx = self._select(sel)

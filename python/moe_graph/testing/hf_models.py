@@ -9,7 +9,7 @@ from typing import Callable, Dict
 import torch
 import transformers
 
-FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss")
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss", "ernie4_5_moe", "kolibri1")
 
 _COMMON = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
                max_position_embeddings=64, num_experts_per_tok=2)
@@ -27,14 +27,21 @@ _CONFIGS: Dict[str, tuple] = {
     "gpt_oss": ("GptOssConfig", dict(intermediate_size=24, num_local_experts=8, head_dim=8, swiglu_limit=1.0,
                                      sliding_window=8, layer_types=["sliding_attention", "full_attention"],
                                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    "ernie4_5_moe": ("Ernie4_5_MoeConfig", dict(intermediate_size=48, moe_intermediate_size=24, moe_num_experts=8,
+                                                moe_k=2, moe_num_shared_experts=2, moe_layer_start_index=0)),
+    "kolibri1": ("Kolibri1Config", dict(moe_intermediate_size=24, num_experts=8, shared_expert_intermediate_size=40,
+                                        head_dim=8, sliding_window=8, norm_topk_prob=True)),
 }
 _BLOCKS = {"mixtral": "mixtral.modeling_mixtral.MixtralSparseMoeBlock",
            "qwen2_moe": "qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
            "qwen3_moe": "qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock",
            "deepseek_v3": "deepseek_v3.modeling_deepseek_v3.DeepseekV3MoE",
-           "gpt_oss": "gpt_oss.modeling_gpt_oss.GptOssMLP"}
+           "gpt_oss": "gpt_oss.modeling_gpt_oss.GptOssMLP",
+           "ernie4_5_moe": "ernie4_5_moe.modeling_ernie4_5_moe.Ernie4_5_MoeSparseMoeBlock",
+           "kolibri1": "kolibri1.modeling_kolibri1.Kolibri1SparseMoeBlock"}
 _MODELS = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-           "deepseek_v3": "DeepseekV3ForCausalLM", "gpt_oss": "GptOssForCausalLM"}
+           "deepseek_v3": "DeepseekV3ForCausalLM", "gpt_oss": "GptOssForCausalLM",
+           "ernie4_5_moe": "Ernie4_5_MoeForCausalLM", "kolibri1": "Kolibri1ForCausalLM"}
 
 
 def tiny_config(family: str, **overrides):
@@ -65,7 +72,7 @@ def randomize(module: torch.nn.Module, seed: int = 0, router_std: float = 1.0, s
         leaf = name.rsplit(".", 1)[-1]
         if "norm" in name and leaf == "weight":
             t.copy_(1 + 0.1 * torch.randn(t.shape, generator=g))
-        elif name.split(".")[-2:-1] in (["gate"], ["router"]):  # router weight / bias / correction bias
+        elif name.split(".")[-2:-1] in (["gate"], ["router"], ["moe_statics"]):  # router weight / bias / bias
             t.copy_(torch.randn(t.shape, generator=g) * (router_std if leaf == "weight" else 0.5))
         else:
             t.copy_(torch.randn(t.shape, generator=g) * std)
@@ -111,13 +118,15 @@ def block_errors(block: torch.nn.Module, layer: torch.nn.Module, x: torch.Tensor
     """Max relative errors (:func:`rel_err`) of ``layer`` (a :class:`moe_graph.moe.layer.MoELayer`) against the
     transformers ``block`` after one forward and backward of ``(out * target).sum()`` each (gradients start at
     None): ``out``, ``dx`` and every block parameter's gradient, the layer's renamed by ``to_hf`` (its gradients by
-    parameter name -> the block's names, e.g. :func:`moe_graph.integrations.hf.moe_to_hf_state_dict`)."""
+    parameter name -> the block's names, e.g. :func:`moe_graph.integrations.hf.moe_to_hf_state_dict`); parameters
+    without gradients (ERNIE-4.5's selection bias) are left out."""
     y_hf, gx_hf = _fwd_bwd(block, x, target)
     y, gx = _fwd_bwd(layer, x, target)
     errs = {"out": rel_err(y, y_hf), "dx": rel_err(gx, gx_hf)}
     grads = to_hf({n: p.grad for n, p in layer.named_parameters()})
     for n, p in block.named_parameters():
-        errs[n] = rel_err(grads[n], p.grad)
+        if p.requires_grad:
+            errs[n] = rel_err(grads[n], p.grad)
     return errs
 
 

@@ -13,16 +13,17 @@ import torch.nn.functional as F
 # ---------------------------------------------------------------------------------------------- references --
 def reference_route(h: torch.Tensor, gate_weight: torch.Tensor, topk: int, score_func: str = "softmax",
                     norm_topk_prob: Optional[bool] = None, *, num_groups=None, group_topk=None, scaling_factor=None,
-                    expert_bias=None, group_score_topk=None, gate_bias=None):
+                    expert_bias=None, group_score_topk=None, gate_bias=None, expert_bias_target="scores"):
     """``(topk_idx [T, K], topk_probs [T, K], scores [T, E])``: the router written out independently (group-limited
     selection one token at a time, in plain Python). ``norm_topk_prob=None``: on for sigmoid with ``topk > 1``;
     ``group_score_topk=None``: a group scores the sum of its ``topk // group_topk`` best; ``gate_bias``: added to
-    the logits."""
+    the logits; ``expert_bias_target="logits"``: the expert bias is added to the logits for the selection."""
     logits = (h @ gate_weight.t()).float() if h.dtype != torch.float64 else h @ gate_weight.t()
     if gate_bias is not None:
         logits = logits + gate_bias.to(logits.dtype)
     scores = torch.softmax(logits, -1) if score_func == "softmax" else torch.sigmoid(logits)
-    sel = scores.detach() + (expert_bias.to(scores.dtype) if expert_bias is not None else 0)
+    sel = (logits if expert_bias_target == "logits" else scores).detach()
+    sel = sel + (expert_bias.to(scores.dtype) if expert_bias is not None else 0)
     T, E = scores.shape
     if num_groups is None:
         idx = torch.topk(sel, topk, dim=-1)[1]
@@ -167,7 +168,8 @@ def reference_moe_layer(x: torch.Tensor, params: Dict[str, torch.Tensor], config
     idx, probs, _ = reference_route(h, params["router.weight"], c.topk, c.score_func, c.norm_topk_prob,
                                     num_groups=c.num_groups, group_topk=c.group_topk,
                                     scaling_factor=c.topk_scaling_factor, expert_bias=params.get("router.expert_bias"),
-                                    group_score_topk=c.group_score_topk, gate_bias=params.get("router.bias"))
+                                    group_score_topk=c.group_score_topk, gate_bias=params.get("router.bias"),
+                                    expert_bias_target=getattr(c, "expert_bias_target", "scores"))
     act = dict(swiglu_alpha=c.swiglu_alpha, swiglu_limit=c.swiglu_limit)
     y = dense_moe_reference(h, idx, probs, params["experts.fc1.weight"], params["experts.fc2.weight"], c.activation,
                             b1=params.get("experts.fc1.bias"), b2=params.get("experts.fc2.bias"), **act)
