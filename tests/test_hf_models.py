@@ -17,6 +17,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from moe_graph.integrations.hf import (  # noqa: E402
+    BLOCK_CLASSES,
     HFMoEBlock,
     hf_load_balancing_loss,
     hf_to_moe_state_dict,
@@ -49,7 +50,13 @@ VARIANTS = [  # (family, config overrides)
     ("ernie4_5_moe", {}),  # softmax router, selection bias on the softmax scores
     ("kolibri1", {}),  # selection bias on the logits, sigmoid of the chosen logits
     ("kolibri1", dict(norm_topk_prob=False)),
+    ("nemotron_h", {}),  # squared-ReLU experts and shared expert, DeepSeek-V3's router
+    ("nemotron_h", dict(n_group=2, topk_group=1)),
+    ("jetmoe", {}),  # output bias
+    ("llama4_text", {}),  # probabilities on the expert input, sigmoid of the top-k logits
 ]
+ONE_LAYOUT = ("gpt_oss", "jetmoe", "llama4_text")  # fused experts only: no v4 per-expert modules
+V4_NAMES = {"mixtral": ("w1", "w3", "w2"), "nemotron_h": (None, "up_proj", "down_proj")}
 
 
 def _ids(v):
@@ -110,13 +117,16 @@ def test_state_dict_round_trips(family):
         assert torch.equal(back[k], t), k
     c = moe_config_from_hf(cfg)
     E, F = c.num_experts, c.ffn_hidden_size
-    if family != "gpt_oss":
+    if family not in ONE_LAYOUT:
         # v4: one module per expert, gate_up_proj[e] = cat(gate, up) (transformers' conversion mapping)
-        g, u, d = ("w1", "w3", "w2") if family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+        g, u, d = V4_NAMES.get(family, ("gate_proj", "up_proj", "down_proj"))
         v4 = {k: t for k, t in v5.items() if not k.startswith("experts.")}
         for e in range(E):
-            v4[f"experts.{e}.{g}.weight"] = v5["experts.gate_up_proj"][e, :F].clone()
-            v4[f"experts.{e}.{u}.weight"] = v5["experts.gate_up_proj"][e, F:].clone()
+            if g is None:  # non-gated: experts.up_proj [E, F, H]
+                v4[f"experts.{e}.{u}.weight"] = v5["experts.up_proj"][e].clone()
+            else:
+                v4[f"experts.{e}.{g}.weight"] = v5["experts.gate_up_proj"][e, :F].clone()
+                v4[f"experts.{e}.{u}.weight"] = v5["experts.gate_up_proj"][e, F:].clone()
             v4[f"experts.{e}.{d}.weight"] = v5["experts.down_proj"][e].clone()
         moe4 = hf_to_moe_state_dict(v4, cfg)
         assert sorted(moe4) == sorted(moe) and all(torch.equal(moe4[k], moe[k]) for k in moe)
@@ -124,15 +134,15 @@ def test_state_dict_round_trips(family):
         assert sorted(out4) == sorted(v4) and all(torch.equal(out4[k], v4[k]) for k in v4)
     # expert parallelism: each rank's experts; together the whole layer
     for layout in ("v5", "v4"):
-        src = v5 if layout == "v5" or family == "gpt_oss" else moe_to_hf_state_dict(moe, cfg, layout="v4")
+        src = v5 if layout == "v5" or family in ONE_LAYOUT else moe_to_hf_state_dict(moe, cfg, layout="v4")
         parts = [hf_to_moe_state_dict(src, cfg, ep_rank=r, ep_size=2) for r in range(2)]
         for k, t in moe.items():
             whole = torch.cat([p[k] for p in parts]) if k.startswith("experts.") else parts[1][k]
             assert torch.equal(whole, t), (layout, k)
         back1 = moe_to_hf_state_dict(parts[1], cfg, layout=layout, ep_rank=1, ep_size=2)
-        if layout == "v4" and family != "gpt_oss":
+        if layout == "v4" and family not in ONE_LAYOUT:
             assert all(torch.equal(back1[k], src[k]) for k in back1)  # global expert names E/2 .. E-1
-            assert f"experts.{E - 1}.{'w2' if family == 'mixtral' else 'down_proj'}.weight" in back1
+            assert f"experts.{E - 1}.{V4_NAMES.get(family, ('', '', 'down_proj'))[2]}.weight" in back1
     with pytest.raises(ValueError, match="ep_size"):
         hf_to_moe_state_dict(v5, cfg, ep_rank=0, ep_size=3)
 
@@ -142,9 +152,10 @@ def test_whole_model_swapped(family):
     cfg, model = tiny_model(family)
     ref = copy.deepcopy(model)
     names = swap_moe_blocks(model)
-    expected = [f"model.layers.{i}.mlp" for i in range(cfg.num_hidden_layers)
-                if family != "deepseek_v3" or i >= cfg.first_k_dense_replace]
+    expected = [n for n, m in ref.named_modules() if BLOCK_CLASSES.get(type(m).__name__) == family]
     assert names == expected and len(names) >= 1
+    if family == "deepseek_v3":
+        assert names == [f"model.layers.{i}.mlp" for i in range(cfg.first_k_dense_replace, cfg.num_hidden_layers)]
     assert all(isinstance(model.get_submodule(n), HFMoEBlock) for n in names)
     ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3))
     out_ref, out = ref(ids, labels=ids), model(ids, labels=ids)
@@ -153,7 +164,7 @@ def test_whole_model_swapped(family):
     out_ref.loss.backward()
     out.loss.backward()
     ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.requires_grad}
-    got = {n: p.grad for n, p in model.named_parameters() if ".mlp.moe." not in n}
+    got = {n: p.grad for n, p in model.named_parameters() if not any(n.startswith(f"{b}.moe.") for b in names)}
     for name in names:
         layer = model.get_submodule(name).moe
         moe_grads = {n: p.grad for n, p in layer.named_parameters()}
@@ -194,6 +205,8 @@ def test_hf_load_balancing_loss():
     ("mixtral", dict(router_jitter_noise=0.1), "router_jitter_noise"),
     ("qwen3_moe", dict(hidden_act="gelu"), "hidden_act"),
     ("deepseek_v3", dict(n_routed_experts=8, n_group=8, topk_group=2), "n_group"),
+    ("nemotron_h", dict(moe_latent_size=16), "moe_latent_size"),
+    ("jetmoe", dict(activation_function="gelu"), "activation_function"),
 ])
 def test_unsupported_configs(family, kw, match):
     with pytest.raises(ValueError, match=match):

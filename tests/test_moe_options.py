@@ -143,7 +143,7 @@ def test_router_bias_router_dtype(gen):
 
 
 # ----------------------------------------------------------------------------------------- activations --
-@pytest.mark.parametrize("activation", ["relu", "silu", "gelu", "swiglu", "clamped_swiglu"])
+@pytest.mark.parametrize("activation", ["relu", "silu", "gelu", "squared_relu", "swiglu", "clamped_swiglu"])
 def test_activation_fn_matches_definition(gen, activation):
     h = torch.randn(50, 12, generator=gen, dtype=DT) * 6  # beyond the clamp limit on both sides
     torch.testing.assert_close(activation_fn(h, activation, 1.3, 2.5), reference_activation(h, activation, 1.3, 2.5),
@@ -158,7 +158,7 @@ def test_clamped_swiglu_clamps():
     torch.testing.assert_close(y[:, 0], g * torch.sigmoid(1.702 * g) * (u + 1), **TOL)
 
 
-@pytest.mark.parametrize("activation", ["relu", "silu", "clamped_swiglu"])
+@pytest.mark.parametrize("activation", ["relu", "silu", "squared_relu", "clamped_swiglu"])
 @pytest.mark.parametrize("bias", [False, True])
 def test_activation_and_bias_layer(gen, activation, bias):
     layer = _layer(activation=activation, add_bias_linear=bias, swiglu_limit=1.5, swiglu_alpha=1.2,
@@ -190,6 +190,24 @@ def test_bias_echo_recompute(gen, plan_mode):
     layer = _layer(activation="relu", add_bias_linear=True, num_spare_experts_per_ep_rank=1, **kw)
     layer.train()
     _check(layer, torch.randn(32, 8, generator=gen, dtype=DT))
+
+
+@pytest.mark.parametrize("case", ["plain", "fused_echo", "recompute", "static", "bias_F_lt_H"])
+def test_probs_on_input_and_output_bias(gen, case):
+    """Routing probabilities on the expert input (Llama 4) and a block output bias (JetMoE), through the fused
+    main_grad + echo path, recompute, the fixed-capacity dispatcher, and with expert biases where F < H."""
+    kw = dict(probs_on_input=True, output_bias=True, score_func="sigmoid", norm_topk_prob=False,
+              shared_expert_ffn_size=5)
+    kw.update({"fused_echo": dict(num_spare_experts_per_ep_rank=1), "recompute": dict(recompute=True),
+               "static": dict(capacity_factor=8.0), "bias_F_lt_H": dict(add_bias_linear=True)}.get(case, {}))
+    layer = _layer(**kw)
+    assert not layer.scale_rows
+    with torch.no_grad():
+        layer.output_bias.normal_(0, 0.5)
+    if case == "fused_echo":
+        _attach_main_grads(layer)
+    layer.train()
+    _check(layer, torch.randn(24, 8, generator=gen, dtype=DT), reps=2 if case == "fused_echo" else 1)
 
 
 def test_options_static_capacity(gen):

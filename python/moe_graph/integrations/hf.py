@@ -21,6 +21,14 @@ Families (``config.model_type``; block class -> what the layer reproduces):
 * ``kolibri1`` (``Kolibri1SparseMoeBlock``): fp32 gate, ``e_score_correction_bias`` added to the *logits* for the
   selection (``expert_bias_target="logits"``), the sigmoid of the chosen logits, ``norm_topk_prob``, a shared
   SwiGLU expert.
+* ``nemotron_h`` (``NemotronHMoE``, the ``mixer`` of its ``moe`` layers): DeepSeek-V3's router, non-gated experts
+  with ``mlp_hidden_act`` (``relu2`` -> ``activation="squared_relu"``; ``experts.up_proj [E, F, H]``) and a
+  non-gated shared expert.
+* ``jetmoe`` (``JetMoeMoE``): softmax over the top-k logits, SwiGLU experts (``input_linear`` / ``output_linear``),
+  the block's ``bias [H]`` added after combining (``output_bias``).
+* ``llama4_text`` (``Llama4TextMoe``): the sigmoid of the top-k logits applied to the expert *input*
+  (``probs_on_input``), a shared SwiGLU expert; experts stored transposed (``gate_up_proj [E, H, 2F]``,
+  ``down_proj [E, F, H]``). The block returns ``(out, router_logits)``: the swapped block ``(out, None)``.
 
 Checkpoint layouts (names relative to the block, e.g. ``model.layers.3.mlp.``): transformers v5 fuses the experts
 (``experts.gate_up_proj [E, 2F, H]``: the gate rows, then the up rows; ``experts.down_proj [E, H, F]``), which is
@@ -57,6 +65,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moe_graph.moe.config import MoEConfig
+from moe_graph.moe.experts import GATED_ACTIVATIONS
 from moe_graph.moe.layer import MoELayer
 
 __all__ = ["BLOCK_CLASSES", "HFMoEBlock", "hf_load_balancing_loss", "hf_to_moe_state_dict", "moe_config_from_hf",
@@ -75,6 +84,8 @@ class _Family:
     fc2: str = "experts.down_proj"
     expert_bias: str = "e_score_correction_bias"  # the selection bias's name in the router module
     expert_bias_2d: bool = False  # stored as [1, E] (ERNIE-4.5's moe_statics)
+    transposed: bool = False  # fused experts stored [E, H, 2F] / [E, F, H] (Llama 4)
+    output_bias: Optional[str] = None  # the block's output bias [H] (JetMoE)
 
 
 _FAMILIES: Dict[str, _Family] = {
@@ -89,7 +100,15 @@ _FAMILIES: Dict[str, _Family] = {
                             expert_bias_2d=True),
     "kolibri1": _Family("Kolibri1SparseMoeBlock", "gate", ("gate_proj", "up_proj", "down_proj"),
                         shared="shared_experts"),
+    "nemotron_h": _Family("NemotronHMoE", "gate", (None, "up_proj", "down_proj"), shared="shared_experts",
+                          fc1="experts.up_proj"),
+    "jetmoe": _Family("JetMoeMoE", "router.layer", None, fc1="input_linear.weight", fc2="output_linear.weight",
+                      output_bias="bias"),
+    "llama4_text": _Family("Llama4TextMoe", "router", None, shared="shared_expert", returns_router_scores=True,
+                           transposed=True),
 }
+# transformers' hidden_act of non-gated experts -> MoELayer's activation
+_PLAIN_ACTS = {"relu2": "squared_relu", "relu": "relu", "silu": "silu", "gelu": "gelu"}
 BLOCK_CLASSES = {f.block: t for t, f in _FAMILIES.items()}  # block class name -> model_type
 
 
@@ -110,6 +129,22 @@ def _gated_silu(config, model_type: str) -> None:
     if act != "silu":
         raise ValueError(f"{model_type}: hidden_act={act!r} cannot be expressed: MoELayer's gated experts are SwiGLU "
                          f"(hidden_act='silu')")
+
+
+def _deepseek_routing(c, model_type: str) -> Dict:
+    """DeepSeek-V3's router (also Nemotron-H's): fp32 gate, sigmoid, the correction bias for the selection, groups
+    scoring their best 2, ``norm_topk_prob``, ``routed_scaling_factor``."""
+    opts = dict(hidden_size=c.hidden_size, ffn_hidden_size=c.moe_intermediate_size, num_experts=c.n_routed_experts,
+                topk=c.num_experts_per_tok, score_func="sigmoid", norm_topk_prob=bool(c.norm_topk_prob),
+                topk_scaling_factor=float(c.routed_scaling_factor), enable_expert_bias=True,
+                router_dtype=torch.float32)
+    if c.n_group and c.n_group > 1:
+        per = c.n_routed_experts // c.n_group
+        if c.n_routed_experts % c.n_group or per < 2:
+            raise ValueError(f"{model_type}: n_group={c.n_group} must divide n_routed_experts="
+                             f"{c.n_routed_experts} into groups of at least 2 (a group scores its best 2)")
+        opts.update(num_groups=c.n_group, group_topk=c.topk_group, group_score_topk=2)
+    return opts
 
 
 def moe_config_from_hf(config, **overrides) -> MoEConfig:
@@ -137,18 +172,34 @@ def moe_config_from_hf(config, **overrides) -> MoEConfig:
             opts.update(shared_expert_ffn_size=c.shared_expert_intermediate_size, shared_expert_gate=True)
     elif t == "deepseek_v3":
         _gated_silu(c, t)
-        opts = dict(hidden_size=c.hidden_size, ffn_hidden_size=c.moe_intermediate_size, num_experts=c.n_routed_experts,
-                    topk=c.num_experts_per_tok, score_func="sigmoid", norm_topk_prob=bool(c.norm_topk_prob),
-                    topk_scaling_factor=float(c.routed_scaling_factor), enable_expert_bias=True,
-                    router_dtype=torch.float32)
-        if c.n_group and c.n_group > 1:
-            per = c.n_routed_experts // c.n_group
-            if c.n_routed_experts % c.n_group or per < 2:
-                raise ValueError(f"deepseek_v3: n_group={c.n_group} must divide n_routed_experts="
-                                 f"{c.n_routed_experts} into groups of at least 2 (a group scores its best 2)")
-            opts.update(num_groups=c.n_group, group_topk=c.topk_group, group_score_topk=2)
+        opts = _deepseek_routing(c, t)
         if c.n_shared_experts:
             opts.update(shared_expert_ffn_size=c.moe_intermediate_size * c.n_shared_experts)
+    elif t == "nemotron_h":
+        act = c.mlp_hidden_act
+        if act not in _PLAIN_ACTS:
+            raise ValueError(f"nemotron_h: mlp_hidden_act={act!r} cannot be expressed (non-gated experts: "
+                             f"{sorted(_PLAIN_ACTS)})")
+        if c.moe_latent_size is not None:
+            raise ValueError("nemotron_h: moe_latent_size cannot be expressed: MoELayer has no latent projections "
+                             "around the experts")
+        if c.mlp_bias:
+            raise ValueError("nemotron_h: mlp_bias=True cannot be expressed: the shared expert would have biases and "
+                             "the routed experts none (MoELayer's add_bias_linear sets both)")
+        opts = _deepseek_routing(c, t)
+        opts.update(activation=_PLAIN_ACTS[act], shared_expert_ffn_size=c.moe_shared_expert_intermediate_size)
+    elif t == "jetmoe":
+        act = c.activation_function
+        if act != "silu":
+            raise ValueError(f"jetmoe: activation_function={act!r} cannot be expressed: MoELayer's gated experts are "
+                             "SwiGLU ('silu')")
+        opts = dict(hidden_size=c.hidden_size, ffn_hidden_size=c.intermediate_size, num_experts=c.num_local_experts,
+                    topk=c.num_experts_per_tok, norm_topk_prob=True, output_bias=True)
+    elif t == "llama4_text":
+        _gated_silu(c, t)
+        opts = dict(hidden_size=c.hidden_size, ffn_hidden_size=c.intermediate_size, num_experts=c.num_local_experts,
+                    topk=c.num_experts_per_tok, score_func="sigmoid", norm_topk_prob=False, probs_on_input=True,
+                    shared_expert_ffn_size=c.intermediate_size)
     elif t == "ernie4_5_moe":
         _gated_silu(c, t)
         if c.use_bias:
@@ -226,20 +277,25 @@ def hf_to_moe_state_dict(hf_state_dict: Dict[str, torch.Tensor], config, *, ep_r
         out["experts.fc2.bias"] = b2 if whole else b2[sl]
     elif fam.fc1 in sd:  # v5
         gu, dp = sd[fam.fc1], _take(sd, fam.fc2, t)
-        out["experts.fc1.weight"] = gu if whole else gu[sl]
-        out["experts.fc2.weight"] = dp if whole else dp[sl]
+        gu, dp = (gu, dp) if whole else (gu[sl], dp[sl])
+        if fam.transposed:
+            gu, dp = gu.transpose(1, 2).contiguous(), dp.transpose(1, 2).contiguous()
+        out["experts.fc1.weight"], out["experts.fc2.weight"] = gu, dp
     else:  # v4: one module per expert
         if not _v4_expert_ids(sd):
             raise KeyError(f"{t} block state dict has neither {fam.fc1} (v5) nor experts.<e>.* (v4) keys")
         g, u, d = fam.v4_experts
         ids = range(sl.start, sl.stop)
-        out["experts.fc1.weight"] = torch.stack([torch.cat([_take(sd, f"experts.{e}.{g}.weight", t),
-                                                            _take(sd, f"experts.{e}.{u}.weight", t)]) for e in ids])
+        out["experts.fc1.weight"] = torch.stack([torch.cat([_take(sd, f"experts.{e}.{n}.weight", t)
+                                                            for n in (g, u) if n is not None]) for e in ids])
         out["experts.fc2.weight"] = torch.stack([_take(sd, f"experts.{e}.{d}.weight", t) for e in ids])
+    if fam.output_bias is not None:
+        out["output_bias"] = _take(sd, fam.output_bias, t)
     if fam.shared is not None and cfg.shared_expert_ffn_size:
         s = fam.shared
-        out["shared_expert.fc1.weight"] = torch.cat([_take(sd, f"{s}.gate_proj.weight", t),
-                                                     _take(sd, f"{s}.up_proj.weight", t)])
+        gated = cfg.activation in GATED_ACTIVATIONS
+        out["shared_expert.fc1.weight"] = torch.cat([_take(sd, f"{s}.{n}.weight", t)
+                                                     for n in (("gate_proj",) if gated else ()) + ("up_proj",)])
         out["shared_expert.fc2.weight"] = _take(sd, f"{s}.down_proj.weight", t)
         if fam.shared_gate is not None:
             out["shared_expert.gate.weight"] = _take(sd, f"{fam.shared_gate}.weight", t)
@@ -274,18 +330,28 @@ def moe_to_hf_state_dict(moe_state_dict: Dict[str, torch.Tensor], config, *, lay
         out["experts.gate_up_proj_bias"] = torch.stack([b1[:, :F], b1[:, F:]], dim=-1).reshape(b1.shape).contiguous()
         out["experts.down_proj"] = w2.transpose(1, 2).contiguous()
         out["experts.down_proj_bias"] = sd["experts.fc2.bias"]
-    elif layout == "v5":
+    elif layout == "v5" or fam.v4_experts is None:  # v5, or a family with one (fused) layout
+        if fam.transposed:
+            w1, w2 = w1.transpose(1, 2).contiguous(), w2.transpose(1, 2).contiguous()
         out[fam.fc1], out[fam.fc2] = w1, w2
     else:
         g, u, d = fam.v4_experts
         for i in range(w1.shape[0]):
             e = first + i
-            out[f"experts.{e}.{g}.weight"], out[f"experts.{e}.{u}.weight"] = w1[i, :F], w1[i, F:]
+            if g is None:  # non-gated experts: fc1 is the up projection
+                out[f"experts.{e}.{u}.weight"] = w1[i]
+            else:
+                out[f"experts.{e}.{g}.weight"], out[f"experts.{e}.{u}.weight"] = w1[i, :F], w1[i, F:]
             out[f"experts.{e}.{d}.weight"] = w2[i]
+    if fam.output_bias is not None:
+        out[fam.output_bias] = sd["output_bias"]
     if fam.shared is not None and cfg.shared_expert_ffn_size:
         s, sw1 = fam.shared, sd["shared_expert.fc1.weight"]
-        Fs = sw1.shape[0] // 2
-        out[f"{s}.gate_proj.weight"], out[f"{s}.up_proj.weight"] = sw1[:Fs], sw1[Fs:]
+        if cfg.activation in GATED_ACTIVATIONS:
+            Fs = sw1.shape[0] // 2
+            out[f"{s}.gate_proj.weight"], out[f"{s}.up_proj.weight"] = sw1[:Fs], sw1[Fs:]
+        else:
+            out[f"{s}.up_proj.weight"] = sw1
         out[f"{s}.down_proj.weight"] = sd["shared_expert.fc2.weight"]
         if fam.shared_gate is not None:
             out[f"{fam.shared_gate}.weight"] = sd["shared_expert.gate.weight"]

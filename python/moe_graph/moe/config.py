@@ -35,7 +35,8 @@ class MoEConfig:
     ``capacity_factor``, ``token_drop_policy``, ``overflow`` (``"drop"`` or ``"rerun"``: dropless with the static
     capacity), ``exchange`` (``"nccl"``: capacity per (source, destination) pair; ``"symm_mem"``: per destination
     rank, variable-size; ``"auto"``: :mod:`moe_graph.moe.exchange`). Experts (:class:`moe_graph.moe.experts.GroupedMLP`):
-    ``activation``, ``shared_expert_ffn_size``, ``shared_expert_gate``, ``params_dtype``, ``init_std``;
+    ``activation``, ``shared_expert_ffn_size``, ``shared_expert_gate``, ``probs_on_input``, ``output_bias``,
+    ``params_dtype``, ``init_std``;
     ``recompute``: activation recomputation of the whole layer.
     """
 
@@ -73,6 +74,8 @@ class MoEConfig:
     exchange: str = "auto"
     shared_expert_ffn_size: Optional[int] = None
     shared_expert_gate: bool = False
+    probs_on_input: bool = False
+    output_bias: bool = False
     params_dtype: Optional[torch.dtype] = None
     init_std: float = 0.02
     recompute: bool = False

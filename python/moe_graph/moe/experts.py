@@ -36,7 +36,7 @@ from moe_graph.ops.grouped_gemm import grouped_gemm, grouped_gemm_autograd
 __all__ = ["ACTIVATIONS", "GATED_ACTIVATIONS", "GroupedMLP", "SharedExpert", "activation_fn", "check_activation",
            "fc1_out_features"]
 
-ACTIVATIONS = GATED_ACTIVATIONS + ("gelu", "relu", "silu")
+ACTIVATIONS = GATED_ACTIVATIONS + ("gelu", "relu", "silu", "squared_relu")
 
 
 def check_activation(activation: str, swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0) -> None:
@@ -58,7 +58,8 @@ def activation_fn(h: torch.Tensor, activation: str, swiglu_alpha: float = 1.702,
     :func:`moe_graph.ops.activation.gated_activation`): ``"swiglu"``: ``silu(a) * b``; ``"clamped_swiglu"``
     (GPT-OSS): ``a' * sigmoid(swiglu_alpha * a') * (b' + 1)`` with ``a' = min(a, limit)``,
     ``b' = clamp(b, -limit, limit)`` (Megatron: ``quick_gelu`` with ``activation_func_clamp_value`` and
-    ``glu_linear_offset=1``). Not gated (torch ops): ``"gelu"`` (erf), ``"relu"``, ``"silu"``."""
+    ``glu_linear_offset=1``). Not gated (torch ops): ``"gelu"`` (erf), ``"relu"``, ``"silu"``, ``"squared_relu"``
+    (``relu(h)^2``: Nemotron-H's ``relu2``, Megatron's ``squared_relu``)."""
     if activation in GATED_ACTIVATIONS:
         return gated_activation(h, activation, row_scale, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
     if activation == "gelu":
@@ -67,6 +68,8 @@ def activation_fn(h: torch.Tensor, activation: str, swiglu_alpha: float = 1.702,
         y = F.relu(h)
     elif activation == "silu":
         y = F.silu(h)
+    elif activation == "squared_relu":
+        y = F.relu(h).square()
     else:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     return y if row_scale is None else (y * row_scale[..., None]).to(h.dtype)

@@ -110,6 +110,10 @@ class MoELayer(nn.Module):
             narrower side of the expert MLP: with ``F < H`` (and no biases) each row's ``[F]`` activation before
             fc2 (``scale_rows``: :meth:`TokenDispatcher.row_weights`, a plain sum in combine), else the ``[H]``
             outputs in combine.
+        probs_on_input: weight each expert's *input* row by its routing probability instead of its output (Llama 4:
+            ``sum_k mlp_k(p_k * x)``; combine then sums plainly).
+        output_bias: a learned ``output_bias [H]`` (zero-initialized) added once to the block output, after the
+            routed and shared outputs are combined (JetMoE).
         aux_loss_coeff: weight of the load-balancing loss (0: off); its gradient flows through the output, times
             the factor of :meth:`MoEAuxLossAutoScaler.set_loss_scale` (``loss_scale / num_microbatches``, set for
             you by :func:`moe_graph.train.step.train_step` and the pipeline schedules).
@@ -189,7 +193,8 @@ class MoELayer(nn.Module):
         self.overflow = c.overflow
         # the routing probabilities scale the narrower side of the expert MLP: the [rows, F] activation before fc2
         # when F < H (no fc2 bias, which the scale would miss), else the [rows, H] outputs in combine
-        self.scale_rows = c.ffn_hidden_size < c.hidden_size and not c.add_bias_linear
+        self.probs_on_input = bool(c.probs_on_input)
+        self.scale_rows = c.ffn_hidden_size < c.hidden_size and not c.add_bias_linear and not self.probs_on_input
         dtype = c.params_dtype if c.params_dtype is not None else torch.get_default_dtype()
         device = torch.device(device) if device is not None else torch.device(
             "cuda" if torch.cuda.is_available() else "cpu")
@@ -205,6 +210,8 @@ class MoELayer(nn.Module):
         act = dict(swiglu_alpha=c.swiglu_alpha, swiglu_limit=c.swiglu_limit, bias=c.add_bias_linear)
         self.experts = GroupedMLP(self.num_local_experts, c.hidden_size, c.ffn_hidden_size, c.activation, k,
                                   params_dtype=dtype, device=device, init_std=c.init_std, **act)
+        self.output_bias = nn.Parameter(torch.zeros(c.hidden_size, device=device, dtype=dtype)) \
+            if c.output_bias else None
         self.shared_expert = None
         if c.shared_expert_ffn_size:
             self.shared_expert = SharedExpert(c.hidden_size, c.shared_expert_ffn_size, c.activation,
@@ -308,6 +315,9 @@ class MoELayer(nn.Module):
         expert_in, m_splits, handle = self.dispatcher.dispatch(h, indices, routing.probs, valid, demand)
         self._stat("last_m_splits", m_splits)
 
+        if self.probs_on_input:  # Llama 4: each row scaled by its probability before the experts
+            w = self.dispatcher.row_weights(handle)
+            expert_in = expert_in * w.to(expert_in.dtype if expert_in.dtype == torch.float64 else torch.float32)[:, None]
         expert_in = expert_in.to(self.experts.fc1.weight.dtype)
         row_scale = self.dispatcher.row_weights(handle) if self.scale_rows else None
         if self.echo is None:
@@ -315,9 +325,12 @@ class MoELayer(nn.Module):
         else:
             spares = self.echo.iteration_spares(plan, self.experts.expert_params(), reuse)
             expert_out = self.experts(expert_in, m_splits, self.echo.dispatcher, plan, spares, row_scale=row_scale)
-        out = self.dispatcher.combine(expert_out, handle, weighted=not self.scale_rows).to(x.dtype)
+        weighted = not (self.scale_rows or self.probs_on_input)
+        out = self.dispatcher.combine(expert_out, handle, weighted=weighted).to(x.dtype)
         if self.shared_expert is not None:
             out = out + self.shared_expert(h).to(out.dtype)
+        if self.output_bias is not None:
+            out = out + self.output_bias.to(out.dtype)
         if aux is not None:
             out = MoEAuxLossAutoScaler.attach(out, aux)
         return out.reshape(*lead, self.hidden_size)

@@ -9,7 +9,8 @@ from typing import Callable, Dict
 import torch
 import transformers
 
-FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss", "ernie4_5_moe", "kolibri1")
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss", "ernie4_5_moe", "kolibri1", "nemotron_h", "jetmoe",
+            "llama4_text")
 
 _COMMON = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
                max_position_embeddings=64, num_experts_per_tok=2)
@@ -31,6 +32,12 @@ _CONFIGS: Dict[str, tuple] = {
                                                 moe_k=2, moe_num_shared_experts=2, moe_layer_start_index=0)),
     "kolibri1": ("Kolibri1Config", dict(moe_intermediate_size=24, num_experts=8, shared_expert_intermediate_size=40,
                                         head_dim=8, sliding_window=8, norm_topk_prob=True)),
+    "nemotron_h": ("NemotronHConfig", dict(num_hidden_layers=3, layers_block_type=["moe", "full_attention", "moe"],
+                                           head_dim=8, moe_intermediate_size=24, n_routed_experts=8,
+                                           moe_shared_expert_intermediate_size=40, routed_scaling_factor=2.5)),
+    "jetmoe": ("JetMoeConfig", dict(intermediate_size=24, num_local_experts=8, kv_channels=8)),
+    "llama4_text": ("Llama4TextConfig", dict(intermediate_size=24, intermediate_size_mlp=48, num_local_experts=8,
+                                             head_dim=8, interleave_moe_layer_step=1, moe_layers=None)),
 }
 _BLOCKS = {"mixtral": "mixtral.modeling_mixtral.MixtralSparseMoeBlock",
            "qwen2_moe": "qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
@@ -38,10 +45,14 @@ _BLOCKS = {"mixtral": "mixtral.modeling_mixtral.MixtralSparseMoeBlock",
            "deepseek_v3": "deepseek_v3.modeling_deepseek_v3.DeepseekV3MoE",
            "gpt_oss": "gpt_oss.modeling_gpt_oss.GptOssMLP",
            "ernie4_5_moe": "ernie4_5_moe.modeling_ernie4_5_moe.Ernie4_5_MoeSparseMoeBlock",
-           "kolibri1": "kolibri1.modeling_kolibri1.Kolibri1SparseMoeBlock"}
+           "kolibri1": "kolibri1.modeling_kolibri1.Kolibri1SparseMoeBlock",
+           "nemotron_h": "nemotron_h.modeling_nemotron_h.NemotronHMoE",
+           "jetmoe": "jetmoe.modeling_jetmoe.JetMoeMoE",
+           "llama4_text": "llama4.modeling_llama4.Llama4TextMoe"}
 _MODELS = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
            "deepseek_v3": "DeepseekV3ForCausalLM", "gpt_oss": "GptOssForCausalLM",
-           "ernie4_5_moe": "Ernie4_5_MoeForCausalLM", "kolibri1": "Kolibri1ForCausalLM"}
+           "ernie4_5_moe": "Ernie4_5_MoeForCausalLM", "kolibri1": "Kolibri1ForCausalLM",
+           "nemotron_h": "NemotronHForCausalLM", "jetmoe": "JetMoeForCausalLM", "llama4_text": "Llama4ForCausalLM"}
 
 
 def tiny_config(family: str, **overrides):
@@ -97,7 +108,11 @@ def tiny_model(family: str, seed: int = 0, **overrides):
 def hf_router(block: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The expert indices ``[T, K]`` (sorted per token) the transformers block's own gate picks for ``x``."""
     gate = block.router if hasattr(block, "router") else block.gate
-    return gate(x.reshape(-1, x.shape[-1]))[2].sort(-1)[0]
+    out = gate(x.reshape(-1, x.shape[-1]))
+    if type(block).__name__ in ("JetMoeMoE", "Llama4TextMoe"):  # their gates return the logits last: top-k of them
+        k = getattr(gate, "top_k", None) or block.top_k
+        return out[-1].topk(k, dim=-1)[1].sort(-1)[0]
+    return out[2].sort(-1)[0]
 
 
 def block_output(block: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -108,7 +123,7 @@ def block_output(block: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def _fwd_bwd(module: torch.nn.Module, x: torch.Tensor, target: torch.Tensor):
     xi = x.clone().requires_grad_()
-    y = block_output(module, xi)
+    y = block_output(module, xi).reshape(x.shape)  # Llama 4's block returns [T, H]
     (y * target).sum().backward()
     return y.detach(), xi.grad
 

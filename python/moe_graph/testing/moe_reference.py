@@ -106,13 +106,16 @@ def reference_activation(a: torch.Tensor, activation: str = "swiglu", swiglu_alp
         return torch.where(a > 0, a, torch.zeros_like(a))
     if activation == "silu":
         return a / (1 + torch.exp(-a))
+    if activation == "squared_relu":
+        return torch.where(a > 0, a * a, torch.zeros_like(a))
     raise ValueError(f"unknown activation {activation!r}")
 
 
 def dense_moe_reference(h, indices, probs, w1, w2, activation: str = "swiglu", keep: Optional[torch.Tensor] = None,
                         b1: Optional[torch.Tensor] = None, b2: Optional[torch.Tensor] = None,
-                        swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0):
-    """Every token through each of its top-k experts, one at a time: ``sum_k probs[t, k] * mlp_{e_k}(h[t])``.
+                        swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0, probs_on_input: bool = False):
+    """Every token through each of its top-k experts, one at a time: ``sum_k probs[t, k] * mlp_{e_k}(h[t])``
+    (``probs_on_input``: ``sum_k mlp_{e_k}(probs[t, k] * h[t])``, Llama 4).
 
     ``w1 [E, fc1_out, H]``, ``w2 [E, H, F]`` (``nn.Linear`` layout), optional biases ``b1 [E, fc1_out]``,
     ``b2 [E, H]``; ``keep`` masks dropped routes; activation: :func:`reference_activation`."""
@@ -124,13 +127,14 @@ def dense_moe_reference(h, indices, probs, w1, w2, activation: str = "swiglu", k
             if keep is not None and not bool(keep[t, k]):
                 continue
             e = int(indices[t, k])
-            a = h[t] @ w1[e].t()
+            p = probs[t, k].to(h.dtype)
+            a = (p * h[t] if probs_on_input else h[t]) @ w1[e].t()
             if b1 is not None:
                 a = a + b1[e]
             a = reference_activation(a, activation, swiglu_alpha, swiglu_limit) @ w2[e].t()
             if b2 is not None:
                 a = a + b2[e]
-            acc = acc + probs[t, k].to(h.dtype) * a
+            acc = acc + (a if probs_on_input else p * a)
         rows.append(acc)
     return torch.stack(rows)
 
@@ -172,7 +176,8 @@ def reference_moe_layer(x: torch.Tensor, params: Dict[str, torch.Tensor], config
                                     expert_bias_target=getattr(c, "expert_bias_target", "scores"))
     act = dict(swiglu_alpha=c.swiglu_alpha, swiglu_limit=c.swiglu_limit)
     y = dense_moe_reference(h, idx, probs, params["experts.fc1.weight"], params["experts.fc2.weight"], c.activation,
-                            b1=params.get("experts.fc1.bias"), b2=params.get("experts.fc2.bias"), **act)
+                            b1=params.get("experts.fc1.bias"), b2=params.get("experts.fc2.bias"),
+                            probs_on_input=getattr(c, "probs_on_input", False), **act)
     if c.shared_expert_ffn_size:
         a = h @ params["shared_expert.fc1.weight"].t()
         if "shared_expert.fc1.bias" in params:
@@ -183,4 +188,6 @@ def reference_moe_layer(x: torch.Tensor, params: Dict[str, torch.Tensor], config
         if c.shared_expert_gate:
             s = s / (1 + torch.exp(-(h @ params["shared_expert.gate.weight"].t())))
         y = y + s
+    if "output_bias" in params:
+        y = y + params["output_bias"]
     return y.reshape(x.shape)
