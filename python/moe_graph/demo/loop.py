@@ -40,12 +40,6 @@ def check_checkpoint_compatible(meta: Dict, cfg, layout: Layout) -> None:
         if saved.get(k) != getattr(cfg, k):
             raise ValueError(f"--load: the checkpoint was saved with --{k} {saved.get(k)}, this run uses "
                              f"--{k} {getattr(cfg, k)} (the model must be the same)")
-    lay = meta["layout"]
-    for k in ("pp", "vpp", "ep"):
-        if lay[k] != getattr(layout, k):
-            raise ValueError(f"--load: the checkpoint was saved with --{k} {lay[k]}, this run uses --{k} "
-                             f"{getattr(layout, k)} (the optimizer state is sharded per pipeline stage and expert "
-                             "rank; only the data-parallel size may change)")
     if meta["step"] >= cfg.steps:
         raise ValueError(f"--steps {cfg.steps}: the checkpoint is at step {meta['step']}; nothing left to train")
 
@@ -178,9 +172,15 @@ class Trainer:
         return out
 
     # ---------------------------------------------------------------------------------------------- resume --
+    def naming(self) -> Dict:
+        """How this rank's optimizer names map to whole-model names (:func:`moe_graph.train.checkpoint.naming_of`)."""
+        return checkpoint.naming_of(self.stages, self.ep_rank)
+
     def resume(self, path: str) -> None:
-        """Load the model, optimizer shards (resharded to this data-parallel size) and, with the same layout, the
-        RNG states from ``path``; every rank fails together if any rank cannot read its part."""
+        """Load the model and the optimizer state from ``path``, saved at any pipeline / virtual pipeline / expert /
+        data-parallel layout of the same model (each rank reads only the files holding its tensors; the ZeRO-1
+        state is resharded to this rank's parameters and data-parallel shard), the dropless mode's adapted capacity,
+        and, with the same layout, the RNG states; every rank fails together if any rank cannot read its part."""
         cfg, layout = self.cfg, self.layout
         t_load = time.perf_counter()
         folder = checkpoint.resolve_checkpoint(path)
@@ -188,8 +188,16 @@ class Trainer:
         check_checkpoint_compatible(meta, cfg, layout)
         error = None
         try:
-            plan = checkpoint.copy_plan(self.model_tensors(), checkpoint.read_model_state(folder, meta))
-        except (KeyError, ValueError, FileNotFoundError, RuntimeError) as exc:
+            mine = self.model_tensors()
+            plan = checkpoint.copy_plan(mine, checkpoint.read_model_state(folder, meta, wanted=mine))
+            target, naming = self.opt.checkpoint_metadata(), self.naming()
+            ranks = checkpoint.files_holding(meta, "optim", checkpoint.optimizer_tensor_names(target, naming))
+            saved = checkpoint.read_optimizer_shards(folder, ranks, migrate=meta["format"] == checkpoint.FORMAT_V1)
+            shards = checkpoint.reshard_optimizer(saved, [meta["index"][r]["naming"] for r in ranks], target, naming)
+            # per-rank RNG streams carry over only to the same rank of the same layout
+            rng = (checkpoint.read_rank_state(folder, self.rank).get("rng") if meta["layout"] == layout.as_dict()
+                   else None)
+        except (KeyError, ValueError, OSError, RuntimeError, IndexError) as exc:
             error = exc
         flag = torch.tensor([0.0 if error is None else 1.0], device=self.device)
         dist.all_reduce(flag)  # every rank fails together: none waits in the optimizer's collectives
@@ -197,21 +205,22 @@ class Trainer:
             raise ValueError(f"--load {path}: {error}") from error
         if float(flag) > 0:
             raise RuntimeError(f"--load {path}: another rank could not read its part of the checkpoint")
-        same_stage = [r for r, c in enumerate(meta["coords"]) if c["pp_rank"] == self.pp_rank]
-        self.opt.load_state_dict(checkpoint.read_optimizer_shards(folder, same_stage))  # reshards to this DP size
+        self.opt.load_state_dict(shards, verify_checksum=False)  # the files' checksums were checked on reading
         with torch.no_grad():
             for dst, src in plan:
                 dst.copy_(src)
         self.start = meta["step"]
         if self.rerun is not None and meta.get("dropless"):
             self.rerun.load_state_dict(meta["dropless"])  # the adapted capacity and the rerun counts
-        same_layout = meta["layout"] == layout.as_dict()
-        if same_layout:
-            _set_rng_state(checkpoint.read_rank_state(folder, self.rank)["rng"])
-        self.resumed = {"from": folder, "step": self.start,
-                        "rng": "restored" if same_layout else "fresh (other layout)"}
-        self.say(f"resumed from {folder} at step {self.start} (saved on {meta['layout']['world']} ranks; RNG "
-                 f"{self.resumed['rng']}; {time.perf_counter() - t_load:.2f} s)")
+        if rng is not None:
+            _set_rng_state(rng)
+        self.resumed = {"from": folder, "step": self.start, "layout": meta["layout"],
+                        "rng": "restored" if rng is not None else
+                        "fresh (other layout)" if meta["layout"] != layout.as_dict() else "fresh (none saved)"}
+        saved = Layout(**meta["layout"])
+        self.say(f"resumed from {folder} at step {self.start} (saved at {saved}"
+                 f"{'' if saved == layout else ', resharded'}; RNG {self.resumed['rng']}; "
+                 f"{time.perf_counter() - t_load:.2f} s)")
 
     def describe(self) -> None:
         cfg, layout = self.cfg, self.layout
@@ -242,6 +251,7 @@ class Trainer:
         t0 = time.perf_counter()
         folder = checkpoint.save_checkpoint(
             cfg.save, step, rank=self.rank, world=self.world, model_state=state, optimizer=self.opt,
+            naming=self.naming(),
             rank_state={"rng": _rng_state(), "data": {"step": step, "samples": step * self.samples_per_step},
                         "coords": coords},
             meta={"layout": layout.as_dict(), "coords": all_coords,

@@ -743,7 +743,9 @@ class DistributedOptimizer:
             raise KeyError("DistributedOptimizer: parameter has no name (model.param_to_name)")
         return name
 
-    def _checkpoint_metadata(self) -> Dict:
+    def checkpoint_metadata(self) -> Dict:
+        """The ``"metadata"`` of :meth:`state_dict` (sizes, ranks, every parameter's name, shape, dtype and whether
+        it is an expert parameter), without copying any state."""
         expert_buffers = set(map(id, getattr(self.model, "expert_parallel_buffers", [])))
         meta = {"dp_size": 1, "dp_rank": 0, "expert_dp_size": None, "expert_dp_rank": None,
                 "ep_size": 1, "ep_rank": 0, "params": {}}
@@ -804,7 +806,7 @@ class DistributedOptimizer:
             "hyper": {"betas": (st["beta1"], st["beta2"]), "eps": st["eps"], "weight_decay": st["weight_decay"],
                       "adamw": st["adamw"], "clip_grad": st["clip_grad"]},
             "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
-            "metadata": self._checkpoint_metadata(),
+            "metadata": self.checkpoint_metadata(),
             "shard": shard,
         }
         if checksum:
@@ -895,7 +897,7 @@ class DistributedOptimizer:
     def _plan_load(self, shards: List[Dict]) -> List[Tuple[torch.Tensor, torch.Tensor]]:
         """(destination, source) copies that fill this rank's shards; raises on any inconsistency.
         The shards' structure has been checked by :meth:`_validate_shard`."""
-        my_ep = self._checkpoint_metadata()
+        my_ep = self.checkpoint_metadata()
         meta: Dict[str, Dict] = {}
         pieces: Dict[str, List[Dict]] = {}
         for i, sd in enumerate(shards):
