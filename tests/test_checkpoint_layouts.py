@@ -217,7 +217,7 @@ def test_checkpoint_command_inspect_convert_reshard(reference, tmp_path, capsys)
     assert sorted(st) == sorted(full["model"]) and all(torch.equal(st[k], full["model"][k]) for k in st)
     assert full["step"] == 2 and full["optimizer"]["blocks.1.moe.experts.fc1.weight"]["exp_avg"].shape == (8, 96, 32)
     cfg = Namespace(layers=4, hidden=32, heads=2, ffn=48, experts=8, topk=2, seq=32, aux=0.01, spare=1,
-                    capacity=1.25, overflow="rerun", assignment="auto", router="softmax")
+                    capacity=1.25, overflow="rerun", exchange="auto", assignment="auto", router="softmax")
     model = MoETransformerLM(cfg, CharData(build_corpus(seed=0)).vocab_size, moe_options(cfg, None, 1), "cpu",
                              torch.float32)
     model.load_state_dict(st, strict=True)

@@ -157,7 +157,8 @@ def read_meta(folder: str) -> Dict:
         meta = json.load(f)
     fmt = meta.get("format")
     if fmt not in _FORMATS:
-        raise ValueError(f"{folder}: checkpoint format {fmt!r} is not one this moe_graph reads ({', '.join(_FORMATS)}); "
+        raise ValueError(f"{folder}: checkpoint format {fmt!r} is not one this moe_graph reads "
+                         f"({', '.join(_FORMATS)}); "
                          "a newer format needs a newer moe_graph, and a file that is no moe_graph.train.checkpoint "
                          "cannot be loaded with --load")
     if fmt == FORMAT_V1:
