@@ -56,11 +56,13 @@ except ImportError as exc:  # pragma: no cover - exercised only without megatron
     ) from exc
 
 from moe_graph.grouped_linear import GroupedLinear
+from moe_graph.integrations.megatron_moe import MoeGraphMoELayer
 
 __all__ = [
     "MoeGraphGroupedLinear",
     "ColumnParallelGroupedLinear",
     "RowParallelGroupedLinear",
+    "MoeGraphGroupedMLP",
     "experts_spec",
     "get_gpt_layer_with_moe_graph_spec",
 ]
@@ -263,11 +265,32 @@ class RowParallelGroupedLinear(MoeGraphGroupedLinear):
                          tp_comm_buffer_name=tp_comm_buffer_name, pg_collection=pg_collection, name=name)
 
 
+class MoeGraphGroupedMLP(TEGroupedMLP):
+    """Megatron's ``TEGroupedMLP`` (built on moe_graph's grouped linears by :func:`experts_spec`) that also takes the
+    rows per expert on the device: from Megatron's dispatchers ``tokens_per_expert`` is a host tensor and everything
+    is ``TEGroupedMLP``'s; from moe_graph's (:class:`moe_graph.integrations.megatron_moe.DeviceSplits`) the grouped
+    GEMMs get the device tensor and the fc2 bias (``add_bias_linear``: ``skip_bias_add``, scaled by each row's
+    probability) is added without splitting the rows on the host (padding rows have probability 0)."""
+
+    @staticmethod
+    def _apply_bias(intermediate_parallel, bias_parallel, tokens_per_expert, permuted_probs):
+        if bias_parallel is None or not torch.is_tensor(tokens_per_expert):
+            return TEGroupedMLP._apply_bias(intermediate_parallel, bias_parallel, tokens_per_expert, permuted_probs)
+        shape = intermediate_parallel.shape
+        y = intermediate_parallel.view(-1, shape[-1])
+        bias = bias_parallel if torch.is_tensor(bias_parallel) else torch.stack(list(bias_parallel))
+        rows = torch.arange(y.shape[0], device=y.device)
+        expert = torch.searchsorted(tokens_per_expert.cumsum(0), rows, right=True).clamp_(max=bias.shape[0] - 1)
+        out = y + bias.index_select(0, expert) * permuted_probs.view(-1, 1)
+        return out.view(shape).to(intermediate_parallel.dtype)
+
+
 def experts_spec(activation_func=None):
     """The experts builder for ``MoESubmodules(experts=...)``: Megatron's ``TEGroupedMLP`` with moe_graph's
-    grouped linears (``activation_func``: the optional TE activation module builder Megatron's spec passes)."""
+    grouped linears (:class:`MoeGraphGroupedMLP`; ``activation_func``: the optional TE activation module builder
+    Megatron's spec passes)."""
     return partial(
-        TEGroupedMLP,
+        MoeGraphGroupedMLP,
         submodules=GroupedMLPSubmodules(
             linear_fc1=ColumnParallelGroupedLinear,
             linear_fc2=RowParallelGroupedLinear,
@@ -276,14 +299,28 @@ def experts_spec(activation_func=None):
     )
 
 
-def get_gpt_layer_with_moe_graph_spec(num_experts: int, use_transformer_engine: Optional[bool] = None, **kwargs):
+DISPATCHERS = ("megatron", "moe_graph")
+
+
+def get_gpt_layer_with_moe_graph_spec(num_experts: int, use_transformer_engine: Optional[bool] = None, *,
+                                      dispatcher: str = "megatron", dispatcher_options: Optional[dict] = None,
+                                      **kwargs):
     """A GPT transformer-layer ``ModuleSpec`` whose MoE experts run on moe_graph.
 
     Starts from Megatron's TE layer spec (``use_transformer_engine``: default, when TE is importable) or its local
     spec, with ``num_experts`` and ``moe_grouped_gemm=True`` (``kwargs`` go to that spec function), and replaces
-    the experts builder of its ``MoELayer`` with :func:`experts_spec` (router, shared experts and the rest stay)."""
+    the experts builder of its ``MoELayer`` with :func:`experts_spec` (router, shared experts and the rest stay).
+
+    ``dispatcher``: ``"megatron"`` (Megatron's own, as ``config.moe_token_dispatcher_type`` names it) or
+    ``"moe_graph"``: the layer is :class:`moe_graph.integrations.megatron_moe.MoeGraphMoELayer` (moe_graph's
+    sync-free static-capacity dispatcher), with ``dispatcher_options`` as its keywords (``capacity_factor``,
+    ``overflow``, ``token_drop_policy``, ``exchange``, ``num_spare_experts_per_ep_rank``, ``echo_donors``)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
+    if dispatcher not in DISPATCHERS:
+        raise ValueError(f"dispatcher must be one of {DISPATCHERS}, got {dispatcher!r}")
+    if dispatcher_options and dispatcher != "moe_graph":
+        raise ValueError("dispatcher_options are the moe_graph dispatcher's: give dispatcher='moe_graph'")
     if use_transformer_engine is None:
         try:
             import transformer_engine  # noqa: F401
@@ -299,5 +336,10 @@ def get_gpt_layer_with_moe_graph_spec(num_experts: int, use_transformer_engine: 
         raise TypeError(f"unexpected MoE spec from megatron-core: {mlp!r} (expected partial(MoELayer, submodules=...))")
     old = mlp.keywords["submodules"]
     act = getattr(getattr(old.experts, "keywords", {}).get("submodules"), "activation_func", None)
-    new_mlp = partial(mlp.func, *mlp.args, **dict(mlp.keywords, submodules=dataclasses.replace(old, experts=experts_spec(act))))
+    keywords = dict(mlp.keywords, submodules=dataclasses.replace(old, experts=experts_spec(act)))
+    layer_cls = mlp.func
+    if dispatcher == "moe_graph":
+        layer_cls = MoeGraphMoELayer
+        keywords.update(dispatcher_options or {})
+    new_mlp = partial(layer_cls, *mlp.args, **keywords)
     return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, mlp=new_mlp))

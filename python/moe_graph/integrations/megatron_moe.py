@@ -1,0 +1,274 @@
+"""Megatron-core's ``MoELayer`` without a host sync: moe_graph's static-capacity token dispatcher inside it.
+
+Megatron-core 0.19's all-to-all dispatcher copies the token counts to the host to size its exchange and the expert
+inputs (one host sync per MoE layer per forward), and its ``TEGroupedMLP`` turns ``tokens_per_expert`` into a Python
+list. :class:`MoeGraphMoELayer` is Megatron's ``MoELayer`` (its router with every option, its shared experts, its
+aux losses and logging) whose token dispatcher is :class:`MoeGraphTokenDispatcher`: Megatron's dispatcher interface
+(``dispatch_preprocess`` / ``token_dispatch`` / ``dispatch_postprocess`` / ``combine_preprocess`` /
+``token_combine`` / ``combine_postprocess``) on :class:`moe_graph.moe.token_dispatcher.TokenDispatcher`, with the
+experts of :func:`moe_graph.integrations.megatron.experts_spec` (``TEGroupedMLP`` on moe_graph's ``GroupedLinear``)
+taking the per-expert row counts on the device. Nothing in the layer's forward or backward reads a device value on
+the host, so Megatron's full-iteration CUDA graph (``--cuda-graph-impl full_iteration``) can capture MoE models.
+
+* Routing: Megatron's router output (``probs [T, E]`` and ``routing_map [T, E]``) becomes moe_graph's ``[T, K]``
+  routes (:func:`moe_graph.moe.token_dispatcher.topk_from_routing_map`; a token with fewer than ``K`` routes, e.g.
+  padding or the router's own capacity drop, gets invalid entries). Every router option (score function,
+  group-limited top-k, expert bias, aux/seq/global losses, ``moe_router_topk_scaling_factor``, z-loss) is Megatron's
+  own code, unchanged.
+* Rows: the expert input holds the routes grouped by local expert, then source rank, then token: Megatron's order,
+  then padding rows (zeros, probability 0) up to the static size ``R * capacity`` (per pair) or ``capacity`` (per
+  destination rank). ``tokens_per_expert`` is a :class:`DeviceSplits` (``.tolist()`` gives the device tensor
+  back), which ``TEGroupedMLP`` on moe_graph's grouped linears passes straight to the grouped GEMM.
+* Capacity: ``capacity_factor=None`` is dropless (``T * K`` rows per pair). With a factor, routes over the capacity
+  are dropped (``overflow="drop"``, counted) or make the step rerun (``overflow="rerun"``:
+  :mod:`moe_graph.integrations.megatron_train`).
+* Echo: ``num_spare_experts_per_ep_rank`` spare slots per EP rank take copies of the busiest experts
+  (:class:`moe_graph.moe.echo_balancer.EchoBalancer`); ``echo_donors`` limits the donors.
+
+Not supported (each raises naming the option): expert tensor parallelism ``expert_tensor_parallel_size > 1``,
+Megatron's drop-and-pad (``moe_pad_expert_input_to_capacity``: use ``capacity_factor`` here),
+``moe_router_padding_for_quantization`` (fp8), the inference-optimized dispatchers, experts other than
+:func:`~moe_graph.integrations.megatron.experts_spec`'s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from functools import partial
+from typing import Optional
+
+import torch
+
+try:
+    from megatron.core.transformer.moe import moe_layer as _mcore_moe_layer
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
+except ImportError as exc:  # pragma: no cover - exercised only without megatron-core
+    raise ImportError(
+        "moe_graph.integrations.megatron_moe needs megatron-core (tested with 0.19.2): pip install megatron-core"
+    ) from exc
+
+from moe_graph.grouped_linear import GroupedLinear
+from moe_graph.moe.token_dispatcher import (DROP_POLICIES, OVERFLOW_MODES, TokenDispatcher, expert_columns,
+                                            topk_from_routing_map)
+
+__all__ = ["DeviceSplits", "MoeGraphTokenDispatcher", "MoeGraphMoELayer", "moe_graph_layers"]
+
+
+class DeviceSplits:
+    """Rows per local expert as a device tensor, in the place where Megatron's experts expect a host tensor they
+    turn into a list (``TEGroupedMLP.forward``: ``tokens_per_expert.tolist()``): ``tolist()`` returns the device
+    tensor itself, which moe_graph's grouped linears take as ``m_splits`` without a sync."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+    def tolist(self) -> torch.Tensor:
+        return self.tensor
+
+    def __repr__(self) -> str:
+        return f"DeviceSplits({self.tensor!r})"
+
+
+def _table_device(config) -> torch.device:
+    """Where the dispatcher's constant tables start: the parameters' device (Megatron's rule); ``.to()`` / ``.cuda()``
+    of the layer moves them (the dispatcher is a submodule of :class:`MoeGraphMoELayer`)."""
+    if config.use_cpu_initialization or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+class MoeGraphTokenDispatcher(MoETokenDispatcher):
+    """Megatron's token-dispatcher interface on :class:`moe_graph.moe.token_dispatcher.TokenDispatcher`.
+
+    Constructed as Megatron's dispatchers are (``num_local_experts, local_expert_indices, config, pg_collection``)
+    plus moe_graph's options: ``capacity_factor`` (``None``: dropless), ``overflow`` (``"drop"`` or ``"rerun"``),
+    ``token_drop_policy`` (``"probs"``, Megatron's, or ``"position"``), ``exchange`` (``"auto"``, ``"nccl"``,
+    ``"symm_mem"``) and ``num_spare_experts_per_ep_rank`` (the routing columns include the spare slots; the echo
+    plan itself is :class:`MoeGraphMoELayer`'s). The moe_graph dispatcher is :attr:`dispatcher` (an ``nn.Module``
+    holding the constant tables and the per-step counters)."""
+
+    def __init__(self, num_local_experts: int, local_expert_indices, config, pg_collection=None, *,
+                 capacity_factor: Optional[float] = None, overflow: str = "drop", token_drop_policy: str = "probs",
+                 exchange: str = "auto", num_spare_experts_per_ep_rank: int = 0):
+        super().__init__(config=config, pg_collection=pg_collection)
+        _check_config(config, self.tp_size)
+        if overflow not in OVERFLOW_MODES:
+            raise ValueError(f"overflow must be one of {OVERFLOW_MODES}, got {overflow!r}")
+        if token_drop_policy not in DROP_POLICIES:
+            raise ValueError(f"token_drop_policy must be one of {DROP_POLICIES}, got {token_drop_policy!r}")
+        if capacity_factor is not None and not capacity_factor > 0:
+            raise ValueError(f"capacity_factor must be > 0 or None (dropless), got {capacity_factor!r}")
+        if overflow == "rerun" and capacity_factor is None:
+            raise ValueError("overflow='rerun' needs a capacity_factor (None is dropless: nothing overflows)")
+        self.num_local_experts = num_local_experts
+        self.local_expert_indices = list(local_expert_indices)
+        self.num_experts = config.num_moe_experts
+        self.topk = config.moe_router_topk
+        self.capacity_factor, self.overflow = capacity_factor, overflow
+        k = num_spare_experts_per_ep_rank
+        col_rank, col_local = expert_columns(self.num_experts, self.ep_size, k)
+        self.dispatcher = TokenDispatcher(num_local_experts + k, self.ep_size, self.ep_rank, col_rank, col_local,
+                                          capacity=None, group=self.ep_group if self.ep_size > 1 else None,
+                                          drop_policy=token_drop_policy, device=_table_device(config),
+                                          exchange=exchange)
+        self.cudagraph_attrs = []  # nothing to hand across a partial per-layer capture: every shape is static
+        self.shared_experts = None
+        self._routes = None
+        self._handle = None
+
+    # ---------------------------------------------------------------------------------------- routing --
+    def set_routes(self, indices: torch.Tensor, probs: torch.Tensor, valid: Optional[torch.Tensor]) -> None:
+        """The ``[T, K]`` routes of the next dispatch when the layer computed them itself (echo rerouting);
+        without it :meth:`dispatch_preprocess` takes them from the router's ``routing_map``."""
+        self._routes = (indices, probs, valid)
+
+    def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
+        """``[T, E]`` routing map and probabilities -> ``[T, K]`` routes (kept for :meth:`token_dispatch`)."""
+        self.hidden_shape = hidden_states.shape
+        hidden_states = hidden_states.view(-1, self.hidden_shape[-1])
+        if self._routes is None:
+            self._routes = topk_from_routing_map(routing_map, probs, self.topk)
+        if self.shared_experts is not None:
+            self.shared_experts.pre_forward_comm(hidden_states.view(self.hidden_shape))
+        return hidden_states, probs
+
+    def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        """The static-capacity exchange: ``(expert input [rows, H], row probabilities [rows])``."""
+        indices, route_probs, valid = self._routes
+        self._routes = None
+        if self.shared_experts is not None:
+            self.shared_experts.wait_current_stream()
+        T = hidden_states.shape[0]
+        d = self.dispatcher
+        d.capacity = d.capacity_for(T, self.topk, self.capacity_factor)
+        expert_input, m_splits, self._handle = d.dispatch(hidden_states, indices, route_probs, valid)
+        if self.shared_experts is not None:
+            self.shared_experts.linear_fc1_forward_and_act(expert_input)
+        self._m_splits = m_splits
+        return expert_input, d.row_weights(self._handle)
+
+    def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        """``(expert input, DeviceSplits(rows per local expert), row probabilities)``: already in expert order."""
+        m_splits, self._m_splits = self._m_splits, None
+        return hidden_states, DeviceSplits(m_splits), probs
+
+    def combine_preprocess(self, hidden_states: torch.Tensor):
+        return hidden_states
+
+    def token_combine(self, hidden_states: torch.Tensor, async_finish: bool = True,
+                      allocate_on_comm_stream: bool = True):
+        """The reverse exchange and the plain sum of each token's routes (the experts applied the probabilities)."""
+        if self.shared_experts is not None:
+            self.shared_experts.wait_current_stream()
+        handle, self._handle = self._handle, None
+        out = self.dispatcher.combine(hidden_states, handle, weighted=False)
+        if self.shared_experts is not None:
+            self.shared_experts.linear_fc2_forward(out)
+            self.shared_experts.post_forward_comm()
+        return out
+
+    def combine_postprocess(self, hidden_states: torch.Tensor):
+        out = hidden_states.view(self.hidden_shape)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts.get_output()
+        return out
+
+
+def _check_config(config, expert_tp_size: int) -> None:
+    """Clear errors for the combinations this dispatcher does not serve."""
+    if expert_tp_size > 1:
+        raise NotImplementedError(
+            f"moe_graph's Megatron dispatcher: expert tensor parallelism (expert_tensor_parallel_size="
+            f"{expert_tp_size}) is not supported; use expert_tensor_parallel_size=1 (attention TP with sequence "
+            "parallelism is fine: each rank dispatches its own sequence shard over the EP group)")
+    if config.moe_pad_expert_input_to_capacity:
+        raise NotImplementedError(
+            "moe_graph's Megatron dispatcher: moe_pad_expert_input_to_capacity (Megatron's drop-and-pad) is not "
+            "supported; the moe_graph dispatcher is static-capacity by construction: give capacity_factor to "
+            "get_gpt_layer_with_moe_graph_spec(dispatcher_options=...)")
+    if config.moe_router_padding_for_quantization:
+        raise NotImplementedError(
+            "moe_graph's Megatron dispatcher: moe_router_padding_for_quantization (fp8/fp4 expert padding) is not "
+            "supported")
+    if getattr(config, "transformer_impl", None) == "inference_optimized":
+        raise NotImplementedError(
+            "moe_graph's Megatron dispatcher: transformer_impl='inference_optimized' builds Megatron's inference "
+            "dispatchers; use the default transformer_impl")
+
+
+_PATCH_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _megatron_dispatchers(factory):
+    """While Megatron's ``MoELayer.__init__`` runs: every dispatcher type it may build is ``factory`` (it builds one
+    from ``config.moe_token_dispatcher_type`` and hands it the shared experts with ``moe_shared_expert_overlap``)."""
+    names = ("MoEAllGatherTokenDispatcher", "MoEAlltoAllTokenDispatcher", "MoEFlexTokenDispatcher")
+    with _PATCH_LOCK:
+        saved = {n: getattr(_mcore_moe_layer, n) for n in names}
+        for n in names:
+            setattr(_mcore_moe_layer, n, factory)
+        try:
+            yield
+        finally:
+            for n, f in saved.items():
+                setattr(_mcore_moe_layer, n, f)
+
+
+class MoeGraphMoELayer(MoELayer):
+    """Megatron-core's ``MoELayer`` with :class:`MoeGraphTokenDispatcher` (whatever ``moe_token_dispatcher_type``
+    the config names; set ``"alltoall"``, whose config checks fit) and moe_graph's options as keywords:
+    ``capacity_factor``, ``overflow``, ``token_drop_policy``, ``exchange``, ``num_spare_experts_per_ep_rank``,
+    ``echo_donors``. The experts must be moe_graph's (:func:`moe_graph.integrations.megatron.experts_spec`)."""
+
+    def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, is_mtp_layer=False,
+                 name=None, *, capacity_factor: Optional[float] = None, overflow: str = "drop",
+                 token_drop_policy: str = "probs", exchange: str = "auto", num_spare_experts_per_ep_rank: int = 0,
+                 echo_donors: Optional[int] = None):
+        if num_spare_experts_per_ep_rank or echo_donors is not None:
+            raise NotImplementedError("MoeGraphMoELayer: echo (num_spare_experts_per_ep_rank) is not wired yet")
+        factory = partial(MoeGraphTokenDispatcher, capacity_factor=capacity_factor, overflow=overflow,
+                          token_drop_policy=token_drop_policy, exchange=exchange,
+                          num_spare_experts_per_ep_rank=num_spare_experts_per_ep_rank)
+        with _megatron_dispatchers(factory):
+            super().__init__(config, submodules=submodules, layer_number=layer_number, pg_collection=pg_collection,
+                             is_mtp_layer=is_mtp_layer, name=name)
+        fc1 = getattr(self.experts, "linear_fc1", None)
+        if not isinstance(fc1, GroupedLinear):
+            raise TypeError(
+                f"MoeGraphMoELayer: the experts must be TEGroupedMLP on moe_graph's grouped linears "
+                f"(moe_graph.integrations.megatron.experts_spec), got {type(self.experts).__name__}: the dispatcher "
+                "hands them padded rows and per-expert counts on the device")
+        # a submodule: .to()/.cuda() of the model move its constant tables and counters (non-persistent buffers)
+        self.moe_graph_dispatcher = self.token_dispatcher.dispatcher
+
+    # the names moe_graph's training helpers read (moe_graph.integrations.megatron_train)
+    @property
+    def dispatcher(self) -> TokenDispatcher:
+        return self.token_dispatcher.dispatcher
+
+    @property
+    def capacity_factor(self) -> Optional[float]:
+        return self.token_dispatcher.capacity_factor
+
+    @capacity_factor.setter
+    def capacity_factor(self, value: Optional[float]) -> None:
+        self.token_dispatcher.capacity_factor = value
+
+    @property
+    def overflow(self) -> str:
+        return self.token_dispatcher.overflow
+
+    @property
+    def num_ep_ranks(self) -> int:
+        return self.token_dispatcher.ep_size
+
+
+def moe_graph_layers(model) -> list:
+    """Every :class:`MoeGraphMoELayer` in ``model`` (a module or a list of model chunks), in module order."""
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    return [m for c in chunks for m in c.modules() if isinstance(m, MoeGraphMoELayer)]

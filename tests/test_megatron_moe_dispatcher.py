@@ -1,0 +1,172 @@
+"""moe_graph's token dispatcher inside real megatron-core 0.19.2's ``MoELayer``, against Megatron's own all-to-all
+dispatcher in dropless mode (the oracle), on CPU and gloo.
+
+The two layers are built from the same spec (``get_gpt_layer_with_moe_graph_spec``, ``dispatcher="megatron"`` vs
+``"moe_graph"``) with the same weights: the same router (Megatron's, with its options), the same experts
+(``TEGroupedMLP`` on moe_graph's grouped linears) and shared experts; only the dispatcher differs. Compared: the
+output, the input gradient, every parameter gradient (router, experts, shared experts) and the aux losses Megatron
+logs, at EP 1 and EP 2 (two gloo processes), top-2 and top-8, softmax and sigmoid routers (group-limited top-k,
+expert bias, scaling factor), with and without shared experts; then the host syncs of one forward + backward
+(``benchmarks/bench_moe_cost.py``'s dispatch-level trace). Runs in CI's Megatron step beside
+``tests/test_megatron_client.py`` (the same fetch and CPU shims, ``benchmarks/megatron_env.py``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_graph.distributed.launch import run_distributed
+from test_megatron_client import _SKIP, _assert_no_stand_in_called, _cpu_shims, _init_megatron, pg  # noqa: F401
+
+pytestmark = pytest.mark.skipif(_SKIP is not None, reason=str(_SKIP))
+
+H, FFN, E = 16, 24, 8
+
+# router / layer options per case (the Megatron config keywords); every case runs at EP 1 and EP 2
+CASES = {
+    "softmax-top2-aux": dict(moe_router_topk=2, moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.1,
+                             moe_z_loss_coeff=1e-3, gated_linear_unit=True),
+    "sigmoid-top8-groups-bias-shared": dict(
+        moe_router_topk=8, moe_router_score_function="sigmoid", moe_router_num_groups=4, moe_router_group_topk=4,
+        moe_router_enable_expert_bias=True, moe_router_topk_scaling_factor=2.5, moe_router_dtype="fp32",
+        moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=0.01,
+        moe_shared_expert_intermediate_size=FFN, gated_linear_unit=True),
+    "softmax-top2-bias-global": dict(  # Megatron's shared experts take no bias
+        moe_router_topk=2, moe_router_pre_softmax=True, add_bias_linear=True,
+        moe_router_load_balancing_type="global_aux_loss", moe_aux_loss_coeff=0.1),
+    "sigmoid-top8-shared-gate-overlap": dict(
+        moe_router_topk=8, moe_router_score_function="sigmoid", moe_router_load_balancing_type="none",
+        moe_shared_expert_intermediate_size=FFN, moe_shared_expert_gate=True, moe_shared_expert_overlap=True,
+        gated_linear_unit=True),
+}
+
+
+def _config(ep: int, **kw):
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    args = dict(num_layers=1, hidden_size=H, num_attention_heads=2, num_moe_experts=E, moe_ffn_hidden_size=FFN,
+                ffn_hidden_size=FFN, use_cpu_initialization=True, add_bias_linear=False, bias_activation_fusion=False,
+                bias_dropout_fusion=False, gradient_accumulation_fusion=False, params_dtype=torch.float32,
+                moe_token_dispatcher_type="alltoall", moe_grouped_gemm=True, expert_model_parallel_size=ep,
+                moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0)
+    args.update(kw)
+    args["activation_func"] = F.silu if args.get("gated_linear_unit") else F.gelu
+    return TransformerConfig(**args)
+
+
+def _layers(cfg, pg, dispatcher_options=None, seed=7):
+    """(Megatron's alltoall MoELayer, the moe_graph one) with the same weights (router and shared experts the same on
+    every rank, experts per rank)."""
+    from moe_graph.integrations.megatron import get_gpt_layer_with_moe_graph_spec
+    from moe_graph.integrations.megatron_moe import MoeGraphMoELayer
+
+    ref = get_gpt_layer_with_moe_graph_spec(E, use_transformer_engine=False).submodules.mlp(config=cfg, pg_collection=pg)
+    spec = get_gpt_layer_with_moe_graph_spec(E, use_transformer_engine=False, dispatcher="moe_graph",
+                                             dispatcher_options=dispatcher_options)
+    mg = spec.submodules.mlp(config=cfg, pg_collection=pg)
+    assert isinstance(mg, MoeGraphMoELayer) and type(ref).__name__ == "MoELayer"
+    for layer in (ref, mg):
+        layer.set_layer_number(1)
+    shared_gen = torch.Generator().manual_seed(seed)
+    rank_gen = torch.Generator().manual_seed(seed + 1 + torch.distributed.get_rank())
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            g = rank_gen if name.startswith("experts.") else shared_gen
+            p.copy_(torch.randn(p.shape, generator=g) * (0.2 if name.startswith("experts.") else 0.5))
+    missing, unexpected = mg.load_state_dict(ref.state_dict(), strict=True)
+    assert not missing and not unexpected
+    return ref, mg
+
+
+def _step(layer, x, g):
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    tracker = get_moe_metrics_tracker()
+    tracker.clear()
+    x = x.clone().requires_grad_()
+    out, bias = layer(x)
+    assert bias is None
+    out.backward(g)
+    logged = {k: e.values.clone() for k, e in tracker.metrics.items()}
+    grads = {n: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for n, p in layer.named_parameters()}
+    buffers = {n: b.clone() for n, b in layer.named_buffers() if not n.startswith("moe_graph_dispatcher.")}
+    return {"out": out.detach(), "input grad": x.grad, **{f"grad {n}": t for n, t in grads.items()},
+            **{f"logged {k}": v for k, v in logged.items()}, **{f"buffer {n}": t for n, t in buffers.items()}}
+
+
+def _compare_case(rank, ep, case, pg, tokens=(6, 2), dispatcher_options=None):
+    cfg = _config(ep, **CASES[case])
+    gen = torch.Generator().manual_seed(99 + rank)  # different tokens on every rank
+    x, g = torch.randn(*tokens, H, generator=gen), torch.randn(*tokens, H, generator=gen)
+    with _cpu_shims():  # Megatron's CUDA stream calls (its dispatcher's, the overlapped shared expert's) on CPU
+        ref, mg = _layers(cfg, pg, dispatcher_options)
+        want = _step(ref, x, g)
+        got = _step(mg, x, g)
+    assert want.keys() == got.keys(), (sorted(want.keys() ^ got.keys()))
+    errors = {k: (got[k].double() - want[k].double()).abs().max().item() if want[k].numel() else 0.0 for k in want}
+    logged = sorted(k for k in want if k.startswith("logged") and want[k].abs().sum() > 0)
+    if CASES[case]["moe_router_load_balancing_type"] != "none":  # the loss was logged (and compared)
+        assert logged, (case, sorted(want))
+    return errors, mg.dispatcher.dropped_routes.item()
+
+
+def _worker(rank, world, cases):
+    pg = _init_megatron(world)
+    try:
+        return {case: _compare_case(rank, world, case, pg) for case in cases}
+    finally:
+        from megatron.core import parallel_state as ps
+
+        ps.destroy_model_parallel()
+
+
+TOL = 2e-5
+
+
+def _check(results):
+    for per_case in results:
+        for case, (errors, dropped) in per_case.items():
+            assert dropped == 0, (case, dropped)
+            bad = {k: v for k, v in errors.items() if not v <= TOL}
+            assert not bad, (case, bad)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_megatron_alltoall_ep1(pg, case):  # noqa: F811
+    errors, dropped = _compare_case(0, 1, case, pg)
+    _check([{case: (errors, dropped)}])
+
+
+def test_matches_megatron_alltoall_ep2_gloo():
+    _check(run_distributed(_worker, 2, list(CASES), timeout=300))
+
+
+# ------------------------------------------------------------------------------------------- host syncs --
+def _host_syncs(layer, x, g, sync_hook):
+    """Host syncs of one forward + backward (after a warm-up step): ``benchmarks/bench_moe_cost.py``'s
+    dispatch-level trace (``.item()``, data-dependent shapes, ``.tolist()``/``.cpu()`` of device values, stream and
+    event synchronizes)."""
+    import bench_moe_cost as bench
+
+    meter = bench.CostMeter()
+    sync_hook.append(meter)
+    with bench.device_branch():  # moe_graph's eager host checks of CPU values: the branch a GPU takes
+        res = bench.measure(lambda t: layer(t.unsqueeze(1))[0].squeeze(1), x, g, layer, meter, reps=1)
+    return res["host_syncs"], res["sync_points"]
+
+
+@pytest.mark.parametrize("case", ["softmax-top2-aux", "sigmoid-top8-groups-bias-shared"])
+def test_no_host_sync_in_forward_backward(pg, case):  # noqa: F811
+    cfg = _config(1, **CASES[case])
+    gen = torch.Generator().manual_seed(5)
+    x, g = torch.randn(16, H, generator=gen), torch.randn(16, H, generator=gen)
+    meters = []
+    with _cpu_shims(on_sync=lambda what: meters[-1].sync(what),
+                    on_host_copy=lambda value: meters[-1].host_copy(value)):
+        ref, mg = _layers(cfg, pg)
+        ref_syncs, ref_points = _host_syncs(ref, x, g, meters)
+        mg_syncs, mg_points = _host_syncs(mg, x, g, meters)
+    assert ref_syncs == 1, ref_points  # Megatron's alltoall: the device-to-host copy of the token counts
+    assert mg_syncs == 0, mg_points
