@@ -5,6 +5,7 @@
 
 #include "activation/activation_ops.h"
 #include "common/error_flag_torch.h"
+#include "fp8/fp8_ops.h"
 #include "grouped_gemm/grouped_gemm_ops.h"
 #include "grouped_gemm/grouped_probe.h"
 #include "permute/permute_ops.h"
@@ -103,6 +104,11 @@ TORCH_LIBRARY(moe_graph, m) {
   m.def(
       "gated_activation_backward(Tensor grad_y, Tensor h, Tensor? row_scale, str activation, float alpha, "
       "float limit) -> (Tensor, Tensor)");
+  // ---- FP8 quantization (csrc/fp8/quantize.h) -----------------------------------------------------------
+  // x [M, K] (grouped by m_splits [E]) or [B, M, K]; tiles tile_rows x tile_cols per group (0: all) -> (q, scale):
+  // fp32 scale_inv (TE's blockwise / current scaling) or E8M0 (mx); transpose writes q [K, M] and its scales.
+  m.def("fp8_quantize(Tensor x, Tensor? m_splits, int tile_rows, int tile_cols, ScalarType fp8_dtype, bool mx, "
+        "float eps, bool pow2, bool transpose) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(moe_graph, CompositeExplicitAutograd, m) {
@@ -127,6 +133,7 @@ TORCH_LIBRARY_IMPL(moe_graph, CPU, m) {
   m.impl("receive_layout", &moe_graph::receive_layout);
   m.impl("gated_activation", &moe_graph::gated_activation_cpu);
   m.impl("gated_activation_backward", &moe_graph::gated_activation_backward_cpu);
+  m.impl("fp8_quantize", &moe_graph::fp8_quantize_cpu);
 }
 
 #ifdef MOE_GRAPH_WITH_CUDA
@@ -147,6 +154,7 @@ TORCH_LIBRARY_IMPL(moe_graph, CUDA, m) {
   m.impl("receive_layout", &moe_graph::receive_layout);
   m.impl("gated_activation", &moe_graph::gated_activation_cuda);
   m.impl("gated_activation_backward", &moe_graph::gated_activation_backward_cuda);
+  m.impl("fp8_quantize", &moe_graph::fp8_quantize_cuda);
 }
 #endif
 

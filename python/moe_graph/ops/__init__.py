@@ -1,6 +1,7 @@
 """moe_graph ops: thin wrappers over ``torch.ops.moe_graph.*`` (one module per op family)."""
 
 from moe_graph.ops.activation import gated_activation
+from moe_graph.ops import fp8
 from moe_graph.ops.errors import check_errors, flag_error_if, read_error_flag
 from moe_graph.ops.grouped_gemm import gmm, grouped_bias_grad, grouped_gemm, grouped_gemm_wgrad
 from moe_graph.ops.permute import expand_rows, reduce_rows
@@ -19,4 +20,5 @@ __all__ = [
     "expand_rows",
     "reduce_rows",
     "gated_activation",
+    "fp8",
 ]

@@ -1,0 +1,204 @@
+// FP8 quantization in tiles, per expert group (torch-free). One op covers TransformerEngine's recipes:
+//
+//   x [B, M, K] (fp32 / bf16 / fp16), optional m_splits [E] (B == 1 only; int32 or int64, on x's device): the rows
+//   are grouped in expert order, rows past sum(m_splits) belong to no group. Without m_splits each batch entry is
+//   one group of M rows.
+//
+//   A tile is TR rows x TC columns of one group, counted from the group's first row and from column 0; the last
+//   tile of a group (or of the columns) may be partial: it is quantized as if padded with zeros (TE's references
+//   pad). TR == 0 means "all rows of the group", TC == 0 "all columns":
+//     1 x 128 (TR 1, TC 128)    Float8BlockScaling activations / gradients, rowwise copy
+//     128 x 1                   their columnwise copy (written transposed)
+//     128 x 128                 Float8BlockScaling weights ([E, N, K] with B = E)
+//     1 x 32 / 32 x 1 (mx)      MXFP8BlockScaling rowwise / columnwise
+//     0 x 0                     Float8CurrentScaling (one scale per group)
+//
+//   Row tiles are numbered group after group: group g's tiles start at sum_{h<g} tiles(h), tiles(h) =
+//   ceil(m_h / TR) (1 with TR == 0, zero-token groups included). The scale tensor has `row_tiles` rows (a static
+//   capacity >= the tiles any m_splits can need); entries of no tile hold 1 (fp32) / 127 (E8M0 = 1.0).
+//
+//   Outputs: q [B, M, K] (or [B, K, M] when `transpose`: q_t[b, c, r] = q[b, r, c]) as FP8 bytes, zero on rows past
+//   sum(m_splits); scale [B, row_tiles, col_tiles] (or [B, col_tiles, row_tiles] when `transpose`), fp32 scale_inv
+//   (the dequantization factor: x ~ decode(q) * scale_inv) or, with `mx`, E8M0 bytes.
+//
+//   Per tile: amax = max |x| (NaN propagates); fp32 scales by fp8::scale_from_amax (eps, pow2, inf_scale), MX by
+//   fp8::e8m0_from_amax; q = encode_fp8(float(x) * scale) (MX: * e8m0_quant_mult(e)).
+//
+//   sum(m_splits) > M sets kErrSplitsOverflow (groups are clipped at M), a negative count kErrNegativeSplit (0).
+#pragma once
+#include <cstdint>
+
+#include "common/host_device.h"
+#include "fp8/fp8_math.h"
+
+#ifdef MOE_GRAPH_WITH_CUDA
+#include <cuda_runtime.h>
+#endif
+
+namespace moe_graph {
+namespace fp8 {
+
+enum class InType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
+
+struct QuantizeProblem {
+  int64_t batch = 1, rows = 0, cols = 0;  // B, M, K
+  InType in_type = InType::kF32;
+  Format format = Format::kE4M3;
+  const void* x = nullptr;
+  const void* m_splits = nullptr;  // [E] or nullptr
+  bool splits_i64 = false;
+  int64_t groups = 0;  // E (0 without m_splits)
+  int64_t tile_rows = 1, tile_cols = 128;  // TR, TC (0: all)
+  int64_t row_tiles = 0, col_tiles = 0;    // scale capacity
+  bool mx = false;
+  float eps = 0.0f;
+  bool pow2 = false;
+  float inf_scale = 3.40282347e38f;
+  bool transpose = false;
+  uint8_t* q = nullptr;
+  void* scale = nullptr;  // float* or uint8_t* (mx)
+  int32_t* error_flag = nullptr;
+};
+
+// Static number of scale rows for M rows in E groups (E == 0: one group) and tile rows TR.
+inline int64_t row_tile_capacity(int64_t rows, int64_t groups, int64_t tile_rows) {
+  if (tile_rows == 0) return groups > 0 ? groups : 1;
+  const int64_t per_rows = (rows + tile_rows - 1) / tile_rows;
+  if (groups == 0) return per_rows;
+  const int64_t bound = per_rows + groups;
+  return bound < rows ? bound : rows;
+}
+
+MOE_GRAPH_HD int64_t read_split(const QuantizeProblem& p, int64_t g) {
+  return p.splits_i64 ? static_cast<const int64_t*>(p.m_splits)[g] : static_cast<const int32_t*>(p.m_splits)[g];
+}
+
+// The rows [row0, row0 + nrows) of row tile `rt` (nrows 0: no tile). Walks the groups (O(E)).
+struct TileRows {
+  int64_t row0 = 0, nrows = 0;
+};
+
+MOE_GRAPH_HD TileRows locate_tile(const QuantizeProblem& p, int64_t rt) {
+  TileRows t;
+  const int64_t TR = p.tile_rows;
+  if (p.m_splits == nullptr) {
+    if (TR == 0) {
+      if (rt == 0) t.nrows = p.rows;
+      return t;
+    }
+    t.row0 = rt * TR;
+    const int64_t left = p.rows - t.row0;
+    t.nrows = left < 0 ? 0 : (left < TR ? left : TR);
+    return t;
+  }
+  int64_t start = 0, tiles = 0;
+  for (int64_t g = 0; g < p.groups; ++g) {
+    int64_t m = read_split(p, g);
+    if (m < 0) m = 0;
+    if (start + m > p.rows) m = p.rows - start;
+    const int64_t n = TR == 0 ? 1 : (m + TR - 1) / TR;
+    if (rt < tiles + n) {
+      const int64_t local = TR == 0 ? 0 : (rt - tiles) * TR;
+      t.row0 = start + local;
+      const int64_t left = m - local;
+      t.nrows = TR == 0 ? m : (left < TR ? left : TR);
+      return t;
+    }
+    tiles += n;
+    start += m;
+  }
+  return t;
+}
+
+// Rows of the groups (clipped at M), and the error bits of m_splits.
+MOE_GRAPH_HD int64_t grouped_rows(const QuantizeProblem& p, int32_t* bits) {
+  if (p.m_splits == nullptr) return p.rows;
+  int64_t s = 0;
+  int32_t b = 0;
+  for (int64_t g = 0; g < p.groups; ++g) {
+    const int64_t m = read_split(p, g);
+    if (m < 0) b |= 1 << 1;  // kErrNegativeSplit
+    s += m < 0 ? 0 : m;
+  }
+  if (s > p.rows) {
+    b |= 1 << 0;  // kErrSplitsOverflow
+    s = p.rows;
+  }
+  if (bits) *bits = b;
+  return s;
+}
+
+MOE_GRAPH_HD float load_x(const QuantizeProblem& p, int64_t b, int64_t r, int64_t c) {
+  const int64_t i = (b * p.rows + r) * p.cols + c;
+  switch (p.in_type) {
+    case InType::kF32: return static_cast<const float*>(p.x)[i];
+    case InType::kBF16: return bits_float(static_cast<uint32_t>(static_cast<const uint16_t*>(p.x)[i]) << 16);
+    default: break;
+  }
+  // fp16 -> fp32 (exact)
+  const uint32_t h = static_cast<const uint16_t*>(p.x)[i];
+  const uint32_t sign = (h & 0x8000u) << 16;
+  const uint32_t e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
+  if (e == 0x1Fu) return bits_float(sign | 0x7F800000u | (m << 13));
+  if (e == 0) {
+    const float v = static_cast<float>(m) * bits_float(0x33800000u);  // m * 2^-24
+    return sign ? -v : v;
+  }
+  return bits_float(sign | ((e + 112u) << 23) | (m << 13));
+}
+
+MOE_GRAPH_HD int64_t q_index(const QuantizeProblem& p, int64_t b, int64_t r, int64_t c) {
+  return p.transpose ? (b * p.cols + c) * p.rows + r : (b * p.rows + r) * p.cols + c;
+}
+
+MOE_GRAPH_HD int64_t scale_index(const QuantizeProblem& p, int64_t b, int64_t rt, int64_t ct) {
+  return p.transpose ? (b * p.col_tiles + ct) * p.row_tiles + rt : (b * p.row_tiles + rt) * p.col_tiles + ct;
+}
+
+MOE_GRAPH_HD float amax_update(float amax, float v) {
+  const float a = v < 0.0f ? -v : v;
+  if (amax != amax) return amax;  // NaN propagates
+  return (a > amax || a != a) ? a : amax;
+}
+
+// The scale of a tile from its amax: writes the scale entry and returns the factor x is multiplied by.
+MOE_GRAPH_HD float tile_scale(const QuantizeProblem& p, float amax, int64_t b, int64_t rt, int64_t ct) {
+  const int64_t si = scale_index(p, b, rt, ct);
+  if (p.mx) {
+    const uint8_t e = p.format == Format::kE4M3 ? e8m0_from_amax<Format::kE4M3>(amax)
+                                                : e8m0_from_amax<Format::kE5M2>(amax);
+    static_cast<uint8_t*>(p.scale)[si] = e;
+    return e8m0_quant_mult(e);
+  }
+  const float fmax = p.format == Format::kE4M3 ? Traits<Format::kE4M3>::kMax : Traits<Format::kE5M2>::kMax;
+  float inv;
+  const float s = scale_from_amax(amax, fmax, p.eps, p.pow2, p.inf_scale, &inv);
+  static_cast<float*>(p.scale)[si] = inv;
+  return s;
+}
+
+MOE_GRAPH_HD void write_unused_scale(const QuantizeProblem& p, int64_t b, int64_t rt, int64_t ct) {
+  const int64_t si = scale_index(p, b, rt, ct);
+  if (p.mx)
+    static_cast<uint8_t*>(p.scale)[si] = 127;
+  else
+    static_cast<float*>(p.scale)[si] = 1.0f;
+}
+
+MOE_GRAPH_HD void quantize_store(const QuantizeProblem& p, float mult, int64_t b, int64_t r, int64_t c) {
+  const float v = load_x(p, b, r, c) * mult;
+  p.q[q_index(p, b, r, c)] = p.format == Format::kE4M3 ? encode_fp8<Format::kE4M3>(v) : encode_fp8<Format::kE5M2>(v);
+}
+
+MOE_GRAPH_HD int64_t col_tile_width(const QuantizeProblem& p) { return p.tile_cols == 0 ? p.cols : p.tile_cols; }
+
+// CPU: the whole problem (threads over the tiles).
+void quantize_cpu(const QuantizeProblem& p);
+
+#ifdef MOE_GRAPH_WITH_CUDA
+// One launch (none when there is nothing to write) on `stream`; no host synchronization (capturable).
+cudaError_t quantize_cuda(const QuantizeProblem& p, cudaStream_t stream);
+#endif
+
+}  // namespace fp8
+}  // namespace moe_graph

@@ -1,0 +1,139 @@
+"""Plain-PyTorch FP8 quantizers with TransformerEngine's reference semantics (an independent transcription of
+``tests/pytorch/references/`` in TransformerEngine: ``quantize_scale_calc.scale_from_amax_tensor``, the blockwise
+1x128 / 128x128 reference, the per-tensor current-scaling reference) and of its MXFP8 quantizer (TE's C++ test
+reference: E8M0 exponent of ``amax * (1 / fp8_max)`` rounded up, quantization factor ``2^(127 - e)``, 1 for
+``e == 0``). Host loops over the expert groups: test oracles only, never on a hot path.
+
+Every function returns ``(q, scale)`` in moe_graph's layout (see ``moe_graph.ops.fp8``): compact scales
+(``[rows / TR, cols / TC]`` per group, groups stacked), no cuBLAS padding or transposition of the scales.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+__all__ = ["scale_from_amax", "quantize_tiles", "quantize_mxfp8", "quantize_grouped"]
+
+
+def scale_from_amax(amax: torch.Tensor, quant_dtype: torch.dtype, *, eps: float, pow2_scales: bool,
+                    inf_value: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(scale, scale_inv) from an fp32 amax: TE's rule (``inf_value``: what an infinite scale becomes)."""
+    fp8_max = torch.finfo(quant_dtype).max
+    amax = torch.maximum(amax, torch.tensor(eps, dtype=torch.float32))
+    scale = torch.div(torch.tensor(fp8_max, dtype=torch.float32), amax)
+    scale = torch.where(scale == float("inf"), torch.tensor(inf_value, dtype=torch.float32), scale)
+    if pow2_scales:
+        _, e = torch.frexp(scale)
+        scale = torch.ldexp(torch.ones_like(scale), e - 1)
+        scale = torch.where(amax == float("inf"), torch.zeros_like(scale), scale)
+    scale = torch.where(amax == 0, torch.ones_like(scale), scale)
+    return scale, torch.reciprocal(scale)
+
+
+def _pad_to(x: torch.Tensor, tr: int, tc: int) -> torch.Tensor:
+    m, k = x.shape
+    return torch.nn.functional.pad(x, (0, (-k) % tc, 0, (-m) % tr))
+
+
+def quantize_tiles(x: torch.Tensor, quant_dtype: torch.dtype, tr: int, tc: int, *, eps: float = 0.0,
+                   pow2_scales: bool = False, per_tensor: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+    """One matrix ``[M, K]`` in tiles ``tr x tc`` (0: the whole extent), zero-padded partial tiles, fp32 scales.
+    Returns ``(q [M, K], scale_inv [ceil(M/tr), ceil(K/tc)])``."""
+    m, k = x.shape
+    tr_ = tr or max(m, 1)
+    tc_ = tc or max(k, 1)
+    inf_value = torch.finfo(torch.float32 if per_tensor else x.dtype).max
+    xp = _pad_to(x.float(), tr_, tc_)  # |x| and x * scale are exact / rounded once in fp32 either way
+    mp, kp = xp.shape
+    tiled = xp.reshape(mp // tr_, tr_, kp // tc_, tc_)
+    if tiled.numel():
+        amax = tiled.abs().amax(dim=(1, 3)).float()
+    else:  # an empty group keeps its one per-tensor scale (amax 0); empty blockwise groups have no tiles
+        amax = torch.zeros(1 if per_tensor else mp // tr_, 1 if per_tensor else kp // tc_)
+        return x.to(quant_dtype), scale_from_amax(amax, quant_dtype, eps=eps, pow2_scales=pow2_scales,
+                                                  inf_value=torch.finfo(torch.float32).max)[1]
+    scale, scale_inv = scale_from_amax(amax, quant_dtype, eps=eps, pow2_scales=pow2_scales, inf_value=inf_value)
+    fp8_max = torch.finfo(quant_dtype).max
+    q = (tiled * scale[:, None, :, None]).clamp(-fp8_max, fp8_max).to(quant_dtype)
+    return q.reshape(mp, kp)[:m, :k].contiguous(), scale_inv
+
+
+def _float_to_e8m0(v: torch.Tensor) -> torch.Tensor:
+    """TE's float_to_e8m0 (exponent rounded up, saturating at 0xFE) for v >= 0, as uint8."""
+    bits = v.contiguous().view(torch.int32).to(torch.int64)
+    exponent = (bits >> 23) & 0xFF
+    mantissa = bits & 0x7FFFFF
+    up = (mantissa > 0) & (exponent != 0xFE) & ~((exponent == 0) & (mantissa <= 0x400000))
+    e = exponent + up.to(torch.int64)
+    e = torch.where(v == 0, torch.zeros_like(e), e)
+    e = torch.where(torch.isinf(v), torch.full_like(e, 0xFE), e)
+    e = torch.where(torch.isnan(v), torch.full_like(e, 0xFF), e)
+    return e.to(torch.uint8)
+
+
+def quantize_mxfp8(x: torch.Tensor, quant_dtype: torch.dtype, block: int = 32) -> Tuple[torch.Tensor, torch.Tensor]:
+    """MXFP8 rowwise: ``[M, K]`` in 1 x ``block`` blocks -> ``(q [M, K], E8M0 [M, ceil(K/block)])``."""
+    m, k = x.shape
+    xp = _pad_to(x.float(), 1, block)
+    tiled = xp.reshape(m, xp.shape[1] // block, block)
+    amax = tiled.abs().amax(dim=-1) if tiled.numel() else torch.zeros(m, xp.shape[1] // block)
+    rcp = torch.tensor(1.0 / torch.finfo(quant_dtype).max, dtype=torch.float32)
+    e = _float_to_e8m0(amax * rcp)
+    mult = torch.where(e == 0, torch.ones_like(amax),
+                       ((254 - e.to(torch.int64)) << 23).to(torch.int32).view(torch.float32))
+    fp8_max = torch.finfo(quant_dtype).max
+    q = (tiled * mult[..., None]).clamp(-fp8_max, fp8_max).to(quant_dtype)
+    return q.reshape(m, xp.shape[1])[:, :k].contiguous(), e.view(torch.float8_e8m0fnu)
+
+
+def _quantize_one(x: torch.Tensor, quant_dtype: torch.dtype, tiles: str, eps: float, pow2_scales: bool):
+    if tiles == "1x128":
+        return quantize_tiles(x, quant_dtype, 1, 128, eps=eps, pow2_scales=pow2_scales)
+    if tiles == "128x1":  # columnwise: 1x128 tiles of x^T
+        return quantize_tiles(x.t().contiguous(), quant_dtype, 1, 128, eps=eps, pow2_scales=pow2_scales)
+    if tiles == "128x128":
+        return quantize_tiles(x, quant_dtype, 128, 128, eps=eps, pow2_scales=pow2_scales)
+    if tiles == "tensor":
+        return quantize_tiles(x, quant_dtype, 0, 0, eps=eps, pow2_scales=pow2_scales, per_tensor=True)
+    if tiles == "1x32":
+        return quantize_mxfp8(x, quant_dtype)
+    if tiles == "32x1":
+        return quantize_mxfp8(x.t().contiguous(), quant_dtype)
+    raise ValueError(tiles)
+
+
+def quantize_grouped(x: torch.Tensor, m_splits: Optional[Sequence[int]], tiles: str,
+                     quant_dtype: torch.dtype = torch.float8_e4m3fn, *, eps: float = 0.0, pow2_scales: bool = False,
+                     row_tiles: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """moe_graph's grouped layout from the per-group references: each group quantized on its own, scales stacked
+    group after group (``row_tiles`` rows, the rest 1), rows past ``sum(m_splits)`` zero. ``x [B, M, K]``
+    (without ``m_splits``) quantizes each batch entry."""
+    if x.dim() == 3:
+        outs = [quantize_grouped(xb, None, tiles, quant_dtype, eps=eps, pow2_scales=pow2_scales) for xb in x]
+        return torch.stack([o[0] for o in outs]), torch.stack([o[1] for o in outs])
+    m, k = x.shape
+    transposed = tiles in ("128x1", "32x1")
+    mx = tiles in ("1x32", "32x1")
+    splits: List[int] = [m] if m_splits is None else [int(s) for s in m_splits]
+    qs, ss = [], []
+    start = 0
+    for s in splits:
+        q, sc = _quantize_one(x[start:start + s], quant_dtype, tiles, eps, pow2_scales)
+        qs.append(q)
+        ss.append(sc.t() if transposed else sc)  # scale rows follow the groups' row tiles
+        start += s
+    used = start
+    q = torch.cat(qs, dim=1 if transposed else 0)
+    pad = torch.zeros((k, m - used) if transposed else (m - used, k), dtype=quant_dtype)
+    q = torch.cat([q, pad], dim=1 if transposed else 0)
+    scale = torch.cat(ss, dim=0)
+    if row_tiles is not None and row_tiles > scale.shape[0]:
+        one = torch.full((row_tiles - scale.shape[0], scale.shape[1]), 127 if mx else 1.0,
+                         dtype=torch.uint8 if mx else torch.float32)
+        scale = torch.cat([scale.view(torch.uint8) if mx else scale, one], dim=0)
+        scale = scale.view(torch.float8_e8m0fnu) if mx else scale
+    if transposed:
+        scale = scale.t().contiguous()
+    return q.contiguous(), scale.contiguous()

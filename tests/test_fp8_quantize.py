@@ -1,0 +1,139 @@
+"""FP8 quantization op (moe_graph.ops.fp8.quantize, CPU kernel) against the plain-PyTorch transcription of
+TransformerEngine's reference quantizers (moe_graph.testing.fp8_reference), bit for bit: q bytes and scale bits."""
+
+import pytest
+import torch
+
+from moe_graph.ops import fp8
+from helpers import fp8_reference as ref
+
+pytestmark = pytest.mark.skipif(not fp8.native_available("cpu"), reason="moe_graph._C without fp8_quantize")
+
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def _bits(t):
+    return t.contiguous().view(torch.uint8) if t.element_size() == 1 else t.contiguous().view(torch.int32)
+
+
+def _check(x, m_splits, tiles, qd, eps=0.0, pow2=False):
+    tr = fp8.TILES[tiles][0]
+    ms = None if m_splits is None else torch.tensor(m_splits, dtype=torch.int32)
+    q, s = fp8.quantize(x, ms, tiles=tiles, fp8_dtype=qd, eps=eps, pow2_scales=pow2)
+    groups = 0 if m_splits is None or x.dim() == 3 else len(m_splits)
+    rt = fp8.row_tile_capacity(x.shape[-2], groups, tr)
+    rq, rs = ref.quantize_grouped(x, m_splits, tiles, qd, eps=eps, pow2_scales=pow2, row_tiles=rt)
+    assert q.shape == rq.shape and s.shape == rs.shape, (q.shape, rq.shape, s.shape, rs.shape)
+    assert q.dtype == qd and s.dtype == rs.dtype
+    assert torch.equal(_bits(q), _bits(rq)), f"q differs at {(_bits(q) != _bits(rq)).nonzero()[:5].tolist()}"
+    assert torch.equal(_bits(s), _bits(rs)), f"scale differs: {s.flatten()[:8]} vs {rs.flatten()[:8]}"
+    return q, s
+
+
+def _inputs(kind, m, k, dtype, gen):
+    if kind == "random":  # magnitudes spread over many binades, signs mixed
+        x = torch.randn(m, k, generator=gen) * torch.exp2(torch.randint(-20, 20, (m, 1), generator=gen).float())
+    elif kind == "zero":
+        x = torch.zeros(m, k)
+    elif kind == "denormal":  # denormals of the input dtype, with a few normal values in some rows
+        tiny = {torch.float32: 1e-40, torch.bfloat16: 1e-39, torch.float16: 3e-6}[dtype]
+        x = torch.randn(m, k, generator=gen) * tiny
+    elif kind == "huge":
+        big = {torch.float32: 3e38, torch.bfloat16: 3e38, torch.float16: 6e4}[dtype]
+        x = (torch.rand(m, k, generator=gen) * 2 - 1) * big
+    else:
+        raise ValueError(kind)
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("tiles", ["1x128", "128x1", "128x128", "tensor", "1x32", "32x1"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_quantize_equals_te_reference(tiles, dtype):
+    gen = torch.Generator().manual_seed(hash((tiles, str(dtype))) % 2**31)
+    mx = fp8.TILES[tiles][2]
+    for kind in ["random", "zero", "denormal", "huge"]:
+        for qd in FP8:
+            for m, k in [(130, 300), (7, 33)]:
+                x = _inputs(kind, m, k, dtype, gen)
+                for pow2 in ([False] if mx else [False, True]):
+                    _check(x, None, tiles, qd, pow2=pow2)
+
+
+@pytest.mark.parametrize("tiles", ["1x128", "128x1", "128x128", "tensor", "1x32", "32x1"])
+def test_grouped_zero_token_groups_and_capacity_rows(tiles):
+    gen = torch.Generator().manual_seed(7)
+    x = _inputs("random", 300, 160, torch.bfloat16, gen)
+    for splits in ([100, 0, 131, 1], [0, 0, 0], [300], [0, 299, 0, 1], [45, 5]):
+        _check(x, splits, tiles, torch.float8_e4m3fn)
+    if not fp8.TILES[tiles][2]:
+        _check(x, [100, 0, 131, 1], tiles, torch.float8_e5m2, eps=1e-3, pow2=True)
+
+
+def test_eps_and_inf():
+    x = torch.tensor([[0.0] * 130, [1e-30] * 130, [float("inf")] + [1.0] * 129, [-float("inf")] * 130])
+    for tiles in ["1x128", "128x1", "tensor"]:
+        for eps in (0.0, 1e-20):
+            for pow2 in (False, True):
+                _check(x, None, tiles, torch.float8_e4m3fn, eps=eps, pow2=pow2)
+
+
+def test_weights_batched_and_columnwise_copy():
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(3, 200, 130, generator=gen).to(torch.bfloat16)
+    for tiles in ["128x128", "1x32", "1x128"]:
+        _check(w, None, tiles, torch.float8_e4m3fn)
+    q, s = fp8.quantize(w, tiles="128x128")
+    qt, st = fp8.quantize(w, tiles="128x128", transpose=True)  # the columnwise copy: exact transposes
+    assert torch.equal(_bits(qt), _bits(q.transpose(1, 2))) and torch.equal(st, s.transpose(1, 2))
+
+
+def test_dequantize_round_trip_and_bad_splits():
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(40, 96, generator=gen)
+    ms = torch.tensor([10, 0, 25])
+    for tiles in fp8.TILES:
+        q, s = fp8.quantize(x, ms, tiles=tiles)
+        d = fp8.dequantize(q, s, ms, tiles=tiles)
+        assert torch.equal(d[35:], torch.zeros(5, 96))
+        assert (d[:35] - x[:35]).abs().max() <= x.abs().max() / 8  # e4m3: 3 mantissa bits
+    from moe_graph.ops import check_errors
+    check_errors("cpu")
+    fp8.quantize(x, torch.tensor([30, 30]), tiles="1x128")
+    with pytest.raises(RuntimeError, match="exceeded"):
+        check_errors("cpu")
+
+
+def test_fake_and_opcheck():
+    x = torch.randn(20, 70)
+    ms = torch.tensor([5, 0, 15], dtype=torch.int32)
+    for tiles, (tr, tc, mx, t) in fp8.TILES.items():
+        torch.library.opcheck(torch.ops.moe_graph.fp8_quantize.default,
+                              (x, ms, tr, tc, torch.float8_e4m3fn, mx, 0.0, False, t),
+                              test_utils=("test_schema", "test_faketensor"))
+
+
+needs_cuda = pytest.mark.skipif(not (torch.cuda.is_available() and fp8.native_available("cuda")),
+                                reason="needs CUDA and the CUDA build of fp8_quantize")
+
+
+@needs_cuda
+@pytest.mark.parametrize("tiles", list(fp8.TILES))
+def test_cuda_equals_cpu_sync_free_and_graph(tiles):
+    gen = torch.Generator().manual_seed(11)
+    x = (torch.randn(700, 300, generator=gen) * 3).to(torch.bfloat16)
+    ms = torch.tensor([200, 0, 333, 100], dtype=torch.int32)
+    q0, s0 = fp8.quantize(x, ms, tiles=tiles, pow2_scales=True)
+    xd, msd = x.cuda(), ms.cuda()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        q1, s1 = fp8.quantize(xd, msd, tiles=tiles, pow2_scales=True)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.equal(_bits(q1.cpu()), _bits(q0)) and torch.equal(_bits(s1.cpu()), _bits(s0))
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        qg, sg = fp8.quantize(xd, msd, tiles=tiles, pow2_scales=True)
+    msd.copy_(torch.tensor([0, 650, 0, 50], dtype=torch.int32))
+    g.replay()
+    q2, s2 = fp8.quantize(x, torch.tensor([0, 650, 0, 50]), tiles=tiles, pow2_scales=True)
+    assert torch.equal(_bits(qg.cpu()), _bits(q2)) and torch.equal(_bits(sg.cpu()), _bits(s2))
