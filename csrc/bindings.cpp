@@ -109,6 +109,11 @@ TORCH_LIBRARY(moe_graph, m) {
   // fp32 scale_inv (TE's blockwise / current scaling) or E8M0 (mx); transpose writes q [K, M] and its scales.
   m.def("fp8_quantize(Tensor x, Tensor? m_splits, int tile_rows, int tile_cols, ScalarType fp8_dtype, bool mx, "
         "float eps, bool pow2, bool transpose) -> (Tensor, Tensor)");
+  // Scaled grouped GEMM (csrc/fp8/scaled_gemm.h): per-K-block fp32 sums times a_scale * b_scale, fp32 accumulation.
+  m.def("fp8_scaled_grouped_gemm(Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, Tensor m_splits, int block_k, "
+        "int block_n, Tensor? bias, ScalarType out_dtype) -> Tensor");
+  m.def("fp8_scaled_grouped_wgrad_out(Tensor a_t, Tensor a_scale, Tensor b_t, Tensor b_scale, Tensor m_splits, "
+        "int block_m, Tensor(a!) out, bool accumulate) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(moe_graph, CompositeExplicitAutograd, m) {
@@ -134,6 +139,8 @@ TORCH_LIBRARY_IMPL(moe_graph, CPU, m) {
   m.impl("gated_activation", &moe_graph::gated_activation_cpu);
   m.impl("gated_activation_backward", &moe_graph::gated_activation_backward_cpu);
   m.impl("fp8_quantize", &moe_graph::fp8_quantize_cpu);
+  m.impl("fp8_scaled_grouped_gemm", &moe_graph::fp8_scaled_grouped_gemm_cpu);
+  m.impl("fp8_scaled_grouped_wgrad_out", &moe_graph::fp8_scaled_grouped_wgrad_out_cpu);
 }
 
 #ifdef MOE_GRAPH_WITH_CUDA

@@ -6,6 +6,7 @@
 #include "common/error_flag_torch.h"
 #include "common/torch_checks.h"
 #include "fp8/quantize.h"
+#include "fp8/scaled_gemm.h"
 
 #ifdef MOE_GRAPH_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
@@ -94,6 +95,113 @@ std::tuple<at::Tensor, at::Tensor> fp8_quantize_cpu(const at::Tensor& x, const s
   Quantized o = describe(x, m_splits, tile_rows, tile_cols, fp8_dtype, mx, eps, pow2, transpose);
   fp8::quantize_cpu(o.p);
   return {o.q, o.scale};
+}
+
+namespace {
+
+constexpr const char* kGemm = "fp8_scaled_grouped_gemm";
+constexpr const char* kWgrad = "fp8_scaled_grouped_wgrad_out";
+
+fp8::Operand operand(const at::Tensor& q, const at::Tensor& scale, const char* op, const char* qn, const char* sn) {
+  check_defined(q, op, qn);
+  check_dtype(q, {at::kFloat8_e4m3fn, at::kFloat8_e5m2}, op, qn);
+  check_contiguous(q, op, qn);
+  check_defined(scale, op, sn);
+  check_dtype(scale, {at::kFloat, at::kFloat8_e8m0fnu}, op, sn);
+  check_device(scale, q.device(), op, sn);
+  check_contiguous(scale, op, sn);
+  fp8::Operand o;
+  o.q = static_cast<const uint8_t*>(q.data_ptr());
+  o.format = q.scalar_type() == at::kFloat8_e4m3fn ? fp8::Format::kE4M3 : fp8::Format::kE5M2;
+  o.scale = scale.data_ptr();
+  o.e8m0 = scale.scalar_type() == at::kFloat8_e8m0fnu;
+  return o;
+}
+
+void check_splits(const at::Tensor& m_splits, const at::Tensor& like, const char* op) {
+  check_defined(m_splits, op, "m_splits");
+  check_dim(m_splits, 1, op, "m_splits", "[E]");
+  check_dtype(m_splits, {at::kInt, at::kLong}, op, "m_splits");
+  check_device(m_splits, like.device(), op, "m_splits");
+  check_contiguous(m_splits, op, "m_splits");
+}
+
+int64_t blocks(int64_t extent, int64_t block) { return block == 0 ? 1 : (extent + block - 1) / block; }
+
+}  // namespace
+
+at::Tensor fp8_scaled_grouped_gemm_cpu(const at::Tensor& a, const at::Tensor& a_scale, const at::Tensor& b,
+                                       const at::Tensor& b_scale, const at::Tensor& m_splits, int64_t block_k,
+                                       int64_t block_n, const std::optional<at::Tensor>& bias,
+                                       at::ScalarType out_dtype) {
+  fp8::ScaledGemmProblem p;
+  p.a = operand(a, a_scale, kGemm, "a", "a_scale");
+  p.b = operand(b, b_scale, kGemm, "b", "b_scale");
+  check_dim(a, 2, kGemm, "a", "[M, K]");
+  check_dim(b, 3, kGemm, "b", "[E, N, K]");
+  check_device(b, a.device(), kGemm, "b");
+  check_splits(m_splits, a, kGemm);
+  TORCH_CHECK(block_k >= 0 && block_n >= 0, kGemm, ": block_k and block_n must be >= 0 (0: whole extent)");
+  p.rows = a.size(0);
+  p.k = a.size(1);
+  p.groups = b.size(0);
+  p.n = b.size(1);
+  check_shape(b, {p.groups, p.n, p.k}, kGemm, "b");
+  check_shape(m_splits, {p.groups}, kGemm, "m_splits");
+  check_shape(a_scale, {p.rows, blocks(p.k, block_k)}, kGemm, "a_scale");
+  check_shape(b_scale, {p.groups, blocks(p.n, block_n), blocks(p.k, block_k)}, kGemm, "b_scale");
+  TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16 || out_dtype == at::kHalf, kGemm,
+              ": out_dtype must be Float, BFloat16 or Half, got ", c10::toString(out_dtype));
+  p.m_splits = m_splits.data_ptr();
+  p.splits_i64 = m_splits.scalar_type() == at::kLong;
+  p.block_k = block_k;
+  p.block_n = block_n;
+  at::Tensor bias32;
+  if (bias.has_value() && bias->defined()) {
+    check_shape(*bias, {p.groups, p.n}, kGemm, "bias");
+    check_device(*bias, a.device(), kGemm, "bias");
+    bias32 = bias->to(at::kFloat).contiguous();
+    p.bias = bias32.data_ptr<float>();
+  }
+  at::Tensor out = at::empty({p.rows, p.n}, a.options().dtype(at::kFloat));
+  p.out = out.data_ptr<float>();
+  p.error_flag = error_flag_ptr(a.device());
+  fp8::scaled_gemm_cpu(p);
+  return out_dtype == at::kFloat ? out : out.to(out_dtype);  // one rounding (nearest even)
+}
+
+void fp8_scaled_grouped_wgrad_out_cpu(const at::Tensor& a_t, const at::Tensor& a_scale, const at::Tensor& b_t,
+                                      const at::Tensor& b_scale, const at::Tensor& m_splits, int64_t block_m,
+                                      const at::Tensor& out, bool accumulate) {
+  fp8::ScaledWgradProblem p;
+  p.a = operand(a_t, a_scale, kWgrad, "a_t", "a_scale");
+  p.b = operand(b_t, b_scale, kWgrad, "b_t", "b_scale");
+  check_dim(a_t, 2, kWgrad, "a_t", "[N, M]");
+  check_dim(b_t, 2, kWgrad, "b_t", "[K, M]");
+  check_device(b_t, a_t.device(), kWgrad, "b_t");
+  check_splits(m_splits, a_t, kWgrad);
+  TORCH_CHECK(block_m >= 0, kWgrad, ": block_m must be >= 0 (0: one tile per group)");
+  p.n = a_t.size(0);
+  p.rows = a_t.size(1);
+  p.k = b_t.size(0);
+  p.groups = m_splits.size(0);
+  check_shape(b_t, {p.k, p.rows}, kWgrad, "b_t");
+  p.row_tiles = fp8::row_tile_capacity(p.rows, p.groups, block_m);
+  check_shape(a_scale, {p.n, p.row_tiles}, kWgrad, "a_scale");
+  check_shape(b_scale, {p.k, p.row_tiles}, kWgrad, "b_scale");
+  check_defined(out, kWgrad, "out");
+  check_shape(out, {p.groups, p.n, p.k}, kWgrad, "out");
+  check_dtype(out, {at::kFloat}, kWgrad, "out");
+  check_device(out, a_t.device(), kWgrad, "out");
+  check_contiguous(out, kWgrad, "out");
+  check_writable(out, kWgrad, "out");
+  p.m_splits = m_splits.data_ptr();
+  p.splits_i64 = m_splits.scalar_type() == at::kLong;
+  p.block_m = block_m;
+  p.accumulate = accumulate;
+  p.out = out.data_ptr<float>();
+  p.error_flag = error_flag_ptr(a_t.device());
+  fp8::scaled_wgrad_cpu(p);
 }
 
 #ifdef MOE_GRAPH_WITH_CUDA

@@ -24,7 +24,8 @@ import torch
 
 from moe_graph.ops._lib import has_kernel, ops, require
 
-__all__ = ["TILES", "quantize", "dequantize", "row_tile_capacity", "native_available"]
+__all__ = ["TILES", "quantize", "dequantize", "row_tile_capacity", "native_available", "scaled_grouped_gemm",
+           "scaled_grouped_wgrad"]
 
 _OP = "moe_graph::fp8_quantize"
 
@@ -113,6 +114,30 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, m_splits: Optional[torch.Te
     return qf * _expand(scale, rows, cols, tr, tc, m_splits)
 
 
+def scaled_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                        m_splits: torch.Tensor, *, block_k: int, block_n: int, bias: Optional[torch.Tensor] = None,
+                        out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``out[r] = sum_kb (A[r, kb] . B[e, n, kb]) * a_scale[r, kb] * b_scale[e, n // block_n, kb] (+ bias[e])``:
+    FP8 ``a [M, K]`` (rows grouped by ``m_splits``), ``b [E, N, K]``, fp32 or E8M0 scales; fp32 accumulation, one
+    rounding to ``out_dtype``; rows past ``sum(m_splits)`` are zero (``csrc/fp8/scaled_gemm.h``)."""
+    require()
+    return ops.fp8_scaled_grouped_gemm(a, a_scale, b, b_scale, m_splits, int(block_k), int(block_n), bias, out_dtype)
+
+
+def scaled_grouped_wgrad(a_t: torch.Tensor, a_scale: torch.Tensor, b_t: torch.Tensor, b_scale: torch.Tensor,
+                         m_splits: torch.Tensor, *, block_m: int, out: Optional[torch.Tensor] = None,
+                         accumulate: bool = False) -> torch.Tensor:
+    """``dW[e] (+)= sum_t (dy^T_t . x^T_t) * a_scale[:, t] * b_scale[:, t]`` over group ``e``'s tiles of
+    ``block_m`` tokens: ``a_t = dy^T [N, M]``, ``b_t = x^T [K, M]`` (the columnwise copies) -> fp32 ``[E, N, K]``
+    (``out``, e.g. a ``main_grad``, written or, with ``accumulate``, added to)."""
+    require()
+    if out is None:
+        out = torch.empty((m_splits.shape[0], a_t.shape[0], b_t.shape[0]), dtype=torch.float32, device=a_t.device)
+        accumulate = False
+    ops.fp8_scaled_grouped_wgrad_out(a_t, a_scale, b_t, b_scale, m_splits, int(block_m), out, bool(accumulate))
+    return out
+
+
 def _register() -> None:
     if not native_available():  # pragma: no cover - a build without the op
         return
@@ -128,6 +153,14 @@ def _register() -> None:
         s = x.new_empty(lead + ((ct, rt) if transpose else (rt, ct)),
                         dtype=torch.float8_e8m0fnu if mx else torch.float32)
         return q, s
+
+    @torch.library.register_fake("moe_graph::fp8_scaled_grouped_gemm")
+    def _(a, a_scale, b, b_scale, m_splits, block_k, block_n, bias, out_dtype):
+        return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+    @torch.library.register_fake("moe_graph::fp8_scaled_grouped_wgrad_out")
+    def _(a_t, a_scale, b_t, b_scale, m_splits, block_m, out, accumulate):
+        return None
 
 
 _register()
