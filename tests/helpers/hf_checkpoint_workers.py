@@ -13,7 +13,7 @@ from moe_graph import parallel_state as ps
 from moe_graph.distributed.ddp import DistributedDataParallel
 from moe_graph.distributed.optimizer import DistributedOptimizer
 from moe_graph.integrations.hf import swap_moe_blocks
-from moe_graph.integrations.hf_checkpoint import load_hf_checkpoint, save_hf_pretrained
+from moe_graph.integrations.hf_checkpoint import load_hf_checkpoint, save_hf_pretrained, swapped_from_pretrained
 from moe_graph.testing.hf_models import tiny_model
 from moe_graph.train.step import train_step
 
@@ -38,7 +38,8 @@ def probe_ids() -> torch.Tensor:
 def train_save_load_worker(rank: int, world: int, families: Sequence[str], root: str) -> Dict:
     """Per family: the tiny model (same weights on every rank) swapped with EP 2, trained ``STEPS`` steps (each
     rank its own data; DDP + DistributedOptimizer), its logits on :func:`probe_ids`, saved in both layouts, and a
-    freshly built swapped model (other weights) loaded from each folder: its logits."""
+    swapped model loaded from each folder (v4: built with other weights, then :func:`load_hf_checkpoint`; v5:
+    :func:`swapped_from_pretrained`, each rank's experts only): its logits."""
     ps.initialize_model_parallel(expert_model_parallel_size=world)
     try:
         ep_group = ps.get_expert_model_parallel_group()
@@ -59,10 +60,14 @@ def train_save_load_worker(rank: int, world: int, families: Sequence[str], root:
             for layout in ("v5", "v4"):
                 folder = os.path.join(root, f"{fam}_{layout}")
                 save_hf_pretrained(model, folder, layout=layout)
-                _, fresh = tiny_model(fam, seed=3)
+                if layout == "v4":  # a model of other weights, swapped, filled from the folder
+                    _, fresh = tiny_model(fam, seed=3)
+                    swap_moe_blocks(fresh, ep_group=ep_group)
+                    load_hf_checkpoint(fresh, folder)
+                else:  # built from the folder without materializing every expert
+                    fresh = swapped_from_pretrained(folder, ep_group=ep_group,
+                                                    model_kwargs={"attn_implementation": "eager"})
                 fresh.eval()
-                swap_moe_blocks(fresh, ep_group=ep_group)
-                load_hf_checkpoint(fresh, folder)
                 with torch.no_grad():
                     res[f"reloaded_{layout}"] = fresh(probe_ids()).logits
             out[fam] = res

@@ -9,6 +9,10 @@
   (the fused in-memory names) or ``"v4"`` (transformers' own ``save_pretrained`` of it: per-expert modules under
   the family's on-disk names, e.g. Mixtral's ``block_sparse_moe.experts.<e>.w1``; GPT-OSS has one layout). Either
   loads with ``AutoModelForCausalLM.from_pretrained``.
+* :func:`swapped_from_pretrained`: a transformers model of a ``save_pretrained`` folder, swapped, with this rank's
+  experts only and no expert ever materialized whole (built on the meta device, swapped, materialized: transformers'
+  own initialization for the dense part and its buffers, each MoE layer built with its ``E / ep`` experts; then
+  :func:`load_hf_checkpoint`).
 * :func:`load_hf_checkpoint`: a ``save_pretrained`` folder (either layout, one or several safetensors files) into a
   swapped model: dense tensors by name, each MoE layer's from its block's tensors
   (:func:`moe_graph.integrations.hf.hf_to_moe_state_dict`), reading only this rank's experts from the files
@@ -17,9 +21,7 @@
 
 Example (each rank; ``ep_group`` the expert-parallel group)::
 
-    model = AutoModelForCausalLM.from_config(config)
-    swap_moe_blocks(model, ep_group=ep_group)
-    load_hf_checkpoint(model, "ckpt_in")                       # this rank's experts only
+    model = swapped_from_pretrained("ckpt_in", ep_group=ep_group)   # this rank's experts only
     ...                                                        # train (DDP / ZeRO-1 / EP)
     save_hf_pretrained(model, "ckpt_out", layout="v5")         # a collective; rank 0 writes
 """
@@ -41,11 +43,16 @@ try:  # transformers' renames between its on-disk (v4) and in-memory names, e.g.
     from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 except ImportError:  # an older transformers: on-disk names are the in-memory ones
     get_checkpoint_conversion_mapping = None
+try:
+    from transformers import AutoConfig, AutoModelForCausalLM
+except ImportError:  # swapped_from_pretrained needs transformers; the rest works on any model with a .config
+    AutoConfig = AutoModelForCausalLM = None
 
-from moe_graph.integrations.hf import HFMoEBlock, hf_to_moe_state_dict, moe_to_hf_state_dict
+from moe_graph.integrations.hf import HFMoEBlock, hf_to_moe_state_dict, moe_to_hf_state_dict, swap_moe_blocks
+from moe_graph.moe.layer import MoELayer
 from moe_graph.train.checkpoint import is_expert
 
-__all__ = ["gather_hf_state_dict", "save_hf_pretrained", "load_hf_checkpoint"]
+__all__ = ["gather_hf_state_dict", "save_hf_pretrained", "load_hf_checkpoint", "swapped_from_pretrained"]
 
 def _text_config(model: nn.Module):
     get = getattr(model.config, "get_text_config", None)
@@ -269,3 +276,28 @@ def load_hf_checkpoint(model: nn.Module, folder: str) -> List[str]:
         for _, dst, src in plan:
             dst.copy_(src)
     return [k for k, _, _ in plan]
+
+
+def swapped_from_pretrained(folder: str, *, ep_group=None, auto_class=None, device="cpu",
+                            model_kwargs: Optional[Dict] = None, **overrides) -> nn.Module:
+    """The transformers model saved in ``folder`` (``save_pretrained``: config and safetensors), its sparse-MoE
+    blocks swapped onto :class:`MoELayer` (:func:`swap_moe_blocks` with ``ep_group`` and ``overrides``), each rank
+    holding only its ``E / ep`` experts, which are never materialized whole: the model is built on the meta device
+    (``auto_class``, default ``AutoModelForCausalLM``, ``.from_config(config, **model_kwargs)``), swapped, moved to
+    ``device`` empty, given transformers' own initialization (``initialize_weights``: the buffers such as rotary
+    tables; ``tie_weights``), every MoE layer rebuilt there with its experts, and filled by
+    :func:`load_hf_checkpoint` (every tensor checked before the first copy). A collective when ``ep_group`` spans
+    several ranks."""
+    if AutoConfig is None:
+        raise RuntimeError("swapped_from_pretrained needs transformers")
+    config = AutoConfig.from_pretrained(folder)
+    with torch.device("meta"):
+        model = (auto_class or AutoModelForCausalLM).from_config(config, **(model_kwargs or {}))
+    swap_moe_blocks(model, ep_group=ep_group, **overrides)
+    model.to_empty(device=device)
+    model.initialize_weights()
+    model.tie_weights()
+    for _, block in _blocks(model):
+        block.moe = MoELayer.from_config(block.moe.config, ep_group=ep_group, device=device)
+    load_hf_checkpoint(model, folder)
+    return model
