@@ -82,7 +82,7 @@ def _build():
     flags = ["-std=c++20", "-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
              "-fno-sanitize-recover=undefined", f"-I{EMU}", f"-I{os.path.join(EMU, 'include')}",
              f"-I{os.path.join(ROOT, 'csrc')}"] + [f"-isystem{d}" for d in cuda + cutlass]
-    emu_flags = ["-DMOE_GRAPH_EMULATE", "-DMOE_GRAPH_WITH_CUDA", "-DMOE_GRAPH_BUILD_SM90", "-include", "moe_emu.h"]
+    emu_flags = ["-DMOE_GRAPH_EMULATE", "-DMOE_GRAPH_WITH_CUDA", "-DMOE_GRAPH_BUILD_SM90", "-DMOE_GRAPH_BUILD_SM100", "-include", "moe_emu.h"]
     h = hashlib.sha256(" ".join([cxx] + flags + emu_flags).encode())
     h.update(subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.encode())
     for top in (os.path.join(ROOT, "csrc"), EMU):

@@ -13,8 +13,12 @@
 
 #include <type_traits>
 
+#include "common/cuda_check.h"
 #include "common/error_flag.h"
+#include "common/launch.cuh"
 #include "grouped_gemm/grouped_expert_args.h"
+#include "grouped_gemm/grouped_gemm.h"
+#include "grouped_gemm/grouped_plan.h"
 #include "grouped_gemm/grouped_spans.h"
 
 namespace moe_graph {
@@ -161,6 +165,64 @@ __global__ void __launch_bounds__(kArgThreads) wgrad_args_kernel(
                                                                                      int64_t count) {
     arr.store(e, wgrad_expert_args(e, start, count, n, k, dy, a, out_base, out_stride, out_table));
   });
+}
+
+inline size_t align_up(size_t x, size_t a = 128) { return (x + a - 1) / a * a; }
+
+// Carves the argument arrays out of one allocation of argument_bytes(e, with_bias) (grouped_plan.cpp), in the
+// order that formula counts them.
+template <class Arr>
+Arr carve_arguments(char* base, int e, bool with_bias) {
+  Arr a;
+  auto take = [&](size_t n) {
+    char* p = base;
+    base += align_up(n);
+    return p;
+  };
+  a.shapes = reinterpret_cast<typename Arr::ProblemShape*>(take(sizeof(typename Arr::ProblemShape) * e));
+  a.ptr_a = reinterpret_cast<const typename Arr::ElementA**>(take(sizeof(void*) * e));
+  a.ptr_b = reinterpret_cast<const typename Arr::ElementB**>(take(sizeof(void*) * e));
+  a.ptr_c = reinterpret_cast<const typename Arr::ElementD**>(take(sizeof(void*) * e));
+  a.ptr_d = reinterpret_cast<typename Arr::ElementD**>(take(sizeof(void*) * e));
+  a.ptr_bias = with_bias ? reinterpret_cast<const typename Arr::ElementD**>(take(sizeof(void*) * e)) : nullptr;
+  a.stride_a = reinterpret_cast<typename Arr::StrideA*>(take(sizeof(typename Arr::StrideA) * e));
+  a.stride_b = reinterpret_cast<typename Arr::StrideB*>(take(sizeof(typename Arr::StrideB) * e));
+  a.stride_c = reinterpret_cast<typename Arr::StrideC*>(take(sizeof(typename Arr::StrideC) * e));
+  a.stride_d = reinterpret_cast<typename Arr::StrideD*>(take(sizeof(typename Arr::StrideD) * e));
+  return a;
+}
+
+// The argument arrays of one launch, carved from one env.alloc of argument_bytes(e, with_bias).
+template <class Arr>
+Arr alloc_arguments(const LaunchEnv& env, int e, bool with_bias) {
+  return carve_arguments<Arr>(static_cast<char*>(env.alloc(argument_bytes(e, with_bias))), e, with_bias);
+}
+
+// The forward argument kernel's launch: block 0 writes the arguments, tail_zero_blocks (plan_forward's
+// arg_tail_blocks) more zero the rows past the clamped total. The CPU emulator runs it with a stand-in GemmKernel.
+template <class GemmKernel, bool kBKMajor>
+void enqueue_forward_args(const GroupedArrays<GemmKernel, ForwardTags<kBKMajor>>& arr, const ForwardProblem& p,
+                          const LaunchEnv& env, const void* const* b_table, int64_t* offsets) {
+  using ElementD = typename GemmKernel::ElementD;
+  const int tail_blocks = tail_zero_blocks(p.rows, p.n);
+  moe_graph::launch(forward_args_kernel<GemmKernel, kBKMajor>, 1 + tail_blocks, kArgThreads, 0, env.stream, arr,
+      p.splits.ptr, p.splits.is_int64, p.splits.num_experts, p.rows, static_cast<int>(p.n), static_cast<int>(p.k),
+      static_cast<const typename GemmKernel::ElementA*>(p.a),
+      static_cast<const typename GemmKernel::ElementB*>(p.b.base), p.b.expert_stride, b_table,
+      static_cast<ElementD*>(p.out), static_cast<const ElementD*>(p.bias), offsets, env.error_flag);
+  check_launch("forward_args_kernel");
+}
+
+// The wgrad argument kernel's launch (one block).
+template <class GemmKernel>
+void enqueue_wgrad_args(const GroupedArrays<GemmKernel, WgradTags>& arr, const WgradProblem& p, const LaunchEnv& env,
+                        void* const* out_table, int64_t* offsets) {
+  moe_graph::launch(wgrad_args_kernel<GemmKernel>, 1, kArgThreads, 0, env.stream, arr, p.splits.ptr,
+      p.splits.is_int64, p.splits.num_experts, p.rows, static_cast<int>(p.n), static_cast<int>(p.k),
+      static_cast<const typename GemmKernel::ElementA*>(p.dy), static_cast<const typename GemmKernel::ElementB*>(p.a),
+      static_cast<typename GemmKernel::ElementD*>(const_cast<void*>(p.out.base)), p.out.expert_stride, out_table,
+      offsets, env.error_flag);
+  check_launch("wgrad_args_kernel");
 }
 
 }  // namespace detail

@@ -11,7 +11,6 @@
 #include <string>
 
 #include "common/cuda_check.h"
-#include "common/launch.cuh"
 #include "grouped_gemm/grouped_args.cuh"
 #include "grouped_gemm/grouped_gemm.h"
 #include "grouped_gemm/grouped_plan.h"
@@ -27,31 +26,6 @@ inline void check_cutlass(cutlass::Status status, const char* step, const char* 
        << cutlassGetStatusString(status);
     throw std::runtime_error(os.str());
   }
-}
-
-inline size_t align_up(size_t x, size_t a = 128) { return (x + a - 1) / a * a; }
-
-// Carves the argument arrays out of one allocation of argument_bytes(e, with_bias) (grouped_plan.cpp), in the
-// order that formula counts them.
-template <class Arr>
-Arr carve_arguments(char* base, int e, bool with_bias) {
-  Arr a;
-  auto take = [&](size_t n) {
-    char* p = base;
-    base += align_up(n);
-    return p;
-  };
-  a.shapes = reinterpret_cast<typename Arr::ProblemShape*>(take(sizeof(typename Arr::ProblemShape) * e));
-  a.ptr_a = reinterpret_cast<const typename Arr::ElementA**>(take(sizeof(void*) * e));
-  a.ptr_b = reinterpret_cast<const typename Arr::ElementB**>(take(sizeof(void*) * e));
-  a.ptr_c = reinterpret_cast<const typename Arr::ElementD**>(take(sizeof(void*) * e));
-  a.ptr_d = reinterpret_cast<typename Arr::ElementD**>(take(sizeof(void*) * e));
-  a.ptr_bias = with_bias ? reinterpret_cast<const typename Arr::ElementD**>(take(sizeof(void*) * e)) : nullptr;
-  a.stride_a = reinterpret_cast<typename Arr::StrideA*>(take(sizeof(typename Arr::StrideA) * e));
-  a.stride_b = reinterpret_cast<typename Arr::StrideB*>(take(sizeof(typename Arr::StrideB) * e));
-  a.stride_c = reinterpret_cast<typename Arr::StrideC*>(take(sizeof(typename Arr::StrideC) * e));
-  a.stride_d = reinterpret_cast<typename Arr::StrideD*>(take(sizeof(typename Arr::StrideD) * e));
-  return a;
 }
 
 template <class Gemm>
@@ -87,7 +61,7 @@ void launch_forward(const ForwardProblem& p, const LaunchEnv& env, const void* c
   using ElementD = typename GemmKernel::ElementD;
   const int e = p.splits.num_experts;
   const bool with_bias = p.bias != nullptr;
-  auto arr = carve_arguments<Arr>(static_cast<char*>(env.alloc(argument_bytes(e, with_bias))), e, with_bias);
+  auto arr = alloc_arguments<Arr>(env, e, with_bias);
 
   typename Gemm::Arguments args;
   args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
@@ -100,15 +74,8 @@ void launch_forward(const ForwardProblem& p, const LaunchEnv& env, const void* c
   args.epilogue.dD = arr.stride_d;
   args.hw_info = hardware_info<Gemm>(env);
 
-  const int tail_blocks = tail_zero_blocks(p.rows, p.n);  // plan_forward's arg_tail_blocks
-  checked_run<Gemm>(args, env, name, [&] {
-    moe_graph::launch(forward_args_kernel<GemmKernel, kBKMajor>, 1 + tail_blocks, kArgThreads, 0, env.stream, arr,
-        p.splits.ptr, p.splits.is_int64, e, p.rows, static_cast<int>(p.n), static_cast<int>(p.k),
-        static_cast<const typename GemmKernel::ElementA*>(p.a),
-        static_cast<const typename GemmKernel::ElementB*>(p.b.base), p.b.expert_stride, b_table,
-        static_cast<ElementD*>(p.out), static_cast<const ElementD*>(p.bias), offsets, env.error_flag);
-    check_launch("forward_args_kernel");
-  });
+  checked_run<Gemm>(args, env, name,
+                    [&] { enqueue_forward_args<GemmKernel, kBKMajor>(arr, p, env, b_table, offsets); });
 }
 
 // Wgrad launch of configuration `Gemm` (kAccumulate: C = D, beta = 1; else no source).
@@ -120,7 +87,7 @@ void launch_wgrad(const WgradProblem& p, const LaunchEnv& env, void* const* out_
   using GemmKernel = typename Gemm::GemmKernel;
   using Arr = GroupedArrays<GemmKernel, WgradTags>;
   const int e = p.splits.num_experts;
-  auto arr = carve_arguments<Arr>(static_cast<char*>(env.alloc(argument_bytes(e, false))), e, false);
+  auto arr = alloc_arguments<Arr>(env, e, false);
 
   typename Gemm::Arguments args;
   decltype(args.epilogue.thread) fusion;
@@ -142,12 +109,7 @@ void launch_wgrad(const WgradProblem& p, const LaunchEnv& env, void* const* out_
                                   hardware_info<Gemm>(env)};
 
   checked_run<Gemm>(args, env, name, [&] {
-    moe_graph::launch(wgrad_args_kernel<GemmKernel>, 1, kArgThreads, 0, env.stream, arr, p.splits.ptr,
-        p.splits.is_int64, e, p.rows, static_cast<int>(p.n), static_cast<int>(p.k),
-        static_cast<const typename GemmKernel::ElementA*>(p.dy), static_cast<const typename GemmKernel::ElementB*>(p.a),
-        static_cast<typename GemmKernel::ElementD*>(const_cast<void*>(p.out.base)), p.out.expert_stride, out_table,
-        offsets, env.error_flag);
-    check_launch("wgrad_args_kernel");
+    enqueue_wgrad_args<GemmKernel>(arr, p, env, out_table, offsets);
     after_args();
   });
 }
