@@ -18,11 +18,13 @@ moe_graph's DDP register their grad-ready hooks there for such parameters).
 from __future__ import annotations
 
 import collections
+import pickle
 from typing import Callable, List, Optional, Union
 
 import torch
 from torch import nn
 
+from moe_graph.ops import fp8 as _fp8
 from moe_graph.ops.grouped_gemm import (
     as_splits,
     grouped_bias_grad,
@@ -31,6 +33,7 @@ from moe_graph.ops.grouped_gemm import (
     has_main_grad_source,
     is_zero_wgrad_placeholder,
     resolve_main_grad,
+    zero_wgrad_placeholder,
 )
 
 __all__ = ["GroupedLinear"]
@@ -56,6 +59,62 @@ def _add_grad(p: torch.Tensor, g: torch.Tensor) -> None:
         p.grad = g.to(p.dtype)
     else:
         p.grad.add_(g)
+
+
+class _Fp8GroupedLinear(torch.autograd.Function):
+    """FP8 forward / dgrad / wgrad of GroupedLinear (``ops.fp8``'s scaled grouped GEMMs, the recipe's tiles):
+    inputs quantized rowwise for the forward and columnwise (saved) for wgrad, gradients likewise, the weights'
+    two copies from the layer's per-step cache. Bias gradient from the unquantized ``dy`` (as TE). Sync-free."""
+
+    @staticmethod
+    def forward(ctx, x, splits, recipe, wq, bias, fuse, accumulate, *weights):
+        qw, sw, qwt, swt = wq
+        bk, bn, bm = _fp8.gemm_blocks(recipe)
+        qx, sx = _fp8.quantize_rows(x, splits, recipe, recipe.fwd_dtype)
+        b32 = None if bias is None else bias.detach().float()
+        y = _fp8.scaled_grouped_gemm(qx, sx, qw, sw, splits, block_k=bk, block_n=bn, bias=b32, out_dtype=x.dtype)
+        need_w = any(w.requires_grad for w in weights)
+        xt = _fp8.quantize_columns(x, splits, recipe, recipe.fwd_dtype) if need_w else (None, None)
+        ctx.save_for_backward(splits, qwt, swt, *[t for t in xt if t is not None])
+        ctx.recipe, ctx.fuse, ctx.accumulate, ctx.need_w = recipe, fuse, accumulate, need_w
+        ctx.weights = weights if fuse else None
+        ctx.n_weights, ctx.w_dtype, ctx.bias_dtype = len(weights), weights[0].dtype, None if bias is None else bias.dtype
+        ctx.x_dtype = x.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        splits, qwt, swt, *xt = ctx.saved_tensors
+        recipe = ctx.recipe
+        bk, bn, bm = _fp8.gemm_blocks(recipe)
+        dy = dy.contiguous()
+        dx = None
+        if ctx.needs_input_grad[0]:
+            qdy, sdy = _fp8.quantize_rows(dy, splits, recipe, recipe.bwd_dtype)
+            dx = _fp8.scaled_grouped_gemm(qdy, sdy, qwt, swt, splits, block_k=bk, block_n=bn, out_dtype=ctx.x_dtype)
+        dws = [None] * ctx.n_weights
+        if ctx.need_w:
+            qdyt, sdyt = _fp8.quantize_columns(dy, splits, recipe, recipe.bwd_dtype)
+            dw = _fp8.scaled_grouped_wgrad(qdyt, sdyt, xt[0], xt[1], splits, block_m=bm)  # fp32 [E, N, K]
+            if ctx.fuse:  # into main_grad: one fp32 add (or a write for the first microbatch)
+                with torch.no_grad():
+                    per = [dw] if len(ctx.weights) == 1 else list(dw.unbind(0))
+                    for w, g in zip(ctx.weights, per):
+                        mg = resolve_main_grad(w)
+                        if ctx.accumulate:
+                            mg.add_(g.to(mg.dtype))
+                        else:
+                            mg.copy_(g)
+                        w.grad_added_to_main_grad = True
+                dws = [zero_wgrad_placeholder(w) for w in ctx.weights]
+            else:
+                g = dw.to(ctx.w_dtype)
+                dws = [g] if ctx.n_weights == 1 else list(g.unbind(0))
+        db = None
+        if ctx.needs_input_grad[4]:
+            db = grouped_bias_grad(dy, splits).to(ctx.bias_dtype)
+        ctx.weights = None
+        return (dx, None, None, None, db, None, None, *dws)
 
 
 class GroupedLinear(nn.Module):
@@ -265,6 +324,15 @@ class GroupedLinear(nn.Module):
         if getattr(weights[0], "overwrite_main_grad", False):
             accumulate = False
         bias = None if self.return_bias else self._stacked_bias()
+        recipe = _fp8.current_recipe()
+        self.fp8 = recipe is not None
+        if recipe is not None:
+            out = self._fp8_forward(x, splits, weights, bias, recipe, is_first_microbatch, fuse, accumulate)
+            out = out.reshape(*lead, self.out_features)
+            if self.return_bias:
+                bs = self._biases()
+                return out, (None if bs is None else (bs[0] if self.single_grouped_bias else bs))
+            return out
         defer = None
         if self.delay_wgrad_compute and torch.is_grad_enabled() and any(w.requires_grad for w in weights):
             queue = self._wgrad_queue
@@ -280,6 +348,23 @@ class GroupedLinear(nn.Module):
             bs = self._biases()
             return out, (None if bs is None else (bs[0] if self.single_grouped_bias else bs))
         return out
+
+    def _fp8_forward(self, x, splits, weights, bias, recipe, is_first_microbatch, fuse, accumulate):
+        """The FP8 path (under ``moe_graph.fp8.autocast`` or TE's ``fp8_autocast``). The weights are quantized
+        once per step: ``is_first_microbatch=False`` reuses the copies quantized by the step's first microbatch
+        (TE's weight caching); True or None quantizes them again."""
+        if self.delay_wgrad_compute:
+            raise NotImplementedError("GroupedLinear: delay_wgrad_compute is not supported with FP8 yet")
+        if recipe.kind == "blockwise" and x.dtype == torch.float64:
+            raise TypeError("GroupedLinear: FP8 needs fp32, bf16 or fp16 inputs, got float64")
+        self._fp8_recipe = recipe
+        cache = getattr(self, "_fp8_weight_cache", None)
+        if is_first_microbatch is not False or cache is None or cache[0] != recipe:
+            with torch.no_grad():
+                w3 = weights[0] if self.single_grouped_weight else torch.stack([w.detach() for w in weights])
+                cache = (recipe, _fp8.quantize_weight(w3.detach().contiguous(), recipe))
+            self._fp8_weight_cache = cache
+        return _Fp8GroupedLinear.apply(x, splits, recipe, cache[1], bias, fuse, accumulate, *weights)
 
     # ------------------------------------------------------------------------------- delayed weight grads --
     def need_backward_dw(self) -> bool:
@@ -326,15 +411,17 @@ class GroupedLinear(nn.Module):
         del a, dy, splits
         self._trigger_wgrad_accumulation_and_reduce_hooks()
 
-    # ------------------------------------------------------- TE base-module surface (no fp8 in moe_graph) --
+    # --------------------------------------------------------------------------------- TE base-module surface --
     # Megatron's TEGroupedLinear subclasses TE's GroupedLinear and reads these in its checkpoint hooks
-    # (merge_extra_states, _split_extra_state); with them it subclasses this class unchanged.
+    # (merge_extra_states, _split_extra_state); with them it subclasses this class unchanged. ``fp8`` is set by
+    # each forward (inside an FP8 autocast or not), as TE's modules do.
     fp8 = False
     fp8_calibration = False
+    _fp8_recipe = None
 
     @property
     def fp8_meta(self) -> dict:
-        return {"fp8_checkpoint": False, "recipe": None}
+        return {"fp8_checkpoint": self._fp8_recipe is not None, "recipe": self._fp8_recipe}
 
     def init_fp8_metadata(self, num_gemms: int = 1) -> None:
         """TE API: nothing to initialize without fp8."""
@@ -345,10 +432,30 @@ class GroupedLinear(nn.Module):
 
     # --------------------------------------------------------------------------------------- state dict I/O --
     def get_extra_state(self) -> torch.Tensor:
-        # TE stores fp8 metadata here; an empty tensor keeps state dicts loadable by TE with strict=True.
-        return torch.empty(0, dtype=torch.uint8)
+        """TE's ``_extra_state``: the FP8 metadata as pickled bytes in a uint8 tensor (TE's encoding), here the
+        recipe (block and current scaling keep no scales between steps); empty for a layer never run in FP8."""
+        if self._fp8_recipe is None:
+            return torch.empty(0, dtype=torch.uint8)
+        r = self._fp8_recipe
+        state = {"recipe": {"kind": r.kind, "fp8_format": r.fp8_format, "power_2_scale": r.power_2_scale,
+                            "amax_epsilon": r.amax_epsilon}, "moe_graph_fp8": 1}
+        return torch.frombuffer(bytearray(pickle.dumps(state)), dtype=torch.uint8)
 
-    def set_extra_state(self, state) -> None:  # TE fp8 metadata is ignored (no fp8 here)
+    def set_extra_state(self, state) -> None:
+        """Restores the recipe saved by :meth:`get_extra_state` (an empty tensor or None: nothing); TE's own
+        metadata (a recipe object) is mapped with ``moe_graph.fp8.as_recipe``; delayed-scaling amax histories
+        are dropped (moe_graph runs them as current scaling)."""
+        if state is None or (isinstance(state, torch.Tensor) and state.numel() == 0):
+            return None
+        if isinstance(state, torch.Tensor):
+            state = pickle.loads(state.detach().cpu().numpy().tobytes())
+        elif hasattr(state, "getvalue"):  # TE's older io.BytesIO form
+            state = torch.load(state, weights_only=False)
+        r = state.get("recipe") if isinstance(state, dict) else None
+        if isinstance(r, dict):
+            self._fp8_recipe = _fp8.Recipe(**r)
+        elif r is not None:
+            self._fp8_recipe = _fp8.as_recipe(r)
         return None
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):

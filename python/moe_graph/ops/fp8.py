@@ -25,7 +25,9 @@ import torch
 from moe_graph.ops._lib import has_kernel, ops, require
 
 __all__ = ["TILES", "quantize", "dequantize", "row_tile_capacity", "native_available", "scaled_grouped_gemm",
-           "scaled_grouped_wgrad"]
+           "scaled_grouped_wgrad", "Recipe", "Float8BlockScaling", "MXFP8BlockScaling", "Float8CurrentScaling",
+           "DelayedScaling", "as_recipe", "autocast", "current_recipe", "quantize_rows", "quantize_columns",
+           "quantize_weight", "gemm_blocks"]
 
 _OP = "moe_graph::fp8_quantize"
 
@@ -114,13 +116,20 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, m_splits: Optional[torch.Te
     return qf * _expand(scale, rows, cols, tr, tc, m_splits)
 
 
+def _require_gemm(device_type: str) -> None:
+    require()
+    if not has_kernel("moe_graph::fp8_scaled_grouped_gemm", device_type):
+        raise NotImplementedError(f"moe_graph: the FP8 scaled grouped GEMM has no {device_type} kernel in this build "
+                                  "(the CPU implementation defines the semantics; the CUTLASS kernels are not built)")
+
+
 def scaled_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                         m_splits: torch.Tensor, *, block_k: int, block_n: int, bias: Optional[torch.Tensor] = None,
                         out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """``out[r] = sum_kb (A[r, kb] . B[e, n, kb]) * a_scale[r, kb] * b_scale[e, n // block_n, kb] (+ bias[e])``:
     FP8 ``a [M, K]`` (rows grouped by ``m_splits``), ``b [E, N, K]``, fp32 or E8M0 scales; fp32 accumulation, one
     rounding to ``out_dtype``; rows past ``sum(m_splits)`` are zero (``csrc/fp8/scaled_gemm.h``)."""
-    require()
+    _require_gemm(a.device.type)
     return ops.fp8_scaled_grouped_gemm(a, a_scale, b, b_scale, m_splits, int(block_k), int(block_n), bias, out_dtype)
 
 
@@ -130,7 +139,7 @@ def scaled_grouped_wgrad(a_t: torch.Tensor, a_scale: torch.Tensor, b_t: torch.Te
     """``dW[e] (+)= sum_t (dy^T_t . x^T_t) * a_scale[:, t] * b_scale[:, t]`` over group ``e``'s tiles of
     ``block_m`` tokens: ``a_t = dy^T [N, M]``, ``b_t = x^T [K, M]`` (the columnwise copies) -> fp32 ``[E, N, K]``
     (``out``, e.g. a ``main_grad``, written or, with ``accumulate``, added to)."""
-    require()
+    _require_gemm(a_t.device.type)
     if out is None:
         out = torch.empty((m_splits.shape[0], a_t.shape[0], b_t.shape[0]), dtype=torch.float32, device=a_t.device)
         accumulate = False
@@ -164,3 +173,172 @@ def _register() -> None:
 
 
 _register()
+
+
+# --------------------------------------------------------------------------------------- recipes, autocast --
+# moe_graph's equivalents of TransformerEngine's recipe objects (``transformer_engine.common.recipe``); TE's own
+# objects are accepted wherever these are (``as_recipe``). ``fp8_format``: "E4M3" (every tensor in E4M3) or
+# "HYBRID" (E4M3 forward, E5M2 gradients), as TE's ``Format``.
+import contextlib as _contextlib
+import dataclasses as _dataclasses
+import threading as _threading
+
+
+@_dataclasses.dataclass(frozen=True)
+class Recipe:
+    """One FP8 recipe: ``kind`` "blockwise" (1x128 activations/gradients, 128x128 weights, fp32 scales), "mxfp8"
+    (1x32 blocks, E8M0 scales) or "tensor" (one scale per expert group / per expert weight)."""
+
+    kind: str = "blockwise"
+    fp8_format: str = "E4M3"
+    power_2_scale: bool = True
+    amax_epsilon: float = 0.0
+
+    def __post_init__(self):
+        if self.kind not in ("blockwise", "mxfp8", "tensor"):
+            raise ValueError(f"Recipe.kind must be 'blockwise', 'mxfp8' or 'tensor', got {self.kind!r}")
+        if self.fp8_format not in ("E4M3", "HYBRID"):
+            raise ValueError(f"Recipe.fp8_format must be 'E4M3' or 'HYBRID', got {self.fp8_format!r}")
+
+    @property
+    def fwd_dtype(self) -> torch.dtype:
+        return torch.float8_e4m3fn
+
+    @property
+    def bwd_dtype(self) -> torch.dtype:
+        return torch.float8_e5m2 if self.fp8_format == "HYBRID" else torch.float8_e4m3fn
+
+
+def Float8BlockScaling(fp8_format: str = "E4M3", power_2_scale: bool = True, amax_epsilon: float = 0.0) -> Recipe:
+    """TE's ``Float8BlockScaling`` (DeepSeek-V3's recipe; Megatron's ``--fp8-recipe blockwise``)."""
+    return Recipe("blockwise", fp8_format, power_2_scale, amax_epsilon)
+
+
+def MXFP8BlockScaling(fp8_format: str = "E4M3") -> Recipe:
+    """TE's ``MXFP8BlockScaling`` (Megatron's ``--fp8-recipe mxfp8``)."""
+    return Recipe("mxfp8", fp8_format, True, 0.0)
+
+
+def Float8CurrentScaling(fp8_format: str = "HYBRID", power_2_scale: bool = False, amax_epsilon: float = 0.0) -> Recipe:
+    """TE's ``Float8CurrentScaling`` (Megatron's ``--fp8-recipe tensorwise``): one scale per expert group."""
+    return Recipe("tensor", fp8_format, power_2_scale, amax_epsilon)
+
+
+def DelayedScaling(fp8_format: str = "HYBRID", **_ignored) -> Recipe:
+    """TE's ``DelayedScaling``, run as current scaling (the amax of this step instead of an amax history: no
+    history to keep in the graph; TE's margin / history options are ignored)."""
+    return Recipe("tensor", fp8_format, False, 0.0)
+
+
+def as_recipe(recipe) -> Recipe:
+    """A :class:`Recipe` from one of ours, TE's recipe objects (by class name and fields), a kind string or
+    Megatron's ``fp8_recipe`` names ("blockwise", "mxfp8", "tensorwise", "delayed")."""
+    if recipe is None:
+        return Float8BlockScaling()
+    if isinstance(recipe, Recipe):
+        return recipe
+    if isinstance(recipe, str):
+        return {"blockwise": Float8BlockScaling, "mxfp8": MXFP8BlockScaling, "tensorwise": Float8CurrentScaling,
+                "tensor": Float8CurrentScaling, "delayed": DelayedScaling}[recipe]()
+    name = type(recipe).__name__
+    fmt = getattr(getattr(recipe, "fp8_format", None), "name", None) or "E4M3"
+    fmt = "HYBRID" if fmt == "HYBRID" else "E4M3"
+    q = getattr(recipe, "fp8_quant_fwd_inp", None)
+    pow2 = bool(getattr(q, "power_2_scale", True)) if q is not None else None
+    eps = float(getattr(q, "amax_epsilon", 0.0)) if q is not None else 0.0
+    if name == "Float8BlockScaling":
+        return Recipe("blockwise", fmt, True if pow2 is None else pow2, eps)
+    if name == "MXFP8BlockScaling":
+        return Recipe("mxfp8", fmt, True, 0.0)
+    if name == "Float8CurrentScaling":
+        return Recipe("tensor", fmt, False if pow2 is None else pow2, eps)
+    if name == "DelayedScaling":
+        return Recipe("tensor", fmt, False, 0.0)
+    raise ValueError(f"unsupported FP8 recipe {name} (moe_graph runs Float8BlockScaling, MXFP8BlockScaling, "
+                     "Float8CurrentScaling and DelayedScaling)")
+
+
+_STATE = _threading.local()
+
+
+@_contextlib.contextmanager
+def autocast(enabled: bool = True, recipe=None):
+    """``with moe_graph.fp8.autocast(recipe=Float8BlockScaling()):`` runs ``GroupedLinear`` layers (and the MoE
+    layers built on them) in FP8 (TE's ``fp8_autocast(enabled, fp8_recipe)``); nests, restores on exit."""
+    prev = getattr(_STATE, "recipe", None)
+    _STATE.recipe = as_recipe(recipe) if enabled else None
+    try:
+        yield
+    finally:
+        _STATE.recipe = prev
+
+
+def current_recipe() -> Optional[Recipe]:
+    """The recipe of the innermost active :func:`autocast` (or of TE's ``fp8_autocast`` when TE is importable),
+    else None."""
+    r = getattr(_STATE, "recipe", None)
+    if r is not None:
+        return r
+    try:  # TE's autocast, when TE is installed
+        from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
+    except Exception:  # noqa: BLE001 - no TE here
+        return None
+    if FP8GlobalStateManager.is_fp8_enabled():
+        return as_recipe(FP8GlobalStateManager.get_fp8_recipe())
+    return None
+
+
+# Which tiles / block sizes each recipe uses for the three GEMMs (forward, dgrad, wgrad).
+_PLANS = {
+    #          x / dy rows   weight      w^T (transpose=True)  wgrad columnwise  (BK, BN)    BM
+    "blockwise": ("1x128", "128x128", "128x128", "128x1", (128, 128), 128),
+    "mxfp8": ("1x32", "1x32", "32x1", "32x1", (32, 1), 32),
+    "tensor": ("tensor", "tensor", "tensor", "tensor", (0, 0), 0),
+}
+
+
+def _row_scales(scale: torch.Tensor, m_splits: torch.Tensor, rows: int, kind: str) -> torch.Tensor:
+    """Per-tensor recipe: the per-group scale [E, 1] as one scale per row [M, 1] (sync-free gather)."""
+    if kind != "tensor":
+        return scale
+    e = m_splits.shape[0]
+    group = torch.searchsorted(torch.cumsum(m_splits.long(), 0), torch.arange(rows, device=scale.device),
+                               right=True).clamp(max=max(e - 1, 0))
+    return scale[group]
+
+
+def quantize_rows(x: torch.Tensor, m_splits: torch.Tensor, recipe: Recipe, dtype: torch.dtype):
+    """The rowwise copy of an activation / gradient [M, K] for the forward or dgrad GEMM -> (q, scale per row)."""
+    tiles = _PLANS[recipe.kind][0]
+    q, s = quantize(x, m_splits, tiles=tiles, fp8_dtype=dtype, eps=recipe.amax_epsilon,
+                    pow2_scales=recipe.power_2_scale)
+    return q, _row_scales(s, m_splits, x.shape[0], recipe.kind)
+
+
+def quantize_columns(x: torch.Tensor, m_splits: torch.Tensor, recipe: Recipe, dtype: torch.dtype):
+    """The columnwise (transposed) copy [K, M] of an activation / gradient for the wgrad GEMM -> (q_t, scale_t)."""
+    tiles = _PLANS[recipe.kind][3]
+    q, s = quantize(x, m_splits, tiles=tiles, fp8_dtype=dtype, eps=recipe.amax_epsilon,
+                    pow2_scales=recipe.power_2_scale, transpose=True)
+    if recipe.kind == "tensor":
+        s = s.expand(x.shape[1], s.shape[1]).contiguous()
+    return q, s
+
+
+def quantize_weight(w: torch.Tensor, recipe: Recipe):
+    """Both copies of the expert weights ``[E, N, K]``: ``(q, scale)`` for the forward and ``(q_t, scale_t)``
+    (``[E, K, N]``) for the dgrad GEMM."""
+    _, tw, twt, _, _, _ = _PLANS[recipe.kind]
+    kw = dict(fp8_dtype=recipe.fwd_dtype, eps=recipe.amax_epsilon, pow2_scales=recipe.power_2_scale)
+    q, s = quantize(w, tiles=tw, **kw)
+    if recipe.kind == "mxfp8":
+        qt, st = quantize(w, tiles=twt, transpose=True, **kw)
+    else:  # square blocks / one scale: the columnwise copy is the exact transpose
+        qt, st = q.transpose(1, 2).contiguous(), s.transpose(1, 2).contiguous()
+    return q, s, qt, st
+
+
+def gemm_blocks(recipe: Recipe) -> Tuple[int, int, int]:
+    """(block_k, block_n, block_m) of the recipe's scaled GEMMs."""
+    (bk, bn), bm = _PLANS[recipe.kind][4], _PLANS[recipe.kind][5]
+    return bk, bn, bm

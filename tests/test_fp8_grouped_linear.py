@@ -1,0 +1,154 @@
+"""GroupedLinear under moe_graph.fp8.autocast (blockwise, MXFP8, per-tensor recipes) against an oracle written in
+plain PyTorch from TE's reference quantizers (tests/helpers/fp8_reference.py): each operand quantized per expert
+group as the recipe says, dequantized, multiplied in float64; the layer's forward, dgrad and wgrad equal it within
+fp32 rounding. Weight caching across microbatches, fused main_grad, _extra_state round trip, TE recipe objects."""
+
+import pytest
+import torch
+
+import moe_graph
+from helpers import fp8_reference as ref
+from moe_graph.ops import fp8
+
+pytestmark = pytest.mark.skipif(not fp8.native_available("cpu"), reason="moe_graph._C without the FP8 ops")
+
+E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def _deq(x, tiles, dt, pow2):
+    """float64 dequantized copy of one matrix x [m, k] quantized in `tiles` by the TE-reference quantizers."""
+    m, k = x.shape
+    if tiles in ("1x32", "32x1"):
+        xx = x if tiles == "1x32" else x.t()
+        q, e = ref.quantize_mxfp8(xx.contiguous(), dt)
+        s = torch.exp2(e.view(torch.uint8).double() - 127).repeat_interleave(32, 1)[:, :xx.shape[1]]
+        d = q.double() * s
+        return d if tiles == "1x32" else d.t()
+    if tiles == "tensor":
+        q, s = ref.quantize_tiles(x, dt, 0, 0, pow2_scales=pow2, per_tensor=True)
+        return q.double() * s.double().reshape(())
+    tr, tc = {"1x128": (1, 128), "128x128": (128, 128), "128x1": (1, 128)}[tiles]
+    xx = x.t().contiguous() if tiles == "128x1" else x
+    q, s = ref.quantize_tiles(xx, dt, tr, tc, pow2_scales=pow2)
+    s = s.double().repeat_interleave(tr, 0)[:xx.shape[0]].repeat_interleave(tc, 1)[:, :xx.shape[1]]
+    d = q.double() * s
+    return d.t() if tiles == "128x1" else d
+
+
+PLAN = {"blockwise": ("1x128", "128x128", "128x1"), "mxfp8": ("1x32", "1x32", "32x1"),
+        "tensor": ("tensor", "tensor", "tensor")}
+
+
+def _oracle(x, w, dy, splits, recipe):
+    """(y, dx, dw) in float64 from the dequantized operands."""
+    rows, wt, cols = PLAN[recipe.kind]
+    pow2, bd = recipe.power_2_scale, recipe.bwd_dtype
+    y = torch.zeros(x.shape[0], w.shape[1], dtype=torch.float64)
+    dx = torch.zeros(x.shape, dtype=torch.float64)
+    dw = torch.zeros(w.shape, dtype=torch.float64)
+    r = 0
+    for e, m in enumerate(splits):
+        xs, dys = x[r:r + m], dy[r:r + m]
+        wq = _deq(w[e], wt, E4, pow2)
+        wq_t = _deq(w[e], "32x1", E4, pow2) if recipe.kind == "mxfp8" else wq  # dgrad's columnwise weight copy
+        y[r:r + m] = _deq(xs, rows, E4, pow2) @ wq.T
+        dx[r:r + m] = _deq(dys, rows, bd, pow2) @ wq_t
+        dw[e] = _deq(dys, cols, bd, pow2).T @ _deq(xs, cols, E4, pow2)
+        r += m
+    return y, dx, dw
+
+
+def _close(got, want, scale_ref):
+    tol = scale_ref * 300 * 2.0 ** -23 + 1e-30
+    assert torch.all((got.double() - want).abs() <= tol), (got.double() - want).abs().max()
+
+
+@pytest.mark.parametrize("recipe", [fp8.Float8BlockScaling(), fp8.MXFP8BlockScaling(), fp8.Float8CurrentScaling()],
+                         ids=["blockwise", "mxfp8", "tensor"])
+def test_grouped_linear_fp8_equals_oracle(recipe):
+    torch.manual_seed(0)
+    E, K, N = 3, 160, 96
+    splits = [50, 0, 70]
+    layer = moe_graph.GroupedLinear(E, K, N, bias=False, device="cpu", params_dtype=torch.float32)
+    x = torch.randn(130, K, requires_grad=True)  # 10 capacity rows past the sum
+    ms = torch.tensor(splits)
+    with moe_graph.fp8.autocast(recipe=recipe):
+        y = layer(x, ms)
+    assert layer.fp8 and layer.fp8_meta["recipe"] == recipe
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    w = torch.stack([getattr(layer, f"weight{e}").detach() for e in range(E)])
+    yo, dxo, dwo = _oracle(x.detach(), w, dy, splits, recipe)
+    _close(y, yo, _oracle(x.detach().abs(), w.abs(), dy.abs(), splits, recipe)[0].abs() + yo.abs())
+    _close(x.grad, dxo, dxo.abs().max())
+    _close(torch.stack([getattr(layer, f"weight{e}").grad for e in range(E)]), dwo, dwo.abs().max())
+    assert torch.equal(y[120:], torch.zeros(10, N)) and torch.equal(x.grad[120:], torch.zeros(10, K))
+    assert torch.equal(layer.weight1.grad, torch.zeros(N, K))
+
+
+def test_weight_cache_fused_main_grad_bias_and_extra_state():
+    torch.manual_seed(1)
+    layer = moe_graph.GroupedLinear(2, 64, 32, bias=True, device="cpu", params_dtype=torch.float32,
+                                    fuse_wgrad_accumulation=True, single_grouped_weight=True)
+    layer.weight.main_grad = torch.zeros(2, 32, 64)
+    ms = torch.tensor([20, 12])
+    x1, x2 = torch.randn(32, 64), torch.randn(32, 64)
+    recipe = fp8.Float8BlockScaling()
+    with moe_graph.fp8.autocast(recipe=recipe):
+        y1 = layer(x1, ms, is_first_microbatch=True)
+        y1.sum().backward()
+        g1 = layer.weight.main_grad.clone()
+        with torch.no_grad():
+            layer.weight.mul_(2)  # not seen by the next microbatch: its weights come from the step's cache
+        y2 = layer(x2, ms, is_first_microbatch=False)
+        y2.sum().backward()
+        y2_fresh = layer(x2, ms)  # None: quantized again
+    assert layer.weight.grad_added_to_main_grad
+    assert not torch.equal(y2, y2_fresh)
+    with torch.no_grad():
+        layer.weight.div_(2)
+    with moe_graph.fp8.autocast(recipe=recipe):
+        assert torch.equal(layer(x2, ms), y2)
+    # main_grad: the first microbatch wrote, the second added (one fp32 add of its fp32 wgrad)
+    qd, sd = fp8.quantize_columns(torch.ones(32, 32), ms, recipe, recipe.bwd_dtype)
+    qx, sx = fp8.quantize_columns(x2, ms, recipe, recipe.fwd_dtype)
+    dw2 = fp8.scaled_grouped_wgrad(qd, sd, qx, sx, ms, block_m=128)
+    assert torch.equal(layer.weight.main_grad, g1 + dw2)
+    assert torch.equal(layer.bias.grad, 2 * torch.stack([torch.full((32,), 20.0), torch.full((32,), 12.0)]))
+    # _extra_state: the recipe round-trips through a state dict
+    sd_ = layer.state_dict()
+    assert sd_["_extra_state"].numel() > 0
+    fresh = moe_graph.GroupedLinear(2, 64, 32, bias=True, device="cpu", params_dtype=torch.float32,
+                                    single_grouped_weight=True)
+    assert fresh.get_extra_state().numel() == 0
+    fresh.load_state_dict(sd_)
+    assert fresh.fp8_meta["recipe"] == recipe and torch.equal(fresh.get_extra_state(), sd_["_extra_state"])
+
+
+def test_recipe_objects_and_autocast_nesting():
+    class Format:  # TE's enum members have .name
+        def __init__(self, name):
+            self.name = name
+
+    class QParams:
+        def __init__(self, power_2_scale, amax_epsilon):
+            self.power_2_scale, self.amax_epsilon = power_2_scale, amax_epsilon
+
+    class Float8BlockScaling:  # the shape of TE's recipe object
+        fp8_format = Format("HYBRID")
+        fp8_quant_fwd_inp = QParams(False, 1e-6)
+
+    class MXFP8BlockScaling:
+        fp8_format = Format("E4M3")
+
+    assert fp8.as_recipe(Float8BlockScaling()) == fp8.Recipe("blockwise", "HYBRID", False, 1e-6)
+    assert fp8.as_recipe(MXFP8BlockScaling()).kind == "mxfp8"
+    assert fp8.as_recipe("tensorwise").kind == "tensor" and fp8.as_recipe("delayed").kind == "tensor"
+    with pytest.raises(ValueError, match="unsupported FP8 recipe"):
+        fp8.as_recipe(object())
+    assert fp8.current_recipe() is None
+    with moe_graph.fp8.autocast(recipe="mxfp8"):
+        with moe_graph.fp8.autocast(enabled=False):
+            assert fp8.current_recipe() is None
+        assert fp8.current_recipe().kind == "mxfp8"
+    assert fp8.current_recipe() is None
