@@ -152,3 +152,52 @@ def test_recipe_objects_and_autocast_nesting():
             assert fp8.current_recipe() is None
         assert fp8.current_recipe().kind == "mxfp8"
     assert fp8.current_recipe() is None
+
+
+@pytest.mark.parametrize("recipe", [fp8.Float8BlockScaling(), fp8.MXFP8BlockScaling()], ids=["blockwise", "mxfp8"])
+def test_grouped_mlp_fp8_each_gemm_equals_oracle(recipe):
+    from moe_graph.moe.experts import GroupedMLP
+    torch.manual_seed(2)
+    L, H, F = 3, 64, 96
+    mlp = GroupedMLP(L, H, F, activation="swiglu", params_dtype=torch.float32, device="cpu", init_std=0.1)
+    splits = [40, 0, 25]
+    x = torch.randn(70, H)
+    seen = {}
+    orig = mlp._act
+
+    def act(h, s):  # records fc1's output and fc2's input of the first call
+        mid = orig(h, s)
+        if "h" not in seen:
+            seen.update(h=h, mid=mid)
+        return mid
+
+    mlp._act = act
+    with moe_graph.fp8.autocast(recipe=recipe):
+        y = mlp(x, torch.tensor(splits))
+        y2 = mlp(x, torch.tensor(splits))  # the weights' copies are reused (cached until the weights change)
+    assert torch.equal(y, y2) and mlp.fc1._fp8_weight_cache is not None
+    w1, w2 = mlp.weights()
+    h_ref = _oracle(x, w1.detach(), torch.zeros(70, 2 * F), splits, recipe)[0]
+    y_ref = _oracle(seen["mid"].detach(), w2.detach(), torch.zeros(70, H), splits, recipe)[0]
+    _close(seen["h"], h_ref, h_ref.abs().max())
+    _close(y, y_ref, y_ref.abs().max())
+    # and close to the unquantized MLP (FP8's accuracy)
+    y32 = mlp(x, torch.tensor(splits))
+    assert (y - y32).abs().max() < 0.15 * y32.abs().max()
+
+
+def test_moe_layer_fp8_trains_close_to_fp32():
+    from moe_graph.moe.layer import MoELayer
+    torch.manual_seed(3)
+    layer = MoELayer(64, 96, 4, 2, device="cpu", params_dtype=torch.float32)
+    x = torch.randn(2, 16, 64, requires_grad=True)
+    y32 = layer(x)
+    y32.square().mean().backward()
+    g32 = layer.experts.fc1.weight.grad.clone()
+    layer.zero_grad()
+    with moe_graph.fp8.autocast(recipe="blockwise"):
+        y8 = layer(x)
+    y8.square().mean().backward()
+    g8 = layer.experts.fc1.weight.grad
+    assert (y8 - y32).abs().max() < 0.1 * y32.abs().max()
+    assert (g8 - g32).norm() < 0.2 * g32.norm()

@@ -531,3 +531,43 @@ def test_stand_in_call_counter_sees_calls(monkeypatch):
     baseline = _te_stand_in_calls()
     te_ext.probe_stand_in.pytorch.GroupedLinear(2, 8, 8)
     assert _stand_in_calls_since(baseline) == {"megatron.core.extensions.transformer_engine.probe_stand_in": 1}
+
+
+# ------------------------------------------------------------------------------------------------------ fp8 --
+@pytest.mark.parametrize("recipe", ["blockwise", "mxfp8"])
+def test_te_grouped_mlp_with_config_fp8_equals_oracle(pg, gen, recipe):
+    """``config.fp8`` / ``fp8_recipe`` run TEGroupedMLP's expert GEMMs in FP8 (no TE): each linear's output equals
+    the plain-PyTorch oracle on TE-reference quantize-dequantize (tests/test_fp8_grouped_linear.py), and the whole
+    module equals the same module run under ``moe_graph.fp8.autocast`` with the mapped recipe, bit for bit."""
+    from test_fp8_grouped_linear import _close as _close_fp8
+    from test_fp8_grouped_linear import _oracle
+
+    import moe_graph
+    from moe_graph.integrations.megatron import fp8_recipe_from_config
+
+    cfg = _config(True, False)
+    cfg.fp8, cfg.fp8_recipe = "e4m3", recipe  # set after TransformerConfig's validation (TE-only checks there)
+    plain = _config(True, False)
+    mg, ref_mg = _grouped(cfg, pg), _grouped(plain, pg)
+    ref_mg.load_state_dict(mg.state_dict(), strict=False)
+    r = fp8_recipe_from_config(cfg)
+    assert r == moe_graph.fp8.as_recipe(recipe)
+    seen = []
+    for lin in (mg.linear_fc1, mg.linear_fc2):
+        lin.register_forward_hook(lambda mod, inp, out: seen.append((mod, inp[0].detach(), out[0].detach())))
+    tpe = [5, 0, 7, 3]
+    T = sum(tpe)
+    x, probs, g = torch.randn(T, H, generator=gen), torch.rand(T, generator=gen), torch.randn(T, H, generator=gen)
+    ym, xm, pm = _run(mg, x, torch.tensor(tpe), probs, g)
+    with moe_graph.fp8.autocast(recipe=r):
+        yr, xr, pr = _run(ref_mg, x, torch.tensor(tpe), probs, g)
+    assert torch.equal(ym, yr) and torch.equal(xm, xr) and torch.equal(pm, pr)
+    assert len(seen) == 2
+    for mod, inp, out in seen:
+        w = torch.stack(mod._weights()) if not mod.single_grouped_weight else mod.weight
+        want = _oracle(inp, w.detach(), torch.zeros_like(out), tpe, r)[0]
+        _close_fp8(out, want, want.abs().max())
+    with pytest.raises(NotImplementedError, match="fp8_recipe"):
+        bad = _config()
+        bad.fp8, bad.fp8_recipe = "e4m3", "nvfp4"
+        fp8_recipe_from_config(bad)

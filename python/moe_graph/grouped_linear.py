@@ -36,7 +36,7 @@ from moe_graph.ops.grouped_gemm import (
     zero_wgrad_placeholder,
 )
 
-__all__ = ["GroupedLinear"]
+__all__ = ["GroupedLinear", "fp8_grouped_linear"]
 
 
 def _default_init(std: float = 0.023) -> Callable[[torch.Tensor], None]:
@@ -115,6 +115,25 @@ class _Fp8GroupedLinear(torch.autograd.Function):
             db = grouped_bias_grad(dy, splits).to(ctx.bias_dtype)
         ctx.weights = None
         return (dx, None, None, None, db, None, None, *dws)
+
+
+def fp8_grouped_linear(x: torch.Tensor, splits: torch.Tensor, weights: List[torch.Tensor],
+                       bias: Optional[torch.Tensor], recipe, *, fuse: bool = False, accumulate: bool = True,
+                       cache_owner: Optional[object] = None) -> torch.Tensor:
+    """``x [M, K]`` times the expert weights (one ``[E, N, K]`` tensor or ``E`` tensors ``[N, K]``) in FP8 with
+    ``recipe`` (``moe_graph.fp8.Recipe``), differentiable in ``x``, the weights and ``bias [E, N]``; ``fuse``:
+    weight gradients into ``main_grad``. With ``cache_owner`` the weights' quantized copies are kept on it and
+    reused while the weights are unchanged (same tensors, same version counters: once per optimizer step)."""
+    key = (recipe, tuple((w.data_ptr(), w._version) for w in weights))
+    cache = getattr(cache_owner, "_fp8_weight_cache", None) if cache_owner is not None else None
+    if cache is None or cache[0] != key:
+        with torch.no_grad():
+            w3 = weights[0] if len(weights) == 1 and weights[0].dim() == 3 else torch.stack(
+                [w.detach() for w in weights])
+            cache = (key, _fp8.quantize_weight(w3.detach().contiguous(), recipe))
+        if cache_owner is not None:
+            cache_owner._fp8_weight_cache = cache
+    return _Fp8GroupedLinear.apply(x, splits, recipe, cache[1], bias, fuse, accumulate, *weights)
 
 
 class GroupedLinear(nn.Module):
@@ -358,12 +377,12 @@ class GroupedLinear(nn.Module):
         if recipe.kind == "blockwise" and x.dtype == torch.float64:
             raise TypeError("GroupedLinear: FP8 needs fp32, bf16 or fp16 inputs, got float64")
         self._fp8_recipe = recipe
-        cache = getattr(self, "_fp8_weight_cache", None)
+        cache = getattr(self, "_fp8_step_cache", None)
         if is_first_microbatch is not False or cache is None or cache[0] != recipe:
             with torch.no_grad():
                 w3 = weights[0] if self.single_grouped_weight else torch.stack([w.detach() for w in weights])
                 cache = (recipe, _fp8.quantize_weight(w3.detach().contiguous(), recipe))
-            self._fp8_weight_cache = cache
+            self._fp8_step_cache = cache
         return _Fp8GroupedLinear.apply(x, splits, recipe, cache[1], bias, fuse, accumulate, *weights)
 
     # ------------------------------------------------------------------------------- delayed weight grads --

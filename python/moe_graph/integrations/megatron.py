@@ -21,8 +21,11 @@ exist only when TE is installed), on :class:`moe_graph.GroupedLinear` instead of
 * ``reset_parameters()`` re-initializes in place and sets the parameter attributes again (Megatron-FSDP's
   meta-device init).
 
-fp8/fp4 (``config.fp8``/``fp4``, ``quant_recipe``), generalized tensor-parallel rematerialization and TE's op-fuser
-(``use_transformer_engine_op_fuser``) are TE features and are rejected with an error here.
+FP8: ``config.fp8`` ("e4m3" | "hybrid") with ``config.fp8_recipe`` ("blockwise" | "mxfp8" | "tensorwise" |
+"delayed") runs the expert GEMMs in FP8 through :func:`fp8_recipe_from_config` (``moe_graph.fp8``'s recipes; an
+active ``moe_graph.fp8.autocast`` or TE ``fp8_autocast`` takes precedence). fp4 (``config.fp4``, ``quant_recipe``),
+generalized tensor-parallel rematerialization and TE's op-fuser (``use_transformer_engine_op_fuser``) are TE
+features and are rejected with an error here.
 
 :func:`experts_spec` gives the ``TEGroupedMLP`` builder with these linears (``GroupedMLPSubmodules``), and
 :func:`get_gpt_layer_with_moe_graph_spec` a GPT layer spec (TE's when TE is installed and asked for, else
@@ -31,6 +34,7 @@ Megatron's local spec) whose MoE experts are moe_graph's.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from functools import partial
 from typing import Callable, Optional
@@ -57,6 +61,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without megatron
 
 from moe_graph.grouped_linear import GroupedLinear
 from moe_graph.integrations.megatron_moe import MoeGraphMoELayer
+from moe_graph.ops import fp8 as _fp8
 
 __all__ = [
     "MoeGraphGroupedLinear",
@@ -92,6 +97,23 @@ def _set_expert_parameter_attributes(module: torch.nn.Module, parallel_mode: Opt
             p.partition_stride = 1
 
 
+def fp8_recipe_from_config(config):
+    """``moe_graph.fp8.Recipe`` for Megatron's ``config.fp8`` / ``config.fp8_recipe`` (None without ``fp8``)."""
+    fmt = getattr(config, "fp8", None)
+    if not fmt:
+        return None
+    fmt = str(fmt).lower()
+    if fmt not in ("e4m3", "hybrid"):
+        raise NotImplementedError(f"moe_graph.integrations.megatron: config.fp8={fmt!r} (moe_graph runs 'e4m3' and "
+                                  "'hybrid')")
+    name = str(getattr(config, "fp8_recipe", None) or "delayed").lower()
+    if name not in ("blockwise", "mxfp8", "tensorwise", "delayed"):
+        raise NotImplementedError(f"moe_graph.integrations.megatron: config.fp8_recipe={name!r} (moe_graph runs "
+                                  "'blockwise', 'mxfp8', 'tensorwise' and 'delayed' as current scaling)")
+    base = _fp8.as_recipe(name)
+    return dataclasses.replace(base, fp8_format="HYBRID" if fmt == "hybrid" else "E4M3")
+
+
 class MoeGraphGroupedLinear(GroupedLinear):
     """:class:`moe_graph.GroupedLinear` with the constructor and behaviour of Megatron's ``TEGroupedLinear``."""
 
@@ -113,7 +135,8 @@ class MoeGraphGroupedLinear(GroupedLinear):
     ) -> None:
         if not is_expert:
             raise ValueError("moe_graph grouped linears are expert layers (is_expert=True), as Megatron's TEGroupedLinear")
-        for flag in ("fp8", "fp4", "quant_recipe"):
+        self._config_fp8_recipe = fp8_recipe_from_config(config)
+        for flag in ("fp4", "quant_recipe"):
             if getattr(config, flag, None):
                 raise NotImplementedError(f"moe_graph.integrations.megatron: config.{flag} needs TransformerEngine")
         if getattr(config, "use_transformer_engine_op_fuser", False):
@@ -180,7 +203,11 @@ class MoeGraphGroupedLinear(GroupedLinear):
     def forward(self, x: torch.Tensor, m_splits):
         """``(out, bias)``: bias is the (unapplied) bias with ``skip_bias_add``, else None (as TEGroupedLinear)."""
         first = None if self.disable_parameter_transpose_cache else self.is_first_microbatch
-        out = super().forward(x, m_splits, is_first_microbatch=first)
+        if self._config_fp8_recipe is not None and _fp8.current_recipe() is None:
+            with _fp8.autocast(recipe=self._config_fp8_recipe):
+                out = super().forward(x, m_splits, is_first_microbatch=first)
+        else:
+            out = super().forward(x, m_splits, is_first_microbatch=first)
         self.is_first_microbatch = False
         if self.te_return_bias:
             return out
@@ -270,7 +297,21 @@ class MoeGraphGroupedMLP(TEGroupedMLP):
     rows per expert on the device: from Megatron's dispatchers ``tokens_per_expert`` is a host tensor and everything
     is ``TEGroupedMLP``'s; from moe_graph's (:class:`moe_graph.integrations.megatron_moe.DeviceSplits`) the grouped
     GEMMs get the device tensor and the fc2 bias (``add_bias_linear``: ``skip_bias_add``, scaled by each row's
-    probability) is added without splitting the rows on the host (padding rows have probability 0)."""
+    probability) is added without splitting the rows on the host (padding rows have probability 0).
+
+    With ``config.fp8`` the module is built from a copy of the config without ``fp8`` (TEGroupedMLP would pad each
+    expert's rows for TE's FP8 GEMMs on the host, and asserts TE): moe_graph's FP8 tiles restart at every expert,
+    and its two linears run the mapped recipe (:func:`fp8_recipe_from_config`) themselves."""
+
+    def __init__(self, num_local_experts, config, *args, **kwargs):
+        recipe = fp8_recipe_from_config(config)
+        if recipe is not None:
+            config = copy.copy(config)
+            config.fp8 = None
+        super().__init__(num_local_experts, config, *args, **kwargs)
+        if recipe is not None:
+            for lin in (self.linear_fc1, self.linear_fc2):
+                lin._config_fp8_recipe = recipe
 
     @staticmethod
     def _apply_bias(intermediate_parallel, bias_parallel, tokens_per_expert, permuted_probs):

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moe_graph.grouped_linear import GroupedLinear
+from moe_graph.grouped_linear import GroupedLinear, fp8_grouped_linear
 from moe_graph.moe.echo import (
     EchoExpertDispatcher,
     dispatch_spare_weights,
@@ -31,6 +31,7 @@ from moe_graph.moe.echo import (
     wgrad_accumulate_mask,
 )
 from moe_graph.ops.activation import GATED_ACTIVATIONS, gated_activation
+from moe_graph.ops import fp8 as _fp8
 from moe_graph.ops.grouped_gemm import grouped_gemm, grouped_gemm_autograd
 
 __all__ = ["ACTIVATIONS", "GATED_ACTIVATIONS", "GroupedMLP", "SharedExpert", "activation_fn", "check_activation",
@@ -179,6 +180,9 @@ class GroupedMLP(nn.Module):
         if row_scale is not None and b2 is not None:
             raise ValueError("row_scale: the experts have biases (the fc2 bias would not be scaled); weight the "
                              "expert outputs after the experts instead")
+        recipe = _fp8.current_recipe()
+        if recipe is not None:
+            return self._fp8_forward(expert_in, m_splits, recipe, echo, offload_map, spare_weights, row_scale)
         if self.uses_fused_wgrad():
             if echo is None:
                 mid = self._act(grouped_gemm_autograd(expert_in, [w1], m_splits, bias=b1, fuse_main_grad=True),
@@ -198,15 +202,41 @@ class GroupedMLP(nn.Module):
                                      home_bias=b2, spare_bias=sb2, spare_bias_grad=gb2)
         weights1, weights2 = w1, w2
         if echo is not None:
-            spares = dispatch_spare_weights(echo, offload_map, self.expert_params(), spare=spare_weights)
-            # one 2-D weight per local expert (home views + spare copies): no concatenated copy of all weights
-            weights1 = list(w1.unbind(0)) + list(spares[0].to(w1.dtype).unbind(0))
-            weights2 = list(w2.unbind(0)) + list(spares[1].to(w2.dtype).unbind(0))
-            if b1 is not None:
-                b1 = torch.cat([b1, spares[2].to(b1.dtype)])
-                b2 = torch.cat([b2, spares[3].to(b2.dtype)])
+            weights1, weights2, b1, b2 = self._with_spares(echo, offload_map, spare_weights)
         mid = self._act(grouped_gemm(expert_in, weights1, m_splits, bias=b1), row_scale)
         return grouped_gemm(mid, weights2, m_splits, bias=b2)
+
+    def _with_spares(self, echo, offload_map, spare_weights):
+        """The non-fused echo path's operands: one 2-D weight per local expert (home views + spare copies, no
+        concatenated copy of all weights) for fc1 and fc2, and the biases with the spare copies appended."""
+        w1, w2 = self.weights()
+        b1, b2 = self.biases() or (None, None)
+        spares = dispatch_spare_weights(echo, offload_map, self.expert_params(), spare=spare_weights)
+        weights1 = list(w1.unbind(0)) + list(spares[0].to(w1.dtype).unbind(0))
+        weights2 = list(w2.unbind(0)) + list(spares[1].to(w2.dtype).unbind(0))
+        if b1 is not None:
+            b1 = torch.cat([b1, spares[2].to(b1.dtype)])
+            b2 = torch.cat([b2, spares[3].to(b2.dtype)])
+        return weights1, weights2, b1, b2
+
+    def _fp8_forward(self, expert_in, m_splits, recipe, echo, offload_map, spare_weights, row_scale):
+        """Both expert GEMMs in FP8 (``moe_graph.fp8.autocast``): the weights' quantized copies are cached on the
+        GroupedLinear containers and reused until the optimizer changes the weights (once per step). Fused
+        ``main_grad`` without echo; with echo the spare copies' gradients go home through autograd (the non-fused
+        path)."""
+        w1, w2 = self.weights()
+        b1, b2 = self.biases() or (None, None)
+        if echo is None:
+            fuse = self.uses_fused_wgrad()
+            mid = self._act(fp8_grouped_linear(expert_in, m_splits, [w1], b1, recipe, fuse=fuse, cache_owner=self.fc1),
+                            row_scale)
+            return fp8_grouped_linear(mid, m_splits, [w2], b2, recipe, fuse=fuse, cache_owner=self.fc2)
+        if self.uses_fused_wgrad():
+            raise NotImplementedError("GroupedMLP: FP8 with echo spare slots and fused main_grad is not supported yet "
+                                      "(run echo without main_grad, or FP8 without echo)")
+        weights1, weights2, b1, b2 = self._with_spares(echo, offload_map, spare_weights)
+        mid = self._act(fp8_grouped_linear(expert_in, m_splits, weights1, b1, recipe), row_scale)
+        return fp8_grouped_linear(mid, m_splits, weights2, b2, recipe)
 
     def extra_repr(self) -> str:
         return (f"local={self.num_local_experts}, spare={self.num_spare_experts_per_ep_rank}, "

@@ -279,13 +279,24 @@ def current_recipe() -> Optional[Recipe]:
     r = getattr(_STATE, "recipe", None)
     if r is not None:
         return r
-    try:  # TE's autocast, when TE is installed
-        from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
-    except Exception:  # noqa: BLE001 - no TE here
-        return None
-    if FP8GlobalStateManager.is_fp8_enabled():
-        return as_recipe(FP8GlobalStateManager.get_fp8_recipe())
+    manager = _te_state_manager()
+    if manager is not None and manager.is_fp8_enabled():
+        return as_recipe(manager.get_fp8_recipe())
     return None
+
+
+_TE_MANAGER: list = []
+
+
+def _te_state_manager():
+    """TE's FP8GlobalStateManager when TE is importable (looked up once per process), else None."""
+    if not _TE_MANAGER:
+        try:
+            from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
+        except Exception:  # noqa: BLE001 - no TE here
+            FP8GlobalStateManager = None
+        _TE_MANAGER.append(FP8GlobalStateManager)
+    return _TE_MANAGER[0]
 
 
 # Which tiles / block sizes each recipe uses for the three GEMMs (forward, dgrad, wgrad).
