@@ -27,11 +27,14 @@ SCHEDULES = "forward,reverse,random:1" + (",random:2,random:3" if FULL else "")
 # Kernel sources (every *_cuda.cu: the per-architecture CUTLASS files are CUTLASS's kernels, not emulated) and the
 # CPU implementations they are compared with.
 KERNELS = ["activation/activation_cuda.cu", "permute/permute_cuda.cu", "permute/dispatch_layout_cuda.cu",
-           "reroute/reroute_cuda.cu", "reroute/echo_plan_cuda.cu", "grouped_gemm/grouped_gemm_cuda.cu"]
+           "reroute/reroute_cuda.cu", "reroute/echo_plan_cuda.cu", "grouped_gemm/grouped_gemm_cuda.cu",
+           "fp8/quantize_cuda.cu"]
 CPU = ["activation/activation_cpu.cpp", "permute/permute_cpu.cpp", "permute/dispatch_layout_cpu.cpp",
-       "reroute/reroute_cpu.cpp", "reroute/echo_plan_cpu.cpp", "grouped_gemm/grouped_plan.cpp"]
+       "reroute/reroute_cpu.cpp", "reroute/echo_plan_cpu.cpp", "grouped_gemm/grouped_plan.cpp",
+       "fp8/quantize_cpu.cpp"]
 HARNESS = ["moe_emu.cpp", "harness.cpp", "harness_grouped.cpp"]
-FAMILIES = ["activation", "permute", "dispatch", "receive", "reroute", "reroute_indices", "echo_plan", "grouped"]
+FAMILIES = ["activation", "permute", "dispatch", "receive", "reroute", "reroute_indices", "echo_plan", "grouped",
+            "fp8_quantize"]
 
 
 def _cuda_include():
@@ -168,6 +171,8 @@ BROKEN = [
     ("echo_plan", "named:-1:-1", "forward,reverse,random:1", None),
     # grouped GEMM argument kernel: the block scan's barriers removed
     ("grouped", "syncthreads:-1:-1", "reverse", None),
+    # fp8 quantizer: the tile's shared amax reduction without its barriers
+    ("fp8_quantize", "syncthreads:-1:-1", "reverse", None),
 ]
 
 

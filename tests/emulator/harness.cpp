@@ -3,7 +3,7 @@
 // bit, with the CPU implementation on the same inputs, under each schedule given.
 //
 //   harness <family> [--full] [--schedules forward,reverse,random:1]
-//   families: activation permute dispatch receive reroute reroute_indices echo_plan grouped all
+//   families: activation permute dispatch receive reroute reroute_indices echo_plan grouped fp8_quantize all
 //
 // Prints one line per family (cases x schedules compared); exits 1 at the first difference (naming the case, the
 // schedule, the output and the first differing element), and aborts on what the emulator refuses (a deadlock,
@@ -22,6 +22,7 @@
 #include "activation/activation.h"
 #include "common/error_flag.h"
 #include "common/launch.cuh"
+#include "fp8/quantize.h"
 #include "harness.h"
 #include "permute/dispatch_layout.h"
 #include "permute/permute.h"
@@ -629,6 +630,95 @@ int family_echo_plan() {
   return runs;
 }
 
+// ------------------------------------------------------------------------------------------------ fp8 quantize --
+namespace f8 = moe_graph::fp8;
+
+int family_fp8_quantize() {
+  int runs = 0;
+  Rng rng(19);
+  struct Tiles {
+    int64_t tr, tc;
+    bool mx, transpose;
+  };
+  // TE's recipes: 1x128 / 128x1 (transposed) / 128x128, MXFP8 1x32 / 32x1 (transposed), one scale per group
+  const Tiles tiles[] = {{1, 128, false, false}, {128, 1, false, true}, {128, 128, false, false},
+                         {1, 32, true, false},   {32, 1, true, true},   {0, 0, false, false}, {0, 0, false, true}};
+  struct Shape {
+    int64_t B, M, K, E;  // E > 0: m_splits (B == 1)
+  };
+  std::vector<Shape> shapes = {{1, 0, 128, 0}, {1, 1, 1, 0}, {1, 5, 130, 0}, {2, 33, 64, 0}, {1, 100, 160, 7},
+                               {1, 64, 32, 1}};
+  if (g_full)
+    shapes.insert(shapes.end(), {{1, 257, 160, 7}, {1, 300, 96, 4}, {3, 129, 40, 0}, {1, 2000, 512, 16}, {4, 256, 384, 0}});
+  int turn = 0;
+  for (const Shape& s : shapes) {
+    for (const Tiles& t : tiles) {
+      const int pick = turn++ % 3;  // by default one input type per shape and tiling, in turn
+      for (int in = 0; in < 3; ++in) {
+        if (!g_full && in != pick) continue;
+        const int variant = static_cast<int>(rng.uniform(0, 2));  // 0 plain, 1 a negative split, 2 past M
+        std::vector<int64_t> splits(s.E);
+        for (int64_t g = 0; g < s.E; ++g) splits[g] = rng.bern(0.2) ? 0 : rng.uniform(0, std::max<int64_t>(1, s.M / s.E));
+        if (s.E && variant == 1) splits[rng.uniform(0, s.E - 1)] = -2;
+        if (s.E && variant == 2) splits[rng.uniform(0, s.E - 1)] += s.M;
+        const bool i64 = rng.bern(0.5);
+        Buffer sp(s.E * (i64 ? 8 : 4));
+        for (int64_t g = 0; g < s.E; ++g) {
+          if (i64) sp.put<int64_t>(g, splits[g]);
+          else sp.put<int32_t>(g, static_cast<int32_t>(splits[g]));
+        }
+        const size_t es = in == 0 ? 4 : 2;
+        Buffer x(s.B * s.M * s.K * es);
+        for (int64_t i = 0; i < s.B * s.M * s.K; ++i) {
+          const float v = static_cast<float>(rng.normal() * (rng.bern(0.01) ? 1e4 : 3.0));
+          if (in == 0) x.put<float>(i, v);
+          else if (in == 1) x.put<act::bf16_t>(i, act::Narrow<act::bf16_t>::to(v));
+          else x.put<act::f16_t>(i, act::Narrow<act::f16_t>::to(v));
+        }
+        f8::QuantizeProblem p;
+        p.batch = s.B;
+        p.rows = s.M;
+        p.cols = s.K;
+        p.in_type = static_cast<f8::InType>(in);
+        p.format = t.mx || rng.bern(0.5) ? f8::Format::kE4M3 : f8::Format::kE5M2;
+        p.x = x.data();
+        p.m_splits = s.E ? sp.data() : nullptr;
+        p.splits_i64 = i64;
+        p.groups = s.E;
+        p.tile_rows = t.tr;
+        p.tile_cols = t.tc;
+        p.row_tiles = f8::row_tile_capacity(s.M, s.E, t.tr);
+        p.col_tiles = t.tc == 0 ? 1 : (s.K + t.tc - 1) / t.tc;
+        p.mx = t.mx;
+        p.pow2 = rng.bern(0.3);
+        p.eps = rng.bern(0.3) ? 1e-4f : 0.0f;
+        p.transpose = t.transpose;
+        const int64_t nscale = s.B * p.row_tiles * p.col_tiles;
+        const size_t ses = t.mx ? 1 : 4;
+        const std::string what = "fp8 quantize B" + std::to_string(s.B) + " M" + std::to_string(s.M) + " K" +
+                                 std::to_string(s.K) + " E" + std::to_string(s.E) + " tiles " + std::to_string(t.tr) +
+                                 "x" + std::to_string(t.tc) + (t.mx ? " mx" : "") + (t.transpose ? " transposed" : "") +
+                                 " in " + std::to_string(in) + " variant " + std::to_string(variant);
+        auto run = [&](bool emulate) {
+          Buffer q(s.B * s.M * s.K, 0x5c), scale(nscale * ses, 0x5c);
+          int32_t flag = 0;
+          f8::QuantizeProblem r = p;
+          r.q = q.data();
+          r.scale = scale.data();
+          r.error_flag = &flag;
+          if (emulate)
+            f8::quantize_cuda(r, nullptr);
+          else
+            f8::quantize_cpu(r);
+          return std::vector<Output>{q.out("q", 1), scale.out("scale", ses), Output::of("error_flag", flag)};
+        };
+        runs += run_case(what, [&] { return run(false); }, [&] { return run(true); });
+      }
+    }
+  }
+  return runs;
+}
+
 // ------------------------------------------------------------------- self-tests: what the emulator must catch --
 __global__ void oob_kernel(int* out, int n) { out[blockIdx.x * blockDim.x + threadIdx.x] = n; }  // no bound check
 
@@ -713,6 +803,7 @@ int main(int argc, char** argv) {
                              {"dispatch", family_dispatch},             {"receive", family_receive},
                              {"reroute", family_reroute},               {"reroute_indices", family_reroute_indices},
                              {"echo_plan", family_echo_plan},           {"grouped", family_grouped},
+                             {"fp8_quantize", family_fp8_quantize},
                              {"selftest_oob", selftest_oob},            {"selftest_smem_oob", selftest_smem_oob},
                              {"selftest_race", selftest_race},
                              {"selftest_divergent_shfl", selftest_divergent_shfl}};
