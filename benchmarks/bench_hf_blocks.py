@@ -22,13 +22,16 @@ from moe_graph.testing.hf_models import FAMILIES, block_errors, block_output, ti
 
 
 def _dims(family: str, hidden: int, ffn: int) -> dict:
-    """Config overrides: hidden size ``hidden``, expert FFN ``ffn`` (DeepSeek-V3's shared experts 2 x ffn,
-    Qwen2-MoE's shared expert 4 x ffn), the families' expert counts and top-k of tiny_config."""
-    if family in ("mixtral", "gpt_oss"):
+    """Config overrides: hidden size ``hidden``, expert FFN ``ffn`` (DeepSeek-V3's and ERNIE-4.5's shared experts
+    2 x ffn, Llama 4's 1 x ffn, the other shared experts 4 x ffn), the families' expert counts and top-k of
+    tiny_config."""
+    if family in ("mixtral", "gpt_oss", "jetmoe", "llama4_text"):
         return dict(hidden_size=hidden, intermediate_size=ffn)
     kw = dict(hidden_size=hidden, moe_intermediate_size=ffn, intermediate_size=4 * ffn)
-    if family == "qwen2_moe":
+    if family in ("qwen2_moe", "kolibri1"):
         kw["shared_expert_intermediate_size"] = 4 * ffn
+    if family == "nemotron_h":
+        kw["moe_shared_expert_intermediate_size"] = 4 * ffn
     return kw
 
 
@@ -46,7 +49,7 @@ def measure(family: str, tokens: int, hidden: int, ffn: int, reps: int, device: 
         def run():
             module.zero_grad(set_to_none=True)
             xi = x.clone().requires_grad_()
-            (block_output(module, xi) * target).sum().backward()
+            (block_output(module, xi).reshape(x.shape) * target).sum().backward()
         return run
 
     timer = time_cuda if device == "cuda" else time_cpu
@@ -74,11 +77,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rows = [measure(f, args.tokens, args.hidden, args.ffn, args.reps, device) for f in args.families]
-    print(f"{'family':<12} {'E':>3} {'K':>2} {'err out':>9} {'err dx':>9} {'err dW':>9} {'HF ms':>9} "
+    print(f"{'family':<13} {'E':>3} {'K':>2} {'err out':>9} {'err dx':>9} {'err dW':>9} {'HF ms':>9} "
           f"{'moe_graph ms':>12} {'speedup':>7}   (fp32, fwd+bwd, {args.tokens} tokens, H={args.hidden}, "
           f"F={args.ffn}, {device}, {args.threads} thread(s))")
     for r in rows:
-        print(f"{r['family']:<12} {r['experts']:>3} {r['topk']:>2} {r['err_out']:>9.1e} {r['err_dx']:>9.1e} "
+        print(f"{r['family']:<13} {r['experts']:>3} {r['topk']:>2} {r['err_out']:>9.1e} {r['err_dx']:>9.1e} "
               f"{r['err_weight_grads']:>9.1e} {r['ms_hf']:>9.2f} {r['ms_moe_graph']:>12.2f} {r['speedup']:>7.2f}")
     path = args.out or results_path("hf_blocks")
     write_json(path, {"env": environment(), "args": vars(args), "device": device, "rows": rows})

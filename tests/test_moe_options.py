@@ -143,7 +143,8 @@ def test_router_bias_router_dtype(gen):
 
 
 # ----------------------------------------------------------------------------------------- activations --
-@pytest.mark.parametrize("activation", ["relu", "silu", "gelu", "squared_relu", "swiglu", "clamped_swiglu"])
+@pytest.mark.parametrize("activation", ["relu", "silu", "gelu", "squared_relu", "swiglu", "clamped_swiglu",
+                                        "limited_swiglu"])
 def test_activation_fn_matches_definition(gen, activation):
     h = torch.randn(50, 12, generator=gen, dtype=DT) * 6  # beyond the clamp limit on both sides
     torch.testing.assert_close(activation_fn(h, activation, 1.3, 2.5), reference_activation(h, activation, 1.3, 2.5),
@@ -158,7 +159,7 @@ def test_clamped_swiglu_clamps():
     torch.testing.assert_close(y[:, 0], g * torch.sigmoid(1.702 * g) * (u + 1), **TOL)
 
 
-@pytest.mark.parametrize("activation", ["relu", "silu", "squared_relu", "clamped_swiglu"])
+@pytest.mark.parametrize("activation", ["relu", "silu", "squared_relu", "clamped_swiglu", "limited_swiglu"])
 @pytest.mark.parametrize("bias", [False, True])
 def test_activation_and_bias_layer(gen, activation, bias):
     layer = _layer(activation=activation, add_bias_linear=bias, swiglu_limit=1.5, swiglu_alpha=1.2,

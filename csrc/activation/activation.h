@@ -27,7 +27,7 @@ struct GatedProblem {
   DType dtype = DType::kF32;        // h, y, grad_y, grad_h
   DType scale_dtype = DType::kF32;  // scale, grad_scale (fp32 or dtype)
   GatedKind kind = GatedKind::kSwiglu;
-  double alpha = 1.702, limit = 7.0;  // clamped_swiglu
+  double alpha = 1.702, limit = 7.0;  // clamped_swiglu (alpha, limit); limited_swiglu (limit)
   const void* h = nullptr;            // [N, 2F]
   const void* scale = nullptr;        // [N] or nullptr (scale 1)
   void* y = nullptr;                  // forward: [N, F]
@@ -47,10 +47,11 @@ struct TypeTag {
 template <typename F>
 void dispatch_gated(const GatedProblem& p, F&& f) {
   auto with_kind = [&](auto t, auto s) {
-    if (p.kind == GatedKind::kSwiglu)
-      f(std::integral_constant<GatedKind, GatedKind::kSwiglu>{}, t, s);
-    else
-      f(std::integral_constant<GatedKind, GatedKind::kClampedSwiglu>{}, t, s);
+    switch (p.kind) {
+      case GatedKind::kSwiglu: f(std::integral_constant<GatedKind, GatedKind::kSwiglu>{}, t, s); break;
+      case GatedKind::kClampedSwiglu: f(std::integral_constant<GatedKind, GatedKind::kClampedSwiglu>{}, t, s); break;
+      case GatedKind::kLimitedSwiglu: f(std::integral_constant<GatedKind, GatedKind::kLimitedSwiglu>{}, t, s); break;
+    }
   };
   auto with_scale = [&](auto t) {
     using T = typename decltype(t)::type;

@@ -3,6 +3,7 @@
 // h = [a | b] (gate half, then up half of fc1's output row), s = the row's scale (1 without one):
 //   swiglu          act = silu(a) * b = a * sigmoid(a) * b
 //   clamped_swiglu  act = a' * sigmoid(alpha * a') * (b' + 1),  a' = min(a, limit),  b' = clamp(b, -limit, limit)
+//   limited_swiglu  act = silu(a') * b'  (the same clamps, no alpha, no +1: DeepSeek-V4, GLM5-Next, HY-V4)
 //   y = act * s
 // Backward for dy: da = dy * s * dact/da, db = dy * s * dact/db, ds = sum over the row of dy * act. The clamps
 // pass the gradient where the input lies inside the closed interval (a <= limit, -limit <= b <= limit) and block
@@ -23,7 +24,7 @@
 namespace moe_graph {
 namespace activation {
 
-enum class GatedKind : int { kSwiglu = 0, kClampedSwiglu = 1 };
+enum class GatedKind : int { kSwiglu = 0, kClampedSwiglu = 1, kLimitedSwiglu = 2 };
 
 // 16-bit storage types (bit patterns; converted with round-to-nearest-even).
 struct bf16_t {
@@ -151,6 +152,10 @@ template <GatedKind K, typename A>
 MOE_GRAPH_HD A gated_value(A a, A b, A alpha, A limit) {
   if constexpr (K == GatedKind::kSwiglu) {
     return a * sigmoid_of(a) * b;
+  } else if constexpr (K == GatedKind::kLimitedSwiglu) {
+    const A ac = a > limit ? limit : a;
+    const A bc = b < -limit ? -limit : (b > limit ? limit : b);
+    return ac * sigmoid_of(ac) * bc;
   } else {
     const A ac = a > limit ? limit : a;
     const A bc = b < -limit ? -limit : (b > limit ? limit : b);
@@ -164,6 +169,14 @@ MOE_GRAPH_HD GatedGrad<A> gated_grad(A a, A b, A alpha, A limit) {
     const A s = sigmoid_of(a);
     const A silu = a * s;
     return {silu * b, b * s * (A(1) + a * (A(1) - s)), silu};
+  } else if constexpr (K == GatedKind::kLimitedSwiglu) {
+    const A ac = a > limit ? limit : a;
+    const A bc = b < -limit ? -limit : (b > limit ? limit : b);
+    const A s = sigmoid_of(ac);
+    const A silu = ac * s;
+    const A d_a = a <= limit ? bc * s * (A(1) + ac * (A(1) - s)) : A(0);
+    const A d_b = (b >= -limit && b <= limit) ? silu : A(0);
+    return {silu * bc, d_a, d_b};
   } else {
     const A ac = a > limit ? limit : a;
     const A bc = b < -limit ? -limit : (b > limit ? limit : b);

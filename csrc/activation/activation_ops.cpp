@@ -37,9 +37,11 @@ activation::GatedProblem check_and_describe(const char* op, const at::Tensor& h,
     p.kind = activation::GatedKind::kSwiglu;
   } else if (activation == "clamped_swiglu") {
     p.kind = activation::GatedKind::kClampedSwiglu;
+  } else if (activation == "limited_swiglu") {
+    p.kind = activation::GatedKind::kLimitedSwiglu;
   } else {
-    TORCH_CHECK(false, op, ": activation must be \"swiglu\" or \"clamped_swiglu\", got \"", std::string(activation),
-                "\"");
+    TORCH_CHECK(false, op, ": activation must be \"swiglu\", \"clamped_swiglu\" or \"limited_swiglu\", got \"",
+                std::string(activation), "\"");
   }
   TORCH_CHECK(std::isfinite(alpha) && alpha > 0, op, ": alpha (swiglu_alpha) must be a finite number > 0, got ",
               alpha);

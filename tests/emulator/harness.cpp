@@ -139,7 +139,7 @@ int family_activation() {
   if (g_full) shapes.insert(shapes.end(), {{1000, 64}, {130, 1000}, {4099, 8}});
   const act::DType dtypes[] = {act::DType::kF32, act::DType::kF64, act::DType::kBF16, act::DType::kF16};
   // every kind the op defines: dispatch_gated maps each to its template (the enum is dense from 0)
-  for (int kind = 0; kind <= static_cast<int>(act::GatedKind::kClampedSwiglu); ++kind) {
+  for (int kind = 0; kind <= static_cast<int>(act::GatedKind::kLimitedSwiglu); ++kind) {
     for (act::DType dt : dtypes) {
       for (auto [rows, cols] : shapes) {
         for (int scale_mode = 0; scale_mode < 3; ++scale_mode) {  // none, fp32, dtype

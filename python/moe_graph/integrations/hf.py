@@ -21,6 +21,9 @@ Families (``config.model_type``; block class -> what the layer reproduces):
 * ``kolibri1`` (``Kolibri1SparseMoeBlock``): fp32 gate, ``e_score_correction_bias`` added to the *logits* for the
   selection (``expert_bias_target="logits"``), the sigmoid of the chosen logits, ``norm_topk_prob``, a shared
   SwiGLU expert.
+* ``glm5_next_text`` (``Glm5NextTextMoE``, the text model of ``glm5_next``): DeepSeek-V3's router, experts and
+  shared experts with ``silu(min(g, L)) * clamp(u, -L, L)`` (``activation="limited_swiglu"``,
+  ``swiglu_limit=L``).
 * ``nemotron_h`` (``NemotronHMoE``, the ``mixer`` of its ``moe`` layers): DeepSeek-V3's router, non-gated experts
   with ``mlp_hidden_act`` (``relu2`` -> ``activation="squared_relu"``; ``experts.up_proj [E, F, H]``) and a
   non-gated shared expert.
@@ -29,6 +32,11 @@ Families (``config.model_type``; block class -> what the layer reproduces):
 * ``llama4_text`` (``Llama4TextMoe``): the sigmoid of the top-k logits applied to the expert *input*
   (``probs_on_input``), a shared SwiGLU expert; experts stored transposed (``gate_up_proj [E, H, 2F]``,
   ``down_proj [E, F, H]``). The block returns ``(out, router_logits)``: the swapped block ``(out, None)``.
+
+Blocks that repeat one of these (``_Family.profile``): ``olmoe``, ``flex_olmo``, ``minimax`` as ``mixtral``;
+``qwen3_vl_moe_text``, ``qwen3_omni_moe_text``, ``mellum`` as ``qwen3_moe``; ``qwen3_next``, ``qwen3_5_moe_text``,
+``qwen4_exp_text`` as ``qwen2_moe``; ``glm4_moe``, ``glm4_moe_lite``, ``glm4v_moe_text``, ``dots1``, ``solar_open``,
+``deepseek_v32``, ``glm_moe_dsa``, ``kimi_linear``, ``exaone_moe`` as ``deepseek_v3``.
 
 Checkpoint layouts (names relative to the block, e.g. ``model.layers.3.mlp.``): transformers v5 fuses the experts
 (``experts.gate_up_proj [E, 2F, H]``: the gate rows, then the up rows; ``experts.down_proj [E, H, F]``), which is
@@ -86,6 +94,7 @@ class _Family:
     expert_bias_2d: bool = False  # stored as [1, E] (ERNIE-4.5's moe_statics)
     transposed: bool = False  # fused experts stored [E, H, 2F] / [E, F, H] (Llama 4)
     output_bias: Optional[str] = None  # the block's output bias [H] (JetMoE)
+    profile: Optional[str] = None  # the family whose block this one repeats (its config reader; None: its own)
 
 
 _FAMILIES: Dict[str, _Family] = {
@@ -104,8 +113,40 @@ _FAMILIES: Dict[str, _Family] = {
                           fc1="experts.up_proj"),
     "jetmoe": _Family("JetMoeMoE", "router.layer", None, fc1="input_linear.weight", fc2="output_linear.weight",
                       output_bias="bias"),
+    "glm5_next_text": _Family("Glm5NextTextMoE", "gate", ("gate_proj", "up_proj", "down_proj"),
+                              shared="shared_experts"),
     "llama4_text": _Family("Llama4TextMoe", "router", None, shared="shared_expert", returns_router_scores=True,
                            transposed=True),
+    # blocks that repeat one of the families above (modular copies in transformers), with their config reader
+    "olmoe": _Family("OlmoeSparseMoeBlock", "gate", ("gate_proj", "up_proj", "down_proj"), profile="mixtral"),
+    "flex_olmo": _Family("FlexOlmoSparseMoeBlock", "gate", ("gate_proj", "up_proj", "down_proj"), profile="mixtral"),
+    "minimax": _Family("MiniMaxSparseMoeBlock", "gate", ("w1", "w3", "w2"), profile="mixtral"),
+    "qwen3_vl_moe_text": _Family("Qwen3VLMoeTextSparseMoeBlock", "gate", None, profile="qwen3_moe"),
+    "qwen3_omni_moe_text": _Family("Qwen3OmniMoeThinkerTextSparseMoeBlock", "gate", None, profile="qwen3_moe"),
+    "mellum": _Family("MellumSparseMoeBlock", "gate", ("gate_proj", "up_proj", "down_proj"), profile="qwen3_moe"),
+    "qwen3_next": _Family("Qwen3NextSparseMoeBlock", "gate", ("gate_proj", "up_proj", "down_proj"),
+                          shared="shared_expert", shared_gate="shared_expert_gate", profile="qwen2_moe"),
+    "qwen3_5_moe_text": _Family("Qwen3_5MoeSparseMoeBlock", "gate", None, shared="shared_expert",
+                                shared_gate="shared_expert_gate", profile="qwen2_moe"),
+    "qwen4_exp_text": _Family("Qwen4ExpTextSparseMoeBlock", "gate", None, shared="shared_expert",
+                              shared_gate="shared_expert_gate", profile="qwen2_moe"),
+    "glm4_moe": _Family("Glm4MoeMoE", "gate", ("gate_proj", "up_proj", "down_proj"), shared="shared_experts",
+                        profile="deepseek_v3"),
+    "glm4_moe_lite": _Family("Glm4MoeLiteMoE", "gate", ("gate_proj", "up_proj", "down_proj"),
+                             shared="shared_experts", profile="deepseek_v3"),
+    "glm4v_moe_text": _Family("Glm4vMoeTextMoE", "gate", None, shared="shared_experts", profile="deepseek_v3"),
+    "dots1": _Family("Dots1MoE", "gate", ("gate_proj", "up_proj", "down_proj"), shared="shared_experts",
+                     profile="deepseek_v3"),
+    "solar_open": _Family("SolarOpenMoE", "gate", ("gate_proj", "up_proj", "down_proj"), shared="shared_experts",
+                          profile="deepseek_v3"),
+    "deepseek_v32": _Family("DeepseekV32MoE", "gate", ("gate_proj", "up_proj", "down_proj"),
+                            shared="shared_experts", profile="deepseek_v3"),
+    "glm_moe_dsa": _Family("GlmMoeDsaMoE", "gate", ("gate_proj", "up_proj", "down_proj"), shared="shared_experts",
+                           profile="deepseek_v3"),
+    "kimi_linear": _Family("KimiLinearMoE", "gate", ("gate_proj", "up_proj", "down_proj"),
+                           shared="shared_experts", profile="deepseek_v3"),
+    "exaone_moe": _Family("ExaoneMoeSparseMoEBlock", "gate", ("gate_proj", "up_proj", "down_proj"),
+                          shared="shared_experts", profile="deepseek_v3"),
 }
 # transformers' hidden_act of non-gated experts -> MoELayer's activation
 _PLAIN_ACTS = {"relu2": "squared_relu", "relu": "relu", "silu": "silu", "gelu": "gelu"}
@@ -131,18 +172,28 @@ def _gated_silu(config, model_type: str) -> None:
                          f"(hidden_act='silu')")
 
 
+def _first(c, *names):
+    """The first of the config attributes ``names`` that is set (families name the same option differently)."""
+    for n in names:
+        v = getattr(c, n, None)
+        if v is not None:
+            return v
+    raise ValueError(f"{getattr(c, 'model_type', type(c).__name__)}: the config has none of {names}")
+
+
 def _deepseek_routing(c, model_type: str) -> Dict:
     """DeepSeek-V3's router (also Nemotron-H's): fp32 gate, sigmoid, the correction bias for the selection, groups
     scoring their best 2, ``norm_topk_prob``, ``routed_scaling_factor``."""
-    opts = dict(hidden_size=c.hidden_size, ffn_hidden_size=c.moe_intermediate_size, num_experts=c.n_routed_experts,
+    opts = dict(hidden_size=c.hidden_size, ffn_hidden_size=c.moe_intermediate_size,
+                num_experts=_first(c, "n_routed_experts", "num_local_experts", "num_experts"),
                 topk=c.num_experts_per_tok, score_func="sigmoid", norm_topk_prob=bool(c.norm_topk_prob),
                 topk_scaling_factor=float(c.routed_scaling_factor), enable_expert_bias=True,
                 router_dtype=torch.float32)
+    E = opts["num_experts"]
     if c.n_group and c.n_group > 1:
-        per = c.n_routed_experts // c.n_group
-        if c.n_routed_experts % c.n_group or per < 2:
-            raise ValueError(f"{model_type}: n_group={c.n_group} must divide n_routed_experts="
-                             f"{c.n_routed_experts} into groups of at least 2 (a group scores its best 2)")
+        if E % c.n_group or E // c.n_group < 2:
+            raise ValueError(f"{model_type}: n_group={c.n_group} must divide n_routed_experts={E} into groups of at "
+                             "least 2 (a group scores its best 2)")
         opts.update(num_groups=c.n_group, group_topk=c.topk_group, group_score_topk=2)
     return opts
 
@@ -153,26 +204,35 @@ def moe_config_from_hf(config, **overrides) -> MoEConfig:
     MoELayer options (``ep_size``, ``num_spare_experts_per_ep_rank``, ``capacity_factor``, ``params_dtype``,
     ``aux_loss_coeff``, ...). Raises ``ValueError`` naming the option for a config it cannot express."""
     config = _text_config(config)
-    t, _ = _family(config)
+    t, fam = _family(config)
     c = config
+    p = fam.profile or t
     opts: Dict = {}
-    if t == "mixtral":
+    if p == "mixtral":
         _gated_silu(c, t)
         jitter = getattr(c, "router_jitter_noise", 0.0) or 0.0
         if jitter > 0:
-            raise ValueError(f"mixtral: router_jitter_noise={jitter} cannot be expressed: the jitter is random per "
+            raise ValueError(f"{t}: router_jitter_noise={jitter} cannot be expressed: the jitter is random per "
                              "forward and MoELayer draws no random numbers (set router_jitter_noise=0)")
-        opts = dict(hidden_size=c.hidden_size, ffn_hidden_size=c.intermediate_size, num_experts=c.num_local_experts,
-                    topk=c.num_experts_per_tok, norm_topk_prob=True)
-    elif t in ("qwen2_moe", "qwen3_moe"):
+        opts = dict(hidden_size=c.hidden_size, ffn_hidden_size=c.intermediate_size,
+                    num_experts=_first(c, "num_local_experts", "num_experts"), topk=c.num_experts_per_tok,
+                    norm_topk_prob=bool(getattr(c, "norm_topk_prob", True)))
+    elif p in ("qwen2_moe", "qwen3_moe"):
         _gated_silu(c, t)
         opts = dict(hidden_size=c.hidden_size, ffn_hidden_size=c.moe_intermediate_size, num_experts=c.num_experts,
-                    topk=c.num_experts_per_tok, norm_topk_prob=bool(c.norm_topk_prob))
-        if t == "qwen2_moe" and c.shared_expert_intermediate_size:
+                    topk=c.num_experts_per_tok, norm_topk_prob=bool(getattr(c, "norm_topk_prob", True)))
+        if p == "qwen2_moe" and c.shared_expert_intermediate_size:
             opts.update(shared_expert_ffn_size=c.shared_expert_intermediate_size, shared_expert_gate=True)
-    elif t == "deepseek_v3":
+    elif p == "deepseek_v3":
         _gated_silu(c, t)
         opts = _deepseek_routing(c, t)
+        n_shared = _first(c, "n_shared_experts", "num_shared_experts")
+        if n_shared:
+            opts.update(shared_expert_ffn_size=c.moe_intermediate_size * n_shared)
+    elif t == "glm5_next_text":
+        _gated_silu(c, t)
+        opts = _deepseek_routing(c, t)
+        opts.update(activation="limited_swiglu", swiglu_limit=float(c.swiglu_limit))
         if c.n_shared_experts:
             opts.update(shared_expert_ffn_size=c.moe_intermediate_size * c.n_shared_experts)
     elif t == "nemotron_h":

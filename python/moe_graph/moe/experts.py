@@ -59,7 +59,8 @@ def activation_fn(h: torch.Tensor, activation: str, swiglu_alpha: float = 1.702,
     :func:`moe_graph.ops.activation.gated_activation`): ``"swiglu"``: ``silu(a) * b``; ``"clamped_swiglu"``
     (GPT-OSS): ``a' * sigmoid(swiglu_alpha * a') * (b' + 1)`` with ``a' = min(a, limit)``,
     ``b' = clamp(b, -limit, limit)`` (Megatron: ``quick_gelu`` with ``activation_func_clamp_value`` and
-    ``glu_linear_offset=1``). Not gated (torch ops): ``"gelu"`` (erf), ``"relu"``, ``"silu"``, ``"squared_relu"``
+    ``glu_linear_offset=1``); ``"limited_swiglu"``: ``silu(a') * b'`` (the same clamps, no alpha, no ``+1``).
+    Not gated (torch ops): ``"gelu"`` (erf), ``"relu"``, ``"silu"``, ``"squared_relu"``
     (``relu(h)^2``: Nemotron-H's ``relu2``, Megatron's ``squared_relu``)."""
     if activation in GATED_ACTIVATIONS:
         return gated_activation(h, activation, row_scale, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)

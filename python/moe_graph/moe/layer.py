@@ -104,7 +104,9 @@ class MoELayer(nn.Module):
             its group score rule, scaled probabilities, a learned gate bias, auxiliary-loss-free balancing with
             :func:`update_expert_bias` after each optimizer step, gate GEMM precision).
         activation: ``"swiglu"`` (fc1 is ``[2F, H]``), ``"clamped_swiglu"`` (GPT-OSS's, with ``swiglu_alpha`` and
-            ``swiglu_limit``; fc1 ``[2F, H]``), or the non-gated ``"gelu"``, ``"relu"``, ``"silu"``
+            ``swiglu_limit``; fc1 ``[2F, H]``), ``"limited_swiglu"`` (``swiglu_limit``:
+            DeepSeek-V4 / GLM5-Next / HY-V4), or the non-gated ``"gelu"``, ``"relu"``, ``"silu"``,
+            ``"squared_relu"``
             (:func:`moe_graph.moe.experts.activation_fn`). add_bias_linear: biases on the experts' (and the shared
             expert's) fc1 and fc2, fused into the grouped GEMM epilogue. The routing probabilities weight the
             narrower side of the expert MLP: with ``F < H`` (and no biases) each row's ``[F]`` activation before

@@ -7,7 +7,9 @@ then the up half ``b``; ``y = act(a, b) * row_scale[..., None]`` with
 
 * ``"swiglu"``: ``act = silu(a) * b``;
 * ``"clamped_swiglu"`` (GPT-OSS): ``act = a' * sigmoid(alpha * a') * (b' + 1)``, ``a' = min(a, limit)``,
-  ``b' = clamp(b, -limit, limit)``; the clamps pass the gradient inside the closed interval and block it outside.
+  ``b' = clamp(b, -limit, limit)``; the clamps pass the gradient inside the closed interval and block it outside;
+* ``"limited_swiglu"`` (DeepSeek-V4, GLM5-Next, HY-V4): ``act = silu(a') * b'`` (the same clamps, no alpha, no
+  ``+1``).
 
 The math runs in fp32 for bf16/fp16 inputs (fp64 for fp64), each output rounded once to ``h``'s dtype.
 ``row_scale`` (fp32 or ``h``'s dtype, optional) is the per-row factor the MoE layer uses for the routing
@@ -25,7 +27,8 @@ from moe_graph.ops._lib import has_kernel, ops
 
 __all__ = ["GATED_ACTIVATIONS", "gated_activation", "native_available"]
 
-GATED_ACTIVATIONS = ("swiglu", "clamped_swiglu")  # fc1 holds the gate rows, then the up rows: [2F, H]
+# fc1 holds the gate rows, then the up rows: [2F, H]
+GATED_ACTIVATIONS = ("swiglu", "clamped_swiglu", "limited_swiglu")
 
 _OP = "moe_graph::gated_activation"
 _BWD = "moe_graph::gated_activation_backward"
@@ -47,7 +50,7 @@ def _torch_gated(h: torch.Tensor, row_scale: Optional[torch.Tensor], activation:
     else:
         a = a.clamp(max=limit)
         b = b.clamp(min=-limit, max=limit)
-        y = a * torch.sigmoid(a * alpha) * (b + 1)
+        y = torch.nn.functional.silu(a) * b if activation == "limited_swiglu" else a * torch.sigmoid(a * alpha) * (b + 1)
     if row_scale is not None:
         y = y * row_scale[..., None]
     return y.to(h.dtype)
@@ -79,9 +82,10 @@ def gated_activation(h: torch.Tensor, activation: str = "swiglu", row_scale: Opt
 
     Args:
         h: fc1's output, gate half then up half on the last dimension (a non-contiguous ``h`` is copied).
-        activation: ``"swiglu"`` or ``"clamped_swiglu"``.
+        activation: one of :data:`GATED_ACTIVATIONS`.
         row_scale: ``h.shape[:-1]``, fp32 or ``h``'s dtype, or None (factor 1).
-        swiglu_alpha, swiglu_limit: ``"clamped_swiglu"``'s ``alpha`` and ``limit``.
+        swiglu_alpha, swiglu_limit: ``"clamped_swiglu"``'s ``alpha`` and ``limit`` (``"limited_swiglu"``: the
+            ``limit``).
     """
     _check(h, row_scale, activation)
     alpha, limit = float(swiglu_alpha), float(swiglu_limit)

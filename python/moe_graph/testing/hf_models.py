@@ -4,13 +4,57 @@ routing is decisive (no near-ties between the k-th and (k+1)-th expert)."""
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
+import inspect
 from typing import Callable, Dict
 
 import torch
 import transformers
 
-FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss", "ernie4_5_moe", "kolibri1", "nemotron_h", "jetmoe",
-            "llama4_text")
+
+_MLA = dict(kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=4, v_head_dim=8, qk_nope_head_dim=4, head_dim=4,
+            num_key_value_heads=4, index_head_dim=8, index_n_heads=2, index_topk=8)
+_FULL_ATTN = dict(layer_types=["full_attention", "full_attention"])
+# families whose block repeats another family's (hf._Family.profile): (models/ folder.block class, config class,
+# model class or
+# None where a tiny whole model needs more than this (attention options; the block is still checked), config kwargs
+# on top of _SMALL, which each config takes where it has the field)
+_REPEATS: Dict[str, tuple] = {
+    "olmoe": ("olmoe.OlmoeSparseMoeBlock", "OlmoeConfig", "OlmoeForCausalLM", {}),
+    "flex_olmo": ("flex_olmo.FlexOlmoSparseMoeBlock", "FlexOlmoConfig", "FlexOlmoForCausalLM", dict(pad_token_id=0)),
+    "minimax": ("minimax.MiniMaxSparseMoeBlock", "MiniMaxConfig", "MiniMaxForCausalLM", {}),
+    "qwen3_vl_moe_text": ("qwen3_vl_moe.Qwen3VLMoeTextSparseMoeBlock", "Qwen3VLMoeTextConfig",
+                          "Qwen3VLMoeTextModel", {}),
+    "qwen3_omni_moe_text": ("qwen3_omni_moe.Qwen3OmniMoeThinkerTextSparseMoeBlock", "Qwen3OmniMoeTextConfig",
+                            "Qwen3OmniMoeThinkerTextModel", {}),
+    "mellum": ("mellum.MellumSparseMoeBlock", "MellumConfig", "MellumForCausalLM", {}),
+    "qwen3_next": ("qwen3_next.Qwen3NextSparseMoeBlock", "Qwen3NextConfig", "Qwen3NextForCausalLM", _FULL_ATTN),
+    "qwen3_5_moe_text": ("qwen3_5_moe.Qwen3_5MoeSparseMoeBlock", "Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM",
+                         _FULL_ATTN),
+    "qwen4_exp_text": ("qwen4_exp.Qwen4ExpTextSparseMoeBlock", "Qwen4ExpTextConfig", None, _FULL_ATTN),  # its indexer
+    "glm4_moe": ("glm4_moe.Glm4MoeMoE", "Glm4MoeConfig", "Glm4MoeForCausalLM", dict(first_k_dense_replace=0)),
+    "glm4_moe_lite": ("glm4_moe_lite.Glm4MoeLiteMoE", "Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", dict(_MLA,
+                      first_k_dense_replace=0)),
+    "glm4v_moe_text": ("glm4v_moe.Glm4vMoeTextMoE", "Glm4vMoeTextConfig", None, dict(first_k_dense_replace=0)),
+                        # M-RoPE
+    "dots1": ("dots1.Dots1MoE", "Dots1Config", "Dots1ForCausalLM", dict(first_k_dense_replace=0)),
+    "solar_open": ("solar_open.SolarOpenMoE", "SolarOpenConfig", "SolarOpenForCausalLM", {}),
+    "deepseek_v32": ("deepseek_v32.DeepseekV32MoE", "DeepseekV32Config", "DeepseekV32ForCausalLM", dict(_MLA,
+                     first_k_dense_replace=0)),
+    "glm_moe_dsa": ("glm_moe_dsa.GlmMoeDsaMoE", "GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", dict(_MLA,
+                    first_k_dense_replace=0)),
+    "kimi_linear": ("kimi_linear.KimiLinearMoE", "KimiLinearConfig", None, dict(pad_token_id=0)),  # linear attn
+    "exaone_moe": ("exaone_moe.ExaoneMoeSparseMoEBlock", "ExaoneMoeConfig", "ExaoneMoeForCausalLM",
+                   dict(first_k_dense_replace=0)),
+}
+_SMALL = dict(hidden_size=32, intermediate_size=48, moe_intermediate_size=24, num_experts=8, n_routed_experts=8,
+              num_local_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, shared_expert_intermediate_size=40,
+              n_shared_experts=1, num_shared_experts=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+              vocab_size=64, num_hidden_layers=2, routed_scaling_factor=2.5, max_position_embeddings=64)
+
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss", "ernie4_5_moe", "kolibri1", "nemotron_h",
+            "jetmoe", "llama4_text", "glm5_next_text") + tuple(_REPEATS)
 
 _COMMON = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
                max_position_embeddings=64, num_experts_per_tok=2)
@@ -36,6 +80,12 @@ _CONFIGS: Dict[str, tuple] = {
                                            head_dim=8, moe_intermediate_size=24, n_routed_experts=8,
                                            moe_shared_expert_intermediate_size=40, routed_scaling_factor=2.5)),
     "jetmoe": ("JetMoeConfig", dict(intermediate_size=24, num_local_experts=8, kv_channels=8)),
+    "glm5_next_text": ("Glm5NextTextConfig", dict(
+        intermediate_size=48, moe_intermediate_size=24, n_routed_experts=16, num_experts_per_tok=4, n_group=4,
+        topk_group=2, n_shared_experts=2, swiglu_limit=1.0, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=0,
+        v_head_dim=8, qk_nope_head_dim=4, head_dim=8, num_key_value_heads=4, index_topk=8, index_head_dim=8,
+        index_n_heads=2, linear_head_dim=8, linear_num_heads=4, hc_mult=2, index_kpool=4,
+        mlp_layer_types=["sparse", "sparse"], layer_types=["full_attention", "linear_attention"], pad_token_id=0)),
     "llama4_text": ("Llama4TextConfig", dict(intermediate_size=24, intermediate_size_mlp=48, num_local_experts=8,
                                              head_dim=8, interleave_moe_layer_step=1, moe_layers=None)),
 }
@@ -48,25 +98,47 @@ _BLOCKS = {"mixtral": "mixtral.modeling_mixtral.MixtralSparseMoeBlock",
            "kolibri1": "kolibri1.modeling_kolibri1.Kolibri1SparseMoeBlock",
            "nemotron_h": "nemotron_h.modeling_nemotron_h.NemotronHMoE",
            "jetmoe": "jetmoe.modeling_jetmoe.JetMoeMoE",
-           "llama4_text": "llama4.modeling_llama4.Llama4TextMoe"}
+           "llama4_text": "llama4.modeling_llama4.Llama4TextMoe",
+           "glm5_next_text": "glm5_next.modeling_glm5_next.Glm5NextTextMoE"}
 _MODELS = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
            "deepseek_v3": "DeepseekV3ForCausalLM", "gpt_oss": "GptOssForCausalLM",
            "ernie4_5_moe": "Ernie4_5_MoeForCausalLM", "kolibri1": "Kolibri1ForCausalLM",
-           "nemotron_h": "NemotronHForCausalLM", "jetmoe": "JetMoeForCausalLM", "llama4_text": "Llama4ForCausalLM"}
+           "nemotron_h": "NemotronHForCausalLM", "jetmoe": "JetMoeForCausalLM", "llama4_text": "Llama4ForCausalLM",
+           "glm5_next_text": "Glm5NextTextModel"}  # GLM5-Next's text model has no LM head of its own
+
+
+def has_tiny_model(family: str) -> bool:
+    """False for the families whose tiny whole model is not built here (their block is)."""
+    return family not in _REPEATS or _REPEATS[family][2] is not None
+
+
+def _models_module(folder: str, kind: str = "modeling"):
+    return importlib.import_module(f"transformers.models.{folder}.{kind}_{folder}")
 
 
 def tiny_config(family: str, **overrides):
     """A small transformers config of ``family`` (eager attention, fp32), ``overrides`` applied."""
-    cls_name, kw = _CONFIGS[family]
-    opts = dict(_COMMON)
+    if family in _REPEATS:
+        folder, cls_name, _, kw = _REPEATS[family]
+        cls = getattr(_models_module(folder.partition(".")[0], "configuration"), cls_name)
+        fields = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set(
+            inspect.signature(cls.__init__).parameters)
+        opts = {k: v for k, v in _SMALL.items() if k in fields}
+    else:
+        cls_name, kw = _CONFIGS[family]
+        cls = getattr(transformers, cls_name)
+        opts = dict(_COMMON)
     opts.update(kw)
     opts.update(overrides)
-    cfg = getattr(transformers, cls_name)(**opts)
+    cfg = cls(**opts)
     cfg._attn_implementation = "eager"
     return cfg
 
 
 def _block_class(family: str):
+    if family in _REPEATS:
+        folder, _, block = _REPEATS[family][0].partition(".")
+        return getattr(_models_module(folder), block)
     path, _, cls = _BLOCKS[family].rpartition(".")
     module = __import__(f"transformers.models.{path}", fromlist=[cls])
     return getattr(module, cls)
@@ -100,9 +172,26 @@ def tiny_block(family: str, seed: int = 0, **overrides):
 def tiny_model(family: str, seed: int = 0, **overrides):
     """``(config, model)``: a two-layer causal LM of ``family`` in fp32 with random weights."""
     cfg = tiny_config(family, **overrides)
-    model = getattr(transformers, _MODELS[family])(cfg)
+    if family in _REPEATS:
+        if _REPEATS[family][2] is None:
+            raise ValueError(f"{family}: no tiny whole model (see _REPEATS)")
+        model = getattr(_models_module(_REPEATS[family][0].partition(".")[0]), _REPEATS[family][2])(cfg)
+    else:
+        model = getattr(transformers, _MODELS[family])(cfg)
     randomize(model, seed)
     return cfg, model
+
+
+def model_loss(model: torch.nn.Module, ids: torch.Tensor):
+    """``(output, loss)`` of a tiny model on ``ids``: a causal LM's logits and its LM loss (labels = ids), or for a
+    base model without an LM head (GLM5-Next's text model) its last hidden state and ``mean(h * R)`` with ``R`` a
+    fixed random tensor."""
+    if hasattr(model, "lm_head"):
+        out = model(ids, labels=ids)
+        return out.logits, out.loss
+    h = model(ids).last_hidden_state
+    r = torch.randn(h.shape, generator=torch.Generator().manual_seed(5), dtype=h.dtype).to(h.device)
+    return h, (h * r).mean()
 
 
 def hf_router(block: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:

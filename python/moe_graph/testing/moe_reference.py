@@ -93,12 +93,14 @@ def apportion_quotas(demand, capacity: int):
 def reference_activation(a: torch.Tensor, activation: str = "swiglu", swiglu_alpha: float = 1.702,
                          swiglu_limit: float = 7.0) -> torch.Tensor:
     """The expert activations written out from their definitions (gated ones: gate half, then up half)."""
-    if activation in ("swiglu", "clamped_swiglu"):
+    if activation in ("swiglu", "clamped_swiglu", "limited_swiglu"):
         g, u = a.chunk(2, -1)
         if activation == "swiglu":
             return g * torch.sigmoid(g) * u
-        g = torch.minimum(g, torch.full_like(g, swiglu_limit))
         u = torch.maximum(torch.minimum(u, torch.full_like(u, swiglu_limit)), torch.full_like(u, -swiglu_limit))
+        g = torch.minimum(g, torch.full_like(g, swiglu_limit))
+        if activation == "limited_swiglu":
+            return g / (1 + torch.exp(-g)) * u
         return g / (1 + torch.exp(-swiglu_alpha * g)) * (u + 1)
     if activation == "gelu":
         return 0.5 * a * (1 + torch.erf(a / 2 ** 0.5))
