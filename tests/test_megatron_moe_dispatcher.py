@@ -170,3 +170,96 @@ def test_no_host_sync_in_forward_backward(pg, case):  # noqa: F811
         mg_syncs, mg_points = _host_syncs(mg, x, g, meters)
     assert ref_syncs == 1, ref_points  # Megatron's alltoall: the device-to-host copy of the token counts
     assert mg_syncs == 0, mg_points
+
+
+# ----------------------------------------------------------------------------- static capacity and rerun --
+class _Optimizer:
+    """SGD with Megatron's optimizer contract: ``step() -> (update_successful, grad_norm, num_zeros_in_grad)``."""
+
+    def __init__(self, module):
+        self.opt = torch.optim.SGD(module.parameters(), lr=0.1)
+
+    def zero_grad(self):
+        self.opt.zero_grad(set_to_none=True)
+
+    def step(self):
+        self.opt.step()
+        return True, None, None
+
+
+def _train_step(forward_step_func, data_iterator, model, optimizer, num_microbatches=2):
+    """Megatron's train_step in small: zero the grads, forward + backward of each microbatch, the optimizer step."""
+    optimizer.zero_grad()
+    for _ in range(num_microbatches):
+        x, g = next(data_iterator)
+        forward_step_func(model, x).backward(g)
+    return optimizer.step()
+
+
+def _forward(model, x):
+    return model(x)[0]
+
+
+def _data(rank, steps, mbs=2):
+    gen = torch.Generator().manual_seed(1000 + rank)
+    return [(torch.randn(8, 2, H, generator=gen), torch.randn(8, 2, H, generator=gen)) for _ in range(steps * mbs)]
+
+
+def _train(rank, ep, case, pg, capacity_factor, overflow, steps=3, rerun_kwargs=None):
+    """(parameters after ``steps`` steps, statistics) of the moe_graph layer trained at the given capacity."""
+    from moe_graph.integrations.megatron_moe import MegatronOverflowRerun
+
+    cfg = _config(ep, **CASES[case])
+    opts = dict(capacity_factor=capacity_factor, overflow=overflow)
+    with _cpu_shims():  # Megatron's router moves a CPU gate weight to torch.cuda.current_device()
+        _, mg = _layers(cfg, pg, opts)
+        opt = _Optimizer(mg)
+        data = iter(_data(rank, steps))
+        rerun = MegatronOverflowRerun(mg, opt, **(rerun_kwargs or {})) if overflow == "rerun" else None
+        skipped = 0
+        for _ in range(steps):
+            if rerun is not None:
+                ok, _, _ = rerun.train_step(_train_step, _forward, data, mg, opt)
+            else:
+                ok, _, _ = _train_step(_forward, data, mg, opt)
+            skipped += not ok
+    state = {n: t.detach().clone() for n, t in mg.state_dict().items() if torch.is_tensor(t) and t.numel()}
+    stats = rerun.statistics() if rerun is not None else {"dropped": mg.dispatcher.dropped_routes.item()}
+    return state, dict(stats, skipped=skipped)
+
+
+def _rerun_compare(rank, ep, case, pg):
+    dropless, _ = _train(rank, ep, case, pg, None, "drop")
+    rerun, stats = _train(rank, ep, case, pg, 0.5, "rerun", rerun_kwargs=dict(threshold=None))
+    adapted, adapted_stats = _train(rank, ep, case, pg, 0.5, "rerun", rerun_kwargs=dict(window=2, threshold=0.4))
+    dropped, drop_stats = _train(rank, ep, case, pg, 0.5, "drop")
+    err = lambda other: max((other[k].double() - v.double()).abs().max().item() for k, v in dropless.items())  # noqa: E731
+    return {"rerun": err(rerun), "adapted": err(adapted), "drop": err(dropped), "stats": stats,
+            "adapted_stats": adapted_stats, "drop_stats": drop_stats}
+
+
+def _check_rerun(res, ep):
+    assert res["rerun"] <= TOL and res["adapted"] <= TOL, res  # the rerun trains exactly as the dropless layer
+    assert res["drop"] > 1e-3 and res["drop_stats"]["dropped"] > 0, res  # the control: dropping changes training
+    assert res["stats"]["reruns"] == 3 and res["stats"]["skipped"] == 0, res  # every step reran; none skipped
+    # the adaptive rule raised the capacity after the first rerun (past the largest observed load ratio)
+    assert res["adapted_stats"]["capacity_factor"] > 0.5 and res["adapted_stats"]["reruns"] < 3, res
+
+
+def _rerun_worker(rank, world, case):
+    pg = _init_megatron(world)
+    try:
+        return _rerun_compare(rank, world, case, pg)
+    finally:
+        from megatron.core import parallel_state as ps
+
+        ps.destroy_model_parallel()
+
+
+def test_rerun_at_tight_capacity_equals_dropless_ep1(pg):  # noqa: F811
+    _check_rerun(_rerun_compare(0, 1, "sigmoid-top8-groups-bias-shared", pg), 1)
+
+
+def test_rerun_at_tight_capacity_equals_dropless_ep2_gloo():
+    for res in run_distributed(_rerun_worker, 2, "softmax-top2-aux", timeout=300):
+        _check_rerun(res, 2)

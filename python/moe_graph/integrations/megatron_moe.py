@@ -21,7 +21,7 @@ the host, so Megatron's full-iteration CUDA graph (``--cuda-graph-impl full_iter
   back), which ``TEGroupedMLP`` on moe_graph's grouped linears passes straight to the grouped GEMM.
 * Capacity: ``capacity_factor=None`` is dropless (``T * K`` rows per pair). With a factor, routes over the capacity
   are dropped (``overflow="drop"``, counted) or make the step rerun (``overflow="rerun"``:
-  :mod:`moe_graph.integrations.megatron_train`).
+  :class:`MegatronOverflowRerun` around Megatron's ``train_step``).
 * Echo: ``num_spare_experts_per_ep_rank`` spare slots per EP rank take copies of the busiest experts
   (:class:`moe_graph.moe.echo_balancer.EchoBalancer`); ``echo_donors`` limits the donors.
 
@@ -36,12 +36,15 @@ from __future__ import annotations
 import contextlib
 import threading
 from functools import partial
-from typing import Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
+import torch.distributed as dist
 
 try:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
     from megatron.core.transformer.moe import moe_layer as _mcore_moe_layer
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
     from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 except ImportError as exc:  # pragma: no cover - exercised only without megatron-core
@@ -50,10 +53,13 @@ except ImportError as exc:  # pragma: no cover - exercised only without megatron
     ) from exc
 
 from moe_graph.grouped_linear import GroupedLinear
+from moe_graph.moe.layer import reset_step_counters, step_max_load_ratio, step_overflow
 from moe_graph.moe.token_dispatcher import (DROP_POLICIES, OVERFLOW_MODES, TokenDispatcher, expert_columns,
                                             topk_from_routing_map)
+from moe_graph.train.step import OverflowRerun
 
-__all__ = ["DeviceSplits", "MoeGraphTokenDispatcher", "MoeGraphMoELayer", "moe_graph_layers"]
+__all__ = ["DeviceSplits", "MoeGraphTokenDispatcher", "MoeGraphMoELayer", "moe_graph_layers", "MegatronOverflowRerun",
+           "ReplayIterator"]
 
 
 class DeviceSplits:
@@ -246,7 +252,7 @@ class MoeGraphMoELayer(MoELayer):
         # a submodule: .to()/.cuda() of the model move its constant tables and counters (non-persistent buffers)
         self.moe_graph_dispatcher = self.token_dispatcher.dispatcher
 
-    # the names moe_graph's training helpers read (moe_graph.integrations.megatron_train)
+    # the names moe_graph's training helpers read (MegatronOverflowRerun)
     @property
     def dispatcher(self) -> TokenDispatcher:
         return self.token_dispatcher.dispatcher
@@ -272,3 +278,225 @@ def moe_graph_layers(model) -> list:
     """Every :class:`MoeGraphMoELayer` in ``model`` (a module or a list of model chunks), in module order."""
     chunks = model if isinstance(model, (list, tuple)) else [model]
     return [m for c in chunks for m in c.modules() if isinstance(m, MoeGraphMoELayer)]
+
+
+# --------------------------------------------------------------------------------- the training loop --
+# forward_backward_func's index in the arguments after the first four of Megatron's train_step(forward_step_func,
+# data_iterator, model, optimizer, opt_param_scheduler, config, forward_backward_func, ...)
+_FBF_ARG = 2
+
+
+class ReplayIterator:
+    """Wraps a data iterator and keeps the items read since :meth:`start`; after :meth:`rewind` it hands the same
+    items again, then reads on."""
+
+    def __init__(self, iterator):
+        self.iterator = iterator
+        self.items: List[Any] = []
+        self.pos = None
+
+    def start(self) -> None:
+        self.items, self.pos = [], None
+
+    def rewind(self) -> None:
+        self.pos = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.pos is not None and self.pos < len(self.items):
+            self.pos += 1
+            return self.items[self.pos - 1]
+        item = next(self.iterator)
+        self.items.append(item)
+        if self.pos is not None:
+            self.pos += 1
+        return item
+
+
+def _rng_state(device: Optional[torch.device]) -> Dict[str, Any]:
+    st: Dict[str, Any] = {"cpu": torch.get_rng_state()}
+    if device is not None and device.type == "cuda":
+        st["cuda"] = torch.cuda.get_rng_state(device)
+    tracker = get_cuda_rng_tracker()
+    if tracker.is_initialized():
+        st["megatron"] = {k: v.clone() if torch.is_tensor(v) else v for k, v in tracker.get_states().items()}
+    return st
+
+
+def _set_rng_state(st: Dict[str, Any], device: Optional[torch.device]) -> None:
+    torch.set_rng_state(st["cpu"])
+    if "cuda" in st:
+        torch.cuda.set_rng_state(st["cuda"], device)
+    if "megatron" in st:
+        get_cuda_rng_tracker().set_states({k: v.clone() if torch.is_tensor(v) else v for k, v in st["megatron"].items()})
+
+
+class _GraphReset:
+    """``reset()`` of Megatron's ``FullCudaGraphWrapper`` training graph (what :class:`OverflowRerun` calls after
+    raising the capacity)."""
+
+    def __init__(self, graph):
+        self.graph = graph
+
+    def reset(self) -> None:
+        self.graph.reset_cuda_graph("training")
+
+
+class MegatronOverflowRerun(OverflowRerun):
+    """Dropless training with a static capacity (``overflow="rerun"``) around Megatron's ``train_step``: moe_graph's
+    :class:`moe_graph.train.step.OverflowRerun` (its rerun loop, adaptive capacity, statistics and state dict) over
+    Megatron's training loop.
+
+    A :class:`moe_graph.integrations.megatron_moe.MoeGraphMoELayer` with ``capacity_factor`` and ``overflow="rerun"``
+    counts, on the device, the routes of the step that went over its static capacity. :class:`MegatronOverflowRerun`
+    makes that a dropless step:
+
+    1. before the step it zeroes the per-step counters (device ops) and keeps what a rerun must restore: the RNG states
+       (torch's CPU and CUDA generators and Megatron's ``CudaRNGStatesTracker``), the MoE layers' buffers (the router's
+       expert-bias counts, the global aux-loss counts, which Megatron's ``finalize_model_grads`` consumes), Megatron's
+       MoE metrics tracker, and every microbatch the step reads from its data iterator;
+    2. the optimizer's ``step()`` (Megatron's contract: ``(update_successful, grad_norm, num_zeros_in_grad)``) is
+       guarded: the job-wide overflow flag is reduced (one 1-element MAX all-reduce over the default group: every rank
+       takes the same decision) and, when set, the update is skipped on every rank (``(False, None, None)``: Megatron's
+       ``train_step`` counts a skipped iteration and leaves the learning-rate schedule alone; the loss scaler is not
+       touched). Megatron's optimizer step runs outside its full-iteration CUDA graph and reads device values on the
+       host itself (its inf/nan flag, the grad norm): this read is one more there, never inside the graph;
+    3. after an overflowed step it reruns the same microbatches eagerly (the eager ``forward_backward_func`` when the
+       one given is Megatron's ``FullCudaGraphWrapper``), from the saved state, with every MoE layer's capacity raised
+       to the job's observed load ratio (again while a later layer still overflows): the update applied is a dropless
+       step's;
+    4. when more than ``threshold * window`` of the last ``window`` steps reran, the capacity factor rises to
+       ``max observed ratio * (1 + margin)`` and Megatron's full-iteration graph is reset (captured again after its
+       warm-up steps), as :class:`moe_graph.train.step.OverflowRerun` does for moe_graph's own loop.
+
+    Use it in place of the call to ``train_step`` in ``pretrain``'s loop (``megatron.training.training.train``)::
+
+        rerun = MegatronOverflowRerun(model, optimizer)
+        ...
+        out = rerun.train_step(train_step, forward_step_func, train_data_iterator, model, optimizer,
+                               opt_param_scheduler, config, forward_backward_func, iteration=iteration)
+
+    ``train_step_fn`` is called as ``train_step_fn(forward_step_func, data_iterator, model, optimizer, *args,
+    **kwargs)``; ``forward_backward_func`` (a keyword, or the 7th positional argument as in Megatron's ``train_step``) is
+    swapped for its eager function in reruns. Megatron's own rerun state machine (``--rerun-mode``) must stay
+    ``disabled``, its default (it asserts its own data-iterator wrapper).
+
+    Args:
+        model: Megatron's model chunks (a module or a list of them, DDP-wrapped or not).
+        optimizer: Megatron's optimizer (or anything with its ``step()`` contract); its ``step`` is guarded.
+        window, threshold, margin: the adaptive capacity rule (``threshold=None``: never adapt).
+        group: the process group of the overflow decision (default: the whole job).
+    """
+
+    def __init__(self, model, optimizer, *, window: int = 100, threshold: Optional[float] = 0.01,
+                 margin: float = 0.1, group=None):
+        super().__init__(model, optimizer, window=window, threshold=threshold, margin=margin)
+        self.layers = [m for m in moe_graph_layers(model) if m.overflow == "rerun"]
+        if not self.layers:
+            raise ValueError("MegatronOverflowRerun: the model has no MoeGraphMoELayer with overflow='rerun'")
+        self.user_capacity_factor = [m.capacity_factor for m in self.layers]
+        self.device = self.layers[0].dispatcher.device
+        self.group = group
+        self.overflowed = False
+        self._optimizer_step = optimizer.step
+        optimizer.step = self._guarded_step
+
+    # -------------------------------------------------------------------------------------- optimizer --
+    def _reduce_max(self, value: torch.Tensor) -> torch.Tensor:
+        value = value.reshape(1)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1:
+            dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group)
+        return value
+
+    def _guarded_step(self, *args, **kwargs):
+        """Megatron's ``optimizer.step()``, skipped on every rank when some MoE layer of some rank overflowed."""
+        flag = self._reduce_max(step_overflow(self.layers, self.device).to(torch.float32))
+        self.overflowed = bool(flag.item() > 0)
+        if self.overflowed:
+            return False, None, None
+        return self._optimizer_step(*args, **kwargs)
+
+    def _job_max_load_ratio(self) -> float:
+        return float(self._reduce_max(step_max_load_ratio(self.layers, self.device).to(torch.float64)).item())
+
+    # ------------------------------------------------------------------------------------------- step --
+    def step(self, step_fn, microbatches):
+        raise TypeError("MegatronOverflowRerun wraps Megatron's train_step: call .train_step(train_step_fn, ...)")
+
+    def train_step(self, train_step_fn: Callable, forward_step_func, data_iterator, model, optimizer, *args,
+                   **kwargs):
+        """``train_step_fn(forward_step_func, data_iterator, model, optimizer, *args, **kwargs)``, rerun eagerly
+        from the same state and microbatches while it overflowed; returns the applied step's result."""
+        if optimizer is not self.optimizer:
+            raise ValueError("MegatronOverflowRerun.train_step: optimizer is not the one this object guards")
+        iters = data_iterator if isinstance(data_iterator, list) else [data_iterator]
+        replay = [ReplayIterator(it) if it is not None else None for it in iters]
+        wrapped = replay if isinstance(data_iterator, list) else replay[0]
+        graph = self._find_graph(args, kwargs)
+        saved = self._save(replay)
+        reset_step_counters(self.layers)
+        self.overflowed = False
+        out = train_step_fn(forward_step_func, wrapped, model, optimizer, *args, **kwargs)
+        reran = self.overflowed
+        self.steps += 1
+        if reran:
+            args, kwargs = self._eager(graph, args, kwargs)
+            out, ratio = self._rerun(lambda: train_step_fn(forward_step_func, wrapped, model, optimizer, *args,
+                                                           **kwargs), saved)
+            self.reruns += 1
+            self.max_load_ratio = max(self.max_load_ratio, ratio)
+        self.recent.append(reran)
+        self._adapt(_GraphReset(graph) if graph is not None else None)
+        return out
+
+    def _pass(self, run, saved):
+        """One eager rerun pass (what :meth:`OverflowRerun._rerun` calls): the saved state back, the same
+        microbatches, Megatron's step."""
+        self._restore(saved)
+        reset_step_counters(self.layers)
+        self.overflowed = False
+        out = run()
+        return out, self.overflowed
+
+    def _save(self, replay) -> Dict[str, Any]:
+        tracker = get_moe_metrics_tracker()
+        return {"rng": _rng_state(self.device), "replay": replay,
+                "buffers": [{n: b.detach().clone() for n, b in m.named_buffers()
+                             if not n.startswith("moe_graph_dispatcher.")} for m in self.layers],
+                "metrics": {k: e.values.detach().clone() for k, e in tracker.metrics.items()}}
+
+    def _restore(self, saved: Dict[str, Any]) -> None:
+        _set_rng_state(saved["rng"], self.device)
+        for r in saved["replay"]:
+            if r is not None:
+                r.rewind()
+        with torch.no_grad():
+            for m, bufs in zip(self.layers, saved["buffers"]):
+                own = dict(m.named_buffers())
+                for n, b in bufs.items():
+                    own[n].copy_(b)
+            for k, e in get_moe_metrics_tracker().metrics.items():
+                if k in saved["metrics"]:
+                    e.values.copy_(saved["metrics"][k])
+                else:
+                    e.values.zero_()
+
+    @staticmethod
+    def _find_graph(args, kwargs):
+        """Megatron's ``FullCudaGraphWrapper`` given as ``forward_backward_func``, or None."""
+        i = _FBF_ARG
+        fbf = kwargs.get("forward_backward_func", args[i] if len(args) > i else None)
+        return fbf if callable(getattr(fbf, "reset_cuda_graph", None)) else None
+
+    @staticmethod
+    def _eager(graph, args, kwargs):
+        """The arguments with Megatron's ``FullCudaGraphWrapper`` replaced by its eager function."""
+        if graph is None:
+            return args, kwargs
+        eager = graph.forward_backward_func
+        if "forward_backward_func" in kwargs:
+            return args, dict(kwargs, forward_backward_func=eager)
+        i = _FBF_ARG
+        return args[:i] + (eager,) + args[i + 1:], kwargs

@@ -328,14 +328,20 @@ class OverflowRerun:
                 for m, cf in zip(self.layers, saved):
                     if cf is not None:
                         m.capacity_factor = max(cf, ratio)
-                _set_rng_state(rng, self.device)
-                res = train_step(self.model, self.optimizer, microbatches, **self.train_step_kwargs)
+                res, overflowed = self._pass(microbatches, rng)
                 self.rerun_passes += 1
-                if not bool(res.overflowed):
+                if not overflowed:
                     return res, ratio
         finally:
             for m, cf in zip(self.layers, saved):
                 m.capacity_factor = cf
+
+    def _pass(self, microbatches, rng) -> Tuple[TrainStepResult, bool]:
+        """One eager rerun pass from the step's RNG state: ``(result, overflowed)`` (the Megatron loop's
+        :class:`moe_graph.integrations.megatron_moe.MegatronOverflowRerun` runs its own step here)."""
+        _set_rng_state(rng, self.device)
+        res = train_step(self.model, self.optimizer, microbatches, **self.train_step_kwargs)
+        return res, bool(res.overflowed)
 
     def _adapt(self, step_fn) -> None:
         if self.threshold is None or sum(self.recent) <= self.threshold * self.window:
