@@ -20,7 +20,8 @@ or a CUDA-graph node, so these device-independent counts predict it. For one for
 
 Systems: moe_graph's MoELayer (echo off; echo off with weight gradients fused into ``main_grad``; one echo slot with
 fused ``main_grad``), Megatron-core's MoELayer (all-to-all dispatcher; ``SequentialMLP`` experts, and
-``TEGroupedMLP`` on moe_graph's GroupedLinear through ``moe_graph.integrations.megatron``) and a PyTorch-native MoE
+``TEGroupedMLP`` on moe_graph's GroupedLinear through ``moe_graph.integrations.megatron``; and moe_graph's token
+dispatcher inside it, ``moe_graph.integrations.megatron_moe``) and a PyTorch-native MoE
 (``torch._grouped_mm`` experts, index-based permutation). Configurations (scaled down): Qwen3-30B-A3B-like
 (softmax top-8 of 128, renormalized), Mixtral-like (top-2 of 8), DeepSeek-V3-like (sigmoid top-8 of 64 in 8 groups,
 4 groups per token, expert bias, scaling 2.5, one shared expert). Dropless, router losses off. Every system's output
@@ -366,16 +367,18 @@ def megatron_config(cfg):
     return TransformerConfig(**kw)
 
 
-def megatron_system(cfg, w, grouped: bool, pg):
+def megatron_system(cfg, w, grouped: bool, pg, dispatcher: str = "megatron"):
     """Megatron's MoELayer at EP 1: ``SequentialMLP`` (its local spec) or ``TEGroupedMLP`` on moe_graph's
-    GroupedLinear (``get_gpt_layer_with_moe_graph_spec``), with the shared weights copied in."""
+    GroupedLinear (``get_gpt_layer_with_moe_graph_spec``; ``dispatcher="moe_graph"``: with moe_graph's token
+    dispatcher, ``MoeGraphMoELayer``), with the shared weights copied in."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from moe_graph.integrations.megatron import get_gpt_layer_with_moe_graph_spec
 
     mcfg = megatron_config(cfg)
     if grouped:
-        spec = get_gpt_layer_with_moe_graph_spec(num_experts=cfg["E"], use_transformer_engine=False)
+        spec = get_gpt_layer_with_moe_graph_spec(num_experts=cfg["E"], use_transformer_engine=False,
+                                                 dispatcher=dispatcher)
     else:
         spec = get_gpt_layer_local_spec(num_experts=cfg["E"], moe_grouped_gemm=True)
     layer = spec.submodules.mlp(config=mcfg, pg_collection=pg)
@@ -425,6 +428,7 @@ def megatron_parallel_state():
 SYSTEMS = [  # key, label
     ("megatron_sequential", "Megatron-core 0.19.2 MoELayer (alltoall, SequentialMLP)"),
     ("megatron_grouped", "Megatron-core MoELayer, TEGroupedMLP on moe_graph GroupedLinear"),
+    ("megatron_moe_graph", "Megatron-core MoELayer, moe_graph dispatcher + TEGroupedMLP on GroupedLinear"),
     ("native", "PyTorch-native MoE (torch._grouped_mm, index permutation)"),
     ("moe_graph", "moe_graph MoELayer, echo off"),
     ("moe_graph_fused", "moe_graph MoELayer, echo off, fused main_grad"),
@@ -447,8 +451,10 @@ def run_config(name: str, cfg, reps: int, megatron_skip: Optional[str], pg) -> L
         torch.manual_seed(0)
         if key.startswith("megatron"):
             with cpu_shims(on_sync=meter.sync, on_host_copy=meter.host_copy):
-                fwd, module = megatron_system(cfg, w, key == "megatron_grouped", pg)
-                res = measure(fwd, x, g, module, meter, reps)
+                fwd, module = megatron_system(cfg, w, key != "megatron_sequential", pg,
+                                              "moe_graph" if key == "megatron_moe_graph" else "megatron")
+                with device_branch() if key == "megatron_moe_graph" else contextlib.nullcontext():
+                    res = measure(fwd, x, g, module, meter, reps)
         else:
             if key == "native":
                 fwd, module = native_system(cfg, w)

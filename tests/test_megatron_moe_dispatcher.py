@@ -91,7 +91,7 @@ def _step(layer, x, g):
     out.backward(g)
     logged = {k: e.values.clone() for k, e in tracker.metrics.items()}
     grads = {n: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for n, p in layer.named_parameters()}
-    buffers = {n: b.clone() for n, b in layer.named_buffers() if not n.startswith("moe_graph_dispatcher.")}
+    buffers = {n: b.clone() for n, b in layer.named_buffers() if not n.startswith("moe_graph_")}
     return {"out": out.detach(), "input grad": x.grad, **{f"grad {n}": t for n, t in grads.items()},
             **{f"logged {k}": v for k, v in logged.items()}, **{f"buffer {n}": t for n, t in buffers.items()}}
 
@@ -104,18 +104,41 @@ def _compare_case(rank, ep, case, pg, tokens=(6, 2), dispatcher_options=None):
         ref, mg = _layers(cfg, pg, dispatcher_options)
         want = _step(ref, x, g)
         got = _step(mg, x, g)
+    # moe_graph's own metrics in Megatron's tracker: nothing dropped (dropless), the loads of this dispatch
+    ours = {k: got.pop(k) for k in list(got) if k.startswith("logged moe_graph_")}
+    for k in [k for k in want if k.startswith("logged moe_graph_")]:  # entries of earlier layers (the tracker
+        assert want.pop(k).count_nonzero() == 0, k  # is global and keeps them), none written by Megatron's layer
+    echo = bool((dispatcher_options or {}).get("num_spare_experts_per_ep_rank"))
+    names = ["dropped_routes", "expert_rows", "load_ratio"]
+    names += ["load_imbalance_after_echo", "load_imbalance_before_echo"] if echo else []
+    assert sorted(ours) == sorted(f"logged moe_graph_{n}" for n in names), sorted(ours)
+    assert ours["logged moe_graph_dropped_routes"].sum() == 0 and ours["logged moe_graph_load_ratio"].sum() >= 1
+    if ep == 1:  # every route stays on the one rank: the mean load exactly
+        assert ours["logged moe_graph_expert_rows"].tolist() == [1.0], ours
+    gain = 0.0
+    if echo:  # echo never makes the busiest rank busier
+        gain = (ours["logged moe_graph_load_imbalance_before_echo"]
+                - ours["logged moe_graph_load_imbalance_after_echo"]).item()
+        assert gain >= 0, ours
     assert want.keys() == got.keys(), (sorted(want.keys() ^ got.keys()))
     errors = {k: (got[k].double() - want[k].double()).abs().max().item() if want[k].numel() else 0.0 for k in want}
     logged = sorted(k for k in want if k.startswith("logged") and want[k].abs().sum() > 0)
     if CASES[case]["moe_router_load_balancing_type"] != "none":  # the loss was logged (and compared)
         assert logged, (case, sorted(want))
-    return errors, mg.dispatcher.dropped_routes.item()
+    return errors, mg.dispatcher.dropped_routes.item(), gain
 
 
-def _worker(rank, world, cases):
+ECHO = {"num_spare_experts_per_ep_rank": 1}
+ECHO_CASES = ["softmax-top2-aux", "softmax-top2-bias-global", "sigmoid-top8-groups-bias-shared"]
+
+
+def _worker(rank, world, cases, echo_cases=()):
     pg = _init_megatron(world)
     try:
-        return {case: _compare_case(rank, world, case, pg) for case in cases}
+        res = {case: _compare_case(rank, world, case, pg) for case in cases}
+        res.update({f"{case}+echo": _compare_case(rank, world, case, pg, dispatcher_options=ECHO)
+                    for case in echo_cases})
+        return res
     finally:
         from megatron.core import parallel_state as ps
 
@@ -127,7 +150,7 @@ TOL = 2e-5
 
 def _check(results):
     for per_case in results:
-        for case, (errors, dropped) in per_case.items():
+        for case, (errors, dropped, _) in per_case.items():
             assert dropped == 0, (case, dropped)
             bad = {k: v for k, v in errors.items() if not v <= TOL}
             assert not bad, (case, bad)
@@ -135,12 +158,23 @@ def _check(results):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_matches_megatron_alltoall_ep1(pg, case):  # noqa: F811
-    errors, dropped = _compare_case(0, 1, case, pg)
-    _check([{case: (errors, dropped)}])
+    _check([{case: _compare_case(0, 1, case, pg)}])
 
 
 def test_matches_megatron_alltoall_ep2_gloo():
-    _check(run_distributed(_worker, 2, list(CASES), timeout=300))
+    results = run_distributed(_worker, 2, list(CASES), ECHO_CASES, timeout=300)
+    _check(results)
+    # echo moved tokens: the busiest rank's load over the mean went down (the same on both ranks; top-8 of 8
+    # experts sends every token everywhere: balanced already, nothing moves)
+    gains = {case: results[0][f"{case}+echo"][2] for case in ECHO_CASES}
+    assert gains["softmax-top2-aux"] > 0 and gains["softmax-top2-bias-global"] > 0, gains
+
+
+@pytest.mark.parametrize("case", ECHO_CASES)
+def test_echo_matches_megatron_alltoall_ep1(pg, case):  # noqa: F811
+    # one spare slot: the busiest experts' routes move to a copy of their weights; the same results (rounding: the
+    # moved rows' weight gradients are summed in another order)
+    _check([{case: _compare_case(0, 1, case, pg, dispatcher_options=ECHO)}])
 
 
 # ------------------------------------------------------------------------------------------- host syncs --
@@ -211,6 +245,9 @@ def _train(rank, ep, case, pg, capacity_factor, overflow, steps=3, rerun_kwargs=
 
     cfg = _config(ep, **CASES[case])
     opts = dict(capacity_factor=capacity_factor, overflow=overflow)
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    get_moe_metrics_tracker().clear()
     with _cpu_shims():  # Megatron's router moves a CPU gate weight to torch.cuda.current_device()
         _, mg = _layers(cfg, pg, opts)
         opt = _Optimizer(mg)
@@ -225,6 +262,8 @@ def _train(rank, ep, case, pg, capacity_factor, overflow, steps=3, rerun_kwargs=
             skipped += not ok
     state = {n: t.detach().clone() for n, t in mg.state_dict().items() if torch.is_tensor(t) and t.numel()}
     stats = rerun.statistics() if rerun is not None else {"dropped": mg.dispatcher.dropped_routes.item()}
+    # the drops Megatron's tracker logged (summed over the EP group at report time) are the dispatcher's
+    stats["logged_dropped"] = get_moe_metrics_tracker().metrics["moe_graph_dropped_routes"].values.sum().item()
     return state, dict(stats, skipped=skipped)
 
 
@@ -241,6 +280,8 @@ def _rerun_compare(rank, ep, case, pg):
 def _check_rerun(res, ep):
     assert res["rerun"] <= TOL and res["adapted"] <= TOL, res  # the rerun trains exactly as the dropless layer
     assert res["drop"] > 1e-3 and res["drop_stats"]["dropped"] > 0, res  # the control: dropping changes training
+    assert res["drop_stats"]["logged_dropped"] == res["drop_stats"]["dropped"], res
+    assert res["stats"]["logged_dropped"] == 0, res  # a rerun step's overflowed pass is not logged: it never happened
     assert res["stats"]["reruns"] == 3 and res["stats"]["skipped"] == 0, res  # every step reran; none skipped
     # the adaptive rule raised the capacity after the first rerun (past the largest observed load ratio)
     assert res["adapted_stats"]["capacity_factor"] > 0.5 and res["adapted_stats"]["reruns"] < 3, res
@@ -263,3 +304,174 @@ def test_rerun_at_tight_capacity_equals_dropless_ep1(pg):  # noqa: F811
 def test_rerun_at_tight_capacity_equals_dropless_ep2_gloo():
     for res in run_distributed(_rerun_worker, 2, "softmax-top2-aux", timeout=300):
         _check_rerun(res, 2)
+
+
+# ------------------------------------------------------------------------------------ full-iteration graph --
+def _gpt(spec, seed):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=True)
+    cfg = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_moe_experts=E,
+                            moe_ffn_hidden_size=32, ffn_hidden_size=128, moe_router_topk=2, moe_grouped_gemm=True,
+                            moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=1e-2, gated_linear_unit=True,
+                            activation_func=torch.nn.functional.silu, bias_activation_fusion=False,
+                            bias_dropout_fusion=False, add_bias_linear=False, params_dtype=torch.float32,
+                            hidden_dropout=0.0, attention_dropout=0.0, gradient_accumulation_fusion=False,
+                            cuda_graph_impl="full_iteration")
+    return GPTModel(cfg, transformer_layer_spec=spec, vocab_size=128, max_sequence_length=32).cuda()
+
+
+def _gpt_batches(steps, mbs, seed):
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps * mbs):
+        tokens = torch.randint(0, 128, (2, 32), generator=gen)
+        out.append({"tokens": tokens.cuda(), "labels": torch.roll(tokens, -1, 1).cuda()})
+    return out
+
+
+def _gpt_forward_step(data_iterator, model):
+    from functools import partial
+
+    batch = next(data_iterator)
+    pos = torch.arange(32, device=batch["tokens"].device).unsqueeze(0).expand(2, -1)
+    out = model(batch["tokens"], pos, None, labels=batch["labels"])
+
+    def loss_func(output_tensor):
+        loss = output_tensor.float().mean()
+        return loss, {"lm loss": loss.detach()}
+
+    return out, partial(loss_func)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Megatron's full-iteration CUDA graph needs a GPU")
+def test_megatron_full_iteration_graph_of_a_moe_gpt_replays_on_changing_data_cuda(tmp_path):
+    """A 2-layer MoE GPT with moe_graph's dispatcher (dropless) under Megatron's ``FullCudaGraphWrapper``
+    (``--cuda-graph-impl full_iteration``: forward + backward of every microbatch in one graph, the optimizer outside
+    it): the captured iterations replay on new microbatches each step and match the same model trained eagerly."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.full_cuda_graph import FullCudaGraphWrapper
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from moe_graph.integrations.megatron import get_gpt_layer_with_moe_graph_spec
+
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        ps.initialize_model_parallel(1, 1, expert_model_parallel_size=1)
+        spec = get_gpt_layer_with_moe_graph_spec(E, use_transformer_engine=False, dispatcher="moe_graph")
+        steps, mbs = 5, 2
+        losses = {}
+        for mode in ("eager", "graph"):
+            model = _gpt(spec, seed=3)
+            opt = torch.optim.SGD(model.parameters(), lr=0.05)
+            fbf = get_forward_backward_func()
+            if mode == "graph":
+                FullCudaGraphWrapper.curr_iteration["training"] = 0
+                fbf = FullCudaGraphWrapper(fbf, cuda_graph_warmup_steps=2)
+            data = iter(_gpt_batches(steps, mbs, seed=11))
+            losses[mode] = []
+            for _ in range(steps):
+                opt.zero_grad(set_to_none=False)  # the captured backward writes into the same .grad tensors
+                res = fbf(forward_step_func=_gpt_forward_step, data_iterator=data, model=[model],
+                          num_microbatches=mbs, seq_length=32, micro_batch_size=2, forward_only=False)
+                opt.step()  # outside the graph, as Megatron's optimizer
+                losses[mode].append(torch.stack([r["lm loss"] for r in res]).mean().item())
+            if mode == "graph":
+                assert FullCudaGraphWrapper.cuda_graph["training"] is not None  # captured, then replayed
+                fbf.reset_cuda_graph()
+        assert len(set(losses["graph"])) == steps  # new data every replay
+        torch.testing.assert_close(torch.tensor(losses["graph"]), torch.tensor(losses["eager"]), rtol=1e-4, atol=1e-4)
+    finally:
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+# ------------------------------------------------------- Megatron's own dispatcher checks, on moe_graph's --
+# tests/unit_tests/transformer/moe/test_token_dispatcher.py of Megatron-LM checks every dispatcher through its six
+# methods, on CUDA with its test utilities: a dropless round trip (dispatch, scale each row by its probability with
+# probabilities 1/K, combine: the input comes back, and so does its gradient) and a round trip with Megatron's own
+# capacity (moe_expert_capacity_factor: the router drops per expert; at most capacity * EP rows per local expert; the
+# input comes back times the kept probabilities). The same checks, written here for CPU and gloo, on moe_graph's
+# dispatcher. Not applicable: drop-and-pad (moe_pad_expert_input_to_capacity raises: the static capacity is
+# capacity_factor's), the fp8 router padding (raises), expert TP > 1 (raises).
+def _round_trip(layer, hidden, probs, routing_map):
+    d = layer.token_dispatcher
+    h, p = d.dispatch_preprocess(hidden, routing_map, probs)
+    h, p = d.token_dispatch(h, p)
+    rows, tokens_per_expert, row_probs = d.dispatch_postprocess(h, p)
+    rows = rows * row_probs.unsqueeze(-1)
+    out = d.combine_postprocess(d.token_combine(d.combine_preprocess(rows)))
+    return out, tokens_per_expert.tolist(), rows.shape[0]
+
+
+def _megatron_dispatcher_checks(rank, ep, pg):
+    from megatron.core.transformer.moe.moe_utils import get_capacity
+
+    out = {}
+    for capacity_factor in (None, 0.5):
+        kw = dict(CASES["softmax-top2-aux"], moe_router_dtype="fp32")
+        if capacity_factor is not None:
+            kw.update(moe_expert_capacity_factor=capacity_factor, moe_token_drop_policy="probs")
+        cfg = _config(ep, **kw)
+        with _cpu_shims():
+            _, mg = _layers(cfg, pg)
+            gen = torch.Generator().manual_seed(31 + rank)
+            hidden = torch.randn(16, H, generator=gen).requires_grad_()
+            probs, routing_map = mg.router(hidden)
+        probs = routing_map.to(probs.dtype) / cfg.moe_router_topk  # Megatron's test: probability 1/K per route
+        kept = probs.sum(1, keepdim=True)
+        restored, tokens_per_expert, rows = _round_trip(mg, hidden, probs, routing_map)
+        restored.backward(hidden.detach())
+        want = hidden.detach() * kept
+        err = max((restored - want).abs().max().item(), (hidden.grad - want).abs().max().item())
+        capacity = None
+        if capacity_factor is not None:
+            capacity = get_capacity(16 * cfg.moe_router_topk, E, capacity_factor) * ep
+        out[capacity_factor] = dict(err=err, tokens_per_expert=tokens_per_expert.tolist(), capacity=capacity,
+                                    kept=kept.min().item(), rows=rows)
+    return out
+
+
+def _check_megatron_dispatcher(res):
+    assert res[None]["err"] <= 1e-6 and res[None]["kept"] == 1.0, res  # dropless: the input itself comes back
+    assert res[0.5]["err"] <= 1e-6 and res[0.5]["kept"] < 1.0, res  # the router dropped some routes
+    assert max(res[0.5]["tokens_per_expert"]) <= res[0.5]["capacity"], res
+
+
+def _megatron_dispatcher_worker(rank, world):
+    pg = _init_megatron(world)
+    try:
+        return _megatron_dispatcher_checks(rank, world, pg)
+    finally:
+        from megatron.core import parallel_state as ps
+
+        ps.destroy_model_parallel()
+
+
+def test_megatron_dispatcher_round_trips_ep1(pg):  # noqa: F811
+    _check_megatron_dispatcher(_megatron_dispatcher_checks(0, 1, pg))
+
+
+def test_megatron_dispatcher_round_trips_ep2_gloo():
+    for res in run_distributed(_megatron_dispatcher_worker, 2, timeout=300):
+        _check_megatron_dispatcher(res)
+
+
+def test_unsupported_combinations_raise_naming_them(pg):  # noqa: F811
+    from moe_graph.integrations.megatron_moe import _check_config
+
+    cfg = _config(1, **CASES["softmax-top2-aux"])
+    with pytest.raises(NotImplementedError, match="expert_tensor_parallel_size=2"):
+        _check_config(cfg, 2)
+    for kw, name in ((dict(moe_pad_expert_input_to_capacity=True, moe_expert_capacity_factor=1.0),
+                      "moe_pad_expert_input_to_capacity"),
+                     (dict(gradient_accumulation_fusion=True), "gradient_accumulation_fusion")):
+        bad = _config(1, **dict(CASES["softmax-top2-aux"], **kw))
+        with pytest.raises(NotImplementedError, match=name), _cpu_shims():
+            _layers(bad, pg, dict(ECHO))
+    with pytest.raises(ValueError, match="capacity_factor"), _cpu_shims():
+        _layers(cfg, pg, dict(overflow="rerun"))

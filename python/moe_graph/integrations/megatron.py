@@ -60,6 +60,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without megatron
     ) from exc
 
 from moe_graph.grouped_linear import GroupedLinear
+from moe_graph.moe.echo import dispatch_spare_weights
+from moe_graph.ops.grouped_gemm import grouped_gemm_autograd
 from moe_graph.integrations.megatron_moe import MoeGraphMoELayer
 from moe_graph.ops import fp8 as _fp8
 
@@ -191,6 +193,7 @@ class MoeGraphGroupedLinear(GroupedLinear):
             name=name,
         )
         self._expert_attributes = (original_parallel_mode, use_expert_pgs)
+        self.echo_spare = None
         _set_expert_parameter_attributes(self, *self._expert_attributes)
 
     def reset_parameters(self, defer_init: bool = False) -> None:
@@ -200,8 +203,23 @@ class MoeGraphGroupedLinear(GroupedLinear):
         if not defer_init and hasattr(self, "_expert_attributes"):
             _set_expert_parameter_attributes(self, *self._expert_attributes)
 
+    def home_weights(self) -> torch.Tensor:
+        """``[L, out, in]``: the local experts' weights stacked (the parameter itself with a single grouped
+        weight), the home weights echo copies into spare slots."""
+        ws = self._weights()
+        return ws[0] if self.single_grouped_weight else torch.stack(ws)
+
+    def home_biases(self) -> Optional[torch.Tensor]:
+        bs = self._biases()
+        return None if bs is None else (bs[0] if self.single_grouped_bias else torch.stack(bs))
+
     def forward(self, x: torch.Tensor, m_splits):
-        """``(out, bias)``: bias is the (unapplied) bias with ``skip_bias_add``, else None (as TEGroupedLinear)."""
+        """``(out, bias)``: bias is the (unapplied) bias with ``skip_bias_add``, else None (as TEGroupedLinear).
+        With :attr:`echo_spare` set (:class:`MoeGraphGroupedMLP` sets it for one forward): echo's
+        ``(weights [k, out, in], biases [k, out] or None)`` copies of other experts run as local experts
+        ``L .. L+k-1`` (``m_splits`` has ``L + k`` entries)."""
+        if self.echo_spare is not None:
+            return self._forward_with_spares(x, m_splits, *self.echo_spare)
         first = None if self.disable_parameter_transpose_cache else self.is_first_microbatch
         if self._config_fp8_recipe is not None and _fp8.current_recipe() is None:
             with _fp8.autocast(recipe=self._config_fp8_recipe):
@@ -212,6 +230,20 @@ class MoeGraphGroupedLinear(GroupedLinear):
         if self.te_return_bias:
             return out
         return out, None
+
+    def _forward_with_spares(self, x, m_splits, spare_weights, spare_biases):
+        if self.fuse_wgrad_accumulation or self.delay_wgrad_compute:
+            raise NotImplementedError("echo spare slots with fused or delayed weight gradients are not supported")
+        home = self.home_weights()
+        weights = list(home.unbind(0)) + list(spare_weights.to(home.dtype).unbind(0))
+        bias = self.home_biases()
+        if bias is not None:
+            bias = torch.cat([bias, spare_biases.to(bias.dtype)])
+        out = grouped_gemm_autograd(x.reshape(-1, self.in_features), weights, m_splits,
+                                    bias=None if self.te_return_bias else bias)
+        out = out.reshape(*x.shape[:-1], self.out_features)
+        self.is_first_microbatch = False
+        return (out, bias) if self.te_return_bias else (out, None)
 
     def backward_dw(self) -> None:
         if self.delay_wgrad_compute:
@@ -312,6 +344,26 @@ class MoeGraphGroupedMLP(TEGroupedMLP):
         if recipe is not None:
             for lin in (self.linear_fc1, self.linear_fc2):
                 lin._config_fp8_recipe = recipe
+
+    def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs, *args, **kwargs):
+        """``TEGroupedMLP.forward``; with echo (``tokens_per_expert.echo``: moe_graph's dispatcher) the spare slots'
+        weight copies are dispatched first (their gradients go home in backward, a collective over the EP group)
+        and both linears run ``L + k`` experts."""
+        echo = getattr(tokens_per_expert, "echo", None)
+        if echo is None:
+            return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs, *args, **kwargs)
+        fc1, fc2 = self.linear_fc1, self.linear_fc2
+        params = [fc1.home_weights(), fc2.home_weights()]
+        biases = [fc1.home_biases(), fc2.home_biases()]
+        with_bias = biases[0] is not None
+        spares = dispatch_spare_weights(*echo, params + (biases if with_bias else []))
+        spare1 = (spares[0], spares[2] if with_bias else None)
+        spare2 = (spares[1], spares[3] if with_bias else None)
+        fc1.echo_spare, fc2.echo_spare = spare1, spare2
+        try:
+            return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs, *args, **kwargs)
+        finally:
+            fc1.echo_spare = fc2.echo_spare = None
 
     @staticmethod
     def _apply_bias(intermediate_parallel, bias_parallel, tokens_per_expert, permuted_probs):

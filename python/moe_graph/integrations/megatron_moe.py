@@ -23,12 +23,15 @@ the host, so Megatron's full-iteration CUDA graph (``--cuda-graph-impl full_iter
   are dropped (``overflow="drop"``, counted) or make the step rerun (``overflow="rerun"``:
   :class:`MegatronOverflowRerun` around Megatron's ``train_step``).
 * Echo: ``num_spare_experts_per_ep_rank`` spare slots per EP rank take copies of the busiest experts
-  (:class:`moe_graph.moe.echo_balancer.EchoBalancer`); ``echo_donors`` limits the donors.
+  (:class:`moe_graph.moe.echo_balancer.EchoBalancer`; the counts all-gathered on the device, the spare weights
+  dispatched to :class:`~moe_graph.integrations.megatron.MoeGraphGroupedMLP` through :class:`DeviceSplits`, their
+  gradients sent home in backward); ``echo_donors`` limits the donors.
+* Statistics: Megatron's MoE metrics tracker (:meth:`MoeGraphTokenDispatcher._log_statistics`).
 
 Not supported (each raises naming the option): expert tensor parallelism ``expert_tensor_parallel_size > 1``,
 Megatron's drop-and-pad (``moe_pad_expert_input_to_capacity``: use ``capacity_factor`` here),
 ``moe_router_padding_for_quantization`` (fp8), the inference-optimized dispatchers, experts other than
-:func:`~moe_graph.integrations.megatron.experts_spec`'s.
+:func:`~moe_graph.integrations.megatron.experts_spec`'s, echo with ``gradient_accumulation_fusion``.
 """
 
 from __future__ import annotations
@@ -53,9 +56,11 @@ except ImportError as exc:  # pragma: no cover - exercised only without megatron
     ) from exc
 
 from moe_graph.grouped_linear import GroupedLinear
-from moe_graph.moe.layer import reset_step_counters, step_max_load_ratio, step_overflow
-from moe_graph.moe.token_dispatcher import (DROP_POLICIES, OVERFLOW_MODES, TokenDispatcher, expert_columns,
-                                            topk_from_routing_map)
+from moe_graph.moe.echo import dispatch_spare_weights
+from moe_graph.moe.echo_balancer import EchoBalancer
+from moe_graph.moe.layer import _all_gather_counts, reset_step_counters, step_max_load_ratio, step_overflow
+from moe_graph.moe.token_dispatcher import (DROP_POLICIES, OVERFLOW_MODES, TokenDispatcher, counting_enabled,
+                                            expert_columns, topk_from_routing_map)
 from moe_graph.train.step import OverflowRerun
 
 __all__ = ["DeviceSplits", "MoeGraphTokenDispatcher", "MoeGraphMoELayer", "moe_graph_layers", "MegatronOverflowRerun",
@@ -67,10 +72,11 @@ class DeviceSplits:
     turn into a list (``TEGroupedMLP.forward``: ``tokens_per_expert.tolist()``): ``tolist()`` returns the device
     tensor itself, which moe_graph's grouped linears take as ``m_splits`` without a sync."""
 
-    __slots__ = ("tensor",)
+    __slots__ = ("tensor", "echo")
 
-    def __init__(self, tensor: torch.Tensor):
+    def __init__(self, tensor: torch.Tensor, echo=None):
         self.tensor = tensor
+        self.echo = echo  # with echo: (EchoExpertDispatcher, the forward's plan) for the spare slots' weights
 
     def tolist(self) -> torch.Tensor:
         return self.tensor
@@ -99,9 +105,15 @@ class MoeGraphTokenDispatcher(MoETokenDispatcher):
 
     def __init__(self, num_local_experts: int, local_expert_indices, config, pg_collection=None, *,
                  capacity_factor: Optional[float] = None, overflow: str = "drop", token_drop_policy: str = "probs",
-                 exchange: str = "auto", num_spare_experts_per_ep_rank: int = 0):
+                 exchange: str = "auto", num_spare_experts_per_ep_rank: int = 0, echo_donors: Optional[int] = None,
+                 echo_assignment: str = "auto"):
         super().__init__(config=config, pg_collection=pg_collection)
         _check_config(config, self.tp_size)
+        if num_spare_experts_per_ep_rank and config.gradient_accumulation_fusion:
+            raise NotImplementedError(
+                "moe_graph's Megatron dispatcher: echo (num_spare_experts_per_ep_rank > 0) with "
+                "gradient_accumulation_fusion=True is not supported (the spare slots' weights are copies without "
+                "main_grad); set gradient_accumulation_fusion=False")
         if overflow not in OVERFLOW_MODES:
             raise ValueError(f"overflow must be one of {OVERFLOW_MODES}, got {overflow!r}")
         if token_drop_policy not in DROP_POLICIES:
@@ -121,8 +133,15 @@ class MoeGraphTokenDispatcher(MoETokenDispatcher):
                                           capacity=None, group=self.ep_group if self.ep_size > 1 else None,
                                           drop_policy=token_drop_policy, device=_table_device(config),
                                           exchange=exchange)
+        self.echo = None
+        if k > 0:
+            self.echo = EchoBalancer(self.num_experts, self.ep_size, self.ep_rank, k, assignment=echo_assignment,
+                                     donors=echo_donors, group=self.ep_group if self.ep_size > 1 else None,
+                                     device=_table_device(config))
+        self._echo_plan = None
         self.cudagraph_attrs = []  # nothing to hand across a partial per-layer capture: every shape is static
         self.shared_experts = None
+        self.layer_number = None  # set by MoeGraphMoELayer (Megatron's metrics are per layer)
         self._routes = None
         self._handle = None
 
@@ -138,9 +157,29 @@ class MoeGraphTokenDispatcher(MoETokenDispatcher):
         hidden_states = hidden_states.view(-1, self.hidden_shape[-1])
         if self._routes is None:
             self._routes = topk_from_routing_map(routing_map, probs, self.topk)
+        if self.echo is not None:
+            self._balance(routing_map)
         if self.shared_experts is not None:
             self.shared_experts.pre_forward_comm(hidden_states.view(self.hidden_shape))
         return hidden_states, probs
+
+    def _balance(self, routing_map: torch.Tensor) -> None:
+        """Echo: the per-rank expert counts all-gathered over the EP group, the plan, this rank's routes moved to the
+        spare slots (the probabilities stay), and the load imbalance before / after into Megatron's tracker."""
+        indices, route_probs, valid = self._routes
+        R = self.ep_size
+        counts = _all_gather_counts(routing_map.sum(0).to(torch.int64), self.ep_group, R)  # [R, E]
+        indices, self._echo_plan, home_to_spare = self.echo.plan(counts, indices, valid)
+        self._routes = (indices, route_probs, valid)
+        if self.layer_number is not None and counting_enabled():
+            before = counts.sum(0).view(R, -1).sum(1)
+            after = self.echo.load_after(before, home_to_spare)
+            num_layers = self.config.num_layers + (self.config.mtp_num_layers or 0)
+            tracker = get_moe_metrics_tracker()
+            for name, load in (("moe_graph_load_imbalance_before_echo", before),
+                               ("moe_graph_load_imbalance_after_echo", after)):
+                load = load.to(torch.float32)
+                tracker.record(name, load.max() / load.mean().clamp_min(1.0), self.layer_number, num_layers)
 
     def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         """The static-capacity exchange: ``(expert input [rows, H], row probabilities [rows])``."""
@@ -152,15 +191,39 @@ class MoeGraphTokenDispatcher(MoETokenDispatcher):
         d = self.dispatcher
         d.capacity = d.capacity_for(T, self.topk, self.capacity_factor)
         expert_input, m_splits, self._handle = d.dispatch(hidden_states, indices, route_probs, valid)
+        self._log_statistics(self._handle, m_splits, T)
         if self.shared_experts is not None:
             self.shared_experts.linear_fc1_forward_and_act(expert_input)
         self._m_splits = m_splits
         return expert_input, d.row_weights(self._handle)
 
+    def _log_statistics(self, handle, m_splits: torch.Tensor, num_tokens: int) -> None:
+        """This dispatch's statistics into Megatron's MoE metrics tracker (device ops: no sync, capturable; not
+        again while activation recomputation re-runs the forward), reported by ``tracker.report()`` per layer,
+        averaged over the microbatches: ``moe_graph_dropped_routes`` (routes over the capacity, summed over the EP
+        group), ``moe_graph_load_ratio`` (the most routes this rank sends one rank, over the mean ``T * K / R``: the
+        capacity factor at which nothing drops) and ``moe_graph_expert_rows`` (rows this rank's experts received,
+        over the mean ``T * K``)."""
+        if self.layer_number is None or not counting_enabled():
+            return
+        tracker = get_moe_metrics_tracker()
+        num_layers = self.config.num_layers + (self.config.mtp_num_layers or 0)
+        R, TK = self.ep_size, max(num_tokens * self.topk, 1)
+        per_rank = torch.zeros(R, dtype=torch.float32, device=m_splits.device).index_add_(
+            0, self.dispatcher.column_rank, handle.column_counts.to(torch.float32))
+        ep = self.ep_group if R > 1 else None
+        tracker.record("moe_graph_dropped_routes", handle.dropped.to(torch.float32), self.layer_number, num_layers,
+                       reduce_group=ep)
+        tracker.record("moe_graph_load_ratio", per_rank.max() * R / TK, self.layer_number, num_layers)
+        tracker.record("moe_graph_expert_rows", m_splits.sum().to(torch.float32) / TK, self.layer_number,
+                       num_layers)
+
     def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         """``(expert input, DeviceSplits(rows per local expert), row probabilities)``: already in expert order."""
         m_splits, self._m_splits = self._m_splits, None
-        return hidden_states, DeviceSplits(m_splits), probs
+        plan, self._echo_plan = self._echo_plan, None
+        echo = (self.echo.dispatcher, plan) if plan is not None else None
+        return hidden_states, DeviceSplits(m_splits, echo), probs
 
     def combine_preprocess(self, hidden_states: torch.Tensor):
         return hidden_states
@@ -234,12 +297,11 @@ class MoeGraphMoELayer(MoELayer):
     def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, is_mtp_layer=False,
                  name=None, *, capacity_factor: Optional[float] = None, overflow: str = "drop",
                  token_drop_policy: str = "probs", exchange: str = "auto", num_spare_experts_per_ep_rank: int = 0,
-                 echo_donors: Optional[int] = None):
-        if num_spare_experts_per_ep_rank or echo_donors is not None:
-            raise NotImplementedError("MoeGraphMoELayer: echo (num_spare_experts_per_ep_rank) is not wired yet")
+                 echo_donors: Optional[int] = None, echo_assignment: str = "auto"):
         factory = partial(MoeGraphTokenDispatcher, capacity_factor=capacity_factor, overflow=overflow,
                           token_drop_policy=token_drop_policy, exchange=exchange,
-                          num_spare_experts_per_ep_rank=num_spare_experts_per_ep_rank)
+                          num_spare_experts_per_ep_rank=num_spare_experts_per_ep_rank, echo_donors=echo_donors,
+                          echo_assignment=echo_assignment)
         with _megatron_dispatchers(factory):
             super().__init__(config, submodules=submodules, layer_number=layer_number, pg_collection=pg_collection,
                              is_mtp_layer=is_mtp_layer, name=name)
@@ -251,6 +313,13 @@ class MoeGraphMoELayer(MoELayer):
                 "hands them padded rows and per-expert counts on the device")
         # a submodule: .to()/.cuda() of the model move its constant tables and counters (non-persistent buffers)
         self.moe_graph_dispatcher = self.token_dispatcher.dispatcher
+        if self.token_dispatcher.echo is not None:
+            self.moe_graph_echo = self.token_dispatcher.echo
+        self.token_dispatcher.layer_number = self.layer_number
+
+    def set_layer_number(self, layer_number: int) -> None:
+        super().set_layer_number(layer_number)
+        self.token_dispatcher.layer_number = layer_number
 
     # the names moe_graph's training helpers read (MegatronOverflowRerun)
     @property
@@ -464,7 +533,7 @@ class MegatronOverflowRerun(OverflowRerun):
         tracker = get_moe_metrics_tracker()
         return {"rng": _rng_state(self.device), "replay": replay,
                 "buffers": [{n: b.detach().clone() for n, b in m.named_buffers()
-                             if not n.startswith("moe_graph_dispatcher.")} for m in self.layers],
+                             if not n.startswith("moe_graph_")} for m in self.layers],
                 "metrics": {k: e.values.detach().clone() for k, e in tracker.metrics.items()}}
 
     def _restore(self, saved: Dict[str, Any]) -> None:
