@@ -59,7 +59,7 @@ VARIANTS = [  # (family, config overrides)
     ("glm5_next_text", {}),  # silu(min(g, L)) * clamp(u, -L, L) with L = 1: the clamps are active
 ] + [(f, {}) for f in FAMILIES[FAMILIES.index("olmoe"):]]  # blocks that repeat one of the above (2 groups of 4)
 ONE_LAYOUT = ("gpt_oss", "jetmoe", "llama4_text", "qwen3_vl_moe_text", "qwen3_omni_moe_text", "qwen3_5_moe_text",
-              "qwen4_exp_text", "glm4v_moe_text")  # fused experts only: no v4 per-expert modules
+              "qwen4_exp_text", "glm4v_moe_text", "granitemoe")  # fused experts only: no v4 per-expert modules
 V4_NAMES = {"mixtral": ("w1", "w3", "w2"), "minimax": ("w1", "w3", "w2"), "nemotron_h": (None, "up_proj", "down_proj")}
 # whole models swapped by default (each family's block is checked regardless): every family with its own semantics
 # and one of each repeated block; MOE_GRAPH_HF_ALL=1 swaps every family's tiny model

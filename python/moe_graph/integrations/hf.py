@@ -33,10 +33,12 @@ Families (``config.model_type``; block class -> what the layer reproduces):
   (``probs_on_input``), a shared SwiGLU expert; experts stored transposed (``gate_up_proj [E, H, 2F]``,
   ``down_proj [E, F, H]``). The block returns ``(out, router_logits)``: the swapped block ``(out, None)``.
 
-Blocks that repeat one of these (``_Family.profile``): ``olmoe``, ``flex_olmo``, ``minimax`` as ``mixtral``;
+Blocks that repeat one of these (``_Family.profile``): ``olmoe``, ``flex_olmo``, ``minimax``, ``granitemoe`` as
+``mixtral``;
 ``qwen3_vl_moe_text``, ``qwen3_omni_moe_text``, ``mellum`` as ``qwen3_moe``; ``qwen3_next``, ``qwen3_5_moe_text``,
 ``qwen4_exp_text`` as ``qwen2_moe``; ``glm4_moe``, ``glm4_moe_lite``, ``glm4v_moe_text``, ``dots1``, ``solar_open``,
-``deepseek_v32``, ``glm_moe_dsa``, ``kimi_linear``, ``exaone_moe`` as ``deepseek_v3``.
+``deepseek_v32``, ``glm_moe_dsa``, ``kimi_linear``, ``exaone_moe``, ``mimo_v2_flash``, ``bailing_hybrid`` as
+``deepseek_v3``.
 
 Checkpoint layouts (names relative to the block, e.g. ``model.layers.3.mlp.``): transformers v5 fuses the experts
 (``experts.gate_up_proj [E, 2F, H]``: the gate rows, then the up rows; ``experts.down_proj [E, H, F]``), which is
@@ -147,6 +149,10 @@ _FAMILIES: Dict[str, _Family] = {
                            shared="shared_experts", profile="deepseek_v3"),
     "exaone_moe": _Family("ExaoneMoeSparseMoEBlock", "gate", ("gate_proj", "up_proj", "down_proj"),
                           shared="shared_experts", profile="deepseek_v3"),
+    "bailing_hybrid": _Family("BailingHybridMoE", "gate",
+                              ("gate_proj", "up_proj", "down_proj"), shared="shared_experts", profile="deepseek_v3"),
+    "mimo_v2_flash": _Family("MiMoV2FlashMoE", "gate", ("gate_proj", "up_proj", "down_proj"), profile="deepseek_v3"),
+    "granitemoe": _Family("GraniteMoeMoE", "router", None, profile="mixtral"),
 }
 # transformers' hidden_act of non-gated experts -> MoELayer's activation
 _PLAIN_ACTS = {"relu2": "squared_relu", "relu": "relu", "silu": "silu", "gelu": "gelu"}
@@ -226,7 +232,7 @@ def moe_config_from_hf(config, **overrides) -> MoEConfig:
     elif p == "deepseek_v3":
         _gated_silu(c, t)
         opts = _deepseek_routing(c, t)
-        n_shared = _first(c, "n_shared_experts", "num_shared_experts")
+        n_shared = getattr(c, "n_shared_experts", None) or getattr(c, "num_shared_experts", None)
         if n_shared:
             opts.update(shared_expert_ffn_size=c.moe_intermediate_size * n_shared)
     elif t == "glm5_next_text":

@@ -47,6 +47,10 @@ _REPEATS: Dict[str, tuple] = {
     "kimi_linear": ("kimi_linear.KimiLinearMoE", "KimiLinearConfig", None, dict(pad_token_id=0)),  # linear attn
     "exaone_moe": ("exaone_moe.ExaoneMoeSparseMoEBlock", "ExaoneMoeConfig", "ExaoneMoeForCausalLM",
                    dict(first_k_dense_replace=0)),
+    "mimo_v2_flash": ("mimo_v2_flash.MiMoV2FlashMoE", "MiMoV2FlashConfig", "MiMoV2FlashForCausalLM", {}),
+    "bailing_hybrid": ("bailing_hybrid.BailingHybridMoE", "BailingHybridConfig", None,
+                       dict(pad_token_id=0)),  # its tiny model's layers are dense
+    "granitemoe": ("granitemoe.GraniteMoeMoE", "GraniteMoeConfig", "GraniteMoeForCausalLM", {}),
 }
 _SMALL = dict(hidden_size=32, intermediate_size=48, moe_intermediate_size=24, num_experts=8, n_routed_experts=8,
               num_local_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, shared_expert_intermediate_size=40,
