@@ -475,3 +475,30 @@ def test_unsupported_combinations_raise_naming_them(pg):  # noqa: F811
             _layers(bad, pg, dict(ECHO))
     with pytest.raises(ValueError, match="capacity_factor"), _cpu_shims():
         _layers(cfg, pg, dict(overflow="rerun"))
+
+
+def _sequence_parallel_worker(rank, world):
+    # attention TP 2 with sequence parallelism, expert TP 1, EP 2 over the same two ranks: each rank routes and
+    # dispatches its own sequence shard over the EP group, as Megatron's all-to-all dispatcher does
+    from megatron.core import parallel_state as ps
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=2, expert_model_parallel_size=2,
+                                 expert_tensor_parallel_size=1)
+    try:
+        pg = ProcessGroupCollection.use_mpu_process_groups()
+        cfg = _config(2, **dict(CASES["softmax-top2-aux"], tensor_model_parallel_size=2, sequence_parallel=True,
+                                expert_tensor_parallel_size=1))
+        gen = torch.Generator().manual_seed(99 + rank)
+        x, g = torch.randn(6, 2, H, generator=gen), torch.randn(6, 2, H, generator=gen)
+        with _cpu_shims():
+            ref, mg = _layers(cfg, pg)
+            want, got = _step(ref, x, g), _step(mg, x, g)
+        return {k: (got[k].double() - want[k].double()).abs().max().item() for k in want if k in got and want[k].numel()}
+    finally:
+        ps.destroy_model_parallel()
+
+
+def test_sequence_parallel_attention_tp2_ep2_matches_megatron_gloo():
+    for errors in run_distributed(_sequence_parallel_worker, 2, timeout=300):
+        assert errors and max(errors.values()) <= TOL, errors
