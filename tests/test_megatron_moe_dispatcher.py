@@ -502,3 +502,30 @@ def _sequence_parallel_worker(rank, world):
 def test_sequence_parallel_attention_tp2_ep2_matches_megatron_gloo():
     for errors in run_distributed(_sequence_parallel_worker, 2, timeout=300):
         assert errors and max(errors.values()) <= TOL, errors
+
+
+def test_rerun_restores_megatron_rng_tracker_states_tensors_and_generators(monkeypatch):
+    # Megatron's CudaRNGStatesTracker holds byte-tensor states, or generators with use_cudagraphable_rng
+    from moe_graph.integrations import megatron_moe
+
+    class Tracker:
+        def __init__(self):
+            self.states = {"expert": torch.Generator().manual_seed(1), "model": torch.Generator().manual_seed(2).get_state()}
+
+        def is_initialized(self):
+            return True
+
+        def get_states(self):
+            return dict(self.states)
+
+        def set_states(self, states):
+            self.states = states
+
+    tracker = Tracker()
+    monkeypatch.setattr(megatron_moe, "get_cuda_rng_tracker", lambda: tracker)
+    saved = megatron_moe._rng_state(None)
+    first = torch.rand(3, generator=tracker.states["expert"])
+    tracker.states["model"] = torch.Generator().manual_seed(3).get_state()
+    megatron_moe._set_rng_state(saved, None)
+    assert torch.equal(torch.rand(3, generator=tracker.states["expert"]), first)
+    assert torch.equal(tracker.states["model"], torch.Generator().manual_seed(2).get_state())

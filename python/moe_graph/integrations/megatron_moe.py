@@ -389,8 +389,9 @@ def _rng_state(device: Optional[torch.device]) -> Dict[str, Any]:
     if device is not None and device.type == "cuda":
         st["cuda"] = torch.cuda.get_rng_state(device)
     tracker = get_cuda_rng_tracker()
-    if tracker.is_initialized():
-        st["megatron"] = {k: v.clone() if torch.is_tensor(v) else v for k, v in tracker.get_states().items()}
+    if tracker.is_initialized():  # byte-tensor states, or generators (use_cudagraphable_rng): their states
+        st["megatron"] = {k: (v, v.get_state()) if isinstance(v, torch.Generator) else v.clone() if torch.is_tensor(v)
+                          else v for k, v in tracker.get_states().items()}
     return st
 
 
@@ -399,7 +400,13 @@ def _set_rng_state(st: Dict[str, Any], device: Optional[torch.device]) -> None:
     if "cuda" in st:
         torch.cuda.set_rng_state(st["cuda"], device)
     if "megatron" in st:
-        get_cuda_rng_tracker().set_states({k: v.clone() if torch.is_tensor(v) else v for k, v in st["megatron"].items()})
+        states = {}
+        for k, v in st["megatron"].items():
+            if isinstance(v, tuple):  # a generator and its saved state
+                v[0].set_state(v[1])
+                v = v[0]
+            states[k] = v.clone() if torch.is_tensor(v) else v
+        get_cuda_rng_tracker().set_states(states)
 
 
 class _GraphReset:
