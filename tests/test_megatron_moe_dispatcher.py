@@ -80,13 +80,13 @@ def _layers(cfg, pg, dispatcher_options=None, seed=7):
     return ref, mg
 
 
-def _step(layer, x, g):
+def _step(layer, x, g, padding_mask=None):
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
     tracker = get_moe_metrics_tracker()
     tracker.clear()
     x = x.clone().requires_grad_()
-    out, bias = layer(x)
+    out, bias = layer(x) if padding_mask is None else layer(x, padding_mask=padding_mask)
     assert bias is None
     out.backward(g)
     logged = {k: e.values.clone() for k, e in tracker.metrics.items()}
@@ -96,14 +96,16 @@ def _step(layer, x, g):
             **{f"logged {k}": v for k, v in logged.items()}, **{f"buffer {n}": t for n, t in buffers.items()}}
 
 
-def _compare_case(rank, ep, case, pg, tokens=(6, 2), dispatcher_options=None):
+def _compare_case(rank, ep, case, pg, tokens=(6, 2), dispatcher_options=None, padding=False):
     cfg = _config(ep, **CASES[case])
     gen = torch.Generator().manual_seed(99 + rank)  # different tokens on every rank
     x, g = torch.randn(*tokens, H, generator=gen), torch.randn(*tokens, H, generator=gen)
+    # Megatron's padding_mask: [batch, sequence], True for real tokens (its losses and expert-bias counts skip the rest)
+    pad = (torch.rand(tokens[1], tokens[0], generator=gen) < 0.7) if padding else None
     with _cpu_shims():  # Megatron's CUDA stream calls (its dispatcher's, the overlapped shared expert's) on CPU
         ref, mg = _layers(cfg, pg, dispatcher_options)
-        want = _step(ref, x, g)
-        got = _step(mg, x, g)
+        want = _step(ref, x, g, pad)
+        got = _step(mg, x, g, pad)
     # moe_graph's own metrics in Megatron's tracker: nothing dropped (dropless), the loads of this dispatch
     ours = {k: got.pop(k) for k in list(got) if k.startswith("logged moe_graph_")}
     for k in [k for k in want if k.startswith("logged moe_graph_")]:  # entries of earlier layers (the tracker
@@ -168,6 +170,12 @@ def test_matches_megatron_alltoall_ep2_gloo():
     # experts sends every token everywhere: balanced already, nothing moves)
     gains = {case: results[0][f"{case}+echo"][2] for case in ECHO_CASES}
     assert gains["softmax-top2-aux"] > 0 and gains["softmax-top2-bias-global"] > 0, gains
+
+
+@pytest.mark.parametrize("case", ["softmax-top2-aux", "softmax-top2-bias-global"])
+def test_padding_mask_matches_megatron_alltoall_ep1(pg, case):  # noqa: F811
+    # (Megatron 0.19.2's own router fails with a padding mask and its sequence-wise aux loss: not a dispatcher case)
+    _check([{case: _compare_case(0, 1, case, pg, padding=True)}])
 
 
 @pytest.mark.parametrize("case", ECHO_CASES)
