@@ -57,6 +57,9 @@ VARIANTS = [  # (family, config overrides)
     ("jetmoe", {}),  # output bias
     ("llama4_text", {}),  # probabilities on the expert input, sigmoid of the top-k logits
     ("glm5_next_text", {}),  # silu(min(g, L)) * clamp(u, -L, L) with L = 1: the clamps are active
+    ("cohere2_moe", {}),  # softmax of the top-k logits, shared and routed outputs averaged
+    ("cohere2_moe", dict(expert_selection_fn="sigmoid", norm_topk_prob=False,
+                         shared_expert_combination_strategy="sum")),
 ] + [(f, {}) for f in FAMILIES[FAMILIES.index("olmoe"):]]  # blocks that repeat one of the above (2 groups of 4)
 ONE_LAYOUT = ("gpt_oss", "jetmoe", "llama4_text", "qwen3_vl_moe_text", "qwen3_omni_moe_text", "qwen3_5_moe_text",
               "qwen4_exp_text", "glm4v_moe_text", "granitemoe")  # fused experts only: no v4 per-expert modules

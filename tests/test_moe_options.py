@@ -198,7 +198,7 @@ def test_probs_on_input_and_output_bias(gen, case):
     """Routing probabilities on the expert input (Llama 4) and a block output bias (JetMoE), through the fused
     main_grad + echo path, recompute, the fixed-capacity dispatcher, and with expert biases where F < H."""
     kw = dict(probs_on_input=True, output_bias=True, score_func="sigmoid", norm_topk_prob=False,
-              shared_expert_ffn_size=5)
+              shared_expert_ffn_size=5, shared_expert_combine="average")
     kw.update({"fused_echo": dict(num_spare_experts_per_ep_rank=1), "recompute": dict(recompute=True),
                "static": dict(capacity_factor=8.0), "bias_F_lt_H": dict(add_bias_linear=True)}.get(case, {}))
     layer = _layer(**kw)
@@ -232,6 +232,7 @@ def test_expert_numel_counts_biases():
     (dict(activation="clamped_swiglu", swiglu_limit=0), "swiglu_limit"),
     (dict(swiglu_alpha=float("nan")), "swiglu_alpha"),
     (dict(norm_topk_prob="yes"), "norm_topk_prob"),
+    (dict(shared_expert_combine="mean"), "shared_expert_combine"),
     (dict(group_score_topk=2), "group_score_topk needs"),
     (dict(num_groups=2, group_topk=1, group_score_topk=5), "group_score_topk must"),
     (dict(num_groups=2, group_topk=1, group_score_topk=True), "group_score_topk must"),

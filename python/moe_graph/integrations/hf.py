@@ -24,6 +24,9 @@ Families (``config.model_type``; block class -> what the layer reproduces):
 * ``glm5_next_text`` (``Glm5NextTextMoE``, the text model of ``glm5_next``): DeepSeek-V3's router, experts and
   shared experts with ``silu(min(g, L)) * clamp(u, -L, L)`` (``activation="limited_swiglu"``,
   ``swiglu_limit=L``).
+* ``cohere2_moe`` (``Cohere2MoeSparseMoeBlock``): the softmax or sigmoid (``expert_selection_fn``) of the top-k
+  logits, shared SwiGLU experts combined by ``shared_expert_combination_strategy`` (``"average"``, the default:
+  ``shared_expert_combine="average"``, or ``"sum"``).
 * ``nemotron_h`` (``NemotronHMoE``, the ``mixer`` of its ``moe`` layers): DeepSeek-V3's router, non-gated experts
   with ``mlp_hidden_act`` (``relu2`` -> ``activation="squared_relu"``; ``experts.up_proj [E, F, H]``) and a
   non-gated shared expert.
@@ -117,6 +120,8 @@ _FAMILIES: Dict[str, _Family] = {
                       output_bias="bias"),
     "glm5_next_text": _Family("Glm5NextTextMoE", "gate", ("gate_proj", "up_proj", "down_proj"),
                               shared="shared_experts"),
+    "cohere2_moe": _Family("Cohere2MoeSparseMoeBlock", "gate", ("gate_proj", "up_proj", "down_proj"),
+                           shared="shared_experts"),
     "llama4_text": _Family("Llama4TextMoe", "router", None, shared="shared_expert", returns_router_scores=True,
                            transposed=True),
     # blocks that repeat one of the families above (modular copies in transformers), with their config reader
@@ -235,6 +240,21 @@ def moe_config_from_hf(config, **overrides) -> MoEConfig:
         n_shared = getattr(c, "n_shared_experts", None) or getattr(c, "num_shared_experts", None)
         if n_shared:
             opts.update(shared_expert_ffn_size=c.moe_intermediate_size * n_shared)
+    elif t == "cohere2_moe":
+        _gated_silu(c, t)
+        fn = c.expert_selection_fn
+        if fn not in ("softmax", "sigmoid"):
+            raise ValueError(f"cohere2_moe: expert_selection_fn={fn!r} cannot be expressed")
+        # softmax over the top-k logits (the renormalized top-k softmax), or the sigmoid of the top-k logits
+        opts = dict(hidden_size=c.hidden_size, ffn_hidden_size=c.intermediate_size, num_experts=c.num_experts,
+                    topk=c.num_experts_per_tok, score_func=fn,
+                    norm_topk_prob=True if fn == "softmax" else bool(c.norm_topk_prob))
+        if c.num_shared_experts:
+            combine = c.shared_expert_combination_strategy
+            if combine not in ("sum", "average"):
+                raise ValueError(f"cohere2_moe: shared_expert_combination_strategy={combine!r} cannot be expressed")
+            opts.update(shared_expert_ffn_size=c.intermediate_size * c.num_shared_experts,
+                        shared_expert_combine=combine)
     elif t == "glm5_next_text":
         _gated_silu(c, t)
         opts = _deepseek_routing(c, t)

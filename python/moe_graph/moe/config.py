@@ -35,7 +35,8 @@ class MoEConfig:
     ``capacity_factor``, ``token_drop_policy``, ``overflow`` (``"drop"`` or ``"rerun"``: dropless with the static
     capacity), ``exchange`` (``"nccl"``: capacity per (source, destination) pair; ``"symm_mem"``: per destination
     rank, variable-size; ``"auto"``: :mod:`moe_graph.moe.exchange`). Experts (:class:`moe_graph.moe.experts.GroupedMLP`):
-    ``activation``, ``shared_expert_ffn_size``, ``shared_expert_gate``, ``probs_on_input``, ``output_bias``,
+    ``activation``, ``shared_expert_ffn_size``, ``shared_expert_gate``, ``shared_expert_combine``, ``probs_on_input``,
+    ``output_bias``,
     ``params_dtype``, ``init_std``;
     ``recompute``: activation recomputation of the whole layer.
     """
@@ -74,6 +75,7 @@ class MoEConfig:
     exchange: str = "auto"
     shared_expert_ffn_size: Optional[int] = None
     shared_expert_gate: bool = False
+    shared_expert_combine: str = "sum"
     probs_on_input: bool = False
     output_bias: bool = False
     params_dtype: Optional[torch.dtype] = None
@@ -106,4 +108,6 @@ class MoEConfig:
             raise ValueError(f"exchange must be one of {EXCHANGES}, got {self.exchange!r}")
         if self.shared_expert_gate and not self.shared_expert_ffn_size:
             raise ValueError("shared_expert_gate needs shared_expert_ffn_size")
+        if self.shared_expert_combine not in ("sum", "average"):
+            raise ValueError(f"shared_expert_combine must be 'sum' or 'average', got {self.shared_expert_combine!r}")
 

@@ -100,9 +100,10 @@ class MoELayer(nn.Module):
         score_func: ``"softmax"`` or ``"sigmoid"``. norm_topk_prob: renormalize the top-k probabilities (``None``:
             on for sigmoid with ``topk > 1``, off for softmax, Megatron's rule; ``True``/``False`` for either).
         num_groups, group_topk, group_score_topk, topk_scaling_factor, router_bias, enable_expert_bias,
-            expert_bias_update_rate, expert_bias_target, router_dtype: router options (:class:`TopKRouter`; group-limited routing and
-            its group score rule, scaled probabilities, a learned gate bias, auxiliary-loss-free balancing with
-            :func:`update_expert_bias` after each optimizer step, gate GEMM precision).
+            expert_bias_update_rate, expert_bias_target, router_dtype: router options (:class:`TopKRouter`;
+            group-limited routing and its group score rule, scaled probabilities, a learned gate bias,
+            auxiliary-loss-free balancing with :func:`update_expert_bias` after each optimizer step, the selection
+            bias on the scores or the logits, gate GEMM precision).
         activation: ``"swiglu"`` (fc1 is ``[2F, H]``), ``"clamped_swiglu"`` (GPT-OSS's, with ``swiglu_alpha`` and
             ``swiglu_limit``; fc1 ``[2F, H]``), ``"limited_swiglu"`` (``swiglu_limit``:
             DeepSeek-V4 / GLM5-Next / HY-V4), or the non-gated ``"gelu"``, ``"relu"``, ``"silu"``,
@@ -112,6 +113,8 @@ class MoELayer(nn.Module):
             narrower side of the expert MLP: with ``F < H`` (and no biases) each row's ``[F]`` activation before
             fc2 (``scale_rows``: :meth:`TokenDispatcher.row_weights`, a plain sum in combine), else the ``[H]``
             outputs in combine.
+        shared_expert_combine: ``"sum"`` (default) or ``"average"``: the block output is ``(routed + shared) / 2``
+            (Cohere2-MoE's default); without a shared expert it has no effect.
         probs_on_input: weight each expert's *input* row by its routing probability instead of its output (Llama 4:
             ``sum_k mlp_k(p_k * x)``; combine then sums plainly).
         output_bias: a learned ``output_bias [H]`` (zero-initialized) added once to the block output, after the
@@ -196,6 +199,7 @@ class MoELayer(nn.Module):
         # the routing probabilities scale the narrower side of the expert MLP: the [rows, F] activation before fc2
         # when F < H (no fc2 bias, which the scale would miss), else the [rows, H] outputs in combine
         self.probs_on_input = bool(c.probs_on_input)
+        self.shared_average = c.shared_expert_combine == "average"
         self.scale_rows = c.ffn_hidden_size < c.hidden_size and not c.add_bias_linear and not self.probs_on_input
         dtype = c.params_dtype if c.params_dtype is not None else torch.get_default_dtype()
         device = torch.device(device) if device is not None else torch.device(
@@ -319,7 +323,8 @@ class MoELayer(nn.Module):
 
         if self.probs_on_input:  # Llama 4: each row scaled by its probability before the experts
             w = self.dispatcher.row_weights(handle)
-            expert_in = expert_in * w.to(expert_in.dtype if expert_in.dtype == torch.float64 else torch.float32)[:, None]
+            w = w.to(expert_in.dtype if expert_in.dtype == torch.float64 else torch.float32)
+            expert_in = expert_in * w[:, None]
         expert_in = expert_in.to(self.experts.fc1.weight.dtype)
         row_scale = self.dispatcher.row_weights(handle) if self.scale_rows else None
         if self.echo is None:
@@ -331,6 +336,8 @@ class MoELayer(nn.Module):
         out = self.dispatcher.combine(expert_out, handle, weighted=weighted).to(x.dtype)
         if self.shared_expert is not None:
             out = out + self.shared_expert(h).to(out.dtype)
+            if self.shared_average:
+                out = out * 0.5
         if self.output_bias is not None:
             out = out + self.output_bias.to(out.dtype)
         if aux is not None:

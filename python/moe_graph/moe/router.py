@@ -20,8 +20,9 @@ from torch import nn
 from moe_graph import parallel_state as ps
 from moe_graph.moe.token_dispatcher import counting_enabled
 
-__all__ = ["AUX_LOSS_TYPES", "MoEAuxLossAutoScaler", "RouterLoss", "Routing", "SCORE_FUNCS", "TopKRouter",
-           "EXPERT_BIAS_TARGETS", "aux_loss_scores", "check_loss_options", "check_router_options", "group_limited_topk", "route_counts",
+__all__ = ["AUX_LOSS_TYPES", "EXPERT_BIAS_TARGETS", "MoEAuxLossAutoScaler", "RouterLoss", "Routing", "SCORE_FUNCS",
+           "TopKRouter", "aux_loss_scores", "check_loss_options", "check_router_options", "group_limited_topk",
+           "route_counts",
            "router_aux_loss", "router_scores", "router_z_loss", "routing_map", "sequence_aux_loss",
            "set_aux_loss_scale", "update_expert_bias"]
 

@@ -50,7 +50,8 @@ def _torch_gated(h: torch.Tensor, row_scale: Optional[torch.Tensor], activation:
     else:
         a = a.clamp(max=limit)
         b = b.clamp(min=-limit, max=limit)
-        y = torch.nn.functional.silu(a) * b if activation == "limited_swiglu" else a * torch.sigmoid(a * alpha) * (b + 1)
+        y = (torch.nn.functional.silu(a) * b if activation == "limited_swiglu"
+             else a * torch.sigmoid(a * alpha) * (b + 1))
     if row_scale is not None:
         y = y * row_scale[..., None]
     return y.to(h.dtype)

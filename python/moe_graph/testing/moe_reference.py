@@ -190,6 +190,8 @@ def reference_moe_layer(x: torch.Tensor, params: Dict[str, torch.Tensor], config
         if c.shared_expert_gate:
             s = s / (1 + torch.exp(-(h @ params["shared_expert.gate.weight"].t())))
         y = y + s
+        if getattr(c, "shared_expert_combine", "sum") == "average":
+            y = y / 2
     if "output_bias" in params:
         y = y + params["output_bias"]
     return y.reshape(x.shape)
