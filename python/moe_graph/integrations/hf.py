@@ -24,6 +24,7 @@ Families (``config.model_type``; block class -> what the layer reproduces):
 * ``glm5_next_text`` (``Glm5NextTextMoE``, the text model of ``glm5_next``): DeepSeek-V3's router, experts and
   shared experts with ``silu(min(g, L)) * clamp(u, -L, L)`` (``activation="limited_swiglu"``,
   ``swiglu_limit=L``).
+* ``jamba`` (``JambaSparseMoeBlock``): softmax, the top-k scores as they are (``norm_topk_prob=False``).
 * ``cohere2_moe`` (``Cohere2MoeSparseMoeBlock``): the softmax or sigmoid (``expert_selection_fn``) of the top-k
   logits, shared SwiGLU experts combined by ``shared_expert_combination_strategy`` (``"average"``, the default:
   ``shared_expert_combine="average"``, or ``"sum"``).
@@ -120,6 +121,7 @@ _FAMILIES: Dict[str, _Family] = {
                       output_bias="bias"),
     "glm5_next_text": _Family("Glm5NextTextMoE", "gate", ("gate_proj", "up_proj", "down_proj"),
                               shared="shared_experts"),
+    "jamba": _Family("JambaSparseMoeBlock", "router", ("gate_proj", "up_proj", "down_proj")),
     "cohere2_moe": _Family("Cohere2MoeSparseMoeBlock", "gate", ("gate_proj", "up_proj", "down_proj"),
                            shared="shared_experts"),
     "llama4_text": _Family("Llama4TextMoe", "router", None, shared="shared_expert", returns_router_scores=True,
@@ -240,6 +242,10 @@ def moe_config_from_hf(config, **overrides) -> MoEConfig:
         n_shared = getattr(c, "n_shared_experts", None) or getattr(c, "num_shared_experts", None)
         if n_shared:
             opts.update(shared_expert_ffn_size=c.moe_intermediate_size * n_shared)
+    elif t == "jamba":
+        _gated_silu(c, t)
+        opts = dict(hidden_size=c.hidden_size, ffn_hidden_size=c.intermediate_size, num_experts=c.num_experts,
+                    topk=c.num_experts_per_tok, norm_topk_prob=False)
     elif t == "cohere2_moe":
         _gated_silu(c, t)
         fn = c.expert_selection_fn
