@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -71,8 +72,8 @@ def _torch_include():
 
 
 def _build():
-    """Compiles the harness (cached by a hash of every source under csrc/ and tests/emulator/ and the flags);
-    returns its path, or a reason to skip."""
+    """Compiles the harness (cached by a hash of every source under csrc/ and tests/emulator/, this file and the
+    flags; earlier builds are removed); returns its path, or a reason to skip."""
     cxx = os.environ.get("CXX", "g++")
     if shutil.which(cxx) is None:
         return None, f"no C++ compiler ({cxx})"
@@ -88,6 +89,8 @@ def _build():
     emu_flags = ["-DMOE_GRAPH_EMULATE", "-DMOE_GRAPH_WITH_CUDA", "-DMOE_GRAPH_BUILD_SM90", "-DMOE_GRAPH_BUILD_SM100", "-include", "moe_emu.h"]
     h = hashlib.sha256(" ".join([cxx] + flags + emu_flags).encode())
     h.update(subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.encode())
+    with open(os.path.abspath(__file__), "rb") as fh:  # the source lists above
+        h.update(fh.read())
     for top in (os.path.join(ROOT, "csrc"), EMU):
         for dirpath, _, files in sorted(os.walk(top)):
             for f in sorted(files):
@@ -123,6 +126,9 @@ def _build():
     r = subprocess.run([cxx, "-fsanitize=address,undefined", "-o", tmp] + objs, capture_output=True, text=True)
     assert r.returncode == 0, f"emulator link failed:\n{r.stderr[-4000:]}"
     os.replace(tmp, exe)
+    for old in os.listdir(os.path.dirname(out)):  # earlier builds of this checkout (other sources): not reused
+        if old != os.path.basename(out) and re.fullmatch(r"[0-9a-f]{16}", old):
+            shutil.rmtree(os.path.join(os.path.dirname(out), old), ignore_errors=True)
     return exe, None
 
 
