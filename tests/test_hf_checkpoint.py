@@ -4,6 +4,8 @@ fused and v4 per-expert layouts) -> transformers' own from_pretrained gives the 
 load_hf_checkpoint puts the saved weights back into a swapped EP-2 model (each rank reading its experts only)
 with the same logits bit for bit."""
 
+import os
+
 import pytest
 import torch
 
@@ -16,30 +18,38 @@ from moe_graph.distributed.launch import run_distributed  # noqa: E402
 from moe_graph.integrations.hf import swap_moe_blocks  # noqa: E402
 from moe_graph.integrations.hf_checkpoint import (  # noqa: E402
     _block_source, _Files, _Rows, load_hf_checkpoint, save_hf_pretrained)
-from moe_graph.testing.hf_models import FAMILIES, tiny_model  # noqa: E402
+from moe_graph.testing.hf_models import FAMILIES, has_tiny_model, model_loss, tiny_model  # noqa: E402
 
+# every family with its own converter semantics (the later ones repeat one of these blocks); MOE_GRAPH_HF_ALL=1: all
+CHECKED = tuple(f for f in (FAMILIES if os.environ.get("MOE_GRAPH_HF_ALL") == "1" else
+                            FAMILIES[:FAMILIES.index("olmoe")]) if has_tiny_model(f))
 
-def _from_pretrained(folder):
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager")
-    return model.eval()
+# transformers' v4 writer converts more than the experts here (GLM5-Next: conv1d -> q/k/v_conv1d): load_hf_checkpoint
+# reads the v5 layout of these families and refuses their v4 files naming the tensor
+V4_DENSE_CONVERSIONS = {"glm5_next_text": "self_attn.conv1d.weight"}
 
 
 def test_trained_on_ep2_saved_and_loaded_by_transformers(tmp_path):
-    per_rank = run_distributed(train_save_load_worker, 2, FAMILIES, str(tmp_path), timeout=600.0)
-    for fam in FAMILIES:
+    per_rank = run_distributed(train_save_load_worker, 2, CHECKED, str(tmp_path), timeout=600.0)
+    for fam in CHECKED:
         r0, r1 = per_rank[0][fam], per_rank[1][fam]
         assert torch.equal(r0["logits"], r1["logits"]), fam  # one model, whichever rank runs it
         _, untrained = tiny_model(fam)
         with torch.no_grad():
-            before = untrained.eval()(probe_ids()).logits
+            before = model_loss(untrained.eval(), probe_ids())[0]
         assert (r0["logits"] - before).abs().max() > 1e-2, f"{fam}: training did not change the model"
         for layout in ("v5", "v4"):
+            # transformers' own class of the model (a causal LM, or a base model without an LM head)
+            back = type(untrained).from_pretrained(tmp_path / f"{fam}_{layout}", attn_implementation="eager")
             with torch.no_grad():
-                got = _from_pretrained(tmp_path / f"{fam}_{layout}")(probe_ids()).logits
+                got = model_loss(back.eval(), probe_ids())[0]
             err = (got - r0["logits"]).abs().max().item()
             print(f"{fam} {layout}: transformers' from_pretrained vs the trained swapped model: max |diff| {err:.2g}")
             assert err <= 2e-5, (fam, layout, err)  # transformers' experts vs MoELayer: fp32 summation order
             for r in (r0, r1):
+                if layout == "v4" and fam in V4_DENSE_CONVERSIONS:  # refused naming the tensor, on every rank
+                    assert V4_DENSE_CONVERSIONS[fam] in r["reloaded_v4"], (fam, r["reloaded_v4"])
+                    continue
                 assert torch.equal(r[f"reloaded_{layout}"], r0["logits"]), (fam, layout)
     files = sorted(p.name for p in (tmp_path / "mixtral_v4").iterdir())
     assert "config.json" in files and any(f.endswith(".safetensors") for f in files)

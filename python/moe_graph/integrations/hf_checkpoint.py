@@ -244,7 +244,8 @@ def load_hf_checkpoint(model: nn.Module, folder: str) -> List[str]:
             if k not in files.where:
                 if k in tied:
                     continue  # tied to another tensor, which is loaded
-                raise KeyError(f"{folder}: the checkpoint has no tensor {k!r}")
+                raise KeyError(f"{folder}: the checkpoint has no tensor {k!r} (transformers' writer may have converted "
+                               "it beyond a rename, as GLM5-Next's v4 conv1d: save with layout='v5')")
             plan.append((k, dst, files.get(k)))
         for name, block in blocks:
             layer = block.moe
@@ -278,12 +279,13 @@ def load_hf_checkpoint(model: nn.Module, folder: str) -> List[str]:
     return [k for k, _, _ in plan]
 
 
-def swapped_from_pretrained(folder: str, *, ep_group=None, auto_class=None, device="cpu",
+def swapped_from_pretrained(folder: str, *, ep_group=None, model_class=None, device="cpu",
                             model_kwargs: Optional[Dict] = None, **overrides) -> nn.Module:
     """The transformers model saved in ``folder`` (``save_pretrained``: config and safetensors), its sparse-MoE
     blocks swapped onto :class:`MoELayer` (:func:`swap_moe_blocks` with ``ep_group`` and ``overrides``), each rank
     holding only its ``E / ep`` experts, which are never materialized whole: the model is built on the meta device
-    (``auto_class``, default ``AutoModelForCausalLM``, ``.from_config(config, **model_kwargs)``), swapped, moved to
+    (``model_class``: a transformers class or auto class, default ``AutoModelForCausalLM``; built from the folder's
+    config with ``model_kwargs``), swapped, moved to
     ``device`` empty, given transformers' own initialization (``initialize_weights``: the buffers such as rotary
     tables; ``tie_weights``), every MoE layer rebuilt there with its experts, and filled by
     :func:`load_hf_checkpoint` (every tensor checked before the first copy). A collective when ``ep_group`` spans
@@ -291,8 +293,10 @@ def swapped_from_pretrained(folder: str, *, ep_group=None, auto_class=None, devi
     if AutoConfig is None:
         raise RuntimeError("swapped_from_pretrained needs transformers")
     config = AutoConfig.from_pretrained(folder)
+    cls = model_class or AutoModelForCausalLM
+    build = getattr(cls, "from_config", None) or cls._from_config  # auto classes / transformers' model classes
     with torch.device("meta"):
-        model = (auto_class or AutoModelForCausalLM).from_config(config, **(model_kwargs or {}))
+        model = build(config, **(model_kwargs or {}))
     swap_moe_blocks(model, ep_group=ep_group, **overrides)
     model.to_empty(device=device)
     model.initialize_weights()
