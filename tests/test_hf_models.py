@@ -61,6 +61,8 @@ VARIANTS = [  # (family, config overrides)
     ("cohere2_moe", dict(expert_selection_fn="sigmoid", norm_topk_prob=False,
                          shared_expert_combination_strategy="sum")),
     ("jamba", {}),  # softmax, top-k not renormalized
+    ("deepseek_v2", {}),  # softmax, group-limited greedy (groups scored by their best expert), not renormalized
+    ("deepseek_v2", dict(topk_method="greedy")),
 ] + [(f, {}) for f in FAMILIES[FAMILIES.index("olmoe"):]]  # blocks that repeat one of the above (2 groups of 4)
 ONE_LAYOUT = ("gpt_oss", "jetmoe", "llama4_text", "qwen3_vl_moe_text", "qwen3_omni_moe_text", "qwen3_5_moe_text",
               "qwen4_exp_text", "glm4v_moe_text", "granitemoe")  # fused experts only: no v4 per-expert modules

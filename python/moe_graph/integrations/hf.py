@@ -24,6 +24,9 @@ Families (``config.model_type``; block class -> what the layer reproduces):
 * ``glm5_next_text`` (``Glm5NextTextMoE``, the text model of ``glm5_next``): DeepSeek-V3's router, experts and
   shared experts with ``silu(min(g, L)) * clamp(u, -L, L)`` (``activation="limited_swiglu"``,
   ``swiglu_limit=L``).
+* ``deepseek_v2`` (``DeepseekV2Moe``; also ``deepseek_ocr2_text``, ``unlimited_ocr_text``): fp32 gate, softmax,
+  ``greedy`` or ``group_limited_greedy`` top-k (groups scored by their best expert: ``group_score_topk=1``), the
+  top-k scores not renormalized, ``routed_scaling_factor``, shared experts.
 * ``jamba`` (``JambaSparseMoeBlock``): softmax, the top-k scores as they are (``norm_topk_prob=False``).
 * ``cohere2_moe`` (``Cohere2MoeSparseMoeBlock``): the softmax or sigmoid (``expert_selection_fn``) of the top-k
   logits, shared SwiGLU experts combined by ``shared_expert_combination_strategy`` (``"average"``, the default:
@@ -121,6 +124,11 @@ _FAMILIES: Dict[str, _Family] = {
                       output_bias="bias"),
     "glm5_next_text": _Family("Glm5NextTextMoE", "gate", ("gate_proj", "up_proj", "down_proj"),
                               shared="shared_experts"),
+    "deepseek_v2": _Family("DeepseekV2Moe", "gate", ("gate_proj", "up_proj", "down_proj"), shared="shared_experts"),
+    "deepseek_ocr2_text": _Family("DeepseekOcr2TextMoe", "gate", ("gate_proj", "up_proj", "down_proj"),
+                                  shared="shared_experts", profile="deepseek_v2"),
+    "unlimited_ocr_text": _Family("UnlimitedOcrTextMoe", "gate", ("gate_proj", "up_proj", "down_proj"),
+                                  shared="shared_experts", profile="deepseek_v2"),
     "jamba": _Family("JambaSparseMoeBlock", "router", ("gate_proj", "up_proj", "down_proj")),
     "cohere2_moe": _Family("Cohere2MoeSparseMoeBlock", "gate", ("gate_proj", "up_proj", "down_proj"),
                            shared="shared_experts"),
@@ -242,6 +250,21 @@ def moe_config_from_hf(config, **overrides) -> MoEConfig:
         n_shared = getattr(c, "n_shared_experts", None) or getattr(c, "num_shared_experts", None)
         if n_shared:
             opts.update(shared_expert_ffn_size=c.moe_intermediate_size * n_shared)
+    elif p == "deepseek_v2":
+        _gated_silu(c, t)
+        method = getattr(c, "topk_method", "greedy")
+        if method not in ("greedy", "group_limited_greedy"):
+            raise ValueError(f"{t}: topk_method={method!r} cannot be expressed (greedy, group_limited_greedy)")
+        # fp32 gate, softmax, the top-k scores not renormalized, times routed_scaling_factor; groups scored by
+        # their best expert
+        opts = dict(hidden_size=c.hidden_size, ffn_hidden_size=c.moe_intermediate_size,
+                    num_experts=_first(c, "n_routed_experts", "num_experts"), topk=c.num_experts_per_tok,
+                    norm_topk_prob=False, topk_scaling_factor=float(c.routed_scaling_factor),
+                    router_dtype=torch.float32)
+        if method == "group_limited_greedy":
+            opts.update(num_groups=c.n_group, group_topk=c.topk_group, group_score_topk=1)
+        if c.n_shared_experts:
+            opts.update(shared_expert_ffn_size=c.moe_intermediate_size * c.n_shared_experts)
     elif t == "jamba":
         _gated_silu(c, t)
         opts = dict(hidden_size=c.hidden_size, ffn_hidden_size=c.intermediate_size, num_experts=c.num_experts,

@@ -50,6 +50,8 @@ _REPEATS: Dict[str, tuple] = {
     "mimo_v2_flash": ("mimo_v2_flash.MiMoV2FlashMoE", "MiMoV2FlashConfig", "MiMoV2FlashForCausalLM", {}),
     "bailing_hybrid": ("bailing_hybrid.BailingHybridMoE", "BailingHybridConfig", None,
                        dict(pad_token_id=0)),  # its tiny model's layers are dense
+    "deepseek_ocr2_text": ("deepseek_ocr2.DeepseekOcr2TextMoe", "DeepseekOcr2TextConfig", None, {}),  # an OCR VLM
+    "unlimited_ocr_text": ("unlimited_ocr.UnlimitedOcrTextMoe", "UnlimitedOcrTextConfig", None, {}),  # an OCR VLM
     "granitemoe": ("granitemoe.GraniteMoeMoE", "GraniteMoeConfig", "GraniteMoeForCausalLM", {}),
 }
 _SMALL = dict(hidden_size=32, intermediate_size=48, moe_intermediate_size=24, num_experts=8, n_routed_experts=8,
@@ -58,7 +60,7 @@ _SMALL = dict(hidden_size=32, intermediate_size=48, moe_intermediate_size=24, nu
               vocab_size=64, num_hidden_layers=2, routed_scaling_factor=2.5, max_position_embeddings=64)
 
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss", "ernie4_5_moe", "kolibri1", "nemotron_h",
-            "jetmoe", "llama4_text", "glm5_next_text", "cohere2_moe", "jamba") + tuple(_REPEATS)
+            "jetmoe", "llama4_text", "glm5_next_text", "cohere2_moe", "jamba", "deepseek_v2") + tuple(_REPEATS)
 
 _COMMON = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
                max_position_embeddings=64, num_experts_per_tok=2)
@@ -83,6 +85,12 @@ _CONFIGS: Dict[str, tuple] = {
     "nemotron_h": ("NemotronHConfig", dict(num_hidden_layers=3, layers_block_type=["moe", "full_attention", "moe"],
                                            head_dim=8, moe_intermediate_size=24, n_routed_experts=8,
                                            moe_shared_expert_intermediate_size=40, routed_scaling_factor=2.5)),
+    "deepseek_v2": ("DeepseekV2Config", dict(intermediate_size=48, moe_intermediate_size=24, n_routed_experts=16,
+                                             num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=2,
+                                             routed_scaling_factor=2.5, topk_method="group_limited_greedy",
+                                             first_k_dense_replace=0, kv_lora_rank=16, q_lora_rank=24,
+                                             qk_rope_head_dim=4, v_head_dim=8, qk_nope_head_dim=4, head_dim=4,
+                                             num_key_value_heads=4)),
     "jamba": ("JambaConfig", dict(intermediate_size=24, num_experts=8, attn_layer_period=1, attn_layer_offset=0,
                                   expert_layer_period=1, expert_layer_offset=0, use_mamba_kernels=False)),
     "cohere2_moe": ("Cohere2MoeConfig", dict(intermediate_size=24, num_experts=8, num_shared_experts=2)),
@@ -107,13 +115,15 @@ _BLOCKS = {"mixtral": "mixtral.modeling_mixtral.MixtralSparseMoeBlock",
            "jetmoe": "jetmoe.modeling_jetmoe.JetMoeMoE",
            "cohere2_moe": "cohere2_moe.modeling_cohere2_moe.Cohere2MoeSparseMoeBlock",
            "jamba": "jamba.modeling_jamba.JambaSparseMoeBlock",
+           "deepseek_v2": "deepseek_v2.modeling_deepseek_v2.DeepseekV2Moe",
            "llama4_text": "llama4.modeling_llama4.Llama4TextMoe",
            "glm5_next_text": "glm5_next.modeling_glm5_next.Glm5NextTextMoE"}
 _MODELS = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
            "deepseek_v3": "DeepseekV3ForCausalLM", "gpt_oss": "GptOssForCausalLM",
            "ernie4_5_moe": "Ernie4_5_MoeForCausalLM", "kolibri1": "Kolibri1ForCausalLM",
            "nemotron_h": "NemotronHForCausalLM", "jetmoe": "JetMoeForCausalLM",
-           "cohere2_moe": "Cohere2MoeForCausalLM", "jamba": "JambaForCausalLM", "llama4_text": "Llama4ForCausalLM",
+           "cohere2_moe": "Cohere2MoeForCausalLM", "jamba": "JambaForCausalLM",
+           "deepseek_v2": "DeepseekV2ForCausalLM", "llama4_text": "Llama4ForCausalLM",
            "glm5_next_text": "Glm5NextTextModel"}  # GLM5-Next's text model has no LM head of its own
 
 
