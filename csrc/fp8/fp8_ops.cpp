@@ -1,6 +1,9 @@
 // Torch glue of the FP8 ops: argument checks that name the tensor, allocation, stream.
 #include "fp8/fp8_ops.h"
 
+#include <ATen/Parallel.h>
+
+#include <algorithm>
 #include <cfloat>
 
 #include "common/error_flag_torch.h"
@@ -93,7 +96,11 @@ std::tuple<at::Tensor, at::Tensor> fp8_quantize_cpu(const at::Tensor& x, const s
                                                     int64_t tile_rows, int64_t tile_cols, at::ScalarType fp8_dtype,
                                                     bool mx, double eps, bool pow2, bool transpose) {
   Quantized o = describe(x, m_splits, tile_rows, tile_cols, fp8_dtype, mx, eps, pow2, transpose);
-  fp8::quantize_cpu(o.p);
+  const fp8::QuantizeProblem& p = o.p;
+  const int64_t tile = (p.tile_rows ? p.tile_rows : p.rows) * fp8::col_tile_width(p);
+  at::parallel_for(0, p.batch * p.row_tiles * p.col_tiles, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, tile)),
+                   [&](int64_t t0, int64_t t1) { fp8::quantize_tiles_cpu(p, t0, t1); });
+  fp8::quantize_tail_cpu(p);
   return {o.q, o.scale};
 }
 

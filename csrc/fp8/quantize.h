@@ -192,8 +192,11 @@ MOE_GRAPH_HD void quantize_store(const QuantizeProblem& p, float mult, int64_t b
 
 MOE_GRAPH_HD int64_t col_tile_width(const QuantizeProblem& p) { return p.tile_cols == 0 ? p.cols : p.tile_cols; }
 
-// CPU: the whole problem (threads over the tiles).
-void quantize_cpu(const QuantizeProblem& p);
+// CPU: tiles [t0, t1) of the B * row_tiles * col_tiles (callers split them across threads), and the rest: the m_splits
+// error bits and the zero rows past sum(m_splits).
+void quantize_tiles_cpu(const QuantizeProblem& p, int64_t t0, int64_t t1);
+void quantize_tail_cpu(const QuantizeProblem& p);
+void quantize_cpu(const QuantizeProblem& p);  // both, on the calling thread
 
 #ifdef MOE_GRAPH_WITH_CUDA
 // One launch (none when there is nothing to write) on `stream`; no host synchronization (capturable).

@@ -78,7 +78,8 @@ class _Fp8GroupedLinear(torch.autograd.Function):
         ctx.save_for_backward(splits, qwt, swt, *[t for t in xt if t is not None])
         ctx.recipe, ctx.fuse, ctx.accumulate, ctx.need_w = recipe, fuse, accumulate, need_w
         ctx.weights = weights if fuse else None
-        ctx.n_weights, ctx.w_dtype, ctx.bias_dtype = len(weights), weights[0].dtype, None if bias is None else bias.dtype
+        ctx.n_weights, ctx.w_dtype = len(weights), weights[0].dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.x_dtype = x.dtype
         return y
 
