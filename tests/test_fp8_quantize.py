@@ -55,7 +55,7 @@ def test_quantize_equals_te_reference(tiles, dtype):
         for qd in FP8:
             for m, k in [(130, 300), (7, 33)]:
                 x = _inputs(kind, m, k, dtype, gen)
-                for pow2 in ([False] if mx else [False, True]):
+                for pow2 in ([False] if mx or kind != "random" else [False, True]):
                     _check(x, None, tiles, qd, pow2=pow2)
 
 
