@@ -124,7 +124,9 @@ def fp8_grouped_linear(x: torch.Tensor, splits: torch.Tensor, weights: List[torc
     """``x [M, K]`` times the expert weights (one ``[E, N, K]`` tensor or ``E`` tensors ``[N, K]``) in FP8 with
     ``recipe`` (``moe_graph.fp8.Recipe``), differentiable in ``x``, the weights and ``bias [E, N]``; ``fuse``:
     weight gradients into ``main_grad``. With ``cache_owner`` the weights' quantized copies are kept on it and
-    reused while the weights are unchanged (same tensors, same version counters: once per optimizer step)."""
+    reused while the weights are the same tensors with the same version counters (only for weights updated in
+    place through themselves: an update through another view of their storage, e.g. a contiguous parameter
+    buffer, is not seen)."""
     key = (recipe, tuple((w.data_ptr(), w._version) for w in weights))
     cache = getattr(cache_owner, "_fp8_weight_cache", None) if cache_owner is not None else None
     if cache is None or cache[0] != key:

@@ -221,17 +221,16 @@ class GroupedMLP(nn.Module):
         return weights1, weights2, b1, b2
 
     def _fp8_forward(self, expert_in, m_splits, recipe, echo, offload_map, spare_weights, row_scale):
-        """Both expert GEMMs in FP8 (``moe_graph.fp8.autocast``): the weights' quantized copies are cached on the
-        GroupedLinear containers and reused until the optimizer changes the weights (once per step). Fused
-        ``main_grad`` without echo; with echo the spare copies' gradients go home through autograd (the non-fused
-        path)."""
+        """Both expert GEMMs in FP8 (``moe_graph.fp8.autocast``), the weights quantized at every forward (the
+        distributed optimizer updates them through buffers that version counters do not see, so no copy is kept
+        across forwards; ``GroupedLinear``'s ``is_first_microbatch`` is the per-step cache). Fused ``main_grad``
+        without echo; with echo the spare copies' gradients go home through autograd (the non-fused path)."""
         w1, w2 = self.weights()
         b1, b2 = self.biases() or (None, None)
         if echo is None:
             fuse = self.uses_fused_wgrad()
-            mid = self._act(fp8_grouped_linear(expert_in, m_splits, [w1], b1, recipe, fuse=fuse, cache_owner=self.fc1),
-                            row_scale)
-            return fp8_grouped_linear(mid, m_splits, [w2], b2, recipe, fuse=fuse, cache_owner=self.fc2)
+            mid = self._act(fp8_grouped_linear(expert_in, m_splits, [w1], b1, recipe, fuse=fuse), row_scale)
+            return fp8_grouped_linear(mid, m_splits, [w2], b2, recipe, fuse=fuse)
         if self.uses_fused_wgrad():
             raise NotImplementedError("GroupedMLP: FP8 with echo spare slots and fused main_grad is not supported yet "
                                       "(run echo without main_grad, or FP8 without echo)")

@@ -46,6 +46,7 @@ the capacity factor when reruns become frequent::
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 from typing import Any, Callable, Deque, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -56,6 +57,7 @@ from moe_graph import parallel_state as ps
 from moe_graph.moe.layer import moe_layers, reset_step_counters, step_max_load_ratio, step_overflow
 from moe_graph.moe.router import update_expert_bias as _update_bias
 from moe_graph.moe.token_dispatcher import OVERFLOW_MODES
+from moe_graph.ops import fp8 as _fp8
 from moe_graph.train import schedules
 
 __all__ = ["TrainStepResult", "train_step", "make_train_step", "OverflowRerun"]
@@ -90,7 +92,7 @@ def train_step(model, optimizer, microbatches: Sequence[Any], *, loss_func: Opti
                tensor_shape: Optional[Sequence[int]] = None, dtype: Optional[torch.dtype] = None,
                config=None, forward_backward_func: Optional[Callable] = None,
                update_expert_bias: bool = True, average_loss_over_data_parallel: bool = True,
-               overflow: Optional[str] = None) -> TrainStepResult:
+               overflow: Optional[str] = None, fp8_recipe=None) -> TrainStepResult:
     """One training iteration (see the module docstring).
 
     Args:
@@ -111,6 +113,9 @@ def train_step(model, optimizer, microbatches: Sequence[Any], *, loss_func: Opti
         overflow: ``"rerun"``: a route over any MoE layer's static capacity skips the update on every rank and
             sets ``overflowed`` (see the module docstring); ``"drop"``: such routes are dropped (counted only);
             ``None``: the layers' own ``overflow`` option (rerun when any layer of this rank has it).
+        fp8_recipe: run the microbatches' forward and backward under ``moe_graph.fp8.autocast(recipe=...)`` (a
+            recipe, TE's recipe object or a name: "blockwise", "mxfp8", "tensorwise"); None: as the caller's
+            context (an enclosing autocast still applies).
     """
     if overflow is not None and overflow not in OVERFLOW_MODES:
         raise ValueError(f"train_step: overflow must be one of {OVERFLOW_MODES} or None, got {overflow!r}")
@@ -157,7 +162,8 @@ def train_step(model, optimizer, microbatches: Sequence[Any], *, loss_func: Opti
     iters = [iter(microbatches) for _ in chunks]
     kwargs = dict(forward_step_func=forward_step, data_iterator=iters if interleaved else iters[0],
                   model=chunks if interleaved else chunks[0], num_microbatches=m, config=config)
-    reported = forward_backward_func(**kwargs)
+    with _fp8.autocast(recipe=fp8_recipe) if fp8_recipe is not None else contextlib.nullcontext():
+        reported = forward_backward_func(**kwargs)
     overflowed = None
     if rerun:
         ok, grad_norm = optimizer.step(overflow=step_overflow(layers, optimizer.found_overflow.device))
