@@ -110,9 +110,10 @@ def test_group_score_topk_with_expert_bias(gen):
 @pytest.mark.parametrize("score_func, target, norm", [("softmax", "scores", True), ("sigmoid", "logits", False),
                                                       ("softmax", "logits", True)])
 def test_expert_bias_softmax_and_logits(gen, score_func, target, norm):
-    """Selection-only expert bias with a softmax router (ERNIE-4.5-MoE) and added to the logits (Kolibri-1); the
-    bias changes the selection of some tokens, the probabilities stay the unbiased scores."""
-    layer = _layer(score_func=score_func, enable_expert_bias=True, expert_bias_target=target, norm_topk_prob=norm)
+    """Selection-only expert bias with a softmax router (ERNIE-4.5-MoE, its renormalisation floor) and added to the
+    logits (Kolibri-1); the bias changes the selection of some tokens, the probabilities stay the unbiased scores."""
+    layer = _layer(score_func=score_func, enable_expert_bias=True, expert_bias_target=target, norm_topk_prob=norm,
+                   norm_topk_min=0.3 if norm else None)
     x = torch.randn(24, 8, generator=gen, dtype=DT)
     plain = layer.router(x).indices.sort(1)[0]
     with torch.no_grad():

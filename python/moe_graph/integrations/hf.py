@@ -322,7 +322,8 @@ def moe_config_from_hf(config, **overrides) -> MoEConfig:
                              "and the routed experts none (MoELayer's add_bias_linear sets both)")
         opts = dict(hidden_size=c.hidden_size, ffn_hidden_size=c.moe_intermediate_size, num_experts=c.num_experts,
                     topk=c.num_experts_per_tok, norm_topk_prob=True, enable_expert_bias=True,
-                    router_dtype=torch.float32)
+                    router_dtype=torch.float32,
+                    norm_topk_min=float(c.moe_norm_min) if c.moe_norm_min is not None else None)
         if c.moe_num_shared_experts:
             opts.update(shared_expert_ffn_size=c.moe_intermediate_size * c.moe_num_shared_experts)
     elif t == "kolibri1":

@@ -28,7 +28,7 @@ class MoEConfig:
 
     Routing (:class:`moe_graph.moe.router.TopKRouter`): ``topk``, ``score_func``, ``norm_topk_prob``,
     ``num_groups``, ``group_topk``, ``group_score_topk``, ``topk_scaling_factor``, ``router_bias``,
-    ``enable_expert_bias``, ``expert_bias_update_rate``, ``expert_bias_target``, ``router_dtype``. Losses
+    ``enable_expert_bias``, ``expert_bias_update_rate``, ``expert_bias_target``, ``norm_topk_min``, ``router_dtype``. Losses
     (:class:`moe_graph.moe.router.RouterLoss`): ``aux_loss_coeff``, ``aux_loss_type``, ``sequence_dim``,
     ``z_loss_coeff``. Expert parallelism and echo: ``ep_size``,
     ``num_spare_experts_per_ep_rank``, ``assignment``, ``echo_donors``, ``echo_plan_mode``. Token dispatch:
@@ -63,6 +63,7 @@ class MoEConfig:
     enable_expert_bias: bool = False
     expert_bias_update_rate: float = 1e-3
     expert_bias_target: str = "scores"
+    norm_topk_min: Optional[float] = None
     router_dtype: Optional[torch.dtype] = None
     ep_size: Optional[int] = None
     num_spare_experts_per_ep_rank: int = 0

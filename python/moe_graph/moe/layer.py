@@ -100,7 +100,7 @@ class MoELayer(nn.Module):
         score_func: ``"softmax"`` or ``"sigmoid"``. norm_topk_prob: renormalize the top-k probabilities (``None``:
             on for sigmoid with ``topk > 1``, off for softmax, Megatron's rule; ``True``/``False`` for either).
         num_groups, group_topk, group_score_topk, topk_scaling_factor, router_bias, enable_expert_bias,
-            expert_bias_update_rate, expert_bias_target, router_dtype: router options (:class:`TopKRouter`;
+            expert_bias_update_rate, expert_bias_target, norm_topk_min, router_dtype: router options (:class:`TopKRouter`;
             group-limited routing and its group score rule, scaled probabilities, a learned gate bias,
             auxiliary-loss-free balancing with :func:`update_expert_bias` after each optimizer step, the selection
             bias on the scores or the logits, gate GEMM precision).
@@ -210,7 +210,7 @@ class MoELayer(nn.Module):
                                  group_score_topk=c.group_score_topk, scaling_factor=c.topk_scaling_factor,
                                  router_bias=c.router_bias, enable_expert_bias=c.enable_expert_bias,
                                  expert_bias_update_rate=c.expert_bias_update_rate, router_dtype=c.router_dtype,
-                                 expert_bias_target=c.expert_bias_target)
+                                 expert_bias_target=c.expert_bias_target, norm_topk_min=c.norm_topk_min)
         self.router_loss = RouterLoss(c.topk, c.score_func, c.aux_loss_coeff, c.aux_loss_type, c.sequence_dim,
                                       c.z_loss_coeff)
         act = dict(swiglu_alpha=c.swiglu_alpha, swiglu_limit=c.swiglu_limit, bias=c.add_bias_linear)

@@ -275,6 +275,8 @@ class TopKRouter(nn.Module):
     * ``scaling_factor``: multiplies the probabilities (DeepSeek-V3's ``routed_scaling_factor`` 2.5).
     * ``router_bias``: a learned bias ``bias [E]`` added to the logits (GPT-OSS; Megatron's router gets one with
       ``add_bias_linear``). It moves both the selection and the probabilities, unlike ``expert_bias``.
+    * ``norm_topk_min``: renormalize by ``max(sum, norm_topk_min)`` instead of ``sum + 1e-20`` (ERNIE-4.5's
+      ``moe_norm_min``: a selection-biased top-k whose scores sum to almost nothing stays almost nothing).
     * ``router_dtype`` (``torch.float32`` / ``torch.float64``): run the gate GEMM in that precision (Megatron's
       ``moe_router_dtype``; by default the GEMM runs in the input dtype and the logits are upcast to fp32).
     * ``enable_expert_bias``: auxiliary-loss-free balancing. A buffer ``expert_bias [E]`` is added to the scores
@@ -295,8 +297,12 @@ class TopKRouter(nn.Module):
                  group_topk: Optional[int] = None, group_score_topk: Optional[int] = None,
                  scaling_factor: Optional[float] = None, router_bias: bool = False,
                  enable_expert_bias: bool = False, expert_bias_update_rate: float = 1e-3,
-                 router_dtype: Optional[torch.dtype] = None, expert_bias_target: str = "scores"):
+                 router_dtype: Optional[torch.dtype] = None, expert_bias_target: str = "scores",
+                 norm_topk_min: Optional[float] = None):
         super().__init__()
+        if norm_topk_min is not None and not (isinstance(norm_topk_min, (int, float)) and 0 <= norm_topk_min < 1):
+            raise ValueError(f"norm_topk_min must be None or a number in [0, 1), got {norm_topk_min!r}")
+        self.norm_topk_min = norm_topk_min
         check_router_options(num_experts, topk, score_func, num_groups, group_topk, enable_expert_bias, router_dtype,
                              norm_topk_prob, group_score_topk, expert_bias_target)
         self.expert_bias_target = expert_bias_target
@@ -358,7 +364,11 @@ class TopKRouter(nn.Module):
                 sel = sel + self.expert_bias.to(sel.dtype)
             idx = self._select(sel)
             top = scores.gather(1, idx)
-            if self.norm_topk_prob:  # scaled in the same op
+            if self.norm_topk_prob and self.norm_topk_min is not None:  # ERNIE-4.5: sum clamped, not offset
+                top = top / top.sum(-1, keepdim=True).clamp(min=self.norm_topk_min)
+                if self.scaling_factor:
+                    top = top * self.scaling_factor
+            elif self.norm_topk_prob:  # scaled in the same op
                 top = _RenormalizedTopK.apply(top, float(self.scaling_factor or 1.0))
             elif self.scaling_factor:
                 top = top * self.scaling_factor

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 # ---------------------------------------------------------------------------------------------- references --
 def reference_route(h: torch.Tensor, gate_weight: torch.Tensor, topk: int, score_func: str = "softmax",
                     norm_topk_prob: Optional[bool] = None, *, num_groups=None, group_topk=None, scaling_factor=None,
-                    expert_bias=None, group_score_topk=None, gate_bias=None, expert_bias_target="scores"):
+                    expert_bias=None, group_score_topk=None, gate_bias=None, expert_bias_target="scores",
+                    norm_topk_min=None):
     """``(topk_idx [T, K], topk_probs [T, K], scores [T, E])``: the router written out independently (group-limited
     selection one token at a time, in plain Python). ``norm_topk_prob=None``: on for sigmoid with ``topk > 1``;
     ``group_score_topk=None``: a group scores the sum of its ``topk // group_topk`` best; ``gate_bias``: added to
@@ -42,7 +43,8 @@ def reference_route(h: torch.Tensor, gate_weight: torch.Tensor, topk: int, score
     if norm_topk_prob is None:
         norm_topk_prob = score_func == "sigmoid" and topk > 1
     if norm_topk_prob:
-        top = top / (top.sum(-1, keepdim=True) + 1e-20)
+        s = top.sum(-1, keepdim=True)
+        top = top / (s + 1e-20 if norm_topk_min is None else torch.maximum(s, torch.full_like(s, norm_topk_min)))
     if scaling_factor:
         top = top * scaling_factor
     return idx, top, scores
@@ -175,7 +177,8 @@ def reference_moe_layer(x: torch.Tensor, params: Dict[str, torch.Tensor], config
                                     num_groups=c.num_groups, group_topk=c.group_topk,
                                     scaling_factor=c.topk_scaling_factor, expert_bias=params.get("router.expert_bias"),
                                     group_score_topk=c.group_score_topk, gate_bias=params.get("router.bias"),
-                                    expert_bias_target=getattr(c, "expert_bias_target", "scores"))
+                                    expert_bias_target=getattr(c, "expert_bias_target", "scores"),
+                                    norm_topk_min=getattr(c, "norm_topk_min", None))
     act = dict(swiglu_alpha=c.swiglu_alpha, swiglu_limit=c.swiglu_limit)
     y = dense_moe_reference(h, idx, probs, params["experts.fc1.weight"], params["experts.fc2.weight"], c.activation,
                             b1=params.get("experts.fc1.bias"), b2=params.get("experts.fc2.bias"),
