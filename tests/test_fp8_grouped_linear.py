@@ -229,3 +229,13 @@ def test_train_step_with_fp8_recipe():
         assert torch.isfinite(res.loss) and torch.isfinite(res.grad_norm)
     assert fc1.weight.grad_added_to_main_grad and fc1.weight.main_grad.abs().sum() > 0
     assert fp8.current_recipe() is None
+
+
+def test_demo_fp8_flag_is_checked():
+    from moe_graph.demo.cli import parser, resolve_args
+    p = parser()
+    args = p.parse_args(["--device", "cpu", "--fp8", "mxfp8", "--spare", "0", "--layers", "1"])
+    resolve_args(p, args, None)
+    assert args.fp8 == "mxfp8"
+    with pytest.raises(SystemExit):
+        resolve_args(p, p.parse_args(["--device", "cpu", "--fp8", "blockwise"]), None)  # default --spare 1

@@ -116,6 +116,8 @@ class Trainer:
         # the training step (moe_graph.train.step): microbatches through the layout's pipeline schedule with
         # no_sync on all but the last, MoE aux-loss gradient scale, the optimizer step, the expert-bias update
         step_kwargs = dict(tensor_shape=(cfg.batch, cfg.seq, cfg.hidden), dtype=dtype, overflow=cfg.overflow)
+        if getattr(cfg, "fp8", None):  # the experts' GEMMs in FP8 (moe_graph.fp8 recipes)
+            step_kwargs["fp8_recipe"] = cfg.fp8
         self.step = make_train_step(model, self.opt, **step_kwargs)
         self.rerun = self.overflow_rerun(model, step_kwargs)
         self.reran = False  # whether the last step reran (host value)
