@@ -50,6 +50,7 @@ from moe_graph.ops.errors import EXCHANGE_COUNTS, flag_error_if
 
 __all__ = [
     "EXCHANGES",
+    "capacity_for",
     "destination_capacity",
     "destination_quotas",
     "checked_demand",
@@ -63,6 +64,17 @@ __all__ = [
 # "nccl": fixed-split all-to-all, capacity per (source, destination) pair; "symm_mem": variable-size exchange,
 # capacity per destination; "auto": symm_mem where torch's NVSHMEM exchange exists for the group, else nccl
 EXCHANGES = ("nccl", "symm_mem", "auto")
+
+
+def capacity_for(num_tokens: int, topk: int, num_ep_ranks: int, capacity_factor: Optional[float]) -> int:
+    """Routes each rank may send to each rank: ``ceil(capacity_factor * T * K / R)`` (at least 1, at most
+    ``T * K``); ``None`` -> ``T * K`` (dropless)."""
+    full = num_tokens * topk
+    if capacity_factor is None:
+        return max(full, 1)
+    if capacity_factor <= 0:
+        raise ValueError(f"capacity_factor must be > 0 or None (dropless), got {capacity_factor}")
+    return max(1, min(full, int(math.ceil(round(capacity_factor * full / num_ep_ranks, 6)))))
 
 
 def destination_capacity(num_tokens: int, topk: int, num_ep_ranks: int, capacity_factor: Optional[float]) -> int:
@@ -117,7 +129,7 @@ def exchange_bytes(num_tokens: int, topk: int, num_ep_ranks: int, hidden_size: i
     whatever the routing; per destination a ``ceil(cf * T * K)``-row buffer and only the routed rows on the wire
     (``routed_rows``, default ``T * K``)."""
     R, TK = num_ep_ranks, num_tokens * topk
-    pair = TK if capacity_factor is None else max(1, min(TK, int(math.ceil(round(capacity_factor * TK / R, 6)))))
+    pair = capacity_for(num_tokens, topk, R, capacity_factor)
     row = hidden_size * element_size
     routed = TK if routed_rows is None else routed_rows
     return {"pair": {"receive": R * pair * row, "wire": R * pair * row},

@@ -58,7 +58,6 @@ Example (one process, 4 experts, top-2)::
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -67,8 +66,8 @@ import torch.distributed as dist
 from torch import nn
 
 from moe_graph.moe.echo import default_backend
-from moe_graph.moe.exchange import (EXCHANGES, ToExperts, ToSources, checked_demand, destination_capacity,
-                                    destination_quotas, resolve_exchange)
+from moe_graph.moe.exchange import (EXCHANGES, ToExperts, ToSources, capacity_for, checked_demand,
+                                    destination_capacity, destination_quotas, resolve_exchange)
 from moe_graph.ops.dispatch_layout import dispatch_layout, receive_layout
 from moe_graph.ops.permute import expand_rows, reduce_rows
 
@@ -114,17 +113,6 @@ def expert_columns(num_experts: int, num_ep_ranks: int, num_spare_experts_per_ep
     rank = torch.cat([e // L, j // k if k else j])
     local = torch.cat([e % L, L + (j % k) if k else j])
     return rank.to(torch.int64), local.to(torch.int64)
-
-
-def capacity_for(num_tokens: int, topk: int, num_ep_ranks: int, capacity_factor: Optional[float]) -> int:
-    """Routes each rank may send to each rank: ``ceil(capacity_factor * T * K / R)`` (at least 1, at most
-    ``T * K``); ``None`` -> ``T * K`` (dropless)."""
-    full = num_tokens * topk
-    if capacity_factor is None:
-        return max(full, 1)
-    if capacity_factor <= 0:
-        raise ValueError(f"capacity_factor must be > 0 or None (dropless), got {capacity_factor}")
-    return max(1, min(full, int(math.ceil(round(capacity_factor * full / num_ep_ranks, 6)))))
 
 
 def receive_buffer_bytes(num_tokens: int, topk: int, num_ep_ranks: int, hidden_size: int,
