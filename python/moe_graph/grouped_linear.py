@@ -67,14 +67,18 @@ class _Fp8GroupedLinear(torch.autograd.Function):
     two copies from the layer's per-step cache. Bias gradient from the unquantized ``dy`` (as TE). Sync-free."""
 
     @staticmethod
-    def forward(ctx, x, splits, recipe, wq, bias, fuse, accumulate, *weights):
+    def forward(ctx, x, splits, recipe, wq, bias, fuse, accumulate, xq, *weights):
         qw, sw, qwt, swt = wq
         bk, bn, bm = _fp8.gemm_blocks(recipe)
-        qx, sx = _fp8.quantize_rows(x, splits, recipe, recipe.fwd_dtype)
+        # xq: the rowwise copy made before the rows moved (FP8 dispatch; x is then only the autograd carrier)
+        qx, sx = xq if xq is not None else _fp8.quantize_rows(x, splits, recipe, recipe.fwd_dtype)
         b32 = None if bias is None else bias.detach().float()
         y = _fp8.scaled_grouped_gemm(qx, sx, qw, sw, splits, block_k=bk, block_n=bn, bias=b32, out_dtype=x.dtype)
         need_w = any(w.requires_grad for w in weights)
-        xt = _fp8.quantize_columns(x, splits, recipe, recipe.fwd_dtype) if need_w else (None, None)
+        xt = (None, None)
+        if need_w:  # with xq: the columnwise copy from the dequantized rows (DeepSeek-V3's FP8 dispatch)
+            src = x if xq is None else _fp8.dequantize(qx, sx, tiles=_fp8.row_tiles(recipe))
+            xt = _fp8.quantize_columns(src, splits, recipe, recipe.fwd_dtype)
         ctx.save_for_backward(splits, qwt, swt, *[t for t in xt if t is not None])
         ctx.recipe, ctx.fuse, ctx.accumulate, ctx.need_w = recipe, fuse, accumulate, need_w
         ctx.weights = weights if fuse else None
@@ -115,7 +119,7 @@ class _Fp8GroupedLinear(torch.autograd.Function):
         if ctx.needs_input_grad[4]:
             db = grouped_bias_grad(dy, splits).to(ctx.bias_dtype)
         ctx.weights = None
-        return (dx, None, None, None, db, None, None, *dws)
+        return (dx, None, None, None, db, None, None, None, *dws)
 
 
 def fp8_grouped_linear(x: torch.Tensor, splits: torch.Tensor, weights: List[torch.Tensor],
@@ -126,7 +130,14 @@ def fp8_grouped_linear(x: torch.Tensor, splits: torch.Tensor, weights: List[torc
     weight gradients into ``main_grad``. With ``cache_owner`` the weights' quantized copies are kept on it and
     reused while the weights are the same tensors with the same version counters (only for weights updated in
     place through themselves: an update through another view of their storage, e.g. a contiguous parameter
-    buffer, is not seen)."""
+    buffer, is not seen). ``x`` may be a ``moe_graph.fp8.QuantizedRows`` (FP8 dispatch): its rowwise copy is used
+    as is, and the wgrad's columnwise copy is quantized from its fp32 dequantization."""
+    xq = None
+    if isinstance(x, _fp8.QuantizedRows):
+        if x.kind != recipe.kind:
+            raise ValueError(f"fp8_grouped_linear: x was quantized for the {x.kind!r} recipe before dispatch, but "
+                             f"the active recipe is {recipe.kind!r}")
+        x, xq = x.carrier, (x.data, x.scale)
     key = (recipe, tuple((w.data_ptr(), w._version) for w in weights))
     cache = getattr(cache_owner, "_fp8_weight_cache", None) if cache_owner is not None else None
     if cache is None or cache[0] != key:
@@ -136,7 +147,7 @@ def fp8_grouped_linear(x: torch.Tensor, splits: torch.Tensor, weights: List[torc
             cache = (key, _fp8.quantize_weight(w3.detach().contiguous(), recipe))
         if cache_owner is not None:
             cache_owner._fp8_weight_cache = cache
-    return _Fp8GroupedLinear.apply(x, splits, recipe, cache[1], bias, fuse, accumulate, *weights)
+    return _Fp8GroupedLinear.apply(x, splits, recipe, cache[1], bias, fuse, accumulate, xq, *weights)
 
 
 class GroupedLinear(nn.Module):
@@ -386,7 +397,7 @@ class GroupedLinear(nn.Module):
                 w3 = weights[0] if self.single_grouped_weight else torch.stack([w.detach() for w in weights])
                 cache = (recipe, _fp8.quantize_weight(w3.detach().contiguous(), recipe))
             self._fp8_step_cache = cache
-        return _Fp8GroupedLinear.apply(x, splits, recipe, cache[1], bias, fuse, accumulate, *weights)
+        return _Fp8GroupedLinear.apply(x, splits, recipe, cache[1], bias, fuse, accumulate, None, *weights)
 
     # ------------------------------------------------------------------------------- delayed weight grads --
     def need_backward_dw(self) -> bool:

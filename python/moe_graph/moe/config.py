@@ -34,7 +34,8 @@ class MoEConfig:
     ``num_spare_experts_per_ep_rank``, ``assignment``, ``echo_donors``, ``echo_plan_mode``. Token dispatch:
     ``capacity_factor``, ``token_drop_policy``, ``overflow`` (``"drop"`` or ``"rerun"``: dropless with the static
     capacity), ``exchange`` (``"nccl"``: capacity per (source, destination) pair; ``"symm_mem"``: per destination
-    rank, variable-size; ``"auto"``: :mod:`moe_graph.moe.exchange`). Experts (:class:`moe_graph.moe.experts.GroupedMLP`):
+    rank, variable-size; ``"auto"``: :mod:`moe_graph.moe.exchange`), ``fp8_dispatch`` (under an FP8 recipe, tokens
+    travel quantized: ``docs/fp8.md``). Experts (:class:`moe_graph.moe.experts.GroupedMLP`):
     ``activation``, ``shared_expert_ffn_size``, ``shared_expert_gate``, ``shared_expert_combine``, ``probs_on_input``,
     ``output_bias``,
     ``params_dtype``, ``init_std``;
@@ -74,6 +75,7 @@ class MoEConfig:
     token_drop_policy: str = "probs"
     overflow: str = "drop"
     exchange: str = "auto"
+    fp8_dispatch: bool = False
     shared_expert_ffn_size: Optional[int] = None
     shared_expert_gate: bool = False
     shared_expert_combine: str = "sum"
@@ -107,6 +109,11 @@ class MoEConfig:
             raise ValueError(f"overflow must be one of {OVERFLOW_MODES}, got {self.overflow!r}")
         if self.exchange not in EXCHANGES:
             raise ValueError(f"exchange must be one of {EXCHANGES}, got {self.exchange!r}")
+        if not isinstance(self.fp8_dispatch, bool):
+            raise TypeError(f"fp8_dispatch must be a bool, got {self.fp8_dispatch!r}")
+        if self.fp8_dispatch and self.probs_on_input:
+            raise ValueError("fp8_dispatch cannot be combined with probs_on_input (the probabilities scale the expert "
+                             "input after the exchange, so the quantized tokens would have to be requantized)")
         if self.shared_expert_gate and not self.shared_expert_ffn_size:
             raise ValueError("shared_expert_gate needs shared_expert_ffn_size")
         if self.shared_expert_combine not in ("sum", "average"):

@@ -46,6 +46,7 @@ from moe_graph.moe.echo_balancer import EchoBalancer
 from moe_graph.moe.experts import GroupedMLP, SharedExpert
 from moe_graph.moe.router import MoEAuxLossAutoScaler, RouterLoss, Routing, TopKRouter
 from moe_graph.moe.token_dispatcher import TokenDispatcher, expert_columns
+from moe_graph.ops import fp8 as _fp8
 
 __all__ = ["MoELayer", "moe_statistics", "read_moe_statistics", "moe_layers", "reset_step_counters", "step_overflow",
            "step_max_load_ratio"]
@@ -158,6 +159,12 @@ class MoELayer(nn.Module):
         exchange: ``"auto"`` (default), ``"nccl"`` or ``"symm_mem"``: the capacity rule and the token exchange at
             EP > 1 (per (source, destination) pair with a fixed-split all-to-all, or per destination rank with a
             variable-size exchange; :mod:`moe_graph.moe.exchange`).
+        fp8_dispatch: under an FP8 recipe with rowwise activation tiles (``moe_graph.fp8.autocast`` with
+            "blockwise" or "mxfp8"), quantize the tokens before the exchange, once per token, and send their FP8 and
+            scale bytes (about half the bytes of 16-bit rows); the first expert GEMM reads them as they arrive (the
+            same bytes as quantizing its 16-bit input row by row), its weight gradient uses a columnwise copy
+            quantized from their dequantization (DeepSeek-V3's FP8 dispatch), the combine stays in the
+            activation dtype. Without an active recipe the dispatch is 16-bit. Not with ``probs_on_input``.
         params_dtype, device: of all parameters. init_std: expert weight init.
         The options (all but ``ep_group`` and ``device``) form a :class:`moe_graph.moe.config.MoEConfig`
         (:meth:`from_config`).
@@ -199,6 +206,7 @@ class MoELayer(nn.Module):
         # the routing probabilities scale the narrower side of the expert MLP: the [rows, F] activation before fc2
         # when F < H (no fc2 bias, which the scale would miss), else the [rows, H] outputs in combine
         self.probs_on_input = bool(c.probs_on_input)
+        self.fp8_dispatch = c.fp8_dispatch
         self.shared_average = c.shared_expert_combine == "average"
         self.scale_rows = c.ffn_hidden_size < c.hidden_size and not c.add_bias_linear and not self.probs_on_input
         dtype = c.params_dtype if c.params_dtype is not None else torch.get_default_dtype()
@@ -318,14 +326,18 @@ class MoELayer(nn.Module):
                 self._stat("last_z_loss", z.detach())
                 aux = z if aux is None else aux + z
 
-        expert_in, m_splits, handle = self.dispatcher.dispatch(h, indices, routing.probs, valid, demand)
+        recipe = _fp8.current_recipe() if self.fp8_dispatch else None
+        h_in = h if recipe is None else h.to(self.experts.fc1.weight.dtype)  # quantized as the experts would
+        expert_in, m_splits, handle = self.dispatcher.dispatch(h_in, indices, routing.probs, valid, demand,
+                                                               fp8_recipe=recipe)
         self._stat("last_m_splits", m_splits)
 
         if self.probs_on_input:  # Llama 4: each row scaled by its probability before the experts
             w = self.dispatcher.row_weights(handle)
             w = w.to(expert_in.dtype if expert_in.dtype == torch.float64 else torch.float32)
             expert_in = expert_in * w[:, None]
-        expert_in = expert_in.to(self.experts.fc1.weight.dtype)
+        if recipe is None:
+            expert_in = expert_in.to(self.experts.fc1.weight.dtype)
         row_scale = self.dispatcher.row_weights(handle) if self.scale_rows else None
         if self.echo is None:
             expert_out = self.experts(expert_in, m_splits, row_scale=row_scale)

@@ -69,6 +69,7 @@ from moe_graph.moe.echo import default_backend
 from moe_graph.moe.exchange import (EXCHANGES, ToExperts, ToSources, capacity_for, checked_demand,
                                     destination_capacity, destination_quotas, resolve_exchange)
 from moe_graph.ops.dispatch_layout import dispatch_layout, receive_layout
+from moe_graph.ops.fp8 import pack_rows, unpack_rows
 from moe_graph.ops.permute import expand_rows, reduce_rows
 
 __all__ = [
@@ -153,6 +154,32 @@ class _Exchange(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         return None, ctx.backend.exchange(g.contiguous())
+
+
+class _TokenCarrier(torch.autograd.Function):
+    """FP8 dispatch's autograd path: forward gives an ``[rows, H]`` zero-stride tensor standing for the moved rows
+    (their bytes travel outside autograd), backward sends the expert-input gradient home and sums each token's routes,
+    as the backward of the 16-bit dispatch does (:meth:`TokenDispatcher.combine` unweighted)."""
+
+    @staticmethod
+    def forward(ctx, dispatcher, handle, hidden, rows):
+        ctx.dispatcher, ctx.handle = dispatcher, handle
+        return hidden.new_zeros(()).expand(rows, hidden.shape[1])
+
+    @staticmethod
+    def backward(ctx, g):
+        return None, None, ctx.dispatcher.combine(g, ctx.handle, weighted=False), None
+
+
+def _take_rows(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``out[i] = src[index[i]]``, zeros where ``index[i]`` is outside ``[0, n)`` (the sentinels): index gathers of
+    any dtype, bit for bit."""
+    n = src.shape[0]
+    if n == 0:
+        return src.new_zeros((index.shape[0],) + tuple(src.shape[1:]))
+    keep = (index >= 0) & (index < n)
+    out = src.index_select(0, index.clamp(0, n - 1))
+    return out.mul_(keep.view((-1,) + (1,) * (src.dim() - 1)).to(out.dtype))
 
 
 class _IdentityBackend:
@@ -340,6 +367,7 @@ class TokenDispatcher(nn.Module):
         probs: torch.Tensor,
         valid: Optional[torch.Tensor] = None,
         demand: Optional[torch.Tensor] = None,
+        fp8_recipe=None,
     ) -> Tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
         """Send each token's routes to the ranks hosting their columns.
 
@@ -349,6 +377,10 @@ class TokenDispatcher(nn.Module):
                 are ignored). demand: per-destination rule only, optional ``[R, R]`` int64, row ``s`` the live
                 routes of source ``s`` per destination, when the caller has it from counts it gathered anyway
                 (``None``: gathered here, one small exchange).
+            fp8_recipe: FP8 dispatch (``moe_graph.fp8`` recipe, "blockwise" or "mxfp8"): the tokens are quantized
+                rowwise here, once each, and travel as their FP8 and scale bytes (about half the bytes of 16-bit
+                rows); the expert input is then a :class:`moe_graph.ops.fp8.QuantizedRows` (bytes equal, row for
+                row, to quantizing the 16-bit expert input) whose input gradient comes back in ``hidden``'s dtype.
 
         Returns:
             ``(expert_input [rows, H], m_splits [num_local_columns] int64 on the device, handle)``: received rows
@@ -385,19 +417,31 @@ class TokenDispatcher(nn.Module):
         counters = None
         if counting_enabled():  # not again when activation recomputation re-runs this forward
             counters = (self.dropped_routes, self.step_dropped_routes, self.step_max_load_ratio)
+        if fp8_recipe is not None:
+            packed = pack_rows(hidden, fp8_recipe)  # checks the recipe before anything moves
         if self.rule == "destination":
-            return self._dispatch_per_destination(hidden, indices, probs, valid, demand, order, counters, cap)
-        lay = dispatch_layout(indices, self.column_rank, self.column_local, R, Lc, cap, valid=valid, route_order=order,
-                              counters=counters)
-        if R > 1:
-            recv_counts = self.backend.exchange(lay.send_counts)  # row s: what rank s sends this rank
-            source, target, m_splits = receive_layout(recv_counts, cap)
-        else:  # the send buffer is the expert input
-            source, target, m_splits = None, None, lay.send_counts.view(Lc)
-        handle = DispatchHandle(lay.route_slot, lay.route_of_slot, source, target, probs, T, K, cap, lay.dropped,
-                                m_splits, lay.column_counts)
-        send = expand_rows(hidden, lay.route_of_slot, handle.route_rows)  # [N, H] by (destination, local expert)
-        return self._to_expert_order(send, handle), m_splits, handle
+            handle = self._layout_per_destination(indices, probs, valid, demand, order, counters, cap)
+        else:
+            lay = dispatch_layout(indices, self.column_rank, self.column_local, R, Lc, cap, valid=valid,
+                                  route_order=order, counters=counters)
+            if R > 1:
+                recv_counts = self.backend.exchange(lay.send_counts)  # row s: what rank s sends this rank
+                source, target, m_splits = receive_layout(recv_counts, cap)
+            else:  # the send buffer is the expert input
+                source, target, m_splits = None, None, lay.send_counts.view(Lc)
+            handle = DispatchHandle(lay.route_slot, lay.route_of_slot, source, target, probs, T, K, cap, lay.dropped,
+                                    m_splits, lay.column_counts)
+        if fp8_recipe is not None:
+            with torch.no_grad():
+                moved = self._move_bytes(packed, handle)
+            carrier = _TokenCarrier.apply(self, handle, hidden, moved.shape[0])
+            expert_in = unpack_rows(moved, carrier, fp8_recipe)
+        else:
+            send = expand_rows(hidden, handle.route_of_slot, handle.route_rows)  # [N, H] by (destination, expert)
+            expert_in = self._to_expert_order(send, handle)
+        if handle.exchange_plan is not None:  # known once the rows went (the NVSHMEM exchange returns them)
+            handle.m_splits = handle.exchange_plan.m_splits
+        return expert_in, handle.m_splits, handle
 
     def _local_demand(self, indices: torch.Tensor, valid: Optional[torch.Tensor]) -> torch.Tensor:
         """``[R]`` int64: this rank's live routes per destination (routes with an index outside the columns are not
@@ -410,9 +454,9 @@ class TokenDispatcher(nn.Module):
         return torch.zeros(self.num_ep_ranks, dtype=torch.int64, device=idx.device).index_add_(
             0, dst, live.to(torch.int64))
 
-    def _dispatch_per_destination(self, hidden, indices, probs, valid, demand, order, counters, cap):
+    def _layout_per_destination(self, indices, probs, valid, demand, order, counters, cap) -> DispatchHandle:
         """The per-destination rule (see :mod:`moe_graph.moe.exchange`): quotas from the all-gathered demand, the
-        layout op in quota mode, the variable-size exchange."""
+        layout op in quota mode, the variable-size exchange's plan (its ``m_splits`` are set once the rows went)."""
         R, (T, K) = self.num_ep_ranks, indices.shape
         local = self._local_demand(indices, valid)
         if demand is None:
@@ -429,11 +473,20 @@ class TokenDispatcher(nn.Module):
             ratio = demand.sum(0).max().to(torch.float64) / (T * K)
             counters[2].copy_(torch.maximum(counters[2], ratio.view_as(counters[2])))
         plan = self.exchange_backend.plan(lay.send_counts, cap)
-        send = expand_rows(hidden, lay.route_of_slot, lay.route_slot.view(T, K))  # [T*K, H] packed by destination
-        expert_in = ToExperts.apply(self.exchange_backend, plan, send)
-        handle = DispatchHandle(lay.route_slot, lay.route_of_slot, None, None, probs, T, K, cap, lay.dropped,
-                                plan.m_splits, lay.column_counts, plan)
-        return expert_in, plan.m_splits, handle
+        return DispatchHandle(lay.route_slot, lay.route_of_slot, None, None, probs, T, K, cap, lay.dropped,
+                              plan.m_splits, lay.column_counts, plan)
+
+    def _move_bytes(self, rows: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        """Token rows ``[T, B]`` (any dtype, e.g. FP8 dispatch's uint8) -> the expert input's rows ``[rows, B]``,
+        bit for bit (index gathers and the same exchanges as :meth:`_to_expert_order`; not differentiable)."""
+        send = _take_rows(rows, handle.route_of_slot // handle.topk)  # [N, B] (T * K // K = T: empty slot)
+        if handle.exchange_plan is not None:
+            return self.exchange_backend.to_experts(send, handle.exchange_plan)
+        if self.num_ep_ranks == 1:
+            return send
+        R, (N, B) = self.num_ep_ranks, send.shape
+        recv = self.backend.exchange(send.view(R, N // R, B)).reshape(N, B)
+        return _take_rows(recv, handle.expert_row_source)
 
     def _to_expert_order(self, send: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """Send-slot rows ``[N, X]`` to the expert input of their destinations (the exchange and the regrouping by

@@ -27,7 +27,7 @@ from moe_graph.ops._lib import has_kernel, ops, require
 __all__ = ["TILES", "quantize", "dequantize", "row_tile_capacity", "native_available", "scaled_grouped_gemm",
            "scaled_grouped_wgrad", "Recipe", "Float8BlockScaling", "MXFP8BlockScaling", "Float8CurrentScaling",
            "DelayedScaling", "as_recipe", "autocast", "current_recipe", "quantize_rows", "quantize_columns",
-           "quantize_weight", "gemm_blocks"]
+           "quantize_weight", "gemm_blocks", "row_tiles", "QuantizedRows", "pack_rows", "unpack_rows", "packed_row_bytes"]
 
 _OP = "moe_graph::fp8_quantize"
 
@@ -320,10 +320,14 @@ def _row_scales(scale: torch.Tensor, m_splits: torch.Tensor, rows: int, kind: st
 
 def quantize_rows(x: torch.Tensor, m_splits: torch.Tensor, recipe: Recipe, dtype: torch.dtype):
     """The rowwise copy of an activation / gradient [M, K] for the forward or dgrad GEMM -> (q, scale per row)."""
-    tiles = _PLANS[recipe.kind][0]
-    q, s = quantize(x, m_splits, tiles=tiles, fp8_dtype=dtype, eps=recipe.amax_epsilon,
+    q, s = quantize(x, m_splits, tiles=row_tiles(recipe), fp8_dtype=dtype, eps=recipe.amax_epsilon,
                     pow2_scales=recipe.power_2_scale)
     return q, _row_scales(s, m_splits, x.shape[0], recipe.kind)
+
+
+def row_tiles(recipe: Recipe) -> str:
+    """The recipe's tiles for the rowwise copies of activations and gradients (a :data:`TILES` key)."""
+    return _PLANS[recipe.kind][0]
 
 
 def quantize_columns(x: torch.Tensor, m_splits: torch.Tensor, recipe: Recipe, dtype: torch.dtype):
@@ -353,3 +357,73 @@ def gemm_blocks(recipe: Recipe) -> Tuple[int, int, int]:
     """(block_k, block_n, block_m) of the recipe's scaled GEMMs."""
     (bk, bn), bm = _PLANS[recipe.kind][4], _PLANS[recipe.kind][5]
     return bk, bn, bm
+
+
+# --- FP8 dispatch: rows quantized before they move -------------------------------------------------------------
+# The rowwise tiles of the "blockwise" (1x128) and "mxfp8" (1x32) recipes lie within one row, so a token quantized
+# once at its source gives, row for row, the bytes the first expert GEMM would compute from its copy of the token:
+# the token moves as its FP8 bytes followed by its scale bytes (``pack_rows`` / ``unpack_rows``).
+ROW_LOCAL_KINDS = ("blockwise", "mxfp8")
+
+
+@_dataclasses.dataclass
+class QuantizedRows:
+    """Expert-input rows quantized rowwise before the exchange (``MoELayer(fp8_dispatch=True)``): ``data [M, K]``
+    FP8 and ``scale [M, K / tile]`` (fp32 ``scale_inv`` for "blockwise", E8M0 for "mxfp8"), which the first expert
+    GEMM reads without requantizing (``grouped_linear.fp8_grouped_linear``), and ``carrier``: an ``[M, K]``
+    zero-stride tensor of the activation dtype (no memory) through which autograd takes that GEMM's input gradient
+    back to the source tokens."""
+
+    carrier: torch.Tensor
+    data: torch.Tensor
+    scale: torch.Tensor
+    kind: str
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.carrier.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.carrier.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.carrier.device
+
+
+def _check_row_local(recipe: Recipe) -> None:
+    if recipe.kind not in ROW_LOCAL_KINDS:
+        raise ValueError(f"FP8 dispatch needs a recipe whose activation tiles lie within a row ({ROW_LOCAL_KINDS}); "
+                         f"got {recipe.kind!r} (per-tensor scales depend on every row of an expert's group)")
+
+
+def packed_row_bytes(hidden: int, recipe: Recipe) -> int:
+    """Bytes of one token on the wire under FP8 dispatch: ``hidden`` FP8 bytes and the row's scale bytes
+    (``4 * ceil(hidden / 128)`` for "blockwise", ``ceil(hidden / 32)`` for "mxfp8")."""
+    _check_row_local(recipe)
+    return hidden + (4 * -(-hidden // 128) if recipe.kind == "blockwise" else -(-hidden // 32))
+
+
+def pack_rows(x: torch.Tensor, recipe: Recipe) -> torch.Tensor:
+    """``x [T, K]`` quantized rowwise (the recipe's forward tiles and dtype, TE's semantics) -> ``[T, B]`` uint8
+    rows, each its FP8 bytes then its scale bytes (:func:`packed_row_bytes`). Sync-free."""
+    _check_row_local(recipe)
+    if x.dim() != 2:
+        raise ValueError(f"pack_rows: x must be [T, K], got shape {tuple(x.shape)}")
+    q, s = quantize_rows(x, None, recipe, recipe.fwd_dtype)
+    return torch.cat([q.view(torch.uint8), s.contiguous().view(torch.uint8)], dim=1)
+
+
+def unpack_rows(packed: torch.Tensor, carrier: torch.Tensor, recipe: Recipe) -> QuantizedRows:
+    """Moved ``[M, B]`` uint8 rows (:func:`pack_rows`; all-zero padding rows dequantize to 0) -> ``QuantizedRows``
+    with ``carrier [M, K]`` as the autograd path."""
+    K = carrier.shape[1]
+    if packed.dim() != 2 or packed.dtype != torch.uint8 or packed.shape != (carrier.shape[0],
+                                                                             packed_row_bytes(K, recipe)):
+        raise ValueError(f"unpack_rows: packed must be uint8 [{carrier.shape[0]}, {packed_row_bytes(K, recipe)}], "
+                         f"got {packed.dtype} {tuple(packed.shape)}")
+    scale_dtype = torch.float32 if recipe.kind == "blockwise" else torch.float8_e8m0fnu
+    data = packed[:, :K].contiguous().view(recipe.fwd_dtype)
+    scale = packed[:, K:].contiguous().view(scale_dtype)
+    return QuantizedRows(carrier, data, scale, recipe.kind)

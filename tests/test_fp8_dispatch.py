@@ -1,0 +1,83 @@
+"""FP8 dispatch (``MoELayer(fp8_dispatch=True)`` under ``moe_graph.fp8.autocast``): tokens quantized rowwise once at
+their source travel as FP8 + scale bytes. Checked against the same layer with a 16-bit dispatch (the experts
+quantizing their input): forward output, input gradient and every gradient but fc1's bit for bit (the rowwise
+tiles lie within a row, so the bytes are the same); fc1's weight gradient against the layer fed the tokens after a
+rowwise quantize-dequantize by the TE-reference quantizer (its columnwise copy comes from the dequantized rows).
+EP 1 and EP 2 on gloo, both exchange rules, a capacity that drops routes, echo."""
+
+import pytest
+import torch
+
+import moe_graph
+from helpers.fp8_dispatch_workers import fp8_dispatch_worker
+from moe_graph.distributed.launch import run_distributed
+from moe_graph.moe.layer import MoELayer
+from moe_graph.moe.token_dispatcher import TokenDispatcher, expert_columns
+from moe_graph.ops import fp8
+
+pytestmark = pytest.mark.skipif(not fp8.native_available("cpu"), reason="moe_graph._C without the FP8 ops")
+
+
+def _check(r):
+    assert r["out_equal"] and r["dx_equal"], r
+    assert r["equal_grads"] == [n for n in r["grads"] if n != "experts.fc1.weight"], r
+    assert r["out_vs_qdq"] == 0.0, r
+    assert r["fc1_vs_qdq"] <= 1e-6 * max(1.0, r["fc1_scale"]), r
+
+
+@pytest.mark.parametrize("kind,hidden", [("blockwise", 160), ("mxfp8", 80)])  # partial last tiles
+def test_fp8_dispatch_one_rank(kind, hidden):
+    _check(fp8_dispatch_worker(0, 1, kind, "auto", None, 0, hidden))
+
+
+@pytest.mark.parametrize("kind,exchange,cf,spare", [
+    ("blockwise", "nccl", 0.6, 0),      # per (source, destination) pair, routes dropped
+    ("mxfp8", "symm_mem", 0.8, 0),      # per destination (host-sized on gloo), routes dropped
+    ("blockwise", "symm_mem", None, 1),  # dropless, one echo slot per rank
+])
+def test_fp8_dispatch_two_ranks(kind, exchange, cf, spare):
+    res = run_distributed(fp8_dispatch_worker, 2, kind, exchange, cf, spare, 128, timeout=240.0)
+    for r in res:
+        _check(r)
+    if cf is not None:
+        assert sum(r["dropped"] for r in res) > 0  # the capacity was binding
+
+
+def test_packed_rows_are_about_half_of_bf16():
+    H = 7168  # DeepSeek-V3
+    for kind in ("blockwise", "mxfp8"):
+        b = fp8.packed_row_bytes(H, fp8.as_recipe(kind))
+        assert b == H + (4 * H // 128 if kind == "blockwise" else H // 32)
+        assert 0.5 < b / (2 * H) < 0.52
+
+
+def test_moved_bytes_equal_quantizing_the_expert_input():
+    """The dispatcher's FP8 rows equal the quantizer run on its 16-bit expert input, padding rows zero."""
+    torch.manual_seed(0)
+    cr, cl = expert_columns(4, 1)
+    d = TokenDispatcher(4, 1, 0, cr, cl, capacity=5)
+    x = torch.randn(9, 96, dtype=torch.bfloat16)
+    idx = torch.tensor([[0, 1]] * 7 + [[2, 2], [3, 1]])
+    probs = torch.rand(9, 2)
+    rec = fp8.as_recipe("blockwise")
+    ref, m, _ = d.dispatch(x, idx, probs)
+    q, m2, _ = d.dispatch(x, idx, probs, fp8_recipe=rec)
+    assert torch.equal(m, m2) and isinstance(q, fp8.QuantizedRows) and q.shape == ref.shape
+    qr, sr = fp8.quantize_rows(ref, None, rec, rec.fwd_dtype)
+    live = int(m.sum())
+    assert torch.equal(q.data[:live].view(torch.uint8), qr[:live].view(torch.uint8))
+    assert torch.equal(q.scale[:live], sr[:live])
+    assert not q.data[live:].view(torch.uint8).any() and not q.scale[live:].any()
+
+
+def test_fp8_dispatch_bad_options():
+    with pytest.raises(ValueError, match="probs_on_input"):
+        MoELayer(32, 16, 4, 2, fp8_dispatch=True, probs_on_input=True)
+    with pytest.raises(TypeError, match="fp8_dispatch"):
+        MoELayer(32, 16, 4, 2, fp8_dispatch=1)
+    layer = MoELayer(32, 16, 4, 2, fp8_dispatch=True)
+    with pytest.raises(ValueError, match="rowwise|within a row"):
+        with moe_graph.fp8.autocast(recipe="tensorwise"):
+            layer(torch.randn(5, 32))
+    y = layer(torch.randn(5, 32))  # no recipe: a 16-bit dispatch
+    assert y.shape == (5, 32)
