@@ -15,28 +15,8 @@ pytestmark = pytest.mark.skipif(not fp8.native_available("cpu"), reason="moe_gra
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
-def _deq(x, tiles, dt, pow2):
-    """float64 dequantized copy of one matrix x [m, k] quantized in `tiles` by the TE-reference quantizers."""
-    m, k = x.shape
-    if tiles in ("1x32", "32x1"):
-        xx = x if tiles == "1x32" else x.t()
-        q, e = ref.quantize_mxfp8(xx.contiguous(), dt)
-        s = torch.exp2(e.view(torch.uint8).double() - 127).repeat_interleave(32, 1)[:, :xx.shape[1]]
-        d = q.double() * s
-        return d if tiles == "1x32" else d.t()
-    if tiles == "tensor":
-        q, s = ref.quantize_tiles(x, dt, 0, 0, pow2_scales=pow2, per_tensor=True)
-        return q.double() * s.double().reshape(())
-    tr, tc = {"1x128": (1, 128), "128x128": (128, 128), "128x1": (1, 128)}[tiles]
-    xx = x.t().contiguous() if tiles == "128x1" else x
-    q, s = ref.quantize_tiles(xx, dt, tr, tc, pow2_scales=pow2)
-    s = s.double().repeat_interleave(tr, 0)[:xx.shape[0]].repeat_interleave(tc, 1)[:, :xx.shape[1]]
-    d = q.double() * s
-    return d.t() if tiles == "128x1" else d
-
-
-PLAN = {"blockwise": ("1x128", "128x128", "128x1"), "mxfp8": ("1x32", "1x32", "32x1"),
-        "tensor": ("tensor", "tensor", "tensor")}
+_deq = ref.dequantized
+PLAN = {k: (v[0], v[1], v[3]) for k, v in ref.PLAN.items()}
 
 
 def _oracle(x, w, dy, splits, recipe):
@@ -234,8 +214,102 @@ def test_train_step_with_fp8_recipe():
 def test_demo_fp8_flag_is_checked():
     from moe_graph.demo.cli import parser, resolve_args
     p = parser()
-    args = p.parse_args(["--device", "cpu", "--fp8", "mxfp8", "--spare", "0", "--layers", "1"])
-    resolve_args(p, args, None)
-    assert args.fp8 == "mxfp8"
+    for spare in ("0", "1"):  # with and without echo
+        args = p.parse_args(["--device", "cpu", "--fp8", "mxfp8", "--spare", spare, "--layers", "1"])
+        resolve_args(p, args, None)
+        assert args.fp8 == "mxfp8"
     with pytest.raises(SystemExit):
-        resolve_args(p, p.parse_args(["--device", "cpu", "--fp8", "blockwise"]), None)  # default --spare 1
+        resolve_args(p, p.parse_args(["--device", "cuda", "--fp8", "blockwise"]), None)  # no CUDA kernels yet
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("recipe", [fp8.Float8BlockScaling(), fp8.MXFP8BlockScaling()], ids=["blockwise", "mxfp8"])
+def test_delay_wgrad_compute_fp8(recipe, fused):
+    """delay_wgrad_compute in FP8: backward gives dgrad and placeholders only; backward_dw runs the FP8 wgrad
+    (into main_grad or .grad) and delivers the bias gradients; two microbatches add up; every gradient equals the
+    float64 oracle on the TE-reference quantize-dequantize within fp32 rounding."""
+    torch.manual_seed(5)
+    E, K, N = 3, 40, 72
+    layer = moe_graph.GroupedLinear(E, K, N, bias=True, device="cpu", params_dtype=torch.float32,
+                                    delay_wgrad_compute=True, fuse_wgrad_accumulation=fused)
+    ws = [getattr(layer, f"weight{e}") for e in range(E)]
+    if fused:
+        for w in ws:
+            w.main_grad = torch.zeros_like(w)
+    hooks = []
+    layer.register_wgrad_accumulation_and_reduce_hooks(lambda: hooks.append(1))
+    mbs = [([30, 0, 45], torch.randn(80, K)), ([1, 70, 9], torch.randn(80, K))]  # 5 capacity rows in the first
+    dw_ref = torch.zeros(E, N, K, dtype=torch.float64)
+    db_ref = torch.zeros(E, N, dtype=torch.float64)
+    w = torch.stack([x.detach() for x in ws])
+    for i, (splits, x) in enumerate(mbs):
+        x = x.requires_grad_()
+        with moe_graph.fp8.autocast(recipe=recipe):
+            y = layer(x, torch.tensor(splits))
+        dy = torch.randn_like(y)
+        y.backward(dy)
+        yo, dxo, dwo = _oracle(x.detach(), w, dy, splits, recipe)
+        _close(x.grad, dxo, dxo.abs().max())
+        if i == 0:  # before backward_dw: placeholders, no bias gradient, the wgrad queued
+            assert all(torch.count_nonzero(t.grad) == 0 for t in ws)
+            assert all(getattr(layer, f"bias{e}").grad is None for e in range(E))
+            assert len(layer._wgrad_queue) == 1 and not hooks
+        layer.backward_dw()
+        dw_ref += dwo
+        r = 0
+        for e, m in enumerate(splits):
+            db_ref[e] += dy[r:r + m].double().sum(0)
+            r += m
+    assert len(hooks) == 2 and not layer._wgrad_queue
+    got = torch.stack([t.main_grad if fused else t.grad for t in ws])
+    _close(got, dw_ref, dw_ref.abs().max())
+    _close(torch.stack([getattr(layer, f"bias{e}").grad for e in range(E)]), db_ref, db_ref.abs().max())
+    if fused:
+        assert all(t.grad_added_to_main_grad for t in ws)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("recipe", [fp8.Float8BlockScaling(), fp8.MXFP8BlockScaling()], ids=["blockwise", "mxfp8"])
+def test_grouped_mlp_fp8_with_echo_equals_oracle(recipe, fused):
+    """FP8 experts with an echo spare slot (one process, R = 1: slot 0 hosts expert 1), with the fused fp32
+    main_grad path (echo_grouped_gemm with the recipe) or without (autograd): outputs, input gradient and every
+    expert's weight gradient (home rows + the spare slot's rows, each group quantized on its own) equal the
+    plain-PyTorch oracle (helpers.fp8_reference.qdq_swiglu_mlp per group) within fp32 rounding."""
+    from moe_graph.moe.echo import EchoExpertDispatcher, LocalBackend
+    from moe_graph.moe.experts import GroupedMLP
+
+    torch.manual_seed(6)
+    L, H, F, k = 3, 48, 40, 1
+    mlp = GroupedMLP(L, H, F, activation="swiglu", num_spare_experts_per_ep_rank=k, params_dtype=torch.float32,
+                     device="cpu", init_std=0.2)
+    w1, w2 = mlp.weights()
+    if fused:
+        w1.main_grad, w2.main_grad = torch.zeros_like(w1), torch.zeros_like(w2)
+    disp = EchoExpertDispatcher(L, 1, 0, k, backend=LocalBackend())
+    offload = torch.zeros(L, k, dtype=torch.bool)
+    offload[1, 0] = True
+    splits = [37, 40, 0, 33]  # expert 1's tokens split between home (40) and the spare slot (33)
+    M = sum(splits) + 6  # capacity rows past the sum
+    x = torch.randn(M, H, requires_grad=True)
+    scale = torch.rand(M)
+    with moe_graph.fp8.autocast(recipe=recipe):
+        y = mlp(x, torch.tensor(splits), disp, offload, row_scale=scale)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    xo = x.detach().clone().requires_grad_()
+    w1o, w2o = w1.detach().clone().requires_grad_(), w2.detach().clone().requires_grad_()
+    outs, r = [], 0
+    for g, (m, e) in enumerate(zip(splits, [0, 1, 2, 1])):
+        outs.append(ref.qdq_swiglu_mlp(xo[r:r + m], w1o[e], w2o[e], recipe, scale[r:r + m]))
+        r += m
+    yo = torch.cat(outs + [torch.zeros(M - r, H)])
+    yo.backward(dy)
+    tol = 2.0 ** -23 * 300
+    torch.testing.assert_close(y, yo, rtol=0, atol=tol * float(yo.detach().abs().max()))
+    torch.testing.assert_close(x.grad, xo.grad, rtol=0, atol=tol * float(xo.grad.abs().max()))
+    for w, wo in ((w1, w1o), (w2, w2o)):
+        got = w.main_grad if fused else w.grad
+        torch.testing.assert_close(got, wo.grad, rtol=0, atol=tol * float(wo.grad.abs().max()))
+        if fused:
+            assert w.grad_added_to_main_grad and torch.count_nonzero(w.grad) == 0
+    assert torch.count_nonzero(w1o.grad[1]) > 0 and torch.equal(y[r:], torch.zeros(M - r, H))

@@ -36,7 +36,8 @@ from moe_graph.ops.grouped_gemm import (
     zero_wgrad_placeholder,
 )
 
-__all__ = ["GroupedLinear", "fp8_grouped_linear"]
+__all__ = ["GroupedLinear", "fp8_grouped_linear", "fp8_forward", "fp8_dgrad", "fp8_wgrad",
+           "split_quantized"]
 
 
 def _default_init(std: float = 0.023) -> Callable[[torch.Tensor], None]:
@@ -61,27 +62,93 @@ def _add_grad(p: torch.Tensor, g: torch.Tensor) -> None:
         p.grad.add_(g)
 
 
+def fp8_forward(x: torch.Tensor, splits: torch.Tensor, recipe, wq, bias: Optional[torch.Tensor], need_w: bool,
+                xq=None):
+    """FP8 forward GEMM of ``x [M, K]`` (rows grouped by ``splits``) with the weights' quantized copies ``wq``
+    (``moe_graph.fp8.quantize_weight``): ``(y, xt)``, ``xt`` the columnwise copy of ``x`` for the wgrad (None
+    without ``need_w``). Bias (fp32 in the epilogue) as given. ``xq``: the rowwise copy made before the rows
+    moved (FP8 dispatch; ``x`` is then only the autograd carrier, and the columnwise copy is quantized from the
+    dequantized rows, DeepSeek-V3's FP8 dispatch)."""
+    qw, sw = wq[0], wq[1]
+    bk, bn, _ = _fp8.gemm_blocks(recipe)
+    qx, sx = xq if xq is not None else _fp8.quantize_rows(x, splits, recipe, recipe.fwd_dtype)
+    b32 = None if bias is None else bias.detach().float()
+    y = _fp8.scaled_grouped_gemm(qx, sx, qw, sw, splits, block_k=bk, block_n=bn, bias=b32, out_dtype=x.dtype)
+    xt = None
+    if need_w:
+        src = x if xq is None else _fp8.dequantize(qx, sx, tiles=_fp8.row_tiles(recipe))
+        xt = _fp8.quantize_columns(src, splits, recipe, recipe.fwd_dtype)
+    return y, xt
+
+
+def split_quantized(x, recipe):
+    """``(x, xq)``: a ``moe_graph.fp8.QuantizedRows`` (FP8 dispatch) as its autograd carrier and its rowwise copy
+    ``(data, scale)`` for :func:`fp8_forward`; any other ``x`` as ``(x, None)``."""
+    if not isinstance(x, _fp8.QuantizedRows):
+        return x, None
+    if x.kind != recipe.kind:
+        raise ValueError(f"fp8_grouped_linear: x was quantized for the {x.kind!r} recipe before dispatch, but "
+                         f"the active recipe is {recipe.kind!r}")
+    return x.carrier, (x.data, x.scale)
+
+
+def fp8_dgrad(dy: torch.Tensor, splits: torch.Tensor, recipe, qwt: torch.Tensor, swt: torch.Tensor,
+              out_dtype: torch.dtype) -> torch.Tensor:
+    """FP8 input gradient: ``dy`` quantized rowwise (the recipe's backward dtype) times the weights' dgrad copy."""
+    bk, bn, _ = _fp8.gemm_blocks(recipe)
+    qdy, sdy = _fp8.quantize_rows(dy, splits, recipe, recipe.bwd_dtype)
+    return _fp8.scaled_grouped_gemm(qdy, sdy, qwt, swt, splits, block_k=bk, block_n=bn, out_dtype=out_dtype)
+
+
+def fp8_wgrad(dy: torch.Tensor, splits: torch.Tensor, recipe, xt) -> torch.Tensor:
+    """FP8 weight gradient, fp32 ``[E, N, K]``: the columnwise copies of ``dy`` (quantized here) and ``x``
+    (``xt`` from :func:`fp8_forward`), tiles along each group's rows in the order they reach the GEMM."""
+    qdyt, sdyt = _fp8.quantize_columns(dy, splits, recipe, recipe.bwd_dtype)
+    return _fp8.scaled_grouped_wgrad(qdyt, sdyt, xt[0], xt[1], splits, block_m=_fp8.gemm_blocks(recipe)[2])
+
+
+def _deliver_wgrad(weights, n_weights: int, dw: torch.Tensor, fuse: bool, accumulate: bool, w_dtype) -> list:
+    """Hands the fp32 ``dw [E, N, K]`` to the weights: fused into ``main_grad`` (one add, or a write for the first
+    microbatch; the zero placeholders returned), else as autograd gradients in the weights' dtype."""
+    if fuse:
+        with torch.no_grad():
+            per = [dw] if len(weights) == 1 else list(dw.unbind(0))
+            for w, g in zip(weights, per):
+                mg = resolve_main_grad(w)
+                if accumulate:
+                    mg.add_(g.to(mg.dtype))
+                else:
+                    mg.copy_(g)
+                w.grad_added_to_main_grad = True
+        return [zero_wgrad_placeholder(w) for w in weights]
+    g = dw.to(w_dtype)
+    return [g] if n_weights == 1 else list(g.unbind(0))
+
+
+def _deliver_fp8_dw(weights, dw: torch.Tensor, fuse: bool, accumulate: bool) -> None:
+    """:meth:`GroupedLinear.backward_dw`'s FP8 delivery: into ``main_grad`` as the fused backward, else added to
+    ``.grad`` as autograd would (set when None or the backward's zero placeholder)."""
+    if fuse:
+        _deliver_wgrad(weights, len(weights), dw, True, accumulate, None)
+        return
+    for w, g in zip(weights, [dw] if len(weights) == 1 else dw.unbind(0)):
+        _add_grad(w, g)
+
+
 class _Fp8GroupedLinear(torch.autograd.Function):
     """FP8 forward / dgrad / wgrad of GroupedLinear (``ops.fp8``'s scaled grouped GEMMs, the recipe's tiles):
     inputs quantized rowwise for the forward and columnwise (saved) for wgrad, gradients likewise, the weights'
-    two copies from the layer's per-step cache. Bias gradient from the unquantized ``dy`` (as TE). Sync-free."""
+    two copies from the layer's per-step cache. Bias gradient from the unquantized ``dy`` (as TE). Sync-free.
+    ``defer`` (``delay_wgrad_compute``): backward computes dgrad only and hands ``(xt, dy, splits)`` to it; the
+    weights get placeholders (as the bf16 path, :func:`moe_graph.ops.grouped_gemm.grouped_gemm_autograd`)."""
 
     @staticmethod
-    def forward(ctx, x, splits, recipe, wq, bias, fuse, accumulate, xq, *weights):
-        qw, sw, qwt, swt = wq
-        bk, bn, bm = _fp8.gemm_blocks(recipe)
-        # xq: the rowwise copy made before the rows moved (FP8 dispatch; x is then only the autograd carrier)
-        qx, sx = xq if xq is not None else _fp8.quantize_rows(x, splits, recipe, recipe.fwd_dtype)
-        b32 = None if bias is None else bias.detach().float()
-        y = _fp8.scaled_grouped_gemm(qx, sx, qw, sw, splits, block_k=bk, block_n=bn, bias=b32, out_dtype=x.dtype)
+    def forward(ctx, x, splits, recipe, wq, bias, fuse, accumulate, defer, xq, *weights):
         need_w = any(w.requires_grad for w in weights)
-        xt = (None, None)
-        if need_w:  # with xq: the columnwise copy from the dequantized rows (DeepSeek-V3's FP8 dispatch)
-            src = x if xq is None else _fp8.dequantize(qx, sx, tiles=_fp8.row_tiles(recipe))
-            xt = _fp8.quantize_columns(src, splits, recipe, recipe.fwd_dtype)
-        ctx.save_for_backward(splits, qwt, swt, *[t for t in xt if t is not None])
-        ctx.recipe, ctx.fuse, ctx.accumulate, ctx.need_w = recipe, fuse, accumulate, need_w
-        ctx.weights = weights if fuse else None
+        y, xt = fp8_forward(x, splits, recipe, wq, bias, need_w, xq)
+        ctx.save_for_backward(splits, wq[2], wq[3], *(xt if xt is not None else ()))
+        ctx.recipe, ctx.fuse, ctx.accumulate, ctx.need_w, ctx.defer = recipe, fuse, accumulate, need_w, defer
+        ctx.weights = weights if (fuse or defer is not None) else None
         ctx.n_weights, ctx.w_dtype = len(weights), weights[0].dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.x_dtype = x.dtype
@@ -91,35 +158,28 @@ class _Fp8GroupedLinear(torch.autograd.Function):
     def backward(ctx, dy):
         splits, qwt, swt, *xt = ctx.saved_tensors
         recipe = ctx.recipe
-        bk, bn, bm = _fp8.gemm_blocks(recipe)
         dy = dy.contiguous()
         dx = None
         if ctx.needs_input_grad[0]:
-            qdy, sdy = _fp8.quantize_rows(dy, splits, recipe, recipe.bwd_dtype)
-            dx = _fp8.scaled_grouped_gemm(qdy, sdy, qwt, swt, splits, block_k=bk, block_n=bn, out_dtype=ctx.x_dtype)
+            dx = fp8_dgrad(dy, splits, recipe, qwt, swt, ctx.x_dtype)
         dws = [None] * ctx.n_weights
-        if ctx.need_w:
-            qdyt, sdyt = _fp8.quantize_columns(dy, splits, recipe, recipe.bwd_dtype)
-            dw = _fp8.scaled_grouped_wgrad(qdyt, sdyt, xt[0], xt[1], splits, block_m=bm)  # fp32 [E, N, K]
-            if ctx.fuse:  # into main_grad: one fp32 add (or a write for the first microbatch)
-                with torch.no_grad():
-                    per = [dw] if len(ctx.weights) == 1 else list(dw.unbind(0))
-                    for w, g in zip(ctx.weights, per):
-                        mg = resolve_main_grad(w)
-                        if ctx.accumulate:
-                            mg.add_(g.to(mg.dtype))
-                        else:
-                            mg.copy_(g)
-                        w.grad_added_to_main_grad = True
+        deferred = ctx.need_w and ctx.defer is not None
+        if deferred:
+            ctx.defer(tuple(xt), dy, splits)
+            if ctx.fuse:
+                for w in ctx.weights:
+                    w.grad_added_to_main_grad = True
                 dws = [zero_wgrad_placeholder(w) for w in ctx.weights]
             else:
-                g = dw.to(ctx.w_dtype)
-                dws = [g] if ctx.n_weights == 1 else list(g.unbind(0))
+                dws = [w.new_zeros(()).expand(w.shape) for w in ctx.weights]
+        elif ctx.need_w:
+            dws = _deliver_wgrad(ctx.weights, ctx.n_weights, fp8_wgrad(dy, splits, recipe, xt), ctx.fuse,
+                                 ctx.accumulate, ctx.w_dtype)
         db = None
-        if ctx.needs_input_grad[4]:
+        if ctx.needs_input_grad[4] and not deferred:
             db = grouped_bias_grad(dy, splits).to(ctx.bias_dtype)
-        ctx.weights = None
-        return (dx, None, None, None, db, None, None, None, *dws)
+        ctx.weights = ctx.defer = None
+        return (dx, None, None, None, db, None, None, None, None, *dws)
 
 
 def fp8_grouped_linear(x: torch.Tensor, splits: torch.Tensor, weights: List[torch.Tensor],
@@ -132,12 +192,7 @@ def fp8_grouped_linear(x: torch.Tensor, splits: torch.Tensor, weights: List[torc
     place through themselves: an update through another view of their storage, e.g. a contiguous parameter
     buffer, is not seen). ``x`` may be a ``moe_graph.fp8.QuantizedRows`` (FP8 dispatch): its rowwise copy is used
     as is, and the wgrad's columnwise copy is quantized from its fp32 dequantization."""
-    xq = None
-    if isinstance(x, _fp8.QuantizedRows):
-        if x.kind != recipe.kind:
-            raise ValueError(f"fp8_grouped_linear: x was quantized for the {x.kind!r} recipe before dispatch, but "
-                             f"the active recipe is {recipe.kind!r}")
-        x, xq = x.carrier, (x.data, x.scale)
+    x, xq = split_quantized(x, recipe)
     key = (recipe, tuple((w.data_ptr(), w._version) for w in weights))
     cache = getattr(cache_owner, "_fp8_weight_cache", None) if cache_owner is not None else None
     if cache is None or cache[0] != key:
@@ -147,7 +202,7 @@ def fp8_grouped_linear(x: torch.Tensor, splits: torch.Tensor, weights: List[torc
             cache = (key, _fp8.quantize_weight(w3.detach().contiguous(), recipe))
         if cache_owner is not None:
             cache_owner._fp8_weight_cache = cache
-    return _Fp8GroupedLinear.apply(x, splits, recipe, cache[1], bias, fuse, accumulate, xq, *weights)
+    return _Fp8GroupedLinear.apply(x, splits, recipe, cache[1], bias, fuse, accumulate, None, xq, *weights)
 
 
 class GroupedLinear(nn.Module):
@@ -372,7 +427,7 @@ class GroupedLinear(nn.Module):
             with_bias = bias is not None and bias.requires_grad
 
             def defer(a, dy, splits_, fuse=fuse, accumulate=accumulate, with_bias=with_bias):
-                queue.append((a, dy, splits_, fuse, accumulate, with_bias))
+                queue.append((a, dy, splits_, fuse, accumulate, with_bias, None))
 
         out = grouped_gemm_autograd(x, weights, splits, bias=bias, fuse_main_grad=fuse, accumulate=accumulate,
                                     defer=defer)
@@ -385,9 +440,8 @@ class GroupedLinear(nn.Module):
     def _fp8_forward(self, x, splits, weights, bias, recipe, is_first_microbatch, fuse, accumulate):
         """The FP8 path (under ``moe_graph.fp8.autocast`` or TE's ``fp8_autocast``). The weights are quantized
         once per step: ``is_first_microbatch=False`` reuses the copies quantized by the step's first microbatch
-        (TE's weight caching); True or None quantizes them again."""
-        if self.delay_wgrad_compute:
-            raise NotImplementedError("GroupedLinear: delay_wgrad_compute is not supported with FP8 yet")
+        (TE's weight caching); True or None quantizes them again. With ``delay_wgrad_compute`` the backward queues
+        the columnwise copy of ``x`` and ``dy`` for :meth:`backward_dw`, which runs the FP8 wgrad."""
         if recipe.kind == "blockwise" and x.dtype == torch.float64:
             raise TypeError("GroupedLinear: FP8 needs fp32, bf16 or fp16 inputs, got float64")
         self._fp8_recipe = recipe
@@ -397,7 +451,15 @@ class GroupedLinear(nn.Module):
                 w3 = weights[0] if self.single_grouped_weight else torch.stack([w.detach() for w in weights])
                 cache = (recipe, _fp8.quantize_weight(w3.detach().contiguous(), recipe))
             self._fp8_step_cache = cache
-        return _Fp8GroupedLinear.apply(x, splits, recipe, cache[1], bias, fuse, accumulate, None, *weights)
+        defer = None
+        if self.delay_wgrad_compute and torch.is_grad_enabled() and any(w.requires_grad for w in weights):
+            queue = self._wgrad_queue
+            with_bias = bias is not None and bias.requires_grad
+
+            def defer(xt, dy, splits_, fuse=fuse, accumulate=accumulate, with_bias=with_bias, recipe=recipe):
+                queue.append((xt, dy, splits_, fuse, accumulate, with_bias, recipe))
+
+        return _Fp8GroupedLinear.apply(x, splits, recipe, cache[1], bias, fuse, accumulate, defer, None, *weights)
 
     # ------------------------------------------------------------------------------- delayed weight grads --
     def need_backward_dw(self) -> bool:
@@ -425,10 +487,12 @@ class GroupedLinear(nn.Module):
         """
         if not self.delay_wgrad_compute or not self._wgrad_queue:
             return
-        a, dy, splits, fuse, accumulate, with_bias = self._wgrad_queue.popleft()
+        a, dy, splits, fuse, accumulate, with_bias, recipe = self._wgrad_queue.popleft()
         weights = self._weights()
         with torch.no_grad():
-            if fuse:
+            if recipe is not None:  # FP8: a = the columnwise copy of x saved by the forward
+                _deliver_fp8_dw(weights, fp8_wgrad(dy, splits, recipe, a), fuse, accumulate)
+            elif fuse:
                 grouped_gemm_wgrad(a, dy, splits, out=[resolve_main_grad(w) for w in weights], accumulate=accumulate)
                 for w in weights:
                     w.grad_added_to_main_grad = True

@@ -14,7 +14,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["scale_from_amax", "quantize_tiles", "quantize_mxfp8", "quantize_grouped"]
+__all__ = ["scale_from_amax", "quantize_tiles", "quantize_mxfp8", "quantize_grouped", "dequantized", "PLAN",
+           "QDQLinear", "qdq_linear", "qdq_swiglu_mlp"]
 
 
 def scale_from_amax(amax: torch.Tensor, quant_dtype: torch.dtype, *, eps: float, pow2_scales: bool,
@@ -137,3 +138,75 @@ def quantize_grouped(x: torch.Tensor, m_splits: Optional[Sequence[int]], tiles: 
     if transposed:
         scale = scale.t().contiguous()
     return q.contiguous(), scale.contiguous()
+
+
+# ------------------------------------------------------------------------------ quantize-dequantize oracle --
+# Which tiles each recipe quantizes with (TE's Float8BlockScaling / MXFP8BlockScaling / Float8CurrentScaling):
+# (rowwise activations/gradients, weight forward copy, weight dgrad copy, columnwise activations/gradients)
+PLAN = {"blockwise": ("1x128", "128x128", "128x128", "128x1"), "mxfp8": ("1x32", "1x32", "32x1", "32x1"),
+        "tensor": ("tensor", "tensor", "tensor", "tensor")}
+
+
+def dequantized(x: torch.Tensor, tiles: str, quant_dtype: torch.dtype, pow2_scales: bool = True) -> torch.Tensor:
+    """float64 ``dequantize(quantize(x))`` of ONE matrix ``x [m, k]`` (one expert group, rows in GEMM order) with
+    the reference quantizers above: ``"128x1"`` / ``"32x1"`` are tiles along the rows (the columnwise copies)."""
+    if tiles in ("1x32", "32x1"):
+        xx = x if tiles == "1x32" else x.t()
+        q, e = quantize_mxfp8(xx.contiguous(), quant_dtype)
+        s = torch.exp2(e.view(torch.uint8).double() - 127).repeat_interleave(32, 1)[:, :xx.shape[1]]
+        d = q.double() * s
+        return d if tiles == "1x32" else d.t()
+    if tiles == "tensor":
+        q, s = quantize_tiles(x, quant_dtype, 0, 0, pow2_scales=pow2_scales, per_tensor=True)
+        return q.double() * s.double().reshape(())
+    tr, tc = {"1x128": (1, 128), "128x128": (128, 128), "128x1": (1, 128)}[tiles]
+    xx = x.t().contiguous() if tiles == "128x1" else x
+    q, s = quantize_tiles(xx, quant_dtype, tr, tc, pow2_scales=pow2_scales)
+    s = s.double().repeat_interleave(tr, 0)[:xx.shape[0]].repeat_interleave(tc, 1)[:, :xx.shape[1]]
+    d = q.double() * s
+    return d.t() if tiles == "128x1" else d
+
+
+class QDQLinear(torch.autograd.Function):
+    """``y = x @ w^T`` of ONE expert group (``x [m, K]``, rows in the order they reach the GEMM; ``w [N, K]``) with
+    TE-reference quantize-dequantize of every GEMM operand, products in float64, results in ``x``'s / ``w``'s
+    dtype: forward ``Q(x, rows) Q(w)^T``, dgrad ``Q(dy, rows) Q(w, dgrad copy)``, wgrad ``Q(dy, cols)^T Q(x, cols)``
+    (the columnwise tiles run over this group's rows only). ``kind``: a :data:`PLAN` key; forward operands in
+    ``fwd_dtype``, gradients in ``bwd_dtype`` (E5M2 for TE's HYBRID format)."""
+
+    @staticmethod
+    def forward(ctx, x, w, kind, fwd_dtype, bwd_dtype, pow2):
+        rows, wt, _, _ = PLAN[kind]
+        ctx.save_for_backward(x, w)
+        ctx.cfg = (kind, fwd_dtype, bwd_dtype, pow2)
+        if x.shape[0] == 0:
+            return x.new_zeros(0, w.shape[0])
+        return (dequantized(x, rows, fwd_dtype, pow2) @ dequantized(w, wt, fwd_dtype, pow2).t()).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        kind, fd, bd, pow2 = ctx.cfg
+        rows, _, wd, cols = PLAN[kind]
+        if x.shape[0] == 0:
+            return torch.zeros_like(x), torch.zeros_like(w), None, None, None, None
+        dx = (dequantized(dy, rows, bd, pow2) @ dequantized(w, wd, fd, pow2)).to(x.dtype)
+        dw = (dequantized(dy, cols, bd, pow2).t() @ dequantized(x, cols, fd, pow2)).to(w.dtype)
+        return dx, dw, None, None, None, None
+
+
+def qdq_linear(x: torch.Tensor, w: torch.Tensor, recipe) -> torch.Tensor:
+    """:class:`QDQLinear` with a recipe object (``kind``, ``fwd_dtype``, ``bwd_dtype``, ``power_2_scale``)."""
+    return QDQLinear.apply(x, w, recipe.kind, recipe.fwd_dtype, recipe.bwd_dtype, recipe.power_2_scale)
+
+
+def qdq_swiglu_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, recipe,
+                   row_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """One expert group's MLP in FP8: ``fc1`` (``w1 [2F, H]``: gate half then up half), ``silu(a) * b`` (times
+    ``row_scale`` per row, one rounding to ``x``'s dtype, computed in float64), ``fc2`` (``w2 [H, F]``)."""
+    h = qdq_linear(x, w1, recipe)
+    a, b = h.double().chunk(2, dim=-1)
+    mid = torch.nn.functional.silu(a) * b
+    if row_scale is not None:
+        mid = mid * row_scale.double()[:, None]
+    return qdq_linear(mid.to(x.dtype), w2, recipe)

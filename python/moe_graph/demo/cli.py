@@ -101,7 +101,7 @@ def parser() -> argparse.ArgumentParser:
                    help="adaptive capacity: raise the capacity factor (and capture again) when more than RATE of the "
                         "last --rerun-window steps reran (default 0.01; 1: never raise)")
     m.add_argument("--fp8", choices=["blockwise", "mxfp8", "tensorwise"], default=None,
-                   help="expert GEMMs in FP8 with this recipe (moe_graph.fp8; CPU semantics, needs --spare 0)")
+                   help="expert GEMMs in FP8 with this recipe (moe_graph.fp8; CPU semantics)")
     m.add_argument("--aux", type=_finite_float(0.0, False), default=0.01, help="aux load-balancing loss coefficient")
     m.add_argument("--router", choices=["softmax", "deepseek"], default="softmax",
                    help="deepseek: sigmoid scores, group-limited top-k, auxiliary-loss-free expert bias, "
@@ -194,9 +194,6 @@ def resolve_args(p: argparse.ArgumentParser, args, env) -> Layout:
         args.save_every = args.steps
     if args.capacity == 0:
         args.capacity = None
-    if args.fp8 and args.spare:
-        p.error(f"--fp8 {args.fp8}: FP8 experts with echo spare slots and fused main_grad are not supported yet; "
-                "add --spare 0")
     if args.fp8 and args.device == "cuda":
         p.error(f"--fp8 {args.fp8}: the FP8 grouped GEMM has no CUDA kernels yet (CPU semantics only)")
     if args.rerun_threshold > 1:

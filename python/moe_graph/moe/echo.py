@@ -47,7 +47,9 @@ from typing import List, NamedTuple, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
+from moe_graph.grouped_linear import fp8_dgrad, fp8_forward, fp8_wgrad, split_quantized
 from moe_graph.moe import echo_planner
+from moe_graph.ops import fp8 as _fp8
 from moe_graph.ops.grouped_gemm import (
     as_splits,
     grouped_bias_grad,
@@ -702,31 +704,50 @@ class _EchoGroupedGemmFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, a, m_splits, home_weight, spare_weight, offload_map, dispatcher, accumulate_mask,
-                spare_grad, home_bias, spare_bias, spare_bias_grad):
-        weights = list(home_weight.unbind(0)) + list(spare_weight.unbind(0))
+                spare_grad, home_bias, spare_bias, spare_bias_grad, recipe, xq):
         bias = torch.cat([home_bias, spare_bias.to(home_bias.dtype)]) if home_bias is not None else None
-        out = grouped_gemm(a, weights, m_splits, bias=bias)
+        ctx.recipe = recipe
+        if recipe is None:
+            out = grouped_gemm(a, list(home_weight.unbind(0)) + list(spare_weight.unbind(0)), m_splits, bias=bias)
+        else:  # FP8: the L + k weights quantized together (per expert), x's columnwise copy kept for the wgrad
+            with torch.no_grad():
+                wq = _fp8.quantize_weight(torch.cat([home_weight.detach(), spare_weight.to(home_weight.dtype)]),
+                                          recipe)
+            out, xt = fp8_forward(a, m_splits, recipe, wq, bias, True, xq)
         ctx.dispatcher = dispatcher
         ctx.accumulate_mask = accumulate_mask
         ctx.spare_grad, ctx.spare_bias_grad = spare_grad, spare_bias_grad
         ctx.bias_dtype = home_bias.dtype if home_bias is not None else None
         ctx.home_param = home_weight  # main_grad's owner: a saved tensor unpacks without it under saved_tensors_hooks
         ctx.plan = dispatcher._plan(offload_map, a.device)  # decoded integer tables, never written in place
-        ctx.save_for_backward(a, m_splits, home_weight, spare_weight)
+        ctx.a_dtype = a.dtype
+        if recipe is None:
+            ctx.save_for_backward(a, m_splits, home_weight, spare_weight)
+        else:  # the quantized copies only: the weights' dgrad copy and a's columnwise copy
+            ctx.save_for_backward(None, m_splits, home_weight, None, wq[2], wq[3], *xt)
         return out
 
     @staticmethod
     def backward(ctx, dy):
-        a, m_splits, home, spare = ctx.saved_tensors
+        a, m_splits, home, spare, *fp8_saved = ctx.saved_tensors
         dy = dy.contiguous()
         da = dw = db = None
+        recipe = ctx.recipe
         if ctx.needs_input_grad[0]:
-            weights = list(home.unbind(0)) + list(spare.unbind(0))
-            da = grouped_gemm(dy, weights, m_splits, trans_b=False)
+            if recipe is None:
+                da = grouped_gemm(dy, list(home.unbind(0)) + list(spare.unbind(0)), m_splits, trans_b=False)
+            else:
+                da = fp8_dgrad(dy, m_splits, recipe, fp8_saved[0], fp8_saved[1], ctx.a_dtype)
         if ctx.needs_input_grad[2] or ctx.needs_input_grad[8]:
             main_grad = ctx.home_param.main_grad
-            outs = list(main_grad.unbind(0)) + list(ctx.spare_grad.unbind(0))
-            grouped_gemm_wgrad(a, dy, m_splits, out=outs, accumulate=ctx.accumulate_mask)
+            if recipe is None:
+                outs = list(main_grad.unbind(0)) + list(ctx.spare_grad.unbind(0))
+                grouped_gemm_wgrad(a, dy, m_splits, out=outs, accumulate=ctx.accumulate_mask)
+            else:  # the accumulate mask's rule: home experts add into main_grad, spare slots overwrite theirs
+                L = main_grad.shape[0]
+                g = fp8_wgrad(dy, m_splits, recipe, fp8_saved[2:])  # fp32 [L + k, N, K]
+                main_grad.add_(g[:L].to(main_grad.dtype))
+                ctx.spare_grad.copy_(g[L:])
             spare_grads, targets = [ctx.spare_grad], [main_grad]
             if ctx.bias_dtype is not None:
                 L = main_grad.shape[0]
@@ -740,7 +761,7 @@ class _EchoGroupedGemmFn(torch.autograd.Function):
             dw = zero_wgrad_placeholder(home)
             if db is not None:
                 db = db.to(ctx.bias_dtype)
-        return da, None, dw, None, None, None, None, None, db, None, None
+        return da, None, dw, None, None, None, None, None, db, None, None, None, None
 
 
 def echo_grouped_gemm(
@@ -756,6 +777,7 @@ def echo_grouped_gemm(
     home_bias: Optional[torch.Tensor] = None,
     spare_bias: Optional[torch.Tensor] = None,
     spare_bias_grad: Optional[torch.Tensor] = None,
+    recipe=None,
 ) -> torch.Tensor:
     """Grouped GEMM over home + spare experts with the weight gradient fused into ``main_grad``.
 
@@ -772,10 +794,18 @@ def echo_grouped_gemm(
         home_bias, spare_bias, spare_bias_grad: all three or none: the ``[L, N]`` bias parameter (added in the
             GEMM epilogue; its gradient goes to autograd), its ``[k, N]`` spare copies and their ``[k, N]``
             gradient buffer (fp32), overwritten in every backward.
+        recipe: a ``moe_graph.fp8.Recipe``: the three GEMMs in FP8 (``moe_graph.grouped_linear.fp8_forward`` /
+            ``fp8_dgrad`` / ``fp8_wgrad``: the ``L + k`` weights quantized at every forward, ``a``'s columnwise
+            copy saved); the fp32 wgrad of the home experts is added into ``main_grad`` in one add, the spare
+            slots' written into ``spare_grad``, then sent home as above. ``a`` may then be a
+            ``moe_graph.fp8.QuantizedRows`` (FP8 dispatch: its rowwise copy is used as is).
 
     Returns ``[M, N]``. Backward is collective over the EP group (the spare gradients' exchange).
     """
     L, k = home_weight.shape[0], spare_weight.shape[0]
+    xq = None
+    if recipe is not None:
+        a, xq = split_quantized(a, recipe)
     m_splits = as_splits(m_splits, a.device)
     mg = getattr(home_weight, "main_grad", None)
     if mg is None:
@@ -798,4 +828,5 @@ def echo_grouped_gemm(
                              f"{tuple(spare_bias_grad.shape)}")
         spare_bias = spare_bias.detach()
     return _EchoGroupedGemmFn.apply(a, m_splits, home_weight, spare_weight.detach(), offload_map,
-                                    dispatcher, accumulate_mask, spare_grad, home_bias, spare_bias, spare_bias_grad)
+                                    dispatcher, accumulate_mask, spare_grad, home_bias, spare_bias, spare_bias_grad,
+                                    recipe, xq)

@@ -182,9 +182,10 @@ class GroupedMLP(nn.Module):
             raise ValueError("row_scale: the experts have biases (the fc2 bias would not be scaled); weight the "
                              "expert outputs after the experts instead")
         recipe = _fp8.current_recipe()
-        if recipe is not None:
+        fused = self.uses_fused_wgrad()
+        if recipe is not None and not (fused and echo is not None):
             return self._fp8_forward(expert_in, m_splits, recipe, echo, offload_map, spare_weights, row_scale)
-        if self.uses_fused_wgrad():
+        if fused:
             if echo is None:
                 mid = self._act(grouped_gemm_autograd(expert_in, [w1], m_splits, bias=b1, fuse_main_grad=True),
                                 row_scale)
@@ -198,9 +199,10 @@ class GroupedMLP(nn.Module):
                 sb1, sb2 = spares[2], spares[3]
                 gb1, gb2 = self.spare_grads[2], self.spare_grads[3]
             mid = self._act(echo_grouped_gemm(expert_in, w1, s1, m_splits, echo, offload_map, mask, g1,
-                                              home_bias=b1, spare_bias=sb1, spare_bias_grad=gb1), row_scale)
+                                              home_bias=b1, spare_bias=sb1, spare_bias_grad=gb1, recipe=recipe),
+                            row_scale)
             return echo_grouped_gemm(mid, w2, s2, m_splits, echo, offload_map, mask, g2,
-                                     home_bias=b2, spare_bias=sb2, spare_bias_grad=gb2)
+                                     home_bias=b2, spare_bias=sb2, spare_bias_grad=gb2, recipe=recipe)
         weights1, weights2 = w1, w2
         if echo is not None:
             weights1, weights2, b1, b2 = self._with_spares(echo, offload_map, spare_weights)
@@ -224,16 +226,14 @@ class GroupedMLP(nn.Module):
         """Both expert GEMMs in FP8 (``moe_graph.fp8.autocast``), the weights quantized at every forward (the
         distributed optimizer updates them through buffers that version counters do not see, so no copy is kept
         across forwards; ``GroupedLinear``'s ``is_first_microbatch`` is the per-step cache). Fused ``main_grad``
-        without echo; with echo the spare copies' gradients go home through autograd (the non-fused path)."""
+        without echo; echo without ``main_grad`` here (the spare copies' gradients go home through autograd); echo
+        with fused ``main_grad`` runs :func:`moe_graph.moe.echo.echo_grouped_gemm` with the recipe (``forward``)."""
         w1, w2 = self.weights()
         b1, b2 = self.biases() or (None, None)
         if echo is None:
             fuse = self.uses_fused_wgrad()
             mid = self._act(fp8_grouped_linear(expert_in, m_splits, [w1], b1, recipe, fuse=fuse), row_scale)
             return fp8_grouped_linear(mid, m_splits, [w2], b2, recipe, fuse=fuse)
-        if self.uses_fused_wgrad():
-            raise NotImplementedError("GroupedMLP: FP8 with echo spare slots and fused main_grad is not supported yet "
-                                      "(run echo without main_grad, or FP8 without echo)")
         weights1, weights2, b1, b2 = self._with_spares(echo, offload_map, spare_weights)
         mid = self._act(fp8_grouped_linear(expert_in, m_splits, weights1, b1, recipe), row_scale)
         return fp8_grouped_linear(mid, m_splits, weights2, b2, recipe)
