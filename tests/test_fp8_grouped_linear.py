@@ -313,3 +313,10 @@ def test_grouped_mlp_fp8_with_echo_equals_oracle(recipe, fused):
         if fused:
             assert w.grad_added_to_main_grad and torch.count_nonzero(w.grad) == 0
     assert torch.count_nonzero(w1o.grad[1]) > 0 and torch.equal(y[r:], torch.zeros(M - r, H))
+    # FP8 dispatch: rows quantized before they moved (QuantizedRows) give the same output and input gradient
+    carrier = x.detach().clone().requires_grad_()
+    xq = fp8.unpack_rows(fp8.pack_rows(x.detach(), recipe), carrier, recipe)
+    with moe_graph.fp8.autocast(recipe=recipe):
+        yq = mlp(xq, torch.tensor(splits), disp, offload, row_scale=scale)
+    yq.backward(dy)
+    assert torch.equal(yq, y) and torch.equal(carrier.grad, x.grad)
