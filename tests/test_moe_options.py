@@ -44,18 +44,21 @@ def _grad(p):
     return mg if mg is not None else p.grad
 
 
-def _check(layer, x, *, reps=1):
+def _check(layer, x, *, reps=1, token_ids=None):
     """Layer vs :func:`reference_moe_layer` on the same parameters: output, input gradient, every parameter's
-    gradient (``main_grad`` where the layer has one). ``reps`` forwards/backwards accumulate."""
+    gradient (``main_grad`` where the layer has one). ``reps`` forwards/backwards accumulate. ``token_ids``: for
+    hash routing."""
     target = torch.randn(x.shape, dtype=DT, generator=torch.Generator().manual_seed(7))
     params = {n: p.detach().clone().requires_grad_() for n, p in layer.named_parameters()}
     if layer.router.enable_expert_bias:
         params["router.expert_bias"] = layer.router.expert_bias.clone()
+    if layer.router.hash_vocab_size is not None:
+        params["router.tid2eid"] = layer.router.tid2eid.clone()
     xl, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
     for _ in range(reps):
-        y = layer(xl)
+        y = layer(xl, token_ids=token_ids)
         (y * target).sum().backward()
-        y_ref = reference_moe_layer(xr, params, layer.config)
+        y_ref = reference_moe_layer(xr, params, layer.config, token_ids=token_ids)
         (y_ref * target).sum().backward()
     torch.testing.assert_close(y.detach(), y_ref.detach(), **TOL)
     torch.testing.assert_close(xl.grad, xr.grad, **TOL)
@@ -212,6 +215,94 @@ def test_probs_on_input_and_output_bias(gen, case):
     _check(layer, torch.randn(24, 8, generator=gen, dtype=DT), reps=2 if case == "fused_echo" else 1)
 
 
+# ------------------------------------- DeepSeek-V4, LongCat-Flash, A.X-K1, Laguna: router and block options --
+def _hash_table(V, E, K, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(V)])
+
+
+ROUTER_OPTION_SETS = {
+    # DeepSeek-V4's hash layers: sqrtsoftplus scores, experts from the token-id table, renormalized and scaled
+    "hash_sqrtsoftplus": dict(score_func="sqrtsoftplus", hash_vocab_size=16, topk_scaling_factor=1.5),
+    # DeepSeek-V4's learned layers: sqrtsoftplus with the selection bias
+    "sqrtsoftplus_bias": dict(score_func="sqrtsoftplus", enable_expert_bias=True, topk_scaling_factor=1.5),
+    # LongCat-Flash: 3 zero-computation experts, softmax with the selection bias, not renormalized, scaled
+    "zero_experts": dict(num_zero_experts=3, enable_expert_bias=True, norm_topk_prob=False,
+                         topk_scaling_factor=2.0),
+    # Laguna's soft-capped logits; A.X-K1's RMSNorm of the output
+    "softcap_output_norm": dict(score_func="sigmoid", logit_softcap=1.5, output_norm="rmsnorm",
+                                shared_expert_ffn_size=5),
+}
+
+
+def _option_layer(name, **extra):
+    layer = _layer(**ROUTER_OPTION_SETS[name], **extra)
+    r = layer.router
+    with torch.no_grad():
+        if r.enable_expert_bias:
+            r.expert_bias.copy_(torch.linspace(-0.3, 0.3, r.num_experts, dtype=torch.float32))
+        if r.hash_vocab_size is not None:
+            r.tid2eid.copy_(_hash_table(r.hash_vocab_size, 8, 2))
+        if layer.output_norm is not None:
+            layer.output_norm.weight.normal_(1.0, 0.2)
+    return layer
+
+
+@pytest.mark.parametrize("case", ["plain", "fused_echo", "recompute", "static"])
+@pytest.mark.parametrize("name", list(ROUTER_OPTION_SETS))
+def test_router_and_block_options(gen, name, case):
+    """sqrtsoftplus scores, hash routing by token id, zero-computation experts, logit soft-capping and the output
+    RMSNorm against the float64 reference, through the fused main_grad + echo path, recompute and the fixed-capacity
+    dispatcher."""
+    extra = {"fused_echo": dict(num_spare_experts_per_ep_rank=1), "recompute": dict(recompute=True),
+             "static": dict(capacity_factor=8.0)}.get(case, {})
+    layer = _option_layer(name, **extra)
+    if case == "fused_echo":
+        _attach_main_grads(layer)
+    layer.train()
+    x = torch.randn(4, 6, 8, generator=gen, dtype=DT)
+    ids = torch.randint(0, 16, (4, 6), generator=gen)
+    _check(layer, x, token_ids=ids, reps=2 if case == "fused_echo" else 1)
+    routing = layer.router(x.reshape(-1, 8), token_ids=ids)
+    if name == "hash_sqrtsoftplus":
+        assert torch.equal(routing.indices, layer.router.tid2eid[ids.reshape(-1)])
+    if name == "zero_experts":  # some routes go to the zero experts, and the statistics count the real ones
+        real = routing.indices < 8
+        assert 0 < int((~real).sum()) < real.numel()
+        expected = torch.bincount(routing.indices[real], minlength=8)
+        assert torch.equal(layer.last_tokens_per_expert, expected)
+
+
+def test_zero_experts_not_dispatched(gen):
+    """Routes to zero-computation experts take no capacity: a static capacity of exactly the real routes drops
+    nothing (overflow="rerun" sees no overflow) and matches the reference; one row less drops one route."""
+    x = torch.randn(24, 8, generator=gen, dtype=DT)
+    layer = _option_layer("zero_experts")
+    live = int((layer.router(x).indices < 8).sum())
+    T, K = 24, 2
+    assert live < T * K
+    for cap, drops in ((live, 0), (live - 1, 1)):
+        layer = _option_layer("zero_experts", capacity_factor=(cap - 0.5) / (T * K), overflow="rerun")
+        assert layer.dispatcher.capacity_for(T, K, layer.capacity_factor) == cap
+        layer.train()
+        if drops == 0:
+            _check(layer, x)
+        else:
+            layer(x)
+        assert int(layer.dispatcher.step_dropped_routes) == drops
+
+
+def test_hash_routing_needs_token_ids(gen):
+    layer = _option_layer("hash_sqrtsoftplus")
+    x = torch.randn(3, 8, generator=gen, dtype=DT)
+    with pytest.raises(ValueError, match="token_ids"):
+        layer(x)
+    with pytest.raises(ValueError, match="token_ids must have shape"):
+        layer(x, token_ids=torch.zeros(4, dtype=torch.int64))
+    with pytest.raises(ValueError, match="token_ids must be an integer"):
+        layer.router(x, token_ids=torch.zeros(3))
+
+
 def test_options_static_capacity(gen):
     """The fixed-capacity (static) dispatcher with room for every route carries the new options unchanged."""
     layer = _layer(activation="clamped_swiglu", swiglu_limit=1.5, add_bias_linear=True, router_bias=True,
@@ -237,6 +328,15 @@ def test_expert_numel_counts_biases():
     (dict(group_score_topk=2), "group_score_topk needs"),
     (dict(num_groups=2, group_topk=1, group_score_topk=5), "group_score_topk must"),
     (dict(num_groups=2, group_topk=1, group_score_topk=True), "group_score_topk must"),
+    (dict(score_func="softplus"), "score_func"),
+    (dict(hash_vocab_size=0), "hash_vocab_size"),
+    (dict(hash_vocab_size=8, enable_expert_bias=True), "hash routing"),
+    (dict(logit_softcap=-1.0), "logit_softcap"),
+    (dict(num_zero_experts=-1), "num_zero_experts"),
+    (dict(num_zero_experts=2, num_groups=2, group_topk=1), "num_zero_experts"),
+    (dict(num_zero_experts=2, aux_loss_coeff=0.1, aux_loss_type="global"), "num_zero_experts"),
+    (dict(output_norm="layernorm"), "output_norm"),
+    (dict(output_norm="rmsnorm", output_norm_eps=0), "output_norm_eps"),
 ])
 def test_bad_options(kw, match):
     with pytest.raises(ValueError, match=match):

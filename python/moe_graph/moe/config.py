@@ -28,7 +28,13 @@ class MoEConfig:
 
     Routing (:class:`moe_graph.moe.router.TopKRouter`): ``topk``, ``score_func``, ``norm_topk_prob``,
     ``num_groups``, ``group_topk``, ``group_score_topk``, ``topk_scaling_factor``, ``router_bias``,
-    ``enable_expert_bias``, ``expert_bias_update_rate``, ``expert_bias_target``, ``norm_topk_min``, ``router_dtype``. Losses
+    ``enable_expert_bias``, ``expert_bias_update_rate``, ``expert_bias_target``, ``norm_topk_min``, ``router_dtype``, ``logit_softcap`` (Laguna's ``c * tanh(logits / c)``),
+    ``hash_vocab_size`` (DeepSeek-V4's hash layers: the experts from a ``tid2eid [V, K]`` table indexed by the token
+    ids given to ``MoELayer.forward(x, token_ids=...)``); ``score_func`` ``"softmax"``, ``"sigmoid"`` or
+    ``"sqrtsoftplus"`` (DeepSeek-V4). ``num_zero_experts`` ``Z`` (LongCat-Flash): the router scores ``E + Z``
+    experts, a route to one of the last ``Z`` returns the token times its probability (no GEMM, never dispatched).
+    Block output: ``output_norm`` (``"rmsnorm"``: an RMSNorm with weight ``[H]`` and ``output_norm_eps`` on the
+    block output, last of all: A.X-K1's ``post_mlp_layernorm``). Losses
     (:class:`moe_graph.moe.router.RouterLoss`): ``aux_loss_coeff``, ``aux_loss_type``, ``sequence_dim``,
     ``z_loss_coeff``. Expert parallelism and echo: ``ep_size``,
     ``num_spare_experts_per_ep_rank``, ``assignment``, ``echo_donors``, ``echo_plan_mode``. Token dispatch:
@@ -84,6 +90,11 @@ class MoEConfig:
     params_dtype: Optional[torch.dtype] = None
     init_std: float = 0.02
     recompute: bool = False
+    hash_vocab_size: Optional[int] = None
+    logit_softcap: Optional[float] = None
+    num_zero_experts: int = 0
+    output_norm: Optional[str] = None
+    output_norm_eps: float = 1e-6
 
     def __post_init__(self):
         check_activation(self.activation, self.swiglu_alpha, self.swiglu_limit)
@@ -100,9 +111,23 @@ class MoEConfig:
         cf = self.capacity_factor
         if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or not 0 < cf < float("inf")):
             raise ValueError(f"capacity_factor must be a finite number > 0 or None (dropless), got {cf!r}")
-        check_router_options(self.num_experts, self.topk, self.score_func, self.num_groups, self.group_topk,
+        z = self.num_zero_experts
+        if isinstance(z, bool) or not isinstance(z, int) or z < 0:
+            raise ValueError(f"num_zero_experts must be an int >= 0, got {z!r}")
+        if z and self.num_groups is not None:
+            raise ValueError("num_zero_experts cannot be combined with group-limited routing (num_groups)")
+        if z and self.aux_loss_type == "global" and self.aux_loss_coeff > 0:
+            raise ValueError("num_zero_experts cannot be combined with aux_loss_type='global' (the EP group's "
+                             "counts cover the real experts only)")
+        check_router_options(self.num_experts + z, self.topk, self.score_func, self.num_groups, self.group_topk,
                              self.enable_expert_bias, self.router_dtype, self.norm_topk_prob, self.group_score_topk,
-                             self.expert_bias_target)
+                             self.expert_bias_target, hash_vocab_size=self.hash_vocab_size,
+                             logit_softcap=self.logit_softcap)
+        if self.output_norm not in (None, "rmsnorm"):
+            raise ValueError(f"output_norm must be None or 'rmsnorm', got {self.output_norm!r}")
+        eps = self.output_norm_eps
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < float("inf"):
+            raise ValueError(f"output_norm_eps must be a finite number > 0, got {eps!r}")
         if self.token_drop_policy not in DROP_POLICIES:
             raise ValueError(f"token_drop_policy must be 'position' or 'probs', got {self.token_drop_policy!r}")
         if self.overflow not in OVERFLOW_MODES:

@@ -92,6 +92,22 @@ def _resolve_ep(ep_group, ep_size):
     return None, 1
 
 
+class _OutputRMSNorm(nn.Module):
+    """The block output's RMSNorm (``output_norm="rmsnorm"``, A.X-K1's ``post_mlp_layernorm``): in fp32,
+    ``weight * (y * rsqrt(mean(y^2) + eps))`` rounded to ``y``'s dtype before the weight, as transformers'
+    ``RMSNorm``s do."""
+
+    def __init__(self, hidden_size: int, eps: float, device=None, dtype=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+        self.eps = float(eps)
+
+    def forward(self, y: torch.Tensor) -> torch.Tensor:
+        yf = y.float() if y.dtype != torch.float64 else y
+        yf = yf * torch.rsqrt(yf.square().mean(-1, keepdim=True) + self.eps)
+        return self.weight * yf.to(y.dtype)
+
+
 class MoELayer(nn.Module):
     """Mixture-of-experts MLP with expert parallelism, echo balancing and static buffers.
 
@@ -120,6 +136,14 @@ class MoELayer(nn.Module):
             ``sum_k mlp_k(p_k * x)``; combine then sums plainly).
         output_bias: a learned ``output_bias [H]`` (zero-initialized) added once to the block output, after the
             routed and shared outputs are combined (JetMoE).
+        output_norm, output_norm_eps: ``"rmsnorm"``: an RMSNorm (``output_norm.weight [H]``, ones) of the block
+            output, the last step (after the shared expert and ``output_bias``; A.X-K1).
+        num_zero_experts: ``Z`` zero-computation experts (LongCat-Flash): the router scores ``E + Z`` experts (its
+            gate, ``expert_bias`` and counts have ``E + Z`` entries), a route to expert ``E + z`` adds the token
+            itself times its probability. Such routes are not dispatched (invalid for the dispatcher and echo: no
+            GEMM rows, no exchange, no capacity) and the layer's statistics count the ``E`` real experts only.
+        logit_softcap, hash_vocab_size: router options (:class:`TopKRouter`); with hash routing
+            :meth:`forward` needs ``token_ids``.
         aux_loss_coeff: weight of the load-balancing loss (0: off); its gradient flows through the output, times
             the factor of :meth:`MoEAuxLossAutoScaler.set_loss_scale` (``loss_scale / num_microbatches``, set for
             you by :func:`moe_graph.train.step.train_step` and the pipeline schedules).
@@ -213,12 +237,14 @@ class MoELayer(nn.Module):
         device = torch.device(device) if device is not None else torch.device(
             "cuda" if torch.cuda.is_available() else "cpu")
 
-        self.router = TopKRouter(c.hidden_size, c.num_experts, c.topk, c.score_func, c.norm_topk_prob, device=device,
+        self.num_zero_experts = c.num_zero_experts
+        self.router = TopKRouter(c.hidden_size, c.num_experts + c.num_zero_experts, c.topk, c.score_func, c.norm_topk_prob, device=device,
                                  dtype=dtype, num_groups=c.num_groups, group_topk=c.group_topk,
                                  group_score_topk=c.group_score_topk, scaling_factor=c.topk_scaling_factor,
                                  router_bias=c.router_bias, enable_expert_bias=c.enable_expert_bias,
                                  expert_bias_update_rate=c.expert_bias_update_rate, router_dtype=c.router_dtype,
-                                 expert_bias_target=c.expert_bias_target, norm_topk_min=c.norm_topk_min)
+                                 expert_bias_target=c.expert_bias_target, norm_topk_min=c.norm_topk_min,
+                                 hash_vocab_size=c.hash_vocab_size, logit_softcap=c.logit_softcap)
         self.router_loss = RouterLoss(c.topk, c.score_func, c.aux_loss_coeff, c.aux_loss_type, c.sequence_dim,
                                       c.z_loss_coeff)
         act = dict(swiglu_alpha=c.swiglu_alpha, swiglu_limit=c.swiglu_limit, bias=c.add_bias_linear)
@@ -226,6 +252,8 @@ class MoELayer(nn.Module):
                                   params_dtype=dtype, device=device, init_std=c.init_std, **act)
         self.output_bias = nn.Parameter(torch.zeros(c.hidden_size, device=device, dtype=dtype)) \
             if c.output_bias else None
+        self.output_norm = _OutputRMSNorm(c.hidden_size, c.output_norm_eps, device, dtype) \
+            if c.output_norm == "rmsnorm" else None
         self.shared_expert = None
         if c.shared_expert_ffn_size:
             self.shared_expert = SharedExpert(c.hidden_size, c.shared_expert_ffn_size, c.activation,
@@ -287,19 +315,22 @@ class MoELayer(nn.Module):
 
     # ------------------------------------------------------------------------------------------ forward --
     def forward(self, x: torch.Tensor, padding_mask: Optional[torch.Tensor] = None,
-                is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
+                is_first_microbatch: Optional[bool] = None, token_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``x`` ``[..., H]`` (see :meth:`_forward`); with ``recompute`` and grad enabled, through
         :func:`moe_graph.cuda_graph.checkpoint`. ``is_first_microbatch``: with ``echo_plan_mode="iteration"``,
         ``False`` reuses the plan and spare weights of the iteration's first microbatch (``True``/``None``: plan
-        afresh); ignored otherwise."""
+        afresh); ignored otherwise. ``token_ids`` (shape ``x.shape[:-1]``, integer, on ``x``'s device): the input
+        token ids, which hash routing (``hash_vocab_size``) reads; ignored by the other routers."""
         if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
             raise TypeError(f"is_first_microbatch must be a bool or None, got {type(is_first_microbatch).__name__}")
         reuse = self.echo is not None and self.echo.plan_mode == "iteration" and is_first_microbatch is False
         if self.recompute and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, padding_mask, preserve_rng_state=False)  # no random numbers here
-        return self._forward(x, padding_mask, reuse)
+            return checkpoint(self._forward, x, padding_mask, False, token_ids,
+                              preserve_rng_state=False)  # no random numbers here
+        return self._forward(x, padding_mask, reuse, token_ids)
 
-    def _forward(self, x: torch.Tensor, padding_mask: Optional[torch.Tensor] = None, reuse: bool = False) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor, padding_mask: Optional[torch.Tensor] = None, reuse: bool = False,
+                 token_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``x`` ``[..., H]``. ``padding_mask`` (shape ``x.shape[:-1]``, bool, True: padding, as in Megatron):
         padding tokens get no route (zero routed output; the shared expert still sees them), and the planner
         counts, the losses and the expert-bias counts leave them out. ``reuse``: see :meth:`forward`."""
@@ -314,8 +345,18 @@ class MoELayer(nn.Module):
 
         pad = padding_mask.reshape(-1) if padding_mask is not None else None
         # one EP rank: the router's counts are the statistic itself, written in place
-        routing = self.router(h, pad, self.last_tokens_per_expert if self.num_ep_ranks == 1 else None)
-        indices, valid, plan, demand = self._balance(routing, reuse)
+        if token_ids is not None and self.router.hash_vocab_size is not None and tuple(token_ids.shape) != tuple(lead):
+            raise ValueError(f"token_ids must have shape {tuple(lead)} (x without its last dimension), got "
+                             f"{tuple(token_ids.shape)}")
+        Z, E = self.num_zero_experts, self.num_experts
+        routing = self.router(h, pad, self.last_tokens_per_expert if self.num_ep_ranks == 1 and not Z else None,
+                              token_ids=token_ids)
+        routed, identity = routing, None
+        if Z:  # zero-computation experts: routes past E are the token times its probability, never dispatched
+            zero = routing.indices >= E
+            identity = (routing.probs * zero).sum(-1, keepdim=True)  # [T, 1]
+            routed = routing._replace(indices=routing.indices.masked_fill(zero, 0), counts=routing.counts[:E])
+        indices, valid, plan, demand = self._balance(routed, reuse, None if identity is None else ~zero)
 
         aux = None
         if self.training:
@@ -346,29 +387,38 @@ class MoELayer(nn.Module):
             expert_out = self.experts(expert_in, m_splits, self.echo.dispatcher, plan, spares, row_scale=row_scale)
         weighted = not (self.scale_rows or self.probs_on_input)
         out = self.dispatcher.combine(expert_out, handle, weighted=weighted).to(x.dtype)
+        if identity is not None:
+            out = out + (h.to(identity.dtype) * identity).to(out.dtype)
         if self.shared_expert is not None:
             out = out + self.shared_expert(h).to(out.dtype)
             if self.shared_average:
                 out = out * 0.5
         if self.output_bias is not None:
             out = out + self.output_bias.to(out.dtype)
+        if self.output_norm is not None:
+            out = self.output_norm(out)
         if aux is not None:
             out = MoEAuxLossAutoScaler.attach(out, aux)
         return out.reshape(*lead, self.hidden_size)
 
-    def _balance(self, routing: Routing, reuse: bool):
+    def _balance(self, routing: Routing, reuse: bool, live: Optional[torch.Tensor] = None):
         """Statistics (the per-expert counts all-gathered over the EP group) and, with echo, the plan and the
         rerouted routes: ``(indices [T, K]`` in ``[0, E+S)``, ``valid [T, K]`` bool or ``None``, the plan
-        (:meth:`EchoBalancer.plan`)); without echo the router's own indices and no plan."""
+        (:meth:`EchoBalancer.plan`)); without echo the router's own indices and no plan. ``live`` ``[T, K]`` bool:
+        routes to dispatch (the others, zero-computation experts' routes, are invalid)."""
         R = self.num_ep_ranks
         if R > 1:
             counts = _all_gather_counts(routing.counts, self.ep_group, R)  # [R, E]
             torch.sum(counts, 0, out=self.last_tokens_per_expert)
         else:
-            counts = routing.counts.unsqueeze(0)  # the router wrote last_tokens_per_expert
+            counts = routing.counts.unsqueeze(0)  # the router wrote last_tokens_per_expert (not with zero experts)
+            if self.num_zero_experts:
+                self._stat("last_tokens_per_expert", routing.counts)
         torch.sum(self.last_tokens_per_expert.view(R, -1), 1, out=self.last_load_before)
         mask = routing.token_mask
         valid = None if mask is None else mask.view(-1, 1).expand(routing.indices.shape)
+        if live is not None:
+            valid = live if valid is None else valid & live
         if self.echo is None:  # the per-destination exchange's demand is the gathered counts per rank
             demand = counts.view(R, R, -1).sum(2) if R > 1 and self.dispatcher.rule == "destination" else None
             return routing.indices, valid, None, demand

@@ -26,7 +26,7 @@ __all__ = ["AUX_LOSS_TYPES", "EXPERT_BIAS_TARGETS", "MoEAuxLossAutoScaler", "Rou
            "router_aux_loss", "router_scores", "router_z_loss", "routing_map", "sequence_aux_loss",
            "set_aux_loss_scale", "update_expert_bias"]
 
-SCORE_FUNCS = ("softmax", "sigmoid")
+SCORE_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
 EXPERT_BIAS_TARGETS = ("scores", "logits")  # what the selection-only expert bias is added to
 AUX_LOSS_TYPES = ("local", "global", "sequence")
 
@@ -151,10 +151,21 @@ def group_limited_topk(scores: torch.Tensor, topk: int, num_groups: int, group_t
 def check_router_options(num_experts: int, topk: int, score_func: str = "softmax", num_groups: Optional[int] = None,
                          group_topk: Optional[int] = None, enable_expert_bias: bool = False,
                          router_dtype: Optional[torch.dtype] = None, norm_topk_prob: Optional[bool] = None,
-                         group_score_topk: Optional[int] = None, expert_bias_target: str = "scores") -> None:
+                         group_score_topk: Optional[int] = None, expert_bias_target: str = "scores", *,
+                         hash_vocab_size: Optional[int] = None, logit_softcap: Optional[float] = None) -> None:
     """Raises ``ValueError`` naming the first bad routing option (:class:`TopKRouter`'s arguments)."""
     if score_func not in SCORE_FUNCS:
-        raise ValueError(f"score_func must be 'softmax' or 'sigmoid', got {score_func!r}")
+        raise ValueError(f"score_func must be one of {SCORE_FUNCS}, got {score_func!r}")
+    if hash_vocab_size is not None:
+        if isinstance(hash_vocab_size, bool) or not isinstance(hash_vocab_size, int) or hash_vocab_size < 1:
+            raise ValueError(f"hash_vocab_size must be None or an int >= 1 (the token-id table's rows), got "
+                             f"{hash_vocab_size!r}")
+        if num_groups is not None or enable_expert_bias:
+            raise ValueError("hash routing (hash_vocab_size) picks the experts from the token-id table: it cannot "
+                             "be combined with num_groups/group_topk or enable_expert_bias")
+    if logit_softcap is not None and (isinstance(logit_softcap, bool) or not isinstance(logit_softcap, (int, float))
+                                      or not 0 < logit_softcap < float("inf")):
+        raise ValueError(f"logit_softcap must be None or a finite number > 0, got {logit_softcap!r}")
     if norm_topk_prob not in (None, True, False):
         raise ValueError(f"norm_topk_prob must be None (the score function's default), True or False, got "
                          f"{norm_topk_prob!r}")
@@ -215,8 +226,13 @@ class Routing(NamedTuple):
 
 
 def router_scores(logits: torch.Tensor, score_func: str) -> torch.Tensor:
-    """``[T, E]`` scores of the gate logits: ``softmax`` over the experts or elementwise ``sigmoid``."""
-    return torch.softmax(logits, -1) if score_func == "softmax" else torch.sigmoid(logits)
+    """``[T, E]`` scores of the gate logits: ``softmax`` over the experts, elementwise ``sigmoid``, or elementwise
+    ``sqrtsoftplus`` (``sqrt(softplus(logits))``, DeepSeek-V4)."""
+    if score_func == "softmax":
+        return torch.softmax(logits, -1)
+    if score_func == "sqrtsoftplus":
+        return F.softplus(logits).sqrt()
+    return torch.sigmoid(logits)
 
 
 def routing_map(indices: torch.Tensor, num_experts: int, token_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -279,6 +295,15 @@ class TopKRouter(nn.Module):
       ``moe_norm_min``: a selection-biased top-k whose scores sum to almost nothing stays almost nothing).
     * ``router_dtype`` (``torch.float32`` / ``torch.float64``): run the gate GEMM in that precision (Megatron's
       ``moe_router_dtype``; by default the GEMM runs in the input dtype and the logits are upcast to fp32).
+    * ``score_func="sqrtsoftplus"`` (DeepSeek-V4): scores ``sqrt(softplus(logits))``, elementwise like sigmoid
+      (``norm_topk_prob=None`` renormalizes them as sigmoid's).
+    * ``logit_softcap`` ``c``: the logits become ``c * tanh(logits / c)`` before anything else (Laguna's
+      ``moe_router_logit_softcapping``); ``last_logits`` and the z-loss see the capped logits.
+    * ``hash_vocab_size`` ``V`` (DeepSeek-V4's hash layers): the experts of a token come from the buffer
+      ``tid2eid [V, K]`` (int64, persistent; a checkpoint fills it) indexed by its token id, which
+      :meth:`forward` then needs (``token_ids``, the model's input ids). The gate still gives the scores that weight
+      the chosen experts (renormalized and scaled as configured). A device gather: no sync, capturable; token ids
+      must lie in ``[0, V)`` (checked by the gather itself, on CUDA as a device assert).
     * ``enable_expert_bias``: auxiliary-loss-free balancing. A buffer ``expert_bias [E]`` is added to the scores
       (softmax or sigmoid: DeepSeek-V3, ERNIE-4.5-MoE) or, with ``expert_bias_target="logits"``, to the logits
       (Kolibri-1: the top-k of ``logits + bias``) for the *selection* only (the probabilities use the unbiased
@@ -298,17 +323,21 @@ class TopKRouter(nn.Module):
                  scaling_factor: Optional[float] = None, router_bias: bool = False,
                  enable_expert_bias: bool = False, expert_bias_update_rate: float = 1e-3,
                  router_dtype: Optional[torch.dtype] = None, expert_bias_target: str = "scores",
-                 norm_topk_min: Optional[float] = None):
+                 norm_topk_min: Optional[float] = None, hash_vocab_size: Optional[int] = None,
+                 logit_softcap: Optional[float] = None):
         super().__init__()
         if norm_topk_min is not None and not (isinstance(norm_topk_min, (int, float)) and 0 <= norm_topk_min < 1):
             raise ValueError(f"norm_topk_min must be None or a number in [0, 1), got {norm_topk_min!r}")
         self.norm_topk_min = norm_topk_min
         check_router_options(num_experts, topk, score_func, num_groups, group_topk, enable_expert_bias, router_dtype,
-                             norm_topk_prob, group_score_topk, expert_bias_target)
+                             norm_topk_prob, group_score_topk, expert_bias_target, hash_vocab_size=hash_vocab_size,
+                             logit_softcap=logit_softcap)
         self.expert_bias_target = expert_bias_target
+        self.hash_vocab_size = hash_vocab_size
+        self.logit_softcap = float(logit_softcap) if logit_softcap is not None else None
         self.num_experts, self.topk, self.score_func = num_experts, topk, score_func
         if norm_topk_prob is None:
-            norm_topk_prob = score_func == "sigmoid" and topk > 1
+            norm_topk_prob = score_func != "softmax" and topk > 1
         self.norm_topk_prob = bool(norm_topk_prob)
         self.num_groups, self.group_topk, self.group_score_topk = num_groups, group_topk, group_score_topk
         self.scaling_factor = scaling_factor
@@ -322,6 +351,8 @@ class TopKRouter(nn.Module):
             self.register_buffer("expert_bias", torch.zeros(num_experts, device=device, dtype=torch.float32))
             self.register_buffer("local_tokens_per_expert",
                                  torch.zeros(num_experts, device=device, dtype=torch.float32), persistent=False)
+        if hash_vocab_size is not None:  # token id -> its top-k experts (DeepSeek-V4's tid2eid)
+            self.register_buffer("tid2eid", torch.zeros(hash_vocab_size, topk, device=device, dtype=torch.int64))
         # the 1 each route of a token without padding counts (a constant: no fill per forward)
         self.register_buffer("route_one", torch.ones((), dtype=torch.int64, device=device), persistent=False)
         self.last_logits = None
@@ -330,7 +361,7 @@ class TopKRouter(nn.Module):
     def softmax_of_topk(self) -> bool:
         """True where the probabilities are the softmax of the top-k logits (see the class docstring)."""
         return (self.score_func == "softmax" and self.norm_topk_prob and self.num_groups is None
-                and not self.enable_expert_bias)
+                and not self.enable_expert_bias and self.hash_vocab_size is None)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         if self.router_dtype is not None:  # Megatron's moe_router_dtype: the gate GEMM itself in fp32 / fp64
@@ -345,10 +376,22 @@ class TopKRouter(nn.Module):
         return torch.topk(scores, self.topk, dim=-1)[1]
 
     def forward(self, x: torch.Tensor, padding_mask: Optional[torch.Tensor] = None,
-                counts_out: Optional[torch.Tensor] = None) -> Routing:
+                counts_out: Optional[torch.Tensor] = None, token_ids: Optional[torch.Tensor] = None) -> Routing:
         """``x`` ``[T, H]``; ``padding_mask`` ``[T]`` bool (True: a padding token, which gets no route);
-        ``counts_out``: an ``[E]`` int64 tensor the route counts are written into (:func:`route_counts`)."""
+        ``counts_out``: an ``[E]`` int64 tensor the route counts are written into (:func:`route_counts`);
+        ``token_ids`` ``[T]`` integer: the tokens' ids, needed by hash routing (``hash_vocab_size``) and ignored
+        otherwise."""
+        hashed = None
+        if self.hash_vocab_size is not None:
+            if token_ids is None:
+                raise ValueError("hash routing (hash_vocab_size) needs token_ids, the [T] input token ids")
+            if token_ids.numel() != x.shape[0] or token_ids.is_floating_point() or token_ids.is_complex():
+                raise ValueError(f"token_ids must be an integer tensor of {x.shape[0]} elements (one per token), got "
+                                 f"{token_ids.dtype} of shape {tuple(token_ids.shape)}")
+            hashed = self.tid2eid[token_ids.reshape(-1).to(device=x.device, dtype=torch.int64)]
         logits = self._logits(x)
+        if self.logit_softcap is not None:  # Laguna: c * tanh(logits / c)
+            logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
         self.last_logits = logits
         scores = None
         if self.softmax_of_topk:
@@ -358,11 +401,11 @@ class TopKRouter(nn.Module):
                 top = top * self.scaling_factor
         else:
             scores = router_scores(logits, self.score_func)
-            sel = logits.detach() if self.enable_expert_bias and self.expert_bias_target == "logits" \
-                else scores.detach()
+            sel = None if hashed is not None else logits.detach() \
+                if self.enable_expert_bias and self.expert_bias_target == "logits" else scores.detach()
             if self.enable_expert_bias:
                 sel = sel + self.expert_bias.to(sel.dtype)
-            idx = self._select(sel)
+            idx = self._select(sel) if hashed is None else hashed
             top = scores.gather(1, idx)
             if self.norm_topk_prob and self.norm_topk_min is not None:  # ERNIE-4.5: sum clamped, not offset
                 top = top / top.sum(-1, keepdim=True).clamp(min=self.norm_topk_min)
@@ -414,9 +457,9 @@ def update_expert_bias(module: nn.Module, group=None) -> None:
 
 
 def aux_loss_scores(scores: torch.Tensor, score_func: str) -> torch.Tensor:
-    """Scores the load-balancing losses use (Megatron-core's): the softmax scores, or the sigmoid scores
-    normalized to sum 1 per token (so that perfect balance gives 1.0 for both)."""
-    if score_func == "sigmoid":
+    """Scores the load-balancing losses use (Megatron-core's): the softmax scores, or the elementwise (sigmoid,
+    sqrtsoftplus) scores normalized to sum 1 per token (so that perfect balance gives 1.0 for all)."""
+    if score_func != "softmax":
         return scores / (scores.sum(-1, keepdim=True) + 1e-20)
     return scores
 

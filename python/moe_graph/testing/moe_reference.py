@@ -14,19 +14,30 @@ import torch.nn.functional as F
 def reference_route(h: torch.Tensor, gate_weight: torch.Tensor, topk: int, score_func: str = "softmax",
                     norm_topk_prob: Optional[bool] = None, *, num_groups=None, group_topk=None, scaling_factor=None,
                     expert_bias=None, group_score_topk=None, gate_bias=None, expert_bias_target="scores",
-                    norm_topk_min=None):
+                    norm_topk_min=None, logit_softcap=None, hash_indices=None):
     """``(topk_idx [T, K], topk_probs [T, K], scores [T, E])``: the router written out independently (group-limited
     selection one token at a time, in plain Python). ``norm_topk_prob=None``: on for sigmoid with ``topk > 1``;
     ``group_score_topk=None``: a group scores the sum of its ``topk // group_topk`` best; ``gate_bias``: added to
-    the logits; ``expert_bias_target="logits"``: the expert bias is added to the logits for the selection."""
+    the logits; ``expert_bias_target="logits"``: the expert bias is added to the logits for the selection;
+    ``logit_softcap`` ``c``: ``c * tanh(logits / c)`` first; ``hash_indices`` ``[T, K]``: the experts, given (hash
+    routing: the token-id table's rows) instead of selected."""
     logits = (h @ gate_weight.t()).float() if h.dtype != torch.float64 else h @ gate_weight.t()
     if gate_bias is not None:
         logits = logits + gate_bias.to(logits.dtype)
-    scores = torch.softmax(logits, -1) if score_func == "softmax" else torch.sigmoid(logits)
+    if logit_softcap is not None:
+        logits = logit_softcap * torch.tanh(logits / logit_softcap)
+    if score_func == "softmax":
+        scores = torch.softmax(logits, -1)
+    elif score_func == "sqrtsoftplus":  # sqrt(log(1 + e^x)), written out
+        scores = torch.sqrt(torch.log1p(torch.exp(logits)))
+    else:
+        scores = torch.sigmoid(logits)
     sel = (logits if expert_bias_target == "logits" else scores).detach()
     sel = sel + (expert_bias.to(scores.dtype) if expert_bias is not None else 0)
     T, E = scores.shape
-    if num_groups is None:
+    if hash_indices is not None:
+        idx = hash_indices.to(torch.int64)
+    elif num_groups is None:
         idx = torch.topk(sel, topk, dim=-1)[1]
     else:
         per = E // num_groups
@@ -41,7 +52,7 @@ def reference_route(h: torch.Tensor, gate_weight: torch.Tensor, topk: int, score
         idx = torch.tensor(rows, dtype=torch.int64)
     top = scores.gather(1, idx)
     if norm_topk_prob is None:
-        norm_topk_prob = score_func == "sigmoid" and topk > 1
+        norm_topk_prob = score_func != "softmax" and topk > 1
     if norm_topk_prob:
         s = top.sum(-1, keepdim=True)
         top = top / (s + 1e-20 if norm_topk_min is None else torch.maximum(s, torch.full_like(s, norm_topk_min)))
@@ -122,7 +133,8 @@ def dense_moe_reference(h, indices, probs, w1, w2, activation: str = "swiglu", k
     (``probs_on_input``: ``sum_k mlp_{e_k}(probs[t, k] * h[t])``, Llama 4).
 
     ``w1 [E, fc1_out, H]``, ``w2 [E, H, F]`` (``nn.Linear`` layout), optional biases ``b1 [E, fc1_out]``,
-    ``b2 [E, H]``; ``keep`` masks dropped routes; activation: :func:`reference_activation`."""
+    ``b2 [E, H]``; ``keep`` masks dropped routes; activation: :func:`reference_activation`. An index ``e >= E``
+    is a zero-computation expert: its route adds ``probs[t, k] * h[t]``."""
     T, K = indices.shape
     rows = []
     for t in range(T):
@@ -132,6 +144,9 @@ def dense_moe_reference(h, indices, probs, w1, w2, activation: str = "swiglu", k
                 continue
             e = int(indices[t, k])
             p = probs[t, k].to(h.dtype)
+            if e >= w1.shape[0]:  # zero-computation (identity) expert
+                acc = acc + p * h[t]
+                continue
             a = (p * h[t] if probs_on_input else h[t]) @ w1[e].t()
             if b1 is not None:
                 a = a + b1[e]
@@ -163,22 +178,29 @@ def scale_experts(expert_in: torch.Tensor, m_splits: torch.Tensor, scales: torch
     return expert_in * per_row[:, None].to(expert_in.dtype)
 
 
-def reference_moe_layer(x: torch.Tensor, params: Dict[str, torch.Tensor], config) -> torch.Tensor:
+def reference_moe_layer(x: torch.Tensor, params: Dict[str, torch.Tensor], config,
+                        token_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
     """A whole MoE layer from its definition, dropless: ``x [..., H]`` -> ``[..., H]``.
 
     ``params``: global tensors under :class:`moe_graph.moe.layer.MoELayer`'s state-dict names, every expert on
     dim 0 (``router.weight`` and optionally ``router.bias``, ``router.expert_bias``; ``experts.fc1.weight [E, ...]``,
     ``experts.fc2.weight``, optionally ``experts.fc1.bias`` / ``experts.fc2.bias``; ``shared_expert.fc1.weight``,
     ... when ``config`` has a shared expert). ``config``: anything with :class:`moe_graph.moe.config.MoEConfig`'s
-    option attributes."""
+    option attributes. ``token_ids`` (``x.shape[:-1]``): for hash routing, the rows of ``params["router.tid2eid"]``;
+    ``output_norm.weight``: the RMSNorm of the output written out."""
     c = config
     h = x.reshape(-1, x.shape[-1])
+    hashed = None
+    if getattr(c, "hash_vocab_size", None) is not None:
+        table = params["router.tid2eid"]
+        hashed = torch.stack([table[int(t)] for t in token_ids.reshape(-1)])
     idx, probs, _ = reference_route(h, params["router.weight"], c.topk, c.score_func, c.norm_topk_prob,
                                     num_groups=c.num_groups, group_topk=c.group_topk,
                                     scaling_factor=c.topk_scaling_factor, expert_bias=params.get("router.expert_bias"),
                                     group_score_topk=c.group_score_topk, gate_bias=params.get("router.bias"),
                                     expert_bias_target=getattr(c, "expert_bias_target", "scores"),
-                                    norm_topk_min=getattr(c, "norm_topk_min", None))
+                                    norm_topk_min=getattr(c, "norm_topk_min", None),
+                                    logit_softcap=getattr(c, "logit_softcap", None), hash_indices=hashed)
     act = dict(swiglu_alpha=c.swiglu_alpha, swiglu_limit=c.swiglu_limit)
     y = dense_moe_reference(h, idx, probs, params["experts.fc1.weight"], params["experts.fc2.weight"], c.activation,
                             b1=params.get("experts.fc1.bias"), b2=params.get("experts.fc2.bias"),
@@ -197,4 +219,7 @@ def reference_moe_layer(x: torch.Tensor, params: Dict[str, torch.Tensor], config
             y = y / 2
     if "output_bias" in params:
         y = y + params["output_bias"]
+    if "output_norm.weight" in params:
+        eps = getattr(c, "output_norm_eps", 1e-6)
+        y = params["output_norm.weight"] * (y / torch.sqrt((y * y).mean(-1, keepdim=True) + eps))
     return y.reshape(x.shape)
