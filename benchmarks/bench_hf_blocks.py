@@ -22,13 +22,17 @@ from moe_graph.testing.hf_models import FAMILIES, block_errors, block_output, ti
 
 
 def _dims(family: str, hidden: int, ffn: int) -> dict:
-    """Config overrides: hidden size ``hidden``, expert FFN ``ffn`` (DeepSeek-V3's and ERNIE-4.5's shared experts
-    2 x ffn, Llama 4's 1 x ffn, the other shared experts 4 x ffn), the families' expert counts and top-k of
-    tiny_config."""
+    """Config overrides: hidden size ``hidden``, expert FFN ``ffn`` (DeepSeek-V3's, ERNIE-4.5's and A.X-K1's shared
+    experts 2 x ffn, Llama 4's and DeepSeek-V4's 1 x ffn, the other shared experts 4 x ffn), the families' expert
+    counts and top-k of tiny_config."""
     if family in ("mixtral", "gpt_oss", "jetmoe", "llama4_text"):
         return dict(hidden_size=hidden, intermediate_size=ffn)
+    if family == "deepseek_v4":  # intermediate_size is an alias of moe_intermediate_size (its shared expert's)
+        return dict(hidden_size=hidden, moe_intermediate_size=ffn)
+    if family == "longcat_flash":
+        return dict(hidden_size=hidden, expert_ffn_hidden_size=ffn, ffn_hidden_size=4 * ffn)
     kw = dict(hidden_size=hidden, moe_intermediate_size=ffn, intermediate_size=4 * ffn)
-    if family in ("qwen2_moe", "kolibri1"):
+    if family in ("qwen2_moe", "kolibri1", "laguna"):
         kw["shared_expert_intermediate_size"] = 4 * ffn
     if family == "nemotron_h":
         kw["moe_shared_expert_intermediate_size"] = 4 * ffn
@@ -38,18 +42,21 @@ def _dims(family: str, hidden: int, ffn: int) -> dict:
 def measure(family: str, tokens: int, hidden: int, ffn: int, reps: int, device: str) -> dict:
     cfg, block = tiny_block(family, **_dims(family, hidden, ffn))
     block = block.to(device)
-    layer = moe_layer_from_hf(cfg, device=device, params_dtype=torch.float32)
+    layer = moe_layer_from_hf(cfg, device=device, params_dtype=torch.float32, block=block)
     layer.load_state_dict(hf_to_moe_state_dict(block.state_dict(), cfg))
     g = torch.Generator().manual_seed(1)
     x = torch.randn(1, tokens, hidden, generator=g).to(device)
     target = torch.randn(x.shape, generator=g).to(device)
-    errs = block_errors(block, layer, x, target, lambda grads: moe_to_hf_state_dict(grads, cfg))
+    # token ids for DeepSeek-V4's hash layer (its block is layer 0's)
+    ids = torch.randint(0, cfg.vocab_size, (1, tokens), generator=g).to(device) if getattr(block, "is_hash", False) \
+        else None
+    errs = block_errors(block, layer, x, target, lambda grads: moe_to_hf_state_dict(grads, cfg), ids)
 
     def step(module):
         def run():
             module.zero_grad(set_to_none=True)
             xi = x.clone().requires_grad_()
-            (block_output(module, xi).reshape(x.shape) * target).sum().backward()
+            (block_output(module, xi, ids).reshape(x.shape) * target).sum().backward()
         return run
 
     timer = time_cuda if device == "cuda" else time_cpu

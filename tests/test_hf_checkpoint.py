@@ -20,9 +20,18 @@ from moe_graph.integrations.hf_checkpoint import (  # noqa: E402
     _block_source, _Files, _Rows, load_hf_checkpoint, save_hf_pretrained)
 from moe_graph.testing.hf_models import FAMILIES, has_tiny_model, model_loss, tiny_model  # noqa: E402
 
-# every family with its own converter semantics (the later ones repeat one of these blocks); MOE_GRAPH_HF_ALL=1: all
+# whole-model checkpoints transformers' writer converts beyond what load_hf_checkpoint maps (their blocks, whole
+# models and block state dicts are checked in test_hf_models.py): not round-tripped here yet
+NOT_ROUND_TRIPPED = {
+    "deepseek_v4": "the reverse conversion renames dense tensors (model.norm.weight is not in the saved file)",
+    "axk1": "post_mlp_layernorm is saved at the decoder-layer level, not under the block",
+    "laguna": "the shared expert is saved as shared_experts..{gate,up,down}_proj (transformers' writer)",
+}
+# every family with its own converter semantics up to issue 33's (the later ones repeat one of these blocks);
+# MOE_GRAPH_HF_ALL=1: all (issue 33's longcat_flash and axk2 round-trip within 6e-7 and 2.3e-6)
 CHECKED = tuple(f for f in (FAMILIES if os.environ.get("MOE_GRAPH_HF_ALL") == "1" else
-                            FAMILIES[:FAMILIES.index("olmoe")]) if has_tiny_model(f))
+                            FAMILIES[:FAMILIES.index("deepseek_v2") + 1])
+                if has_tiny_model(f) and f not in NOT_ROUND_TRIPPED)
 
 # transformers' v4 writer converts more than the experts here (GLM5-Next: conv1d -> q/k/v_conv1d): load_hf_checkpoint
 # reads the v5 layout of these families and refuses their v4 files naming the tensor

@@ -64,10 +64,18 @@ VARIANTS = [  # (family, config overrides)
     ("jamba", {}),  # softmax, top-k not renormalized
     ("deepseek_v2", {}),  # softmax, group-limited greedy (groups scored by their best expert), not renormalized
     ("deepseek_v2", dict(topk_method="greedy")),
+    ("deepseek_v4", {}),  # a hash layer: experts from gate.tid2eid[input_ids], sqrtsoftplus scores, limited SwiGLU
+    ("deepseek_v4", dict(mlp_layer_types=["moe", "moe"])),  # a learned layer: sqrtsoftplus + selection bias
+    ("deepseek_v4", dict(mlp_layer_types=["moe", "moe"], scoring_func="sigmoid")),
+    ("longcat_flash", {}),  # 3 zero-computation experts of 11, softmax + selection bias, scaled
+    ("axk1", {}),  # DeepSeek-V3's router, the block output RMSNorm-ed
+    ("axk2", {}),  # DeepSeek-V3's router without groups (A.X-K2-Light)
+    ("laguna", {}),  # soft-capped logits, sigmoid + selection bias, scaled routed output
 ] + [(f, {}) for f in FAMILIES[FAMILIES.index("olmoe"):]]  # blocks that repeat one of the above (2 groups of 4)
 ONE_LAYOUT = ("gpt_oss", "jetmoe", "llama4_text", "qwen3_vl_moe_text", "qwen3_omni_moe_text", "qwen3_5_moe_text",
               "qwen4_exp_text", "glm4v_moe_text", "granitemoe")  # fused experts only: no v4 per-expert modules
-V4_NAMES = {"mixtral": ("w1", "w3", "w2"), "minimax": ("w1", "w3", "w2"), "nemotron_h": (None, "up_proj", "down_proj")}
+V4_NAMES = {"mixtral": ("w1", "w3", "w2"), "minimax": ("w1", "w3", "w2"), "nemotron_h": (None, "up_proj", "down_proj"),
+            "deepseek_v4": ("w1", "w3", "w2")}
 # whole models swapped by default (each family's block is checked regardless): every family with its own semantics
 # and one of each repeated block; MOE_GRAPH_HF_ALL=1 swaps every family's tiny model
 WHOLE_MODEL = FAMILIES if os.environ.get("MOE_GRAPH_HF_ALL") == "1" else FAMILIES[:FAMILIES.index("olmoe")] + (
@@ -80,13 +88,21 @@ def _ids(v):
 
 
 def _layer_for(cfg, block, **overrides):
-    layer = moe_layer_from_hf(cfg, device="cpu", params_dtype=torch.float32, **overrides)
+    layer = moe_layer_from_hf(cfg, device="cpu", params_dtype=torch.float32, block=block, **overrides)
     layer.load_state_dict(hf_to_moe_state_dict(block.state_dict(), cfg), strict=True)
     return layer
 
 
-def _selection(layer, x):
-    return layer.router(x.reshape(-1, x.shape[-1])).indices.sort(1)[0]  # ascending expert index per token
+def _selection(layer, x, ids=None):
+    # ascending expert index per token
+    return layer.router(x.reshape(-1, x.shape[-1]), token_ids=ids).indices.sort(1)[0]
+
+
+def _input_ids(cfg, block, x):
+    """Token ids for the blocks that take them (DeepSeek-V4's hash layers), else None."""
+    if not getattr(block, "is_hash", False):
+        return None
+    return torch.randint(0, cfg.vocab_size, x.shape[:-1], generator=torch.Generator().manual_seed(2))
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=_ids)
@@ -97,8 +113,9 @@ def test_block_matches_transformers(variant):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(3, 11, cfg.hidden_size, generator=g)
     target = torch.randn(x.shape, generator=g)
-    assert torch.equal(_selection(layer, x), hf_router(block, x))
-    errs = block_errors(block, layer, x, target, lambda grads: moe_to_hf_state_dict(grads, cfg))
+    ids = _input_ids(cfg, block, x)
+    assert torch.equal(_selection(layer, x, ids), hf_router(block, x, ids))
+    errs = block_errors(block, layer, x, target, lambda grads: moe_to_hf_state_dict(grads, cfg), ids)
     assert len(errs) == 2 + len([p for p in block.parameters() if p.requires_grad])  # every trained weight
     bad = {k: v for k, v in errs.items() if not v <= TOL}
     assert not bad, bad
@@ -188,8 +205,15 @@ def test_whole_model_swapped(family):
         got.update({f"{name}.{k}": g for k, g in moe_to_hf_state_dict(moe_grads, cfg).items()})
     assert sorted(got) == sorted(ref_grads)
     assert all(got[n] is None for n, g in ref_grads.items() if g is None)  # parameters the loss does not reach
-    bad = {n: rel_err(got[n], g) for n, g in ref_grads.items() if g is not None and not rel_err(got[n], g) <= TOL}
+    bad = {n: rel_err(got[n], g) for n, g in ref_grads.items() if g is not None and not rel_err(got[n], g) <= _tol(n)}
     assert not bad, bad
+
+
+def _tol(name):
+    """DeepSeek-V4's hyper-connection parameters (``hc_*``: Sinkhorn-normalized mixing) amplify fp32 rounding:
+    transformers against itself with another expert backend (``batched_mm`` vs ``grouped_mm``) differs by 2.3e-5
+    on ``hc_head.hc_base``; everything else stays within TOL."""
+    return 1e-4 if ".hc_" in name or "_hc." in name else TOL
 
 
 def test_swap_shares_parameters():
@@ -225,6 +249,9 @@ def test_hf_load_balancing_loss():
     ("deepseek_v3", dict(n_routed_experts=8, n_group=8, topk_group=2), "n_group"),
     ("nemotron_h", dict(moe_latent_size=16), "moe_latent_size"),
     ("jetmoe", dict(activation_function="gelu"), "activation_function"),
+    ("axk2", dict(n_group=2, topk_group=1), "masks the other groups' experts with 0.0"),
+    ("deepseek_v4", dict(mlp_bias=True), "mlp_bias"),
+    ("longcat_flash", dict(router_bias=True), "never applies"),
 ])
 def test_unsupported_configs(family, kw, match):
     with pytest.raises(ValueError, match=match):
@@ -234,6 +261,17 @@ def test_unsupported_configs(family, kw, match):
 def test_unsupported_family():
     with pytest.raises(ValueError, match="model_type='llama'"):
         moe_config_from_hf(transformers.LlamaConfig())
+
+
+@pytest.mark.parametrize("model_type, reason", [
+    ("ernie4_5_vl_moe", "token-type expert sets"), ("phimoe", "SparseMixer"), ("zaya", "an MLP router"),
+    ("doge", "product-key routing"), ("inkling_mm_model", "shared experts scored by the router"),
+])
+def test_unsupported_families_name_the_reason(model_type, reason):
+    """transformers' own configs of the families MoELayer cannot express: the error names the semantics missing."""
+    cfg = transformers.AutoConfig.for_model(model_type)
+    with pytest.raises(ValueError, match=reason):
+        moe_config_from_hf(cfg)
 
 
 def test_readme_example():

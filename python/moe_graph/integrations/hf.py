@@ -40,6 +40,26 @@ Families (``config.model_type``; block class -> what the layer reproduces):
   (``probs_on_input``), a shared SwiGLU expert; experts stored transposed (``gate_up_proj [E, H, 2F]``,
   ``down_proj [E, F, H]``). The block returns ``(out, router_logits)``: the swapped block ``(out, None)``.
 
+* ``deepseek_v4`` (``DeepseekV4SparseMoeBlock``): the gate in the input dtype, ``sqrtsoftplus`` (or sigmoid) scores,
+  the chosen ones renormalized and times ``routed_scaling_factor``, experts and one shared expert
+  (``moe_intermediate_size``) with ``limited_swiglu``; learned layers select with ``e_score_correction_bias``,
+  ``hash_moe`` layers take the experts of each token from ``gate.tid2eid[input_ids]`` (``hash_vocab_size``; the
+  layer needs the token ids: ``MoELayer.forward(x, token_ids=...)``, which :class:`HFMoEBlock` passes from the
+  decoder's ``input_ids``). Which kind a layer is comes from the block (``moe_config_from_hf(config, block=...)``
+  or ``hash_layer=True``); its state dict tells (``gate.tid2eid``).
+* ``longcat_flash`` (``LongcatFlashMoE``): fp32 gate over ``E + Z`` experts, softmax, the correction bias on the
+  scores for the selection, not renormalized, scaled; ``zero_expert_num`` zero-computation experts
+  (``num_zero_experts``); ``experts.gate_up_proj`` has ``E + Z`` rows, the last ``Z`` never read (written as
+  zeros).
+* ``axk1`` (``AXK1MoE``): DeepSeek-V3's block, its output through an RMSNorm (``post_mlp_layernorm`` ->
+  ``output_norm``); ``axk2`` (``AXK2MoE``): DeepSeek-V3's block without groups (``n_group`` set raises: its group
+  mask fills 0.0).
+* ``laguna`` (``LagunaSparseMoeBlock``): soft-capped logits (``logit_softcap``), sigmoid, the correction bias,
+  renormalized, times ``moe_routed_scaling_factor``, a shared expert.
+
+Families MoELayer cannot express raise naming the reason (``_UNSUPPORTED``: ERNIE-4.5-VL's token-type expert sets,
+PhiMoE's SparseMixer, Zaya's MLP router, Doge's product keys, Inkling's router-scored shared experts).
+
 Blocks that repeat one of these (``_Family.profile``): ``olmoe``, ``flex_olmo``, ``minimax``, ``granitemoe`` as
 ``mixtral``;
 ``qwen3_vl_moe_text``, ``qwen3_omni_moe_text``, ``mellum`` as ``qwen3_moe``; ``qwen3_next``, ``qwen3_5_moe_text``,
@@ -104,6 +124,10 @@ class _Family:
     transposed: bool = False  # fused experts stored [E, H, 2F] / [E, F, H] (Llama 4)
     output_bias: Optional[str] = None  # the block's output bias [H] (JetMoE)
     profile: Optional[str] = None  # the family whose block this one repeats (its config reader; None: its own)
+    expert_bias_path: Optional[str] = None  # the selection bias's full name in the block (default router.expert_bias)
+    output_norm: Optional[str] = None  # the block output's RMSNorm module (A.X-K1)
+    dead_fc1_rows: bool = False  # fc1 stored with E + Z rows, the Z past E never read (LongCat-Flash)
+    takes_input_ids: bool = False  # forward(hidden_states, input_ids): hash layers (DeepSeek-V4)
 
 
 _FAMILIES: Dict[str, _Family] = {
@@ -168,6 +192,31 @@ _FAMILIES: Dict[str, _Family] = {
                               ("gate_proj", "up_proj", "down_proj"), shared="shared_experts", profile="deepseek_v3"),
     "mimo_v2_flash": _Family("MiMoV2FlashMoE", "gate", ("gate_proj", "up_proj", "down_proj"), profile="deepseek_v3"),
     "granitemoe": _Family("GraniteMoeMoE", "router", None, profile="mixtral"),
+    "deepseek_v4": _Family("DeepseekV4SparseMoeBlock", "gate", ("w1", "w3", "w2"), shared="shared_experts",
+                           takes_input_ids=True),
+    "longcat_flash": _Family("LongcatFlashMoE", "router.classifier", ("gate_proj", "up_proj", "down_proj"),
+                             expert_bias_path="router.e_score_correction_bias", dead_fc1_rows=True),
+    "axk1": _Family("AXK1MoE", "gate", ("gate_proj", "up_proj", "down_proj"), shared="shared_experts",
+                    output_norm="post_mlp_layernorm"),
+    "axk2": _Family("AXK2MoE", "gate", ("gate_proj", "up_proj", "down_proj"), shared="shared_experts"),
+    "laguna": _Family("LagunaSparseMoeBlock", "gate", ("gate_proj", "up_proj", "down_proj"),
+                      shared="shared_experts"),
+}
+# transformers MoE families MoELayer cannot express, with the reason (moe_config_from_hf raises it)
+_UNSUPPORTED: Dict[str, str] = {
+    "ernie4_5_vl_moe": "token-type expert sets: text and vision tokens route to separate expert sets (the token "
+                       "types are an input of the block), one MoELayer routes every token over one set",
+    "ernie4_5_vl_moe_text": "token-type expert sets: text and vision tokens route to separate expert sets (the "
+                            "token types are an input of the block), one MoELayer routes every token over one set",
+    "phimoe": "SparseMixer routing: in training it samples the experts (exponential noise, Heun's third-order "
+              "gradient estimate); MoELayer draws no random numbers and its gradient is the plain one",
+    "zaya": "an MLP router (RMSNorm, two GELU layers, a skip class and states carried between layers); MoELayer's "
+            "router is one linear gate",
+    "doge": "product-key routing (experts chosen from the product of two key sets) and an averaged shared output; "
+            "MoELayer's router is one linear gate over the experts",
+    "inkling_text": "shared experts scored by the router and normalized jointly with the routed top-k, each scaling "
+                    "its own activation, with a learned global scale; MoELayer's shared expert is unweighted (or "
+                    "sigmoid-gated)",
 }
 # transformers' hidden_act of non-gated experts -> MoELayer's activation
 _PLAIN_ACTS = {"relu2": "squared_relu", "relu": "relu", "silu": "silu", "gelu": "gelu"}
@@ -181,6 +230,8 @@ def _text_config(config):
 
 def _family(config) -> Tuple[str, _Family]:
     t = getattr(config, "model_type", None)
+    if t in _UNSUPPORTED:
+        raise ValueError(f"config.model_type={t!r} cannot be expressed by MoELayer: {_UNSUPPORTED[t]}")
     if t not in _FAMILIES:
         raise ValueError(f"config.model_type={t!r} is not a supported MoE family; supported: {sorted(_FAMILIES)}")
     return t, _FAMILIES[t]
@@ -219,15 +270,19 @@ def _deepseek_routing(c, model_type: str) -> Dict:
     return opts
 
 
-def moe_config_from_hf(config, **overrides) -> MoEConfig:
+def moe_config_from_hf(config, *, block=None, hash_layer: Optional[bool] = None, **overrides) -> MoEConfig:
     """The :class:`moe_graph.moe.config.MoEConfig` of one sparse-MoE block of a transformers ``config`` (a
     ``PretrainedConfig`` of a supported family, or a multimodal one whose text config is). ``overrides``: further
     MoELayer options (``ep_size``, ``num_spare_experts_per_ep_rank``, ``capacity_factor``, ``params_dtype``,
-    ``aux_loss_coeff``, ...). Raises ``ValueError`` naming the option for a config it cannot express."""
+    ``aux_loss_coeff``, ...). Per-layer options (DeepSeek-V4's hash layers) come from ``block``, the transformers
+    block the layer replaces, or ``hash_layer`` (default: a learned-router layer). Raises ``ValueError`` naming
+    the option for a config it cannot express."""
     config = _text_config(config)
     t, fam = _family(config)
     c = config
     p = fam.profile or t
+    if hash_layer is None:
+        hash_layer = bool(getattr(block, "is_hash", False))
     opts: Dict = {}
     if p == "mixtral":
         _gated_silu(c, t)
@@ -332,6 +387,59 @@ def moe_config_from_hf(config, **overrides) -> MoEConfig:
                     topk=c.num_experts_per_tok, score_func="sigmoid", norm_topk_prob=bool(c.norm_topk_prob),
                     enable_expert_bias=True, expert_bias_target="logits", router_dtype=torch.float32,
                     shared_expert_ffn_size=c.shared_expert_intermediate_size)
+    elif t == "deepseek_v4":
+        _gated_silu(c, t)
+        if c.scoring_func not in ("sqrtsoftplus", "sigmoid"):
+            raise ValueError(f"deepseek_v4: scoring_func={c.scoring_func!r} cannot be expressed (sqrtsoftplus, sigmoid)")
+        if c.mlp_bias:
+            raise ValueError("deepseek_v4: mlp_bias=True cannot be expressed: the shared expert would have biases and "
+                             "the routed experts none (MoELayer's add_bias_linear sets both)")
+        # the gate in the input dtype; the chosen scores always renormalized (+1e-20) and scaled; one shared expert
+        # of moe_intermediate_size; experts and shared expert silu(min(g, L)) * clamp(u, -L, L)
+        opts = dict(hidden_size=c.hidden_size, ffn_hidden_size=c.moe_intermediate_size,
+                    num_experts=c.n_routed_experts, topk=c.num_experts_per_tok, score_func=c.scoring_func,
+                    norm_topk_prob=True, topk_scaling_factor=float(c.routed_scaling_factor),
+                    activation="limited_swiglu", swiglu_limit=float(c.swiglu_limit),
+                    shared_expert_ffn_size=c.moe_intermediate_size)
+        if hash_layer:  # experts from gate.tid2eid[input_ids]; no selection bias
+            opts.update(hash_vocab_size=c.vocab_size)
+        else:
+            opts.update(enable_expert_bias=True)
+    elif t == "longcat_flash":
+        _gated_silu(c, t)
+        if getattr(c, "router_bias", False):
+            raise ValueError("longcat_flash: router_bias=True cannot be expressed: transformers' router never applies "
+                             "the classifier's bias")
+        if not c.n_routed_experts:
+            raise ValueError("longcat_flash: n_routed_experts=0 (only zero-computation experts) cannot be expressed")
+        # fp32 gate, softmax over the E + Z experts, the selection bias on the scores, not renormalized, scaled;
+        # the zero-computation experts return the token times its probability
+        opts = dict(hidden_size=c.hidden_size, ffn_hidden_size=c.expert_ffn_hidden_size,
+                    num_experts=c.n_routed_experts, topk=c.moe_topk, num_zero_experts=int(c.zero_expert_num or 0),
+                    norm_topk_prob=False, topk_scaling_factor=float(c.routed_scaling_factor),
+                    enable_expert_bias=True, router_dtype=torch.float32)
+    elif t in ("axk1", "axk2"):
+        _gated_silu(c, t)
+        if t == "axk2" and c.n_group is not None:
+            raise ValueError("axk2: n_group cannot be expressed: A.X-K2's group-limited routing masks the other "
+                             "groups' experts with 0.0, not -inf, so an expert outside the chosen groups wins where "
+                             "the biased in-group scores are negative; MoELayer's never picks one (n_group=None, "
+                             "A.X-K2-Light's routing, is exact)")
+        opts = _deepseek_routing(c, t)
+        opts.update(shared_expert_ffn_size=c.moe_intermediate_size * c.n_shared_experts)
+        if t == "axk1":  # post_mlp_layernorm: an RMSNorm of the block output
+            opts.update(output_norm="rmsnorm", output_norm_eps=float(c.rms_norm_eps))
+    elif t == "laguna":
+        _gated_silu(c, t)
+        # the gate in the input dtype, logits soft-capped, sigmoid, the selection bias on the scores, renormalized,
+        # the routed output times moe_routed_scaling_factor (= scaled probabilities), a shared expert
+        cap = float(c.moe_router_logit_softcapping or 0.0)
+        scale = float(c.moe_routed_scaling_factor)
+        opts = dict(hidden_size=c.hidden_size, ffn_hidden_size=c.moe_intermediate_size, num_experts=c.num_experts,
+                    topk=c.num_experts_per_tok, score_func="sigmoid", norm_topk_prob=True,
+                    topk_scaling_factor=scale if scale != 1.0 else None, enable_expert_bias=True,
+                    logit_softcap=cap if cap > 0 else None,
+                    shared_expert_ffn_size=c.shared_expert_intermediate_size)
     elif t == "gpt_oss":
         opts = dict(hidden_size=c.hidden_size, ffn_hidden_size=c.intermediate_size, num_experts=c.num_local_experts,
                     topk=c.num_experts_per_tok, norm_topk_prob=True, router_bias=True, add_bias_linear=True,
@@ -341,10 +449,10 @@ def moe_config_from_hf(config, **overrides) -> MoEConfig:
     return MoEConfig(**opts)
 
 
-def moe_layer_from_hf(config, *, ep_group=None, device=None, **overrides) -> MoELayer:
-    """A :class:`MoELayer` for one sparse-MoE block of ``config`` (:func:`moe_config_from_hf`; freshly
-    initialized: load a block's weights with :func:`hf_to_moe_state_dict`)."""
-    return MoELayer.from_config(moe_config_from_hf(config, **overrides), ep_group=ep_group, device=device)
+def moe_layer_from_hf(config, *, ep_group=None, device=None, block=None, **overrides) -> MoELayer:
+    """A :class:`MoELayer` for one sparse-MoE block of ``config`` (:func:`moe_config_from_hf`, ``block`` and
+    ``hash_layer`` as there; freshly initialized: load a block's weights with :func:`hf_to_moe_state_dict`)."""
+    return MoELayer.from_config(moe_config_from_hf(config, block=block, **overrides), ep_group=ep_group, device=device)
 
 
 # ------------------------------------------------------------------------------------------- state dicts --
@@ -358,6 +466,10 @@ def _ep_slice(ep_rank: int, ep_size: int, num_experts: int) -> slice:
 
 def _v4_expert_ids(sd: Dict[str, torch.Tensor]) -> List[int]:
     return sorted({int(m.group(1)) for k in sd if (m := re.match(r"experts\.(\d+)\.", k))})
+
+
+def _expert_bias_key(fam: _Family) -> str:
+    return fam.expert_bias_path or f"{fam.router}.{fam.expert_bias}"
 
 
 def _take(sd: Dict[str, torch.Tensor], key: str, model_type: str) -> torch.Tensor:
@@ -374,15 +486,20 @@ def hf_to_moe_state_dict(hf_state_dict: Dict[str, torch.Tensor], config, *, ep_r
     is read for another rank's experts."""
     config = _text_config(config)
     t, fam = _family(config)
-    cfg = moe_config_from_hf(config)
     sd = hf_state_dict
+    hashed = f"{fam.router}.tid2eid" in sd  # a DeepSeek-V4 hash layer
+    cfg = moe_config_from_hf(config, hash_layer=hashed)
     sl = _ep_slice(ep_rank, ep_size, cfg.num_experts)
     out: Dict[str, torch.Tensor] = {"router.weight": _take(sd, f"{fam.router}.weight", t)}
     if cfg.router_bias:
         out["router.bias"] = _take(sd, f"{fam.router}.bias", t)
     if cfg.enable_expert_bias:
-        out["router.expert_bias"] = _take(sd, f"{fam.router}.{fam.expert_bias}", t).reshape(-1)
-    whole = sl.start == 0 and sl.stop == cfg.num_experts
+        out["router.expert_bias"] = _take(sd, _expert_bias_key(fam), t).reshape(-1)
+    if hashed:
+        out["router.tid2eid"] = sd[f"{fam.router}.tid2eid"]
+    if fam.output_norm is not None:
+        out["output_norm.weight"] = _take(sd, f"{fam.output_norm}.weight", t)
+    whole = sl.start == 0 and sl.stop == cfg.num_experts and not fam.dead_fc1_rows
     if t == "gpt_oss":
         gu = _take(sd, "experts.gate_up_proj", t)[sl]  # [L, H, 2F], gate/up interleaved
         gub = _take(sd, "experts.gate_up_proj_bias", t)[sl]
@@ -393,7 +510,7 @@ def hf_to_moe_state_dict(hf_state_dict: Dict[str, torch.Tensor], config, *, ep_r
         out["experts.fc2.bias"] = b2 if whole else b2[sl]
     elif fam.fc1 in sd:  # v5
         gu, dp = sd[fam.fc1], _take(sd, fam.fc2, t)
-        gu, dp = (gu, dp) if whole else (gu[sl], dp[sl])
+        gu, dp = (gu, dp) if whole else (gu[sl], dp[sl])  # LongCat-Flash: fc1's zero-expert rows left out
         if fam.transposed:
             gu, dp = gu.transpose(1, 2).contiguous(), dp.transpose(1, 2).contiguous()
         out["experts.fc1.weight"], out["experts.fc2.weight"] = gu, dp
@@ -430,13 +547,18 @@ def moe_to_hf_state_dict(moe_state_dict: Dict[str, torch.Tensor], config, *, lay
     t, fam = _family(config)
     cfg = moe_config_from_hf(config)
     sd = moe_state_dict
-    first = _ep_slice(ep_rank, ep_size, cfg.num_experts).start
+    sl = _ep_slice(ep_rank, ep_size, cfg.num_experts)
+    first = sl.start
     out: Dict[str, torch.Tensor] = {f"{fam.router}.weight": sd["router.weight"]}
     if cfg.router_bias:
         out[f"{fam.router}.bias"] = sd["router.bias"]
-    if cfg.enable_expert_bias and "router.expert_bias" in sd:  # a buffer: absent from e.g. a gradient dict
+    if "router.expert_bias" in sd:  # a buffer: absent from e.g. a gradient dict (and from hash layers)
         b = sd["router.expert_bias"]
-        out[f"{fam.router}.{fam.expert_bias}"] = b.view(1, -1) if fam.expert_bias_2d else b
+        out[_expert_bias_key(fam)] = b.view(1, -1) if fam.expert_bias_2d else b
+    if "router.tid2eid" in sd:  # a buffer of DeepSeek-V4's hash layers
+        out[f"{fam.router}.tid2eid"] = sd["router.tid2eid"]
+    if fam.output_norm is not None:
+        out[f"{fam.output_norm}.weight"] = sd["output_norm.weight"]
     w1, w2 = sd["experts.fc1.weight"], sd["experts.fc2.weight"]
     F = w2.shape[-1]
     if t == "gpt_oss":
@@ -449,6 +571,9 @@ def moe_to_hf_state_dict(moe_state_dict: Dict[str, torch.Tensor], config, *, lay
     elif layout == "v5" or fam.v4_experts is None:  # v5, or a family with one (fused) layout
         if fam.transposed:
             w1, w2 = w1.transpose(1, 2).contiguous(), w2.transpose(1, 2).contiguous()
+        if fam.dead_fc1_rows and sl.stop == cfg.num_experts and cfg.num_zero_experts:
+            # LongCat-Flash allocates fc1 rows for its zero experts that it never reads: zeros, after the last rank's
+            w1 = torch.cat([w1, w1.new_zeros((cfg.num_zero_experts,) + tuple(w1.shape[1:]))])
         out[fam.fc1], out[fam.fc2] = w1, w2
     else:
         g, u, d = fam.v4_experts
@@ -484,8 +609,10 @@ class HFMoEBlock(nn.Module):
         self.moe = layer
         self.returns_router_scores = returns_router_scores
 
-    def forward(self, hidden_states: torch.Tensor):
-        out = self.moe(hidden_states)
+    def forward(self, hidden_states: torch.Tensor, input_ids: Optional[torch.Tensor] = None):
+        """``input_ids``: the model's token ids (DeepSeek-V4's decoder layers pass them to every MoE block; its hash
+        layers route by them, the others ignore them)."""
+        out = self.moe(hidden_states, token_ids=input_ids)
         return (out, None) if self.returns_router_scores else out
 
 
@@ -521,7 +648,7 @@ def swap_moe_blocks(model: nn.Module, *, ep_group=None, **overrides) -> List[str
         ref = next(block.parameters())
         opts = dict(params_dtype=ref.dtype)
         opts.update(overrides)
-        layer = moe_layer_from_hf(config, ep_group=ep_group, device=ref.device, **opts)
+        layer = moe_layer_from_hf(config, ep_group=ep_group, device=ref.device, block=block, **opts)
         ep_size = layer.num_ep_ranks
         ep_rank = dist.get_rank(layer.ep_group) if ep_size > 1 else 0
         src = dict(block.named_parameters())

@@ -12,6 +12,8 @@ from typing import Callable, Dict
 import torch
 import transformers
 
+from moe_graph.moe.layer import MoELayer
+
 
 _MLA = dict(kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=4, v_head_dim=8, qk_nope_head_dim=4, head_dim=4,
             num_key_value_heads=4, index_head_dim=8, index_n_heads=2, index_topk=8)
@@ -60,7 +62,8 @@ _SMALL = dict(hidden_size=32, intermediate_size=48, moe_intermediate_size=24, nu
               vocab_size=64, num_hidden_layers=2, routed_scaling_factor=2.5, max_position_embeddings=64)
 
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss", "ernie4_5_moe", "kolibri1", "nemotron_h",
-            "jetmoe", "llama4_text", "glm5_next_text", "cohere2_moe", "jamba", "deepseek_v2") + tuple(_REPEATS)
+            "jetmoe", "llama4_text", "glm5_next_text", "cohere2_moe", "jamba", "deepseek_v2", "deepseek_v4",
+            "longcat_flash", "axk1", "axk2", "laguna") + tuple(_REPEATS)
 
 _COMMON = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
                max_position_embeddings=64, num_experts_per_tok=2)
@@ -103,6 +106,30 @@ _CONFIGS: Dict[str, tuple] = {
         mlp_layer_types=["sparse", "sparse"], layer_types=["full_attention", "linear_attention"], pad_token_id=0)),
     "llama4_text": ("Llama4TextConfig", dict(intermediate_size=24, intermediate_size_mlp=48, num_local_experts=8,
                                              head_dim=8, interleave_moe_layer_step=1, moe_layers=None)),
+    # layer 0 a hash layer (experts from gate.tid2eid[input_ids]), layer 1 a learned one; the block is layer 0's
+    "deepseek_v4": ("DeepseekV4Config", dict(moe_intermediate_size=24, n_routed_experts=8, head_dim=16,
+                                             num_key_value_heads=1, q_lora_rank=16, mlp_layer_types=["hash_moe", "moe"],
+                                             swiglu_limit=1.0, sliding_window=8, o_groups=2, o_lora_rank=16,
+                                             index_n_heads=2, index_head_dim=8, index_topk=4, hc_mult=2,
+                                             num_nextn_predict_layers=0)),
+    "longcat_flash": ("LongcatFlashConfig", dict(num_layers=1, ffn_hidden_size=48, expert_ffn_hidden_size=24,
+                                                 n_routed_experts=8, zero_expert_num=3, num_experts_per_tok=3,
+                                                 routed_scaling_factor=2.0, kv_lora_rank=16, q_lora_rank=24,
+                                                 qk_rope_head_dim=4, v_head_dim=8, qk_nope_head_dim=4, head_dim=4,
+                                                 num_key_value_heads=4)),
+    "axk1": ("AXK1Config", dict(intermediate_size=48, moe_intermediate_size=24, n_routed_experts=16,
+                                num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=2,
+                                mlp_layer_types=["sparse", "sparse"], kv_lora_rank=16, q_lora_rank=24,
+                                qk_rope_head_dim=4, v_head_dim=8, qk_nope_head_dim=4, head_dim=4,
+                                num_key_value_heads=4)),
+    "axk2": ("AXK2Config", dict(intermediate_size=48, moe_intermediate_size=24, n_routed_experts=8, n_shared_experts=1,
+                                mlp_layer_types=["sparse", "sparse"], kv_lora_rank=16, q_lora_rank=24,
+                                qk_rope_head_dim=4, v_head_dim=8, qk_nope_head_dim=4, head_dim=4,
+                                num_key_value_heads=4, index_n_heads=2, index_head_dim=8, index_topk=8)),
+    "laguna": ("LagunaConfig", dict(intermediate_size=48, moe_intermediate_size=24, num_experts=8,
+                                    shared_expert_intermediate_size=40, mlp_layer_types=["sparse", "sparse"],
+                                    moe_routed_scaling_factor=2.5, moe_router_logit_softcapping=1.5, head_dim=8,
+                                    sliding_window=8)),
 }
 _BLOCKS = {"mixtral": "mixtral.modeling_mixtral.MixtralSparseMoeBlock",
            "qwen2_moe": "qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
@@ -117,14 +144,20 @@ _BLOCKS = {"mixtral": "mixtral.modeling_mixtral.MixtralSparseMoeBlock",
            "jamba": "jamba.modeling_jamba.JambaSparseMoeBlock",
            "deepseek_v2": "deepseek_v2.modeling_deepseek_v2.DeepseekV2Moe",
            "llama4_text": "llama4.modeling_llama4.Llama4TextMoe",
-           "glm5_next_text": "glm5_next.modeling_glm5_next.Glm5NextTextMoE"}
+           "glm5_next_text": "glm5_next.modeling_glm5_next.Glm5NextTextMoE",
+           "deepseek_v4": "deepseek_v4.modeling_deepseek_v4.DeepseekV4SparseMoeBlock",
+           "longcat_flash": "longcat_flash.modeling_longcat_flash.LongcatFlashMoE",
+           "axk1": "axk1.modeling_axk1.AXK1MoE", "axk2": "axk2.modeling_axk2.AXK2MoE",
+           "laguna": "laguna.modeling_laguna.LagunaSparseMoeBlock"}
 _MODELS = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
            "deepseek_v3": "DeepseekV3ForCausalLM", "gpt_oss": "GptOssForCausalLM",
            "ernie4_5_moe": "Ernie4_5_MoeForCausalLM", "kolibri1": "Kolibri1ForCausalLM",
            "nemotron_h": "NemotronHForCausalLM", "jetmoe": "JetMoeForCausalLM",
            "cohere2_moe": "Cohere2MoeForCausalLM", "jamba": "JambaForCausalLM",
            "deepseek_v2": "DeepseekV2ForCausalLM", "llama4_text": "Llama4ForCausalLM",
-           "glm5_next_text": "Glm5NextTextModel"}  # GLM5-Next's text model has no LM head of its own
+           "glm5_next_text": "Glm5NextTextModel",  # GLM5-Next's text model has no LM head of its own
+           "deepseek_v4": "DeepseekV4ForCausalLM", "longcat_flash": "LongcatFlashForCausalLM",
+           "axk1": "AXK1ForCausalLM", "axk2": "AXK2ForCausalLM", "laguna": "LagunaForCausalLM"}
 
 
 def has_tiny_model(family: str) -> bool:
@@ -170,6 +203,10 @@ def randomize(module: torch.nn.Module, seed: int = 0, router_std: float = 1.0, s
     around 1), so that expert choices are far from ties."""
     g = torch.Generator().manual_seed(seed)
     for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+        if name.endswith("tid2eid"):  # DeepSeek-V4's hash table: K distinct experts per token id
+            E = module.get_submodule(name.rpartition(".")[0]).num_experts  # the hash router's
+            t.copy_(torch.stack([torch.randperm(E, generator=g)[:t.shape[1]] for _ in range(t.shape[0])]))
+            continue
         if not t.is_floating_point() or "inv_freq" in name:
             continue
         leaf = name.rsplit(".", 1)[-1]
@@ -181,11 +218,23 @@ def randomize(module: torch.nn.Module, seed: int = 0, router_std: float = 1.0, s
             t.copy_(torch.randn(t.shape, generator=g) * std)
 
 
+def _zero_dead_rows(module: torch.nn.Module) -> None:
+    """LongCat-Flash's experts hold fc1 rows for the zero-computation experts that nothing reads: zeros (what
+    :func:`moe_graph.integrations.hf.moe_to_hf_state_dict` writes back), so that state dicts round-trip."""
+    for m in module.modules():
+        if type(m).__name__ == "LongcatFlashExperts" and m.gate_up_proj is not None:
+            with torch.no_grad():
+                m.gate_up_proj[m.num_routed_experts:].zero_()
+
+
 def tiny_block(family: str, seed: int = 0, **overrides):
-    """``(config, block)``: one sparse-MoE block of ``family`` in fp32 with random weights."""
+    """``(config, block)``: one sparse-MoE block of ``family`` in fp32 with random weights (a block class that
+    takes the layer index gets layer 0's)."""
     cfg = tiny_config(family, **overrides)
-    block = _block_class(family)(cfg)
+    cls = _block_class(family)
+    block = cls(cfg, 0) if "layer_idx" in inspect.signature(cls.__init__).parameters else cls(cfg)
     randomize(block, seed)
+    _zero_dead_rows(block)
     return cfg, block
 
 
@@ -199,6 +248,7 @@ def tiny_model(family: str, seed: int = 0, **overrides):
     else:
         model = getattr(transformers, _MODELS[family])(cfg)
     randomize(model, seed)
+    _zero_dead_rows(model)
     return cfg, model
 
 
@@ -214,38 +264,49 @@ def model_loss(model: torch.nn.Module, ids: torch.Tensor):
     return h, (h * r).mean()
 
 
-def hf_router(block: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The expert indices ``[T, K]`` (sorted per token) the transformers block's own gate picks for ``x``."""
+def hf_router(block: torch.nn.Module, x: torch.Tensor, input_ids=None) -> torch.Tensor:
+    """The expert indices ``[T, K]`` (sorted per token) the transformers block's own gate picks for ``x`` (and
+    ``input_ids``, which DeepSeek-V4's hash gate reads)."""
     gate = block.router if hasattr(block, "router") else block.gate
-    out = gate(x.reshape(-1, x.shape[-1]))
+    if hasattr(gate, "tid2eid"):
+        out = gate(x.reshape(-1, x.shape[-1]), input_ids)
+    else:
+        out = gate(x.reshape(-1, x.shape[-1]))
     if type(block).__name__ in ("JetMoeMoE", "Llama4TextMoe"):  # their gates return the logits last: top-k of them
         k = getattr(gate, "top_k", None) or block.top_k
         return out[-1].topk(k, dim=-1)[1].sort(-1)[0]
     return out[2].sort(-1)[0]
 
 
-def block_output(block: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The block's output tensor (GPT-OSS's block also returns its router scores)."""
-    out = block(x)
+def block_output(block: torch.nn.Module, x: torch.Tensor, input_ids=None) -> torch.Tensor:
+    """The block's output tensor (GPT-OSS's block also returns its router scores). ``input_ids``: the token ids of
+    ``x``, for blocks that take them (DeepSeek-V4's; a MoELayer gets them as ``token_ids``)."""
+    if input_ids is None:
+        out = block(x)
+    elif isinstance(block, MoELayer):
+        out = block(x, token_ids=input_ids)
+    else:
+        out = block(x, input_ids=input_ids)
     return out[0] if isinstance(out, tuple) else out
 
 
-def _fwd_bwd(module: torch.nn.Module, x: torch.Tensor, target: torch.Tensor):
+def _fwd_bwd(module: torch.nn.Module, x: torch.Tensor, target: torch.Tensor, input_ids=None):
     xi = x.clone().requires_grad_()
-    y = block_output(module, xi).reshape(x.shape)  # Llama 4's block returns [T, H]
+    y = block_output(module, xi, input_ids).reshape(x.shape)  # Llama 4's block returns [T, H]
     (y * target).sum().backward()
     return y.detach(), xi.grad
 
 
 def block_errors(block: torch.nn.Module, layer: torch.nn.Module, x: torch.Tensor, target: torch.Tensor,
-                 to_hf: Callable[[Dict[str, torch.Tensor]], Dict[str, torch.Tensor]]) -> Dict[str, float]:
+                 to_hf: Callable[[Dict[str, torch.Tensor]], Dict[str, torch.Tensor]], input_ids=None
+                 ) -> Dict[str, float]:
     """Max relative errors (:func:`rel_err`) of ``layer`` (a :class:`moe_graph.moe.layer.MoELayer`) against the
     transformers ``block`` after one forward and backward of ``(out * target).sum()`` each (gradients start at
     None): ``out``, ``dx`` and every block parameter's gradient, the layer's renamed by ``to_hf`` (its gradients by
     parameter name -> the block's names, e.g. :func:`moe_graph.integrations.hf.moe_to_hf_state_dict`); parameters
-    without gradients (ERNIE-4.5's selection bias) are left out."""
-    y_hf, gx_hf = _fwd_bwd(block, x, target)
-    y, gx = _fwd_bwd(layer, x, target)
+    without gradients (ERNIE-4.5's selection bias) are left out. ``input_ids``: as :func:`block_output`."""
+    y_hf, gx_hf = _fwd_bwd(block, x, target, input_ids)
+    y, gx = _fwd_bwd(layer, x, target, input_ids)
     errs = {"out": rel_err(y, y_hf), "dx": rel_err(gx, gx_hf)}
     grads = to_hf({n: p.grad for n, p in layer.named_parameters()})
     for n, p in block.named_parameters():
