@@ -19,7 +19,10 @@ or a CUDA-graph node, so these device-independent counts predict it. For one for
 * ``cpu_ms``: the host time of a forward + backward on this CPU (information only: GEMMs included).
 
 Systems: moe_graph's MoELayer (echo off; echo off with weight gradients fused into ``main_grad``; one echo slot with
-fused ``main_grad``), Megatron-core's MoELayer (all-to-all dispatcher; ``SequentialMLP`` experts, and
+fused ``main_grad``; in bf16 without FP8, with FP8 blockwise experts (``moe_graph.fp8.autocast``), and with FP8
+dispatch as well: the column ``of which FP8 quantize`` is the bytes of the quantize ops, ``dispatch bytes/token``
+the bytes of the K rows one token sends at EP > 1, from the row width the layer moves: 16-bit or FP8 + scales; the
+bf16 rows' ``max abs diff`` is against the bf16 layer), Megatron-core's MoELayer (all-to-all dispatcher; ``SequentialMLP`` experts, and
 ``TEGroupedMLP`` on moe_graph's GroupedLinear through ``moe_graph.integrations.megatron``; and moe_graph's token
 dispatcher inside it, ``moe_graph.integrations.megatron_moe``) and a PyTorch-native MoE
 (``torch._grouped_mm`` experts, index-based permutation). Configurations (scaled down): Qwen3-30B-A3B-like
@@ -55,6 +58,7 @@ from common import environment, results_path, time_cpu, write_json  # noqa: E402
 from megatron_env import cpu_shims, provide_megatron  # noqa: E402
 from moe_graph.moe import echo_planner  # noqa: E402
 from moe_graph.moe.layer import MoELayer  # noqa: E402
+from moe_graph.ops import fp8 as moe_graph_fp8  # noqa: E402
 from moe_graph.ops import reroute as reroute_ops  # noqa: E402
 
 CONFIGS = {  # hidden, ffn (per expert), experts, topk, tokens, router options
@@ -66,7 +70,7 @@ CONFIGS = {  # hidden, ffn (per expert), experts, topk, tokens, router options
 LABELS = {"qwen3": "Qwen3-30B-A3B-like", "mixtral": "Mixtral-like", "deepseek": "DeepSeek-V3-like"}
 
 GEMM_OPS = {"mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "addmv", "mv", "grouped_gemm", "grouped_gemm_out",
-            "grouped_gemm_wgrad", "grouped_gemm_wgrad_out"}
+            "grouped_gemm_wgrad", "grouped_gemm_wgrad_out", "fp8_scaled_grouped_gemm", "fp8_scaled_grouped_wgrad_out"}
 # no kernel: allocation, metadata and aliasing ops
 FREE_OPS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "_unsafe_view", "lift_fresh",
             "detach", "alias", "is_same_size", "_has_compatible_shallow_copy_type", "sym_size", "sym_stride",
@@ -125,6 +129,7 @@ class CostMeter(TorchDispatchMode):
         self.bytes: Dict[str, int] = {"fwd": 0, "bwd": 0}
         self.syncs: List[str] = []
         self.ops: Dict[str, Dict[str, int]] = {"fwd": {}, "bwd": {}}
+        self.op_bytes: Dict[str, int] = {}  # non-GEMM bytes per op (both phases)
         self.device_storages = {_storage_key(t) for t in device_tensors}
 
     def __enter__(self):
@@ -167,7 +172,9 @@ class CostMeter(TorchDispatchMode):
         key = f"{func.namespace}.{name}"
         self.ops[self.phase][key] = self.ops[self.phase].get(key, 0) + 1
         if name not in GEMM_OPS:
-            self.bytes[self.phase] += _op_bytes(name, args, ins, outs)
+            b = _op_bytes(name, args, ins, outs)
+            self.bytes[self.phase] += b
+            self.op_bytes[key] = self.op_bytes.get(key, 0) + b
         return out
 
 
@@ -237,6 +244,7 @@ def measure(step_fwd: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, g
             "non_gemm_bytes_per_token": (meter.bytes["fwd"] + meter.bytes["bwd"]) / T,
             "non_gemm_bytes_per_token_fwd": meter.bytes["fwd"] / T,
             "saved_bytes_per_token": saved_bytes / T, "host_syncs": len(meter.syncs),
+            "quantize_bytes_per_token": meter.op_bytes.get("moe_graph.fp8_quantize", 0) / T,
             "sync_points": meter.syncs, "cpu_ms": cpu_ms, "ops": meter.ops, "out": result}
 
 
@@ -257,13 +265,16 @@ def make_weights(cfg, seed: int = 0) -> Dict[str, torch.Tensor]:
 
 
 # -------------------------------------------------------------------------------------------- moe_graph --
-def moe_graph_system(cfg, w, spare: int, fused: bool):
-    layer = MoELayer(cfg["H"], cfg["F"], cfg["E"], cfg["K"], score_func=cfg["score"],
+def moe_graph_system(cfg, w, spare: int, fused: bool, dtype: torch.dtype = torch.float32, fp8: Optional[str] = None,
+                     fp8_dispatch: bool = False):
+    """moe_graph's layer with ``w``; ``fp8``: a recipe name, the forward and backward under
+    ``moe_graph.fp8.autocast`` (``fp8_dispatch``: the tokens travel quantized)."""
+    layer = MoELayer(cfg["H"], cfg["F"], cfg["E"], cfg["K"], score_func=cfg["score"], fp8_dispatch=fp8_dispatch,
                      norm_topk_prob=True if cfg["score"] == "softmax" else None, activation="swiglu",
                      num_groups=cfg.get("groups"), group_topk=cfg.get("group_topk"),
                      topk_scaling_factor=cfg.get("scaling"), enable_expert_bias=cfg["score"] == "sigmoid",
                      num_spare_experts_per_ep_rank=spare, shared_expert_ffn_size=cfg.get("shared"),
-                     device="cpu", params_dtype=torch.float32)
+                     device="cpu", params_dtype=dtype)
     with torch.no_grad():
         layer.router.weight.copy_(w["router"])
         layer.experts.fc1.weight.copy_(w["fc1"])
@@ -274,7 +285,20 @@ def moe_graph_system(cfg, w, spare: int, fused: bool):
     if fused:  # as moe_graph's DistributedDataParallel attaches: fp32 views of a grad buffer
         for p in layer.experts.weights():
             p.main_grad = torch.zeros(p.shape, dtype=torch.float32)
-    return (lambda x: layer(x)), layer
+    if fp8 is None:
+        return (lambda x: layer(x.to(dtype)).to(x.dtype)), layer
+
+    def fwd(x):
+        with moe_graph_fp8.autocast(recipe=fp8):  # the backward quantizes with the recipe saved by the forward
+            return layer(x.to(dtype)).to(x.dtype)
+    return fwd, layer
+
+
+def dispatch_row_bytes(layer: MoELayer, dtype: torch.dtype, fp8_dispatch: Optional[str]) -> int:
+    """Bytes of one routed token row on the wire at EP > 1 (the expert input's row: 16-bit or FP8 + scales)."""
+    if fp8_dispatch:
+        return moe_graph_fp8.packed_row_bytes(layer.hidden_size, moe_graph_fp8.as_recipe(fp8_dispatch))
+    return layer.hidden_size * torch.empty((), dtype=dtype).element_size()
 
 
 @contextlib.contextmanager
@@ -433,7 +457,13 @@ SYSTEMS = [  # key, label
     ("moe_graph", "moe_graph MoELayer, echo off"),
     ("moe_graph_fused", "moe_graph MoELayer, echo off, fused main_grad"),
     ("moe_graph_echo", "moe_graph MoELayer, 1 echo slot, fused main_grad"),
+    ("moe_graph_bf16", "moe_graph MoELayer, bf16, fused main_grad"),
+    ("moe_graph_fp8", "moe_graph MoELayer, bf16, FP8 blockwise experts, fused main_grad"),
+    ("moe_graph_fp8_dispatch", "moe_graph MoELayer, bf16, FP8 blockwise experts + FP8 dispatch, fused main_grad"),
 ]
+# the 16-bit / FP8 rows: (params dtype, recipe, FP8 dispatch)
+PRECISION = {"moe_graph_bf16": (torch.bfloat16, None, False), "moe_graph_fp8": (torch.bfloat16, "blockwise", False),
+             "moe_graph_fp8_dispatch": (torch.bfloat16, "blockwise", True)}
 
 
 def run_config(name: str, cfg, reps: int, megatron_skip: Optional[str], pg) -> List[Dict[str, object]]:
@@ -456,19 +486,24 @@ def run_config(name: str, cfg, reps: int, megatron_skip: Optional[str], pg) -> L
                 with device_branch() if key == "megatron_moe_graph" else contextlib.nullcontext():
                     res = measure(fwd, x, g, module, meter, reps)
         else:
+            dtype, recipe, fp8_dispatch = PRECISION.get(key, (torch.float32, None, False))
             if key == "native":
                 fwd, module = native_system(cfg, w)
             else:
                 fwd, module = moe_graph_system(cfg, w, spare=1 if key == "moe_graph_echo" else 0,
-                                               fused=key != "moe_graph")
+                                               fused=key != "moe_graph", dtype=dtype, fp8=recipe,
+                                               fp8_dispatch=fp8_dispatch)
+                row["dispatch_bytes_per_token"] = cfg["K"] * dispatch_row_bytes(module, dtype,
+                                                                                 recipe if fp8_dispatch else None)
             with device_branch():
-                res = measure(fwd, x, g, module, meter, reps)
+                res = measure(fwd, x, g, module, meter, 1 if recipe else reps)  # the CPU's FP8 GEMM is scalar
         outs[key] = res.pop("out")
         row.update(res)
         rows.append(row)
     for row in rows:  # the same routing and weights: every system's output against moe_graph's
         if "skipped" not in row:
-            row["max_abs_diff"] = (outs[row["system"]] - outs["moe_graph"]).abs().max().item()
+            ref = "moe_graph_bf16" if row["system"] in PRECISION else "moe_graph"  # 16-bit rows: the bf16 layer
+            row["max_abs_diff"] = (outs[row["system"]] - outs[ref]).abs().max().item()
     return rows
 
 
@@ -500,17 +535,19 @@ def print_table(rows) -> None:
     for name in dict.fromkeys(r["config"] for r in rows):
         cfg = CONFIGS[name]
         print(f"\n{LABELS[name]}: H {cfg['H']}, F {cfg['F']}, E {cfg['E']}, top-{cfg['K']}, fp32, EP 1")
-        print("| system | launches fwd/bwd | non-GEMM bytes/token | saved bytes/token | host syncs | cpu ms | "
-              "max abs diff |")
-        print("|---|---|---|---|---|---|---|")
+        print("| system | launches fwd/bwd | non-GEMM bytes/token | of which FP8 quantize | saved bytes/token | "
+              "dispatch bytes/token at EP > 1 | host syncs | cpu ms | max abs diff |")
+        print("|---|---|---|---|---|---|---|---|---|")
         for r in rows:
             if r["config"] != name:
                 continue
             if "skipped" in r:
-                print(f"| {r['label']} | skipped: {r['skipped']} |||||")
+                print(f"| {r['label']} | skipped: {r['skipped']} |||||||")
                 continue
+            wire = r.get("dispatch_bytes_per_token")
             print(f"| {r['label']} | {r['launches_fwd']} / {r['launches_bwd']} | "
-                  f"{r['non_gemm_bytes_per_token']:,.0f} | {r['saved_bytes_per_token']:,.0f} | {r['host_syncs']} | "
+                  f"{r['non_gemm_bytes_per_token']:,.0f} | {r['quantize_bytes_per_token']:,.0f} | "
+                  f"{r['saved_bytes_per_token']:,.0f} | {'' if wire is None else f'{wire:,}'} | {r['host_syncs']} | "
                   f"{r['cpu_ms']:.1f} | {r['max_abs_diff']:.1e} |")
 
 

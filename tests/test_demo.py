@@ -81,6 +81,29 @@ def test_corpus_and_png_fallback(tmp_path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and b"IHDR" in data and data.endswith(b"IEND\xaeB`\x82")
 
 
+def test_plot_draws_a_baseline_beside_the_run(tmp_path):
+    pytest.importorskip("matplotlib")
+    from moe_graph.demo import report
+
+    run = {"history": {"step": [1, 2], "loss": [3.0, 2.0], "imb_before": [1.2, 1.1], "imb_after": [1.0, 1.0]},
+           "load_before": [[3, 1]], "load_after": [[2, 2]], "config": {"fp8": "blockwise", "fp8_dispatch": True}}
+    base = dict(run, config={}, history=dict(run["history"], loss=[3.0, 2.1]))
+    labels = []
+    import matplotlib.axes
+
+    orig = matplotlib.axes.Axes.plot
+    def spy(ax, *a, **kw):  # noqa: E306
+        labels.append(kw.get("label"))
+        return orig(ax, *a, **kw)
+    matplotlib.axes.Axes.plot = spy
+    try:
+        assert report.plot(run, str(tmp_path / "d.png"), baseline=base) == "matplotlib"
+    finally:
+        matplotlib.axes.Axes.plot = orig
+    assert "this run: FP8 blockwise + FP8 dispatch" in labels and "baseline: no FP8" in labels, labels
+    assert (tmp_path / "d.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_demo_step_has_no_data_dependent_ops():
     """CPU proxy for the GPU's "zero host syncs per iteration": the demo's whole training step (DDP buffers, MoE
     layers with echo, distributed optimizer) runs under FakeTensorMode, where any .item()/nonzero()/mask indexing
@@ -132,6 +155,8 @@ import pytest  # noqa: E402
     (["--pp", "2", "--layers", "3"], "--layers"), (["--pp", "2", "--vpp", "2", "--layers", "4", "--microbatches", "3"],
                                                    "--microbatches"),
     (["--save-every", "2"], "--save-every"), (["--load", "/nonexistent/ckpt"], "--load"),
+    (["--fp8-dispatch"], "--fp8-dispatch"), (["--spare", "0", "--fp8", "tensorwise", "--fp8-dispatch"], "--fp8-dispatch"),
+    (["--baseline", "/nonexistent/demo_summary.json"], "--baseline"),
     (["--device", "cuda"] if not torch.cuda.is_available() else ["--ep", "x"], "--"),
 ])
 def test_demo_flags_rejected_before_anything_is_written(argv, flag, tmp_path, capsys):

@@ -9,6 +9,7 @@ report and the plot.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -102,6 +103,8 @@ def parser() -> argparse.ArgumentParser:
                         "last --rerun-window steps reran (default 0.01; 1: never raise)")
     m.add_argument("--fp8", choices=["blockwise", "mxfp8", "tensorwise"], default=None,
                    help="expert GEMMs in FP8 with this recipe (moe_graph.fp8; CPU semantics)")
+    m.add_argument("--fp8-dispatch", action="store_true",
+                   help="with --fp8 blockwise|mxfp8: the tokens travel to the experts quantized (MoELayer fp8_dispatch)")
     m.add_argument("--aux", type=_finite_float(0.0, False), default=0.01, help="aux load-balancing loss coefficient")
     m.add_argument("--router", choices=["softmax", "deepseek"], default="softmax",
                    help="deepseek: sigmoid scores, group-limited top-k, auxiliary-loss-free expert bias, "
@@ -119,6 +122,9 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--no-graph", dest="graph", action="store_false", help="do not use FullIterationGraph")
     o = p.add_argument_group("output and checkpoints")
     o.add_argument("--out", default=None, help="output folder (default: ./moe_graph_demo in the current directory)")
+    o.add_argument("--baseline", default=None, metavar="SUMMARY",
+                   help="another run's demo_summary.json: its loss curve is drawn beside this run's (e.g. bf16 beside "
+                        "--fp8)")
     o.add_argument("--save", default=None, metavar="DIR", help="checkpoint folder (see README: Checkpoints)")
     o.add_argument("--save-every", type=_POS, default=None, metavar="N",
                    help="save every N steps (default with --save: at the end only)")
@@ -194,6 +200,15 @@ def resolve_args(p: argparse.ArgumentParser, args, env) -> Layout:
         args.save_every = args.steps
     if args.capacity == 0:
         args.capacity = None
+    if args.fp8_dispatch and args.fp8 not in ("blockwise", "mxfp8"):
+        p.error("--fp8-dispatch needs --fp8 blockwise or --fp8 mxfp8 (activation tiles within a row)")
+    if args.baseline is not None:
+        try:
+            with open(args.baseline) as f:
+                base = json.load(f)
+            base["history"]["step"], base["history"]["loss"]  # noqa: B018 (the curve the plot draws)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            p.error(f"--baseline {args.baseline}: not a finished demo's demo_summary.json ({exc})")
     if args.fp8 and args.device == "cuda":
         p.error(f"--fp8 {args.fp8}: the FP8 grouped GEMM has no CUDA kernels yet (CPU semantics only)")
     if args.rerun_threshold > 1:
@@ -284,7 +299,11 @@ def main(argv: Optional[List[str]] = None) -> Dict:
         return summary
     print_report(summary)
     png = os.path.join(out_dir, "demo.png")
-    how = plot(summary, png)
+    baseline = None
+    if args.baseline:
+        with open(args.baseline) as f:
+            baseline = json.load(f)
+    how = plot(summary, png, baseline=baseline)
     summary["wall_s"] = wall
     summary["config"] = {k: v for k, v in vars(args).items()}
     summary["env"] = environment()  # torch / CUDA versions, the commit measured, date

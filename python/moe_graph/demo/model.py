@@ -17,10 +17,10 @@ __all__ = ["Block", "MoETransformerLM", "moe_options"]
 
 def moe_options(cfg, ep_group=None, ep_size: Optional[int] = None) -> Dict:
     """The :class:`MoELayer` keyword arguments of the demo's flags (``--aux``, ``--spare``, ``--capacity``,
-    ``--overflow``, ``--exchange``, ``--assignment``, ``--router``)."""
+    ``--overflow``, ``--exchange``, ``--fp8-dispatch``, ``--assignment``, ``--router``)."""
     kw = dict(aux_loss_coeff=cfg.aux, num_spare_experts_per_ep_rank=cfg.spare, capacity_factor=cfg.capacity,
               overflow=cfg.overflow, exchange=cfg.exchange, assignment=cfg.assignment, ep_group=ep_group,
-              ep_size=ep_size)
+              ep_size=ep_size, fp8_dispatch=bool(getattr(cfg, "fp8_dispatch", False)))
     if cfg.router == "deepseek":  # sigmoid scores, group-limited top-k, aux-loss-free expert bias, and a tiny
         # sequence-wise aux loss (DeepSeek-V3's alpha = 1e-4)
         kw.update(score_func="sigmoid", num_groups=min(4, cfg.experts), group_topk=min(2, cfg.topk),

@@ -8,7 +8,7 @@ import json
 import os
 import struct
 import zlib
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -84,8 +84,17 @@ def _over_capacity(summary: Dict) -> str:
     return f"dropped routes over capacity (all ranks): {over}"
 
 
-def plot(summary: Dict, path: str) -> str:
-    """Write ``demo.png``; returns how it was drawn."""
+def _run_label(summary: Dict) -> str:
+    """``"bf16"``-style name of a run's precision from its flags (``--fp8`` [``--fp8-dispatch``])."""
+    c = summary.get("config", {})
+    if not c.get("fp8"):
+        return "no FP8"
+    return f"FP8 {c['fp8']}" + (" + FP8 dispatch" if c.get("fp8_dispatch") else "")
+
+
+def plot(summary: Dict, path: str, baseline: Optional[Dict] = None) -> str:
+    """Write ``demo.png``; returns how it was drawn. ``baseline``: another run's summary whose loss curve is drawn
+    beside this run's (e.g. the same flags without ``--fp8``)."""
     h = summary["history"]
     try:
         import matplotlib
@@ -96,7 +105,11 @@ def plot(summary: Dict, path: str) -> str:
         png_fallback(summary, path)
         return "built-in PNG writer (matplotlib is not installed: no text labels)"
     fig, ax = plt.subplots(1, 3, figsize=(15, 4))
-    ax[0].plot(h["step"], h["loss"], "-o", ms=3)
+    ax[0].plot(h["step"], h["loss"], "-o", ms=3, label=f"this run: {_run_label(summary)}")
+    if baseline is not None:
+        b = baseline["history"]
+        ax[0].plot(b["step"], b["loss"], "--s", ms=3, label=f"baseline: {_run_label(baseline)}")
+        ax[0].legend()
     ax[0].set(title="training loss (rank 0)", xlabel="step", ylabel="cross entropy")
     ax[1].plot(h["step"], h["imb_before"], label="without echo")
     ax[1].plot(h["step"], h["imb_after"], label="with echo")
