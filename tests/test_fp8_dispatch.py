@@ -25,9 +25,10 @@ def _check(r):
     assert r["fc1_vs_qdq"] <= 1e-6 * max(1.0, r["fc1_scale"]), r
 
 
-@pytest.mark.parametrize("kind,hidden", [("blockwise", 160), ("mxfp8", 80)])  # partial last tiles
-def test_fp8_dispatch_one_rank(kind, hidden):
-    _check(fp8_dispatch_worker(0, 1, kind, "auto", None, 0, hidden))
+@pytest.mark.parametrize("kind,hidden,recompute", [("blockwise", 160, False), ("mxfp8", 80, False),  # partial tiles
+                                                    ("blockwise", 128, True)])  # the layer recomputed in backward
+def test_fp8_dispatch_one_rank(kind, hidden, recompute):
+    _check(fp8_dispatch_worker(0, 1, kind, "auto", None, 0, hidden, recompute))
 
 
 @pytest.mark.parametrize("kind,exchange,cf,spare", [
@@ -81,3 +82,22 @@ def test_fp8_dispatch_bad_options():
             layer(torch.randn(5, 32))
     y = layer(torch.randn(5, 32))  # no recipe: a 16-bit dispatch
     assert y.shape == (5, 32)
+
+
+@pytest.mark.parametrize("fp8_dispatch", [False, True])
+def test_fp8_recompute_equals_stored_activations(fp8_dispatch):
+    """recompute=True under an FP8 autocast: the backward's recomputation runs under the forward's recipe (it is
+    outside the caller's autocast by then), so the gradients equal those of the layer that kept its activations."""
+    torch.manual_seed(3)
+    a = MoELayer(128, 64, 4, 2, fp8_dispatch=fp8_dispatch)
+    b = MoELayer(128, 64, 4, 2, fp8_dispatch=fp8_dispatch, recompute=True)
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(21, 128)
+    res = []
+    for m in (a, b):
+        xx = x.clone().requires_grad_()
+        with moe_graph.fp8.autocast(recipe="mxfp8"):
+            y = m(xx)
+        (y * y).sum().backward()
+        res.append([y.detach(), xx.grad] + [p.grad for p in m.parameters()])
+    assert all(torch.equal(u, v) for u, v in zip(*res))

@@ -37,11 +37,11 @@ def _run(layer: MoELayer, x: torch.Tensor, target: torch.Tensor, kind: str):
 
 
 def fp8_dispatch_worker(rank: int, world: int, kind: str, exchange: str, capacity_factor: Optional[float],
-                        spare: int, hidden: int) -> Dict:
+                        spare: int, hidden: int, recompute: bool = False) -> Dict:
     torch.manual_seed(7)  # the same router and expert init on every rank; experts differ by rank below
     E, K, T = 4 * world, 2, 29
     kw = dict(ep_size=world, capacity_factor=capacity_factor, exchange=exchange, num_spare_experts_per_ep_rank=spare,
-              device="cpu")
+              device="cpu", recompute=recompute)
     base = MoELayer(hidden, 64, E, K, **kw)
     with torch.no_grad():
         base.router.weight[0] += 0.3  # expert 0 is busy: drops under a capacity, work for echo

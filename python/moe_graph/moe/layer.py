@@ -324,10 +324,15 @@ class MoELayer(nn.Module):
         if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
             raise TypeError(f"is_first_microbatch must be a bool or None, got {type(is_first_microbatch).__name__}")
         reuse = self.echo is not None and self.echo.plan_mode == "iteration" and is_first_microbatch is False
-        if self.recompute and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, padding_mask, False, token_ids,
-                              preserve_rng_state=False)  # no random numbers here
+        if self.recompute and torch.is_grad_enabled():  # no random numbers here; the recomputation (in backward,
+            # outside the caller's FP8 autocast) runs under the forward's recipe
+            return checkpoint(self._forward_in_recipe, x, padding_mask, token_ids, _fp8.current_recipe(),
+                              preserve_rng_state=False)
         return self._forward(x, padding_mask, reuse, token_ids)
+
+    def _forward_in_recipe(self, x, padding_mask, token_ids, recipe):
+        with _fp8.autocast(enabled=recipe is not None, recipe=recipe):
+            return self._forward(x, padding_mask, False, token_ids)
 
     def _forward(self, x: torch.Tensor, padding_mask: Optional[torch.Tensor] = None, reuse: bool = False,
                  token_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
