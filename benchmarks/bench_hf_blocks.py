@@ -22,11 +22,13 @@ from moe_graph.testing.hf_models import FAMILIES, block_errors, block_output, ti
 
 
 def _dims(family: str, hidden: int, ffn: int) -> dict:
-    """Config overrides: hidden size ``hidden``, expert FFN ``ffn`` (DeepSeek-V3's, ERNIE-4.5's and A.X-K1's shared
-    experts 2 x ffn, Llama 4's and DeepSeek-V4's 1 x ffn, the other shared experts 4 x ffn), the families' expert
-    counts and top-k of tiny_config."""
-    if family in ("mixtral", "gpt_oss", "jetmoe", "llama4_text"):
+    """Config overrides: hidden size ``hidden``, expert FFN ``ffn`` (DeepSeek-V3's, ERNIE-4.5's, A.X-K1's, Mistral 4's
+    and Aria's shared experts 2 x ffn, Llama 4's, DeepSeek-V4's and HunYuan's 1 x ffn, the other shared experts
+    4 x ffn), the families' expert counts and top-k of tiny_config."""
+    if family in ("mixtral", "gpt_oss", "jetmoe", "llama4_text", "minimax_m2", "hunyuan_v1_moe", "aria_text"):
         return dict(hidden_size=hidden, intermediate_size=ffn)
+    if family == "dbrx":
+        return dict(d_model=hidden, ffn_config=dict(ffn_hidden_size=ffn, moe_num_experts=8, moe_top_k=2))
     if family == "deepseek_v4":  # intermediate_size is an alias of moe_intermediate_size (its shared expert's)
         return dict(hidden_size=hidden, moe_intermediate_size=ffn)
     if family == "longcat_flash":

@@ -71,15 +71,31 @@ VARIANTS = [  # (family, config overrides)
     ("axk1", {}),  # DeepSeek-V3's router, the block output RMSNorm-ed
     ("axk2", {}),  # DeepSeek-V3's router without groups (A.X-K2-Light)
     ("laguna", {}),  # soft-capped logits, sigmoid + selection bias, scaled routed output
+    ("minimax_m2", {}),  # sigmoid + the block's selection bias, renormalized
+    ("lfm2_moe", {}),  # sigmoid + the block's expert_bias, renormalized (+1e-6), scaled
+    ("lfm2_moe", dict(use_expert_bias=False, norm_topk_prob=False)),
+    ("mistral4", {}),  # softmax, groups scored by their best 2, renormalized, scaled, shared experts
+    ("hunyuan_v1_moe", {}),  # fp32 gate, softmax renormalized, shared MLP
+    ("aria_text", {}),  # softmax of the top-k logits, experts stored transposed, shared experts
+    ("dbrx", {}),  # softmax, top-k / L1 norm, experts w1/v1/w2 [E * F, H]
+    ("dbrx", dict(ffn_config=dict(ffn_hidden_size=24, moe_num_experts=8, moe_top_k=2,
+                                  moe_normalize_expert_weights=None))),
 ] + [(f, {}) for f in FAMILIES[FAMILIES.index("olmoe"):]]  # blocks that repeat one of the above (2 groups of 4)
 ONE_LAYOUT = ("gpt_oss", "jetmoe", "llama4_text", "qwen3_vl_moe_text", "qwen3_omni_moe_text", "qwen3_5_moe_text",
-              "qwen4_exp_text", "glm4v_moe_text", "granitemoe")  # fused experts only: no v4 per-expert modules
+              "qwen4_exp_text", "glm4v_moe_text", "granitemoe", "mistral4", "aria_text", "dbrx",
+              "granitemoeshared")  # fused experts only: no v4 per-expert modules
 V4_NAMES = {"mixtral": ("w1", "w3", "w2"), "minimax": ("w1", "w3", "w2"), "nemotron_h": (None, "up_proj", "down_proj"),
-            "deepseek_v4": ("w1", "w3", "w2")}
+            "deepseek_v4": ("w1", "w3", "w2"), "minimax_m2": ("w1", "w3", "w2"), "lfm2_moe": ("w1", "w3", "w2")}
 # whole models swapped by default (each family's block is checked regardless): every family with its own semantics
 # and one of each repeated block; MOE_GRAPH_HF_ALL=1 swaps every family's tiny model
 WHOLE_MODEL = FAMILIES if os.environ.get("MOE_GRAPH_HF_ALL") == "1" else FAMILIES[:FAMILIES.index("olmoe")] + (
     "olmoe", "qwen3_next", "glm4_moe")
+
+
+# tiny whole models whose fp32 forward/backward is ill-conditioned: checked in float64 (MoELayer and transformers
+# both run it), within 1e-10. DBRX: transformers' fp32 model against its own fp64 differs by 3.4e-4 (a LayerNorm
+# weight's gradient); MoELayer's fp32 swap by 3.2e-4, the same; in fp64 the two agree to 1e-13
+FP64_WHOLE = ("dbrx",)
 
 
 def _ids(v):
@@ -184,6 +200,8 @@ def test_whole_model_swapped(family):
     if not has_tiny_model(family):
         pytest.skip(f"{family}: no tiny whole model (its block is checked)")
     cfg, model = tiny_model(family)
+    if family in FP64_WHOLE:
+        model = model.double()
     ref = copy.deepcopy(model)
     names = swap_moe_blocks(model)
     expected = [n for n, m in ref.named_modules() if BLOCK_CLASSES.get(type(m).__name__) == family]
@@ -193,8 +211,9 @@ def test_whole_model_swapped(family):
     assert all(isinstance(model.get_submodule(n), HFMoEBlock) for n in names)
     ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3))
     (y_ref, loss_ref), (y, loss) = model_loss(ref, ids), model_loss(model, ids)
-    assert rel_err(y, y_ref) <= TOL
-    assert abs(float(loss.detach() - loss_ref.detach())) <= TOL * abs(float(loss_ref.detach()))
+    tol = 1e-10 if family in FP64_WHOLE else TOL
+    assert rel_err(y, y_ref) <= tol
+    assert abs(float(loss.detach() - loss_ref.detach())) <= tol * abs(float(loss_ref.detach()))
     loss_ref.backward()
     loss.backward()
     ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.requires_grad}
@@ -205,15 +224,15 @@ def test_whole_model_swapped(family):
         got.update({f"{name}.{k}": g for k, g in moe_to_hf_state_dict(moe_grads, cfg).items()})
     assert sorted(got) == sorted(ref_grads)
     assert all(got[n] is None for n, g in ref_grads.items() if g is None)  # parameters the loss does not reach
-    bad = {n: rel_err(got[n], g) for n, g in ref_grads.items() if g is not None and not rel_err(got[n], g) <= _tol(n)}
+    bad = {n: rel_err(got[n], g) for n, g in ref_grads.items() if g is not None and not rel_err(got[n], g) <= _tol(n, tol)}
     assert not bad, bad
 
 
-def _tol(name):
+def _tol(name, tol):
     """DeepSeek-V4's hyper-connection parameters (``hc_*``: Sinkhorn-normalized mixing) amplify fp32 rounding:
     transformers against itself with another expert backend (``batched_mm`` vs ``grouped_mm``) differs by 2.3e-5
     on ``hc_head.hc_base``; everything else stays within TOL."""
-    return 1e-4 if ".hc_" in name or "_hc." in name else TOL
+    return 1e-4 if ".hc_" in name or "_hc." in name else tol
 
 
 def test_swap_shares_parameters():

@@ -57,6 +57,14 @@ Families (``config.model_type``; block class -> what the layer reproduces):
 * ``laguna`` (``LagunaSparseMoeBlock``): soft-capped logits (``logit_softcap``), sigmoid, the correction bias,
   renormalized, times ``moe_routed_scaling_factor``, a shared expert.
 
+* ``minimax_m2`` (sigmoid, the block's ``e_score_correction_bias``, renormalized), ``lfm2_moe`` (sigmoid, the block's
+  ``expert_bias``, renormalized by ``sum + 1e-6``: MoELayer's ``+ 1e-20`` is a relative 1e-6 apart, scaled),
+  ``mistral4`` (softmax, groups scoring their best 2, renormalized, scaled, shared experts), ``hunyuan_v1_moe`` (fp32
+  gate ``gate.wg``, softmax renormalized, ``shared_mlp``), ``aria_text`` (softmax of the top-k logits, experts
+  stored transposed, shared experts), ``dbrx`` (``DbrxFFN``: softmax, top-k over their L1 norm or not; experts
+  ``experts.mlp.w1/v1/w2`` stored ``[E * F, H]``), ``granitemoeshared`` (as ``granitemoe``; its shared MLP is
+  outside the block).
+
 Families MoELayer cannot express raise naming the reason (``_UNSUPPORTED``: ERNIE-4.5-VL's token-type expert sets,
 PhiMoE's SparseMixer, Zaya's MLP router, Doge's product keys, Inkling's router-scored shared experts).
 
@@ -201,6 +209,15 @@ _FAMILIES: Dict[str, _Family] = {
     "axk2": _Family("AXK2MoE", "gate", ("gate_proj", "up_proj", "down_proj"), shared="shared_experts"),
     "laguna": _Family("LagunaSparseMoeBlock", "gate", ("gate_proj", "up_proj", "down_proj"),
                       shared="shared_experts"),
+    "minimax_m2": _Family("MiniMaxM2SparseMoeBlock", "gate", ("w1", "w3", "w2"),
+                          expert_bias_path="e_score_correction_bias"),
+    "lfm2_moe": _Family("Lfm2MoeSparseMoeBlock", "gate", ("w1", "w3", "w2"), expert_bias_path="expert_bias"),
+    "mistral4": _Family("Mistral4MoE", "gate", None, shared="shared_experts"),
+    "hunyuan_v1_moe": _Family("HunYuanMoEV1Moe", "gate.wg", ("gate_proj", "up_proj", "down_proj"),
+                              shared="shared_mlp"),
+    "aria_text": _Family("AriaTextMoELayer", "router", None, shared="shared_experts", transposed=True),
+    "dbrx": _Family("DbrxFFN", "router.layer", None, fc1="experts.mlp.w1", fc2="experts.mlp.w2"),
+    "granitemoeshared": _Family("GraniteMoeSharedMoE", "router", None, profile="mixtral"),
 }
 # transformers MoE families MoELayer cannot express, with the reason (moe_config_from_hf raises it)
 _UNSUPPORTED: Dict[str, str] = {
@@ -440,6 +457,82 @@ def moe_config_from_hf(config, *, block=None, hash_layer: Optional[bool] = None,
                     topk_scaling_factor=scale if scale != 1.0 else None, enable_expert_bias=True,
                     logit_softcap=cap if cap > 0 else None,
                     shared_expert_ffn_size=c.shared_expert_intermediate_size)
+    elif t == "minimax_m2":
+        _gated_silu(c, t)
+        jitter = c.router_jitter_noise or 0.0
+        if jitter > 0:
+            raise ValueError(f"minimax_m2: router_jitter_noise={jitter} cannot be expressed: the jitter is random per "
+                             "forward and MoELayer draws no random numbers (set router_jitter_noise=0)")
+        # sigmoid, the block's e_score_correction_bias for the selection, renormalized, no scaling
+        opts = dict(hidden_size=c.hidden_size, ffn_hidden_size=c.intermediate_size, num_experts=c.num_local_experts,
+                    topk=c.num_experts_per_tok, score_func="sigmoid", norm_topk_prob=True, enable_expert_bias=True)
+    elif t == "lfm2_moe":
+        _gated_silu(c, t)
+        # sigmoid, the block's expert_bias for the selection (use_expert_bias), renormalized by sum + 1e-6
+        # (MoELayer: sum + 1e-20, a relative 1e-6 apart), routed_scaling_factor
+        scale = float(c.routed_scaling_factor)
+        opts = dict(hidden_size=c.hidden_size, ffn_hidden_size=c.moe_intermediate_size, num_experts=c.num_experts,
+                    topk=c.num_experts_per_tok, score_func="sigmoid", norm_topk_prob=bool(c.norm_topk_prob),
+                    topk_scaling_factor=scale if scale != 1.0 else None, enable_expert_bias=bool(c.use_expert_bias))
+    elif t == "mistral4":
+        _gated_silu(c, t)
+        # the gate in the input dtype, softmax, groups scored by their best 2 (the other groups' experts masked with
+        # 0.0: softmax scores are positive and topk <= topk_group * group size, so as with -inf), norm_topk_prob,
+        # routed_scaling_factor, shared experts
+        E = c.n_routed_experts
+        opts = dict(hidden_size=c.hidden_size, ffn_hidden_size=c.moe_intermediate_size, num_experts=E,
+                    topk=c.num_experts_per_tok, norm_topk_prob=bool(c.norm_topk_prob),
+                    topk_scaling_factor=float(c.routed_scaling_factor),
+                    shared_expert_ffn_size=c.moe_intermediate_size * c.n_shared_experts or None)
+        if c.n_group and c.n_group > 1:
+            if E % c.n_group or E // c.n_group < 2:
+                raise ValueError(f"mistral4: n_group={c.n_group} must divide n_routed_experts={E} into groups of at "
+                                 "least 2 (a group scores its best 2)")
+            opts.update(num_groups=c.n_group, group_topk=c.topk_group, group_score_topk=2)
+    elif t == "hunyuan_v1_moe":
+        _gated_silu(c, t)
+        E, K = c.num_experts, c.moe_topk
+        if isinstance(E, (list, tuple)) or isinstance(K, (list, tuple)):  # per-layer values: the block's own
+            gate = getattr(block, "gate", None)
+            if gate is None:
+                if len(set(E if isinstance(E, (list, tuple)) else [E])) > 1 or \
+                        len(set(K if isinstance(K, (list, tuple)) else [K])) > 1:
+                    raise ValueError("hunyuan_v1_moe: num_experts / moe_topk differ per layer: pass block= (the "
+                                     "HunYuanMoEV1Moe the layer replaces)")
+                E = E[0] if isinstance(E, (list, tuple)) else E
+                K = K[0] if isinstance(K, (list, tuple)) else K
+            else:
+                E, K = gate.num_experts, gate.top_k
+        # fp32 gate (wg is fp32), softmax, top-k renormalized, a shared SwiGLU MLP of intermediate_size
+        opts = dict(hidden_size=c.hidden_size, ffn_hidden_size=c.intermediate_size, num_experts=E, topk=K,
+                    norm_topk_prob=True, router_dtype=torch.float32, shared_expert_ffn_size=c.intermediate_size)
+    elif t == "aria_text":
+        if c.hidden_act != "silu":
+            raise ValueError(f"aria_text: hidden_act={c.hidden_act!r} cannot be expressed: the shared experts would "
+                             "use it and the routed experts SiLU (MoELayer's activation is one setting)")
+        if c.mlp_bias:
+            raise ValueError("aria_text: mlp_bias=True cannot be expressed: the shared experts would have biases and "
+                             "the routed experts none (MoELayer's add_bias_linear sets both)")
+        # softmax over the top-k logits; experts stored [E, H, 2F] / [E, F, H]; shared experts
+        opts = dict(hidden_size=c.hidden_size, ffn_hidden_size=c.intermediate_size, num_experts=c.moe_num_experts,
+                    topk=c.moe_topk, norm_topk_prob=True,
+                    shared_expert_ffn_size=c.intermediate_size * c.moe_num_shared_experts or None)
+    elif t == "dbrx":
+        f = c.ffn_config
+        act = (f.ffn_act_fn or {}).get("name", "silu")
+        if act != "silu":
+            raise ValueError(f"dbrx: ffn_act_fn={f.ffn_act_fn!r} cannot be expressed: MoELayer's gated experts are "
+                             "SwiGLU ('silu')")
+        if f.moe_jitter_eps:
+            raise ValueError(f"dbrx: moe_jitter_eps={f.moe_jitter_eps} cannot be expressed: the jitter is random per "
+                             "forward and MoELayer draws no random numbers (set moe_jitter_eps=None)")
+        p = f.moe_normalize_expert_weights
+        if p not in (None, 1, 1.0):
+            raise ValueError(f"dbrx: moe_normalize_expert_weights={p} cannot be expressed: MoELayer renormalizes the "
+                             "top-k by their sum (p=1) or not at all (None)")
+        # softmax, top-k divided by their L1 norm (their sum) or not; experts w1/v1/w2 stored [E * F, H] each
+        opts = dict(hidden_size=c.d_model, ffn_hidden_size=f.ffn_hidden_size, num_experts=f.moe_num_experts,
+                    topk=f.moe_top_k, norm_topk_prob=p is not None)
     elif t == "gpt_oss":
         opts = dict(hidden_size=c.hidden_size, ffn_hidden_size=c.intermediate_size, num_experts=c.num_local_experts,
                     topk=c.num_experts_per_tok, norm_topk_prob=True, router_bias=True, add_bias_linear=True,
@@ -508,6 +601,11 @@ def hf_to_moe_state_dict(hf_state_dict: Dict[str, torch.Tensor], config, *, ep_r
         out["experts.fc2.weight"] = _take(sd, "experts.down_proj", t)[sl].transpose(1, 2).contiguous()
         b2 = _take(sd, "experts.down_proj_bias", t)
         out["experts.fc2.bias"] = b2 if whole else b2[sl]
+    elif t == "dbrx":  # w1 (gate), v1 (up), w2 (down, transposed) stored [E * F, H]
+        E, F, H = cfg.num_experts, cfg.ffn_hidden_size, cfg.hidden_size
+        w1, v1, w2 = (_take(sd, f"experts.mlp.{n}", t).view(E, F, H)[sl] for n in ("w1", "v1", "w2"))
+        out["experts.fc1.weight"] = torch.cat([w1, v1], dim=1)
+        out["experts.fc2.weight"] = w2.transpose(1, 2).contiguous()
     elif fam.fc1 in sd:  # v5
         gu, dp = sd[fam.fc1], _take(sd, fam.fc2, t)
         gu, dp = (gu, dp) if whole else (gu[sl], dp[sl])  # LongCat-Flash: fc1's zero-expert rows left out
@@ -568,6 +666,11 @@ def moe_to_hf_state_dict(moe_state_dict: Dict[str, torch.Tensor], config, *, lay
         out["experts.gate_up_proj_bias"] = torch.stack([b1[:, :F], b1[:, F:]], dim=-1).reshape(b1.shape).contiguous()
         out["experts.down_proj"] = w2.transpose(1, 2).contiguous()
         out["experts.down_proj_bias"] = sd["experts.fc2.bias"]
+    elif t == "dbrx":  # this rank's [L * F, H] rows of w1, v1, w2
+        H = w1.shape[-1]
+        out["experts.mlp.w1"] = w1[:, :F].reshape(-1, H)
+        out["experts.mlp.v1"] = w1[:, F:].reshape(-1, H)
+        out["experts.mlp.w2"] = w2.transpose(1, 2).reshape(-1, H)
     elif layout == "v5" or fam.v4_experts is None:  # v5, or a family with one (fused) layout
         if fam.transposed:
             w1, w2 = w1.transpose(1, 2).contiguous(), w2.transpose(1, 2).contiguous()

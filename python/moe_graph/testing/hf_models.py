@@ -55,6 +55,9 @@ _REPEATS: Dict[str, tuple] = {
     "deepseek_ocr2_text": ("deepseek_ocr2.DeepseekOcr2TextMoe", "DeepseekOcr2TextConfig", None, {}),  # an OCR VLM
     "unlimited_ocr_text": ("unlimited_ocr.UnlimitedOcrTextMoe", "UnlimitedOcrTextConfig", None, {}),  # an OCR VLM
     "granitemoe": ("granitemoe.GraniteMoeMoE", "GraniteMoeConfig", "GraniteMoeForCausalLM", {}),
+    # its shared MLP sits in the decoder layer, outside the block (a dense part of the model)
+    "granitemoeshared": ("granitemoeshared.GraniteMoeSharedMoE", "GraniteMoeSharedConfig",
+                         "GraniteMoeSharedForCausalLM", dict(shared_intermediate_size=40)),
 }
 _SMALL = dict(hidden_size=32, intermediate_size=48, moe_intermediate_size=24, num_experts=8, n_routed_experts=8,
               num_local_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, shared_expert_intermediate_size=40,
@@ -63,7 +66,8 @@ _SMALL = dict(hidden_size=32, intermediate_size=48, moe_intermediate_size=24, nu
 
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss", "ernie4_5_moe", "kolibri1", "nemotron_h",
             "jetmoe", "llama4_text", "glm5_next_text", "cohere2_moe", "jamba", "deepseek_v2", "deepseek_v4",
-            "longcat_flash", "axk1", "axk2", "laguna") + tuple(_REPEATS)
+            "longcat_flash", "axk1", "axk2", "laguna", "minimax_m2", "lfm2_moe", "mistral4", "hunyuan_v1_moe",
+            "aria_text", "dbrx") + tuple(_REPEATS)
 
 _COMMON = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
                max_position_embeddings=64, num_experts_per_tok=2)
@@ -130,6 +134,21 @@ _CONFIGS: Dict[str, tuple] = {
                                     shared_expert_intermediate_size=40, mlp_layer_types=["sparse", "sparse"],
                                     moe_routed_scaling_factor=2.5, moe_router_logit_softcapping=1.5, head_dim=8,
                                     sliding_window=8)),
+    "minimax_m2": ("MiniMaxM2Config", dict(intermediate_size=24, num_local_experts=8, head_dim=8)),
+    "lfm2_moe": ("Lfm2MoeConfig", dict(intermediate_size=48, moe_intermediate_size=24, num_experts=8,
+                                       num_dense_layers=0, routed_scaling_factor=2.0,
+                                       layer_types=["conv", "full_attention"])),
+    "mistral4": ("Mistral4Config", dict(intermediate_size=48, moe_intermediate_size=24, n_routed_experts=16,
+                                        num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=2,
+                                        routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=24,
+                                        qk_rope_head_dim=4, v_head_dim=8, qk_nope_head_dim=4, num_key_value_heads=4,
+                                        first_k_dense_replace=0)),
+    "hunyuan_v1_moe": ("HunYuanMoEV1Config", dict(intermediate_size=24, num_experts=8, moe_topk=2, head_dim=8)),
+    "aria_text": ("AriaTextConfig", dict(intermediate_size=24, moe_num_experts=8, moe_topk=2,
+                                         moe_num_shared_experts=2)),
+    "dbrx": ("DbrxConfig", dict(d_model=32, n_heads=4, n_layers=2, max_seq_len=64,
+                                ffn_config=dict(ffn_hidden_size=24, moe_num_experts=8, moe_top_k=2),
+                                attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0))),
 }
 _BLOCKS = {"mixtral": "mixtral.modeling_mixtral.MixtralSparseMoeBlock",
            "qwen2_moe": "qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
@@ -148,7 +167,12 @@ _BLOCKS = {"mixtral": "mixtral.modeling_mixtral.MixtralSparseMoeBlock",
            "deepseek_v4": "deepseek_v4.modeling_deepseek_v4.DeepseekV4SparseMoeBlock",
            "longcat_flash": "longcat_flash.modeling_longcat_flash.LongcatFlashMoE",
            "axk1": "axk1.modeling_axk1.AXK1MoE", "axk2": "axk2.modeling_axk2.AXK2MoE",
-           "laguna": "laguna.modeling_laguna.LagunaSparseMoeBlock"}
+           "laguna": "laguna.modeling_laguna.LagunaSparseMoeBlock",
+           "minimax_m2": "minimax_m2.modeling_minimax_m2.MiniMaxM2SparseMoeBlock",
+           "lfm2_moe": "lfm2_moe.modeling_lfm2_moe.Lfm2MoeSparseMoeBlock",
+           "mistral4": "mistral4.modeling_mistral4.Mistral4MoE",
+           "hunyuan_v1_moe": "hunyuan_v1_moe.modeling_hunyuan_v1_moe.HunYuanMoEV1Moe",
+           "aria_text": "aria.modeling_aria.AriaTextMoELayer", "dbrx": "dbrx.modeling_dbrx.DbrxFFN"}
 _MODELS = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
            "deepseek_v3": "DeepseekV3ForCausalLM", "gpt_oss": "GptOssForCausalLM",
            "ernie4_5_moe": "Ernie4_5_MoeForCausalLM", "kolibri1": "Kolibri1ForCausalLM",
@@ -157,7 +181,10 @@ _MODELS = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", 
            "deepseek_v2": "DeepseekV2ForCausalLM", "llama4_text": "Llama4ForCausalLM",
            "glm5_next_text": "Glm5NextTextModel",  # GLM5-Next's text model has no LM head of its own
            "deepseek_v4": "DeepseekV4ForCausalLM", "longcat_flash": "LongcatFlashForCausalLM",
-           "axk1": "AXK1ForCausalLM", "axk2": "AXK2ForCausalLM", "laguna": "LagunaForCausalLM"}
+           "axk1": "AXK1ForCausalLM", "axk2": "AXK2ForCausalLM", "laguna": "LagunaForCausalLM",
+           "minimax_m2": "MiniMaxM2ForCausalLM", "lfm2_moe": "Lfm2MoeForCausalLM", "mistral4": "Mistral4ForCausalLM",
+           "hunyuan_v1_moe": "HunYuanMoEV1ForCausalLM", "aria_text": "AriaTextForCausalLM",
+           "dbrx": "DbrxForCausalLM"}
 
 
 def has_tiny_model(family: str) -> bool:
@@ -268,10 +295,18 @@ def hf_router(block: torch.nn.Module, x: torch.Tensor, input_ids=None) -> torch.
     """The expert indices ``[T, K]`` (sorted per token) the transformers block's own gate picks for ``x`` (and
     ``input_ids``, which DeepSeek-V4's hash gate reads)."""
     gate = block.router if hasattr(block, "router") else block.gate
+    h = x.reshape(-1, x.shape[-1])
+    name = type(block).__name__
     if hasattr(gate, "tid2eid"):
-        out = gate(x.reshape(-1, x.shape[-1]), input_ids)
+        out = gate(h, input_ids)
+    elif name == "MiniMaxM2SparseMoeBlock":  # the selection bias is the block's
+        out = gate(h, block.e_score_correction_bias)
+    elif name == "Lfm2MoeSparseMoeBlock":
+        out = gate(h, block.expert_bias if block.use_expert_bias else None)
+    elif name == "DbrxFFN":  # the gate returns the logits; the block picks
+        return block.route_tokens_to_experts(gate(h))[1].sort(-1)[0]
     else:
-        out = gate(x.reshape(-1, x.shape[-1]))
+        out = gate(h)
     if type(block).__name__ in ("JetMoeMoE", "Llama4TextMoe"):  # their gates return the logits last: top-k of them
         k = getattr(gate, "top_k", None) or block.top_k
         return out[-1].topk(k, dim=-1)[1].sort(-1)[0]
