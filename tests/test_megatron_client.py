@@ -571,3 +571,57 @@ def test_te_grouped_mlp_with_config_fp8_equals_oracle(pg, gen, recipe):
         bad = _config()
         bad.fp8, bad.fp8_recipe = "e4m3", "nvfp4"
         fp8_recipe_from_config(bad)
+
+
+@pytest.mark.parametrize("recipe", ["blockwise", "mxfp8"])
+@pytest.mark.parametrize("mode", ["plain", "fused", "delay_fused"])
+def test_te_grouped_mlp_fp8_trains_like_the_qdq_oracle(pg, gen, recipe, mode):
+    """Megatron's TEGroupedMLP with ``config.fp8`` on moe_graph's grouped linears (the CPU FP8 semantics), over two
+    microbatches (zero-token experts, one expert taking every token), plain autograd, fused ``main_grad``
+    (``gradient_accumulation_fusion``) or delayed wgrad (``delay_wgrad_compute`` + ``backward_dw``) in FP8: outputs
+    and the input, probs and weight gradients equal an oracle written in plain PyTorch (each expert's rows through
+    ``helpers.fp8_reference.qdq_swiglu_mlp``: TE-reference quantize-dequantize of every GEMM operand, float64
+    products, plain autograd) within fp32 rounding."""
+    from helpers.fp8_reference import qdq_swiglu_mlp
+    from moe_graph.ops import fp8
+
+    fused, delay = mode != "plain", mode == "delay_fused"
+    cfg = _config(True, False, gradient_accumulation_fusion=fused, delay_wgrad_compute=delay)
+    cfg.fp8, cfg.fp8_recipe = "e4m3", recipe  # set after TransformerConfig's validation (TE-only checks there)
+    mg = _grouped(cfg, pg)
+    with torch.no_grad():
+        for p in mg.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    if fused:
+        _attach_main_grads(mg)  # NaN: the first microbatch (is_first_microbatch) must overwrite, not add
+    ws = {n: [w.detach().clone().requires_grad_() for w in _expert_params(mg, n, "weight")]
+          for n in ("linear_fc1", "linear_fc2")}
+    r = fp8.as_recipe(recipe)
+    tol = 300 * 2.0 ** -23
+    for x, tpe, probs, g in _microbatches(gen):
+        y, dx, dp = _run(mg, x, tpe, probs, g)
+        if delay:
+            mg.backward_dw()
+        xo, po = x.clone().requires_grad_(), probs.clone().requires_grad_()
+        outs, start = [], 0
+        for e, m in enumerate(tpe.tolist()):
+            outs.append(qdq_swiglu_mlp(xo[start:start + m], ws["linear_fc1"][e], ws["linear_fc2"][e], r,
+                                       po[start:start + m]))
+            start += m
+        yo = torch.cat(outs)
+        yo.backward(g)
+        for what, a, b in (("output", y, yo.detach()), ("input grad", dx, xo.grad), ("probs grad", dp, po.grad)):
+            torch.testing.assert_close(a, b, rtol=0, atol=tol * float(b.abs().max()), msg=lambda m: f"{what}: {m}")
+    for name in ("linear_fc1", "linear_fc2"):
+        for e, (p, idx) in enumerate(_expert_leaves(mg, name, "weight")):
+            got = _pick(p.main_grad if fused else p.grad, idx)
+            want = ws[name][e].grad
+            torch.testing.assert_close(got, want, rtol=0, atol=tol * float(want.abs().max()) + 1e-30,
+                                       msg=lambda m: f"{name} weight {e}: {m}")
+            if fused:
+                assert p.grad_added_to_main_grad
+    # the quantization is visible: the last microbatch's output is far from the unquantized MLP's
+    w1, w2 = ws["linear_fc1"][2].detach().double(), ws["linear_fc2"][2].detach().double()
+    a, b = (x.double() @ w1.t()).chunk(2, dim=-1)
+    plain = (F.silu(a) * b * probs.double()[:, None]) @ w2.t()
+    assert (y.double() - plain).abs().max() > 1e3 * tol * float(plain.abs().max())

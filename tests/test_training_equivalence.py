@@ -3,7 +3,7 @@
 The CI subset of :mod:`helpers.equivalence` (overlap with the ``no_sync`` wiring, overlap without it must
 raise, EP 2 x DP 2 with echo k=2 and overlap, loss scaling with aux and z losses, the global aux loss, interleaved
 pipeline, delayed fused weight gradients, dropless training at capacity factor 1.0 / 1.1 with reruns and its drop-mode
-control): the library's machinery on gloo ranks against one process training the
+control, FP8 experts with echo and with the dropless rerun against the per-group quantize-dequantize oracle): the library's machinery on gloo ranks against one process training the
 whole global batch with plain autograd and ``torch.optim.AdamW``. The whole matrix, from the checkout's root:
 ``PYTHONPATH=python:tests python -m helpers.equivalence --all``.
 """
@@ -49,6 +49,21 @@ def test_matrix_covers_the_issue():
         got = {(r.capacity, r.world, r.ep, r.pp, r.echo) for r in dropless if r.overflow == mode}
         assert got >= {(cf, w, 2, pp, e) for cf in (1.0, 1.1) for (w, pp, e) in ((2, 1, 0), (4, 1, 0), (2, 1, 1),
                                                                                   (4, 2, 0))}, mode
+    fp8 = {(r.fp8, r.echo, r.capacity) for r in rows if r.fp8 and r.ep == 2}
+    for recipe in ("blockwise", "mxfp8", "blockwise_fp32_scales"):  # plain EP 2, with echo, dropless rerun
+        assert {(recipe, 0, None), (recipe, 1, None), (recipe, 0, 1.0)} <= fp8, recipe
+
+
+def test_fp8_rows_pin_down_the_expert_layout():
+    """The control of the FP8 rows: with fp32 block scales (scale = 448 / amax) the oracle that quantizes each
+    expert's rows as one single-process group (not per rank and microbatch, as the machinery lays them out)
+    trains measurably differently, so the row's match proves the layout. With power-of-two scales (TE's default,
+    MXFP8's E8M0) a tile's amax only shifts the exponent and the layouts agree to 1e-6 (helpers.equivalence)."""
+    row = next(r for r in equivalence.MATRIX if r.name == "fp8_blockwise_fp32_scales_ep2")
+    good, naive = equivalence.oracle_train(row), equivalence.oracle_train(row, naive_fp8_layout=True)
+    as_machinery = dict(naive, skipped=[False] * equivalence.STEPS, dropped=0)
+    res = equivalence.compare(row, good, [as_machinery])
+    assert res["param"] > 5 * equivalence.TOL_FP8_FP32_SCALES["param"] and not res["ok"], res
 
 
 def test_cli_prints_one_line_per_configuration_and_writes_only_with_out(tmp_path, capsys):
