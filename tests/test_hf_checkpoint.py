@@ -54,7 +54,9 @@ def test_trained_on_ep2_saved_and_loaded_by_transformers(tmp_path):
                 got = model_loss(back.eval(), probe_ids())[0]
             err = (got - r0["logits"]).abs().max().item()
             print(f"{fam} {layout}: transformers' from_pretrained vs the trained swapped model: max |diff| {err:.2g}")
-            assert err <= 2e-5, (fam, layout, err)  # transformers' experts vs MoELayer: fp32 summation order
+            # transformers' experts vs MoELayer: fp32 summation order (DBRX's tiny model amplifies it: its fp32
+            # forward is 3.4e-4 from its own fp64 one, test_hf_models.FP64_WHOLE)
+            assert err <= {"dbrx": 1e-4}.get(fam, 2e-5), (fam, layout, err)
             for r in (r0, r1):
                 if layout == "v4" and fam in V4_DENSE_CONVERSIONS:  # refused naming the tensor, on every rank
                     assert V4_DENSE_CONVERSIONS[fam] in r["reloaded_v4"], (fam, r["reloaded_v4"])

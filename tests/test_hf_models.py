@@ -70,6 +70,7 @@ VARIANTS = [  # (family, config overrides)
     ("longcat_flash", {}),  # 3 zero-computation experts of 11, softmax + selection bias, scaled
     ("axk1", {}),  # DeepSeek-V3's router, the block output RMSNorm-ed
     ("axk2", {}),  # DeepSeek-V3's router without groups (A.X-K2-Light)
+    ("axk2", dict(n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2)),  # groups masked with 0.0
     ("laguna", {}),  # soft-capped logits, sigmoid + selection bias, scaled routed output
     ("minimax_m2", {}),  # sigmoid + the block's selection bias, renormalized
     ("lfm2_moe", {}),  # sigmoid + the block's expert_bias, renormalized (+1e-6), scaled
@@ -135,6 +136,26 @@ def test_block_matches_transformers(variant):
     assert len(errs) == 2 + len([p for p in block.parameters() if p.requires_grad])  # every trained weight
     bad = {k: v for k, v in errs.items() if not v <= TOL}
     assert not bad, bad
+
+
+def test_axk2_group_mask_picks_outside_the_groups():
+    """A.X-K2's group mask scores the other groups' experts 0.0: with the correction bias pushed negative some
+    tokens take experts outside their chosen groups (ties at 0.0, broken as torch.topk does); the layer picks the
+    same experts and matches the block's outputs and gradients."""
+    cfg, block = tiny_block("axk2", n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2)
+    with torch.no_grad():
+        block.gate.e_score_correction_bias.sub_(0.9)
+    layer = _layer_for(cfg, block)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 11, cfg.hidden_size, generator=g)
+    idx = hf_router(block, x)
+    assert torch.equal(_selection(layer, x), idx)
+    s = torch.sigmoid(x.reshape(-1, cfg.hidden_size) @ block.gate.weight.t()) + block.gate.e_score_correction_bias
+    chosen = torch.zeros(s.shape[0], 4, dtype=torch.bool).scatter_(1, s.view(-1, 4, 4).topk(2, -1)[0].sum(-1)
+                                                                   .topk(2, -1)[1], True)
+    assert (~chosen.gather(1, idx // 4)).sum() > 0  # some routes leave the chosen groups
+    errs = block_errors(block, layer, x, torch.randn(x.shape, generator=g), lambda gr: moe_to_hf_state_dict(gr, cfg))
+    assert max(errs.values()) <= TOL, errs
 
 
 @pytest.mark.parametrize("overrides, what", [
@@ -268,7 +289,6 @@ def test_hf_load_balancing_loss():
     ("deepseek_v3", dict(n_routed_experts=8, n_group=8, topk_group=2), "n_group"),
     ("nemotron_h", dict(moe_latent_size=16), "moe_latent_size"),
     ("jetmoe", dict(activation_function="gelu"), "activation_function"),
-    ("axk2", dict(n_group=2, topk_group=1), "masks the other groups' experts with 0.0"),
     ("deepseek_v4", dict(mlp_bias=True), "mlp_bias"),
     ("longcat_flash", dict(router_bias=True), "never applies"),
 ])

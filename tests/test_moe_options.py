@@ -102,6 +102,21 @@ def test_group_score_topk_rules_differ_and_match(gen):
     assert (picks[None] != picks[2]).any(dim=1).sum() >= 3  # the rules differ on these tokens
 
 
+def test_group_masked_score(gen):
+    """A.X-K2's group mask (the other groups' experts score 0.0, not -inf): with a negative selection bias some
+    tokens pick an expert outside their chosen groups, which the -inf mask never does; both match the reference."""
+    x = torch.randn(32, 8, generator=gen, dtype=DT)
+    picks = {}
+    for masked in (None, 0.0):
+        layer = _layer(E=16, K=4, score_func="sigmoid", num_groups=4, group_topk=2, group_score_topk=2,
+                       enable_expert_bias=True, group_masked_score=masked)
+        with torch.no_grad():
+            layer.router.expert_bias.fill_(-0.6)  # sigmoid + bias below 0 for the weaker experts
+        _check(layer, x)
+        picks[masked] = layer.router(x).indices.sort(1)[0]
+    assert (picks[None] != picks[0.0]).any(dim=1).sum() >= 1
+
+
 def test_group_score_topk_with_expert_bias(gen):
     layer = _layer(E=16, K=4, score_func="sigmoid", num_groups=4, group_topk=2, group_score_topk=2,
                    enable_expert_bias=True, norm_topk_prob=False)
@@ -336,6 +351,8 @@ def test_expert_numel_counts_biases():
     (dict(num_zero_experts=2, num_groups=2, group_topk=1), "num_zero_experts"),
     (dict(num_zero_experts=2, aux_loss_coeff=0.1, aux_loss_type="global"), "num_zero_experts"),
     (dict(output_norm="layernorm"), "output_norm"),
+    (dict(group_masked_score=0.0), "group_masked_score needs"),
+    (dict(num_groups=2, group_topk=1, group_masked_score=float("nan")), "group_masked_score must"),
     (dict(output_norm="rmsnorm", output_norm_eps=0), "output_norm_eps"),
 ])
 def test_bad_options(kw, match):

@@ -52,8 +52,8 @@ Families (``config.model_type``; block class -> what the layer reproduces):
   (``num_zero_experts``); ``experts.gate_up_proj`` has ``E + Z`` rows, the last ``Z`` never read (written as
   zeros).
 * ``axk1`` (``AXK1MoE``): DeepSeek-V3's block, its output through an RMSNorm (``post_mlp_layernorm`` ->
-  ``output_norm``); ``axk2`` (``AXK2MoE``): DeepSeek-V3's block without groups (``n_group`` set raises: its group
-  mask fills 0.0).
+  ``output_norm``); ``axk2`` (``AXK2MoE``): DeepSeek-V3's block, its group mask scoring the other groups' experts
+  0.0 (``group_masked_score=0.0``), or without groups (``n_group=None``, A.X-K2-Light).
 * ``laguna`` (``LagunaSparseMoeBlock``): soft-capped logits (``logit_softcap``), sigmoid, the correction bias,
   renormalized, times ``moe_routed_scaling_factor``, a shared expert.
 
@@ -437,12 +437,9 @@ def moe_config_from_hf(config, *, block=None, hash_layer: Optional[bool] = None,
                     enable_expert_bias=True, router_dtype=torch.float32)
     elif t in ("axk1", "axk2"):
         _gated_silu(c, t)
-        if t == "axk2" and c.n_group is not None:
-            raise ValueError("axk2: n_group cannot be expressed: A.X-K2's group-limited routing masks the other "
-                             "groups' experts with 0.0, not -inf, so an expert outside the chosen groups wins where "
-                             "the biased in-group scores are negative; MoELayer's never picks one (n_group=None, "
-                             "A.X-K2-Light's routing, is exact)")
         opts = _deepseek_routing(c, t)
+        if t == "axk2" and "num_groups" in opts:  # its group mask scores the other groups' experts 0.0, not -inf
+            opts.update(group_masked_score=0.0)
         opts.update(shared_expert_ffn_size=c.moe_intermediate_size * c.n_shared_experts)
         if t == "axk1":  # post_mlp_layernorm: an RMSNorm of the block output
             opts.update(output_norm="rmsnorm", output_norm_eps=float(c.rms_norm_eps))

@@ -28,7 +28,8 @@ class MoEConfig:
 
     Routing (:class:`moe_graph.moe.router.TopKRouter`): ``topk``, ``score_func``, ``norm_topk_prob``,
     ``num_groups``, ``group_topk``, ``group_score_topk``, ``topk_scaling_factor``, ``router_bias``,
-    ``enable_expert_bias``, ``expert_bias_update_rate``, ``expert_bias_target``, ``norm_topk_min``, ``router_dtype``, ``logit_softcap`` (Laguna's ``c * tanh(logits / c)``),
+    ``enable_expert_bias``, ``expert_bias_update_rate``, ``expert_bias_target``, ``norm_topk_min``, ``router_dtype``, ``group_masked_score`` (the score of the experts outside the
+    chosen groups, ``None``: ``-inf``; A.X-K2: 0.0), ``logit_softcap`` (Laguna's ``c * tanh(logits / c)``),
     ``hash_vocab_size`` (DeepSeek-V4's hash layers: the experts from a ``tid2eid [V, K]`` table indexed by the token
     ids given to ``MoELayer.forward(x, token_ids=...)``); ``score_func`` ``"softmax"``, ``"sigmoid"`` or
     ``"sqrtsoftplus"`` (DeepSeek-V4). ``num_zero_experts`` ``Z`` (LongCat-Flash): the router scores ``E + Z``
@@ -95,6 +96,7 @@ class MoEConfig:
     num_zero_experts: int = 0
     output_norm: Optional[str] = None
     output_norm_eps: float = 1e-6
+    group_masked_score: Optional[float] = None
 
     def __post_init__(self):
         check_activation(self.activation, self.swiglu_alpha, self.swiglu_limit)
@@ -122,7 +124,7 @@ class MoEConfig:
         check_router_options(self.num_experts + z, self.topk, self.score_func, self.num_groups, self.group_topk,
                              self.enable_expert_bias, self.router_dtype, self.norm_topk_prob, self.group_score_topk,
                              self.expert_bias_target, hash_vocab_size=self.hash_vocab_size,
-                             logit_softcap=self.logit_softcap)
+                             logit_softcap=self.logit_softcap, group_masked_score=self.group_masked_score)
         if self.output_norm not in (None, "rmsnorm"):
             raise ValueError(f"output_norm must be None or 'rmsnorm', got {self.output_norm!r}")
         eps = self.output_norm_eps

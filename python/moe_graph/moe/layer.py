@@ -142,7 +142,7 @@ class MoELayer(nn.Module):
             gate, ``expert_bias`` and counts have ``E + Z`` entries), a route to expert ``E + z`` adds the token
             itself times its probability. Such routes are not dispatched (invalid for the dispatcher and echo: no
             GEMM rows, no exchange, no capacity) and the layer's statistics count the ``E`` real experts only.
-        logit_softcap, hash_vocab_size: router options (:class:`TopKRouter`); with hash routing
+        logit_softcap, hash_vocab_size, group_masked_score: router options (:class:`TopKRouter`); with hash routing
             :meth:`forward` needs ``token_ids``.
         aux_loss_coeff: weight of the load-balancing loss (0: off); its gradient flows through the output, times
             the factor of :meth:`MoEAuxLossAutoScaler.set_loss_scale` (``loss_scale / num_microbatches``, set for
@@ -244,7 +244,8 @@ class MoELayer(nn.Module):
                                  router_bias=c.router_bias, enable_expert_bias=c.enable_expert_bias,
                                  expert_bias_update_rate=c.expert_bias_update_rate, router_dtype=c.router_dtype,
                                  expert_bias_target=c.expert_bias_target, norm_topk_min=c.norm_topk_min,
-                                 hash_vocab_size=c.hash_vocab_size, logit_softcap=c.logit_softcap)
+                                 hash_vocab_size=c.hash_vocab_size, logit_softcap=c.logit_softcap,
+                                 group_masked_score=c.group_masked_score)
         self.router_loss = RouterLoss(c.topk, c.score_func, c.aux_loss_coeff, c.aux_loss_type, c.sequence_dim,
                                       c.z_loss_coeff)
         act = dict(swiglu_alpha=c.swiglu_alpha, swiglu_limit=c.swiglu_limit, bias=c.add_bias_linear)

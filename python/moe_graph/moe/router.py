@@ -133,17 +133,21 @@ def set_aux_loss_scale(scale) -> None:
 
 
 def group_limited_topk(scores: torch.Tensor, topk: int, num_groups: int, group_topk: int,
-                       group_score_topk: Optional[int] = None):
+                       group_score_topk: Optional[int] = None, masked_score: Optional[float] = None):
     """DeepSeek-V3's device/node-limited routing: experts form ``num_groups`` consecutive groups; a group's score
     is the sum of its ``group_score_topk`` best scores (``None``: ``topk // group_topk``, Megatron's rule;
     DeepSeek-V3's reference code and Hugging Face transformers sum the best 2); each token picks its ``group_topk``
-    best groups and then its ``topk`` best experts among those groups. Returns ``(values [T, topk], indices
-    [T, topk])``."""
+    best groups and then its ``topk`` best experts among those groups (``masked_score`` ``m``: the other groups'
+    experts score ``m`` instead of ``-inf``, A.X-K2's 0.0, so that one of them is chosen where fewer than ``topk``
+    chosen-group scores exceed ``m``). Returns ``(values [T, topk], indices [T, topk])``."""
     T, E = scores.shape
     grouped = scores.view(T, num_groups, E // num_groups)
     n = group_score_topk if group_score_topk is not None else topk // group_topk
     group_scores = grouped.topk(n, dim=-1)[0].sum(-1)  # [T, G]
     group_idx = group_scores.topk(group_topk, dim=-1, sorted=False)[1]
+    if masked_score is not None:
+        chosen = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
+        return grouped.masked_fill(~chosen.unsqueeze(-1), masked_score).view(T, E).topk(topk, dim=-1)
     keep = torch.full_like(group_scores, float("-inf")).scatter_(1, group_idx, 0.0)  # 0: a chosen group
     return (grouped + keep.unsqueeze(-1)).view(T, E).topk(topk, dim=-1)  # -inf outside the chosen groups
 
@@ -152,7 +156,8 @@ def check_router_options(num_experts: int, topk: int, score_func: str = "softmax
                          group_topk: Optional[int] = None, enable_expert_bias: bool = False,
                          router_dtype: Optional[torch.dtype] = None, norm_topk_prob: Optional[bool] = None,
                          group_score_topk: Optional[int] = None, expert_bias_target: str = "scores", *,
-                         hash_vocab_size: Optional[int] = None, logit_softcap: Optional[float] = None) -> None:
+                         hash_vocab_size: Optional[int] = None, logit_softcap: Optional[float] = None,
+                         group_masked_score: Optional[float] = None) -> None:
     """Raises ``ValueError`` naming the first bad routing option (:class:`TopKRouter`'s arguments)."""
     if score_func not in SCORE_FUNCS:
         raise ValueError(f"score_func must be one of {SCORE_FUNCS}, got {score_func!r}")
@@ -163,6 +168,12 @@ def check_router_options(num_experts: int, topk: int, score_func: str = "softmax
         if num_groups is not None or enable_expert_bias:
             raise ValueError("hash routing (hash_vocab_size) picks the experts from the token-id table: it cannot "
                              "be combined with num_groups/group_topk or enable_expert_bias")
+    if group_masked_score is not None:
+        if num_groups is None:
+            raise ValueError("group_masked_score needs group-limited routing (num_groups and group_topk)")
+        if isinstance(group_masked_score, bool) or not isinstance(group_masked_score, (int, float)) \
+                or not math.isfinite(group_masked_score):
+            raise ValueError(f"group_masked_score must be None (-inf) or a finite number, got {group_masked_score!r}")
     if logit_softcap is not None and (isinstance(logit_softcap, bool) or not isinstance(logit_softcap, (int, float))
                                       or not 0 < logit_softcap < float("inf")):
         raise ValueError(f"logit_softcap must be None or a finite number > 0, got {logit_softcap!r}")
@@ -287,7 +298,8 @@ class TopKRouter(nn.Module):
     ``norm_topk_prob`` and no groups computes them as the softmax of the top-k logits (the same numbers: the
     softmax's denominator cancels), without the ``[T, E]`` scores.
 
-    * ``num_groups`` / ``group_topk`` / ``group_score_topk``: group-limited routing (:func:`group_limited_topk`).
+    * ``num_groups`` / ``group_topk`` / ``group_score_topk`` / ``group_masked_score``: group-limited routing
+      (:func:`group_limited_topk`; ``group_masked_score=0.0``: A.X-K2's mask of the other groups).
     * ``scaling_factor``: multiplies the probabilities (DeepSeek-V3's ``routed_scaling_factor`` 2.5).
     * ``router_bias``: a learned bias ``bias [E]`` added to the logits (GPT-OSS; Megatron's router gets one with
       ``add_bias_linear``). It moves both the selection and the probabilities, unlike ``expert_bias``.
@@ -324,14 +336,15 @@ class TopKRouter(nn.Module):
                  enable_expert_bias: bool = False, expert_bias_update_rate: float = 1e-3,
                  router_dtype: Optional[torch.dtype] = None, expert_bias_target: str = "scores",
                  norm_topk_min: Optional[float] = None, hash_vocab_size: Optional[int] = None,
-                 logit_softcap: Optional[float] = None):
+                 logit_softcap: Optional[float] = None, group_masked_score: Optional[float] = None):
         super().__init__()
         if norm_topk_min is not None and not (isinstance(norm_topk_min, (int, float)) and 0 <= norm_topk_min < 1):
             raise ValueError(f"norm_topk_min must be None or a number in [0, 1), got {norm_topk_min!r}")
         self.norm_topk_min = norm_topk_min
         check_router_options(num_experts, topk, score_func, num_groups, group_topk, enable_expert_bias, router_dtype,
                              norm_topk_prob, group_score_topk, expert_bias_target, hash_vocab_size=hash_vocab_size,
-                             logit_softcap=logit_softcap)
+                             logit_softcap=logit_softcap, group_masked_score=group_masked_score)
+        self.group_masked_score = float(group_masked_score) if group_masked_score is not None else None
         self.expert_bias_target = expert_bias_target
         self.hash_vocab_size = hash_vocab_size
         self.logit_softcap = float(logit_softcap) if logit_softcap is not None else None
@@ -372,7 +385,8 @@ class TopKRouter(nn.Module):
 
     def _select(self, scores: torch.Tensor) -> torch.Tensor:
         if self.num_groups is not None:
-            return group_limited_topk(scores, self.topk, self.num_groups, self.group_topk, self.group_score_topk)[1]
+            return group_limited_topk(scores, self.topk, self.num_groups, self.group_topk, self.group_score_topk,
+                                      self.group_masked_score)[1]
         return torch.topk(scores, self.topk, dim=-1)[1]
 
     def forward(self, x: torch.Tensor, padding_mask: Optional[torch.Tensor] = None,

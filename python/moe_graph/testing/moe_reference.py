@@ -14,13 +14,14 @@ import torch.nn.functional as F
 def reference_route(h: torch.Tensor, gate_weight: torch.Tensor, topk: int, score_func: str = "softmax",
                     norm_topk_prob: Optional[bool] = None, *, num_groups=None, group_topk=None, scaling_factor=None,
                     expert_bias=None, group_score_topk=None, gate_bias=None, expert_bias_target="scores",
-                    norm_topk_min=None, logit_softcap=None, hash_indices=None):
+                    norm_topk_min=None, logit_softcap=None, hash_indices=None, group_masked_score=None):
     """``(topk_idx [T, K], topk_probs [T, K], scores [T, E])``: the router written out independently (group-limited
     selection one token at a time, in plain Python). ``norm_topk_prob=None``: on for sigmoid with ``topk > 1``;
     ``group_score_topk=None``: a group scores the sum of its ``topk // group_topk`` best; ``gate_bias``: added to
     the logits; ``expert_bias_target="logits"``: the expert bias is added to the logits for the selection;
     ``logit_softcap`` ``c``: ``c * tanh(logits / c)`` first; ``hash_indices`` ``[T, K]``: the experts, given (hash
-    routing: the token-id table's rows) instead of selected."""
+    routing: the token-id table's rows) instead of selected; ``group_masked_score``: the score the experts outside
+    the chosen groups compete with (``None``: they do not compete)."""
     logits = (h @ gate_weight.t()).float() if h.dtype != torch.float64 else h @ gate_weight.t()
     if gate_bias is not None:
         logits = logits + gate_bias.to(logits.dtype)
@@ -48,7 +49,12 @@ def reference_route(h: torch.Tensor, gate_weight: torch.Tensor, topk: int, score
             gscore = [sum(sorted(s[g * per:(g + 1) * per], reverse=True)[:n]) for g in range(num_groups)]
             groups = sorted(range(num_groups), key=lambda g: -gscore[g])[:group_topk]
             cand = [e for g in groups for e in range(g * per, (g + 1) * per)]
-            rows.append(sorted(cand, key=lambda e: -s[e])[:topk])
+            if group_masked_score is not None:  # every expert competes, the others with the masked score; they
+                # tie, and the tie is broken as torch.topk breaks it (what transformers' A.X-K2 does)
+                full = [s[e] if e in cand else group_masked_score for e in range(E)]
+                rows.append(torch.topk(torch.tensor(full, dtype=torch.float64), topk)[1].tolist())
+            else:
+                rows.append(sorted(cand, key=lambda e: -s[e])[:topk])
         idx = torch.tensor(rows, dtype=torch.int64)
     top = scores.gather(1, idx)
     if norm_topk_prob is None:
@@ -200,7 +206,8 @@ def reference_moe_layer(x: torch.Tensor, params: Dict[str, torch.Tensor], config
                                     group_score_topk=c.group_score_topk, gate_bias=params.get("router.bias"),
                                     expert_bias_target=getattr(c, "expert_bias_target", "scores"),
                                     norm_topk_min=getattr(c, "norm_topk_min", None),
-                                    logit_softcap=getattr(c, "logit_softcap", None), hash_indices=hashed)
+                                    logit_softcap=getattr(c, "logit_softcap", None), hash_indices=hashed,
+                                    group_masked_score=getattr(c, "group_masked_score", None))
     act = dict(swiglu_alpha=c.swiglu_alpha, swiglu_limit=c.swiglu_limit)
     y = dense_moe_reference(h, idx, probs, params["experts.fc1.weight"], params["experts.fc2.weight"], c.activation,
                             b1=params.get("experts.fc1.bias"), b2=params.get("experts.fc2.bias"),
