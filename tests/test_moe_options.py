@@ -372,6 +372,18 @@ def test_options_ep2_echo():
     assert sum(res["spare_rows"] for res in results) > 0  # rank 1's spare slot hosted a hot expert of rank 0
 
 
+def test_new_router_options_ep2_echo():
+    """Zero-computation experts (with soft-capped logits and the output RMSNorm) and hash routing by token id
+    (sqrtsoftplus) on two EP ranks with echo, plain and fused main_grad, against the reference on all tokens."""
+    results = run_distributed(option_layer_ep_worker, 2, 5, ("zero_softcap_norm", "hash_sqrtsoftplus"))
+    for res in results:
+        assert len(res["errors"]) == 4
+        for case, errs in res["errors"].items():
+            for what, err in errs.items():
+                assert err < 1e-10, (case, what, err)
+    assert sum(res["spare_rows"] for res in results) > 0
+
+
 @pytest.mark.parametrize("score_func,norm,scale", [("sigmoid", True, 2.5), ("sigmoid", True, None),
                                                    ("softmax", True, 2.5), ("softmax", False, 2.5),
                                                    ("sigmoid", False, None)])
