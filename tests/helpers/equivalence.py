@@ -208,6 +208,8 @@ for _fp8 in ("blockwise", "mxfp8", "blockwise_fp32_scales"):  # FP8 experts (tra
         Row(f"fp8_{_fp8}_ep2_echo1", world=2, ep=2, microbatches=2, echo=1, fp8=_fp8),
         Row(f"fp8_{_fp8}_ep2_cap1.0_rerun", world=2, ep=2, microbatches=2, capacity=1.0, overflow="rerun", fp8=_fp8),
         Row(f"fp8_{_fp8}_ep2xdp2", world=4, ep=2, microbatches=2, fp8=_fp8),
+        Row(f"fp8_{_fp8}_grouped_delay_wgrad_fused_overlap", world=2, microbatches=2, grouped="delay_fused",
+            overlap=True, fp8=_fp8),
     ]
 CI_ROWS = ["dp2_mb4_overlap", "dp2_mb2_overlap_without_no_sync", "ep2xdp2_echo2_overlap", "ep2_loss_scaler_aux",
            "ep2_aux_global", "pp2_vpp2_mb4", "grouped_delay_wgrad_fused_overlap", "ep2_cap1.0_rerun", "ep2_cap1.0_drop",
@@ -362,6 +364,8 @@ def oracle_train(row: Row, outs: Optional[List[Dict]] = None, naive_fp8_layout: 
         for layer, b in enumerate(model.blocks):
             b.moe.forward = (lambda x, padding_mask=None, moe=b.moe, layer=layer:
                              fp8_oracle_moe(moe, x, row, fp8_step[0], layer, plans, naive_fp8_layout))
+            if b.gl is not None:
+                b.gl.forward = lambda h, m_splits, gl=b.gl: fp8_oracle_grouped_linear(gl, h, row)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
     captured: List = []
     for b in model.blocks:
@@ -534,6 +538,25 @@ def fp8_oracle_moe(moe: MoELayer, x: torch.Tensor, row: Row, step: int, layer: i
         y = qdq_swiglu_mlp(h[t], w1[e], w2[e], recipe, probs[ids])
         out = out.index_add(0, t, y)
     return out.reshape(x.shape)
+
+
+def fp8_oracle_grouped_linear(gl: GroupedLinear, h: torch.Tensor, row: Row) -> torch.Tensor:
+    """The oracle's FP8 ``Block.gl`` over the global batch (``h``: all sequences' first halves, then all second
+    halves, as :class:`Block` builds it): each microbatch's half is one group of the machinery's GEMM (its
+    columnwise tiles run over that microbatch's rows only), through ``qdq_linear`` plus the bias."""
+    from helpers.fp8_reference import qdq_linear
+
+    recipe = fp8_recipe(row)
+    half = SEQ // 2
+    n0 = GLOBAL_BATCH * half
+    per = GLOBAL_BATCH // (row.dp * row.microbatches) * half  # rows of one microbatch's half
+    outs = []
+    for g in range(2):
+        w, b = getattr(gl, f"weight{g}"), getattr(gl, f"bias{g}")
+        for m in range(row.dp * row.microbatches):  # microbatch (d, j) is number d * M + j, in sequence order
+            rows = h[g * n0 + m * per:g * n0 + (m + 1) * per]
+            outs.append(qdq_linear(rows, w, recipe) + b)
+    return torch.cat(outs)
 
 
 # ========================================================================================== the machinery ==
