@@ -33,11 +33,15 @@ def _dims(family: str, hidden: int, ffn: int) -> dict:
         return dict(hidden_size=hidden, moe_intermediate_size=ffn)
     if family == "longcat_flash":
         return dict(hidden_size=hidden, expert_ffn_hidden_size=ffn, ffn_hidden_size=4 * ffn)
+    if family in ("inkling2_text", "inkling2_loop_text"):  # intermediate_size is an alias of moe_intermediate_size
+        return dict(hidden_size=hidden, moe_intermediate_size=ffn)
     kw = dict(hidden_size=hidden, moe_intermediate_size=ffn, intermediate_size=4 * ffn)
     if family in ("qwen2_moe", "kolibri1", "laguna"):
         kw["shared_expert_intermediate_size"] = 4 * ffn
     if family == "nemotron_h":
         kw["moe_shared_expert_intermediate_size"] = 4 * ffn
+    if family == "step3p5":
+        kw["share_expert_dim"] = 4 * ffn
     return kw
 
 

@@ -17,7 +17,8 @@ from moe_graph.ops import activation as act_ops
 from moe_graph.ops.activation import gated_activation
 from moe_graph.testing.moe_reference import reference_activation
 
-GATED = ["swiglu", "clamped_swiglu", "limited_swiglu"]
+GATED = ["swiglu", "clamped_swiglu", "limited_swiglu", "post_clamped_swiglu", "softcapped_swiglu", "geglu_tanh"]
+CLAMPED = ("clamped_swiglu", "limited_swiglu", "post_clamped_swiglu")  # the kinds whose clamps block gradients
 ALPHA, LIMIT = 1.3, 2.5
 OP = torch.ops.moe_graph.gated_activation
 
@@ -26,11 +27,12 @@ pytestmark = pytest.mark.skipif(not act_ops.native_available("cpu"),
 
 
 def _h(gen, rows, f, dtype=torch.float64, scale=4.0):
-    """fc1 output in ``dtype`` with values past the clamp limit on both sides, none within 0.05 of +-LIMIT (the
-    clamps' kinks: a finite difference there straddles two slopes, and the reference's min/max split the gradient
-    of a tie)."""
+    """fc1 output in ``dtype`` with values past the clamp limit on both sides, none within 0.05 of +-LIMIT or of
+    ``silu(a) = LIMIT`` (the clamps' kinks: a finite difference there straddles two slopes, and the reference's
+    min/max split the gradient of a tie)."""
     h = (torch.randn(rows, 2 * f, generator=gen, dtype=torch.float64) * scale).to(dtype)
-    near = (h.double().abs() - LIMIT).abs() < 0.05
+    hd = h.double()
+    near = ((hd.abs() - LIMIT).abs() < 0.05) | ((torch.nn.functional.silu(hd) - LIMIT).abs() < 0.05)
     return torch.where(near, h * 0.5, h)
 
 
@@ -63,10 +65,10 @@ def test_forward_and_gradients_match_float64_reference(gen, impl, activation, wi
     torch.testing.assert_close(h.grad, hr.grad, rtol=1e-12, atol=1e-12)
     if with_scale:
         torch.testing.assert_close(s.grad, sr.grad, rtol=1e-12, atol=1e-12)
-    if activation != "swiglu":  # the reference blocks the gradient past the limit: so does the op
+    if activation in CLAMPED:  # the reference blocks the gradient past the limit: so does the op
         a, b = h.detach().chunk(2, -1)
         da, db = h.grad.chunk(2, -1)
-        past = a > LIMIT
+        past = (torch.nn.functional.silu(a) if activation == "post_clamped_swiglu" else a) > LIMIT
         assert past.any() and (b.abs() > LIMIT).any()
         assert (da[past] == 0).all() and (db[b.abs() > LIMIT] == 0).all()
 
@@ -98,6 +100,30 @@ def test_16_bit_within_rounding_of_float64_reference(gen, impl, dtype, scale_dty
     torch.testing.assert_close(h.grad.double(), hr.grad, rtol=1.6e-2, atol=2e-2)
     # ds sums F products in fp32 (rounded once): within the rounding of the 16-bit inputs' sum
     torch.testing.assert_close(s.grad.double(), sr.grad, rtol=2e-2, atol=5e-2)
+
+
+def test_post_clamped_swiglu_boundaries():
+    """``min(silu(a), L) * clamp(b, -L, L)`` at its kinks, fp64: with ``L = silu(2)`` as the op computes it
+    (``a * (1 / (1 + exp(-a)))``), the gate at ``a = 2`` exactly passes its gradient (``silu(a) <= L``, torch.clamp's
+    rule), one ulp above it is blocked (``silu`` grows faster than ``a`` there), one ulp below passes; the up half
+    passes at ``b = +-L`` exactly and is blocked one ulp outside. Values and passing gradients equal the float64
+    reference's (the native op: torch's silu in the fallback may round silu(2) otherwise)."""
+    import math
+    a0 = 2.0
+    lim = a0 * (1.0 / (1.0 + math.exp(-a0)))
+    up, down = math.nextafter(a0, math.inf), math.nextafter(a0, -math.inf)
+    a = torch.tensor([a0, up, down, 0.5, 0.5, 0.5], dtype=torch.float64)
+    b = torch.tensor([1.5, 1.5, 1.5, lim, -lim, math.nextafter(lim, math.inf)], dtype=torch.float64)
+    h = torch.cat([a, b]).view(1, 12).requires_grad_()
+    y = gated_activation(h, "post_clamped_swiglu", swiglu_limit=lim)
+    y.sum().backward()
+    da, db = h.grad.view(2, 6)
+    assert y[0, 0] == lim * 1.5 and y[0, 1] == lim * 1.5 and y[0, 2] < lim * 1.5
+    assert da[0] != 0 and da[1] == 0 and da[2] != 0
+    assert db[3] != 0 and db[4] != 0 and db[5] == 0
+    ref_silu_grad = torch.sigmoid(a[0]) * (1 + a[0] * (1 - torch.sigmoid(a[0])))
+    torch.testing.assert_close(da[0], 1.5 * ref_silu_grad, rtol=1e-12, atol=0)
+    torch.testing.assert_close(db[3:5], torch.nn.functional.silu(a[3:5]), rtol=1e-12, atol=0)
 
 
 def test_16_bit_rounding_specials(impl):

@@ -163,7 +163,7 @@ def test_router_bias_router_dtype(gen):
 
 # ----------------------------------------------------------------------------------------- activations --
 @pytest.mark.parametrize("activation", ["relu", "silu", "gelu", "squared_relu", "swiglu", "clamped_swiglu",
-                                        "limited_swiglu"])
+                                        "limited_swiglu", "post_clamped_swiglu", "softcapped_swiglu", "geglu_tanh"])
 def test_activation_fn_matches_definition(gen, activation):
     h = torch.randn(50, 12, generator=gen, dtype=DT) * 6  # beyond the clamp limit on both sides
     torch.testing.assert_close(activation_fn(h, activation, 1.3, 2.5), reference_activation(h, activation, 1.3, 2.5),
@@ -316,6 +316,61 @@ def test_hash_routing_needs_token_ids(gen):
         layer(x, token_ids=torch.zeros(4, dtype=torch.int64))
     with pytest.raises(ValueError, match="token_ids must be an integer"):
         layer.router(x, token_ids=torch.zeros(3))
+@pytest.mark.parametrize("case", ["plain", "fused_echo", "recompute", "static"])
+@pytest.mark.parametrize("activation", ["post_clamped_swiglu", "softcapped_swiglu", "geglu_tanh"])
+def test_expert_activation_kinds_and_shared_expert_options(gen, case, activation):
+    """The activation kinds of issue 33 (Step-3.7's clamp after the activation, Inkling-2's soft caps, Gemma 4's
+    gated GELU) in the routed experts, the shared expert with its own activation, limit and biases (HY-V4,
+    Step-3.7), through the fused main_grad + echo path, recompute and the fixed-capacity dispatcher; the limit and
+    caps are small enough to act on these inputs."""
+    kw = dict(activation=activation, swiglu_limit=0.8, swiglu_alpha=0.6, shared_expert_ffn_size=5,
+              shared_expert_activation="post_clamped_swiglu", shared_expert_swiglu_limit=0.5,
+              shared_expert_bias=True)
+    kw.update({"fused_echo": dict(num_spare_experts_per_ep_rank=1), "recompute": dict(recompute=True),
+               "static": dict(capacity_factor=8.0)}.get(case, {}))
+    layer = _layer(**kw)
+    assert layer.shared_expert.fc1.bias is not None and layer.experts.fc1.bias is None
+    assert layer.shared_expert.activation == "post_clamped_swiglu" and layer.shared_expert.swiglu_limit == 0.5
+    if case == "fused_echo":
+        _attach_main_grads(layer)
+    layer.train()
+    _check(layer, torch.randn(24, 8, generator=gen, dtype=DT), reps=2 if case == "fused_echo" else 1)
+
+
+@pytest.mark.parametrize("case", ["plain", "fused_echo", "recompute", "static"])
+def test_router_input_norm_expert_scale_and_router_input(gen, case):
+    """Gemma 4's router: the gate on ``rms_norm(r) * input_scale / sqrt(H)``, each probability times its expert's
+    learned factor, the gate fed a separate ``router_input`` ``r`` (the experts see ``x``); gradients reach both
+    scales and ``r``."""
+    kw = dict(router_input_norm=True, router_norm_eps=1e-3, router_expert_scale=True, norm_topk_prob=True,
+              activation="geglu_tanh")
+    kw.update({"fused_echo": dict(num_spare_experts_per_ep_rank=1), "recompute": dict(recompute=True),
+               "static": dict(capacity_factor=8.0)}.get(case, {}))
+    layer = _layer(**kw)
+    with torch.no_grad():
+        layer.router.input_scale.normal_(1, 0.5)
+        layer.router.expert_scale.normal_(1, 0.5)
+    if case == "fused_echo":
+        _attach_main_grads(layer)
+    layer.train()
+    x = torch.randn(24, 8, generator=gen, dtype=DT)
+    r = (torch.randn(24, 8, generator=gen, dtype=DT) * 3).requires_grad_()
+    rr = r.detach().clone().requires_grad_()
+    target = torch.randn(x.shape, dtype=DT, generator=gen)
+    params = {n: p.detach().clone().requires_grad_() for n, p in layer.named_parameters()}
+    xl, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y = layer(xl, router_input=r)
+    y_ref = reference_moe_layer(xr, params, layer.config, router_input=rr)
+    (y * target).sum().backward()
+    (y_ref * target).sum().backward()
+    torch.testing.assert_close(y, y_ref, **TOL)
+    for got, ref in ((xl.grad, xr.grad), (r.grad, rr.grad)):
+        torch.testing.assert_close(got, ref, **TOL)
+    for n, p in layer.named_parameters():
+        torch.testing.assert_close(_grad(p), params[n].grad, **TOL, msg=lambda m: f"{n}: {m}")
+    assert layer.router.input_scale.grad.abs().max() > 0 and layer.router.expert_scale.grad.abs().max() > 0
+    with pytest.raises(ValueError, match="router_input must have the shape of x"):
+        layer(x, router_input=r[:5])
 
 
 def test_options_static_capacity(gen):
@@ -341,6 +396,11 @@ def test_expert_numel_counts_biases():
     (dict(norm_topk_prob="yes"), "norm_topk_prob"),
     (dict(shared_expert_combine="mean"), "shared_expert_combine"),
     (dict(group_score_topk=2), "group_score_topk needs"),
+    (dict(shared_expert_activation="swiglu"), "shared_expert_activation needs shared_expert_ffn_size"),
+    (dict(shared_expert_ffn_size=4, shared_expert_activation="tanh"), "activation must be"),
+    (dict(shared_expert_ffn_size=4, shared_expert_swiglu_limit=-1.0), "swiglu_limit"),
+    (dict(shared_expert_ffn_size=4, shared_expert_bias="yes"), "shared_expert_bias"),
+    (dict(router_norm_eps=-1.0), "router_norm_eps"),
     (dict(num_groups=2, group_topk=1, group_score_topk=5), "group_score_topk must"),
     (dict(num_groups=2, group_topk=1, group_score_topk=True), "group_score_topk must"),
     (dict(score_func="softplus"), "score_func"),

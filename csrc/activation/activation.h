@@ -27,7 +27,8 @@ struct GatedProblem {
   DType dtype = DType::kF32;        // h, y, grad_y, grad_h
   DType scale_dtype = DType::kF32;  // scale, grad_scale (fp32 or dtype)
   GatedKind kind = GatedKind::kSwiglu;
-  double alpha = 1.702, limit = 7.0;  // clamped_swiglu (alpha, limit); limited_swiglu (limit)
+  double alpha = 1.702, limit = 7.0;  // clamped_swiglu (alpha, limit); limited_ / post_clamped_swiglu (limit);
+                                      // softcapped_swiglu (alpha: the gate's cap, limit: the up half's cap)
   const void* h = nullptr;            // [N, 2F]
   const void* scale = nullptr;        // [N] or nullptr (scale 1)
   void* y = nullptr;                  // forward: [N, F]
@@ -51,6 +52,13 @@ void dispatch_gated(const GatedProblem& p, F&& f) {
       case GatedKind::kSwiglu: f(std::integral_constant<GatedKind, GatedKind::kSwiglu>{}, t, s); break;
       case GatedKind::kClampedSwiglu: f(std::integral_constant<GatedKind, GatedKind::kClampedSwiglu>{}, t, s); break;
       case GatedKind::kLimitedSwiglu: f(std::integral_constant<GatedKind, GatedKind::kLimitedSwiglu>{}, t, s); break;
+      case GatedKind::kPostClampedSwiglu:
+        f(std::integral_constant<GatedKind, GatedKind::kPostClampedSwiglu>{}, t, s);
+        break;
+      case GatedKind::kSoftcappedSwiglu:
+        f(std::integral_constant<GatedKind, GatedKind::kSoftcappedSwiglu>{}, t, s);
+        break;
+      case GatedKind::kGegluTanh: f(std::integral_constant<GatedKind, GatedKind::kGegluTanh>{}, t, s); break;
     }
   };
   auto with_scale = [&](auto t) {

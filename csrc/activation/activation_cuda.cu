@@ -2,7 +2,8 @@
 // stream; one launch per call, fixed configuration for fixed shapes (capturable), no host synchronization.
 //
 //   Both kernels walk the rows in vectors of V elements (16 bytes when F is a multiple of V and every pointer is
-//   16-byte aligned, else V = 1), each row by one group of up to 32 lanes of a warp (short rows share a warp),
+//   16-byte aligned, else V = 1; fp64 post_clamped_swiglu always V = 1: vector_elems),
+//   each row by one group of up to 32 lanes of a warp (short rows share a warp),
 //   grid-stride over the rows. The backward's scale gradient is the row's sum over its lanes, a shuffle
 //   reduction inside the group written by its first lane (no atomics).
 #include <algorithm>
@@ -143,11 +144,19 @@ RowGroups row_groups(const GatedProblem& p, int V, unsigned* grid) {
   return rg;
 }
 
+// Elements per vector of kind K on T: a 16-byte vector, except fp64 post_clamped_swiglu, which runs unvectorized (its
+// V = 2 forward keeps both elements live across the fp64 division's slow-path call and spills 12 bytes on sm_90a;
+// V = 1 does not).
+template <GatedKind K, typename T>
+constexpr int vector_elems() {
+  return (K == GatedKind::kPostClampedSwiglu && sizeof(T) == 8) ? 1 : static_cast<int>(16 / sizeof(T));
+}
+
 template <GatedKind K, typename T, typename S, bool Backward>
 void launch(const GatedProblem& p, cudaStream_t stream) {
-  constexpr int V = static_cast<int>(16 / sizeof(T));
+  constexpr int V = vector_elems<K, T>();
   unsigned grid = 1;
-  if (can_vectorize<T>(p)) {
+  if (V > 1 && can_vectorize<T>(p)) {
     const RowGroups rg = row_groups(p, V, &grid);
     if constexpr (Backward)
       moe_graph::launch(backward_kernel<K, T, S, V>, grid, kThreads, 0, stream, p, rg);

@@ -4,10 +4,16 @@
 //   swiglu          act = silu(a) * b = a * sigmoid(a) * b
 //   clamped_swiglu  act = a' * sigmoid(alpha * a') * (b' + 1),  a' = min(a, limit),  b' = clamp(b, -limit, limit)
 //   limited_swiglu  act = silu(a') * b'  (the same clamps, no alpha, no +1: DeepSeek-V4, GLM5-Next, HY-V4)
+//   post_clamped_swiglu  act = min(silu(a), limit) * b'  (the gate clamped after the activation: Step-3.7)
+//   softcapped_swiglu    act = cg * tanh(a / cg) * sigmoid(a) * cu * tanh(b / cu),  cg = alpha, cu = limit
+//                        (the sigmoid sees the raw gate; the caps bound the linear gate factor and b: Inkling-2)
+//   geglu_tanh      act = gelu_tanh(a) * b,  gelu_tanh(a) = a / 2 * (1 + tanh(sqrt(2 / pi) * (a + 0.044715 a^3)))
+//                   (Gemma 4's gated GELU, torch's gelu(approximate="tanh"); computed as a * sigmoid(2 * ...))
 //   y = act * s
 // Backward for dy: da = dy * s * dact/da, db = dy * s * dact/db, ds = sum over the row of dy * act. The clamps
 // pass the gradient where the input lies inside the closed interval (a <= limit, -limit <= b <= limit) and block
-// it outside, as torch.clamp does. A NaN input propagates through the clamps (NaN compares false).
+// it outside, as torch.clamp does; post_clamped_swiglu's gate passes it where
+// silu(a) <= limit. A NaN input propagates through the clamps (NaN compares false).
 // Math in double for double data, in float otherwise (bf16 / fp16 are widened on load, rounded once on store).
 #pragma once
 #include <cmath>
@@ -24,7 +30,14 @@
 namespace moe_graph {
 namespace activation {
 
-enum class GatedKind : int { kSwiglu = 0, kClampedSwiglu = 1, kLimitedSwiglu = 2 };
+enum class GatedKind : int {
+  kSwiglu = 0,
+  kClampedSwiglu = 1,
+  kLimitedSwiglu = 2,
+  kPostClampedSwiglu = 3,
+  kSoftcappedSwiglu = 4,
+  kGegluTanh = 5
+};
 
 // 16-bit storage types (bit patterns; converted with round-to-nearest-even).
 struct bf16_t {
@@ -137,9 +150,26 @@ struct Narrow<f16_t> {
 MOE_GRAPH_HD float exp_of(float x) { return expf(x); }
 MOE_GRAPH_HD double exp_of(double x) { return exp(x); }
 
+MOE_GRAPH_HD float tanh_of(float x) { return tanhf(x); }
+MOE_GRAPH_HD double tanh_of(double x) { return tanh(x); }
+
 template <typename A>
 MOE_GRAPH_HD A sigmoid_of(A x) {
   return A(1) / (A(1) + exp_of(-x));
+}
+
+// sqrt(2 / pi) and the cubic coefficient of the tanh approximation of GELU (torch's kBeta, kKappa). Since
+// (1 + tanh(y)) / 2 = sigmoid(2y), gelu_tanh(a) = a * sigmoid(gelu_tanh_arg(a)) with
+// gelu_tanh_arg(a) = 2 * kBeta * (a + kKappa * a^3): SwiGLU's form with another argument (no tanh, and no
+// cancellation in 1 + tanh for negative a).
+template <typename A>
+struct GeluTanh {
+  static constexpr A kBeta = A(0.7978845608028654);
+  static constexpr A kKappa = A(0.044715);
+};
+template <typename A>
+MOE_GRAPH_HD A gelu_tanh_arg(A a) {
+  return A(2) * GeluTanh<A>::kBeta * (a + GeluTanh<A>::kKappa * a * a * a);
 }
 
 // act(a, b) and its partial derivatives.
@@ -156,6 +186,14 @@ MOE_GRAPH_HD A gated_value(A a, A b, A alpha, A limit) {
     const A ac = a > limit ? limit : a;
     const A bc = b < -limit ? -limit : (b > limit ? limit : b);
     return ac * sigmoid_of(ac) * bc;
+  } else if constexpr (K == GatedKind::kPostClampedSwiglu) {
+    const A silu = a * sigmoid_of(a);
+    const A bc = b < -limit ? -limit : (b > limit ? limit : b);
+    return (silu > limit ? limit : silu) * bc;
+  } else if constexpr (K == GatedKind::kSoftcappedSwiglu) {
+    return alpha * tanh_of(a / alpha) * sigmoid_of(a) * (limit * tanh_of(b / limit));
+  } else if constexpr (K == GatedKind::kGegluTanh) {
+    return a * sigmoid_of(gelu_tanh_arg(a)) * b;
   } else {
     const A ac = a > limit ? limit : a;
     const A bc = b < -limit ? -limit : (b > limit ? limit : b);
@@ -177,6 +215,24 @@ MOE_GRAPH_HD GatedGrad<A> gated_grad(A a, A b, A alpha, A limit) {
     const A d_a = a <= limit ? bc * s * (A(1) + ac * (A(1) - s)) : A(0);
     const A d_b = (b >= -limit && b <= limit) ? silu : A(0);
     return {silu * bc, d_a, d_b};
+  } else if constexpr (K == GatedKind::kPostClampedSwiglu) {
+    const A s = sigmoid_of(a);
+    const A silu = a * s;
+    const A g = silu > limit ? limit : silu;  // a NaN propagates
+    const A bc = b < -limit ? -limit : (b > limit ? limit : b);
+    const A d_a = silu <= limit ? bc * s * (A(1) + a * (A(1) - s)) : A(0);
+    const A d_b = (b >= -limit && b <= limit) ? g : A(0);
+    return {g * bc, d_a, d_b};
+  } else if constexpr (K == GatedKind::kSoftcappedSwiglu) {
+    const A tg = tanh_of(a / alpha), tu = tanh_of(b / limit);
+    const A s = sigmoid_of(a);
+    const A gate = alpha * tg * s, up = limit * tu;
+    return {gate * up, up * s * ((A(1) - tg * tg) + alpha * tg * (A(1) - s)), gate * (A(1) - tu * tu)};
+  } else if constexpr (K == GatedKind::kGegluTanh) {
+    const A s = sigmoid_of(gelu_tanh_arg(a));
+    const A gelu = a * s;
+    const A dz = A(2) * GeluTanh<A>::kBeta * (A(1) + A(3) * GeluTanh<A>::kKappa * a * a);  // d gelu_tanh_arg / da
+    return {gelu * b, b * s * (A(1) + a * (A(1) - s) * dz), gelu};
   } else {
     const A ac = a > limit ? limit : a;
     const A bc = b < -limit ? -limit : (b > limit ? limit : b);

@@ -39,9 +39,16 @@ activation::GatedProblem check_and_describe(const char* op, const at::Tensor& h,
     p.kind = activation::GatedKind::kClampedSwiglu;
   } else if (activation == "limited_swiglu") {
     p.kind = activation::GatedKind::kLimitedSwiglu;
+  } else if (activation == "post_clamped_swiglu") {
+    p.kind = activation::GatedKind::kPostClampedSwiglu;
+  } else if (activation == "softcapped_swiglu") {
+    p.kind = activation::GatedKind::kSoftcappedSwiglu;
+  } else if (activation == "geglu_tanh") {
+    p.kind = activation::GatedKind::kGegluTanh;
   } else {
-    TORCH_CHECK(false, op, ": activation must be \"swiglu\", \"clamped_swiglu\" or \"limited_swiglu\", got \"",
-                std::string(activation), "\"");
+    TORCH_CHECK(false, op, ": activation must be \"swiglu\", \"clamped_swiglu\", \"limited_swiglu\", "
+                "\"post_clamped_swiglu\", \"softcapped_swiglu\" or \"geglu_tanh\", got \"", std::string(activation),
+                "\"");
   }
   TORCH_CHECK(std::isfinite(alpha) && alpha > 0, op, ": alpha (swiglu_alpha) must be a finite number > 0, got ",
               alpha);

@@ -10,7 +10,8 @@
 namespace moe_graph {
 
 // h [N, 2F] contiguous (fp32/fp64/bf16/fp16), row_scale [N] contiguous (fp32 or h's dtype) or None,
-// activation "swiglu" | "clamped_swiglu" | "limited_swiglu" -> y [N, F] in h's dtype.
+// activation "swiglu" | "clamped_swiglu" | "limited_swiglu" | "post_clamped_swiglu" | "softcapped_swiglu" |
+// "geglu_tanh" -> y [N, F] in h's dtype.
 at::Tensor gated_activation_cpu(const at::Tensor& h, const std::optional<at::Tensor>& row_scale,
                                 c10::string_view activation, double alpha, double limit);
 // grad_y [N, F] -> (grad_h [N, 2F], grad_row_scale [N] in row_scale's dtype, or [0] fp32 without a scale).

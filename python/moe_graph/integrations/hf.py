@@ -67,6 +67,21 @@ Families (``config.model_type``; block class -> what the layer reproduces):
 
 Families MoELayer cannot express raise naming the reason (``_UNSUPPORTED``: ERNIE-4.5-VL's token-type expert sets,
 PhiMoE's SparseMixer, Zaya's MLP router, Doge's product keys, Inkling's router-scored shared experts).
+* ``step3p5`` (``Step3p7SparseMoeBlock``, Step-3.7's text model): sigmoid, correction bias, renormalized, scaled;
+  ``min(silu(g), L) * clamp(u, -L, L)`` (``activation="post_clamped_swiglu"``) with per-layer limits for the experts
+  (``swiglu_limits``) and the shared expert (``swiglu_limits_shared``: its own activation and limit), the shared
+  expert's biases (``mlp_bias``: ``shared_expert_bias``). The layer's limits come from the block (``block=``) or
+  its index (``layer_idx=``).
+* ``inkling2_text`` (``Inkling2SparseMoeBlock``; ``inkling2_loop_text`` repeats it): fp32 gate, sigmoid,
+  correction bias, renormalized, scaled; soft-capped SwiGLU (``activation="softcapped_swiglu"``).
+* ``hy_v4`` (``HYV4MoE``; ``hy_v4_vl_text`` repeats it): DeepSeek-V3's router, ``limited_swiglu`` experts and a plain
+  SwiGLU shared expert (``shared_expert_activation="swiglu"``).
+* ``gemma4_text`` (no block module: ``Gemma4TextRouter`` and ``Gemma4TextExperts`` of the decoder layer, state dicts
+  named relative to it): the gate on ``rms_norm(x) * scale / sqrt(H)`` (``router_input_norm``), softmax,
+  renormalized, times ``per_expert_scale`` (``router_expert_scale``), gated GELU (``activation="geglu_tanh"``). The
+  decoder layer routes its residual stream and feeds the experts ``pre_feedforward_layernorm_2`` of it: the swap
+  puts :class:`HFRouterInput` in the router's place and :class:`HFSplitExperts` (``MoELayer(x, router_input=...)``)
+  in the experts'.
 
 Blocks that repeat one of these (``_Family.profile``): ``olmoe``, ``flex_olmo``, ``minimax``, ``granitemoe`` as
 ``mixtral``;
@@ -113,8 +128,8 @@ from moe_graph.moe.config import MoEConfig
 from moe_graph.moe.experts import GATED_ACTIVATIONS
 from moe_graph.moe.layer import MoELayer
 
-__all__ = ["BLOCK_CLASSES", "HFMoEBlock", "hf_load_balancing_loss", "hf_to_moe_state_dict", "moe_config_from_hf",
-           "moe_layer_from_hf", "moe_to_hf_state_dict", "swap_moe_blocks"]
+__all__ = ["BLOCK_CLASSES", "HFMoEBlock", "HFRouterInput", "HFSplitExperts", "hf_load_balancing_loss",
+           "hf_to_moe_state_dict", "moe_config_from_hf", "moe_layer_from_hf", "moe_to_hf_state_dict", "swap_moe_blocks"]
 
 
 @dataclass(frozen=True)
@@ -136,6 +151,8 @@ class _Family:
     output_norm: Optional[str] = None  # the block output's RMSNorm module (A.X-K1)
     dead_fc1_rows: bool = False  # fc1 stored with E + Z rows, the Z past E never read (LongCat-Flash)
     takes_input_ids: bool = False  # forward(hidden_states, input_ids): hash layers (DeepSeek-V4)
+    router_extras: Tuple[Tuple[str, str], ...] = ()  # (name in the block, MoELayer name) of further router tensors
+    split: bool = False  # router and experts are separate modules of the block (Gemma 4's decoder layer)
 
 
 _FAMILIES: Dict[str, _Family] = {
@@ -218,6 +235,20 @@ _FAMILIES: Dict[str, _Family] = {
     "aria_text": _Family("AriaTextMoELayer", "router", None, shared="shared_experts", transposed=True),
     "dbrx": _Family("DbrxFFN", "router.layer", None, fc1="experts.mlp.w1", fc2="experts.mlp.w2"),
     "granitemoeshared": _Family("GraniteMoeSharedMoE", "router", None, profile="mixtral"),
+    # expert-side options: per-layer clamped SwiGLU after the activation (Step-3.7's text model, model_type
+    # step3p5), soft-capped SwiGLU (Inkling-2), a shared expert with its own activation (HY-V4)
+    "step3p5": _Family("Step3p7SparseMoeBlock", "gate", ("gate_proj", "up_proj", "down_proj"), shared="shared_experts"),
+    "inkling2_text": _Family("Inkling2SparseMoeBlock", "gate", ("gate_proj", "up_proj", "down_proj")),
+    "inkling2_loop_text": _Family("Inkling2LoopSparseMoeBlock", "gate", ("gate_proj", "up_proj", "down_proj"),
+                                  profile="inkling2_text"),
+    "hy_v4": _Family("HYV4MoE", "gate", ("gate_proj", "up_proj", "down_proj"), shared="shared_experts"),
+    "hy_v4_vl_text": _Family("HYV4VLMoE", "gate", ("gate_proj", "up_proj", "down_proj"), shared="shared_experts",
+                             profile="hy_v4"),
+    # Gemma 4: no block module; the decoder layer calls its router (on the residual stream) and its experts (on
+    # pre_feedforward_layernorm_2 of it) itself
+    "gemma4_text": _Family("Gemma4TextDecoderLayer", "router.proj", None, split=True,
+                           router_extras=(("router.scale", "router.input_scale"),
+                                          ("router.per_expert_scale", "router.expert_scale"))),
 }
 # transformers MoE families MoELayer cannot express, with the reason (moe_config_from_hf raises it)
 _UNSUPPORTED: Dict[str, str] = {
@@ -287,12 +318,30 @@ def _deepseek_routing(c, model_type: str) -> Dict:
     return opts
 
 
-def moe_config_from_hf(config, *, block=None, hash_layer: Optional[bool] = None, **overrides) -> MoEConfig:
+def _per_layer(c, name: str, layer_idx: Optional[int], model_type: str):
+    """Entry ``layer_idx`` of the per-layer list option ``name`` (``None`` when the config has no list); without
+    ``layer_idx`` the entries must all agree."""
+    v = getattr(c, name, None)
+    if not v:
+        return None
+    if layer_idx is None:
+        if len(set(v)) > 1:
+            raise ValueError(f"{model_type}: {name}={list(v)} differs between layers: pass block= or layer_idx= "
+                             "(swap_moe_blocks passes each block)")
+        return v[0]
+    if not 0 <= layer_idx < len(v):
+        raise ValueError(f"{model_type}: layer_idx={layer_idx} is outside {name} ({len(v)} layers)")
+    return v[layer_idx]
+
+
+def moe_config_from_hf(config, *, block=None, hash_layer: Optional[bool] = None, layer_idx: Optional[int] = None,
+                       **overrides) -> MoEConfig:
     """The :class:`moe_graph.moe.config.MoEConfig` of one sparse-MoE block of a transformers ``config`` (a
     ``PretrainedConfig`` of a supported family, or a multimodal one whose text config is). ``overrides``: further
     MoELayer options (``ep_size``, ``num_spare_experts_per_ep_rank``, ``capacity_factor``, ``params_dtype``,
-    ``aux_loss_coeff``, ...). Per-layer options (DeepSeek-V4's hash layers) come from ``block``, the transformers
-    block the layer replaces, or ``hash_layer`` (default: a learned-router layer). Raises ``ValueError`` naming
+    ``aux_loss_coeff``, ...). Per-layer options (DeepSeek-V4's hash layers, Step-3.7's SwiGLU limits) come from
+    ``block``, the transformers block the layer replaces, or ``hash_layer`` (default: a learned-router layer) and
+    ``layer_idx`` (the block's decoder layer: Step-3.7's ``swiglu_limits`` entry). Raises ``ValueError`` naming
     the option for a config it cannot express."""
     config = _text_config(config)
     t, fam = _family(config)
@@ -530,6 +579,55 @@ def moe_config_from_hf(config, *, block=None, hash_layer: Optional[bool] = None,
         # softmax, top-k divided by their L1 norm (their sum) or not; experts w1/v1/w2 stored [E * F, H] each
         opts = dict(hidden_size=c.d_model, ffn_hidden_size=f.ffn_hidden_size, num_experts=f.moe_num_experts,
                     topk=f.moe_top_k, norm_topk_prob=p is not None)
+    elif t == "step3p5":
+        _gated_silu(c, t)
+        # sigmoid scores, the correction bias for the selection, the top-k always renormalized, scaled; the experts'
+        # and the shared expert's SwiGLU clamped after the activation with per-layer limits (0 / None: no clamp)
+        opts = dict(hidden_size=c.hidden_size, ffn_hidden_size=c.moe_intermediate_size,
+                    num_experts=c.num_local_experts, topk=c.num_experts_per_tok, score_func="sigmoid",
+                    norm_topk_prob=True, topk_scaling_factor=float(c.moe_router_scaling_factor),
+                    enable_expert_bias=True, shared_expert_ffn_size=c.share_expert_dim,
+                    shared_expert_bias=bool(c.mlp_bias))
+        if block is not None:  # the block's own limits (inf: no clamp)
+            limit, shared_limit = block.experts.limit, block.shared_experts.limit
+        else:
+            limit = _per_layer(c, "swiglu_limits", layer_idx, t)
+            shared_limit = _per_layer(c, "swiglu_limits_shared", layer_idx, t)
+        limit, shared_limit = (v if v and v != float("inf") else None for v in (limit, shared_limit))
+        if limit:
+            opts.update(activation="post_clamped_swiglu", swiglu_limit=float(limit))
+        opts.update(dict(shared_expert_activation="post_clamped_swiglu", shared_expert_swiglu_limit=float(shared_limit))
+                    if shared_limit else dict(shared_expert_activation="swiglu"))
+    elif p == "inkling2_text":
+        if c.scoring_func not in ("sigmoid", "softmax"):
+            raise ValueError(f"{t}: scoring_func={c.scoring_func!r} cannot be expressed (sigmoid, softmax)")
+        # fp32 gate, scores + correction bias for the selection, the top-k renormalized and scaled; experts with
+        # cg * tanh(g / cg) * sigmoid(g) * cu * tanh(u / cu)
+        opts = dict(hidden_size=c.hidden_size, ffn_hidden_size=c.moe_intermediate_size,
+                    num_experts=c.n_routed_experts, topk=c.num_experts_per_tok, score_func=c.scoring_func,
+                    norm_topk_prob=True, topk_scaling_factor=float(c.routed_scaling_factor), enable_expert_bias=True,
+                    router_dtype=torch.float32, activation="softcapped_swiglu",
+                    swiglu_alpha=float(c.mlp_gate_softcap), swiglu_limit=float(c.mlp_up_softcap))
+    elif p == "hy_v4":
+        _gated_silu(c, t)
+        # DeepSeek-V3's router; routed experts silu(min(g, L)) * clamp(u, -L, L), the shared expert plain SwiGLU
+        opts = _deepseek_routing(c, t)
+        opts.update(activation="limited_swiglu", swiglu_limit=float(c.swiglu_limit))
+        if c.n_shared_experts:
+            opts.update(shared_expert_ffn_size=c.moe_intermediate_size * c.n_shared_experts,
+                        shared_expert_activation="swiglu")
+    elif t == "gemma4_text":
+        if not c.enable_moe_block:
+            raise ValueError("gemma4_text: enable_moe_block=False: the model has no MoE block")
+        act = c.hidden_activation
+        if act != "gelu_pytorch_tanh":
+            raise ValueError(f"gemma4_text: hidden_activation={act!r} cannot be expressed: MoELayer's gated GELU is "
+                             "the tanh approximation ('gelu_pytorch_tanh')")
+        # the gate sees rms_norm(x) * scale / sqrt(H); softmax, the top-k renormalized, times per_expert_scale;
+        # gelu_tanh(g) * u experts
+        opts = dict(hidden_size=c.hidden_size, ffn_hidden_size=c.moe_intermediate_size, num_experts=c.num_experts,
+                    topk=c.top_k_experts, norm_topk_prob=True, activation="geglu_tanh", router_input_norm=True,
+                    router_norm_eps=float(c.rms_norm_eps), router_expert_scale=True)
     elif t == "gpt_oss":
         opts = dict(hidden_size=c.hidden_size, ffn_hidden_size=c.intermediate_size, num_experts=c.num_local_experts,
                     topk=c.num_experts_per_tok, norm_topk_prob=True, router_bias=True, add_bias_linear=True,
@@ -540,8 +638,9 @@ def moe_config_from_hf(config, *, block=None, hash_layer: Optional[bool] = None,
 
 
 def moe_layer_from_hf(config, *, ep_group=None, device=None, block=None, **overrides) -> MoELayer:
-    """A :class:`MoELayer` for one sparse-MoE block of ``config`` (:func:`moe_config_from_hf`, ``block`` and
-    ``hash_layer`` as there; freshly initialized: load a block's weights with :func:`hf_to_moe_state_dict`)."""
+    """A :class:`MoELayer` for one sparse-MoE block of ``config`` (:func:`moe_config_from_hf`, ``block``,
+    ``hash_layer`` and ``layer_idx`` as there; freshly initialized: load a block's weights with
+    :func:`hf_to_moe_state_dict`)."""
     return MoELayer.from_config(moe_config_from_hf(config, block=block, **overrides), ep_group=ep_group, device=device)
 
 
@@ -576,9 +675,10 @@ def hf_to_moe_state_dict(hf_state_dict: Dict[str, torch.Tensor], config, *, ep_r
     is read for another rank's experts."""
     config = _text_config(config)
     t, fam = _family(config)
+
     sd = hf_state_dict
     hashed = f"{fam.router}.tid2eid" in sd  # a DeepSeek-V4 hash layer
-    cfg = moe_config_from_hf(config, hash_layer=hashed)
+    cfg = moe_config_from_hf(config, hash_layer=hashed, layer_idx=0)  # Step-3.7's per-layer limits keep the layout
     sl = _ep_slice(ep_rank, ep_size, cfg.num_experts)
     out: Dict[str, torch.Tensor] = {"router.weight": _take(sd, f"{fam.router}.weight", t)}
     if cfg.router_bias:
@@ -589,6 +689,8 @@ def hf_to_moe_state_dict(hf_state_dict: Dict[str, torch.Tensor], config, *, ep_r
         out["router.tid2eid"] = sd[f"{fam.router}.tid2eid"]
     if fam.output_norm is not None:
         out["output_norm.weight"] = _take(sd, f"{fam.output_norm}.weight", t)
+    for hf_name, name in fam.router_extras:
+        out[name] = _take(sd, hf_name, t)
     whole = sl.start == 0 and sl.stop == cfg.num_experts and not fam.dead_fc1_rows
     if t == "gpt_oss":
         gu = _take(sd, "experts.gate_up_proj", t)[sl]  # [L, H, 2F], gate/up interleaved
@@ -621,10 +723,14 @@ def hf_to_moe_state_dict(hf_state_dict: Dict[str, torch.Tensor], config, *, ep_r
         out["output_bias"] = _take(sd, fam.output_bias, t)
     if fam.shared is not None and cfg.shared_expert_ffn_size:
         s = fam.shared
-        gated = cfg.activation in GATED_ACTIVATIONS
+        gated = cfg.shared_activation in GATED_ACTIVATIONS
         out["shared_expert.fc1.weight"] = torch.cat([_take(sd, f"{s}.{n}.weight", t)
                                                      for n in (("gate_proj",) if gated else ()) + ("up_proj",)])
         out["shared_expert.fc2.weight"] = _take(sd, f"{s}.down_proj.weight", t)
+        if cfg.shared_bias:
+            out["shared_expert.fc1.bias"] = torch.cat([_take(sd, f"{s}.{n}.bias", t)
+                                                       for n in (("gate_proj",) if gated else ()) + ("up_proj",)])
+            out["shared_expert.fc2.bias"] = _take(sd, f"{s}.down_proj.bias", t)
         if fam.shared_gate is not None:
             out["shared_expert.gate.weight"] = _take(sd, f"{fam.shared_gate}.weight", t)
     return out
@@ -640,7 +746,7 @@ def moe_to_hf_state_dict(moe_state_dict: Dict[str, torch.Tensor], config, *, lay
         raise ValueError(f"layout must be 'v4' or 'v5', got {layout!r}")
     config = _text_config(config)
     t, fam = _family(config)
-    cfg = moe_config_from_hf(config)
+    cfg = moe_config_from_hf(config, layer_idx=0)  # per-layer options (Step-3.7's limits) keep the layout
     sd = moe_state_dict
     sl = _ep_slice(ep_rank, ep_size, cfg.num_experts)
     first = sl.start
@@ -654,6 +760,8 @@ def moe_to_hf_state_dict(moe_state_dict: Dict[str, torch.Tensor], config, *, lay
         out[f"{fam.router}.tid2eid"] = sd["router.tid2eid"]
     if fam.output_norm is not None:
         out[f"{fam.output_norm}.weight"] = sd["output_norm.weight"]
+    for hf_name, name in fam.router_extras:
+        out[hf_name] = sd[name]
     w1, w2 = sd["experts.fc1.weight"], sd["experts.fc2.weight"]
     F = w2.shape[-1]
     if t == "gpt_oss":
@@ -687,13 +795,15 @@ def moe_to_hf_state_dict(moe_state_dict: Dict[str, torch.Tensor], config, *, lay
     if fam.output_bias is not None:
         out[fam.output_bias] = sd["output_bias"]
     if fam.shared is not None and cfg.shared_expert_ffn_size:
-        s, sw1 = fam.shared, sd["shared_expert.fc1.weight"]
-        if cfg.activation in GATED_ACTIVATIONS:
-            Fs = sw1.shape[0] // 2
-            out[f"{s}.gate_proj.weight"], out[f"{s}.up_proj.weight"] = sw1[:Fs], sw1[Fs:]
-        else:
-            out[f"{s}.up_proj.weight"] = sw1
-        out[f"{s}.down_proj.weight"] = sd["shared_expert.fc2.weight"]
+        s = fam.shared
+        for kind in ("weight", "bias") if cfg.shared_bias else ("weight",):
+            sw1 = sd[f"shared_expert.fc1.{kind}"]
+            if cfg.shared_activation in GATED_ACTIVATIONS:
+                Fs = sw1.shape[0] // 2
+                out[f"{s}.gate_proj.{kind}"], out[f"{s}.up_proj.{kind}"] = sw1[:Fs], sw1[Fs:]
+            else:
+                out[f"{s}.up_proj.{kind}"] = sw1
+            out[f"{s}.down_proj.{kind}"] = sd[f"shared_expert.fc2.{kind}"]
         if fam.shared_gate is not None:
             out[f"{fam.shared_gate}.weight"] = sd["shared_expert.gate.weight"]
     return out
@@ -714,6 +824,25 @@ class HFMoEBlock(nn.Module):
         layers route by them, the others ignore them)."""
         out = self.moe(hidden_states, token_ids=input_ids)
         return (out, None) if self.returns_router_scores else out
+
+
+class HFRouterInput(nn.Module):
+    """In the place of a split family's router (Gemma 4): hands its input, the tensor the gate must see, on to the
+    experts through the router's return value ``(logits, top_k_weights, top_k_index)`` as ``top_k_weights`` (the
+    :class:`HFSplitExperts` after it routes it; no other caller reads it)."""
+
+    def forward(self, hidden_states: torch.Tensor):
+        return None, hidden_states, None
+
+
+class HFSplitExperts(HFMoEBlock):
+    """A :class:`MoELayer` in the place of a split family's experts (Gemma 4's ``experts(x, top_k_index,
+    top_k_weights)``): the experts see ``x`` and the layer's gate sees what :class:`HFRouterInput` passed on."""
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index=None, top_k_weights=None):
+        if not isinstance(top_k_weights, torch.Tensor) or top_k_weights.shape != hidden_states.shape:
+            raise ValueError("HFSplitExperts: expected the router input from HFRouterInput as top_k_weights")
+        return self.moe(hidden_states, router_input=top_k_weights)
 
 
 def _set_tensor(module: nn.Module, name: str, value: torch.Tensor) -> None:
@@ -740,7 +869,8 @@ def swap_moe_blocks(model: nn.Module, *, ep_group=None, **overrides) -> List[str
     MoELayer options (:func:`moe_config_from_hf`)."""
     config = _text_config(model.config)
     t, fam = _family(config)
-    names = [n for n, m in model.named_modules() if type(m).__name__ == fam.block]
+    names = [n for n, m in model.named_modules() if type(m).__name__ == fam.block
+             and (not fam.split or isinstance(getattr(m, "experts", None), nn.Module))]
     if not names:
         raise ValueError(f"{type(model).__name__} has no {fam.block} block to swap")
     for name in names:
@@ -751,11 +881,16 @@ def swap_moe_blocks(model: nn.Module, *, ep_group=None, **overrides) -> List[str
         layer = moe_layer_from_hf(config, ep_group=ep_group, device=ref.device, block=block, **opts)
         ep_size = layer.num_ep_ranks
         ep_rank = dist.get_rank(layer.ep_group) if ep_size > 1 else 0
-        src = dict(block.named_parameters())
-        src.update(block.named_buffers())
+        src: Dict[str, torch.Tensor] = {}
+        for prefix, part in (("router", block.router), ("experts", block.experts)) if fam.split else (("", block),):
+            src.update(part.named_parameters(prefix=prefix))
+            src.update(part.named_buffers(prefix=prefix))
         for key, value in hf_to_moe_state_dict(src, config, ep_rank=ep_rank, ep_size=ep_size).items():
             _set_tensor(layer, key, value)
         layer.train(block.training)
+        if fam.split:
+            block.router, block.experts = HFRouterInput(), HFSplitExperts(layer)
+            continue
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr,
                 HFMoEBlock(layer, fam.returns_router_scores))

@@ -48,7 +48,8 @@ try:
 except ImportError:  # swapped_from_pretrained needs transformers; the rest works on any model with a .config
     AutoConfig = AutoModelForCausalLM = None
 
-from moe_graph.integrations.hf import HFMoEBlock, hf_to_moe_state_dict, moe_to_hf_state_dict, swap_moe_blocks
+from moe_graph.integrations.hf import (HFMoEBlock, HFSplitExperts, hf_to_moe_state_dict, moe_to_hf_state_dict,
+                                       swap_moe_blocks)
 from moe_graph.moe.layer import MoELayer
 from moe_graph.train.checkpoint import is_expert
 
@@ -61,6 +62,9 @@ def _text_config(model: nn.Module):
 
 def _blocks(model: nn.Module) -> List[Tuple[str, HFMoEBlock]]:
     blocks = [(n, m) for n, m in model.named_modules() if isinstance(m, HFMoEBlock)]
+    if any(isinstance(m, HFSplitExperts) for _, m in blocks):
+        raise NotImplementedError("hf_checkpoint: a split MoE block (Gemma 4: router and experts are modules of the "
+                                  "decoder layer) is not supported yet; moe_to_hf_state_dict converts its state dict")
     if not blocks:
         raise ValueError(f"{type(model).__name__} has no swapped MoE block (call swap_moe_blocks first)")
     return blocks

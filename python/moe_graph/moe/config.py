@@ -34,6 +34,8 @@ class MoEConfig:
     ids given to ``MoELayer.forward(x, token_ids=...)``); ``score_func`` ``"softmax"``, ``"sigmoid"`` or
     ``"sqrtsoftplus"`` (DeepSeek-V4). ``num_zero_experts`` ``Z`` (LongCat-Flash): the router scores ``E + Z``
     experts, a route to one of the last ``Z`` returns the token times its probability (no GEMM, never dispatched).
+    ``router_input_norm`` / ``router_norm_eps`` (the gate sees ``rms_norm(x) * input_scale / sqrt(H)``, Gemma 4),
+    ``router_expert_scale`` (a learned per-expert factor on the probabilities, Gemma 4).
     Block output: ``output_norm`` (``"rmsnorm"``: an RMSNorm with weight ``[H]`` and ``output_norm_eps`` on the
     block output, last of all: A.X-K1's ``post_mlp_layernorm``). Losses
     (:class:`moe_graph.moe.router.RouterLoss`): ``aux_loss_coeff``, ``aux_loss_type``, ``sequence_dim``,
@@ -43,7 +45,9 @@ class MoEConfig:
     capacity), ``exchange`` (``"nccl"``: capacity per (source, destination) pair; ``"symm_mem"``: per destination
     rank, variable-size; ``"auto"``: :mod:`moe_graph.moe.exchange`), ``fp8_dispatch`` (under an FP8 recipe, tokens
     travel quantized: ``docs/fp8.md``). Experts (:class:`moe_graph.moe.experts.GroupedMLP`):
-    ``activation``, ``shared_expert_ffn_size``, ``shared_expert_gate``, ``shared_expert_combine``, ``probs_on_input``,
+    ``activation``, ``swiglu_alpha``, ``swiglu_limit``, ``shared_expert_ffn_size``, ``shared_expert_gate``,
+    ``shared_expert_combine``, ``shared_expert_activation``, ``shared_expert_swiglu_limit``, ``shared_expert_bias``
+    (the shared expert's own activation, limit and biases; ``None``: the routed experts'), ``probs_on_input``,
     ``output_bias``,
     ``params_dtype``, ``init_std``;
     ``recompute``: activation recomputation of the whole layer.
@@ -86,6 +90,12 @@ class MoEConfig:
     shared_expert_ffn_size: Optional[int] = None
     shared_expert_gate: bool = False
     shared_expert_combine: str = "sum"
+    shared_expert_activation: Optional[str] = None
+    shared_expert_swiglu_limit: Optional[float] = None
+    shared_expert_bias: Optional[bool] = None
+    router_input_norm: bool = False
+    router_norm_eps: float = 1e-6
+    router_expert_scale: bool = False
     probs_on_input: bool = False
     output_bias: bool = False
     params_dtype: Optional[torch.dtype] = None
@@ -143,6 +153,33 @@ class MoEConfig:
                              "input after the exchange, so the quantized tokens would have to be requantized)")
         if self.shared_expert_gate and not self.shared_expert_ffn_size:
             raise ValueError("shared_expert_gate needs shared_expert_ffn_size")
+        own = dict(shared_expert_activation=self.shared_expert_activation,
+                   shared_expert_swiglu_limit=self.shared_expert_swiglu_limit,
+                   shared_expert_bias=self.shared_expert_bias)
+        if not self.shared_expert_ffn_size and any(v is not None for v in own.values()):
+            raise ValueError(f"{next(k for k, v in own.items() if v is not None)} needs shared_expert_ffn_size")
+        if self.shared_expert_ffn_size:
+            check_activation(self.shared_activation, self.swiglu_alpha, self.shared_swiglu_limit)
+        if self.shared_expert_bias not in (None, True, False):
+            raise ValueError(f"shared_expert_bias must be None (add_bias_linear), True or False, got "
+                             f"{self.shared_expert_bias!r}")
+        eps = self.router_norm_eps
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < float("inf"):
+            raise ValueError(f"router_norm_eps must be a finite number >= 0, got {eps!r}")
         if self.shared_expert_combine not in ("sum", "average"):
             raise ValueError(f"shared_expert_combine must be 'sum' or 'average', got {self.shared_expert_combine!r}")
 
+    @property
+    def shared_activation(self) -> str:
+        """The shared expert's activation (``shared_expert_activation``, else ``activation``)."""
+        return self.shared_expert_activation or self.activation
+
+    @property
+    def shared_swiglu_limit(self) -> float:
+        """The shared expert's ``swiglu_limit`` (``shared_expert_swiglu_limit``, else ``swiglu_limit``)."""
+        return self.swiglu_limit if self.shared_expert_swiglu_limit is None else self.shared_expert_swiglu_limit
+
+    @property
+    def shared_bias(self) -> bool:
+        """Whether the shared expert has biases (``shared_expert_bias``, else ``add_bias_linear``)."""
+        return self.add_bias_linear if self.shared_expert_bias is None else bool(self.shared_expert_bias)

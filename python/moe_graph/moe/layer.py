@@ -123,13 +123,22 @@ class MoELayer(nn.Module):
             bias on the scores or the logits, gate GEMM precision).
         activation: ``"swiglu"`` (fc1 is ``[2F, H]``), ``"clamped_swiglu"`` (GPT-OSS's, with ``swiglu_alpha`` and
             ``swiglu_limit``; fc1 ``[2F, H]``), ``"limited_swiglu"`` (``swiglu_limit``:
-            DeepSeek-V4 / GLM5-Next / HY-V4), or the non-gated ``"gelu"``, ``"relu"``, ``"silu"``,
+            DeepSeek-V4 / GLM5-Next / HY-V4), ``"post_clamped_swiglu"`` (``min(silu(g), L)``: Step-3.7),
+            ``"softcapped_swiglu"`` (``swiglu_alpha``: the gate's cap, ``swiglu_limit``: the up half's: Inkling-2),
+            ``"geglu_tanh"`` (Gemma 4; :func:`moe_graph.ops.activation.gated_activation`), or the
+            non-gated ``"gelu"``, ``"relu"``, ``"silu"``,
             ``"squared_relu"``
             (:func:`moe_graph.moe.experts.activation_fn`). add_bias_linear: biases on the experts' (and the shared
             expert's) fc1 and fc2, fused into the grouped GEMM epilogue. The routing probabilities weight the
             narrower side of the expert MLP: with ``F < H`` (and no biases) each row's ``[F]`` activation before
             fc2 (``scale_rows``: :meth:`TokenDispatcher.row_weights`, a plain sum in combine), else the ``[H]``
             outputs in combine.
+        shared_expert_activation, shared_expert_swiglu_limit, shared_expert_bias: the shared expert's own
+            activation, ``swiglu_limit`` and biases (``None``: ``activation``, ``swiglu_limit``,
+            ``add_bias_linear``; HY-V4's and Step-3.7's shared experts differ from their routed ones).
+        router_input_norm, router_norm_eps, router_expert_scale: Gemma 4's router (:class:`TopKRouter`: the gate
+            sees the RMS-normed input times a learned ``input_scale [H]`` over ``sqrt(H)``; a learned
+            ``expert_scale [E]`` multiplies each route's probability).
         shared_expert_combine: ``"sum"`` (default) or ``"average"``: the block output is ``(routed + shared) / 2``
             (Cohere2-MoE's default); without a shared expert it has no effect.
         probs_on_input: weight each expert's *input* row by its routing probability instead of its output (Llama 4:
@@ -245,7 +254,9 @@ class MoELayer(nn.Module):
                                  expert_bias_update_rate=c.expert_bias_update_rate, router_dtype=c.router_dtype,
                                  expert_bias_target=c.expert_bias_target, norm_topk_min=c.norm_topk_min,
                                  hash_vocab_size=c.hash_vocab_size, logit_softcap=c.logit_softcap,
-                                 group_masked_score=c.group_masked_score)
+                                 group_masked_score=c.group_masked_score,
+                                 input_norm=c.router_input_norm, input_norm_eps=c.router_norm_eps,
+                                 expert_scale=c.router_expert_scale)
         self.router_loss = RouterLoss(c.topk, c.score_func, c.aux_loss_coeff, c.aux_loss_type, c.sequence_dim,
                                       c.z_loss_coeff)
         act = dict(swiglu_alpha=c.swiglu_alpha, swiglu_limit=c.swiglu_limit, bias=c.add_bias_linear)
@@ -257,9 +268,10 @@ class MoELayer(nn.Module):
             if c.output_norm == "rmsnorm" else None
         self.shared_expert = None
         if c.shared_expert_ffn_size:
-            self.shared_expert = SharedExpert(c.hidden_size, c.shared_expert_ffn_size, c.activation,
+            self.shared_expert = SharedExpert(c.hidden_size, c.shared_expert_ffn_size, c.shared_activation,
                                               c.shared_expert_gate, params_dtype=dtype, device=device,
-                                              init_std=c.init_std, **act)
+                                              init_std=c.init_std, swiglu_alpha=c.swiglu_alpha,
+                                              swiglu_limit=c.shared_swiglu_limit, bias=c.shared_bias)
         col_rank, col_local = expert_columns(c.num_experts, ep_size, k)
         self.dispatcher = TokenDispatcher(self.num_local_experts + k, ep_size, self.ep_rank, col_rank, col_local,
                                           capacity=None, group=ep_group, drop_policy=c.token_drop_policy,
@@ -316,27 +328,30 @@ class MoELayer(nn.Module):
 
     # ------------------------------------------------------------------------------------------ forward --
     def forward(self, x: torch.Tensor, padding_mask: Optional[torch.Tensor] = None,
-                is_first_microbatch: Optional[bool] = None, token_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+                is_first_microbatch: Optional[bool] = None, token_ids: Optional[torch.Tensor] = None, *,
+                router_input: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``x`` ``[..., H]`` (see :meth:`_forward`); with ``recompute`` and grad enabled, through
         :func:`moe_graph.cuda_graph.checkpoint`. ``is_first_microbatch``: with ``echo_plan_mode="iteration"``,
         ``False`` reuses the plan and spare weights of the iteration's first microbatch (``True``/``None``: plan
         afresh); ignored otherwise. ``token_ids`` (shape ``x.shape[:-1]``, integer, on ``x``'s device): the input
-        token ids, which hash routing (``hash_vocab_size``) reads; ignored by the other routers."""
+        token ids, which hash routing (``hash_vocab_size``) reads; ignored by the other routers. ``router_input``
+        (``x``'s shape, optional): what the gate sees instead of ``x`` (Gemma 4 routes the residual stream and feeds
+        the experts its normed copy)."""
         if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
             raise TypeError(f"is_first_microbatch must be a bool or None, got {type(is_first_microbatch).__name__}")
         reuse = self.echo is not None and self.echo.plan_mode == "iteration" and is_first_microbatch is False
         if self.recompute and torch.is_grad_enabled():  # no random numbers here; the recomputation (in backward,
             # outside the caller's FP8 autocast) runs under the forward's recipe
             return checkpoint(self._forward_in_recipe, x, padding_mask, token_ids, _fp8.current_recipe(),
-                              preserve_rng_state=False)
-        return self._forward(x, padding_mask, reuse, token_ids)
+                              router_input, preserve_rng_state=False)
+        return self._forward(x, padding_mask, reuse, token_ids, router_input)
 
-    def _forward_in_recipe(self, x, padding_mask, token_ids, recipe):
+    def _forward_in_recipe(self, x, padding_mask, token_ids, recipe, router_input=None):
         with _fp8.autocast(enabled=recipe is not None, recipe=recipe):
-            return self._forward(x, padding_mask, False, token_ids)
+            return self._forward(x, padding_mask, False, token_ids, router_input)
 
     def _forward(self, x: torch.Tensor, padding_mask: Optional[torch.Tensor] = None, reuse: bool = False,
-                 token_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 token_ids: Optional[torch.Tensor] = None, router_input: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``x`` ``[..., H]``. ``padding_mask`` (shape ``x.shape[:-1]``, bool, True: padding, as in Megatron):
         padding tokens get no route (zero routed output; the shared expert still sees them), and the planner
         counts, the losses and the expert-bias counts leave them out. ``reuse``: see :meth:`forward`."""
@@ -346,6 +361,8 @@ class MoELayer(nn.Module):
         if padding_mask is not None and tuple(padding_mask.shape) != tuple(lead):
             raise ValueError(f"padding_mask must have shape {tuple(lead)} (x without its last dimension), got "
                              f"{tuple(padding_mask.shape)}")
+        if router_input is not None and router_input.shape != x.shape:
+            raise ValueError(f"router_input must have the shape of x {tuple(x.shape)}, got {tuple(router_input.shape)}")
         h = x.reshape(-1, self.hidden_size)
         self.dispatcher.capacity = self.dispatcher.capacity_for(h.shape[0], self.topk, self.capacity_factor)
 
@@ -355,7 +372,8 @@ class MoELayer(nn.Module):
             raise ValueError(f"token_ids must have shape {tuple(lead)} (x without its last dimension), got "
                              f"{tuple(token_ids.shape)}")
         Z, E = self.num_zero_experts, self.num_experts
-        routing = self.router(h, pad, self.last_tokens_per_expert if self.num_ep_ranks == 1 and not Z else None,
+        routing = self.router(h if router_input is None else router_input.reshape(h.shape), pad,
+                              self.last_tokens_per_expert if self.num_ep_ranks == 1 and not Z else None,
                               token_ids=token_ids)
         routed, identity = routing, None
         if Z:  # zero-computation experts: routes past E are the token times its probability, never dispatched

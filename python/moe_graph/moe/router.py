@@ -266,6 +266,14 @@ def route_counts(indices: torch.Tensor, num_experts: int, per_token: torch.Tenso
     return out.scatter_add_(0, indices.reshape(-1), src)
 
 
+def normed_router_input(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma 4's gate input: ``x / sqrt(mean(x^2) + eps)`` (in fp32, fp64 for fp64; back in ``x``'s dtype) times
+    ``scale [H]`` times ``H^-0.5``."""
+    xf = x if x.dtype == torch.float64 else x.float()
+    xn = (xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + eps, -0.5)).to(x.dtype)
+    return xn * scale * x.shape[-1] ** -0.5
+
+
 class _RenormalizedTopK(torch.autograd.Function):
     """``top * scale / (top.sum(-1) + 1e-20)`` for ``top [T, K]``: the top-k probabilities renormalized to sum
     ``scale``, computed as ``top / d`` with ``d = (sum + 1e-20) / scale``; backward in four ops,
@@ -305,6 +313,9 @@ class TopKRouter(nn.Module):
       ``add_bias_linear``). It moves both the selection and the probabilities, unlike ``expert_bias``.
     * ``norm_topk_min``: renormalize by ``max(sum, norm_topk_min)`` instead of ``sum + 1e-20`` (ERNIE-4.5's
       ``moe_norm_min``: a selection-biased top-k whose scores sum to almost nothing stays almost nothing).
+    * ``input_norm``: the gate sees :func:`normed_router_input` of its input (RMS norm with ``input_norm_eps``, a
+      learned ``input_scale [H]``, ``1 / sqrt(H)``); ``expert_scale``: a learned ``expert_scale [E]`` multiplies
+      each route's probability after the renormalization and scaling (both Gemma 4; initialized to ones).
     * ``router_dtype`` (``torch.float32`` / ``torch.float64``): run the gate GEMM in that precision (Megatron's
       ``moe_router_dtype``; by default the GEMM runs in the input dtype and the logits are upcast to fp32).
     * ``score_func="sqrtsoftplus"`` (DeepSeek-V4): scores ``sqrt(softplus(logits))``, elementwise like sigmoid
@@ -336,7 +347,8 @@ class TopKRouter(nn.Module):
                  enable_expert_bias: bool = False, expert_bias_update_rate: float = 1e-3,
                  router_dtype: Optional[torch.dtype] = None, expert_bias_target: str = "scores",
                  norm_topk_min: Optional[float] = None, hash_vocab_size: Optional[int] = None,
-                 logit_softcap: Optional[float] = None, group_masked_score: Optional[float] = None):
+                 logit_softcap: Optional[float] = None, group_masked_score: Optional[float] = None,
+                 input_norm: bool = False, input_norm_eps: float = 1e-6, expert_scale: bool = False):
         super().__init__()
         if norm_topk_min is not None and not (isinstance(norm_topk_min, (int, float)) and 0 <= norm_topk_min < 1):
             raise ValueError(f"norm_topk_min must be None or a number in [0, 1), got {norm_topk_min!r}")
@@ -360,6 +372,11 @@ class TopKRouter(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, device=device, dtype=dtype))
         nn.init.normal_(self.weight, std=0.02)
         self.bias = nn.Parameter(torch.zeros(num_experts, device=device, dtype=dtype)) if router_bias else None
+        # Gemma 4: the gate's own input norm and learned scales (ones: no effect until trained)
+        self.input_norm_eps = float(input_norm_eps)
+        self.input_scale = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype)) if input_norm else None
+        self.expert_scale = nn.Parameter(torch.ones(num_experts, device=device, dtype=dtype)) if expert_scale \
+            else None
         if self.enable_expert_bias:
             self.register_buffer("expert_bias", torch.zeros(num_experts, device=device, dtype=torch.float32))
             self.register_buffer("local_tokens_per_expert",
@@ -377,6 +394,8 @@ class TopKRouter(nn.Module):
                 and not self.enable_expert_bias and self.hash_vocab_size is None)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_scale is not None:
+            x = normed_router_input(x, self.input_scale, self.input_norm_eps)
         if self.router_dtype is not None:  # Megatron's moe_router_dtype: the gate GEMM itself in fp32 / fp64
             bias = self.bias.to(self.router_dtype) if self.bias is not None else None
             return F.linear(x.to(self.router_dtype), self.weight.to(self.router_dtype), bias)
@@ -429,6 +448,8 @@ class TopKRouter(nn.Module):
                 top = _RenormalizedTopK.apply(top, float(self.scaling_factor or 1.0))
             elif self.scaling_factor:
                 top = top * self.scaling_factor
+        if self.expert_scale is not None:  # Gemma 4: a learned factor per expert on its probability
+            top = top * self.expert_scale[idx]
         token_mask = None
         if padding_mask is not None:
             pad = padding_mask.reshape(-1).to(torch.bool)

@@ -10,6 +10,11 @@ then the up half ``b``; ``y = act(a, b) * row_scale[..., None]`` with
   ``b' = clamp(b, -limit, limit)``; the clamps pass the gradient inside the closed interval and block it outside;
 * ``"limited_swiglu"`` (DeepSeek-V4, GLM5-Next, HY-V4): ``act = silu(a') * b'`` (the same clamps, no alpha, no
   ``+1``).
+* ``"post_clamped_swiglu"`` (Step-3.7): ``act = min(silu(a), limit) * b'``: the gate clamped after the activation
+  (its gradient passes where ``silu(a) <= limit``), ``b'`` as above;
+* ``"softcapped_swiglu"`` (Inkling-2): ``act = cg * tanh(a / cg) * sigmoid(a) * cu * tanh(b / cu)`` with the gate's
+  cap ``cg = alpha`` and the up half's ``cu = limit`` (the sigmoid sees the raw gate);
+* ``"geglu_tanh"`` (Gemma 4): ``act = gelu_tanh(a) * b``, torch's ``gelu(a, approximate="tanh")``.
 
 The math runs in fp32 for bf16/fp16 inputs (fp64 for fp64), each output rounded once to ``h``'s dtype.
 ``row_scale`` (fp32 or ``h``'s dtype, optional) is the per-row factor the MoE layer uses for the routing
@@ -28,7 +33,8 @@ from moe_graph.ops._lib import has_kernel, ops
 __all__ = ["GATED_ACTIVATIONS", "gated_activation", "native_available"]
 
 # fc1 holds the gate rows, then the up rows: [2F, H]
-GATED_ACTIVATIONS = ("swiglu", "clamped_swiglu", "limited_swiglu")
+GATED_ACTIVATIONS = ("swiglu", "clamped_swiglu", "limited_swiglu", "post_clamped_swiglu", "softcapped_swiglu",
+                     "geglu_tanh")
 
 _OP = "moe_graph::gated_activation"
 _BWD = "moe_graph::gated_activation_backward"
@@ -47,6 +53,12 @@ def _torch_gated(h: torch.Tensor, row_scale: Optional[torch.Tensor], activation:
     a, b = x.chunk(2, dim=-1)
     if activation == "swiglu":
         y = torch.nn.functional.silu(a) * b
+    elif activation == "geglu_tanh":
+        y = torch.nn.functional.gelu(a, approximate="tanh") * b
+    elif activation == "softcapped_swiglu":
+        y = torch.tanh(a / alpha) * alpha * torch.sigmoid(a) * (torch.tanh(b / limit) * limit)
+    elif activation == "post_clamped_swiglu":
+        y = torch.nn.functional.silu(a).clamp(max=limit) * b.clamp(min=-limit, max=limit)
     else:
         a = a.clamp(max=limit)
         b = b.clamp(min=-limit, max=limit)
@@ -85,8 +97,8 @@ def gated_activation(h: torch.Tensor, activation: str = "swiglu", row_scale: Opt
         h: fc1's output, gate half then up half on the last dimension (a non-contiguous ``h`` is copied).
         activation: one of :data:`GATED_ACTIVATIONS`.
         row_scale: ``h.shape[:-1]``, fp32 or ``h``'s dtype, or None (factor 1).
-        swiglu_alpha, swiglu_limit: ``"clamped_swiglu"``'s ``alpha`` and ``limit`` (``"limited_swiglu"``: the
-            ``limit``).
+        swiglu_alpha, swiglu_limit: ``"clamped_swiglu"``'s ``alpha`` and ``limit`` (``"limited_swiglu"``,
+            ``"post_clamped_swiglu"``: the ``limit``; ``"softcapped_swiglu"``: the gate's cap and the up half's).
     """
     _check(h, row_scale, activation)
     alpha, limit = float(swiglu_alpha), float(swiglu_limit)

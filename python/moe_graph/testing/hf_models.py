@@ -58,6 +58,13 @@ _REPEATS: Dict[str, tuple] = {
     # its shared MLP sits in the decoder layer, outside the block (a dense part of the model)
     "granitemoeshared": ("granitemoeshared.GraniteMoeSharedMoE", "GraniteMoeSharedConfig",
                          "GraniteMoeSharedForCausalLM", dict(shared_intermediate_size=40)),
+    "inkling2_loop_text": ("inkling2_loop.Inkling2LoopSparseMoeBlock", "Inkling2LoopTextConfig",
+                           "Inkling2LoopForCausalLM", dict(unpadded_vocab_size=64, eos_token_id=0, mlp_gate_softcap=0.5,
+                                                           mlp_up_softcap=0.7)),
+    "hy_v4_vl_text": ("hy_v4_vl.HYV4VLMoE", "HYV4VLTextConfig", None, dict(
+        _MLA, n_group=2, topk_group=1, swiglu_limit=1.0, hc_mult=2, mlp_layer_types=["sparse", "sparse"],
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 0]}, pad_token_id=0,
+        bos_token_id=0, eos_token_id=0)),  # M-RoPE
 }
 _SMALL = dict(hidden_size=32, intermediate_size=48, moe_intermediate_size=24, num_experts=8, n_routed_experts=8,
               num_local_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, shared_expert_intermediate_size=40,
@@ -67,7 +74,7 @@ _SMALL = dict(hidden_size=32, intermediate_size=48, moe_intermediate_size=24, nu
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss", "ernie4_5_moe", "kolibri1", "nemotron_h",
             "jetmoe", "llama4_text", "glm5_next_text", "cohere2_moe", "jamba", "deepseek_v2", "deepseek_v4",
             "longcat_flash", "axk1", "axk2", "laguna", "minimax_m2", "lfm2_moe", "mistral4", "hunyuan_v1_moe",
-            "aria_text", "dbrx") + tuple(_REPEATS)
+            "aria_text", "dbrx", "step3p5", "inkling2_text", "hy_v4", "gemma4_text") + tuple(_REPEATS)
 
 _COMMON = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
                max_position_embeddings=64, num_experts_per_tok=2)
@@ -149,6 +156,23 @@ _CONFIGS: Dict[str, tuple] = {
     "dbrx": ("DbrxConfig", dict(d_model=32, n_heads=4, n_layers=2, max_seq_len=64,
                                 ffn_config=dict(ffn_hidden_size=24, moe_num_experts=8, moe_top_k=2),
                                 attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0))),
+    # Step-3.7's text model: layer 0 clamps the routed experts at 1 and the shared expert at 1.5, layer 1 only the
+    # shared expert (at 2); the shared expert has biases (mlp_bias) where the routed experts have none
+    "step3p5": ("Step3p7TextConfig", dict(intermediate_size=48, moe_intermediate_size=24, n_routed_experts=8,
+                                          share_expert_dim=40, head_dim=8, swiglu_limits=[1.0, 0.0],
+                                          swiglu_limits_shared=[1.5, 2.0], moe_router_scaling_factor=2.5,
+                                          mlp_layer_types=["sparse", "sparse"], sliding_window=8, mlp_bias=True)),
+    "inkling2_text": ("Inkling2TextConfig", dict(moe_intermediate_size=24, n_routed_experts=8, head_dim=8,
+                                                 unpadded_vocab_size=64, eos_token_id=0, mlp_gate_softcap=0.5,
+                                                 mlp_up_softcap=0.7)),  # caps the weights reach
+    "gemma4_text": ("Gemma4TextConfig", dict(head_dim=8, intermediate_size=48, enable_moe_block=True, num_experts=8,
+                                             top_k_experts=2, moe_intermediate_size=24, hidden_size_per_layer_input=0,
+                                             sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                                             pad_token_id=0, bos_token_id=0, eos_token_id=0)),
+    "hy_v4": ("HYV4Config", dict(_MLA, intermediate_size=48, moe_intermediate_size=24, n_routed_experts=8, n_group=2,
+                                 topk_group=1, n_shared_experts=1, swiglu_limit=1.0, hc_mult=2,
+                                 mlp_layer_types=["sparse", "sparse"], pad_token_id=0, bos_token_id=0,
+                                 eos_token_id=0)),
 }
 _BLOCKS = {"mixtral": "mixtral.modeling_mixtral.MixtralSparseMoeBlock",
            "qwen2_moe": "qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
@@ -172,19 +196,24 @@ _BLOCKS = {"mixtral": "mixtral.modeling_mixtral.MixtralSparseMoeBlock",
            "lfm2_moe": "lfm2_moe.modeling_lfm2_moe.Lfm2MoeSparseMoeBlock",
            "mistral4": "mistral4.modeling_mistral4.Mistral4MoE",
            "hunyuan_v1_moe": "hunyuan_v1_moe.modeling_hunyuan_v1_moe.HunYuanMoEV1Moe",
-           "aria_text": "aria.modeling_aria.AriaTextMoELayer", "dbrx": "dbrx.modeling_dbrx.DbrxFFN"}
+           "aria_text": "aria.modeling_aria.AriaTextMoELayer", "dbrx": "dbrx.modeling_dbrx.DbrxFFN",
+           "step3p5": "step3p7.modeling_step3p7.Step3p7SparseMoeBlock",
+           "inkling2_text": "inkling2.modeling_inkling2.Inkling2SparseMoeBlock",
+           "hy_v4": "hy_v4.modeling_hy_v4.HYV4MoE",
+           "gemma4_text": None}  # Gemma4MoEBlock
 _MODELS = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
            "deepseek_v3": "DeepseekV3ForCausalLM", "gpt_oss": "GptOssForCausalLM",
            "ernie4_5_moe": "Ernie4_5_MoeForCausalLM", "kolibri1": "Kolibri1ForCausalLM",
            "nemotron_h": "NemotronHForCausalLM", "jetmoe": "JetMoeForCausalLM",
            "cohere2_moe": "Cohere2MoeForCausalLM", "jamba": "JambaForCausalLM",
            "deepseek_v2": "DeepseekV2ForCausalLM", "llama4_text": "Llama4ForCausalLM",
-           "glm5_next_text": "Glm5NextTextModel",  # GLM5-Next's text model has no LM head of its own
+           "glm5_next_text": "Glm5NextTextModel",  # GLM5-Next's and Step-3.7's text models have no LM head of their own
            "deepseek_v4": "DeepseekV4ForCausalLM", "longcat_flash": "LongcatFlashForCausalLM",
            "axk1": "AXK1ForCausalLM", "axk2": "AXK2ForCausalLM", "laguna": "LagunaForCausalLM",
            "minimax_m2": "MiniMaxM2ForCausalLM", "lfm2_moe": "Lfm2MoeForCausalLM", "mistral4": "Mistral4ForCausalLM",
            "hunyuan_v1_moe": "HunYuanMoEV1ForCausalLM", "aria_text": "AriaTextForCausalLM",
-           "dbrx": "DbrxForCausalLM"}
+           "dbrx": "DbrxForCausalLM", "step3p5": "Step3p7TextModel", "inkling2_text": "Inkling2ForCausalLM",
+           "hy_v4": "HYV4ForCausalLM", "gemma4_text": "Gemma4ForCausalLM"}
 
 
 def has_tiny_model(family: str) -> bool:
@@ -215,7 +244,26 @@ def tiny_config(family: str, **overrides):
     return cfg
 
 
+class Gemma4MoEBlock(torch.nn.Module):
+    """Gemma 4's MoE, which has no module of its own (its decoder layer calls ``router`` and ``experts``), as one
+    block for the block tests: transformers' own ``Gemma4TextRouter`` and ``Gemma4TextExperts`` under the decoder
+    layer's names, both on the block input (the decoder layer feeds the experts ``pre_feedforward_layernorm_2`` of
+    the router's input: the whole-model test covers that)."""
+
+    def __init__(self, config):
+        super().__init__()
+        m = _models_module("gemma4")
+        self.router, self.experts = m.Gemma4TextRouter(config), m.Gemma4TextExperts(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        _, weights, index = self.router(flat)
+        return self.experts(flat, index, weights).reshape(x.shape)
+
+
 def _block_class(family: str):
+    if family == "gemma4_text":
+        return Gemma4MoEBlock
     if family in _REPEATS:
         folder, _, block = _REPEATS[family][0].partition(".")
         return getattr(_models_module(folder), block)
@@ -226,8 +274,8 @@ def _block_class(family: str):
 
 @torch.no_grad()
 def randomize(module: torch.nn.Module, seed: int = 0, router_std: float = 1.0, std: float = 0.2) -> None:
-    """Every parameter and float buffer of ``module`` drawn from ``N(0, std)`` (gates: ``router_std``; norms:
-    around 1), so that expert choices are far from ties."""
+    """Every parameter and float buffer of ``module`` drawn from ``N(0, std)`` (gates: ``router_std``; norms and
+    Gemma 4's router scales: around 1), so that expert choices are far from ties."""
     g = torch.Generator().manual_seed(seed)
     for name, t in list(module.named_parameters()) + list(module.named_buffers()):
         if name.endswith("tid2eid"):  # DeepSeek-V4's hash table: K distinct experts per token id
@@ -237,9 +285,10 @@ def randomize(module: torch.nn.Module, seed: int = 0, router_std: float = 1.0, s
         if not t.is_floating_point() or "inv_freq" in name:
             continue
         leaf = name.rsplit(".", 1)[-1]
-        if "norm" in name and leaf == "weight":
+        if "norm" in name and leaf == "weight" or leaf in ("scale", "per_expert_scale"):  # Gemma 4's router scales
             t.copy_(1 + 0.1 * torch.randn(t.shape, generator=g))
-        elif name.split(".")[-2:-1] in (["gate"], ["router"], ["moe_statics"]):  # router weight / bias / bias
+        elif name.split(".")[-2:-1] in (["gate"], ["router"], ["moe_statics"]) or \
+                name.split(".")[-3:-1] == ["router", "proj"]:  # router weight / bias / bias (Gemma 4: router.proj)
             t.copy_(torch.randn(t.shape, generator=g) * (router_std if leaf == "weight" else 0.5))
         else:
             t.copy_(torch.randn(t.shape, generator=g) * std)

@@ -14,14 +14,20 @@ import torch.nn.functional as F
 def reference_route(h: torch.Tensor, gate_weight: torch.Tensor, topk: int, score_func: str = "softmax",
                     norm_topk_prob: Optional[bool] = None, *, num_groups=None, group_topk=None, scaling_factor=None,
                     expert_bias=None, group_score_topk=None, gate_bias=None, expert_bias_target="scores",
-                    norm_topk_min=None, logit_softcap=None, hash_indices=None, group_masked_score=None):
+                    norm_topk_min=None, logit_softcap=None, hash_indices=None, group_masked_score=None,
+                    input_scale=None, input_norm_eps=1e-6, expert_scale=None):
     """``(topk_idx [T, K], topk_probs [T, K], scores [T, E])``: the router written out independently (group-limited
     selection one token at a time, in plain Python). ``norm_topk_prob=None``: on for sigmoid with ``topk > 1``;
     ``group_score_topk=None``: a group scores the sum of its ``topk // group_topk`` best; ``gate_bias``: added to
     the logits; ``expert_bias_target="logits"``: the expert bias is added to the logits for the selection;
     ``logit_softcap`` ``c``: ``c * tanh(logits / c)`` first; ``hash_indices`` ``[T, K]``: the experts, given (hash
     routing: the token-id table's rows) instead of selected; ``group_masked_score``: the score the experts outside
-    the chosen groups compete with (``None``: they do not compete)."""
+    the chosen groups compete with (``None``: they do not compete);
+    ``input_scale [H]``: the gate sees ``h / sqrt(mean(h^2) + input_norm_eps) * input_scale / sqrt(H)``;
+    ``expert_scale [E]``: each probability times its expert's factor (after renormalizing and scaling)."""
+    if input_scale is not None:
+        hn = h / torch.sqrt((h * h).mean(-1, keepdim=True) + input_norm_eps)
+        h = hn * input_scale / h.shape[-1] ** 0.5
     logits = (h @ gate_weight.t()).float() if h.dtype != torch.float64 else h @ gate_weight.t()
     if gate_bias is not None:
         logits = logits + gate_bias.to(logits.dtype)
@@ -64,6 +70,8 @@ def reference_route(h: torch.Tensor, gate_weight: torch.Tensor, topk: int, score
         top = top / (s + 1e-20 if norm_topk_min is None else torch.maximum(s, torch.full_like(s, norm_topk_min)))
     if scaling_factor:
         top = top * scaling_factor
+    if expert_scale is not None:
+        top = top * expert_scale[idx].to(top.dtype)
     return idx, top, scores
 
 
@@ -111,11 +119,21 @@ def apportion_quotas(demand, capacity: int):
 
 def reference_activation(a: torch.Tensor, activation: str = "swiglu", swiglu_alpha: float = 1.702,
                          swiglu_limit: float = 7.0) -> torch.Tensor:
-    """The expert activations written out from their definitions (gated ones: gate half, then up half)."""
-    if activation in ("swiglu", "clamped_swiglu", "limited_swiglu"):
+    """The expert activations written out from their definitions (gated ones: gate half, then up half;
+    ``"softcapped_swiglu"``: ``swiglu_alpha`` is the gate's cap, ``swiglu_limit`` the up half's)."""
+    if activation in ("swiglu", "clamped_swiglu", "limited_swiglu", "post_clamped_swiglu", "softcapped_swiglu",
+                      "geglu_tanh"):
         g, u = a.chunk(2, -1)
         if activation == "swiglu":
             return g * torch.sigmoid(g) * u
+        if activation == "geglu_tanh":
+            return 0.5 * g * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (g + 0.044715 * g ** 3))) * u
+        if activation == "softcapped_swiglu":
+            cg, cu = swiglu_alpha, swiglu_limit
+            return cg * torch.tanh(g / cg) / (1 + torch.exp(-g)) * (cu * torch.tanh(u / cu))
+        if activation == "post_clamped_swiglu":  # min(silu(g), L): the clamp after the activation
+            lim = torch.full_like(u, swiglu_limit)
+            return torch.minimum(g / (1 + torch.exp(-g)), lim) * torch.maximum(torch.minimum(u, lim), -lim)
         u = torch.maximum(torch.minimum(u, torch.full_like(u, swiglu_limit)), torch.full_like(u, -swiglu_limit))
         g = torch.minimum(g, torch.full_like(g, swiglu_limit))
         if activation == "limited_swiglu":
@@ -185,7 +203,8 @@ def scale_experts(expert_in: torch.Tensor, m_splits: torch.Tensor, scales: torch
 
 
 def reference_moe_layer(x: torch.Tensor, params: Dict[str, torch.Tensor], config,
-                        token_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+                        token_ids: Optional[torch.Tensor] = None,
+                        router_input: Optional[torch.Tensor] = None) -> torch.Tensor:
     """A whole MoE layer from its definition, dropless: ``x [..., H]`` -> ``[..., H]``.
 
     ``params``: global tensors under :class:`moe_graph.moe.layer.MoELayer`'s state-dict names, every expert on
@@ -193,21 +212,26 @@ def reference_moe_layer(x: torch.Tensor, params: Dict[str, torch.Tensor], config
     ``experts.fc2.weight``, optionally ``experts.fc1.bias`` / ``experts.fc2.bias``; ``shared_expert.fc1.weight``,
     ... when ``config`` has a shared expert). ``config``: anything with :class:`moe_graph.moe.config.MoEConfig`'s
     option attributes. ``token_ids`` (``x.shape[:-1]``): for hash routing, the rows of ``params["router.tid2eid"]``;
-    ``output_norm.weight``: the RMSNorm of the output written out."""
+    ``output_norm.weight``: the RMSNorm of the output written out. ``router_input``: what the gate sees instead of
+    ``x`` (same shape)."""
     c = config
     h = x.reshape(-1, x.shape[-1])
+    hr = h if router_input is None else router_input.reshape(h.shape)
     hashed = None
     if getattr(c, "hash_vocab_size", None) is not None:
         table = params["router.tid2eid"]
         hashed = torch.stack([table[int(t)] for t in token_ids.reshape(-1)])
-    idx, probs, _ = reference_route(h, params["router.weight"], c.topk, c.score_func, c.norm_topk_prob,
+    idx, probs, _ = reference_route(hr, params["router.weight"], c.topk, c.score_func, c.norm_topk_prob,
                                     num_groups=c.num_groups, group_topk=c.group_topk,
                                     scaling_factor=c.topk_scaling_factor, expert_bias=params.get("router.expert_bias"),
                                     group_score_topk=c.group_score_topk, gate_bias=params.get("router.bias"),
                                     expert_bias_target=getattr(c, "expert_bias_target", "scores"),
                                     norm_topk_min=getattr(c, "norm_topk_min", None),
                                     logit_softcap=getattr(c, "logit_softcap", None), hash_indices=hashed,
-                                    group_masked_score=getattr(c, "group_masked_score", None))
+                                    group_masked_score=getattr(c, "group_masked_score", None),
+                                    input_scale=params.get("router.input_scale"),
+                                    input_norm_eps=getattr(c, "router_norm_eps", 1e-6),
+                                    expert_scale=params.get("router.expert_scale"))
     act = dict(swiglu_alpha=c.swiglu_alpha, swiglu_limit=c.swiglu_limit)
     y = dense_moe_reference(h, idx, probs, params["experts.fc1.weight"], params["experts.fc2.weight"], c.activation,
                             b1=params.get("experts.fc1.bias"), b2=params.get("experts.fc2.bias"),
@@ -216,7 +240,10 @@ def reference_moe_layer(x: torch.Tensor, params: Dict[str, torch.Tensor], config
         a = h @ params["shared_expert.fc1.weight"].t()
         if "shared_expert.fc1.bias" in params:
             a = a + params["shared_expert.fc1.bias"]
-        s = reference_activation(a, c.activation, **act) @ params["shared_expert.fc2.weight"].t()
+        shared_act = getattr(c, "shared_expert_activation", None) or c.activation
+        limit = getattr(c, "shared_expert_swiglu_limit", None)
+        s_act = dict(act, swiglu_limit=c.swiglu_limit if limit is None else limit)
+        s = reference_activation(a, shared_act, **s_act) @ params["shared_expert.fc2.weight"].t()
         if "shared_expert.fc2.bias" in params:
             s = s + params["shared_expert.fc2.bias"]
         if c.shared_expert_gate:
