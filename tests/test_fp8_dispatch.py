@@ -101,3 +101,15 @@ def test_fp8_recompute_equals_stored_activations(fp8_dispatch):
         (y * y).sum().backward()
         res.append([y.detach(), xx.grad] + [p.grad for p in m.parameters()])
     assert all(torch.equal(u, v) for u, v in zip(*res))
+
+
+@pytest.mark.parametrize("tiles,K", [("1x128", 256), ("1x32", 96), ("1x128", 160)])
+def test_dequantize_of_row_tiles_is_the_elementwise_product(tiles, K):
+    """FP8 dispatch dequantizes the moved rows for the columnwise copy: the broadcast form of whole row tiles (and
+    the general path for a partial one) equal q times each element's tile scale."""
+    torch.manual_seed(1)
+    x = torch.randn(37, K) * torch.logspace(-3, 3, K)
+    q, s = fp8.quantize(x, tiles=tiles)
+    tc = fp8.TILES[tiles][1]
+    per_element = s.float().repeat_interleave(tc, 1)[:, :K]
+    assert torch.equal(fp8.dequantize(q, s, tiles=tiles), q.float() * per_element)

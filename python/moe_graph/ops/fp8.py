@@ -109,6 +109,10 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, m_splits: Optional[torch.Te
     tr, tc, _, t = TILES[tiles]
     if transpose is not None:
         t = bool(transpose)
+    if tr == 1 and not t and m_splits is None and q.dim() == 2 and tc and q.shape[1] % tc == 0:
+        # row tiles (1x128, 1x32) of whole tiles: one broadcast multiply, no per-element factor tensor
+        M, K = q.shape
+        return (q.float().view(M, K // tc, tc) * scale.float().unsqueeze(-1)).view(M, K)
     qf = q.float()
     if t:
         qf, scale = qf.transpose(-1, -2), scale.transpose(-1, -2)
