@@ -57,6 +57,7 @@ VARIANTS = [  # (family, config overrides)
     ("kolibri1", dict(norm_topk_prob=False)),
     ("nemotron_h", {}),  # squared-ReLU experts and shared expert, DeepSeek-V3's router
     ("nemotron_h", dict(n_group=2, topk_group=1)),
+    ("nemotron_h", dict(moe_latent_size=16, mlp_bias=True)),  # latent projections (with biases) around the experts
     ("jetmoe", {}),  # output bias
     ("llama4_text", {}),  # probabilities on the expert input, sigmoid of the top-k logits
     ("glm5_next_text", {}),  # silu(min(g, L)) * clamp(u, -L, L) with L = 1: the clamps are active
@@ -303,7 +304,6 @@ def test_hf_load_balancing_loss():
     ("mixtral", dict(router_jitter_noise=0.1), "router_jitter_noise"),
     ("qwen3_moe", dict(hidden_act="gelu"), "hidden_act"),
     ("deepseek_v3", dict(n_routed_experts=8, n_group=8, topk_group=2), "n_group"),
-    ("nemotron_h", dict(moe_latent_size=16), "moe_latent_size"),
     ("jetmoe", dict(activation_function="gelu"), "activation_function"),
     ("deepseek_v4", dict(mlp_bias=True), "mlp_bias"),
     ("longcat_flash", dict(router_bias=True), "never applies"),

@@ -338,6 +338,23 @@ def test_expert_activation_kinds_and_shared_expert_options(gen, case, activation
 
 
 @pytest.mark.parametrize("case", ["plain", "fused_echo", "recompute", "static"])
+def test_latent_projections(gen, case):
+    """Nemotron-H's moe_latent_size: the routed experts in a latent width (6, hidden 8) between ``latent_in`` and
+    ``latent_out`` (with biases), the router and the shared expert on the hidden width."""
+    kw = dict(latent_size=6, latent_bias=True, activation="squared_relu", shared_expert_ffn_size=5,
+              shared_expert_bias=True, score_func="sigmoid")
+    kw.update({"fused_echo": dict(num_spare_experts_per_ep_rank=1), "recompute": dict(recompute=True),
+               "static": dict(capacity_factor=8.0)}.get(case, {}))
+    layer = _layer(**kw)
+    assert layer.experts.fc1.weight.shape[-1] == 6 and layer.latent_out.weight.shape == (8, 6)
+    if case == "fused_echo":
+        _attach_main_grads(layer)
+    layer.train()
+    _check(layer, torch.randn(24, 8, generator=gen, dtype=DT), reps=2 if case == "fused_echo" else 1)
+    assert layer.latent_in.weight.grad.abs().max() > 0
+
+
+@pytest.mark.parametrize("case", ["plain", "fused_echo", "recompute", "static"])
 def test_router_input_norm_expert_scale_and_router_input(gen, case):
     """Gemma 4's router: the gate on ``rms_norm(r) * input_scale / sqrt(H)``, each probability times its expert's
     learned factor, the gate fed a separate ``router_input`` ``r`` (the experts see ``x``); gradients reach both
@@ -401,6 +418,8 @@ def test_expert_numel_counts_biases():
     (dict(shared_expert_ffn_size=4, shared_expert_swiglu_limit=-1.0), "swiglu_limit"),
     (dict(shared_expert_ffn_size=4, shared_expert_bias="yes"), "shared_expert_bias"),
     (dict(router_norm_eps=-1.0), "router_norm_eps"),
+    (dict(latent_size=0), "latent_size"),
+    (dict(latent_bias=True), "latent_bias needs latent_size"),
     (dict(num_groups=2, group_topk=1, group_score_topk=5), "group_score_topk must"),
     (dict(num_groups=2, group_topk=1, group_score_topk=True), "group_score_topk must"),
     (dict(score_func="softplus"), "score_func"),

@@ -153,6 +153,7 @@ class _Family:
     takes_input_ids: bool = False  # forward(hidden_states, input_ids): hash layers (DeepSeek-V4)
     router_extras: Tuple[Tuple[str, str], ...] = ()  # (name in the block, MoELayer name) of further router tensors
     split: bool = False  # router and experts are separate modules of the block (Gemma 4's decoder layer)
+    latent: Optional[Tuple[str, str]] = None  # the block's projections into / out of the experts' latent width
 
 
 _FAMILIES: Dict[str, _Family] = {
@@ -168,7 +169,7 @@ _FAMILIES: Dict[str, _Family] = {
     "kolibri1": _Family("Kolibri1SparseMoeBlock", "gate", ("gate_proj", "up_proj", "down_proj"),
                         shared="shared_experts"),
     "nemotron_h": _Family("NemotronHMoE", "gate", (None, "up_proj", "down_proj"), shared="shared_experts",
-                          fc1="experts.up_proj"),
+                          fc1="experts.up_proj", latent=("fc1_latent_proj", "fc2_latent_proj")),
     "jetmoe": _Family("JetMoeMoE", "router.layer", None, fc1="input_linear.weight", fc2="output_linear.weight",
                       output_bias="bias"),
     "glm5_next_text": _Family("Glm5NextTextMoE", "gate", ("gate_proj", "up_proj", "down_proj"),
@@ -416,14 +417,12 @@ def moe_config_from_hf(config, *, block=None, hash_layer: Optional[bool] = None,
         if act not in _PLAIN_ACTS:
             raise ValueError(f"nemotron_h: mlp_hidden_act={act!r} cannot be expressed (non-gated experts: "
                              f"{sorted(_PLAIN_ACTS)})")
-        if c.moe_latent_size is not None:
-            raise ValueError("nemotron_h: moe_latent_size cannot be expressed: MoELayer has no latent projections "
-                             "around the experts")
-        if c.mlp_bias:
-            raise ValueError("nemotron_h: mlp_bias=True cannot be expressed: the shared expert would have biases and "
-                             "the routed experts none (MoELayer's add_bias_linear sets both)")
         opts = _deepseek_routing(c, t)
-        opts.update(activation=_PLAIN_ACTS[act], shared_expert_ffn_size=c.moe_shared_expert_intermediate_size)
+        # mlp_bias: biases on the shared expert and the latent projections, none on the routed experts
+        opts.update(activation=_PLAIN_ACTS[act], shared_expert_ffn_size=c.moe_shared_expert_intermediate_size,
+                    shared_expert_bias=bool(c.mlp_bias))
+        if c.moe_latent_size is not None:  # fc1_latent_proj / fc2_latent_proj around the routed experts
+            opts.update(latent_size=c.moe_latent_size, latent_bias=bool(c.mlp_bias))
     elif t == "jetmoe":
         act = c.activation_function
         if act != "silu":
@@ -637,6 +636,15 @@ def moe_config_from_hf(config, *, block=None, hash_layer: Optional[bool] = None,
     return MoEConfig(**opts)
 
 
+def _latent_names(fam: _Family, cfg: MoEConfig) -> Tuple[Tuple[str, str], ...]:
+    """(name in the block, MoELayer name) of the latent projections' tensors (none without ``latent_size``)."""
+    if not cfg.latent_size:
+        return ()
+    kinds = ("weight", "bias") if cfg.latent_bias else ("weight",)
+    return tuple((f"{hf}.{k}", f"{ours}.{k}") for hf, ours in zip(fam.latent, ("latent_in", "latent_out"))
+                 for k in kinds)
+
+
 def moe_layer_from_hf(config, *, ep_group=None, device=None, block=None, **overrides) -> MoELayer:
     """A :class:`MoELayer` for one sparse-MoE block of ``config`` (:func:`moe_config_from_hf`, ``block``,
     ``hash_layer`` and ``layer_idx`` as there; freshly initialized: load a block's weights with
@@ -689,7 +697,7 @@ def hf_to_moe_state_dict(hf_state_dict: Dict[str, torch.Tensor], config, *, ep_r
         out["router.tid2eid"] = sd[f"{fam.router}.tid2eid"]
     if fam.output_norm is not None:
         out["output_norm.weight"] = _take(sd, f"{fam.output_norm}.weight", t)
-    for hf_name, name in fam.router_extras:
+    for hf_name, name in fam.router_extras + _latent_names(fam, cfg):
         out[name] = _take(sd, hf_name, t)
     whole = sl.start == 0 and sl.stop == cfg.num_experts and not fam.dead_fc1_rows
     if t == "gpt_oss":
@@ -760,7 +768,7 @@ def moe_to_hf_state_dict(moe_state_dict: Dict[str, torch.Tensor], config, *, lay
         out[f"{fam.router}.tid2eid"] = sd["router.tid2eid"]
     if fam.output_norm is not None:
         out[f"{fam.output_norm}.weight"] = sd["output_norm.weight"]
-    for hf_name, name in fam.router_extras:
+    for hf_name, name in fam.router_extras + _latent_names(fam, cfg):
         out[hf_name] = sd[name]
     w1, w2 = sd["experts.fc1.weight"], sd["experts.fc2.weight"]
     F = w2.shape[-1]

@@ -47,7 +47,9 @@ class MoEConfig:
     travel quantized: ``docs/fp8.md``). Experts (:class:`moe_graph.moe.experts.GroupedMLP`):
     ``activation``, ``swiglu_alpha``, ``swiglu_limit``, ``shared_expert_ffn_size``, ``shared_expert_gate``,
     ``shared_expert_combine``, ``shared_expert_activation``, ``shared_expert_swiglu_limit``, ``shared_expert_bias``
-    (the shared expert's own activation, limit and biases; ``None``: the routed experts'), ``probs_on_input``,
+    (the shared expert's own activation, limit and biases; ``None``: the routed experts'), ``latent_size`` /
+    ``latent_bias`` (the routed experts work in a latent width: ``latent_in [H -> latent]`` before the dispatch,
+    ``latent_out`` after the combine; Nemotron-H's ``moe_latent_size``), ``probs_on_input``,
     ``output_bias``,
     ``params_dtype``, ``init_std``;
     ``recompute``: activation recomputation of the whole layer.
@@ -96,6 +98,8 @@ class MoEConfig:
     router_input_norm: bool = False
     router_norm_eps: float = 1e-6
     router_expert_scale: bool = False
+    latent_size: Optional[int] = None
+    latent_bias: bool = False
     probs_on_input: bool = False
     output_bias: bool = False
     params_dtype: Optional[torch.dtype] = None
@@ -156,6 +160,14 @@ class MoEConfig:
         own = dict(shared_expert_activation=self.shared_expert_activation,
                    shared_expert_swiglu_limit=self.shared_expert_swiglu_limit,
                    shared_expert_bias=self.shared_expert_bias)
+        ls = self.latent_size
+        if ls is not None and (isinstance(ls, bool) or not isinstance(ls, int) or ls < 1):
+            raise ValueError(f"latent_size must be an int >= 1 or None, got {ls!r}")
+        if self.latent_bias and ls is None:
+            raise ValueError("latent_bias needs latent_size")
+        if ls is not None and self.num_zero_experts:
+            raise ValueError("latent_size cannot be combined with num_zero_experts (an identity expert's token is "
+                             "hidden_size wide, the experts' rows latent_size wide)")
         if not self.shared_expert_ffn_size and any(v is not None for v in own.values()):
             raise ValueError(f"{next(k for k, v in own.items() if v is not None)} needs shared_expert_ffn_size")
         if self.shared_expert_ffn_size:

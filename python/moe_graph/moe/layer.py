@@ -136,6 +136,9 @@ class MoELayer(nn.Module):
         shared_expert_activation, shared_expert_swiglu_limit, shared_expert_bias: the shared expert's own
             activation, ``swiglu_limit`` and biases (``None``: ``activation``, ``swiglu_limit``,
             ``add_bias_linear``; HY-V4's and Step-3.7's shared experts differ from their routed ones).
+        latent_size, latent_bias: the routed experts work in width ``latent_size``: ``latent_in`` (``H -> latent``,
+            ``nn.Linear``) before the dispatch (the exchanged rows are latent-wide), ``latent_out`` after the combine
+            (its bias added once); the router and the shared expert see ``x`` (Nemotron-H's ``moe_latent_size``).
         router_input_norm, router_norm_eps, router_expert_scale: Gemma 4's router (:class:`TopKRouter`: the gate
             sees the RMS-normed input times a learned ``input_scale [H]`` over ``sqrt(H)``; a learned
             ``expert_scale [E]`` multiplies each route's probability).
@@ -241,7 +244,8 @@ class MoELayer(nn.Module):
         self.probs_on_input = bool(c.probs_on_input)
         self.fp8_dispatch = c.fp8_dispatch
         self.shared_average = c.shared_expert_combine == "average"
-        self.scale_rows = c.ffn_hidden_size < c.hidden_size and not c.add_bias_linear and not self.probs_on_input
+        expert_width = c.latent_size or c.hidden_size  # the routed experts' input / output width
+        self.scale_rows = c.ffn_hidden_size < expert_width and not c.add_bias_linear and not self.probs_on_input
         dtype = c.params_dtype if c.params_dtype is not None else torch.get_default_dtype()
         device = torch.device(device) if device is not None else torch.device(
             "cuda" if torch.cuda.is_available() else "cpu")
@@ -260,7 +264,11 @@ class MoELayer(nn.Module):
         self.router_loss = RouterLoss(c.topk, c.score_func, c.aux_loss_coeff, c.aux_loss_type, c.sequence_dim,
                                       c.z_loss_coeff)
         act = dict(swiglu_alpha=c.swiglu_alpha, swiglu_limit=c.swiglu_limit, bias=c.add_bias_linear)
-        self.experts = GroupedMLP(self.num_local_experts, c.hidden_size, c.ffn_hidden_size, c.activation, k,
+        self.latent_in = self.latent_out = None
+        if c.latent_size:  # Nemotron-H: the routed experts in a latent width, projected in and out around them
+            self.latent_in = nn.Linear(c.hidden_size, c.latent_size, bias=c.latent_bias, device=device, dtype=dtype)
+            self.latent_out = nn.Linear(c.latent_size, c.hidden_size, bias=c.latent_bias, device=device, dtype=dtype)
+        self.experts = GroupedMLP(self.num_local_experts, expert_width, c.ffn_hidden_size, c.activation, k,
                                   params_dtype=dtype, device=device, init_std=c.init_std, **act)
         self.output_bias = nn.Parameter(torch.zeros(c.hidden_size, device=device, dtype=dtype)) \
             if c.output_bias else None
@@ -392,7 +400,8 @@ class MoELayer(nn.Module):
                 aux = z if aux is None else aux + z
 
         recipe = _fp8.current_recipe() if self.fp8_dispatch else None
-        h_in = h if recipe is None else h.to(self.experts.fc1.weight.dtype)  # quantized as the experts would
+        h_in = h if self.latent_in is None else self.latent_in(h)
+        h_in = h_in if recipe is None else h_in.to(self.experts.fc1.weight.dtype)  # quantized as the experts would
         expert_in, m_splits, handle = self.dispatcher.dispatch(h_in, indices, routing.probs, valid, demand,
                                                                fp8_recipe=recipe)
         self._stat("last_m_splits", m_splits)
@@ -411,6 +420,8 @@ class MoELayer(nn.Module):
             expert_out = self.experts(expert_in, m_splits, self.echo.dispatcher, plan, spares, row_scale=row_scale)
         weighted = not (self.scale_rows or self.probs_on_input)
         out = self.dispatcher.combine(expert_out, handle, weighted=weighted).to(x.dtype)
+        if self.latent_out is not None:
+            out = self.latent_out(out)
         if identity is not None:
             out = out + (h.to(identity.dtype) * identity).to(out.dtype)
         if self.shared_expert is not None:

@@ -233,9 +233,14 @@ def reference_moe_layer(x: torch.Tensor, params: Dict[str, torch.Tensor], config
                                     input_norm_eps=getattr(c, "router_norm_eps", 1e-6),
                                     expert_scale=params.get("router.expert_scale"))
     act = dict(swiglu_alpha=c.swiglu_alpha, swiglu_limit=c.swiglu_limit)
-    y = dense_moe_reference(h, idx, probs, params["experts.fc1.weight"], params["experts.fc2.weight"], c.activation,
+    he = h  # the experts' input: latent_in(h) with latent projections (Nemotron-H's moe_latent_size)
+    if "latent_in.weight" in params:
+        he = h @ params["latent_in.weight"].t() + (params["latent_in.bias"] if "latent_in.bias" in params else 0)
+    y = dense_moe_reference(he, idx, probs, params["experts.fc1.weight"], params["experts.fc2.weight"], c.activation,
                             b1=params.get("experts.fc1.bias"), b2=params.get("experts.fc2.bias"),
                             probs_on_input=getattr(c, "probs_on_input", False), **act)
+    if "latent_out.weight" in params:
+        y = y @ params["latent_out.weight"].t() + (params["latent_out.bias"] if "latent_out.bias" in params else 0)
     if c.shared_expert_ffn_size:
         a = h @ params["shared_expert.fc1.weight"].t()
         if "shared_expert.fc1.bias" in params:
