@@ -573,21 +573,22 @@ def test_te_grouped_mlp_with_config_fp8_equals_oracle(pg, gen, recipe):
         fp8_recipe_from_config(bad)
 
 
-@pytest.mark.parametrize("recipe", ["blockwise", "mxfp8"])
-@pytest.mark.parametrize("mode", ["plain", "fused", "delay_fused"])
-def test_te_grouped_mlp_fp8_trains_like_the_qdq_oracle(pg, gen, recipe, mode):
+@pytest.mark.parametrize("recipe,mode,fmt", [(r, m, "e4m3") for r in ("blockwise", "mxfp8")
+                                              for m in ("plain", "fused", "delay_fused")]
+                         + [("blockwise", "fused", "hybrid"), ("mxfp8", "delay_fused", "hybrid")])
+def test_te_grouped_mlp_fp8_trains_like_the_qdq_oracle(pg, gen, recipe, mode, fmt):
     """Megatron's TEGroupedMLP with ``config.fp8`` on moe_graph's grouped linears (the CPU FP8 semantics), over two
     microbatches (zero-token experts, one expert taking every token), plain autograd, fused ``main_grad``
     (``gradient_accumulation_fusion``) or delayed wgrad (``delay_wgrad_compute`` + ``backward_dw``) in FP8: outputs
     and the input, probs and weight gradients equal an oracle written in plain PyTorch (each expert's rows through
     ``helpers.fp8_reference.qdq_swiglu_mlp``: TE-reference quantize-dequantize of every GEMM operand, float64
-    products, plain autograd) within fp32 rounding."""
+    products, plain autograd) within fp32 rounding. ``config.fp8="hybrid"``: gradients in E5M2."""
     from helpers.fp8_reference import qdq_swiglu_mlp
     from moe_graph.ops import fp8
 
     fused, delay = mode != "plain", mode == "delay_fused"
     cfg = _config(True, False, gradient_accumulation_fusion=fused, delay_wgrad_compute=delay)
-    cfg.fp8, cfg.fp8_recipe = "e4m3", recipe  # set after TransformerConfig's validation (TE-only checks there)
+    cfg.fp8, cfg.fp8_recipe = fmt, recipe  # set after TransformerConfig's validation (TE-only checks there)
     mg = _grouped(cfg, pg)
     with torch.no_grad():
         for p in mg.parameters():
@@ -597,6 +598,9 @@ def test_te_grouped_mlp_fp8_trains_like_the_qdq_oracle(pg, gen, recipe, mode):
     ws = {n: [w.detach().clone().requires_grad_() for w in _expert_params(mg, n, "weight")]
           for n in ("linear_fc1", "linear_fc2")}
     r = fp8.as_recipe(recipe)
+    if fmt == "hybrid":
+        r = fp8.Recipe(r.kind, "HYBRID", r.power_2_scale, r.amax_epsilon)
+        assert r.bwd_dtype == torch.float8_e5m2
     tol = 300 * 2.0 ** -23
     for x, tpe, probs, g in _microbatches(gen):
         y, dx, dp = _run(mg, x, tpe, probs, g)
@@ -620,8 +624,8 @@ def test_te_grouped_mlp_fp8_trains_like_the_qdq_oracle(pg, gen, recipe, mode):
                                        msg=lambda m: f"{name} weight {e}: {m}")
             if fused:
                 assert p.grad_added_to_main_grad
-    # the quantization is visible: the last microbatch's output is far from the unquantized MLP's
+    # the quantization is visible: the last microbatch (every row to expert 2) is far from the unquantized MLP
     w1, w2 = ws["linear_fc1"][2].detach().double(), ws["linear_fc2"][2].detach().double()
     a, b = (x.double() @ w1.t()).chunk(2, dim=-1)
     plain = (F.silu(a) * b * probs.double()[:, None]) @ w2.t()
-    assert (y.double() - plain).abs().max() > 1e3 * tol * float(plain.abs().max())
+    assert (y.double() - plain).abs().max() > 100 * tol * float(plain.abs().max())  # FP8: ~3e-2 relative

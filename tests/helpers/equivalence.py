@@ -211,6 +211,8 @@ for _fp8 in ("blockwise", "mxfp8", "blockwise_fp32_scales"):  # FP8 experts (tra
         Row(f"fp8_{_fp8}_grouped_delay_wgrad_fused_overlap", world=2, microbatches=2, grouped="delay_fused",
             overlap=True, fp8=_fp8),
     ]
+MATRIX += [Row(f"fp8_{_fp8}_hybrid_ep2_echo1", world=2, ep=2, microbatches=2, echo=1, fp8=f"{_fp8}_hybrid")
+           for _fp8 in ("blockwise", "mxfp8")]
 CI_ROWS = ["dp2_mb4_overlap", "dp2_mb2_overlap_without_no_sync", "ep2xdp2_echo2_overlap", "ep2_loss_scaler_aux",
            "ep2_aux_global", "pp2_vpp2_mb4", "grouped_delay_wgrad_fused_overlap", "ep2_cap1.0_rerun", "ep2_cap1.0_drop",
            "ep2xdp2_cap1.1_rerun", "ep2_dest_cap1.0_rerun", "ep2_dest_cap1.0_drop", "ep4_echo1_dest_cap1.0_rerun",
@@ -435,13 +437,16 @@ def oracle_train(row: Row, outs: Optional[List[Dict]] = None, naive_fp8_layout: 
 def fp8_recipe(row: Row):
     """The row's ``moe_graph.fp8.Recipe`` (None without FP8): TE's defaults by name ("blockwise": power-of-two
     scales, "mxfp8": E8M0), and "blockwise_fp32_scales" (``power_2_scale=False``, scale = 448 / amax: every
-    element's FP8 value depends on its tile's amax, so on which tokens share a tile)."""
+    element's FP8 value depends on its tile's amax, so on which tokens share a tile); a ``_hybrid`` suffix: TE's
+    HYBRID format (gradients in E5M2)."""
     from moe_graph.ops import fp8
 
     if row.fp8 is None:
         return None
     if row.fp8 == "blockwise_fp32_scales":
         return fp8.Float8BlockScaling(power_2_scale=False)
+    if row.fp8.endswith("_hybrid"):  # TE's Format.HYBRID: E4M3 forward, E5M2 gradients
+        return dataclasses.replace(fp8.as_recipe(row.fp8[:-len("_hybrid")]), fp8_format="HYBRID")
     return fp8.as_recipe(row.fp8)
 
 
