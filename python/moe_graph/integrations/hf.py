@@ -83,6 +83,10 @@ PhiMoE's SparseMixer, Zaya's MLP router, Doge's product keys, Inkling's router-s
   puts :class:`HFRouterInput` in the router's place and :class:`HFSplitExperts` (``MoELayer(x, router_input=...)``)
   in the experts'.
 
+Reviewed for issue 33 with the existing options: ``hy_v3`` / ``afmoe`` (sigmoid, the block's own selection-bias
+buffer, renormalized, scaled, shared experts), ``flint`` (fp32 sigmoid gate, an ungated shared expert), ``beam`` (as
+``deepseek_v3``), ``granitemoe_swa`` / ``granitemoehybrid`` (as ``granitemoe``).
+
 Blocks that repeat one of these (``_Family.profile``): ``olmoe``, ``flex_olmo``, ``minimax``, ``granitemoe`` as
 ``mixtral``;
 ``qwen3_vl_moe_text``, ``qwen3_omni_moe_text``, ``mellum`` as ``qwen3_moe``; ``qwen3_next``, ``qwen3_5_moe_text``,
@@ -245,6 +249,15 @@ _FAMILIES: Dict[str, _Family] = {
     "hy_v4": _Family("HYV4MoE", "gate", ("gate_proj", "up_proj", "down_proj"), shared="shared_experts"),
     "hy_v4_vl_text": _Family("HYV4VLMoE", "gate", ("gate_proj", "up_proj", "down_proj"), shared="shared_experts",
                              profile="hy_v4"),
+    # reviewed for issue 33: blocks the existing options express
+    "granitemoe_swa": _Family("GraniteMoeSWAMoE", "router", None, profile="mixtral"),
+    "granitemoehybrid": _Family("GraniteMoeHybridMoE", "router", None, profile="mixtral"),
+    "hy_v3": _Family("HYV3MoE", "gate", ("gate_proj", "up_proj", "down_proj"), shared="shared_experts",
+                     expert_bias_path="e_score_correction_bias"),
+    "afmoe": _Family("AfmoeSparseMoeBlock", "router.gate", ("gate_proj", "up_proj", "down_proj"),
+                     shared="shared_experts", expert_bias_path="expert_bias"),
+    "flint": _Family("FlintSparseMoeBlock", "gate", ("gate_proj", "up_proj", "down_proj"), shared="shared_expert"),
+    "beam": _Family("BeamMoE", "gate", ("gate_proj", "up_proj", "down_proj"), profile="deepseek_v3"),
     # Gemma 4: no block module; the decoder layer calls its router (on the residual stream) and its experts (on
     # pre_feedforward_layernorm_2 of it) itself
     "gemma4_text": _Family("Gemma4TextDecoderLayer", "router.proj", None, split=True,
@@ -615,6 +628,22 @@ def moe_config_from_hf(config, *, block=None, hash_layer: Optional[bool] = None,
         if c.n_shared_experts:
             opts.update(shared_expert_ffn_size=c.moe_intermediate_size * c.n_shared_experts,
                         shared_expert_activation="swiglu")
+    elif t in ("hy_v3", "afmoe"):
+        _gated_silu(c, t)
+        # sigmoid (HY-V3: fp32 gate; AFMoE: the gate in the input dtype), the block's selection bias, renormalized
+        # (+1e-20), scaled; shared experts of num_shared_experts * moe_intermediate_size
+        scale = float(c.router_scaling_factor if t == "hy_v3" else c.route_scale)
+        opts = dict(hidden_size=c.hidden_size, ffn_hidden_size=c.moe_intermediate_size, num_experts=c.num_experts,
+                    topk=c.num_experts_per_tok, score_func="sigmoid", norm_topk_prob=True, enable_expert_bias=True,
+                    topk_scaling_factor=scale if scale != 1.0 else None,
+                    router_dtype=torch.float32 if t == "hy_v3" else None,
+                    shared_expert_ffn_size=c.moe_intermediate_size * c.num_shared_experts or None)
+    elif t == "flint":
+        _gated_silu(c, t)
+        # fp32 gate, sigmoid, norm_topk_prob, an ungated shared SwiGLU expert
+        opts = dict(hidden_size=c.hidden_size, ffn_hidden_size=c.moe_intermediate_size, num_experts=c.num_experts,
+                    topk=c.num_experts_per_tok, score_func="sigmoid", norm_topk_prob=bool(c.norm_topk_prob),
+                    router_dtype=torch.float32, shared_expert_ffn_size=c.shared_expert_intermediate_size)
     elif t == "gemma4_text":
         if not c.enable_moe_block:
             raise ValueError("gemma4_text: enable_moe_block=False: the model has no MoE block")

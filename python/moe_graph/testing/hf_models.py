@@ -58,6 +58,11 @@ _REPEATS: Dict[str, tuple] = {
     # its shared MLP sits in the decoder layer, outside the block (a dense part of the model)
     "granitemoeshared": ("granitemoeshared.GraniteMoeSharedMoE", "GraniteMoeSharedConfig",
                          "GraniteMoeSharedForCausalLM", dict(shared_intermediate_size=40)),
+    "beam": ("beam.BeamMoE", "BeamConfig", "BeamForCausalLM", dict(num_experts=8, n_group=2, topk_group=1,
+                                                                 mlp_layer_types=["sparse", "sparse"])),
+    "granitemoe_swa": ("granitemoe_swa.GraniteMoeSWAMoE", "GraniteMoeSWAConfig", "GraniteMoeSWAForCausalLM", {}),
+    "granitemoehybrid": ("granitemoehybrid.GraniteMoeHybridMoE", "GraniteMoeHybridConfig", None,
+                         dict(mamba_n_heads=4, mamba_d_head=16)),  # Mamba layers
     "inkling2_loop_text": ("inkling2_loop.Inkling2LoopSparseMoeBlock", "Inkling2LoopTextConfig",
                            "Inkling2LoopForCausalLM", dict(unpadded_vocab_size=64, eos_token_id=0, mlp_gate_softcap=0.5,
                                                            mlp_up_softcap=0.7)),
@@ -74,7 +79,8 @@ _SMALL = dict(hidden_size=32, intermediate_size=48, moe_intermediate_size=24, nu
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss", "ernie4_5_moe", "kolibri1", "nemotron_h",
             "jetmoe", "llama4_text", "glm5_next_text", "cohere2_moe", "jamba", "deepseek_v2", "deepseek_v4",
             "longcat_flash", "axk1", "axk2", "laguna", "minimax_m2", "lfm2_moe", "mistral4", "hunyuan_v1_moe",
-            "aria_text", "dbrx", "step3p5", "inkling2_text", "hy_v4", "gemma4_text") + tuple(_REPEATS)
+            "aria_text", "dbrx", "step3p5", "inkling2_text", "hy_v4", "gemma4_text", "hy_v3", "afmoe", "flint") + \
+    tuple(_REPEATS)
 
 _COMMON = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
                max_position_embeddings=64, num_experts_per_tok=2)
@@ -169,6 +175,12 @@ _CONFIGS: Dict[str, tuple] = {
                                              top_k_experts=2, moe_intermediate_size=24, hidden_size_per_layer_input=0,
                                              sliding_window=8, layer_types=["sliding_attention", "full_attention"],
                                              pad_token_id=0, bos_token_id=0, eos_token_id=0)),
+    "hy_v3": ("HYV3Config", dict(intermediate_size=48, moe_intermediate_size=24, num_experts=8, num_shared_experts=2,
+                                 router_scaling_factor=2.5, head_dim=8, mlp_layer_types=["sparse", "sparse"])),
+    "afmoe": ("AfmoeConfig", dict(intermediate_size=48, moe_intermediate_size=24, num_experts=8, num_shared_experts=2,
+                                  route_scale=2.5, num_dense_layers=0, head_dim=8, sliding_window=8)),
+    "flint": ("FlintConfig", dict(intermediate_size=48, moe_intermediate_size=24, num_experts=8,
+                                  shared_expert_intermediate_size=40, head_dim=8, mlp_only_layers=[])),
     "hy_v4": ("HYV4Config", dict(_MLA, intermediate_size=48, moe_intermediate_size=24, n_routed_experts=8, n_group=2,
                                  topk_group=1, n_shared_experts=1, swiglu_limit=1.0, hc_mult=2,
                                  mlp_layer_types=["sparse", "sparse"], pad_token_id=0, bos_token_id=0,
@@ -200,6 +212,8 @@ _BLOCKS = {"mixtral": "mixtral.modeling_mixtral.MixtralSparseMoeBlock",
            "step3p5": "step3p7.modeling_step3p7.Step3p7SparseMoeBlock",
            "inkling2_text": "inkling2.modeling_inkling2.Inkling2SparseMoeBlock",
            "hy_v4": "hy_v4.modeling_hy_v4.HYV4MoE",
+           "hy_v3": "hy_v3.modeling_hy_v3.HYV3MoE", "afmoe": "afmoe.modeling_afmoe.AfmoeSparseMoeBlock",
+           "flint": "flint.modeling_flint.FlintSparseMoeBlock",
            "gemma4_text": None}  # Gemma4MoEBlock
 _MODELS = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
            "deepseek_v3": "DeepseekV3ForCausalLM", "gpt_oss": "GptOssForCausalLM",
@@ -213,7 +227,8 @@ _MODELS = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", 
            "minimax_m2": "MiniMaxM2ForCausalLM", "lfm2_moe": "Lfm2MoeForCausalLM", "mistral4": "Mistral4ForCausalLM",
            "hunyuan_v1_moe": "HunYuanMoEV1ForCausalLM", "aria_text": "AriaTextForCausalLM",
            "dbrx": "DbrxForCausalLM", "step3p5": "Step3p7TextModel", "inkling2_text": "Inkling2ForCausalLM",
-           "hy_v4": "HYV4ForCausalLM", "gemma4_text": "Gemma4ForCausalLM"}
+           "hy_v4": "HYV4ForCausalLM", "gemma4_text": "Gemma4ForCausalLM", "hy_v3": "HYV3ForCausalLM",
+           "afmoe": "AfmoeForCausalLM", "flint": "FlintForCausalLM"}
 
 
 def has_tiny_model(family: str) -> bool:
@@ -348,8 +363,10 @@ def hf_router(block: torch.nn.Module, x: torch.Tensor, input_ids=None) -> torch.
     name = type(block).__name__
     if hasattr(gate, "tid2eid"):
         out = gate(h, input_ids)
-    elif name == "MiniMaxM2SparseMoeBlock":  # the selection bias is the block's
+    elif name in ("MiniMaxM2SparseMoeBlock", "HYV3MoE"):  # the selection bias is the block's
         out = gate(h, block.e_score_correction_bias)
+    elif name == "AfmoeSparseMoeBlock":
+        out = gate(x, block.expert_bias)
     elif name == "Lfm2MoeSparseMoeBlock":
         out = gate(h, block.expert_bias if block.use_expert_bias else None)
     elif name == "DbrxFFN":  # the gate returns the logits; the block picks
