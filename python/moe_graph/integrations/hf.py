@@ -258,6 +258,11 @@ _FAMILIES: Dict[str, _Family] = {
                      shared="shared_experts", expert_bias_path="expert_bias"),
     "flint": _Family("FlintSparseMoeBlock", "gate", ("gate_proj", "up_proj", "down_proj"), shared="shared_expert"),
     "beam": _Family("BeamMoE", "gate", ("gate_proj", "up_proj", "down_proj"), profile="deepseek_v3"),
+    "qwen3_omni_moe_talker_text": _Family("Qwen3OmniMoeTalkerTextSparseMoeBlock", "gate", None, shared="shared_expert",
+                                          shared_gate="shared_expert_gate", profile="qwen2_moe"),
+    "lara_mini": _Family("LaraMiniSparseMoeBlock", "gate", ("gate_proj", "up_proj", "down_proj"),
+                         shared="shared_expert"),
+    "mistral_large4_text": _Family("MistralLarge4TextMoE", "gate", None, shared="shared_experts"),
     # Gemma 4: no block module; the decoder layer calls its router (on the residual stream) and its experts (on
     # pre_feedforward_layernorm_2 of it) itself
     "gemma4_text": _Family("Gemma4TextDecoderLayer", "router.proj", None, split=True,
@@ -638,6 +643,26 @@ def moe_config_from_hf(config, *, block=None, hash_layer: Optional[bool] = None,
                     topk_scaling_factor=scale if scale != 1.0 else None,
                     router_dtype=torch.float32 if t == "hy_v3" else None,
                     shared_expert_ffn_size=c.moe_intermediate_size * c.num_shared_experts or None)
+    elif t == "lara_mini":
+        _gated_silu(c, t)
+        # fp32 gate, softmax, norm_topk_prob, an ungated shared SwiGLU expert
+        opts = dict(hidden_size=c.hidden_size, ffn_hidden_size=c.moe_intermediate_size, num_experts=c.num_experts,
+                    topk=c.num_experts_per_tok, norm_topk_prob=bool(c.norm_topk_prob), router_dtype=torch.float32,
+                    shared_expert_ffn_size=c.shared_expert_intermediate_size)
+    elif t == "mistral_large4_text":
+        _gated_silu(c, t)
+        # fp32 gate, softmax, groups scored by their best 2 (the 0.0 mask of the other groups equals -inf for
+        # softmax scores), the top-k always renormalized (+1e-20), routed_scaling_factor, shared experts
+        E = c.n_routed_experts
+        opts = dict(hidden_size=c.hidden_size, ffn_hidden_size=c.moe_intermediate_size, num_experts=E,
+                    topk=c.num_experts_per_tok, norm_topk_prob=True, router_dtype=torch.float32,
+                    topk_scaling_factor=float(c.routed_scaling_factor),
+                    shared_expert_ffn_size=c.moe_intermediate_size * c.n_shared_experts or None)
+        if c.n_group and c.n_group > 1:
+            if E % c.n_group or E // c.n_group < 2:
+                raise ValueError(f"{t}: n_group={c.n_group} must divide n_routed_experts={E} into groups of at least "
+                                 "2 (a group scores its best 2)")
+            opts.update(num_groups=c.n_group, group_topk=c.topk_group, group_score_topk=2)
     elif t == "flint":
         _gated_silu(c, t)
         # fp32 gate, sigmoid, norm_topk_prob, an ungated shared SwiGLU expert

@@ -60,6 +60,9 @@ _REPEATS: Dict[str, tuple] = {
                          "GraniteMoeSharedForCausalLM", dict(shared_intermediate_size=40)),
     "beam": ("beam.BeamMoE", "BeamConfig", "BeamForCausalLM", dict(num_experts=8, n_group=2, topk_group=1,
                                                                  mlp_layer_types=["sparse", "sparse"])),
+    "qwen3_omni_moe_talker_text": ("qwen3_omni_moe.Qwen3OmniMoeTalkerTextSparseMoeBlock",
+                                   "Qwen3OmniMoeTalkerTextConfig", None,
+                                   dict(shared_expert_intermediate_size=40)),  # the talker of an omni model
     "granitemoe_swa": ("granitemoe_swa.GraniteMoeSWAMoE", "GraniteMoeSWAConfig", "GraniteMoeSWAForCausalLM", {}),
     "granitemoehybrid": ("granitemoehybrid.GraniteMoeHybridMoE", "GraniteMoeHybridConfig", None,
                          dict(mamba_n_heads=4, mamba_d_head=16)),  # Mamba layers
@@ -79,7 +82,8 @@ _SMALL = dict(hidden_size=32, intermediate_size=48, moe_intermediate_size=24, nu
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss", "ernie4_5_moe", "kolibri1", "nemotron_h",
             "jetmoe", "llama4_text", "glm5_next_text", "cohere2_moe", "jamba", "deepseek_v2", "deepseek_v4",
             "longcat_flash", "axk1", "axk2", "laguna", "minimax_m2", "lfm2_moe", "mistral4", "hunyuan_v1_moe",
-            "aria_text", "dbrx", "step3p5", "inkling2_text", "hy_v4", "gemma4_text", "hy_v3", "afmoe", "flint") + \
+            "aria_text", "dbrx", "step3p5", "inkling2_text", "hy_v4", "gemma4_text", "hy_v3", "afmoe", "flint",
+            "lara_mini", "mistral_large4_text") + \
     tuple(_REPEATS)
 
 _COMMON = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
@@ -179,6 +183,11 @@ _CONFIGS: Dict[str, tuple] = {
                                  router_scaling_factor=2.5, head_dim=8, mlp_layer_types=["sparse", "sparse"])),
     "afmoe": ("AfmoeConfig", dict(intermediate_size=48, moe_intermediate_size=24, num_experts=8, num_shared_experts=2,
                                   route_scale=2.5, num_dense_layers=0, head_dim=8, sliding_window=8)),
+    "lara_mini": ("LaraMiniConfig", dict(intermediate_size=48, moe_intermediate_size=24, num_experts=8,
+                                         shared_expert_intermediate_size=40, head_dim=8)),
+    "mistral_large4_text": ("MistralLarge4TextConfig", dict(
+        _MLA, intermediate_size=48, moe_intermediate_size=24, n_routed_experts=16, num_experts_per_tok=4, n_group=4,
+        topk_group=2, n_shared_experts=2, routed_scaling_factor=2.5, first_k_dense_replace=0)),
     "flint": ("FlintConfig", dict(intermediate_size=48, moe_intermediate_size=24, num_experts=8,
                                   shared_expert_intermediate_size=40, head_dim=8, mlp_only_layers=[])),
     "hy_v4": ("HYV4Config", dict(_MLA, intermediate_size=48, moe_intermediate_size=24, n_routed_experts=8, n_group=2,
@@ -214,6 +223,8 @@ _BLOCKS = {"mixtral": "mixtral.modeling_mixtral.MixtralSparseMoeBlock",
            "hy_v4": "hy_v4.modeling_hy_v4.HYV4MoE",
            "hy_v3": "hy_v3.modeling_hy_v3.HYV3MoE", "afmoe": "afmoe.modeling_afmoe.AfmoeSparseMoeBlock",
            "flint": "flint.modeling_flint.FlintSparseMoeBlock",
+           "lara_mini": "lara_mini.modeling_lara_mini.LaraMiniSparseMoeBlock",
+           "mistral_large4_text": "mistral_large4.modeling_mistral_large4.MistralLarge4TextMoE",
            "gemma4_text": None}  # Gemma4MoEBlock
 _MODELS = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
            "deepseek_v3": "DeepseekV3ForCausalLM", "gpt_oss": "GptOssForCausalLM",
@@ -228,12 +239,13 @@ _MODELS = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", 
            "hunyuan_v1_moe": "HunYuanMoEV1ForCausalLM", "aria_text": "AriaTextForCausalLM",
            "dbrx": "DbrxForCausalLM", "step3p5": "Step3p7TextModel", "inkling2_text": "Inkling2ForCausalLM",
            "hy_v4": "HYV4ForCausalLM", "gemma4_text": "Gemma4ForCausalLM", "hy_v3": "HYV3ForCausalLM",
-           "afmoe": "AfmoeForCausalLM", "flint": "FlintForCausalLM"}
+           "afmoe": "AfmoeForCausalLM", "flint": "FlintForCausalLM", "lara_mini": "LaraMiniForCausalLM",
+           "mistral_large4_text": None}  # its indexer attention
 
 
 def has_tiny_model(family: str) -> bool:
     """False for the families whose tiny whole model is not built here (their block is)."""
-    return family not in _REPEATS or _REPEATS[family][2] is not None
+    return _REPEATS[family][2] is not None if family in _REPEATS else _MODELS[family] is not None
 
 
 def _models_module(folder: str, kind: str = "modeling"):
