@@ -131,7 +131,11 @@ def _resource_table(ptxas_out):
         if not name.startswith("_ZN7cutlass13device_kernel"):
             others.append((int(regs), int(stack), spill))
             continue
-        if "Cooperative" in name:
+        if "FP8Blockwise" in name:
+            cfg = "fp8 blockwise 128x128"
+        elif "Mxf8f6f4" in name or "BlockScaled" in name:
+            cfg = "mxfp8 1sm 128x128"
+        elif "Cooperative" in name:
             cfg = "cooperative 128x256"
         elif "Pingpong" in name:
             cfg = "pingpong 64x128"
@@ -146,7 +150,7 @@ def _resource_table(ptxas_out):
                 " overwrite" if lin.group(2) == "v" else " accumulate")
         else:
             kind = "?"
-        elem = "bf16" if name.find("bfloat16_t") != -1 and (name.find("half_t") == -1 or
+        elem = "e4m3" if "float_e4m3_t" in name else "bf16" if name.find("bfloat16_t") != -1 and (name.find("half_t") == -1 or
                                                            name.find("bfloat16_t") < name.find("half_t")) else "fp16"
         rows.append(f"  {arch:8s} {cfg:20s} {kind:24s} {elem:5s} regs {regs:>3s}  stack {stack:>3s}  spill {spill}")
     rows = sorted(rows)

@@ -29,7 +29,7 @@ SESSION_S=${SESSION_S:-570} START=$SECONDS
 lim() { local left=$((SESSION_S - (SECONDS - START))); [ "$left" -lt "$1" ] && echo $((left > 5 ? left : 5)) || echo "$1"; }
 # The CUDA tests of every custom kernel family (each launches its kernels on the device and compares with the CPU).
 KERNEL_TESTS="tests/test_activation.py tests/test_permute.py tests/test_dispatch_layout.py tests/test_reroute.py
-  tests/test_planner.py tests/test_grouped_gemm_cuda.py tests/test_fp8_quantize.py"
+  tests/test_planner.py tests/test_grouped_gemm_cuda.py tests/test_fp8_quantize.py tests/test_fp8_gemm_cuda.py"
 KERNEL_K="cuda or gpu or graph or sync"
 want() { [[ " $stages " == *" all "* || " $stages " == *" $1 "* ]]; }
 rc=0
@@ -47,7 +47,7 @@ fi
 if want test; then
   echo "== self-check"; timeout "$(lim 60)" python3 -m moe_graph.selfcheck 2>&1 | tee "$OUT/selfcheck.log" || rc=1
   echo "== host launch logic and the GPU tests of every kernel family (fail fast)"
-  timeout "$(lim $TEST_S)" python3 -m pytest -q -x -p no:cacheprovider tests/test_grouped_launch_logic.py $KERNEL_TESTS \
+  timeout "$(lim $TEST_S)" python3 -m pytest -q -x -p no:cacheprovider tests/test_grouped_launch_logic.py tests/test_fp8_launch_logic.py $KERNEL_TESTS \
     -k "$KERNEL_K or launch" > "$OUT/gpu_tests.log" 2>&1 || rc=1
   tail -15 "$OUT/gpu_tests.log"
   if [ -n "${ALL_TESTS:-}" ]; then  # the whole suite: longer than one call leaves after the other stages
@@ -73,6 +73,7 @@ fi
 if want bench; then
   echo "== benchmarks"
   timeout "$(lim $BENCH_S)" python3 benchmarks/bench_grouped_gemm.py 2>&1 | tee "$OUT/bench_grouped_gemm.log"
+  timeout "$(lim 60)" python3 benchmarks/bench_fp8_gemm.py --quick 2>&1 | tee "$OUT/bench_fp8_gemm.log"
   for b in bench_echo bench_moe_layer bench_optimizer; do
     timeout "$(lim $BENCH_S)" python3 benchmarks/$b.py 2>&1 | tail -40 | tee "$OUT/$b.log"
   done

@@ -114,6 +114,10 @@ TORCH_LIBRARY(moe_graph, m) {
         "int block_n, Tensor? bias, ScalarType out_dtype) -> Tensor");
   m.def("fp8_scaled_grouped_wgrad_out(Tensor a_t, Tensor a_scale, Tensor b_t, Tensor b_scale, Tensor m_splits, "
         "int block_m, Tensor(a!) out, bool accumulate) -> ()");
+  // Test-only: the CUDA scaled GEMM's launch plan (csrc/fp8/scaled_plan.h, field order in fp8/fp8_ops.h).
+  m.def("_fp8_scaled_plan(bool wgrad, int arch, int rows, int num_experts, int n, int k, int block_k, int block_n, "
+        "bool e8m0, bool flag) -> int[]",
+        &moe_graph::fp8_scaled_plan_probe);
 }
 
 TORCH_LIBRARY_IMPL(moe_graph, CompositeExplicitAutograd, m) {
@@ -162,6 +166,8 @@ TORCH_LIBRARY_IMPL(moe_graph, CUDA, m) {
   m.impl("gated_activation", &moe_graph::gated_activation_cuda);
   m.impl("gated_activation_backward", &moe_graph::gated_activation_backward_cuda);
   m.impl("fp8_quantize", &moe_graph::fp8_quantize_cuda);
+  m.impl("fp8_scaled_grouped_gemm", &moe_graph::fp8_scaled_grouped_gemm_cuda);
+  m.impl("fp8_scaled_grouped_wgrad_out", &moe_graph::fp8_scaled_grouped_wgrad_out_cuda);
 }
 #endif
 

@@ -29,13 +29,13 @@ SCHEDULES = "forward,reverse,random:1" + (",random:2,random:3" if FULL else "")
 # CPU implementations they are compared with.
 KERNELS = ["activation/activation_cuda.cu", "permute/permute_cuda.cu", "permute/dispatch_layout_cuda.cu",
            "reroute/reroute_cuda.cu", "reroute/echo_plan_cuda.cu", "grouped_gemm/grouped_gemm_cuda.cu",
-           "fp8/quantize_cuda.cu"]
+           "fp8/quantize_cuda.cu", "fp8/scaled_gemm_cuda.cu"]
 CPU = ["activation/activation_cpu.cpp", "permute/permute_cpu.cpp", "permute/dispatch_layout_cpu.cpp",
        "reroute/reroute_cpu.cpp", "reroute/echo_plan_cpu.cpp", "grouped_gemm/grouped_plan.cpp",
-       "fp8/quantize_cpu.cpp"]
-HARNESS = ["moe_emu.cpp", "harness.cpp", "harness_grouped.cpp"]
+       "fp8/quantize_cpu.cpp", "fp8/scaled_plan.cpp"]
+HARNESS = ["moe_emu.cpp", "harness.cpp", "harness_grouped.cpp", "harness_scaled.cpp"]
 FAMILIES = ["activation", "permute", "dispatch", "receive", "reroute", "reroute_indices", "echo_plan", "grouped",
-            "fp8_quantize"]
+            "fp8_quantize", "fp8_scaled"]
 
 
 def _cuda_include():

@@ -22,7 +22,7 @@ def test_flag_error_if_rejects_unknown_bits():
     with pytest.raises(ValueError, match="bit must be one of"):
         flag_error_if(torch.tensor(True), 3)
     # bit 16 (capacity drops) is retired: drops are statistics, never errors
-    assert sorted(ERROR_BITS) == [1, 2, 4, 8, 32, 64]
+    assert sorted(ERROR_BITS) == [1, 2, 4, 8, 32, 64, 128]
     with pytest.raises(ValueError, match="bit must be one of"):
         flag_error_if(torch.tensor(True), 16)
 

@@ -18,6 +18,7 @@ enum ErrorCode : int32_t {
   // counted on the device by the dispatcher and read without an error, so check_errors() never raises on them.
   kErrIndexOutOfRange = 1 << 5,  // a row/route/column index out of range (permute, dispatch layout): the sentinel
   kErrExchangeCounts = 1 << 6,   // per-destination exchange counts inconsistent (set from Python): clamped
+  kErrUnalignedSplit = 1 << 7,   // FP8 wgrad on the GPU: an expert's first token not a multiple of 16 (skipped)
 };
 
 // Human-readable text for each bit, used by check_errors().
@@ -39,6 +40,11 @@ inline const char* error_text(int32_t bit) {
     case kErrExchangeCounts:
       return "the per-destination exchange's counts were inconsistent (negative, past the routes a rank has, "
              "disagreeing between ranks, or past a receive buffer): clamped";
+    case kErrUnalignedSplit:
+      return "FP8 scaled grouped wgrad (CUDA): an expert's rows started at a token offset that is not a multiple of "
+             "16 (TMA needs 16-byte aligned starts of the transposed FP8 copies; pad m_splits to multiples of 16, as "
+             "TransformerEngine's FP8 padding does): that expert's gradient was not computed (zero, or unchanged "
+             "when accumulating)";
     default:
       return "unknown error bit";
   }

@@ -5,15 +5,21 @@
 
 #include <algorithm>
 #include <cfloat>
+#include <stdexcept>
+#include <vector>
 
 #include "common/error_flag_torch.h"
 #include "common/torch_checks.h"
 #include "fp8/quantize.h"
 #include "fp8/scaled_gemm.h"
+#include "fp8/scaled_plan.h"
 
 #ifdef MOE_GRAPH_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
+
+#include "fp8/scaled_gemm_cuda.h"
+#include "grouped_gemm/grouped_gemm_ops.h"
 #endif
 
 namespace moe_graph {
@@ -137,11 +143,19 @@ int64_t blocks(int64_t extent, int64_t block) { return block == 0 ? 1 : (extent 
 
 }  // namespace
 
-at::Tensor fp8_scaled_grouped_gemm_cpu(const at::Tensor& a, const at::Tensor& a_scale, const at::Tensor& b,
-                                       const at::Tensor& b_scale, const at::Tensor& m_splits, int64_t block_k,
-                                       int64_t block_n, const std::optional<at::Tensor>& bias,
-                                       at::ScalarType out_dtype) {
+namespace {
+
+// The checks of both devices (nothing allocated or written before them), the problem in the op's compact layouts.
+struct GemmArgs {
   fp8::ScaledGemmProblem p;
+  at::Tensor bias32;
+};
+
+GemmArgs describe_gemm(const at::Tensor& a, const at::Tensor& a_scale, const at::Tensor& b, const at::Tensor& b_scale,
+                       const at::Tensor& m_splits, int64_t block_k, int64_t block_n,
+                       const std::optional<at::Tensor>& bias, at::ScalarType out_dtype) {
+  GemmArgs g;
+  fp8::ScaledGemmProblem& p = g.p;
   p.a = operand(a, a_scale, kGemm, "a", "a_scale");
   p.b = operand(b, b_scale, kGemm, "b", "b_scale");
   check_dim(a, 2, kGemm, "a", "[M, K]");
@@ -163,24 +177,25 @@ at::Tensor fp8_scaled_grouped_gemm_cpu(const at::Tensor& a, const at::Tensor& a_
   p.splits_i64 = m_splits.scalar_type() == at::kLong;
   p.block_k = block_k;
   p.block_n = block_n;
-  at::Tensor bias32;
   if (bias.has_value() && bias->defined()) {
     check_shape(*bias, {p.groups, p.n}, kGemm, "bias");
     check_device(*bias, a.device(), kGemm, "bias");
-    bias32 = bias->to(at::kFloat).contiguous();
-    p.bias = bias32.data_ptr<float>();
+    g.bias32 = bias->to(at::kFloat).contiguous();
+    p.bias = g.bias32.data_ptr<float>();
   }
-  at::Tensor out = at::empty({p.rows, p.n}, a.options().dtype(at::kFloat));
-  p.out = out.data_ptr<float>();
   p.error_flag = error_flag_ptr(a.device());
-  fp8::scaled_gemm_cpu(p);
-  return out_dtype == at::kFloat ? out : out.to(out_dtype);  // one rounding (nearest even)
+  return g;
 }
 
-void fp8_scaled_grouped_wgrad_out_cpu(const at::Tensor& a_t, const at::Tensor& a_scale, const at::Tensor& b_t,
-                                      const at::Tensor& b_scale, const at::Tensor& m_splits, int64_t block_m,
-                                      const at::Tensor& out, bool accumulate) {
+struct WgradArgs {
   fp8::ScaledWgradProblem p;
+};
+
+WgradArgs describe_wgrad(const at::Tensor& a_t, const at::Tensor& a_scale, const at::Tensor& b_t,
+                         const at::Tensor& b_scale, const at::Tensor& m_splits, int64_t block_m, const at::Tensor& out,
+                         bool accumulate) {
+  WgradArgs w;
+  fp8::ScaledWgradProblem& p = w.p;
   p.a = operand(a_t, a_scale, kWgrad, "a_t", "a_scale");
   p.b = operand(b_t, b_scale, kWgrad, "b_t", "b_scale");
   check_dim(a_t, 2, kWgrad, "a_t", "[N, M]");
@@ -208,8 +223,121 @@ void fp8_scaled_grouped_wgrad_out_cpu(const at::Tensor& a_t, const at::Tensor& a
   p.accumulate = accumulate;
   p.out = out.data_ptr<float>();
   p.error_flag = error_flag_ptr(a_t.device());
-  fp8::scaled_wgrad_cpu(p);
+  return w;
 }
+
+}  // namespace
+
+at::Tensor fp8_scaled_grouped_gemm_cpu(const at::Tensor& a, const at::Tensor& a_scale, const at::Tensor& b,
+                                       const at::Tensor& b_scale, const at::Tensor& m_splits, int64_t block_k,
+                                       int64_t block_n, const std::optional<at::Tensor>& bias,
+                                       at::ScalarType out_dtype) {
+  GemmArgs g = describe_gemm(a, a_scale, b, b_scale, m_splits, block_k, block_n, bias, out_dtype);
+  at::Tensor out = at::empty({g.p.rows, g.p.n}, a.options().dtype(at::kFloat));
+  g.p.out = out.data_ptr<float>();
+  fp8::scaled_gemm_cpu(g.p);
+  return out_dtype == at::kFloat ? out : out.to(out_dtype);  // one rounding (nearest even)
+}
+
+void fp8_scaled_grouped_wgrad_out_cpu(const at::Tensor& a_t, const at::Tensor& a_scale, const at::Tensor& b_t,
+                                      const at::Tensor& b_scale, const at::Tensor& m_splits, int64_t block_m,
+                                      const at::Tensor& out, bool accumulate) {
+  fp8::scaled_wgrad_cpu(describe_wgrad(a_t, a_scale, b_t, b_scale, m_splits, block_m, out, accumulate).p);
+}
+
+std::vector<int64_t> fp8_scaled_plan_probe(bool wgrad, int64_t arch, int64_t rows, int64_t num_experts, int64_t n,
+                                           int64_t k, int64_t block_k, int64_t block_n, bool e8m0, bool flag) {
+  try {
+    if (wgrad) {
+      const fp8::ScaledWgradPlan p = fp8::plan_scaled_wgrad(static_cast<int>(arch), rows,
+                                                            static_cast<int>(num_experts), n, k, block_k, e8m0, flag);
+      return {static_cast<int64_t>(p.kernel), p.run_offsets, p.run_gemm, p.zero_fill,
+              static_cast<int64_t>(p.offsets_bytes), static_cast<int64_t>(p.argument_bytes),
+              static_cast<int64_t>(p.sfa_bytes), static_cast<int64_t>(p.sfb_bytes)};
+    }
+    const fp8::ScaledForwardPlan p = fp8::plan_scaled_forward(static_cast<int>(arch), rows,
+                                                              static_cast<int>(num_experts), n, k, block_k, block_n,
+                                                              e8m0, flag);
+    return {static_cast<int64_t>(p.kernel), p.run_offsets, p.run_gemm, p.arg_tail_blocks,
+            static_cast<int64_t>(p.offsets_bytes), static_cast<int64_t>(p.argument_bytes),
+            static_cast<int64_t>(p.sfa_bytes), static_cast<int64_t>(p.sfb_bytes)};
+  } catch (const std::runtime_error& e) {
+    TORCH_CHECK(false, e.what());
+  }
+}
+
+#ifdef MOE_GRAPH_WITH_CUDA
+namespace {
+
+// The CUDA kernels' operand rules beyond the shared checks (the plan checks shapes and the recipe per arch).
+void check_cuda_operands(const fp8::Operand& a, const fp8::Operand& b, const char* op) {
+  TORCH_CHECK(a.format == fp8::Format::kE4M3 && b.format == fp8::Format::kE4M3, op,
+              ": the CUDA kernels take E4M3 operands (Float8_e4m3fn); E5M2 (the HYBRID format's gradients) runs on "
+              "the CPU only");
+  TORCH_CHECK(a.e8m0 == b.e8m0, op, ": both scales must be fp32 or both float8_e8m0fnu");
+}
+
+}  // namespace
+
+at::Tensor fp8_scaled_grouped_gemm_cuda(const at::Tensor& a, const at::Tensor& a_scale, const at::Tensor& b,
+                                        const at::Tensor& b_scale, const at::Tensor& m_splits, int64_t block_k,
+                                        int64_t block_n, const std::optional<at::Tensor>& bias,
+                                        at::ScalarType out_dtype) {
+  c10::cuda::CUDAGuard guard(a.device());
+  GemmArgs g = describe_gemm(a, a_scale, b, b_scale, m_splits, block_k, block_n, bias, out_dtype);
+  check_cuda_operands(g.p.a, g.p.b, kGemm);
+  TORCH_CHECK(out_dtype == at::kBFloat16, kGemm, ": the CUDA kernels write BFloat16 (out_dtype), got ",
+              c10::toString(out_dtype));
+  fp8::ScaledForwardCuda p;
+  p.rows = g.p.rows;
+  p.n = g.p.n;
+  p.k = g.p.k;
+  p.block_k = block_k;
+  p.block_n = block_n;
+  p.e8m0 = g.p.a.e8m0;
+  p.a = g.p.a.q;
+  p.a_scale = g.p.a.scale;
+  p.b = g.p.b.q;
+  p.b_scale = g.p.b.scale;
+  p.bias = g.p.bias;
+  p.splits = to_splits(m_splits);
+  std::vector<at::Tensor> keep;
+  gg::LaunchEnv env = make_env(a, keep);
+  // the plan's errors (recipe, arch, shapes) before the output is allocated
+  run_guarded(kGemm, [&] {
+    (void)fp8::plan_scaled_forward(env.arch, p.rows, p.splits.num_experts, p.n, p.k, p.block_k, p.block_n, p.e8m0,
+                                   p.bias != nullptr);
+  });
+  at::Tensor out = at::empty({p.rows, p.n}, a.options().dtype(at::kBFloat16));
+  p.out = out.data_ptr();
+  run_guarded(kGemm, [&] { fp8::run_scaled_forward(p, env); });
+  return out;
+}
+
+void fp8_scaled_grouped_wgrad_out_cuda(const at::Tensor& a_t, const at::Tensor& a_scale, const at::Tensor& b_t,
+                                       const at::Tensor& b_scale, const at::Tensor& m_splits, int64_t block_m,
+                                       const at::Tensor& out, bool accumulate) {
+  c10::cuda::CUDAGuard guard(a_t.device());
+  WgradArgs w = describe_wgrad(a_t, a_scale, b_t, b_scale, m_splits, block_m, out, accumulate);
+  check_cuda_operands(w.p.a, w.p.b, kWgrad);
+  fp8::ScaledWgradCuda p;
+  p.rows = w.p.rows;
+  p.n = w.p.n;
+  p.k = w.p.k;
+  p.block_m = block_m;
+  p.e8m0 = w.p.a.e8m0;
+  p.a_t = w.p.a.q;
+  p.a_scale = w.p.a.scale;
+  p.b_t = w.p.b.q;
+  p.b_scale = w.p.b.scale;
+  p.out = w.p.out;
+  p.accumulate = accumulate;
+  p.splits = to_splits(m_splits);
+  std::vector<at::Tensor> keep;
+  gg::LaunchEnv env = make_env(a_t, keep);
+  run_guarded(kWgrad, [&] { fp8::run_scaled_wgrad(p, env); });
+}
+#endif
 
 #ifdef MOE_GRAPH_WITH_CUDA
 std::tuple<at::Tensor, at::Tensor> fp8_quantize_cuda(const at::Tensor& x, const std::optional<at::Tensor>& m_splits,

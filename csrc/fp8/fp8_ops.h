@@ -4,6 +4,7 @@
 
 #include <optional>
 #include <tuple>
+#include <vector>
 
 namespace moe_graph {
 
@@ -25,10 +26,24 @@ void fp8_scaled_grouped_wgrad_out_cpu(const at::Tensor& a_t, const at::Tensor& a
                                       const at::Tensor& b_scale, const at::Tensor& m_splits, int64_t block_m,
                                       const at::Tensor& out, bool accumulate);
 
+// Test-only (tests/test_fp8_launch_logic.py): the CUDA launch plan (fp8/scaled_plan.h) as integers: forward
+// (wgrad false: block_k, block_n, flag = has_bias) -> [kernel, run_offsets, run_gemm, arg_tail_blocks, offsets_bytes,
+// argument_bytes, sfa_bytes, sfb_bytes]; wgrad (block_k = block_m, flag = accumulate) -> [kernel, run_offsets,
+// run_gemm, zero_fill, offsets_bytes, argument_bytes, sfa_bytes, sfb_bytes]. Plan errors raise.
+std::vector<int64_t> fp8_scaled_plan_probe(bool wgrad, int64_t arch, int64_t rows, int64_t num_experts, int64_t n,
+                                           int64_t k, int64_t block_k, int64_t block_n, bool e8m0, bool flag);
+
 #ifdef MOE_GRAPH_WITH_CUDA
 std::tuple<at::Tensor, at::Tensor> fp8_quantize_cuda(const at::Tensor& x, const std::optional<at::Tensor>& m_splits,
                                                      int64_t tile_rows, int64_t tile_cols, at::ScalarType fp8_dtype,
                                                      bool mx, double eps, bool pow2, bool transpose);
+at::Tensor fp8_scaled_grouped_gemm_cuda(const at::Tensor& a, const at::Tensor& a_scale, const at::Tensor& b,
+                                        const at::Tensor& b_scale, const at::Tensor& m_splits, int64_t block_k,
+                                        int64_t block_n, const std::optional<at::Tensor>& bias,
+                                        at::ScalarType out_dtype);
+void fp8_scaled_grouped_wgrad_out_cuda(const at::Tensor& a_t, const at::Tensor& a_scale, const at::Tensor& b_t,
+                                       const at::Tensor& b_scale, const at::Tensor& m_splits, int64_t block_m,
+                                       const at::Tensor& out, bool accumulate);
 #endif
 
 }  // namespace moe_graph

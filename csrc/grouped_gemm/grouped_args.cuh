@@ -27,6 +27,20 @@ namespace detail {
 
 constexpr int kArgThreads = 256;
 
+// Index of the expert owning row r (< total): the last e with offsets[e] <= r (empty experts share their
+// successor's offset and lose to it).
+__device__ __forceinline__ int expert_of_row(const int64_t* offsets, int num_experts, int64_t r) {
+  int lo = 0, hi = num_experts - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (offsets[mid] <= r)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  return lo;
+}
+
 // Calls fn(e, start_e, count_e) for every expert from a block-wide scan of the splits.
 template <class Fn>
 __device__ __forceinline__ void for_each_expert_span(const void* splits, bool is_int64, int num_experts,

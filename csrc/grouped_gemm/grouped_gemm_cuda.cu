@@ -69,18 +69,7 @@ const void** device_ptr_table(const void* const* host, int n, const LaunchEnv& e
   return table;
 }
 
-// Index of the expert owning row r (< total): the last e with offsets[e] <= r.
-__device__ __forceinline__ int expert_of_row(const int64_t* offsets, int num_experts, int64_t r) {
-  int lo = 0, hi = num_experts - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (offsets[mid] <= r)
-      lo = mid;
-    else
-      hi = mid - 1;
-  }
-  return lo;
-}
+using detail::expert_of_row;
 
 // Explicit conversions: torch builds define __CUDA_NO_HALF_CONVERSIONS__ / __CUDA_NO_BFLOAT16_CONVERSIONS__.
 __device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }

@@ -411,6 +411,8 @@ DeviceInfo device_info(int device) {  // by value: the cache may grow under anot
   return d;
 }
 
+}  // namespace
+
 // Launch environment of the current device/stream; workspace from PyTorch's caching allocator (graph-safe, and
 // kept alive in `keep` until the launches are enqueued).
 gg::LaunchEnv make_env(const at::Tensor& like, std::vector<at::Tensor>& keep) {
@@ -435,14 +437,15 @@ gg::Splits to_splits(const at::Tensor& m_splits) {
   return gg::Splits{m_splits.data_ptr(), m_splits.scalar_type() == at::kLong, static_cast<int>(m_splits.size(0))};
 }
 
-template <class F>
-void run_guarded(const char* op, F&& f) {
+void run_guarded(const char* op, const std::function<void()>& f) {
   try {
     f();
   } catch (const std::runtime_error& e) {
     TORCH_CHECK(false, op, ": ", e.what());
   }
 }
+
+namespace {
 
 void forward_cuda_into(const at::Tensor& a, at::TensorList b, const at::Tensor& m_splits, bool trans_b,
                        const std::optional<at::Tensor>& bias, const at::Tensor& out, const FwdShape& s) {

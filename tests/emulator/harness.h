@@ -96,5 +96,6 @@ int run_case(const std::string& what, const std::function<std::vector<Output>()>
              const std::function<std::vector<Output>()>& gpu);
 
 int family_grouped();
+int family_fp8_scaled();  // harness_scaled.cpp
 
 }  // namespace emu_test

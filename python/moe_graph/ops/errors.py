@@ -15,7 +15,7 @@ import torch
 from moe_graph.ops._lib import available, cuda_built, ops
 
 __all__ = ["check_errors", "read_error_flag", "flag_error_if", "ERROR_BITS", "SPLITS_OVERFLOW", "NEGATIVE_SPLIT",
-           "REROUTE_OVER_ASK", "PLAN_INVALID", "INDEX_OUT_OF_RANGE", "EXCHANGE_COUNTS"]
+           "REROUTE_OVER_ASK", "PLAN_INVALID", "INDEX_OUT_OF_RANGE", "EXCHANGE_COUNTS", "UNALIGNED_SPLIT"]
 
 # Mirrors csrc/common/error_flag.h (bit 16, once "capacity drop", is retired: drops are statistics, not errors).
 SPLITS_OVERFLOW = 1
@@ -24,6 +24,7 @@ REROUTE_OVER_ASK = 4
 PLAN_INVALID = 8
 INDEX_OUT_OF_RANGE = 32
 EXCHANGE_COUNTS = 64
+UNALIGNED_SPLIT = 128
 ERROR_BITS = {
     SPLITS_OVERFLOW: "sum(m_splits) exceeded the rows of the buffer (clamped; rows past the buffer were not computed)",
     NEGATIVE_SPLIT: "m_splits contained a negative count (treated as 0)",
@@ -33,6 +34,9 @@ ERROR_BITS = {
                          "(read as the sentinel: no row, no route)"),
     EXCHANGE_COUNTS: ("the per-destination exchange's counts were inconsistent (negative, past the routes a rank has, "
                       "disagreeing between ranks, or past a receive buffer): clamped, nothing written past a buffer"),
+    UNALIGNED_SPLIT: ("FP8 scaled grouped wgrad (CUDA): an expert's rows started at a token offset that is not a multiple "
+                      "of 16 (pad m_splits to multiples of 16): that expert's gradient was not computed (zero, or "
+                      "unchanged when accumulating)"),
 }
 
 

@@ -121,10 +121,13 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, m_splits: Optional[torch.Te
 
 
 def _require_gemm(device_type: str) -> None:
+    """The op has a kernel for ``device_type`` in this build (CUDA: a build with the CUTLASS kernels; which recipe
+    runs on which GPU is the kernel's own check: Float8BlockScaling on sm_90, MXFP8 on sm_100, a clear error on
+    other GPUs, E5M2 operands or unsupported shapes, see docs/fp8.md)."""
     require()
     if not has_kernel("moe_graph::fp8_scaled_grouped_gemm", device_type):
         raise NotImplementedError(f"moe_graph: the FP8 scaled grouped GEMM has no {device_type} kernel in this build "
-                                  "(the CPU implementation defines the semantics; the CUTLASS kernels are not built)")
+                                  "(a CPU-only build, or one without CUTLASS: rebuild with CUDA for sm_90a / sm_100a)")
 
 
 def scaled_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,

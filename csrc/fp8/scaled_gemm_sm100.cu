@@ -1,0 +1,98 @@
+// SM100 (Blackwell) scaled grouped GEMM, TransformerEngine's MXFP8BlockScaling: CUTLASS's ptr-array block-scaled
+// tcgen05 kernel (OpClassBlockScaledTensorOp, mx_float8_t<e4m3>: the tensor core applies one E8M0 scale per 32
+// elements of K to each operand), 1-SM 128x128x128 MMA tile. Two instantiations: forward / dgrad (fp32 bias fused in
+// the epilogue, bf16 out) and wgrad (fp32 D = acc + C on main_grad). Scales in CUTLASS's Sm1xxBlkScaledConfig
+// layout, written per group by the relayout kernels of scaled_args.cuh.
+#include "fp8/scaled_gemm_cuda.h"
+
+#if defined(MOE_GRAPH_BUILD_SM100)
+
+#include <cutlass/cutlass.h>
+#include <cutlass/epilogue/collective/collective_builder.hpp>
+#include <cutlass/epilogue/fusion/operations.hpp>
+#include <cutlass/epilogue/fusion/sm90_callbacks_tma_warpspecialized.hpp>
+#include <cutlass/gemm/collective/collective_builder.hpp>
+#include <cutlass/gemm/device/gemm_universal_adapter.h>
+#include <cutlass/gemm/dispatch_policy.hpp>
+#include <cutlass/gemm/group_array_problem_shape.hpp>
+#include <cutlass/gemm/kernel/gemm_universal.hpp>
+
+#include <type_traits>
+
+#include "fp8/scaled_launch.cuh"
+#include "grouped_gemm/grouped_expert_args.h"
+
+namespace moe_graph {
+namespace fp8 {
+namespace detail {
+namespace {
+
+using namespace cute;
+
+using Fp8 = cutlass::float_e4m3_t;
+using MxFp8 = cutlass::mx_float8_t<Fp8>;
+using Sf = cutlass::float_ue8m0_t;
+using Tile = Shape<_128, _128, _128>;
+using Cluster = Shape<_1, _1, _1>;
+
+using BiasFp32 = cutlass::epilogue::fusion::Sm90EVT<
+    cutlass::epilogue::fusion::Sm90Compute<cutlass::plus, cutlass::bfloat16_t, float,
+                                           cutlass::FloatRoundStyle::round_to_nearest>,
+    cutlass::epilogue::fusion::Sm90AccFetch,
+    cutlass::epilogue::fusion::Sm90RowBroadcast<0, Tile, float*, float, gg::detail::BiasStride, 4>>;
+
+template <class ElementC, class ElementD, class Fusion>
+struct Kernel {
+  using RowMajor = cutlass::layout::RowMajor;
+  using ColMajor = cutlass::layout::ColumnMajor;
+  static constexpr int kAlignD = 128 / cutlass::sizeof_bits<ElementD>::value;
+
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm100, cutlass::arch::OpClassTensorOp, Tile, Cluster,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementC, RowMajor*, kAlignD, ElementD, RowMajor*,
+      kAlignD, cutlass::epilogue::PtrArrayTmaWarpSpecialized1Sm, Fusion>::CollectiveOp;
+
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm100, cutlass::arch::OpClassBlockScaledTensorOp, MxFp8, RowMajor*, 16, MxFp8, ColMajor*, 16,
+      float, Tile, Cluster,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      cutlass::gemm::KernelPtrArrayTmaWarpSpecialized1SmMxf8f6f4Sm100>::CollectiveOp;
+
+  using GemmKernel = cutlass::gemm::kernel::GemmUniversal<cutlass::gemm::GroupProblemShape<Shape<int, int, int>>,
+                                                          Mainloop, Epilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
+  using SC = typename Mainloop::Sm1xxBlkScaledConfig;
+  using X = ScaledExpert<SC, Fp8, Fp8, ElementD, Sf>;
+
+  static_assert(SC::SFVecSize == 32, "MXFP8: one E8M0 scale per 32 elements of K");
+  static_assert(std::is_same_v<typename GemmKernel::InternalStrideA, KMajorStride>);
+  static_assert(std::is_same_v<typename GemmKernel::InternalStrideB, KMajorStride>);
+  static_assert(std::is_same_v<typename GemmKernel::InternalStrideD, KMajorStride>);
+  static_assert(std::is_same_v<typename Mainloop::InternalLayoutSFA, typename X::LayoutSFA>);
+  static_assert(std::is_same_v<typename Mainloop::InternalLayoutSFB, typename X::LayoutSFB>);
+  static_assert(std::is_same_v<typename Mainloop::ElementSF, Sf>);
+};
+
+using Forward = Kernel<void, cutlass::bfloat16_t, BiasFp32>;
+using Wgrad = Kernel<float, float, cutlass::epilogue::fusion::LinearCombination<float, float, float, float>>;
+
+constexpr const char* kForwardName = "sm100_mxfp8_forward_1sm_128x128x128";
+constexpr const char* kWgradName = "sm100_mxfp8_wgrad_1sm_128x128x128";
+
+}  // namespace
+
+void scaled_forward_sm100(const ScaledForwardCuda& p, const ScaledForwardPlan& plan, const gg::LaunchEnv& env,
+                         int64_t* offsets) {
+  ScaledLaunch<Forward>::forward(p, plan, env, offsets, kForwardName);
+}
+
+void scaled_wgrad_sm100(const ScaledWgradCuda& p, const ScaledWgradPlan& plan, const gg::LaunchEnv& env,
+                       int64_t* offsets) {
+  ScaledLaunch<Wgrad>::wgrad(p, plan, env, offsets, kWgradName);
+}
+
+}  // namespace detail
+}  // namespace fp8
+}  // namespace moe_graph
+
+#endif  // MOE_GRAPH_BUILD_SM100
