@@ -82,6 +82,7 @@ VARIANTS = [  # (family, config overrides)
     ("hunyuan_v1_moe", {}),  # fp32 gate, softmax renormalized, shared MLP
     ("aria_text", {}),  # softmax of the top-k logits, experts stored transposed, shared experts
     ("dbrx", {}),  # softmax, top-k / L1 norm, experts w1/v1/w2 [E * F, H]
+    ("inkling_text", {}),  # 2 shared experts scored by the gate and renormalized with the top-2, global scale
     ("dbrx", dict(ffn_config=dict(ffn_hidden_size=24, moe_num_experts=8, moe_top_k=2,
                                   moe_normalize_expert_weights=None))),
     ("step3p5", {}),  # layer 0: min(silu(g), 1) * clamp(u, -1, 1), the shared expert's at 1.5 with biases
@@ -98,7 +99,7 @@ VARIANTS = [  # (family, config overrides)
 ONE_LAYOUT = ("gpt_oss", "jetmoe", "llama4_text", "qwen3_vl_moe_text", "qwen3_omni_moe_text", "qwen3_5_moe_text",
               "qwen4_exp_text", "glm4v_moe_text", "granitemoe", "mistral4", "aria_text", "dbrx",
               "granitemoeshared", "gemma4_text", "granitemoe_swa", "granitemoehybrid", "qwen3_omni_moe_talker_text",
-              "mistral_large4_text")  # fused experts only: no v4 per-expert modules
+              "mistral_large4_text", "inkling_text")  # fused experts only: no v4 per-expert modules
 V4_NAMES = {"mixtral": ("w1", "w3", "w2"), "minimax": ("w1", "w3", "w2"), "nemotron_h": (None, "up_proj", "down_proj"),
             "deepseek_v4": ("w1", "w3", "w2"), "minimax_m2": ("w1", "w3", "w2"), "lfm2_moe": ("w1", "w3", "w2")}
 # whole models swapped by default (each family's block is checked regardless): every family with its own semantics
@@ -339,7 +340,7 @@ def test_unsupported_family():
 
 @pytest.mark.parametrize("model_type, reason", [
     ("ernie4_5_vl_moe", "token-type expert sets"), ("phimoe", "SparseMixer"), ("zaya", "an MLP router"),
-    ("doge", "product-key routing"), ("inkling_mm_model", "shared experts scored by the router"),
+    ("doge", "product-key routing"),
 ])
 def test_unsupported_families_name_the_reason(model_type, reason):
     """transformers' own configs of the families MoELayer cannot express: the error names the semantics missing."""

@@ -244,6 +244,9 @@ ROUTER_OPTION_SETS = {
     # LongCat-Flash: 3 zero-computation experts, softmax with the selection bias, not renormalized, scaled
     "zero_experts": dict(num_zero_experts=3, enable_expert_bias=True, norm_topk_prob=False,
                          topk_scaling_factor=2.0),
+    # Inkling: 2 shared experts scored by the gate with the 2 routed ones, renormalized jointly, a learned scale
+    "scored_shared": dict(K=4, score_func="sigmoid", num_scored_shared_experts=2, router_global_scale=True,
+                          enable_expert_bias=True, norm_topk_prob=True, topk_scaling_factor=2.5),
     # Laguna's soft-capped logits; A.X-K1's RMSNorm of the output
     "softcap_output_norm": dict(score_func="sigmoid", logit_softcap=1.5, output_norm="rmsnorm",
                                 shared_expert_ffn_size=5),
@@ -260,6 +263,8 @@ def _option_layer(name, **extra):
             r.tid2eid.copy_(_hash_table(r.hash_vocab_size, 8, 2))
         if layer.output_norm is not None:
             layer.output_norm.weight.normal_(1.0, 0.2)
+        if r.global_scale is not None:
+            r.global_scale.fill_(0.7)
     return layer
 
 
@@ -281,6 +286,9 @@ def test_router_and_block_options(gen, name, case):
     routing = layer.router(x.reshape(-1, 8), token_ids=ids)
     if name == "hash_sqrtsoftplus":
         assert torch.equal(routing.indices, layer.router.tid2eid[ids.reshape(-1)])
+    if name == "scored_shared":  # every token routes to the two shared experts, after its two routed ones
+        assert torch.equal(routing.indices[:, 2:], torch.tensor([6, 7]).expand(24, 2))
+        assert bool((routing.indices[:, :2] < 6).all())
     if name == "zero_experts":  # some routes go to the zero experts, and the statistics count the real ones
         real = routing.indices < 8
         assert 0 < int((~real).sum()) < real.numel()
@@ -431,6 +439,8 @@ def test_expert_numel_counts_biases():
     (dict(num_zero_experts=2, aux_loss_coeff=0.1, aux_loss_type="global"), "num_zero_experts"),
     (dict(output_norm="layernorm"), "output_norm"),
     (dict(group_masked_score=0.0), "group_masked_score needs"),
+    (dict(num_scored_shared_experts=2), "num_scored_shared_experts must"),
+    (dict(num_scored_shared_experts=1, score_func="softmax"), "num_scored_shared_experts needs"),
     (dict(num_groups=2, group_topk=1, group_masked_score=float("nan")), "group_masked_score must"),
     (dict(output_norm="rmsnorm", output_norm_eps=0), "output_norm_eps"),
 ])
@@ -452,11 +462,11 @@ def test_options_ep2_echo():
 
 
 def test_new_router_options_ep2_echo():
-    """Zero-computation experts (with soft-capped logits and the output RMSNorm) and hash routing by token id
-    (sqrtsoftplus) on two EP ranks with echo, plain and fused main_grad, against the reference on all tokens."""
-    results = run_distributed(option_layer_ep_worker, 2, 5, ("zero_softcap_norm", "hash_sqrtsoftplus"))
+    """Zero-computation experts (with soft-capped logits and the output RMSNorm), hash routing by token id
+    (sqrtsoftplus) and router-scored shared experts (Inkling) on two EP ranks with echo, plain and fused main_grad, against the reference on all tokens."""
+    results = run_distributed(option_layer_ep_worker, 2, 5, ("zero_softcap_norm", "hash_sqrtsoftplus", "scored_shared"))
     for res in results:
-        assert len(res["errors"]) == 4
+        assert len(res["errors"]) == 6
         for case, errs in res["errors"].items():
             for what, err in errs.items():
                 assert err < 1e-10, (case, what, err)

@@ -23,6 +23,10 @@ OPTION_SETS = {
                               logit_softcap=3.0, output_norm="rmsnorm", num_spare_experts_per_ep_rank=1),
     "hash_sqrtsoftplus": dict(score_func="sqrtsoftplus", hash_vocab_size=16, router_bias=True,
                               topk_scaling_factor=1.5, num_spare_experts_per_ep_rank=1),
+    # Inkling: the last 2 experts (rank R-1's) are shared experts every token routes to: echo copies them
+    "scored_shared": dict(score_func="sigmoid", num_scored_shared_experts=2, router_global_scale=True,
+                          norm_topk_prob=True, topk_scaling_factor=2.0, router_bias=True,
+                          num_spare_experts_per_ep_rank=1),
 }
 
 

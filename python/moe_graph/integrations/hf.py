@@ -65,8 +65,13 @@ Families (``config.model_type``; block class -> what the layer reproduces):
   ``experts.mlp.w1/v1/w2`` stored ``[E * F, H]``), ``granitemoeshared`` (as ``granitemoe``; its shared MLP is
   outside the block).
 
+* ``inkling_text`` (``InklingMoE``): fp32 gate over ``E + S`` rows, sigmoid, the correction bias, the ``S`` shared
+  experts scored by the gate and renormalized with the routed top-k (``num_scored_shared_experts``: they are the
+  layer's last ``S`` experts, ``topk = K + S``), ``route_scale`` and the learned ``global_scale``
+  (``router_global_scale``).
+
 Families MoELayer cannot express raise naming the reason (``_UNSUPPORTED``: ERNIE-4.5-VL's token-type expert sets,
-PhiMoE's SparseMixer, Zaya's MLP router, Doge's product keys, Inkling's router-scored shared experts).
+PhiMoE's SparseMixer, Zaya's MLP router, Doge's product keys).
 * ``step3p5`` (``Step3p7SparseMoeBlock``, Step-3.7's text model): sigmoid, correction bias, renormalized, scaled;
   ``min(silu(g), L) * clamp(u, -L, L)`` (``activation="post_clamped_swiglu"``) with per-layer limits for the experts
   (``swiglu_limits``) and the shared expert (``swiglu_limits_shared``: its own activation and limit), the shared
@@ -268,6 +273,7 @@ _FAMILIES: Dict[str, _Family] = {
     "gemma4_text": _Family("Gemma4TextDecoderLayer", "router.proj", None, split=True,
                            router_extras=(("router.scale", "router.input_scale"),
                                           ("router.per_expert_scale", "router.expert_scale"))),
+    "inkling_text": _Family("InklingMoE", "gate", None),  # its shared experts become the last routed ones
 }
 # transformers MoE families MoELayer cannot express, with the reason (moe_config_from_hf raises it)
 _UNSUPPORTED: Dict[str, str] = {
@@ -281,9 +287,6 @@ _UNSUPPORTED: Dict[str, str] = {
             "router is one linear gate",
     "doge": "product-key routing (experts chosen from the product of two key sets) and an averaged shared output; "
             "MoELayer's router is one linear gate over the experts",
-    "inkling_text": "shared experts scored by the router and normalized jointly with the routed top-k, each scaling "
-                    "its own activation, with a learned global scale; MoELayer's shared expert is unweighted (or "
-                    "sigmoid-gated)",
 }
 # transformers' hidden_act of non-gated experts -> MoELayer's activation
 _PLAIN_ACTS = {"relu2": "squared_relu", "relu": "relu", "silu": "silu", "gelu": "gelu"}
@@ -681,6 +684,21 @@ def moe_config_from_hf(config, *, block=None, hash_layer: Optional[bool] = None,
         opts = dict(hidden_size=c.hidden_size, ffn_hidden_size=c.moe_intermediate_size, num_experts=c.num_experts,
                     topk=c.top_k_experts, norm_topk_prob=True, activation="geglu_tanh", router_input_norm=True,
                     router_norm_eps=float(c.rms_norm_eps), router_expert_scale=True)
+    elif t == "inkling_text":
+        _gated_silu(c, t)
+        # fp32 gate over E + S rows, sigmoid, the correction bias for the routed selection, the S shared experts
+        # appended to every token's top-k and all K + S scores renormalized together (exp(logsigmoid - logsumexp)),
+        # times route_scale and the learned global_scale; the shared experts (moe_intermediate_size) are the
+        # layer's last S experts, their per-token weight on their output (transformers applies it before
+        # down_proj: the same product, rounded in another order)
+        S, E, K = c.n_shared_experts, c.n_routed_experts, c.num_experts_per_tok
+        if not S:
+            raise ValueError("inkling_text: n_shared_experts=0 cannot be expressed (transformers' router slices "
+                             "[..., :-0])")
+        opts = dict(hidden_size=c.hidden_size, ffn_hidden_size=c.moe_intermediate_size, num_experts=E + S,
+                    topk=K + S, num_scored_shared_experts=S, score_func="sigmoid", norm_topk_prob=True,
+                    topk_scaling_factor=float(c.route_scale), enable_expert_bias=True, router_global_scale=True,
+                    router_dtype=torch.float32)
     elif t == "gpt_oss":
         opts = dict(hidden_size=c.hidden_size, ffn_hidden_size=c.intermediate_size, num_experts=c.num_local_experts,
                     topk=c.num_experts_per_tok, norm_topk_prob=True, router_bias=True, add_bias_linear=True,
@@ -747,6 +765,12 @@ def hf_to_moe_state_dict(hf_state_dict: Dict[str, torch.Tensor], config, *, ep_r
         out["router.bias"] = _take(sd, f"{fam.router}.bias", t)
     if cfg.enable_expert_bias:
         out["router.expert_bias"] = _take(sd, _expert_bias_key(fam), t).reshape(-1)
+    if cfg.router_global_scale:
+        out["router.global_scale"] = _take(sd, f"{fam.router}.global_scale", t)
+    S = cfg.num_scored_shared_experts
+    if S and "router.expert_bias" in out:  # the shared experts take no part in the selection: bias 0
+        b = out["router.expert_bias"]
+        out["router.expert_bias"] = torch.cat([b, b.new_zeros(S)])
     if hashed:
         out["router.tid2eid"] = sd[f"{fam.router}.tid2eid"]
     if fam.output_norm is not None:
@@ -762,6 +786,11 @@ def hf_to_moe_state_dict(hf_state_dict: Dict[str, torch.Tensor], config, *, ep_r
         out["experts.fc2.weight"] = _take(sd, "experts.down_proj", t)[sl].transpose(1, 2).contiguous()
         b2 = _take(sd, "experts.down_proj_bias", t)
         out["experts.fc2.bias"] = b2 if whole else b2[sl]
+    elif t == "inkling_text":  # the routed experts, then the S shared ones ([S, F, H] gate / up, [S, H, F] down)
+        gu = torch.cat([_take(sd, "experts.gate_up_proj", t), torch.cat(
+            [_take(sd, "shared_experts.gate_proj", t), _take(sd, "shared_experts.up_proj", t)], dim=1)])
+        dp = torch.cat([_take(sd, "experts.down_proj", t), _take(sd, "shared_experts.down_proj", t)])
+        out["experts.fc1.weight"], out["experts.fc2.weight"] = gu[sl], dp[sl]
     elif t == "dbrx":  # w1 (gate), v1 (up), w2 (down, transposed) stored [E * F, H]
         E, F, H = cfg.num_experts, cfg.ffn_hidden_size, cfg.hidden_size
         w1, v1, w2 = (_take(sd, f"experts.mlp.{n}", t).view(E, F, H)[sl] for n in ("w1", "v1", "w2"))
@@ -815,8 +844,12 @@ def moe_to_hf_state_dict(moe_state_dict: Dict[str, torch.Tensor], config, *, lay
     out: Dict[str, torch.Tensor] = {f"{fam.router}.weight": sd["router.weight"]}
     if cfg.router_bias:
         out[f"{fam.router}.bias"] = sd["router.bias"]
+    if cfg.router_global_scale:
+        out[f"{fam.router}.global_scale"] = sd["router.global_scale"]
     if "router.expert_bias" in sd:  # a buffer: absent from e.g. a gradient dict (and from hash layers)
         b = sd["router.expert_bias"]
+        if cfg.num_scored_shared_experts:  # the routed experts' entries
+            b = b[:cfg.num_experts - cfg.num_scored_shared_experts]
         out[_expert_bias_key(fam)] = b.view(1, -1) if fam.expert_bias_2d else b
     if "router.tid2eid" in sd:  # a buffer of DeepSeek-V4's hash layers
         out[f"{fam.router}.tid2eid"] = sd["router.tid2eid"]
@@ -833,6 +866,11 @@ def moe_to_hf_state_dict(moe_state_dict: Dict[str, torch.Tensor], config, *, lay
         out["experts.gate_up_proj_bias"] = torch.stack([b1[:, :F], b1[:, F:]], dim=-1).reshape(b1.shape).contiguous()
         out["experts.down_proj"] = w2.transpose(1, 2).contiguous()
         out["experts.down_proj_bias"] = sd["experts.fc2.bias"]
+    elif t == "inkling_text":  # this rank's rows: global experts first..first+L, the routed ones below E
+        n = min(max(cfg.num_experts - cfg.num_scored_shared_experts - first, 0), w1.shape[0])
+        out["experts.gate_up_proj"], out["experts.down_proj"] = w1[:n], w2[:n]
+        out["shared_experts.gate_proj"], out["shared_experts.up_proj"] = w1[n:, :F], w1[n:, F:]
+        out["shared_experts.down_proj"] = w2[n:]
     elif t == "dbrx":  # this rank's [L * F, H] rows of w1, v1, w2
         H = w1.shape[-1]
         out["experts.mlp.w1"] = w1[:, :F].reshape(-1, H)

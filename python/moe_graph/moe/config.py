@@ -29,7 +29,10 @@ class MoEConfig:
     Routing (:class:`moe_graph.moe.router.TopKRouter`): ``topk``, ``score_func``, ``norm_topk_prob``,
     ``num_groups``, ``group_topk``, ``group_score_topk``, ``topk_scaling_factor``, ``router_bias``,
     ``enable_expert_bias``, ``expert_bias_update_rate``, ``expert_bias_target``, ``norm_topk_min``, ``router_dtype``, ``group_masked_score`` (the score of the experts outside the
-    chosen groups, ``None``: ``-inf``; A.X-K2: 0.0), ``logit_softcap`` (Laguna's ``c * tanh(logits / c)``),
+    chosen groups, ``None``: ``-inf``; A.X-K2: 0.0), ``num_scored_shared_experts`` ``S`` (Inkling: the last ``S``
+    experts are shared experts every token routes to, scored and renormalized with its ``topk - S`` routed ones;
+    ``num_experts`` and ``topk`` count them), ``router_global_scale`` (a learned scalar on the probabilities),
+    ``logit_softcap`` (Laguna's ``c * tanh(logits / c)``),
     ``hash_vocab_size`` (DeepSeek-V4's hash layers: the experts from a ``tid2eid [V, K]`` table indexed by the token
     ids given to ``MoELayer.forward(x, token_ids=...)``); ``score_func`` ``"softmax"``, ``"sigmoid"`` or
     ``"sqrtsoftplus"`` (DeepSeek-V4). ``num_zero_experts`` ``Z`` (LongCat-Flash): the router scores ``E + Z``
@@ -111,6 +114,8 @@ class MoEConfig:
     output_norm: Optional[str] = None
     output_norm_eps: float = 1e-6
     group_masked_score: Optional[float] = None
+    num_scored_shared_experts: int = 0
+    router_global_scale: bool = False
 
     def __post_init__(self):
         check_activation(self.activation, self.swiglu_alpha, self.swiglu_limit)
@@ -138,7 +143,8 @@ class MoEConfig:
         check_router_options(self.num_experts + z, self.topk, self.score_func, self.num_groups, self.group_topk,
                              self.enable_expert_bias, self.router_dtype, self.norm_topk_prob, self.group_score_topk,
                              self.expert_bias_target, hash_vocab_size=self.hash_vocab_size,
-                             logit_softcap=self.logit_softcap, group_masked_score=self.group_masked_score)
+                             logit_softcap=self.logit_softcap, group_masked_score=self.group_masked_score,
+                             num_scored_shared_experts=self.num_scored_shared_experts)
         if self.output_norm not in (None, "rmsnorm"):
             raise ValueError(f"output_norm must be None or 'rmsnorm', got {self.output_norm!r}")
         eps = self.output_norm_eps

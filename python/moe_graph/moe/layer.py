@@ -154,7 +154,9 @@ class MoELayer(nn.Module):
             gate, ``expert_bias`` and counts have ``E + Z`` entries), a route to expert ``E + z`` adds the token
             itself times its probability. Such routes are not dispatched (invalid for the dispatcher and echo: no
             GEMM rows, no exchange, no capacity) and the layer's statistics count the ``E`` real experts only.
-        logit_softcap, hash_vocab_size, group_masked_score: router options (:class:`TopKRouter`); with hash routing
+        logit_softcap, hash_vocab_size, group_masked_score, num_scored_shared_experts, router_global_scale: router
+            options (the scored shared experts are ordinary experts of the grouped GEMM, dispatched and echoed like
+            the others); (:class:`TopKRouter`); with hash routing
             :meth:`forward` needs ``token_ids``.
         aux_loss_coeff: weight of the load-balancing loss (0: off); its gradient flows through the output, times
             the factor of :meth:`MoEAuxLossAutoScaler.set_loss_scale` (``loss_scale / num_microbatches``, set for
@@ -260,7 +262,9 @@ class MoELayer(nn.Module):
                                  hash_vocab_size=c.hash_vocab_size, logit_softcap=c.logit_softcap,
                                  group_masked_score=c.group_masked_score,
                                  input_norm=c.router_input_norm, input_norm_eps=c.router_norm_eps,
-                                 expert_scale=c.router_expert_scale)
+                                 expert_scale=c.router_expert_scale,
+                                 num_scored_shared_experts=c.num_scored_shared_experts,
+                                 global_scale=c.router_global_scale)
         self.router_loss = RouterLoss(c.topk, c.score_func, c.aux_loss_coeff, c.aux_loss_type, c.sequence_dim,
                                       c.z_loss_coeff)
         act = dict(swiglu_alpha=c.swiglu_alpha, swiglu_limit=c.swiglu_limit, bias=c.add_bias_linear)

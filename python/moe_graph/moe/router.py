@@ -157,7 +157,7 @@ def check_router_options(num_experts: int, topk: int, score_func: str = "softmax
                          router_dtype: Optional[torch.dtype] = None, norm_topk_prob: Optional[bool] = None,
                          group_score_topk: Optional[int] = None, expert_bias_target: str = "scores", *,
                          hash_vocab_size: Optional[int] = None, logit_softcap: Optional[float] = None,
-                         group_masked_score: Optional[float] = None) -> None:
+                         group_masked_score: Optional[float] = None, num_scored_shared_experts: int = 0) -> None:
     """Raises ``ValueError`` naming the first bad routing option (:class:`TopKRouter`'s arguments)."""
     if score_func not in SCORE_FUNCS:
         raise ValueError(f"score_func must be one of {SCORE_FUNCS}, got {score_func!r}")
@@ -168,6 +168,13 @@ def check_router_options(num_experts: int, topk: int, score_func: str = "softmax
         if num_groups is not None or enable_expert_bias:
             raise ValueError("hash routing (hash_vocab_size) picks the experts from the token-id table: it cannot "
                              "be combined with num_groups/group_topk or enable_expert_bias")
+    S = num_scored_shared_experts
+    if isinstance(S, bool) or not isinstance(S, int) or not 0 <= S < min(topk, num_experts):
+        raise ValueError(f"num_scored_shared_experts must be an int in [0, min(topk, num_experts)) (the last experts, "
+                         f"routed to by every token, counted in topk and num_experts), got {S!r}")
+    if S and (num_groups is not None or hash_vocab_size is not None or score_func == "softmax"):
+        raise ValueError("num_scored_shared_experts needs an elementwise score_func (sigmoid, sqrtsoftplus) and "
+                         "neither group-limited nor hash routing")
     if group_masked_score is not None:
         if num_groups is None:
             raise ValueError("group_masked_score needs group-limited routing (num_groups and group_topk)")
@@ -306,6 +313,11 @@ class TopKRouter(nn.Module):
     ``norm_topk_prob`` and no groups computes them as the softmax of the top-k logits (the same numbers: the
     softmax's denominator cancels), without the ``[T, E]`` scores.
 
+    * ``num_scored_shared_experts`` ``S`` (Inkling): the last ``S`` of the ``num_experts`` experts are shared experts
+      that every token routes to, scored by the gate like the others: each token selects ``topk - S`` of the first
+      ``num_experts - S`` experts and appends the ``S`` shared ones, and their scores are renormalized together
+      (``norm_topk_prob``) and scaled. ``global_scale``: a learned scalar ``global_scale [1]`` (ones) multiplying
+      the probabilities.
     * ``num_groups`` / ``group_topk`` / ``group_score_topk`` / ``group_masked_score``: group-limited routing
       (:func:`group_limited_topk`; ``group_masked_score=0.0``: A.X-K2's mask of the other groups).
     * ``scaling_factor``: multiplies the probabilities (DeepSeek-V3's ``routed_scaling_factor`` 2.5).
@@ -348,14 +360,17 @@ class TopKRouter(nn.Module):
                  router_dtype: Optional[torch.dtype] = None, expert_bias_target: str = "scores",
                  norm_topk_min: Optional[float] = None, hash_vocab_size: Optional[int] = None,
                  logit_softcap: Optional[float] = None, group_masked_score: Optional[float] = None,
-                 input_norm: bool = False, input_norm_eps: float = 1e-6, expert_scale: bool = False):
+                 input_norm: bool = False, input_norm_eps: float = 1e-6, expert_scale: bool = False,
+                 num_scored_shared_experts: int = 0, global_scale: bool = False):
         super().__init__()
         if norm_topk_min is not None and not (isinstance(norm_topk_min, (int, float)) and 0 <= norm_topk_min < 1):
             raise ValueError(f"norm_topk_min must be None or a number in [0, 1), got {norm_topk_min!r}")
         self.norm_topk_min = norm_topk_min
         check_router_options(num_experts, topk, score_func, num_groups, group_topk, enable_expert_bias, router_dtype,
                              norm_topk_prob, group_score_topk, expert_bias_target, hash_vocab_size=hash_vocab_size,
-                             logit_softcap=logit_softcap, group_masked_score=group_masked_score)
+                             logit_softcap=logit_softcap, group_masked_score=group_masked_score,
+                             num_scored_shared_experts=num_scored_shared_experts)
+        self.num_scored_shared_experts = num_scored_shared_experts
         self.group_masked_score = float(group_masked_score) if group_masked_score is not None else None
         self.expert_bias_target = expert_bias_target
         self.hash_vocab_size = hash_vocab_size
@@ -381,6 +396,11 @@ class TopKRouter(nn.Module):
             self.register_buffer("expert_bias", torch.zeros(num_experts, device=device, dtype=torch.float32))
             self.register_buffer("local_tokens_per_expert",
                                  torch.zeros(num_experts, device=device, dtype=torch.float32), persistent=False)
+        scale_dtype = torch.promote_types(dtype or torch.get_default_dtype(), torch.float32)  # fp32 (fp64 stays)
+        self.global_scale = nn.Parameter(torch.ones(1, device=device, dtype=scale_dtype)) if global_scale else None
+        if num_scored_shared_experts:  # the shared experts' indices, appended to every token's selection
+            self.register_buffer("shared_indices", torch.arange(num_experts - num_scored_shared_experts, num_experts,
+                                                                device=device), persistent=False)
         if hash_vocab_size is not None:  # token id -> its top-k experts (DeepSeek-V4's tid2eid)
             self.register_buffer("tid2eid", torch.zeros(hash_vocab_size, topk, device=device, dtype=torch.int64))
         # the 1 each route of a token without padding counts (a constant: no fill per forward)
@@ -391,7 +411,7 @@ class TopKRouter(nn.Module):
     def softmax_of_topk(self) -> bool:
         """True where the probabilities are the softmax of the top-k logits (see the class docstring)."""
         return (self.score_func == "softmax" and self.norm_topk_prob and self.num_groups is None
-                and not self.enable_expert_bias and self.hash_vocab_size is None)
+                and not self.enable_expert_bias and self.hash_vocab_size is None and self.global_scale is None)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_scale is not None:
@@ -403,6 +423,10 @@ class TopKRouter(nn.Module):
         return logits if logits.dtype == torch.float64 else logits.float()  # fp32 scores (fp64 stays fp64)
 
     def _select(self, scores: torch.Tensor) -> torch.Tensor:
+        S = self.num_scored_shared_experts
+        if S:  # top (topk - S) of the routed experts, then the S shared ones
+            idx = torch.topk(scores[:, :-S], self.topk - S, dim=-1)[1]
+            return torch.cat([idx, self.shared_indices.expand(idx.shape[0], S)], dim=1)
         if self.num_groups is not None:
             return group_limited_topk(scores, self.topk, self.num_groups, self.group_topk, self.group_score_topk,
                                       self.group_masked_score)[1]
@@ -448,6 +472,8 @@ class TopKRouter(nn.Module):
                 top = _RenormalizedTopK.apply(top, float(self.scaling_factor or 1.0))
             elif self.scaling_factor:
                 top = top * self.scaling_factor
+            if self.global_scale is not None:  # Inkling's learned scale
+                top = top * self.global_scale.to(top.dtype)
         if self.expert_scale is not None:  # Gemma 4: a learned factor per expert on its probability
             top = top * self.expert_scale[idx]
         token_mask = None

@@ -83,7 +83,7 @@ FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss", "erni
             "jetmoe", "llama4_text", "glm5_next_text", "cohere2_moe", "jamba", "deepseek_v2", "deepseek_v4",
             "longcat_flash", "axk1", "axk2", "laguna", "minimax_m2", "lfm2_moe", "mistral4", "hunyuan_v1_moe",
             "aria_text", "dbrx", "step3p5", "inkling2_text", "hy_v4", "gemma4_text", "hy_v3", "afmoe", "flint",
-            "lara_mini", "mistral_large4_text") + \
+            "lara_mini", "mistral_large4_text", "inkling_text") + \
     tuple(_REPEATS)
 
 _COMMON = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
@@ -152,6 +152,10 @@ _CONFIGS: Dict[str, tuple] = {
                                     moe_routed_scaling_factor=2.5, moe_router_logit_softcapping=1.5, head_dim=8,
                                     sliding_window=8)),
     "minimax_m2": ("MiniMaxM2Config", dict(intermediate_size=24, num_local_experts=8, head_dim=8)),
+    "inkling_text": ("InklingTextConfig", dict(
+        intermediate_size=48, moe_intermediate_size=24, n_routed_experts=8, n_shared_experts=2, route_scale=2.0,
+        head_dim=8, swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=8, sliding_window_size=8,
+        mlp_layer_types=["sparse", "sparse"])),
     "lfm2_moe": ("Lfm2MoeConfig", dict(intermediate_size=48, moe_intermediate_size=24, num_experts=8,
                                        num_dense_layers=0, routed_scaling_factor=2.0,
                                        layer_types=["conv", "full_attention"])),
@@ -225,7 +229,8 @@ _BLOCKS = {"mixtral": "mixtral.modeling_mixtral.MixtralSparseMoeBlock",
            "flint": "flint.modeling_flint.FlintSparseMoeBlock",
            "lara_mini": "lara_mini.modeling_lara_mini.LaraMiniSparseMoeBlock",
            "mistral_large4_text": "mistral_large4.modeling_mistral_large4.MistralLarge4TextMoE",
-           "gemma4_text": None}  # Gemma4MoEBlock
+           "gemma4_text": None,  # Gemma4MoEBlock
+           "inkling_text": "inkling.modeling_inkling.InklingMoE"}
 _MODELS = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
            "deepseek_v3": "DeepseekV3ForCausalLM", "gpt_oss": "GptOssForCausalLM",
            "ernie4_5_moe": "Ernie4_5_MoeForCausalLM", "kolibri1": "Kolibri1ForCausalLM",
@@ -240,7 +245,8 @@ _MODELS = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", 
            "dbrx": "DbrxForCausalLM", "step3p5": "Step3p7TextModel", "inkling2_text": "Inkling2ForCausalLM",
            "hy_v4": "HYV4ForCausalLM", "gemma4_text": "Gemma4ForCausalLM", "hy_v3": "HYV3ForCausalLM",
            "afmoe": "AfmoeForCausalLM", "flint": "FlintForCausalLM", "lara_mini": "LaraMiniForCausalLM",
-           "mistral_large4_text": None}  # its indexer attention
+           "mistral_large4_text": None,  # its indexer attention
+           "inkling_text": "InklingForCausalLM"}
 
 
 def has_tiny_model(family: str) -> bool:
@@ -381,6 +387,10 @@ def hf_router(block: torch.nn.Module, x: torch.Tensor, input_ids=None) -> torch.
         out = gate(x, block.expert_bias)
     elif name == "Lfm2MoeSparseMoeBlock":
         out = gate(h, block.expert_bias if block.use_expert_bias else None)
+    elif name == "InklingMoE":  # its shared experts are the layer's last ones, routed to by every token
+        out = gate(h)
+        S, E = gate.n_shared_experts, gate.num_experts
+        return torch.cat([out[2], torch.arange(E, E + S).expand(h.shape[0], S)], dim=1).sort(-1)[0]
     elif name == "DbrxFFN":  # the gate returns the logits; the block picks
         return block.route_tokens_to_experts(gate(h))[1].sort(-1)[0]
     else:

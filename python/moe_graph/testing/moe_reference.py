@@ -15,7 +15,8 @@ def reference_route(h: torch.Tensor, gate_weight: torch.Tensor, topk: int, score
                     norm_topk_prob: Optional[bool] = None, *, num_groups=None, group_topk=None, scaling_factor=None,
                     expert_bias=None, group_score_topk=None, gate_bias=None, expert_bias_target="scores",
                     norm_topk_min=None, logit_softcap=None, hash_indices=None, group_masked_score=None,
-                    input_scale=None, input_norm_eps=1e-6, expert_scale=None):
+                    input_scale=None, input_norm_eps=1e-6, expert_scale=None, num_scored_shared_experts=0,
+                    global_scale=None):
     """``(topk_idx [T, K], topk_probs [T, K], scores [T, E])``: the router written out independently (group-limited
     selection one token at a time, in plain Python). ``norm_topk_prob=None``: on for sigmoid with ``topk > 1``;
     ``group_score_topk=None``: a group scores the sum of its ``topk // group_topk`` best; ``gate_bias``: added to
@@ -24,7 +25,9 @@ def reference_route(h: torch.Tensor, gate_weight: torch.Tensor, topk: int, score
     routing: the token-id table's rows) instead of selected; ``group_masked_score``: the score the experts outside
     the chosen groups compete with (``None``: they do not compete);
     ``input_scale [H]``: the gate sees ``h / sqrt(mean(h^2) + input_norm_eps) * input_scale / sqrt(H)``;
-    ``expert_scale [E]``: each probability times its expert's factor (after renormalizing and scaling)."""
+    ``expert_scale [E]``: each probability times its expert's factor (after renormalizing and scaling);
+    ``num_scored_shared_experts`` ``S``: the last ``S`` experts join every token's ``topk - S`` selected ones;
+    ``global_scale``: multiplies the probabilities."""
     if input_scale is not None:
         hn = h / torch.sqrt((h * h).mean(-1, keepdim=True) + input_norm_eps)
         h = hn * input_scale / h.shape[-1] ** 0.5
@@ -42,8 +45,15 @@ def reference_route(h: torch.Tensor, gate_weight: torch.Tensor, topk: int, score
     sel = (logits if expert_bias_target == "logits" else scores).detach()
     sel = sel + (expert_bias.to(scores.dtype) if expert_bias is not None else 0)
     T, E = scores.shape
+    S = num_scored_shared_experts
     if hash_indices is not None:
         idx = hash_indices.to(torch.int64)
+    elif S:
+        rows = []
+        for t in range(T):
+            s = sel[t].tolist()
+            rows.append(sorted(range(E - S), key=lambda e: -s[e])[:topk - S] + list(range(E - S, E)))
+        idx = torch.tensor(rows, dtype=torch.int64)
     elif num_groups is None:
         idx = torch.topk(sel, topk, dim=-1)[1]
     else:
@@ -70,6 +80,8 @@ def reference_route(h: torch.Tensor, gate_weight: torch.Tensor, topk: int, score
         top = top / (s + 1e-20 if norm_topk_min is None else torch.maximum(s, torch.full_like(s, norm_topk_min)))
     if scaling_factor:
         top = top * scaling_factor
+    if global_scale is not None:
+        top = top * global_scale.to(top.dtype)
     if expert_scale is not None:
         top = top * expert_scale[idx].to(top.dtype)
     return idx, top, scores
@@ -231,7 +243,9 @@ def reference_moe_layer(x: torch.Tensor, params: Dict[str, torch.Tensor], config
                                     group_masked_score=getattr(c, "group_masked_score", None),
                                     input_scale=params.get("router.input_scale"),
                                     input_norm_eps=getattr(c, "router_norm_eps", 1e-6),
-                                    expert_scale=params.get("router.expert_scale"))
+                                    expert_scale=params.get("router.expert_scale"),
+                                    num_scored_shared_experts=getattr(c, "num_scored_shared_experts", 0),
+                                    global_scale=params.get("router.global_scale"))
     act = dict(swiglu_alpha=c.swiglu_alpha, swiglu_limit=c.swiglu_limit)
     he = h  # the experts' input: latent_in(h) with latent projections (Nemotron-H's moe_latent_size)
     if "latent_in.weight" in params:
