@@ -163,6 +163,7 @@ class _Family:
     router_extras: Tuple[Tuple[str, str], ...] = ()  # (name in the block, MoELayer name) of further router tensors
     split: bool = False  # router and experts are separate modules of the block (Gemma 4's decoder layer)
     latent: Optional[Tuple[str, str]] = None  # the block's projections into / out of the experts' latent width
+    shared_fused: bool = False  # the shared expert stores gate_up_proj [2F, H] (gate rows, then up rows): MiniMax-M3
 
 
 _FAMILIES: Dict[str, _Family] = {
@@ -265,6 +266,8 @@ _FAMILIES: Dict[str, _Family] = {
     "beam": _Family("BeamMoE", "gate", ("gate_proj", "up_proj", "down_proj"), profile="deepseek_v3"),
     "qwen3_omni_moe_talker_text": _Family("Qwen3OmniMoeTalkerTextSparseMoeBlock", "gate", None, shared="shared_expert",
                                           shared_gate="shared_expert_gate", profile="qwen2_moe"),
+    "minimax_m3_vl_text": _Family("MiniMaxM3VLSparseMoeBlock", "gate", ("gate_proj", "up_proj", "down_proj"),
+                                  shared="shared_experts", shared_fused=True),
     "lara_mini": _Family("LaraMiniSparseMoeBlock", "gate", ("gate_proj", "up_proj", "down_proj"),
                          shared="shared_expert"),
     "mistral_large4_text": _Family("MistralLarge4TextMoE", "gate", None, shared="shared_experts"),
@@ -646,6 +649,14 @@ def moe_config_from_hf(config, *, block=None, hash_layer: Optional[bool] = None,
                     topk_scaling_factor=scale if scale != 1.0 else None,
                     router_dtype=torch.float32 if t == "hy_v3" else None,
                     shared_expert_ffn_size=c.moe_intermediate_size * c.num_shared_experts or None)
+    elif t == "minimax_m3_vl_text":
+        # the gate in the weight dtype, sigmoid, the correction bias for the selection, renormalized, the routed
+        # output times routed_scaling_factor; experts and shared expert GPT-OSS's clamped SwiGLU (not interleaved)
+        opts = dict(hidden_size=c.hidden_size, ffn_hidden_size=c.intermediate_size, num_experts=c.num_local_experts,
+                    topk=c.num_experts_per_tok, score_func="sigmoid", norm_topk_prob=True, enable_expert_bias=True,
+                    topk_scaling_factor=float(c.routed_scaling_factor), activation="clamped_swiglu",
+                    swiglu_alpha=float(c.swiglu_alpha), swiglu_limit=float(c.swiglu_limit),
+                    shared_expert_ffn_size=c.shared_intermediate_size)
     elif t == "lara_mini":
         _gated_silu(c, t)
         # fp32 gate, softmax, norm_topk_prob, an ungated shared SwiGLU expert
@@ -815,8 +826,8 @@ def hf_to_moe_state_dict(hf_state_dict: Dict[str, torch.Tensor], config, *, ep_r
     if fam.shared is not None and cfg.shared_expert_ffn_size:
         s = fam.shared
         gated = cfg.shared_activation in GATED_ACTIVATIONS
-        out["shared_expert.fc1.weight"] = torch.cat([_take(sd, f"{s}.{n}.weight", t)
-                                                     for n in (("gate_proj",) if gated else ()) + ("up_proj",)])
+        out["shared_expert.fc1.weight"] = _take(sd, f"{s}.gate_up_proj.weight", t) if fam.shared_fused else \
+            torch.cat([_take(sd, f"{s}.{n}.weight", t) for n in (("gate_proj",) if gated else ()) + ("up_proj",)])
         out["shared_expert.fc2.weight"] = _take(sd, f"{s}.down_proj.weight", t)
         if cfg.shared_bias:
             out["shared_expert.fc1.bias"] = torch.cat([_take(sd, f"{s}.{n}.bias", t)
@@ -898,7 +909,9 @@ def moe_to_hf_state_dict(moe_state_dict: Dict[str, torch.Tensor], config, *, lay
         s = fam.shared
         for kind in ("weight", "bias") if cfg.shared_bias else ("weight",):
             sw1 = sd[f"shared_expert.fc1.{kind}"]
-            if cfg.shared_activation in GATED_ACTIVATIONS:
+            if fam.shared_fused:
+                out[f"{s}.gate_up_proj.{kind}"] = sw1
+            elif cfg.shared_activation in GATED_ACTIVATIONS:
                 Fs = sw1.shape[0] // 2
                 out[f"{s}.gate_proj.{kind}"], out[f"{s}.up_proj.{kind}"] = sw1[:Fs], sw1[Fs:]
             else:
