@@ -52,7 +52,8 @@ VARIANTS = [  # (family, config overrides)
     ("deepseek_v3", dict(norm_topk_prob=False)),
     ("gpt_oss", {}),  # swiglu_limit=1: the clamps are active
     ("ernie4_5_moe", {}),  # softmax router, selection bias on the softmax scores
-    ("ernie4_5_moe", dict(hidden_size=64)),  # top-k sums below moe_norm_min: the clamped renormalisation matters
+    ("ernie4_5_moe", dict(hidden_size=64)),
+    ("ernie4_5_moe", dict(use_bias=True)),  # biases on the shared experts, none on the routed ones  # top-k sums below moe_norm_min: the clamped renormalisation matters
     ("kolibri1", {}),  # selection bias on the logits, sigmoid of the chosen logits
     ("kolibri1", dict(norm_topk_prob=False)),
     ("nemotron_h", {}),  # squared-ReLU experts and shared expert, DeepSeek-V3's router

@@ -461,15 +461,13 @@ def moe_config_from_hf(config, *, block=None, hash_layer: Optional[bool] = None,
                     shared_expert_ffn_size=c.intermediate_size)
     elif t == "ernie4_5_moe":
         _gated_silu(c, t)
-        if c.use_bias:
-            raise ValueError("ernie4_5_moe: use_bias=True cannot be expressed: the shared experts would have biases "
-                             "and the routed experts none (MoELayer's add_bias_linear sets both)")
         opts = dict(hidden_size=c.hidden_size, ffn_hidden_size=c.moe_intermediate_size, num_experts=c.num_experts,
                     topk=c.num_experts_per_tok, norm_topk_prob=True, enable_expert_bias=True,
                     router_dtype=torch.float32,
                     norm_topk_min=float(c.moe_norm_min) if c.moe_norm_min is not None else None)
-        if c.moe_num_shared_experts:
-            opts.update(shared_expert_ffn_size=c.moe_intermediate_size * c.moe_num_shared_experts)
+        if c.moe_num_shared_experts:  # use_bias: biases on the shared experts only (shared_expert_bias)
+            opts.update(shared_expert_ffn_size=c.moe_intermediate_size * c.moe_num_shared_experts,
+                        shared_expert_bias=bool(c.use_bias))
     elif t == "kolibri1":
         _gated_silu(c, t)
         opts = dict(hidden_size=c.hidden_size, ffn_hidden_size=c.moe_intermediate_size, num_experts=c.num_experts,
