@@ -95,6 +95,7 @@ VARIANTS = [  # (family, config overrides)
     ("afmoe", {}),  # sigmoid + the block's expert_bias, renormalized, route_scale, shared experts
     ("flint", {}),  # fp32 gate, sigmoid, renormalized, an ungated shared expert
     ("lara_mini", {}),  # fp32 softmax, renormalized, an ungated shared expert
+    ("dots3_note_text", {}),  # DeepSeek-V3's router, shared experts of their own size
     ("minimax_m3_vl_text", {}),  # clamped SwiGLU (L = 1) in experts and the fused shared expert, sigmoid + bias
     ("mistral_large4_text", {}),  # fp32 softmax, 2 of 4 groups by their best 2, renormalized, scaled, shared experts
 ] + [(f, {}) for f in FAMILIES[FAMILIES.index("olmoe"):]]  # blocks that repeat one of the above (2 groups of 4)

@@ -268,6 +268,8 @@ _FAMILIES: Dict[str, _Family] = {
                                           shared_gate="shared_expert_gate", profile="qwen2_moe"),
     "minimax_m3_vl_text": _Family("MiniMaxM3VLSparseMoeBlock", "gate", ("gate_proj", "up_proj", "down_proj"),
                                   shared="shared_experts", shared_fused=True),
+    "dots3_note_text": _Family("Dots3NoteTextMoE", "gate", ("gate_proj", "up_proj", "down_proj"),
+                               shared="shared_experts"),
     "lara_mini": _Family("LaraMiniSparseMoeBlock", "gate", ("gate_proj", "up_proj", "down_proj"),
                          shared="shared_expert"),
     "mistral_large4_text": _Family("MistralLarge4TextMoE", "gate", None, shared="shared_experts"),
@@ -655,6 +657,11 @@ def moe_config_from_hf(config, *, block=None, hash_layer: Optional[bool] = None,
                     topk_scaling_factor=float(c.routed_scaling_factor), activation="clamped_swiglu",
                     swiglu_alpha=float(c.swiglu_alpha), swiglu_limit=float(c.swiglu_limit),
                     shared_expert_ffn_size=c.shared_intermediate_size)
+    elif t == "dots3_note_text":
+        _gated_silu(c, t)
+        # DeepSeek-V3's router; the shared experts have their own size (shared_experts_intermediate_size each)
+        opts = _deepseek_routing(c, t)
+        opts.update(shared_expert_ffn_size=c.shared_experts_intermediate_size * c.n_shared_experts)
     elif t == "lara_mini":
         _gated_silu(c, t)
         # fp32 gate, softmax, norm_topk_prob, an ungated shared SwiGLU expert
