@@ -9,8 +9,6 @@
 
 #include <cutlass/cutlass.h>
 #include <cutlass/epilogue/collective/collective_builder.hpp>
-#include <cutlass/epilogue/fusion/operations.hpp>
-#include <cutlass/epilogue/fusion/sm90_callbacks_tma_warpspecialized.hpp>
 #include <cutlass/gemm/collective/collective_builder.hpp>
 #include <cutlass/gemm/device/gemm_universal_adapter.h>
 #include <cutlass/gemm/dispatch_policy.hpp>
@@ -20,7 +18,6 @@
 #include <type_traits>
 
 #include "fp8/scaled_launch.cuh"
-#include "grouped_gemm/grouped_expert_args.h"
 
 namespace moe_graph {
 namespace fp8 {
@@ -34,12 +31,6 @@ using MxFp8 = cutlass::mx_float8_t<Fp8>;
 using Sf = cutlass::float_ue8m0_t;
 using Tile = Shape<_128, _128, _128>;
 using Cluster = Shape<_1, _1, _1>;
-
-using BiasFp32 = cutlass::epilogue::fusion::Sm90EVT<
-    cutlass::epilogue::fusion::Sm90Compute<cutlass::plus, cutlass::bfloat16_t, float,
-                                           cutlass::FloatRoundStyle::round_to_nearest>,
-    cutlass::epilogue::fusion::Sm90AccFetch,
-    cutlass::epilogue::fusion::Sm90RowBroadcast<0, Tile, float*, float, gg::detail::BiasStride, 4>>;
 
 template <class ElementC, class ElementD, class Fusion>
 struct Kernel {
@@ -73,8 +64,8 @@ struct Kernel {
   static_assert(std::is_same_v<typename Mainloop::ElementSF, Sf>);
 };
 
-using Forward = Kernel<void, cutlass::bfloat16_t, BiasFp32>;
-using Wgrad = Kernel<float, float, cutlass::epilogue::fusion::LinearCombination<float, float, float, float>>;
+using Forward = Kernel<void, cutlass::bfloat16_t, ScaledBiasEpilogue<Tile>>;
+using Wgrad = Kernel<float, float, ScaledWgradEpilogue>;
 
 constexpr const char* kForwardName = "sm100_mxfp8_forward_1sm_128x128x128";
 constexpr const char* kWgradName = "sm100_mxfp8_wgrad_1sm_128x128x128";

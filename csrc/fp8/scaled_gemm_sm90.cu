@@ -10,8 +10,6 @@
 #include <cutlass/cutlass.h>
 #include <cutlass/detail/blockwise_scale_layout.hpp>
 #include <cutlass/epilogue/collective/collective_builder.hpp>
-#include <cutlass/epilogue/fusion/operations.hpp>
-#include <cutlass/epilogue/fusion/sm90_callbacks_tma_warpspecialized.hpp>
 #include <cutlass/gemm/collective/collective_builder.hpp>
 #include <cutlass/gemm/device/gemm_universal_adapter.h>
 #include <cutlass/gemm/dispatch_policy.hpp>
@@ -21,7 +19,6 @@
 #include <type_traits>
 
 #include "fp8/scaled_launch.cuh"
-#include "grouped_gemm/grouped_expert_args.h"
 
 namespace moe_graph {
 namespace fp8 {
@@ -38,13 +35,6 @@ static_assert(decltype(size(Cluster{}))::value == 2);
 // Scales: 1 row x 128 K of A (MN-major grids), `kGranN` columns x 128 K of B.
 template <int kGranN>
 using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, kGranN, 128>;
-
-// Forward epilogue: D = round(acc + bias_e[n]) with an fp32 bias row per expert (null array: + 0).
-using BiasFp32 = cutlass::epilogue::fusion::Sm90EVT<
-    cutlass::epilogue::fusion::Sm90Compute<cutlass::plus, cutlass::bfloat16_t, float,
-                                           cutlass::FloatRoundStyle::round_to_nearest>,
-    cutlass::epilogue::fusion::Sm90AccFetch,
-    cutlass::epilogue::fusion::Sm90RowBroadcast<0, Tile, float*, float, gg::detail::BiasStride, 4>>;
 
 template <int kGranN, class ElementC, class ElementD, class Fusion>
 struct Kernel {
@@ -79,8 +69,8 @@ struct Kernel {
   static_assert(std::is_same_v<typename Mainloop::InternalLayoutSFB, typename X::LayoutSFB>);
 };
 
-using Forward = Kernel<128, void, cutlass::bfloat16_t, BiasFp32>;
-using Wgrad = Kernel<1, float, float, cutlass::epilogue::fusion::LinearCombination<float, float, float, float>>;
+using Forward = Kernel<128, void, cutlass::bfloat16_t, ScaledBiasEpilogue<Tile>>;
+using Wgrad = Kernel<1, float, float, ScaledWgradEpilogue>;
 
 constexpr const char* kForwardName = "sm90_fp8_blockwise_forward_128x128x128_c1x2";
 constexpr const char* kWgradName = "sm90_fp8_blockwise_wgrad_128x128x128_c1x2";

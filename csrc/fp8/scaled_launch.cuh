@@ -4,13 +4,29 @@
 // and the relayouts of scaled_args.cuh, then the GEMM). `K` provides Gemm and X (the ScaledExpert of its types).
 #pragma once
 
+#include <cutlass/epilogue/fusion/operations.hpp>
+#include <cutlass/epilogue/fusion/sm90_callbacks_tma_warpspecialized.hpp>
+
 #include "fp8/scaled_args.cuh"
 #include "fp8/scaled_gemm_cuda.h"
+#include "grouped_gemm/grouped_expert_args.h"
 #include "grouped_gemm/grouped_launch.cuh"
 
 namespace moe_graph {
 namespace fp8 {
 namespace detail {
+
+// The forward epilogue of both architectures: D = round(acc + bias_e[n]) with an fp32 bias row per expert (a null
+// pointer array adds zero), one rounding to bf16.
+template <class Tile>
+using ScaledBiasEpilogue = cutlass::epilogue::fusion::Sm90EVT<
+    cutlass::epilogue::fusion::Sm90Compute<cutlass::plus, cutlass::bfloat16_t, float,
+                                           cutlass::FloatRoundStyle::round_to_nearest>,
+    cutlass::epilogue::fusion::Sm90AccFetch,
+    cutlass::epilogue::fusion::Sm90RowBroadcast<0, Tile, float*, float, gg::detail::BiasStride, 4>>;
+
+// The wgrad epilogue of both: D = acc + C in fp32.
+using ScaledWgradEpilogue = cutlass::epilogue::fusion::LinearCombination<float, float, float, float>;
 
 template <class K>
 struct ScaledLaunch {
