@@ -270,6 +270,8 @@ _FAMILIES: Dict[str, _Family] = {
                                   shared="shared_experts", shared_fused=True),
     "dots3_note_text": _Family("Dots3NoteTextMoE", "gate", ("gate_proj", "up_proj", "down_proj"),
                                shared="shared_experts"),
+    "openai_privacy_filter": _Family("OpenAIPrivacyFilterMLP", "router", None, returns_router_scores=True,
+                                     transposed=True),
     "lara_mini": _Family("LaraMiniSparseMoeBlock", "gate", ("gate_proj", "up_proj", "down_proj"),
                          shared="shared_expert"),
     "mistral_large4_text": _Family("MistralLarge4TextMoE", "gate", None, shared="shared_experts"),
@@ -662,6 +664,13 @@ def moe_config_from_hf(config, *, block=None, hash_layer: Optional[bool] = None,
         # DeepSeek-V3's router; the shared experts have their own size (shared_experts_intermediate_size each)
         opts = _deepseek_routing(c, t)
         opts.update(shared_expert_ffn_size=c.shared_experts_intermediate_size * c.n_shared_experts)
+    elif t == "openai_privacy_filter":
+        # GPT-OSS's block in fp32 without the interleaving: the gate with a bias, the softmax of the top-k logits
+        # (divided by K, the block's output times K: the renormalized top-k), expert biases, clamped SwiGLU
+        opts = dict(hidden_size=c.hidden_size, ffn_hidden_size=c.intermediate_size, num_experts=c.num_local_experts,
+                    topk=c.num_experts_per_tok, norm_topk_prob=True, router_bias=True, router_dtype=torch.float32,
+                    add_bias_linear=True, activation="clamped_swiglu", swiglu_alpha=float(c.swiglu_alpha),
+                    swiglu_limit=float(c.swiglu_limit))
     elif t == "lara_mini":
         _gated_silu(c, t)
         # fp32 gate, softmax, norm_topk_prob, an ungated shared SwiGLU expert
@@ -818,6 +827,9 @@ def hf_to_moe_state_dict(hf_state_dict: Dict[str, torch.Tensor], config, *, ep_r
         if fam.transposed:
             gu, dp = gu.transpose(1, 2).contiguous(), dp.transpose(1, 2).contiguous()
         out["experts.fc1.weight"], out["experts.fc2.weight"] = gu, dp
+        if cfg.add_bias_linear:  # fused expert biases next to the weights (the OpenAI privacy filter)
+            b1, b2 = _take(sd, f"{fam.fc1}_bias", t), _take(sd, f"{fam.fc2}_bias", t)
+            out["experts.fc1.bias"], out["experts.fc2.bias"] = (b1, b2) if whole else (b1[sl], b2[sl])
     else:  # v4: one module per expert
         if not _v4_expert_ids(sd):
             raise KeyError(f"{t} block state dict has neither {fam.fc1} (v5) nor experts.<e>.* (v4) keys")
@@ -898,6 +910,8 @@ def moe_to_hf_state_dict(moe_state_dict: Dict[str, torch.Tensor], config, *, lay
         if fam.dead_fc1_rows and sl.stop == cfg.num_experts and cfg.num_zero_experts:
             # LongCat-Flash allocates fc1 rows for its zero experts that it never reads: zeros, after the last rank's
             w1 = torch.cat([w1, w1.new_zeros((cfg.num_zero_experts,) + tuple(w1.shape[1:]))])
+        if cfg.add_bias_linear:
+            out[f"{fam.fc1}_bias"], out[f"{fam.fc2}_bias"] = sd["experts.fc1.bias"], sd["experts.fc2.bias"]
         out[fam.fc1], out[fam.fc2] = w1, w2
     else:
         g, u, d = fam.v4_experts

@@ -83,7 +83,8 @@ FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss", "erni
             "jetmoe", "llama4_text", "glm5_next_text", "cohere2_moe", "jamba", "deepseek_v2", "deepseek_v4",
             "longcat_flash", "axk1", "axk2", "laguna", "minimax_m2", "lfm2_moe", "mistral4", "hunyuan_v1_moe",
             "aria_text", "dbrx", "step3p5", "inkling2_text", "hy_v4", "gemma4_text", "hy_v3", "afmoe", "flint",
-            "lara_mini", "mistral_large4_text", "inkling_text", "minimax_m3_vl_text", "dots3_note_text") + \
+            "lara_mini", "mistral_large4_text", "inkling_text", "minimax_m3_vl_text", "dots3_note_text",
+            "openai_privacy_filter") + \
     tuple(_REPEATS)
 
 _COMMON = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
@@ -196,6 +197,8 @@ _CONFIGS: Dict[str, tuple] = {
         topk_group=2, n_shared_experts=2, shared_experts_intermediate_size=20, routed_scaling_factor=2.5, head_dim=8,
         num_key_value_heads=4,
         first_k_dense_replace=0)),
+    "openai_privacy_filter": ("OpenAIPrivacyFilterConfig", dict(intermediate_size=24, num_local_experts=8, head_dim=8,
+                                                                swiglu_limit=1.0, sliding_window=8)),
     "lara_mini": ("LaraMiniConfig", dict(intermediate_size=48, moe_intermediate_size=24, num_experts=8,
                                          shared_expert_intermediate_size=40, head_dim=8)),
     "mistral_large4_text": ("MistralLarge4TextConfig", dict(
@@ -237,6 +240,7 @@ _BLOCKS = {"mixtral": "mixtral.modeling_mixtral.MixtralSparseMoeBlock",
            "hy_v3": "hy_v3.modeling_hy_v3.HYV3MoE", "afmoe": "afmoe.modeling_afmoe.AfmoeSparseMoeBlock",
            "flint": "flint.modeling_flint.FlintSparseMoeBlock",
            "lara_mini": "lara_mini.modeling_lara_mini.LaraMiniSparseMoeBlock",
+           "openai_privacy_filter": "openai_privacy_filter.modeling_openai_privacy_filter.OpenAIPrivacyFilterMLP",
            "dots3_note_text": "dots3_note.modeling_dots3_note.Dots3NoteTextMoE",
            "minimax_m3_vl_text": "minimax_m3_vl.modeling_minimax_m3_vl.MiniMaxM3VLSparseMoeBlock",
            "mistral_large4_text": "mistral_large4.modeling_mistral_large4.MistralLarge4TextMoE",
@@ -258,7 +262,8 @@ _MODELS = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", 
            "afmoe": "AfmoeForCausalLM", "flint": "FlintForCausalLM", "lara_mini": "LaraMiniForCausalLM",
            "mistral_large4_text": None,  # its indexer attention
            "inkling_text": "InklingForCausalLM", "minimax_m3_vl_text": "MiniMaxM3VLForCausalLM",
-           "dots3_note_text": None}  # its indexed attention and vision / audio towers
+           "dots3_note_text": None,  # its indexed attention and vision / audio towers
+           "openai_privacy_filter": None}  # a token classifier (no LM head)
 
 
 def has_tiny_model(family: str) -> bool:
