@@ -113,3 +113,45 @@ def test_dequantize_of_row_tiles_is_the_elementwise_product(tiles, K):
     tc = fp8.TILES[tiles][1]
     per_element = s.float().repeat_interleave(tc, 1)[:, :K]
     assert torch.equal(fp8.dequantize(q, s, tiles=tiles), q.float() * per_element)
+
+
+def test_aligned_groups_start_at_multiples_of_16_and_round_trip():
+    from moe_graph.moe.experts import AlignedGroups
+
+    m = torch.tensor([0, 5, 16, 17, 0, 1])  # zero-token experts, exact and partial multiples; 3 capacity rows
+    rows = int(m.sum()) + 3
+    g = AlignedGroups(m, rows, 16)
+    assert g.padded_rows % 16 == 0 and g.m_splits.tolist() == [0, 16, 16, 32, 0, 16]
+    x = torch.randn(rows, 4, requires_grad=True)
+    xp = g.pad(x)
+    starts = (g.m_splits.cumsum(0) - g.m_splits).tolist()
+    src = 0
+    for s0, n in zip(starts, m.tolist()):
+        assert s0 % 16 == 0 and torch.equal(xp[s0:s0 + n], x[src:src + n]) and not xp[s0 + n:s0 + -(-n // 16) * 16].any()
+        src += n
+    back = g.unpad(xp)
+    assert torch.equal(back[:src], x[:src]) and not back[src:].any()  # capacity rows past the groups: zero
+    back.sum().backward()
+    assert torch.equal(x.grad, (torch.arange(rows) < src).float()[:, None].expand(rows, 4))
+
+
+@pytest.mark.parametrize("kind,fp8_dispatch,spare", [("blockwise", False, 0), ("mxfp8", True, 0),
+                                                     ("blockwise", True, 1)])
+def test_fp8_experts_regrouped_to_16_rows_change_nothing(kind, fp8_dispatch, spare, monkeypatch):
+    """The FP8 experts regroup their rows to 16-row boundaries (the GPU wgrad's alignment): outputs and every
+    gradient equal those without the regrouping bit for bit (zero rows add nothing; partial tiles were zero-padded)."""
+    import moe_graph.moe.experts as experts
+
+    torch.manual_seed(5)
+    layer = MoELayer(128, 64, 4, 2, fp8_dispatch=fp8_dispatch, num_spare_experts_per_ep_rank=spare)
+    x = torch.randn(27, 128)
+    res = []
+    for align in (16, 1):
+        monkeypatch.setattr(experts, "FP8_ROW_ALIGNMENT", align)
+        xx = x.clone().requires_grad_()
+        with moe_graph.fp8.autocast(recipe=kind):
+            y = layer(xx)
+        (y * y).sum().backward()
+        res.append([y.detach(), xx.grad] + [p.grad.clone() for p in layer.parameters()])
+        layer.zero_grad(set_to_none=True)
+    assert all(torch.equal(u, v) for u, v in zip(*res))

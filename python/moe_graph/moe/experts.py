@@ -32,7 +32,9 @@ from moe_graph.moe.echo import (
 )
 from moe_graph.ops.activation import GATED_ACTIVATIONS, gated_activation
 from moe_graph.ops import fp8 as _fp8
+from moe_graph.moe.token_dispatcher import take_rows
 from moe_graph.ops.grouped_gemm import grouped_gemm, grouped_gemm_autograd
+from moe_graph.ops.permute import expand_rows
 
 __all__ = ["ACTIVATIONS", "GATED_ACTIVATIONS", "GroupedMLP", "SharedExpert", "activation_fn", "check_activation",
            "fc1_out_features"]
@@ -165,6 +167,23 @@ class GroupedMLP(nn.Module):
                 echo: Optional[EchoExpertDispatcher] = None, offload_map: Optional[torch.Tensor] = None,
                 spare_weights: Optional[Sequence[torch.Tensor]] = None,
                 row_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """See :meth:`_forward`. Under an FP8 recipe the rows are first regrouped so that every expert's group
+        starts at a multiple of :data:`FP8_ROW_ALIGNMENT` rows (zero rows between the groups, :class:`AlignedGroups`)
+        and the output is regrouped back: the FP8 weight-gradient GEMM on a GPU reads each group's transposed FP8
+        copy through TMA, whose base address must be 16-byte aligned (``UNALIGNED_SPLIT`` otherwise). The zero rows
+        change nothing (partial tiles are zero-padded anyway; they add nothing to any gradient; no output reads
+        them), on the CPU too, which runs the same regrouping."""
+        if _fp8.current_recipe() is None:
+            return self._forward(expert_in, m_splits, echo, offload_map, spare_weights, row_scale)
+        groups = AlignedGroups(m_splits, expert_in.shape[0], FP8_ROW_ALIGNMENT)
+        rs = None if row_scale is None else groups.pad(row_scale.view(-1, 1)).view(-1)
+        out = self._forward(groups.pad(expert_in), groups.m_splits, echo, offload_map, spare_weights, rs)
+        return groups.unpad(out)
+
+    def _forward(self, expert_in: torch.Tensor, m_splits: torch.Tensor,
+                 echo: Optional[EchoExpertDispatcher] = None, offload_map: Optional[torch.Tensor] = None,
+                 spare_weights: Optional[Sequence[torch.Tensor]] = None,
+                 row_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``expert_in [M, H]`` rows grouped by local expert, ``m_splits [L + k]`` device tensor -> ``[M, H]``.
 
         ``row_scale [M]`` (fp32 or the activation dtype, optional): each row's factor, applied to the activation
@@ -241,6 +260,64 @@ class GroupedMLP(nn.Module):
     def extra_repr(self) -> str:
         return (f"local={self.num_local_experts}, spare={self.num_spare_experts_per_ep_rank}, "
                 f"activation={self.activation}, bias={self.fc1.use_bias}")
+
+
+# Rows per expert group boundary under FP8 (the GPU wgrad's TMA alignment of the transposed FP8 copies: 16 bytes)
+FP8_ROW_ALIGNMENT = 16
+
+
+class _RegroupedCarrier(torch.autograd.Function):
+    """FP8 dispatch's zero-stride carrier regrouped: forward a zero-stride ``[P, H]``; backward the gradient's rows
+    taken back to the original layout."""
+
+    @staticmethod
+    def forward(ctx, carrier, groups):
+        ctx.groups = groups
+        return carrier.new_zeros(()).expand(groups.padded_rows, carrier.shape[1])
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.groups.unpad(g.contiguous()), None
+
+
+class AlignedGroups:
+    """Rows grouped by expert (``m_splits [G]`` on the device, groups clamped to ``rows`` as the grouped GEMM does)
+    regrouped so that group ``g`` starts at a multiple of ``align`` rows, zero rows after each group, in a static
+    ``padded_rows = ceil_align(rows + (align - 1) * G)`` buffer; :attr:`m_splits` are the padded counts. Sync-free
+    index math (cumulative sums and one ``searchsorted`` per direction); the rows move with the native row gather
+    (differentiable), FP8-dispatched rows (``ops.fp8.QuantizedRows``) with bit-exact byte gathers."""
+
+    def __init__(self, m_splits: torch.Tensor, rows: int, align: int):
+        G, dev = m_splits.shape[0], m_splits.device
+        end = m_splits.to(torch.int64).clamp(min=0).cumsum(0).clamp(max=rows)
+        start = torch.cat([end.new_zeros(1), end[:-1]])
+        m = end - start
+        pm = (m + align - 1) // align * align
+        pend = pm.cumsum(0)
+        pstart = pend - pm
+        self.rows, self.m_splits = rows, pm
+        self.padded_rows = P = -(-(rows + (align - 1) * G) // align) * align
+        p = torch.arange(P, device=dev)
+        g = torch.searchsorted(pend, p, right=True).clamp(max=max(G - 1, 0))
+        local = p - pstart[g]
+        live = (p < pend[-1]) & (local < m[g]) if G else torch.zeros_like(p, dtype=torch.bool)
+        self.source_of_padded = torch.where(live, start[g] + local, rows)  # [P], sentinel rows
+        r = torch.arange(rows, device=dev)
+        h = torch.searchsorted(end, r, right=True).clamp(max=max(G - 1, 0))
+        live = r < end[-1] if G else torch.zeros_like(r, dtype=torch.bool)
+        self.padded_of_source = torch.where(live, pstart[h] + (r - start[h]), P)  # [rows], sentinel P
+
+    def pad(self, x):
+        """``[rows, X]`` -> ``[padded_rows, X]`` (differentiable), or a ``QuantizedRows`` regrouped."""
+        if isinstance(x, _fp8.QuantizedRows):
+            def take(t):
+                return take_rows(t.view(torch.uint8), self.source_of_padded).view(t.dtype)
+            return _fp8.QuantizedRows(_RegroupedCarrier.apply(x.carrier, self), take(x.data), take(x.scale), x.kind)
+        return expand_rows(x, self.source_of_padded, self.padded_of_source.view(-1, 1))
+
+    def unpad(self, y: torch.Tensor) -> torch.Tensor:
+        """``[padded_rows, X]`` -> ``[rows, X]`` (differentiable; rows past the groups are zero)."""
+        return expand_rows(y, self.padded_of_source, self.source_of_padded.view(-1, 1))
 
 
 class SharedExpert(nn.Module):

@@ -82,6 +82,7 @@ __all__ = [
     "DROP_POLICIES",
     "OVERFLOW_MODES",
     "receive_buffer_bytes",
+    "take_rows",
 ]
 
 
@@ -171,7 +172,7 @@ class _TokenCarrier(torch.autograd.Function):
         return None, None, ctx.dispatcher.combine(g, ctx.handle, weighted=False), None
 
 
-def _take_rows(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+def take_rows(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``out[i] = src[index[i]]``, zeros where ``index[i]`` is outside ``[0, n)`` (the sentinels): index gathers of
     any dtype, bit for bit."""
     n = src.shape[0]
@@ -479,14 +480,14 @@ class TokenDispatcher(nn.Module):
     def _move_bytes(self, rows: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """Token rows ``[T, B]`` (any dtype, e.g. FP8 dispatch's uint8) -> the expert input's rows ``[rows, B]``,
         bit for bit (index gathers and the same exchanges as :meth:`_to_expert_order`; not differentiable)."""
-        send = _take_rows(rows, handle.route_of_slot // handle.topk)  # [N, B] (T * K // K = T: empty slot)
+        send = take_rows(rows, handle.route_of_slot // handle.topk)  # [N, B] (T * K // K = T: empty slot)
         if handle.exchange_plan is not None:
             return self.exchange_backend.to_experts(send, handle.exchange_plan)
         if self.num_ep_ranks == 1:
             return send
         R, (N, B) = self.num_ep_ranks, send.shape
         recv = self.backend.exchange(send.view(R, N // R, B)).reshape(N, B)
-        return _take_rows(recv, handle.expert_row_source)
+        return take_rows(recv, handle.expert_row_source)
 
     def _to_expert_order(self, send: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """Send-slot rows ``[N, X]`` to the expert input of their destinations (the exchange and the regrouping by
