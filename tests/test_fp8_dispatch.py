@@ -84,15 +84,9 @@ def test_fp8_dispatch_bad_options():
     assert y.shape == (5, 32)
 
 
-@pytest.mark.parametrize("fp8_dispatch", [False, True])
-def test_fp8_recompute_equals_stored_activations(fp8_dispatch):
-    """recompute=True under an FP8 autocast: the backward's recomputation runs under the forward's recipe (it is
-    outside the caller's autocast by then), so the gradients equal those of the layer that kept its activations."""
-    torch.manual_seed(3)
-    a = MoELayer(128, 64, 4, 2, fp8_dispatch=fp8_dispatch)
-    b = MoELayer(128, 64, 4, 2, fp8_dispatch=fp8_dispatch, recompute=True)
-    b.load_state_dict(a.state_dict())
-    x = torch.randn(21, 128)
+def _equal_under_mxfp8(a, b, x):
+    """Output, input gradient and every parameter gradient of ``a`` and ``b`` on ``x`` under an MXFP8 autocast,
+    bit for bit; returns ``a``'s output."""
     res = []
     for m in (a, b):
         xx = x.clone().requires_grad_()
@@ -101,6 +95,18 @@ def test_fp8_recompute_equals_stored_activations(fp8_dispatch):
         (y * y).sum().backward()
         res.append([y.detach(), xx.grad] + [p.grad for p in m.parameters()])
     assert all(torch.equal(u, v) for u, v in zip(*res))
+    return res[0][0]
+
+
+@pytest.mark.parametrize("fp8_dispatch", [False, True])
+def test_fp8_recompute_equals_stored_activations(fp8_dispatch):
+    """recompute=True under an FP8 autocast: the backward's recomputation runs under the forward's recipe (it is
+    outside the caller's autocast by then), so the gradients equal those of the layer that kept its activations."""
+    torch.manual_seed(3)
+    a = MoELayer(128, 64, 4, 2, fp8_dispatch=fp8_dispatch)
+    b = MoELayer(128, 64, 4, 2, fp8_dispatch=fp8_dispatch, recompute=True)
+    b.load_state_dict(a.state_dict())
+    _equal_under_mxfp8(a, b, torch.randn(21, 128))
 
 
 @pytest.mark.parametrize("tiles,K", [("1x128", 256), ("1x32", 96), ("1x128", 160)])
@@ -155,3 +161,23 @@ def test_fp8_experts_regrouped_to_16_rows_change_nothing(kind, fp8_dispatch, spa
         res.append([y.detach(), xx.grad] + [p.grad.clone() for p in layer.parameters()])
         layer.zero_grad(set_to_none=True)
     assert all(torch.equal(u, v) for u, v in zip(*res))
+
+
+def test_fp8_with_expert_norms_and_latent():
+    """Muse-Spark's block options (latent width, the centered RMSNorm of the experts' input, the scaled RMSNorm of
+    each expert output row, the logit multiplier) under an MXFP8 recipe with FP8 dispatch: recompute gives the
+    stored activations' gradients bit for bit, and the output stays within FP8 error of the unquantized layer's."""
+    torch.manual_seed(4)
+    kw = dict(latent_size=96, score_func="sigmoid", router_logit_multiplier=0.5, fp8_dispatch=True,
+              expert_input_norm="centered_rmsnorm", expert_output_norm="scaled_rmsnorm")
+    a = MoELayer(128, 64, 4, 2, **kw)
+    b = MoELayer(128, 64, 4, 2, recompute=True, **kw)
+    with torch.no_grad():
+        a.expert_input_norm.weight.normal_(0, 0.3)
+        a.expert_output_norm.weight.normal_(0, 0.3)
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(21, 128)
+    y = _equal_under_mxfp8(a, b, x)
+    assert a.expert_output_norm.weight.grad.abs().max() > 0
+    plain = a(x).detach()
+    assert (y - plain).norm() < 0.1 * plain.norm()

@@ -363,6 +363,36 @@ def test_latent_projections(gen, case):
 
 
 @pytest.mark.parametrize("case", ["plain", "fused_echo", "recompute", "static"])
+def test_logit_multiplier_and_expert_norms(gen, case):
+    """Muse-Spark's block: the logits times a constant before the sigmoid, a centered RMSNorm of the latent input
+    and the input-scaled RMSNorm of each expert output row (F = 4 < latent 6: without the norm the probabilities
+    would move into the experts), against the reference; static: capacity rows past the routes stay zero."""
+    kw = dict(latent_size=6, score_func="sigmoid", enable_expert_bias=True, router_logit_multiplier=0.3, F=4,
+              expert_input_norm="centered_rmsnorm", expert_input_norm_eps=1e-5,
+              expert_output_norm="scaled_rmsnorm", expert_output_norm_eps=1e-8)
+    kw.update({"fused_echo": dict(num_spare_experts_per_ep_rank=1), "recompute": dict(recompute=True),
+               "static": dict(capacity_factor=8.0)}.get(case, {}))
+    layer = _layer(**kw)
+    assert not layer.scale_rows and layer.expert_output_norm.weight.shape == (6,)
+    with torch.no_grad():
+        layer.expert_input_norm.weight.normal_(0, 0.3)
+        layer.expert_output_norm.weight.normal_(0, 0.3)
+        layer.router.expert_bias.copy_(torch.linspace(-0.3, 0.3, 8, dtype=torch.float32))
+    if case == "fused_echo":
+        _attach_main_grads(layer)
+    layer.train()
+    _check(layer, torch.randn(24, 8, generator=gen, dtype=DT), reps=2 if case == "fused_echo" else 1)
+    assert layer.expert_output_norm.weight.grad.abs().max() > 0 and layer.expert_input_norm.weight.grad.abs().max() > 0
+    # the multiplier changes the routing probabilities (sigmoid is not scale-invariant)
+    x = torch.randn(24, 8, generator=gen, dtype=DT)
+    r = layer.router
+    _, probs, _ = reference_route(x, r.weight.detach(), 2, "sigmoid", expert_bias=r.expert_bias, logit_multiplier=0.3)
+    torch.testing.assert_close(r(x).probs.detach(), probs, **TOL)
+    _, unscaled, _ = reference_route(x, r.weight.detach(), 2, "sigmoid", expert_bias=r.expert_bias)
+    assert (probs - unscaled).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("case", ["plain", "fused_echo", "recompute", "static"])
 def test_router_input_norm_expert_scale_and_router_input(gen, case):
     """Gemma 4's router: the gate on ``rms_norm(r) * input_scale / sqrt(H)``, each probability times its expert's
     learned factor, the gate fed a separate ``router_input`` ``r`` (the experts see ``x``); gradients reach both
@@ -443,6 +473,13 @@ def test_expert_numel_counts_biases():
     (dict(num_scored_shared_experts=1, score_func="softmax"), "num_scored_shared_experts needs"),
     (dict(num_groups=2, group_topk=1, group_masked_score=float("nan")), "group_masked_score must"),
     (dict(output_norm="rmsnorm", output_norm_eps=0), "output_norm_eps"),
+    (dict(router_logit_multiplier=0.0), "router_logit_multiplier"),
+    (dict(router_logit_multiplier=float("inf")), "router_logit_multiplier"),
+    (dict(expert_input_norm="rmsnorm"), "expert_input_norm must"),
+    (dict(expert_output_norm="centered_rmsnorm"), "expert_output_norm must"),
+    (dict(expert_output_norm="scaled_rmsnorm", expert_output_norm_eps=-1.0), "expert_output_norm_eps"),
+    (dict(expert_input_norm="centered_rmsnorm", expert_input_norm_eps=True), "expert_input_norm_eps"),
+    (dict(expert_output_norm="scaled_rmsnorm", probs_on_input=True), "expert_output_norm cannot"),
 ])
 def test_bad_options(kw, match):
     with pytest.raises(ValueError, match=match):

@@ -32,7 +32,8 @@ class MoEConfig:
     chosen groups, ``None``: ``-inf``; A.X-K2: 0.0), ``num_scored_shared_experts`` ``S`` (Inkling: the last ``S``
     experts are shared experts every token routes to, scored and renormalized with its ``topk - S`` routed ones;
     ``num_experts`` and ``topk`` count them), ``router_global_scale`` (a learned scalar on the probabilities),
-    ``logit_softcap`` (Laguna's ``c * tanh(logits / c)``),
+    ``logit_softcap`` (Laguna's ``c * tanh(logits / c)``), ``router_logit_multiplier`` (a constant ``m > 0`` times
+    the gate's fp32 logits, before the soft cap and the score function: Muse-Spark's ``output_multiplier``),
     ``hash_vocab_size`` (DeepSeek-V4's hash layers: the experts from a ``tid2eid [V, K]`` table indexed by the token
     ids given to ``MoELayer.forward(x, token_ids=...)``); ``score_func`` ``"softmax"``, ``"sigmoid"`` or
     ``"sqrtsoftplus"`` (DeepSeek-V4). ``num_zero_experts`` ``Z`` (LongCat-Flash): the router scores ``E + Z``
@@ -52,7 +53,13 @@ class MoEConfig:
     ``shared_expert_combine``, ``shared_expert_activation``, ``shared_expert_swiglu_limit``, ``shared_expert_bias``
     (the shared expert's own activation, limit and biases; ``None``: the routed experts'), ``latent_size`` /
     ``latent_bias`` (the routed experts work in a latent width: ``latent_in [H -> latent]`` before the dispatch,
-    ``latent_out`` after the combine; Nemotron-H's ``moe_latent_size``), ``probs_on_input``,
+    ``latent_out`` after the combine; Nemotron-H's ``moe_latent_size``), ``expert_input_norm`` /
+    ``expert_input_norm_eps`` (``"centered_rmsnorm"``: the experts' input, after ``latent_in``, becomes
+    ``x * rsqrt(mean(x^2) + eps) * (1 + w)``, ``w [latent or H]`` zero-initialized: Muse-Spark's
+    ``pre_expert_norm``), ``expert_output_norm`` / ``expert_output_norm_eps`` (``"scaled_rmsnorm"``: each expert output
+    row, before its routing probability weights it, becomes ``rms_norm(x * (1 + w))``, the scaled row rounded to
+    the activation dtype first, one ``w`` zero-initialized for all experts: Muse-Spark's ``post_expert_norm``; not
+    with ``probs_on_input``), ``probs_on_input``,
     ``output_bias``,
     ``params_dtype``, ``init_std``;
     ``recompute``: activation recomputation of the whole layer.
@@ -116,6 +123,11 @@ class MoEConfig:
     group_masked_score: Optional[float] = None
     num_scored_shared_experts: int = 0
     router_global_scale: bool = False
+    router_logit_multiplier: Optional[float] = None
+    expert_input_norm: Optional[str] = None
+    expert_input_norm_eps: float = 1e-6
+    expert_output_norm: Optional[str] = None
+    expert_output_norm_eps: float = 1e-6
 
     def __post_init__(self):
         check_activation(self.activation, self.swiglu_alpha, self.swiglu_limit)
@@ -144,7 +156,17 @@ class MoEConfig:
                              self.enable_expert_bias, self.router_dtype, self.norm_topk_prob, self.group_score_topk,
                              self.expert_bias_target, hash_vocab_size=self.hash_vocab_size,
                              logit_softcap=self.logit_softcap, group_masked_score=self.group_masked_score,
-                             num_scored_shared_experts=self.num_scored_shared_experts)
+                             num_scored_shared_experts=self.num_scored_shared_experts,
+                             logit_multiplier=self.router_logit_multiplier)
+        for name, kinds in (("expert_input_norm", ("centered_rmsnorm",)), ("expert_output_norm", ("scaled_rmsnorm",))):
+            if getattr(self, name) not in (None,) + kinds:
+                raise ValueError(f"{name} must be None or one of {kinds}, got {getattr(self, name)!r}")
+            eps = getattr(self, name + "_eps")
+            if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < float("inf"):
+                raise ValueError(f"{name}_eps must be a finite number > 0, got {eps!r}")
+        if self.expert_output_norm and self.probs_on_input:
+            raise ValueError("expert_output_norm cannot be combined with probs_on_input (the norm of each expert "
+                             "output row would undo the probability applied to its input)")
         if self.output_norm not in (None, "rmsnorm"):
             raise ValueError(f"output_norm must be None or 'rmsnorm', got {self.output_norm!r}")
         eps = self.output_norm_eps

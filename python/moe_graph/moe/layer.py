@@ -108,6 +108,25 @@ class _OutputRMSNorm(nn.Module):
         return self.weight * yf.to(y.dtype)
 
 
+class _OffsetRMSNorm(nn.Module):
+    """Muse-Spark's norms around the experts, weight ``w`` zero-initialized and applied as ``1 + w``, computed in
+    fp32 (fp64 stays): ``"centered_rmsnorm"`` (``expert_input_norm``): ``rms_norm(y) * (1 + w)``;
+    ``"scaled_rmsnorm"`` (``expert_output_norm``, per expert output row): ``rms_norm(y * (1 + w))``, the scaled row
+    rounded to ``y``'s dtype before the norm, as transformers does. A zero row stays zero."""
+
+    def __init__(self, width: int, eps: float, kind: str, device=None, dtype=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(width, device=device, dtype=dtype))
+        self.eps, self.scale_first = float(eps), kind == "scaled_rmsnorm"
+
+    def forward(self, y: torch.Tensor) -> torch.Tensor:
+        f = torch.float64 if y.dtype == torch.float64 else torch.float32
+        scale = (1.0 + self.weight).to(f)
+        yf = (y.to(f) * scale).to(y.dtype).to(f) if self.scale_first else y.to(f)
+        yf = yf * torch.rsqrt(yf.square().mean(-1, keepdim=True) + self.eps)
+        return (yf if self.scale_first else yf * scale).to(y.dtype)
+
+
 class MoELayer(nn.Module):
     """Mixture-of-experts MLP with expert parallelism, echo balancing and static buffers.
 
@@ -148,6 +167,12 @@ class MoELayer(nn.Module):
             ``sum_k mlp_k(p_k * x)``; combine then sums plainly).
         output_bias: a learned ``output_bias [H]`` (zero-initialized) added once to the block output, after the
             routed and shared outputs are combined (JetMoE).
+        expert_input_norm, expert_input_norm_eps, expert_output_norm, expert_output_norm_eps: Muse-Spark's norms
+            around the experts (:class:`_OffsetRMSNorm`, weights ``expert_input_norm.weight`` /
+            ``expert_output_norm.weight`` of the experts' width, zeros): ``"centered_rmsnorm"`` of the experts' input
+            (after ``latent_in``, before the dispatch); ``"scaled_rmsnorm"`` of each expert output row before the
+            probabilities weight it in combine (the probabilities then never move into the experts, the norm not
+            being linear; padding rows stay zero; with echo the weight is the layer's, nothing is dispatched).
         output_norm, output_norm_eps: ``"rmsnorm"``: an RMSNorm (``output_norm.weight [H]``, ones) of the block
             output, the last step (after the shared expert and ``output_bias``; A.X-K1).
         num_zero_experts: ``Z`` zero-computation experts (LongCat-Flash): the router scores ``E + Z`` experts (its
@@ -247,7 +272,8 @@ class MoELayer(nn.Module):
         self.fp8_dispatch = c.fp8_dispatch
         self.shared_average = c.shared_expert_combine == "average"
         expert_width = c.latent_size or c.hidden_size  # the routed experts' input / output width
-        self.scale_rows = c.ffn_hidden_size < expert_width and not c.add_bias_linear and not self.probs_on_input
+        self.scale_rows = c.ffn_hidden_size < expert_width and not c.add_bias_linear and not self.probs_on_input \
+            and not c.expert_output_norm  # the per-row norm is not linear: the probabilities weight its output
         dtype = c.params_dtype if c.params_dtype is not None else torch.get_default_dtype()
         device = torch.device(device) if device is not None else torch.device(
             "cuda" if torch.cuda.is_available() else "cpu")
@@ -264,7 +290,8 @@ class MoELayer(nn.Module):
                                  input_norm=c.router_input_norm, input_norm_eps=c.router_norm_eps,
                                  expert_scale=c.router_expert_scale,
                                  num_scored_shared_experts=c.num_scored_shared_experts,
-                                 global_scale=c.router_global_scale)
+                                 global_scale=c.router_global_scale,
+                                 logit_multiplier=c.router_logit_multiplier)
         self.router_loss = RouterLoss(c.topk, c.score_func, c.aux_loss_coeff, c.aux_loss_type, c.sequence_dim,
                                       c.z_loss_coeff)
         act = dict(swiglu_alpha=c.swiglu_alpha, swiglu_limit=c.swiglu_limit, bias=c.add_bias_linear)
@@ -272,6 +299,10 @@ class MoELayer(nn.Module):
         if c.latent_size:  # Nemotron-H: the routed experts in a latent width, projected in and out around them
             self.latent_in = nn.Linear(c.hidden_size, c.latent_size, bias=c.latent_bias, device=device, dtype=dtype)
             self.latent_out = nn.Linear(c.latent_size, c.hidden_size, bias=c.latent_bias, device=device, dtype=dtype)
+        self.expert_input_norm = _OffsetRMSNorm(expert_width, c.expert_input_norm_eps, c.expert_input_norm, device,
+                                                dtype) if c.expert_input_norm else None
+        self.expert_output_norm = _OffsetRMSNorm(expert_width, c.expert_output_norm_eps, c.expert_output_norm,
+                                                 device, dtype) if c.expert_output_norm else None
         self.experts = GroupedMLP(self.num_local_experts, expert_width, c.ffn_hidden_size, c.activation, k,
                                   params_dtype=dtype, device=device, init_std=c.init_std, **act)
         self.output_bias = nn.Parameter(torch.zeros(c.hidden_size, device=device, dtype=dtype)) \
@@ -405,6 +436,8 @@ class MoELayer(nn.Module):
 
         recipe = _fp8.current_recipe() if self.fp8_dispatch else None
         h_in = h if self.latent_in is None else self.latent_in(h)
+        if self.expert_input_norm is not None:
+            h_in = self.expert_input_norm(h_in)
         h_in = h_in if recipe is None else h_in.to(self.experts.fc1.weight.dtype)  # quantized as the experts would
         expert_in, m_splits, handle = self.dispatcher.dispatch(h_in, indices, routing.probs, valid, demand,
                                                                fp8_recipe=recipe)
@@ -422,6 +455,8 @@ class MoELayer(nn.Module):
         else:
             spares = self.echo.iteration_spares(plan, self.experts.expert_params(), reuse)
             expert_out = self.experts(expert_in, m_splits, self.echo.dispatcher, plan, spares, row_scale=row_scale)
+        if self.expert_output_norm is not None:  # Muse-Spark: each expert output row normed, then weighted
+            expert_out = self.expert_output_norm(expert_out)
         weighted = not (self.scale_rows or self.probs_on_input)
         out = self.dispatcher.combine(expert_out, handle, weighted=weighted).to(x.dtype)
         if self.latent_out is not None:

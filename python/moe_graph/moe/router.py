@@ -157,7 +157,8 @@ def check_router_options(num_experts: int, topk: int, score_func: str = "softmax
                          router_dtype: Optional[torch.dtype] = None, norm_topk_prob: Optional[bool] = None,
                          group_score_topk: Optional[int] = None, expert_bias_target: str = "scores", *,
                          hash_vocab_size: Optional[int] = None, logit_softcap: Optional[float] = None,
-                         group_masked_score: Optional[float] = None, num_scored_shared_experts: int = 0) -> None:
+                         group_masked_score: Optional[float] = None, num_scored_shared_experts: int = 0,
+                         logit_multiplier: Optional[float] = None) -> None:
     """Raises ``ValueError`` naming the first bad routing option (:class:`TopKRouter`'s arguments)."""
     if score_func not in SCORE_FUNCS:
         raise ValueError(f"score_func must be one of {SCORE_FUNCS}, got {score_func!r}")
@@ -184,6 +185,10 @@ def check_router_options(num_experts: int, topk: int, score_func: str = "softmax
     if logit_softcap is not None and (isinstance(logit_softcap, bool) or not isinstance(logit_softcap, (int, float))
                                       or not 0 < logit_softcap < float("inf")):
         raise ValueError(f"logit_softcap must be None or a finite number > 0, got {logit_softcap!r}")
+    if logit_multiplier is not None and (isinstance(logit_multiplier, bool)
+                                         or not isinstance(logit_multiplier, (int, float))
+                                         or not 0 < logit_multiplier < float("inf")):
+        raise ValueError(f"router_logit_multiplier must be None or a finite number > 0, got {logit_multiplier!r}")
     if norm_topk_prob not in (None, True, False):
         raise ValueError(f"norm_topk_prob must be None (the score function's default), True or False, got "
                          f"{norm_topk_prob!r}")
@@ -332,6 +337,8 @@ class TopKRouter(nn.Module):
       ``moe_router_dtype``; by default the GEMM runs in the input dtype and the logits are upcast to fp32).
     * ``score_func="sqrtsoftplus"`` (DeepSeek-V4): scores ``sqrt(softplus(logits))``, elementwise like sigmoid
       (``norm_topk_prob=None`` renormalizes them as sigmoid's).
+    * ``logit_multiplier`` ``m``: the gate's logits (fp32, or the ``router_dtype``) times ``m``, first (Muse-Spark's
+      ``output_multiplier``); ``last_logits`` and the z-loss see the scaled logits.
     * ``logit_softcap`` ``c``: the logits become ``c * tanh(logits / c)`` before anything else (Laguna's
       ``moe_router_logit_softcapping``); ``last_logits`` and the z-loss see the capped logits.
     * ``hash_vocab_size`` ``V`` (DeepSeek-V4's hash layers): the experts of a token come from the buffer
@@ -361,7 +368,8 @@ class TopKRouter(nn.Module):
                  norm_topk_min: Optional[float] = None, hash_vocab_size: Optional[int] = None,
                  logit_softcap: Optional[float] = None, group_masked_score: Optional[float] = None,
                  input_norm: bool = False, input_norm_eps: float = 1e-6, expert_scale: bool = False,
-                 num_scored_shared_experts: int = 0, global_scale: bool = False):
+                 num_scored_shared_experts: int = 0, global_scale: bool = False,
+                 logit_multiplier: Optional[float] = None):
         super().__init__()
         if norm_topk_min is not None and not (isinstance(norm_topk_min, (int, float)) and 0 <= norm_topk_min < 1):
             raise ValueError(f"norm_topk_min must be None or a number in [0, 1), got {norm_topk_min!r}")
@@ -369,7 +377,8 @@ class TopKRouter(nn.Module):
         check_router_options(num_experts, topk, score_func, num_groups, group_topk, enable_expert_bias, router_dtype,
                              norm_topk_prob, group_score_topk, expert_bias_target, hash_vocab_size=hash_vocab_size,
                              logit_softcap=logit_softcap, group_masked_score=group_masked_score,
-                             num_scored_shared_experts=num_scored_shared_experts)
+                             num_scored_shared_experts=num_scored_shared_experts, logit_multiplier=logit_multiplier)
+        self.logit_multiplier = float(logit_multiplier) if logit_multiplier is not None else None
         self.num_scored_shared_experts = num_scored_shared_experts
         self.group_masked_score = float(group_masked_score) if group_masked_score is not None else None
         self.expert_bias_target = expert_bias_target
@@ -447,6 +456,8 @@ class TopKRouter(nn.Module):
                                  f"{token_ids.dtype} of shape {tuple(token_ids.shape)}")
             hashed = self.tid2eid[token_ids.reshape(-1).to(device=x.device, dtype=torch.int64)]
         logits = self._logits(x)
+        if self.logit_multiplier is not None:  # Muse-Spark: a constant on the fp32 logits
+            logits = logits * self.logit_multiplier
         if self.logit_softcap is not None:  # Laguna: c * tanh(logits / c)
             logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
         self.last_logits = logits

@@ -16,12 +16,13 @@ def reference_route(h: torch.Tensor, gate_weight: torch.Tensor, topk: int, score
                     expert_bias=None, group_score_topk=None, gate_bias=None, expert_bias_target="scores",
                     norm_topk_min=None, logit_softcap=None, hash_indices=None, group_masked_score=None,
                     input_scale=None, input_norm_eps=1e-6, expert_scale=None, num_scored_shared_experts=0,
-                    global_scale=None):
+                    global_scale=None, logit_multiplier=None):
     """``(topk_idx [T, K], topk_probs [T, K], scores [T, E])``: the router written out independently (group-limited
     selection one token at a time, in plain Python). ``norm_topk_prob=None``: on for sigmoid with ``topk > 1``;
     ``group_score_topk=None``: a group scores the sum of its ``topk // group_topk`` best; ``gate_bias``: added to
     the logits; ``expert_bias_target="logits"``: the expert bias is added to the logits for the selection;
-    ``logit_softcap`` ``c``: ``c * tanh(logits / c)`` first; ``hash_indices`` ``[T, K]``: the experts, given (hash
+    ``logit_multiplier`` ``m``: the logits (with the gate bias) times ``m``; ``logit_softcap`` ``c``: then
+    ``c * tanh(logits / c)``; ``hash_indices`` ``[T, K]``: the experts, given (hash
     routing: the token-id table's rows) instead of selected; ``group_masked_score``: the score the experts outside
     the chosen groups compete with (``None``: they do not compete);
     ``input_scale [H]``: the gate sees ``h / sqrt(mean(h^2) + input_norm_eps) * input_scale / sqrt(H)``;
@@ -34,6 +35,8 @@ def reference_route(h: torch.Tensor, gate_weight: torch.Tensor, topk: int, score
     logits = (h @ gate_weight.t()).float() if h.dtype != torch.float64 else h @ gate_weight.t()
     if gate_bias is not None:
         logits = logits + gate_bias.to(logits.dtype)
+    if logit_multiplier is not None:
+        logits = logits * logit_multiplier
     if logit_softcap is not None:
         logits = logit_softcap * torch.tanh(logits / logit_softcap)
     if score_func == "softmax":
@@ -164,12 +167,15 @@ def reference_activation(a: torch.Tensor, activation: str = "swiglu", swiglu_alp
 
 def dense_moe_reference(h, indices, probs, w1, w2, activation: str = "swiglu", keep: Optional[torch.Tensor] = None,
                         b1: Optional[torch.Tensor] = None, b2: Optional[torch.Tensor] = None,
-                        swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0, probs_on_input: bool = False):
+                        swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0, probs_on_input: bool = False,
+                        out_norm_weight: Optional[torch.Tensor] = None, out_norm_eps: float = 1e-6):
     """Every token through each of its top-k experts, one at a time: ``sum_k probs[t, k] * mlp_{e_k}(h[t])``
     (``probs_on_input``: ``sum_k mlp_{e_k}(probs[t, k] * h[t])``, Llama 4).
 
     ``w1 [E, fc1_out, H]``, ``w2 [E, H, F]`` (``nn.Linear`` layout), optional biases ``b1 [E, fc1_out]``,
-    ``b2 [E, H]``; ``keep`` masks dropped routes; activation: :func:`reference_activation`. An index ``e >= E``
+    ``b2 [E, H]``; ``keep`` masks dropped routes; activation: :func:`reference_activation`; ``out_norm_weight``
+    ``w``: each expert output becomes ``a * (1 + w) / sqrt(mean((a * (1 + w))^2) + out_norm_eps)`` before its
+    probability weights it. An index ``e >= E``
     is a zero-computation expert: its route adds ``probs[t, k] * h[t]``."""
     T, K = indices.shape
     rows = []
@@ -189,6 +195,9 @@ def dense_moe_reference(h, indices, probs, w1, w2, activation: str = "swiglu", k
             a = reference_activation(a, activation, swiglu_alpha, swiglu_limit) @ w2[e].t()
             if b2 is not None:
                 a = a + b2[e]
+            if out_norm_weight is not None:
+                a = a * (1 + out_norm_weight)
+                a = a / torch.sqrt((a * a).mean() + out_norm_eps)
             acc = acc + (a if probs_on_input else p * a)
         rows.append(acc)
     return torch.stack(rows)
@@ -224,7 +233,9 @@ def reference_moe_layer(x: torch.Tensor, params: Dict[str, torch.Tensor], config
     ``experts.fc2.weight``, optionally ``experts.fc1.bias`` / ``experts.fc2.bias``; ``shared_expert.fc1.weight``,
     ... when ``config`` has a shared expert). ``config``: anything with :class:`moe_graph.moe.config.MoEConfig`'s
     option attributes. ``token_ids`` (``x.shape[:-1]``): for hash routing, the rows of ``params["router.tid2eid"]``;
-    ``output_norm.weight``: the RMSNorm of the output written out. ``router_input``: what the gate sees instead of
+    ``output_norm.weight``: the RMSNorm of the output written out; ``expert_input_norm.weight`` /
+    ``expert_output_norm.weight``: the norms around the experts (``expert_input_norm_eps`` /
+    ``expert_output_norm_eps`` of ``config``). ``router_input``: what the gate sees instead of
     ``x`` (same shape)."""
     c = config
     h = x.reshape(-1, x.shape[-1])
@@ -245,14 +256,20 @@ def reference_moe_layer(x: torch.Tensor, params: Dict[str, torch.Tensor], config
                                     input_norm_eps=getattr(c, "router_norm_eps", 1e-6),
                                     expert_scale=params.get("router.expert_scale"),
                                     num_scored_shared_experts=getattr(c, "num_scored_shared_experts", 0),
-                                    global_scale=params.get("router.global_scale"))
+                                    global_scale=params.get("router.global_scale"),
+                                    logit_multiplier=getattr(c, "router_logit_multiplier", None))
     act = dict(swiglu_alpha=c.swiglu_alpha, swiglu_limit=c.swiglu_limit)
     he = h  # the experts' input: latent_in(h) with latent projections (Nemotron-H's moe_latent_size)
     if "latent_in.weight" in params:
         he = h @ params["latent_in.weight"].t() + (params["latent_in.bias"] if "latent_in.bias" in params else 0)
+    if "expert_input_norm.weight" in params:  # the centered RMSNorm: rms_norm(he) * (1 + w)
+        eps = getattr(c, "expert_input_norm_eps", 1e-6)
+        he = he / torch.sqrt((he * he).mean(-1, keepdim=True) + eps) * (1 + params["expert_input_norm.weight"])
     y = dense_moe_reference(he, idx, probs, params["experts.fc1.weight"], params["experts.fc2.weight"], c.activation,
                             b1=params.get("experts.fc1.bias"), b2=params.get("experts.fc2.bias"),
-                            probs_on_input=getattr(c, "probs_on_input", False), **act)
+                            probs_on_input=getattr(c, "probs_on_input", False),
+                            out_norm_weight=params.get("expert_output_norm.weight"),
+                            out_norm_eps=getattr(c, "expert_output_norm_eps", 1e-6), **act)
     if "latent_out.weight" in params:
         y = y @ params["latent_out.weight"].t() + (params["latent_out.bias"] if "latent_out.bias" in params else 0)
     if c.shared_expert_ffn_size:
