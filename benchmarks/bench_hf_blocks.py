@@ -24,7 +24,8 @@ from moe_graph.testing.hf_models import FAMILIES, block_errors, block_output, ti
 def _dims(family: str, hidden: int, ffn: int) -> dict:
     """Config overrides: hidden size ``hidden``, expert FFN ``ffn`` (DeepSeek-V3's, ERNIE-4.5's, A.X-K1's, Mistral 4's
     and Aria's shared experts 2 x ffn, Llama 4's, DeepSeek-V4's and HunYuan's 1 x ffn, the other shared experts
-    4 x ffn), the families' expert counts and top-k of tiny_config."""
+    4 x ffn; Muse-Spark's latent width hidden / 2, its released ratio), the families' expert counts and top-k of
+    tiny_config."""
     if family in ("mixtral", "gpt_oss", "jetmoe", "llama4_text", "minimax_m2", "hunyuan_v1_moe", "aria_text"):
         return dict(hidden_size=hidden, intermediate_size=ffn)
     if family == "dbrx":
@@ -42,6 +43,8 @@ def _dims(family: str, hidden: int, ffn: int) -> dict:
         kw["moe_shared_expert_intermediate_size"] = 4 * ffn
     if family == "step3p5":
         kw["share_expert_dim"] = 4 * ffn
+    if family == "muse_spark_text":
+        kw["moe_hidden_size"] = hidden // 2
     return kw
 
 

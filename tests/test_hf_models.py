@@ -98,12 +98,14 @@ VARIANTS = [  # (family, config overrides)
     ("dots3_note_text", {}),
     ("openai_privacy_filter", {}),  # GPT-OSS's block, not interleaved, in fp32; swiglu_limit=1: the clamps act  # DeepSeek-V3's router, shared experts of their own size
     ("minimax_m3_vl_text", {}),  # clamped SwiGLU (L = 1) in experts and the fused shared expert, sigmoid + bias
+    ("muse_spark_text", {}),  # logits times output_multiplier, sigmoid + bias; latent width, norms around the experts
+    ("muse_spark_text", dict(moe_hidden_size=32, routed_scaling_factor=1.0, num_experts_per_tok=3)),
     ("mistral_large4_text", {}),  # fp32 softmax, 2 of 4 groups by their best 2, renormalized, scaled, shared experts
 ] + [(f, {}) for f in FAMILIES[FAMILIES.index("olmoe"):]]  # blocks that repeat one of the above (2 groups of 4)
 ONE_LAYOUT = ("gpt_oss", "jetmoe", "llama4_text", "qwen3_vl_moe_text", "qwen3_omni_moe_text", "qwen3_5_moe_text",
               "qwen4_exp_text", "glm4v_moe_text", "granitemoe", "mistral4", "aria_text", "dbrx",
               "granitemoeshared", "gemma4_text", "granitemoe_swa", "granitemoehybrid", "qwen3_omni_moe_talker_text",
-              "mistral_large4_text", "inkling_text", "openai_privacy_filter")  # fused experts only: no v4 modules
+              "mistral_large4_text", "inkling_text", "openai_privacy_filter", "muse_spark_text")  # fused experts only: no v4 modules
 V4_NAMES = {"mixtral": ("w1", "w3", "w2"), "minimax": ("w1", "w3", "w2"), "nemotron_h": (None, "up_proj", "down_proj"),
             "deepseek_v4": ("w1", "w3", "w2"), "minimax_m2": ("w1", "w3", "w2"), "lfm2_moe": ("w1", "w3", "w2")}
 # whole models swapped by default (each family's block is checked regardless): every family with its own semantics

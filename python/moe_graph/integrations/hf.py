@@ -54,6 +54,13 @@ Families (``config.model_type``; block class -> what the layer reproduces):
 * ``axk1`` (``AXK1MoE``): DeepSeek-V3's block, its output through an RMSNorm (``post_mlp_layernorm`` ->
   ``output_norm``); ``axk2`` (``AXK2MoE``): DeepSeek-V3's block, its group mask scoring the other groups' experts
   0.0 (``group_masked_score=0.0``), or without groups (``n_group=None``, A.X-K2-Light).
+* ``muse_spark_text`` (``MuseSparkMoE``, Muse-Spark's text model or the text config of a ``muse_spark`` model): the
+  fp32 gate times ``output_multiplier`` (``router_logit_multiplier``), sigmoid, the correction bias for the
+  selection, renormalized, ``routed_scaling_factor``; the experts in the width ``moe_hidden_size``
+  (``pre_expert_proj`` / ``post_expert_proj`` -> ``latent_in`` / ``latent_out``), their input through a centered
+  RMSNorm (``pre_expert_norm`` -> ``expert_input_norm``) and each expert output row through an input-scaled RMSNorm
+  before its probability weights it (``experts.post_expert_norm`` -> ``expert_output_norm``). Renormalized by
+  ``sum + 1e-15`` (MoELayer: ``sum + 1e-20``).
 * ``laguna`` (``LagunaSparseMoeBlock``): soft-capped logits (``logit_softcap``), sigmoid, the correction bias,
   renormalized, times ``moe_routed_scaling_factor``, a shared expert.
 
@@ -281,6 +288,9 @@ _FAMILIES: Dict[str, _Family] = {
                            router_extras=(("router.scale", "router.input_scale"),
                                           ("router.per_expert_scale", "router.expert_scale"))),
     "inkling_text": _Family("InklingMoE", "gate", None),  # its shared experts become the last routed ones
+    "muse_spark_text": _Family("MuseSparkMoE", "gate", None, latent=("pre_expert_proj", "post_expert_proj"),
+                               router_extras=(("pre_expert_norm.weight", "expert_input_norm.weight"),
+                                              ("experts.post_expert_norm.weight", "expert_output_norm.weight"))),
 }
 # transformers MoE families MoELayer cannot express, with the reason (moe_config_from_hf raises it)
 _UNSUPPORTED: Dict[str, str] = {
@@ -724,6 +734,18 @@ def moe_config_from_hf(config, *, block=None, hash_layer: Optional[bool] = None,
                     topk=K + S, num_scored_shared_experts=S, score_func="sigmoid", norm_topk_prob=True,
                     topk_scaling_factor=float(c.route_scale), enable_expert_bias=True, router_global_scale=True,
                     router_dtype=torch.float32)
+    elif t == "muse_spark_text":
+        _gated_silu(c, t)
+        # fp32 gate times output_multiplier, sigmoid, the correction bias for the selection, renormalized, scaled;
+        # the experts in moe_hidden_size between pre_expert_proj / post_expert_proj, normed around them
+        scale = float(c.routed_scaling_factor)
+        opts = dict(hidden_size=c.hidden_size, ffn_hidden_size=c.moe_intermediate_size, num_experts=c.num_local_experts,
+                    topk=c.num_experts_per_tok, score_func="sigmoid", norm_topk_prob=True,
+                    topk_scaling_factor=scale if scale != 1.0 else None, enable_expert_bias=True,
+                    router_dtype=torch.float32, router_logit_multiplier=float(c.output_multiplier),
+                    latent_size=c.moe_hidden_size, expert_input_norm="centered_rmsnorm",
+                    expert_input_norm_eps=float(c.rms_norm_eps), expert_output_norm="scaled_rmsnorm",
+                    expert_output_norm_eps=float(c.post_norm_eps))
     elif t == "gpt_oss":
         opts = dict(hidden_size=c.hidden_size, ffn_hidden_size=c.intermediate_size, num_experts=c.num_local_experts,
                     topk=c.num_experts_per_tok, norm_topk_prob=True, router_bias=True, add_bias_linear=True,

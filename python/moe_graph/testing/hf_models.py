@@ -84,7 +84,7 @@ FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss", "erni
             "longcat_flash", "axk1", "axk2", "laguna", "minimax_m2", "lfm2_moe", "mistral4", "hunyuan_v1_moe",
             "aria_text", "dbrx", "step3p5", "inkling2_text", "hy_v4", "gemma4_text", "hy_v3", "afmoe", "flint",
             "lara_mini", "mistral_large4_text", "inkling_text", "minimax_m3_vl_text", "dots3_note_text",
-            "openai_privacy_filter") + \
+            "openai_privacy_filter", "muse_spark_text") + \
     tuple(_REPEATS)
 
 _COMMON = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
@@ -206,6 +206,10 @@ _CONFIGS: Dict[str, tuple] = {
         topk_group=2, n_shared_experts=2, routed_scaling_factor=2.5, first_k_dense_replace=0)),
     "flint": ("FlintConfig", dict(intermediate_size=48, moe_intermediate_size=24, num_experts=8,
                                   shared_expert_intermediate_size=40, head_dim=8, mlp_only_layers=[])),
+    # latent width 24 > the experts' 16: the probabilities could only move into the experts without the row norm
+    "muse_spark_text": ("MuseSparkTextConfig", dict(intermediate_size=48, moe_intermediate_size=16, moe_hidden_size=24,
+                                                    num_local_experts=8, head_dim=8, routed_scaling_factor=2.5,
+                                                    sliding_window=8, rms_norm_eps=1e-5, post_norm_eps=1e-6)),
     "hy_v4": ("HYV4Config", dict(_MLA, intermediate_size=48, moe_intermediate_size=24, n_routed_experts=8, n_group=2,
                                  topk_group=1, n_shared_experts=1, swiglu_limit=1.0, hc_mult=2,
                                  mlp_layer_types=["sparse", "sparse"], pad_token_id=0, bos_token_id=0,
@@ -245,7 +249,8 @@ _BLOCKS = {"mixtral": "mixtral.modeling_mixtral.MixtralSparseMoeBlock",
            "minimax_m3_vl_text": "minimax_m3_vl.modeling_minimax_m3_vl.MiniMaxM3VLSparseMoeBlock",
            "mistral_large4_text": "mistral_large4.modeling_mistral_large4.MistralLarge4TextMoE",
            "gemma4_text": None,  # Gemma4MoEBlock
-           "inkling_text": "inkling.modeling_inkling.InklingMoE"}
+           "inkling_text": "inkling.modeling_inkling.InklingMoE",
+           "muse_spark_text": "muse_spark.modeling_muse_spark.MuseSparkMoE"}
 _MODELS = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
            "deepseek_v3": "DeepseekV3ForCausalLM", "gpt_oss": "GptOssForCausalLM",
            "ernie4_5_moe": "Ernie4_5_MoeForCausalLM", "kolibri1": "Kolibri1ForCausalLM",
@@ -263,7 +268,8 @@ _MODELS = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", 
            "mistral_large4_text": None,  # its indexer attention
            "inkling_text": "InklingForCausalLM", "minimax_m3_vl_text": "MiniMaxM3VLForCausalLM",
            "dots3_note_text": None,  # its indexed attention and vision / audio towers
-           "openai_privacy_filter": None}  # a token classifier (no LM head)
+           "openai_privacy_filter": None,  # a token classifier (no LM head)
+           "muse_spark_text": "MuseSparkTextModel"}  # the text model of a multimodal model (no LM head of its own)
 
 
 def has_tiny_model(family: str) -> bool:
