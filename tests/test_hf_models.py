@@ -90,6 +90,7 @@ VARIANTS = [  # (family, config overrides)
     ("step3p5", dict(swiglu_limits=None, swiglu_limits_shared=None, mlp_bias=False)),  # no clamps: plain SwiGLU
     ("inkling2_text", {}),  # soft-capped SwiGLU (caps 0.5 and 0.7: active), fp32 sigmoid router
     ("hy_v4", {}),  # limited SwiGLU (L = 1) in the routed experts, plain SwiGLU in the shared expert
+    ("diffusion_gemma_text", {}),  # Gemma 4's router and experts
     ("gemma4_text", {}),  # gated GELU (tanh); the gate on rms_norm(x) * scale / sqrt(H); per-expert scale
     ("hy_v3", {}),  # fp32 gate, sigmoid + the block's selection bias, renormalized, scaled, shared experts
     ("afmoe", {}),  # sigmoid + the block's expert_bias, renormalized, route_scale, shared experts
@@ -105,7 +106,8 @@ VARIANTS = [  # (family, config overrides)
 ONE_LAYOUT = ("gpt_oss", "jetmoe", "llama4_text", "qwen3_vl_moe_text", "qwen3_omni_moe_text", "qwen3_5_moe_text",
               "qwen4_exp_text", "glm4v_moe_text", "granitemoe", "mistral4", "aria_text", "dbrx",
               "granitemoeshared", "gemma4_text", "granitemoe_swa", "granitemoehybrid", "qwen3_omni_moe_talker_text",
-              "mistral_large4_text", "inkling_text", "openai_privacy_filter", "muse_spark_text")  # fused experts only: no v4 modules
+              "mistral_large4_text", "inkling_text", "openai_privacy_filter", "muse_spark_text",
+              "diffusion_gemma_text")  # fused experts only: no v4 modules
 V4_NAMES = {"mixtral": ("w1", "w3", "w2"), "minimax": ("w1", "w3", "w2"), "nemotron_h": (None, "up_proj", "down_proj"),
             "deepseek_v4": ("w1", "w3", "w2"), "minimax_m2": ("w1", "w3", "w2"), "lfm2_moe": ("w1", "w3", "w2")}
 # whole models swapped by default (each family's block is checked regardless): every family with its own semantics
@@ -121,7 +123,9 @@ FP64_WHOLE = ("dbrx",)
 # Gemma 4's tiny model amplifies fp32 rounding through its post-norms: transformers' own grouped_mm and eager experts
 # differ by 5.2e-6 in its weight gradients, the swapped model by up to 1.1e-5; in fp64 with transformers' fp32 casts
 # (router softmax, RMS norms) removed the swapped model matches to 3e-15 (transformers' casts keep FP64_WHOLE out)
-GRAD_TOL = {"gemma4_text": 2e-5}
+# DiffusionGemma's encoder text model (Gemma 4's norms): transformers' eager experts against its own batched_mm differ
+# by 1.5e-5 in the weight gradients, the swapped model by 1.4e-5
+GRAD_TOL = {"gemma4_text": 2e-5, "diffusion_gemma_text": 2e-5}
 
 
 def _ids(v):
@@ -320,6 +324,7 @@ def test_hf_load_balancing_loss():
     ("jetmoe", dict(activation_function="gelu"), "activation_function"),
     ("deepseek_v4", dict(mlp_bias=True), "mlp_bias"),
     ("longcat_flash", dict(router_bias=True), "never applies"),
+    ("diffusion_gemma_text", dict(num_experts=None), "no MoE block"),
     ("step3p5", {}, "swiglu_limits=.* differs between layers: pass block= or layer_idx="),
 ])
 def test_unsupported_configs(family, kw, match):

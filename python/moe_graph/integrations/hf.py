@@ -93,7 +93,8 @@ PhiMoE's SparseMixer, Zaya's MLP router, Doge's product keys).
   renormalized, times ``per_expert_scale`` (``router_expert_scale``), gated GELU (``activation="geglu_tanh"``). The
   decoder layer routes its residual stream and feeds the experts ``pre_feedforward_layernorm_2`` of it: the swap
   puts :class:`HFRouterInput` in the router's place and :class:`HFSplitExperts` (``MoELayer(x, router_input=...)``)
-  in the experts'.
+  in the experts'. ``diffusion_gemma_text`` (DiffusionGemma) repeats it in two decoder-layer classes (its encoder's
+  ``DiffusionGemmaEncoderTextLayer`` and its decoder's ``DiffusionGemmaDecoderTextLayer``), both swapped.
 
 Reviewed for issue 33 with the existing options: ``hy_v3`` / ``afmoe`` (sigmoid, the block's own selection-bias
 buffer, renormalized, scaled, shared experts), ``flint`` (fp32 sigmoid gate, an ungated shared expert), ``beam`` (as
@@ -170,9 +171,11 @@ class _Family:
     router_extras: Tuple[Tuple[str, str], ...] = ()  # (name in the block, MoELayer name) of further router tensors
     split: bool = False  # router and experts are separate modules of the block (Gemma 4's decoder layer)
     latent: Optional[Tuple[str, str]] = None  # the block's projections into / out of the experts' latent width
+    more_blocks: Tuple[str, ...] = ()  # further classes holding the same block (DiffusionGemma's encoder layers)
     shared_fused: bool = False  # the shared expert stores gate_up_proj [2F, H] (gate rows, then up rows): MiniMax-M3
 
 
+_GEMMA4_ROUTER_EXTRAS = (("router.scale", "router.input_scale"), ("router.per_expert_scale", "router.expert_scale"))
 _FAMILIES: Dict[str, _Family] = {
     "mixtral": _Family("MixtralSparseMoeBlock", "gate", ("w1", "w3", "w2")),
     "qwen2_moe": _Family("Qwen2MoeSparseMoeBlock", "gate", ("gate_proj", "up_proj", "down_proj"),
@@ -285,8 +288,10 @@ _FAMILIES: Dict[str, _Family] = {
     # Gemma 4: no block module; the decoder layer calls its router (on the residual stream) and its experts (on
     # pre_feedforward_layernorm_2 of it) itself
     "gemma4_text": _Family("Gemma4TextDecoderLayer", "router.proj", None, split=True,
-                           router_extras=(("router.scale", "router.input_scale"),
-                                          ("router.per_expert_scale", "router.expert_scale"))),
+                           router_extras=_GEMMA4_ROUTER_EXTRAS),
+    "diffusion_gemma_text": _Family("DiffusionGemmaDecoderTextLayer", "router.proj", None, split=True,
+                                    router_extras=_GEMMA4_ROUTER_EXTRAS, profile="gemma4_text",
+                                    more_blocks=("DiffusionGemmaEncoderTextLayer",)),
     "inkling_text": _Family("InklingMoE", "gate", None),  # its shared experts become the last routed ones
     "muse_spark_text": _Family("MuseSparkMoE", "gate", None, latent=("pre_expert_proj", "post_expert_proj"),
                                router_extras=(("pre_expert_norm.weight", "expert_input_norm.weight"),
@@ -307,7 +312,7 @@ _UNSUPPORTED: Dict[str, str] = {
 }
 # transformers' hidden_act of non-gated experts -> MoELayer's activation
 _PLAIN_ACTS = {"relu2": "squared_relu", "relu": "relu", "silu": "silu", "gelu": "gelu"}
-BLOCK_CLASSES = {f.block: t for t, f in _FAMILIES.items()}  # block class name -> model_type
+BLOCK_CLASSES = {b: t for t, f in _FAMILIES.items() for b in (f.block,) + f.more_blocks}  # block class -> model_type
 
 
 def _text_config(config):
@@ -707,12 +712,12 @@ def moe_config_from_hf(config, *, block=None, hash_layer: Optional[bool] = None,
         opts = dict(hidden_size=c.hidden_size, ffn_hidden_size=c.moe_intermediate_size, num_experts=c.num_experts,
                     topk=c.num_experts_per_tok, score_func="sigmoid", norm_topk_prob=bool(c.norm_topk_prob),
                     router_dtype=torch.float32, shared_expert_ffn_size=c.shared_expert_intermediate_size)
-    elif t == "gemma4_text":
-        if not c.enable_moe_block:
-            raise ValueError("gemma4_text: enable_moe_block=False: the model has no MoE block")
+    elif p == "gemma4_text":
+        if not getattr(c, "enable_moe_block", bool(c.num_experts)):  # DiffusionGemma: num_experts=None, dense
+            raise ValueError(f"{t}: enable_moe_block=False / num_experts=None: the model has no MoE block")
         act = c.hidden_activation
         if act != "gelu_pytorch_tanh":
-            raise ValueError(f"gemma4_text: hidden_activation={act!r} cannot be expressed: MoELayer's gated GELU is "
+            raise ValueError(f"{t}: hidden_activation={act!r} cannot be expressed: MoELayer's gated GELU is "
                              "the tanh approximation ('gelu_pytorch_tanh')")
         # the gate sees rms_norm(x) * scale / sqrt(H); softmax, the top-k renormalized, times per_expert_scale;
         # gelu_tanh(g) * u experts
@@ -1023,7 +1028,7 @@ def swap_moe_blocks(model: nn.Module, *, ep_group=None, **overrides) -> List[str
     MoELayer options (:func:`moe_config_from_hf`)."""
     config = _text_config(model.config)
     t, fam = _family(config)
-    names = [n for n, m in model.named_modules() if type(m).__name__ == fam.block
+    names = [n for n, m in model.named_modules() if type(m).__name__ in (fam.block,) + fam.more_blocks
              and (not fam.split or isinstance(getattr(m, "experts", None), nn.Module))]
     if not names:
         raise ValueError(f"{type(model).__name__} has no {fam.block} block to swap")

@@ -84,7 +84,7 @@ FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss", "erni
             "longcat_flash", "axk1", "axk2", "laguna", "minimax_m2", "lfm2_moe", "mistral4", "hunyuan_v1_moe",
             "aria_text", "dbrx", "step3p5", "inkling2_text", "hy_v4", "gemma4_text", "hy_v3", "afmoe", "flint",
             "lara_mini", "mistral_large4_text", "inkling_text", "minimax_m3_vl_text", "dots3_note_text",
-            "openai_privacy_filter", "muse_spark_text") + \
+            "openai_privacy_filter", "muse_spark_text", "diffusion_gemma_text") + \
     tuple(_REPEATS)
 
 _COMMON = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
@@ -180,6 +180,10 @@ _CONFIGS: Dict[str, tuple] = {
     "inkling2_text": ("Inkling2TextConfig", dict(moe_intermediate_size=24, n_routed_experts=8, head_dim=8,
                                                  unpadded_vocab_size=64, eos_token_id=0, mlp_gate_softcap=0.5,
                                                  mlp_up_softcap=0.7)),  # caps the weights reach
+    "diffusion_gemma_text": ("DiffusionGemmaTextConfig", dict(head_dim=8, intermediate_size=48, num_experts=8,
+                                                              top_k_experts=2, moe_intermediate_size=24,
+                                                              sliding_window=8,
+                                                              layer_types=["sliding_attention", "full_attention"])),
     "gemma4_text": ("Gemma4TextConfig", dict(head_dim=8, intermediate_size=48, enable_moe_block=True, num_experts=8,
                                              top_k_experts=2, moe_intermediate_size=24, hidden_size_per_layer_input=0,
                                              sliding_window=8, layer_types=["sliding_attention", "full_attention"],
@@ -250,7 +254,8 @@ _BLOCKS = {"mixtral": "mixtral.modeling_mixtral.MixtralSparseMoeBlock",
            "mistral_large4_text": "mistral_large4.modeling_mistral_large4.MistralLarge4TextMoE",
            "gemma4_text": None,  # Gemma4MoEBlock
            "inkling_text": "inkling.modeling_inkling.InklingMoE",
-           "muse_spark_text": "muse_spark.modeling_muse_spark.MuseSparkMoE"}
+           "muse_spark_text": "muse_spark.modeling_muse_spark.MuseSparkMoE",
+           "diffusion_gemma_text": None}  # DiffusionGemmaMoEBlock
 _MODELS = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
            "deepseek_v3": "DeepseekV3ForCausalLM", "gpt_oss": "GptOssForCausalLM",
            "ernie4_5_moe": "Ernie4_5_MoeForCausalLM", "kolibri1": "Kolibri1ForCausalLM",
@@ -269,7 +274,9 @@ _MODELS = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", 
            "inkling_text": "InklingForCausalLM", "minimax_m3_vl_text": "MiniMaxM3VLForCausalLM",
            "dots3_note_text": None,  # its indexed attention and vision / audio towers
            "openai_privacy_filter": None,  # a token classifier (no LM head)
-           "muse_spark_text": "MuseSparkTextModel"}  # the text model of a multimodal model (no LM head of its own)
+           "muse_spark_text": "MuseSparkTextModel",
+           # its encoder's text stack (the block-diffusion LM's decoder layers hold the same block: the block test)
+           "diffusion_gemma_text": "DiffusionGemmaEncoderTextModel"}  # the text model of a multimodal model (no LM head of its own)
 
 
 def has_tiny_model(family: str) -> bool:
@@ -306,10 +313,13 @@ class Gemma4MoEBlock(torch.nn.Module):
     layer's names, both on the block input (the decoder layer feeds the experts ``pre_feedforward_layernorm_2`` of
     the router's input: the whole-model test covers that)."""
 
+    folder, prefix = "gemma4", "Gemma4"  # transformers' models/ folder and class-name prefix
+
     def __init__(self, config):
         super().__init__()
-        m = _models_module("gemma4")
-        self.router, self.experts = m.Gemma4TextRouter(config), m.Gemma4TextExperts(config)
+        m = _models_module(self.folder)
+        self.router = getattr(m, f"{self.prefix}TextRouter")(config)
+        self.experts = getattr(m, f"{self.prefix}TextExperts")(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
@@ -317,9 +327,14 @@ class Gemma4MoEBlock(torch.nn.Module):
         return self.experts(flat, index, weights).reshape(x.shape)
 
 
+class DiffusionGemmaMoEBlock(Gemma4MoEBlock):
+    """DiffusionGemma's router and experts (those of its encoder and decoder layers: Gemma 4's), as one block."""
+    folder, prefix = "diffusion_gemma", "DiffusionGemma"
+
+
 def _block_class(family: str):
-    if family == "gemma4_text":
-        return Gemma4MoEBlock
+    if family in ("gemma4_text", "diffusion_gemma_text"):
+        return Gemma4MoEBlock if family == "gemma4_text" else DiffusionGemmaMoEBlock
     if family in _REPEATS:
         folder, _, block = _REPEATS[family][0].partition(".")
         return getattr(_models_module(folder), block)
