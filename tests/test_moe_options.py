@@ -500,10 +500,11 @@ def test_options_ep2_echo():
 
 def test_new_router_options_ep2_echo():
     """Zero-computation experts (with soft-capped logits and the output RMSNorm), hash routing by token id
-    (sqrtsoftplus) and router-scored shared experts (Inkling) on two EP ranks with echo, plain and fused main_grad, against the reference on all tokens."""
-    results = run_distributed(option_layer_ep_worker, 2, 5, ("zero_softcap_norm", "hash_sqrtsoftplus", "scored_shared"))
+    (sqrtsoftplus), router-scored shared experts (Inkling) and Muse-Spark's norms around latent experts on two EP ranks with echo, plain and fused main_grad, against the reference on all tokens."""
+    results = run_distributed(option_layer_ep_worker, 2, 5, ("zero_softcap_norm", "hash_sqrtsoftplus", "scored_shared",
+                                                             "muse_norms"))
     for res in results:
-        assert len(res["errors"]) == 6
+        assert len(res["errors"]) == 8
         for case, errs in res["errors"].items():
             for what, err in errs.items():
                 assert err < 1e-10, (case, what, err)

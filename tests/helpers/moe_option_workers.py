@@ -27,7 +27,18 @@ OPTION_SETS = {
     "scored_shared": dict(score_func="sigmoid", num_scored_shared_experts=2, router_global_scale=True,
                           norm_topk_prob=True, topk_scaling_factor=2.0, router_bias=True,
                           num_spare_experts_per_ep_rank=1),
+    # Muse-Spark: the logit multiplier, latent experts (width 10 > F = 6) with a norm of their input and of each
+    # output row (the layer's weight: echo's spare slots use it too)
+    "muse_norms": dict(score_func="sigmoid", router_bias=True, router_logit_multiplier=0.5, latent_size=10,
+                       expert_input_norm="centered_rmsnorm", expert_output_norm="scaled_rmsnorm",
+                       num_spare_experts_per_ep_rank=1),
 }
+
+
+# dense parameters used on the experts' side of the exchange: a rank's gradient comes from the rows its experts (and
+# spare slots) ran, whoever's tokens they were; summed over the ranks (the data-parallel all-reduce) it is the
+# gradient over all tokens
+EXPERT_SIDE = ("expert_output_norm.weight",)
 
 
 def _gather(t: torch.Tensor) -> torch.Tensor:
@@ -92,7 +103,8 @@ def _option_set(rank: int, world: int, seed: int, options: Dict):
         y_ref = x_ref = None
         total = 0
         for r in range(R):  # dense parameters get gradients from this rank's tokens only
-            params = {n: (leaves[n] if (r == rank or n.startswith("experts.")) else t) for n, t in glob.items()}
+            params = {n: (leaves[n] if (r == rank or n.startswith("experts.") or n in EXPERT_SIDE) else t)
+                      for n, t in glob.items()}
             params.update(buffers)
             xr = xs[r].clone().requires_grad_()
             yr = reference_moe_layer(xr, params, layer.config, token_ids=id_all[r] if id_all is not None else None)
@@ -104,6 +116,9 @@ def _option_set(rank: int, world: int, seed: int, options: Dict):
         for n, p in layer.named_parameters():
             ref = leaves[n].grad[rank * L:(rank + 1) * L] if n.startswith("experts.") else leaves[n].grad
             got = p.main_grad if getattr(p, "main_grad", None) is not None else p.grad
+            if n in EXPERT_SIDE:
+                got = got.clone()
+                dist.all_reduce(got)
             errs[n] = float((got - ref).abs().max())
         errors[case] = errs
     return errors, spare_rows

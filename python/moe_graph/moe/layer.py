@@ -172,7 +172,9 @@ class MoELayer(nn.Module):
             ``expert_output_norm.weight`` of the experts' width, zeros): ``"centered_rmsnorm"`` of the experts' input
             (after ``latent_in``, before the dispatch); ``"scaled_rmsnorm"`` of each expert output row before the
             probabilities weight it in combine (the probabilities then never move into the experts, the norm not
-            being linear; padding rows stay zero; with echo the weight is the layer's, nothing is dispatched).
+            being linear; padding rows stay zero; with echo the weight is the layer's, nothing is dispatched). With
+            EP, a rank's ``expert_output_norm.weight`` gradient comes from the rows its experts ran (all ranks'
+            tokens): the data-parallel all-reduce of dense parameters sums it to the whole batch's.
         output_norm, output_norm_eps: ``"rmsnorm"``: an RMSNorm (``output_norm.weight [H]``, ones) of the block
             output, the last step (after the shared expert and ``output_bias``; A.X-K1).
         num_zero_experts: ``Z`` zero-computation experts (LongCat-Flash): the router scores ``E + Z`` experts (its
