@@ -321,6 +321,8 @@ def test_hf_load_balancing_loss():
     ("mixtral", dict(router_jitter_noise=0.1), "router_jitter_noise"),
     ("qwen3_moe", dict(hidden_act="gelu"), "hidden_act"),
     ("deepseek_v3", dict(n_routed_experts=8, n_group=8, topk_group=2), "n_group"),
+    ("mistral4", dict(n_group=3), "mistral4: n_group=3 must divide"),
+    ("mistral_large4_text", dict(n_group=3), "mistral_large4_text: n_group=3 must divide"),
     ("jetmoe", dict(activation_function="gelu"), "activation_function"),
     ("deepseek_v4", dict(mlp_bias=True), "mlp_bias"),
     ("longcat_flash", dict(router_bias=True), "never applies"),

@@ -345,6 +345,17 @@ def _first(c, *names):
     raise ValueError(f"{getattr(c, 'model_type', type(c).__name__)}: the config has none of {names}")
 
 
+def _best2_groups(c, num_experts: int, model_type: str) -> Dict:
+    """Mistral 4's group-limited routing options (``n_group`` groups, each scored by its best 2 experts, the best
+    ``topk_group`` kept); none for ``n_group`` of 0 or 1."""
+    if not c.n_group or c.n_group <= 1:
+        return {}
+    if num_experts % c.n_group or num_experts // c.n_group < 2:
+        raise ValueError(f"{model_type}: n_group={c.n_group} must divide n_routed_experts={num_experts} into groups "
+                         "of at least 2 (a group scores its best 2)")
+    return dict(num_groups=c.n_group, group_topk=c.topk_group, group_score_topk=2)
+
+
 def _deepseek_routing(c, model_type: str) -> Dict:
     """DeepSeek-V3's router (also Nemotron-H's): fp32 gate, sigmoid, the correction bias for the selection, groups
     scoring their best 2, ``norm_topk_prob``, ``routed_scaling_factor``."""
@@ -570,11 +581,7 @@ def moe_config_from_hf(config, *, block=None, hash_layer: Optional[bool] = None,
                     topk=c.num_experts_per_tok, norm_topk_prob=bool(c.norm_topk_prob),
                     topk_scaling_factor=float(c.routed_scaling_factor),
                     shared_expert_ffn_size=c.moe_intermediate_size * c.n_shared_experts or None)
-        if c.n_group and c.n_group > 1:
-            if E % c.n_group or E // c.n_group < 2:
-                raise ValueError(f"mistral4: n_group={c.n_group} must divide n_routed_experts={E} into groups of at "
-                                 "least 2 (a group scores its best 2)")
-            opts.update(num_groups=c.n_group, group_topk=c.topk_group, group_score_topk=2)
+        opts.update(_best2_groups(c, E, t))
     elif t == "hunyuan_v1_moe":
         _gated_silu(c, t)
         E, K = c.num_experts, c.moe_topk
@@ -701,11 +708,7 @@ def moe_config_from_hf(config, *, block=None, hash_layer: Optional[bool] = None,
                     topk=c.num_experts_per_tok, norm_topk_prob=True, router_dtype=torch.float32,
                     topk_scaling_factor=float(c.routed_scaling_factor),
                     shared_expert_ffn_size=c.moe_intermediate_size * c.n_shared_experts or None)
-        if c.n_group and c.n_group > 1:
-            if E % c.n_group or E // c.n_group < 2:
-                raise ValueError(f"{t}: n_group={c.n_group} must divide n_routed_experts={E} into groups of at least "
-                                 "2 (a group scores its best 2)")
-            opts.update(num_groups=c.n_group, group_topk=c.topk_group, group_score_topk=2)
+        opts.update(_best2_groups(c, E, t))
     elif t == "flint":
         _gated_silu(c, t)
         # fp32 gate, sigmoid, norm_topk_prob, an ungated shared SwiGLU expert
