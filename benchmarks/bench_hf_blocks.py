@@ -29,7 +29,8 @@ def _dims(family: str, hidden: int, ffn: int) -> dict:
     if family in ("mixtral", "gpt_oss", "jetmoe", "llama4_text", "minimax_m2", "hunyuan_v1_moe", "aria_text"):
         return dict(hidden_size=hidden, intermediate_size=ffn)
     if family == "dbrx":
-        return dict(d_model=hidden, ffn_config=dict(ffn_hidden_size=ffn, moe_num_experts=8, moe_top_k=2))
+        return dict(hidden_size=hidden, d_model=hidden,  # _COMMON sets hidden_size, the alias of d_model
+                    ffn_config=dict(ffn_hidden_size=ffn, moe_num_experts=8, moe_top_k=2))
     if family == "deepseek_v4":  # intermediate_size is an alias of moe_intermediate_size (its shared expert's)
         return dict(hidden_size=hidden, moe_intermediate_size=ffn)
     if family == "longcat_flash":
