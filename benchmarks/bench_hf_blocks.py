@@ -46,6 +46,8 @@ def _dims(family: str, hidden: int, ffn: int) -> dict:
         kw["share_expert_dim"] = 4 * ffn
     if family == "muse_spark_text":
         kw["moe_hidden_size"] = hidden // 2
+    if family == "granitemoehybrid":  # its Mamba layers' heads (4, as tiny_config's) span mamba_expand x hidden
+        kw["mamba_d_head"] = 2 * hidden // 4
     return kw
 
 
