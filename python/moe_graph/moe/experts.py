@@ -266,20 +266,6 @@ class GroupedMLP(nn.Module):
 FP8_ROW_ALIGNMENT = 16
 
 
-class _RegroupedCarrier(torch.autograd.Function):
-    """FP8 dispatch's zero-stride carrier regrouped: forward a zero-stride ``[P, H]``; backward the gradient's rows
-    taken back to the original layout."""
-
-    @staticmethod
-    def forward(ctx, carrier, groups):
-        ctx.groups = groups
-        return carrier.new_zeros(()).expand(groups.padded_rows, carrier.shape[1])
-
-    @staticmethod
-    def backward(ctx, g):
-        return ctx.groups.unpad(g.contiguous()), None
-
-
 class AlignedGroups:
     """Rows grouped by expert (``m_splits [G]`` on the device, groups clamped to ``rows`` as the grouped GEMM does)
     regrouped so that group ``g`` starts at a multiple of ``align`` rows, zero rows after each group, in a static
@@ -312,7 +298,8 @@ class AlignedGroups:
         if isinstance(x, _fp8.QuantizedRows):
             def take(t):
                 return take_rows(t.view(torch.uint8), self.source_of_padded).view(t.dtype)
-            return _fp8.QuantizedRows(_RegroupedCarrier.apply(x.carrier, self), take(x.data), take(x.scale), x.kind)
+            return _fp8.QuantizedRows(_fp8.carrier(x.carrier, self.padded_rows, self.unpad), take(x.data),
+                                      take(x.scale), x.kind)
         return expand_rows(x, self.source_of_padded, self.padded_of_source.view(-1, 1))
 
     def unpad(self, y: torch.Tensor) -> torch.Tensor:

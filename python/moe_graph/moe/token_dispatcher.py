@@ -69,7 +69,7 @@ from moe_graph.moe.echo import default_backend
 from moe_graph.moe.exchange import (EXCHANGES, ToExperts, ToSources, capacity_for, checked_demand,
                                     destination_capacity, destination_quotas, resolve_exchange)
 from moe_graph.ops.dispatch_layout import dispatch_layout, receive_layout
-from moe_graph.ops.fp8 import pack_rows, unpack_rows
+from moe_graph.ops.fp8 import carrier, pack_rows, unpack_rows
 from moe_graph.ops.permute import expand_rows, reduce_rows
 
 __all__ = [
@@ -155,21 +155,6 @@ class _Exchange(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         return None, ctx.backend.exchange(g.contiguous())
-
-
-class _TokenCarrier(torch.autograd.Function):
-    """FP8 dispatch's autograd path: forward gives an ``[rows, H]`` zero-stride tensor standing for the moved rows
-    (their bytes travel outside autograd), backward sends the expert-input gradient home and sums each token's routes,
-    as the backward of the 16-bit dispatch does (:meth:`TokenDispatcher.combine` unweighted)."""
-
-    @staticmethod
-    def forward(ctx, dispatcher, handle, hidden, rows):
-        ctx.dispatcher, ctx.handle = dispatcher, handle
-        return hidden.new_zeros(()).expand(rows, hidden.shape[1])
-
-    @staticmethod
-    def backward(ctx, g):
-        return None, None, ctx.dispatcher.combine(g, ctx.handle, weighted=False), None
 
 
 def take_rows(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -435,8 +420,9 @@ class TokenDispatcher(nn.Module):
         if fp8_recipe is not None:
             with torch.no_grad():
                 moved = self._move_bytes(packed, handle)
-            carrier = _TokenCarrier.apply(self, handle, hidden, moved.shape[0])
-            expert_in = unpack_rows(moved, carrier, fp8_recipe)
+            # the input gradient goes home as the 16-bit dispatch's does: reverse exchange, sum of each token's routes
+            rows = carrier(hidden, moved.shape[0], lambda g: self.combine(g, handle, weighted=False))
+            expert_in = unpack_rows(moved, rows, fp8_recipe)
         else:
             send = expand_rows(hidden, handle.route_of_slot, handle.route_rows)  # [N, H] by (destination, expert)
             expert_in = self._to_expert_order(send, handle)

@@ -27,7 +27,7 @@ from moe_graph.ops._lib import has_kernel, ops, require
 __all__ = ["TILES", "quantize", "dequantize", "row_tile_capacity", "native_available", "scaled_grouped_gemm",
            "scaled_grouped_wgrad", "Recipe", "Float8BlockScaling", "MXFP8BlockScaling", "Float8CurrentScaling",
            "DelayedScaling", "as_recipe", "autocast", "current_recipe", "quantize_rows", "quantize_columns",
-           "quantize_weight", "gemm_blocks", "row_tiles", "QuantizedRows", "pack_rows", "unpack_rows", "packed_row_bytes"]
+           "quantize_weight", "gemm_blocks", "row_tiles", "QuantizedRows", "carrier", "pack_rows", "unpack_rows", "packed_row_bytes"]
 
 _OP = "moe_graph::fp8_quantize"
 
@@ -397,6 +397,24 @@ class QuantizedRows:
     @property
     def device(self) -> torch.device:
         return self.carrier.device
+
+
+class _Carrier(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, source, rows, grad_back):
+        ctx.grad_back = grad_back
+        return source.new_zeros(()).expand(rows, source.shape[1])
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.grad_back(g.contiguous()), None, None
+
+
+def carrier(source: torch.Tensor, rows: int, grad_back) -> torch.Tensor:
+    """A ``QuantizedRows.carrier``: an ``[rows, K]`` zero-stride tensor of ``source``'s dtype (no memory) standing for
+    rows whose bytes moved outside autograd; backward hands its gradient ``[rows, K]`` to ``grad_back``, which maps
+    it to ``source``'s gradient (e.g. the dispatch's reverse exchange and route sum)."""
+    return _Carrier.apply(source, rows, grad_back)
 
 
 def _check_row_local(recipe: Recipe) -> None:
