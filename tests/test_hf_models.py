@@ -187,6 +187,34 @@ def test_axk2_group_mask_picks_outside_the_groups():
     assert max(errs.values()) <= TOL, errs
 
 
+@pytest.mark.parametrize("family, kw", [
+    ("llama4_text", {}),
+    ("cohere2_moe", dict(expert_selection_fn="sigmoid", norm_topk_prob=True)),
+])
+def test_saturated_sigmoid_selects_on_the_logits(family, kw):
+    """Llama 4 and Cohere2-MoE's sigmoid router take the top-k of the *logits*: with the gate scaled up many
+    logits pass ~17, where the fp32 sigmoid is exactly 1.0 and the scores tie although the logits do not. The
+    layer (``select_on="logits"``) picks transformers' experts and matches its outputs and gradients; ranking the
+    tied scores instead picks other experts."""
+    cfg, block = tiny_block(family, **kw)
+    gate = block.router if hasattr(block, "router") else block.gate
+    with torch.no_grad():
+        gate.weight.mul_(400.0)
+    layer = _layer_for(cfg, block)
+    assert layer.router.select_on == "logits"
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 11, cfg.hidden_size, generator=g)
+    h = x.reshape(-1, cfg.hidden_size)
+    scores = torch.sigmoid(h @ gate.weight.t())
+    assert int((scores == 1.0).sum(1).gt(cfg.num_experts_per_tok).sum()) > 0  # ties above the top-k cut
+    idx = hf_router(block, x)
+    assert torch.equal(_selection(layer, x), idx)
+    errs = block_errors(block, layer, x, torch.randn(x.shape, generator=g), lambda gr: moe_to_hf_state_dict(gr, cfg))
+    assert max(errs.values()) <= TOL, errs
+    on_scores = _layer_for(cfg, block, select_on="scores")
+    assert not torch.equal(_selection(on_scores, x), idx)
+
+
 @pytest.mark.parametrize("overrides, what", [
     (dict(group_score_topk=None), "Megatron's group score rule (best topk // group_topk = 3)"),
     (dict(norm_topk_prob=None), "Megatron's renormalisation rule (always on for sigmoid)"),

@@ -409,8 +409,8 @@ def test_router_option_errors():
         TopKRouter(8, 16, 4, num_groups=4, group_topk=5)
     with pytest.raises(ValueError, match="topk=9 must be in"):
         TopKRouter(8, 16, 9, num_groups=4, group_topk=2)
-    with pytest.raises(ValueError, match="expert_bias_target must be"):
-        TopKRouter(8, 16, 4, enable_expert_bias=True, expert_bias_target="probs")
+    with pytest.raises(ValueError, match="select_on must be"):
+        TopKRouter(8, 16, 4, enable_expert_bias=True, select_on="probs")
 
 
 def test_expert_bias_steers_selection_not_probabilities(gen):

@@ -130,7 +130,7 @@ def test_group_score_topk_with_expert_bias(gen):
 def test_expert_bias_softmax_and_logits(gen, score_func, target, norm):
     """Selection-only expert bias with a softmax router (ERNIE-4.5-MoE, its renormalisation floor) and added to the
     logits (Kolibri-1); the bias changes the selection of some tokens, the probabilities stay the unbiased scores."""
-    layer = _layer(score_func=score_func, enable_expert_bias=True, expert_bias_target=target, norm_topk_prob=norm,
+    layer = _layer(score_func=score_func, enable_expert_bias=True, select_on=target, norm_topk_prob=norm,
                    norm_topk_min=0.3 if norm else None)
     x = torch.randn(24, 8, generator=gen, dtype=DT)
     plain = layer.router(x).indices.sort(1)[0]
@@ -138,6 +138,34 @@ def test_expert_bias_softmax_and_logits(gen, score_func, target, norm):
         layer.router.expert_bias.copy_(torch.linspace(-1.5, 1.5, 8))
     assert not torch.equal(layer.router(x).indices.sort(1)[0], plain)
     _check(layer, x)
+
+
+@pytest.mark.parametrize("score_func", ["sigmoid", "softmax"])
+def test_select_on_logits_breaks_saturated_ties(gen, score_func):
+    """fp32 scores of large logits tie (sigmoid 1.0 past ~17; softmax 0.0 more than ~104 below the maximum) although the
+    logits differ: ``select_on="logits"`` ranks the logits (Llama 4), ``"scores"`` the tied scores (lowest index
+    first); each matches the reference with the same rule, the probabilities are the same scores either way."""
+    torch.manual_seed(0)
+    x = torch.randn(32, 8, generator=gen)
+    for select_on in ("scores", "logits"):
+        r = TopKRouter(8, 16, 3, score_func=score_func, norm_topk_prob=False, select_on=select_on)
+        with torch.no_grad():
+            r.weight.normal_(0, 8.0 if score_func == "sigmoid" else 30.0, generator=torch.Generator().manual_seed(3))
+        routing = r(x)
+        idx, top, _ = reference_route(x, r.weight.detach(), 3, score_func, False, select_on=select_on)
+        assert torch.equal(routing.indices.sort(1)[0], idx.sort(1)[0]), select_on
+        torch.testing.assert_close(routing.probs.gather(1, routing.indices.argsort(1)),
+                                   top.gather(1, idx.argsort(1)), rtol=1e-6, atol=0)
+        if select_on == "scores":
+            by_scores = routing.indices.sort(1)[0]
+    assert not torch.equal(routing.indices.sort(1)[0], by_scores)  # the rule matters on these inputs
+
+
+def test_select_on_is_validated():
+    with pytest.raises(ValueError, match="select_on must be one of"):
+        TopKRouter(8, 16, 2, select_on="probs")
+    with pytest.raises(ValueError, match="select_on='logits'"):
+        TopKRouter(8, 16, 2, select_on="logits", hash_vocab_size=10)
 
 
 def test_router_bias(gen):

@@ -19,7 +19,7 @@ Families (``config.model_type``; block class -> what the layer reproduces):
   (``[1, E]``) added to the softmax scores for the selection only (``enable_expert_bias`` with softmax),
   renormalized top-k, ``moe_num_shared_experts`` shared SwiGLU experts as one.
 * ``kolibri1`` (``Kolibri1SparseMoeBlock``): fp32 gate, ``e_score_correction_bias`` added to the *logits* for the
-  selection (``expert_bias_target="logits"``), the sigmoid of the chosen logits, ``norm_topk_prob``, a shared
+  selection (``select_on="logits"``), the sigmoid of the chosen logits, ``norm_topk_prob``, a shared
   SwiGLU expert.
 * ``glm5_next_text`` (``Glm5NextTextMoE``, the text model of ``glm5_next``): DeepSeek-V3's router, experts and
   shared experts with ``silu(min(g, L)) * clamp(u, -L, L)`` (``activation="limited_swiglu"``,
@@ -29,15 +29,15 @@ Families (``config.model_type``; block class -> what the layer reproduces):
   top-k scores not renormalized, ``routed_scaling_factor``, shared experts.
 * ``jamba`` (``JambaSparseMoeBlock``): softmax, the top-k scores as they are (``norm_topk_prob=False``).
 * ``cohere2_moe`` (``Cohere2MoeSparseMoeBlock``): the softmax or sigmoid (``expert_selection_fn``) of the top-k
-  logits, shared SwiGLU experts combined by ``shared_expert_combination_strategy`` (``"average"``, the default:
+  logits (``select_on="logits"``), shared SwiGLU experts combined by ``shared_expert_combination_strategy`` (``"average"``, the default:
   ``shared_expert_combine="average"``, or ``"sum"``).
 * ``nemotron_h`` (``NemotronHMoE``, the ``mixer`` of its ``moe`` layers): DeepSeek-V3's router, non-gated experts
   with ``mlp_hidden_act`` (``relu2`` -> ``activation="squared_relu"``; ``experts.up_proj [E, F, H]``) and a
   non-gated shared expert.
 * ``jetmoe`` (``JetMoeMoE``): softmax over the top-k logits, SwiGLU experts (``input_linear`` / ``output_linear``),
   the block's ``bias [H]`` added after combining (``output_bias``).
-* ``llama4_text`` (``Llama4TextMoe``): the sigmoid of the top-k logits applied to the expert *input*
-  (``probs_on_input``), a shared SwiGLU expert; experts stored transposed (``gate_up_proj [E, H, 2F]``,
+* ``llama4_text`` (``Llama4TextMoe``): the sigmoid of the top-k logits (``select_on="logits"``) applied to the
+  expert *input* (``probs_on_input``), a shared SwiGLU expert; experts stored transposed (``gate_up_proj [E, H, 2F]``,
   ``down_proj [E, F, H]``). The block returns ``(out, router_logits)``: the swapped block ``(out, None)``.
 
 * ``deepseek_v4`` (``DeepseekV4SparseMoeBlock``): the gate in the input dtype, ``sqrtsoftplus`` (or sigmoid) scores,
@@ -453,7 +453,7 @@ def moe_config_from_hf(config, *, block=None, hash_layer: Optional[bool] = None,
         # softmax over the top-k logits (the renormalized top-k softmax), or the sigmoid of the top-k logits
         opts = dict(hidden_size=c.hidden_size, ffn_hidden_size=c.intermediate_size, num_experts=c.num_experts,
                     topk=c.num_experts_per_tok, score_func=fn,
-                    norm_topk_prob=True if fn == "softmax" else bool(c.norm_topk_prob))
+                    norm_topk_prob=True if fn == "softmax" else bool(c.norm_topk_prob), select_on="logits")
         if c.num_shared_experts:
             combine = c.shared_expert_combination_strategy
             if combine not in ("sum", "average"):
@@ -488,7 +488,7 @@ def moe_config_from_hf(config, *, block=None, hash_layer: Optional[bool] = None,
         _gated_silu(c, t)
         opts = dict(hidden_size=c.hidden_size, ffn_hidden_size=c.intermediate_size, num_experts=c.num_local_experts,
                     topk=c.num_experts_per_tok, score_func="sigmoid", norm_topk_prob=False, probs_on_input=True,
-                    shared_expert_ffn_size=c.intermediate_size)
+                    shared_expert_ffn_size=c.intermediate_size, select_on="logits")
     elif t == "ernie4_5_moe":
         _gated_silu(c, t)
         opts = dict(hidden_size=c.hidden_size, ffn_hidden_size=c.moe_intermediate_size, num_experts=c.num_experts,
@@ -502,7 +502,7 @@ def moe_config_from_hf(config, *, block=None, hash_layer: Optional[bool] = None,
         _gated_silu(c, t)
         opts = dict(hidden_size=c.hidden_size, ffn_hidden_size=c.moe_intermediate_size, num_experts=c.num_experts,
                     topk=c.num_experts_per_tok, score_func="sigmoid", norm_topk_prob=bool(c.norm_topk_prob),
-                    enable_expert_bias=True, expert_bias_target="logits", router_dtype=torch.float32,
+                    enable_expert_bias=True, select_on="logits", router_dtype=torch.float32,
                     shared_expert_ffn_size=c.shared_expert_intermediate_size)
     elif t == "deepseek_v4":
         _gated_silu(c, t)

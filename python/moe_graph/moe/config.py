@@ -28,7 +28,8 @@ class MoEConfig:
 
     Routing (:class:`moe_graph.moe.router.TopKRouter`): ``topk``, ``score_func``, ``norm_topk_prob``,
     ``num_groups``, ``group_topk``, ``group_score_topk``, ``topk_scaling_factor``, ``router_bias``,
-    ``enable_expert_bias``, ``expert_bias_update_rate``, ``expert_bias_target``, ``norm_topk_min``, ``router_dtype``, ``group_masked_score`` (the score of the experts outside the
+    ``enable_expert_bias``, ``expert_bias_update_rate``, ``select_on`` (what the top-k ranks: ``"scores"`` or
+    ``"logits"``), ``norm_topk_min``, ``router_dtype``, ``group_masked_score`` (the score of the experts outside the
     chosen groups, ``None``: ``-inf``; A.X-K2: 0.0), ``num_scored_shared_experts`` ``S`` (Inkling: the last ``S``
     experts are shared experts every token routes to, scored and renormalized with its ``topk - S`` routed ones;
     ``num_experts`` and ``topk`` count them), ``router_global_scale`` (a learned scalar on the probabilities),
@@ -86,7 +87,7 @@ class MoEConfig:
     router_bias: bool = False
     enable_expert_bias: bool = False
     expert_bias_update_rate: float = 1e-3
-    expert_bias_target: str = "scores"
+    select_on: str = "scores"
     norm_topk_min: Optional[float] = None
     router_dtype: Optional[torch.dtype] = None
     ep_size: Optional[int] = None
@@ -154,7 +155,7 @@ class MoEConfig:
                              "counts cover the real experts only)")
         check_router_options(self.num_experts + z, self.topk, self.score_func, self.num_groups, self.group_topk,
                              self.enable_expert_bias, self.router_dtype, self.norm_topk_prob, self.group_score_topk,
-                             self.expert_bias_target, hash_vocab_size=self.hash_vocab_size,
+                             self.select_on, hash_vocab_size=self.hash_vocab_size,
                              logit_softcap=self.logit_softcap, group_masked_score=self.group_masked_score,
                              num_scored_shared_experts=self.num_scored_shared_experts,
                              logit_multiplier=self.router_logit_multiplier)

@@ -136,10 +136,10 @@ class MoELayer(nn.Module):
         score_func: ``"softmax"`` or ``"sigmoid"``. norm_topk_prob: renormalize the top-k probabilities (``None``:
             on for sigmoid with ``topk > 1``, off for softmax, Megatron's rule; ``True``/``False`` for either).
         num_groups, group_topk, group_score_topk, topk_scaling_factor, router_bias, enable_expert_bias,
-            expert_bias_update_rate, expert_bias_target, norm_topk_min, router_dtype: router options (:class:`TopKRouter`;
+            expert_bias_update_rate, select_on, norm_topk_min, router_dtype: router options (:class:`TopKRouter`;
             group-limited routing and its group score rule, scaled probabilities, a learned gate bias,
             auxiliary-loss-free balancing with :func:`update_expert_bias` after each optimizer step, the selection
-            bias on the scores or the logits, gate GEMM precision).
+            bias, the top-k on the scores or the logits, gate GEMM precision).
         activation: ``"swiglu"`` (fc1 is ``[2F, H]``), ``"clamped_swiglu"`` (GPT-OSS's, with ``swiglu_alpha`` and
             ``swiglu_limit``; fc1 ``[2F, H]``), ``"limited_swiglu"`` (``swiglu_limit``:
             DeepSeek-V4 / GLM5-Next / HY-V4), ``"post_clamped_swiglu"`` (``min(silu(g), L)``: Step-3.7),
@@ -286,7 +286,7 @@ class MoELayer(nn.Module):
                                  group_score_topk=c.group_score_topk, scaling_factor=c.topk_scaling_factor,
                                  router_bias=c.router_bias, enable_expert_bias=c.enable_expert_bias,
                                  expert_bias_update_rate=c.expert_bias_update_rate, router_dtype=c.router_dtype,
-                                 expert_bias_target=c.expert_bias_target, norm_topk_min=c.norm_topk_min,
+                                 select_on=c.select_on, norm_topk_min=c.norm_topk_min,
                                  hash_vocab_size=c.hash_vocab_size, logit_softcap=c.logit_softcap,
                                  group_masked_score=c.group_masked_score,
                                  input_norm=c.router_input_norm, input_norm_eps=c.router_norm_eps,

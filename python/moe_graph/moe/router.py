@@ -20,14 +20,14 @@ from torch import nn
 from moe_graph import parallel_state as ps
 from moe_graph.moe.token_dispatcher import counting_enabled
 
-__all__ = ["AUX_LOSS_TYPES", "EXPERT_BIAS_TARGETS", "MoEAuxLossAutoScaler", "RouterLoss", "Routing", "SCORE_FUNCS",
+__all__ = ["AUX_LOSS_TYPES", "SELECT_ON", "MoEAuxLossAutoScaler", "RouterLoss", "Routing", "SCORE_FUNCS",
            "TopKRouter", "aux_loss_scores", "check_loss_options", "check_router_options", "group_limited_topk",
            "route_counts",
            "router_aux_loss", "router_scores", "router_z_loss", "routing_map", "sequence_aux_loss",
            "set_aux_loss_scale", "update_expert_bias"]
 
 SCORE_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
-EXPERT_BIAS_TARGETS = ("scores", "logits")  # what the selection-only expert bias is added to
+SELECT_ON = ("scores", "logits")  # what the top-k selection ranks (the selection-only expert bias joins it)
 AUX_LOSS_TYPES = ("local", "global", "sequence")
 
 
@@ -155,20 +155,22 @@ def group_limited_topk(scores: torch.Tensor, topk: int, num_groups: int, group_t
 def check_router_options(num_experts: int, topk: int, score_func: str = "softmax", num_groups: Optional[int] = None,
                          group_topk: Optional[int] = None, enable_expert_bias: bool = False,
                          router_dtype: Optional[torch.dtype] = None, norm_topk_prob: Optional[bool] = None,
-                         group_score_topk: Optional[int] = None, expert_bias_target: str = "scores", *,
+                         group_score_topk: Optional[int] = None, select_on: str = "scores", *,
                          hash_vocab_size: Optional[int] = None, logit_softcap: Optional[float] = None,
                          group_masked_score: Optional[float] = None, num_scored_shared_experts: int = 0,
                          logit_multiplier: Optional[float] = None) -> None:
     """Raises ``ValueError`` naming the first bad routing option (:class:`TopKRouter`'s arguments)."""
     if score_func not in SCORE_FUNCS:
         raise ValueError(f"score_func must be one of {SCORE_FUNCS}, got {score_func!r}")
+    if select_on not in SELECT_ON:
+        raise ValueError(f"select_on must be one of {SELECT_ON}, got {select_on!r}")
     if hash_vocab_size is not None:
         if isinstance(hash_vocab_size, bool) or not isinstance(hash_vocab_size, int) or hash_vocab_size < 1:
             raise ValueError(f"hash_vocab_size must be None or an int >= 1 (the token-id table's rows), got "
                              f"{hash_vocab_size!r}")
-        if num_groups is not None or enable_expert_bias:
+        if num_groups is not None or enable_expert_bias or select_on != "scores":
             raise ValueError("hash routing (hash_vocab_size) picks the experts from the token-id table: it cannot "
-                             "be combined with num_groups/group_topk or enable_expert_bias")
+                             "be combined with num_groups/group_topk, enable_expert_bias or select_on='logits'")
     S = num_scored_shared_experts
     if isinstance(S, bool) or not isinstance(S, int) or not 0 <= S < min(topk, num_experts):
         raise ValueError(f"num_scored_shared_experts must be an int in [0, min(topk, num_experts)) (the last experts, "
@@ -213,8 +215,6 @@ def check_router_options(num_experts: int, topk: int, score_func: str = "softmax
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= per:
             raise ValueError(f"group_score_topk must be an int in [1, experts per group = {per}] or None "
                              f"(topk // group_topk), got {group_score_topk!r}")
-    if expert_bias_target not in EXPERT_BIAS_TARGETS:
-        raise ValueError(f"expert_bias_target must be one of {EXPERT_BIAS_TARGETS}, got {expert_bias_target!r}")
     if router_dtype not in (None, torch.float32, torch.float64):
         raise ValueError(f"router_dtype must be None, torch.float32 or torch.float64, got {router_dtype}")
 
@@ -337,6 +337,10 @@ class TopKRouter(nn.Module):
       ``moe_router_dtype``; by default the GEMM runs in the input dtype and the logits are upcast to fp32).
     * ``score_func="sqrtsoftplus"`` (DeepSeek-V4): scores ``sqrt(softplus(logits))``, elementwise like sigmoid
       (``norm_topk_prob=None`` renormalizes them as sigmoid's).
+    * ``select_on``: what the top-k ranks, ``"scores"`` (default) or ``"logits"`` (Llama 4, Cohere2-MoE's sigmoid
+      router, Kolibri-1). The score functions are monotone, so the two pick the same experts except where the
+      scores tie although the logits do not: a saturated fp32 sigmoid (logits 21.1 and 17.9 both score 1.0), where
+      ``"scores"`` takes the lower index and ``"logits"`` the larger logit.
     * ``logit_multiplier`` ``m``: the gate's logits (fp32, or the ``router_dtype``) times ``m``, first (Muse-Spark's
       ``output_multiplier``); ``last_logits`` and the z-loss see the scaled logits.
     * ``logit_softcap`` ``c``: the logits become ``c * tanh(logits / c)`` before anything else (Laguna's
@@ -347,7 +351,7 @@ class TopKRouter(nn.Module):
       the chosen experts (renormalized and scaled as configured). A device gather: no sync, capturable; token ids
       must lie in ``[0, V)`` (checked by the gather itself, on CUDA as a device assert).
     * ``enable_expert_bias``: auxiliary-loss-free balancing. A buffer ``expert_bias [E]`` is added to the scores
-      (softmax or sigmoid: DeepSeek-V3, ERNIE-4.5-MoE) or, with ``expert_bias_target="logits"``, to the logits
+      (softmax or sigmoid: DeepSeek-V3, ERNIE-4.5-MoE) or, with ``select_on="logits"``, to the logits
       (Kolibri-1: the top-k of ``logits + bias``) for the *selection* only (the probabilities use the unbiased
       scores); each training-mode forward
       (once, also under activation recomputation) adds this rank's routes per expert to the buffer
@@ -364,7 +368,7 @@ class TopKRouter(nn.Module):
                  group_topk: Optional[int] = None, group_score_topk: Optional[int] = None,
                  scaling_factor: Optional[float] = None, router_bias: bool = False,
                  enable_expert_bias: bool = False, expert_bias_update_rate: float = 1e-3,
-                 router_dtype: Optional[torch.dtype] = None, expert_bias_target: str = "scores",
+                 router_dtype: Optional[torch.dtype] = None, select_on: str = "scores",
                  norm_topk_min: Optional[float] = None, hash_vocab_size: Optional[int] = None,
                  logit_softcap: Optional[float] = None, group_masked_score: Optional[float] = None,
                  input_norm: bool = False, input_norm_eps: float = 1e-6, expert_scale: bool = False,
@@ -375,13 +379,13 @@ class TopKRouter(nn.Module):
             raise ValueError(f"norm_topk_min must be None or a number in [0, 1), got {norm_topk_min!r}")
         self.norm_topk_min = norm_topk_min
         check_router_options(num_experts, topk, score_func, num_groups, group_topk, enable_expert_bias, router_dtype,
-                             norm_topk_prob, group_score_topk, expert_bias_target, hash_vocab_size=hash_vocab_size,
+                             norm_topk_prob, group_score_topk, select_on, hash_vocab_size=hash_vocab_size,
                              logit_softcap=logit_softcap, group_masked_score=group_masked_score,
                              num_scored_shared_experts=num_scored_shared_experts, logit_multiplier=logit_multiplier)
         self.logit_multiplier = float(logit_multiplier) if logit_multiplier is not None else None
         self.num_scored_shared_experts = num_scored_shared_experts
         self.group_masked_score = float(group_masked_score) if group_masked_score is not None else None
-        self.expert_bias_target = expert_bias_target
+        self.select_on = select_on
         self.hash_vocab_size = hash_vocab_size
         self.logit_softcap = float(logit_softcap) if logit_softcap is not None else None
         self.num_experts, self.topk, self.score_func = num_experts, topk, score_func
@@ -469,8 +473,8 @@ class TopKRouter(nn.Module):
                 top = top * self.scaling_factor
         else:
             scores = router_scores(logits, self.score_func)
-            sel = None if hashed is not None else logits.detach() \
-                if self.enable_expert_bias and self.expert_bias_target == "logits" else scores.detach()
+            sel = None if hashed is not None else logits.detach() if self.select_on == "logits" \
+                else scores.detach()
             if self.enable_expert_bias:
                 sel = sel + self.expert_bias.to(sel.dtype)
             idx = self._select(sel) if hashed is None else hashed

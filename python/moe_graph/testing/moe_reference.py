@@ -13,14 +13,14 @@ import torch.nn.functional as F
 # ---------------------------------------------------------------------------------------------- references --
 def reference_route(h: torch.Tensor, gate_weight: torch.Tensor, topk: int, score_func: str = "softmax",
                     norm_topk_prob: Optional[bool] = None, *, num_groups=None, group_topk=None, scaling_factor=None,
-                    expert_bias=None, group_score_topk=None, gate_bias=None, expert_bias_target="scores",
+                    expert_bias=None, group_score_topk=None, gate_bias=None, select_on="scores",
                     norm_topk_min=None, logit_softcap=None, hash_indices=None, group_masked_score=None,
                     input_scale=None, input_norm_eps=1e-6, expert_scale=None, num_scored_shared_experts=0,
                     global_scale=None, logit_multiplier=None):
     """``(topk_idx [T, K], topk_probs [T, K], scores [T, E])``: the router written out independently (group-limited
     selection one token at a time, in plain Python). ``norm_topk_prob=None``: on for sigmoid with ``topk > 1``;
     ``group_score_topk=None``: a group scores the sum of its ``topk // group_topk`` best; ``gate_bias``: added to
-    the logits; ``expert_bias_target="logits"``: the expert bias is added to the logits for the selection;
+    the logits; ``select_on="logits"``: the top-k ranks the logits (plus the expert bias), not the scores;
     ``logit_multiplier`` ``m``: the logits (with the gate bias) times ``m``; ``logit_softcap`` ``c``: then
     ``c * tanh(logits / c)``; ``hash_indices`` ``[T, K]``: the experts, given (hash
     routing: the token-id table's rows) instead of selected; ``group_masked_score``: the score the experts outside
@@ -45,7 +45,7 @@ def reference_route(h: torch.Tensor, gate_weight: torch.Tensor, topk: int, score
         scores = torch.sqrt(torch.log1p(torch.exp(logits)))
     else:
         scores = torch.sigmoid(logits)
-    sel = (logits if expert_bias_target == "logits" else scores).detach()
+    sel = (logits if select_on == "logits" else scores).detach()
     sel = sel + (expert_bias.to(scores.dtype) if expert_bias is not None else 0)
     T, E = scores.shape
     S = num_scored_shared_experts
@@ -248,7 +248,7 @@ def reference_moe_layer(x: torch.Tensor, params: Dict[str, torch.Tensor], config
                                     num_groups=c.num_groups, group_topk=c.group_topk,
                                     scaling_factor=c.topk_scaling_factor, expert_bias=params.get("router.expert_bias"),
                                     group_score_topk=c.group_score_topk, gate_bias=params.get("router.bias"),
-                                    expert_bias_target=getattr(c, "expert_bias_target", "scores"),
+                                    select_on=getattr(c, "select_on", "scores"),
                                     norm_topk_min=getattr(c, "norm_topk_min", None),
                                     logit_softcap=getattr(c, "logit_softcap", None), hash_indices=hashed,
                                     group_masked_score=getattr(c, "group_masked_score", None),
