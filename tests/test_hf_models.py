@@ -113,7 +113,7 @@ V4_NAMES = {"mixtral": ("w1", "w3", "w2"), "minimax": ("w1", "w3", "w2"), "nemot
 # whole models swapped by default (each family's block is checked regardless): every family with its own semantics
 # and one of each repeated block; MOE_GRAPH_HF_ALL=1 swaps every family's tiny model
 WHOLE_MODEL = FAMILIES if os.environ.get("MOE_GRAPH_HF_ALL") == "1" else FAMILIES[:FAMILIES.index("olmoe")] + (
-    "olmoe", "qwen3_next", "glm4_moe")
+    "olmoe", "qwen3_next", "glm4_moe", "sarvam_moe")  # sarvam_moe: a config read as another family (glm4_moe)
 
 
 # tiny whole models whose fp32 forward/backward is ill-conditioned: checked in float64 (MoELayer and transformers
@@ -282,7 +282,9 @@ def test_whole_model_swapped(family):
         model = model.double()
     ref = copy.deepcopy(model)
     names = swap_moe_blocks(model)
-    expected = [n for n, m in ref.named_modules() if BLOCK_CLASSES.get(type(m).__name__) == family]
+    # the family whose blocks the model holds (sarvam_*: glm4_moe's and deepseek_v3's)
+    holds = BLOCK_CLASSES.get(type(tiny_block(family)[1]).__name__, family)
+    expected = [n for n, m in ref.named_modules() if BLOCK_CLASSES.get(type(m).__name__) == holds]
     assert names == expected and len(names) >= 1
     if family == "deepseek_v3":
         assert names == [f"model.layers.{i}.mlp" for i in range(cfg.first_k_dense_replace, cfg.num_hidden_layers)]
@@ -372,6 +374,26 @@ def test_per_layer_options_follow_the_block():
         ("post_clamped_swiglu", 1.0, "post_clamped_swiglu", 1.5)
     assert (c1.activation, c1.shared_activation, c1.shared_swiglu_limit) == ("swiglu", "post_clamped_swiglu", 2.0)
     assert c0.shared_bias and not c0.add_bias_linear
+
+
+def test_configs_read_through_another_family():
+    """transformers configs without a block of their own: Sarvam's are built as GLM-4-MoE / DeepSeek-V3 models (its
+    auto mapping), so they are read as those families; Nemotron-3.5-Transcribe's MoE is its nemotron_h language
+    model, read through get_text_config."""
+    from transformers.models.nemotron3_5_transcribe.configuration_nemotron3_5_transcribe import (
+        Nemotron3_5TranscribeConfig,
+    )
+    sarvam = tiny_config("sarvam_moe")
+    assert sarvam.model_type == "sarvam_moe"
+    glm = transformers.Glm4MoeConfig(**{k: getattr(sarvam, k) for k in (
+        "hidden_size", "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok", "n_group", "topk_group",
+        "n_shared_experts", "routed_scaling_factor", "norm_topk_prob")})
+    assert moe_config_from_hf(sarvam) == moe_config_from_hf(glm)
+    text = tiny_config("nemotron_h")
+    speech = Nemotron3_5TranscribeConfig(text_config=text.to_dict())
+    assert speech.model_type != "nemotron_h" and moe_config_from_hf(speech) == moe_config_from_hf(text)
+    with pytest.raises(ValueError, match="model_type='llama'"):  # an auto-mapped dense model stays unsupported
+        moe_config_from_hf(transformers.LlamaConfig())
 
 
 def test_unsupported_family():

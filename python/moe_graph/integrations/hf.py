@@ -105,7 +105,10 @@ Blocks that repeat one of these (``_Family.profile``): ``olmoe``, ``flex_olmo``,
 ``qwen3_vl_moe_text``, ``qwen3_omni_moe_text``, ``mellum`` as ``qwen3_moe``; ``qwen3_next``, ``qwen3_5_moe_text``,
 ``qwen4_exp_text`` as ``qwen2_moe``; ``glm4_moe``, ``glm4_moe_lite``, ``glm4v_moe_text``, ``dots1``, ``solar_open``,
 ``deepseek_v32``, ``glm_moe_dsa``, ``kimi_linear``, ``exaone_moe``, ``mimo_v2_flash``, ``bailing_hybrid`` as
-``deepseek_v3``.
+``deepseek_v3``. Configs whose model transformers builds from a family's model classes (its auto mapping) are read
+as that family: ``sarvam_moe`` (``Glm4MoeModel``) as ``glm4_moe``, ``sarvam_mla`` (``DeepseekV3Model``) as
+``deepseek_v3``. A composite config is read through its text config (``get_text_config``): e.g. the
+``nemotron_h`` language model of ``nemotron3_5_transcribe``.
 
 Checkpoint layouts (names relative to the block, e.g. ``model.layers.3.mlp.``): transformers v5 fuses the experts
 (``experts.gate_up_proj [E, 2F, H]``: the gate rows, then the up rows; ``experts.down_proj [E, H, F]``), which is
@@ -320,8 +323,24 @@ def _text_config(config):
     return get() if callable(get) else config
 
 
+def _same_model_family(model_type: Optional[str]) -> Optional[str]:
+    """The supported family whose model classes transformers also builds for ``model_type`` (its auto mapping:
+    ``sarvam_moe`` -> ``Glm4MoeModel``, the model of ``glm4_moe``; ``sarvam_mla`` -> ``deepseek_v3``'s), else
+    None."""
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+    except ImportError:
+        return None
+    model = MODEL_MAPPING_NAMES.get(model_type) if model_type is not None else None
+    if model is None:
+        return None
+    return next((f for f in _FAMILIES if MODEL_MAPPING_NAMES.get(f) == model), None)
+
+
 def _family(config) -> Tuple[str, _Family]:
     t = getattr(config, "model_type", None)
+    if t not in _FAMILIES and t not in _UNSUPPORTED:
+        t = _same_model_family(t) or t
     if t in _UNSUPPORTED:
         raise ValueError(f"config.model_type={t!r} cannot be expressed by MoELayer: {_UNSUPPORTED[t]}")
     if t not in _FAMILIES:

@@ -63,6 +63,11 @@ _REPEATS: Dict[str, tuple] = {
     "qwen3_omni_moe_talker_text": ("qwen3_omni_moe.Qwen3OmniMoeTalkerTextSparseMoeBlock",
                                    "Qwen3OmniMoeTalkerTextConfig", None,
                                    dict(shared_expert_intermediate_size=40)),  # the talker of an omni model
+    # configs of their own whose model is another family's (transformers' auto mapping); config "folder.Class"
+    "sarvam_moe": ("glm4_moe.Glm4MoeMoE", "sarvam_moe.SarvamMoEConfig", "Glm4MoeForCausalLM",
+                   dict(first_k_dense_replace=0)),
+    "sarvam_mla": ("deepseek_v3.DeepseekV3MoE", "sarvam_mla.SarvamMLAConfig", "DeepseekV3ForCausalLM",
+                   dict(_MLA, first_k_dense_replace=0)),
     "granitemoe_swa": ("granitemoe_swa.GraniteMoeSWAMoE", "GraniteMoeSWAConfig", "GraniteMoeSWAForCausalLM", {}),
     "granitemoehybrid": ("granitemoehybrid.GraniteMoeHybridMoE", "GraniteMoeHybridConfig", None,
                          dict(mamba_n_heads=4, mamba_d_head=16)),  # Mamba layers
@@ -292,6 +297,8 @@ def tiny_config(family: str, **overrides):
     """A small transformers config of ``family`` (eager attention, fp32), ``overrides`` applied."""
     if family in _REPEATS:
         folder, cls_name, _, kw = _REPEATS[family]
+        if "." in cls_name:  # the config's own folder
+            folder, _, cls_name = cls_name.partition(".")
         cls = getattr(_models_module(folder.partition(".")[0], "configuration"), cls_name)
         fields = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set(
             inspect.signature(cls.__init__).parameters)
