@@ -215,6 +215,27 @@ def test_saturated_sigmoid_selects_on_the_logits(family, kw):
     assert not torch.equal(_selection(on_scores, x), idx)
 
 
+@pytest.mark.parametrize("family, eps", [("lfm2_moe", 1e-6), ("muse_spark_text", 1e-15)])
+def test_renormalization_eps_of_tiny_score_sums(family, eps):
+    """LFM2-MoE and Muse-Spark renormalize the top-k sigmoid scores by ``sum + eps`` (1e-6, 1e-15): with every logit
+    around -30 the chosen scores sum to ~1e-13, so the eps decides the weights. The layer (``norm_topk_eps``)
+    matches the block; with Megatron's ``sum + 1e-20`` the block output is far off."""
+    cfg, block = tiny_block(family)
+    gate = block.router if hasattr(block, "router") else block.gate
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 11, cfg.hidden_size, generator=g).abs()
+    with torch.no_grad():  # logits of about -30 for every token and expert
+        gate.weight.copy_(-gate.weight.abs())
+        logits = x.reshape(-1, cfg.hidden_size) @ gate.weight.t() * getattr(cfg, "output_multiplier", 1.0)
+        gate.weight.mul_(30.0 / float(-logits.mean()))
+    layer = _layer_for(cfg, block)
+    assert layer.router.norm_topk_eps == eps
+    errs = block_errors(block, layer, x, torch.randn(x.shape, generator=g), lambda gr: moe_to_hf_state_dict(gr, cfg))
+    assert max(errs.values()) <= TOL, errs
+    megatron = _layer_for(cfg, block, norm_topk_eps=None)
+    assert rel_err(block_output(megatron, x), block_output(block, x)) > 1e-2  # far outside TOL
+
+
 @pytest.mark.parametrize("overrides, what", [
     (dict(group_score_topk=None), "Megatron's group score rule (best topk // group_topk = 3)"),
     (dict(norm_topk_prob=None), "Megatron's renormalisation rule (always on for sigmoid)"),

@@ -168,6 +168,28 @@ def test_select_on_is_validated():
         TopKRouter(8, 16, 2, select_on="logits", hash_vocab_size=10)
 
 
+def test_norm_topk_eps_matches_reference(gen):
+    """``norm_topk_eps``: the renormalization divides by ``sum + eps``; with logits around -25 the sigmoid top-k of
+    some tokens sums to ~1e-8, so eps = 1e-6 keeps their probabilities small where 1e-20 makes them sum to 1."""
+    x = torch.randn(16, 8, generator=gen).abs()
+    r = TopKRouter(8, 8, 2, score_func="sigmoid", norm_topk_prob=True, norm_topk_eps=1e-6, scaling_factor=2.0)
+    with torch.no_grad():
+        r.weight.copy_(-r.weight.abs())
+        r.weight.mul_(25.0 / float(-(x @ r.weight.t()).mean()))
+    routing = r(x)
+    idx, top, _ = reference_route(x.double(), r.weight.detach().double(), 2, "sigmoid", True, scaling_factor=2.0,
+                                  norm_topk_eps=1e-6)
+    assert torch.equal(routing.indices, idx)
+    torch.testing.assert_close(routing.probs.double(), top, rtol=1e-5, atol=0)
+    assert float(routing.probs.sum(-1).min()) < 1e-2  # tokens whose scores sum to ~1e-8 keep tiny weights
+    r.norm_topk_eps = 1e-20  # Megatron's: every token's weights sum to the scaling factor
+    torch.testing.assert_close(r(x).probs.sum(-1), torch.full((16,), 2.0))
+    with pytest.raises(ValueError, match="norm_topk_eps must be"):
+        TopKRouter(8, 8, 2, norm_topk_eps=-1.0)
+    with pytest.raises(ValueError, match="give one"):
+        MoEConfig(hidden_size=8, ffn_hidden_size=8, num_experts=8, topk=2, norm_topk_eps=1e-6, norm_topk_min=0.1)
+
+
 def test_router_bias(gen):
     layer = _layer(router_bias=True, norm_topk_prob=True)
     assert layer.router.bias.shape == (8,) and layer.router.bias.requires_grad

@@ -60,12 +60,12 @@ Families (``config.model_type``; block class -> what the layer reproduces):
   (``pre_expert_proj`` / ``post_expert_proj`` -> ``latent_in`` / ``latent_out``), their input through a centered
   RMSNorm (``pre_expert_norm`` -> ``expert_input_norm``) and each expert output row through an input-scaled RMSNorm
   before its probability weights it (``experts.post_expert_norm`` -> ``expert_output_norm``). Renormalized by
-  ``sum + 1e-15`` (MoELayer: ``sum + 1e-20``).
+  ``sum + 1e-15`` (``norm_topk_eps``).
 * ``laguna`` (``LagunaSparseMoeBlock``): soft-capped logits (``logit_softcap``), sigmoid, the correction bias,
   renormalized, times ``moe_routed_scaling_factor``, a shared expert.
 
 * ``minimax_m2`` (sigmoid, the block's ``e_score_correction_bias``, renormalized), ``lfm2_moe`` (sigmoid, the block's
-  ``expert_bias``, renormalized by ``sum + 1e-6``: MoELayer's ``+ 1e-20`` is a relative 1e-6 apart, scaled),
+  ``expert_bias``, renormalized by ``sum + 1e-6`` (``norm_topk_eps``), scaled),
   ``mistral4`` (softmax, groups scoring their best 2, renormalized, scaled, shared experts), ``hunyuan_v1_moe`` (fp32
   gate ``gate.wg``, softmax renormalized, ``shared_mlp``), ``aria_text`` (softmax of the top-k logits, experts
   stored transposed, shared experts), ``dbrx`` (``DbrxFFN``: softmax, top-k over their L1 norm or not; experts
@@ -584,12 +584,13 @@ def moe_config_from_hf(config, *, block=None, hash_layer: Optional[bool] = None,
                     topk=c.num_experts_per_tok, score_func="sigmoid", norm_topk_prob=True, enable_expert_bias=True)
     elif t == "lfm2_moe":
         _gated_silu(c, t)
-        # sigmoid, the block's expert_bias for the selection (use_expert_bias), renormalized by sum + 1e-6
-        # (MoELayer: sum + 1e-20, a relative 1e-6 apart), routed_scaling_factor
+        # sigmoid, the block's expert_bias for the selection (use_expert_bias), renormalized by sum + 1e-6 (not a
+        # rounding detail: a top-k of sigmoid scores summing to ~1e-8 keeps weights ~1e-2), routed_scaling_factor
         scale = float(c.routed_scaling_factor)
         opts = dict(hidden_size=c.hidden_size, ffn_hidden_size=c.moe_intermediate_size, num_experts=c.num_experts,
                     topk=c.num_experts_per_tok, score_func="sigmoid", norm_topk_prob=bool(c.norm_topk_prob),
-                    topk_scaling_factor=scale if scale != 1.0 else None, enable_expert_bias=bool(c.use_expert_bias))
+                    topk_scaling_factor=scale if scale != 1.0 else None, enable_expert_bias=bool(c.use_expert_bias),
+                    norm_topk_eps=1e-6)
     elif t == "mistral4":
         _gated_silu(c, t)
         # the gate in the input dtype, softmax, groups scored by their best 2 (the other groups' experts masked with
@@ -772,7 +773,7 @@ def moe_config_from_hf(config, *, block=None, hash_layer: Optional[bool] = None,
                     router_dtype=torch.float32, router_logit_multiplier=float(c.output_multiplier),
                     latent_size=c.moe_hidden_size, expert_input_norm="centered_rmsnorm",
                     expert_input_norm_eps=float(c.rms_norm_eps), expert_output_norm="scaled_rmsnorm",
-                    expert_output_norm_eps=float(c.post_norm_eps))
+                    expert_output_norm_eps=float(c.post_norm_eps), norm_topk_eps=1e-15)
     elif t == "gpt_oss":
         opts = dict(hidden_size=c.hidden_size, ffn_hidden_size=c.intermediate_size, num_experts=c.num_local_experts,
                     topk=c.num_experts_per_tok, norm_topk_prob=True, router_bias=True, add_bias_linear=True,

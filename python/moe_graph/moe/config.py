@@ -29,7 +29,8 @@ class MoEConfig:
     Routing (:class:`moe_graph.moe.router.TopKRouter`): ``topk``, ``score_func``, ``norm_topk_prob``,
     ``num_groups``, ``group_topk``, ``group_score_topk``, ``topk_scaling_factor``, ``router_bias``,
     ``enable_expert_bias``, ``expert_bias_update_rate``, ``select_on`` (what the top-k ranks: ``"scores"`` or
-    ``"logits"``), ``norm_topk_min``, ``router_dtype``, ``group_masked_score`` (the score of the experts outside the
+    ``"logits"``), ``norm_topk_min``, ``norm_topk_eps`` (the renormalization's ``sum + eps``, ``None``: 1e-20),
+    ``router_dtype``, ``group_masked_score`` (the score of the experts outside the
     chosen groups, ``None``: ``-inf``; A.X-K2: 0.0), ``num_scored_shared_experts`` ``S`` (Inkling: the last ``S``
     experts are shared experts every token routes to, scored and renormalized with its ``topk - S`` routed ones;
     ``num_experts`` and ``topk`` count them), ``router_global_scale`` (a learned scalar on the probabilities),
@@ -89,6 +90,7 @@ class MoEConfig:
     expert_bias_update_rate: float = 1e-3
     select_on: str = "scores"
     norm_topk_min: Optional[float] = None
+    norm_topk_eps: Optional[float] = None
     router_dtype: Optional[torch.dtype] = None
     ep_size: Optional[int] = None
     num_spare_experts_per_ep_rank: int = 0
@@ -158,7 +160,8 @@ class MoEConfig:
                              self.select_on, hash_vocab_size=self.hash_vocab_size,
                              logit_softcap=self.logit_softcap, group_masked_score=self.group_masked_score,
                              num_scored_shared_experts=self.num_scored_shared_experts,
-                             logit_multiplier=self.router_logit_multiplier)
+                             logit_multiplier=self.router_logit_multiplier, norm_topk_eps=self.norm_topk_eps,
+                             norm_topk_min=self.norm_topk_min)
         for name, kinds in (("expert_input_norm", ("centered_rmsnorm",)), ("expert_output_norm", ("scaled_rmsnorm",))):
             if getattr(self, name) not in (None,) + kinds:
                 raise ValueError(f"{name} must be None or one of {kinds}, got {getattr(self, name)!r}")

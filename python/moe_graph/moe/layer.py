@@ -136,7 +136,8 @@ class MoELayer(nn.Module):
         score_func: ``"softmax"`` or ``"sigmoid"``. norm_topk_prob: renormalize the top-k probabilities (``None``:
             on for sigmoid with ``topk > 1``, off for softmax, Megatron's rule; ``True``/``False`` for either).
         num_groups, group_topk, group_score_topk, topk_scaling_factor, router_bias, enable_expert_bias,
-            expert_bias_update_rate, select_on, norm_topk_min, router_dtype: router options (:class:`TopKRouter`;
+            expert_bias_update_rate, select_on, norm_topk_min, norm_topk_eps, router_dtype: router options
+            (:class:`TopKRouter`;
             group-limited routing and its group score rule, scaled probabilities, a learned gate bias,
             auxiliary-loss-free balancing with :func:`update_expert_bias` after each optimizer step, the selection
             bias, the top-k on the scores or the logits, gate GEMM precision).
@@ -286,7 +287,7 @@ class MoELayer(nn.Module):
                                  group_score_topk=c.group_score_topk, scaling_factor=c.topk_scaling_factor,
                                  router_bias=c.router_bias, enable_expert_bias=c.enable_expert_bias,
                                  expert_bias_update_rate=c.expert_bias_update_rate, router_dtype=c.router_dtype,
-                                 select_on=c.select_on, norm_topk_min=c.norm_topk_min,
+                                 select_on=c.select_on, norm_topk_min=c.norm_topk_min, norm_topk_eps=c.norm_topk_eps,
                                  hash_vocab_size=c.hash_vocab_size, logit_softcap=c.logit_softcap,
                                  group_masked_score=c.group_masked_score,
                                  input_norm=c.router_input_norm, input_norm_eps=c.router_norm_eps,

@@ -158,8 +158,19 @@ def check_router_options(num_experts: int, topk: int, score_func: str = "softmax
                          group_score_topk: Optional[int] = None, select_on: str = "scores", *,
                          hash_vocab_size: Optional[int] = None, logit_softcap: Optional[float] = None,
                          group_masked_score: Optional[float] = None, num_scored_shared_experts: int = 0,
-                         logit_multiplier: Optional[float] = None) -> None:
+                         logit_multiplier: Optional[float] = None, norm_topk_eps: Optional[float] = None,
+                         norm_topk_min: Optional[float] = None) -> None:
     """Raises ``ValueError`` naming the first bad routing option (:class:`TopKRouter`'s arguments)."""
+    if norm_topk_min is not None and (isinstance(norm_topk_min, bool) or not isinstance(norm_topk_min, (int, float))
+                                      or not 0 <= norm_topk_min < 1):
+        raise ValueError(f"norm_topk_min must be None or a number in [0, 1), got {norm_topk_min!r}")
+    if norm_topk_eps is not None:
+        if isinstance(norm_topk_eps, bool) or not isinstance(norm_topk_eps, (int, float)) \
+                or not 0 <= norm_topk_eps < 1:
+            raise ValueError(f"norm_topk_eps must be None (1e-20) or a number in [0, 1), got {norm_topk_eps!r}")
+        if norm_topk_min is not None:
+            raise ValueError("norm_topk_eps (sum + eps) and norm_topk_min (max(sum, min)) are two rules for the same "
+                             "denominator: give one")
     if score_func not in SCORE_FUNCS:
         raise ValueError(f"score_func must be one of {SCORE_FUNCS}, got {score_func!r}")
     if select_on not in SELECT_ON:
@@ -287,13 +298,13 @@ def normed_router_input(x: torch.Tensor, scale: torch.Tensor, eps: float) -> tor
 
 
 class _RenormalizedTopK(torch.autograd.Function):
-    """``top * scale / (top.sum(-1) + 1e-20)`` for ``top [T, K]``: the top-k probabilities renormalized to sum
-    ``scale``, computed as ``top / d`` with ``d = (sum + 1e-20) / scale``; backward in four ops,
+    """``top * scale / (top.sum(-1) + eps)`` for ``top [T, K]``: the top-k probabilities renormalized to sum
+    ``scale``, computed as ``top / d`` with ``d = (sum + eps) / scale``; backward in four ops,
     ``grad_top = (g - sum(g * p) / scale) / d``."""
 
     @staticmethod
-    def forward(ctx, top: torch.Tensor, scale: float):
-        d = top.sum(-1, keepdim=True) + 1e-20
+    def forward(ctx, top: torch.Tensor, scale: float, eps: float):
+        d = top.sum(-1, keepdim=True) + eps
         if scale != 1.0:
             d = d / scale
         p = top / d
@@ -305,7 +316,7 @@ class _RenormalizedTopK(torch.autograd.Function):
     def backward(ctx, g):
         p, d = ctx.saved_tensors
         c = (g * p).sum(-1, keepdim=True)
-        return torch.sub(g, c, alpha=1.0 / ctx.scale) / d, None
+        return torch.sub(g, c, alpha=1.0 / ctx.scale) / d, None, None
 
 
 class TopKRouter(nn.Module):
@@ -328,8 +339,10 @@ class TopKRouter(nn.Module):
     * ``scaling_factor``: multiplies the probabilities (DeepSeek-V3's ``routed_scaling_factor`` 2.5).
     * ``router_bias``: a learned bias ``bias [E]`` added to the logits (GPT-OSS; Megatron's router gets one with
       ``add_bias_linear``). It moves both the selection and the probabilities, unlike ``expert_bias``.
-    * ``norm_topk_min``: renormalize by ``max(sum, norm_topk_min)`` instead of ``sum + 1e-20`` (ERNIE-4.5's
-      ``moe_norm_min``: a selection-biased top-k whose scores sum to almost nothing stays almost nothing).
+    * ``norm_topk_eps``: renormalize by ``sum + norm_topk_eps`` (``None``: ``1e-20``, Megatron's; LFM2-MoE
+      ``1e-6``, Muse-Spark ``1e-15``: a top-k of sigmoid scores that sum to ~1e-8 stays ~1e-2, not 1).
+      ``norm_topk_min``: renormalize by ``max(sum, norm_topk_min)`` instead (ERNIE-4.5's ``moe_norm_min``: a
+      selection-biased top-k whose scores sum to almost nothing stays almost nothing).
     * ``input_norm``: the gate sees :func:`normed_router_input` of its input (RMS norm with ``input_norm_eps``, a
       learned ``input_scale [H]``, ``1 / sqrt(H)``); ``expert_scale``: a learned ``expert_scale [E]`` multiplies
       each route's probability after the renormalization and scaling (both Gemma 4; initialized to ones).
@@ -373,15 +386,15 @@ class TopKRouter(nn.Module):
                  logit_softcap: Optional[float] = None, group_masked_score: Optional[float] = None,
                  input_norm: bool = False, input_norm_eps: float = 1e-6, expert_scale: bool = False,
                  num_scored_shared_experts: int = 0, global_scale: bool = False,
-                 logit_multiplier: Optional[float] = None):
+                 logit_multiplier: Optional[float] = None, norm_topk_eps: Optional[float] = None):
         super().__init__()
-        if norm_topk_min is not None and not (isinstance(norm_topk_min, (int, float)) and 0 <= norm_topk_min < 1):
-            raise ValueError(f"norm_topk_min must be None or a number in [0, 1), got {norm_topk_min!r}")
-        self.norm_topk_min = norm_topk_min
         check_router_options(num_experts, topk, score_func, num_groups, group_topk, enable_expert_bias, router_dtype,
                              norm_topk_prob, group_score_topk, select_on, hash_vocab_size=hash_vocab_size,
                              logit_softcap=logit_softcap, group_masked_score=group_masked_score,
-                             num_scored_shared_experts=num_scored_shared_experts, logit_multiplier=logit_multiplier)
+                             num_scored_shared_experts=num_scored_shared_experts, logit_multiplier=logit_multiplier,
+                             norm_topk_eps=norm_topk_eps, norm_topk_min=norm_topk_min)
+        self.norm_topk_min = norm_topk_min
+        self.norm_topk_eps = 1e-20 if norm_topk_eps is None else float(norm_topk_eps)
         self.logit_multiplier = float(logit_multiplier) if logit_multiplier is not None else None
         self.num_scored_shared_experts = num_scored_shared_experts
         self.group_masked_score = float(group_masked_score) if group_masked_score is not None else None
@@ -484,7 +497,7 @@ class TopKRouter(nn.Module):
                 if self.scaling_factor:
                     top = top * self.scaling_factor
             elif self.norm_topk_prob:  # scaled in the same op
-                top = _RenormalizedTopK.apply(top, float(self.scaling_factor or 1.0))
+                top = _RenormalizedTopK.apply(top, float(self.scaling_factor or 1.0), self.norm_topk_eps)
             elif self.scaling_factor:
                 top = top * self.scaling_factor
             if self.global_scale is not None:  # Inkling's learned scale

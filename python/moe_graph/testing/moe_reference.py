@@ -14,11 +14,13 @@ import torch.nn.functional as F
 def reference_route(h: torch.Tensor, gate_weight: torch.Tensor, topk: int, score_func: str = "softmax",
                     norm_topk_prob: Optional[bool] = None, *, num_groups=None, group_topk=None, scaling_factor=None,
                     expert_bias=None, group_score_topk=None, gate_bias=None, select_on="scores",
-                    norm_topk_min=None, logit_softcap=None, hash_indices=None, group_masked_score=None,
+                    norm_topk_min=None, norm_topk_eps=None, logit_softcap=None, hash_indices=None,
+                    group_masked_score=None,
                     input_scale=None, input_norm_eps=1e-6, expert_scale=None, num_scored_shared_experts=0,
                     global_scale=None, logit_multiplier=None):
     """``(topk_idx [T, K], topk_probs [T, K], scores [T, E])``: the router written out independently (group-limited
-    selection one token at a time, in plain Python). ``norm_topk_prob=None``: on for sigmoid with ``topk > 1``;
+    selection one token at a time, in plain Python). ``norm_topk_prob=None``: on for sigmoid with ``topk > 1``,
+    dividing by ``sum + norm_topk_eps`` (``None``: 1e-20) or ``max(sum, norm_topk_min)``;
     ``group_score_topk=None``: a group scores the sum of its ``topk // group_topk`` best; ``gate_bias``: added to
     the logits; ``select_on="logits"``: the top-k ranks the logits (plus the expert bias), not the scores;
     ``logit_multiplier`` ``m``: the logits (with the gate bias) times ``m``; ``logit_softcap`` ``c``: then
@@ -80,7 +82,8 @@ def reference_route(h: torch.Tensor, gate_weight: torch.Tensor, topk: int, score
         norm_topk_prob = score_func != "softmax" and topk > 1
     if norm_topk_prob:
         s = top.sum(-1, keepdim=True)
-        top = top / (s + 1e-20 if norm_topk_min is None else torch.maximum(s, torch.full_like(s, norm_topk_min)))
+        eps = 1e-20 if norm_topk_eps is None else norm_topk_eps
+        top = top / (s + eps if norm_topk_min is None else torch.maximum(s, torch.full_like(s, norm_topk_min)))
     if scaling_factor:
         top = top * scaling_factor
     if global_scale is not None:
@@ -250,6 +253,7 @@ def reference_moe_layer(x: torch.Tensor, params: Dict[str, torch.Tensor], config
                                     group_score_topk=c.group_score_topk, gate_bias=params.get("router.bias"),
                                     select_on=getattr(c, "select_on", "scores"),
                                     norm_topk_min=getattr(c, "norm_topk_min", None),
+                                    norm_topk_eps=getattr(c, "norm_topk_eps", None),
                                     logit_softcap=getattr(c, "logit_softcap", None), hash_indices=hashed,
                                     group_masked_score=getattr(c, "group_masked_score", None),
                                     input_scale=params.get("router.input_scale"),
