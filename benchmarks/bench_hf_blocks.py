@@ -95,6 +95,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    env = environment()  # the commit measured: read before the run, which can take minutes
     rows = [measure(f, args.tokens, args.hidden, args.ffn, args.reps, device) for f in args.families]
     print(f"{'family':<13} {'E':>3} {'K':>2} {'err out':>9} {'err dx':>9} {'err dW':>9} {'HF ms':>9} "
           f"{'moe_graph ms':>12} {'speedup':>7}   (fp32, fwd+bwd, {args.tokens} tokens, H={args.hidden}, "
@@ -103,7 +104,7 @@ def main() -> None:
         print(f"{r['family']:<13} {r['experts']:>3} {r['topk']:>2} {r['err_out']:>9.1e} {r['err_dx']:>9.1e} "
               f"{r['err_weight_grads']:>9.1e} {r['ms_hf']:>9.2f} {r['ms_moe_graph']:>12.2f} {r['speedup']:>7.2f}")
     path = args.out or results_path("hf_blocks")
-    write_json(path, {"env": environment(), "args": vars(args), "device": device, "rows": rows})
+    write_json(path, {"env": env, "args": vars(args), "device": device, "rows": rows})
 
 
 if __name__ == "__main__":

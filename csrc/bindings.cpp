@@ -96,13 +96,13 @@ TORCH_LIBRARY(moe_graph, m) {
   // recv_counts [R, Lc] -> (expert_row_source [R*capacity], recv_row_target [R*capacity], m_splits [Lc]) int64.
   m.def("receive_layout(Tensor recv_counts, int capacity) -> (Tensor, Tensor, Tensor)");
 
-  // ---- fused gated activation (expert MLPs) --------------------------------------------------------------
-  // h [N, 2F] (gate half, then up half), row_scale [N] (fp32 or h's dtype) or None, activation "swiglu" |
-  // "clamped_swiglu" (alpha, limit: see csrc/activation/activation_math.h) -> act(h) * row_scale[:, None] [N, F].
-  m.def("gated_activation(Tensor h, Tensor? row_scale, str activation, float alpha, float limit) -> Tensor");
-  // -> (grad_h [N, 2F], grad_row_scale [N] in row_scale's dtype; [0] without row_scale).
+  // ---- fused expert activation (expert MLPs) -------------------------------------------------------------
+  // h [N, 2F] (gated: gate half, then up half) or [N, F] (plain), row_scale [N] (fp32 or h's dtype) or None,
+  // activation (kinds, alpha and limit: csrc/activation/activation_math.h) -> act(h) * row_scale[:, None] [N, F].
+  m.def("expert_activation(Tensor h, Tensor? row_scale, str activation, float alpha, float limit) -> Tensor");
+  // -> (grad_h like h, grad_row_scale [N] in row_scale's dtype; [0] without row_scale).
   m.def(
-      "gated_activation_backward(Tensor grad_y, Tensor h, Tensor? row_scale, str activation, float alpha, "
+      "expert_activation_backward(Tensor grad_y, Tensor h, Tensor? row_scale, str activation, float alpha, "
       "float limit) -> (Tensor, Tensor)");
   // ---- FP8 quantization (csrc/fp8/quantize.h) -----------------------------------------------------------
   // x [M, K] (grouped by m_splits [E]) or [B, M, K]; tiles tile_rows x tile_cols per group (0: all) -> (q, scale):
@@ -140,8 +140,8 @@ TORCH_LIBRARY_IMPL(moe_graph, CPU, m) {
   m.impl("route_dot", &moe_graph::route_dot_cpu);
   m.impl("dispatch_layout", &moe_graph::dispatch_layout);
   m.impl("receive_layout", &moe_graph::receive_layout);
-  m.impl("gated_activation", &moe_graph::gated_activation_cpu);
-  m.impl("gated_activation_backward", &moe_graph::gated_activation_backward_cpu);
+  m.impl("expert_activation", &moe_graph::expert_activation_cpu);
+  m.impl("expert_activation_backward", &moe_graph::expert_activation_backward_cpu);
   m.impl("fp8_quantize", &moe_graph::fp8_quantize_cpu);
   m.impl("fp8_scaled_grouped_gemm", &moe_graph::fp8_scaled_grouped_gemm_cpu);
   m.impl("fp8_scaled_grouped_wgrad_out", &moe_graph::fp8_scaled_grouped_wgrad_out_cpu);
@@ -163,8 +163,8 @@ TORCH_LIBRARY_IMPL(moe_graph, CUDA, m) {
   m.impl("route_dot", &moe_graph::route_dot_cuda);
   m.impl("dispatch_layout", &moe_graph::dispatch_layout);
   m.impl("receive_layout", &moe_graph::receive_layout);
-  m.impl("gated_activation", &moe_graph::gated_activation_cuda);
-  m.impl("gated_activation_backward", &moe_graph::gated_activation_backward_cuda);
+  m.impl("expert_activation", &moe_graph::expert_activation_cuda);
+  m.impl("expert_activation_backward", &moe_graph::expert_activation_backward_cuda);
   m.impl("fp8_quantize", &moe_graph::fp8_quantize_cuda);
   m.impl("fp8_scaled_grouped_gemm", &moe_graph::fp8_scaled_grouped_gemm_cuda);
   m.impl("fp8_scaled_grouped_wgrad_out", &moe_graph::fp8_scaled_grouped_wgrad_out_cuda);

@@ -1,8 +1,8 @@
-// CUDA implementation of the fused gated activation (semantics in activation.h). Torch-free: raw pointers and a
+// CUDA implementation of the fused expert activation (semantics in activation.h). Torch-free: raw pointers and a
 // stream; one launch per call, fixed configuration for fixed shapes (capturable), no host synchronization.
 //
 //   Both kernels walk the rows in vectors of V elements (16 bytes when F is a multiple of V and every pointer is
-//   16-byte aligned, else V = 1; fp64 post_clamped_swiglu always V = 1: vector_elems),
+//   16-byte aligned, else V = 1; fp64 post_clamped_swiglu and gelu always V = 1: vector_elems),
 //   each row by one group of up to 32 lanes of a warp (short rows share a warp),
 //   grid-stride over the rows. The backward's scale gradient is the row's sum over its lanes, a shuffle
 //   reduction inside the group written by its first lane (no atomics).
@@ -44,8 +44,8 @@ struct RowGroups {
   int64_t rows_per_step;  // rows covered by the whole grid per step
 };
 
-template <GatedKind K, typename T, typename S, int V>
-__global__ void __launch_bounds__(kThreads) forward_kernel(GatedProblem p, RowGroups rg) {
+template <ActKind K, typename T, typename S, int V>
+__global__ void __launch_bounds__(kThreads) forward_kernel(ActivationProblem p, RowGroups rg) {
   using A = acc_t<T>;
   const int64_t F = p.cols;
   const A alpha = static_cast<A>(p.alpha), limit = static_cast<A>(p.limit);
@@ -57,23 +57,29 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(GatedProblem p, RowGr
   const int64_t first = ((int64_t(blockIdx.x) * kWarps + (threadIdx.x >> 5)) << (5 - rg.log2_lanes)) +
                         (lane >> rg.log2_lanes);
   const int64_t c0 = int64_t(lane & (lanes - 1)) * V;
+  constexpr int64_t kWidth = is_gated(K) ? 2 : 1;  // h's columns per output column
   for (int64_t r = first; r < p.rows; r += rg.rows_per_step) {
     const A s = scale ? static_cast<A>(widen(scale[r])) : A(1);
 #pragma unroll 1
     for (int64_t c = c0; c < F; c += int64_t(lanes) * V) {
-      const Vec<T, V> a = load<T, V>(h + r * 2 * F + c);
-      const Vec<T, V> b = load<T, V>(h + r * 2 * F + F + c);
+      const Vec<T, V> a = load<T, V>(h + r * kWidth * F + c);
       Vec<T, V> out;
+      if constexpr (is_gated(K)) {
+        const Vec<T, V> b = load<T, V>(h + r * kWidth * F + F + c);
 #pragma unroll
-      for (int k = 0; k < V; ++k)
-        out.v[k] = Narrow<T>::to(gated_value<K, A>(widen(a.v[k]), widen(b.v[k]), alpha, limit) * s);
+        for (int k = 0; k < V; ++k)
+          out.v[k] = Narrow<T>::to(gated_value<K, A>(widen(a.v[k]), widen(b.v[k]), alpha, limit) * s);
+      } else {
+#pragma unroll
+        for (int k = 0; k < V; ++k) out.v[k] = Narrow<T>::to(plain_value<K, A>(widen(a.v[k])) * s);
+      }
       store<T, V>(y + r * F + c, out);
     }
   }
 }
 
-template <GatedKind K, typename T, typename S, int V>
-__global__ void __launch_bounds__(kThreads) backward_kernel(GatedProblem p, RowGroups rg) {
+template <ActKind K, typename T, typename S, int V>
+__global__ void __launch_bounds__(kThreads) backward_kernel(ActivationProblem p, RowGroups rg) {
   using A = acc_t<T>;
   const int64_t F = p.cols;
   const A alpha = static_cast<A>(p.alpha), limit = static_cast<A>(p.limit);
@@ -87,6 +93,7 @@ __global__ void __launch_bounds__(kThreads) backward_kernel(GatedProblem p, RowG
   const int64_t first = ((int64_t(blockIdx.x) * kWarps + (threadIdx.x >> 5)) << (5 - rg.log2_lanes)) +
                         (lane >> rg.log2_lanes);
   const int64_t c0 = int64_t(lane & (lanes - 1)) * V;
+  constexpr int64_t kWidth = is_gated(K) ? 2 : 1;
   // Every lane of a warp runs the same number of steps (the shuffles below need all 32): a lane past the last row
   // computes nothing and writes nothing.
   for (int64_t base = first - (lane >> rg.log2_lanes); base < p.rows; base += rg.rows_per_step) {
@@ -97,21 +104,33 @@ __global__ void __launch_bounds__(kThreads) backward_kernel(GatedProblem p, RowG
       const A s = scale ? static_cast<A>(widen(scale[r])) : A(1);
 #pragma unroll 1
       for (int64_t c = c0; c < F; c += int64_t(lanes) * V) {
-        const Vec<T, V> a = load<T, V>(h + r * 2 * F + c);
-        const Vec<T, V> b = load<T, V>(h + r * 2 * F + F + c);
+        const Vec<T, V> a = load<T, V>(h + r * kWidth * F + c);
         const Vec<T, V> g = load<T, V>(dy + r * F + c);
-        Vec<T, V> da, db;
+        Vec<T, V> da;
+        if constexpr (is_gated(K)) {
+          const Vec<T, V> b = load<T, V>(h + r * kWidth * F + F + c);
+          Vec<T, V> db;
 #pragma unroll
-        for (int k = 0; k < V; ++k) {
-          const GatedGrad<A> d = gated_grad<K, A>(widen(a.v[k]), widen(b.v[k]), alpha, limit);
-          const A gv = static_cast<A>(widen(g.v[k]));
-          const A gs = gv * s;
-          da.v[k] = Narrow<T>::to(gs * d.d_a);
-          db.v[k] = Narrow<T>::to(gs * d.d_b);
-          dot += gv * d.act;
+          for (int k = 0; k < V; ++k) {
+            const GatedGrad<A> d = gated_grad<K, A>(widen(a.v[k]), widen(b.v[k]), alpha, limit);
+            const A gv = static_cast<A>(widen(g.v[k]));
+            const A gs = gv * s;
+            da.v[k] = Narrow<T>::to(gs * d.d_a);
+            db.v[k] = Narrow<T>::to(gs * d.d_b);
+            dot += gv * d.act;
+          }
+          store<T, V>(dh + r * kWidth * F + F + c, db);
+        } else {
+#pragma unroll
+          for (int k = 0; k < V; ++k) {
+            const PlainGrad<A> d = plain_grad<K, A>(widen(a.v[k]));
+            const A gv = static_cast<A>(widen(g.v[k]));
+            const A gs = gv * s;
+            da.v[k] = Narrow<T>::to(gs * d.d_a);
+            dot += gv * d.act;
+          }
         }
-        store<T, V>(dh + r * 2 * F + c, da);
-        store<T, V>(dh + r * 2 * F + F + c, db);
+        store<T, V>(dh + r * kWidth * F + c, da);
       }
     }
     if (ds != nullptr) {  // uniform over the warp: the row's sum over its group of lanes (aligned, power of two)
@@ -125,14 +144,14 @@ bool aligned16(const void* ptr) { return ptr == nullptr || reinterpret_cast<uint
 
 // Elements per 16-byte vector when F and every row pointer allow it, else 1.
 template <typename T>
-bool can_vectorize(const GatedProblem& p) {
+bool can_vectorize(const ActivationProblem& p) {
   constexpr int64_t V = 16 / sizeof(T);
   return p.cols % V == 0 && aligned16(p.h) && aligned16(p.y) && aligned16(p.grad_y) && aligned16(p.grad_h);
 }
 
 // The row groups for vectors of V elements and the grid that covers the rows (at most enough blocks to fill
 // every SM; grid-stride beyond).
-RowGroups row_groups(const GatedProblem& p, int V, unsigned* grid) {
+RowGroups row_groups(const ActivationProblem& p, int V, unsigned* grid) {
   const int64_t vectors = p.cols / V;
   RowGroups rg{0, 0};
   while ((int64_t(1) << rg.log2_lanes) < vectors && rg.log2_lanes < 5) ++rg.log2_lanes;
@@ -144,16 +163,18 @@ RowGroups row_groups(const GatedProblem& p, int V, unsigned* grid) {
   return rg;
 }
 
-// Elements per vector of kind K on T: a 16-byte vector, except fp64 post_clamped_swiglu, which runs unvectorized (its
-// V = 2 forward keeps both elements live across the fp64 division's slow-path call and spills 12 bytes on sm_90a;
-// V = 1 does not).
-template <GatedKind K, typename T>
+// Elements per vector of kind K on T: a 16-byte vector, except fp64 post_clamped_swiglu and gelu, which run
+// unvectorized (their V = 2 forward keeps both elements live across the slow-path call of the fp64 division / erf
+// and spills 12 / 16 bytes; V = 1 does not).
+template <ActKind K, typename T>
 constexpr int vector_elems() {
-  return (K == GatedKind::kPostClampedSwiglu && sizeof(T) == 8) ? 1 : static_cast<int>(16 / sizeof(T));
+  return ((K == ActKind::kPostClampedSwiglu || K == ActKind::kGelu) && sizeof(T) == 8)
+             ? 1
+             : static_cast<int>(16 / sizeof(T));
 }
 
-template <GatedKind K, typename T, typename S, bool Backward>
-void launch(const GatedProblem& p, cudaStream_t stream) {
+template <ActKind K, typename T, typename S, bool Backward>
+void launch(const ActivationProblem& p, cudaStream_t stream) {
   constexpr int V = vector_elems<K, T>();
   unsigned grid = 1;
   if (V > 1 && can_vectorize<T>(p)) {
@@ -173,18 +194,18 @@ void launch(const GatedProblem& p, cudaStream_t stream) {
 
 }  // namespace
 
-cudaError_t gated_forward_cuda(const GatedProblem& p, cudaStream_t stream) {
+cudaError_t activation_forward_cuda(const ActivationProblem& p, cudaStream_t stream) {
   if (p.rows == 0 || p.cols == 0) return cudaSuccess;
-  dispatch_gated(p, [&](auto kind, auto t, auto s) {
+  dispatch_activation(p, [&](auto kind, auto t, auto s) {
     launch<decltype(kind)::value, typename decltype(t)::type, typename decltype(s)::type, false>(p, stream);
   });
   return cudaGetLastError();
 }
 
-cudaError_t gated_backward_cuda(const GatedProblem& p, cudaStream_t stream) {
+cudaError_t activation_backward_cuda(const ActivationProblem& p, cudaStream_t stream) {
   if (p.rows == 0) return cudaSuccess;
   if (p.cols == 0 && p.grad_scale == nullptr) return cudaSuccess;
-  dispatch_gated(p, [&](auto kind, auto t, auto s) {
+  dispatch_activation(p, [&](auto kind, auto t, auto s) {
     launch<decltype(kind)::value, typename decltype(t)::type, typename decltype(s)::type, true>(p, stream);
   });
   return cudaGetLastError();

@@ -1,6 +1,6 @@
-// Per-element math of the fused gated activations, shared by the CPU and CUDA implementations (torch-free).
+// Per-element math of the fused expert activations, shared by the CPU and CUDA implementations (torch-free).
 //
-// h = [a | b] (gate half, then up half of fc1's output row), s = the row's scale (1 without one):
+// Gated kinds: h = [a | b] (gate half, then up half of fc1's output row), s = the row's scale (1 without one):
 //   swiglu          act = silu(a) * b = a * sigmoid(a) * b
 //   clamped_swiglu  act = a' * sigmoid(alpha * a') * (b' + 1),  a' = min(a, limit),  b' = clamp(b, -limit, limit)
 //   limited_swiglu  act = silu(a') * b'  (the same clamps, no alpha, no +1: DeepSeek-V4, GLM5-Next, HY-V4)
@@ -9,11 +9,17 @@
 //                        (the sigmoid sees the raw gate; the caps bound the linear gate factor and b: Inkling-2)
 //   geglu_tanh      act = gelu_tanh(a) * b,  gelu_tanh(a) = a / 2 * (1 + tanh(sqrt(2 / pi) * (a + 0.044715 a^3)))
 //                   (Gemma 4's gated GELU, torch's gelu(approximate="tanh"); computed as a * sigmoid(2 * ...))
+// Plain (not gated) kinds: h = a (fc1's output row as it is):
+//   squared_relu    act = relu(a)^2  (Nemotron-H's relu2, Megatron's squared_relu)
+//   relu            act = max(a, 0)
+//   silu            act = a * sigmoid(a)
+//   gelu            act = a / 2 * (1 + erf(a / sqrt(2)))  (torch's exact gelu)
 //   y = act * s
-// Backward for dy: da = dy * s * dact/da, db = dy * s * dact/db, ds = sum over the row of dy * act. The clamps
-// pass the gradient where the input lies inside the closed interval (a <= limit, -limit <= b <= limit) and block
-// it outside, as torch.clamp does; post_clamped_swiglu's gate passes it where
-// silu(a) <= limit. A NaN input propagates through the clamps (NaN compares false).
+// Backward for dy: da = dy * s * dact/da (and db = dy * s * dact/db for the gated kinds), ds = sum over the row of
+// dy * act. The clamps pass the gradient where the input lies inside the closed interval (a <= limit,
+// -limit <= b <= limit) and block it outside, as torch.clamp does; post_clamped_swiglu's gate passes it where
+// silu(a) <= limit; relu and squared_relu block it where a <= 0, as torch's relu does. A NaN input propagates
+// through the clamps and relu (NaN compares false).
 // Math in double for double data, in float otherwise (bf16 / fp16 are widened on load, rounded once on store).
 #pragma once
 #include <cmath>
@@ -30,14 +36,23 @@
 namespace moe_graph {
 namespace activation {
 
-enum class GatedKind : int {
+enum class ActKind : int {
   kSwiglu = 0,
   kClampedSwiglu = 1,
   kLimitedSwiglu = 2,
   kPostClampedSwiglu = 3,
   kSoftcappedSwiglu = 4,
-  kGegluTanh = 5
+  kGegluTanh = 5,
+  kSquaredRelu = 6,  // the plain kinds from here on: h is [N, F]
+  kRelu = 7,
+  kSilu = 8,
+  kGelu = 9
 };
+
+// True for the kinds whose input row is [a | b] (2F values), false for the plain ones (F values).
+MOE_GRAPH_HD constexpr bool is_gated(ActKind k) {
+  return static_cast<int>(k) < static_cast<int>(ActKind::kSquaredRelu);
+}
 
 // 16-bit storage types (bit patterns; converted with round-to-nearest-even).
 struct bf16_t {
@@ -153,6 +168,9 @@ MOE_GRAPH_HD double exp_of(double x) { return exp(x); }
 MOE_GRAPH_HD float tanh_of(float x) { return tanhf(x); }
 MOE_GRAPH_HD double tanh_of(double x) { return tanh(x); }
 
+MOE_GRAPH_HD float erf_of(float x) { return erff(x); }
+MOE_GRAPH_HD double erf_of(double x) { return erf(x); }
+
 template <typename A>
 MOE_GRAPH_HD A sigmoid_of(A x) {
   return A(1) / (A(1) + exp_of(-x));
@@ -178,21 +196,21 @@ struct GatedGrad {
   A act, d_a, d_b;
 };
 
-template <GatedKind K, typename A>
+template <ActKind K, typename A>
 MOE_GRAPH_HD A gated_value(A a, A b, A alpha, A limit) {
-  if constexpr (K == GatedKind::kSwiglu) {
+  if constexpr (K == ActKind::kSwiglu) {
     return a * sigmoid_of(a) * b;
-  } else if constexpr (K == GatedKind::kLimitedSwiglu) {
+  } else if constexpr (K == ActKind::kLimitedSwiglu) {
     const A ac = a > limit ? limit : a;
     const A bc = b < -limit ? -limit : (b > limit ? limit : b);
     return ac * sigmoid_of(ac) * bc;
-  } else if constexpr (K == GatedKind::kPostClampedSwiglu) {
+  } else if constexpr (K == ActKind::kPostClampedSwiglu) {
     const A silu = a * sigmoid_of(a);
     const A bc = b < -limit ? -limit : (b > limit ? limit : b);
     return (silu > limit ? limit : silu) * bc;
-  } else if constexpr (K == GatedKind::kSoftcappedSwiglu) {
+  } else if constexpr (K == ActKind::kSoftcappedSwiglu) {
     return alpha * tanh_of(a / alpha) * sigmoid_of(a) * (limit * tanh_of(b / limit));
-  } else if constexpr (K == GatedKind::kGegluTanh) {
+  } else if constexpr (K == ActKind::kGegluTanh) {
     return a * sigmoid_of(gelu_tanh_arg(a)) * b;
   } else {
     const A ac = a > limit ? limit : a;
@@ -201,13 +219,13 @@ MOE_GRAPH_HD A gated_value(A a, A b, A alpha, A limit) {
   }
 }
 
-template <GatedKind K, typename A>
+template <ActKind K, typename A>
 MOE_GRAPH_HD GatedGrad<A> gated_grad(A a, A b, A alpha, A limit) {
-  if constexpr (K == GatedKind::kSwiglu) {
+  if constexpr (K == ActKind::kSwiglu) {
     const A s = sigmoid_of(a);
     const A silu = a * s;
     return {silu * b, b * s * (A(1) + a * (A(1) - s)), silu};
-  } else if constexpr (K == GatedKind::kLimitedSwiglu) {
+  } else if constexpr (K == ActKind::kLimitedSwiglu) {
     const A ac = a > limit ? limit : a;
     const A bc = b < -limit ? -limit : (b > limit ? limit : b);
     const A s = sigmoid_of(ac);
@@ -215,7 +233,7 @@ MOE_GRAPH_HD GatedGrad<A> gated_grad(A a, A b, A alpha, A limit) {
     const A d_a = a <= limit ? bc * s * (A(1) + ac * (A(1) - s)) : A(0);
     const A d_b = (b >= -limit && b <= limit) ? silu : A(0);
     return {silu * bc, d_a, d_b};
-  } else if constexpr (K == GatedKind::kPostClampedSwiglu) {
+  } else if constexpr (K == ActKind::kPostClampedSwiglu) {
     const A s = sigmoid_of(a);
     const A silu = a * s;
     const A g = silu > limit ? limit : silu;  // a NaN propagates
@@ -223,12 +241,12 @@ MOE_GRAPH_HD GatedGrad<A> gated_grad(A a, A b, A alpha, A limit) {
     const A d_a = silu <= limit ? bc * s * (A(1) + a * (A(1) - s)) : A(0);
     const A d_b = (b >= -limit && b <= limit) ? g : A(0);
     return {g * bc, d_a, d_b};
-  } else if constexpr (K == GatedKind::kSoftcappedSwiglu) {
+  } else if constexpr (K == ActKind::kSoftcappedSwiglu) {
     const A tg = tanh_of(a / alpha), tu = tanh_of(b / limit);
     const A s = sigmoid_of(a);
     const A gate = alpha * tg * s, up = limit * tu;
     return {gate * up, up * s * ((A(1) - tg * tg) + alpha * tg * (A(1) - s)), gate * (A(1) - tu * tu)};
-  } else if constexpr (K == GatedKind::kGegluTanh) {
+  } else if constexpr (K == ActKind::kGegluTanh) {
     const A s = sigmoid_of(gelu_tanh_arg(a));
     const A gelu = a * s;
     const A dz = A(2) * GeluTanh<A>::kBeta * (A(1) + A(3) * GeluTanh<A>::kKappa * a * a);  // d gelu_tanh_arg / da
@@ -241,6 +259,51 @@ MOE_GRAPH_HD GatedGrad<A> gated_grad(A a, A b, A alpha, A limit) {
     const A d_a = a <= limit ? (bc + A(1)) * s * (A(1) + alpha * ac * (A(1) - s)) : A(0);
     const A d_b = (b >= -limit && b <= limit) ? glu : A(0);
     return {glu * (bc + A(1)), d_a, d_b};
+  }
+}
+
+// Plain kinds: act(a) and its derivative.
+template <typename A>
+struct PlainGrad {
+  A act, d_a;
+};
+
+// 1 / sqrt(2) and 1 / sqrt(2 pi), for the exact GELU.
+template <typename A>
+struct GeluErf {
+  static constexpr A kInvSqrt2 = A(0.7071067811865476);
+  static constexpr A kInvSqrt2Pi = A(0.3989422804014327);
+};
+
+template <ActKind K, typename A>
+MOE_GRAPH_HD A plain_value(A a) {
+  if constexpr (K == ActKind::kSquaredRelu) {
+    const A r = a < A(0) ? A(0) : a;
+    return r * r;
+  } else if constexpr (K == ActKind::kRelu) {
+    return a < A(0) ? A(0) : a;
+  } else if constexpr (K == ActKind::kSilu) {
+    return a * sigmoid_of(a);
+  } else {
+    static_assert(K == ActKind::kGelu, "plain_value: a plain kind");
+    return a * A(0.5) * (A(1) + erf_of(a * GeluErf<A>::kInvSqrt2));
+  }
+}
+
+template <ActKind K, typename A>
+MOE_GRAPH_HD PlainGrad<A> plain_grad(A a) {
+  if constexpr (K == ActKind::kSquaredRelu) {
+    const A r = a < A(0) ? A(0) : a;
+    return {r * r, a <= A(0) ? A(0) : A(2) * a};  // NaN: NaN, as torch
+  } else if constexpr (K == ActKind::kRelu) {
+    return {a < A(0) ? A(0) : a, a <= A(0) ? A(0) : A(1)};  // NaN passes, as torch
+  } else if constexpr (K == ActKind::kSilu) {
+    const A s = sigmoid_of(a);
+    return {a * s, s * (A(1) + a * (A(1) - s))};
+  } else {
+    static_assert(K == ActKind::kGelu, "plain_grad: a plain kind");
+    const A cdf = A(0.5) * (A(1) + erf_of(a * GeluErf<A>::kInvSqrt2));
+    return {a * cdf, cdf + a * GeluErf<A>::kInvSqrt2Pi * exp_of(A(-0.5) * a * a)};
   }
 }
 

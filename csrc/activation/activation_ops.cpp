@@ -1,9 +1,11 @@
-// Torch glue of the fused gated activation: argument checks that name the tensor, allocation, threads / stream.
+// Torch glue of the fused expert activation: argument checks that name the tensor, allocation, threads / stream.
 #include "activation/activation_ops.h"
 
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <string>
+#include <utility>
 
 #include "activation/activation.h"
 #include "common/torch_checks.h"
@@ -16,8 +18,22 @@
 namespace moe_graph {
 namespace {
 
-constexpr const char* kFwd = "gated_activation";
-constexpr const char* kBwd = "gated_activation_backward";
+constexpr const char* kFwd = "expert_activation";
+constexpr const char* kBwd = "expert_activation_backward";
+
+// The activation names of the op, in ActKind order (gated first, then plain).
+constexpr std::pair<const char*, activation::ActKind> kKinds[] = {
+    {"swiglu", activation::ActKind::kSwiglu},
+    {"clamped_swiglu", activation::ActKind::kClampedSwiglu},
+    {"limited_swiglu", activation::ActKind::kLimitedSwiglu},
+    {"post_clamped_swiglu", activation::ActKind::kPostClampedSwiglu},
+    {"softcapped_swiglu", activation::ActKind::kSoftcappedSwiglu},
+    {"geglu_tanh", activation::ActKind::kGegluTanh},
+    {"squared_relu", activation::ActKind::kSquaredRelu},
+    {"relu", activation::ActKind::kRelu},
+    {"silu", activation::ActKind::kSilu},
+    {"gelu", activation::ActKind::kGelu},
+};
 
 activation::DType dtype_of(at::ScalarType t) {
   switch (t) {
@@ -29,39 +45,35 @@ activation::DType dtype_of(at::ScalarType t) {
 }
 
 // Checks h, row_scale and the activation options; returns the problem without the output pointers.
-activation::GatedProblem check_and_describe(const char* op, const at::Tensor& h,
-                                            const std::optional<at::Tensor>& row_scale,
-                                            c10::string_view activation, double alpha, double limit) {
-  activation::GatedProblem p;
-  if (activation == "swiglu") {
-    p.kind = activation::GatedKind::kSwiglu;
-  } else if (activation == "clamped_swiglu") {
-    p.kind = activation::GatedKind::kClampedSwiglu;
-  } else if (activation == "limited_swiglu") {
-    p.kind = activation::GatedKind::kLimitedSwiglu;
-  } else if (activation == "post_clamped_swiglu") {
-    p.kind = activation::GatedKind::kPostClampedSwiglu;
-  } else if (activation == "softcapped_swiglu") {
-    p.kind = activation::GatedKind::kSoftcappedSwiglu;
-  } else if (activation == "geglu_tanh") {
-    p.kind = activation::GatedKind::kGegluTanh;
-  } else {
-    TORCH_CHECK(false, op, ": activation must be \"swiglu\", \"clamped_swiglu\", \"limited_swiglu\", "
-                "\"post_clamped_swiglu\", \"softcapped_swiglu\" or \"geglu_tanh\", got \"", std::string(activation),
-                "\"");
+activation::ActivationProblem check_and_describe(const char* op, const at::Tensor& h,
+                                                 const std::optional<at::Tensor>& row_scale,
+                                                 c10::string_view activation, double alpha, double limit) {
+  activation::ActivationProblem p;
+  bool known = false;
+  for (const auto& [name, kind] : kKinds) {
+    if (activation == name) {
+      p.kind = kind;
+      known = true;
+    }
   }
+  if (!known) {
+    std::string names;
+    for (const auto& kk : kKinds) names += std::string(names.empty() ? "\"" : ", \"") + kk.first + "\"";
+    TORCH_CHECK(false, op, ": activation must be one of ", names, ", got \"", std::string(activation), "\"");
+  }
+  const bool gated = activation::is_gated(p.kind);
   TORCH_CHECK(std::isfinite(alpha) && alpha > 0, op, ": alpha (swiglu_alpha) must be a finite number > 0, got ",
               alpha);
   TORCH_CHECK(std::isfinite(limit) && limit > 0, op, ": limit (swiglu_limit) must be a finite number > 0, got ",
               limit);
   check_defined(h, op, "h");
-  check_dim(h, 2, op, "h", "[N, 2F]");
+  check_dim(h, 2, op, "h", gated ? "[N, 2F]" : "[N, F]");
   check_dtype(h, {at::kFloat, at::kDouble, at::kBFloat16, at::kHalf}, op, "h");
-  TORCH_CHECK(h.size(1) % 2 == 0, op, ": h must have an even number of columns [N, 2F] (gate half, then up half), "
-              "got shape ", shape_str(h));
+  TORCH_CHECK(!gated || h.size(1) % 2 == 0, op, ": h must have an even number of columns [N, 2F] (gate half, then "
+              "up half) for the gated activation \"", std::string(activation), "\", got shape ", shape_str(h));
   check_contiguous(h, op, "h");
   p.rows = h.size(0);
-  p.cols = h.size(1) / 2;
+  p.cols = gated ? h.size(1) / 2 : h.size(1);
   p.dtype = dtype_of(h.scalar_type());
   p.scale_dtype = activation::DType::kF32;
   p.alpha = alpha;
@@ -84,7 +96,7 @@ activation::GatedProblem check_and_describe(const char* op, const at::Tensor& h,
 
 bool has_scale(const std::optional<at::Tensor>& row_scale) { return row_scale.has_value() && row_scale->defined(); }
 
-at::Tensor forward_out(const at::Tensor& h, activation::GatedProblem& p) {
+at::Tensor forward_out(const at::Tensor& h, activation::ActivationProblem& p) {
   at::Tensor y = at::empty({p.rows, p.cols}, h.options());
   p.y = y.data_ptr();
   return y;
@@ -92,7 +104,7 @@ at::Tensor forward_out(const at::Tensor& h, activation::GatedProblem& p) {
 
 std::tuple<at::Tensor, at::Tensor> backward_out(const at::Tensor& grad_y, const at::Tensor& h,
                                                 const std::optional<at::Tensor>& row_scale,
-                                                activation::GatedProblem& p) {
+                                                activation::ActivationProblem& p) {
   check_defined(grad_y, kBwd, "grad_y");
   check_shape(grad_y, {p.rows, p.cols}, kBwd, "grad_y");
   check_same_dtype(grad_y, h, kBwd, "grad_y", "h");
@@ -108,25 +120,29 @@ std::tuple<at::Tensor, at::Tensor> backward_out(const at::Tensor& grad_y, const 
 }
 
 // Rows per parallel chunk: about 32K elements of h each.
-int64_t cpu_grain(const activation::GatedProblem& p) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, 2 * p.cols)); }
+int64_t cpu_grain(const activation::ActivationProblem& p) {
+  return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, (activation::is_gated(p.kind) ? 2 : 1) * p.cols));
+}
 
 }  // namespace
 
-at::Tensor gated_activation_cpu(const at::Tensor& h, const std::optional<at::Tensor>& row_scale,
+at::Tensor expert_activation_cpu(const at::Tensor& h, const std::optional<at::Tensor>& row_scale,
                                 c10::string_view activation, double alpha, double limit) {
   auto p = check_and_describe(kFwd, h, row_scale, activation, alpha, limit);
   at::Tensor y = forward_out(h, p);
-  at::parallel_for(0, p.rows, cpu_grain(p), [&](int64_t r0, int64_t r1) { activation::gated_forward_rows(p, r0, r1); });
+  at::parallel_for(0, p.rows, cpu_grain(p),
+                   [&](int64_t r0, int64_t r1) { activation::activation_forward_rows(p, r0, r1); });
   return y;
 }
 
-std::tuple<at::Tensor, at::Tensor> gated_activation_backward_cpu(const at::Tensor& grad_y, const at::Tensor& h,
+std::tuple<at::Tensor, at::Tensor> expert_activation_backward_cpu(const at::Tensor& grad_y, const at::Tensor& h,
                                                                  const std::optional<at::Tensor>& row_scale,
                                                                  c10::string_view activation, double alpha,
                                                                  double limit) {
   auto p = check_and_describe(kBwd, h, row_scale, activation, alpha, limit);
   auto out = backward_out(grad_y, h, row_scale, p);
-  at::parallel_for(0, p.rows, cpu_grain(p), [&](int64_t r0, int64_t r1) { activation::gated_backward_rows(p, r0, r1); });
+  at::parallel_for(0, p.rows, cpu_grain(p),
+                   [&](int64_t r0, int64_t r1) { activation::activation_backward_rows(p, r0, r1); });
   return out;
 }
 
@@ -135,17 +151,17 @@ namespace {
 int sm_count_of(const at::Tensor& t) { return at::cuda::getDeviceProperties(t.device().index())->multiProcessorCount; }
 }  // namespace
 
-at::Tensor gated_activation_cuda(const at::Tensor& h, const std::optional<at::Tensor>& row_scale,
+at::Tensor expert_activation_cuda(const at::Tensor& h, const std::optional<at::Tensor>& row_scale,
                                  c10::string_view activation, double alpha, double limit) {
   c10::cuda::CUDAGuard guard(h.device());
   auto p = check_and_describe(kFwd, h, row_scale, activation, alpha, limit);
   at::Tensor y = forward_out(h, p);
   p.sm_count = sm_count_of(h);
-  C10_CUDA_CHECK(activation::gated_forward_cuda(p, at::cuda::getCurrentCUDAStream(h.device().index()).stream()));
+  C10_CUDA_CHECK(activation::activation_forward_cuda(p, at::cuda::getCurrentCUDAStream(h.device().index()).stream()));
   return y;
 }
 
-std::tuple<at::Tensor, at::Tensor> gated_activation_backward_cuda(const at::Tensor& grad_y, const at::Tensor& h,
+std::tuple<at::Tensor, at::Tensor> expert_activation_backward_cuda(const at::Tensor& grad_y, const at::Tensor& h,
                                                                   const std::optional<at::Tensor>& row_scale,
                                                                   c10::string_view activation, double alpha,
                                                                   double limit) {
@@ -153,7 +169,7 @@ std::tuple<at::Tensor, at::Tensor> gated_activation_backward_cuda(const at::Tens
   auto p = check_and_describe(kBwd, h, row_scale, activation, alpha, limit);
   auto out = backward_out(grad_y, h, row_scale, p);
   p.sm_count = sm_count_of(h);
-  C10_CUDA_CHECK(activation::gated_backward_cuda(p, at::cuda::getCurrentCUDAStream(h.device().index()).stream()));
+  C10_CUDA_CHECK(activation::activation_backward_cuda(p, at::cuda::getCurrentCUDAStream(h.device().index()).stream()));
   return out;
 }
 #endif

@@ -1,4 +1,4 @@
-// Torch-level fused gated activation ops (schemas in csrc/bindings.cpp; semantics in activation/activation.h).
+// Torch-level fused expert activation ops (schemas in csrc/bindings.cpp; semantics in activation/activation.h).
 #pragma once
 #include <ATen/ATen.h>
 
@@ -9,21 +9,22 @@
 
 namespace moe_graph {
 
-// h [N, 2F] contiguous (fp32/fp64/bf16/fp16), row_scale [N] contiguous (fp32 or h's dtype) or None,
-// activation "swiglu" | "clamped_swiglu" | "limited_swiglu" | "post_clamped_swiglu" | "softcapped_swiglu" |
-// "geglu_tanh" -> y [N, F] in h's dtype.
-at::Tensor gated_activation_cpu(const at::Tensor& h, const std::optional<at::Tensor>& row_scale,
+// h [N, 2F] (gated) or [N, F] (plain) contiguous (fp32/fp64/bf16/fp16), row_scale [N] contiguous (fp32 or h's
+// dtype) or None, activation "swiglu" | "clamped_swiglu" | "limited_swiglu" | "post_clamped_swiglu" |
+// "softcapped_swiglu" | "geglu_tanh" (gated) | "squared_relu" | "relu" | "silu" | "gelu" (plain) -> y [N, F] in h's
+// dtype.
+at::Tensor expert_activation_cpu(const at::Tensor& h, const std::optional<at::Tensor>& row_scale,
                                 c10::string_view activation, double alpha, double limit);
-// grad_y [N, F] -> (grad_h [N, 2F], grad_row_scale [N] in row_scale's dtype, or [0] fp32 without a scale).
-std::tuple<at::Tensor, at::Tensor> gated_activation_backward_cpu(const at::Tensor& grad_y, const at::Tensor& h,
+// grad_y [N, F] -> (grad_h like h, grad_row_scale [N] in row_scale's dtype, or [0] fp32 without a scale).
+std::tuple<at::Tensor, at::Tensor> expert_activation_backward_cpu(const at::Tensor& grad_y, const at::Tensor& h,
                                                                  const std::optional<at::Tensor>& row_scale,
                                                                  c10::string_view activation, double alpha,
                                                                  double limit);
 
 #ifdef MOE_GRAPH_WITH_CUDA
-at::Tensor gated_activation_cuda(const at::Tensor& h, const std::optional<at::Tensor>& row_scale,
+at::Tensor expert_activation_cuda(const at::Tensor& h, const std::optional<at::Tensor>& row_scale,
                                  c10::string_view activation, double alpha, double limit);
-std::tuple<at::Tensor, at::Tensor> gated_activation_backward_cuda(const at::Tensor& grad_y, const at::Tensor& h,
+std::tuple<at::Tensor, at::Tensor> expert_activation_backward_cuda(const at::Tensor& grad_y, const at::Tensor& h,
                                                                   const std::optional<at::Tensor>& row_scale,
                                                                   c10::string_view activation, double alpha,
                                                                   double limit);

@@ -138,14 +138,14 @@ int family_activation() {
                                                      {300, 16}, {2, 260}};
   if (g_full) shapes.insert(shapes.end(), {{1000, 64}, {130, 1000}, {4099, 8}});
   const act::DType dtypes[] = {act::DType::kF32, act::DType::kF64, act::DType::kBF16, act::DType::kF16};
-  // every kind the op defines: the kinds dispatch_gated maps to a kernel of their own, probed from 0 up (a kind
+  // every kind the op defines: the kinds dispatch_activation maps to a kernel of their own, probed from 0 up (a kind
   // added to the op is covered without a change here)
   std::vector<int> kinds;
   for (int k = 0; k < 64; ++k) {
-    act::GatedProblem probe;
-    probe.kind = static_cast<act::GatedKind>(k);
+    act::ActivationProblem probe;
+    probe.kind = static_cast<act::ActKind>(k);
     bool own = false;
-    act::dispatch_gated(probe, [&](auto kind, auto, auto) { own = static_cast<int>(decltype(kind)::value) == k; });
+    act::dispatch_activation(probe, [&](auto kind, auto, auto) { own = static_cast<int>(decltype(kind)::value) == k; });
     if (!own) break;
     kinds.push_back(k);
   }
@@ -159,15 +159,16 @@ int family_activation() {
             const act::DType sdt = scale_mode == 2 ? dt : act::DType::kF32;
             const size_t es = act_size(dt);
             const int64_t off = misalign ? 1 : 0;  // one element in: pointers no longer 16-byte aligned
-            Buffer h = act_values(rng, dt, rows * 2 * cols + off, 3.0);
+            const int64_t width = act::is_gated(static_cast<act::ActKind>(kind)) ? 2 * cols : cols;  // h's columns
+            Buffer h = act_values(rng, dt, rows * width + off, 3.0);
             Buffer scale = act_values(rng, sdt, rows);
             Buffer dy = act_values(rng, dt, rows * cols + off);
-            act::GatedProblem p;
+            act::ActivationProblem p;
             p.rows = rows;
             p.cols = cols;
             p.dtype = dt;
             p.scale_dtype = sdt;
-            p.kind = static_cast<act::GatedKind>(kind);
+            p.kind = static_cast<act::ActKind>(kind);
             p.h = h.data() + off * es;
             p.scale = scale_mode ? scale.data() : nullptr;
             p.grad_y = dy.data() + off * es;
@@ -177,18 +178,18 @@ int family_activation() {
                                      std::to_string(cols) + " scale " + std::to_string(scale_mode) +
                                      (misalign ? " misaligned" : "") + " sms " + std::to_string(sms);
             auto run = [&](bool emulate) {
-              Buffer y(rows * cols * es + off * es, 0x5c), dh(rows * 2 * cols * es + off * es, 0x5c),
+              Buffer y(rows * cols * es + off * es, 0x5c), dh(rows * width * es + off * es, 0x5c),
                   ds(rows * act_size(sdt), 0x5c);
-              act::GatedProblem q = p;
+              act::ActivationProblem q = p;
               q.y = y.data() + off * es;
               q.grad_h = dh.data() + off * es;
               q.grad_scale = scale_mode ? ds.data() : nullptr;
               if (emulate) {
-                act::gated_forward_cuda(q, nullptr);
-                act::gated_backward_cuda(q, nullptr);
+                act::activation_forward_cuda(q, nullptr);
+                act::activation_backward_cuda(q, nullptr);
               } else {
-                act::gated_forward_rows(q, 0, rows);
-                act::gated_backward_rows(q, 0, rows);
+                act::activation_forward_rows(q, 0, rows);
+                act::activation_backward_rows(q, 0, rows);
               }
               return std::vector<Output>{y.out("y", es), dh.out("grad_h", es),
                                          ds.out("grad_scale", act_size(sdt)).approx(fp_code(sdt), sum_tol(sdt))};

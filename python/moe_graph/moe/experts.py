@@ -30,17 +30,14 @@ from moe_graph.moe.echo import (
     spare_grad_buffers,
     wgrad_accumulate_mask,
 )
-from moe_graph.ops.activation import GATED_ACTIVATIONS, gated_activation
+from moe_graph.ops.activation import ACTIVATIONS, GATED_ACTIVATIONS, expert_activation
 from moe_graph.ops import fp8 as _fp8
 from moe_graph.moe.token_dispatcher import take_rows
 from moe_graph.ops.grouped_gemm import grouped_gemm, grouped_gemm_autograd
 from moe_graph.ops.permute import expand_rows
 
-__all__ = ["ACTIVATIONS", "GATED_ACTIVATIONS", "GroupedMLP", "SharedExpert", "activation_fn", "check_activation",
+__all__ = ["ACTIVATIONS", "GATED_ACTIVATIONS", "GroupedMLP", "SharedExpert", "check_activation",
            "fc1_out_features"]
-
-ACTIVATIONS = GATED_ACTIVATIONS + ("gelu", "relu", "silu", "squared_relu")
-
 
 def check_activation(activation: str, swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0) -> None:
     """Raises ``ValueError`` naming a bad activation option."""
@@ -49,34 +46,6 @@ def check_activation(activation: str, swiglu_alpha: float = 1.702, swiglu_limit:
     for name, v in (("swiglu_alpha", swiglu_alpha), ("swiglu_limit", swiglu_limit)):
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
             raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
-
-
-def activation_fn(h: torch.Tensor, activation: str, swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0,
-                  row_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The expert activation of ``h`` (fc1's output), times ``row_scale[..., None]`` when given (``h.shape[:-1]``,
-    fp32 or ``h``'s dtype: the routing probability of each expert-input row, applied on the narrow side of the
-    MLP; the product is rounded once to ``h``'s dtype).
-
-    Gated (``h``'s last dimension is the gate half ``a``, then the up half ``b``; the fused native op
-    :func:`moe_graph.ops.activation.gated_activation`): ``"swiglu"``: ``silu(a) * b``; ``"clamped_swiglu"``
-    (GPT-OSS): ``a' * sigmoid(swiglu_alpha * a') * (b' + 1)`` with ``a' = min(a, limit)``,
-    ``b' = clamp(b, -limit, limit)`` (Megatron: ``quick_gelu`` with ``activation_func_clamp_value`` and
-    ``glu_linear_offset=1``); ``"limited_swiglu"``: ``silu(a') * b'`` (the same clamps, no alpha, no ``+1``).
-    Not gated (torch ops): ``"gelu"`` (erf), ``"relu"``, ``"silu"``, ``"squared_relu"``
-    (``relu(h)^2``: Nemotron-H's ``relu2``, Megatron's ``squared_relu``)."""
-    if activation in GATED_ACTIVATIONS:
-        return gated_activation(h, activation, row_scale, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
-    if activation == "gelu":
-        y = F.gelu(h)
-    elif activation == "relu":
-        y = F.relu(h)
-    elif activation == "silu":
-        y = F.silu(h)
-    elif activation == "squared_relu":
-        y = F.relu(h).square()
-    else:
-        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    return y if row_scale is None else (y * row_scale[..., None]).to(h.dtype)
 
 
 def fc1_out_features(ffn_hidden_size: int, activation: str) -> int:
@@ -91,7 +60,7 @@ class GroupedMLP(nn.Module):
     ranks' experts.
 
     Args:
-        activation, swiglu_alpha, swiglu_limit: :func:`activation_fn`.
+        activation, swiglu_alpha, swiglu_limit: :func:`moe_graph.ops.activation.expert_activation`.
         bias: biases ``fc1.bias [L, fc1_out]``, ``fc2.bias [L, H]`` (zero-initialized), added in the grouped GEMM
             epilogue; the echo spare slots carry copies of them and send their gradients home like the weights'.
         init_std: normal init of ``fc1``; ``fc2`` gets ``init_std / sqrt(2)``.
@@ -120,7 +89,8 @@ class GroupedMLP(nn.Module):
         self.spare_grads: Optional[Tuple[torch.Tensor, ...]] = None
 
     def _act(self, h: torch.Tensor, row_scale: Optional[torch.Tensor]) -> torch.Tensor:
-        return activation_fn(h, self.activation, self.swiglu_alpha, self.swiglu_limit, row_scale)
+        return expert_activation(h, self.activation, row_scale, swiglu_alpha=self.swiglu_alpha,
+                                 swiglu_limit=self.swiglu_limit)
 
     def weights(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(fc1 [L, fc1_out, H], fc2 [L, H, F])``: this rank's home expert weights."""
@@ -187,9 +157,9 @@ class GroupedMLP(nn.Module):
         """``expert_in [M, H]`` rows grouped by local expert, ``m_splits [L + k]`` device tensor -> ``[M, H]``.
 
         ``row_scale [M]`` (fp32 or the activation dtype, optional): each row's factor, applied to the activation
-        before fc2 (:func:`activation_fn`): the result is the expert MLP's output times ``row_scale``. Not with
-        ``bias`` (the fc2 bias would escape the scale: weight the outputs after the experts instead). Autograd
-        saves fc1's output, fc2's input and ``row_scale``.
+        before fc2 (:func:`moe_graph.ops.activation.expert_activation`): the result is the expert MLP's output
+        times ``row_scale``. Not with ``bias`` (the fc2 bias would escape the scale: weight the outputs after the
+        experts instead). Autograd saves fc1's output, fc2's input and ``row_scale``.
 
         ``echo`` and ``offload_map [E, S]``: the echo weight dispatcher and this forward's plan (both ``None``
         without echo); ``spare_weights``: the spare copies (one per :meth:`expert_params` tensor) already
@@ -309,9 +279,9 @@ class AlignedGroups:
 
 class SharedExpert(nn.Module):
     """An MLP every token goes through, added to the routed output (DeepSeek-V3, Qwen2-MoE): ``fc1``, the
-    activation (:func:`activation_fn`), ``fc2`` (with biases when ``bias``); with ``gate`` its output is scaled by
-    ``sigmoid(x @ w_gate)`` per token (Qwen2-MoE). Dense parameters (reduced over the data-parallel group like any
-    other)."""
+    activation (:func:`moe_graph.ops.activation.expert_activation`), ``fc2`` (with biases when ``bias``); with
+    ``gate`` its output is scaled by ``sigmoid(x @ w_gate)`` per token (Qwen2-MoE). Dense parameters (reduced over
+    the data-parallel group like any other)."""
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, activation: str = "swiglu", gate: bool = False,
                  params_dtype: Optional[torch.dtype] = None, device=None, init_std: float = 0.02, *,
@@ -334,7 +304,8 @@ class SharedExpert(nn.Module):
             nn.init.normal_(self.gate.weight, std=init_std)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        out = self.fc2(activation_fn(self.fc1(h), self.activation, self.swiglu_alpha, self.swiglu_limit))
+        out = self.fc2(expert_activation(self.fc1(h), self.activation, swiglu_alpha=self.swiglu_alpha,
+                                         swiglu_limit=self.swiglu_limit))
         if self.gate is not None:
             out = torch.sigmoid(self.gate(h)) * out
         return out

@@ -145,10 +145,9 @@ class MoELayer(nn.Module):
             ``swiglu_limit``; fc1 ``[2F, H]``), ``"limited_swiglu"`` (``swiglu_limit``:
             DeepSeek-V4 / GLM5-Next / HY-V4), ``"post_clamped_swiglu"`` (``min(silu(g), L)``: Step-3.7),
             ``"softcapped_swiglu"`` (``swiglu_alpha``: the gate's cap, ``swiglu_limit``: the up half's: Inkling-2),
-            ``"geglu_tanh"`` (Gemma 4; :func:`moe_graph.ops.activation.gated_activation`), or the
-            non-gated ``"gelu"``, ``"relu"``, ``"silu"``,
-            ``"squared_relu"``
-            (:func:`moe_graph.moe.experts.activation_fn`). add_bias_linear: biases on the experts' (and the shared
+            ``"geglu_tanh"`` (Gemma 4), or the non-gated ``"gelu"``, ``"relu"``, ``"silu"``, ``"squared_relu"``
+            (fc1 ``[F, H]``); all one fused native op (:func:`moe_graph.ops.activation.expert_activation`).
+            add_bias_linear: biases on the experts' (and the shared
             expert's) fc1 and fc2, fused into the grouped GEMM epilogue. The routing probabilities weight the
             narrower side of the expert MLP: with ``F < H`` (and no biases) each row's ``[F]`` activation before
             fc2 (``scale_rows``: :meth:`TokenDispatcher.row_weights`, a plain sum in combine), else the ``[H]``

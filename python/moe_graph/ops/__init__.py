@@ -1,6 +1,6 @@
 """moe_graph ops: thin wrappers over ``torch.ops.moe_graph.*`` (one module per op family)."""
 
-from moe_graph.ops.activation import gated_activation
+from moe_graph.ops.activation import expert_activation
 from moe_graph.ops import fp8
 from moe_graph.ops.errors import check_errors, flag_error_if, read_error_flag
 from moe_graph.ops.grouped_gemm import gmm, grouped_bias_grad, grouped_gemm, grouped_gemm_wgrad
@@ -19,6 +19,6 @@ __all__ = [
     "reroute_indices",
     "expand_rows",
     "reduce_rows",
-    "gated_activation",
+    "expert_activation",
     "fp8",
 ]
