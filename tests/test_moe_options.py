@@ -292,6 +292,10 @@ ROUTER_OPTION_SETS = {
     # Laguna's soft-capped logits; A.X-K1's RMSNorm of the output
     "softcap_output_norm": dict(score_func="sigmoid", logit_softcap=1.5, output_norm="rmsnorm",
                                 shared_expert_ffn_size=5),
+    # Llama 4 / Cohere2-MoE's top-k of the logits; LFM2-MoE's renormalization by sum + eps (a large eps here, so
+    # that it shows in the probabilities)
+    "logits_select_eps": dict(score_func="sigmoid", select_on="logits", norm_topk_prob=True, norm_topk_eps=0.05,
+                              topk_scaling_factor=1.5),
 }
 
 
@@ -313,8 +317,8 @@ def _option_layer(name, **extra):
 @pytest.mark.parametrize("case", ["plain", "fused_echo", "recompute", "static"])
 @pytest.mark.parametrize("name", list(ROUTER_OPTION_SETS))
 def test_router_and_block_options(gen, name, case):
-    """sqrtsoftplus scores, hash routing by token id, zero-computation experts, logit soft-capping and the output
-    RMSNorm against the float64 reference, through the fused main_grad + echo path, recompute and the fixed-capacity
+    """sqrtsoftplus scores, hash routing by token id, zero-computation experts, logit soft-capping, the output
+    RMSNorm, the top-k of the logits and the renormalization epsilon against the float64 reference, through the fused main_grad + echo path, recompute and the fixed-capacity
     dispatcher."""
     extra = {"fused_echo": dict(num_spare_experts_per_ep_rank=1), "recompute": dict(recompute=True),
              "static": dict(capacity_factor=8.0)}.get(case, {})
