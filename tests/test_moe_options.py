@@ -576,3 +576,38 @@ def test_router_probabilities_gradcheck(gen, score_func, norm, scale):
     routing = r(x.detach())
     assert torch.equal(routing.indices, idx)
     torch.testing.assert_close(routing.probs, top, **TOL)
+
+
+ISSUE33_LAYER_OPTIONS = {  # the block options of the transformers families beyond the router sets above
+    "activations_shared": dict(activation="softcapped_swiglu", swiglu_limit=0.8, swiglu_alpha=0.6,
+                               shared_expert_ffn_size=5, shared_expert_activation="post_clamped_swiglu",
+                               shared_expert_swiglu_limit=0.5, shared_expert_bias=True),
+    "probs_on_input": dict(probs_on_input=True, output_bias=True, score_func="sigmoid", norm_topk_prob=False,
+                           select_on="logits", shared_expert_ffn_size=5, shared_expert_combine="average"),
+    "latent_squared_relu": dict(latent_size=6, latent_bias=True, activation="squared_relu", shared_expert_ffn_size=5,
+                                shared_expert_bias=True, score_func="sigmoid"),
+    "expert_norms": dict(latent_size=6, score_func="sigmoid", enable_expert_bias=True, router_logit_multiplier=0.3,
+                         F=4, expert_input_norm="centered_rmsnorm", expert_output_norm="scaled_rmsnorm"),
+    "gemma4_router": dict(router_input_norm=True, router_expert_scale=True, norm_topk_prob=True,
+                          activation="geglu_tanh"),
+}
+
+
+@pytest.mark.parametrize("name", list(ROUTER_OPTION_SETS) + list(ISSUE33_LAYER_OPTIONS))
+def test_options_have_no_data_dependent_ops(name):
+    """CPU proxy for "sync-free and capturable": every router and block option set, with an echo spare slot and a
+    static capacity that drops routes, forward and backward under FakeTensorMode (where .item(), nonzero(),
+    boolean-mask indexing and data-dependent shapes raise)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    extra = dict(num_spare_experts_per_ep_rank=1, capacity_factor=1.0, aux_loss_coeff=0.01)
+    layer = _option_layer(name, **extra) if name in ROUTER_OPTION_SETS else _layer(**ISSUE33_LAYER_OPTIONS[name],
+                                                                                   **extra)
+    layer.train()
+    ids = torch.randint(0, 16, (32,))
+    layer(torch.randn(32, 8, dtype=DT), token_ids=ids)  # lazy state outside the checked region
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        x = torch.randn(32, 8, dtype=DT, requires_grad=True)
+        y = layer(x, token_ids=ids)
+        y.sum().backward()
+        assert y.shape == (32, 8)
