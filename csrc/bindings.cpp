@@ -95,6 +95,9 @@ TORCH_LIBRARY(moe_graph, m) {
       "(Tensor, Tensor, Tensor, Tensor, Tensor)");
   // recv_counts [R, Lc] -> (expert_row_source [R*capacity], recv_row_target [R*capacity], m_splits [Lc]) int64.
   m.def("receive_layout(Tensor recv_counts, int capacity) -> (Tensor, Tensor, Tensor)");
+  // m_splits [G] int64 -> (padded_m_splits [G], source_of_padded [P], padded_of_source [rows]) int64: every group
+  // starting at a multiple of align rows (permute/dispatch_layout.h).
+  m.def("aligned_groups(Tensor m_splits, int rows, int align) -> (Tensor, Tensor, Tensor)");
 
   // ---- fused expert activation (expert MLPs) -------------------------------------------------------------
   // h [N, 2F] (gated: gate half, then up half) or [N, F] (plain), row_scale [N] (fp32 or h's dtype) or None,
@@ -140,6 +143,7 @@ TORCH_LIBRARY_IMPL(moe_graph, CPU, m) {
   m.impl("route_dot", &moe_graph::route_dot_cpu);
   m.impl("dispatch_layout", &moe_graph::dispatch_layout);
   m.impl("receive_layout", &moe_graph::receive_layout);
+  m.impl("aligned_groups", &moe_graph::aligned_groups);
   m.impl("expert_activation", &moe_graph::expert_activation_cpu);
   m.impl("expert_activation_backward", &moe_graph::expert_activation_backward_cpu);
   m.impl("fp8_quantize", &moe_graph::fp8_quantize_cpu);
@@ -163,6 +167,7 @@ TORCH_LIBRARY_IMPL(moe_graph, CUDA, m) {
   m.impl("route_dot", &moe_graph::route_dot_cuda);
   m.impl("dispatch_layout", &moe_graph::dispatch_layout);
   m.impl("receive_layout", &moe_graph::receive_layout);
+  m.impl("aligned_groups", &moe_graph::aligned_groups);
   m.impl("expert_activation", &moe_graph::expert_activation_cuda);
   m.impl("expert_activation_backward", &moe_graph::expert_activation_backward_cuda);
   m.impl("fp8_quantize", &moe_graph::fp8_quantize_cuda);

@@ -8,7 +8,7 @@ import torch
 from conftest import requires_cuda
 from moe_graph.moe.token_dispatcher import expert_columns
 import moe_graph.ops.dispatch_layout as DL
-from moe_graph.ops.dispatch_layout import dispatch_layout, receive_layout
+from moe_graph.ops.dispatch_layout import aligned_groups, dispatch_layout, receive_layout
 from moe_graph.testing.moe_reference import kept_routes
 
 
@@ -256,6 +256,71 @@ def test_fake_tensors_and_opcheck(gen):
     assert [tuple(t.shape) for t in (src, tgt, ms)] == [(10,), (10,), (4,)]
 
 
+def reference_aligned(m_splits, rows, align):
+    """aligned_groups written out row by row: each group's rows (counts >= 0, clamped to the rows left) copied from
+    the next aligned start."""
+    pm, src, tgt = [], {}, {}
+    used = pos = 0
+    for m in m_splits.tolist():
+        n = min(max(m, 0), rows - used)
+        for j in range(n):
+            src[pos + j], tgt[used + j] = used + j, pos + j
+        padded = -(-n // align) * align
+        pm.append(padded)
+        used += n
+        pos += padded
+    P = -(-(rows + (align - 1) * len(pm)) // align) * align
+    assert pos <= P
+    return (torch.tensor(pm, dtype=torch.int64), torch.tensor([src.get(q, rows) for q in range(P)], dtype=torch.int64),
+            torch.tensor([tgt.get(r, P) for r in range(rows)], dtype=torch.int64))
+
+
+@pytest.mark.parametrize("m_splits, rows, align", [
+    ([0, 5, 16, 17, 0, 1], 42, 16),  # zero-token groups, exact and partial multiples, capacity rows past the groups
+    ([40], 40, 16),  # one group takes everything
+    ([3, -2, 7], 10, 4),  # a negative count reads as 0
+    ([10, 10, 10], 25, 8),  # groups past the rows are clamped (the last one partly)
+    ([2, 3], 5, 1),  # align 1: the identity layout
+    ([], 7, 16),  # no groups: every row past them
+    ([0, 0], 0, 16),  # no rows
+])
+def test_aligned_groups_match_the_row_by_row_reference(impl, m_splits, rows, align):
+    m = torch.tensor(m_splits, dtype=torch.int64)
+    got = aligned_groups(m, rows, align)
+    for a, b in zip(got, reference_aligned(m, rows, align)):
+        assert torch.equal(a, b), (a, b)
+    assert got[1].shape[0] % align == 0
+
+
+def test_aligned_groups_random_and_errors(gen, impl):
+    for _ in range(20):
+        G = int(torch.randint(1, 40, (1,), generator=gen))
+        m = torch.randint(0, 50, (G,), generator=gen)
+        rows = int(m.sum()) + int(torch.randint(-20, 30, (1,), generator=gen)).__abs__()
+        align = int(torch.tensor([1, 2, 16, 32])[torch.randint(0, 4, (1,), generator=gen)])
+        assert all(torch.equal(a, b) for a, b in zip(aligned_groups(m, rows, align), reference_aligned(m, rows, align)))
+    with pytest.raises(ValueError, match="align must be"):
+        aligned_groups(torch.tensor([1]), 4, 0)
+    with pytest.raises(ValueError, match="rows must be"):
+        aligned_groups(torch.tensor([1]), -1, 16)
+    with pytest.raises(ValueError, match=r"m_splits must be a 1-D tensor \[G\]"):
+        aligned_groups(torch.ones(2, 2, dtype=torch.int64), 4, 16)
+
+
+def test_aligned_groups_native_op_checks_and_fake_tensors():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    op = torch.ops.moe_graph.aligned_groups
+    with pytest.raises(RuntimeError, match="m_splits must have dtype"):
+        op(torch.ones(3, dtype=torch.int32), 4, 16)
+    with pytest.raises(RuntimeError, match="align must be in"):
+        op(torch.ones(3, dtype=torch.int64), 4, 0)
+    torch.library.opcheck(op.default, (torch.tensor([0, 5, 16, 17]), 40, 16))
+    with FakeTensorMode() as mode:
+        pm, src, tgt = aligned_groups(mode.from_tensor(torch.tensor([1, 2, 3])), 9, 16)
+    assert [tuple(t.shape) for t in (pm, src, tgt)] == [(3,), (64,), (9,)]  # ceil((9 + 15 * 3) / 16) * 16
+
+
 @requires_cuda
 def test_cuda_matches_cpu_without_sync(gen):
     from moe_graph.ops import check_errors
@@ -276,6 +341,12 @@ def test_cuda_matches_cpu_without_sync(gen):
             torch.cuda.set_sync_debug_mode(0)
         assert all(torch.equal(a.cpu(), b) for a, b in zip(out, ref))
         assert all(torch.equal(a.cpu(), b) for a, b in zip(got, receive_layout(ref.send_counts, cap)))
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            aligned = aligned_groups(got[2], R * cap, 16)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert all(torch.equal(a.cpu(), b) for a, b in zip(aligned, aligned_groups(got[2].cpu(), R * cap, 16)))
     check_errors()
     bad = dispatch_layout(torch.tensor([[0, 10**6]], device="cuda"), cr.cuda(), cl.cuda(), R, Lc, 4)
     assert bad.route_slot.tolist() == [0, R * 4]  # the bad route is not live; the flag says why

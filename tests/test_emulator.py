@@ -34,7 +34,7 @@ CPU = ["activation/activation_cpu.cpp", "permute/permute_cpu.cpp", "permute/disp
        "reroute/reroute_cpu.cpp", "reroute/echo_plan_cpu.cpp", "grouped_gemm/grouped_plan.cpp",
        "fp8/quantize_cpu.cpp", "fp8/scaled_plan.cpp"]
 HARNESS = ["moe_emu.cpp", "harness.cpp", "harness_grouped.cpp", "harness_scaled.cpp"]
-FAMILIES = ["activation", "permute", "dispatch", "receive", "reroute", "reroute_indices", "echo_plan", "grouped",
+FAMILIES = ["activation", "permute", "dispatch", "receive", "aligned", "reroute", "reroute_indices", "echo_plan", "grouped",
             "fp8_quantize", "fp8_scaled"]
 
 

@@ -31,6 +31,14 @@
 //                    expert-input row; N: padding) and recv_row_target [N] (its inverse; N: an empty receive row).
 //                    A negative count reads as 0 (kErrNegativeSplit), counts of one source past `capacity` are
 //                    clamped (kErrSplitsOverflow); the CPU reports both.
+//
+//   aligned_groups   m_splits [G] (rows per expert group, in order, over `rows` rows; a negative count reads as 0 and
+//                    groups past `rows` are clamped, as the grouped GEMM reads them) regrouped so that every group
+//                    starts at a multiple of `align` rows, zero rows after each group (the FP8 wgrad's 16-row group
+//                    starts), in P = ceil((rows + (align - 1) * G) / align) * align rows.
+//     outputs        padded_m_splits [G] = m_g rounded up to a multiple of align; source_of_padded [P] (the source
+//                    row of each padded row; rows: a zero row) and padded_of_source [rows] (its inverse; P: a row
+//                    past the groups).
 #pragma once
 #include <cstdint>
 
@@ -73,6 +81,16 @@ struct ReceiveProblem {
   int64_t* m_splits = nullptr;           // [Lc]
 };
 
+struct AlignProblem {
+  int64_t num_groups = 0;  // G
+  int64_t rows = 0;
+  int64_t align = 1;
+  const int64_t* m_splits = nullptr;   // [G]
+  int64_t* padded_m_splits = nullptr;  // [G]
+  int64_t* source_of_padded = nullptr; // [P]
+  int64_t* padded_of_source = nullptr; // [rows]
+};
+
 // What the CPU functions found wrong (the glue raises with it): kind 0 none; otherwise the first offending position.
 struct LayoutError {
   enum Kind { kNone = 0, kIndex, kColumnRank, kColumnLocal, kOrderRange, kOrderRepeat, kNegativeCount,
@@ -84,6 +102,7 @@ struct LayoutError {
 
 LayoutError dispatch_layout_host(const LayoutProblem& p);
 LayoutError receive_layout_host(const ReceiveProblem& p);
+void aligned_groups_host(const AlignProblem& p);
 
 #ifdef MOE_GRAPH_WITH_CUDA
 // Routes per tile of the CUDA kernels (one warp per tile); the workspace depends on it.
@@ -97,6 +116,9 @@ cudaError_t dispatch_layout_cuda_launch(const LayoutProblem& p, int32_t* workspa
                                         cudaStream_t stream);
 cudaError_t receive_layout_cuda_launch(const ReceiveProblem& p, int64_t* workspace, int32_t* error_flag,
                                        cudaStream_t stream);
+// int64 elements of device workspace aligned_groups_cuda_launch needs (2 G); two launches.
+int64_t aligned_groups_workspace_elems(int64_t num_groups);
+cudaError_t aligned_groups_cuda_launch(const AlignProblem& p, int64_t* workspace, cudaStream_t stream);
 #endif
 
 }  // namespace dispatch

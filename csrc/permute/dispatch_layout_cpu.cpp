@@ -1,4 +1,5 @@
-// CPU implementation of dispatch_layout / receive_layout (semantics in dispatch_layout.h). Torch-free.
+// CPU implementation of dispatch_layout / receive_layout / aligned_groups (semantics in dispatch_layout.h).
+// Torch-free.
 //
 // dispatch_layout is two stable counting passes: (1) the routes in drop order, counted per destination, decide which
 // are kept; (2) the kept routes in route order, counted per (destination, local expert), get their positions from
@@ -109,6 +110,21 @@ LayoutError receive_layout_host(const ReceiveProblem& p) {
     p.m_splits[l] = row - first;
   }
   return {};
+}
+
+void aligned_groups_host(const AlignProblem& p) {
+  const int64_t G = p.num_groups, P = aligned_padded_rows(p.rows, G, p.align);
+  std::vector<int64_t> end(G), pend(G);
+  aligned_group_tables(p, end.data(), pend.data());
+  std::fill(p.source_of_padded, p.source_of_padded + P, p.rows);
+  std::fill(p.padded_of_source, p.padded_of_source + p.rows, P);
+  for (int64_t g = 0; g < G; ++g) {  // each group's rows, in order, from its padded start
+    const int64_t start = g ? end[g - 1] : 0, pstart = g ? pend[g - 1] : 0;
+    for (int64_t j = 0; j < end[g] - start; ++j) {
+      p.source_of_padded[pstart + j] = start + j;
+      p.padded_of_source[start + j] = pstart + j;
+    }
+  }
 }
 
 }  // namespace dispatch

@@ -330,6 +330,22 @@ __global__ void recv_rows_kernel(ReceiveProblem p, RecvWorkspace ws) {
   }
 }
 
+// ------------------------------------------------------------------------------------------ aligned_groups --
+// One thread: the groups' running ends (G is the local expert count: small).
+__global__ void aligned_tables_kernel(AlignProblem p, int64_t* end, int64_t* pend) {
+  if (threadIdx.x == 0) aligned_group_tables(p, end, pend);
+}
+
+// One thread per padded row q and per source row q: both index maps (binary searches over the G ends).
+__global__ void aligned_rows_kernel(AlignProblem p, const int64_t* end, const int64_t* pend, int64_t P) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t n = P > p.rows ? P : p.rows;
+  for (int64_t q = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; q < n; q += stride) {
+    if (q < P) p.source_of_padded[q] = aligned_source_of(p, end, pend, q);
+    if (q < p.rows) p.padded_of_source[q] = aligned_target_of(p, end, pend, q, P);
+  }
+}
+
 }  // namespace
 
 int64_t dispatch_layout_workspace_elems(int64_t n, int64_t R, int64_t Lc) {
@@ -374,6 +390,19 @@ cudaError_t receive_layout_cuda_launch(const ReceiveProblem& p, int64_t* workspa
   moe_graph::launch(recv_tables_kernel, 1, kThreads, 0, stream, p, ws, error_flag);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   moe_graph::launch(recv_rows_kernel, blocks_for(p.num_ranks * p.capacity, kThreads), kThreads, 0, stream, p, ws);
+  return cudaGetLastError();
+}
+
+int64_t aligned_groups_workspace_elems(int64_t num_groups) { return 2 * num_groups; }
+
+cudaError_t aligned_groups_cuda_launch(const AlignProblem& p, int64_t* workspace, cudaStream_t stream) {
+  const int64_t G = p.num_groups, P = aligned_padded_rows(p.rows, G, p.align);
+  int64_t* end = workspace;
+  int64_t* pend = workspace + G;
+  if (G > 0) moe_graph::launch(aligned_tables_kernel, 1, 32, 0, stream, p, end, pend);
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  const int64_t n = P > p.rows ? P : p.rows;
+  if (n > 0) moe_graph::launch(aligned_rows_kernel, blocks_for(n, kThreads), kThreads, 0, stream, p, end, pend, P);
   return cudaGetLastError();
 }
 

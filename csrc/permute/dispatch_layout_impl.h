@@ -87,19 +87,71 @@ MOE_DL_HD int64_t usable_count(int64_t count, int64_t used, int64_t capacity, in
   return count;
 }
 
-// Local expert of position p in a source block with exclusive prefix `row_start[0..Lc)` and counts `cnt`, or -1 when
-// p is past the block's rows (binary search: the last l with row_start[l] <= p).
-MOE_DL_HD int64_t local_of_position(const int64_t* row_start, const int64_t* cnt, int64_t Lc, int64_t p) {
-  int64_t lo = 0, hi = Lc;  // first l with row_start[l] > p lies in [lo, hi]
+// First i in [0, n) with a[i] > x in the non-decreasing a (n when none): binary search.
+MOE_DL_HD int64_t upper_bound_of(const int64_t* a, int64_t n, int64_t x) {
+  int64_t lo = 0, hi = n;  // the answer lies in [lo, hi]
   while (lo < hi) {
     const int64_t mid = (lo + hi) / 2;
-    if (row_start[mid] <= p)
+    if (a[mid] <= x)
       lo = mid + 1;
     else
       hi = mid;
   }
-  const int64_t l = lo - 1;
+  return lo;
+}
+
+// Local expert of position p in a source block with exclusive prefix `row_start[0..Lc)` and counts `cnt`, or -1 when
+// p is past the block's rows (the last l with row_start[l] <= p).
+MOE_DL_HD int64_t local_of_position(const int64_t* row_start, const int64_t* cnt, int64_t Lc, int64_t p) {
+  const int64_t l = upper_bound_of(row_start, Lc, p) - 1;
   return (l >= 0 && p < row_start[l] + cnt[l]) ? l : -1;
+}
+
+// aligned_groups: the padded rows P of G groups of `rows` rows in total, each starting at a multiple of `align`.
+MOE_DL_HD int64_t aligned_padded_rows(int64_t rows, int64_t G, int64_t align) {
+  return (rows + (align - 1) * G + align - 1) / align * align;
+}
+
+// aligned_groups' tables from the counts: end[g] (the source rows' exclusive end of group g: the running sum of the
+// counts read as >= 0, clamped to `rows`) and pend[g] (the padded rows' end); writes the padded counts.
+MOE_DL_HD void aligned_group_tables(const AlignProblem& p, int64_t* end, int64_t* pend) {
+  int64_t run = 0, prun = 0, prev = 0;
+  for (int64_t g = 0; g < p.num_groups; ++g) {
+    const int64_t m = p.m_splits[g] > 0 ? p.m_splits[g] : 0;
+    run = (m > p.rows - run) ? p.rows : run + m;
+    const int64_t padded = (run - prev + p.align - 1) / p.align * p.align;
+    prun += padded;
+    end[g] = run;
+    pend[g] = prun;
+    p.padded_m_splits[g] = padded;
+    prev = run;
+  }
+}
+
+// First g with ends[g] > x, clamped to G - 1 (the group a row at x falls in when it falls in one).
+MOE_DL_HD int64_t group_of_row(const int64_t* ends, int64_t G, int64_t x) {
+  const int64_t g = upper_bound_of(ends, G, x);
+  return g < G ? g : G - 1;
+}
+
+// source_of_padded[q]: the source row of padded row q, or `rows` (a zero row: past its group's rows or the groups).
+MOE_DL_HD int64_t aligned_source_of(const AlignProblem& p, const int64_t* end, const int64_t* pend, int64_t q) {
+  const int64_t G = p.num_groups;
+  if (G == 0 || q >= pend[G - 1]) return p.rows;
+  const int64_t g = group_of_row(pend, G, q);
+  const int64_t start = g ? end[g - 1] : 0, pstart = g ? pend[g - 1] : 0;
+  const int64_t local = q - pstart;
+  return local < end[g] - start ? start + local : p.rows;
+}
+
+// padded_of_source[r]: the padded row of source row r, or P (a row past the groups).
+MOE_DL_HD int64_t aligned_target_of(const AlignProblem& p, const int64_t* end, const int64_t* pend, int64_t r,
+                                    int64_t P) {
+  const int64_t G = p.num_groups;
+  if (G == 0 || r >= end[G - 1]) return P;
+  const int64_t g = group_of_row(end, G, r);
+  const int64_t start = g ? end[g - 1] : 0, pstart = g ? pend[g - 1] : 0;
+  return pstart + (r - start);
 }
 
 }  // namespace dispatch

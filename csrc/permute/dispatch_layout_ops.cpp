@@ -1,13 +1,16 @@
-// Torch glue of dispatch_layout / receive_layout: argument checks that name the argument, allocation, current stream.
+// Torch glue of dispatch_layout / receive_layout / aligned_groups: argument checks that name the argument,
+// allocation, current stream.
 #include "permute/dispatch_layout_ops.h"
 
 #include <c10/core/DeviceGuard.h>
 
+#include <algorithm>
 #include <limits>
 
 #include "common/error_flag_torch.h"
 #include "common/torch_checks.h"
 #include "permute/dispatch_layout.h"
+#include "permute/dispatch_layout_impl.h"
 
 #ifdef MOE_GRAPH_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
@@ -22,6 +25,7 @@ namespace {
 
 constexpr const char* kOp = "dispatch_layout";
 constexpr const char* kRecv = "receive_layout";
+constexpr const char* kAlign = "aligned_groups";
 
 
 struct Prepared {
@@ -236,6 +240,39 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> receive_layout(const at::Tensor& 
   at::Tensor ws = at::empty({dispatch::receive_layout_workspace_elems(p.num_ranks, p.num_local)}, c.options());
   auto stream = at::cuda::getCurrentCUDAStream(c.device().index()).stream();
   C10_CUDA_CHECK(dispatch::receive_layout_cuda_launch(p, ws.data_ptr<int64_t>(), error_flag_ptr(c.device()), stream));
+#endif
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> aligned_groups(const at::Tensor& m_splits, int64_t rows, int64_t align) {
+  const at::OptionalDeviceGuard guard(at::device_of(m_splits));
+  check_defined(m_splits, kAlign, "m_splits");
+  check_dim(m_splits, 1, kAlign, "m_splits", "[G]");
+  check_dtype(m_splits, {at::kLong}, kAlign, "m_splits");
+  TORCH_CHECK(rows >= 0, kAlign, ": rows must be >= 0, got ", rows);
+  TORCH_CHECK(align >= 1 && align <= (int64_t(1) << 20), kAlign, ": align must be in [1, 2^20], got ", align);
+  const at::Tensor m = m_splits.contiguous();
+  const int64_t G = m.size(0);
+  TORCH_CHECK(G <= (std::numeric_limits<int64_t>::max() / 4 - rows) / align, kAlign, ": the padded rows overflow int64");
+  dispatch::AlignProblem p;
+  p.num_groups = G;
+  p.rows = rows;
+  p.align = align;
+  const int64_t P = dispatch::aligned_padded_rows(rows, G, align);
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> out{at::empty({G}, m.options()), at::empty({P}, m.options()),
+                                                     at::empty({rows}, m.options())};
+  p.m_splits = m.data_ptr<int64_t>();
+  p.padded_m_splits = std::get<0>(out).data_ptr<int64_t>();
+  p.source_of_padded = std::get<1>(out).data_ptr<int64_t>();
+  p.padded_of_source = std::get<2>(out).data_ptr<int64_t>();
+  if (m.device().is_cpu()) {
+    dispatch::aligned_groups_host(p);
+    return out;
+  }
+#ifdef MOE_GRAPH_WITH_CUDA
+  at::Tensor ws = at::empty({std::max<int64_t>(1, dispatch::aligned_groups_workspace_elems(G))}, m.options());
+  auto stream = at::cuda::getCurrentCUDAStream(m.device().index()).stream();
+  C10_CUDA_CHECK(dispatch::aligned_groups_cuda_launch(p, ws.data_ptr<int64_t>(), stream));
 #endif
   return out;
 }

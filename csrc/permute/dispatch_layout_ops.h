@@ -1,4 +1,4 @@
-// Torch-level dispatch_layout / receive_layout ops (schemas in csrc/bindings.cpp; semantics in
+// Torch-level dispatch_layout / receive_layout / aligned_groups ops (schemas in csrc/bindings.cpp; semantics in
 // permute/dispatch_layout.h).
 #pragma once
 #include <ATen/ATen.h>
@@ -23,5 +23,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> dispatch_
 
 // recv_counts [R, Lc] int64 -> (expert_row_source [R*capacity], recv_row_target [R*capacity], m_splits [Lc]) int64.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> receive_layout(const at::Tensor& recv_counts, int64_t capacity);
+
+// m_splits [G] int64, rows, align -> (padded_m_splits [G], source_of_padded [P], padded_of_source [rows]) int64,
+// P = ceil((rows + (align - 1) * G) / align) * align.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> aligned_groups(const at::Tensor& m_splits, int64_t rows, int64_t align);
 
 }  // namespace moe_graph

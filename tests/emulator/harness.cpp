@@ -25,6 +25,7 @@
 #include "fp8/quantize.h"
 #include "harness.h"
 #include "permute/dispatch_layout.h"
+#include "permute/dispatch_layout_impl.h"
 #include "permute/permute.h"
 #include "reroute/echo_plan.h"
 #include "reroute/reroute.h"
@@ -449,6 +450,52 @@ int family_receive() {
   return runs;
 }
 
+int family_aligned() {
+  int runs = 0;
+  Rng rng(15);
+  struct Shape {
+    int64_t G, rows, align;
+  };
+  std::vector<Shape> shapes = {{0, 7, 16}, {1, 0, 16}, {1, 40, 16}, {3, 10, 4}, {6, 42, 16}, {9, 300, 16},
+                               {40, 1000, 32}, {5, 33, 1}};
+  if (g_full) shapes.insert(shapes.end(), {{256, 20000, 16}, {1000, 4099, 128}});
+  for (const Shape& s : shapes) {
+    for (int variant = 0; variant < 3; ++variant) {  // 0 counts within rows, 1 past them (clamped), 2 negatives
+      std::vector<int64_t> m(s.G);
+      int64_t left = s.rows;
+      for (int64_t g = 0; g < s.G; ++g) {
+        const int64_t c = variant == 1 ? rng.uniform(0, s.rows / 2 + 2) : rng.uniform(0, left);
+        m[g] = variant == 2 && g % 3 == 1 ? -c - 1 : c;
+        left -= std::min(left, c);
+      }
+      const std::string what = "aligned_groups G" + std::to_string(s.G) + " rows" + std::to_string(s.rows) +
+                               " align" + std::to_string(s.align) + " variant " + std::to_string(variant);
+      auto run = [&](bool emulate) {
+        const int64_t P = dl::aligned_padded_rows(s.rows, s.G, s.align);
+        std::vector<int64_t> pm(s.G, -7), src(P, -7), tgt(s.rows, -7);
+        dl::AlignProblem p;
+        p.num_groups = s.G;
+        p.rows = s.rows;
+        p.align = s.align;
+        p.m_splits = m.data();
+        p.padded_m_splits = pm.data();
+        p.source_of_padded = src.data();
+        p.padded_of_source = tgt.data();
+        if (emulate) {
+          std::vector<int64_t> ws(std::max<int64_t>(1, dl::aligned_groups_workspace_elems(s.G)), -9);
+          dl::aligned_groups_cuda_launch(p, ws.data(), nullptr);
+        } else {
+          dl::aligned_groups_host(p);
+        }
+        return std::vector<Output>{Output::of_vec("padded_m_splits", pm), Output::of_vec("source_of_padded", src),
+                                   Output::of_vec("padded_of_source", tgt)};
+      };
+      runs += run_case(what, [&] { return run(false); }, [&] { return run(true); });
+    }
+  }
+  return runs;
+}
+
 // ---------------------------------------------------------------------------------------------------- reroute --
 namespace rr = moe_graph::reroute;
 
@@ -812,6 +859,7 @@ int main(int argc, char** argv) {
   };
   const Family families[] = {{"activation", family_activation},         {"permute", family_permute},
                              {"dispatch", family_dispatch},             {"receive", family_receive},
+                             {"aligned", family_aligned},
                              {"reroute", family_reroute},               {"reroute_indices", family_reroute_indices},
                              {"echo_plan", family_echo_plan},           {"grouped", family_grouped},
                              {"fp8_quantize", family_fp8_quantize},      {"fp8_scaled", family_fp8_scaled},

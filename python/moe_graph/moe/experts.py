@@ -31,6 +31,7 @@ from moe_graph.moe.echo import (
     wgrad_accumulate_mask,
 )
 from moe_graph.ops.activation import ACTIVATIONS, GATED_ACTIVATIONS, expert_activation
+from moe_graph.ops.dispatch_layout import aligned_groups
 from moe_graph.ops import fp8 as _fp8
 from moe_graph.moe.token_dispatcher import take_rows
 from moe_graph.ops.grouped_gemm import grouped_gemm, grouped_gemm_autograd
@@ -239,29 +240,15 @@ FP8_ROW_ALIGNMENT = 16
 class AlignedGroups:
     """Rows grouped by expert (``m_splits [G]`` on the device, groups clamped to ``rows`` as the grouped GEMM does)
     regrouped so that group ``g`` starts at a multiple of ``align`` rows, zero rows after each group, in a static
-    ``padded_rows = ceil_align(rows + (align - 1) * G)`` buffer; :attr:`m_splits` are the padded counts. Sync-free
-    index math (cumulative sums and one ``searchsorted`` per direction); the rows move with the native row gather
-    (differentiable), FP8-dispatched rows (``ops.fp8.QuantizedRows``) with bit-exact byte gathers."""
+    ``padded_rows = ceil_align(rows + (align - 1) * G)`` buffer; :attr:`m_splits` are the padded counts. The index
+    maps come from one native op (:func:`moe_graph.ops.dispatch_layout.aligned_groups`, two launches on CUDA, no
+    sync); the rows move with the native row gather (differentiable), FP8-dispatched rows
+    (``ops.fp8.QuantizedRows``) with bit-exact byte gathers."""
 
     def __init__(self, m_splits: torch.Tensor, rows: int, align: int):
-        G, dev = m_splits.shape[0], m_splits.device
-        end = m_splits.to(torch.int64).clamp(min=0).cumsum(0).clamp(max=rows)
-        start = torch.cat([end.new_zeros(1), end[:-1]])
-        m = end - start
-        pm = (m + align - 1) // align * align
-        pend = pm.cumsum(0)
-        pstart = pend - pm
-        self.rows, self.m_splits = rows, pm
-        self.padded_rows = P = -(-(rows + (align - 1) * G) // align) * align
-        p = torch.arange(P, device=dev)
-        g = torch.searchsorted(pend, p, right=True).clamp(max=max(G - 1, 0))
-        local = p - pstart[g]
-        live = (p < pend[-1]) & (local < m[g]) if G else torch.zeros_like(p, dtype=torch.bool)
-        self.source_of_padded = torch.where(live, start[g] + local, rows)  # [P], sentinel rows
-        r = torch.arange(rows, device=dev)
-        h = torch.searchsorted(end, r, right=True).clamp(max=max(G - 1, 0))
-        live = r < end[-1] if G else torch.zeros_like(r, dtype=torch.bool)
-        self.padded_of_source = torch.where(live, pstart[h] + (r - start[h]), P)  # [rows], sentinel P
+        self.rows = rows
+        self.m_splits, self.source_of_padded, self.padded_of_source = aligned_groups(m_splits, rows, align)
+        self.padded_rows = self.source_of_padded.shape[0]
 
     def pad(self, x):
         """``[rows, X]`` -> ``[padded_rows, X]`` (differentiable), or a ``QuantizedRows`` regrouped."""

@@ -1,7 +1,8 @@
-"""The token dispatcher's index bookkeeping in two native ops (C++ on CPU, CUDA kernels on GPU; semantics in
+"""The token dispatcher's index bookkeeping in native ops (C++ on CPU, CUDA kernels on GPU; semantics in
 ``csrc/permute/dispatch_layout.h``): :func:`dispatch_layout` turns the router's top-k indices into send slots and
-counts, :func:`receive_layout` orders the rows a rank received by local expert. Integer outputs, no autograd; no host
-sync, capturable, deterministic (stable counting sorts, no order-dependent atomics).
+counts, :func:`receive_layout` orders the rows a rank received by local expert, :func:`aligned_groups` regroups the
+expert groups to aligned starts (the FP8 wgrad's). Integer outputs, no autograd; no host sync, capturable,
+deterministic (stable counting sorts, no order-dependent atomics).
 
 Layout. ``n = T * K`` routes (route ``r`` = token ``r // K``, choice ``r % K``) into ``C`` routing columns; column ``c``
 goes to rank ``column_rank[c]`` as its local expert ``column_local[c]``. A route is *live* when valid (``valid`` mask)
@@ -36,10 +37,11 @@ import torch
 from moe_graph.ops._lib import has_kernel
 from moe_graph.ops.reroute import real_host_values
 
-__all__ = ["dispatch_layout", "receive_layout", "DispatchLayout", "native_available"]
+__all__ = ["aligned_groups", "dispatch_layout", "receive_layout", "DispatchLayout", "native_available"]
 
 _LAYOUT = "moe_graph::dispatch_layout"
 _RECV = "moe_graph::receive_layout"
+_ALIGN = "moe_graph::aligned_groups"
 
 
 class DispatchLayout(NamedTuple):
@@ -52,8 +54,8 @@ class DispatchLayout(NamedTuple):
 
 @torch.compiler.assume_constant_result  # fixed per process: traced once by torch.compile
 def native_available(device_type: str = "cpu") -> bool:
-    """True when the loaded extension has the layout ops for ``device_type`` ("cpu" or "cuda")."""
-    return has_kernel(_LAYOUT, device_type) and has_kernel(_RECV, device_type)
+    """True when the loaded extension has the layout ops (all three) for ``device_type`` ("cpu" or "cuda")."""
+    return has_kernel(_LAYOUT, device_type) and has_kernel(_RECV, device_type) and has_kernel(_ALIGN, device_type)
 
 
 def dispatch_layout(
@@ -97,6 +99,30 @@ def receive_layout(recv_counts: torch.Tensor, capacity: int) -> Tuple[torch.Tens
     if native_available(recv_counts.device.type):
         return torch.ops.moe_graph.receive_layout(recv_counts, int(capacity))
     return _receive_torch(recv_counts, int(capacity))
+
+
+def aligned_padded_rows(rows: int, num_groups: int, align: int) -> int:
+    """Rows of :func:`aligned_groups`' padded layout: ``ceil((rows + (align - 1) * G) / align) * align``."""
+    return -(-(rows + (align - 1) * num_groups) // align) * align
+
+
+def aligned_groups(m_splits: torch.Tensor, rows: int, align: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``m_splits [G]`` int64 (rows per expert group over ``rows`` rows; negative counts read as 0, groups past
+    ``rows`` clamped as the grouped GEMM reads them) -> ``(padded_m_splits [G], source_of_padded [P],
+    padded_of_source [rows])``: the groups regrouped so that each starts at a multiple of ``align`` rows, zero rows
+    after each, ``P =`` :func:`aligned_padded_rows`; ``source_of_padded`` holds each padded row's source row
+    (``rows``: a zero row), ``padded_of_source`` its inverse (``P``: a row past the groups). Two launches on CUDA."""
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
+        raise ValueError(f"aligned_groups: rows must be an int >= 0, got {rows!r}")
+    if isinstance(align, bool) or not isinstance(align, int) or not 1 <= align <= 1 << 20:
+        raise ValueError(f"aligned_groups: align must be an int in [1, 2^20], got {align!r}")
+    if not isinstance(m_splits, torch.Tensor) or m_splits.dim() != 1:
+        raise ValueError(f"aligned_groups: m_splits must be a 1-D tensor [G], got "
+                         f"{tuple(m_splits.shape) if isinstance(m_splits, torch.Tensor) else type(m_splits).__name__}")
+    m = m_splits.to(torch.int64)
+    if native_available(m.device.type):
+        return torch.ops.moe_graph.aligned_groups(m, rows, align)
+    return _aligned_torch(m, rows, align)
 
 
 # ---------------------------------------------------------------------------------- the torch path (no build) --
@@ -177,6 +203,28 @@ def _receive_torch(recv_counts, cap):
     return source, target, m_splits
 
 
+def _aligned_torch(m_splits, rows, align):
+    G, dev = m_splits.shape[0], m_splits.device
+    end = m_splits.clamp(min=0).cumsum(0).clamp(max=rows)
+    start = torch.cat([end.new_zeros(1), end[:-1]])
+    m = end - start
+    pm = (m + align - 1) // align * align
+    pend = pm.cumsum(0)
+    pstart = pend - pm
+    P = aligned_padded_rows(rows, G, align)
+    p = torch.arange(P, device=dev)
+    g = torch.searchsorted(pend, p, right=True).clamp(max=max(G - 1, 0))
+    if G:
+        live = (p < pend[-1]) & (p - pstart[g] < m[g])
+        source = torch.where(live, start[g] + p - pstart[g], rows)
+    else:
+        source = torch.full((P,), rows, dtype=torch.int64, device=dev)
+    r = torch.arange(rows, device=dev)
+    h = torch.searchsorted(end, r, right=True).clamp(max=max(G - 1, 0))
+    target = torch.where(r < end[-1], pstart[h] + (r - start[h]), P) if G else torch.full_like(r, P)
+    return pm, source, target
+
+
 def _register() -> None:
     if not native_available():  # pragma: no cover - a build without the ops
         return
@@ -190,6 +238,13 @@ def _register() -> None:
         N = n if dest_quota is not None else num_ep_ranks * capacity
         return (new(n), new(N), new(num_ep_ranks, num_local_columns),
                 new(column_rank.shape[0]), new())
+
+    @torch.library.register_fake(_ALIGN)
+    def _(m_splits, rows, align):
+        torch._check(m_splits.dim() == 1, lambda: "aligned_groups: m_splits must be [G]")
+        G = m_splits.shape[0]
+        return (m_splits.new_empty(G), m_splits.new_empty(aligned_padded_rows(rows, G, align)),
+                m_splits.new_empty(rows))
 
     @torch.library.register_fake(_RECV)
     def _(recv_counts, capacity):
