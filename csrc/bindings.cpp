@@ -110,8 +110,9 @@ TORCH_LIBRARY(moe_graph, m) {
   // ---- FP8 quantization (csrc/fp8/quantize.h) -----------------------------------------------------------
   // x [M, K] (grouped by m_splits [E]) or [B, M, K]; tiles tile_rows x tile_cols per group (0: all) -> (q, scale):
   // fp32 scale_inv (TE's blockwise / current scaling) or E8M0 (mx); transpose writes q [K, M] and its scales.
+  // x_scale: x is FP8 [M, K] with these rowwise scales, requantized from its dequantization.
   m.def("fp8_quantize(Tensor x, Tensor? m_splits, int tile_rows, int tile_cols, ScalarType fp8_dtype, bool mx, "
-        "float eps, bool pow2, bool transpose) -> (Tensor, Tensor)");
+        "float eps, bool pow2, bool transpose, Tensor? x_scale=None) -> (Tensor, Tensor)");
   // Scaled grouped GEMM (csrc/fp8/scaled_gemm.h): per-K-block fp32 sums times a_scale * b_scale, fp32 accumulation.
   m.def("fp8_scaled_grouped_gemm(Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, Tensor m_splits, int block_k, "
         "int block_n, Tensor? bias, ScalarType out_dtype) -> Tensor");

@@ -16,6 +16,12 @@ def _bits(t):
     return t.contiguous().view(torch.uint8) if t.element_size() == 1 else t.contiguous().view(torch.int32)
 
 
+def _same_bits(a, b):
+    """Equal bits, NaNs equal whatever their sign bit (which x86 and the FP8 encoders set differently)."""
+    nan = a.float().isnan()
+    return torch.equal(nan, b.float().isnan()) and torch.equal(_bits(a)[~nan], _bits(b)[~nan])
+
+
 def _check(x, m_splits, tiles, qd, eps=0.0, pow2=False):
     tr = fp8.TILES[tiles][0]
     ms = None if m_splits is None else torch.tensor(m_splits, dtype=torch.int32)
@@ -112,6 +118,50 @@ def test_fake_and_opcheck():
                               test_utils=("test_schema", "test_faketensor"))
 
 
+@pytest.mark.parametrize("rows_tiles, cols_tiles", [("1x128", "128x1"), ("1x32", "32x1")])
+@pytest.mark.parametrize("in_dtype", FP8)
+@pytest.mark.parametrize("out_dtype", FP8)
+def test_fp8_input_requantizes_its_dequantization(rows_tiles, cols_tiles, in_dtype, out_dtype):
+    """An FP8 x with its rowwise scales (the rows FP8 dispatch moved) quantized to the columnwise copy equals the TE
+    reference quantizer run on torch's own fp32 dequantization (q.float() * the scale of its tile), bit for bit: K
+    not a tile multiple, zero-token groups, capacity rows past the groups, a NaN."""
+    gen = torch.Generator().manual_seed(5)
+    m_splits, M, K = [37, 0, 130, 1], 180, 300
+    x = torch.randn(M, K, generator=gen) * torch.exp2(torch.randint(-8, 8, (M, 1), generator=gen).float())
+    x[3, 7] = float("nan")
+    ms = torch.tensor(m_splits, dtype=torch.int64)
+    q, s = fp8.quantize(x, ms, tiles=rows_tiles, fp8_dtype=in_dtype)
+    tc = fp8.TILES[rows_tiles][1]
+    deq = q.float() * s.float().repeat_interleave(tc, 1)[:, :K]  # torch's decode of both, fp32 products
+    deq[sum(m_splits):] = 0
+    rt = fp8.row_tile_capacity(M, len(m_splits), fp8.TILES[cols_tiles][0])
+    rq, rs = ref.quantize_grouped(deq, m_splits, cols_tiles, out_dtype, row_tiles=rt)
+    q2, s2 = fp8.quantize(q, ms, tiles=cols_tiles, fp8_dtype=out_dtype, x_scale=s)
+    assert q2.shape == rq.shape and s2.shape == rs.shape
+    assert _same_bits(q2, rq) and _same_bits(s2, rs)
+    assert q2.float().isnan().any()  # the NaN's tile
+    # the same as dequantize, then quantize (the two-op path it replaces)
+    q3, s3 = fp8.quantize(fp8.dequantize(q, s, tiles=rows_tiles), ms, tiles=cols_tiles, fp8_dtype=out_dtype)
+    assert _same_bits(q2, q3) and _same_bits(s2, s3)
+
+
+def test_fp8_input_errors_name_the_argument():
+    x = torch.randn(8, 64)
+    q, s = fp8.quantize(x, tiles="1x128")
+    with pytest.raises(RuntimeError, match="x_scale"):
+        fp8.quantize(q, tiles="128x1")  # FP8 x without its scales
+    with pytest.raises(RuntimeError, match="x_scale"):
+        fp8.quantize(x, tiles="128x1", x_scale=s)  # scales with a 16-bit x
+    with pytest.raises(RuntimeError, match="x_scale must have shape"):
+        fp8.quantize(q, tiles="128x1", x_scale=s[:4])
+    with pytest.raises(RuntimeError, match="x_scale must have dtype"):
+        fp8.quantize(q, tiles="128x1", x_scale=s.double())
+    # (opcheck's schema test multiplies its inputs, which torch cannot do on FP8 tensors: the fake test only)
+    torch.library.opcheck(torch.ops.moe_graph.fp8_quantize.default,
+                          (q, torch.tensor([5, 3]), 128, 1, torch.float8_e4m3fn, False, 0.0, False, True, s),
+                          test_utils=("test_faketensor",))
+
+
 needs_cuda = pytest.mark.skipif(not (torch.cuda.is_available() and fp8.native_available("cuda")),
                                 reason="needs CUDA and the CUDA build of fp8_quantize")
 
@@ -137,3 +187,10 @@ def test_cuda_equals_cpu_sync_free_and_graph(tiles):
     g.replay()
     q2, s2 = fp8.quantize(x, torch.tensor([0, 650, 0, 50]), tiles=tiles, pow2_scales=True)
     assert torch.equal(_bits(qg.cpu()), _bits(q2)) and torch.equal(_bits(sg.cpu()), _bits(s2))
+    # FP8 input (the columnwise copy of dispatched rows): the CUDA requantization equals the CPU's
+    if tiles in ("128x1", "32x1"):
+        rows_tiles = "1x128" if tiles == "128x1" else "1x32"
+        qr, sr = fp8.quantize(x, ms, tiles=rows_tiles)
+        c0 = fp8.quantize(qr, ms, tiles=tiles, x_scale=sr)
+        c1 = fp8.quantize(qr.cuda(), msd, tiles=tiles, x_scale=sr.cuda())
+        assert all(torch.equal(_bits(a.cpu()), _bits(b)) for a, b in zip(c1, c0))

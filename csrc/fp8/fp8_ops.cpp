@@ -33,12 +33,28 @@ struct Quantized {
 };
 
 Quantized describe(const at::Tensor& x, const std::optional<at::Tensor>& m_splits, int64_t tile_rows,
-                   int64_t tile_cols, at::ScalarType fp8_dtype, bool mx, double eps, bool pow2, bool transpose) {
+                   int64_t tile_cols, at::ScalarType fp8_dtype, bool mx, double eps, bool pow2, bool transpose,
+                   const std::optional<at::Tensor>& x_scale) {
   check_defined(x, kOp, "x");
   TORCH_CHECK(x.dim() == 2 || x.dim() == 3, kOp, ": x must be a 2-D tensor [M, K] or a 3-D tensor [B, M, K], got "
               "shape ", shape_str(x));
-  check_dtype(x, {at::kFloat, at::kBFloat16, at::kHalf}, kOp, "x");
+  const bool fp8_in = x.scalar_type() == at::kFloat8_e4m3fn || x.scalar_type() == at::kFloat8_e5m2;
+  check_dtype(x, {at::kFloat, at::kBFloat16, at::kHalf, at::kFloat8_e4m3fn, at::kFloat8_e5m2}, kOp, "x");
   check_contiguous(x, kOp, "x");
+  const bool has_x_scale = x_scale.has_value() && x_scale->defined();
+  TORCH_CHECK(fp8_in == has_x_scale, kOp, ": x_scale (the rowwise scales of FP8 x) goes with an FP8 x, and an FP8 x "
+              "needs it; got x of dtype ", c10::toString(x.scalar_type()), (has_x_scale ? " with" : " without"),
+              " x_scale");
+  int64_t x_tile_cols = 128;
+  if (fp8_in) {
+    const at::Tensor& xs = *x_scale;
+    TORCH_CHECK(x.dim() == 2, kOp, ": an FP8 x must be 2-D [M, K], got shape ", shape_str(x));
+    check_dtype(xs, {at::kFloat, at::kFloat8_e8m0fnu}, kOp, "x_scale");
+    check_device(xs, x.device(), kOp, "x_scale");
+    check_contiguous(xs, kOp, "x_scale");
+    x_tile_cols = xs.scalar_type() == at::kFloat ? 128 : 32;  // 1 x 128 fp32 scale_inv, or MXFP8's 1 x 32 E8M0
+    check_shape(xs, {x.size(0), (x.size(1) + x_tile_cols - 1) / x_tile_cols}, kOp, "x_scale");
+  }
   TORCH_CHECK(fp8_dtype == at::kFloat8_e4m3fn || fp8_dtype == at::kFloat8_e5m2, kOp,
               ": fp8_dtype must be Float8_e4m3fn or Float8_e5m2, got ", c10::toString(fp8_dtype));
   TORCH_CHECK(tile_rows >= 0 && tile_cols >= 0, kOp, ": tile_rows and tile_cols must be >= 0 (0: all rows of a "
@@ -52,7 +68,15 @@ Quantized describe(const at::Tensor& x, const std::optional<at::Tensor>& m_split
   p.rows = x.size(-2);
   p.cols = x.size(-1);
   p.in_type = x.scalar_type() == at::kFloat ? fp8::InType::kF32
-              : x.scalar_type() == at::kBFloat16 ? fp8::InType::kBF16 : fp8::InType::kF16;
+              : x.scalar_type() == at::kBFloat16 ? fp8::InType::kBF16
+              : x.scalar_type() == at::kHalf ? fp8::InType::kF16
+              : x.scalar_type() == at::kFloat8_e4m3fn ? fp8::InType::kE4M3 : fp8::InType::kE5M2;
+  if (fp8_in) {
+    p.x_scale = x_scale->data_ptr();
+    p.x_scale_e8m0 = x_scale->scalar_type() == at::kFloat8_e8m0fnu;
+    p.x_tile_cols = x_tile_cols;
+    p.x_scale_cols = x_scale->size(1);
+  }
   p.format = fp8_dtype == at::kFloat8_e4m3fn ? fp8::Format::kE4M3 : fp8::Format::kE5M2;
   p.x = x.data_ptr();
   if (m_splits.has_value() && m_splits->defined()) {
@@ -76,7 +100,7 @@ Quantized describe(const at::Tensor& x, const std::optional<at::Tensor>& m_split
   // TE's references: an infinite scale becomes the largest finite value of the input dtype (blockwise tiles) or of
   // fp32 (per-tensor current scaling).
   const bool per_tensor = tile_rows == 0 && tile_cols == 0;
-  p.inf_scale = per_tensor || x.scalar_type() == at::kFloat ? FLT_MAX
+  p.inf_scale = per_tensor || x.scalar_type() == at::kFloat || fp8_in ? FLT_MAX  // FP8 x: its fp32 dequantization
                 : x.scalar_type() == at::kBFloat16 ? 3.38953139e38f : 65504.0f;
   p.transpose = transpose;
   std::vector<int64_t> qshape, sshape;
@@ -100,8 +124,9 @@ Quantized describe(const at::Tensor& x, const std::optional<at::Tensor>& m_split
 
 std::tuple<at::Tensor, at::Tensor> fp8_quantize_cpu(const at::Tensor& x, const std::optional<at::Tensor>& m_splits,
                                                     int64_t tile_rows, int64_t tile_cols, at::ScalarType fp8_dtype,
-                                                    bool mx, double eps, bool pow2, bool transpose) {
-  Quantized o = describe(x, m_splits, tile_rows, tile_cols, fp8_dtype, mx, eps, pow2, transpose);
+                                                    bool mx, double eps, bool pow2, bool transpose,
+                                                    const std::optional<at::Tensor>& x_scale) {
+  Quantized o = describe(x, m_splits, tile_rows, tile_cols, fp8_dtype, mx, eps, pow2, transpose, x_scale);
   const fp8::QuantizeProblem& p = o.p;
   const int64_t tile = (p.tile_rows ? p.tile_rows : p.rows) * fp8::col_tile_width(p);
   at::parallel_for(0, p.batch * p.row_tiles * p.col_tiles, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, tile)),
@@ -342,9 +367,10 @@ void fp8_scaled_grouped_wgrad_out_cuda(const at::Tensor& a_t, const at::Tensor& 
 #ifdef MOE_GRAPH_WITH_CUDA
 std::tuple<at::Tensor, at::Tensor> fp8_quantize_cuda(const at::Tensor& x, const std::optional<at::Tensor>& m_splits,
                                                      int64_t tile_rows, int64_t tile_cols, at::ScalarType fp8_dtype,
-                                                     bool mx, double eps, bool pow2, bool transpose) {
+                                                     bool mx, double eps, bool pow2, bool transpose,
+                                                     const std::optional<at::Tensor>& x_scale) {
   c10::cuda::CUDAGuard guard(x.device());
-  Quantized o = describe(x, m_splits, tile_rows, tile_cols, fp8_dtype, mx, eps, pow2, transpose);
+  Quantized o = describe(x, m_splits, tile_rows, tile_cols, fp8_dtype, mx, eps, pow2, transpose, x_scale);
   C10_CUDA_CHECK(fp8::quantize_cuda(o.p, at::cuda::getCurrentCUDAStream(x.device().index()).stream()));
   return {o.q, o.scale};
 }

@@ -8,12 +8,14 @@
 
 namespace moe_graph {
 
-// x [M, K] or [B, M, K] (fp32/bf16/fp16, contiguous), m_splits [E] int32/int64 (2-D x only) or None ->
-// (q fp8_dtype [.., M, K] or [.., K, M] when transpose, scale fp32 scale_inv or float8_e8m0fnu (mx)
-// [.., row_tiles, col_tiles] or [.., col_tiles, row_tiles]).
+// x [M, K] or [B, M, K] (fp32/bf16/fp16, contiguous; or FP8 [M, K] with x_scale, its rowwise scales
+// [M, ceil(K/128)] fp32 or [M, ceil(K/32)] float8_e8m0fnu: requantized from decode(x) * x_scale), m_splits [E]
+// int32/int64 (2-D x only) or None -> (q fp8_dtype [.., M, K] or [.., K, M] when transpose, scale fp32 scale_inv
+// or float8_e8m0fnu (mx) [.., row_tiles, col_tiles] or [.., col_tiles, row_tiles]).
 std::tuple<at::Tensor, at::Tensor> fp8_quantize_cpu(const at::Tensor& x, const std::optional<at::Tensor>& m_splits,
                                                     int64_t tile_rows, int64_t tile_cols, at::ScalarType fp8_dtype,
-                                                    bool mx, double eps, bool pow2, bool transpose);
+                                                    bool mx, double eps, bool pow2, bool transpose,
+                                                    const std::optional<at::Tensor>& x_scale);
 // Scaled grouped GEMM (semantics in fp8/scaled_gemm.h): a [M, K], b [E, N, K] FP8; a_scale [M, ceil(K/BK)],
 // b_scale [E, ceil(N/BN), ceil(K/BK)] fp32 or float8_e8m0fnu; bias [E, N] fp32 or None -> [M, N] out_dtype.
 at::Tensor fp8_scaled_grouped_gemm_cpu(const at::Tensor& a, const at::Tensor& a_scale, const at::Tensor& b,
@@ -36,7 +38,8 @@ std::vector<int64_t> fp8_scaled_plan_probe(bool wgrad, int64_t arch, int64_t row
 #ifdef MOE_GRAPH_WITH_CUDA
 std::tuple<at::Tensor, at::Tensor> fp8_quantize_cuda(const at::Tensor& x, const std::optional<at::Tensor>& m_splits,
                                                      int64_t tile_rows, int64_t tile_cols, at::ScalarType fp8_dtype,
-                                                     bool mx, double eps, bool pow2, bool transpose);
+                                                     bool mx, double eps, bool pow2, bool transpose,
+                                                     const std::optional<at::Tensor>& x_scale);
 at::Tensor fp8_scaled_grouped_gemm_cuda(const at::Tensor& a, const at::Tensor& a_scale, const at::Tensor& b,
                                         const at::Tensor& b_scale, const at::Tensor& m_splits, int64_t block_k,
                                         int64_t block_n, const std::optional<at::Tensor>& bias,

@@ -25,6 +25,12 @@
 //   fp8::e8m0_from_amax; q = encode_fp8(float(x) * scale) (MX: * e8m0_quant_mult(e)).
 //
 //   sum(m_splits) > M sets kErrSplitsOverflow (groups are clipped at M), a negative count kErrNegativeSplit (0).
+//
+//   FP8 input (requantization): x [M, K] FP8 bytes (E4M3 / E5M2) with their rowwise scales x_scale [M, ceil(K / XC)]
+//   (fp32 scale_inv with XC = 128: Float8BlockScaling's 1 x 128 tiles; E8M0 with XC = 32: MXFP8's 1 x 32) are read
+//   as the fp32 decode(x) * x_scale (e8m0_value for E8M0), the values `dequantize` gives, and quantized as above
+//   (an infinite scale becomes fp32's largest value): one pass from the rowwise copy that crossed the exchange to
+//   the columnwise copy of the wgrad, without the fp32 rows in memory.
 #pragma once
 #include <cstdint>
 
@@ -38,13 +44,16 @@
 namespace moe_graph {
 namespace fp8 {
 
-enum class InType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
+enum class InType : int { kF32 = 0, kBF16 = 1, kF16 = 2, kE4M3 = 3, kE5M2 = 4 };
 
 struct QuantizeProblem {
   int64_t batch = 1, rows = 0, cols = 0;  // B, M, K
   InType in_type = InType::kF32;
   Format format = Format::kE4M3;
   const void* x = nullptr;
+  const void* x_scale = nullptr;  // FP8 input only: [M, x_scale_cols] fp32 or E8M0 (x_scale_e8m0)
+  bool x_scale_e8m0 = false;
+  int64_t x_tile_cols = 128, x_scale_cols = 0;  // XC and ceil(K / XC)
   const void* m_splits = nullptr;  // [E] or nullptr
   bool splits_i64 = false;
   int64_t groups = 0;  // E (0 without m_splits)
@@ -133,6 +142,15 @@ MOE_GRAPH_HD float load_x(const QuantizeProblem& p, int64_t b, int64_t r, int64_
   switch (p.in_type) {
     case InType::kF32: return static_cast<const float*>(p.x)[i];
     case InType::kBF16: return bits_float(static_cast<uint32_t>(static_cast<const uint16_t*>(p.x)[i]) << 16);
+    case InType::kE4M3:
+    case InType::kE5M2: {  // decode(x) * its rowwise scale, in fp32 (dequantize's product)
+      const uint8_t byte = static_cast<const uint8_t*>(p.x)[i];
+      const float v = p.in_type == InType::kE4M3 ? decode_fp8<Format::kE4M3>(byte) : decode_fp8<Format::kE5M2>(byte);
+      const int64_t si = (b * p.rows + r) * p.x_scale_cols + c / p.x_tile_cols;
+      const float s = p.x_scale_e8m0 ? e8m0_value(static_cast<const uint8_t*>(p.x_scale)[si])
+                                     : static_cast<const float*>(p.x_scale)[si];
+      return v * s;
+    }
     default: break;
   }
   // fp16 -> fp32 (exact)

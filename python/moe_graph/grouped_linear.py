@@ -75,9 +75,9 @@ def fp8_forward(x: torch.Tensor, splits: torch.Tensor, recipe, wq, bias: Optiona
     b32 = None if bias is None else bias.detach().float()
     y = _fp8.scaled_grouped_gemm(qx, sx, qw, sw, splits, block_k=bk, block_n=bn, bias=b32, out_dtype=x.dtype)
     xt = None
-    if need_w:
-        src = x if xq is None else _fp8.dequantize(qx, sx, tiles=_fp8.row_tiles(recipe))
-        xt = _fp8.quantize_columns(src, splits, recipe, recipe.fwd_dtype)
+    if need_w:  # FP8 dispatch: requantized from the rowwise copy in one op (no fp32 rows in memory)
+        xt = _fp8.quantize_columns(x if xq is None else qx, splits, recipe, recipe.fwd_dtype,
+                                   x_scale=None if xq is None else sx)
     return y, xt
 
 

@@ -711,9 +711,10 @@ int family_fp8_quantize() {
   int turn = 0;
   for (const Shape& s : shapes) {
     for (const Tiles& t : tiles) {
-      const int pick = turn++ % 3;  // by default one input type per shape and tiling, in turn
-      for (int in = 0; in < 3; ++in) {
+      const int pick = turn++ % 5;  // by default one input type per shape and tiling, in turn
+      for (int in = 0; in < 5; ++in) {  // fp32, bf16, fp16, then FP8 with rowwise scales (1x128 fp32, 1x32 E8M0)
         if (!g_full && in != pick) continue;
+        if (in >= 3 && s.B != 1) continue;  // an FP8 x is 2-D
         const int variant = static_cast<int>(rng.uniform(0, 2));  // 0 plain, 1 a negative split, 2 past M
         std::vector<int64_t> splits(s.E);
         for (int64_t g = 0; g < s.E; ++g) splits[g] = rng.bern(0.2) ? 0 : rng.uniform(0, std::max<int64_t>(1, s.M / s.E));
@@ -725,13 +726,26 @@ int family_fp8_quantize() {
           if (i64) sp.put<int64_t>(g, splits[g]);
           else sp.put<int32_t>(g, static_cast<int32_t>(splits[g]));
         }
-        const size_t es = in == 0 ? 4 : 2;
+        const size_t es = in == 0 ? 4 : in >= 3 ? 1 : 2;
         Buffer x(s.B * s.M * s.K * es);
         for (int64_t i = 0; i < s.B * s.M * s.K; ++i) {
           const float v = static_cast<float>(rng.normal() * (rng.bern(0.01) ? 1e4 : 3.0));
           if (in == 0) x.put<float>(i, v);
           else if (in == 1) x.put<act::bf16_t>(i, act::Narrow<act::bf16_t>::to(v));
-          else x.put<act::f16_t>(i, act::Narrow<act::f16_t>::to(v));
+          else if (in == 2) x.put<act::f16_t>(i, act::Narrow<act::f16_t>::to(v));
+          else {  // any byte but the NaN codes (a NaN's sign bit in the output follows the amax reduction order)
+            const uint8_t b = static_cast<uint8_t>(rng.uniform(0, 255));
+            const uint8_t mag = b & 0x7F;
+            const bool nan = in == 3 ? mag == 0x7F : mag > 0x7C;
+            x.put<uint8_t>(i, nan ? static_cast<uint8_t>(b & 0xF0) : b);
+          }
+        }
+        const int64_t xc = in == 3 ? 128 : 32, x_scale_cols = (s.K + xc - 1) / xc;
+        Buffer xs(s.M * x_scale_cols * (in == 3 ? 4 : 1));
+        for (int64_t i = 0; in >= 3 && i < s.M * x_scale_cols; ++i) {
+          const int e = static_cast<int>(rng.uniform(-12, 12));
+          if (in == 3) xs.put<float>(i, static_cast<float>(std::ldexp(1.0 + rng.normal() * 0.1, e)));
+          else xs.put<uint8_t>(i, static_cast<uint8_t>(127 + e));
         }
         f8::QuantizeProblem p;
         p.batch = s.B;
@@ -740,6 +754,12 @@ int family_fp8_quantize() {
         p.in_type = static_cast<f8::InType>(in);
         p.format = t.mx || rng.bern(0.5) ? f8::Format::kE4M3 : f8::Format::kE5M2;
         p.x = x.data();
+        if (in >= 3) {
+          p.x_scale = xs.data();
+          p.x_scale_e8m0 = in == 4;
+          p.x_tile_cols = xc;
+          p.x_scale_cols = x_scale_cols;
+        }
         p.m_splits = s.E ? sp.data() : nullptr;
         p.splits_i64 = i64;
         p.groups = s.E;

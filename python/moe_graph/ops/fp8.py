@@ -58,10 +58,14 @@ def row_tile_capacity(rows: int, groups: int, tile_rows: int) -> int:
 
 def quantize(x: torch.Tensor, m_splits: Optional[torch.Tensor] = None, *, tiles: str = "1x128",
              fp8_dtype: torch.dtype = torch.float8_e4m3fn, eps: float = 0.0, pow2_scales: bool = False,
-             transpose: Optional[bool] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+             transpose: Optional[bool] = None, x_scale: Optional[torch.Tensor] = None
+             ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``x [M, K]`` (rows grouped by ``m_splits [E]``) or ``x [B, M, K]`` to FP8 -> ``(q, scale)``.
 
     Args:
+        x_scale: ``x`` is itself FP8 ``[M, K]`` with these rowwise scales (``[M, ceil(K / 128)]`` fp32 scale_inv:
+            1x128 tiles; ``[M, ceil(K / 32)]`` E8M0: 1x32): requantized from :func:`dequantize`'s fp32 values in
+            one pass, without them in memory (the columnwise copy of FP8-dispatched rows).
         tiles: a key of :data:`TILES` (``"1x128"``, ``"128x1"``, ``"128x128"``, ``"1x32"``, ``"32x1"``, ``"tensor"``).
         fp8_dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
         eps, pow2_scales: TE's amax epsilon and power-of-two scales (fp32 scales only).
@@ -76,7 +80,8 @@ def quantize(x: torch.Tensor, m_splits: Optional[torch.Tensor] = None, *, tiles:
     if isinstance(m_splits, (list, tuple)):
         m_splits = torch.tensor(m_splits, dtype=torch.int64, device=x.device)
     require()
-    return ops.fp8_quantize(x.contiguous(), m_splits, tr, tc, fp8_dtype, mx, float(eps), bool(pow2_scales), t)
+    return ops.fp8_quantize(x.contiguous(), m_splits, tr, tc, fp8_dtype, mx, float(eps), bool(pow2_scales), t,
+                            None if x_scale is None else x_scale.contiguous())
 
 
 def _expand(scale: torch.Tensor, rows: int, cols: int, tr: int, tc: int, m_splits: Optional[torch.Tensor],
@@ -159,7 +164,7 @@ def _register() -> None:
         return
 
     @torch.library.register_fake(_OP)
-    def _(x, m_splits, tile_rows, tile_cols, fp8_dtype, mx, eps, pow2, transpose):
+    def _(x, m_splits, tile_rows, tile_cols, fp8_dtype, mx, eps, pow2, transpose, x_scale=None):
         rows, cols = x.shape[-2], x.shape[-1]
         groups = 0 if m_splits is None else m_splits.shape[0]
         rt = row_tile_capacity(rows, groups, tile_rows)
@@ -337,11 +342,13 @@ def row_tiles(recipe: Recipe) -> str:
     return _PLANS[recipe.kind][0]
 
 
-def quantize_columns(x: torch.Tensor, m_splits: torch.Tensor, recipe: Recipe, dtype: torch.dtype):
-    """The columnwise (transposed) copy [K, M] of an activation / gradient for the wgrad GEMM -> (q_t, scale_t)."""
+def quantize_columns(x: torch.Tensor, m_splits: torch.Tensor, recipe: Recipe, dtype: torch.dtype,
+                     x_scale: Optional[torch.Tensor] = None):
+    """The columnwise (transposed) copy [K, M] of an activation / gradient for the wgrad GEMM -> (q_t, scale_t).
+    ``x_scale``: ``x`` is the rowwise FP8 copy with these scales (:func:`quantize`'s requantization)."""
     tiles = _PLANS[recipe.kind][3]
     q, s = quantize(x, m_splits, tiles=tiles, fp8_dtype=dtype, eps=recipe.amax_epsilon,
-                    pow2_scales=recipe.power_2_scale, transpose=True)
+                    pow2_scales=recipe.power_2_scale, transpose=True, x_scale=x_scale)
     if recipe.kind == "tensor":
         s = s.expand(x.shape[1], s.shape[1]).contiguous()
     return q, s
