@@ -124,6 +124,36 @@ def test_timeout_names_what_was_waited_for_and_leaves_no_worker(tmp_path):
     assert not [p for p in descendants(os.getpid()) if alive(p) and "spawn_main" in proc_state(p)[3]]
 
 
+def test_launcher_stop_seen_late_by_one_rank_keeps_its_reason(monkeypatch):
+    """The launcher's forwarded SIGTERM (an event every worker polls) set between this rank's look and another
+    rank's: the all-reduce says stop, and this rank's reason is still the launcher's, not "another rank's stop
+    request" (which rank looked first is a race)."""
+    import threading
+
+    event = threading.Event()
+    monkeypatch.setattr(launch, "_LAUNCHER_STOP", event)
+
+    def other_rank_saw_it(flag, op=None, group=None):
+        event.set()  # set after this rank's look; the other rank saw it and sends 1
+        flag.fill_(1)
+
+    monkeypatch.setattr(dist, "all_reduce", other_rank_saw_it)
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    req = launch.StopRequest(grace=60.0, announce=False).install()  # uninstall restores the handlers it changes
+    try:
+        assert req.agreed() and req.reason == "SIGTERM to the launcher"
+    finally:
+        req.uninstall()
+    event.clear()
+    monkeypatch.setattr(dist, "all_reduce", lambda flag, op=None, group=None: flag.fill_(1))
+    req = launch.StopRequest(grace=60.0, announce=False).install()
+    try:
+        assert req.agreed() and req.reason == "another rank's stop request"  # its own SIGTERM, on another rank
+    finally:
+        req.uninstall()
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+
+
 def test_stop_request_rejects_a_bad_grace():
     with pytest.raises(ValueError, match="grace"):
         launch.StopRequest(grace=0)

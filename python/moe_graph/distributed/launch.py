@@ -242,7 +242,9 @@ class StopRequest:
         """True on every rank when any rank has a request (a MAX all-reduce of one CPU integer over ``group``)."""
         flag = torch.tensor([1 if self.requested() else 0], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        if flag[0] and self.reason is None:
+        # a rank that saw the launcher's event set just after this rank looked: the event is set now, so the
+        # reason is the launcher's on every rank, not the order in which they looked
+        if flag[0] and not self.requested():
             self.request("another rank's stop request")
         return bool(flag[0])
 
