@@ -45,15 +45,14 @@ Quantized describe(const at::Tensor& x, const std::optional<at::Tensor>& m_split
   TORCH_CHECK(fp8_in == has_x_scale, kOp, ": x_scale (the rowwise scales of FP8 x) goes with an FP8 x, and an FP8 x "
               "needs it; got x of dtype ", c10::toString(x.scalar_type()), (has_x_scale ? " with" : " without"),
               " x_scale");
-  int64_t x_tile_cols = 128;
   if (fp8_in) {
     const at::Tensor& xs = *x_scale;
     TORCH_CHECK(x.dim() == 2, kOp, ": an FP8 x must be 2-D [M, K], got shape ", shape_str(x));
     check_dtype(xs, {at::kFloat, at::kFloat8_e8m0fnu}, kOp, "x_scale");
     check_device(xs, x.device(), kOp, "x_scale");
     check_contiguous(xs, kOp, "x_scale");
-    x_tile_cols = xs.scalar_type() == at::kFloat ? 128 : 32;  // 1 x 128 fp32 scale_inv, or MXFP8's 1 x 32 E8M0
-    check_shape(xs, {x.size(0), (x.size(1) + x_tile_cols - 1) / x_tile_cols}, kOp, "x_scale");
+    const int64_t tile = xs.scalar_type() == at::kFloat ? 128 : 32;  // 1 x 128 fp32 scale_inv, MXFP8's 1 x 32 E8M0
+    check_shape(xs, {x.size(0), (x.size(1) + tile - 1) / tile}, kOp, "x_scale");
   }
   TORCH_CHECK(fp8_dtype == at::kFloat8_e4m3fn || fp8_dtype == at::kFloat8_e5m2, kOp,
               ": fp8_dtype must be Float8_e4m3fn or Float8_e5m2, got ", c10::toString(fp8_dtype));
@@ -74,7 +73,6 @@ Quantized describe(const at::Tensor& x, const std::optional<at::Tensor>& m_split
   if (fp8_in) {
     p.x_scale = x_scale->data_ptr();
     p.x_scale_e8m0 = x_scale->scalar_type() == at::kFloat8_e8m0fnu;
-    p.x_tile_cols = x_tile_cols;
     p.x_scale_cols = x_scale->size(1);
   }
   p.format = fp8_dtype == at::kFloat8_e4m3fn ? fp8::Format::kE4M3 : fp8::Format::kE5M2;

@@ -53,7 +53,7 @@ struct QuantizeProblem {
   const void* x = nullptr;
   const void* x_scale = nullptr;  // FP8 input only: [M, x_scale_cols] fp32 or E8M0 (x_scale_e8m0)
   bool x_scale_e8m0 = false;
-  int64_t x_tile_cols = 128, x_scale_cols = 0;  // XC and ceil(K / XC)
+  int64_t x_scale_cols = 0;  // ceil(K / XC): XC = 128 with fp32 scales, 32 with E8M0 (x_scale_shift)
   const void* m_splits = nullptr;  // [E] or nullptr
   bool splits_i64 = false;
   int64_t groups = 0;  // E (0 without m_splits)
@@ -137,6 +137,9 @@ MOE_GRAPH_HD int64_t grouped_rows(const QuantizeProblem& p, int32_t* bits) {
   return s;
 }
 
+// log2 of the columns one rowwise scale of an FP8 x covers: 1 x 128 fp32 tiles, MXFP8's 1 x 32 E8M0 tiles.
+MOE_GRAPH_HD int x_scale_shift(const QuantizeProblem& p) { return p.x_scale_e8m0 ? 5 : 7; }
+
 MOE_GRAPH_HD float load_x(const QuantizeProblem& p, int64_t b, int64_t r, int64_t c) {
   const int64_t i = (b * p.rows + r) * p.cols + c;
   switch (p.in_type) {
@@ -146,7 +149,7 @@ MOE_GRAPH_HD float load_x(const QuantizeProblem& p, int64_t b, int64_t r, int64_
     case InType::kE5M2: {  // decode(x) * its rowwise scale, in fp32 (dequantize's product)
       const uint8_t byte = static_cast<const uint8_t*>(p.x)[i];
       const float v = p.in_type == InType::kE4M3 ? decode_fp8<Format::kE4M3>(byte) : decode_fp8<Format::kE5M2>(byte);
-      const int64_t si = (b * p.rows + r) * p.x_scale_cols + c / p.x_tile_cols;
+      const int64_t si = (b * p.rows + r) * p.x_scale_cols + (c >> x_scale_shift(p));
       const float s = p.x_scale_e8m0 ? e8m0_value(static_cast<const uint8_t*>(p.x_scale)[si])
                                      : static_cast<const float*>(p.x_scale)[si];
       return v * s;

@@ -473,14 +473,7 @@ int family_aligned() {
       auto run = [&](bool emulate) {
         const int64_t P = dl::aligned_padded_rows(s.rows, s.G, s.align);
         std::vector<int64_t> pm(s.G, -7), src(P, -7), tgt(s.rows, -7);
-        dl::AlignProblem p;
-        p.num_groups = s.G;
-        p.rows = s.rows;
-        p.align = s.align;
-        p.m_splits = m.data();
-        p.padded_m_splits = pm.data();
-        p.source_of_padded = src.data();
-        p.padded_of_source = tgt.data();
+        const dl::AlignProblem p{s.G, s.rows, s.align, m.data(), pm.data(), src.data(), tgt.data()};
         if (emulate) {
           std::vector<int64_t> ws(std::max<int64_t>(1, dl::aligned_groups_workspace_elems(s.G)), -9);
           dl::aligned_groups_cuda_launch(p, ws.data(), nullptr);
@@ -757,7 +750,6 @@ int family_fp8_quantize() {
         if (in >= 3) {
           p.x_scale = xs.data();
           p.x_scale_e8m0 = in == 4;
-          p.x_tile_cols = xc;
           p.x_scale_cols = x_scale_cols;
         }
         p.m_splits = s.E ? sp.data() : nullptr;

@@ -29,16 +29,17 @@ Families (``config.model_type``; block class -> what the layer reproduces):
   top-k scores not renormalized, ``routed_scaling_factor``, shared experts.
 * ``jamba`` (``JambaSparseMoeBlock``): softmax, the top-k scores as they are (``norm_topk_prob=False``).
 * ``cohere2_moe`` (``Cohere2MoeSparseMoeBlock``): the softmax or sigmoid (``expert_selection_fn``) of the top-k
-  logits (``select_on="logits"``), shared SwiGLU experts combined by ``shared_expert_combination_strategy`` (``"average"``, the default:
-  ``shared_expert_combine="average"``, or ``"sum"``).
+  logits (``select_on="logits"``), shared SwiGLU experts combined by ``shared_expert_combination_strategy``
+  (``"average"``, the default: ``shared_expert_combine="average"``, or ``"sum"``).
 * ``nemotron_h`` (``NemotronHMoE``, the ``mixer`` of its ``moe`` layers): DeepSeek-V3's router, non-gated experts
   with ``mlp_hidden_act`` (``relu2`` -> ``activation="squared_relu"``; ``experts.up_proj [E, F, H]``) and a
   non-gated shared expert.
 * ``jetmoe`` (``JetMoeMoE``): softmax over the top-k logits, SwiGLU experts (``input_linear`` / ``output_linear``),
   the block's ``bias [H]`` added after combining (``output_bias``).
 * ``llama4_text`` (``Llama4TextMoe``): the sigmoid of the top-k logits (``select_on="logits"``) applied to the
-  expert *input* (``probs_on_input``), a shared SwiGLU expert; experts stored transposed (``gate_up_proj [E, H, 2F]``,
-  ``down_proj [E, F, H]``). The block returns ``(out, router_logits)``: the swapped block ``(out, None)``.
+  expert *input* (``probs_on_input``), a shared SwiGLU expert; experts stored transposed
+  (``gate_up_proj [E, H, 2F]``, ``down_proj [E, F, H]``). The block returns ``(out, router_logits)``: the swapped
+  block ``(out, None)``.
 
 * ``deepseek_v4`` (``DeepseekV4SparseMoeBlock``): the gate in the input dtype, ``sqrtsoftplus`` (or sigmoid) scores,
   the chosen ones renormalized and times ``routed_scaling_factor``, experts and one shared expert

@@ -19,7 +19,6 @@ import math
 from typing import List, Optional, Sequence, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moe_graph.grouped_linear import GroupedLinear, fp8_grouped_linear
@@ -30,7 +29,7 @@ from moe_graph.moe.echo import (
     spare_grad_buffers,
     wgrad_accumulate_mask,
 )
-from moe_graph.ops.activation import ACTIVATIONS, GATED_ACTIVATIONS, expert_activation
+from moe_graph.ops.activation import ACTIVATIONS, GATED_ACTIVATIONS, expert_activation, gated_kind
 from moe_graph.ops.dispatch_layout import aligned_groups
 from moe_graph.ops import fp8 as _fp8
 from moe_graph.moe.token_dispatcher import take_rows
@@ -51,7 +50,7 @@ def check_activation(activation: str, swiglu_alpha: float = 1.702, swiglu_limit:
 
 def fc1_out_features(ffn_hidden_size: int, activation: str) -> int:
     """Rows of fc1 per expert: ``2F`` for a gated activation, else ``F``."""
-    return 2 * ffn_hidden_size if activation in GATED_ACTIVATIONS else ffn_hidden_size
+    return 2 * ffn_hidden_size if gated_kind(activation) else ffn_hidden_size
 
 
 class GroupedMLP(nn.Module):

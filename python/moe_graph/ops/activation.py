@@ -34,7 +34,8 @@ import torch
 
 from moe_graph.ops._lib import has_kernel, ops
 
-__all__ = ["ACTIVATIONS", "GATED_ACTIVATIONS", "PLAIN_ACTIVATIONS", "expert_activation", "native_available"]
+__all__ = ["ACTIVATIONS", "GATED_ACTIVATIONS", "PLAIN_ACTIVATIONS", "expert_activation", "gated_kind",
+           "native_available"]
 
 # fc1 holds the gate rows, then the up rows: [2F, H]
 GATED_ACTIVATIONS = ("swiglu", "clamped_swiglu", "limited_swiglu", "post_clamped_swiglu", "softcapped_swiglu",
@@ -53,7 +54,7 @@ def native_available(device_type: str = "cpu") -> bool:
     return has_kernel(_OP, device_type) and has_kernel(_BWD, device_type)
 
 
-def _torch_gated(h: torch.Tensor, row_scale: Optional[torch.Tensor], activation: str, alpha: float,
+def _torch_activation(h: torch.Tensor, row_scale: Optional[torch.Tensor], activation: str, alpha: float,
                  limit: float) -> torch.Tensor:
     """The same function in plain torch ops (autograd through them): the fallback without a native kernel."""
     x = h if h.dtype == torch.float64 else h.float()
@@ -123,7 +124,7 @@ def expert_activation(h: torch.Tensor, activation: str = "swiglu", row_scale: Op
     _check(h, row_scale, activation)
     alpha, limit = float(swiglu_alpha), float(swiglu_limit)
     if not native_available(h.device.type):
-        return _torch_gated(h, row_scale, activation, alpha, limit)
+        return _torch_activation(h, row_scale, activation, alpha, limit)
     lead, w = h.shape[:-1], h.shape[-1]
     h2 = (h.unsqueeze(0) if h.dim() == 1 else h.flatten(0, -2)).contiguous()
     s2 = None if row_scale is None else row_scale.reshape(-1).contiguous()

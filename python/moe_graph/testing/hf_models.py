@@ -280,8 +280,9 @@ _MODELS = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", 
            "dots3_note_text": None,  # its indexed attention and vision / audio towers
            "openai_privacy_filter": None,  # a token classifier (no LM head)
            "muse_spark_text": "MuseSparkTextModel",
-           # its encoder's text stack (the block-diffusion LM's decoder layers hold the same block: the block test)
-           "diffusion_gemma_text": "DiffusionGemmaEncoderTextModel"}  # the text model of a multimodal model (no LM head of its own)
+           # its encoder's text stack, the text model of a multimodal model without an LM head of its own (the
+           # block-diffusion LM's decoder layers hold the same block: the block test)
+           "diffusion_gemma_text": "DiffusionGemmaEncoderTextModel"}
 
 
 def has_tiny_model(family: str) -> bool:
@@ -339,9 +340,12 @@ class DiffusionGemmaMoEBlock(Gemma4MoEBlock):
     folder, prefix = "diffusion_gemma", "DiffusionGemma"
 
 
+_SPLIT_BLOCKS = {"gemma4_text": Gemma4MoEBlock, "diffusion_gemma_text": DiffusionGemmaMoEBlock}
+
+
 def _block_class(family: str):
-    if family in ("gemma4_text", "diffusion_gemma_text"):
-        return Gemma4MoEBlock if family == "gemma4_text" else DiffusionGemmaMoEBlock
+    if family in _SPLIT_BLOCKS:
+        return _SPLIT_BLOCKS[family]
     if family in _REPEATS:
         folder, _, block = _REPEATS[family][0].partition(".")
         return getattr(_models_module(folder), block)

@@ -4,10 +4,9 @@ compare :mod:`moe_graph.moe.token_dispatcher` and :class:`moe_graph.moe.layer.Mo
 from __future__ import annotations
 
 from fractions import Fraction
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import torch
-import torch.nn.functional as F
 
 
 # ---------------------------------------------------------------------------------------------- references --
