@@ -64,8 +64,30 @@ class MoEConfig:
     with ``probs_on_input``), ``probs_on_input``,
     ``output_bias``,
     ``params_dtype``, ``init_std``;
-    ``recompute``: activation recomputation of the whole layer.
+    ``recompute``: activation recomputation of the whole layer. Schedule: ``overlap_shared_expert`` (the shared
+    expert and the router losses on a side stream, beside dispatch, experts and combine: :mod:`moe_graph.streams`).
+
+    :attr:`STAGES` names the options of each stage of the layer (the keywords stay flat); :meth:`stage_options`
+    returns one stage's values.
     """
+
+    STAGES = {
+        "router": ("topk", "score_func", "norm_topk_prob", "num_groups", "group_topk", "group_score_topk",
+                   "topk_scaling_factor", "router_bias", "enable_expert_bias", "expert_bias_update_rate", "select_on",
+                   "norm_topk_min", "norm_topk_eps", "router_dtype", "group_masked_score", "num_scored_shared_experts",
+                   "router_global_scale", "router_logit_multiplier", "logit_softcap", "hash_vocab_size",
+                   "num_zero_experts", "router_input_norm", "router_norm_eps", "router_expert_scale"),
+        "losses": ("aux_loss_coeff", "aux_loss_type", "sequence_dim", "z_loss_coeff"),
+        "balance": ("ep_size", "num_spare_experts_per_ep_rank", "assignment", "echo_donors", "echo_plan_mode"),
+        "dispatch": ("capacity_factor", "token_drop_policy", "overflow", "exchange", "fp8_dispatch"),
+        "experts": ("hidden_size", "ffn_hidden_size", "num_experts", "activation", "swiglu_alpha", "swiglu_limit",
+                    "add_bias_linear", "latent_size", "latent_bias", "expert_input_norm", "expert_input_norm_eps",
+                    "expert_output_norm", "expert_output_norm_eps", "probs_on_input", "params_dtype", "init_std"),
+        "shared_expert": ("shared_expert_ffn_size", "shared_expert_gate", "shared_expert_combine",
+                          "shared_expert_activation", "shared_expert_swiglu_limit", "shared_expert_bias"),
+        "output": ("output_bias", "output_norm", "output_norm_eps"),
+        "schedule": ("recompute", "overlap_shared_expert"),
+    }
 
     hidden_size: int
     ffn_hidden_size: int
@@ -131,8 +153,19 @@ class MoEConfig:
     expert_input_norm_eps: float = 1e-6
     expert_output_norm: Optional[str] = None
     expert_output_norm_eps: float = 1e-6
+    overlap_shared_expert: bool = False
+
+    def stage_options(self, stage: str) -> dict:
+        """The options of ``stage`` (a key of :attr:`STAGES`) with their values."""
+        if stage not in self.STAGES:
+            raise ValueError(f"stage must be one of {tuple(self.STAGES)}, got {stage!r}")
+        return {name: getattr(self, name) for name in self.STAGES[stage]}
 
     def __post_init__(self):
+        if not isinstance(self.overlap_shared_expert, bool):
+            raise TypeError(f"overlap_shared_expert must be a bool, got {self.overlap_shared_expert!r}")
+        if self.overlap_shared_expert and not self.shared_expert_ffn_size:
+            raise ValueError("overlap_shared_expert needs shared_expert_ffn_size (a shared expert to overlap)")
         check_activation(self.activation, self.swiglu_alpha, self.swiglu_limit)
         k = self.num_spare_experts_per_ep_rank
         if k < 0:

@@ -47,6 +47,7 @@ from moe_graph.moe.experts import GroupedMLP, SharedExpert
 from moe_graph.moe.router import MoEAuxLossAutoScaler, RouterLoss, Routing, TopKRouter
 from moe_graph.moe.token_dispatcher import TokenDispatcher, expert_columns
 from moe_graph.ops import fp8 as _fp8
+from moe_graph.streams import SideStream, stage
 
 __all__ = ["MoELayer", "moe_statistics", "read_moe_statistics", "moe_layers", "reset_step_counters", "step_overflow",
            "step_max_load_ratio"]
@@ -317,6 +318,9 @@ class MoELayer(nn.Module):
                                               c.shared_expert_gate, params_dtype=dtype, device=device,
                                               init_std=c.init_std, swiglu_alpha=c.swiglu_alpha,
                                               swiglu_limit=c.shared_swiglu_limit, bias=c.shared_bias)
+        # overlap_shared_expert: the shared expert and the router losses on a side stream beside the exchange (its
+        # CUDA stream and events made here, never during a capture)
+        self.side = SideStream(device, "moe_side") if c.overlap_shared_expert else None
         col_rank, col_local = expert_columns(c.num_experts, ep_size, k)
         self.dispatcher = TokenDispatcher(self.num_local_experts + k, ep_size, self.ep_rank, col_rank, col_local,
                                           capacity=None, group=ep_group, drop_policy=c.token_drop_policy,
@@ -417,56 +421,26 @@ class MoELayer(nn.Module):
             raise ValueError(f"token_ids must have shape {tuple(lead)} (x without its last dimension), got "
                              f"{tuple(token_ids.shape)}")
         Z, E = self.num_zero_experts, self.num_experts
-        routing = self.router(h if router_input is None else router_input.reshape(h.shape), pad,
-                              self.last_tokens_per_expert if self.num_ep_ranks == 1 and not Z else None,
-                              token_ids=token_ids)
+        with stage("router"):
+            routing = self.router(h if router_input is None else router_input.reshape(h.shape), pad,
+                                  self.last_tokens_per_expert if self.num_ep_ranks == 1 and not Z else None,
+                                  token_ids=token_ids)
         routed, identity = routing, None
         if Z:  # zero-computation experts: routes past E are the token times its probability, never dispatched
             zero = routing.indices >= E
             identity = (routing.probs * zero).sum(-1, keepdim=True)  # [T, 1]
             routed = routing._replace(indices=routing.indices.masked_fill(zero, 0), counts=routing.counts[:E])
-        indices, valid, plan, demand = self._balance(routed, reuse, None if identity is None else ~zero)
+        with stage("balance"):
+            indices, valid, plan, demand = self._balance(routed, reuse, None if identity is None else ~zero)
 
-        aux = None
-        if self.training:
-            aux, z = self.router_loss(routing, x.shape, self.last_tokens_per_expert)
-            if aux is not None:
-                self._stat("last_aux_loss", aux.detach())
-            if z is not None:
-                self._stat("last_z_loss", z.detach())
-                aux = z if aux is None else aux + z
-
-        recipe = _fp8.current_recipe() if self.fp8_dispatch else None
-        h_in = h if self.latent_in is None else self.latent_in(h)
-        if self.expert_input_norm is not None:
-            h_in = self.expert_input_norm(h_in)
-        h_in = h_in if recipe is None else h_in.to(self.experts.fc1.weight.dtype)  # quantized as the experts would
-        expert_in, m_splits, handle = self.dispatcher.dispatch(h_in, indices, routing.probs, valid, demand,
-                                                               fp8_recipe=recipe)
-        self._stat("last_m_splits", m_splits)
-
-        if self.probs_on_input:  # Llama 4: each row scaled by its probability before the experts
-            w = self.dispatcher.row_weights(handle)
-            w = w.to(expert_in.dtype if expert_in.dtype == torch.float64 else torch.float32)
-            expert_in = expert_in * w[:, None]
-        if recipe is None:
-            expert_in = expert_in.to(self.experts.fc1.weight.dtype)
-        row_scale = self.dispatcher.row_weights(handle) if self.scale_rows else None
-        if self.echo is None:
-            expert_out = self.experts(expert_in, m_splits, row_scale=row_scale)
-        else:
-            spares = self.echo.iteration_spares(plan, self.experts.expert_params(), reuse)
-            expert_out = self.experts(expert_in, m_splits, self.echo.dispatcher, plan, spares, row_scale=row_scale)
-        if self.expert_output_norm is not None:  # Muse-Spark: each expert output row normed, then weighted
-            expert_out = self.expert_output_norm(expert_out)
-        weighted = not (self.scale_rows or self.probs_on_input)
-        out = self.dispatcher.combine(expert_out, handle, weighted=weighted).to(x.dtype)
-        if self.latent_out is not None:
-            out = self.latent_out(out)
+        (aux, shared), out = self._beside_exchange(
+            lambda: (self._router_losses(routing, x.shape), self._shared(h)),
+            lambda: self._routed(h, x.dtype, routing, indices, valid, plan, demand, reuse),
+            h, *[t for t in routing if isinstance(t, torch.Tensor)])
         if identity is not None:
             out = out + (h.to(identity.dtype) * identity).to(out.dtype)
-        if self.shared_expert is not None:
-            out = out + self.shared_expert(h).to(out.dtype)
+        if shared is not None:
+            out = out + shared.to(out.dtype)
             if self.shared_average:
                 out = out * 0.5
         if self.output_bias is not None:
@@ -476,6 +450,76 @@ class MoELayer(nn.Module):
         if aux is not None:
             out = MoEAuxLossAutoScaler.attach(out, aux)
         return out.reshape(*lead, self.hidden_size)
+
+    def _beside_exchange(self, side_fn, routed_fn, *side_inputs):
+        """Runs ``side_fn`` (work independent of the exchange: router losses, shared expert) and ``routed_fn``
+        (dispatch, experts, combine), issued in this order; with ``overlap_shared_expert`` ``side_fn`` runs on the
+        side stream (reading ``side_inputs``, made on the current stream) while ``routed_fn`` runs on the current
+        stream, which waits for the side work before its results are returned. Both schedules issue the same ops in
+        the same order (the autograd engine accumulates gradients in that order), so they are bitwise equal. The
+        seam for the exchange's async form: dispatch can be begun before the fork and waited for inside
+        ``routed_fn`` without changing the callers. Returns ``(side_fn(), routed_fn())``."""
+        if self.side is None:  # serial: everything in turn on the current stream
+            side = side_fn()
+            return side, routed_fn()
+        with self.side.fork(*side_inputs):
+            side = side_fn()
+        routed = routed_fn()
+        return self.side.join(*side), routed
+
+    def _router_losses(self, routing: Routing, shape):
+        """The router losses of a training forward (statistics written), summed; ``None`` when off or in eval."""
+        if not self.training:
+            return None
+        with stage("router_loss"):
+            aux, z = self.router_loss(routing, shape, self.last_tokens_per_expert)
+            if aux is not None:
+                self._stat("last_aux_loss", aux.detach())
+            if z is not None:
+                self._stat("last_z_loss", z.detach())
+                aux = z if aux is None else aux + z
+        return aux
+
+    def _shared(self, h: torch.Tensor) -> Optional[torch.Tensor]:
+        if self.shared_expert is None:
+            return None
+        with stage("shared_expert"):
+            return self.shared_expert(h)
+
+    def _routed(self, h, out_dtype, routing, indices, valid, plan, demand, reuse) -> torch.Tensor:
+        """Dispatch, the routed experts and combine (with ``latent_in`` / ``latent_out`` around them): ``[T, H]``."""
+        recipe = _fp8.current_recipe() if self.fp8_dispatch else None
+        h_in = h if self.latent_in is None else self.latent_in(h)
+        if self.expert_input_norm is not None:
+            h_in = self.expert_input_norm(h_in)
+        h_in = h_in if recipe is None else h_in.to(self.experts.fc1.weight.dtype)  # quantized as the experts would
+        with stage("dispatch"):
+            expert_in, m_splits, handle = self.dispatcher.dispatch(h_in, indices, routing.probs, valid, demand,
+                                                                   fp8_recipe=recipe)
+        self._stat("last_m_splits", m_splits)
+
+        if self.probs_on_input:  # Llama 4: each row scaled by its probability before the experts
+            w = self.dispatcher.row_weights(handle)
+            w = w.to(expert_in.dtype if expert_in.dtype == torch.float64 else torch.float32)
+            expert_in = expert_in * w[:, None]
+        if recipe is None:
+            expert_in = expert_in.to(self.experts.fc1.weight.dtype)
+        row_scale = self.dispatcher.row_weights(handle) if self.scale_rows else None
+        with stage("experts"):
+            if self.echo is None:
+                expert_out = self.experts(expert_in, m_splits, row_scale=row_scale)
+            else:
+                spares = self.echo.iteration_spares(plan, self.experts.expert_params(), reuse)
+                expert_out = self.experts(expert_in, m_splits, self.echo.dispatcher, plan, spares,
+                                          row_scale=row_scale)
+            if self.expert_output_norm is not None:  # Muse-Spark: each expert output row normed, then weighted
+                expert_out = self.expert_output_norm(expert_out)
+        weighted = not (self.scale_rows or self.probs_on_input)
+        with stage("combine"):
+            out = self.dispatcher.combine(expert_out, handle, weighted=weighted).to(out_dtype)
+        if self.latent_out is not None:
+            out = self.latent_out(out)
+        return out
 
     def _balance(self, routing: Routing, reuse: bool, live: Optional[torch.Tensor] = None):
         """Statistics (the per-expert counts all-gathered over the EP group) and, with echo, the plan and the

@@ -1,0 +1,360 @@
+"""Side streams with fork / join events, and the stream structure as data.
+
+Work that does not need a stage's result (the shared expert beside the token exchange) runs on a *side stream*:
+:class:`SideStream` forks it from the current stream (the side stream waits on an event recorded on the current
+stream), runs the work there, records a join event, and :meth:`SideStream.join` makes the current stream wait on
+that event before the result is used. Streams and events are made once per device and owner (never during a CUDA
+graph capture); the fork event is what makes the side stream part of a capture (multi-stream capture: the side
+stream must wait on an event of the capturing stream before it issues anything).
+
+Autograd runs the backward of an op on the stream its forward ran on and joins streams itself where a gradient
+crosses them (the engine's input buffers wait on the producing stream; the end of ``backward()`` waits on every
+stream a leaf's gradient was made on): the side stream's backward needs no code of ours.
+
+**Recording.** Every stream switch, event record and event wait goes through this module, so the same code path
+can be recorded: inside :class:`StreamRecorder` (a ``TorchDispatchMode``) each aten op is listed with the *logical*
+stream it was issued on (``"main"`` or a side stream's name), the stage it belongs to (:func:`stage`), the storages
+it reads and writes, and every event record / wait in issue order. On CPU there are no streams: the side stream's
+work runs in order on the host and only the record shows the structure. :func:`unjoined_uses` walks a record with
+vector clocks and lists every read of a tensor produced on another stream with no event wait in between (a race
+on a GPU); :func:`happens_before` tells whether one recorded op is ordered before another.
+
+Example::
+
+    side = SideStream(device, "shared_expert")       # once, at construction
+    with side.fork(h):                               # side waits on the current stream, then runs the body
+        y = shared(h)
+    ...                                              # the current stream's work, concurrent with the body
+    side.join(y)                                     # the current stream waits on the body's end
+    out = out + y
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+from dataclasses import dataclass, field
+from typing import Dict, Iterator, List, Optional, Tuple
+
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["SideStream", "StreamRecorder", "RecordedOp", "RecordedEvent", "stage", "current_logical_stream",
+           "unjoined_uses", "happens_before", "MAIN"]
+
+MAIN = "main"
+_state = threading.local()
+_cuda_streams: Dict[Tuple[torch.device, str], "torch.cuda.Stream"] = {}
+
+
+def current_logical_stream() -> str:
+    """The logical stream work is issued on now: ``"main"`` (the caller's stream) or a side stream's name."""
+    return getattr(_state, "stream", MAIN)
+
+
+def _current_stage() -> Optional[str]:
+    return getattr(_state, "stage", None)
+
+
+def stage(name: str):
+    """A context that labels the ops issued inside for an active :class:`StreamRecorder`; without one (and under
+    ``torch.compile``) a no-op context."""
+    if torch.compiler.is_compiling() or _recorder() is None:
+        return contextlib.nullcontext()
+    return _labelled(name)
+
+
+@contextlib.contextmanager
+def _labelled(name: str) -> Iterator[None]:
+    prev = _current_stage()
+    _state.stage = name
+    first = torch._C._autograd._get_sequence_nr()  # the autograd nodes made inside get the stage too
+    try:
+        yield
+    finally:
+        _state.stage = prev
+        rec = _recorder()
+        if rec is not None:
+            rec._stage_nodes.append((first, torch._C._autograd._get_sequence_nr(), name))
+
+
+def _recorder() -> Optional["StreamRecorder"]:
+    return getattr(_state, "recorder", None)
+
+
+def _side_cuda_stream(device: torch.device, name: str) -> "torch.cuda.Stream":
+    key = (device, name)
+    if key not in _cuda_streams:  # one side stream per (device, name), shared by every owner
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"SideStream {name!r}: the side stream must be created before a CUDA graph capture")
+        _cuda_streams[key] = torch.cuda.Stream(device=device)
+    return _cuda_streams[key]
+
+
+class SideStream:
+    """A side stream of ``device`` named ``name`` (one CUDA stream per device and name) with this owner's fork and
+    join events. On a non-CUDA device the body runs in order and only a :class:`StreamRecorder` sees the streams."""
+
+    _ids = itertools.count()
+
+    def __init__(self, device, name: str):
+        device = torch.device(device)
+        if not isinstance(name, str) or not name or name == MAIN:
+            raise ValueError(f"name must be a non-empty string other than {MAIN!r}, got {name!r}")
+        self.device, self.name = device, name
+        self._id = next(SideStream._ids)
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            if device.index is None:
+                device = self.device = torch.device("cuda", torch.cuda.current_device())
+            self.stream = _side_cuda_stream(device, name)
+            self.fork_event, self.join_event = torch.cuda.Event(), torch.cuda.Event()
+        else:
+            self.stream = self.fork_event = self.join_event = None
+
+    def _event_name(self, kind: str) -> str:
+        return f"{self.name}#{self._id}.{kind}"
+
+    def _record(self, kind: str) -> None:
+        rec = _recorder()
+        if rec is not None:
+            rec._event("record", self._event_name(kind))
+        if self.cuda:
+            (self.fork_event if kind == "fork" else self.join_event).record()
+
+    def _wait(self, kind: str) -> None:
+        rec = _recorder()
+        if rec is not None:
+            rec._event("wait", self._event_name(kind))
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_event(self.fork_event if kind == "fork" else self.join_event)
+
+    @contextlib.contextmanager
+    def fork(self, *inputs: torch.Tensor) -> Iterator[None]:
+        """Records the fork event on the current stream, runs the body on the side stream after waiting on it,
+        and records the join event there at the end. ``inputs``: tensors made on the current stream that the body
+        reads (their memory is kept from reuse until the side stream is done with them)."""
+        self._record("fork")
+        self._inputs = inputs
+        prev = current_logical_stream()
+        ctx = torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
+        with ctx:
+            _state.stream = self.name
+            try:
+                self._wait("fork")
+                if self.cuda:
+                    for t in inputs:
+                        if isinstance(t, torch.Tensor) and t.is_cuda:
+                            t.record_stream(self.stream)
+                yield
+                self._record("join")
+            finally:
+                _state.stream = prev
+
+    def join(self, *outputs):
+        """The current stream waits on the join event (the body's end); ``outputs`` (made on the side stream, used
+        on the current one; ``None`` allowed) are kept from reuse until the current stream is done with them.
+        Returns ``outputs`` (under a :class:`StreamRecorder`, the tensors pass through an identity whose backward
+        marks when their gradient is ready)."""
+        self._wait("join")
+        inputs, self._inputs = getattr(self, "_inputs", ()), ()
+        if self.cuda:
+            cur = torch.cuda.current_stream(self.device)
+            for t in outputs:
+                if isinstance(t, torch.Tensor) and t.is_cuda:
+                    t.record_stream(cur)
+        rec = _recorder()
+        if rec is not None:
+            outputs = rec._backward_on(self.name, outputs, inputs)
+        return outputs
+
+
+# ------------------------------------------------------------------------------------------------ recording --
+@dataclass
+class RecordedOp:
+    """One aten op: its index in the record, logical stream, stage label, and the storages it reads / writes."""
+    index: int
+    name: str
+    stream: str
+    stage: Optional[str]
+    reads: Tuple[int, ...]
+    writes: Tuple[int, ...]
+    shapes: Tuple[Tuple[int, ...], ...] = ()
+    out_shapes: Tuple[Tuple[int, ...], ...] = ()
+    dtypes: Tuple[str, ...] = ()
+    phase: str = "forward"  # "backward" (run by the autograd engine), "recompute" (a labelled stage run again there)
+    clock: Dict[str, int] = field(default_factory=dict)  # vector clock after the op (see unjoined_uses)
+
+
+@dataclass
+class RecordedEvent:
+    """An event ``record`` or ``wait`` issued on ``stream`` (``event``: the event's name)."""
+    index: int
+    kind: str
+    event: str
+    stream: str
+
+
+class StreamRecorder(TorchDispatchMode):
+    """Records, in issue order, every aten op (with its logical stream and stage) and every event record / wait
+    of :class:`SideStream` (``self.entries``). Keeps every tensor it saw alive while it is active, so storage
+    addresses are unique within a record. Use as a context manager, around a forward and its backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.entries: List = []
+        self._keep: List[torch.Tensor] = []
+        self._nodes = itertools.count()
+        self._stage_nodes: List[Tuple[int, int, str]] = []  # [first, end) autograd sequence numbers of a stage
+
+    @property
+    def ops(self) -> List[RecordedOp]:
+        return [e for e in self.entries if isinstance(e, RecordedOp)]
+
+    def __enter__(self):
+        if _recorder() is not None:
+            raise RuntimeError("StreamRecorder: a recorder is already active in this thread")
+        _state.recorder = self
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _state.recorder = None
+        return super().__exit__(*exc)
+
+    def _backward_on(self, stream: str, outputs, inputs):
+        """Models autograd's stream rule in the record (torch: the backward of an op runs on the stream its forward
+        ran on; where a gradient crosses streams the engine makes the consumer wait on an event recorded on the
+        producer when the gradient was made; at the end of ``backward()`` the caller's stream waits on the streams
+        of the leaves' gradients). The nodes between ``outputs`` and ``inputs`` are recorded on ``stream``; each
+        output passes through an identity that records the "gradient ready" event on the current stream."""
+        if not torch.is_grad_enabled():
+            return outputs
+        n = next(self._nodes)
+        ready, done = f"autograd#{n}.ready", f"autograd#{n}.done"
+        stop = {t.grad_fn for t in inputs if isinstance(t, torch.Tensor) and t.grad_fn is not None}
+        todo = [t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        roots, side = set(todo), []
+        while todo:
+            node = todo.pop()
+            if node is None or node in side or node in stop:
+                continue
+            side.append(node)
+            todo.extend(f for f, _ in node.next_functions)
+        for node in side:
+            nxt = [f for f, _ in node.next_functions if f is not None]
+
+            def enter(grad_outputs, root=node in roots):
+                _state.stream = stream
+                if root:
+                    self._event("wait", ready)
+
+            def leave(grad_inputs, grad_outputs, to_main=any(f not in side for f in nxt), leaf=not nxt):
+                self._event("record", done)
+                _state.stream = MAIN
+                if to_main:  # the engine accumulates a gradient for a main-stream node after waiting on it
+                    self._event("wait", done)
+                if leaf:  # a leaf's gradient: the caller's stream waits on it at the end of backward()
+                    torch.autograd.Variable._execution_engine.queue_callback(lambda: self._event("wait", done))
+
+            node.register_prehook(enter)
+            node.register_hook(leave)
+        return tuple(_GradReady.apply(t, self, ready) if isinstance(t, torch.Tensor) and t.requires_grad else t
+                     for t in outputs)
+
+    def _event(self, kind: str, event: str) -> None:
+        self.entries.append(RecordedEvent(len(self.entries), kind, event, current_logical_stream()))
+
+    def _key(self, t: torch.Tensor) -> Optional[int]:
+        if t.numel() == 0 or t.device.type == "meta":
+            return None
+        self._keep.append(t)
+        return t.untyped_storage().data_ptr()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        schema = func._schema
+        written = set()
+        for i, a in enumerate(schema.arguments):
+            if a.alias_info is not None and a.alias_info.is_write:
+                v = args[i] if i < len(args) and not a.kwarg_only else kwargs.get(a.name)
+                for t in pytree.tree_leaves(v):
+                    if isinstance(t, torch.Tensor):
+                        written.add(id(t))
+        ins = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        reads = tuple(k for k in (self._key(t) for t in ins) if k is not None)
+        # an output sharing an input's storage is a view (not a write) unless the schema says the op writes it
+        written_keys = {self._key(t) for t in ins if id(t) in written}
+        writes = tuple(k for k in {self._key(t) for t in outs} - (set(reads) - written_keys) | written_keys
+                       if k is not None)
+        node = torch._C._current_autograd_node()
+        label = _current_stage()
+        if label is None and node is not None:  # a backward op: the stage whose forward made its node
+            seq = node._sequence_nr()
+            label = next((name for a, b, name in reversed(self._stage_nodes) if a <= seq < b), None)
+        self.entries.append(RecordedOp(len(self.entries), func.overloadpacket.__name__, current_logical_stream(),
+                                       label, reads, writes, tuple(tuple(t.shape) for t in ins),
+                                       tuple(tuple(t.shape) for t in outs), tuple(str(t.dtype) for t in ins),
+                                       clock={}, phase="forward" if node is None else
+                                       "recompute" if _current_stage() is not None else "backward"))
+        return out
+
+
+class _GradReady(torch.autograd.Function):
+    """Identity; its backward records the event ``name`` on the current logical stream (recording only)."""
+
+    @staticmethod
+    def forward(ctx, t, recorder, name):
+        ctx.recorder, ctx.name = recorder, name
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.recorder._event("record", ctx.name)
+        return grad, None, None
+
+
+def _clocks(entries) -> None:
+    """Fills each op's vector clock: ``clock[s]`` = how many ops of stream ``s`` are ordered before it (inclusive)."""
+    vc: Dict[str, Dict[str, int]] = {}
+    events: Dict[str, Dict[str, int]] = {}
+    for e in entries:
+        mine = vc.setdefault(e.stream, {})
+        if isinstance(e, RecordedOp):
+            mine[e.stream] = mine.get(e.stream, 0) + 1
+            e.clock = dict(mine)
+        elif e.kind == "record":
+            events[e.event] = dict(mine)
+        else:
+            if e.event not in events:
+                raise ValueError(f"entry {e.index}: wait on event {e.event!r} that was never recorded")
+            for s, n in events[e.event].items():
+                mine[s] = max(mine.get(s, 0), n)
+
+
+def happens_before(a: RecordedOp, b: RecordedOp) -> bool:
+    """Whether op ``a`` is ordered before op ``b`` by stream order and event waits (after :func:`unjoined_uses` or
+    any call that filled the clocks)."""
+    return b.clock.get(a.stream, 0) >= a.clock[a.stream] and a.index < b.index
+
+
+def unjoined_uses(entries) -> List[Tuple[RecordedOp, RecordedOp]]:
+    """``(producer, consumer)`` pairs where ``consumer`` reads or overwrites a storage that ``producer`` last wrote
+    on another stream, with no event wait ordering them: each would be a race on a GPU. Empty: every cross-stream
+    use is joined."""
+    _clocks(entries)
+    last_write: Dict[int, RecordedOp] = {}
+    bad = []
+    for e in entries:
+        if not isinstance(e, RecordedOp):
+            continue
+        for k in set(e.reads) | set(e.writes):
+            p = last_write.get(k)
+            if p is not None and p.stream != e.stream and not happens_before(p, e):
+                bad.append((p, e))
+        for k in e.writes:
+            last_write[k] = e
+    return bad

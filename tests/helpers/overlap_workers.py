@@ -1,0 +1,104 @@
+"""The shared expert beside the exchange (``overlap_shared_expert``): one training forward + backward of a layer with
+the option and of the same layer without it (the serial schedule), recorded by :class:`moe_graph.streams.StreamRecorder`,
+and the checks on the record that the tests run on one process and on gloo ranks."""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+
+from moe_graph.moe.layer import MoELayer
+from moe_graph.streams import RecordedOp, StreamRecorder, happens_before, unjoined_uses
+
+EXCHANGE = ("dispatch", "combine")
+SIDE = ("shared_expert", "router_loss")
+
+OPTIONS = dict(num_experts=4, topk=2, shared_expert_ffn_size=8, shared_expert_gate=True, aux_loss_coeff=0.05,
+               z_loss_coeff=0.01, capacity_factor=None)
+
+
+def layer_pair(seed: int = 0, dtype=torch.float64, **overrides):
+    """``(serial, overlapped)``: the same parameters, ``overlap_shared_expert`` off and on."""
+    opts = dict(OPTIONS, params_dtype=dtype, device="cpu", **overrides)
+    torch.manual_seed(seed)
+    serial = MoELayer(16, 12, **opts)
+    overlapped = MoELayer(16, 12, overlap_shared_expert=True, **opts)
+    overlapped.load_state_dict(serial.state_dict())
+    return serial, overlapped
+
+
+def run(layer: MoELayer, x: torch.Tensor, target: torch.Tensor, record: bool = False):
+    """``(output, {name: grad}, recorder or None)`` of one forward + backward of ``(layer(x) - target)^2``."""
+    layer.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_(True)
+    rec = StreamRecorder() if record else None
+    with rec if rec is not None else torch.enable_grad():
+        y = layer(x)
+        (y - target).square().sum().backward()
+    grads = {"x": x.grad}
+    grads.update({n: p.grad for n, p in layer.named_parameters() if p.grad is not None})
+    return y.detach(), grads, rec
+
+
+def ops(rec: StreamRecorder, stages, phase=None) -> List[RecordedOp]:
+    return [o for o in rec.ops if o.stage in stages and (phase is None or o.phase == phase)]
+
+
+def ordered_pairs(rec: StreamRecorder, phase: str, side_stream: Optional[str] = "moe_side") -> int:
+    """How many (side op, exchange op) pairs of ``phase`` are ordered (either before the other): 0 when the shared
+    expert and the router losses run concurrently with the whole exchange. Side ops: the ops of the shared expert
+    and router-loss stages on ``side_stream`` (``None``: on any stream; the engine's accumulation of their input
+    gradients into the main stream's is the join, ordered by design)."""
+    unjoined_uses(rec.entries)  # fills the clocks
+    side = [o for o in ops(rec, SIDE, phase) if side_stream is None or o.stream == side_stream]
+    exch = ops(rec, EXCHANGE, phase)
+    return sum(happens_before(a, b) or happens_before(b, a) for a in side for b in exch)
+
+
+def is_side(o: RecordedOp) -> bool:
+    return o.stage == "shared_expert" and o.stream != "main"
+
+
+def is_exchange(o: RecordedOp) -> bool:
+    return o.stage in EXCHANGE
+
+
+def data_dependent(rec: StreamRecorder, src, dst) -> List:
+    """``(src, dst)`` op index pairs where an op with ``dst(op)`` reads (transitively, through the recorded
+    storages) what an op with ``src(op)`` wrote."""
+    reach: Dict[int, set] = {}  # storage -> indices of the source ops it derives from
+    hits = []
+    for o in rec.ops:
+        srcs = set().union(*(reach.get(k, set()) for k in o.reads)) if o.reads else set()
+        if dst(o) and srcs:
+            hits.append((min(srcs), o.index))
+        if src(o):
+            srcs = srcs | {o.index}
+        for k in o.writes:
+            reach[k] = srcs
+    return hits
+
+
+def compare_worker(rank: int, world: int, seed: int) -> Dict:
+    """On each gloo rank (EP = world): the overlapped layer against the serial one, bitwise, and its record's
+    checks. Returns ``{"mismatch": [names], "unjoined": n, "ordered": {phase: n}, "side_ops": n, "exchange_ops":
+    n, "depends": n}``."""
+    serial, overlapped = layer_pair(seed, ep_size=world, num_experts=2 * world)
+    g = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(3, 5, 16, dtype=torch.float64, generator=g)
+    target = torch.randn(3, 5, 16, dtype=torch.float64, generator=g)
+    y0, g0, _ = run(serial, x, target)
+    y1, g1, rec = run(overlapped, x, target, record=True)
+    mismatch = [n for n in g0 if not torch.equal(g0[n], g1.get(n))] + ([] if torch.equal(y0, y1) else ["y"])
+    mismatch += sorted(set(g1) - set(g0))
+    return {"mismatch": mismatch, "unjoined": len(unjoined_uses(rec.entries)),
+            "ordered": {p: ordered_pairs(rec, p) for p in ("forward", "backward")},
+            "side_ops": len(ops(rec, ("shared_expert",))), "exchange_ops": len(ops(rec, EXCHANGE)),
+            "depends": sum(len(data_dependent(rec, a, b)) for phase in ("forward", "backward")
+                           for a, b in _pairs(phase))}
+
+
+def _pairs(phase: str):
+    side, exch = (lambda o: is_side(o) and o.phase == phase), (lambda o: is_exchange(o) and o.phase == phase)
+    return (side, exch), (exch, side)
