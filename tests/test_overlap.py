@@ -45,6 +45,31 @@ def test_overlapped_equals_serial_bitwise(overrides):
 
 
 @pytest.mark.parametrize("recompute", [False, True])
+def test_fp8_dispatch_overlapped_equals_serial_bitwise(recompute):
+    """Under an FP8 recipe with the tokens dispatched in FP8 (and the shared expert's GEMMs in 16 bits)."""
+    import moe_graph
+
+    opts = dict(num_experts=4, topk=2, shared_expert_ffn_size=64, aux_loss_coeff=0.05, capacity_factor=None,
+                fp8_dispatch=True, recompute=recompute, device="cpu")
+    torch.manual_seed(3)
+    serial = MoELayer(128, 64, **opts)
+    overlapped = MoELayer(128, 64, overlap_shared_expert=True, **opts)
+    overlapped.load_state_dict(serial.state_dict())
+    g = torch.Generator().manual_seed(4)
+    x, target = torch.randn(19, 128, generator=g), torch.randn(19, 128, generator=g)
+    res = []
+    for layer in (serial, overlapped):
+        xx = x.clone().requires_grad_()
+        with moe_graph.fp8.autocast(recipe="blockwise"):
+            y = layer(xx)
+        (y * target).sum().backward()
+        res.append((y.detach(), xx.grad, {n: p.grad for n, p in layer.named_parameters()}))
+    assert torch.equal(res[0][0], res[1][0]) and torch.equal(res[0][1], res[1][1])
+    for n, gr in res[0][2].items():
+        assert gr is not None and torch.equal(gr, res[1][2][n]), n
+
+
+@pytest.mark.parametrize("recompute", [False, True])
 def test_record_shows_the_shared_expert_beside_the_exchange(recompute):
     _, overlapped = layer_pair(recompute=recompute)
     x, target = _inputs()

@@ -41,6 +41,8 @@ def test_matrix_covers_the_issue():
     for flag in ("z_loss", "expert_bias", "shared_expert", "padding", "loss_scaler", "default_groups", "bf16"):
         assert any(getattr(r, flag) for r in rows), flag
     assert any(r.clip > 0 for r in rows)
+    side = {(r.pp, r.capacity is not None, r.echo > 0) for r in rows if r.side_stream and r.shared_expert}
+    assert {(1, False, False), (1, True, False), (2, False, True)} <= side  # overlap_shared_expert: plain, rerun, PP
     assert any(r.pp == 2 and r.vpp is None and r.microbatches == 4 for r in rows)
     assert any(r.pp == 2 and r.vpp == 2 and r.microbatches == 4 for r in rows)
     assert {r.grouped for r in rows} >= {"fused", "delay", "delay_fused"}

@@ -136,6 +136,7 @@ class Row:
     overflow: str = "rerun"  # with capacity: "rerun" (must equal the oracle) or "drop" (the control: must differ)
     exchange: str = "auto"  # "symm_mem": the per-destination capacity rule (host-sized exchange on gloo)
     fp8: Optional[str] = None  # a key of FP8_RECIPES: train_step(fp8_recipe=...); the oracle quantizes per group
+    side_stream: bool = False  # overlap_shared_expert: the shared expert and router losses beside the exchange
 
     @property
     def dp(self) -> int:
@@ -211,12 +212,20 @@ for _fp8 in ("blockwise", "mxfp8", "blockwise_fp32_scales"):  # FP8 experts (tra
         Row(f"fp8_{_fp8}_grouped_delay_wgrad_fused_overlap", world=2, microbatches=2, grouped="delay_fused",
             overlap=True, fp8=_fp8),
     ]
+MATRIX += [  # the shared expert and the router losses on a side stream beside the exchange (overlap_shared_expert)
+    Row("ep2_shared_side_aux_z", world=2, ep=2, microbatches=2, shared_expert=True, aux="local", z_loss=True,
+        side_stream=True),
+    Row("ep2_shared_side_cap1.0_rerun", world=2, ep=2, microbatches=2, shared_expert=True, capacity=1.0,
+        side_stream=True),
+    Row("pp2xep2_1f1b_shared_side_echo1", world=4, pp=2, ep=2, microbatches=4, aux="local", echo=1,
+        shared_expert=True, side_stream=True),
+]
 MATRIX += [Row(f"fp8_{_fp8}_hybrid_ep2_echo1", world=2, ep=2, microbatches=2, echo=1, fp8=f"{_fp8}_hybrid")
            for _fp8 in ("blockwise", "mxfp8")]
 CI_ROWS = ["dp2_mb4_overlap", "dp2_mb2_overlap_without_no_sync", "ep2xdp2_echo2_overlap", "ep2_loss_scaler_aux",
            "ep2_aux_global", "pp2_vpp2_mb4", "grouped_delay_wgrad_fused_overlap", "ep2_cap1.0_rerun", "ep2_cap1.0_drop",
            "ep2xdp2_cap1.1_rerun", "ep2_dest_cap1.0_rerun", "ep2_dest_cap1.0_drop", "ep4_echo1_dest_cap1.0_rerun",
-           "fp8_blockwise_fp32_scales_ep2_echo1", "fp8_mxfp8_ep2_cap1.0_rerun"]
+           "fp8_blockwise_fp32_scales_ep2_echo1", "fp8_mxfp8_ep2_cap1.0_rerun", "ep2_shared_side_aux_z"]
 
 
 # ================================================================================================ the model ==
@@ -331,6 +340,8 @@ def moe_kwargs(row: Row, oracle: bool) -> Dict:
         kw.update(capacity_factor=row.capacity, overflow=row.overflow)
     if row.exchange != "auto":
         kw.update(exchange=row.exchange)
+    if row.side_stream:
+        kw.update(overlap_shared_expert=True)
     return kw
 
 
