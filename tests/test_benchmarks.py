@@ -199,3 +199,18 @@ def test_bench_exchange_smoke(tmp_path):
         assert r["cf_dest_worst"] <= r["cf_pair_worst"] + 1e-9  # a destination's load is the sum of its pairs
     for m in d["memory"]:  # the variable-size exchange sends the routed rows only
         assert m["dest_wire_MiB"] == m["routed_MiB"] <= m["pair_wire_MiB_at_cf"]
+
+
+def test_bench_overlap_smoke(tmp_path):
+    """The exposed-communication estimate over the recorded schedule: the serial schedule hides nothing (its step is
+    compute + exchange), the shared expert beside the exchange hides some, never more than the side work."""
+    out = tmp_path / "overlap.json"
+    text = _run("bench_overlap.py", "--configs", "deepseek_v3", "--tokens", "1024", "--out", str(out))
+    assert "assumptions:" in text and "NVLink" in text
+    d = json.load(open(out))
+    assert d["env"]["commit"] and d["hardware_assumed"]["link_bytes_per_s"] == 450e9
+    rows = {r["schedule"]: r for r in d["rows"]}
+    serial, over = rows["serial"], rows["overlap_shared_expert"]
+    assert serial["step_us"] == pytest.approx(serial["compute_us"] + serial["exchange_us"])
+    assert serial["hidden_pct"] == 0.0 and 0.0 < over["hidden_pct"] < 50.0
+    assert over["compute_us"] == pytest.approx(serial["compute_us"])
