@@ -101,6 +101,22 @@ def test_serial_record_orders_the_shared_expert_after_the_exchange():
     assert ordered_pairs(rec, "backward", None) > 0
 
 
+def test_parameter_gradients_accumulate_on_the_main_stream():
+    """Autograd runs a leaf's gradient accumulation and its post-accumulate hooks (DDP's ``main_grad`` add and
+    bucket reduction launch) on the stream where its accumulator was made; the side stream uses views of the shared
+    expert's parameters made on the main stream, so every hook runs there (without the views: on the side stream,
+    where a reduction launched from the main stream would not wait for the add)."""
+    _, overlapped = layer_pair()
+    seen = {}
+    for n, p in overlapped.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda p, n=n: seen.__setitem__(n, streams.current_logical_stream()))
+    x, target = _inputs()
+    rec = run(overlapped, x, target, record=True)[2]
+    assert seen and set(seen.values()) == {"main"}, seen
+    assert any(n.startswith("shared_expert.") for n in seen)
+    assert unjoined_uses(rec.entries) == []
+
+
 @pytest.mark.parametrize("removed", ["fork", "join"])
 def test_a_removed_wait_is_reported_as_a_race(monkeypatch, removed):
     real = SideStream._wait

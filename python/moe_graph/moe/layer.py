@@ -433,10 +433,11 @@ class MoELayer(nn.Module):
         with stage("balance"):
             indices, valid, plan, demand = self._balance(routed, reuse, None if identity is None else ~zero)
 
+        weights = self._shared_weights()
         (aux, shared), out = self._beside_exchange(
-            lambda: (self._router_losses(routing, x.shape), self._shared(h)),
+            lambda: (self._router_losses(routing, x.shape), self._shared(h, weights)),
             lambda: self._routed(h, x.dtype, routing, indices, valid, plan, demand, reuse),
-            h, *[t for t in routing if isinstance(t, torch.Tensor)])
+            h, *[t for t in routing if isinstance(t, torch.Tensor)], *(weights or {}).values())
         if identity is not None:
             out = out + (h.to(identity.dtype) * identity).to(out.dtype)
         if shared is not None:
@@ -480,11 +481,23 @@ class MoELayer(nn.Module):
                 aux = z if aux is None else aux + z
         return aux
 
-    def _shared(self, h: torch.Tensor) -> Optional[torch.Tensor]:
+    def _shared_weights(self) -> Optional[dict]:
+        """With the side stream in a differentiable forward: a view of each shared-expert parameter, made on the
+        current stream, for the side stream to use. Autograd runs a parameter's gradient accumulation (and the
+        hooks on it: DDP's ``main_grad`` add and its bucket's reduction launch) on the stream where the parameter's
+        accumulator node was made, i.e. where it was first used; through these views that is the current stream,
+        never the side stream (whose adds a reduction launched on the current stream would not wait for)."""
+        if self.side is None or self.shared_expert is None or not torch.is_grad_enabled():
+            return None
+        return {n: p.view_as(p) for n, p in self.shared_expert.named_parameters()}
+
+    def _shared(self, h: torch.Tensor, weights: Optional[dict] = None) -> Optional[torch.Tensor]:
         if self.shared_expert is None:
             return None
         with stage("shared_expert"):
-            return self.shared_expert(h)
+            if weights is None:
+                return self.shared_expert(h)
+            return torch.func.functional_call(self.shared_expert, weights, (h,))
 
     def _routed(self, h, out_dtype, routing, indices, valid, plan, demand, reuse) -> torch.Tensor:
         """Dispatch, the routed experts and combine (with ``latent_in`` / ``latent_out`` around them): ``[T, H]``."""
