@@ -122,7 +122,7 @@ class SideStream:
         if rec is not None:
             rec._event("record", self._event_name(kind))
         if self.cuda:
-            (self.fork_event if kind == "fork" else self.join_event).record()
+            (self.fork_event if kind == "fork" else self.join_event).record(torch.cuda.current_stream(self.device))
 
     def _wait(self, kind: str) -> None:
         rec = _recorder()
