@@ -217,6 +217,8 @@ MATRIX += [  # the shared expert and the router losses on a side stream beside t
         side_stream=True),
     Row("ep2_shared_side_cap1.0_rerun", world=2, ep=2, microbatches=2, shared_expert=True, capacity=1.0,
         side_stream=True),
+    Row("ep2xdp2_shared_side_overlap", world=4, ep=2, microbatches=2, overlap=True, shared_expert=True,
+        side_stream=True),
     Row("pp2xep2_1f1b_shared_side_echo1", world=4, pp=2, ep=2, microbatches=4, aux="local", echo=1,
         shared_expert=True, side_stream=True),
 ]
