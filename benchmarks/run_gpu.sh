@@ -29,7 +29,8 @@ SESSION_S=${SESSION_S:-570} START=$SECONDS
 lim() { local left=$((SESSION_S - (SECONDS - START))); [ "$left" -lt "$1" ] && echo $((left > 5 ? left : 5)) || echo "$1"; }
 # The CUDA tests of every custom kernel family (each launches its kernels on the device and compares with the CPU).
 KERNEL_TESTS="tests/test_activation.py tests/test_permute.py tests/test_dispatch_layout.py tests/test_reroute.py
-  tests/test_planner.py tests/test_grouped_gemm_cuda.py tests/test_fp8_quantize.py tests/test_fp8_gemm_cuda.py"
+  tests/test_planner.py tests/test_grouped_gemm_cuda.py tests/test_fp8_quantize.py tests/test_fp8_gemm_cuda.py
+  tests/test_overlap.py"  # test_overlap: the shared expert's side stream captured in one graph, no syncs
 KERNEL_K="cuda or gpu or graph or sync"
 want() { [[ " $stages " == *" all "* || " $stages " == *" $1 "* ]]; }
 rc=0
