@@ -105,6 +105,7 @@ class SideStream:
             raise ValueError(f"name must be a non-empty string other than {MAIN!r}, got {name!r}")
         self.device, self.name = device, name
         self._id = next(SideStream._ids)
+        self._inputs: Tuple = ()  # the fork's inputs, until the join (the recorder's backward model reads them)
         self.cuda = device.type == "cuda"
         if self.cuda:
             if device.index is None:
@@ -159,7 +160,7 @@ class SideStream:
         Returns ``outputs`` (under a :class:`StreamRecorder`, the tensors pass through an identity whose backward
         marks when their gradient is ready)."""
         self._wait("join")
-        inputs, self._inputs = getattr(self, "_inputs", ()), ()
+        inputs, self._inputs = self._inputs, ()
         if self.cuda:
             cur = torch.cuda.current_stream(self.device)
             for t in outputs:
