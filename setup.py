@@ -252,7 +252,7 @@ def main():
             sys.exit("moe_graph build: MOE_GRAPH_CUDA=1 with MOE_GRAPH_ARCHS=native, but torch sees no GPU "
                      "(name the targets, e.g. MOE_GRAPH_ARCHS='90a;100a')")
         if not raw_archs:
-            want_cuda, note = False, f"no GPU on this machine: CPU extension only ({CI_HOWTO})"
+            want_cuda, note = False, f"torch sees no GPU here: CPU extension only ({CI_HOWTO})"
     use_cuda = can_cuda if want_cuda is None else (want_cuda and can_cuda)
     archs = _archs(raw_archs) if use_cuda else []
     if not os.environ.get("MAX_JOBS"):  # torch's ninja build and the per-arch ninja file read it
