@@ -25,9 +25,9 @@ _PUBLIC = {"GroupedLinear": "moe_graph.grouped_linear", "check_errors": "moe_gra
 __all__ = sorted(_PUBLIC)
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, eagerly
-    from moe_graph import fp8
-    from moe_graph.grouped_linear import GroupedLinear
-    from moe_graph.ops import check_errors, gmm, grouped_gemm, grouped_gemm_wgrad, reroute_tokens
+    from moe_graph import fp8  # noqa: F401
+    from moe_graph.grouped_linear import GroupedLinear  # noqa: F401
+    from moe_graph.ops import check_errors, gmm, grouped_gemm, grouped_gemm_wgrad, reroute_tokens  # noqa: F401
 
 
 def __getattr__(name):
