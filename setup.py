@@ -5,9 +5,18 @@ Environment:
   MOE_GRAPH_ARCHS         GPU targets, ';'-separated (default "90a;100a"). Files named *_sm90.cu are compiled only
                           for the 9x targets and *_sm100.cu only for the 10x targets (per-source -gencode: no
                           dead-stub pass of the other architecture); other .cu files build for all.
+                          "native" (scripts/setup.sh's default when MOE_GRAPH_CUDA is unset): the architectures of
+                          the GPUs torch sees (compute capability 9.0 -> 90a, 10.0 -> 100a, others their sm_XY);
+                          no GPU: a CPU-only build (the summary's "note" line says so and how to build the kernels).
   CUTLASS_DIR             a CUTLASS checkout (its include/ is used) instead of the nvidia-cutlass wheel
-  MAX_JOBS                parallel compile jobs (ninja)
-Never probes a GPU: everything is decided from the environment and the installed toolchain.
+  MAX_JOBS                parallel compile jobs (ninja; default min(cores, available memory GB // 4), at least 1:
+                          nvcc on a CUTLASS file takes ~4 GB)
+Probes the GPUs only for MOE_GRAPH_ARCHS=native; otherwise everything is decided from the environment and the
+installed toolchain.
+
+An unchanged rebuild touches nothing: the library is relinked only when an object or the link command changed, and
+`build_ext --inplace` replaces python/moe_graph/_C*.so (atomically: a process that loaded the old file keeps it)
+only when the built file differs.
 
 The per-architecture CUTLASS files are compiled by a small ninja file of their own (build/arch_objects/), with
 `--resource-usage`; the build log ends with a table of the grouped GEMM kernels' registers, stack, local memory
@@ -15,10 +24,12 @@ The per-architecture CUTLASS files are compiled by a small ninja file of their o
 whenever they and the CUDA headers are found (also in CPU-only builds), so CPU tests can check it.
 """
 
+import filecmp
 import glob
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 
@@ -160,8 +171,40 @@ def _resource_table(ptxas_out):
     return rows
 
 
-def _archs():
-    raw = os.environ.get("MOE_GRAPH_ARCHS", "90a;100a")
+# the CUTLASS kernels use architecture-specific features (wgmma, tcgen05): those parts build for their "a" target
+_ARCH_SPECIFIC = {(9, 0): "90a", (10, 0): "100a"}
+CI_HOWTO = "MOE_GRAPH_CUDA=1 bash scripts/setup.sh builds every CUDA kernel for sm_90a and sm_100a, as CI does"
+
+
+def arch_for_capability(major, minor):
+    """The MOE_GRAPH_ARCHS entry for a GPU of compute capability ``major.minor``: 9.0 -> 90a, 10.0 -> 100a, else XY."""
+    return _ARCH_SPECIFIC.get((major, minor), f"{major}{minor}")
+
+
+def _native_archs():
+    """The architectures of the GPUs torch sees (sorted, once each); empty without a GPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    caps = {torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())}
+    return [arch_for_capability(*c) for c in sorted(caps)]
+
+
+def default_max_jobs(cores, mem_bytes):
+    """Parallel compile jobs: one per core, at most one per 4 GB of memory (nvcc on a CUTLASS file), at least 1."""
+    return max(1, min(cores, mem_bytes // (4 << 30)))
+
+
+def _available_memory():
+    try:
+        with open("/proc/meminfo") as f:
+            return int(re.search(r"^MemAvailable:\s+(\d+) kB", f.read(), re.M).group(1)) * 1024
+    except (OSError, AttributeError):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _archs(raw):
     archs = [a.strip() for a in re.split(r"[;, ]+", raw) if a.strip()]
     for a in archs:
         if not re.fullmatch(r"\d+[af]?", a):
@@ -202,8 +245,18 @@ def main():
             "moe_graph build: MOE_GRAPH_CUDA=1 but CUDA cannot be built "
             f"(nvcc: {nvcc_ok}, CUDA torch: {torch_cuda}, CUTLASS: {cutlass_msg})"
         )
+    raw_archs, note = os.environ.get("MOE_GRAPH_ARCHS") or "90a;100a", None
+    if raw_archs.strip() == "native":
+        raw_archs = ";".join(_native_archs())
+        if not raw_archs and want_cuda:
+            sys.exit("moe_graph build: MOE_GRAPH_CUDA=1 with MOE_GRAPH_ARCHS=native, but torch sees no GPU "
+                     "(name the targets, e.g. MOE_GRAPH_ARCHS='90a;100a')")
+        if not raw_archs:
+            want_cuda, note = False, f"torch sees no GPU here: CPU extension only ({CI_HOWTO})"
     use_cuda = can_cuda if want_cuda is None else (want_cuda and can_cuda)
-    archs = _archs() if use_cuda else []
+    archs = _archs(raw_archs) if use_cuda else []
+    if not os.environ.get("MAX_JOBS"):  # torch's ninja build and the per-arch ninja file read it
+        os.environ["MAX_JOBS"] = str(default_max_jobs(len(os.sched_getaffinity(0)), _available_memory()))
 
     cpp_sources = sorted(glob.glob(os.path.join("csrc", "**", "*.cpp"), recursive=True))
     cu_sources = sorted(glob.glob(os.path.join("csrc", "**", "*.cu"), recursive=True)) if use_cuda else []
@@ -214,7 +267,9 @@ def main():
                     if _arch_of_source(s) and any(_arch_family(a) == _arch_of_source(s) // 10 for a in archs)]
     cu_sources = [s for s in cu_sources if not _arch_of_source(s)]
 
-    cxx = ["-O3", "-DNDEBUG"]
+    # -g0: Python's CFLAGS carry -g; debug info triples the compile time of a torch-heavy file (34 s -> 12 s of CPU
+    # for csrc/common/error_flag.cpp) and was never used
+    cxx = ["-O3", "-DNDEBUG", "-g0"]
     define = []
     include_dirs = [os.path.join(ROOT, "csrc")]
     nvcc = [
@@ -256,6 +311,9 @@ def main():
     print(f"  CUTLASS        {cutlass_msg}")
     print(f"  sources        {len(cpp_sources)} C++, {len(cu_sources)} CUDA, {len(arch_sources)} per-arch CUDA")
     print(f"  host CuTe      {'ON (launch-logic tests)' if cute_dirs else 'OFF (no CUTLASS or CUDA headers)'}")
+    print(f"  MAX_JOBS       {os.environ['MAX_JOBS']}")
+    if note:
+        print(f"  note           {note}")
     print("=" * 72)
 
     Ext = ce.CUDAExtension if use_cuda else ce.CppExtension
@@ -279,7 +337,7 @@ def main():
                 objs, out = _compile_arch_objects(
                     arch_sources, archs, os.path.join(ce.CUDA_HOME, "bin", "nvcc"), flags,
                     os.path.join(os.path.abspath(self.build_temp), "arch_objects"),
-                    int(os.environ.get("MAX_JOBS") or os.cpu_count() or 1))
+                    int(os.environ["MAX_JOBS"]))
                 for e in self.extensions:
                     e.extra_objects = list(e.extra_objects or []) + objs
                     e.depends = list(e.depends or []) + objs  # relink when only a per-arch object changed
@@ -292,7 +350,41 @@ def main():
                 print("=" * 72, flush=True)
             super().build_extensions()
 
+        def build_extension(self, ext):
+            # torch's ninja build forces build_extension (ninja compiles incrementally) and so relinks every time;
+            # link only when an object is newer than the library or the link command changed (a stamp beside it).
+            link = self.compiler.link_shared_object
+
+            def link_if_changed(objects, output, *args, **kwargs):
+                stamp, cmd = output + ".link", repr((sorted(objects), args, sorted(kwargs.items())))
+                if (os.path.exists(output) and os.path.exists(stamp) and open(stamp).read() == cmd
+                        and all(os.path.getmtime(o) <= os.path.getmtime(output) for o in objects)):
+                    print(f"moe_graph build: {os.path.basename(output)} up to date (not relinked)", flush=True)
+                    return
+                link(objects, output, *args, **kwargs)
+                with open(stamp, "w") as f:
+                    f.write(cmd)
+
+            self.compiler.link_shared_object = link_if_changed
+            try:
+                super().build_extension(ext)
+            finally:
+                self.compiler.link_shared_object = link
+
+        def copy_extensions_to_source(self):
+            # --inplace: setuptools rewrites the file in place on every build (a process that loaded it sees it
+            # change under it); replace it by a rename, and only when the built library differs.
+            build_py = self.get_finalized_command("build_py")
+            for e in self.extensions:
+                inplace, built = self._get_inplace_equivalent(build_py, e)
+                if os.path.exists(inplace) and filecmp.cmp(built, inplace, shallow=False):
+                    continue
+                shutil.copy2(built, inplace + ".tmp")
+                os.replace(inplace + ".tmp", inplace)
+                print(f"moe_graph build: installed {inplace}", flush=True)
+
     setup(ext_modules=[ext], cmdclass={"build_ext": BuildExt})
 
 
-main()
+if __name__ == "__main__":  # setuptools' build backend runs this file as __main__ too; tests import its helpers
+    main()

@@ -4,7 +4,9 @@
 # parallelism, echo load balancing, the static dispatcher, the ZeRO-1 optimizer and, on a GPU, one CUDA graph per
 # iteration), and on a GPU the grouped-GEMM benchmark. The demo writes into ./moe_graph_demo at the checkout's root
 # (git-ignored; --out DIR elsewhere), the benchmark into ./moe_graph_results/. Nothing tracked is modified.
-# Extra arguments go to the demo (e.g. --quick, --ep 4, --save ckpt --save-every 50).
+# Extra arguments go to the demo (e.g. --quick, --ep 4, --save ckpt --save-every 50: ./moe_graph_demo/ckpt).
+# The build (scripts/setup.sh) is for this machine: without a GPU the CPU extension only (MOE_GRAPH_CUDA=1 builds the
+# CUDA kernels for sm_90a and sm_100a, as CI does), with GPUs the kernels of their architectures.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # Idempotent set-up of a fresh machine: Python packages, then an incremental build of moe_graph._C in place
-# (python/moe_graph/_C*.so). CUDA kernels are built when nvcc and a CUDA build of torch are present.
+# (python/moe_graph/_C*.so; an unchanged build leaves the file alone). What is built:
+#   MOE_GRAPH_CUDA unset (a first run): the CUDA kernels for the GPUs of this machine only (MOE_GRAPH_ARCHS=native,
+#     when nvcc and a CUDA build of torch are present); no GPU: the CPU extension only, and the summary says so.
+#   MOE_GRAPH_CUDA=1 (CI, .ci/run): every CUDA kernel for MOE_GRAPH_ARCHS (default 90a;100a); fails if it cannot.
+#   MOE_GRAPH_CUDA=0: CPU only. MOE_GRAPH_ARCHS, when set, always wins. MAX_JOBS: setup.py's default (cores, memory).
 # Fails if the build fails or if ptxas serialized a wgmma pipeline (warning C7510).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,8 +25,11 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 mkdir -p build
+if [ -z "${MOE_GRAPH_CUDA:-}" ] && [ -z "${MOE_GRAPH_ARCHS:-}" ]; then
+  export MOE_GRAPH_ARCHS=native  # build for the GPUs this machine has (none: CPU only)
+fi
 echo "[setup] building moe_graph._C (log: build/build.log)"
-if ! MAX_JOBS=${MAX_JOBS:-2} $PY setup.py build_ext --inplace > build/build.log 2>&1; then
+if ! $PY setup.py build_ext --inplace > build/build.log 2>&1; then
   grep -E "error|Error" build/build.log | head -40 || true
   tail -20 build/build.log
   echo "[setup] BUILD FAILED" >&2

@@ -185,6 +185,76 @@ def test_demo_quick_keeps_explicit_flags_and_defaults():
     assert args.out.endswith("moe_graph_demo") and os.path.isabs(args.out)  # default: under the current directory
 
 
+def _imported(argv, cwd):
+    """(exit status, stderr, the modules imported) of ``python -X importtime ARGV``, its stderr minus the timings."""
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = run_cmd([sys.executable, "-X", "importtime", *argv], 120, " ".join(argv), env=env, cwd=str(cwd))
+    lines = proc.stderr.splitlines()
+    modules = {ln.rsplit("|", 1)[1].strip() for ln in lines if ln.startswith("import time:")}
+    return proc.returncode, "\n".join(ln for ln in lines if not ln.startswith("import time:")), modules
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["-m", "moe_graph.demo", "--ep", "0"], "--ep"), (["-m", "moe_graph.demo", "--heads", "3"], "--heads"),
+    (["-m", "moe_graph.demo", "--exchange", "x"], "--exchange"),
+    (["-m", "moe_graph.demo", "--save-every", "2"], "--save-every"),
+    (["-m", "moe_graph.parallel_state", "--world-size", "0"], "--world-size")])
+def test_bad_flag_is_refused_before_torch_is_imported(argv, flag, tmp_path):
+    # not a timing test: the refusal must not wait for torch or the extension (seconds on a busy machine)
+    code, err, modules = _imported(argv, tmp_path)
+    assert code == 2 and flag in err, err
+    heavy = sorted(m for m in modules if m.split(".")[0] == "torch" or m in ("moe_graph._C", "moe_graph.demo.cli"))
+    assert not heavy, f"imported before the flags were checked: {heavy[:5]}"
+    assert not os.listdir(tmp_path)  # nothing written
+
+
+def test_demo_help_needs_no_torch_and_shows_every_default(tmp_path):
+    code, _, modules = _imported(["-m", "moe_graph.demo", "--help"], tmp_path)
+    assert code == 0 and "torch" not in modules
+    from moe_graph.demo.flags import parser
+
+    p = parser()
+    fmt = p._get_formatter()
+    for action in p._actions:
+        if action.option_strings and action.dest != "help":
+            assert action.help, f"{action.option_strings[0]} has no help"
+            if action.default not in (None, False):
+                assert "default" in fmt._get_help_string(action), action.option_strings
+    text = p.format_help()
+    assert "(default: 64)" in text and "(default: 0.003)" in text and "README" not in text
+
+
+def test_the_light_parser_knows_the_exchanges():
+    from moe_graph.demo import flags
+    from moe_graph.moe.exchange import EXCHANGES
+
+    assert flags.EXCHANGES == EXCHANGES
+
+
+def test_relative_save_and_load_are_inside_the_git_ignored_output_folder(tmp_path, monkeypatch):
+    # `--save ckpt` in the checkout must leave `git status` clean: the folder lands in ./moe_graph_demo/ckpt
+    from moe_graph.demo.cli import parser, resolve_args
+
+    monkeypatch.chdir(ROOT)
+    p = parser()
+    args = p.parse_args(["--device", "cpu", "--save", "ckpt"])
+    resolve_args(p, args, None)
+    assert args.save == os.path.join(ROOT, "moe_graph_demo", "ckpt")
+    probe = os.path.join(args.save, "step_00000001", "meta.json")
+    ignored = subprocess.run(["git", "check-ignore", "-q", probe], cwd=ROOT)
+    if ignored.returncode == 128:
+        pytest.skip("not a git checkout")
+    assert ignored.returncode == 0, f"{probe} would show in git status"
+    args = p.parse_args(["--device", "cpu", "--out", str(tmp_path / "o"), "--save", "ck", "--save-every", "1"])
+    resolve_args(p, args, None)
+    assert args.save == str(tmp_path / "o" / "ck")
+    args = p.parse_args(["--device", "cpu", "--save", str(tmp_path / "abs")])  # an absolute folder stays
+    resolve_args(p, args, None)
+    assert args.save == str(tmp_path / "abs")
+    with pytest.raises(SystemExit):  # --load: relative to --out too (there is no tmp_path/o/missing)
+        resolve_args(p, p.parse_args(["--device", "cpu", "--out", str(tmp_path / "o"), "--load", "missing"]), None)
+
+
 def test_torchrun_env_detection():
     from moe_graph.distributed.launch import torchrun_env
 

@@ -433,6 +433,28 @@ def test_unsupported_families_name_the_reason(model_type, reason):
         moe_config_from_hf(cfg)
 
 
+def test_doge_message_matches_transformers_block():
+    """The doge message's semantics read from transformers' own DogeCDMoE: with the experts' output rows zeroed the
+    block returns its dense MLP's output unscaled (added, not averaged), and each expert is one embedding row."""
+    from transformers.models.doge.modeling_doge import DogeCDMoE
+
+    cfg = transformers.AutoConfig.for_model("doge", hidden_size=16, intermediate_size=24, num_experts=16,
+                                            num_experts_per_tok=2, is_moe=True)
+    torch.manual_seed(0)
+    block = DogeCDMoE(cfg).eval()
+    assert block.down_embed.weight.shape == block.up_embed.weight.shape == (16, 16)  # single-unit experts
+    x = torch.randn(1, 3, 16)
+    with torch.no_grad():
+        routed = block(x)[0] - block.down_proj(block.act_fn(block.gate_proj(x)) * block.up_proj(x))
+        block.up_embed.weight.zero_()
+        dense_only = block(x)[0]
+    assert routed.abs().max() > 0 and torch.equal(dense_only, block.down_proj(block.act_fn(block.gate_proj(x)) *
+                                                                                block.up_proj(x)))
+    with pytest.raises(ValueError, match="added to a dense MLP") as e:
+        moe_config_from_hf(cfg)
+    assert "averag" not in str(e.value)
+
+
 def test_readme_example():
     """The example of python/moe_graph/integrations/README.md runs as written and keeps the logits."""
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python", "moe_graph",

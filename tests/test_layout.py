@@ -20,6 +20,7 @@ FLOORS: Dict[str, int] = {
     "parallel_state": 1,
     "cuda_graph": 1,
     "streams": 1,
+    "fp8": 1,  # the public address of ops.fp8
     "grouped_linear": 2,
     "distributed": 3,
     "moe": 3,

@@ -29,7 +29,7 @@ through the pipeline schedule and the optimizer step) runs through :class:`moe_g
 CUDA graph on a GPU with ``pp = 1``, eager otherwise (it says so).
 
 Checkpoints (:mod:`moe_graph.train.checkpoint`): ``--save DIR --save-every N`` and ``--load DIR`` (exact resume with the
-same layout; another data-parallel size reshards the optimizer).
+same layout; another data-parallel size reshards the optimizer); a relative ``DIR`` is inside ``--out``.
 
 Output: a progress line with the loss and tokens/s, the per-rank load (tokens received by each rank's experts)
 before and after echo, the tokens dropped over capacity, eager vs graph step time on a GPU, and in ``--out``

@@ -41,6 +41,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from moe_graph.distributed import STOP_EXIT_CODE
+
 __all__ = ["Layout", "resolve_layout", "torchrun_env", "init_distributed", "run_distributed", "die_with_parent",
            "StopRequest", "STOP_EXIT_CODE", "rendezvous_attempts", "environment", "git_commit"]
 
@@ -134,7 +136,6 @@ def init_distributed(device_type: str, timeout_minutes: float = 30.0) -> Dict[st
 
 
 # --------------------------------------------------------------------------- living under a scheduler --
-STOP_EXIT_CODE = 128 + int(signal.SIGTERM)  # 143, the shell's code for "ended by SIGTERM": stopped on request
 PDEATHSIG_ENV = "MOE_GRAPH_PDEATHSIG"  # testing only: "0" leaves the watchdog alone to end an orphaned worker
 _PR_SET_PDEATHSIG = 1
 

@@ -311,8 +311,9 @@ _UNSUPPORTED: Dict[str, str] = {
               "gradient estimate); MoELayer draws no random numbers and its gradient is the plain one",
     "zaya": "an MLP router (RMSNorm, two GELU layers, a skip class and states carried between layers); MoELayer's "
             "router is one linear gate",
-    "doge": "product-key routing (experts chosen from the product of two key sets) and an averaged shared output; "
-            "MoELayer's router is one linear gate over the experts",
+    "doge": "product-key routing (experts chosen from the product of two key sets) over single-unit experts (a row "
+            "of two embedding tables each), added to a dense MLP; MoELayer's router is one linear gate over the "
+            "experts",
 }
 # transformers' hidden_act of non-gated experts -> MoELayer's activation
 _PLAIN_ACTS = {"relu2": "squared_relu", "relu": "relu", "silu": "silu", "gelu": "gelu"}

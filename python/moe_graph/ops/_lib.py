@@ -19,7 +19,6 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only on installs without a build
     LOAD_ERROR = e
 
-ops = torch.ops.moe_graph
 
 
 def available() -> bool:
@@ -30,8 +29,19 @@ def available() -> bool:
 def require() -> None:
     """Raise a clear ``ImportError`` when ``moe_graph._C`` is not built."""
     if LOAD_ERROR is not None:
-        raise ImportError("moe_graph._C is not built. Install with `pip install --no-build-isolation -e .` "
-                          f"(see README.md); original error: {LOAD_ERROR}")
+        raise ImportError("moe_graph._C is not built: run `bash scripts/setup.sh` in the checkout, or install with "
+                          f"`pip install --no-build-isolation -e .` (see README.md); original error: {LOAD_ERROR}")
+
+
+class _NotBuilt:
+    """``ops`` without a build: naming any op raises :func:`require`'s ImportError (not torch's AttributeError)."""
+
+    def __getattr__(self, name):
+        require()
+
+
+# torch.ops.moe_graph.<op>: the native ops (every caller goes through this name)
+ops = torch.ops.moe_graph if available() else _NotBuilt()
 
 
 @functools.lru_cache(maxsize=None)

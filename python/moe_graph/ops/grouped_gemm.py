@@ -204,11 +204,6 @@ def _grouped_gemm_autograd_backward(ctx, dy):
     return da, w_grads, None, None, db
 
 
-torch.library.register_autograd(
-    "moe_graph::grouped_gemm", _grouped_gemm_autograd_backward, setup_context=_grouped_gemm_setup_context
-)
-
-
 def _wgrad_setup_context(ctx, inputs, output):
     a, dy, m_splits, out_dtype = inputs
     ctx.save_for_backward(a, dy, m_splits)
@@ -221,11 +216,6 @@ def _wgrad_autograd_backward(ctx, g):
     da = ops.grouped_gemm(dy, [g], m_splits, False, None) if ctx.needs_input_grad[0] else None
     ddy = ops.grouped_gemm(a, [g], m_splits, True, None) if ctx.needs_input_grad[1] else None
     return da, ddy, None, None
-
-
-torch.library.register_autograd(
-    "moe_graph::grouped_gemm_wgrad", _wgrad_autograd_backward, setup_context=_wgrad_setup_context
-)
 
 
 def _expert_rows_broadcast(g: torch.Tensor, m_splits: torch.Tensor, rows: int) -> torch.Tensor:
@@ -249,9 +239,16 @@ def _bias_grad_autograd_backward(ctx, g):
     return ddy, None
 
 
-torch.library.register_autograd(
-    "moe_graph::grouped_bias_grad", _bias_grad_autograd_backward, setup_context=_bias_grad_setup_context
-)
+if available():  # autograd on the ops; without a build the entry points raise require()'s ImportError
+    torch.library.register_autograd(
+        "moe_graph::grouped_gemm", _grouped_gemm_autograd_backward, setup_context=_grouped_gemm_setup_context
+    )
+    torch.library.register_autograd(
+        "moe_graph::grouped_gemm_wgrad", _wgrad_autograd_backward, setup_context=_wgrad_setup_context
+    )
+    torch.library.register_autograd(
+        "moe_graph::grouped_bias_grad", _bias_grad_autograd_backward, setup_context=_bias_grad_setup_context
+    )
 
 
 class _GroupedGemmFn(torch.autograd.Function):

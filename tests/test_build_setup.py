@@ -1,0 +1,69 @@
+"""The build's decisions that need no compiler (setup.py's helpers, imported without running the build): which GPU
+targets a first run builds for, and how many compile jobs it starts."""
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def setup_py():
+    spec = importlib.util.spec_from_file_location("moe_graph_setup", os.path.join(ROOT, "setup.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)  # defines the helpers; the build runs only as __main__
+    return mod
+
+
+@pytest.mark.parametrize("cap, arch", [((9, 0), "90a"), ((10, 0), "100a"), ((8, 0), "80"), ((8, 9), "89"),
+                                       ((12, 0), "120")])
+def test_native_arch_of_a_compute_capability(setup_py, cap, arch):
+    assert setup_py.arch_for_capability(*cap) == arch
+    assert setup_py._archs(arch) == [arch]  # a valid MOE_GRAPH_ARCHS entry
+
+
+@pytest.mark.parametrize("cores, gb, jobs", [(2, 23, 2), (64, 64, 16), (8, 3, 1), (1, 100, 1), (16, 128, 16)])
+def test_max_jobs_from_cores_and_memory(setup_py, cores, gb, jobs):
+    assert setup_py.default_max_jobs(cores, gb << 30) == jobs
+
+
+def _summary(**env):
+    full = {k: v for k, v in os.environ.items() if k not in ("MOE_GRAPH_CUDA", "MOE_GRAPH_ARCHS", "MAX_JOBS")}
+    full.update(env)
+    # --name: setup.py decides everything and prints its summary, then setuptools prints the name (nothing is built)
+    p = subprocess.run([sys.executable, "setup.py", "--name"], cwd=ROOT, env=full, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    return p.stdout
+
+
+def test_native_builds_for_the_gpus_present_or_cpu_only():
+    # scripts/setup.sh's first run (MOE_GRAPH_CUDA unset) passes MOE_GRAPH_ARCHS=native
+    import torch
+
+    out = _summary(MOE_GRAPH_ARCHS="native")
+    if torch.cuda.is_available():
+        caps = sorted({torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})
+        want = ";".join({(9, 0): "90a", (10, 0): "100a"}.get(c, f"{c[0]}{c[1]}") for c in caps)
+        assert re.search(rf"archs\s+{re.escape(want)}\n", out), out
+    else:
+        assert re.search(r"CUDA kernels\s+OFF", out) and "torch sees no GPU here: CPU extension only" in out, out
+        assert "MOE_GRAPH_CUDA=1 bash scripts/setup.sh" in out, out
+    assert re.search(r"MAX_JOBS\s+[1-9]", out), out
+
+
+def test_ci_builds_both_architectures():
+    import torch
+    from torch.utils import cpp_extension as ce
+
+    if torch.version.cuda is None or ce.CUDA_HOME is None:
+        pytest.skip("no CUDA toolchain: MOE_GRAPH_CUDA=1 cannot build here")
+    out = _summary(MOE_GRAPH_CUDA="1")
+    assert re.search(r"CUDA kernels\s+ON", out) and re.search(r"archs\s+90a;100a\n", out), out
+    out = _summary(MOE_GRAPH_CUDA="1", MOE_GRAPH_ARCHS="100a")  # an explicit list wins
+    assert re.search(r"archs\s+100a\n", out), out
