@@ -462,7 +462,7 @@ class HostSizedFusedExchange:
         Lc, TK, dev = send_counts.shape[1], rows.shape[0] * topk, rows.device
         counts = self._gathered_counts(send_counts)
         start, fit = _placement(counts, capacity)
-        flag_error_if((fit != counts).any().view(1).to(dev), EXCHANGE_COUNTS)
+        flag_error_if((fit[:, r] != counts[:, r]).any().view(1).to(dev), EXCHANGE_COUNTS)  # this rank's buffer
         mine = counts[r].reshape(-1)  # [(dst, l)] this rank's slots, packed in this order
         n_slots = int(mine.sum())
         if n_slots > route_of_slot.shape[0]:
