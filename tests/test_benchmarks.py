@@ -199,3 +199,18 @@ def test_bench_exchange_smoke(tmp_path):
         assert r["cf_dest_worst"] <= r["cf_pair_worst"] + 1e-9  # a destination's load is the sum of its pairs
     for m in d["memory"]:  # the variable-size exchange sends the routed rows only
         assert m["dest_wire_MiB"] == m["routed_MiB"] <= m["pair_wire_MiB_at_cf"]
+
+
+def test_bench_exchange_cost_smoke(tmp_path):
+    out = tmp_path / "exchange_cost.json"
+    text = _run("bench_exchange_cost.py", "--skip-gloo", "--node-tokens", "64", "--out", str(out))
+    assert "design counts" in text and "per (token, node)" in text
+    d = json.load(open(out))
+    assert d["env"]["commit"]
+    s = {(r["backend"], r["direction"]): r for r in d["design"]["DeepSeek-V3-like"]["summary"]}
+    for direction in ("dispatch", "combine"):  # the fused path: one launch, no staging copy, the fewest HBM bytes
+        assert s[("nvlink", direction)]["launches"] == 1 and s[("nvlink", direction)]["staging_copies"] == 0
+        assert s[("nvlink", direction)]["hbm_per_token"] < min(s[(b, direction)]["hbm_per_token"]
+                                                              for b in ("symm_mem", "nccl"))
+    for c in d["node_aware"].values():  # node-limited routing: fewer rows cross once per (token, node)
+        assert 0 < c["per_node_rows_per_token"] < c["per_route_rows_per_token"] <= 8

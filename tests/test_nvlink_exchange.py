@@ -18,7 +18,7 @@ from helpers.nvlink_workers import dispatcher_exchange_worker, layer_exchange_wo
 from moe_graph.distributed.launch import run_distributed
 from moe_graph.moe import exchange as exchange_mod
 from moe_graph.moe.config import MoEConfig
-from moe_graph.moe.exchange import EXCHANGES, HostSizedFusedExchange, resolve_exchange
+from moe_graph.moe.exchange import EXCHANGES, HostSizedFusedExchange, inter_node_rows, resolve_exchange
 
 _FIELDS = ("ein", "ms", "y", "gx", "gp", "gw")
 _TWO_LEVEL_EXACT = ("ein", "ms", "gp", "gw")
@@ -106,6 +106,7 @@ def test_node_aware_exchange_crosses_each_node_once_per_token():
         assert inter(r[None]["dispatch_rows"], rank) == per_route
         assert inter(r[G]["dispatch_rows"], rank) == per_pair
         assert sum(r[None]["dispatch_rows"]) == len(routes)  # flat: every route's row once
+        assert inter_node_rows(r["idx"] // 2, rank, G, r["valid"]) == {"per_route": per_route, "per_node": per_pair}
         flat_inter += per_route
         two_inter += per_pair
     assert two_inter < flat_inter  # the routing has tokens with several routes to one node

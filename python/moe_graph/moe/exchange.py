@@ -66,6 +66,7 @@ __all__ = [
     "is_fused",
     "resolve_exchange",
     "exchange_bytes",
+    "inter_node_rows",
 ]
 
 # "nccl": fixed-split all-to-all, capacity per (source, destination) pair; "symm_mem": variable-size exchange,
@@ -145,6 +146,25 @@ def exchange_bytes(num_tokens: int, topk: int, num_ep_ranks: int, hidden_size: i
     return {"pair": {"receive": R * pair * row, "wire": R * pair * row},
             "destination": {"receive": destination_capacity(num_tokens, topk, R, capacity_factor) * row,
                             "wire": int(routed * row)}}
+
+
+def inter_node_rows(dest_rank: torch.Tensor, source_rank, ranks_per_node: int,
+                    valid: Optional[torch.Tensor] = None) -> dict:
+    """Rows that cross between nodes in one dispatch (the combine sends as many back): ``dest_rank [..., T, K]``
+    int64, the destination rank of each route (``valid`` masks routes out), sent by ``source_rank`` (an int, or a
+    tensor broadcasting against ``dest_rank[..., 0, 0]`` for a batch of sources); nodes of ``ranks_per_node``
+    consecutive ranks. ``{"per_route": routes to another node (the flat exchange sends each), "per_node": distinct
+    (token, other node) pairs (the node-aware exchange sends each once)}``, summed over the batch (ints)."""
+    G = ranks_per_node
+    live = torch.ones_like(dest_rank, dtype=torch.bool) if valid is None else valid.to(torch.bool)
+    src_node = torch.as_tensor(source_rank).to(torch.int64) // G
+    src_node = src_node.reshape(src_node.shape + (1, 1)) if src_node.dim() else src_node
+    node = dest_rank.to(torch.int64) // G
+    remote = live & (node != src_node)
+    n_nodes = int(node.max()) + 1 if node.numel() else 1
+    hit = torch.zeros(dest_rank.shape[:-1] + (n_nodes,), dtype=torch.int64).scatter_add_(
+        -1, torch.where(remote, node, 0), remote.to(torch.int64)) > 0
+    return {"per_route": int(remote.sum()), "per_node": int(hit.sum())}
 
 
 # ---------------------------------------------------------------------------------------------- backends --
