@@ -84,11 +84,12 @@ def test_dispatcher_nvlink_echo_spare_slots():
     assert _compare(res) == 2 * 3
 
 
-def test_node_aware_exchange_crosses_each_node_once_per_token():
-    """4 ranks as 2 nodes x 2: the two-level dispatch sends one row per (token, other node) across nodes where the
-    flat one sends one per route; the combine sends one partial back per (token, other node). Expert inputs equal
-    row for row; outputs within fp32 summation order."""
-    R, G, K = 4, 2, 4
+@pytest.mark.parametrize("R,G", [(4, 2), (8, 4)])
+def test_node_aware_exchange_crosses_each_node_once_per_token(R, G):
+    """4 ranks as 2 nodes x 2 (8 as 2 x 4): the two-level dispatch sends one row per (token, other node)
+    across nodes where the flat one sends one per route; the combine sends one partial back per (token, other node).
+    Expert inputs equal row for row; outputs within fp32 summation order."""
+    K = 4
     res = run_distributed(node_traffic_worker, R, G, 3, timeout=240.0)
     flat_inter = two_inter = 0
 
