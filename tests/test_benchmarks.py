@@ -214,3 +214,18 @@ def test_bench_overlap_smoke(tmp_path):
     assert serial["step_us"] == pytest.approx(serial["compute_us"] + serial["exchange_us"])
     assert serial["hidden_pct"] == 0.0 and 0.0 < over["hidden_pct"] < 50.0
     assert over["compute_us"] == pytest.approx(serial["compute_us"])
+
+
+def test_bench_exchange_cost_smoke(tmp_path):
+    out = tmp_path / "exchange_cost.json"
+    text = _run("bench_exchange_cost.py", "--skip-gloo", "--node-tokens", "64", "--out", str(out))
+    assert "design counts" in text and "per (token, node)" in text
+    d = json.load(open(out))
+    assert d["env"]["commit"]
+    s = {(r["backend"], r["direction"]): r for r in d["design"]["DeepSeek-V3-like"]["summary"]}
+    for direction in ("dispatch", "combine"):  # the fused path: one launch, no staging copy, the fewest HBM bytes
+        assert s[("nvlink", direction)]["launches"] == 1 and s[("nvlink", direction)]["staging_copies"] == 0
+        assert s[("nvlink", direction)]["hbm_per_token"] < min(s[(b, direction)]["hbm_per_token"]
+                                                              for b in ("symm_mem", "nccl"))
+    for c in d["node_aware"].values():  # node-limited routing: fewer rows cross once per (token, node)
+        assert 0 < c["per_node_rows_per_token"] < c["per_route_rows_per_token"] <= 8

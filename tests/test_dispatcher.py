@@ -393,11 +393,11 @@ def test_torch_compile_fullgraph(gen, policy):
     assert d.check_drops() == 2 * dropped > 0
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_per_destination_exchange_clamps_and_flags_inconsistent_counts(world):
+@pytest.mark.parametrize("world,exchange", [(2, "symm_mem"), (3, "symm_mem"), (3, "nvlink")])
+def test_per_destination_exchange_clamps_and_flags_inconsistent_counts(world, exchange):
     # a corrupted all-gather, negative counts, counts past the routes a rank has and more rows than a receive buffer
     # holds: clamped (nothing written past the 12-row buffer) and flagged on the device, check_errors names it
-    res = run_distributed(bad_exchange_counts_worker, world)
+    res = run_distributed(bad_exchange_counts_worker, world, exchange)
     for rank, r in enumerate(res):
         assert r["consistent"]["flag"] == 0, r
         for case in ("own_row_differs", "negative", "past_routes"):

@@ -35,6 +35,7 @@ def test_fp8_dispatch_one_rank(kind, hidden, recompute):
     ("blockwise", "nccl", 0.6, 0),      # per (source, destination) pair, routes dropped
     ("mxfp8", "symm_mem", 0.8, 0),      # per destination (host-sized on gloo), routes dropped
     ("blockwise", "symm_mem", None, 1),  # dropless, one echo slot per rank
+    ("mxfp8", "nvlink", 0.8, 1),        # the fused exchange's semantics (gloo), routes dropped, echo
 ])
 def test_fp8_dispatch_two_ranks(kind, exchange, cf, spare):
     res = run_distributed(fp8_dispatch_worker, 2, kind, exchange, cf, spare, 128, timeout=240.0)

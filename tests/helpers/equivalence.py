@@ -135,6 +135,7 @@ class Row:
     capacity: Optional[float] = None  # a static capacity factor (the oracle stays dropless)
     overflow: str = "rerun"  # with capacity: "rerun" (must equal the oracle) or "drop" (the control: must differ)
     exchange: str = "auto"  # "symm_mem": the per-destination capacity rule (host-sized exchange on gloo)
+    ranks_per_node: Optional[int] = None  # exchange="nvlink": the node-aware two-level exchange
     fp8: Optional[str] = None  # a key of FP8_RECIPES: train_step(fp8_recipe=...); the oracle quantizes per group
     side_stream: bool = False  # overlap_shared_expert: the shared expert and router losses beside the exchange
 
@@ -203,6 +204,22 @@ MATRIX += [
     Row("ep4_echo2_dest_dropless_aux", world=4, ep=4, microbatches=2, echo=2, aux="global", exchange="symm_mem"),
     Row("ep2xdp2_dest_cap1.0_rerun", world=4, ep=2, microbatches=2, capacity=1.0, exchange="symm_mem"),
 ]
+# the fused exchange's semantics (exchange="nvlink": HostSizedFusedExchange on gloo), flat and node-aware
+MATRIX += [
+    Row("ep2_nvlink_dropless", world=2, ep=2, microbatches=2, exchange="nvlink"),
+    Row("ep2_nvlink_cap1.0_rerun", world=2, ep=2, microbatches=2, capacity=1.0, exchange="nvlink"),
+    Row("ep2_nvlink_cap0.9_drop", world=2, ep=2, microbatches=2, capacity=0.9, overflow="drop", exchange="nvlink"),
+    Row("ep4_echo1_nvlink_cap1.0_rerun", world=4, ep=4, microbatches=2, echo=1, capacity=1.0, exchange="nvlink"),
+    Row("ep4_nvlink_2x2_dropless_aux", world=4, ep=4, microbatches=2, aux="global", exchange="nvlink",
+        ranks_per_node=2),
+    Row("ep4_nvlink_2x2_cap1.0_rerun", world=4, ep=4, microbatches=2, capacity=1.0, exchange="nvlink",
+        ranks_per_node=2),
+    Row("ep4_echo2_nvlink_2x2_cap0.9_rerun", world=4, ep=4, microbatches=2, echo=2, capacity=0.9, exchange="nvlink",
+        ranks_per_node=2),
+    Row("pp2xep2_1f1b_nvlink_cap1.0_rerun", world=4, pp=2, ep=2, microbatches=4, aux="local", capacity=1.0,
+        exchange="nvlink"),
+    Row("bf16_ep2_nvlink", world=2, ep=2, microbatches=2, bf16=True, aux="local", exchange="nvlink"),
+]
 for _fp8 in ("blockwise", "mxfp8", "blockwise_fp32_scales"):  # FP8 experts (train_step's fp8_recipe) against the per-group QDQ oracle
     MATRIX += [
         Row(f"fp8_{_fp8}_ep2", world=2, ep=2, microbatches=2, fp8=_fp8),
@@ -227,7 +244,8 @@ MATRIX += [Row(f"fp8_{_fp8}_hybrid_ep2_echo1", world=2, ep=2, microbatches=2, ec
 CI_ROWS = ["dp2_mb4_overlap", "dp2_mb2_overlap_without_no_sync", "ep2xdp2_echo2_overlap", "ep2_loss_scaler_aux",
            "ep2_aux_global", "pp2_vpp2_mb4", "grouped_delay_wgrad_fused_overlap", "ep2_cap1.0_rerun", "ep2_cap1.0_drop",
            "ep2xdp2_cap1.1_rerun", "ep2_dest_cap1.0_rerun", "ep2_dest_cap1.0_drop", "ep4_echo1_dest_cap1.0_rerun",
-           "fp8_blockwise_fp32_scales_ep2_echo1", "fp8_mxfp8_ep2_cap1.0_rerun", "ep2_shared_side_aux_z"]
+           "fp8_blockwise_fp32_scales_ep2_echo1", "fp8_mxfp8_ep2_cap1.0_rerun", "ep2_shared_side_aux_z",
+           "ep2_nvlink_cap1.0_rerun", "ep4_nvlink_2x2_cap1.0_rerun"]
 
 
 # ================================================================================================ the model ==
@@ -344,6 +362,8 @@ def moe_kwargs(row: Row, oracle: bool) -> Dict:
         kw.update(exchange=row.exchange)
     if row.side_stream:
         kw.update(overlap_shared_expert=True)
+    if row.ranks_per_node is not None:
+        kw.update(ranks_per_node=row.ranks_per_node)
     return kw
 
 

@@ -321,7 +321,7 @@ def global_aux_loss_worker(rank: int, world_size: int):
             "grad_norm": float(gate.grad.norm()), "local_f_differs": bool((local / (30 * K) - f).abs().max() > 1e-3)}
 
 
-def bad_exchange_counts_worker(rank: int, world: int) -> Dict:
+def bad_exchange_counts_worker(rank: int, world: int, exchange: str = "symm_mem") -> Dict:
     """The per-destination exchange given inconsistent counts on gloo: a demand row that disagrees with the rank's
     own count, a negative count, one past the routes a rank has, and (from a corrupted view on rank 0) more rows
     arriving than its buffer holds. Returns what each case flagged and the shapes written."""
@@ -346,7 +346,7 @@ def bad_exchange_counts_worker(rank: int, world: int) -> Dict:
         "overfull": (true_demand * torch.tensor([1] + [0] * (R - 1)).unsqueeze(1)) if rank == 0 else true_demand,
     }
     for name, demand in cases.items():
-        d = TokenDispatcher(E // R, R, rank, cr, cl, capacity=12, backend=AllToAllBackend(), exchange="symm_mem")
+        d = TokenDispatcher(E // R, R, rank, cr, cl, capacity=12, backend=AllToAllBackend(), exchange=exchange)
         xd = x.clone().requires_grad_()
         ein, ms, hd = d.dispatch(xd, idx, probs, demand=demand)
         y = d.combine(ein * 2.0, hd)

@@ -18,7 +18,7 @@ from moe_graph.distributed import STOP_EXIT_CODE
 __all__ = ["parser", "check", "parse", "check_experts", "DEFAULTS", "QUICK"]
 
 # moe_graph.moe.exchange.EXCHANGES (that module imports torch); tests/test_demo.py checks they are the same
-EXCHANGES = ("nccl", "symm_mem", "auto")
+EXCHANGES = ("nccl", "symm_mem", "nvlink", "auto")
 
 
 def _int_at_least(lo: int):
@@ -97,7 +97,10 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--exchange", choices=list(EXCHANGES), default="auto",
                    help="the token exchange at EP > 1: nccl (capacity per (source, destination) pair, fixed-split "
                         "all-to-all), symm_mem (capacity per destination rank, only the routed rows travel; on CPUs "
-                        "with host-known sizes) or auto (symm_mem where torch's NVSHMEM exchange exists, else nccl)")
+                        "with host-known sizes), nvlink (per destination rank through the fused exchange: rows read "
+                        "once, placed at their final rows; on CPUs with host-known sizes) or auto (nvlink where every "
+                        "EP peer is an NVLink/P2P peer with the CUDA kernels, else symm_mem where torch's NVSHMEM "
+                        "exchange exists, else nccl)")
     m.add_argument("--rerun-window", type=_POS, default=100, metavar="N",
                    help="adaptive capacity: steps over which the rerun rate is measured (default 100)")
     m.add_argument("--rerun-threshold", type=_finite_float(0.0, False), default=0.01, metavar="RATE",

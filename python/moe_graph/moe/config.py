@@ -49,7 +49,10 @@ class MoEConfig:
     ``num_spare_experts_per_ep_rank``, ``assignment``, ``echo_donors``, ``echo_plan_mode``. Token dispatch:
     ``capacity_factor``, ``token_drop_policy``, ``overflow`` (``"drop"`` or ``"rerun"``: dropless with the static
     capacity), ``exchange`` (``"nccl"``: capacity per (source, destination) pair; ``"symm_mem"``: per destination
-    rank, variable-size; ``"auto"``: :mod:`moe_graph.moe.exchange`), ``fp8_dispatch`` (under an FP8 recipe, tokens
+    rank, variable-size; ``"nvlink"``: per destination rank through the fused exchange; ``"auto"``:
+    :mod:`moe_graph.moe.exchange`), ``ranks_per_node`` (``exchange="nvlink"``: EP ranks per node, the node-aware
+    two-level exchange; ``None``: one node), ``exchange_num_sms`` (the fused CUDA exchange's CTA bound; ``None``: its
+    default), ``fp8_dispatch`` (under an FP8 recipe, tokens
     travel quantized: ``docs/fp8.md``). Experts (:class:`moe_graph.moe.experts.GroupedMLP`):
     ``activation``, ``swiglu_alpha``, ``swiglu_limit``, ``shared_expert_ffn_size``, ``shared_expert_gate``,
     ``shared_expert_combine``, ``shared_expert_activation``, ``shared_expert_swiglu_limit``, ``shared_expert_bias``
@@ -123,6 +126,8 @@ class MoEConfig:
     token_drop_policy: str = "probs"
     overflow: str = "drop"
     exchange: str = "auto"
+    ranks_per_node: Optional[int] = None
+    exchange_num_sms: Optional[int] = None
     fp8_dispatch: bool = False
     shared_expert_ffn_size: Optional[int] = None
     shared_expert_gate: bool = False
@@ -215,6 +220,14 @@ class MoEConfig:
             raise ValueError(f"overflow must be one of {OVERFLOW_MODES}, got {self.overflow!r}")
         if self.exchange not in EXCHANGES:
             raise ValueError(f"exchange must be one of {EXCHANGES}, got {self.exchange!r}")
+        rpn = self.ranks_per_node
+        if rpn is not None and (isinstance(rpn, bool) or not isinstance(rpn, int) or rpn < 1):
+            raise ValueError(f"ranks_per_node must be None or an int >= 1, got {rpn!r}")
+        if rpn is not None and self.exchange != "nvlink":
+            raise ValueError(f"ranks_per_node (the node-aware exchange) needs exchange='nvlink', got {self.exchange!r}")
+        sms = self.exchange_num_sms
+        if sms is not None and (isinstance(sms, bool) or not isinstance(sms, int) or sms < 1):
+            raise ValueError(f"exchange_num_sms must be None or an int >= 1, got {sms!r}")
         if not isinstance(self.fp8_dispatch, bool):
             raise TypeError(f"fp8_dispatch must be a bool, got {self.fp8_dispatch!r}")
         if self.fp8_dispatch and self.probs_on_input:

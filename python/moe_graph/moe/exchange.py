@@ -36,7 +36,7 @@ Bad counts: a negative demand, one past ``T * K`` and a gathered row of this ran
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -47,6 +47,7 @@ except ImportError:  # pragma: no cover - torch without it
     _symm = None
 
 from moe_graph.ops.errors import EXCHANGE_COUNTS, flag_error_if
+from moe_graph.ops.permute import reduce_rows, route_dot
 
 __all__ = [
     "EXCHANGES",
@@ -57,13 +58,23 @@ __all__ = [
     "HostSizedExchange",
     "SymmMemExchange",
     "symm_mem_available",
+    "nvlink_available",
+    "FusedDispatch",
+    "FusedState",
+    "HostSizedFusedExchange",
+    "CompletedExchange",
+    "is_fused",
     "resolve_exchange",
     "exchange_bytes",
+    "inter_node_rows",
 ]
 
 # "nccl": fixed-split all-to-all, capacity per (source, destination) pair; "symm_mem": variable-size exchange,
 # capacity per destination; "auto": symm_mem where torch's NVSHMEM exchange exists for the group, else nccl
-EXCHANGES = ("nccl", "symm_mem", "auto")
+# "nvlink": the per-destination rule through a *fused* backend (:class:`HostSizedFusedExchange` on CPU process
+# groups, ``moe_graph.ops.nvlink``'s kernels on CUDA): rows read straight from the token rows, placed at their final
+# receive rows, the combine reduces the K routes in the same op
+EXCHANGES = ("nccl", "symm_mem", "nvlink", "auto")
 
 
 def capacity_for(num_tokens: int, topk: int, num_ep_ranks: int, capacity_factor: Optional[float]) -> int:
@@ -135,6 +146,25 @@ def exchange_bytes(num_tokens: int, topk: int, num_ep_ranks: int, hidden_size: i
     return {"pair": {"receive": R * pair * row, "wire": R * pair * row},
             "destination": {"receive": destination_capacity(num_tokens, topk, R, capacity_factor) * row,
                             "wire": int(routed * row)}}
+
+
+def inter_node_rows(dest_rank: torch.Tensor, source_rank, ranks_per_node: int,
+                    valid: Optional[torch.Tensor] = None) -> dict:
+    """Rows that cross between nodes in one dispatch (the combine sends as many back): ``dest_rank [..., T, K]``
+    int64, the destination rank of each route (``valid`` masks routes out), sent by ``source_rank`` (an int, or a
+    tensor broadcasting against ``dest_rank[..., 0, 0]`` for a batch of sources); nodes of ``ranks_per_node``
+    consecutive ranks. ``{"per_route": routes to another node (the flat exchange sends each), "per_node": distinct
+    (token, other node) pairs (the node-aware exchange sends each once)}``, summed over the batch (ints)."""
+    G = ranks_per_node
+    live = torch.ones_like(dest_rank, dtype=torch.bool) if valid is None else valid.to(torch.bool)
+    src_node = torch.as_tensor(source_rank).to(torch.int64) // G
+    src_node = src_node.reshape(src_node.shape + (1, 1)) if src_node.dim() else src_node
+    node = dest_rank.to(torch.int64) // G
+    remote = live & (node != src_node)
+    n_nodes = int(node.max()) + 1 if node.numel() else 1
+    hit = torch.zeros(dest_rank.shape[:-1] + (n_nodes,), dtype=torch.int64).scatter_add_(
+        -1, torch.where(remote, node, 0), remote.to(torch.int64)) > 0
+    return {"per_route": int(remote.sum()), "per_node": int(hit.sum())}
 
 
 # ---------------------------------------------------------------------------------------------- backends --
@@ -284,16 +314,458 @@ class SymmMemExchange:
         return torch.where(pos < p.send_counts.sum(), dst, 0)
 
 
-def resolve_exchange(exchange: str, group=None, device=None):
+# ------------------------------------------------------------------------------------- the fused backend --
+class FusedDispatch(NamedTuple):
+    """What a fused backend's ``dispatch`` returns (see :class:`HostSizedFusedExchange`)."""
+
+    expert_in: torch.Tensor  # [capacity, *X] the rows at their final receive rows, zeros after sum(m_splits)
+    m_splits: torch.Tensor  # [Lc] int64 rows per local expert
+    row_weights: Optional[torch.Tensor]  # [capacity] the weight carried beside each row (0 on padding), or None
+    route_row: torch.Tensor  # [T*K] int64 dest * capacity + row of each route, -1 if not sent
+
+
+class CompletedExchange:
+    """The async form's handle where the work is already done when ``*_async`` returns (CPU process groups):
+    ``wait()`` returns the result."""
+
+    def __init__(self, result):
+        self._result = result
+
+    def wait(self):
+        return self._result
+
+
+class FusedState:
+    """One dispatch's state for a fused backend: the layout (``route_of_slot``, ``send_counts``), the shape
+    (``topk``, ``capacity``) and what the forward dispatch returned (``route_row``, ``m_splits``, ``row_weights``),
+    shared by the forward rows, the row weights, the combine and the backward passes."""
+
+    def __init__(self, route_of_slot: torch.Tensor, send_counts: torch.Tensor, topk: int, capacity: int):
+        self.route_of_slot, self.send_counts, self.topk, self.capacity = route_of_slot, send_counts, topk, capacity
+        self.route_row: Optional[torch.Tensor] = None
+        self.m_splits: Optional[torch.Tensor] = None
+        self.row_weights: Optional[torch.Tensor] = None
+
+    def take(self, out: FusedDispatch) -> torch.Tensor:
+        self.route_row, self.m_splits, self.row_weights = out.route_row, out.m_splits, out.row_weights
+        return out.expert_in
+
+
+def is_fused(backend) -> bool:
+    """Whether a per-destination backend has the fused interface (``dispatch`` / ``combine`` / ``gather_routes``)
+    instead of the plan / ``to_experts`` / ``to_sources`` one."""
+    return all(callable(getattr(backend, m, None)) for m in ("dispatch", "combine", "gather_routes"))
+
+
+def reduce_routes(routes: torch.Tensor, route_row: torch.Tensor, topk: int,
+                  weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``routes [T*K, *X]`` (each route's expert row) -> ``[T, *X]``: ``sum_{k ascending} w[t, k] * routes[t*K+k]``
+    over the routes with ``route_row >= 0``, accumulated in fp32 (fp64 for fp64) from +0, in ``routes``' dtype; ``w =
+    1`` without ``weights [T*K]``. The native ``reduce_rows``: the same arithmetic as the per-pair path's combine."""
+    TK = route_row.shape[0]
+    X = tuple(routes.shape[1:])
+    idx = torch.arange(TK, device=route_row.device)
+    rr = torch.where(route_row >= 0, idx, TK).view(TK // topk, topk)
+    w = None if weights is None else weights.reshape(TK // topk, topk)
+    y = reduce_rows(routes.reshape(TK, math.prod(X)), rr, idx, w)
+    return y.view((TK // topk,) + X)
+
+
+def _placement(counts: torch.Tensor, capacity: int):
+    """``counts [R src, R dst, Lc]`` -> ``(start, fit)`` of the same shape: the first receive row at ``dst`` of the
+    ``(src, local expert)`` chunk (rows grouped by local expert, then source, then the sender's order) and how many of
+    its rows lie below ``capacity`` (the rest are never written)."""
+    R, _, Lc = counts.shape
+    flat = counts.permute(1, 2, 0).reshape(R, Lc * R)  # [dst, (l, src)]
+    start = (flat.cumsum(1) - flat).view(R, Lc, R).permute(2, 0, 1)
+    return start, (capacity - start).clamp(min=0).minimum(counts)
+
+
+def _ranges(starts, sizes) -> torch.Tensor:
+    """``cat(arange(a, a + n))`` over host lists (int64)."""
+    parts = [torch.arange(a, a + n) for a, n in zip(starts, sizes) if n]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+
+
+class HostSizedFusedExchange:
+    """The fused ("nvlink") exchange's semantics with split sizes read on the host, over any process group (gloo on
+    CPUs): the interface the CUDA backend (``moe_graph.ops.nvlink``) implements with one kernel per direction.
+
+    * ``dispatch(rows [T, *X], route_of_slot [N], send_counts [R, Lc], topk, capacity, weights=None)`` ->
+      :class:`FusedDispatch`: the counts are all-gathered (``[R, R, Lc]``: every rank places every row the same
+      way), each kept route's token row is gathered once straight from ``rows`` (no ``expand_rows`` send copy) and
+      sent with ``all_to_all_single`` to its destination, which writes it at its final receive row; rows at or past
+      ``capacity`` are not sent (``EXCHANGE_COUNTS``). ``weights [T*K]`` (any float dtype, kept) travel beside the
+      rows. Any row dtype moves bit for bit (FP8 dispatch's uint8 rows). ``expert_in`` is a fresh tensor.
+    * ``gather_routes(expert_out [capacity, *X], route_row) -> [T*K, *X]``: each route's row pulled from its
+      destination (a request exchange of row indices, then the rows), zeros for ``-1``.
+    * ``combine(expert_out, route_row, topk, weights=None) -> [T, *X]``: ``gather_routes`` then
+      :func:`reduce_routes` (fp32 accumulation, ``k`` ascending).
+
+    ``ranks_per_node`` (``G``, dividing ``R``; default ``R``: one node): the node-aware two-level exchange. Dispatch
+    sends each token row once per (token, destination node) to the rank of that node with this rank's local index
+    (the inter-node stage), with the ``K`` routes' receive rows beside it; that rank fans it out to the destination
+    ranks of its node (the intra-node stage). Combine pulls the routes inside the node to that rank, reduces them
+    there (fp32, ``k`` ascending) and sends one fp32 partial row per (token, node) back, summed over nodes in node
+    order: equal to the flat combine up to the fp32 summation order. Expert inputs, ``m_splits`` and ``route_row``
+    are identical to the flat exchange's. On gloo both stages are ``all_to_all_single`` over the whole group with
+    zero splits between ranks that do not talk. ``gather_routes`` stays flat (one row per route).
+
+    Each call syncs (host sizes): for CPUs and eager runs. The async forms return a :class:`CompletedExchange`.
+    """
+
+    def __init__(self, group=None, ranks_per_node: Optional[int] = None):
+        self.group = group
+        self.num_ranks = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        G = self.num_ranks if ranks_per_node is None else ranks_per_node
+        if isinstance(G, bool) or not isinstance(G, int) or G < 1 or self.num_ranks % G:
+            raise ValueError(f"ranks_per_node must be an int >= 1 dividing the EP group's size {self.num_ranks}, "
+                             f"got {ranks_per_node!r}")
+        self.ranks_per_node = G
+        # payload rows this rank sent to each rank (cumulative, per direction; the own rank included): what the
+        # benchmark's byte counts are checked against (host counters: CPU runs only)
+        self.sent_rows = {op: [0] * self.num_ranks for op in ("dispatch", "combine")}
+
+    def _count(self, op: str, splits) -> None:
+        for d, n in enumerate(splits):
+            self.sent_rows[op][d] += int(n)
+
+    # ----------------------------------------------------------------------------------------- plumbing --
+    def _a2a(self, send: torch.Tensor, send_splits, recv_splits) -> torch.Tensor:
+        recv = send.new_empty((sum(recv_splits),) + tuple(send.shape[1:]))
+        dist.all_to_all_single(recv, send.contiguous(), recv_splits, send_splits, group=self.group)
+        return recv
+
+    def _splits_back(self, send_splits):
+        """Rows each rank sends this rank when this rank sends ``send_splits`` (host list per rank)."""
+        t = torch.tensor(send_splits, dtype=torch.int64)
+        back = torch.empty_like(t)
+        dist.all_to_all_single(back, t, group=self.group)
+        return back.tolist()
+
+    def _gathered_counts(self, send_counts: torch.Tensor) -> torch.Tensor:
+        """``[R, R, Lc]`` int64 on the host: every rank's ``send_counts``; negative entries read as 0 and this rank's
+        row is its own (each a flagged inconsistency)."""
+        own = send_counts.to(torch.int64)
+        parts = [torch.empty_like(own) for _ in range(self.num_ranks)]
+        dist.all_gather(parts, own.contiguous(), group=self.group)
+        g = torch.stack(parts)
+        flag_error_if(((g < 0).flatten().any() | (g[self.rank] != own).any()).view(1), EXCHANGE_COUNTS)
+        g = g.clamp(min=0)
+        g[self.rank] = own.clamp(min=0)
+        return g.cpu()
+
+    @staticmethod
+    def _check(rows, route_of_slot, send_counts, topk, capacity, weights, R):
+        if not isinstance(rows, torch.Tensor) or rows.dim() < 1:
+            raise ValueError(f"dispatch: rows must be a tensor [T, ...], got {getattr(rows, 'shape', rows)!r}")
+        if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
+            raise ValueError(f"dispatch: topk must be an int >= 1, got {topk!r}")
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"dispatch: capacity must be an int >= 1, got {capacity!r}")
+        TK = rows.shape[0] * topk
+        if route_of_slot.dim() != 1 or route_of_slot.dtype != torch.int64:
+            raise ValueError(f"dispatch: route_of_slot must be a 1-D int64 tensor, got {tuple(route_of_slot.shape)} "
+                             f"{route_of_slot.dtype}")
+        if send_counts.dim() != 2 or send_counts.shape[0] != R or send_counts.dtype != torch.int64:
+            raise ValueError(f"dispatch: send_counts must be an int64 [R={R}, Lc] tensor, got "
+                             f"{tuple(send_counts.shape)} {send_counts.dtype}")
+        if weights is not None and (weights.dim() != 1 or weights.shape[0] != TK):
+            raise ValueError(f"dispatch: weights must be [T*K={TK}] or None, got {tuple(weights.shape)}")
+
+    # ----------------------------------------------------------------------------------------- dispatch --
+    def dispatch(self, rows: torch.Tensor, route_of_slot: torch.Tensor, send_counts: torch.Tensor, topk: int,
+                 capacity: int, weights: Optional[torch.Tensor] = None) -> FusedDispatch:
+        R, r = self.num_ranks, self.rank
+        self._check(rows, route_of_slot, send_counts, topk, capacity, weights, R)
+        Lc, TK, dev = send_counts.shape[1], rows.shape[0] * topk, rows.device
+        counts = self._gathered_counts(send_counts)
+        start, fit = _placement(counts, capacity)
+        flag_error_if((fit[:, r] != counts[:, r]).any().view(1).to(dev), EXCHANGE_COUNTS)  # this rank's buffer
+        mine = counts[r].reshape(-1)  # [(dst, l)] this rank's slots, packed in this order
+        n_slots = int(mine.sum())
+        if n_slots > route_of_slot.shape[0]:
+            raise ValueError(f"dispatch: send_counts hold {n_slots} rows but route_of_slot has "
+                             f"{route_of_slot.shape[0]} slots")
+        chunk = torch.repeat_interleave(torch.arange(R * Lc), mine)
+        pos = torch.arange(n_slots) - (mine.cumsum(0) - mine)[chunk]
+        keep = pos < fit[r].reshape(-1)[chunk]
+        dest_row = ((chunk // Lc) * capacity + start[r].reshape(-1)[chunk] + pos)[keep].to(dev)
+        routes = route_of_slot[:n_slots][keep.to(dev)]  # by destination, local expert, slot order
+        route_row = torch.full((TK,), -1, dtype=torch.int64, device=dev).index_copy_(0, routes, dest_row)
+        # the rows each source sends this rank, in its slot order -> their final rows here
+        recv_rows = _ranges(start[:, r].reshape(-1).tolist(), fit[:, r].reshape(-1).tolist()).to(dev)
+        m_splits = fit[:, r].sum(0).to(dev)
+        if self.ranks_per_node == R:
+            send_splits, recv_splits = fit[r].sum(1).tolist(), fit[:, r].sum(1).tolist()
+            payload = [rows.index_select(0, torch.div(routes, topk, rounding_mode="floor"))]  # one read per route
+            if weights is not None:
+                payload.append(weights.index_select(0, routes))
+            moved = [self._a2a(p, send_splits, recv_splits) for p in payload]
+            self._count("dispatch", send_splits)
+            placed = [p.new_zeros((capacity,) + tuple(p.shape[1:])).index_copy_(0, recv_rows, m) for p, m in
+                      zip(payload, moved)]
+        else:
+            placed = self._dispatch_two_level(rows, route_row, topk, capacity, weights)
+        return FusedDispatch(placed[0], m_splits, placed[1] if weights is not None else None, route_row)
+
+    def gather_routes(self, expert_out: torch.Tensor, route_row: torch.Tensor) -> torch.Tensor:
+        R, TK, dev = self.num_ranks, route_row.shape[0], route_row.device
+        cap = expert_out.shape[0]
+        if route_row.dim() != 1 or route_row.dtype != torch.int64:
+            raise ValueError(f"gather_routes: route_row must be a 1-D int64 tensor, got {tuple(route_row.shape)} "
+                             f"{route_row.dtype}")
+        bad = route_row >= R * cap
+        flag_error_if(bad.any().view(1), EXCHANGE_COUNTS)
+        dest = torch.where((route_row >= 0) & ~bad, torch.div(route_row, cap, rounding_mode="floor"), R)
+        order = torch.argsort(dest, stable=True)
+        ask = torch.bincount(dest, minlength=R + 1)[:R]
+        order = order[:int(ask.sum())]
+        send_splits = ask.tolist()
+        recv_splits = self._splits_back(send_splits)
+        req = self._a2a(route_row.index_select(0, order) % cap, send_splits, recv_splits)
+        back = self._a2a(expert_out.index_select(0, req), recv_splits, send_splits)  # each route's row read once
+        self._count("combine", recv_splits)
+        return expert_out.new_zeros((TK,) + tuple(expert_out.shape[1:])).index_copy_(0, order, back)
+
+    def combine(self, expert_out: torch.Tensor, route_row: torch.Tensor, topk: int,
+                weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if weights is not None and weights.shape != route_row.shape:
+            raise ValueError(f"combine: weights must be [T*K={route_row.shape[0]}] or None, got "
+                             f"{tuple(weights.shape)}")
+        if self.ranks_per_node == self.num_ranks:
+            return reduce_routes(self.gather_routes(expert_out, route_row), route_row, topk, weights)
+        return self._combine_two_level(expert_out, route_row, topk, weights)
+
+    def dispatch_async(self, *args, **kwargs) -> CompletedExchange:
+        return CompletedExchange(self.dispatch(*args, **kwargs))
+
+    def combine_async(self, *args, **kwargs) -> CompletedExchange:
+        return CompletedExchange(self.combine(*args, **kwargs))
+
+    # ---------------------------------------------------------------------------------------- two-level --
+    def _pairs(self, route_row: torch.Tensor, topk: int, capacity: int):
+        """This rank's (token, destination node) pairs, node-major then token order: ``(pair_token [P], pair_node
+        [P], meta [P, K] (route_row of the token's routes to that node, -1 elsewhere), meta_route [P, K] (those
+        routes' indices, -1 elsewhere), per_node [nodes] host list)``."""
+        G, TK = self.ranks_per_node, route_row.shape[0]
+        T, dev = TK // topk, route_row.device
+        nodes = self.num_ranks // G
+        route = torch.arange(TK, device=dev)
+        live = route_row >= 0
+        node = torch.where(live, torch.div(route_row, capacity * G, rounding_mode="floor"), 0)
+        key = torch.where(live, node * T + torch.div(route, topk, rounding_mode="floor"), -1)
+        keys = torch.unique(key[live])  # sorted: node-major, then token
+        P = keys.shape[0]
+        slot = torch.where(live, torch.searchsorted(keys, key) * topk + route % topk, P * topk)  # P*K: dump
+        meta = torch.full((P * topk + 1,), -1, dtype=torch.int64, device=dev).index_copy_(0, slot, route_row)
+        meta_route = torch.full((P * topk + 1,), -1, dtype=torch.int64, device=dev).index_copy_(
+            0, slot, torch.where(live, route, -1))
+        pair_node = torch.div(keys, max(T, 1), rounding_mode="floor")
+        per_node = torch.bincount(pair_node, minlength=nodes).tolist()
+        return (keys - pair_node * T, pair_node, meta[:-1].view(P, topk), meta_route[:-1].view(P, topk), per_node)
+
+    def _forwarder_splits(self, per_node):
+        """Inter-node splits: the pairs for node ``n`` go to rank ``n * G + (this rank's local index)``."""
+        G, splits = self.ranks_per_node, [0] * self.num_ranks
+        for n, c in enumerate(per_node):
+            splits[n * G + self.rank % G] = c
+        return splits
+
+    def _fan_out(self, meta: torch.Tensor, capacity: int):
+        """At a forwarding rank: the received pairs' routes ``(index [M] into meta.view(-1), row at the destination
+        [M], splits per destination rank)``, by destination then pair order."""
+        flat = meta.reshape(-1)
+        live = flat >= 0
+        dest = torch.where(live, torch.div(flat, capacity, rounding_mode="floor"), self.num_ranks)
+        order = torch.argsort(dest, stable=True)[:int(live.sum())]
+        splits = torch.bincount(dest[order], minlength=self.num_ranks).tolist()
+        return order, flat.index_select(0, order) % capacity, splits
+
+    @staticmethod
+    def _meta_weights(weights: torch.Tensor, meta_route: torch.Tensor) -> torch.Tensor:
+        w = weights.index_select(0, meta_route.reshape(-1).clamp(min=0)).view(meta_route.shape)
+        return torch.where(meta_route >= 0, w, 0)
+
+    def _dispatch_two_level(self, rows, route_row, topk, capacity, weights):
+        pair_token, _, meta, meta_route, per_node = self._pairs(route_row, topk, capacity)
+        s1 = self._forwarder_splits(per_node)
+        r1 = self._splits_back(s1)
+        x1 = self._a2a(rows.index_select(0, pair_token), s1, r1)  # inter-node: one row per (token, node)
+        self._count("dispatch", s1)
+        m1 = self._a2a(meta, s1, r1)
+        order, row_at, s2 = self._fan_out(m1, capacity)
+        r2 = self._splits_back(s2)
+        payload = [x1.index_select(0, torch.div(order, topk, rounding_mode="floor"))]  # intra-node fan-out
+        if weights is not None:
+            w1 = self._a2a(self._meta_weights(weights, meta_route), s1, r1)
+            payload.append(w1.reshape(-1).index_select(0, order))
+        at = self._a2a(row_at, s2, r2)
+        self._count("dispatch", s2)
+        return [p.new_zeros((capacity,) + tuple(p.shape[1:])).index_copy_(0, at, self._a2a(p, s2, r2))
+                for p in payload]
+
+    def _combine_two_level(self, expert_out, route_row, topk, weights):
+        cap, X, dev = expert_out.shape[0], tuple(expert_out.shape[1:]), expert_out.device
+        T = route_row.shape[0] // topk
+        pair_token, pair_node, meta, meta_route, per_node = self._pairs(route_row, topk, cap)
+        s1 = self._forwarder_splits(per_node)
+        r1 = self._splits_back(s1)
+        m1 = self._a2a(meta, s1, r1)  # the routes of each pair (the CUDA design keeps them from the dispatch)
+        order, row_at, s2 = self._fan_out(m1, cap)
+        r2 = self._splits_back(s2)
+        req = self._a2a(row_at, s2, r2)
+        got = self._a2a(expert_out.index_select(0, req), r2, s2)  # intra-node: each route's row to the forwarder
+        self._count("combine", r2)
+        acc = torch.float64 if expert_out.dtype == torch.float64 else torch.float32
+        routes = got.new_zeros((m1.numel(),) + X, dtype=acc).index_copy_(0, order, got.to(acc))
+        w1 = None if weights is None else self._a2a(self._meta_weights(weights, meta_route), s1, r1).reshape(-1)
+        partial = reduce_routes(routes, m1.reshape(-1), topk, w1)  # [Q, X] fp32: the node's routes, k ascending
+        back = self._a2a(partial, r1, s1)  # inter-node: one partial row per (token, node)
+        self._count("combine", r1)
+        P, nodes = back.shape[0], self.num_ranks // self.ranks_per_node
+        rr = torch.full((T, nodes), P, dtype=torch.int64, device=dev)
+        rr[pair_token, pair_node] = torch.arange(P, device=dev)
+        y = reduce_rows(back.reshape(P, math.prod(X)), rr, torch.arange(P, device=dev))  # node ascending, from +0
+        return y.to(expert_out.dtype).view((T,) + X)
+
+
+def nvlink_available(group=None, device: Optional[torch.device] = None) -> bool:
+    """True when ``exchange="auto"`` should take the fused CUDA exchange: a CUDA device, ``moe_graph.ops.nvlink``
+    exposes a backend, and every rank of ``group`` is a local peer this device reaches over NVLink / P2P
+    (``torch.cuda.can_device_access_peer``; a group spanning hosts, whose local world size is below the group's,
+    answers False). Never raises."""
+    if device is None or torch.device(device).type != "cuda" or not torch.cuda.is_available():
+        return False
+    try:
+        if _nvlink_backend_class() is None:
+            return False
+        n = dist.get_world_size(group)
+        import os
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", n))
+        if local < n or n > torch.cuda.device_count():
+            return False
+        me = torch.device(device).index if torch.device(device).index is not None else torch.cuda.current_device()
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(n))
+        local_rank = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
+        peers = [r - dist.get_rank() + local_rank for r in ranks]  # a one-host group: devices by local rank
+        return all(p == me or torch.cuda.can_device_access_peer(me, p) for p in peers if 0 <= p)
+    except Exception:  # noqa: BLE001 - a probe: any failure means "not available"
+        return False
+
+
+def _nvlink_backend_class():
+    """The CUDA fused backend class of ``moe_graph.ops.nvlink`` (``NvlinkExchange``), or None when the module or the
+    class is missing."""
+    try:
+        from moe_graph.ops import nvlink  # noqa: PLC0415 - optional, N1's CUDA module
+    except ImportError:
+        return None
+    return getattr(nvlink, "NvlinkExchange", None)
+
+
+# ------------------------------------------------------------------------------ autograd over a fused one --
+class FusedDispatchFn(torch.autograd.Function):
+    """Token rows -> expert input through a fused backend (``state`` takes ``route_row``, ``m_splits`` and the
+    carried weights); backward: ``combine(grad, route_row, topk)`` (the plain sum of each token's routes)."""
+
+    @staticmethod
+    def forward(ctx, fx, state: FusedState, rows, weights):
+        ctx.fx, ctx.state = fx, state
+        return state.take(fx.dispatch(rows.contiguous(), state.route_of_slot, state.send_counts, state.topk,
+                                      state.capacity, weights))
+
+    @staticmethod
+    def backward(ctx, g):
+        s = ctx.state
+        return None, None, ctx.fx.combine(g.contiguous(), s.route_row, s.topk, None), None
+
+
+class FusedCombineFn(torch.autograd.Function):
+    """Expert outputs -> ``[T, *X]`` (weighted or plain sum of each token's routes) through a fused backend;
+    backward: the output gradient dispatched like the tokens and scaled at the destination by the carried weights
+    (the expert outputs' gradient), and ``<dy[t], gather_routes(expert_out)[t*K+k]>`` (the weights' gradient)."""
+
+    @staticmethod
+    def forward(ctx, fx, state: FusedState, expert_out, weights):
+        ctx.fx, ctx.state = fx, state
+        ctx.save_for_backward(expert_out if ctx.needs_input_grad[3] else None, weights)
+        return fx.combine(expert_out.contiguous(), state.route_row, state.topk, weights)
+
+    @staticmethod
+    def backward(ctx, dy):
+        fx, s = ctx.fx, ctx.state
+        expert_out, weights = ctx.saved_tensors
+        dy = dy.contiguous()
+        grad_out = grad_w = None
+        if ctx.needs_input_grad[2]:
+            w = None if weights is None else weights.detach()
+            out = fx.dispatch(dy, s.route_of_slot, s.send_counts, s.topk, s.capacity, w)
+            grad_out = out.expert_in
+            if w is not None:
+                acc = torch.float64 if dy.dtype == torch.float64 else torch.float32
+                scale = out.row_weights.to(acc).view((-1,) + (1,) * (dy.dim() - 1))
+                grad_out = (grad_out.to(acc) * scale).to(dy.dtype)
+        if ctx.needs_input_grad[3]:
+            TK = s.route_row.shape[0]
+            width = math.prod(expert_out.shape[1:])
+            routes = fx.gather_routes(expert_out.contiguous(), s.route_row).reshape(TK, width)
+            grad_w = route_dot(dy.reshape(TK // s.topk, width), routes,
+                               torch.arange(TK, device=dy.device).view(TK // s.topk, s.topk))
+            grad_w = grad_w.reshape(TK).to(weights.dtype)
+        return None, None, grad_out, grad_w
+
+
+class RowWeightsFn(torch.autograd.Function):
+    """The weights the forward dispatch carried beside the rows (``state.row_weights``), differentiable w.r.t. the
+    ``[T*K]`` weights: backward pulls each route's row gradient back (``gather_routes``)."""
+
+    @staticmethod
+    def forward(ctx, fx, state: FusedState, weights):
+        ctx.fx, ctx.state = fx, state
+        return state.row_weights.to(weights.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        s = ctx.state
+        return None, None, ctx.fx.gather_routes(g.contiguous().view(-1, 1), s.route_row).view(-1)
+
+
+def resolve_exchange(exchange: str, group=None, device=None, ranks_per_node: Optional[int] = None,
+                     num_sms: Optional[int] = None):
     """``(rule, backend)``: ``("pair", None)`` for the fixed-split all-to-all, ``("destination", backend)`` for the
-    variable-size exchange. ``"auto"`` picks ``symm_mem`` where :func:`symm_mem_available`, else ``nccl``;
-    ``"symm_mem"`` on a CPU process group runs the same semantics with host-known sizes (:class:`HostSizedExchange`),
-    on CUDA without NVSHMEM it raises."""
+    variable-size exchange (a plan / ``to_experts`` backend, or a fused one: :func:`is_fused`).
+
+    * ``"symm_mem"``: :class:`SymmMemExchange` on CUDA (raises without NVSHMEM), :class:`HostSizedExchange` on CPU
+      process groups.
+    * ``"nvlink"``: the fused exchange: on CUDA ``moe_graph.ops.nvlink.NvlinkExchange(group, device,
+      ranks_per_node=..., num_sms=...)`` (raises, naming what is missing, without it), on CPU process groups
+      :class:`HostSizedFusedExchange` (``ranks_per_node``: the node-aware two-level exchange).
+    * ``"auto"``: on CUDA ``nvlink`` where :func:`nvlink_available` (every EP peer a local NVLink / P2P peer), else
+      ``symm_mem`` where :func:`symm_mem_available`, else ``nccl``; on CPUs ``nccl`` (unchanged).
+
+    ``num_sms`` (CUDA fused backend only): its CTA bound (``None``: the backend's default, 20)."""
     if exchange not in EXCHANGES:
         raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
     dev = torch.device(device) if device is not None else torch.device("cpu")
-    if exchange == "nccl" or (exchange == "auto" and not symm_mem_available(group, dev)):
+    if exchange == "auto":
+        exchange = ("nvlink" if nvlink_available(group, dev) else
+                    "symm_mem" if symm_mem_available(group, dev) else "nccl")
+    if exchange == "nccl":
         return "pair", None
+    if exchange == "nvlink":
+        if dev.type != "cuda":
+            return "destination", HostSizedFusedExchange(group, ranks_per_node)
+        cls = _nvlink_backend_class()
+        if cls is None:
+            raise RuntimeError("exchange='nvlink' on CUDA needs the fused exchange kernels: the module "
+                               "moe_graph.ops.nvlink with a class NvlinkExchange (a build with MOE_GRAPH_CUDA=1); "
+                               "use exchange='symm_mem' or 'nccl'")
+        kwargs = {"ranks_per_node": ranks_per_node}
+        if num_sms is not None:
+            kwargs["num_sms"] = num_sms
+        return "destination", cls(group, dev, **kwargs)
     if dev.type == "cuda":
         if not symm_mem_available(group, dev):
             raise RuntimeError("exchange='symm_mem' needs torch's NVSHMEM symmetric memory "

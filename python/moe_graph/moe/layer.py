@@ -222,9 +222,11 @@ class MoELayer(nn.Module):
         overflow: ``"drop"`` (default: routes over the capacity are dropped and counted) or ``"rerun"`` (dropless
             training with the static capacity: a route over it skips the step's update on every rank and the step
             is rerun eagerly with the capacity it needed; :class:`moe_graph.train.step.OverflowRerun`).
-        exchange: ``"auto"`` (default), ``"nccl"`` or ``"symm_mem"``: the capacity rule and the token exchange at
-            EP > 1 (per (source, destination) pair with a fixed-split all-to-all, or per destination rank with a
-            variable-size exchange; :mod:`moe_graph.moe.exchange`).
+        exchange: ``"auto"`` (default), ``"nccl"``, ``"symm_mem"`` or ``"nvlink"``: the capacity rule and the token
+            exchange at EP > 1 (per (source, destination) pair with a fixed-split all-to-all, or per destination rank
+            with a variable-size exchange, ``"nvlink"`` through the fused one; :mod:`moe_graph.moe.exchange`).
+            ranks_per_node (``"nvlink"``: the node-aware two-level exchange) and exchange_num_sms (its CUDA kernels'
+            CTA bound) go with it.
         fp8_dispatch: under an FP8 recipe with rowwise activation tiles (``moe_graph.fp8.autocast`` with
             "blockwise" or "mxfp8"), quantize the tokens before the exchange, once per token, and send their FP8 and
             scale bytes (about half the bytes of 16-bit rows); the first expert GEMM reads them as they arrive (the
@@ -324,7 +326,8 @@ class MoELayer(nn.Module):
         col_rank, col_local = expert_columns(c.num_experts, ep_size, k)
         self.dispatcher = TokenDispatcher(self.num_local_experts + k, ep_size, self.ep_rank, col_rank, col_local,
                                           capacity=None, group=ep_group, drop_policy=c.token_drop_policy,
-                                          device=device, exchange=c.exchange)  # its constant tables are built here, on the device
+                                          device=device, exchange=c.exchange,
+                                          ranks_per_node=c.ranks_per_node, num_sms=c.exchange_num_sms)  # its constant tables are built here, on the device
         self.echo = None
         if k > 0:
             self.echo = EchoBalancer(c.num_experts, ep_size, self.ep_rank, k, assignment=c.assignment,

@@ -66,8 +66,9 @@ import torch.distributed as dist
 from torch import nn
 
 from moe_graph.moe.echo import default_backend
-from moe_graph.moe.exchange import (EXCHANGES, ToExperts, ToSources, capacity_for, checked_demand,
-                                    destination_capacity, destination_quotas, resolve_exchange)
+from moe_graph.moe.exchange import (EXCHANGES, CompletedExchange, FusedCombineFn, FusedDispatchFn, FusedState,
+                                    RowWeightsFn, ToExperts, ToSources, capacity_for, checked_demand,
+                                    destination_capacity, destination_quotas, is_fused, resolve_exchange)
 from moe_graph.ops.dispatch_layout import dispatch_layout, receive_layout
 from moe_graph.ops.fp8 import carrier, pack_rows, unpack_rows
 from moe_graph.ops.permute import expand_rows, reduce_rows
@@ -190,7 +191,8 @@ class DispatchHandle:
     dropped: torch.Tensor  # 0-dim int64: routes dropped by this call (over capacity)
     m_splits: torch.Tensor  # [num_local_columns] int64: expert-input rows per local expert
     column_counts: torch.Tensor  # [C] int64: valid routes per routing column (before drops)
-    exchange_plan: Optional[object] = None  # the per-destination backend's plan (exchange="symm_mem"), else None
+    # the per-destination backend's plan (exchange="symm_mem"; a FusedState with exchange="nvlink"), else None
+    exchange_plan: Optional[object] = None
 
     @property
     def expert_rows(self) -> int:
@@ -226,7 +228,14 @@ class TokenDispatcher(nn.Module):
         exchange: ``"nccl"`` (the fixed-split all-to-all through ``backend``: ``capacity`` per (source,
             destination) pair), ``"symm_mem"`` (capacity per destination rank, only the routed rows on the wire:
             :mod:`moe_graph.moe.exchange`; on CPU process groups with host-known sizes) or ``"auto"`` (``symm_mem``
-            where torch's NVSHMEM exchange serves the group, else ``nccl``). Decided here (:attr:`rule`).
+            where torch's NVSHMEM exchange serves the group, else ``nccl``), or ``"nvlink"`` (the per-destination
+            rule through a fused backend: token rows read once and placed at their final receive rows, the combine
+            reduces each token's routes in the same op; :class:`moe_graph.moe.exchange.HostSizedFusedExchange` on
+            CPU process groups, ``moe_graph.ops.nvlink`` on CUDA; ``"auto"`` picks it on CUDA where every EP peer
+            is a NVLink / P2P peer). Decided here (:attr:`rule`, :attr:`fused`).
+        ranks_per_node: ``exchange="nvlink"`` only: EP ranks per node (``None``: all one node); below ``R`` the
+            node-aware two-level exchange (one inter-node transfer per (token, destination node)).
+        num_sms: ``exchange="nvlink"`` on CUDA only: the fused kernels' CTA bound (``None``: the backend's default).
     """
 
     def __init__(
@@ -242,6 +251,8 @@ class TokenDispatcher(nn.Module):
         drop_policy: str = "position",
         device=None,
         exchange: str = "auto",
+        ranks_per_node: Optional[int] = None,
+        num_sms: Optional[int] = None,
     ):
         super().__init__()
         if exchange not in EXCHANGES:
@@ -301,8 +312,19 @@ class TokenDispatcher(nn.Module):
                 )
 
             self.backend = default_backend(group)
+        if ranks_per_node is not None and (isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int)
+                                           or ranks_per_node < 1 or num_ep_ranks % ranks_per_node):
+            raise ValueError(f"ranks_per_node must be None or an int >= 1 dividing num_ep_ranks={num_ep_ranks}, "
+                             f"got {ranks_per_node!r}")
+        if ranks_per_node not in (None, num_ep_ranks) and exchange != "nvlink":
+            raise ValueError(f"ranks_per_node={ranks_per_node} (the node-aware exchange) needs exchange='nvlink', "
+                             f"got exchange={exchange!r}")
+        self.ranks_per_node = ranks_per_node
         if num_ep_ranks > 1:
-            self.rule, self.exchange_backend = resolve_exchange(exchange, group, device)
+            self.rule, self.exchange_backend = resolve_exchange(exchange, group, device, ranks_per_node, num_sms)
+        # a fused backend (exchange="nvlink"): dispatch / combine / gather_routes, used through the autograd
+        # functions of moe_graph.moe.exchange
+        self.fused = self.exchange_backend is not None and is_fused(self.exchange_backend)
 
     def capacity_for(self, num_tokens: int, topk: int, capacity_factor: Optional[float]) -> int:
         """The static capacity of ``num_tokens`` tokens with ``topk`` routes each under this dispatcher's rule:
@@ -423,6 +445,9 @@ class TokenDispatcher(nn.Module):
             # the input gradient goes home as the 16-bit dispatch's does: reverse exchange, sum of each token's routes
             rows = carrier(hidden, moved.shape[0], lambda g: self.combine(g, handle, weighted=False))
             expert_in = unpack_rows(moved, rows, fp8_recipe)
+        elif self.fused:  # each token row read once, placed at its final receive row, the probabilities beside it
+            expert_in = FusedDispatchFn.apply(self.exchange_backend, handle.exchange_plan, hidden,
+                                              probs.detach().reshape(-1))
         else:
             send = expand_rows(hidden, handle.route_of_slot, handle.route_rows)  # [N, H] by (destination, expert)
             expert_in = self._to_expert_order(send, handle)
@@ -459,13 +484,20 @@ class TokenDispatcher(nn.Module):
         if counters is not None and T * K:  # the largest destination load of the job over the mean T * K
             ratio = demand.sum(0).max().to(torch.float64) / (T * K)
             counters[2].copy_(torch.maximum(counters[2], ratio.view_as(counters[2])))
-        plan = self.exchange_backend.plan(lay.send_counts, cap)
+        if self.fused:
+            plan = FusedState(lay.route_of_slot, lay.send_counts, K, cap)
+        else:
+            plan = self.exchange_backend.plan(lay.send_counts, cap)
         return DispatchHandle(lay.route_slot, lay.route_of_slot, None, None, probs, T, K, cap, lay.dropped,
                               plan.m_splits, lay.column_counts, plan)
 
     def _move_bytes(self, rows: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """Token rows ``[T, B]`` (any dtype, e.g. FP8 dispatch's uint8) -> the expert input's rows ``[rows, B]``,
         bit for bit (index gathers and the same exchanges as :meth:`_to_expert_order`; not differentiable)."""
+        if self.fused:  # straight from the token rows, the probabilities beside them
+            return handle.exchange_plan.take(self.exchange_backend.dispatch(
+                rows, handle.route_of_slot, handle.exchange_plan.send_counts, handle.topk, handle.capacity,
+                handle.probs.detach().reshape(-1)))
         send = take_rows(rows, handle.route_of_slot // handle.topk)  # [N, B] (T * K // K = T: empty slot)
         if handle.exchange_plan is not None:
             return self.exchange_backend.to_experts(send, handle.exchange_plan)
@@ -501,6 +533,8 @@ class TokenDispatcher(nn.Module):
         ``probs`` given to :meth:`dispatch`; for experts that scale their rows themselves (then
         ``combine(..., weighted=False)``)."""
         TK = handle.num_tokens * handle.topk
+        if self.fused:  # carried beside the rows by the forward dispatch
+            return RowWeightsFn.apply(self.exchange_backend, handle.exchange_plan, handle.probs.reshape(TK))
         w = expand_rows(handle.probs.reshape(TK, 1), handle.route_of_slot, handle.route_slot.view(TK, 1))  # [N, 1]
         return self._to_expert_order(w, handle).view(handle.expert_rows)
 
@@ -513,9 +547,24 @@ class TokenDispatcher(nn.Module):
         N = handle.expert_rows
         if expert_output.dim() != 2 or expert_output.shape[0] != N:
             raise ValueError(f"expert_output must be [{N}, H] (the dispatched rows), got {tuple(expert_output.shape)}")
-        y_send = self._to_send_order(expert_output, handle)
         w = None
         if weighted:
             acc = torch.float64 if expert_output.dtype == torch.float64 else torch.float32
             w = handle.probs if handle.probs.dtype in (acc, expert_output.dtype) else handle.probs.to(acc)
+        if self.fused:  # the reverse exchange and the weighted reduction of each token's routes in one op
+            return FusedCombineFn.apply(self.exchange_backend, handle.exchange_plan, expert_output,
+                                        None if w is None else w.reshape(-1))
+        y_send = self._to_send_order(expert_output, handle)
         return reduce_rows(y_send, handle.route_rows, handle.route_of_slot, w)
+
+    # ------------------------------------------------------------------------------------------- async --
+    def dispatch_async(self, *args, **kwargs) -> CompletedExchange:
+        """:meth:`dispatch` as a handle: ``.wait()`` returns ``(expert_input, m_splits, handle)``. Every backend
+        here completes the work before returning (CPU process groups; the CUDA backends enqueue on the current
+        stream), so ``wait()`` only hands the result over; the overlap of the exchange with computation builds on
+        this form."""
+        return CompletedExchange(self.dispatch(*args, **kwargs))
+
+    def combine_async(self, *args, **kwargs) -> CompletedExchange:
+        """:meth:`combine` as a handle: ``.wait()`` returns the ``[T, H]`` output (see :meth:`dispatch_async`)."""
+        return CompletedExchange(self.combine(*args, **kwargs))

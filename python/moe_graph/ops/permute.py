@@ -31,7 +31,7 @@ import torch
 from moe_graph.ops._lib import has_kernel
 from moe_graph.ops.reroute import real_host_values
 
-__all__ = ["expand_rows", "reduce_rows", "native_available"]
+__all__ = ["expand_rows", "reduce_rows", "route_dot", "native_available"]
 
 _EXPAND = "moe_graph::expand_rows"
 _REDUCE = "moe_graph::reduce_rows"
@@ -184,6 +184,13 @@ def reduce_rows(src: torch.Tensor, route_rows: torch.Tensor, route_of_row: torch
         raise ValueError(f"reduce_rows: route_of_row must have shape [m] with m = {src.shape[0]} (the rows of src), "
                          f"got {tuple(route_of_row.shape)}")
     return _ReduceRows.apply(src, route_rows, route_of_row, weights)
+
+
+def route_dot(rows: torch.Tensor, src: torch.Tensor, route_rows: torch.Tensor) -> torch.Tensor:
+    """``[n, K]`` in the accumulation dtype: ``out[j, k] = <rows[j], src[route_rows[j, k]]>`` (0 for the sentinel
+    ``m``), the weights' gradient of :func:`reduce_rows` (the same native op; not differentiable)."""
+    _check_args("route_dot", rows, route_rows, "route_rows", 2, route_rows, "route_rows", 2, None)
+    return _route_dot(rows.contiguous(), src.contiguous(), route_rows)
 
 
 def _register() -> None:
