@@ -56,6 +56,7 @@ try:
 except ImportError:  # optional: only ``convert CKPT OUT.safetensors`` needs it
     save_file = None
 
+from moe_graph.distributed.agreement import AllOrNone
 from moe_graph.distributed.optimizer import state_checksum
 from moe_graph.train.schedules import chunk_layer_ids
 
@@ -64,7 +65,7 @@ __all__ = ["FORMAT", "FORMAT_V1", "step_dirname", "resolve_checkpoint", "read_me
            "is_expert_name", "split_expert_name", "global_tensors", "copy_plan", "migrate_name", "naming_of",
            "optimizer_global_names", "optimizer_tensor_names", "held_index", "index_v1", "files_holding",
            "optimizer_pieces", "consolidate_optimizer", "reshard_optimizer", "rank_files", "atomic_torch_save",
-           "atomic_text", "inspect_checkpoint", "whole_model_state_dict", "convert_checkpoint", "reshard_checkpoint",
+           "atomic_text", "read_checkpoint_file", "inspect_checkpoint", "whole_model_state_dict", "convert_checkpoint", "reshard_checkpoint",
            "main"]
 
 FORMAT = "moe_graph.train.checkpoint.v2"  # v1 + meta["index"] (per rank: naming, tensors held)
@@ -107,12 +108,33 @@ def _fsync_dir(path: str) -> None:
 
 
 def _atomic_write(path: str, write) -> None:
+    """``write(file)`` into ``path + ".tmp"``, then renamed to ``path``; the temporary file is removed on any
+    failure (a full disk included)."""
     tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def read_checkpoint_file(path: str, expected: str, parse, mode: str = "r"):
+    """``parse(open file)`` of the checkpoint file ``path`` (``mode`` ``"r"`` text, ``"rb"`` bytes): the one reader
+    of every checkpoint file (``meta.json``, ``latest``, the ``.pt`` shards, safetensors files and their index), so
+    that a missing, truncated or corrupted file is named. Raises ``FileNotFoundError`` for a missing file and
+    ``ValueError("<path>: not readable as <expected> (<error>) ...")`` for any error of ``parse``."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"checkpoint file {path} is missing (expected {expected})")
+    try:
+        with open(path, mode) as f:
+            return parse(f)
+    except Exception as exc:  # noqa: BLE001 - any parse error (JSON, pickle, zip, safetensors header) names the file
+        raise ValueError(f"{path}: not readable as {expected} ({type(exc).__name__}: {exc}); the file is truncated "
+                         "or corrupted") from exc
 
 
 def atomic_torch_save(obj, path: str) -> None:
@@ -140,8 +162,7 @@ def resolve_checkpoint(path: str) -> str:
     if not os.path.isfile(marker):
         raise FileNotFoundError(f"--load {path}: neither a checkpoint root (no 'latest' file) nor a checkpoint "
                                 "folder (no meta.json); no complete checkpoint was saved there")
-    with open(marker) as f:
-        name = f.read().strip()
+    name = read_checkpoint_file(marker, "a step_<N> folder name", lambda f: f.read().strip())
     if not name.startswith("step_") or os.sep in name:
         raise ValueError(f"--load {path}: 'latest' holds {name!r}, expected a step_<N> folder name")
     folder = os.path.join(path, name)
@@ -153,9 +174,9 @@ def resolve_checkpoint(path: str) -> str:
 def read_meta(folder: str) -> Dict:
     """``meta.json`` of a checkpoint folder, any known format (v1 gets its index rebuilt: :func:`index_v1`).
     Raises ``ValueError`` naming the format found and the ones this version reads."""
-    with open(os.path.join(folder, "meta.json")) as f:
-        meta = json.load(f)
-    fmt = meta.get("format")
+    path = os.path.join(folder, "meta.json")
+    meta = read_checkpoint_file(path, "the checkpoint's JSON description", json.load)
+    fmt = meta.get("format") if isinstance(meta, dict) else None
     if fmt not in _FORMATS:
         raise ValueError(f"{folder}: checkpoint format {fmt!r} is not one this moe_graph reads "
                          f"({', '.join(_FORMATS)}); "
@@ -286,53 +307,79 @@ def save_checkpoint(root: str, step: int, *, rank: int, world: int, model_state:
     ``rank_state``: small picklable extras (RNG states, data position, the rank's coordinates);
     ``meta``: JSON-serializable description (layout, model config) written by rank 0 into ``meta.json``;
     ``naming``: how this rank's optimizer names map to whole-model names (:func:`naming_of`), into the index.
-    Returns the final folder.
+    Returns the final folder. Any failure on any rank (a full disk, any exception) raises on every rank naming the
+    file (:class:`~moe_graph.distributed.agreement.AllOrNone`; no rank waits), the partial folder is removed and
+    ``latest`` still names the previous checkpoint.
     """
     name = step_dirname(step)
     final = os.path.join(root, name)
     partial = os.path.join(root, "." + name + ".partial")
-    if rank == 0:
-        os.makedirs(root, exist_ok=True)
-        if os.path.exists(partial):  # leftovers of a crashed save of the same step
-            shutil.rmtree(partial)
-        os.makedirs(partial)
-    dist.barrier(group=group)
-    tensors = {k: v.detach().to("cpu", copy=True) for k, v in model_state.items()}
-    state = {"format": FORMAT, "step": step, "rank": rank, "world": world, "model": tensors,
-             "crc32": {k: tensor_crc32(v) for k, v in tensors.items()}, **rank_state}
-    atomic_torch_save(state, os.path.join(partial, _state_file(rank)))
-    _maybe_fault(rank, step)
-    optim = optimizer.state_dict()
-    atomic_torch_save(optim, os.path.join(partial, _optim_file(rank)))
-    _fsync_dir(partial)
-    index = [None] * world
-    dist.all_gather_object(index, {"naming": naming, "model": held_index(tensors),
-                                   "optim": _optim_held(optim, naming)}, group=group)
-    if rank == 0:
-        full = dict(meta, format=FORMAT, step=step, world=world,
-                    files=[[_state_file(r), _optim_file(r)] for r in range(world)], index=index)
-        atomic_text(os.path.join(partial, "meta.json"), json.dumps(full, indent=1, default=str))
+    try:
+        return _save_agreed(root, step, name, final, partial, rank=rank, world=world, model_state=model_state,
+                            optimizer=optimizer, rank_state=rank_state, meta=meta, naming=naming, group=group)
+    except BaseException:
+        if rank == 0:  # every rank has agreed on the failure: nobody writes into the partial folder any more
+            shutil.rmtree(partial, ignore_errors=True)
+        raise
+
+
+def _save_agreed(root, step, name, final, partial, *, rank, world, model_state, optimizer, rank_state, meta, naming,
+                 group) -> str:
+    """:func:`save_checkpoint`'s three phases, each ended by an agreement of every rank (any failure on any rank
+    raises on all, naming the file: :class:`~moe_graph.distributed.agreement.AllOrNone`)."""
+
+    def agreement():
+        return AllOrNone(f"save_checkpoint({final})", action="save its part",
+                         outcome="'latest' still names the previous checkpoint", groups=[group])
+
+    with agreement() as at:
+        if rank == 0:
+            at.at(f"preparing the folder {partial}")
+            os.makedirs(root, exist_ok=True)
+            if os.path.exists(partial):  # leftovers of a crashed save of the same step
+                shutil.rmtree(partial)
+            os.makedirs(partial)
+    with agreement() as at:
+        at.at(f"copying this rank's {len(model_state)} model tensors to the host")
+        tensors = {k: v.detach().to("cpu", copy=True) for k, v in model_state.items()}
+        state = {"format": FORMAT, "step": step, "rank": rank, "world": world, "model": tensors,
+                 "crc32": {k: tensor_crc32(v) for k, v in tensors.items()}, **rank_state}
+        at.at(f"writing {os.path.join(partial, _state_file(rank))}")
+        atomic_torch_save(state, os.path.join(partial, _state_file(rank)))
+        _maybe_fault(rank, step)
+        at.at(f"writing {os.path.join(partial, _optim_file(rank))}")
+        optim = optimizer.state_dict()
+        atomic_torch_save(optim, os.path.join(partial, _optim_file(rank)))
         _fsync_dir(partial)
-        if os.path.exists(final):  # re-saving a step (e.g. after resuming from an earlier one)
-            old = os.path.join(root, "." + name + ".old")
-            if os.path.exists(old):
+        entry = {"naming": naming, "model": held_index(tensors), "optim": _optim_held(optim, naming)}
+    index = [None] * world
+    dist.all_gather_object(index, entry, group=group)
+    with agreement() as at:
+        if rank == 0:
+            at.at(f"writing {os.path.join(partial, 'meta.json')} and renaming {partial} to {final}")
+            full = dict(meta, format=FORMAT, step=step, world=world,
+                        files=[[_state_file(r), _optim_file(r)] for r in range(world)], index=index)
+            atomic_text(os.path.join(partial, "meta.json"), json.dumps(full, indent=1, default=str))
+            _fsync_dir(partial)
+            if os.path.exists(final):  # re-saving a step (e.g. after resuming from an earlier one)
+                old = os.path.join(root, "." + name + ".old")
+                if os.path.exists(old):
+                    shutil.rmtree(old)
+                os.replace(final, old)
+                os.replace(partial, final)
                 shutil.rmtree(old)
-            os.replace(final, old)
-            os.replace(partial, final)
-            shutil.rmtree(old)
-        else:
-            os.replace(partial, final)
-        _fsync_dir(root)
-        atomic_text(os.path.join(root, "latest"), name + "\n")
-        _fsync_dir(root)
-    dist.barrier(group=group)
+            else:
+                os.replace(partial, final)
+            _fsync_dir(root)
+            at.at(f"writing {os.path.join(root, 'latest')}")
+            atomic_text(os.path.join(root, "latest"), name + "\n")
+            _fsync_dir(root)
     return final
 
 
 def _load(path: str):
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"checkpoint file {path} is missing")
-    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    return read_checkpoint_file(path, "a torch.save file of moe_graph.train.checkpoint",
+                                lambda _: torch.load(path, map_location="cpu", weights_only=True, mmap=True))
 
 
 def read_rank_state(folder: str, rank: int) -> Dict:
