@@ -67,3 +67,19 @@ def save_failure_worker(rank: int, world: int, root: str) -> Dict:
     out["step2"] = os.path.exists(os.path.join(root, "step_00000002"))
     out["after"] = save(3)  # the ranks are still in step: a clean save works
     return out
+
+
+def tiny_checkpoint_worker(rank: int, world: int, root: str) -> str:
+    """One rank (DP ``world`` = 1 in the tests): a tiny model trained one step and saved as step 1 of ``root``
+    with the demo's meta keys (layout, coordinates, model). Returns the folder."""
+    model = make_model()
+    ddp = DistributedDataParallel(model, use_distributed_optimizer=True)
+    opt = DistributedOptimizer(ddp, lr=1e-2)
+    _train(ddp, opt, rank, world, 1)
+    coords = {"rank": rank, "pp_rank": 0, "dp_rank": rank, "ep_rank": 0, "edp_rank": rank}
+    layout = {"world": world, "pp": 1, "vpp": None, "ep": 1, "dp": world, "edp": world}
+    return checkpoint.save_checkpoint(root, 1, rank=rank, world=world,
+                                      model_state=checkpoint.global_tensors(model) if rank == 0 else {},
+                                      optimizer=opt, rank_state={"coords": coords},
+                                      meta={"layout": layout, "coords": [coords], "model": {"layers": 1}},
+                                      naming=checkpoint.naming_of([model], 0))

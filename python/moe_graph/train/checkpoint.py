@@ -598,24 +598,28 @@ def _check(name: str, dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 # ------------------------------------------------------------------------------------------ offline tool --
-_CLI_DOC = """``python -m moe_graph.train.checkpoint``: inspect, convert and reshard :mod:`moe_graph.train.checkpoint`
-checkpoints offline (no process group, no model code: only the files)::
+_CLI_DOC = """python -m moe_graph.train.checkpoint: inspect, convert and reshard moe_graph.train.checkpoint checkpoints
+offline (no process group, no model code: only the files).
 
     python -m moe_graph.train.checkpoint inspect CKPT [--tensors] [--json]
     python -m moe_graph.train.checkpoint convert CKPT OUT.pt|OUT.safetensors [--optimizer]
     python -m moe_graph.train.checkpoint reshard CKPT OUT --pp P [--vpp V] --ep E --dp D
 
-``CKPT`` is a checkpoint root (its ``latest``) or one ``step_*`` folder, any format :func:`read_meta` reads.
+CKPT is a checkpoint root (its 'latest' file names the newest checkpoint) or one step_* folder, format v1 or v2.
 
-* ``inspect``: format, step, layout, model flags, files and sizes, tensors (count, bytes; each with ``--tensors``).
-* ``convert``: one whole-model state dict: every tensor under its whole-model name with the experts of a layer
-  stacked again (``blocks.N.moe.experts.fc1.weight`` ``[E, ...]``): the ``state_dict()`` of the model built on one
-  rank (pp 1, ep 1). ``--optimizer`` (``.pt`` only) writes ``{"model", "optimizer": {name: {"exp_avg",
-  "exp_avg_sq"[, "main_param"]}}, "step", "lr", "hyper", "loss_scaler", "meta"}``.
-* ``reshard``: the same checkpoint written for another layout (``OUT/step_<n>``, ``OUT/latest``): model tensors and
-  optimizer state on the ranks that own them there (whole tensors on data-parallel rank 0 of each stage and expert
-  rank: a resume cuts its own data-parallel shard), the index of that layout. Loading it needs no resharding work;
-  RNG states are not carried (a resume starts fresh per-rank streams, as after any layout change).
+  inspect  format, step, layout, model flags, files and sizes, tensors (count, bytes; each with --tensors).
+  convert  one whole-model state dict: every tensor under its whole-model name with the experts of a layer stacked
+           again (blocks.N.moe.experts.fc1.weight [E, ...]): the state_dict() of the model built on one rank
+           (pp 1, ep 1). --optimizer (.pt only) writes {"model", "optimizer": {name: {"exp_avg", "exp_avg_sq"[,
+           "main_param"]}}, "step", "lr", "hyper", "loss_scaler", "meta"}.
+  reshard  the same checkpoint written for another layout (OUT/step_<n>, OUT/latest): model tensors and optimizer
+           state on the ranks that own them there (whole tensors on data-parallel rank 0 of each stage and expert
+           rank: a resume cuts its own data-parallel shard), the index of that layout. Loading it needs no
+           resharding work; RNG states are not carried (a resume starts fresh per-rank streams, as after any
+           layout change).
+
+convert and reshard write into a temporary folder next to OUT, renamed into place when complete and removed on any
+failure (a full disk included): a failed run leaves nothing behind, and nothing a load accepts.
 """
 
 
@@ -693,15 +697,49 @@ def convert_checkpoint(path: str, out: str, optimizer: bool = False) -> Dict:
     if out.endswith(".safetensors") and optimizer:
         raise ValueError(f"convert {out}: --optimizer needs a .pt file (safetensors holds tensors only)")
     sd = whole_model_state_dict(path, optimizer)
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    if out.endswith(".safetensors"):
-        if save_file is None:
-            raise ValueError(f"convert {out}: the safetensors package is not installed (pip install safetensors)")
-        save_file({k: v.contiguous() for k, v in sd.items()}, out + ".tmp")
-        os.replace(out + ".tmp", out)
-    else:
-        atomic_torch_save(sd, out)
+    if out.endswith(".safetensors") and save_file is None:
+        raise ValueError(f"convert {out}: the safetensors package is not installed (pip install safetensors)")
+    parent, base = os.path.split(os.path.abspath(out))
+    with _temporary_folder(parent, "." + base + ".partial", f"convert {out}") as tmp:
+        written = os.path.join(tmp, base)
+        if out.endswith(".safetensors"):
+            save_file({k: v.contiguous() for k, v in sd.items()}, written)
+        else:
+            with open(written, "wb") as f:
+                torch.save(sd, f)
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(written, out)
     return sd
+
+
+class _temporary_folder:
+    """``with _temporary_folder(parent, name, what) as tmp``: ``parent/name`` made empty (``parent`` created if
+    needed); on leaving it is removed, and on any failure so is ``parent`` when this made it and it is empty; an
+    ``OSError`` (a full disk) is re-raised naming ``what`` and the folder."""
+
+    def __init__(self, parent: str, name: str, what: str):
+        self.parent, self.path, self.what = parent, os.path.join(parent, name), what
+
+    def __enter__(self) -> str:
+        self.made_parent = not os.path.isdir(self.parent)
+        os.makedirs(self.parent, exist_ok=True)
+        if os.path.exists(self.path):  # leftovers of a killed run
+            shutil.rmtree(self.path)
+        os.makedirs(self.path)
+        return self.path
+
+    def __exit__(self, typ, exc, tb) -> bool:
+        shutil.rmtree(self.path, ignore_errors=True)
+        if exc is not None and self.made_parent:
+            try:
+                os.rmdir(self.parent)
+            except OSError:
+                pass  # not empty: something else is in it
+        if isinstance(exc, OSError) and self.path not in str(exc):
+            raise OSError(exc.errno, f"{self.what}: writing into {self.path} failed ({exc.strerror or exc}); "
+                                     "nothing was written") from exc
+        return False
 
 
 def _stage_of_extra_names(folder: str, meta: Dict) -> Dict[str, str]:
@@ -808,41 +846,40 @@ def reshard_checkpoint(path: str, out: str, pp: int, ep: int, dp: int, vpp: Opti
                     rk["shard"][name] = dict({"range": (0, per * math.prod(shape))},
                                              **{f: torch.cat([per_tensor[g][f].reshape(-1) for g in rows])
                                                 for f in fields})
-    # write: everything into a temporary folder, renamed when complete; 'latest' last
+    # write: everything into a temporary folder, renamed when complete; 'latest' last; all removed on any failure
     name = step_dirname(meta["step"])
-    final, tmp = os.path.join(out, name), os.path.join(out, "." + name + ".partial")
+    final = os.path.join(out, name)
     if os.path.exists(final):
         raise FileExistsError(f"reshard: {final} exists (choose an empty OUT)")
-    os.makedirs(out, exist_ok=True)
-    if os.path.exists(tmp):
-        shutil.rmtree(tmp)
-    os.makedirs(tmp)
-    index, coords = [], []
-    for r, rk in enumerate(ranks):
-        c = rk["coords"]
-        state_f, optim_f = rank_files(meta, r)
-        tensors = {k: t.contiguous().clone() for k, t in rk["model"].items()}
-        atomic_torch_save({"format": FORMAT, "step": meta["step"], "rank": r, "world": world,
-                                      "model": tensors,
-                                      "crc32": {k: tensor_crc32(t) for k, t in tensors.items()},
-                                      "data": {"step": meta["step"]}, "coords": c},
-                                     os.path.join(tmp, state_f))
-        md = {"dp_size": dp, "dp_rank": c["dp_rank"], "expert_dp_size": edp, "expert_dp_rank": c["edp_rank"],
-              "ep_size": ep, "ep_rank": c["ep_rank"], "params": rk["params"]}
-        sd = dict(head, metadata=md, shard=rk["shard"])
-        sd["checksum"] = state_checksum(sd)
-        atomic_torch_save(sd, os.path.join(tmp, optim_f))
-        held = optimizer_tensor_names({"params": {n: rk["params"][n] for n in rk["shard"]}}, rk["naming"])
-        index.append({"naming": rk["naming"], "model": held_index(tensors), "optim": held_index(held)})
-        coords.append(c)
-    layout = {"world": world, "pp": pp, "vpp": vpp, "ep": ep, "dp": dp, "edp": edp}
-    new_meta = {k: v for k, v in meta.items() if k not in ("index", "coords", "layout", "files", "format")}
-    new_meta.update(format=FORMAT, layout=layout, coords=coords, world=world, index=index,
-                    files=[list(rank_files(meta, r)) for r in range(world)],
-                    resharded_from={"folder": folder, "layout": meta["layout"], "format": meta["format"]})
-    atomic_text(os.path.join(tmp, "meta.json"), json.dumps(new_meta, indent=1, default=str))
-    os.replace(tmp, final)
-    atomic_text(os.path.join(out, "latest"), name + "\n")
+    with _temporary_folder(out, "." + name + ".partial", f"reshard {out}") as tmp:
+        index, coords = [], []
+        for r, rk in enumerate(ranks):
+            c = rk["coords"]
+            state_f, optim_f = rank_files(meta, r)
+            tensors = {k: t.contiguous().clone() for k, t in rk["model"].items()}
+            atomic_torch_save({"format": FORMAT, "step": meta["step"], "rank": r, "world": world,
+                               "model": tensors, "crc32": {k: tensor_crc32(t) for k, t in tensors.items()},
+                               "data": {"step": meta["step"]}, "coords": c}, os.path.join(tmp, state_f))
+            md = {"dp_size": dp, "dp_rank": c["dp_rank"], "expert_dp_size": edp, "expert_dp_rank": c["edp_rank"],
+                  "ep_size": ep, "ep_rank": c["ep_rank"], "params": rk["params"]}
+            sd = dict(head, metadata=md, shard=rk["shard"])
+            sd["checksum"] = state_checksum(sd)
+            atomic_torch_save(sd, os.path.join(tmp, optim_f))
+            held = optimizer_tensor_names({"params": {n: rk["params"][n] for n in rk["shard"]}}, rk["naming"])
+            index.append({"naming": rk["naming"], "model": held_index(tensors), "optim": held_index(held)})
+            coords.append(c)
+        layout = {"world": world, "pp": pp, "vpp": vpp, "ep": ep, "dp": dp, "edp": edp}
+        new_meta = {k: v for k, v in meta.items() if k not in ("index", "coords", "layout", "files", "format")}
+        new_meta.update(format=FORMAT, layout=layout, coords=coords, world=world, index=index,
+                        files=[list(rank_files(meta, r)) for r in range(world)],
+                        resharded_from={"folder": folder, "layout": meta["layout"], "format": meta["format"]})
+        atomic_text(os.path.join(tmp, "meta.json"), json.dumps(new_meta, indent=1, default=str))
+        os.replace(tmp, final)
+        try:
+            atomic_text(os.path.join(out, "latest"), name + "\n")
+        except BaseException:  # no half-published checkpoint either
+            shutil.rmtree(final, ignore_errors=True)
+            raise
     return final
 
 
@@ -861,10 +898,10 @@ def main(argv=None) -> int:
     r = sub.add_parser("reshard", help="write the checkpoint for another layout")
     r.add_argument("ckpt")
     r.add_argument("out")
-    r.add_argument("--pp", type=int, default=1)
-    r.add_argument("--vpp", type=int, default=None)
-    r.add_argument("--ep", type=int, default=1)
-    r.add_argument("--dp", type=int, default=1)
+    r.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
+    r.add_argument("--vpp", type=int, default=None, help="virtual pipeline chunks per stage (default none)")
+    r.add_argument("--ep", type=int, default=1, help="expert-parallel ranks per stage (default 1)")
+    r.add_argument("--dp", type=int, default=1, help="data-parallel ranks per stage, a multiple of --ep (default 1)")
     a = p.parse_args(argv)
     try:
         if a.cmd == "inspect":
@@ -886,8 +923,9 @@ def main(argv=None) -> int:
             print(f"wrote {a.out}: {n} tensors{' + optimizer state' if a.optimizer else ''}")
         else:
             print(f"wrote {reshard_checkpoint(a.ckpt, a.out, a.pp, a.ep, a.dp, a.vpp)}")
-    except (OSError, ValueError, KeyError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except Exception as e:  # noqa: BLE001 - any failure (a broken file, a full disk): one line, exit status 2
+        print(f"error: {e}" if isinstance(e, (OSError, ValueError, KeyError)) else f"error: {type(e).__name__}: {e}",
+              file=sys.stderr)
         return 2
     return 0
 
