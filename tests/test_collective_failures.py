@@ -62,3 +62,16 @@ def test_save_checkpoint_fails_on_every_rank_and_keeps_the_previous_one(tmp_path
     assert res[0]["latest"] == "step_00000001" and not res[0]["step2"]
     assert res[0]["after"].endswith("step_00000003")
     assert not _leftovers(root), _leftovers(root)
+
+
+@pytest.mark.parametrize("case", ["counts", "demand"])
+def test_gathered_counts_that_disagree_between_ranks_are_flagged(case):
+    """Rank 1's copy of rank 0's gathered counts rolled (every value in range): flagged for check_errors() on both
+    ranks by the device-side checksum (no host sync), silent when nothing is corrupted."""
+    from helpers.moe_workers import corrupted_counts_worker
+    from moe_graph.ops.errors import EXCHANGE_COUNTS
+
+    res = run_distributed(corrupted_counts_worker, 2, case, timeout=RUN_TIMEOUT_S)
+    for rank, r in enumerate(res):
+        assert r["clean_flag"] == 0, (rank, r)
+        assert r["corrupted_flag"] == EXCHANGE_COUNTS, (rank, r)

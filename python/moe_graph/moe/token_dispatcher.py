@@ -66,8 +66,9 @@ import torch.distributed as dist
 from torch import nn
 
 from moe_graph.moe.echo import default_backend
-from moe_graph.moe.exchange import (EXCHANGES, ToExperts, ToSources, capacity_for, checked_demand,
-                                    destination_capacity, destination_quotas, resolve_exchange)
+from moe_graph.moe.exchange import (EXCHANGES, ToExperts, ToSources, capacity_for, checked_demand, checksum_weights,
+                                    destination_capacity, destination_quotas, flag_if_ranks_disagree,
+                                    resolve_exchange)
 from moe_graph.ops.dispatch_layout import dispatch_layout, receive_layout
 from moe_graph.ops.fp8 import carrier, pack_rows, unpack_rows
 from moe_graph.ops.permute import expand_rows, reduce_rows
@@ -303,6 +304,8 @@ class TokenDispatcher(nn.Module):
             self.backend = default_backend(group)
         if num_ep_ranks > 1:
             self.rule, self.exchange_backend = resolve_exchange(exchange, group, device)
+            self.register_buffer("demand_checksum_weights", checksum_weights(num_ep_ranks ** 2, device),
+                                 persistent=False)
 
     def capacity_for(self, num_tokens: int, topk: int, capacity_factor: Optional[float]) -> int:
         """The static capacity of ``num_tokens`` tokens with ``topk`` routes each under this dispatcher's rule:
@@ -448,6 +451,8 @@ class TokenDispatcher(nn.Module):
         local = self._local_demand(indices, valid)
         if demand is None:
             demand = self.backend.exchange(local.expand(R, R).contiguous())  # row s: source s's demand
+            if dist.is_available() and dist.is_initialized():  # the same [R, R] on every rank, or flagged
+                flag_if_ranks_disagree(demand, self.demand_checksum_weights, self.group)
         elif tuple(demand.shape) != (R, R):
             raise ValueError(f"demand must be [R={R}, R={R}], got shape {tuple(demand.shape)}")
         demand = checked_demand(demand.to(torch.int64), local, self.ep_rank, T * K)
