@@ -46,6 +46,12 @@ def test_load_hf_checkpoint_fails_on_every_rank_naming_the_file_and_tensor(tmp_p
         assert "rank 1: " in res[0][case][1], res[0][case]
     assert res[1]["injected"][0] == "Injected"
     assert all(r["clean"] for r in res)  # the ranks are still in step: a good folder loads afterwards
+    # save_hf_pretrained: rank 0's writer fails; rank 1 (waiting for the files) raises too, naming it
+    saved = tmp_path / "saved"
+    for rank, (typ, msg, secs) in enumerate(r["save"] for r in res):
+        assert typ == ("Injected" if rank == 0 else "CollectiveFailure") and secs < FAST_S, (rank, typ, msg)
+        assert f"save_hf_pretrained({saved})" in msg and "rank 0: writing" in msg and "injected in save_file" in msg
+    assert not _leftovers(tmp_path)
 
 
 def test_save_checkpoint_fails_on_every_rank_and_keeps_the_previous_one(tmp_path):

@@ -124,7 +124,9 @@ def broken_folders(root: str) -> Dict[str, str]:
 def load_failure_worker(rank: int, world: int, folders: Dict[str, str]) -> Dict:
     """EP 2: a swapped tiny Mixtral (other weights) loads each broken folder of :func:`broken_folders` and the good
     one with :class:`Injected` raised on rank 1 inside the block conversion. Per case ``(exception type, message,
-    seconds in load_hf_checkpoint, model unchanged)``; finally the good folder loads (``"clean"``: True)."""
+    seconds in load_hf_checkpoint, model unchanged)``; then the good folder loads (``"clean"``: True); finally
+    ``"save"``: ``save_hf_pretrained`` with the writer raising :class:`Injected` on rank 0 (``(type, message,
+    seconds)``)."""
     import time
 
     from moe_graph.integrations import hf_checkpoint
@@ -156,6 +158,21 @@ def load_failure_worker(rank: int, world: int, folders: Dict[str, str]) -> Dict:
                 hf_checkpoint.hf_to_moe_state_dict = real
         load_hf_checkpoint(model, folders["good"])
         out["clean"] = not all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+        # save_hf_pretrained: rank 0 writes, rank 1 waits for it; the writer fails on rank 0
+        real_save = hf_checkpoint.save_file
+
+        def failing(*a, **k):
+            raise Injected("injected in save_file")
+
+        hf_checkpoint.save_file = failing
+        t0 = time.perf_counter()
+        try:
+            save_hf_pretrained(model, os.path.join(os.path.dirname(folders["good"]), "saved"), layout="v5")
+            out["save"] = ("none", "", time.perf_counter() - t0)
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            out["save"] = (type(exc).__name__, str(exc), time.perf_counter() - t0)
+        finally:
+            hf_checkpoint.save_file = real_save
         return out
     finally:
         ps.destroy_model_parallel()

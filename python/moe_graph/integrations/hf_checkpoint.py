@@ -185,7 +185,6 @@ class _Files:
                 name = re.sub(pattern, repl, name)
             self.where[name] = (path, k)
 
-
     def _open(self, path: str):
         if path not in self.handles:
             self.handles[path] = read_checkpoint_file(path, "a safetensors file", lambda _: safe_open(path, "pt"))
