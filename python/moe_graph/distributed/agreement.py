@@ -15,7 +15,9 @@ Any exception of any kind raised inside the block is caught; the ranks exchange 
 ``all_gather_object`` over each group given, in order: a few hundred bytes, only at load / save time) and, if any
 rank failed, every rank raises with every failing rank's message: the failing rank an exception of its own type
 when that type takes a message (so ``except ValueError`` still works), else :class:`CollectiveFailure`; the other
-ranks :class:`CollectiveFailure` (``"another rank could not ..."``). The message says what was being done
+ranks :class:`CollectiveFailure` (``"another rank could not ..."``). Every exception raised after the agreement
+carries ``failures`` (``[(global rank, message)]``, the same on every rank): an error without it (a peer that died
+inside the exchange itself) was not agreed on. The message says what was being done
 (:meth:`AllOrNone.at`: the file, the tensor or setting and what was expected) and the original error.
 ``KeyboardInterrupt`` / ``SystemExit`` are agreed on too, then re-raised unchanged. Without ``torch.distributed``
 initialized nothing is exchanged and the error is only named.
@@ -71,6 +73,7 @@ def _retyped(exc: Exception, message: str, failures) -> Exception:
     try:
         new = type(exc)(message)
         if type(new) is type(exc) and message in str(new):
+            new.failures = failures
             return new
     except Exception:  # noqa: BLE001 - a constructor that takes other arguments
         pass

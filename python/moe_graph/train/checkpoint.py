@@ -309,7 +309,8 @@ def save_checkpoint(root: str, step: int, *, rank: int, world: int, model_state:
     ``naming``: how this rank's optimizer names map to whole-model names (:func:`naming_of`), into the index.
     Returns the final folder. Any failure on any rank (a full disk, any exception) raises on every rank naming the
     file (:class:`~moe_graph.distributed.agreement.AllOrNone`; no rank waits), the partial folder is removed and
-    ``latest`` still names the previous checkpoint.
+    ``latest`` still names the previous checkpoint (a rank killed mid-save leaves the partial folder, which the
+    next save of that step replaces).
     """
     name = step_dirname(step)
     final = os.path.join(root, name)
@@ -317,8 +318,8 @@ def save_checkpoint(root: str, step: int, *, rank: int, world: int, model_state:
     try:
         return _save_agreed(root, step, name, final, partial, rank=rank, world=world, model_state=model_state,
                             optimizer=optimizer, rank_state=rank_state, meta=meta, naming=naming, group=group)
-    except BaseException:
-        if rank == 0:  # every rank has agreed on the failure: nobody writes into the partial folder any more
+    except Exception as exc:
+        if rank == 0 and hasattr(exc, "failures"):  # agreed on: nobody writes into the partial folder any more
             shutil.rmtree(partial, ignore_errors=True)
         raise
 
