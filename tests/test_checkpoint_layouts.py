@@ -258,6 +258,22 @@ def test_a_missing_file_fails_the_resume_on_every_rank(reference, tmp_path):
     assert not (tmp_path / "o" / "metrics.jsonl").exists()
 
 
+def test_a_truncated_file_fails_the_resume_on_every_rank_naming_it(reference, tmp_path):
+    """One optimizer file cut short (issue 40): the rank that reads it names the file, every rank fails at once
+    (none waits in a collective), nothing is trained."""
+    broken = tmp_path / "broken"
+    shutil.copytree(reference / "ck" / "step_00000002", broken)
+    shard = broken / "optim_rank00001.pt"
+    shard.write_bytes(shard.read_bytes()[:300])
+    proc = run_cmd([sys.executable, "-m", "moe_graph.demo", *SMALL, "--out", str(tmp_path / "o"), "--dp", "2",
+                    "--ep", "2", "--microbatches", "2", "--steps", "4", "--load", str(broken)], 300,
+                   "the demo resuming a truncated checkpoint", env=_env())
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    assert f"{shard}: not readable as a torch.save file" in proc.stderr, proc.stderr[-3000:]
+    assert f"--load {broken}: rank " in proc.stderr, proc.stderr[-3000:]
+    assert not (tmp_path / "o" / "metrics.jsonl").exists()
+
+
 def test_reshard_optimizer_moves_every_element_including_16_bit_master_weights():
     """Pure bookkeeping against an oracle: whole-model fp32 state (exp_avg, exp_avg_sq and, for bf16 parameters,
     main_param) cut into the shards of ep 2 x dp 2 with cuts inside expert rows, resharded for ep 1 (two chunks,

@@ -373,7 +373,7 @@ def test_checksum_survives_torch_save_and_detects_damage():
 
 
 LOAD_FAILURE_CASES = ["short_piece", "range_none", "hyper_no_eps", "no_lr", "scaler_missing_key", "flipped_bit",
-                      "step_fraction", "unknown_param"]
+                      "step_fraction", "unknown_param", "injected"]
 
 
 def _check_load_failures(res, cases=LOAD_FAILURE_CASES):
@@ -387,8 +387,9 @@ def _check_load_failures(res, cases=LOAD_FAILURE_CASES):
         _, exc, msg, _ = optimizer_checks.CORRUPTIONS[case]
         t, m, _, _ = res[-1][case]
         assert t == exc.__name__ and re.search(msg, m), (case, t, m)
-        for r in res[:-1]:
-            assert r[case][0] == "RuntimeError" and "another rank could not load" in r[case][1], (case, r[case])
+        for r in res[:-1]:  # the other ranks name the failing rank's error too
+            assert r[case][0] == "CollectiveFailure" and "another rank could not load" in r[case][1], (case, r[case])
+            assert re.search(msg, r[case][1]) and f"rank {len(res) - 1}: " in r[case][1], (case, r[case])
         assert all(r[case][3] for r in res), case  # live state bit-identical on every rank
         assert max(r[case][2] for r in res) < 10.0, case  # far below the 30 s a rank stuck in a collective takes
     assert all(all(r["clean_load_roundtrip"]) for r in res)
@@ -570,10 +571,10 @@ def test_four_ranks_then_resume_at_two_and_one(tmp_path):
     # without the last DP=4 file, DP=2 rank 1's range is not covered: it names the parameter, and
     # the other rank of its group raises too instead of waiting in the param all-gather
     msgs = [r["missing"][0] for r in res]
-    assert all(m.startswith("RuntimeError: load_state_dict: another rank") or "no saved shard covers" in m
+    assert all(m.startswith("CollectiveFailure: load_state_dict: another rank") or "no saved shard covers" in m
                for m in msgs), msgs
     assert "no saved shard covers" in msgs[1] and "of parameter '" in msgs[1], msgs
-    assert msgs[0].startswith("RuntimeError"), msgs
+    assert msgs[0].startswith("CollectiveFailure") and "no saved shard covers" in msgs[0], msgs
 
 
 def test_expert_dp_differs_from_dense_dp(tmp_path):

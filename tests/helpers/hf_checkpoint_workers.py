@@ -9,6 +9,7 @@ from typing import Dict, Sequence
 import torch
 from torch import nn
 
+from helpers import Injected
 from moe_graph import parallel_state as ps
 from moe_graph.distributed.ddp import DistributedDataParallel
 from moe_graph.distributed.optimizer import DistributedOptimizer
@@ -76,6 +77,102 @@ def train_save_load_worker(rank: int, world: int, families: Sequence[str], root:
                 with torch.no_grad():
                     res[f"reloaded_{layout}"] = model_loss(fresh, probe_ids())[0]
             out[fam] = res
+        return out
+    finally:
+        ps.destroy_model_parallel()
+
+
+def broken_folders(root: str) -> Dict[str, str]:
+    """Broken copies of a tiny Mixtral's ``save_pretrained`` folder (one process, no process group), each read by
+    :func:`load_failure_worker` on EP 2: ``"truncated"``, a v4 folder split over two safetensors files (an index),
+    the second (experts 4..7: EP rank 1's only) cut to 7 bytes (an invalid header length); ``"short_row"``, v4 with
+    expert 5's ``w1`` one row short (EP rank 1's); ``"good"``, the v5 folder intact (the injected failure)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    _, model = tiny_model("mixtral")
+    swap_moe_blocks(model)
+    out = {}
+    good = os.path.join(root, "good")
+    save_hf_pretrained(model, good, layout="v5")
+    out["good"] = good
+    v4 = os.path.join(root, "v4")
+    save_hf_pretrained(model, v4, layout="v4")
+    sd = load_file(os.path.join(v4, "model.safetensors"))
+    short = os.path.join(root, "short_row")
+    shutil.copytree(v4, short)
+    name = "model.layers.0.block_sparse_moe.experts.5.w1.weight"
+    save_file(dict(sd, **{name: sd[name][:-1].clone()}), os.path.join(short, "model.safetensors"),
+              metadata={"format": "pt"})
+    trunc = os.path.join(root, "truncated")
+    shutil.copytree(v4, trunc)
+    os.remove(os.path.join(trunc, "model.safetensors"))
+    second = {k for k in sd if any(f".experts.{e}." in k for e in range(4, 8))}
+    save_file({k: v for k, v in sd.items() if k not in second}, os.path.join(trunc, "model-00001-of-00002.safetensors"),
+              metadata={"format": "pt"})
+    with open(os.path.join(trunc, "model-00002-of-00002.safetensors"), "wb") as f:
+        f.write(b"\x01\x02\x03\x04\x05\x06\x07")
+    with open(os.path.join(trunc, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": {k: f"model-0000{2 if k in second else 1}-of-00002.safetensors"
+                                                  for k in sd}}, f)
+    out["truncated"], out["short_row"] = trunc, short
+    return out
+
+
+def load_failure_worker(rank: int, world: int, folders: Dict[str, str]) -> Dict:
+    """EP 2: a swapped tiny Mixtral (other weights) loads each broken folder of :func:`broken_folders` and the good
+    one with :class:`Injected` raised on rank 1 inside the block conversion. Per case ``(exception type, message,
+    seconds in load_hf_checkpoint, model unchanged)``; then the good folder loads (``"clean"``: True); finally
+    ``"save"``: ``save_hf_pretrained`` with the writer raising :class:`Injected` on rank 0 (``(type, message,
+    seconds)``)."""
+    import time
+
+    from moe_graph.integrations import hf_checkpoint
+
+    ps.initialize_model_parallel(expert_model_parallel_size=world)
+    try:
+        _, model = tiny_model("mixtral", seed=3)
+        swap_moe_blocks(model, ep_group=ps.get_expert_model_parallel_group())
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        out = {}
+        real = hf_checkpoint.hf_to_moe_state_dict
+        for case in ("truncated", "short_row", "injected"):
+            folder = folders["good" if case == "injected" else case]
+
+            def convert(*a, **k):
+                if case == "injected" and rank == 1:
+                    raise Injected("injected on rank 1")
+                return real(*a, **k)
+
+            hf_checkpoint.hf_to_moe_state_dict = convert
+            t0 = time.perf_counter()
+            try:
+                load_hf_checkpoint(model, folder)
+                out[case] = ("none", "", time.perf_counter() - t0, True)
+            except Exception as exc:  # noqa: BLE001 - reported to the test
+                same = all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+                out[case] = (type(exc).__name__, str(exc), time.perf_counter() - t0, same)
+            finally:
+                hf_checkpoint.hf_to_moe_state_dict = real
+        load_hf_checkpoint(model, folders["good"])
+        out["clean"] = not all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+        # save_hf_pretrained: rank 0 writes, rank 1 waits for it; the writer fails on rank 0
+        real_save = hf_checkpoint.save_file
+
+        def failing(*a, **k):
+            raise Injected("injected in save_file")
+
+        hf_checkpoint.save_file = failing
+        t0 = time.perf_counter()
+        try:
+            save_hf_pretrained(model, os.path.join(os.path.dirname(folders["good"]), "saved"), layout="v5")
+            out["save"] = ("none", "", time.perf_counter() - t0)
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            out["save"] = (type(exc).__name__, str(exc), time.perf_counter() - t0)
+        finally:
+            hf_checkpoint.save_file = real_save
         return out
     finally:
         ps.destroy_model_parallel()

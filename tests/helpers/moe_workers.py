@@ -392,3 +392,52 @@ def symm_mem_exchange_worker(rank: int, world: int) -> Dict:
         errors.append({"counts": c, "rows": float((rows - want).abs().max()),
                        "back": float((back - 2.0 * send).abs().max()), "m_splits": ms.tolist() == c})
     return {"cases": errors}
+
+
+def corrupted_counts_worker(rank: int, world: int, case: str) -> Dict:
+    """EP 2 (echo with one spare slot: the plan reads every rank's counts) on one batch, run clean and then with
+    ``case`` corrupting what rank 1 received, every value still in range: ``"counts"``, rank 1's copy of rank 0's
+    gathered ``[E]`` counts rolled by two experts (the layer's all-gather); ``"demand"`` (per-destination rule),
+    rank 1's copy of rank 0's ``[R]`` demand rolled by one (the dispatcher's own exchange). Returns the
+    ``EXCHANGE_COUNTS`` bit after each run."""
+    import torch.distributed as dist
+
+    torch.manual_seed(0)  # the same layer on every rank
+    R, H, Fh, E, K, T = world, 8, 12, 4 * world, 2, 24
+    layer = MoELayer(H, Fh, E, K, num_spare_experts_per_ep_rank=1, ep_size=R, device="cpu",
+                     params_dtype=torch.float64, exchange="symm_mem" if case == "demand" else "nccl")
+    with torch.no_grad():
+        layer.router.weight[0] += 3.0  # expert 0 is hot: echo has work to do
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(100 + rank), dtype=torch.float64)
+    read_error_flag("cpu")  # clean slate
+    out = {}
+    with torch.no_grad():
+        layer(x)
+    out["clean_flag"] = read_error_flag("cpu") & EXCHANGE_COUNTS
+    real_gather, backend = dist.all_gather, layer.dispatcher.backend
+    real_exchange = backend.exchange
+
+    def gather(tensors, t, *a, **k):
+        res = real_gather(tensors, t, *a, **k)
+        if rank == 1 and t.dtype == torch.int64 and tuple(t.shape) == (E,):
+            tensors[0].copy_(tensors[0].roll(2))
+        return res
+
+    def exchange(t):
+        got = real_exchange(t)
+        if rank == 1 and t.dtype == torch.int64 and tuple(t.shape) == (R, R):
+            got = got.clone()
+            got[0] = got[0].roll(1)
+        return got
+
+    if case == "counts":
+        dist.all_gather = gather
+    else:
+        backend.exchange = exchange
+    try:
+        with torch.no_grad():
+            layer(x)
+    finally:
+        dist.all_gather, backend.exchange = real_gather, real_exchange
+    out["corrupted_flag"] = read_error_flag("cpu") & EXCHANGE_COUNTS
+    return out

@@ -14,6 +14,7 @@ from typing import Dict, List, Tuple
 import torch
 import torch.distributed as dist
 
+from helpers import Injected
 from moe_graph.distributed.ddp import DistributedDataParallel
 from moe_graph.distributed.launch import run_distributed
 from moe_graph.distributed.optimizer import DistributedOptimizer, DynamicLossScaler
@@ -630,7 +631,18 @@ CORRUPTIONS = {
         r"parameters this model does not have: \['zzz'\]", False),
     "flipped_bit": (lambda sd, n: _flip_byte(sd, n, "exp_avg_sq"), ValueError, r"fails its checksum", True),
     "no_checksum": (lambda sd, n: _without(sd, "checksum"), ValueError, r"has no 'checksum'", True),
+    # any exception of any kind (here one no moe_graph code knows) on one rank: every rank raises, naming it
+    "injected": (lambda sd, n: _Raising(sd), Injected, r"checking saved shard \d+: Injected: injected", False),
 }
+
+
+class _Raising(dict):
+    """A saved shard whose ``"metadata"`` raises :class:`helpers.Injected` when read."""
+
+    def __getitem__(self, key):
+        if key == "metadata":
+            raise Injected("injected while reading 'metadata'")
+        return super().__getitem__(key)
 
 
 def load_failure_worker(rank: int, ws: int, cases: List[str], group_timeout_s: float, dp_size: int = None) -> bytes:

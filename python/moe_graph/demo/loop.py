@@ -21,6 +21,7 @@ from moe_graph.cuda_graph import FullIterationGraph
 from moe_graph.demo.data import CharData, build_corpus
 from moe_graph.demo.model import MoETransformerLM, moe_options
 from moe_graph.demo.report import append_metrics, metrics_record, progress_line
+from moe_graph.distributed.agreement import AllOrNone
 from moe_graph.distributed.ddp import DistributedDataParallel
 from moe_graph.distributed.launch import Layout, StopRequest, resolve_layout
 from moe_graph.distributed.optimizer import DistributedOptimizer
@@ -185,28 +186,26 @@ class Trainer:
         and, with the same layout, the RNG states; every rank fails together if any rank cannot read its part."""
         cfg, layout = self.cfg, self.layout
         t_load = time.perf_counter()
-        folder = checkpoint.resolve_checkpoint(path)
-        meta = checkpoint.read_meta(folder)
-        check_checkpoint_compatible(meta, cfg, layout)
-        error = None
-        try:
+        # every rank fails together on any error (none waits in the optimizer's collectives), naming the file
+        with AllOrNone(f"--load {path}", action="read its part of the checkpoint",
+                       outcome="nothing was loaded") as step:
+            step.at(f"reading {path} (expected a checkpoint root or a step_* folder)")
+            folder = checkpoint.resolve_checkpoint(path)
+            meta = checkpoint.read_meta(folder)
+            step.at(f"{folder}/meta.json: comparing its model and layout with this run's")
+            check_checkpoint_compatible(meta, cfg, layout)
+            step.at(f"reading this rank's model tensors from {folder}")
             mine = self.model_tensors()
             plan = checkpoint.copy_plan(mine, checkpoint.read_model_state(folder, meta, wanted=mine))
+            step.at(f"reading and resharding this rank's optimizer state from {folder}")
             target, naming = self.opt.checkpoint_metadata(), self.naming()
             ranks = checkpoint.files_holding(meta, "optim", checkpoint.optimizer_tensor_names(target, naming))
             saved = checkpoint.read_optimizer_shards(folder, ranks, migrate=meta["format"] == checkpoint.FORMAT_V1)
             shards = checkpoint.reshard_optimizer(saved, [meta["index"][r]["naming"] for r in ranks], target, naming)
             # per-rank RNG streams carry over only to the same rank of the same layout
+            step.at(f"reading this rank's RNG state from {folder}")
             rng = (checkpoint.read_rank_state(folder, self.rank).get("rng") if meta["layout"] == layout.as_dict()
                    else None)
-        except (KeyError, ValueError, OSError, RuntimeError, IndexError) as exc:
-            error = exc
-        flag = torch.tensor([0.0 if error is None else 1.0], device=self.device)
-        dist.all_reduce(flag)  # every rank fails together: none waits in the optimizer's collectives
-        if error is not None:
-            raise ValueError(f"--load {path}: {error}") from error
-        if float(flag) > 0:
-            raise RuntimeError(f"--load {path}: another rank could not read its part of the checkpoint")
         self.opt.load_state_dict(shards, verify_checksum=False)  # the files' checksums were checked on reading
         with torch.no_grad():
             for dst, src in plan:

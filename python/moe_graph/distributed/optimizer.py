@@ -53,6 +53,7 @@ import torch.distributed as dist
 
 from moe_graph import parallel_state as ps
 from moe_graph.cuda_graph import _note_capture
+from moe_graph.distributed.agreement import AllOrNone
 from moe_graph.distributed.buffers import ParamAndGradBuffer
 
 __all__ = ["build_shard_ranges", "DistributedOptimizer", "DynamicLossScaler", "ConstantLossScaler", "state_checksum"]
@@ -960,19 +961,16 @@ class DistributedOptimizer:
                                      "saved run")
         return copies
 
-    def _agree(self, ok: bool) -> bool:
-        """True when every rank that shares a collective of :meth:`step` with this one has ``ok``: a flag
-        all-reduced (max of the failures) over the data-parallel groups, then the model-parallel and expert
-        model-parallel groups. Every rank must call it (it is how a failing rank releases the others)."""
-        flag = torch.full((), 0.0 if ok else 1.0, dtype=torch.float32, device=self.device)
+    def _agreement_groups(self) -> List:
+        """The process groups of :meth:`step` that a failing rank must release, in order: the data-parallel groups,
+        then the model-parallel and expert model-parallel groups (:class:`~moe_graph.distributed.agreement.AllOrNone`
+        agrees over them in turn)."""
         groups = [g for g, _, _ in self._stat_groups if g is not None]
         if self.model_parallel_group is not None and any(not e for _, e, _ in self._stat_groups):
             groups.append(self.model_parallel_group)
         if self.expert_model_parallel_group is not None and any(e for _, e, _ in self._stat_groups):
             groups.append(self.expert_model_parallel_group)
-        for group in groups:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        return float(flag) == 0.0
+        return groups
 
     @torch.no_grad()
     def load_state_dict(self, state, verify_checksum: bool = True) -> None:
@@ -988,24 +986,30 @@ class DistributedOptimizer:
         Transactional: every shard is checked before anything is written (its checksum unless
         ``verify_checksum=False``, keys, types, hyper-parameters, loss-scaler keys, names, shapes, dtypes,
         each piece's numel and range, coverage of this rank's range, no element saved twice); then the ranks
-        agree through one flag all-reduce per process group of :meth:`step` (a collective: every rank must
-        call it). If any rank failed, every rank raises (the failing one its own error, the others a
-        RuntimeError) and the live state is left bit-identical. Otherwise the moments, fp32 main params, step,
+        agree (:class:`~moe_graph.distributed.agreement.AllOrNone`: one exchange of the error messages per
+        process group of :meth:`step`; a collective: every rank must call it). If any rank failed (any
+        exception), every rank raises naming it (the failing one an error of its own type, the others a
+        ``CollectiveFailure``, a RuntimeError) and the live state is left bit-identical. Otherwise the moments, fp32 main params, step,
         lr, hyper-parameters and loss-scaler state are copied, and the 16-bit model params are refreshed and
         all-gathered. While a captured CUDA graph holds :meth:`step`, a checkpoint whose hyper-parameters
         differ in a setting the graph baked in is refused (call ``FullIterationGraph.reset()`` first).
         """
-        error = None
-        try:
+        # every rank fails together, before anything is written, so that no rank waits in the all-gather
+        with AllOrNone("load_state_dict", action="load its checkpoint shards",
+                       outcome="nothing was loaded", groups=self._agreement_groups()) as agreement:
             if state is None or isinstance(state, (str, bytes)) or not isinstance(state, (dict, list, tuple)):
                 raise ValueError("load_state_dict: state must be the dict returned by state_dict() or a list of "
                                  f"them (one per saved data-parallel rank), got {type(state).__name__}")
             shards = [state] if isinstance(state, dict) else list(state)
             if not shards:
                 raise ValueError("load_state_dict: no shard given (an empty list)")
-            parsed = [self._validate_shard(i, sd) for i, sd in enumerate(shards)]
+            parsed = []
+            for i, sd in enumerate(shards):
+                agreement.at(f"checking saved shard {i}")
+                parsed.append(self._validate_shard(i, sd))
             if verify_checksum:
                 for i, sd in enumerate(shards):
+                    agreement.at(f"checking saved shard {i}")
                     if "checksum" not in sd:
                         raise ValueError(f"load_state_dict: shard {i} has no 'checksum' (saved with "
                                          "state_dict(checksum=False)?): pass verify_checksum=False to load it")
@@ -1017,18 +1021,11 @@ class DistributedOptimizer:
                     if p[k] != parsed[0][k]:
                         raise ValueError(f"load_state_dict: shard {i} has {k} {p[k]}, shard 0 {parsed[0][k]} "
                                          "(the shards were saved at different steps or by different runs)")
+            agreement.at("matching the saved shards to this rank's parameters")
             copies = self._plan_load(shards)
             new = parsed[0]
+            agreement.at("comparing the saved hyper-parameters with those a captured graph baked in")
             self._check_settings_change(new["settings"])
-        except Exception as exc:  # noqa: BLE001 - any malformed input; re-raised below after the ranks agree
-            error = exc
-        # fail on every rank together, before anything is written, so that no rank waits in the all-gather
-        agreed = self._agree(error is None)
-        if error is not None:
-            raise error
-        if not agreed:
-            raise RuntimeError("load_state_dict: another rank could not load its checkpoint shards (its own error "
-                               "names the problem); nothing was loaded")
         for dst, src in copies:
             dst.copy_(src)
         self.step_count.fill_(new["step"])

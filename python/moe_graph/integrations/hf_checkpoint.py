@@ -48,10 +48,11 @@ try:
 except ImportError:  # swapped_from_pretrained needs transformers; the rest works on any model with a .config
     AutoConfig = AutoModelForCausalLM = None
 
+from moe_graph.distributed.agreement import AllOrNone
 from moe_graph.integrations.hf import (HFMoEBlock, HFSplitExperts, hf_to_moe_state_dict, moe_to_hf_state_dict,
                                        swap_moe_blocks)
 from moe_graph.moe.layer import MoELayer
-from moe_graph.train.checkpoint import is_expert
+from moe_graph.train.checkpoint import is_expert, read_checkpoint_file
 
 __all__ = ["gather_hf_state_dict", "save_hf_pretrained", "load_hf_checkpoint", "swapped_from_pretrained"]
 
@@ -105,26 +106,33 @@ def save_hf_pretrained(model: nn.Module, save_directory: str, *, layout: str = "
     """Write a model swapped with ``swap_moe_blocks`` (trained with moe_graph: EP slices on several ranks) as a
     transformers ``save_pretrained`` folder (see the module docstring for ``layout``). A collective over every
     rank of ``torch.distributed`` when it is initialized (global rank 0 writes; all return after the files are
-    complete); returns the folder on the writing rank, else ``None``."""
+    complete, or all raise naming rank 0's error: :class:`~moe_graph.distributed.agreement.AllOrNone`); returns
+    the folder on the writing rank, else ``None``."""
     if layout not in ("v4", "v5"):
         raise ValueError(f"save_hf_pretrained: layout must be 'v4' or 'v5', got {layout!r}")
     sd = gather_hf_state_dict(model)
     distributed = dist.is_available() and dist.is_initialized()
     written = None
-    if not distributed or dist.get_rank() == 0:
-        os.makedirs(save_directory, exist_ok=True)
-        if layout == "v4":  # transformers' own writer: its per-expert on-disk names
-            model.save_pretrained(save_directory, state_dict=sd, safe_serialization=True)
-        else:
-            model.config.save_pretrained(save_directory)
-            if getattr(model, "generation_config", None) is not None:
-                model.generation_config.save_pretrained(save_directory)
-            tmp = os.path.join(save_directory, "model.safetensors.tmp")
-            save_file(_unshared(sd), tmp, metadata={"format": "pt"})
-            os.replace(tmp, os.path.join(save_directory, "model.safetensors"))
-        written = save_directory
-    if distributed:
-        dist.barrier()
+    # the other ranks wait for rank 0's files here: any failure of its writing raises on every rank
+    with AllOrNone(f"save_hf_pretrained({save_directory})", action="save",
+                   outcome="no folder was returned as saved") as step:
+        if not distributed or dist.get_rank() == 0:
+            step.at(f"writing {save_directory} (layout {layout})")
+            os.makedirs(save_directory, exist_ok=True)
+            if layout == "v4":  # transformers' own writer: its per-expert on-disk names
+                model.save_pretrained(save_directory, state_dict=sd, safe_serialization=True)
+            else:
+                model.config.save_pretrained(save_directory)
+                if getattr(model, "generation_config", None) is not None:
+                    model.generation_config.save_pretrained(save_directory)
+                tmp = os.path.join(save_directory, "model.safetensors.tmp")
+                try:
+                    save_file(_unshared(sd), tmp, metadata={"format": "pt"})
+                    os.replace(tmp, os.path.join(save_directory, "model.safetensors"))
+                finally:
+                    if os.path.exists(tmp):
+                        os.remove(tmp)
+            written = save_directory
     return written
 
 
@@ -157,14 +165,15 @@ class _Files:
     tensor, ``get_slice(name)`` a safetensors slice (``[a:b]`` reads those rows only)."""
 
     def __init__(self, folder: str, model_type: Optional[str]):
+        self.handles: Dict[str, object] = {}
         index = os.path.join(folder, "model.safetensors.index.json")
         single = os.path.join(folder, "model.safetensors")
         if os.path.isfile(index):
-            with open(index) as f:
-                on_disk = {k: os.path.join(folder, v) for k, v in json.load(f)["weight_map"].items()}
+            weight_map = read_checkpoint_file(index, "a safetensors index (JSON with a 'weight_map')",
+                                              lambda f: json.load(f)["weight_map"])
+            on_disk = {k: os.path.join(folder, v) for k, v in weight_map.items()}
         elif os.path.isfile(single):
-            with safe_open(single, "pt") as f:
-                on_disk = {k: single for k in f.keys()}
+            on_disk = {k: single for k in self._open(single).keys()}
         else:
             raise FileNotFoundError(f"{folder}: no model.safetensors or model.safetensors.index.json (a "
                                     "save_pretrained folder with safetensors)")
@@ -175,13 +184,19 @@ class _Files:
             for pattern, repl in renames:
                 name = re.sub(pattern, repl, name)
             self.where[name] = (path, k)
-        self.handles: Dict[str, object] = {}
+
+    def _open(self, path: str):
+        if path not in self.handles:
+            self.handles[path] = read_checkpoint_file(path, "a safetensors file", lambda _: safe_open(path, "pt"))
+        return self.handles[path]
 
     def _h(self, name: str):
         path, key = self.where[name]
-        if path not in self.handles:
-            self.handles[path] = safe_open(path, "pt")
-        return self.handles[path], key
+        return self._open(path), key
+
+    def files_of(self, prefix: str) -> str:
+        """The files holding the tensors named ``prefix.*`` (comma-separated), for messages."""
+        return ", ".join(sorted({p for k, (p, _) in self.where.items() if k.startswith(f"{prefix}.")})) or "no file"
 
     def get(self, name: str) -> torch.Tensor:
         h, key = self._h(name)
@@ -198,6 +213,7 @@ def _block_source(files: _Files, name: str, ep_rank: int, ep_size: int, num_expe
     L = num_experts // ep_size
     mine = range(ep_rank * L, (ep_rank + 1) * L)
     src: Dict[str, object] = {}
+    shapes: Dict[str, Tuple[str, Tuple[int, ...]]] = {}  # per-expert tensor kind -> (first name, its shape)
     for k in files.where:
         if not k.startswith(f"{name}."):
             continue
@@ -206,6 +222,11 @@ def _block_source(files: _Files, name: str, ep_rank: int, ep_size: int, num_expe
         if m:
             if int(m.group(1)) in mine:
                 src[rel] = files.get(k)
+                kind = rel[m.end():]
+                first, shape = shapes.setdefault(kind, (k, tuple(src[rel].shape)))
+                if tuple(src[rel].shape) != shape:  # one expert's tensor cut short or grown: name it
+                    raise ValueError(f"{files.where[k][0]}: tensor {files.where[k][1]!r} is {tuple(src[rel].shape)}, "
+                                     f"expected {shape} like {first!r} (every expert's {kind} has one shape)")
         elif ep_size > 1 and _is_fused(files.get_slice(k).get_shape(), num_experts):
             src[rel] = _Rows(files.get_slice(k))
         else:
@@ -233,12 +254,15 @@ def load_hf_checkpoint(model: nn.Module, folder: str) -> List[str]:
     per-expert layout, detected per block): dense tensors by name, each MoE layer's tensors converted from its
     block's (this rank's experts only: nothing is read for another expert-parallel rank's experts). Everything is
     read and checked (every tensor present, same shape and dtype) before the first copy, and when
-    ``torch.distributed`` is initialized the ranks agree (one flag all-reduce over the world) so that a failure
-    raises on every rank with the model unchanged. Returns the names of the tensors loaded."""
+    ``torch.distributed`` is initialized the ranks agree (:class:`~moe_graph.distributed.agreement.AllOrNone` over
+    the world) so that any failure on any rank (a broken file, a tensor of the wrong shape, any exception) raises
+    on every rank naming the file and the tensor, with the model unchanged. Returns the names of the tensors
+    loaded."""
     config = _text_config(model)
     family = getattr(config, "model_type", None)
-    error, plan = None, []
-    try:
+    plan = []
+    with AllOrNone(f"load_hf_checkpoint({folder})", outcome="nothing was loaded") as step:
+        step.at(f"opening {folder} (expected a save_pretrained folder with safetensors files)")
         files = _Files(folder, family)
         blocks = _blocks(model)
         inside = tuple(f"{n}." for n, _ in blocks)
@@ -250,33 +274,30 @@ def load_hf_checkpoint(model: nn.Module, folder: str) -> List[str]:
                     continue  # tied to another tensor, which is loaded
                 raise KeyError(f"{folder}: the checkpoint has no tensor {k!r} (transformers' writer may have converted "
                                "it beyond a rename, as GLM5-Next's v4 conv1d: save with layout='v5')")
+            step.at(f"reading tensor {k!r} from {files.where[k][0]} (expected {dst.dtype} {tuple(dst.shape)})")
             plan.append((k, dst, files.get(k)))
         for name, block in blocks:
             layer = block.moe
             ep_rank, ep_size = _ep(layer)
+            step.at(f"reading the tensors of the MoE block {name!r} from {files.files_of(name)} (expected "
+                    f"{layer.num_experts} experts, hidden {layer.hidden_size}, ffn {layer.ffn_hidden_size}; this "
+                    f"rank's are {ep_rank * layer.num_local_experts}..{(ep_rank + 1) * layer.num_local_experts - 1})")
             src = _block_source(files, name, ep_rank, ep_size, layer.num_experts)
             if not src:
                 raise KeyError(f"{folder}: the checkpoint has no tensor of the MoE block {name!r}")
             own = layer.state_dict(keep_vars=True)
+            step.at(step.where.replace("reading", "converting (hf_to_moe_state_dict)", 1))
             for k, t in hf_to_moe_state_dict(src, config, ep_rank=ep_rank, ep_size=ep_size).items():
                 t = t[:] if isinstance(t, _Rows) else t  # a fused tensor the conversion takes whole
                 if k not in own:
                     raise KeyError(f"{name}: MoELayer has no {k!r}")
                 plan.append((f"{name}.moe.{k}", own[k], t))
+        step.at(None)
         for k, dst, src in plan:
             if not isinstance(src, torch.Tensor) or tuple(src.shape) != tuple(dst.shape) or src.dtype != dst.dtype:
                 got = f"{src.dtype} {tuple(src.shape)}" if isinstance(src, torch.Tensor) else type(src).__name__
                 raise ValueError(f"{folder}: {k!r} is {got} in the checkpoint, the model has {dst.dtype} "
                                  f"{tuple(dst.shape)}")
-    except (KeyError, ValueError, OSError) as exc:
-        error = exc
-    if dist.is_available() and dist.is_initialized():
-        flag = torch.tensor([0.0 if error is None else 1.0], device=next(model.parameters()).device)
-        dist.all_reduce(flag)
-        if error is None and float(flag) > 0:
-            raise RuntimeError(f"load_hf_checkpoint({folder}): another rank could not load its part; nothing loaded")
-    if error is not None:
-        raise error
     with torch.no_grad():
         for _, dst, src in plan:
             dst.copy_(src)

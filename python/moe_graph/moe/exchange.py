@@ -29,8 +29,12 @@ Backends of the per-destination rule (chosen once at construction, never during 
   the training-equivalence rows run the per-destination rule here.
 
 Bad counts: a negative demand, one past ``T * K`` and a gathered row of this rank that differs from its own count
-(a corrupted all-gather) are clamped and set the device error flag's ``EXCHANGE_COUNTS`` bit
-(``moe_graph.check_errors()`` names it); rows that would not fit a receive buffer are never written past it.
+are clamped and set the device error flag's ``EXCHANGE_COUNTS`` bit (``moe_graph.check_errors()`` names it); rows
+that would not fit a receive buffer are never written past it. Gathered counts that differ between ranks (a
+corrupted all-gather: another rank's row changed on one rank, every value still in range) are caught by
+:func:`flag_if_ranks_disagree` (a position-weighted checksum of the gathered matrix, its max and min over the group
+in one 2-element all-reduce) and set the same bit; the plan is then computed from the rank's own copy (a checksum
+can miss a corruption whose weighted sum is unchanged: unlikely, not impossible).
 """
 
 from __future__ import annotations
@@ -55,6 +59,8 @@ __all__ = [
     "destination_capacity",
     "destination_quotas",
     "checked_demand",
+    "checksum_weights",
+    "flag_if_ranks_disagree",
     "HostSizedExchange",
     "SymmMemExchange",
     "symm_mem_available",
@@ -131,6 +137,29 @@ def checked_demand(gathered: torch.Tensor, local: torch.Tensor, ep_rank: int, ma
     flag_error_if(bad | (gathered[ep_rank] != local).unsqueeze(0), EXCHANGE_COUNTS)
     safe = gathered.clamp(0, max_count)
     return torch.cat([safe[:ep_rank], local.to(safe.dtype).unsqueeze(0), safe[ep_rank + 1:]])
+
+
+def checksum_weights(numel: int, device=None) -> torch.Tensor:
+    """``[2, numel]`` int64 position weights of :func:`flag_if_ranks_disagree`'s checksum: row 0 a fixed
+    pseudo-random sequence in ``[1, 2**20)`` (so that moving counts between positions, e.g. a row rolled by two
+    experts, changes the weighted sum; counts below ``2**23`` over up to ``2**16`` positions cannot overflow int64),
+    row 1 its negation (the max and the min of the checksum come out of one MAX all-reduce)."""
+    idx = torch.arange(numel, dtype=torch.int64)
+    w = (idx * 2654435761 + 40503) % 1048573 + 1
+    return torch.stack([w, -w]).to(device)
+
+
+def flag_if_ranks_disagree(gathered: torch.Tensor, weights: torch.Tensor, group=None) -> None:
+    """Sets ``EXCHANGE_COUNTS`` on every rank of ``group`` when the all-gathered integer matrix ``gathered``
+    (``[R, E]`` counts, ``[R, R]`` demand: the same on every rank unless a gather was corrupted) differs between
+    ranks: each rank's checksum ``c = sum(gathered * w)`` and ``-c`` (``weights``: :func:`checksum_weights` of at
+    least ``gathered.numel()`` positions), one MAX all-reduce of these 2 int64 (16 bytes) giving ``max c`` and
+    ``-min c``, the flag set where they differ. Device ops only (no host sync), capturable: per call 2 kernels,
+    the all-reduce, and the flag's 6 small kernels. A collective: every rank of ``group`` calls it."""
+    n = gathered.numel()
+    both = (gathered.reshape(1, n).to(torch.int64) * weights[:, :n]).sum(1)  # [c, -c]
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)  # [max c, -min c]
+    flag_error_if(both.sum(), EXCHANGE_COUNTS)  # max c - min c != 0
 
 
 def exchange_bytes(num_tokens: int, topk: int, num_ep_ranks: int, hidden_size: int, element_size: int,

@@ -43,6 +43,7 @@ from moe_graph import parallel_state as ps
 from moe_graph.cuda_graph import checkpoint
 from moe_graph.moe.config import MoEConfig
 from moe_graph.moe.echo_balancer import EchoBalancer
+from moe_graph.moe.exchange import checksum_weights, flag_if_ranks_disagree
 from moe_graph.moe.experts import GroupedMLP, SharedExpert
 from moe_graph.moe.router import MoEAuxLossAutoScaler, RouterLoss, Routing, TopKRouter
 from moe_graph.moe.token_dispatcher import TokenDispatcher, expert_columns
@@ -328,6 +329,9 @@ class MoELayer(nn.Module):
                                           capacity=None, group=ep_group, drop_policy=c.token_drop_policy,
                                           device=device, exchange=c.exchange,
                                           ranks_per_node=c.ranks_per_node, num_sms=c.exchange_num_sms)  # its constant tables are built here, on the device
+        if ep_size > 1:  # the gathered counts' checksum across ranks (moe.exchange.flag_if_ranks_disagree)
+            self.register_buffer("counts_checksum_weights", checksum_weights(
+                ep_size * (c.num_experts + c.num_zero_experts), device), persistent=False)
         self.echo = None
         if k > 0:
             self.echo = EchoBalancer(c.num_experts, ep_size, self.ep_rank, k, assignment=c.assignment,
@@ -545,6 +549,7 @@ class MoELayer(nn.Module):
         R = self.num_ep_ranks
         if R > 1:
             counts = _all_gather_counts(routing.counts, self.ep_group, R)  # [R, E]
+            flag_if_ranks_disagree(counts, self.counts_checksum_weights, self.ep_group)  # a corrupted gather
             torch.sum(counts, 0, out=self.last_tokens_per_expert)
         else:
             counts = routing.counts.unsqueeze(0)  # the router wrote last_tokens_per_expert (not with zero experts)

@@ -67,8 +67,9 @@ from torch import nn
 
 from moe_graph.moe.echo import default_backend
 from moe_graph.moe.exchange import (EXCHANGES, CompletedExchange, FusedCombineFn, FusedDispatchFn, FusedState,
-                                    RowWeightsFn, ToExperts, ToSources, capacity_for, checked_demand,
-                                    destination_capacity, destination_quotas, is_fused, resolve_exchange)
+                                    RowWeightsFn, ToExperts, ToSources, capacity_for, checked_demand, checksum_weights,
+                                    destination_capacity, destination_quotas, flag_if_ranks_disagree, is_fused,
+                                    resolve_exchange)
 from moe_graph.ops.dispatch_layout import dispatch_layout, receive_layout
 from moe_graph.ops.fp8 import carrier, pack_rows, unpack_rows
 from moe_graph.ops.permute import expand_rows, reduce_rows
@@ -322,6 +323,8 @@ class TokenDispatcher(nn.Module):
         self.ranks_per_node = ranks_per_node
         if num_ep_ranks > 1:
             self.rule, self.exchange_backend = resolve_exchange(exchange, group, device, ranks_per_node, num_sms)
+            self.register_buffer("demand_checksum_weights", checksum_weights(num_ep_ranks ** 2, device),
+                                 persistent=False)
         # a fused backend (exchange="nvlink"): dispatch / combine / gather_routes, used through the autograd
         # functions of moe_graph.moe.exchange
         self.fused = self.exchange_backend is not None and is_fused(self.exchange_backend)
@@ -473,6 +476,8 @@ class TokenDispatcher(nn.Module):
         local = self._local_demand(indices, valid)
         if demand is None:
             demand = self.backend.exchange(local.expand(R, R).contiguous())  # row s: source s's demand
+            if dist.is_available() and dist.is_initialized():  # the same [R, R] on every rank, or flagged
+                flag_if_ranks_disagree(demand, self.demand_checksum_weights, self.group)
         elif tuple(demand.shape) != (R, R):
             raise ValueError(f"demand must be [R={R}, R={R}], got shape {tuple(demand.shape)}")
         demand = checked_demand(demand.to(torch.int64), local, self.ep_rank, T * K)

@@ -56,6 +56,7 @@ try:
 except ImportError:  # optional: only ``convert CKPT OUT.safetensors`` needs it
     save_file = None
 
+from moe_graph.distributed.agreement import AllOrNone
 from moe_graph.distributed.optimizer import state_checksum
 from moe_graph.train.schedules import chunk_layer_ids
 
@@ -64,7 +65,7 @@ __all__ = ["FORMAT", "FORMAT_V1", "step_dirname", "resolve_checkpoint", "read_me
            "is_expert_name", "split_expert_name", "global_tensors", "copy_plan", "migrate_name", "naming_of",
            "optimizer_global_names", "optimizer_tensor_names", "held_index", "index_v1", "files_holding",
            "optimizer_pieces", "consolidate_optimizer", "reshard_optimizer", "rank_files", "atomic_torch_save",
-           "atomic_text", "inspect_checkpoint", "whole_model_state_dict", "convert_checkpoint", "reshard_checkpoint",
+           "atomic_text", "read_checkpoint_file", "inspect_checkpoint", "whole_model_state_dict", "convert_checkpoint", "reshard_checkpoint",
            "main"]
 
 FORMAT = "moe_graph.train.checkpoint.v2"  # v1 + meta["index"] (per rank: naming, tensors held)
@@ -107,12 +108,33 @@ def _fsync_dir(path: str) -> None:
 
 
 def _atomic_write(path: str, write) -> None:
+    """``write(file)`` into ``path + ".tmp"``, then renamed to ``path``; the temporary file is removed on any
+    failure (a full disk included)."""
     tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def read_checkpoint_file(path: str, expected: str, parse, mode: str = "r"):
+    """``parse(open file)`` of the checkpoint file ``path`` (``mode`` ``"r"`` text, ``"rb"`` bytes): the one reader
+    of every checkpoint file (``meta.json``, ``latest``, the ``.pt`` shards, safetensors files and their index), so
+    that a missing, truncated or corrupted file is named. Raises ``FileNotFoundError`` for a missing file and
+    ``ValueError("<path>: not readable as <expected> (<error>) ...")`` for any error of ``parse``."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"checkpoint file {path} is missing (expected {expected})")
+    try:
+        with open(path, mode) as f:
+            return parse(f)
+    except Exception as exc:  # noqa: BLE001 - any parse error (JSON, pickle, zip, safetensors header) names the file
+        raise ValueError(f"{path}: not readable as {expected} ({type(exc).__name__}: {exc}); the file is truncated "
+                         "or corrupted") from exc
 
 
 def atomic_torch_save(obj, path: str) -> None:
@@ -140,8 +162,7 @@ def resolve_checkpoint(path: str) -> str:
     if not os.path.isfile(marker):
         raise FileNotFoundError(f"--load {path}: neither a checkpoint root (no 'latest' file) nor a checkpoint "
                                 "folder (no meta.json); no complete checkpoint was saved there")
-    with open(marker) as f:
-        name = f.read().strip()
+    name = read_checkpoint_file(marker, "a step_<N> folder name", lambda f: f.read().strip())
     if not name.startswith("step_") or os.sep in name:
         raise ValueError(f"--load {path}: 'latest' holds {name!r}, expected a step_<N> folder name")
     folder = os.path.join(path, name)
@@ -153,9 +174,9 @@ def resolve_checkpoint(path: str) -> str:
 def read_meta(folder: str) -> Dict:
     """``meta.json`` of a checkpoint folder, any known format (v1 gets its index rebuilt: :func:`index_v1`).
     Raises ``ValueError`` naming the format found and the ones this version reads."""
-    with open(os.path.join(folder, "meta.json")) as f:
-        meta = json.load(f)
-    fmt = meta.get("format")
+    path = os.path.join(folder, "meta.json")
+    meta = read_checkpoint_file(path, "the checkpoint's JSON description", json.load)
+    fmt = meta.get("format") if isinstance(meta, dict) else None
     if fmt not in _FORMATS:
         raise ValueError(f"{folder}: checkpoint format {fmt!r} is not one this moe_graph reads "
                          f"({', '.join(_FORMATS)}); "
@@ -286,53 +307,80 @@ def save_checkpoint(root: str, step: int, *, rank: int, world: int, model_state:
     ``rank_state``: small picklable extras (RNG states, data position, the rank's coordinates);
     ``meta``: JSON-serializable description (layout, model config) written by rank 0 into ``meta.json``;
     ``naming``: how this rank's optimizer names map to whole-model names (:func:`naming_of`), into the index.
-    Returns the final folder.
+    Returns the final folder. Any failure on any rank (a full disk, any exception) raises on every rank naming the
+    file (:class:`~moe_graph.distributed.agreement.AllOrNone`; no rank waits), the partial folder is removed and
+    ``latest`` still names the previous checkpoint (a rank killed mid-save leaves the partial folder, which the
+    next save of that step replaces).
     """
     name = step_dirname(step)
     final = os.path.join(root, name)
     partial = os.path.join(root, "." + name + ".partial")
-    if rank == 0:
-        os.makedirs(root, exist_ok=True)
-        if os.path.exists(partial):  # leftovers of a crashed save of the same step
-            shutil.rmtree(partial)
-        os.makedirs(partial)
-    dist.barrier(group=group)
-    tensors = {k: v.detach().to("cpu", copy=True) for k, v in model_state.items()}
-    state = {"format": FORMAT, "step": step, "rank": rank, "world": world, "model": tensors,
-             "crc32": {k: tensor_crc32(v) for k, v in tensors.items()}, **rank_state}
-    atomic_torch_save(state, os.path.join(partial, _state_file(rank)))
-    _maybe_fault(rank, step)
-    optim = optimizer.state_dict()
-    atomic_torch_save(optim, os.path.join(partial, _optim_file(rank)))
-    _fsync_dir(partial)
-    index = [None] * world
-    dist.all_gather_object(index, {"naming": naming, "model": held_index(tensors),
-                                   "optim": _optim_held(optim, naming)}, group=group)
-    if rank == 0:
-        full = dict(meta, format=FORMAT, step=step, world=world,
-                    files=[[_state_file(r), _optim_file(r)] for r in range(world)], index=index)
-        atomic_text(os.path.join(partial, "meta.json"), json.dumps(full, indent=1, default=str))
+    try:
+        return _save_agreed(root, step, name, final, partial, rank=rank, world=world, model_state=model_state,
+                            optimizer=optimizer, rank_state=rank_state, meta=meta, naming=naming, group=group)
+    except Exception as exc:
+        if rank == 0 and hasattr(exc, "failures"):  # agreed on: nobody writes into the partial folder any more
+            shutil.rmtree(partial, ignore_errors=True)
+        raise
+
+
+def _save_agreed(root, step, name, final, partial, *, rank, world, model_state, optimizer, rank_state, meta, naming,
+                 group) -> str:
+    """:func:`save_checkpoint`'s three phases, each ended by an agreement of every rank (any failure on any rank
+    raises on all, naming the file: :class:`~moe_graph.distributed.agreement.AllOrNone`)."""
+
+    def agreement():
+        return AllOrNone(f"save_checkpoint({final})", action="save its part",
+                         outcome="'latest' still names the previous checkpoint", groups=[group])
+
+    with agreement() as at:
+        if rank == 0:
+            at.at(f"preparing the folder {partial}")
+            os.makedirs(root, exist_ok=True)
+            if os.path.exists(partial):  # leftovers of a crashed save of the same step
+                shutil.rmtree(partial)
+            os.makedirs(partial)
+    with agreement() as at:
+        at.at(f"copying this rank's {len(model_state)} model tensors to the host")
+        tensors = {k: v.detach().to("cpu", copy=True) for k, v in model_state.items()}
+        state = {"format": FORMAT, "step": step, "rank": rank, "world": world, "model": tensors,
+                 "crc32": {k: tensor_crc32(v) for k, v in tensors.items()}, **rank_state}
+        at.at(f"writing {os.path.join(partial, _state_file(rank))}")
+        atomic_torch_save(state, os.path.join(partial, _state_file(rank)))
+        _maybe_fault(rank, step)
+        at.at(f"writing {os.path.join(partial, _optim_file(rank))}")
+        optim = optimizer.state_dict()
+        atomic_torch_save(optim, os.path.join(partial, _optim_file(rank)))
         _fsync_dir(partial)
-        if os.path.exists(final):  # re-saving a step (e.g. after resuming from an earlier one)
-            old = os.path.join(root, "." + name + ".old")
-            if os.path.exists(old):
+        entry = {"naming": naming, "model": held_index(tensors), "optim": _optim_held(optim, naming)}
+    index = [None] * world
+    dist.all_gather_object(index, entry, group=group)
+    with agreement() as at:
+        if rank == 0:
+            at.at(f"writing {os.path.join(partial, 'meta.json')} and renaming {partial} to {final}")
+            full = dict(meta, format=FORMAT, step=step, world=world,
+                        files=[[_state_file(r), _optim_file(r)] for r in range(world)], index=index)
+            atomic_text(os.path.join(partial, "meta.json"), json.dumps(full, indent=1, default=str))
+            _fsync_dir(partial)
+            if os.path.exists(final):  # re-saving a step (e.g. after resuming from an earlier one)
+                old = os.path.join(root, "." + name + ".old")
+                if os.path.exists(old):
+                    shutil.rmtree(old)
+                os.replace(final, old)
+                os.replace(partial, final)
                 shutil.rmtree(old)
-            os.replace(final, old)
-            os.replace(partial, final)
-            shutil.rmtree(old)
-        else:
-            os.replace(partial, final)
-        _fsync_dir(root)
-        atomic_text(os.path.join(root, "latest"), name + "\n")
-        _fsync_dir(root)
-    dist.barrier(group=group)
+            else:
+                os.replace(partial, final)
+            _fsync_dir(root)
+            at.at(f"writing {os.path.join(root, 'latest')}")
+            atomic_text(os.path.join(root, "latest"), name + "\n")
+            _fsync_dir(root)
     return final
 
 
 def _load(path: str):
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"checkpoint file {path} is missing")
-    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    return read_checkpoint_file(path, "a torch.save file of moe_graph.train.checkpoint",
+                                lambda _: torch.load(path, map_location="cpu", weights_only=True, mmap=True))
 
 
 def read_rank_state(folder: str, rank: int) -> Dict:
@@ -551,24 +599,28 @@ def _check(name: str, dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 # ------------------------------------------------------------------------------------------ offline tool --
-_CLI_DOC = """``python -m moe_graph.train.checkpoint``: inspect, convert and reshard :mod:`moe_graph.train.checkpoint`
-checkpoints offline (no process group, no model code: only the files)::
+_CLI_DOC = """python -m moe_graph.train.checkpoint: inspect, convert and reshard moe_graph.train.checkpoint checkpoints
+offline (no process group, no model code: only the files).
 
     python -m moe_graph.train.checkpoint inspect CKPT [--tensors] [--json]
     python -m moe_graph.train.checkpoint convert CKPT OUT.pt|OUT.safetensors [--optimizer]
     python -m moe_graph.train.checkpoint reshard CKPT OUT --pp P [--vpp V] --ep E --dp D
 
-``CKPT`` is a checkpoint root (its ``latest``) or one ``step_*`` folder, any format :func:`read_meta` reads.
+CKPT is a checkpoint root (its 'latest' file names the newest checkpoint) or one step_* folder, format v1 or v2.
 
-* ``inspect``: format, step, layout, model flags, files and sizes, tensors (count, bytes; each with ``--tensors``).
-* ``convert``: one whole-model state dict: every tensor under its whole-model name with the experts of a layer
-  stacked again (``blocks.N.moe.experts.fc1.weight`` ``[E, ...]``): the ``state_dict()`` of the model built on one
-  rank (pp 1, ep 1). ``--optimizer`` (``.pt`` only) writes ``{"model", "optimizer": {name: {"exp_avg",
-  "exp_avg_sq"[, "main_param"]}}, "step", "lr", "hyper", "loss_scaler", "meta"}``.
-* ``reshard``: the same checkpoint written for another layout (``OUT/step_<n>``, ``OUT/latest``): model tensors and
-  optimizer state on the ranks that own them there (whole tensors on data-parallel rank 0 of each stage and expert
-  rank: a resume cuts its own data-parallel shard), the index of that layout. Loading it needs no resharding work;
-  RNG states are not carried (a resume starts fresh per-rank streams, as after any layout change).
+  inspect  format, step, layout, model flags, files and sizes, tensors (count, bytes; each with --tensors).
+  convert  one whole-model state dict: every tensor under its whole-model name with the experts of a layer stacked
+           again (blocks.N.moe.experts.fc1.weight [E, ...]): the state_dict() of the model built on one rank
+           (pp 1, ep 1). --optimizer (.pt only) writes {"model", "optimizer": {name: {"exp_avg", "exp_avg_sq"[,
+           "main_param"]}}, "step", "lr", "hyper", "loss_scaler", "meta"}.
+  reshard  the same checkpoint written for another layout (OUT/step_<n>, OUT/latest): model tensors and optimizer
+           state on the ranks that own them there (whole tensors on data-parallel rank 0 of each stage and expert
+           rank: a resume cuts its own data-parallel shard), the index of that layout. Loading it needs no
+           resharding work; RNG states are not carried (a resume starts fresh per-rank streams, as after any
+           layout change).
+
+convert and reshard write into a temporary folder next to OUT, renamed into place when complete and removed on any
+failure (a full disk included): a failed run leaves nothing behind, and nothing a load accepts.
 """
 
 
@@ -646,15 +698,49 @@ def convert_checkpoint(path: str, out: str, optimizer: bool = False) -> Dict:
     if out.endswith(".safetensors") and optimizer:
         raise ValueError(f"convert {out}: --optimizer needs a .pt file (safetensors holds tensors only)")
     sd = whole_model_state_dict(path, optimizer)
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    if out.endswith(".safetensors"):
-        if save_file is None:
-            raise ValueError(f"convert {out}: the safetensors package is not installed (pip install safetensors)")
-        save_file({k: v.contiguous() for k, v in sd.items()}, out + ".tmp")
-        os.replace(out + ".tmp", out)
-    else:
-        atomic_torch_save(sd, out)
+    if out.endswith(".safetensors") and save_file is None:
+        raise ValueError(f"convert {out}: the safetensors package is not installed (pip install safetensors)")
+    parent, base = os.path.split(os.path.abspath(out))
+    with _temporary_folder(parent, "." + base + ".partial", f"convert {out}") as tmp:
+        written = os.path.join(tmp, base)
+        if out.endswith(".safetensors"):
+            save_file({k: v.contiguous() for k, v in sd.items()}, written)
+        else:
+            with open(written, "wb") as f:
+                torch.save(sd, f)
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(written, out)
     return sd
+
+
+class _temporary_folder:
+    """``with _temporary_folder(parent, name, what) as tmp``: ``parent/name`` made empty (``parent`` created if
+    needed); on leaving it is removed, and on any failure so is ``parent`` when this made it and it is empty; an
+    ``OSError`` (a full disk) is re-raised naming ``what`` and the folder."""
+
+    def __init__(self, parent: str, name: str, what: str):
+        self.parent, self.path, self.what = parent, os.path.join(parent, name), what
+
+    def __enter__(self) -> str:
+        self.made_parent = not os.path.isdir(self.parent)
+        os.makedirs(self.parent, exist_ok=True)
+        if os.path.exists(self.path):  # leftovers of a killed run
+            shutil.rmtree(self.path)
+        os.makedirs(self.path)
+        return self.path
+
+    def __exit__(self, typ, exc, tb) -> bool:
+        shutil.rmtree(self.path, ignore_errors=True)
+        if exc is not None and self.made_parent:
+            try:
+                os.rmdir(self.parent)
+            except OSError:
+                pass  # not empty: something else is in it
+        if isinstance(exc, OSError) and self.path not in str(exc):
+            raise OSError(exc.errno, f"{self.what}: writing into {self.path} failed ({exc.strerror or exc}); "
+                                     "nothing was written") from exc
+        return False
 
 
 def _stage_of_extra_names(folder: str, meta: Dict) -> Dict[str, str]:
@@ -761,41 +847,40 @@ def reshard_checkpoint(path: str, out: str, pp: int, ep: int, dp: int, vpp: Opti
                     rk["shard"][name] = dict({"range": (0, per * math.prod(shape))},
                                              **{f: torch.cat([per_tensor[g][f].reshape(-1) for g in rows])
                                                 for f in fields})
-    # write: everything into a temporary folder, renamed when complete; 'latest' last
+    # write: everything into a temporary folder, renamed when complete; 'latest' last; all removed on any failure
     name = step_dirname(meta["step"])
-    final, tmp = os.path.join(out, name), os.path.join(out, "." + name + ".partial")
+    final = os.path.join(out, name)
     if os.path.exists(final):
         raise FileExistsError(f"reshard: {final} exists (choose an empty OUT)")
-    os.makedirs(out, exist_ok=True)
-    if os.path.exists(tmp):
-        shutil.rmtree(tmp)
-    os.makedirs(tmp)
-    index, coords = [], []
-    for r, rk in enumerate(ranks):
-        c = rk["coords"]
-        state_f, optim_f = rank_files(meta, r)
-        tensors = {k: t.contiguous().clone() for k, t in rk["model"].items()}
-        atomic_torch_save({"format": FORMAT, "step": meta["step"], "rank": r, "world": world,
-                                      "model": tensors,
-                                      "crc32": {k: tensor_crc32(t) for k, t in tensors.items()},
-                                      "data": {"step": meta["step"]}, "coords": c},
-                                     os.path.join(tmp, state_f))
-        md = {"dp_size": dp, "dp_rank": c["dp_rank"], "expert_dp_size": edp, "expert_dp_rank": c["edp_rank"],
-              "ep_size": ep, "ep_rank": c["ep_rank"], "params": rk["params"]}
-        sd = dict(head, metadata=md, shard=rk["shard"])
-        sd["checksum"] = state_checksum(sd)
-        atomic_torch_save(sd, os.path.join(tmp, optim_f))
-        held = optimizer_tensor_names({"params": {n: rk["params"][n] for n in rk["shard"]}}, rk["naming"])
-        index.append({"naming": rk["naming"], "model": held_index(tensors), "optim": held_index(held)})
-        coords.append(c)
-    layout = {"world": world, "pp": pp, "vpp": vpp, "ep": ep, "dp": dp, "edp": edp}
-    new_meta = {k: v for k, v in meta.items() if k not in ("index", "coords", "layout", "files", "format")}
-    new_meta.update(format=FORMAT, layout=layout, coords=coords, world=world, index=index,
-                    files=[list(rank_files(meta, r)) for r in range(world)],
-                    resharded_from={"folder": folder, "layout": meta["layout"], "format": meta["format"]})
-    atomic_text(os.path.join(tmp, "meta.json"), json.dumps(new_meta, indent=1, default=str))
-    os.replace(tmp, final)
-    atomic_text(os.path.join(out, "latest"), name + "\n")
+    with _temporary_folder(out, "." + name + ".partial", f"reshard {out}") as tmp:
+        index, coords = [], []
+        for r, rk in enumerate(ranks):
+            c = rk["coords"]
+            state_f, optim_f = rank_files(meta, r)
+            tensors = {k: t.contiguous().clone() for k, t in rk["model"].items()}
+            atomic_torch_save({"format": FORMAT, "step": meta["step"], "rank": r, "world": world,
+                               "model": tensors, "crc32": {k: tensor_crc32(t) for k, t in tensors.items()},
+                               "data": {"step": meta["step"]}, "coords": c}, os.path.join(tmp, state_f))
+            md = {"dp_size": dp, "dp_rank": c["dp_rank"], "expert_dp_size": edp, "expert_dp_rank": c["edp_rank"],
+                  "ep_size": ep, "ep_rank": c["ep_rank"], "params": rk["params"]}
+            sd = dict(head, metadata=md, shard=rk["shard"])
+            sd["checksum"] = state_checksum(sd)
+            atomic_torch_save(sd, os.path.join(tmp, optim_f))
+            held = optimizer_tensor_names({"params": {n: rk["params"][n] for n in rk["shard"]}}, rk["naming"])
+            index.append({"naming": rk["naming"], "model": held_index(tensors), "optim": held_index(held)})
+            coords.append(c)
+        layout = {"world": world, "pp": pp, "vpp": vpp, "ep": ep, "dp": dp, "edp": edp}
+        new_meta = {k: v for k, v in meta.items() if k not in ("index", "coords", "layout", "files", "format")}
+        new_meta.update(format=FORMAT, layout=layout, coords=coords, world=world, index=index,
+                        files=[list(rank_files(meta, r)) for r in range(world)],
+                        resharded_from={"folder": folder, "layout": meta["layout"], "format": meta["format"]})
+        atomic_text(os.path.join(tmp, "meta.json"), json.dumps(new_meta, indent=1, default=str))
+        os.replace(tmp, final)
+        try:
+            atomic_text(os.path.join(out, "latest"), name + "\n")
+        except BaseException:  # no half-published checkpoint either
+            shutil.rmtree(final, ignore_errors=True)
+            raise
     return final
 
 
@@ -814,10 +899,10 @@ def main(argv=None) -> int:
     r = sub.add_parser("reshard", help="write the checkpoint for another layout")
     r.add_argument("ckpt")
     r.add_argument("out")
-    r.add_argument("--pp", type=int, default=1)
-    r.add_argument("--vpp", type=int, default=None)
-    r.add_argument("--ep", type=int, default=1)
-    r.add_argument("--dp", type=int, default=1)
+    r.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
+    r.add_argument("--vpp", type=int, default=None, help="virtual pipeline chunks per stage (default none)")
+    r.add_argument("--ep", type=int, default=1, help="expert-parallel ranks per stage (default 1)")
+    r.add_argument("--dp", type=int, default=1, help="data-parallel ranks per stage, a multiple of --ep (default 1)")
     a = p.parse_args(argv)
     try:
         if a.cmd == "inspect":
@@ -839,8 +924,9 @@ def main(argv=None) -> int:
             print(f"wrote {a.out}: {n} tensors{' + optimizer state' if a.optimizer else ''}")
         else:
             print(f"wrote {reshard_checkpoint(a.ckpt, a.out, a.pp, a.ep, a.dp, a.vpp)}")
-    except (OSError, ValueError, KeyError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except Exception as e:  # noqa: BLE001 - any failure (a broken file, a full disk): one line, exit status 2
+        print(f"error: {e}" if isinstance(e, (OSError, ValueError, KeyError)) else f"error: {type(e).__name__}: {e}",
+              file=sys.stderr)
         return 2
     return 0
 
