@@ -530,7 +530,9 @@ def forward_backward_no_pipelining(
             else:
                 sync.disable()
             steps.take(True, mb, 0)
-            out = forward_step(forward_step_func, data_iterator, model, num_microbatches, None, store, config, True)
+            with streams.microbatch(mb):  # a label for a StreamRecorder only
+                out = forward_step(forward_step_func, data_iterator, model, num_microbatches, None, store, config,
+                                   True)
             if not forward_only:
                 steps.take(False, mb, 0)
                 backward_step(None, out, None, config)
@@ -585,6 +587,11 @@ def forward_backward_overlapped(*, forward_step_func: Callable, data_iterator, m
     forwards in the same order, the same backwards in the same order): the results are bitwise equal. Memory: two
     microbatches' activations are alive at once (``F(i+1)``'s before ``B(i)`` frees ``i``'s).
     """
+    from moe_graph.moe.layer import moe_layers
+
+    if any(m.recompute for m in moe_layers(getattr(model, "module", model))):
+        raise ValueError("overlap_microbatches: MoE layers with recompute are not supported (the recomputation in "
+                         "microbatch i's backward writes the layer's statistics while microbatch i + 1's forward does)")
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     lanes = _microbatch_lanes(device)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -645,7 +652,8 @@ def forward_backward_pipelining_without_interleaving(
     """
     config = config or PipelineConfig()
     if config.overlap_microbatches:
-        raise ValueError("forward_backward_pipelining_without_interleaving: overlap_microbatches is built for forward_backward_no_pipelining only")
+        raise ValueError("forward_backward_pipelining_without_interleaving: overlap_microbatches is built for "
+                         "forward_backward_no_pipelining only")
     model, data_iterator = _single_chunk(model, data_iterator, "forward_backward_pipelining_without_interleaving")
     shape, dtype = _shape_dtype(config, tensor_shape, dtype)
     comm = communicator or get_default_communicator(config.batch_p2p_comm)
@@ -749,7 +757,8 @@ def forward_backward_pipelining_with_interleaving(
     """
     config = config or PipelineConfig()
     if config.overlap_microbatches:
-        raise ValueError("forward_backward_pipelining_with_interleaving: overlap_microbatches is built for forward_backward_no_pipelining only")
+        raise ValueError("forward_backward_pipelining_with_interleaving: overlap_microbatches is built for "
+                         "forward_backward_no_pipelining only")
     if not isinstance(model, (list, tuple)) or len(model) < 1:
         raise ValueError("interleaved pipeline schedule expects a list of model chunks")
     nc = len(model)
