@@ -45,6 +45,8 @@ def test_record_shows_exchange_beside_the_other_microbatch(overrides):
     for i in range(3):  # forward and backward of microbatch i on stream i % 2 (and the shared expert's side stream)
         mine = {o.stream for o in rec.ops if o.microbatch == i}
         assert f"microbatch{i % 2}" in mine and mine <= {f"microbatch{i % 2}", "moe_side"}, (i, mine)
+    # the rest (grad zeroing, loss scaling, the accumulations and their hooks) on the main stream
+    assert {o.stream for o in rec.ops if o.microbatch is None} == {"main"}
     for i in range(2):
         c = cross_microbatch(rec, i)
         assert c["exchange"] > 0 and c["compute"] > 0 and c["ordered"] == 0 and c["depends"] == 0, (i, c)

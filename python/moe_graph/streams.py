@@ -223,6 +223,7 @@ class StreamRecorder(TorchDispatchMode):
         self._nodes = itertools.count()
         self._stage_nodes: List[Tuple[int, int, str]] = []  # [first, end) autograd sequence numbers of a stage
         self._microbatch_nodes: List[Tuple[int, int, int]] = []  # the same for a microbatch
+        self._caller: Optional[str] = None  # the stream a backward() in progress was called on
         self._claimed: Dict = {}  # autograd node -> the stream a _backward_on gave it (an inner side stream first)
 
     @property
@@ -272,7 +273,7 @@ class StreamRecorder(TorchDispatchMode):
         handles = []
 
         def finish():  # end of backward(): the caller's stream waits on the streams that made gradients
-            self._event("wait", done, MAIN)
+            self._event("wait", done)
             for h in handles:
                 h.remove()
 
@@ -281,6 +282,8 @@ class StreamRecorder(TorchDispatchMode):
             to_outer = any(f not in seen for f, _ in node.next_functions if f is not None)
 
             def enter(grad_outputs, root=node in roots):
+                if root:
+                    self._in_backward()
                 _state.stream = stream
                 if root:
                     self._event("wait", ready)
@@ -305,6 +308,18 @@ class StreamRecorder(TorchDispatchMode):
                         {f for node in side for f, _ in node.next_functions if f is not None and f not in seen}]
         return tuple(_GradReady.apply(t, self, ready) if isinstance(t, torch.Tensor) and t.requires_grad else t
                      for t in outputs)
+
+    def _in_backward(self) -> None:
+        """At the first hooked node of a ``backward()``: the engine returns to the caller's stream at its end
+        (this callback runs before the per-side-stream ones, whose waits are then recorded there)."""
+        if self._caller is not None:
+            return
+        self._caller = current_logical_stream()
+
+        def end():
+            _state.stream, self._caller = self._caller, None
+
+        torch.autograd.Variable._execution_engine.queue_callback(end)
 
     def _event(self, kind: str, event: str, stream: Optional[str] = None) -> None:
         self.entries.append(RecordedEvent(len(self.entries), kind, event, stream or current_logical_stream()))
