@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from common import environment, results_path, write_json  # noqa: E402
 from moe_graph.moe.layer import MoELayer  # noqa: E402
-from moe_graph.streams import RecordedEvent, RecordedOp, StreamRecorder  # noqa: E402
+from moe_graph.streams import RecordedEvent, RecordedOp, StreamRecorder, stage  # noqa: E402
 from moe_graph.train import schedules  # noqa: E402
 
 HW = {"name": "H100 SXM (assumed)", "hbm_bytes_per_s": 3.35e12, "bf16_flops_per_s": 989e12,
@@ -50,7 +50,7 @@ CONFIGS = {
     "deepseek_v3": dict(H=7168, F=2048, E=256, K=8, Fs=2048),
 }
 SMALL = dict(H=32, F=16, E=8, K=2, Fs=16, T=64)
-MICROBATCHES = 4
+MICROBATCHES = 8
 SCHEDULES = {"serial": (False, False), "overlap_shared_expert": (True, False), "overlap_microbatches": (False, True),
              "overlap_microbatches+shared_expert": (True, True)}
 EXCHANGE_STAGES = ("dispatch", "combine")
@@ -60,17 +60,32 @@ FREE = {"view", "t", "expand", "detach", "unsqueeze", "squeeze", "reshape", "_un
 GEMMS = {"mm", "addmm", "bmm", "grouped_gemm", "grouped_gemm_wgrad"}
 
 
+class _Block(torch.nn.Module):
+    """One transformer block's structure: the attention's stand-in (one projection, labelled ``attention``; its
+    cost at the target shape is :func:`stage_costs`'s) with a residual, then the MoE layer."""
+
+    def __init__(self, layer: MoELayer, H: int):
+        super().__init__()
+        self.attn, self.moe = torch.nn.Linear(H, H, bias=False), layer
+
+    def forward(self, x):
+        with stage("attention"):
+            h = x + self.attn(x)
+        return self.moe(h)
+
+
 def record(overlap: bool, microbatches: bool = False) -> StreamRecorder:
-    """The record of one step of ``MICROBATCHES`` microbatches through the plain loop
+    """The record of one step of ``MICROBATCHES`` microbatches of one block through the plain loop
     (:func:`moe_graph.train.schedules.forward_backward_no_pipelining`), serial or with ``overlap_microbatches``."""
     s = SMALL
     torch.manual_seed(0)
     layer = MoELayer(s["H"], s["F"], s["E"], s["K"], shared_expert_ffn_size=s["Fs"], capacity_factor=None,
                      aux_loss_coeff=1e-3, overlap_shared_expert=overlap, device="cpu")
-    xs = [torch.randn(s["T"], s["H"], requires_grad=True) for _ in range(MICROBATCHES)]  # a layer's input
+    block = _Block(layer, s["H"])
+    xs = [torch.randn(s["T"], s["H"], requires_grad=True) for _ in range(MICROBATCHES)]  # the previous block's output
     with StreamRecorder() as rec:
         schedules.forward_backward_no_pipelining(
-            forward_step_func=lambda it, m: (m(next(it)).square().sum(), None), data_iterator=iter(xs), model=layer,
+            forward_step_func=lambda it, m: (m(next(it)).square().sum(), None), data_iterator=iter(xs), model=block,
             num_microbatches=MICROBATCHES, config=schedules.PipelineConfig(overlap_microbatches=microbatches))
     return rec
 
@@ -111,6 +126,9 @@ def stage_costs(c: Dict, T: int, R: int) -> Dict:
         return max(flops / peak, bytes_ / hbm)
 
     fwd = {
+        # a multi-head attention of width H over a causal sequence of T tokens: Q, K, V, O projections and the
+        # score / value products (half the T x T square)
+        "attention": t(2 * T * 4 * H * H + 2 * T * T * H, 4 * H * H * b + 6 * T * H * b),
         "router": t(2 * T * H * E, T * H * b + H * E * b + 3 * T * E * 4),
         "router_loss": t(0, 4 * T * E * 4),
         "balance": t(0, 2 * E * 8),

@@ -144,12 +144,19 @@ class SideStream:
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_event(self.fork_event if kind == "fork" else self.join_event)
 
-    @contextlib.contextmanager
-    def fork(self, *inputs: torch.Tensor) -> Iterator[None]:
-        """Records the fork event on the current stream, runs the body on the side stream after waiting on it,
-        and records the join event there at the end. ``inputs``: tensors made on the current stream that the body
-        reads (their memory is kept from reuse until the side stream is done with them)."""
+    def mark_fork(self) -> None:
+        """Records the fork event on the current stream now, for a later ``fork(..., marked=True)``: the body then
+        waits only for the work issued before this call (work issued in between runs beside it)."""
         self._record("fork")
+
+    @contextlib.contextmanager
+    def fork(self, *inputs: torch.Tensor, marked: bool = False) -> Iterator[None]:
+        """Records the fork event on the current stream (``marked``: :meth:`mark_fork` did), runs the body on the
+        side stream after waiting on it, and records the join event there at the end. ``inputs``: tensors made on
+        the current stream that the body reads (their memory is kept from reuse until the side stream is done with
+        them)."""
+        if not marked:
+            self._record("fork")
         self._inputs = inputs
         prev = current_logical_stream()
         ctx = torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()

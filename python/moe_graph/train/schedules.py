@@ -554,38 +554,27 @@ def _microbatch_lanes(device: torch.device) -> Tuple[streams.SideStream, streams
     return _LANES[device]
 
 
-def overlapped_order(num_microbatches: int) -> List[ScheduleStep]:
-    """The order :func:`forward_backward_overlapped` issues its steps in: ``F0 F1 B0 F2 B1 ... F(m-1) B(m-2)
-    B(m-1)``."""
-    order = [ScheduleStep(True, 0, 0)]
-    for mb in range(num_microbatches):
-        if mb + 1 < num_microbatches:
-            order.append(ScheduleStep(True, mb + 1, 0))
-        order.append(ScheduleStep(False, mb, 0))
-    return order
-
-
 def forward_backward_overlapped(*, forward_step_func: Callable, data_iterator, model, num_microbatches: int,
                                 config: PipelineConfig) -> list:
     """Two microbatches in flight on one stage (``PipelineConfig.overlap_microbatches``): microbatch ``i + 1``'s
     forward runs beside microbatch ``i``'s backward, as the steady state of Megatron-core's combined 1F1B does.
 
     Streams: microbatch ``i``'s forward runs on microbatch stream ``i % 2`` (a :class:`moe_graph.streams.SideStream`
-    forked from the current stream: it waits for everything issued before it), and autograd runs its backward on
-    the same stream; the two streams alternate, so the forward of ``i + 1`` (stream ``(i + 1) % 2``) and the backward
-    of ``i`` (stream ``i % 2``) have no ordering between them, and the exchange (dispatch, combine and their
-    backward) of one is free to run while the other computes. Issue order, per pair::
+    forked from the current stream), and autograd runs its backward on the same stream; the two streams alternate,
+    so the forward of ``i + 1`` (stream ``(i + 1) % 2``) and the backward of ``i`` (stream ``i % 2``) have no
+    ordering between them, and the exchange (dispatch, combine and their backward) of one is free to run while the
+    other computes. Issue order (the serial loop's: ``F0 B0 F1 B1 ...``), per microbatch ``i``::
 
-        fork F(i+1) on stream (i+1)%2 | backward B(i) (root on the current stream, nodes on stream i%2) |
-        join F(i+1) into the current stream (before B(i+1) and F(i+2) are issued)
+        mark the fork of F(i+1) on the current stream | backward B(i) (root on the current stream, nodes on stream
+        i%2) | F(i+1) on stream (i+1)%2, waiting on the mark only | join F(i+1) into the current stream
 
     so forwards stay in order (they write the MoE layers' statistics and step counters), and so do the backwards
     (their gradient accumulations). Each parameter's gradient accumulator is made on the current stream before the
     first fork and kept for the schedule: the accumulation of every microbatch's gradient, and the hooks on it
     (DDP's ``main_grad`` add and bucket reduction launch), run on the current stream after waiting for the
-    microbatch stream. The arithmetic and its order are those of :func:`forward_backward_no_pipelining` (the same
-    forwards in the same order, the same backwards in the same order): the results are bitwise equal. Memory: two
-    microbatches' activations are alive at once (``F(i+1)``'s before ``B(i)`` frees ``i``'s).
+    microbatch stream. The arithmetic and its order are those of the serial loop (the same forwards in the same
+    order, the same backwards in the same order): the results are bitwise equal. Memory: two microbatches'
+    activations are alive at once (``F(i+1)``'s before ``B(i)`` has freed ``i``'s).
     """
     from moe_graph.moe.layer import moe_layers
 
@@ -598,33 +587,34 @@ def forward_backward_overlapped(*, forward_step_func: Callable, data_iterator, m
     # the accumulators made here, on the current stream, and kept alive: every microbatch's backward accumulates
     # its parameter gradients (and runs DDP's hooks) on this stream
     accumulators = [torch.autograd.graph.get_gradient_edge(p).node for p in params]
-    steps = _Steps(overlapped_order(num_microbatches), config.trace)
+    steps = _Steps(schedule_order(num_microbatches, 1, 0), config.trace)
     set_aux_loss_scale_for_step(config, [model], num_microbatches)
     sync = _GradSync(_no_sync_factory(config, [model]))
     store: list = []
 
-    def forward(mb: int):
+    def forward(mb: int, marked: bool):
         steps.take(True, mb, 0)
         lane = lanes[mb % 2]
-        with streams.microbatch(mb), lane.fork(*params):
+        with streams.microbatch(mb), lane.fork(*params, marked=marked):
             out = forward_step(forward_step_func, data_iterator, model, num_microbatches, None, store, config, True)
-        return lane, out
+        (out,) = lane.join(out)
+        return out
 
     try:
-        lane, out = forward(0)
-        (out,) = lane.join(out)
+        out = forward(0, False)
         for mb in range(num_microbatches):
-            nxt = forward(mb + 1) if mb + 1 < num_microbatches else None
-            if mb == num_microbatches - 1:
+            last = mb == num_microbatches - 1
+            if not last:
+                lanes[(mb + 1) % 2].mark_fork()  # F(mb+1) waits for what is issued so far, not for B(mb)
+            if last:
                 sync.enable()  # the last microbatch's backward runs with gradient reduction on
             else:
                 sync.disable()
             steps.take(False, mb, 0)
             backward_step(None, out, None, config)
             del out
-            if nxt is not None:
-                lane, out = nxt
-                (out,) = lane.join(out)
+            if not last:
+                out = forward(mb + 1, True)
     finally:
         sync.enable()
     del accumulators
