@@ -1,12 +1,14 @@
-"""Exposed expert-parallel communication of one MoE layer (forward + backward), serial vs the shared expert beside
-the exchange (``overlap_shared_expert``), estimated from the recorded stream schedule. A model, not a measurement.
+"""Exposed expert-parallel communication of a training step (``MICROBATCHES`` microbatches of one block: an attention
+stand-in and an MoE layer, forward + backward), serial vs the shared expert beside the exchange
+(``overlap_shared_expert``) vs two microbatches in flight (``overlap_microbatches``) vs both, estimated from the
+recorded stream schedule. A model, not a measurement.
 
 How:
 
 1. **Schedule** (recorded, not assumed): a small layer of the same structure (router with aux loss, dispatch,
    grouped experts, combine, one shared expert; H 32, F 16, 8 experts, top-2, 64 tokens, fp32, EP 1, CPU) runs one
-   training forward + backward under :class:`moe_graph.streams.StreamRecorder`, once serial and once with
-   ``overlap_shared_expert=True``: the ordered list of aten ops with their logical stream and stage, and every event
+   training step of ``MICROBATCHES`` microbatches through ``forward_backward_no_pipelining`` under
+   :class:`moe_graph.streams.StreamRecorder`, for each schedule of ``SCHEDULES``: the ordered list of aten ops with their logical stream and stage, and every event
    record / wait, from the code path that issues the CUDA streams and events.
 2. **Costs at the target shape** (roofline, bf16): each stage's flops and HBM bytes at the target shape (T tokens per
    rank, EP R, balanced routing: every rank's experts get ``T * K`` rows) give the stage's time ``max(flops / peak,

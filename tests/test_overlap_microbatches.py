@@ -129,3 +129,58 @@ def test_option_validation():
     with pytest.raises(ValueError, match="plain microbatch loop"):
         train_step(TinyMoEModel(), None, [1], overlap_microbatches=True,
                    forward_backward_func=schedules.forward_backward_pipelining_without_interleaving)
+
+
+# ------------------------------------------------------------------------------------------------- CUDA --
+# Written for the GPU: a train_step with overlap_microbatches captured in one graph (the microbatch streams join the
+# capture through their fork events), replayed with no host sync, equal to the eager serial step.
+class _CudaModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        from moe_graph.moe.layer import MoELayer
+
+        torch.manual_seed(0)
+        self.inp = torch.nn.Linear(32, 64, device="cuda")
+        self.moe = MoELayer(64, 96, 8, 2, capacity_factor=2.0, aux_loss_coeff=0.01, shared_expert_ffn_size=128,
+                            device="cuda", overlap_shared_expert=True)
+        self.out = torch.nn.Linear(64, 16, device="cuda")
+
+    def forward(self, x, y):
+        h = self.inp(x)
+        return torch.nn.functional.cross_entropy(self.out(h + self.moe(h)), y)
+
+
+@requires_cuda
+def test_cuda_overlapped_microbatches_in_one_graph():
+    from moe_graph.cuda_graph import FullIterationGraph
+    from moe_graph.distributed.ddp import DistributedDataParallel
+    from moe_graph.distributed.optimizer import DistributedOptimizer
+    from moe_graph.train.step import make_train_step
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    data = [[(torch.randn(128, 32, device="cuda", generator=g), torch.randint(0, 16, (128,), device="cuda",
+                                                                             generator=g)) for _ in range(3)]
+            for _ in range(5)]
+    steps, models = {}, {}
+    for k in ("serial", "eager", "graph"):
+        models[k] = DistributedDataParallel(_CudaModel(), use_distributed_optimizer=True)
+        opt = DistributedOptimizer(models[k], lr=1e-3)
+        step = make_train_step(models[k], opt, overlap_microbatches=k != "serial")
+        steps[k] = FullIterationGraph(step, warmup_steps=1) if k == "graph" else step
+    losses = {k: [] for k in steps}
+    for i, mbs in enumerate(data):
+        for k, step in steps.items():
+            if k == "graph" and i >= 2:  # warm-up and capture done: replays must not sync
+                torch.cuda.synchronize()
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                losses[k].append(step(mbs).loss.clone())
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    assert steps["graph"].captured()
+    for a, b, c in zip(losses["serial"], losses["eager"], losses["graph"]):
+        assert torch.equal(a, b)  # the streams change no arithmetic
+        torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-4)
+    for (n, pa), pb in zip(models["serial"].named_parameters(), models["eager"].parameters()):
+        assert torch.equal(pa, pb), n

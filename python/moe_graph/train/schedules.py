@@ -48,6 +48,7 @@ import torch
 
 from moe_graph import parallel_state as ps
 from moe_graph import streams
+from moe_graph.moe.layer import moe_layers
 from moe_graph.moe.router import MoEAuxLossAutoScaler
 from moe_graph.train.p2p import P2PCommunicator, Shape, get_default_communicator
 
@@ -576,8 +577,6 @@ def forward_backward_overlapped(*, forward_step_func: Callable, data_iterator, m
     order, the same backwards in the same order): the results are bitwise equal. Memory: two microbatches'
     activations are alive at once (``F(i+1)``'s before ``B(i)`` has freed ``i``'s).
     """
-    from moe_graph.moe.layer import moe_layers
-
     if any(m.recompute for m in moe_layers(getattr(model, "module", model))):
         raise ValueError("overlap_microbatches: MoE layers with recompute are not supported (the recomputation in "
                          "microbatch i's backward writes the layer's statistics while microbatch i + 1's forward does)")
