@@ -1,12 +1,14 @@
-"""Exposed expert-parallel communication of one MoE layer (forward + backward), serial vs the shared expert beside
-the exchange (``overlap_shared_expert``), estimated from the recorded stream schedule. A model, not a measurement.
+"""Exposed expert-parallel communication of a training step (``MICROBATCHES`` microbatches of one block: an attention
+stand-in and an MoE layer, forward + backward), serial vs the shared expert beside the exchange
+(``overlap_shared_expert``) vs two microbatches in flight (``overlap_microbatches``) vs both, estimated from the
+recorded stream schedule. A model, not a measurement.
 
 How:
 
 1. **Schedule** (recorded, not assumed): a small layer of the same structure (router with aux loss, dispatch,
    grouped experts, combine, one shared expert; H 32, F 16, 8 experts, top-2, 64 tokens, fp32, EP 1, CPU) runs one
-   training forward + backward under :class:`moe_graph.streams.StreamRecorder`, once serial and once with
-   ``overlap_shared_expert=True``: the ordered list of aten ops with their logical stream and stage, and every event
+   training step of ``MICROBATCHES`` microbatches through ``forward_backward_no_pipelining`` under
+   :class:`moe_graph.streams.StreamRecorder`, for each schedule of ``SCHEDULES``: the ordered list of aten ops with their logical stream and stage, and every event
    record / wait, from the code path that issues the CUDA streams and events.
 2. **Costs at the target shape** (roofline, bf16): each stage's flops and HBM bytes at the target shape (T tokens per
    rank, EP R, balanced routing: every rank's experts get ``T * K`` rows) give the stage's time ``max(flops / peak,
@@ -39,7 +41,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from common import environment, results_path, write_json  # noqa: E402
 from moe_graph.moe.layer import MoELayer  # noqa: E402
-from moe_graph.streams import RecordedEvent, RecordedOp, StreamRecorder  # noqa: E402
+from moe_graph.streams import RecordedEvent, RecordedOp, StreamRecorder, stage  # noqa: E402
+from moe_graph.train import schedules  # noqa: E402
 
 HW = {"name": "H100 SXM (assumed)", "hbm_bytes_per_s": 3.35e12, "bf16_flops_per_s": 989e12,
       "link_bytes_per_s": 450e9, "link": "NVLink 4, 450 GB/s per direction"}
@@ -49,6 +52,9 @@ CONFIGS = {
     "deepseek_v3": dict(H=7168, F=2048, E=256, K=8, Fs=2048),
 }
 SMALL = dict(H=32, F=16, E=8, K=2, Fs=16, T=64)
+MICROBATCHES = 8
+SCHEDULES = {"serial": (False, False), "overlap_shared_expert": (True, False), "overlap_microbatches": (False, True),
+             "overlap_microbatches+shared_expert": (True, True)}
 EXCHANGE_STAGES = ("dispatch", "combine")
 FREE = {"view", "t", "expand", "detach", "unsqueeze", "squeeze", "reshape", "_unsafe_view", "alias", "slice",
         "select", "permute", "transpose", "as_strided", "new_empty_strided", "empty", "empty_like", "new_empty",
@@ -56,14 +62,33 @@ FREE = {"view", "t", "expand", "detach", "unsqueeze", "squeeze", "reshape", "_un
 GEMMS = {"mm", "addmm", "bmm", "grouped_gemm", "grouped_gemm_wgrad"}
 
 
-def record(overlap: bool) -> StreamRecorder:
+class _Block(torch.nn.Module):
+    """One transformer block's structure: the attention's stand-in (one projection, labelled ``attention``; its
+    cost at the target shape is :func:`stage_costs`'s) with a residual, then the MoE layer."""
+
+    def __init__(self, layer: MoELayer, H: int):
+        super().__init__()
+        self.attn, self.moe = torch.nn.Linear(H, H, bias=False), layer
+
+    def forward(self, x):
+        with stage("attention"):
+            h = x + self.attn(x)
+        return self.moe(h)
+
+
+def record(overlap: bool, microbatches: bool = False) -> StreamRecorder:
+    """The record of one step of ``MICROBATCHES`` microbatches of one block through the plain loop
+    (:func:`moe_graph.train.schedules.forward_backward_no_pipelining`), serial or with ``overlap_microbatches``."""
     s = SMALL
     torch.manual_seed(0)
     layer = MoELayer(s["H"], s["F"], s["E"], s["K"], shared_expert_ffn_size=s["Fs"], capacity_factor=None,
                      aux_loss_coeff=1e-3, overlap_shared_expert=overlap, device="cpu")
-    x = torch.randn(s["T"], s["H"], requires_grad=True)
+    block = _Block(layer, s["H"])
+    xs = [torch.randn(s["T"], s["H"], requires_grad=True) for _ in range(MICROBATCHES)]  # the previous block's output
     with StreamRecorder() as rec:
-        layer(x).square().sum().backward()
+        schedules.forward_backward_no_pipelining(
+            forward_step_func=lambda it, m: (m(next(it)).square().sum(), None), data_iterator=iter(xs), model=block,
+            num_microbatches=MICROBATCHES, config=schedules.PipelineConfig(overlap_microbatches=microbatches))
     return rec
 
 
@@ -103,6 +128,9 @@ def stage_costs(c: Dict, T: int, R: int) -> Dict:
         return max(flops / peak, bytes_ / hbm)
 
     fwd = {
+        # a multi-head attention of width H over a causal sequence of T tokens: Q, K, V, O projections and the
+        # score / value products (half the T x T square)
+        "attention": t(2 * T * 4 * H * H + 2 * T * T * H, 4 * H * H * b + 6 * T * H * b),
         "router": t(2 * T * H * E, T * H * b + H * E * b + 3 * T * E * 4),
         "router_loss": t(0, 4 * T * E * 4),
         "balance": t(0, 2 * E * 8),
@@ -128,7 +156,7 @@ def simulate(rec: StreamRecorder, c: Dict, T: int, R: int) -> Dict:
     costs = stage_costs(c, T, R)
     small_total = defaultdict(float)
     for o in rec.ops:
-        small_total[(o.phase, o.stage)] += small_cost(o)
+        small_total[(o.microbatch, o.phase, o.stage)] += small_cost(o)
     glue = (T * c["H"]) / (SMALL["T"] * SMALL["H"]) / 2  # bf16 at the target, fp32 recorded
     queues, last_record, placed = defaultdict(list), {}, set()
     for e in rec.entries:
@@ -139,16 +167,16 @@ def simulate(rec: StreamRecorder, c: Dict, T: int, R: int) -> Dict:
             else:
                 queues[e.stream].append(("wait", last_record[e.event]))
             continue
-        key = (e.phase, e.stage)
-        if key in costs["exchange"] and key not in placed:  # the stage's exchange, issued at its first op
-            placed.add(key)
+        key, mkey = (e.phase, e.stage), (e.microbatch, e.phase, e.stage)
+        if key in costs["exchange"] and mkey not in placed:  # the stage's exchange, issued at its first op
+            placed.add(mkey)
             queues[e.stream].append(("link", costs["exchange"][key], e.index))
         if e.stage is None:
             sec = small_cost(e) * glue
         else:
-            sec = costs["compute"][key] * small_cost(e) / small_total[key] if small_total[key] else 0.0
+            sec = costs["compute"][key] * small_cost(e) / small_total[mkey] if small_total[mkey] else 0.0
         queues[e.stream].append(("sm", sec, e.index))
-    missing = set(costs["exchange"]) - placed
+    missing = set(costs["exchange"]) - {(p, st) for _, p, st in placed}
     if missing:
         raise RuntimeError(f"the record has no ops of the exchange stages {sorted(missing)}")
     stream_t, res_t, done = defaultdict(float), defaultdict(float), {}
@@ -198,9 +226,9 @@ def main(argv=None) -> int:
           "routing, roofline per stage (no efficiency factor), exchange on the main stream (synchronous), its SMs and "
           "the count all-gather not modelled; schedule recorded from a small layer (" +
           ", ".join(f"{k} {v}" for k, v in SMALL.items()) + ") on the CPU")
-    recs = {"serial": record(False), "overlap_shared_expert": record(True)}
+    recs = {name: record(*flags) for name, flags in SCHEDULES.items()}
     rows = []
-    hdr = (f"{'config':<22} {'T/rank':>6} {'EP':>3} {'schedule':<22} {'step us':>9} {'compute':>9} {'exchange':>9} "
+    hdr = (f"{'config':<22} {'T/rank':>6} {'EP':>3} {'schedule':<34} {'step us':>9} {'compute':>9} {'exchange':>9} "
            f"{'exposed':>9} {'hidden':>7}")
     print(hdr)
     for name in args.configs:
@@ -209,10 +237,11 @@ def main(argv=None) -> int:
                 r = dict(config=name, tokens_per_rank=T, ep=args.ep, schedule=sched, **CONFIGS[name],
                          **simulate(rec, CONFIGS[name], T, args.ep))
                 rows.append(r)
-                print(f"{name:<22} {T:>6} {args.ep:>3} {sched:<22} {r['step_us']:>9.1f} {r['compute_us']:>9.1f} "
+                print(f"{name:<22} {T:>6} {args.ep:>3} {sched:<34} {r['step_us']:>9.1f} {r['compute_us']:>9.1f} "
                       f"{r['exchange_us']:>9.1f} {r['exposed_us']:>9.1f} {r['hidden_pct']:>6.1f}%")
     out = args.out or results_path("bench_overlap", dated=False)
-    write_json(out, {"env": environment(), "hardware_assumed": HW, "recorded_shape": SMALL, "rows": rows,
+    write_json(out, {"env": environment(), "hardware_assumed": HW, "recorded_shape": SMALL,
+                     "microbatches": MICROBATCHES, "rows": rows,
                      "note": "a roofline model over the recorded stream schedule, not a measurement"})
     return 0
 

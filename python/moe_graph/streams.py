@@ -41,8 +41,8 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["SideStream", "StreamRecorder", "RecordedOp", "RecordedEvent", "stage", "current_logical_stream",
-           "unjoined_uses", "happens_before", "MAIN"]
+__all__ = ["SideStream", "StreamRecorder", "RecordedOp", "RecordedEvent", "stage", "microbatch",
+           "current_logical_stream", "unjoined_uses", "happens_before", "MAIN"]
 
 MAIN = "main"
 _state = threading.local()
@@ -66,18 +66,27 @@ def stage(name: str):
     return _labelled(name)
 
 
+def microbatch(index: int):
+    """A context that labels the ops issued inside (and the backward ops of the autograd nodes made inside) with the
+    microbatch ``index`` for an active :class:`StreamRecorder`; without one (and under ``torch.compile``) a no-op."""
+    if torch.compiler.is_compiling() or _recorder() is None:
+        return contextlib.nullcontext()
+    return _labelled(index, "microbatch")
+
+
 @contextlib.contextmanager
-def _labelled(name: str) -> Iterator[None]:
-    prev = _current_stage()
-    _state.stage = name
-    first = torch._C._autograd._get_sequence_nr()  # the autograd nodes made inside get the stage too
+def _labelled(name, attr: str = "stage") -> Iterator[None]:
+    prev = getattr(_state, attr, None)
+    setattr(_state, attr, name)
+    first = torch._C._autograd._get_sequence_nr()  # the autograd nodes made inside get the label too
     try:
         yield
     finally:
-        _state.stage = prev
+        setattr(_state, attr, prev)
         rec = _recorder()
         if rec is not None:
-            rec._stage_nodes.append((first, torch._C._autograd._get_sequence_nr(), name))
+            (rec._stage_nodes if attr == "stage" else rec._microbatch_nodes).append(
+                (first, torch._C._autograd._get_sequence_nr(), name))
 
 
 def _recorder() -> Optional["StreamRecorder"]:
@@ -95,15 +104,18 @@ def _side_cuda_stream(device: torch.device, name: str) -> "torch.cuda.Stream":
 
 class SideStream:
     """A side stream of ``device`` named ``name`` (one CUDA stream per device and name) with this owner's fork and
-    join events. On a non-CUDA device the body runs in order and only a :class:`StreamRecorder` sees the streams."""
+    join events. On a non-CUDA device the body runs in order and only a :class:`StreamRecorder` sees the streams.
+    ``whole_graph``: the body makes the whole autograd graph of what it returns, apart from the fork's inputs (a
+    microbatch's forward on a microbatch stream): the recorder models the engine's gradient accumulation between
+    its nodes on this stream (see :meth:`StreamRecorder._backward_on`)."""
 
     _ids = itertools.count()
 
-    def __init__(self, device, name: str):
+    def __init__(self, device, name: str, whole_graph: bool = False):
         device = torch.device(device)
         if not isinstance(name, str) or not name or name == MAIN:
             raise ValueError(f"name must be a non-empty string other than {MAIN!r}, got {name!r}")
-        self.device, self.name = device, name
+        self.device, self.name, self.whole_graph = device, name, bool(whole_graph)
         self._id = next(SideStream._ids)
         self._inputs: Tuple = ()  # the fork's inputs, until the join (the recorder's backward model reads them)
         self.cuda = device.type == "cuda"
@@ -132,12 +144,19 @@ class SideStream:
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_event(self.fork_event if kind == "fork" else self.join_event)
 
-    @contextlib.contextmanager
-    def fork(self, *inputs: torch.Tensor) -> Iterator[None]:
-        """Records the fork event on the current stream, runs the body on the side stream after waiting on it,
-        and records the join event there at the end. ``inputs``: tensors made on the current stream that the body
-        reads (their memory is kept from reuse until the side stream is done with them)."""
+    def mark_fork(self) -> None:
+        """Records the fork event on the current stream now, for a later ``fork(..., marked=True)``: the body then
+        waits only for the work issued before this call (work issued in between runs beside it)."""
         self._record("fork")
+
+    @contextlib.contextmanager
+    def fork(self, *inputs: torch.Tensor, marked: bool = False) -> Iterator[None]:
+        """Records the fork event on the current stream (``marked``: :meth:`mark_fork` did), runs the body on the
+        side stream after waiting on it, and records the join event there at the end. ``inputs``: tensors made on
+        the current stream that the body reads (their memory is kept from reuse until the side stream is done with
+        them)."""
+        if not marked:
+            self._record("fork")
         self._inputs = inputs
         prev = current_logical_stream()
         ctx = torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
@@ -168,7 +187,7 @@ class SideStream:
                     t.record_stream(cur)
         rec = _recorder()
         if rec is not None:
-            outputs = rec._backward_on(self.name, outputs, inputs)
+            outputs = rec._backward_on(self.name, outputs, inputs, self.whole_graph)
         return outputs
 
 
@@ -186,6 +205,7 @@ class RecordedOp:
     out_shapes: Tuple[Tuple[int, ...], ...] = ()
     dtypes: Tuple[str, ...] = ()
     phase: str = "forward"  # "backward" (run by the autograd engine), "recompute" (a labelled stage run again there)
+    microbatch: Optional[int] = None  # the microbatch (:func:`microbatch`) whose forward or backward issued it
     clock: Dict[str, int] = field(default_factory=dict)  # vector clock after the op (see unjoined_uses)
 
 
@@ -209,6 +229,9 @@ class StreamRecorder(TorchDispatchMode):
         self._keep: List[torch.Tensor] = []
         self._nodes = itertools.count()
         self._stage_nodes: List[Tuple[int, int, str]] = []  # [first, end) autograd sequence numbers of a stage
+        self._microbatch_nodes: List[Tuple[int, int, int]] = []  # the same for a microbatch
+        self._caller: Optional[str] = None  # the stream a backward() in progress was called on
+        self._claimed: Dict = {}  # autograd node -> the stream a _backward_on gave it (an inner side stream first)
 
     @property
     def ops(self) -> List[RecordedOp]:
@@ -224,48 +247,89 @@ class StreamRecorder(TorchDispatchMode):
         _state.recorder = None
         return super().__exit__(*exc)
 
-    def _backward_on(self, stream: str, outputs, inputs):
+    def _backward_on(self, stream: str, outputs, inputs, whole: bool = False):
         """Models autograd's stream rule in the record (torch: the backward of an op runs on the stream its forward
         ran on; where a gradient crosses streams the engine makes the consumer wait on an event recorded on the
         producer when the gradient was made; at the end of ``backward()`` the caller's stream waits on the streams
-        of the leaves' gradients). The nodes between ``outputs`` and ``inputs`` are recorded on ``stream``; each
-        output passes through an identity that records the "gradient ready" event on the current stream."""
+        of the leaves' gradients). The nodes between ``outputs`` and ``inputs`` are recorded on ``stream`` (nodes
+        an inner side stream already claimed keep it); the stream the join runs on (``outer``) is where the engine
+        continues after them. ``whole``: these nodes are the whole graph of ``outputs`` apart from ``inputs`` (a
+        microbatch stream): the engine's accumulation of one node's output into another's input buffer happens on this
+        stream, and only a consumer outside (a parameter's accumulator) waits; otherwise the engine continues on
+        ``outer`` after each node (the nodes of the graph not between ``outputs`` and ``inputs`` have no hooks). A
+        leaf (parameter) among ``inputs``: its gradient accumulator was made on ``outer``
+        (the caller made it there and keeps it), so its accumulation and hooks run there, after a wait. Each output
+        passes through an identity that records the "gradient ready" event on the current stream."""
         if not torch.is_grad_enabled():
             return outputs
         n = next(self._nodes)
         ready, done = f"autograd#{n}.ready", f"autograd#{n}.done"
+        outer = current_logical_stream()
         stop = {t.grad_fn for t in inputs if isinstance(t, torch.Tensor) and t.grad_fn is not None}
+        stop |= {torch.autograd.graph.get_gradient_edge(t).node for t in inputs
+                 if isinstance(t, torch.Tensor) and t.grad_fn is None and t.requires_grad}
         todo = [t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-        roots, side = set(todo), []
+        roots, seen = set(todo), set()
         while todo:
             node = todo.pop()
-            if node is None or node in side or node in stop:
+            if node is None or node in seen or node in stop:
                 continue
-            side.append(node)
+            seen.add(node)
             todo.extend(f for f, _ in node.next_functions)
+        side = {node for node in seen if node not in self._claimed}
+        handles = []
+
+        def finish():  # end of backward(): the caller's stream waits on the streams that made gradients
+            self._event("wait", done)
+            for h in handles:
+                h.remove()
+
         for node in side:
-            nxt = [f for f, _ in node.next_functions if f is not None]
+            self._claimed[node] = stream
+            to_outer = any(f not in seen for f, _ in node.next_functions if f is not None)
 
             def enter(grad_outputs, root=node in roots):
+                if root:
+                    self._in_backward()
                 _state.stream = stream
                 if root:
                     self._event("wait", ready)
+                    torch.autograd.Variable._execution_engine.queue_callback(finish)
 
-            def leave(grad_inputs, grad_outputs, to_main=any(f not in side for f in nxt), leaf=not nxt):
+            def leave(grad_inputs, grad_outputs, to_outer=to_outer):
                 self._event("record", done)
-                _state.stream = MAIN
-                if to_main:  # the engine accumulates a gradient for a main-stream node after waiting on it
+                if whole:  # the engine adds the outputs into their consumers' buffers next, here for a consumer
+                    return  # on this stream; one outside waits for them (``boundary`` below)
+                _state.stream = outer  # the other nodes run on ``outer``; the engine accumulates a gradient for
+                if to_outer:  # an outer-stream node after waiting on the producer
                     self._event("wait", done)
-                if leaf:  # a leaf's gradient: the caller's stream waits on it at the end of backward()
-                    torch.autograd.Variable._execution_engine.queue_callback(lambda: self._event("wait", done))
 
-            node.register_prehook(enter)
-            node.register_hook(leave)
+            handles += [node.register_prehook(enter), node.register_hook(leave)]
+        if whole:
+            def boundary(grad_outputs):  # a consumer outside waits for this stream's work so far, runs on ``outer``
+                self._event("record", done, stream)
+                self._event("wait", done, outer)
+                _state.stream = outer
+
+            handles += [f.register_prehook(boundary) for f in
+                        {f for node in side for f, _ in node.next_functions if f is not None and f not in seen}]
         return tuple(_GradReady.apply(t, self, ready) if isinstance(t, torch.Tensor) and t.requires_grad else t
                      for t in outputs)
 
-    def _event(self, kind: str, event: str) -> None:
-        self.entries.append(RecordedEvent(len(self.entries), kind, event, current_logical_stream()))
+    def _in_backward(self) -> None:
+        """At the first hooked node of a ``backward()``: the engine returns to the caller's stream at its end
+        (this callback runs before the per-side-stream ones, whose waits are then recorded there)."""
+        if self._caller is not None:
+            return
+        self._caller = current_logical_stream()
+
+        def end():
+            _state.stream, self._caller = self._caller, None
+
+        torch.autograd.Variable._execution_engine.queue_callback(end)
+
+    def _event(self, kind: str, event: str, stream: Optional[str] = None) -> None:
+        self.entries.append(RecordedEvent(len(self.entries), kind, event, stream or current_logical_stream()))
 
     def _key(self, t: torch.Tensor) -> Optional[int]:
         if t.numel() == 0 or t.device.type == "meta":
@@ -293,14 +357,19 @@ class StreamRecorder(TorchDispatchMode):
                        if k is not None)
         node = torch._C._current_autograd_node()
         label = _current_stage()
-        if label is None and node is not None:  # a backward op: the stage whose forward made its node
+        mb = getattr(_state, "microbatch", None)
+        if node is not None:  # a backward op: the stage (and microbatch) whose forward made its node
             seq = node._sequence_nr()
-            label = next((name for a, b, name in reversed(self._stage_nodes) if a <= seq < b), None)
+            if label is None:
+                label = next((name for a, b, name in reversed(self._stage_nodes) if a <= seq < b), None)
+            if mb is None:
+                mb = next((i for a, b, i in reversed(self._microbatch_nodes) if a <= seq < b), None)
         self.entries.append(RecordedOp(len(self.entries), func.overloadpacket.__name__, current_logical_stream(),
                                        label, reads, writes, tuple(tuple(t.shape) for t in ins),
                                        tuple(tuple(t.shape) for t in outs), tuple(str(t.dtype) for t in ins),
                                        clock={}, phase="forward" if node is None else
-                                       "recompute" if _current_stage() is not None else "backward"))
+                                       "recompute" if _current_stage() is not None else "backward",
+                                       microbatch=mb))
         return out
 
 

@@ -138,6 +138,7 @@ class Row:
     ranks_per_node: Optional[int] = None  # exchange="nvlink": the node-aware two-level exchange
     fp8: Optional[str] = None  # a key of FP8_RECIPES: train_step(fp8_recipe=...); the oracle quantizes per group
     side_stream: bool = False  # overlap_shared_expert: the shared expert and router losses beside the exchange
+    overlap_microbatches: bool = False  # train_step(overlap_microbatches=True): F(i+1) beside B(i)
 
     @property
     def dp(self) -> int:
@@ -238,14 +239,20 @@ MATRIX += [  # the shared expert and the router losses on a side stream beside t
         side_stream=True),
     Row("pp2xep2_1f1b_shared_side_echo1", world=4, pp=2, ep=2, microbatches=4, aux="local", echo=1,
         shared_expert=True, side_stream=True),
+    Row("ep2_mb4_overlap_microbatches_shared_side_aux_z", world=2, ep=2, microbatches=4, aux="local", z_loss=True,
+        shared_expert=True, side_stream=True, overlap_microbatches=True),
+    Row("ep2xdp2_echo1_overlap_microbatches_grad_reduce", world=4, ep=2, microbatches=2, echo=1, overlap=True,
+        overlap_microbatches=True),
+    Row("ep2_cap1.0_rerun_overlap_microbatches", world=2, ep=2, microbatches=2, capacity=1.0,
+        overlap_microbatches=True),
 ]
 MATRIX += [Row(f"fp8_{_fp8}_hybrid_ep2_echo1", world=2, ep=2, microbatches=2, echo=1, fp8=f"{_fp8}_hybrid")
            for _fp8 in ("blockwise", "mxfp8")]
 CI_ROWS = ["dp2_mb4_overlap", "dp2_mb2_overlap_without_no_sync", "ep2xdp2_echo2_overlap", "ep2_loss_scaler_aux",
            "ep2_aux_global", "pp2_vpp2_mb4", "grouped_delay_wgrad_fused_overlap", "ep2_cap1.0_rerun", "ep2_cap1.0_drop",
            "ep2xdp2_cap1.1_rerun", "ep2_dest_cap1.0_rerun", "ep2_dest_cap1.0_drop", "ep4_echo1_dest_cap1.0_rerun",
-           "fp8_blockwise_fp32_scales_ep2_echo1", "fp8_mxfp8_ep2_cap1.0_rerun", "ep2_shared_side_aux_z",
-           "ep2_nvlink_cap1.0_rerun", "ep4_nvlink_2x2_cap1.0_rerun"]
+           "fp8_blockwise_fp32_scales_ep2_echo1", "fp8_mxfp8_ep2_cap1.0_rerun",
+           "ep2_nvlink_cap1.0_rerun", "ep4_nvlink_2x2_cap1.0_rerun", "ep2_mb4_overlap_microbatches_shared_side_aux_z"]
 
 
 # ================================================================================================ the model ==
@@ -664,13 +671,13 @@ def machinery_worker(rank: int, world: int, row: Row) -> Dict:
         if row.capacity is not None and row.overflow == "rerun":  # every overflowed step reruns (no raise)
             rerun = OverflowRerun(model, opt, threshold=None, tensor_shape=shape, dtype=dtype)
             step_fn = make_train_step(model, opt, tensor_shape=shape, dtype=dtype, overflow="rerun",
-                                      fp8_recipe=fp8_recipe(row))
+                                      fp8_recipe=fp8_recipe(row), overlap_microbatches=row.overlap_microbatches)
         for step in range(STEPS):
             if rerun is not None:
                 res = rerun.step(step_fn, my_microbatches(step))
             else:
                 res = train_step(model, opt, my_microbatches(step), tensor_shape=shape, dtype=dtype,
-                                 fp8_recipe=fp8_recipe(row))
+                                 fp8_recipe=fp8_recipe(row), overlap_microbatches=row.overlap_microbatches)
             losses.append(None if res.loss is None else float(res.loss))
             norms.append(float(res.grad_norm))
             skipped.append(bool(res.skipped))

@@ -102,3 +102,77 @@ def compare_worker(rank: int, world: int, seed: int) -> Dict:
 def _pairs(phase: str):
     side, exch = (lambda o: is_side(o) and o.phase == phase), (lambda o: is_exchange(o) and o.phase == phase)
     return (side, exch), (exch, side)
+
+
+# ------------------------------------------------------------------------ two microbatches in flight --
+class TinyMoEModel(torch.nn.Module):
+    """``forward(x, target) -> loss``: a linear layer (the attention's stand-in), a residual MoE layer, a mean-square
+    loss: the model the microbatch-overlap tests run through the schedules."""
+
+    def __init__(self, seed: int = 0, dtype=torch.float64, **overrides):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.inp = torch.nn.Linear(16, 16, dtype=dtype)
+        self.moe = MoELayer(16, 12, **dict(OPTIONS, params_dtype=dtype, device="cpu", **overrides))
+
+    def forward(self, x, target):
+        h = self.inp(x)
+        return ((h + self.moe(h)) - target).square().mean()
+
+
+def microbatches(n: int, seed: int = 1, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(2, 5, 16, dtype=dtype, generator=g), torch.randn(2, 5, 16, dtype=dtype, generator=g))
+            for _ in range(n)]
+
+
+def run_schedule(model, mbs, overlap: bool, record: bool = False):
+    """``(reported losses, {name: grad}, recorder or None)`` of :func:`forward_backward_no_pipelining` over ``mbs``
+    with ``overlap_microbatches`` off or on."""
+    from moe_graph.train import schedules
+
+    model.zero_grad(set_to_none=True)
+    rec = StreamRecorder() if record else None
+    with rec if rec is not None else torch.enable_grad():
+        losses = schedules.forward_backward_no_pipelining(
+            forward_step_func=lambda it, m: (m(*next(it)), None), data_iterator=iter(mbs), model=model,
+            num_microbatches=len(mbs), config=schedules.PipelineConfig(overlap_microbatches=overlap))
+    return losses, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}, rec
+
+
+def is_compute(o: RecordedOp) -> bool:
+    """An op that does arithmetic (not the exchange, not a view)."""
+    return o.stage not in EXCHANGE and o.name not in ("view", "t", "detach", "_unsafe_view", "alias", "reshape",
+                                                      "expand", "unsqueeze", "squeeze", "select", "slice")
+
+
+def cross_microbatch(rec: StreamRecorder, i: int) -> Dict[str, int]:
+    """Between microbatch ``i``'s backward and microbatch ``i + 1``'s forward: ``ordered``: how many (exchange op of
+    one, compute op of the other) pairs are ordered either way (0: one's exchange may run during all of the other's
+    computation); ``depends``: how many of the other's ops read what one's exchange wrote (transitively);
+    ``pairs``: how many pairs there are; ``exchange``, ``compute``: the op counts checked."""
+    unjoined_uses(rec.entries)  # fills the clocks
+    b = [o for o in rec.ops if o.microbatch == i and o.phase == "backward"]
+    f = [o for o in rec.ops if o.microbatch == i + 1 and o.phase == "forward"]
+    pairs = [([o for o in b if is_exchange(o)], [o for o in f if is_compute(o)]),
+             ([o for o in f if is_exchange(o)], [o for o in b if is_compute(o)])]
+    ordered = sum(happens_before(x, y) or happens_before(y, x) for ex, comp in pairs for x in ex for y in comp)
+    ids = [(set(o.index for o in ex), set(o.index for o in comp)) for ex, comp in pairs]
+    depends = sum(len(data_dependent(rec, lambda o, s=s: o.index in s, lambda o, d=d: o.index in d)) for s, d in ids)
+    return {"ordered": ordered, "pairs": sum(len(ex) * len(comp) for ex, comp in pairs), "depends": depends,
+            "exchange": sum(len(p[0]) for p in pairs),
+            "compute": sum(len(p[1]) for p in pairs)}
+
+
+def microbatch_worker(rank: int, world: int, seed: int) -> Dict:
+    """On each gloo rank (EP = world): three microbatches through the plain loop, serial and overlapped, bitwise,
+    and the overlapped record's checks."""
+    opts = dict(ep_size=world, num_experts=2 * world, overlap_shared_expert=True)
+    serial, overlapped = TinyMoEModel(seed, **opts), TinyMoEModel(seed, **opts)
+    mbs = microbatches(3, 100 + rank)
+    l0, g0, _ = run_schedule(serial, mbs, False)
+    l1, g1, rec = run_schedule(overlapped, mbs, True, record=True)
+    mismatch = [n for n in g0 if not torch.equal(g0[n], g1.get(n))] + sorted(set(g1) - set(g0))
+    mismatch += [f"loss{i}" for i, (a, b) in enumerate(zip(l0, l1)) if not torch.equal(a, b)]
+    return {"mismatch": mismatch, "unjoined": len(unjoined_uses(rec.entries)),
+            "cross": [cross_microbatch(rec, i) for i in range(2)]}

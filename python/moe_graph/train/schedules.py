@@ -47,6 +47,8 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 import torch
 
 from moe_graph import parallel_state as ps
+from moe_graph import streams
+from moe_graph.moe.layer import moe_layers
 from moe_graph.moe.router import MoEAuxLossAutoScaler
 from moe_graph.train.p2p import P2PCommunicator, Shape, get_default_communicator
 
@@ -301,6 +303,9 @@ class PipelineConfig:
             (:func:`set_aux_loss_scale_for_step`), and back to 1 when they return.
         microbatch_group_size_per_vp_stage: interleaved group size (default ``pp``).
         trace: a list to which every executed step ``(is_forward, mb, chunk)`` is appended.
+        overlap_microbatches: :func:`forward_backward_no_pipelining` runs microbatch ``i + 1``'s forward beside
+            microbatch ``i``'s backward, on two microbatch streams (see :func:`forward_backward_overlapped`); the
+            pipeline schedules reject it (not built yet).
     """
 
     tensor_shape: Optional[Sequence[int]] = None
@@ -312,6 +317,7 @@ class PipelineConfig:
     grad_scale_func: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
     microbatch_group_size_per_vp_stage: Optional[int] = None
     trace: Optional[list] = None
+    overlap_microbatches: bool = False
 
 
 def deallocate_output_tensor(out: Optional[torch.Tensor], deallocate_pipeline_outputs: bool = True) -> None:
@@ -511,6 +517,9 @@ def forward_backward_no_pipelining(
     """
     config = config or PipelineConfig()
     model, data_iterator = _single_chunk(model, data_iterator, "forward_backward_no_pipelining")
+    if config.overlap_microbatches and not forward_only and num_microbatches > 1:
+        return forward_backward_overlapped(forward_step_func=forward_step_func, data_iterator=data_iterator,
+                                           model=model, num_microbatches=num_microbatches, config=config)
     steps = _Steps(schedule_order(num_microbatches, 1, 0, forward_only=forward_only), config.trace)
     set_aux_loss_scale_for_step(config, [model], num_microbatches)
     sync = _GradSync(_no_sync_factory(config, [model]))
@@ -522,13 +531,92 @@ def forward_backward_no_pipelining(
             else:
                 sync.disable()
             steps.take(True, mb, 0)
-            out = forward_step(forward_step_func, data_iterator, model, num_microbatches, None, store, config, True)
+            with streams.microbatch(mb):  # a label for a StreamRecorder only
+                out = forward_step(forward_step_func, data_iterator, model, num_microbatches, None, store, config,
+                                   True)
             if not forward_only:
                 steps.take(False, mb, 0)
                 backward_step(None, out, None, config)
             del out
     finally:
         sync.enable()
+    steps.finish()
+    _reset_aux_loss_scale()
+    return store
+
+
+_LANES: Dict[torch.device, Tuple[streams.SideStream, streams.SideStream]] = {}
+
+
+def _microbatch_lanes(device: torch.device) -> Tuple[streams.SideStream, streams.SideStream]:
+    """The two microbatch streams of ``device`` (made once: never during a CUDA graph capture)."""
+    if device not in _LANES:
+        _LANES[device] = tuple(streams.SideStream(device, f"microbatch{i}", whole_graph=True) for i in range(2))
+    return _LANES[device]
+
+
+def forward_backward_overlapped(*, forward_step_func: Callable, data_iterator, model, num_microbatches: int,
+                                config: PipelineConfig) -> list:
+    """Two microbatches in flight on one stage (``PipelineConfig.overlap_microbatches``): microbatch ``i + 1``'s
+    forward runs beside microbatch ``i``'s backward, as the steady state of Megatron-core's combined 1F1B does.
+
+    Streams: microbatch ``i``'s forward runs on microbatch stream ``i % 2`` (a :class:`moe_graph.streams.SideStream`
+    forked from the current stream), and autograd runs its backward on the same stream; the two streams alternate,
+    so the forward of ``i + 1`` (stream ``(i + 1) % 2``) and the backward of ``i`` (stream ``i % 2``) have no
+    ordering between them, and the exchange (dispatch, combine and their backward) of one is free to run while the
+    other computes. Issue order (the serial loop's: ``F0 B0 F1 B1 ...``), per microbatch ``i``::
+
+        mark the fork of F(i+1) on the current stream | backward B(i) (root on the current stream, nodes on stream
+        i%2) | F(i+1) on stream (i+1)%2, waiting on the mark only | join F(i+1) into the current stream
+
+    so forwards stay in order (they write the MoE layers' statistics and step counters), and so do the backwards
+    (their gradient accumulations). Each parameter's gradient accumulator is made on the current stream before the
+    first fork and kept for the schedule: the accumulation of every microbatch's gradient, and the hooks on it
+    (DDP's ``main_grad`` add and bucket reduction launch), run on the current stream after waiting for the
+    microbatch stream. The arithmetic and its order are those of the serial loop (the same forwards in the same
+    order, the same backwards in the same order): the results are bitwise equal. Memory: two microbatches'
+    activations are alive at once (``F(i+1)``'s before ``B(i)`` has freed ``i``'s).
+    """
+    if any(m.recompute for m in moe_layers(getattr(model, "module", model))):
+        raise ValueError("overlap_microbatches: MoE layers with recompute are not supported (the recomputation in "
+                         "microbatch i's backward writes the layer's statistics while microbatch i + 1's forward does)")
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    lanes = _microbatch_lanes(device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    # the accumulators made here, on the current stream, and kept alive: every microbatch's backward accumulates
+    # its parameter gradients (and runs DDP's hooks) on this stream
+    accumulators = [torch.autograd.graph.get_gradient_edge(p).node for p in params]
+    steps = _Steps(schedule_order(num_microbatches, 1, 0), config.trace)
+    set_aux_loss_scale_for_step(config, [model], num_microbatches)
+    sync = _GradSync(_no_sync_factory(config, [model]))
+    store: list = []
+
+    def forward(mb: int, marked: bool):
+        steps.take(True, mb, 0)
+        lane = lanes[mb % 2]
+        with streams.microbatch(mb), lane.fork(*params, marked=marked):
+            out = forward_step(forward_step_func, data_iterator, model, num_microbatches, None, store, config, True)
+        (out,) = lane.join(out)
+        return out
+
+    try:
+        out = forward(0, False)
+        for mb in range(num_microbatches):
+            last = mb == num_microbatches - 1
+            if not last:
+                lanes[(mb + 1) % 2].mark_fork()  # F(mb+1) waits for what is issued so far, not for B(mb)
+            if last:
+                sync.enable()  # the last microbatch's backward runs with gradient reduction on
+            else:
+                sync.disable()
+            steps.take(False, mb, 0)
+            backward_step(None, out, None, config)
+            del out
+            if not last:
+                out = forward(mb + 1, True)
+    finally:
+        sync.enable()
+    del accumulators
     steps.finish()
     _reset_aux_loss_scale()
     return store
@@ -552,6 +640,9 @@ def forward_backward_pipelining_without_interleaving(
     until the last backward (with a ``grad_sync_func``, non-first stages launch it at the end).
     """
     config = config or PipelineConfig()
+    if config.overlap_microbatches:
+        raise ValueError("forward_backward_pipelining_without_interleaving: overlap_microbatches is built for "
+                         "forward_backward_no_pipelining only")
     model, data_iterator = _single_chunk(model, data_iterator, "forward_backward_pipelining_without_interleaving")
     shape, dtype = _shape_dtype(config, tensor_shape, dtype)
     comm = communicator or get_default_communicator(config.batch_p2p_comm)
@@ -654,6 +745,9 @@ def forward_backward_pipelining_with_interleaving(
     ``ValueError`` before any communication. Returns the reported losses on the last stage.
     """
     config = config or PipelineConfig()
+    if config.overlap_microbatches:
+        raise ValueError("forward_backward_pipelining_with_interleaving: overlap_microbatches is built for "
+                         "forward_backward_no_pipelining only")
     if not isinstance(model, (list, tuple)) or len(model) < 1:
         raise ValueError("interleaved pipeline schedule expects a list of model chunks")
     nc = len(model)

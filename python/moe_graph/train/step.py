@@ -92,7 +92,8 @@ def train_step(model, optimizer, microbatches: Sequence[Any], *, loss_func: Opti
                tensor_shape: Optional[Sequence[int]] = None, dtype: Optional[torch.dtype] = None,
                config=None, forward_backward_func: Optional[Callable] = None,
                update_expert_bias: bool = True, average_loss_over_data_parallel: bool = True,
-               overflow: Optional[str] = None, fp8_recipe=None) -> TrainStepResult:
+               overflow: Optional[str] = None, fp8_recipe=None,
+               overlap_microbatches: bool = False) -> TrainStepResult:
     """One training iteration (see the module docstring).
 
     Args:
@@ -116,6 +117,11 @@ def train_step(model, optimizer, microbatches: Sequence[Any], *, loss_func: Opti
         fp8_recipe: run the microbatches' forward and backward under ``moe_graph.fp8.autocast(recipe=...)`` (a
             recipe, TE's recipe object or a name: "blockwise", "mxfp8", "tensorwise"); None: as the caller's
             context (an enclosing autocast still applies).
+        overlap_microbatches: two microbatches in flight: microbatch ``i + 1``'s forward beside microbatch ``i``'s
+            backward on two microbatch streams, so one's expert-parallel exchange runs while the other computes
+            (:func:`moe_graph.train.schedules.forward_backward_overlapped`; bitwise equal to the serial loop; two
+            microbatches' activations alive at once). The plain loop only (no pipeline parallelism): with another
+            schedule it raises ``ValueError``.
     """
     if overflow is not None and overflow not in OVERFLOW_MODES:
         raise ValueError(f"train_step: overflow must be one of {OVERFLOW_MODES} or None, got {overflow!r}")
@@ -130,6 +136,9 @@ def train_step(model, optimizer, microbatches: Sequence[Any], *, loss_func: Opti
         config = schedules.PipelineConfig()
     else:
         config = dataclasses.replace(config)
+    if not isinstance(overlap_microbatches, bool):
+        raise TypeError(f"train_step: overlap_microbatches must be a bool, got {type(overlap_microbatches).__name__}")
+    config.overlap_microbatches = config.overlap_microbatches or overlap_microbatches
     if tensor_shape is not None:
         config.tensor_shape = tuple(tensor_shape)
     if dtype is not None:
@@ -145,6 +154,10 @@ def train_step(model, optimizer, microbatches: Sequence[Any], *, loss_func: Opti
         else:
             forward_backward_func = schedules.forward_backward_no_pipelining
     interleaved = forward_backward_func is schedules.forward_backward_pipelining_with_interleaving
+    if config.overlap_microbatches and forward_backward_func is not schedules.forward_backward_no_pipelining:
+        raise ValueError("train_step: overlap_microbatches runs in the plain microbatch loop "
+                         "(forward_backward_no_pipelining) only; the pipeline schedules do not overlap microbatches yet, "
+                         f"got {getattr(forward_backward_func, '__name__', forward_backward_func)}")
     if len(chunks) > 1 and not interleaved:
         raise ValueError(f"train_step: {len(chunks)} model chunks need the interleaved schedule")
 

@@ -1,0 +1,186 @@
+"""Two microbatches in flight in the plain microbatch loop (``overlap_microbatches``): microbatch ``i + 1``'s
+forward beside microbatch ``i``'s backward on two alternating microbatch streams
+(:func:`moe_graph.train.schedules.forward_backward_overlapped`).
+
+Oracle: the serial loop (``F0 B0 F1 B1 ...``, the same model with the option off). The overlapped schedule issues
+the same forwards in the same order and the same backwards in the same order, so losses and gradients must be
+bitwise equal. The record (:class:`moe_graph.streams.StreamRecorder`) of the overlapped schedule must show no
+ordering and no data dependency between microbatch ``i``'s exchange and microbatch ``i + 1``'s computation (both
+ways), every cross-stream use joined, and a race when a fork's or a join's wait is removed.
+"""
+
+import pytest
+import torch
+
+from conftest import requires_cuda
+from helpers.overlap_workers import (TinyMoEModel, cross_microbatch, microbatch_worker, microbatches, run_schedule)
+from moe_graph import streams
+from moe_graph.distributed.launch import run_distributed
+from moe_graph.streams import SideStream, unjoined_uses
+from moe_graph.train import schedules
+
+
+def _equal(a, b):
+    (l0, g0, _), (l1, g1, _) = a, b
+    assert len(l0) == len(l1) and all(torch.equal(x, y) for x, y in zip(l0, l1))
+    assert set(g0) == set(g1) and len(g0) >= 7
+    for n in g0:
+        assert torch.equal(g0[n], g1[n]), n
+
+
+@pytest.mark.parametrize("overrides", [{}, {"overlap_shared_expert": True}, {"num_spare_experts_per_ep_rank": 1},
+                                       ], ids=["plain", "shared_side", "echo1"])
+@pytest.mark.parametrize("m", [2, 3])
+def test_overlapped_microbatches_equal_serial_bitwise(overrides, m):
+    mbs = microbatches(m)
+    serial = run_schedule(TinyMoEModel(**overrides), mbs, False)
+    overlapped = run_schedule(TinyMoEModel(**overrides), mbs, True, record=True)
+    _equal(serial, overlapped)
+    assert unjoined_uses(overlapped[2].entries) == []
+
+
+@pytest.mark.parametrize("overrides", [{}, {"overlap_shared_expert": True}], ids=["plain", "shared_side"])
+def test_record_shows_exchange_beside_the_other_microbatch(overrides):
+    rec = run_schedule(TinyMoEModel(**overrides), microbatches(3), True, record=True)[2]
+    for i in range(3):  # forward and backward of microbatch i on stream i % 2 (and the shared expert's side stream)
+        mine = {o.stream for o in rec.ops if o.microbatch == i}
+        assert f"microbatch{i % 2}" in mine and mine <= {f"microbatch{i % 2}", "moe_side"}, (i, mine)
+    # the rest (grad zeroing, loss scaling, the accumulations and their hooks) on the main stream
+    assert {o.stream for o in rec.ops if o.microbatch is None} == {"main"}
+    for i in range(2):
+        c = cross_microbatch(rec, i)
+        assert c["exchange"] > 0 and c["compute"] > 0 and c["ordered"] == 0 and c["depends"] == 0, (i, c)
+
+
+def test_serial_record_orders_every_microbatch():
+    """The control: the serial loop has everything on the main stream, so the check above sees the exchange of
+    one microbatch ordered against the other's computation (it can fail)."""
+    rec = run_schedule(TinyMoEModel(), microbatches(3), False, record=True)[2]
+    assert {o.stream for o in rec.ops} == {"main"}
+    c = cross_microbatch(rec, 0)
+    assert c["ordered"] == c["pairs"] > 0  # every pair ordered (no data dependency either way in serial too)
+
+
+@pytest.mark.parametrize("removed", ["fork", "join"])
+def test_a_removed_microbatch_wait_is_reported_as_a_race(monkeypatch, removed):
+    real = SideStream._wait
+
+    def wait(self, kind):
+        if not (self.name.startswith("microbatch") and kind == removed):
+            real(self, kind)
+
+    monkeypatch.setattr(SideStream, "_wait", wait)
+    rec = run_schedule(TinyMoEModel(), microbatches(3), True, record=True)[2]
+    races = unjoined_uses(rec.entries)
+    assert races
+    streams_seen = {(p.stream, c.stream) for p, c in races}
+    if removed == "fork":  # a microbatch stream reads what the main stream wrote (zeroed grads, scale) unordered
+        assert any(p == "main" and c.startswith("microbatch") for p, c in streams_seen), streams_seen
+    else:  # the main stream (loss scaling for backward) reads the loss before the microbatch stream made it
+        assert any(p.startswith("microbatch") and c == "main" for p, c in streams_seen), streams_seen
+
+
+def test_a_removed_accumulation_wait_is_reported_as_a_race(monkeypatch):
+    """The accumulation of a parameter's gradient runs on the main stream after waiting for the microbatch stream
+    (the recorder's model of the engine); without that wait the main stream's add reads the gradient unordered."""
+    real = streams.StreamRecorder._event
+
+    def event(self, kind, name, stream=None):
+        if kind == "wait" and name.startswith("autograd#") and (stream or streams.current_logical_stream()) == "main" \
+                and streams.current_logical_stream() != "main":
+            return  # the boundary's wait (issued while the microbatch stream is still current)
+        real(self, kind, name, stream)
+
+    monkeypatch.setattr(streams.StreamRecorder, "_event", event)
+    rec = run_schedule(TinyMoEModel(), microbatches(2), True, record=True)[2]
+    races = unjoined_uses(rec.entries)
+    assert any(p.stream.startswith("microbatch") and c.stream == "main" for p, c in races)
+
+
+def test_accumulation_hooks_run_on_the_main_stream():
+    """Every parameter's post-accumulate hook (DDP's ``main_grad`` add, its bucket reduction launch) runs on the
+    main stream: the schedule makes the accumulators there before the first fork and keeps them."""
+    model = TinyMoEModel()
+    seen = {}
+    for n, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda p, n=n: seen.setdefault(n, set()).add(
+            streams.current_logical_stream()))
+    run_schedule(model, microbatches(3), True, record=True)
+    assert seen and all(v == {"main"} for v in seen.values()), seen
+
+
+def test_ep2_on_gloo_equals_serial_and_overlaps():
+    for r in run_distributed(microbatch_worker, 2, 5):
+        assert r["mismatch"] == [] and r["unjoined"] == 0, r
+        for c in r["cross"]:
+            assert c["exchange"] > 0 and c["ordered"] == 0 and c["depends"] == 0, r
+
+
+def test_option_validation():
+    with pytest.raises(ValueError, match="recompute are not supported"):
+        run_schedule(TinyMoEModel(recompute=True), microbatches(2), True)
+    with pytest.raises(ValueError, match="built for forward_backward_no_pipelining only"):
+        schedules.forward_backward_pipelining_without_interleaving(
+            forward_step_func=None, data_iterator=None, model=TinyMoEModel(), num_microbatches=2,
+            config=schedules.PipelineConfig(overlap_microbatches=True))
+    from moe_graph.train.step import train_step
+    with pytest.raises(TypeError, match="overlap_microbatches must be a bool"):
+        train_step(TinyMoEModel(), None, [1], overlap_microbatches=1)
+    with pytest.raises(ValueError, match="plain microbatch loop"):
+        train_step(TinyMoEModel(), None, [1], overlap_microbatches=True,
+                   forward_backward_func=schedules.forward_backward_pipelining_without_interleaving)
+
+
+# ------------------------------------------------------------------------------------------------- CUDA --
+# Written for the GPU: a train_step with overlap_microbatches captured in one graph (the microbatch streams join the
+# capture through their fork events), replayed with no host sync, equal to the eager serial step.
+class _CudaModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        from moe_graph.moe.layer import MoELayer
+
+        torch.manual_seed(0)
+        self.inp = torch.nn.Linear(32, 64, device="cuda")
+        self.moe = MoELayer(64, 96, 8, 2, capacity_factor=2.0, aux_loss_coeff=0.01, shared_expert_ffn_size=128,
+                            device="cuda", overlap_shared_expert=True)
+        self.out = torch.nn.Linear(64, 16, device="cuda")
+
+    def forward(self, x, y):
+        h = self.inp(x)
+        return torch.nn.functional.cross_entropy(self.out(h + self.moe(h)), y)
+
+
+@requires_cuda
+def test_cuda_overlapped_microbatches_in_one_graph():
+    from moe_graph.cuda_graph import FullIterationGraph
+    from moe_graph.distributed.ddp import DistributedDataParallel
+    from moe_graph.distributed.optimizer import DistributedOptimizer
+    from moe_graph.train.step import make_train_step
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    data = [[(torch.randn(128, 32, device="cuda", generator=g), torch.randint(0, 16, (128,), device="cuda",
+                                                                             generator=g)) for _ in range(3)]
+            for _ in range(5)]
+    steps, models = {}, {}
+    for k in ("serial", "eager", "graph"):
+        models[k] = DistributedDataParallel(_CudaModel(), use_distributed_optimizer=True)
+        opt = DistributedOptimizer(models[k], lr=1e-3)
+        step = make_train_step(models[k], opt, overlap_microbatches=k != "serial")
+        steps[k] = FullIterationGraph(step, warmup_steps=1) if k == "graph" else step
+    losses = {k: [] for k in steps}
+    for i, mbs in enumerate(data):
+        for k, step in steps.items():
+            if k == "graph" and i >= 2:  # warm-up and capture done: replays must not sync
+                torch.cuda.synchronize()
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                losses[k].append(step(mbs).loss.clone())
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    assert steps["graph"].captured()
+    for a, b, c in zip(losses["serial"], losses["eager"], losses["graph"]):
+        assert torch.equal(a, b)  # the streams change no arithmetic
+        torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-4)
+    for (n, pa), pb in zip(models["serial"].named_parameters(), models["eager"].parameters()):
+        assert torch.equal(pa, pb), n
