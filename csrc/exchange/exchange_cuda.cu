@@ -36,6 +36,14 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 
+// The barriers of combine / gather are calls: inlined, their divergent spin loops made ptxas spill a few bytes in
+// the token loop (sm_90a and sm_100a).
+#if defined(MOE_GRAPH_EMULATE)
+#define MOE_EXCHANGE_NOINLINE
+#else
+#define MOE_EXCHANGE_NOINLINE __noinline__
+#endif
+
 // ------------------------------------------------------------------------------------------------- dispatch --
 __global__ void __launch_bounds__(kThreads) count_kernel(DispatchArgs a) {
   const int64_t n = a.tokens * a.topk;
@@ -180,8 +188,8 @@ struct alignas(sizeof(T) * V) Pack {
 };
 
 // The opening barrier: block 0 tells every peer that this rank's buffer is ready (epoch e); every block waits for
-// all R. Returns e.
-__device__ __forceinline__ uint64_t open_barrier(const CombineArgs& a, int64_t epoch_slot, int64_t kind) {
+// all R.
+__device__ MOE_EXCHANGE_NOINLINE void open_barrier(const CombineArgs& a, int64_t epoch_slot, int64_t kind) {
   const uint64_t e = a.epoch[epoch_slot] + 1;
   if (blockIdx.x == 0)
     for (int64_t d = threadIdx.x; d < a.R; d += blockDim.x) {
@@ -191,13 +199,14 @@ __device__ __forceinline__ uint64_t open_barrier(const CombineArgs& a, int64_t e
   for (int64_t s = threadIdx.x; s < a.R; s += blockDim.x)
     peer::wait_at_least(a.ctrl_local + Control::signal(kind, a.R, s), e);
   __syncthreads();
-  return e;
 }
 
 // The closing barrier: every block tells every peer it is done reading; block 0 waits for every peer's G blocks,
-// then advances the epoch (every block of this rank has read it: their signals are among those awaited).
-__device__ __forceinline__ void close_barrier(const CombineArgs& a, uint64_t e, int64_t epoch_slot, int64_t kind) {
+// then advances the epoch (every block of this rank has read it: their signals are among those awaited). The epoch
+// is read again here (unchanged since the opening barrier: only this kernel's block 0 advances it, last).
+__device__ MOE_EXCHANGE_NOINLINE void close_barrier(const CombineArgs& a, int64_t epoch_slot, int64_t kind) {
   __syncthreads();
+  const uint64_t e = a.epoch[epoch_slot] + 1;
   for (int64_t d = threadIdx.x; d < a.R; d += blockDim.x) {
     peer::fence_system();
     peer::signal_add(a.ctrl_ptrs, a.R, d, 0, Control::signal(kind, a.R, a.rank), 1);
@@ -213,46 +222,62 @@ template <typename T, int V>
 __global__ void __launch_bounds__(kThreads) combine_kernel(CombineArgs a) {
   using P = Pack<T, V>;
   using Acc = typename Conv<T>::Acc;
-  const uint64_t e = open_barrier(a, kEpochCombine, Control::kReady);
+  open_barrier(a, kEpochCombine, Control::kReady);
   const int64_t K = a.topk, packs = a.hidden / V, limit = a.R * a.capacity;
   const int lane = threadIdx.x & 31;
   const int64_t warp = int64_t(blockIdx.x) * kWarps + (threadIdx.x >> 5), warps = int64_t(gridDim.x) * kWarps;
   const Acc* w = static_cast<const Acc*>(a.weights);
   bool bad = false;
+  // one warp per token; lane j < K holds route k0 + j's row and weight, shuffled to the warp for each route
   for (int64_t t = warp; t < a.tokens; t += warps) {
     P* o = reinterpret_cast<P*>(static_cast<T*>(a.out) + t * a.hidden);
-    for (int64_t c = lane; c < packs; c += 32) {
+    for (int64_t c0 = 0; c0 < packs; c0 += 32) {
+      const int64_t c = c0 + lane;
       Acc acc[V];
 #pragma unroll
       for (int v = 0; v < V; ++v) acc[v] = Acc(0);
-      for (int64_t k = 0; k < K; ++k) {
-        const int64_t rr = a.route_row[t * K + k];
-        if (rr < 0 || rr >= limit) {
-          bad |= rr != -1;
-          continue;
+      for (int64_t k0 = 0; k0 < K; k0 += 32) {
+        // lane j: the destination and row of route k0 + j (-1: none), its weight
+        int64_t mine_d = -1, mine_row = 0;
+        Acc mine_w = Acc(1);
+        if (k0 + lane < K) {
+          const int64_t rr = a.route_row[t * K + k0 + lane];
+          bad |= rr != -1 && (rr < 0 || rr >= limit);
+          if (rr >= 0 && rr < limit) {  // R * capacity < 2^31 (checked on the host): a 32-bit division
+            mine_d = uint32_t(rr) / uint32_t(a.capacity);
+            mine_row = rr - mine_d * a.capacity;
+          }
+          if (w != nullptr) mine_w = w[t * K + k0 + lane];
         }
-        const P x = peer::load(peer::at<P>(a.src_ptrs, rr / a.capacity, 0) + (rr % a.capacity) * packs + c);
-        const Acc wk = w == nullptr ? Acc(1) : w[t * K + k];
+        const int kn = K - k0 < 32 ? int(K - k0) : 32;
+        for (int j = 0; j < kn; ++j) {
+          const int64_t d = __shfl_sync(0xffffffffu, mine_d, j), row = __shfl_sync(0xffffffffu, mine_row, j);
+          const Acc wk = __shfl_sync(0xffffffffu, mine_w, j);
+          if (d < 0 || c >= packs) continue;
+          const P x = peer::load(peer::at<P>(a.src_ptrs, d, 0) + row * packs + c);
 #pragma unroll
-        for (int v = 0; v < V; ++v) {
-          if (w == nullptr) acc[v] += Conv<T>::to(x.v[v]);
-          else acc[v] += wk * Conv<T>::to(x.v[v]);
+          for (int v = 0; v < V; ++v) {
+            if (w == nullptr) acc[v] += Conv<T>::to(x.v[v]);
+            else acc[v] += wk * Conv<T>::to(x.v[v]);
+          }
         }
       }
-      P y;
+      if (c < packs) {
+        P y;
 #pragma unroll
-      for (int v = 0; v < V; ++v) y.v[v] = Conv<T>::from(acc[v]);
-      o[c] = y;
+        for (int v = 0; v < V; ++v) y.v[v] = Conv<T>::from(acc[v]);
+        o[c] = y;
+      }
     }
   }
   if (bad) set_device_error(a.error_flag, kErrIndexOutOfRange);
-  close_barrier(a, e, kEpochCombine, Control::kDone);
+  close_barrier(a, kEpochCombine, Control::kDone);
 }
 
 template <int V>
 __global__ void __launch_bounds__(kThreads) gather_kernel(CombineArgs a) {
   using P = Pack<unsigned char, V>;
-  const uint64_t e = open_barrier(a, kEpochGather, Control::kGatherReady);
+  open_barrier(a, kEpochGather, Control::kGatherReady);
   const int64_t n = a.tokens * a.topk, packs = a.row_bytes / V, limit = a.R * a.capacity;
   const int lane = threadIdx.x & 31;
   const int64_t warp = int64_t(blockIdx.x) * kWarps + (threadIdx.x >> 5), warps = int64_t(gridDim.x) * kWarps;
@@ -262,7 +287,8 @@ __global__ void __launch_bounds__(kThreads) gather_kernel(CombineArgs a) {
     P* o = reinterpret_cast<P*>(static_cast<unsigned char*>(a.out) + q * a.row_bytes);
     const bool live = rr >= 0 && rr < limit;
     bad |= !live && rr != -1;
-    const P* s = live ? peer::at<P>(a.src_ptrs, rr / a.capacity, 0) + (rr % a.capacity) * packs : nullptr;
+    const int64_t d = live ? int64_t(uint32_t(rr) / uint32_t(a.capacity)) : 0;
+    const P* s = live ? peer::at<P>(a.src_ptrs, d, 0) + (rr - d * a.capacity) * packs : nullptr;
     for (int64_t c = lane; c < packs; c += 32) {
       P y{};
       if (live) y = peer::load(s + c);
@@ -270,7 +296,7 @@ __global__ void __launch_bounds__(kThreads) gather_kernel(CombineArgs a) {
     }
   }
   if (bad) set_device_error(a.error_flag, kErrIndexOutOfRange);
-  close_barrier(a, e, kEpochGather, Control::kGatherDone);
+  close_barrier(a, kEpochGather, Control::kGatherDone);
 }
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
