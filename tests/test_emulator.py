@@ -206,11 +206,11 @@ def test_emulator_catches_memory_errors_and_races(harness, selftest, expect):
 # The fused exchange on R emulated devices (the multi-device mode): each injected fault of the peer-memory protocol
 # is caught, and how. fence:-1: the system fences (and the fence of every release) do nothing, so no store into a
 # peer becomes visible (the count tables read as poison: nothing arrives); fence:1: only launch 1 (device 0's data
-# kernel) without them: its rows reach the receivers as poison (0xff); peer: a block's first signal goes to the next peer (one peer never
-# gets it: a deadlock, reported); nosignal: a block's second signal is not sent (a deadlock); guard: the capacity
-# guard removed, rows past a receive buffer are written (AddressSanitizer).
-EXCHANGE_FAULTS = [("fence:-1:-1", "FAIL"), ("fence:1:-1", "emulated 0xff"), ("peer:-1:0", "deadlock"), ("nosignal:-1:1", "deadlock"),
-                   ("guard:-1:-1", "AddressSanitizer")]
+# kernel) without them: its rows reach the receivers as poison (0xff); peer: a block's first signal goes to the next
+# peer (one peer never gets it: a deadlock, reported); nosignal: a block's second signal is not sent (a deadlock);
+# guard: the capacity guard removed, rows past a receive buffer are written (AddressSanitizer).
+EXCHANGE_FAULTS = [("fence:-1:-1", "FAIL"), ("fence:1:-1", "emulated 0xff"), ("peer:-1:0", "deadlock"),
+                   ("nosignal:-1:1", "deadlock"), ("guard:-1:-1", "AddressSanitizer")]
 
 
 @pytest.mark.parametrize("fault,expect", EXCHANGE_FAULTS, ids=[f[0] for f in EXCHANGE_FAULTS])

@@ -55,30 +55,36 @@ MOE_PEER_D uint64_t load_acquire(const uint64_t* p) {
 #endif
 }
 
-// Signal word `word` of peer `peer` (of `ranks`) in the symmetric signal buffer `ptrs` (byte offset `offset`):
-// release store of v / release add of v.
-MOE_PEER_D void signal_store(const int64_t* ptrs, int64_t ranks, int64_t peer, int64_t offset, int64_t word,
-                             uint64_t v) {
+// Signal word `word` of peer `peer` (of `ranks`) in the symmetric signal buffer `ptrs` (byte offset `offset`);
+// null when the emulator's fault injection drops the signal (or sends it to another peer).
+MOE_PEER_D uint64_t* signal_word(const int64_t* ptrs, int64_t ranks, int64_t peer, int64_t offset, int64_t word) {
 #if defined(MOE_GRAPH_EMULATE)
   peer = ::moe_emu::fault_peer(peer, ranks);
-  if (peer < 0) return;
-  ::moe_emu::signal_write(at<uint64_t>(ptrs, peer, offset) + word, v, false, true);
+  if (peer < 0) return nullptr;
 #else
   (void)ranks;
-  uint64_t* p = at<uint64_t>(ptrs, peer, offset) + word;
+#endif
+  return at<uint64_t>(ptrs, peer, offset) + word;
+}
+
+// Release store of v into a peer's signal word.
+MOE_PEER_D void signal_store(const int64_t* ptrs, int64_t ranks, int64_t peer, int64_t offset, int64_t word,
+                             uint64_t v) {
+  uint64_t* p = signal_word(ptrs, ranks, peer, offset, word);
+#if defined(MOE_GRAPH_EMULATE)
+  if (p != nullptr) ::moe_emu::signal_write(p, v, false, true);
+#else
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 #endif
 }
 
+// Release add of v to a peer's signal word.
 MOE_PEER_D void signal_add(const int64_t* ptrs, int64_t ranks, int64_t peer, int64_t offset, int64_t word,
                            uint64_t v) {
+  uint64_t* p = signal_word(ptrs, ranks, peer, offset, word);
 #if defined(MOE_GRAPH_EMULATE)
-  peer = ::moe_emu::fault_peer(peer, ranks);
-  if (peer < 0) return;
-  ::moe_emu::signal_write(at<uint64_t>(ptrs, peer, offset) + word, v, true, true);
+  if (p != nullptr) ::moe_emu::signal_write(p, v, true, true);
 #else
-  (void)ranks;
-  uint64_t* p = at<uint64_t>(ptrs, peer, offset) + word;
   asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 #endif
 }

@@ -198,11 +198,12 @@ Buffer make_out(const Case& c, Rng& rng, bool gather) {
     switch (c.dtype) {
       case ex::DType::kDouble: b.put<double>(i, v); break;
       case ex::DType::kFloat: b.put<float>(i, f); break;
-      default: b.put<uint16_t>(i, static_cast<uint16_t>(u >> 16)); break;  // bf16 bits; a finite half pattern
+      default: b.put<uint16_t>(i, static_cast<uint16_t>(u >> 16)); break;  // bf16 bits (fp16: below)
     }
   }
   if (c.dtype == ex::DType::kHalf)
-    for (int64_t i = 0; i < c.capacity * c.hidden; ++i) b.put<uint16_t>(i, static_cast<uint16_t>(rng.uniform(0, 0x7bff)));
+    for (int64_t i = 0; i < c.capacity * c.hidden; ++i)
+      b.put<uint16_t>(i, static_cast<uint16_t>(rng.uniform(0, 0x7bff)));  // finite halves
   return b;
 }
 
@@ -333,8 +334,10 @@ int family_exchange() {
   for (int64_t R : {int64_t(2), int64_t(4), int64_t(8)}) {
     const std::string r = "R=" + std::to_string(R);
     // name, R, Lc, T, K, row_bytes, capacity, mode, quota, invalid, weights, dtype, hidden, ctas
-    cases.push_back({r + " bf16 rows, quotas overflow (capacity cut)", R, 3, 6, 2, 48, 5, 0, 0.4, 0.1, true, bf, 24, 2});
-    cases.push_back({r + " fp32 rows of 20 bytes, zero-token experts", R, 4, 5, 2, 20, 6 * R, 1, 0, 0.0, true, f32, 5, 2});
+    cases.push_back(
+        {r + " bf16 rows, quotas overflow (capacity cut)", R, 3, 6, 2, 48, 5, 0, 0.4, 0.1, true, bf, 24, 2});
+    cases.push_back(
+        {r + " fp32 rows of 20 bytes, zero-token experts", R, 4, 5, 2, 20, 6 * R, 1, 0, 0.0, true, f32, 5, 2});
     cases.push_back({r + " FP8 rows of 37 bytes, one expert takes everything", R, 2, 4, 3, 37, 4 * 3 * R, 2, 0, 0.2,
                      false, f32, 3, 1});
     cases.push_back({r + " echo-like Lc=5, fp64 combine, capacity below the arrivals", R, 5, 5, 2, 16, 3 * R - 1, 0,

@@ -595,7 +595,8 @@ void multi_begin(int devices) {
 
 void set_device(int device) {
   Emu& e = emu();
-  if (device < 0 || (e.multi && device >= static_cast<int>(e.devices.size()))) fail_at(nullptr, "set_device: no such device");
+  if (device < 0 || (e.multi && device >= static_cast<int>(e.devices.size())))
+    fail_at(nullptr, "set_device: no such device");
   e.device = device;
 }
 
@@ -688,7 +689,8 @@ void multi_run() {
       std::vector<Block*> blocks;
       for (Device& dev : e.devices)
         for (auto& b : dev.blocks) blocks.push_back(b.get());
-      fail_at(nullptr, ("deadlock: no thread of any device can make progress; waiting:" + waiting_list(blocks)).c_str());
+      const std::string msg = "deadlock: no thread of any device can make progress; waiting:" + waiting_list(blocks);
+      fail_at(nullptr, msg.c_str());
     }
   }
   // stores never made visible stay poison: the next kernel on the destination may run at once (drop them)

@@ -11,11 +11,11 @@
 // (one OS thread), __threadfence a no-op; the system-scope peer-memory operations follow the cross-device memory
 // model of the multi-device mode.
 //
-// Not modelled (only a GPU shows them): memory ordering between blocks and between threads of a block without a
-// barrier (a fiber runs until its next synchronization point, so no data race inside a phase is interleaved),
-// warp-synchronous code that relies on lockstep without __syncwarp, timing, occupancy and resource limits (registers,
-// shared memory size), TMA / wgmma / tensor cores, and the device math intrinsics (the host math of the shared
-// __host__ __device__ functions runs instead).
+// Not modelled (only a GPU shows them): memory ordering (outside the multi-device mode's peer-memory model) between
+// blocks and between threads of a block without a barrier (a fiber runs until its next synchronization point, so no
+// data race inside a phase is interleaved), warp-synchronous code that relies on lockstep without __syncwarp,
+// timing, occupancy and resource limits (registers, shared memory size), TMA / wgmma / tensor cores, and the device
+// math intrinsics (the host math of the shared __host__ __device__ functions runs instead).
 #pragma once
 
 #define MOE_GRAPH_EMULATE 1
@@ -103,8 +103,8 @@ void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaS
     std::apply(x->kernel, x->params);
   };
   if (multi_active()) {
-    queue_grid(grid, block, smem, body, new Ctx{kernel, std::tuple<std::decay_t<Params>...>(std::forward<Args>(args)...)},
-               [](void* c) { delete static_cast<Ctx*>(c); });
+    auto* heap = new Ctx{kernel, std::tuple<std::decay_t<Params>...>(std::forward<Args>(args)...)};
+    queue_grid(grid, block, smem, body, heap, [](void* c) { delete static_cast<Ctx*>(c); });
     return;
   }
   Ctx ctx{kernel, std::tuple<std::decay_t<Params>...>(std::forward<Args>(args)...)};
