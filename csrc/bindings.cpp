@@ -5,6 +5,7 @@
 
 #include "activation/activation_ops.h"
 #include "common/error_flag_torch.h"
+#include "exchange/exchange_ops.h"
 #include "fp8/fp8_ops.h"
 #include "grouped_gemm/grouped_gemm_ops.h"
 #include "grouped_gemm/grouped_probe.h"
@@ -118,6 +119,25 @@ TORCH_LIBRARY(moe_graph, m) {
         "int block_n, Tensor? bias, ScalarType out_dtype) -> Tensor");
   m.def("fp8_scaled_grouped_wgrad_out(Tensor a_t, Tensor a_scale, Tensor b_t, Tensor b_scale, Tensor m_splits, "
         "int block_m, Tensor(a!) out, bool accumulate) -> ()");
+  // ---- the fused ("nvlink") exchange on symmetric memory (csrc/exchange/exchange.h) ------------------------
+  // -> [control words, receive-buffer bytes, weights offset, epoch words, largest R*Lc].
+  m.def("exchange_layout(int num_ranks, int num_local, int capacity, int row_bytes) -> int[]",
+        &moe_graph::exchange_layout);
+  // The host reference over all R ranks (list index = rank): -> (expert_in, m_splits, row_weights, route_row).
+  m.def("exchange_dispatch_reference(Tensor[] rows, Tensor[] route_of_slot, Tensor[] send_counts, Tensor[] weights, "
+        "int topk, int capacity) -> (Tensor[], Tensor[], Tensor[], Tensor[])");
+  m.def("exchange_combine_reference(Tensor[] expert_out, Tensor[] route_row, Tensor[] weights, int topk) -> Tensor[]");
+  m.def("exchange_gather_reference(Tensor[] expert_out, Tensor[] route_row) -> Tensor[]");
+  // One rank (CUDA): rows [T, *X] -> (m_splits [Lc], route_row [T*K]); expert_in and row_weights land in the
+  // symmetric recv_buffer of every destination (python/moe_graph/ops/nvlink.py).
+  m.def("exchange_dispatch(Tensor rows, Tensor route_of_slot, Tensor send_counts, Tensor? weights, int topk, "
+        "int capacity, int rank, Tensor(a!) recv_buffer, Tensor recv_ptrs, Tensor(b!) ctrl_buffer, Tensor ctrl_ptrs, "
+        "Tensor(c!) epoch, int num_ctas) -> (Tensor, Tensor)");
+  // expert_out [capacity, *X]: this rank's symmetric buffer -> [T, *X] (combine) / [T*K, *X] (gather).
+  m.def("exchange_combine(Tensor expert_out, Tensor src_ptrs, Tensor(a!) ctrl_buffer, Tensor ctrl_ptrs, "
+        "Tensor(b!) epoch, Tensor route_row, Tensor? weights, int topk, int rank, int num_ctas) -> Tensor");
+  m.def("exchange_gather(Tensor expert_out, Tensor src_ptrs, Tensor(a!) ctrl_buffer, Tensor ctrl_ptrs, "
+        "Tensor(b!) epoch, Tensor route_row, int rank, int num_ctas) -> Tensor");
   // Test-only: the CUDA scaled GEMM's launch plan (csrc/fp8/scaled_plan.h, field order in fp8/fp8_ops.h).
   m.def("_fp8_scaled_plan(bool wgrad, int arch, int rows, int num_experts, int n, int k, int block_k, int block_n, "
         "bool e8m0, bool flag) -> int[]",
@@ -150,6 +170,9 @@ TORCH_LIBRARY_IMPL(moe_graph, CPU, m) {
   m.impl("fp8_quantize", &moe_graph::fp8_quantize_cpu);
   m.impl("fp8_scaled_grouped_gemm", &moe_graph::fp8_scaled_grouped_gemm_cpu);
   m.impl("fp8_scaled_grouped_wgrad_out", &moe_graph::fp8_scaled_grouped_wgrad_out_cpu);
+  m.impl("exchange_dispatch_reference", &moe_graph::exchange_dispatch_reference);
+  m.impl("exchange_combine_reference", &moe_graph::exchange_combine_reference);
+  m.impl("exchange_gather_reference", &moe_graph::exchange_gather_reference);
 }
 
 #ifdef MOE_GRAPH_WITH_CUDA
@@ -174,6 +197,9 @@ TORCH_LIBRARY_IMPL(moe_graph, CUDA, m) {
   m.impl("fp8_quantize", &moe_graph::fp8_quantize_cuda);
   m.impl("fp8_scaled_grouped_gemm", &moe_graph::fp8_scaled_grouped_gemm_cuda);
   m.impl("fp8_scaled_grouped_wgrad_out", &moe_graph::fp8_scaled_grouped_wgrad_out_cuda);
+  m.impl("exchange_dispatch", &moe_graph::exchange_dispatch_cuda);
+  m.impl("exchange_combine", &moe_graph::exchange_combine_cuda);
+  m.impl("exchange_gather", &moe_graph::exchange_gather_cuda);
 }
 #endif
 

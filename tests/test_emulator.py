@@ -29,13 +29,13 @@ SCHEDULES = "forward,reverse,random:1" + (",random:2,random:3" if FULL else "")
 # CPU implementations they are compared with.
 KERNELS = ["activation/activation_cuda.cu", "permute/permute_cuda.cu", "permute/dispatch_layout_cuda.cu",
            "reroute/reroute_cuda.cu", "reroute/echo_plan_cuda.cu", "grouped_gemm/grouped_gemm_cuda.cu",
-           "fp8/quantize_cuda.cu", "fp8/scaled_gemm_cuda.cu"]
+           "fp8/quantize_cuda.cu", "fp8/scaled_gemm_cuda.cu", "exchange/exchange_cuda.cu"]
 CPU = ["activation/activation_cpu.cpp", "permute/permute_cpu.cpp", "permute/dispatch_layout_cpu.cpp",
        "reroute/reroute_cpu.cpp", "reroute/echo_plan_cpu.cpp", "grouped_gemm/grouped_plan.cpp",
-       "fp8/quantize_cpu.cpp", "fp8/scaled_plan.cpp"]
-HARNESS = ["moe_emu.cpp", "harness.cpp", "harness_grouped.cpp", "harness_scaled.cpp"]
+       "fp8/quantize_cpu.cpp", "fp8/scaled_plan.cpp", "exchange/exchange_cpu.cpp"]
+HARNESS = ["moe_emu.cpp", "harness.cpp", "harness_grouped.cpp", "harness_scaled.cpp", "harness_exchange.cpp"]
 FAMILIES = ["activation", "permute", "dispatch", "receive", "aligned", "reroute", "reroute_indices", "echo_plan", "grouped",
-            "fp8_quantize", "fp8_scaled"]
+            "fp8_quantize", "fp8_scaled", "exchange"]
 
 
 def _cuda_include():
@@ -201,3 +201,20 @@ def test_emulator_catches_memory_errors_and_races(harness, selftest, expect):
     r = _run(harness, selftest)
     out = r.stdout + r.stderr
     assert r.returncode != 0 and expect in out, out[-3000:]
+
+
+# The fused exchange on R emulated devices (the multi-device mode): each injected fault of the peer-memory protocol
+# is caught, and how. fence:-1: the system fences (and the fence of every release) do nothing, so no store into a
+# peer becomes visible (the count tables read as poison: nothing arrives); fence:1: only launch 1 (device 0's data
+# kernel) without them: its rows reach the receivers as poison (0xff); peer: a block's first signal goes to the next
+# peer (one peer never gets it: a deadlock, reported); nosignal: a block's second signal is not sent (a deadlock);
+# guard: the capacity guard removed, rows past a receive buffer are written (AddressSanitizer).
+EXCHANGE_FAULTS = [("fence:-1:-1", "FAIL"), ("fence:1:-1", "emulated 0xff"), ("peer:-1:0", "deadlock"),
+                   ("nosignal:-1:1", "deadlock"), ("guard:-1:-1", "AddressSanitizer")]
+
+
+@pytest.mark.parametrize("fault,expect", EXCHANGE_FAULTS, ids=[f[0] for f in EXCHANGE_FAULTS])
+def test_exchange_faults_are_caught(harness, fault, expect):
+    r = _run(harness, "exchange", fault=fault, schedules="forward", timeout=300)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0 and expect in out, f"exchange with {fault}: not caught as {expect}:\n{out[-3000:]}"

@@ -3,7 +3,8 @@
 // bit, with the CPU implementation on the same inputs, under each schedule given.
 //
 //   harness <family> [--full] [--schedules forward,reverse,random:1]
-//   families: activation permute dispatch receive reroute reroute_indices echo_plan grouped fp8_quantize fp8_scaled all
+//   families: activation permute dispatch receive reroute reroute_indices echo_plan grouped fp8_quantize fp8_scaled
+//             exchange all
 //
 // Prints one line per family (cases x schedules compared); exits 1 at the first difference (naming the case, the
 // schedule, the output and the first differing element), and aborts on what the emulator refuses (a deadlock,
@@ -875,6 +876,7 @@ int main(int argc, char** argv) {
                              {"reroute", family_reroute},               {"reroute_indices", family_reroute_indices},
                              {"echo_plan", family_echo_plan},           {"grouped", family_grouped},
                              {"fp8_quantize", family_fp8_quantize},      {"fp8_scaled", family_fp8_scaled},
+                             {"exchange", family_exchange},
                              {"selftest_oob", selftest_oob},            {"selftest_smem_oob", selftest_smem_oob},
                              {"selftest_race", selftest_race},
                              {"selftest_divergent_shfl", selftest_divergent_shfl}};

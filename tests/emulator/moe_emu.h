@@ -6,14 +6,16 @@
 // points the runnable threads run one after the other in the schedule's order (forward, reverse or seeded random,
 // chosen again at every round), and blocks run in the same kind of order. A result that depends on that order is a
 // race the kernel does not synchronize. Shared memory: static __shared__ variables are function statics (blocks run
-// one at a time), dynamic shared memory a heap buffer of exactly the launch's size (AddressSanitizer sees
-// overruns) filled with a garbage pattern. Atomics are plain read-modify-writes (one OS thread), fences no-ops.
+// one at a time, except in the multi-device mode below), dynamic shared memory a heap buffer of exactly the
+// launch's size (AddressSanitizer sees overruns) filled with a garbage pattern. Atomics are plain read-modify-writes
+// (one OS thread), __threadfence a no-op; the system-scope peer-memory operations follow the cross-device memory
+// model of the multi-device mode.
 //
-// Not modelled (only a GPU shows them): memory ordering between blocks and between threads of a block without a
-// barrier (a fiber runs until its next synchronization point, so no data race inside a phase is interleaved),
-// warp-synchronous code that relies on lockstep without __syncwarp, timing, occupancy and resource limits (registers,
-// shared memory size), TMA / wgmma / tensor cores, and the device math intrinsics (the host math of the shared
-// __host__ __device__ functions runs instead).
+// Not modelled (only a GPU shows them): memory ordering (outside the multi-device mode's peer-memory model) between
+// blocks and between threads of a block without a barrier (a fiber runs until its next synchronization point, so no
+// data race inside a phase is interleaved), warp-synchronous code that relies on lockstep without __syncwarp,
+// timing, occupancy and resource limits (registers, shared memory size), TMA / wgmma / tensor cores, and the device
+// math intrinsics (the host math of the shared __host__ __device__ functions runs instead).
 #pragma once
 
 #define MOE_GRAPH_EMULATE 1
@@ -62,17 +64,51 @@ uint64_t warp_op(Op op, unsigned mask, uint64_t value, int arg, int width);
 void* dynamic_smem();
 [[noreturn]] void fail(const char* what);
 
+// ---- multi-device mode (docs/emulator.md): R virtual devices, their launches run concurrently ----------------
+// Between multi_begin and multi_run every launch is queued on the current device (set_device); multi_run runs all
+// queues at once (a device's launches in order, the devices' threads interleaved round by round) and fails on a
+// deadlock: a round in which no thread makes progress (every live thread waits at a barrier or polls a signal that
+// does not reach its target). Static __shared__ variables are function statics: kernels that run in this mode keep
+// their shared state in dynamic shared memory.
+bool multi_active();
+void multi_begin(int devices);
+void set_device(int device);
+void multi_run();
+void queue_grid(dim3 grid, dim3 block, size_t smem, void (*body)(void*), void* ctx, void (*destroy)(void*));
+// The cross-device memory model (csrc/common/peer_memory.cuh calls these). A tracked store (a store into a peer's
+// memory) writes poison (0xFF bytes) at once and its data only when it becomes visible: when a thread acquires a
+// signal that a release (or a fence followed by a signal store) carried after the store (the writer's own earlier
+// stores, those ordered before it by a block barrier, those of earlier launches on its device). Every access is a
+// scheduling point. Outside the multi-device mode tracked stores are plain stores.
+void tracked_store(void* dst, const void* src, size_t bytes);
+void peer_read(void* dst, const void* src, size_t bytes);
+void fence_system();
+void signal_write(uint64_t* p, uint64_t v, bool add, bool release);
+uint64_t signal_read(const uint64_t* p, bool acquire);
+void wait_signal(const uint64_t* p, uint64_t target);
+// Fault injection of the peer-memory kinds (MOE_EMU_FAULT=peer / nosignal / guard): the peer a signal goes to
+// (another one, or -1: none) and whether the capacity guard is removed.
+int64_t fault_peer(int64_t peer, int64_t ranks);
+bool fault_unguarded();
+
 template <class... Params, class... Args>
 void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t, Args&&... args) {
   // The arguments are converted to the parameter types once, as a launch does, and every thread gets a copy.
   struct Ctx {
     void (*kernel)(Params...);
     std::tuple<std::decay_t<Params>...> params;
-  } ctx{kernel, std::tuple<std::decay_t<Params>...>(std::forward<Args>(args)...)};
-  run_grid(grid, block, smem, [](void* c) {
+  };
+  auto body = [](void* c) {
     auto* x = static_cast<Ctx*>(c);
     std::apply(x->kernel, x->params);
-  }, &ctx);
+  };
+  if (multi_active()) {
+    auto* heap = new Ctx{kernel, std::tuple<std::decay_t<Params>...>(std::forward<Args>(args)...)};
+    queue_grid(grid, block, smem, body, heap, [](void* c) { delete static_cast<Ctx*>(c); });
+    return;
+  }
+  Ctx ctx{kernel, std::tuple<std::decay_t<Params>...>(std::forward<Args>(args)...)};
+  run_grid(grid, block, smem, body, &ctx);
 }
 
 template <class T>
