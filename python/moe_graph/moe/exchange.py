@@ -40,7 +40,8 @@ can miss a corruption whose weighted sum is unchanged: unlikely, not impossible)
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional
+import os
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -51,6 +52,7 @@ except ImportError:  # pragma: no cover - torch without it
     _symm = None
 
 from moe_graph.ops.errors import EXCHANGE_COUNTS, flag_error_if
+from moe_graph.ops.nvlink import FusedDispatch, NvlinkExchange, kernels_available
 from moe_graph.ops.permute import reduce_rows, route_dot
 
 __all__ = [
@@ -344,15 +346,6 @@ class SymmMemExchange:
 
 
 # ------------------------------------------------------------------------------------- the fused backend --
-class FusedDispatch(NamedTuple):
-    """What a fused backend's ``dispatch`` returns (see :class:`HostSizedFusedExchange`)."""
-
-    expert_in: torch.Tensor  # [capacity, *X] the rows at their final receive rows, zeros after sum(m_splits)
-    m_splits: torch.Tensor  # [Lc] int64 rows per local expert
-    row_weights: Optional[torch.Tensor]  # [capacity] the weight carried beside each row (0 on padding), or None
-    route_row: torch.Tensor  # [T*K] int64 dest * capacity + row of each route, -1 if not sent
-
-
 class CompletedExchange:
     """The async form's handle where the work is already done when ``*_async`` returns (CPU process groups):
     ``wait()`` returns the result."""
@@ -668,10 +661,9 @@ def nvlink_available(group=None, device: Optional[torch.device] = None) -> bool:
     if device is None or torch.device(device).type != "cuda" or not torch.cuda.is_available():
         return False
     try:
-        if _nvlink_backend_class() is None:
+        if not kernels_available():
             return False
         n = dist.get_world_size(group)
-        import os
         local = int(os.environ.get("LOCAL_WORLD_SIZE", n))
         if local < n or n > torch.cuda.device_count():
             return False
@@ -682,16 +674,6 @@ def nvlink_available(group=None, device: Optional[torch.device] = None) -> bool:
         return all(p == me or torch.cuda.can_device_access_peer(me, p) for p in peers if 0 <= p)
     except Exception:  # noqa: BLE001 - a probe: any failure means "not available"
         return False
-
-
-def _nvlink_backend_class():
-    """The CUDA fused backend class of ``moe_graph.ops.nvlink`` (``NvlinkExchange``), or None when the module or the
-    class is missing."""
-    try:
-        from moe_graph.ops import nvlink  # noqa: PLC0415 - optional, N1's CUDA module
-    except ImportError:
-        return None
-    return getattr(nvlink, "NvlinkExchange", None)
 
 
 # ------------------------------------------------------------------------------ autograd over a fused one --
@@ -769,7 +751,8 @@ def resolve_exchange(exchange: str, group=None, device=None, ranks_per_node: Opt
     * ``"symm_mem"``: :class:`SymmMemExchange` on CUDA (raises without NVSHMEM), :class:`HostSizedExchange` on CPU
       process groups.
     * ``"nvlink"``: the fused exchange: on CUDA ``moe_graph.ops.nvlink.NvlinkExchange(group, device,
-      ranks_per_node=..., num_sms=...)`` (raises, naming what is missing, without it), on CPU process groups
+      num_sms=...)`` (raises, naming what is missing, without the CUDA kernels; ``ranks_per_node`` raises there: the
+      inter-node stage is design only), on CPU process groups
       :class:`HostSizedFusedExchange` (``ranks_per_node``: the node-aware two-level exchange).
     * ``"auto"``: on CUDA ``nvlink`` where :func:`nvlink_available` (every EP peer a local NVLink / P2P peer), else
       ``symm_mem`` where :func:`symm_mem_available`, else ``nccl``; on CPUs ``nccl`` (unchanged).
@@ -786,15 +769,14 @@ def resolve_exchange(exchange: str, group=None, device=None, ranks_per_node: Opt
     if exchange == "nvlink":
         if dev.type != "cuda":
             return "destination", HostSizedFusedExchange(group, ranks_per_node)
-        cls = _nvlink_backend_class()
-        if cls is None:
-            raise RuntimeError("exchange='nvlink' on CUDA needs the fused exchange kernels: the module "
-                               "moe_graph.ops.nvlink with a class NvlinkExchange (a build with MOE_GRAPH_CUDA=1); "
-                               "use exchange='symm_mem' or 'nccl'")
-        kwargs = {"ranks_per_node": ranks_per_node}
-        if num_sms is not None:
-            kwargs["num_sms"] = num_sms
-        return "destination", cls(group, dev, **kwargs)
+        if not kernels_available():
+            raise RuntimeError("exchange='nvlink' on CUDA needs the fused exchange kernels, which this build of "
+                               "moe_graph._C lacks (build with MOE_GRAPH_CUDA=1); use exchange='symm_mem' or 'nccl'")
+        if ranks_per_node not in (None, dist.get_world_size(group)):
+            raise ValueError(f"ranks_per_node={ranks_per_node}: the node-aware exchange's CUDA inter-node stage "
+                             "(NVSHMEM) is not built; on CUDA exchange='nvlink' runs within one NVLink domain "
+                             "(ranks_per_node=None); the two-level semantics run on CPU process groups")
+        return "destination", NvlinkExchange(group, dev, **({} if num_sms is None else {"num_sms": num_sms}))
     if dev.type == "cuda":
         if not symm_mem_available(group, dev):
             raise RuntimeError("exchange='symm_mem' needs torch's NVSHMEM symmetric memory "

@@ -37,10 +37,18 @@ DEFAULT_NUM_SMS = 20
 
 
 class FusedDispatch(NamedTuple):
-    expert_in: torch.Tensor  # [capacity, *X]
-    m_splits: torch.Tensor  # [Lc] int64
-    row_weights: Optional[torch.Tensor]  # [capacity] fp32, 0 on padding; None without weights
-    route_row: torch.Tensor  # [T*K] int64: dest * capacity + row, -1 if not sent
+    """What a fused backend's ``dispatch`` returns (this module's :class:`NvlinkExchange` and, on CPU process groups,
+    ``moe_graph.moe.exchange.HostSizedFusedExchange``)."""
+
+    expert_in: torch.Tensor  # [capacity, *X] the rows at their final receive rows, zeros after sum(m_splits)
+    m_splits: torch.Tensor  # [Lc] int64 rows per local expert
+    row_weights: Optional[torch.Tensor]  # [capacity] fp32 weight carried beside each row, 0 on padding; or None
+    route_row: torch.Tensor  # [T*K] int64: dest * capacity + row of each route, -1 if not sent
+
+
+def kernels_available() -> bool:
+    """True when the loaded extension has the CUDA exchange kernels (a build with CUDA). Never raises."""
+    return _lib.has_kernel(_OPS[0], "cuda")
 
 
 class _Handle:
@@ -85,7 +93,7 @@ class NvlinkExchange:
 
     def __init__(self, group=None, device=None, num_sms: int = DEFAULT_NUM_SMS):
         _lib.require()
-        if not _lib.has_kernel(_OPS[0], "cuda"):
+        if not kernels_available():
             raise RuntimeError("NvlinkExchange needs the CUDA build of moe_graph._C (exchange kernels)")
         if not isinstance(num_sms, int) or num_sms < 1 or num_sms > 1024:
             raise ValueError(f"NvlinkExchange: num_sms must be an int in [1, 1024], got {num_sms!r}")
