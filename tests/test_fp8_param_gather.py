@@ -60,5 +60,6 @@ def test_training_with_fp8_param_gather_equals_training_without(kind):
             assert torch.equal(t, fp8[rk]["params"][n]), n
         for a, b in zip(base[rk]["main"], fp8[rk]["main"]):
             assert torch.equal(a, b)
+        assert fp8[rk]["stale_16bit"]  # the 16-bit copies were stale: the FP8 GEMMs read the gathered FP8 weights
     # the run trained (the parameters moved)
     assert not torch.equal(base[0]["losses"][0], base[0]["losses"][-1])

@@ -110,8 +110,11 @@ def train_worker(rank: int, ws: int, kind: str, recipe: str, gather: bool, steps
         res = train_step(ddp, opt, mbs, fp8_recipe=recipe)
         losses.append(res.loss.detach().clone())
         norms.append(res.grad_norm.detach().clone())
-    if gather:
+    stale = False
+    if gather:  # the FP8 weights' 16-bit copies were not gathered (so the GEMMs must have read the FP8 ones)
+        before = {n: p.detach().clone() for n, p in model.named_parameters() if p.dim() == 3}
         opt.gather_16bit_params()
+        stale = any(not torch.equal(t, dict(model.named_parameters())[n]) for n, t in before.items())
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return pack({"losses": losses, "norms": norms, "params": params,
+    return pack({"losses": losses, "norms": norms, "params": params, "stale_16bit": stale,
                  "main": [s.main_param.clone() for s in opt.shards]})
