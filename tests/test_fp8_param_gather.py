@@ -40,10 +40,44 @@ def test_gathered_fp8_weights_equal_quantizing_the_gathered_weight(recipe):
                 assert torch.equal(t, ranks[1 - rk]["steps"][step]["other"][name]), name
 
 
-def test_mxfp8_is_refused_with_a_clear_error():
-    from moe_graph.distributed.fp8_params import fp8_weight_tiles
-    with pytest.raises(NotImplementedError, match="mxfp8"):
-        fp8_weight_tiles(_fp8.as_recipe("mxfp8"), (2, 128, 128))
+def _single_process(recipe, model=None):
+    from moe_graph.distributed.ddp import DistributedDataParallel
+    from moe_graph.distributed.optimizer import DistributedOptimizer
+    torch.manual_seed(0)
+    model = model or w.GroupedModel(3, 160, 200, torch.bfloat16)
+    ddp = DistributedDataParallel(model, use_distributed_optimizer=True)
+    return model, DistributedOptimizer(ddp, lr=1e-2, fp8_param_gather=recipe)
+
+
+@pytest.mark.parametrize("recipe, error, match", [
+    ("mxfp8", NotImplementedError, "mxfp8"),
+    ("no-such-recipe", ValueError, "fp8_param_gather must be"),
+])
+def test_bad_fp8_param_gather_is_refused_before_anything_is_written(recipe, error, match):
+    model = w.GroupedModel(3, 160, 200, torch.bfloat16)
+    with pytest.raises(error, match=match):
+        _single_process(recipe, model)
+    assert not any(hasattr(p, "fp8_gathered") for p in model.parameters())
+
+
+def test_a_model_without_fp8_weights_is_refused():
+    with pytest.raises(ValueError, match="no FP8 expert weight"):
+        _single_process("blockwise", torch.nn.Linear(4, 4))
+
+
+def test_one_rank_caches_the_quantized_weights_of_every_step():
+    model, opt = _single_process("blockwise")
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(2):
+        for p in model.parameters():
+            p.main_grad.copy_(torch.randn(p.shape, generator=gen))
+        opt.step()
+        for p in (model.fc1.weight, model.fc2.weight):
+            want_all = _fp8.quantize_weight(p.detach(), _fp8.as_recipe("blockwise"))
+            for got, want in zip(p.fp8_gathered.copies("blockwise"), want_all):
+                assert torch.equal(_bits(got), _bits(want.reshape(got.shape)))
+    with pytest.raises(ValueError, match="active recipe"):
+        model.fc1.weight.fp8_gathered.copies("tensorwise")
 
 
 @pytest.mark.parametrize("kind", ["grouped", "moe"])

@@ -54,7 +54,7 @@ import torch.distributed as dist
 from moe_graph import parallel_state as ps
 from moe_graph.cuda_graph import _note_capture
 from moe_graph.distributed.buffers import ParamAndGradBuffer, all_gather_tensor
-from moe_graph.distributed.fp8_params import Fp8BucketGather, Fp8GatheredWeight
+from moe_graph.distributed.fp8_params import Fp8BucketGather, Fp8GatheredWeight, fp8_weight_tiles
 
 __all__ = ["build_shard_ranges", "DistributedOptimizer", "DynamicLossScaler", "ConstantLossScaler", "state_checksum"]
 
@@ -511,15 +511,15 @@ class DistributedOptimizer:
                     raise NotImplementedError("DistributedOptimizer: fp8_param_gather with echo spare slots "
                                               "(num_spare_experts_per_ep_rank > 0) is not supported: the spare "
                                               "copies are made from the 16-bit home weights, which are not gathered")
-        found = False
-        for buf in self.model.all_buffers:
-            for p in buf.params:
-                if getattr(p, "fp8_grouped_weight", False) and p.dim() == 3:
-                    p.fp8_gathered = Fp8GatheredWeight(p, recipe)  # quantized here from the current weight
-                    found = True
-        if not found:
+        weights = [p for buf in self.model.all_buffers for p in buf.params
+                   if getattr(p, "fp8_grouped_weight", False) and p.dim() == 3]
+        if not weights:
             raise ValueError("DistributedOptimizer: fp8_param_gather found no FP8 expert weight in the model "
                              "(GroupedLinear(single_grouped_weight=True) weights, e.g. MoELayer's experts)")
+        for p in weights:  # every check before anything is written
+            fp8_weight_tiles(recipe, tuple(p.shape))
+        for p in weights:
+            p.fp8_gathered = Fp8GatheredWeight(p, recipe)  # quantized here from the current weight
         self.fp8_param_gather = recipe
         for s in self.shards:
             if any(getattr(p, "fp8_gathered", None) is not None for p in s.bucket.params_list):
