@@ -17,10 +17,17 @@ Bytes per parameter are measured from the allocated buffers and optimizer state 
 extrapolated to larger DP sizes with the shard math (``state / d``); the seed table is
 ``4 + 16/d`` (16-bit params and grads), ``6 + 12/d`` (16-bit params, fp32 grads), ``8 + 8/d`` (fp32).
 
+``--fp8-param-gather``: instead, the bytes each rank moves per step in the parameter all-gather of DeepSeek-V3-like
+expert weights (``fc1 [L, 2 * 2048, 7168]``, ``fc2 [L, 7168, 2048]`` bf16, ``L`` local experts, expert buckets
+of Megatron's 40M-element default or one bucket) in 16 bits against ``DistributedOptimizer(fp8_param_gather=...)``
+("blockwise": FP8 bytes per rank shard padded to the largest shard, plus the tile-amax all-reduce), from the
+buffer layout and the FP8 gather's own byte count (``distributed.fp8_params.gather_bytes``); no timing.
+
 Usage::
 
     python benchmarks/bench_optimizer.py                 # CPU default: up to 10M params (< 1 min)
     python benchmarks/bench_optimizer.py --max-params 1e9 --device cuda
+    python benchmarks/bench_optimizer.py --fp8-param-gather --out benchmarks/results/fp8_param_gather.json
 """
 
 from __future__ import annotations
@@ -38,6 +45,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from common import environment, results_path  # noqa: E402
 from moe_graph.distributed.ddp import DistributedDataParallel  # noqa: E402
+from moe_graph.distributed.buffers import compute_param_layout  # noqa: E402
+from moe_graph.distributed.fp8_params import gather_bytes  # noqa: E402
 from moe_graph.distributed.optimizer import DistributedOptimizer  # noqa: E402
 
 SIZES = [1_000_000, 10_000_000, 100_000_000, 1_000_000_000]
@@ -116,6 +125,30 @@ def bench_torch(numel, dtype, device, iters):
     return _time(step, device, iters), "fused" if kw.get("fused") else "foreach"
 
 
+def fp8_param_gather_rows(local_experts=(8, 32), dps=(2, 8, 64), hidden=7168, ffn=2048, bucket_size=40_000_000):
+    """All-gather bytes per rank and step, 16-bit vs FP8 (see the module doc), from the optimizer's layout."""
+    rows = []
+    for L in local_experts:
+        shapes = [(L, 2 * ffn, hidden), (L, hidden, ffn)]  # module order: fc1, fc2
+        numels = [a * b * c for a, b, c in shapes]
+        for dp in dps:
+            for bs in (None, bucket_size):
+                ranges, buckets, _ = compute_param_layout(numels, dp, bucket_size=bs, use_distributed_optimizer=True)
+                b16 = fp8 = amax = 0
+                for bi, (b0, b1) in enumerate(buckets):
+                    spans = [(s - b0, e - b0) for (s, e, b), shp in zip(ranges, shapes) if b == bi]
+                    b16 += (b1 - b0) * 2
+                    fp8 += gather_bytes(b1 - b0, spans, dp, 2) * dp
+                    amax += sum(4 * sh[0] * -(-sh[1] // 128) * -(-sh[2] // 128)
+                                for (s, e, b), sh in zip(ranges, shapes) if b == bi)
+                rows.append(dict(local_experts=L, params=sum(numels), dp=dp, bucket_size=bs, buckets=len(buckets),
+                                 bf16_all_gather_bytes=b16, fp8_all_gather_bytes=fp8, amax_all_reduce_bytes=amax,
+                                 ratio=(fp8 + amax) / b16))
+                print(f"L={L:>3} params={sum(numels):>13,} dp={dp:>3} buckets={len(buckets):>3} bf16 {b16:>14,} B  "
+                      f"fp8 {fp8:>14,} B + amax {amax:>9,} B  ratio {(fp8 + amax) / b16:.4f}")
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -125,7 +158,18 @@ def main(argv=None):
     ap.add_argument("--precisions", default=",".join(PRECISIONS), help="comma list of " + ",".join(PRECISIONS))
     ap.add_argument("--dp", default="1,8,64", help="DP sizes for the bytes-per-param shard math")
     ap.add_argument("--out", default=None, help="JSON path (default: results_path(), outside the tracked tree)")
+    ap.add_argument("--fp8-param-gather", action="store_true",
+                    help="only the FP8 parameter all-gather bytes of DeepSeek-V3-like expert weights (no timing)")
     args = ap.parse_args(argv)
+    if args.fp8_param_gather:
+        rows = fp8_param_gather_rows()
+        out = args.out or results_path("fp8_param_gather", dated=False)
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        with open(out, "w") as f:
+            json.dump({"meta": dict(commit=environment()["commit"], recipe="blockwise", dtype="bfloat16"),
+                       "rows": rows}, f, indent=1)
+        print(f"# wrote {out}")
+        return
     device = torch.device(args.device)
     max_params = args.max_params if args.max_params is not None else (1e9 if device.type == "cuda" else 1e7)
     iters = args.iters or (20 if device.type == "cuda" else 3)

@@ -45,6 +45,15 @@ def test_bench_optimizer(tmp_path):
         assert abs(r["bytes_per_param"]["8"] - (6 + 12 / 8)) < 0.05, r
 
 
+def test_bench_optimizer_fp8_param_gather(tmp_path):
+    out = tmp_path / "fp8pg.json"
+    _run("bench_optimizer.py", "--fp8-param-gather", "--out", str(out))
+    d = json.load(open(out))
+    assert d["rows"] and d["meta"]["commit"]
+    for r in d["rows"]:  # FP8 bytes (1 per element) + amax (4 per 128x128 tile) over bf16 (2 per element)
+        assert r["bf16_all_gather_bytes"] == 2 * r["params"] and 0.5 <= r["ratio"] <= 0.5002, r
+
+
 def test_bench_pipeline_bubble(tmp_path):
     out = tmp_path / "bubble.json"
     _run("bench_pipeline_bubble.py", "--quick", "--t-fwd-ms", "2", "--t-bwd-ms", "4", "--repeats", "1", "--out",

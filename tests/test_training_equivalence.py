@@ -57,6 +57,7 @@ def test_matrix_covers_the_issue():
     for recipe in ("blockwise", "mxfp8", "blockwise_fp32_scales"):  # plain EP 2, with echo, dropless rerun
         assert {(recipe, 0, None), (recipe, 1, None), (recipe, 0, 1.0)} <= fp8, recipe
         assert any(r.fp8 == recipe and r.grouped == "delay_fused" for r in rows), recipe  # delayed wgrad in FP8
+    assert any(r.fp8_param_gather and r.ep == 1 for r in rows) and any(r.fp8_param_gather and r.ep == 2 for r in rows)
 
 
 def test_fp8_rows_pin_down_the_expert_layout():

@@ -36,7 +36,7 @@ from moe_graph.ops.grouped_gemm import (
     zero_wgrad_placeholder,
 )
 
-__all__ = ["GroupedLinear", "fp8_grouped_linear", "fp8_forward", "fp8_dgrad", "fp8_wgrad",
+__all__ = ["GroupedLinear", "fp8_grouped_linear", "gathered_fp8_weight", "fp8_forward", "fp8_dgrad", "fp8_wgrad",
            "split_quantized"]
 
 
@@ -182,6 +182,14 @@ class _Fp8GroupedLinear(torch.autograd.Function):
         return (dx, None, None, None, db, None, None, None, None, *dws)
 
 
+def gathered_fp8_weight(weights, recipe):
+    """The FP8 copies ``(q, scale, qt, st)`` the distributed optimizer keeps for a single ``[E, N, K]`` weight under
+    ``DistributedOptimizer(fp8_param_gather=...)`` (quantized once per step, gathered in FP8:
+    ``moe_graph.distributed.fp8_params``), else None (the caller quantizes the 16-bit weight)."""
+    cache = getattr(weights[0], "fp8_gathered", None) if len(weights) == 1 else None
+    return None if cache is None else cache.copies(recipe)
+
+
 def fp8_grouped_linear(x: torch.Tensor, splits: torch.Tensor, weights: List[torch.Tensor],
                        bias: Optional[torch.Tensor], recipe, *, fuse: bool = False, accumulate: bool = True,
                        cache_owner: Optional[object] = None) -> torch.Tensor:
@@ -193,6 +201,9 @@ def fp8_grouped_linear(x: torch.Tensor, splits: torch.Tensor, weights: List[torc
     buffer, is not seen). ``x`` may be a ``moe_graph.fp8.QuantizedRows`` (FP8 dispatch): its rowwise copy is used
     as is, and the wgrad's columnwise copy is quantized from its fp32 dequantization."""
     x, xq = split_quantized(x, recipe)
+    gathered = gathered_fp8_weight(weights, recipe)
+    if gathered is not None:
+        return _Fp8GroupedLinear.apply(x, splits, recipe, gathered, bias, fuse, accumulate, None, xq, *weights)
     key = (recipe, tuple((w.data_ptr(), w._version) for w in weights))
     cache = getattr(cache_owner, "_fp8_weight_cache", None) if cache_owner is not None else None
     if cache is None or cache[0] != key:
@@ -346,6 +357,7 @@ class GroupedLinear(nn.Module):
         lead_w = 1 if self.single_grouped_weight else 0
         lead_b = 1 if self.single_grouped_bias else 0
         for w in self._weights():
+            w.fp8_grouped_weight = self.single_grouped_weight  # DistributedOptimizer(fp8_param_gather=...)
             w.tensor_model_parallel = True
             w.partition_dim = lead_w + (1 if self.parallel_mode == "row" else 0)
             w.partition_stride = 1
@@ -446,7 +458,10 @@ class GroupedLinear(nn.Module):
             raise TypeError("GroupedLinear: FP8 needs fp32, bf16 or fp16 inputs, got float64")
         self._fp8_recipe = recipe
         cache = getattr(self, "_fp8_step_cache", None)
-        if is_first_microbatch is not False or cache is None or cache[0] != recipe:
+        gathered = gathered_fp8_weight(weights, recipe)
+        if gathered is not None:  # quantized by the optimizer's step (fp8_param_gather)
+            cache = (recipe, gathered)
+        elif is_first_microbatch is not False or cache is None or cache[0] != recipe:
             with torch.no_grad():
                 w3 = weights[0] if self.single_grouped_weight else torch.stack([w.detach() for w in weights])
                 cache = (recipe, _fp8.quantize_weight(w3.detach().contiguous(), recipe))

@@ -139,6 +139,7 @@ class Row:
     fp8: Optional[str] = None  # a key of FP8_RECIPES: train_step(fp8_recipe=...); the oracle quantizes per group
     side_stream: bool = False  # overlap_shared_expert: the shared expert and router losses beside the exchange
     overlap_microbatches: bool = False  # train_step(overlap_microbatches=True): F(i+1) beside B(i)
+    fp8_param_gather: bool = False  # DistributedOptimizer(fp8_param_gather=the row's recipe): FP8 weights gathered in FP8
 
     @property
     def dp(self) -> int:
@@ -246,6 +247,10 @@ MATRIX += [  # the shared expert and the router losses on a side stream beside t
     Row("ep2_cap1.0_rerun_overlap_microbatches", world=2, ep=2, microbatches=2, capacity=1.0,
         overlap_microbatches=True),
 ]
+MATRIX += [Row(f"fp8_{_fp8}_dp2_fp8_param_gather", world=2, microbatches=2, fp8=_fp8, fp8_param_gather=True)
+           for _fp8 in ("blockwise", "blockwise_fp32_scales")]  # expert DP 2: the expert shards are gathered in FP8
+MATRIX += [Row("fp8_blockwise_ep2xdp2_fp8_param_gather", world=4, ep=2, microbatches=2, fp8="blockwise",
+               fp8_param_gather=True)]
 MATRIX += [Row(f"fp8_{_fp8}_hybrid_ep2_echo1", world=2, ep=2, microbatches=2, echo=1, fp8=f"{_fp8}_hybrid")
            for _fp8 in ("blockwise", "mxfp8")]
 CI_ROWS = ["dp2_mb4_overlap", "dp2_mb2_overlap_without_no_sync", "ep2xdp2_echo2_overlap", "ep2_loss_scaler_aux",
@@ -647,7 +652,8 @@ def machinery_worker(rank: int, world: int, row: Row) -> Dict:
                                                 grad_reduce_in_fp32=row.bf16, **groups))
         scaler = DynamicLossScaler(initial_scale=2.0 ** 12) if row.loss_scaler else None
         opt = DistributedOptimizer(ddps, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, clip_grad=row.clip,
-                                   loss_scaler=scaler)
+                                   loss_scaler=scaler,
+                                   fp8_param_gather=fp8_recipe(row) if row.fp8_param_gather else None)
         model = ddps if row.vpp else ddps[0]
 
         def my_microbatches(step):
@@ -681,6 +687,8 @@ def machinery_worker(rank: int, world: int, row: Row) -> Dict:
             losses.append(None if res.loss is None else float(res.loss))
             norms.append(float(res.grad_norm))
             skipped.append(bool(res.skipped))
+        if row.fp8_param_gather:  # the FP8 weights' 16-bit copy is current only on this rank's shard
+            opt.gather_16bit_params()
         params = {k: v.float().clone() for stage in stages for k, v in global_tensors(stage, ep_rank).items()}
         dropped = sum(m.dispatcher.check_drops() for s in stages for m in s.moe_layers())
         return {"rank": rank, "losses": losses, "norms": norms, "skipped": skipped, "params": params,

@@ -547,6 +547,9 @@ class BucketGroup:
         self.grad_reduce_handles: Optional[list] = None
         self.grad_reduce_dispatched = False
         self.param_gather_handles: Optional[list] = None
+        # called after every completed 16-bit parameter all-gather (the FP8 parameter caches of
+        # ``distributed.fp8_params`` re-quantize the gathered weights there)
+        self.after_param_sync: list = []
 
     # -- helpers --------------------------------------------------------
     def _rank(self) -> int:
@@ -645,12 +648,19 @@ class BucketGroup:
                 if h is not None:
                     handles.append(h)
         self.param_gather_handles = handles if async_op else None
+        if not async_op:
+            for hook in self.after_param_sync:
+                hook()
 
     def finish_param_sync(self) -> None:
+        waited = bool(self.param_gather_handles)
         if self.param_gather_handles:
             for h in self.param_gather_handles:
                 h.wait()
         self.param_gather_handles = None
+        if waited:
+            for hook in self.after_param_sync:
+                hook()
 
     def __repr__(self):
         return f"BucketGroup(buckets={[b.bucket_id for b in self.buckets]}, params={len(self.params)})"

@@ -54,7 +54,8 @@ import torch.distributed as dist
 from moe_graph import parallel_state as ps
 from moe_graph.cuda_graph import _note_capture
 from moe_graph.distributed.agreement import AllOrNone
-from moe_graph.distributed.buffers import ParamAndGradBuffer
+from moe_graph.distributed.buffers import ParamAndGradBuffer, all_gather_tensor
+from moe_graph.distributed.fp8_params import Fp8BucketGather, Fp8GatheredWeight, fp8_weight_tiles
 
 __all__ = ["build_shard_ranges", "DistributedOptimizer", "DynamicLossScaler", "ConstantLossScaler", "state_checksum"]
 
@@ -375,7 +376,8 @@ class DistributedOptimizer:
                  weight_decay: float = 0.01, adamw: bool = True, clip_grad: float = 0.0, loss_scaler=None,
                  no_weight_decay_params: Optional[Iterable[torch.nn.Parameter]] = None, impl: str = "auto",
                  expert_model_parallel_group="auto", model_parallel_group="auto",
-                 tensor_model_parallel_rank: Optional[int] = None, expert_tensor_parallel_rank: Optional[int] = None):
+                 tensor_model_parallel_rank: Optional[int] = None, expert_tensor_parallel_rank: Optional[int] = None,
+                 fp8_param_gather=None):
         w = "DistributedOptimizer"
         if isinstance(model, (list, tuple)):
             if not model:
@@ -489,6 +491,85 @@ class DistributedOptimizer:
         if impl == "fused" and not (fused_ok and uniform_wd):
             raise ValueError("impl='fused' needs torch._fused_adamw_ for this device and no no_weight_decay_params")
         self.impl = "fused" if (impl == "fused" or (impl == "auto" and fused_ok and uniform_wd)) else "tensor"
+        self._fp8_gathers: Dict[int, Fp8BucketGather] = {}
+        if fp8_param_gather is not None and fp8_param_gather is not False:
+            self._setup_fp8_param_gather(fp8_param_gather)
+
+    def _setup_fp8_param_gather(self, recipe) -> None:
+        """Mark the FP8 weights (``param.fp8_gathered``), build each bucket's FP8 gather and hook the FP8 caches
+        to every full 16-bit gather (a checkpoint load, :meth:`gather_16bit_params`)."""
+        from moe_graph.ops import fp8 as _fp8
+        try:
+            recipe = _fp8.Float8BlockScaling() if recipe is True else _fp8.as_recipe(recipe)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"DistributedOptimizer: fp8_param_gather must be None, True or an FP8 recipe "
+                             f"('blockwise', 'tensorwise', a moe_graph.fp8 or TE recipe), got {recipe!r}") from exc
+        chunks = getattr(self.model, "chunks", [self.model])
+        for chunk in chunks:
+            module = getattr(chunk, "module", None)
+            for m in (module.modules() if module is not None else ()):
+                if getattr(m, "num_spare_experts_per_ep_rank", 0):
+                    raise NotImplementedError("DistributedOptimizer: fp8_param_gather with echo spare slots "
+                                              "(num_spare_experts_per_ep_rank > 0) is not supported: the spare "
+                                              "copies are made from the 16-bit home weights, which are not gathered")
+        weights = [p for buf in self.model.all_buffers for p in buf.params
+                   if getattr(p, "fp8_grouped_weight", False) and p.dim() == 3]
+        if not weights:
+            raise ValueError("DistributedOptimizer: fp8_param_gather found no FP8 expert weight in the model "
+                             "(GroupedLinear(single_grouped_weight=True) weights, e.g. MoELayer's experts)")
+        for p in weights:  # every check before anything is written
+            fp8_weight_tiles(recipe, tuple(p.shape))
+        for p in weights:
+            p.fp8_gathered = Fp8GatheredWeight(p, recipe)  # quantized here from the current weight
+        self.fp8_param_gather = recipe
+        for s in self.shards:
+            if any(getattr(p, "fp8_gathered", None) is not None for p in s.bucket.params_list):
+                self._fp8_gathers[id(s.bucket)] = Fp8BucketGather(
+                    s.bucket, s.buffer, s.group, s.buffer.data_parallel_world_size, s.rank, recipe)
+        for g in self.model.all_bucket_groups:
+            params = [p for b in g.buckets if id(b) in self._fp8_gathers
+                      for p in self._fp8_gathers[id(b)].fp8_params]
+            if params:
+                g.after_param_sync.append(lambda params=params: [p.fp8_gathered.refresh_local(p.detach())
+                                                                 for p in params])
+
+    def _param_sync(self) -> None:
+        """After the update: all-gather every bucket's parameters; buckets with FP8 weights under
+        ``fp8_param_gather`` move those as FP8 bytes (``Fp8BucketGather.sync``)."""
+        for g in self.model.all_bucket_groups:
+            if not any(id(b) in self._fp8_gathers for b in g.buckets):
+                g.start_param_sync(async_op=False)
+                continue
+            for b in g.buckets:
+                fg = self._fp8_gathers.get(id(b))
+                if fg is not None:
+                    fg.sync()
+                elif g.data_parallel_world_size > 1:
+                    all_gather_tensor(b.param_data, g.param_shard(b), group=g.data_parallel_group)
+
+    def gather_16bit_params(self) -> None:
+        """All-gather every bucket's 16-bit parameters (under ``fp8_param_gather`` the FP8 weights' 16-bit copy
+        is otherwise current only on this rank's shard): before saving the model's ``state_dict``, evaluating
+        it in 16 bits or reading those weights otherwise. The FP8 copies are re-quantized from the gathered
+        weights (the same bytes). A collective: every rank calls it."""
+        for g in self.model.all_bucket_groups:
+            g.start_param_sync(async_op=False)
+
+    def param_gather_bytes(self) -> Dict[str, int]:
+        """Bytes each rank sends and receives per step in the parameter all-gathers (the full gathered size
+        of every bucket: ``numel * element_size``, or the FP8 gather's padded blocks and its amax all-reduce
+        under ``fp8_param_gather``) and what the 16-bit all-gather of the same buckets moves."""
+        out = {"all_gather": 0, "amax_all_reduce": 0, "sixteen_bit_all_gather": 0}
+        for s in self.shards:
+            fg = self._fp8_gathers.get(id(s.bucket))
+            if fg is not None:
+                for k, v in fg.wire_bytes().items():
+                    out[k] += v
+            else:
+                n = s.bucket.param_data.numel() * s.bucket.param_data.element_size()
+                out["all_gather"] += n
+                out["sixteen_bit_all_gather"] += n
+        return out
 
     # ------------------------------------------------------------------
     def set_lr(self, lr) -> None:
@@ -685,8 +766,7 @@ class DistributedOptimizer:
         for s in self.shards:
             if s.main_param is not s.model_param:
                 s.model_param.copy_(s.main_param)
-        for g in self.model.all_bucket_groups:
-            g.start_param_sync(async_op=False)
+        self._param_sync()
         if self.loss_scaler is not None:  # an overflowed step leaves it alone: its rerun updates it
             if overflow is not None:
                 self.loss_scaler.update(found_inf, skip=overflowed)
