@@ -56,6 +56,7 @@ from moe_graph.cuda_graph import _note_capture
 from moe_graph.distributed.agreement import AllOrNone
 from moe_graph.distributed.buffers import ParamAndGradBuffer, all_gather_tensor
 from moe_graph.distributed.fp8_params import Fp8BucketGather, Fp8GatheredWeight, fp8_weight_tiles
+from moe_graph.ops import fp8 as _fp8
 
 __all__ = ["build_shard_ranges", "DistributedOptimizer", "DynamicLossScaler", "ConstantLossScaler", "state_checksum"]
 
@@ -498,7 +499,6 @@ class DistributedOptimizer:
     def _setup_fp8_param_gather(self, recipe) -> None:
         """Mark the FP8 weights (``param.fp8_gathered``), build each bucket's FP8 gather and hook the FP8 caches
         to every full 16-bit gather (a checkpoint load, :meth:`gather_16bit_params`)."""
-        from moe_graph.ops import fp8 as _fp8
         try:
             recipe = _fp8.Float8BlockScaling() if recipe is True else _fp8.as_recipe(recipe)
         except (ValueError, KeyError, TypeError) as exc:
