@@ -26,6 +26,7 @@ TORCH_LIBRARY(moe_graph, m) {
   m.def("read_error_flag(Tensor device_like) -> int");
   // The flag itself (int32 [1], aliasing global state) so that Python code can set bits from device tensors.
   m.def("error_flag(Tensor device_like) -> Tensor");
+  m.def("fp8_nonfinite_flag(Tensor device_like) -> Tensor");
 
   // ---- grouped GEMM ------------------------------------------------------------------------------------
   // a [M, K]; b: one [E, N, K] (trans_b) / [E, K, N] tensor, or E 2-D tensors; m_splits int32/int64 [E];
@@ -127,6 +128,7 @@ TORCH_LIBRARY(moe_graph, m) {
 TORCH_LIBRARY_IMPL(moe_graph, CompositeExplicitAutograd, m) {
   m.impl("read_error_flag", &moe_graph::check_errors_impl);
   m.impl("error_flag", [](const at::Tensor& t) { return moe_graph::error_flag_tensor(t.device()); });
+  m.impl("fp8_nonfinite_flag", [](const at::Tensor& t) { return moe_graph::nonfinite_flag_tensor(t.device()); });
 }
 
 TORCH_LIBRARY_IMPL(moe_graph, CPU, m) {

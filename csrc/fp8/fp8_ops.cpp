@@ -115,6 +115,7 @@ Quantized describe(const at::Tensor& x, const std::optional<at::Tensor>& m_split
   p.q = static_cast<uint8_t*>(out.q.data_ptr());
   p.scale = out.scale.data_ptr();
   p.error_flag = error_flag_ptr(x.device());
+  p.nonfinite_flag = nonfinite_flag_ptr(x.device());
   return out;
 }
 

@@ -24,6 +24,11 @@
 //   Per tile: amax = max |x| (NaN propagates); fp32 scales by fp8::scale_from_amax (eps, pow2, inf_scale), MX by
 //   fp8::e8m0_from_amax; q = encode_fp8(float(x) * scale) (MX: * e8m0_quant_mult(e)).
 //
+//   Non-finite input (the rule of docs/fp8.md): a tile holding a NaN gets a NaN scale (fp32 scale_inv +NaN, E8M0
+//   0xFF) and every byte 0x7F; a tile holding +-inf and no NaN gets fp32 scale_inv +inf with bytes 0x7F for the
+//   infs and +-0 for the rest (x * 0), or E8M0 0xFE (2^127) with bytes +-max for the infs and x * 2^-127 for the
+//   rest. Each such tile sets `*nonfinite_flag` (an int32 the optimizer's inf check reads; nullptr: not flagged).
+//
 //   sum(m_splits) > M sets kErrSplitsOverflow (groups are clipped at M), a negative count kErrNegativeSplit (0).
 //
 //   FP8 input (requantization): x [M, K] FP8 bytes (E4M3 / E5M2) with their rowwise scales x_scale [M, ceil(K / XC)]
@@ -67,6 +72,7 @@ struct QuantizeProblem {
   uint8_t* q = nullptr;
   void* scale = nullptr;  // float* or uint8_t* (mx)
   int32_t* error_flag = nullptr;
+  int32_t* nonfinite_flag = nullptr;  // set to 1 by a tile whose amax is inf or NaN
 };
 
 // Static number of scale rows for M rows in E groups (E == 0: one group) and tile rows TR.
@@ -182,9 +188,21 @@ MOE_GRAPH_HD float amax_update(float amax, float v) {
   return (a > amax || a != a) ? a : amax;
 }
 
+// Sets the non-finite flag (from any thread: an atomic OR on the device, a host atomic in the CPU implementation
+// and in the emulator, so that both compile the same body).
+MOE_GRAPH_HD void flag_nonfinite(int32_t* flag) {
+  if (flag == nullptr) return;
+#ifdef __CUDA_ARCH__
+  atomicOr(flag, 1);
+#else
+  __atomic_fetch_or(flag, 1, __ATOMIC_RELAXED);
+#endif
+}
+
 // The scale of a tile from its amax: writes the scale entry and returns the factor x is multiplied by.
 MOE_GRAPH_HD float tile_scale(const QuantizeProblem& p, float amax, int64_t b, int64_t rt, int64_t ct) {
   const int64_t si = scale_index(p, b, rt, ct);
+  if (nonfinite(amax)) flag_nonfinite(p.nonfinite_flag);
   if (p.mx) {
     const uint8_t e = p.format == Format::kE4M3 ? e8m0_from_amax<Format::kE4M3>(amax)
                                                 : e8m0_from_amax<Format::kE5M2>(amax);

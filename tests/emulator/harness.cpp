@@ -722,15 +722,16 @@ int family_fp8_quantize() {
         const size_t es = in == 0 ? 4 : in >= 3 ? 1 : 2;
         Buffer x(s.B * s.M * s.K * es);
         for (int64_t i = 0; i < s.B * s.M * s.K; ++i) {
-          const float v = static_cast<float>(rng.normal() * (rng.bern(0.01) ? 1e4 : 3.0));
+          float v = static_cast<float>(rng.normal() * (rng.bern(0.01) ? 1e4 : 3.0));
+          if (rng.bern(0.003)) v = rng.bern(0.5) ? std::nanf("") : (rng.bern(0.5) ? 1.0f : -1.0f) * INFINITY;
           if (in == 0) x.put<float>(i, v);
           else if (in == 1) x.put<act::bf16_t>(i, act::Narrow<act::bf16_t>::to(v));
           else if (in == 2) x.put<act::f16_t>(i, act::Narrow<act::f16_t>::to(v));
-          else {  // any byte but the NaN codes (a NaN's sign bit in the output follows the amax reduction order)
+          else {  // any byte, NaN (and E5M2 inf) codes rarely: NaN bytes and scales are canonical (docs/fp8.md)
             const uint8_t b = static_cast<uint8_t>(rng.uniform(0, 255));
             const uint8_t mag = b & 0x7F;
-            const bool nan = in == 3 ? mag == 0x7F : mag > 0x7C;
-            x.put<uint8_t>(i, nan ? static_cast<uint8_t>(b & 0xF0) : b);
+            const bool special = in == 3 ? mag == 0x7F : mag > 0x7B;
+            x.put<uint8_t>(i, special && !rng.bern(0.05) ? static_cast<uint8_t>(b & 0xF0) : b);
           }
         }
         const int64_t xc = in == 3 ? 128 : 32, x_scale_cols = (s.K + xc - 1) / xc;
@@ -771,16 +772,18 @@ int family_fp8_quantize() {
                                  " in " + std::to_string(in) + " variant " + std::to_string(variant);
         auto run = [&](bool emulate) {
           Buffer q(s.B * s.M * s.K, 0x5c), scale(nscale * ses, 0x5c);
-          int32_t flag = 0;
+          int32_t flag = 0, nonfinite = 0;
           f8::QuantizeProblem r = p;
           r.q = q.data();
           r.scale = scale.data();
           r.error_flag = &flag;
+          r.nonfinite_flag = &nonfinite;
           if (emulate)
             f8::quantize_cuda(r, nullptr);
           else
             f8::quantize_cpu(r);
-          return std::vector<Output>{q.out("q", 1), scale.out("scale", ses), Output::of("error_flag", flag)};
+          return std::vector<Output>{q.out("q", 1), scale.out("scale", ses), Output::of("error_flag", flag),
+                                     Output::of("nonfinite_flag", nonfinite)};
         };
         runs += run_case(what, [&] { return run(false); }, [&] { return run(true); });
       }

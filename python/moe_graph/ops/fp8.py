@@ -22,12 +22,13 @@ from typing import Optional, Tuple
 
 import torch
 
-from moe_graph.ops._lib import has_kernel, ops, require
+from moe_graph.ops._lib import available, has_kernel, ops, require
 
 __all__ = ["TILES", "quantize", "dequantize", "row_tile_capacity", "native_available", "scaled_grouped_gemm",
            "scaled_grouped_wgrad", "Recipe", "Float8BlockScaling", "MXFP8BlockScaling", "Float8CurrentScaling",
            "DelayedScaling", "as_recipe", "autocast", "current_recipe", "quantize_rows", "quantize_columns",
-           "quantize_weight", "gemm_blocks", "row_tiles", "QuantizedRows", "carrier", "pack_rows", "unpack_rows", "packed_row_bytes"]
+           "quantize_weight", "gemm_blocks", "row_tiles", "QuantizedRows", "carrier", "pack_rows", "unpack_rows", "packed_row_bytes",
+           "nonfinite_flag"]
 
 _OP = "moe_graph::fp8_quantize"
 
@@ -82,6 +83,18 @@ def quantize(x: torch.Tensor, m_splits: Optional[torch.Tensor] = None, *, tiles:
     require()
     return ops.fp8_quantize(x.contiguous(), m_splits, tr, tc, fp8_dtype, mx, float(eps), bool(pow2_scales), t,
                             None if x_scale is None else x_scale.contiguous())
+
+
+def nonfinite_flag(device) -> Optional[torch.Tensor]:
+    """The FP8 quantizers' non-finite flag of ``device``: an int32 ``[1]`` device tensor (an alias of the flag, not
+    a copy) that every quantizer op sets to 1 when a tile's amax is inf or NaN (no host sync). The distributed
+    optimizer's inf/nan check reads it with the gradients and clears it, so such a step is skipped on every rank
+    (:meth:`moe_graph.distributed.optimizer.DistributedOptimizer.step`); other loops may read and ``zero_()`` it
+    themselves. It accumulates until cleared. ``None`` without the compiled extension. The first call on a CUDA
+    device must run outside graph capture (it allocates the flag, as the first quantize does)."""
+    if not available():
+        return None
+    return ops.fp8_nonfinite_flag(torch.empty(0, device=device))
 
 
 def _expand(scale: torch.Tensor, rows: int, cols: int, tr: int, tc: int, m_splits: Optional[torch.Tensor],
@@ -174,6 +187,10 @@ def _register() -> None:
         s = x.new_empty(lead + ((ct, rt) if transpose else (rt, ct)),
                         dtype=torch.float8_e8m0fnu if mx else torch.float32)
         return q, s
+
+    @torch.library.register_fake("moe_graph::fp8_nonfinite_flag")
+    def _(device_like):
+        return torch.empty(1, dtype=torch.int32, device=device_like.device)
 
     @torch.library.register_fake("moe_graph::fp8_scaled_grouped_gemm")
     def _(a, a_scale, b, b_scale, m_splits, block_k, block_n, bias, out_dtype):
