@@ -114,6 +114,11 @@ TORCH_LIBRARY(moe_graph, m) {
   // x_scale: x is FP8 [M, K] with these rowwise scales, requantized from its dequantization.
   m.def("fp8_quantize(Tensor x, Tensor? m_splits, int tile_rows, int tile_cols, ScalarType fp8_dtype, bool mx, "
         "float eps, bool pow2, bool transpose, Tensor? x_scale=None) -> (Tensor, Tensor)");
+  // Both copies in one pass (one launch on CUDA): (q, scale) in tiles[0] x tiles[1] and the transposed (q_t,
+  // scale_t) in tiles[2] x tiles[3]; with activation, of act(h) * row_scale for h = x (expert_activation's values,
+  // without them in memory: the fused producer of fc2's FP8 input).
+  m.def("fp8_quantize_pair(Tensor x, Tensor? m_splits, int[] tiles, ScalarType fp8_dtype, bool mx, float eps, "
+        "bool pow2, str? activation, float alpha, float limit, Tensor? row_scale) -> (Tensor, Tensor, Tensor, Tensor)");
   // Scaled grouped GEMM (csrc/fp8/scaled_gemm.h): per-K-block fp32 sums times a_scale * b_scale, fp32 accumulation.
   m.def("fp8_scaled_grouped_gemm(Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, Tensor m_splits, int block_k, "
         "int block_n, Tensor? bias, ScalarType out_dtype) -> Tensor");
@@ -150,6 +155,7 @@ TORCH_LIBRARY_IMPL(moe_graph, CPU, m) {
   m.impl("expert_activation", &moe_graph::expert_activation_cpu);
   m.impl("expert_activation_backward", &moe_graph::expert_activation_backward_cpu);
   m.impl("fp8_quantize", &moe_graph::fp8_quantize_cpu);
+  m.impl("fp8_quantize_pair", &moe_graph::fp8_quantize_pair_cpu);
   m.impl("fp8_scaled_grouped_gemm", &moe_graph::fp8_scaled_grouped_gemm_cpu);
   m.impl("fp8_scaled_grouped_wgrad_out", &moe_graph::fp8_scaled_grouped_wgrad_out_cpu);
 }
@@ -174,6 +180,7 @@ TORCH_LIBRARY_IMPL(moe_graph, CUDA, m) {
   m.impl("expert_activation", &moe_graph::expert_activation_cuda);
   m.impl("expert_activation_backward", &moe_graph::expert_activation_backward_cuda);
   m.impl("fp8_quantize", &moe_graph::fp8_quantize_cuda);
+  m.impl("fp8_quantize_pair", &moe_graph::fp8_quantize_pair_cuda);
   m.impl("fp8_scaled_grouped_gemm", &moe_graph::fp8_scaled_grouped_gemm_cuda);
   m.impl("fp8_scaled_grouped_wgrad_out", &moe_graph::fp8_scaled_grouped_wgrad_out_cuda);
 }

@@ -335,3 +335,91 @@ def test_fp8_training_with_an_injected_inf_skips_the_step_on_every_rank(kind):
         assert all(r["params_finite"]) and r["flag_after"] == [0, 0, 0], r
     if kind == "mxfp8":  # the gradients were finite: the quantizer's flag alone skipped the step
         assert all(all(r["grads_finite"]) for r in res), res
+
+
+# -------------------------------------------------------------- both copies in one op; the fused activation --
+RECIPES = ["blockwise", "mxfp8", "tensor"]
+
+
+@pytest.mark.parametrize("kind", RECIPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_pair_equals_rows_and_columns(kind, dtype):
+    recipe = fp8.as_recipe(kind)
+    gen = torch.Generator().manual_seed(21)
+    x = (torch.randn(150, 96, generator=gen) * torch.logspace(-3, 3, 96)).to(dtype)
+    for splits in ([40, 0, 77, 3], [150], [0, 0, 0]):
+        ms = torch.tensor(splits)
+        for qd in FP8:
+            (q, s), (qt, st) = fp8.quantize_pair(x, ms, recipe, qd)
+            rq, rs = fp8.quantize_rows(x, ms, recipe, qd)
+            cq, cs = fp8.quantize_columns(x, ms, recipe, qd)
+            assert torch.equal(_bits(q), _bits(rq)) and torch.equal(_bits(s), _bits(rs))
+            assert torch.equal(_bits(qt), _bits(cq)) and torch.equal(_bits(st), _bits(cs))
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "clamped_swiglu", "limited_swiglu", "post_clamped_swiglu",
+                                        "softcapped_swiglu", "geglu_tanh", "squared_relu", "relu", "silu", "gelu"])
+@pytest.mark.parametrize("kind", RECIPES)
+def test_fused_activation_quantize_equals_activation_then_quantize(activation, kind):
+    """The fused producer's bytes equal expert_activation's output quantized (both copies), for every kind, h
+    dtype, row scale (none, fp32, h's dtype) and zero-token groups; and the gradients reach h and the row scale
+    as through expert_activation."""
+    from moe_graph.ops.activation import expert_activation, gated_kind
+    recipe = fp8.as_recipe(kind)
+    gen = torch.Generator().manual_seed(22)
+    F = 72
+    ms = torch.tensor([30, 0, 41, 9])
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        h = (torch.randn(85, 2 * F if gated_kind(activation) else F, generator=gen) * 3).to(dtype)
+        for sm in (None, torch.float32, dtype):
+            rs = None if sm is None else torch.rand(85, generator=gen).to(sm)
+            opts = dict(swiglu_alpha=1.5, swiglu_limit=4.0)
+            y = expert_activation(h, activation, rs, **opts)
+            (q, s), (qt, st) = fp8.quantize_pair(h, ms, recipe, recipe.fwd_dtype, activation=activation,
+                                                 row_scale=rs, **opts)
+            rq, rsc = fp8.quantize_rows(y, ms, recipe, recipe.fwd_dtype)
+            cq, cs = fp8.quantize_columns(y, ms, recipe, recipe.fwd_dtype)
+            assert torch.equal(_bits(q), _bits(rq)) and torch.equal(_bits(s), _bits(rsc)), (dtype, sm)
+            assert torch.equal(_bits(qt), _bits(cq)) and torch.equal(_bits(st), _bits(cs)), (dtype, sm)
+    # autograd: the carrier's gradient goes through the activation's backward
+    h = torch.randn(85, 2 * F if gated_kind(activation) else F, generator=gen, requires_grad=True)
+    rs = torch.rand(85, generator=gen, requires_grad=True)
+    g = torch.randn(85, F, generator=gen)
+    qr = fp8.quantize_activation(h, ms, recipe, activation, rs)
+    assert qr.columns is not None and qr.carrier.shape == (85, F) and qr.kind == kind
+    dh, ds = torch.autograd.grad(qr.carrier, (h, rs), g)
+    eh, es = torch.autograd.grad(expert_activation(h, activation, rs), (h, rs), g)
+    assert torch.equal(dh, eh) and torch.equal(ds, es)
+
+
+def test_fused_activation_sets_the_nonfinite_flag():
+    flag = fp8.nonfinite_flag("cpu")
+    flag.zero_()
+    h = torch.randn(16, 64)
+    recipe = fp8.as_recipe("mxfp8")
+    fp8.quantize_pair(h, torch.tensor([16]), recipe, recipe.fwd_dtype, activation="swiglu")
+    assert int(flag[0]) == 0
+    h[3, 40] = float("inf")  # the up half: silu(a) * inf
+    fp8.quantize_pair(h, torch.tensor([16]), recipe, recipe.fwd_dtype, activation="swiglu")
+    assert int(flag[0]) == 1
+    flag.zero_()
+
+
+def test_quantize_pair_errors_name_the_argument():
+    recipe = fp8.as_recipe("blockwise")
+    with pytest.raises(RuntimeError, match="row_scale"):
+        torch.ops.moe_graph.fp8_quantize_pair(torch.randn(4, 8), None, [1, 128, 128, 1], torch.float8_e4m3fn,
+                                               False, 0.0, False, None, 1.0, 1.0, torch.ones(4))
+    with pytest.raises(RuntimeError, match="activation must be one of"):
+        fp8.quantize_pair(torch.randn(4, 8), None, recipe, recipe.fwd_dtype, activation="nope")
+    with pytest.raises(RuntimeError, match="h"):
+        fp8.quantize_pair(torch.randn(4, 7), None, recipe, recipe.fwd_dtype, activation="swiglu")
+
+
+def test_quantize_pair_fake():
+    x = torch.randn(20, 64)
+    ms = torch.tensor([5, 0, 15], dtype=torch.int32)
+    for act in (None, "swiglu", "relu"):
+        torch.library.opcheck(torch.ops.moe_graph.fp8_quantize_pair.default,
+                              (x, ms, [1, 32, 32, 1], torch.float8_e4m3fn, True, 0.0, False, act, 1.702, 7.0, None),
+                              test_utils=("test_schema", "test_faketensor"))

@@ -31,6 +31,14 @@
 //
 //   sum(m_splits) > M sets kErrSplitsOverflow (groups are clipped at M), a negative count kErrNegativeSplit (0).
 //
+//   Fused activation (producer of fc2's input): with `has_act`, the values quantized are the expert activation's
+//   output y = act(h) * s rounded to h's dtype (activation/activation.h: `act` describes h [M, W], its kind and
+//   row scale s; K = act.cols), computed per element from h by the same functions expert_activation runs, so the
+//   bytes equal quantizing expert_activation's y, without y in memory. x is unused.
+//
+//   Pair (quantize_pair_cuda): two problems over the same input in one launch (the rowwise and the columnwise
+//   copy), each with its own tiles, layout and outputs; the CPU runs them one after the other.
+//
 //   FP8 input (requantization): x [M, K] FP8 bytes (E4M3 / E5M2) with their rowwise scales x_scale [M, ceil(K / XC)]
 //   (fp32 scale_inv with XC = 128: Float8BlockScaling's 1 x 128 tiles; E8M0 with XC = 32: MXFP8's 1 x 32) are read
 //   as the fp32 decode(x) * x_scale (e8m0_value for E8M0), the values `dequantize` gives, and quantized as above
@@ -38,7 +46,9 @@
 //   the columnwise copy of the wgrad, without the fp32 rows in memory.
 #pragma once
 #include <cstdint>
+#include <type_traits>
 
+#include "activation/activation.h"
 #include "common/host_device.h"
 #include "fp8/fp8_math.h"
 
@@ -73,6 +83,8 @@ struct QuantizeProblem {
   void* scale = nullptr;  // float* or uint8_t* (mx)
   int32_t* error_flag = nullptr;
   int32_t* nonfinite_flag = nullptr;  // set to 1 by a tile whose amax is inf or NaN
+  bool has_act = false;               // fused activation: the values are act(h) * s (B == 1)
+  activation::ActivationProblem act;  // h, scale, kind, dtype, alpha, limit (rows == M, cols == K)
 };
 
 // Static number of scale rows for M rows in E groups (E == 0: one group) and tile rows TR.
@@ -224,9 +236,48 @@ MOE_GRAPH_HD void write_unused_scale(const QuantizeProblem& p, int64_t b, int64_
     static_cast<float*>(p.scale)[si] = 1.0f;
 }
 
-MOE_GRAPH_HD void quantize_store(const QuantizeProblem& p, float mult, int64_t b, int64_t r, int64_t c) {
-  const float v = load_x(p, b, r, c) * mult;
+// Writes the byte of element (b, r, c) of value x.
+MOE_GRAPH_HD void quantize_value(const QuantizeProblem& p, float x, float mult, int64_t b, int64_t r, int64_t c) {
+  const float v = x * mult;
   p.q[q_index(p, b, r, c)] = p.format == Format::kE4M3 ? encode_fp8<Format::kE4M3>(v) : encode_fp8<Format::kE5M2>(v);
+}
+
+// The loaders: the value of element (b, r, c) of the input being quantized.
+struct LoadX {  // x itself (fp32 / bf16 / fp16, or FP8 with its rowwise scales)
+  MOE_GRAPH_HD float operator()(const QuantizeProblem& p, int64_t b, int64_t r, int64_t c) const {
+    return load_x(p, b, r, c);
+  }
+};
+
+template <activation::ActKind K, typename T, typename S>
+struct LoadAct {  // the fused activation: y[r, c] as expert_activation writes it (rounded to h's dtype)
+  MOE_GRAPH_HD float operator()(const QuantizeProblem& p, int64_t, int64_t r, int64_t c) const {
+    using A = activation::acc_t<T>;
+    constexpr int64_t kWidth = activation::is_gated(K) ? 2 : 1;
+    const T* row = static_cast<const T*>(p.act.h) + r * kWidth * p.cols;
+    const A s = p.act.scale ? static_cast<A>(activation::widen(static_cast<const S*>(p.act.scale)[r])) : A(1);
+    A v;
+    if constexpr (activation::is_gated(K))
+      v = activation::gated_value<K, A>(activation::widen(row[c]), activation::widen(row[p.cols + c]),
+                                        static_cast<A>(p.act.alpha), static_cast<A>(p.act.limit));
+    else
+      v = activation::plain_value<K, A>(activation::widen(row[c]));
+    return static_cast<float>(activation::widen(activation::Narrow<T>::to(v * s)));
+  }
+};
+
+// Calls f(loader) with the problem's loader (host code: the launchers and the CPU implementation).
+template <class F>
+void with_loader(const QuantizeProblem& p, F&& f) {
+  if (!p.has_act) {
+    f(LoadX{});
+    return;
+  }
+  activation::dispatch_activation(p.act, [&](auto kind, auto t, auto s) {
+    using T = typename decltype(t)::type;
+    if constexpr (!std::is_same_v<T, double>)  // fp64 h is refused by the op (no FP8 quantizer reads fp64)
+      f(LoadAct<decltype(kind)::value, T, typename decltype(s)::type>{});
+  });
 }
 
 MOE_GRAPH_HD int64_t col_tile_width(const QuantizeProblem& p) { return p.tile_cols == 0 ? p.cols : p.tile_cols; }
@@ -240,6 +291,8 @@ void quantize_cpu(const QuantizeProblem& p);  // both, on the calling thread
 #ifdef MOE_GRAPH_WITH_CUDA
 // One launch (none when there is nothing to write) on `stream`; no host synchronization (capturable).
 cudaError_t quantize_cuda(const QuantizeProblem& p, cudaStream_t stream);
+// p0 and, when p1 is not null, p1 (the same input and loader: x / act, in_type) in one launch.
+cudaError_t quantize_pair_cuda(const QuantizeProblem& p0, const QuantizeProblem* p1, cudaStream_t stream);
 #endif
 
 }  // namespace fp8
