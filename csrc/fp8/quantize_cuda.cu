@@ -93,8 +93,8 @@ __device__ __forceinline__ void quantize_block(const QuantizeProblem& p, const L
   const int64_t w = (p.cols - c0) < TC ? (p.cols - c0) : TC;
   const int64_t n = nrows * w;
   float amax = 0.0f;
-  const Walk first(tid, n == 0 ? 1 : p.transpose ? nrows : w);  // n == 0: a per-tensor tile of no rows
-  Walk e = first;
+  const int64_t n_fast = n == 0 ? 1 : p.transpose ? nrows : w;  // n == 0: a per-tensor tile of no rows
+  Walk e(tid, n_fast);
   for (int64_t i = tid; i < n; i += kThreads, e.next()) {
     const int64_t r = row0 + (p.transpose ? e.fast : e.slow);
     const int64_t c = c0 + (p.transpose ? e.slow : e.fast);
@@ -109,7 +109,7 @@ __device__ __forceinline__ void quantize_block(const QuantizeProblem& p, const L
   if (tid == 0) s_mult = tile_scale(p, s_amax[0], b, rt, ct);
   __syncthreads();
   const float mult = s_mult;
-  e = first;
+  e = Walk(tid, n_fast);  // made again: nothing of the walk lives across the reduction
   for (int64_t i = tid; i < n; i += kThreads, e.next()) {
     const int64_t r = row0 + (p.transpose ? e.fast : e.slow);
     const int64_t c = c0 + (p.transpose ? e.slow : e.fast);
