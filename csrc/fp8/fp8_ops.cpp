@@ -371,12 +371,23 @@ void fp8_scaled_grouped_wgrad_out_cuda(const at::Tensor& a_t, const at::Tensor& 
 #endif
 
 #ifdef MOE_GRAPH_WITH_CUDA
+namespace {
+// The CUDA kernel's index math is 32-bit (fp8::index32_ok): a clear error instead of the launcher's
+// cudaErrorInvalidValue.
+void check_index32(const fp8::QuantizeProblem& p, const char* op) {
+  TORCH_CHECK(fp8::index32_ok(p), op, ": the CUDA quantizer needs rows, columns, tile sizes and tile counts below "
+              "2^31, got ", p.batch, " x ", p.rows, " x ", p.cols, " in ", p.tile_rows, " x ", p.tile_cols,
+              " tiles (", p.row_tiles, " x ", p.col_tiles, " of them)");
+}
+}  // namespace
+
 std::tuple<at::Tensor, at::Tensor> fp8_quantize_cuda(const at::Tensor& x, const std::optional<at::Tensor>& m_splits,
                                                      int64_t tile_rows, int64_t tile_cols, at::ScalarType fp8_dtype,
                                                      bool mx, double eps, bool pow2, bool transpose,
                                                      const std::optional<at::Tensor>& x_scale) {
   c10::cuda::CUDAGuard guard(x.device());
   Quantized o = describe(x, m_splits, tile_rows, tile_cols, fp8_dtype, mx, eps, pow2, transpose, x_scale);
+  check_index32(o.p, kOp);
   C10_CUDA_CHECK(fp8::quantize_cuda(o.p, at::cuda::getCurrentCUDAStream(x.device().index()).stream()));
   return {o.q, o.scale};
 }
@@ -438,6 +449,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fp8_quantize_pair_cud
     const std::optional<at::Tensor>& row_scale) {
   c10::cuda::CUDAGuard guard(x.device());
   Pair o = describe_pair(x, m_splits, tiles, fp8_dtype, mx, eps, pow2, activation, alpha, limit, row_scale);
+  check_index32(o.rows.p, kPair);
+  check_index32(o.cols.p, kPair);
   C10_CUDA_CHECK(fp8::quantize_pair_cuda(o.rows.p, &o.cols.p, at::cuda::getCurrentCUDAStream(x.device().index()).stream()));
   return {o.rows.q, o.rows.scale, o.cols.q, o.cols.scale};
 }

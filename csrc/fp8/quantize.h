@@ -100,11 +100,13 @@ MOE_GRAPH_HD int64_t read_split(const QuantizeProblem& p, int64_t g) {
   return p.splits_i64 ? static_cast<const int64_t*>(p.m_splits)[g] : static_cast<const int32_t*>(p.m_splits)[g];
 }
 
-// The rows [row0, row0 + nrows) of row tile `rt` (nrows 0: no tile). Walks the groups (O(E)).
+// The rows [row0, row0 + nrows) of row tile `rt` (nrows 0: no tile). Walks the groups (O(E)). `D`: the type of the
+// division by TR (the CUDA kernel's uint32_t: rows and TR < 2^31, checked by its launcher; no 64-bit division call).
 struct TileRows {
   int64_t row0 = 0, nrows = 0;
 };
 
+template <class D = int64_t>
 MOE_GRAPH_HD TileRows locate_tile(const QuantizeProblem& p, int64_t rt) {
   TileRows t;
   const int64_t TR = p.tile_rows;
@@ -123,7 +125,7 @@ MOE_GRAPH_HD TileRows locate_tile(const QuantizeProblem& p, int64_t rt) {
     int64_t m = read_split(p, g);
     if (m < 0) m = 0;
     if (start + m > p.rows) m = p.rows - start;
-    const int64_t n = TR == 0 ? 1 : (m + TR - 1) / TR;
+    const int64_t n = TR == 0 ? 1 : static_cast<int64_t>(static_cast<D>(m + TR - 1) / static_cast<D>(TR));
     if (rt < tiles + n) {
       const int64_t local = TR == 0 ? 0 : (rt - tiles) * TR;
       t.row0 = start + local;
@@ -281,6 +283,14 @@ void with_loader(const QuantizeProblem& p, F&& f) {
 }
 
 MOE_GRAPH_HD int64_t col_tile_width(const QuantizeProblem& p) { return p.tile_cols == 0 ? p.cols : p.tile_cols; }
+
+// The CUDA kernel divides in 32 bits: its launcher refuses (cudaErrorInvalidValue) a problem with a size, tile size
+// or tile count of 2^31 or more, or a grid of 2^31 blocks or more (the CUDA op checks this first, with a message).
+constexpr int64_t kMaxIndex32 = (int64_t(1) << 31) - 1;
+inline bool index32_ok(const QuantizeProblem& p) {
+  return p.batch <= kMaxIndex32 && p.rows <= kMaxIndex32 && p.cols <= kMaxIndex32 && p.tile_rows <= kMaxIndex32 &&
+         p.tile_cols <= kMaxIndex32 && p.row_tiles <= kMaxIndex32 && p.col_tiles <= kMaxIndex32;
+}
 
 // CPU: tiles [t0, t1) of the B * row_tiles * col_tiles (callers split them across threads), and the rest: the m_splits
 // error bits and the zero rows past sum(m_splits).
