@@ -27,6 +27,7 @@ TORCH_LIBRARY(moe_graph, m) {
   m.def("read_error_flag(Tensor device_like) -> int");
   // The flag itself (int32 [1], aliasing global state) so that Python code can set bits from device tensors.
   m.def("error_flag(Tensor device_like) -> Tensor");
+  m.def("fp8_nonfinite_flag(Tensor device_like) -> Tensor");
 
   // ---- grouped GEMM ------------------------------------------------------------------------------------
   // a [M, K]; b: one [E, N, K] (trans_b) / [E, K, N] tensor, or E 2-D tensors; m_splits int32/int64 [E];
@@ -114,6 +115,11 @@ TORCH_LIBRARY(moe_graph, m) {
   // x_scale: x is FP8 [M, K] with these rowwise scales, requantized from its dequantization.
   m.def("fp8_quantize(Tensor x, Tensor? m_splits, int tile_rows, int tile_cols, ScalarType fp8_dtype, bool mx, "
         "float eps, bool pow2, bool transpose, Tensor? x_scale=None) -> (Tensor, Tensor)");
+  // Both copies in one pass (one launch on CUDA): (q, scale) in tiles[0] x tiles[1] and the transposed (q_t,
+  // scale_t) in tiles[2] x tiles[3]; with activation, of act(h) * row_scale for h = x (expert_activation's values,
+  // without them in memory: the fused producer of fc2's FP8 input).
+  m.def("fp8_quantize_pair(Tensor x, Tensor? m_splits, int[] tiles, ScalarType fp8_dtype, bool mx, float eps, "
+        "bool pow2, str? activation, float alpha, float limit, Tensor? row_scale) -> (Tensor, Tensor, Tensor, Tensor)");
   // Scaled grouped GEMM (csrc/fp8/scaled_gemm.h): per-K-block fp32 sums times a_scale * b_scale, fp32 accumulation.
   m.def("fp8_scaled_grouped_gemm(Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, Tensor m_splits, int block_k, "
         "int block_n, Tensor? bias, ScalarType out_dtype) -> Tensor");
@@ -147,6 +153,7 @@ TORCH_LIBRARY(moe_graph, m) {
 TORCH_LIBRARY_IMPL(moe_graph, CompositeExplicitAutograd, m) {
   m.impl("read_error_flag", &moe_graph::check_errors_impl);
   m.impl("error_flag", [](const at::Tensor& t) { return moe_graph::error_flag_tensor(t.device()); });
+  m.impl("fp8_nonfinite_flag", [](const at::Tensor& t) { return moe_graph::nonfinite_flag_tensor(t.device()); });
 }
 
 TORCH_LIBRARY_IMPL(moe_graph, CPU, m) {
@@ -168,6 +175,7 @@ TORCH_LIBRARY_IMPL(moe_graph, CPU, m) {
   m.impl("expert_activation", &moe_graph::expert_activation_cpu);
   m.impl("expert_activation_backward", &moe_graph::expert_activation_backward_cpu);
   m.impl("fp8_quantize", &moe_graph::fp8_quantize_cpu);
+  m.impl("fp8_quantize_pair", &moe_graph::fp8_quantize_pair_cpu);
   m.impl("fp8_scaled_grouped_gemm", &moe_graph::fp8_scaled_grouped_gemm_cpu);
   m.impl("fp8_scaled_grouped_wgrad_out", &moe_graph::fp8_scaled_grouped_wgrad_out_cpu);
   m.impl("exchange_dispatch_reference", &moe_graph::exchange_dispatch_reference);
@@ -195,6 +203,7 @@ TORCH_LIBRARY_IMPL(moe_graph, CUDA, m) {
   m.impl("expert_activation", &moe_graph::expert_activation_cuda);
   m.impl("expert_activation_backward", &moe_graph::expert_activation_backward_cuda);
   m.impl("fp8_quantize", &moe_graph::fp8_quantize_cuda);
+  m.impl("fp8_quantize_pair", &moe_graph::fp8_quantize_pair_cuda);
   m.impl("fp8_scaled_grouped_gemm", &moe_graph::fp8_scaled_grouped_gemm_cuda);
   m.impl("fp8_scaled_grouped_wgrad_out", &moe_graph::fp8_scaled_grouped_wgrad_out_cuda);
   m.impl("exchange_dispatch", &moe_graph::exchange_dispatch_cuda);

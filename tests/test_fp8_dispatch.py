@@ -142,19 +142,17 @@ def test_aligned_groups_start_at_multiples_of_16_and_round_trip():
     assert torch.equal(x.grad, (torch.arange(rows) < src).float()[:, None].expand(rows, 4))
 
 
-@pytest.mark.parametrize("kind,fp8_dispatch,spare", [("blockwise", False, 0), ("mxfp8", True, 0),
-                                                     ("blockwise", True, 1)])
-def test_fp8_experts_regrouped_to_16_rows_change_nothing(kind, fp8_dispatch, spare, monkeypatch):
-    """The FP8 experts regroup their rows to 16-row boundaries (the GPU wgrad's alignment): outputs and every
-    gradient equal those without the regrouping bit for bit (zero rows add nothing; partial tiles were zero-padded)."""
+def _same_under_switch(monkeypatch, kind, fp8_dispatch, spare, attr, values, seed):
+    """A MoELayer's output and every gradient under ``moe.experts.<attr>`` set to each of ``values``: equal bit for
+    bit."""
     import moe_graph.moe.experts as experts
 
-    torch.manual_seed(5)
+    torch.manual_seed(seed)
     layer = MoELayer(128, 64, 4, 2, fp8_dispatch=fp8_dispatch, num_spare_experts_per_ep_rank=spare)
     x = torch.randn(27, 128)
     res = []
-    for align in (16, 1):
-        monkeypatch.setattr(experts, "FP8_ROW_ALIGNMENT", align)
+    for v in values:
+        monkeypatch.setattr(experts, attr, v)
         xx = x.clone().requires_grad_()
         with moe_graph.fp8.autocast(recipe=kind):
             y = layer(xx)
@@ -162,6 +160,14 @@ def test_fp8_experts_regrouped_to_16_rows_change_nothing(kind, fp8_dispatch, spa
         res.append([y.detach(), xx.grad] + [p.grad.clone() for p in layer.parameters()])
         layer.zero_grad(set_to_none=True)
     assert all(torch.equal(u, v) for u, v in zip(*res))
+
+
+@pytest.mark.parametrize("kind,fp8_dispatch,spare", [("blockwise", False, 0), ("mxfp8", True, 0),
+                                                     ("blockwise", True, 1)])
+def test_fp8_experts_regrouped_to_16_rows_change_nothing(kind, fp8_dispatch, spare, monkeypatch):
+    """The FP8 experts regroup their rows to 16-row boundaries (the GPU wgrad's alignment): outputs and every
+    gradient equal those without the regrouping bit for bit (zero rows add nothing; partial tiles were zero-padded)."""
+    _same_under_switch(monkeypatch, kind, fp8_dispatch, spare, "FP8_ROW_ALIGNMENT", (16, 1), 5)
 
 
 def test_fp8_with_expert_norms_and_latent():
@@ -182,3 +188,12 @@ def test_fp8_with_expert_norms_and_latent():
     assert a.expert_output_norm.weight.grad.abs().max() > 0
     plain = a(x).detach()
     assert (y - plain).norm() < 0.1 * plain.norm()
+
+
+@pytest.mark.parametrize("kind,fp8_dispatch,spare", [("blockwise", False, 0), ("mxfp8", True, 0),
+                                                     ("tensor", False, 1)])
+def test_fused_fp8_activation_changes_nothing(kind, fp8_dispatch, spare, monkeypatch):
+    """The activation writing fc2's FP8 input directly (both copies, one op) gives the outputs and every gradient
+    of the 16-bit activation whose output fc2 quantizes, bit for bit (the routing probabilities scale the rows on
+    the narrow side here: ffn 64 < hidden 128)."""
+    _same_under_switch(monkeypatch, kind, fp8_dispatch, spare, "FUSED_FP8_ACTIVATION", (True, False), 6)

@@ -94,6 +94,16 @@ activation::ActivationProblem check_and_describe(const char* op, const at::Tenso
   return p;
 }
 
+}  // namespace
+
+activation::ActivationProblem describe_expert_activation(const char* op, const at::Tensor& h,
+                                                         const std::optional<at::Tensor>& row_scale,
+                                                         c10::string_view activation, double alpha, double limit) {
+  return check_and_describe(op, h, row_scale, activation, alpha, limit);
+}
+
+namespace {
+
 bool has_scale(const std::optional<at::Tensor>& row_scale) { return row_scale.has_value() && row_scale->defined(); }
 
 at::Tensor forward_out(const at::Tensor& h, activation::ActivationProblem& p) {

@@ -9,6 +9,16 @@
 
 namespace moe_graph {
 
+namespace activation {
+struct ActivationProblem;
+}
+
+// The checks of expert_activation (naming `op` in its errors) and the problem they describe (h, row_scale, kind,
+// alpha, limit; no outputs): the FP8 quantizer's fused activation input (fp8_quantize_pair) runs the same ones.
+activation::ActivationProblem describe_expert_activation(const char* op, const at::Tensor& h,
+                                                         const std::optional<at::Tensor>& row_scale,
+                                                         c10::string_view activation, double alpha, double limit);
+
 // h [N, 2F] (gated) or [N, F] (plain) contiguous (fp32/fp64/bf16/fp16), row_scale [N] contiguous (fp32 or h's
 // dtype) or None, activation "swiglu" | "clamped_swiglu" | "limited_swiglu" | "post_clamped_swiglu" |
 // "softcapped_swiglu" | "geglu_tanh" (gated) | "squared_relu" | "relu" | "silu" | "gelu" (plain) -> y [N, F] in h's

@@ -16,7 +16,7 @@
 
 namespace moe_graph {
 namespace {
-int32_t g_host_flag = 0;
+int32_t g_host_flags[2] = {0, 0};  // [error bits, non-finite flag]
 std::mutex g_mutex;
 std::vector<at::Tensor>& cuda_flags() {
   static std::vector<at::Tensor> flags;
@@ -25,7 +25,7 @@ std::vector<at::Tensor>& cuda_flags() {
 }  // namespace
 
 int32_t* error_flag_ptr(const at::Device& device) {
-  if (device.is_cpu()) return &g_host_flag;
+  if (device.is_cpu()) return &g_host_flags[0];
 #ifdef MOE_GRAPH_WITH_CUDA
   TORCH_CHECK(device.is_cuda(), "moe_graph: error flag requested for unsupported device ", device.str());
   std::lock_guard<std::mutex> lock(g_mutex);
@@ -38,7 +38,7 @@ int32_t* error_flag_ptr(const at::Device& device) {
                 "moe_graph: the first moe_graph op on cuda:", idx,
                 " runs inside CUDA graph capture; run it once eagerly (warm-up) before capturing, so that the "
                 "device error flag is allocated outside the graph");
-    flags[idx] = at::zeros({1}, at::TensorOptions().dtype(at::kInt).device(at::kCUDA, idx));
+    flags[idx] = at::zeros({2}, at::TensorOptions().dtype(at::kInt).device(at::kCUDA, idx));  // + non-finite
   }
   return flags[idx].data_ptr<int32_t>();
 #else
@@ -51,14 +51,27 @@ at::Tensor error_flag_tensor(const at::Device& device) {
 #ifdef MOE_GRAPH_WITH_CUDA
   if (device.is_cuda()) {  // the owning tensor: no pointer-attribute query per call (these run inside captures)
     std::lock_guard<std::mutex> lock(g_mutex);
-    return cuda_flags()[device.has_index() ? device.index() : c10::cuda::current_device()];
+    return cuda_flags()[device.has_index() ? device.index() : c10::cuda::current_device()].narrow(0, 0, 1);
+  }
+#endif
+  return at::from_blob(ptr, {1}, at::TensorOptions().dtype(at::kInt).device(device));
+}
+
+int32_t* nonfinite_flag_ptr(const at::Device& device) { return error_flag_ptr(device) + 1; }
+
+at::Tensor nonfinite_flag_tensor(const at::Device& device) {
+  int32_t* ptr = nonfinite_flag_ptr(device);
+#ifdef MOE_GRAPH_WITH_CUDA
+  if (device.is_cuda()) {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    return cuda_flags()[device.has_index() ? device.index() : c10::cuda::current_device()].narrow(0, 1, 1);
   }
 #endif
   return at::from_blob(ptr, {1}, at::TensorOptions().dtype(at::kInt).device(device));
 }
 
 int64_t read_and_clear_error_flag(const at::Device& device) {
-  if (device.is_cpu()) return __atomic_exchange_n(&g_host_flag, 0, __ATOMIC_RELAXED);
+  if (device.is_cpu()) return __atomic_exchange_n(&g_host_flags[0], 0, __ATOMIC_RELAXED);
 #ifdef MOE_GRAPH_WITH_CUDA
   int32_t* ptr = error_flag_ptr(device);
   const int idx = device.has_index() ? device.index() : c10::cuda::current_device();

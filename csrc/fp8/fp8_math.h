@@ -1,7 +1,9 @@
 // Per-element FP8 arithmetic shared by the CPU implementation and the CUDA kernels (host and device, torch-free).
 //
 //   encode_fp8<F>(x)      fp32 -> FP8 byte, round to nearest even, saturating to the largest finite value (inf
-//                         included), NaN -> sign | 0x7F. Equals torch's `x.clamp(-max, max).to(float8_*)` and CUDA's
+//                         included), every NaN -> 0x7F (the GPU's canonical NaN of cvt.rn.satfinite; the sign of a
+//                         NaN is not kept: x86 and the GPU disagree on it, e.g. inf * 0 is -NaN on x86). On non-NaN
+//                         input equals torch's `x.clamp(-max, max).to(float8_*)` and CUDA's
 //                         __nv_cvt_float_to_fp8(x, __NV_SATFINITE, ...). fp32 denormals are kept (no flush).
 //   decode_fp8<F>(byte)   the exact fp32 value of an FP8 byte.
 //   scale_from_amax(...)  TransformerEngine's fp32 scale rule (Float8BlockScaling and Float8CurrentScaling; its
@@ -9,10 +11,15 @@
 //                         an infinite scale becomes `inf_scale` (the largest finite value of the input dtype for
 //                         blockwise tiles, of fp32 for per-tensor scaling); with pow2 the scale is rounded down to a
 //                         power of two (0 when amax' is inf); amax' == 0 gives scale 1. scale_inv = 1 / scale.
+//                         Non-finite amax: inf gives scale 0, scale_inv +inf (TE's rule); NaN gives scale and
+//                         scale_inv the canonical +NaN (0x7FC00000).
 //   e8m0_from_amax(...)   the MXFP8 block exponent (TransformerEngine's MXFP8 quantizer, OCP MX E8M0 encoding):
 //                         float_to_e8m0(amax * (1 / fp8_max)), the exponent rounded up (cvt.rp.satfinite.ue8m0),
 //                         values <= 2^-127 give 0, inf gives 0xFE, NaN 0xFF.
-//   e8m0_quant_mult(e)    the factor the MX quantizer multiplies by: 2^(127 - e), 1 for e == 0.
+//   e8m0_quant_mult(e)    the factor the MX quantizer multiplies by: TransformerEngine's ptx::exp2f_rcp<float>
+//                         (transformer_engine/common/util/ptx.cuh, since TE PR #2647 "Fix exp2f_rcp to properly
+//                         handle nan and 0xFE cases"): 2^(127 - e) for e in [0, 253] (e == 0: 2^127, no special
+//                         case), 2^-127 (the fp32 denormal 0x00400000) for e == 254, NaN for e == 255.
 //   e8m0_value(e)         the dequantization factor 2^(e - 127) (e == 0: 2^-127; 0xFF: NaN).
 #pragma once
 #include <cstdint>
@@ -70,7 +77,7 @@ MOE_GRAPH_HD uint8_t encode_fp8(float x) {
   const uint32_t u = float_bits(x);
   const uint32_t sign = (u >> 24) & 0x80u;
   const uint32_t a = u & 0x7FFFFFFFu;
-  if (a > 0x7F800000u) return static_cast<uint8_t>(sign | 0x7Fu);         // NaN
+  if (a > 0x7F800000u) return static_cast<uint8_t>(0x7Fu);  // NaN, canonical (no sign)
   if (a >= float_bits(T::kMax)) return static_cast<uint8_t>(sign | T::kMaxCode);  // saturate (inf included)
   const int e = static_cast<int>(a >> 23) - 127;  // unbiased exponent (fp32 denormals: -127, they round to 0)
   uint32_t code;
@@ -115,7 +122,8 @@ MOE_GRAPH_HD float scale_from_amax(float amax, float fp8_max, float eps, bool po
     if (a == bits_float(0x7F800000u)) scale = 0.0f;
   }
   if (a == 0.0f) scale = 1.0f;
-  *scale_inv = 1.0f / scale;
+  if (a != a) scale = bits_float(0x7FC00000u);  // canonical NaN (x86 would keep the sign of the input NaN)
+  *scale_inv = a != a ? scale : 1.0f / scale;
   return scale;
 }
 
@@ -138,8 +146,13 @@ MOE_GRAPH_HD uint8_t e8m0_from_amax(float amax) {
 }
 
 MOE_GRAPH_HD float e8m0_quant_mult(uint8_t e) {
-  return e == 0 ? 1.0f : bits_float(static_cast<uint32_t>(254 - static_cast<int>(e)) << 23);
+  if (e == 0xFF) return bits_float(0x7FFFFFFFu);  // NaN
+  if (e == 0xFE) return bits_float(0x00400000u);  // 2^-127: a denormal, not a shifted exponent
+  return bits_float(static_cast<uint32_t>(254 - static_cast<int>(e)) << 23);
 }
+
+// True for inf and NaN.
+MOE_GRAPH_HD bool nonfinite(float v) { return (float_bits(v) & 0x7F800000u) == 0x7F800000u; }
 
 MOE_GRAPH_HD float e8m0_value(uint8_t e) {
   if (e == 0xFF) return bits_float(0x7FC00000u);

@@ -8,6 +8,7 @@
 #include <stdexcept>
 #include <vector>
 
+#include "activation/activation_ops.h"
 #include "common/error_flag_torch.h"
 #include "common/torch_checks.h"
 #include "fp8/quantize.h"
@@ -32,9 +33,11 @@ struct Quantized {
   at::Tensor q, scale;
 };
 
+// `act`: x is the fused activation's input h [M, W] and the values are act(h) * s (K = act->cols).
 Quantized describe(const at::Tensor& x, const std::optional<at::Tensor>& m_splits, int64_t tile_rows,
                    int64_t tile_cols, at::ScalarType fp8_dtype, bool mx, double eps, bool pow2, bool transpose,
-                   const std::optional<at::Tensor>& x_scale) {
+                   const std::optional<at::Tensor>& x_scale,
+                   const activation::ActivationProblem* act = nullptr) {
   check_defined(x, kOp, "x");
   TORCH_CHECK(x.dim() == 2 || x.dim() == 3, kOp, ": x must be a 2-D tensor [M, K] or a 3-D tensor [B, M, K], got "
               "shape ", shape_str(x));
@@ -65,7 +68,11 @@ Quantized describe(const at::Tensor& x, const std::optional<at::Tensor>& m_split
   fp8::QuantizeProblem& p = out.p;
   p.batch = x.dim() == 3 ? x.size(0) : 1;
   p.rows = x.size(-2);
-  p.cols = x.size(-1);
+  p.cols = act ? act->cols : x.size(-1);
+  if (act) {
+    p.has_act = true;
+    p.act = *act;
+  }
   p.in_type = x.scalar_type() == at::kFloat ? fp8::InType::kF32
               : x.scalar_type() == at::kBFloat16 ? fp8::InType::kBF16
               : x.scalar_type() == at::kHalf ? fp8::InType::kF16
@@ -115,6 +122,7 @@ Quantized describe(const at::Tensor& x, const std::optional<at::Tensor>& m_split
   p.q = static_cast<uint8_t*>(out.q.data_ptr());
   p.scale = out.scale.data_ptr();
   p.error_flag = error_flag_ptr(x.device());
+  p.nonfinite_flag = nonfinite_flag_ptr(x.device());
   return out;
 }
 
@@ -363,14 +371,88 @@ void fp8_scaled_grouped_wgrad_out_cuda(const at::Tensor& a_t, const at::Tensor& 
 #endif
 
 #ifdef MOE_GRAPH_WITH_CUDA
+namespace {
+// The CUDA kernel's index math is 32-bit (fp8::index32_ok): a clear error instead of the launcher's
+// cudaErrorInvalidValue.
+void check_index32(const fp8::QuantizeProblem& p, const char* op) {
+  TORCH_CHECK(fp8::index32_ok(p), op, ": the CUDA quantizer needs rows, columns, tile sizes and tile counts below "
+              "2^31, got ", p.batch, " x ", p.rows, " x ", p.cols, " in ", p.tile_rows, " x ", p.tile_cols,
+              " tiles (", p.row_tiles, " x ", p.col_tiles, " of them)");
+}
+}  // namespace
+
 std::tuple<at::Tensor, at::Tensor> fp8_quantize_cuda(const at::Tensor& x, const std::optional<at::Tensor>& m_splits,
                                                      int64_t tile_rows, int64_t tile_cols, at::ScalarType fp8_dtype,
                                                      bool mx, double eps, bool pow2, bool transpose,
                                                      const std::optional<at::Tensor>& x_scale) {
   c10::cuda::CUDAGuard guard(x.device());
   Quantized o = describe(x, m_splits, tile_rows, tile_cols, fp8_dtype, mx, eps, pow2, transpose, x_scale);
+  check_index32(o.p, kOp);
   C10_CUDA_CHECK(fp8::quantize_cuda(o.p, at::cuda::getCurrentCUDAStream(x.device().index()).stream()));
   return {o.q, o.scale};
+}
+#endif
+
+// ---------------------------------------------------------------------------------------------- quantize pair --
+namespace {
+
+constexpr const char* kPair = "fp8_quantize_pair";
+
+struct Pair {
+  Quantized rows, cols;
+  std::optional<activation::ActivationProblem> act;
+};
+
+Pair describe_pair(const at::Tensor& x, const std::optional<at::Tensor>& m_splits, at::IntArrayRef tiles,
+                   at::ScalarType fp8_dtype, bool mx, double eps, bool pow2,
+                   const std::optional<c10::string_view>& activation, double alpha, double limit,
+                   const std::optional<at::Tensor>& row_scale) {
+  TORCH_CHECK(tiles.size() == 4, kPair, ": tiles must be [rowwise tile rows, rowwise tile cols, columnwise tile "
+              "rows, columnwise tile cols], got ", tiles.size(), " values");
+  Pair out;
+  const bool has_scale = row_scale.has_value() && row_scale->defined();
+  TORCH_CHECK(activation.has_value() || !has_scale, kPair, ": row_scale goes with an activation (the fused "
+              "activation's row factor); got row_scale without activation");
+  if (activation.has_value()) {
+    check_dtype(x, {at::kFloat, at::kBFloat16, at::kHalf}, kPair, "h (x, the activation's input)");
+    out.act = describe_expert_activation(kPair, x, row_scale, *activation, alpha, limit);
+  }
+  const activation::ActivationProblem* act = out.act ? &*out.act : nullptr;
+  out.rows = describe(x, m_splits, tiles[0], tiles[1], fp8_dtype, mx, eps, pow2, false, std::nullopt, act);
+  out.cols = describe(x, m_splits, tiles[2], tiles[3], fp8_dtype, mx, eps, pow2, true, std::nullopt, act);
+  TORCH_CHECK(x.dim() == 2, kPair, ": x must be 2-D [M, K] (or h [M, W] with an activation), got shape ",
+              shape_str(x));
+  return out;
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fp8_quantize_pair_cpu(
+    const at::Tensor& x, const std::optional<at::Tensor>& m_splits, at::IntArrayRef tiles, at::ScalarType fp8_dtype,
+    bool mx, double eps, bool pow2, std::optional<c10::string_view> activation, double alpha, double limit,
+    const std::optional<at::Tensor>& row_scale) {
+  Pair o = describe_pair(x, m_splits, tiles, fp8_dtype, mx, eps, pow2, activation, alpha, limit, row_scale);
+  for (const fp8::QuantizeProblem* p : {&o.rows.p, &o.cols.p}) {
+    const int64_t tile = (p->tile_rows ? p->tile_rows : p->rows) * fp8::col_tile_width(*p);
+    at::parallel_for(0, p->batch * p->row_tiles * p->col_tiles,
+                     std::max<int64_t>(1, 16384 / std::max<int64_t>(1, tile)),
+                     [&](int64_t t0, int64_t t1) { fp8::quantize_tiles_cpu(*p, t0, t1); });
+    fp8::quantize_tail_cpu(*p);
+  }
+  return {o.rows.q, o.rows.scale, o.cols.q, o.cols.scale};
+}
+
+#ifdef MOE_GRAPH_WITH_CUDA
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fp8_quantize_pair_cuda(
+    const at::Tensor& x, const std::optional<at::Tensor>& m_splits, at::IntArrayRef tiles, at::ScalarType fp8_dtype,
+    bool mx, double eps, bool pow2, std::optional<c10::string_view> activation, double alpha, double limit,
+    const std::optional<at::Tensor>& row_scale) {
+  c10::cuda::CUDAGuard guard(x.device());
+  Pair o = describe_pair(x, m_splits, tiles, fp8_dtype, mx, eps, pow2, activation, alpha, limit, row_scale);
+  check_index32(o.rows.p, kPair);
+  check_index32(o.cols.p, kPair);
+  C10_CUDA_CHECK(fp8::quantize_pair_cuda(o.rows.p, &o.cols.p, at::cuda::getCurrentCUDAStream(x.device().index()).stream()));
+  return {o.rows.q, o.rows.scale, o.cols.q, o.cols.scale};
 }
 #endif
 

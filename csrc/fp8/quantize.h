@@ -24,7 +24,20 @@
 //   Per tile: amax = max |x| (NaN propagates); fp32 scales by fp8::scale_from_amax (eps, pow2, inf_scale), MX by
 //   fp8::e8m0_from_amax; q = encode_fp8(float(x) * scale) (MX: * e8m0_quant_mult(e)).
 //
+//   Non-finite input (the rule of docs/fp8.md): a tile holding a NaN gets a NaN scale (fp32 scale_inv +NaN, E8M0
+//   0xFF) and every byte 0x7F; a tile holding +-inf and no NaN gets fp32 scale_inv +inf with bytes 0x7F for the
+//   infs and +-0 for the rest (x * 0), or E8M0 0xFE (2^127) with bytes +-max for the infs and x * 2^-127 for the
+//   rest. Each such tile sets `*nonfinite_flag` (an int32 the optimizer's inf check reads; nullptr: not flagged).
+//
 //   sum(m_splits) > M sets kErrSplitsOverflow (groups are clipped at M), a negative count kErrNegativeSplit (0).
+//
+//   Fused activation (producer of fc2's input): with `has_act`, the values quantized are the expert activation's
+//   output y = act(h) * s rounded to h's dtype (activation/activation.h: `act` describes h [M, W], its kind and
+//   row scale s; K = act.cols), computed per element from h by the same functions expert_activation runs, so the
+//   bytes equal quantizing expert_activation's y, without y in memory. x is unused.
+//
+//   Pair (quantize_pair_cuda): two problems over the same input in one launch (the rowwise and the columnwise
+//   copy), each with its own tiles, layout and outputs; the CPU runs them one after the other.
 //
 //   FP8 input (requantization): x [M, K] FP8 bytes (E4M3 / E5M2) with their rowwise scales x_scale [M, ceil(K / XC)]
 //   (fp32 scale_inv with XC = 128: Float8BlockScaling's 1 x 128 tiles; E8M0 with XC = 32: MXFP8's 1 x 32) are read
@@ -33,7 +46,9 @@
 //   the columnwise copy of the wgrad, without the fp32 rows in memory.
 #pragma once
 #include <cstdint>
+#include <type_traits>
 
+#include "activation/activation.h"
 #include "common/host_device.h"
 #include "fp8/fp8_math.h"
 
@@ -67,6 +82,9 @@ struct QuantizeProblem {
   uint8_t* q = nullptr;
   void* scale = nullptr;  // float* or uint8_t* (mx)
   int32_t* error_flag = nullptr;
+  int32_t* nonfinite_flag = nullptr;  // set to 1 by a tile whose amax is inf or NaN
+  bool has_act = false;               // fused activation: the values are act(h) * s (B == 1)
+  activation::ActivationProblem act;  // h, scale, kind, dtype, alpha, limit (rows == M, cols == K)
 };
 
 // Static number of scale rows for M rows in E groups (E == 0: one group) and tile rows TR.
@@ -82,11 +100,13 @@ MOE_GRAPH_HD int64_t read_split(const QuantizeProblem& p, int64_t g) {
   return p.splits_i64 ? static_cast<const int64_t*>(p.m_splits)[g] : static_cast<const int32_t*>(p.m_splits)[g];
 }
 
-// The rows [row0, row0 + nrows) of row tile `rt` (nrows 0: no tile). Walks the groups (O(E)).
+// The rows [row0, row0 + nrows) of row tile `rt` (nrows 0: no tile). Walks the groups (O(E)). `D`: the type of the
+// division by TR (the CUDA kernel's uint32_t: rows and TR < 2^31, checked by its launcher; no 64-bit division call).
 struct TileRows {
   int64_t row0 = 0, nrows = 0;
 };
 
+template <class D = int64_t>
 MOE_GRAPH_HD TileRows locate_tile(const QuantizeProblem& p, int64_t rt) {
   TileRows t;
   const int64_t TR = p.tile_rows;
@@ -105,7 +125,7 @@ MOE_GRAPH_HD TileRows locate_tile(const QuantizeProblem& p, int64_t rt) {
     int64_t m = read_split(p, g);
     if (m < 0) m = 0;
     if (start + m > p.rows) m = p.rows - start;
-    const int64_t n = TR == 0 ? 1 : (m + TR - 1) / TR;
+    const int64_t n = TR == 0 ? 1 : static_cast<int64_t>(static_cast<D>(m + TR - 1) / static_cast<D>(TR));
     if (rt < tiles + n) {
       const int64_t local = TR == 0 ? 0 : (rt - tiles) * TR;
       t.row0 = start + local;
@@ -182,9 +202,21 @@ MOE_GRAPH_HD float amax_update(float amax, float v) {
   return (a > amax || a != a) ? a : amax;
 }
 
+// Sets the non-finite flag (from any thread: an atomic OR on the device, a host atomic in the CPU implementation
+// and in the emulator, so that both compile the same body).
+MOE_GRAPH_HD void flag_nonfinite(int32_t* flag) {
+  if (flag == nullptr) return;
+#ifdef __CUDA_ARCH__
+  atomicOr(flag, 1);
+#else
+  __atomic_fetch_or(flag, 1, __ATOMIC_RELAXED);
+#endif
+}
+
 // The scale of a tile from its amax: writes the scale entry and returns the factor x is multiplied by.
 MOE_GRAPH_HD float tile_scale(const QuantizeProblem& p, float amax, int64_t b, int64_t rt, int64_t ct) {
   const int64_t si = scale_index(p, b, rt, ct);
+  if (nonfinite(amax)) flag_nonfinite(p.nonfinite_flag);
   if (p.mx) {
     const uint8_t e = p.format == Format::kE4M3 ? e8m0_from_amax<Format::kE4M3>(amax)
                                                 : e8m0_from_amax<Format::kE5M2>(amax);
@@ -206,12 +238,59 @@ MOE_GRAPH_HD void write_unused_scale(const QuantizeProblem& p, int64_t b, int64_
     static_cast<float*>(p.scale)[si] = 1.0f;
 }
 
-MOE_GRAPH_HD void quantize_store(const QuantizeProblem& p, float mult, int64_t b, int64_t r, int64_t c) {
-  const float v = load_x(p, b, r, c) * mult;
+// Writes the byte of element (b, r, c) of value x.
+MOE_GRAPH_HD void quantize_value(const QuantizeProblem& p, float x, float mult, int64_t b, int64_t r, int64_t c) {
+  const float v = x * mult;
   p.q[q_index(p, b, r, c)] = p.format == Format::kE4M3 ? encode_fp8<Format::kE4M3>(v) : encode_fp8<Format::kE5M2>(v);
 }
 
+// The loaders: the value of element (b, r, c) of the input being quantized.
+struct LoadX {  // x itself (fp32 / bf16 / fp16, or FP8 with its rowwise scales)
+  MOE_GRAPH_HD float operator()(const QuantizeProblem& p, int64_t b, int64_t r, int64_t c) const {
+    return load_x(p, b, r, c);
+  }
+};
+
+template <activation::ActKind K, typename T, typename S>
+struct LoadAct {  // the fused activation: y[r, c] as expert_activation writes it (rounded to h's dtype)
+  MOE_GRAPH_HD float operator()(const QuantizeProblem& p, int64_t, int64_t r, int64_t c) const {
+    using A = activation::acc_t<T>;
+    constexpr int64_t kWidth = activation::is_gated(K) ? 2 : 1;
+    const T* row = static_cast<const T*>(p.act.h) + r * kWidth * p.cols;
+    const A s = p.act.scale ? static_cast<A>(activation::widen(static_cast<const S*>(p.act.scale)[r])) : A(1);
+    A v;
+    if constexpr (activation::is_gated(K))
+      v = activation::gated_value<K, A>(activation::widen(row[c]), activation::widen(row[p.cols + c]),
+                                        static_cast<A>(p.act.alpha), static_cast<A>(p.act.limit));
+    else
+      v = activation::plain_value<K, A>(activation::widen(row[c]));
+    return static_cast<float>(activation::widen(activation::Narrow<T>::to(v * s)));
+  }
+};
+
+// Calls f(loader) with the problem's loader (host code: the launchers and the CPU implementation).
+template <class F>
+void with_loader(const QuantizeProblem& p, F&& f) {
+  if (!p.has_act) {
+    f(LoadX{});
+    return;
+  }
+  activation::dispatch_activation(p.act, [&](auto kind, auto t, auto s) {
+    using T = typename decltype(t)::type;
+    if constexpr (!std::is_same_v<T, double>)  // fp64 h is refused by the op (no FP8 quantizer reads fp64)
+      f(LoadAct<decltype(kind)::value, T, typename decltype(s)::type>{});
+  });
+}
+
 MOE_GRAPH_HD int64_t col_tile_width(const QuantizeProblem& p) { return p.tile_cols == 0 ? p.cols : p.tile_cols; }
+
+// The CUDA kernel divides in 32 bits: its launcher refuses (cudaErrorInvalidValue) a problem with a size, tile size
+// or tile count of 2^31 or more, or a grid of 2^31 blocks or more (the CUDA op checks this first, with a message).
+constexpr int64_t kMaxIndex32 = (int64_t(1) << 31) - 1;
+inline bool index32_ok(const QuantizeProblem& p) {
+  return p.batch <= kMaxIndex32 && p.rows <= kMaxIndex32 && p.cols <= kMaxIndex32 && p.tile_rows <= kMaxIndex32 &&
+         p.tile_cols <= kMaxIndex32 && p.row_tiles <= kMaxIndex32 && p.col_tiles <= kMaxIndex32;
+}
 
 // CPU: tiles [t0, t1) of the B * row_tiles * col_tiles (callers split them across threads), and the rest: the m_splits
 // error bits and the zero rows past sum(m_splits).
@@ -222,6 +301,8 @@ void quantize_cpu(const QuantizeProblem& p);  // both, on the calling thread
 #ifdef MOE_GRAPH_WITH_CUDA
 // One launch (none when there is nothing to write) on `stream`; no host synchronization (capturable).
 cudaError_t quantize_cuda(const QuantizeProblem& p, cudaStream_t stream);
+// p0 and, when p1 is not null, p1 (the same input and loader: x / act, in_type) in one launch.
+cudaError_t quantize_pair_cuda(const QuantizeProblem& p0, const QuantizeProblem* p1, cudaStream_t stream);
 #endif
 
 }  // namespace fp8

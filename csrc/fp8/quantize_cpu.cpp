@@ -8,8 +8,10 @@
 
 namespace moe_graph {
 namespace fp8 {
+namespace {
 
-void quantize_tiles_cpu(const QuantizeProblem& p, int64_t t0, int64_t t1) {
+template <class L>
+void tiles(const QuantizeProblem& p, const L& load, int64_t t0, int64_t t1) {
   const int64_t TC = col_tile_width(p);
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t ct = t % p.col_tiles;
@@ -23,11 +25,17 @@ void quantize_tiles_cpu(const QuantizeProblem& p, int64_t t0, int64_t t1) {
     }
     float amax = 0.0f;
     for (int64_t r = tr.row0; r < tr.row0 + tr.nrows; ++r)
-      for (int64_t c = c0; c < c1; ++c) amax = amax_update(amax, load_x(p, b, r, c));
+      for (int64_t c = c0; c < c1; ++c) amax = amax_update(amax, load(p, b, r, c));
     const float mult = tile_scale(p, amax, b, rt, ct);
     for (int64_t r = tr.row0; r < tr.row0 + tr.nrows; ++r)
-      for (int64_t c = c0; c < c1; ++c) quantize_store(p, mult, b, r, c);
+      for (int64_t c = c0; c < c1; ++c) quantize_value(p, load(p, b, r, c), mult, b, r, c);
   }
+}
+
+}  // namespace
+
+void quantize_tiles_cpu(const QuantizeProblem& p, int64_t t0, int64_t t1) {
+  with_loader(p, [&](auto load) { tiles(p, load, t0, t1); });
 }
 
 void quantize_tail_cpu(const QuantizeProblem& p) {

@@ -1,11 +1,17 @@
 // CUDA implementation of the tile quantizer (semantics in fp8/quantize.h). Torch-free: raw pointers and a stream;
 // one launch, a grid fixed by the shapes (capturable), no host synchronization.
 //
-//   Blocks [0, B * row_tiles * col_tiles): one tile each. Thread 0 locates the tile's rows from m_splits (the
-//   groups walked once per block); the threads take the tile's amax (NaN-propagating shared-memory reduction),
-//   thread 0 turns it into the scale (writes the scale entry), then the threads quantize the tile. Rowwise tiles
-//   walk the columns fastest (coalesced reads and writes); transposed tiles walk the rows fastest (coalesced
-//   writes of q_t). Blocks past the tiles zero the rows past sum(m_splits), one fixed chunk of them each.
+//   One launch quantizes one problem or two problems over the same input (quantize_pair_cuda: the rowwise and the
+//   columnwise copy of an activation or gradient, or of the fused activation's output): blocks [0, blocks(p0)) run
+//   p0, the rest p1. Per problem, blocks [0, B * row_tiles * col_tiles): one tile each. Thread 0 locates the
+//   tile's rows from m_splits (the groups walked once per block); the threads take the tile's amax
+//   (NaN-propagating shared-memory reduction), thread 0 turns it into the scale (writes the scale entry), then the
+//   threads quantize the tile. Rowwise tiles walk the columns fastest (coalesced reads and writes); transposed
+//   tiles walk the rows fastest (coalesced writes of q_t), each thread's (row, column) advanced without a
+//   division per element. Blocks past the tiles zero the rows past sum(m_splits), a fixed part of them each
+//   (tail_blocks). The input element is read through the loader of quantize.h (x itself, or the fused activation
+//   of h). Index math without 64-bit divisions (their ABI calls spill registers): 32-bit divisions, sizes and tile
+//   counts < 2^31 (index32_ok, checked by the launcher).
 #include <algorithm>
 #include <cstdint>
 
@@ -20,37 +26,90 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int64_t kTailChunk = int64_t(kThreads) * 32;  // bytes of q zeroed per tail block
 
-__global__ void __launch_bounds__(kThreads) quantize_kernel(QuantizeProblem p, int64_t tiles) {
+int64_t tile_count(const QuantizeProblem& p) { return p.batch * p.row_tiles * p.col_tiles; }
+// The blocks zeroing the rows past sum(m_splits) (sized for any m_splits; no 64-bit division in the kernel). Rowwise
+// q: those rows are one contiguous range, kTailChunk bytes per block. Transposed q (q_t[c, r], r in [used, rows)):
+// block t takes row chunk t % chunks (kTailChunk rows from `used`) of tail_cols_per_block columns from
+// (t / chunks) * tail_cols_per_block, chunks = tail_chunks_per_col (about kTailChunk bytes per block).
+constexpr int kTailShift = 13;  // kTailChunk == 1 << kTailShift
+static_assert(kTailChunk == int64_t(1) << kTailShift, "kTailChunk is a power of two");
+__host__ __device__ __forceinline__ int64_t tail_chunks_per_col(int64_t rows) {
+  return (rows + kTailChunk - 1) >> kTailShift;
+}
+__host__ __device__ __forceinline__ int64_t tail_cols_per_block(int64_t rows) {  // rows < 2^31
+  return rows > 0 && rows <= kTailChunk ? int64_t(uint32_t(kTailChunk) / uint32_t(rows)) : 1;
+}
+int64_t tail_blocks(const QuantizeProblem& p) {
+  if (p.m_splits == nullptr) return 0;
+  if (!p.transpose) return (p.rows * p.cols + kTailChunk - 1) / kTailChunk;
+  const int64_t per = tail_cols_per_block(p.rows);
+  return tail_chunks_per_col(p.rows) * ((p.cols + per - 1) / per);
+}
+
+// Elements start, start + kThreads, ... of an n_slow x n_fast extent walked fastest along n_fast (the columns of a
+// rowwise tile, the rows of a transposed one), while slow < n_slow: (fast, slow) advanced without a division per
+// element. Unsigned 32-bit: both extents < 2^31 (rows and columns, checked by the launcher), so fast and slow stay
+// below 2^31 + kThreads + 1; start < kThreads, so an extent past kThreads divides like kThreads + 1 (quotients 0).
+struct Walk {
+  uint32_t fast, slow, n_fast, d_fast, d_slow;
+  __device__ __forceinline__ Walk(int start, int64_t n) : n_fast(uint32_t(n)) {  // 0 <= start < kThreads, n > 0
+    const uint32_t n32 = n > kThreads ? uint32_t(kThreads + 1) : uint32_t(n);
+    slow = uint32_t(start) / n32;
+    fast = uint32_t(start) - slow * n_fast;
+    d_slow = uint32_t(kThreads) / n32;
+    d_fast = uint32_t(kThreads) - d_slow * n_fast;
+  }
+  __device__ __forceinline__ void next() {
+    fast += d_fast;
+    slow += d_slow;
+    if (fast >= n_fast) {
+      fast -= n_fast;
+      ++slow;
+    }
+  }
+};
+
+template <class L>
+__device__ __forceinline__ void quantize_block(const QuantizeProblem& p, const L& load, int64_t tiles, int64_t blk) {
   __shared__ float s_amax[kThreads];
   __shared__ int64_t s_tile[3];  // row0, nrows, rows of the groups
   __shared__ float s_mult;
   const int tid = threadIdx.x;
-  const int64_t blk = blockIdx.x;
+  // The tile's (b, rt, ct), column tiles fastest: 32-bit divisions (blk < 2^31, the tile counts < 2^31: checked
+  // by the launcher; used only when blk < tiles, where both counts are >= 1).
+  const uint32_t blk_rows = uint32_t(blk) / uint32_t(p.col_tiles < 1 ? 1 : p.col_tiles);
+  const int64_t ct = uint32_t(blk) - blk_rows * uint32_t(p.col_tiles);
+  const int64_t rt = blk_rows % uint32_t(p.row_tiles < 1 ? 1 : p.row_tiles);
+  const int64_t b = blk_rows / uint32_t(p.row_tiles < 1 ? 1 : p.row_tiles);
   if (tid == 0) {
     int32_t bits = 0;
     s_tile[2] = grouped_rows(p, &bits);
     if (blk == 0 && bits) set_device_error(p.error_flag, bits);
     if (blk < tiles) {
-      const TileRows tr = locate_tile(p, (blk / p.col_tiles) % p.row_tiles);
+      const TileRows tr = locate_tile<uint32_t>(p, rt);  // rows < 2^31 (checked by the launcher)
       s_tile[0] = tr.row0;
       s_tile[1] = tr.nrows;
     }
   }
   __syncthreads();
-  if (blk >= tiles) {  // zero a chunk of the rows past sum(m_splits)
+  if (blk >= tiles) {  // zero a part of the rows past sum(m_splits) (tail_blocks)
     const int64_t used = s_tile[2];
-    const int64_t n = (p.rows - used) * p.cols;
-    const int64_t j0 = (blk - tiles) * kTailChunk;
-    for (int64_t j = j0 + tid; j < n && j < j0 + kTailChunk; j += kThreads) {
-      const int64_t r = p.transpose ? used + j % (p.rows - used) : used + j / p.cols;
-      const int64_t c = p.transpose ? j / (p.rows - used) : j % p.cols;
-      p.q[q_index(p, 0, r, c)] = 0;
+    const uint32_t t = uint32_t(blk - tiles);
+    if (!p.transpose) {  // rowwise: the rows past `used` are one contiguous range of q
+      const int64_t n = (p.rows - used) * p.cols;
+      const int64_t j0 = int64_t(t) * kTailChunk;
+      for (int64_t j = j0 + tid; j < n && j < j0 + kTailChunk; j += kThreads) p.q[used * p.cols + j] = 0;
+      return;
     }
+    const uint32_t chunks = uint32_t(tail_chunks_per_col(p.rows)), per = uint32_t(tail_cols_per_block(p.rows));
+    const int64_t r0 = used + (int64_t(t % chunks) << kTailShift);
+    const int64_t c0 = int64_t(t / chunks) * per;
+    if (r0 >= p.rows || c0 >= p.cols) return;
+    const int64_t nr = (p.rows - r0) < kTailChunk ? (p.rows - r0) : kTailChunk;
+    const int64_t nc = (p.cols - c0) < int64_t(per) ? (p.cols - c0) : int64_t(per);
+    for (Walk e(tid, nr); e.slow < nc; e.next()) p.q[q_index(p, 0, r0 + e.fast, c0 + e.slow)] = 0;  // rows fastest
     return;
   }
-  const int64_t ct = blk % p.col_tiles;
-  const int64_t rt = (blk / p.col_tiles) % p.row_tiles;
-  const int64_t b = blk / (p.col_tiles * p.row_tiles);
   const int64_t row0 = s_tile[0], nrows = s_tile[1];
   if (nrows == 0 && p.tile_rows != 0) {
     if (tid == 0) write_unused_scale(p, b, rt, ct);
@@ -59,12 +118,18 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(QuantizeProblem p, i
   const int64_t TC = col_tile_width(p);
   const int64_t c0 = ct * TC;
   const int64_t w = (p.cols - c0) < TC ? (p.cols - c0) : TC;
-  const int64_t n = nrows * w;
   float amax = 0.0f;
-  for (int64_t i = tid; i < n; i += kThreads) {
-    const int64_t r = p.transpose ? row0 + i % nrows : row0 + i / w;
-    const int64_t c = p.transpose ? c0 + i / nrows : c0 + i % w;
-    amax = amax_update(amax, load_x(p, b, r, c));
+  // n_fast * n_slow elements; an empty extent (a per-tensor tile of no rows) walks nothing (n_slow 0). The walk
+  // starts at (row0, c0) and stays in 32 bits (rows, columns < 2^31): fewer registers live across the calls of the
+  // loaders' slow paths (fp32 division).
+  const uint32_t n_fast = nrows * w == 0 ? 1 : uint32_t(p.transpose ? nrows : w);
+  const uint32_t n_slow = nrows * w == 0 ? 0 : uint32_t(p.transpose ? w : nrows);
+  const uint32_t r0 = uint32_t(row0), cc0 = uint32_t(c0), b32 = uint32_t(b);
+  Walk e(tid, n_fast);
+  for (; e.slow < n_slow; e.next()) {
+    const uint32_t r = r0 + (p.transpose ? e.fast : e.slow);
+    const uint32_t c = cc0 + (p.transpose ? e.slow : e.fast);
+    amax = amax_update(amax, load(p, b32, r, c));
   }
   s_amax[tid] = amax;
   __syncthreads();
@@ -75,22 +140,52 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(QuantizeProblem p, i
   if (tid == 0) s_mult = tile_scale(p, s_amax[0], b, rt, ct);
   __syncthreads();
   const float mult = s_mult;
-  for (int64_t i = tid; i < n; i += kThreads) {
-    const int64_t r = p.transpose ? row0 + i % nrows : row0 + i / w;
-    const int64_t c = p.transpose ? c0 + i / nrows : c0 + i % w;
-    quantize_store(p, mult, b, r, c);
+  e = Walk(tid, n_fast);  // made again: nothing of the walk lives across the reduction
+  for (; e.slow < n_slow; e.next()) {
+    const uint32_t r = r0 + (p.transpose ? e.fast : e.slow);
+    const uint32_t c = cc0 + (p.transpose ? e.slow : e.fast);
+    quantize_value(p, load(p, b32, r, c), mult, b32, r, c);
   }
+}
+
+// The two problems of a launch, read in place from the parameter space (__grid_constant__: indexing them makes no
+// local copy; one inlined body for both).
+struct Problems {
+  QuantizeProblem p[2];
+  int64_t tiles[2];
+  int64_t blocks0;
+};
+
+#if defined(MOE_GRAPH_EMULATE)
+#define MOE_GRAPH_GRID_CONSTANT
+#else
+#define MOE_GRAPH_GRID_CONSTANT __grid_constant__
+#endif
+
+template <class L>
+__global__ void __launch_bounds__(kThreads) quantize_kernel(const MOE_GRAPH_GRID_CONSTANT Problems ps) {
+  const int64_t blk = blockIdx.x;
+  const int i = blk < ps.blocks0 ? 0 : 1;
+  quantize_block(ps.p[i], L{}, ps.tiles[i], i == 0 ? blk : blk - ps.blocks0);
 }
 
 }  // namespace
 
-cudaError_t quantize_cuda(const QuantizeProblem& p, cudaStream_t stream) {
-  const int64_t tiles = p.batch * p.row_tiles * p.col_tiles;
-  const int64_t tail = p.m_splits != nullptr ? (p.rows * p.cols + kTailChunk - 1) / kTailChunk : 0;
-  if (tiles + tail == 0) return cudaSuccess;
-  moe_graph::launch(quantize_kernel, dim3(static_cast<unsigned>(tiles + tail)), dim3(kThreads), 0, stream, p, tiles);
+cudaError_t quantize_pair_cuda(const QuantizeProblem& p0, const QuantizeProblem* p1, cudaStream_t stream) {
+  if (!index32_ok(p0) || (p1 && !index32_ok(*p1))) return cudaErrorInvalidValue;  // the kernel's 32-bit divisions
+  const int64_t tiles0 = tile_count(p0), blocks0 = tiles0 + tail_blocks(p0);
+  const int64_t tiles1 = p1 ? tile_count(*p1) : 0, blocks1 = p1 ? tiles1 + tail_blocks(*p1) : 0;
+  if (blocks0 + blocks1 == 0) return cudaSuccess;
+  if (blocks0 + blocks1 > kMaxIndex32) return cudaErrorInvalidValue;  // blk < 2^31
+  const Problems ps{{p0, p1 ? *p1 : p0}, {tiles0, tiles1}, blocks0};
+  with_loader(p0, [&](auto load) {
+    moe_graph::launch(quantize_kernel<decltype(load)>, dim3(static_cast<unsigned>(blocks0 + blocks1)), dim3(kThreads),
+                      0, stream, ps);
+  });
   return cudaGetLastError();
 }
+
+cudaError_t quantize_cuda(const QuantizeProblem& p, cudaStream_t stream) { return quantize_pair_cuda(p, nullptr, stream); }
 
 }  // namespace fp8
 }  // namespace moe_graph

@@ -66,44 +66,52 @@ def fp8_forward(x: torch.Tensor, splits: torch.Tensor, recipe, wq, bias: Optiona
                 xq=None):
     """FP8 forward GEMM of ``x [M, K]`` (rows grouped by ``splits``) with the weights' quantized copies ``wq``
     (``moe_graph.fp8.quantize_weight``): ``(y, xt)``, ``xt`` the columnwise copy of ``x`` for the wgrad (None
-    without ``need_w``). Bias (fp32 in the epilogue) as given. ``xq``: the rowwise copy made before the rows
-    moved (FP8 dispatch; ``x`` is then only the autograd carrier, and the columnwise copy is quantized from the
-    dequantized rows, DeepSeek-V3's FP8 dispatch)."""
+    without ``need_w``), both quantized by one op. Bias (fp32 in the epilogue) as given. ``xq``: ``(q, scale,
+    columns)`` made before this GEMM (``x`` is then only the autograd carrier): by the fused activation
+    (``columns`` its columnwise copy) or before the rows moved (FP8 dispatch, ``columns`` None: the columnwise
+    copy is quantized from the dequantized rows, DeepSeek-V3's FP8 dispatch)."""
     qw, sw = wq[0], wq[1]
     bk, bn, _ = _fp8.gemm_blocks(recipe)
-    qx, sx = xq if xq is not None else _fp8.quantize_rows(x, splits, recipe, recipe.fwd_dtype)
+    xt = None
+    if xq is not None:  # (q, scale, columnwise copy or None)
+        qx, sx, xt = xq
+    elif need_w:  # both copies from one op (cast-transpose)
+        (qx, sx), xt = _fp8.quantize_pair(x, splits, recipe, recipe.fwd_dtype)
+    else:
+        qx, sx = _fp8.quantize_rows(x, splits, recipe, recipe.fwd_dtype)
     b32 = None if bias is None else bias.detach().float()
     y = _fp8.scaled_grouped_gemm(qx, sx, qw, sw, splits, block_k=bk, block_n=bn, bias=b32, out_dtype=x.dtype)
-    xt = None
-    if need_w:  # FP8 dispatch: requantized from the rowwise copy in one op (no fp32 rows in memory)
-        xt = _fp8.quantize_columns(x if xq is None else qx, splits, recipe, recipe.fwd_dtype,
-                                   x_scale=None if xq is None else sx)
+    if not need_w:
+        xt = None
+    elif xt is None:  # FP8 dispatch: requantized from the rowwise copy in one op (no fp32 rows in memory)
+        xt = _fp8.quantize_columns(qx, splits, recipe, recipe.fwd_dtype, x_scale=sx)
     return y, xt
 
 
 def split_quantized(x, recipe):
-    """``(x, xq)``: a ``moe_graph.fp8.QuantizedRows`` (FP8 dispatch) as its autograd carrier and its rowwise copy
-    ``(data, scale)`` for :func:`fp8_forward`; any other ``x`` as ``(x, None)``."""
+    """``(x, xq)``: a ``moe_graph.fp8.QuantizedRows`` (FP8 dispatch, or the fused activation's output) as its
+    autograd carrier and ``(data, scale, columns)`` for :func:`fp8_forward`; any other ``x`` as ``(x, None)``."""
     if not isinstance(x, _fp8.QuantizedRows):
         return x, None
     if x.kind != recipe.kind:
         raise ValueError(f"fp8_grouped_linear: x was quantized for the {x.kind!r} recipe before dispatch, but "
                          f"the active recipe is {recipe.kind!r}")
-    return x.carrier, (x.data, x.scale)
+    return x.carrier, (x.data, x.scale, x.columns)
 
 
 def fp8_dgrad(dy: torch.Tensor, splits: torch.Tensor, recipe, qwt: torch.Tensor, swt: torch.Tensor,
-              out_dtype: torch.dtype) -> torch.Tensor:
-    """FP8 input gradient: ``dy`` quantized rowwise (the recipe's backward dtype) times the weights' dgrad copy."""
+              out_dtype: torch.dtype, dyq=None) -> torch.Tensor:
+    """FP8 input gradient: ``dy`` quantized rowwise (the recipe's backward dtype; ``dyq``: that copy, made with
+    the columnwise one) times the weights' dgrad copy."""
     bk, bn, _ = _fp8.gemm_blocks(recipe)
-    qdy, sdy = _fp8.quantize_rows(dy, splits, recipe, recipe.bwd_dtype)
+    qdy, sdy = dyq if dyq is not None else _fp8.quantize_rows(dy, splits, recipe, recipe.bwd_dtype)
     return _fp8.scaled_grouped_gemm(qdy, sdy, qwt, swt, splits, block_k=bk, block_n=bn, out_dtype=out_dtype)
 
 
-def fp8_wgrad(dy: torch.Tensor, splits: torch.Tensor, recipe, xt) -> torch.Tensor:
-    """FP8 weight gradient, fp32 ``[E, N, K]``: the columnwise copies of ``dy`` (quantized here) and ``x``
-    (``xt`` from :func:`fp8_forward`), tiles along each group's rows in the order they reach the GEMM."""
-    qdyt, sdyt = _fp8.quantize_columns(dy, splits, recipe, recipe.bwd_dtype)
+def fp8_wgrad(dy: torch.Tensor, splits: torch.Tensor, recipe, xt, dyt=None) -> torch.Tensor:
+    """FP8 weight gradient, fp32 ``[E, N, K]``: the columnwise copies of ``dy`` (quantized here, or ``dyt``) and
+    ``x`` (``xt`` from :func:`fp8_forward`), tiles along each group's rows in the order they reach the GEMM."""
+    qdyt, sdyt = dyt if dyt is not None else _fp8.quantize_columns(dy, splits, recipe, recipe.bwd_dtype)
     return _fp8.scaled_grouped_wgrad(qdyt, sdyt, xt[0], xt[1], splits, block_m=_fp8.gemm_blocks(recipe)[2])
 
 
@@ -160,10 +168,13 @@ class _Fp8GroupedLinear(torch.autograd.Function):
         recipe = ctx.recipe
         dy = dy.contiguous()
         dx = None
-        if ctx.needs_input_grad[0]:
-            dx = fp8_dgrad(dy, splits, recipe, qwt, swt, ctx.x_dtype)
-        dws = [None] * ctx.n_weights
         deferred = ctx.need_w and ctx.defer is not None
+        dyq = dyt = None
+        if ctx.needs_input_grad[0] and ctx.need_w and not deferred:  # both copies of dy from one op
+            dyq, dyt = _fp8.quantize_pair(dy, splits, recipe, recipe.bwd_dtype)
+        if ctx.needs_input_grad[0]:
+            dx = fp8_dgrad(dy, splits, recipe, qwt, swt, ctx.x_dtype, dyq)
+        dws = [None] * ctx.n_weights
         if deferred:
             ctx.defer(tuple(xt), dy, splits)
             if ctx.fuse:
@@ -173,7 +184,7 @@ class _Fp8GroupedLinear(torch.autograd.Function):
             else:
                 dws = [w.new_zeros(()).expand(w.shape) for w in ctx.weights]
         elif ctx.need_w:
-            dws = _deliver_wgrad(ctx.weights, ctx.n_weights, fp8_wgrad(dy, splits, recipe, xt), ctx.fuse,
+            dws = _deliver_wgrad(ctx.weights, ctx.n_weights, fp8_wgrad(dy, splits, recipe, xt, dyt), ctx.fuse,
                                  ctx.accumulate, ctx.w_dtype)
         db = None
         if ctx.needs_input_grad[4] and not deferred:

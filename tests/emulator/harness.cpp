@@ -723,15 +723,16 @@ int family_fp8_quantize() {
         const size_t es = in == 0 ? 4 : in >= 3 ? 1 : 2;
         Buffer x(s.B * s.M * s.K * es);
         for (int64_t i = 0; i < s.B * s.M * s.K; ++i) {
-          const float v = static_cast<float>(rng.normal() * (rng.bern(0.01) ? 1e4 : 3.0));
+          float v = static_cast<float>(rng.normal() * (rng.bern(0.01) ? 1e4 : 3.0));
+          if (rng.bern(0.003)) v = rng.bern(0.5) ? std::nanf("") : (rng.bern(0.5) ? 1.0f : -1.0f) * INFINITY;
           if (in == 0) x.put<float>(i, v);
           else if (in == 1) x.put<act::bf16_t>(i, act::Narrow<act::bf16_t>::to(v));
           else if (in == 2) x.put<act::f16_t>(i, act::Narrow<act::f16_t>::to(v));
-          else {  // any byte but the NaN codes (a NaN's sign bit in the output follows the amax reduction order)
+          else {  // any byte, NaN (and E5M2 inf) codes rarely: NaN bytes and scales are canonical (docs/fp8.md)
             const uint8_t b = static_cast<uint8_t>(rng.uniform(0, 255));
             const uint8_t mag = b & 0x7F;
-            const bool nan = in == 3 ? mag == 0x7F : mag > 0x7C;
-            x.put<uint8_t>(i, nan ? static_cast<uint8_t>(b & 0xF0) : b);
+            const bool special = in == 3 ? mag == 0x7F : mag > 0x7B;
+            x.put<uint8_t>(i, special && !rng.bern(0.05) ? static_cast<uint8_t>(b & 0xF0) : b);
           }
         }
         const int64_t xc = in == 3 ? 128 : 32, x_scale_cols = (s.K + xc - 1) / xc;
@@ -772,16 +773,101 @@ int family_fp8_quantize() {
                                  " in " + std::to_string(in) + " variant " + std::to_string(variant);
         auto run = [&](bool emulate) {
           Buffer q(s.B * s.M * s.K, 0x5c), scale(nscale * ses, 0x5c);
-          int32_t flag = 0;
+          int32_t flag = 0, nonfinite = 0;
           f8::QuantizeProblem r = p;
           r.q = q.data();
           r.scale = scale.data();
           r.error_flag = &flag;
+          r.nonfinite_flag = &nonfinite;
           if (emulate)
             f8::quantize_cuda(r, nullptr);
           else
             f8::quantize_cpu(r);
-          return std::vector<Output>{q.out("q", 1), scale.out("scale", ses), Output::of("error_flag", flag)};
+          return std::vector<Output>{q.out("q", 1), scale.out("scale", ses), Output::of("error_flag", flag),
+                                     Output::of("nonfinite_flag", nonfinite)};
+        };
+        runs += run_case(what, [&] { return run(false); }, [&] { return run(true); });
+      }
+    }
+  }
+  // The fused producer: both copies (rowwise, transposed columnwise) of act(h) * s in one launch
+  // (quantize_pair_cuda) against the CPU's two problems, for every activation kind, h dtype and scale dtype.
+  struct PairTiles {
+    int64_t tr, tc, ctr, ctc;
+    bool mx;
+  };
+  const PairTiles pairs[] = {{1, 128, 128, 1, false}, {1, 32, 32, 1, true}, {0, 0, 0, 0, false}};
+  const act::DType hdts[] = {act::DType::kF32, act::DType::kBF16, act::DType::kF16};
+  for (int kind = 0; kind <= static_cast<int>(act::ActKind::kGelu); ++kind) {
+    for (act::DType dt : hdts) {
+      for (const PairTiles& t : pairs) {
+        const int64_t M = g_full ? 300 : 37, F = g_full ? 160 : 40, E = 3;
+        const bool gated = act::is_gated(static_cast<act::ActKind>(kind));
+        const int scale_mode = static_cast<int>(rng.uniform(0, 2));  // none, fp32, h's dtype
+        const act::DType sdt = scale_mode == 2 ? dt : act::DType::kF32;
+        Buffer h = act_values(rng, dt, M * (gated ? 2 * F : F), 3.0);
+        if (rng.bern(0.3)) {  // a non-finite value now and then
+          const int64_t i = rng.uniform(0, M * F - 1);
+          if (dt == act::DType::kF32) h.put<float>(i, rng.bern(0.5) ? INFINITY : std::nanf(""));
+          else h.put<uint16_t>(i, dt == act::DType::kBF16 ? 0x7F80 : 0x7C00);  // +inf
+        }
+        Buffer sc = act_values(rng, sdt, M);
+        std::vector<int64_t> splits(E);
+        for (int64_t g = 0; g < E; ++g) splits[g] = rng.bern(0.2) ? 0 : rng.uniform(0, M / E + 3);
+        Buffer sp(E * 8);
+        for (int64_t g = 0; g < E; ++g) sp.put<int64_t>(g, splits[g]);
+        f8::QuantizeProblem p0;
+        p0.rows = M;
+        p0.cols = F;
+        p0.in_type = dt == act::DType::kF32 ? f8::InType::kF32 : dt == act::DType::kBF16 ? f8::InType::kBF16
+                                                                                        : f8::InType::kF16;
+        p0.format = t.mx || rng.bern(0.5) ? f8::Format::kE4M3 : f8::Format::kE5M2;
+        p0.m_splits = sp.data();
+        p0.splits_i64 = true;
+        p0.groups = E;
+        p0.mx = t.mx;
+        p0.pow2 = rng.bern(0.5);
+        p0.has_act = true;
+        p0.act.rows = M;
+        p0.act.cols = F;
+        p0.act.dtype = dt;
+        p0.act.scale_dtype = sdt;
+        p0.act.kind = static_cast<act::ActKind>(kind);
+        p0.act.h = h.data();
+        p0.act.scale = scale_mode ? sc.data() : nullptr;
+        f8::QuantizeProblem p1 = p0;
+        p0.tile_rows = t.tr;
+        p0.tile_cols = t.tc;
+        p1.tile_rows = t.ctr;
+        p1.tile_cols = t.ctc;
+        p1.transpose = true;
+        for (f8::QuantizeProblem* q : {&p0, &p1}) {
+          q->row_tiles = f8::row_tile_capacity(M, E, q->tile_rows);
+          q->col_tiles = q->tile_cols == 0 ? 1 : (F + q->tile_cols - 1) / q->tile_cols;
+        }
+        const size_t ses = t.mx ? 1 : 4;
+        const std::string what = "fp8 fused activation pair kind " + std::to_string(kind) + " dtype " +
+                                 std::to_string(static_cast<int>(dt)) + " tiles " + std::to_string(t.tr) + "x" +
+                                 std::to_string(t.tc) + (t.mx ? " mx" : "") + " scale " + std::to_string(scale_mode);
+        auto run = [&](bool emulate) {
+          Buffer q0(M * F, 0x5c), q1(M * F, 0x5c), s0(p0.row_tiles * p0.col_tiles * ses, 0x5c),
+              s1(p1.row_tiles * p1.col_tiles * ses, 0x5c);
+          int32_t flag = 0, nonfinite = 0;
+          f8::QuantizeProblem r0 = p0, r1 = p1;
+          r0.q = q0.data();
+          r0.scale = s0.data();
+          r1.q = q1.data();
+          r1.scale = s1.data();
+          r0.error_flag = r1.error_flag = &flag;
+          r0.nonfinite_flag = r1.nonfinite_flag = &nonfinite;
+          if (emulate) {
+            f8::quantize_pair_cuda(r0, &r1, nullptr);
+          } else {
+            f8::quantize_cpu(r0);
+            f8::quantize_cpu(r1);
+          }
+          return std::vector<Output>{q0.out("q", 1), s0.out("scale", ses), q1.out("q_t", 1), s1.out("scale_t", ses),
+                                     Output::of("error_flag", flag), Output::of("nonfinite_flag", nonfinite)};
         };
         runs += run_case(what, [&] { return run(false); }, [&] { return run(true); });
       }

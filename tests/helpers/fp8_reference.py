@@ -1,8 +1,17 @@
 """Plain-PyTorch FP8 quantizers with TransformerEngine's reference semantics (an independent transcription of
 ``tests/pytorch/references/`` in TransformerEngine: ``quantize_scale_calc.scale_from_amax_tensor``, the blockwise
-1x128 / 128x128 reference, the per-tensor current-scaling reference) and of its MXFP8 quantizer (TE's C++ test
-reference: E8M0 exponent of ``amax * (1 / fp8_max)`` rounded up, quantization factor ``2^(127 - e)``, 1 for
-``e == 0``). Host loops over the expert groups: test oracles only, never on a hot path.
+1x128 / 128x128 reference, the per-tensor current-scaling reference) and of its MXFP8 quantizer, computed in float64
+(TE's C++ test reference ``tests/cpp/operator/test_cast_mxfp8.cu`` ``compute_ref``: ``float_to_e8m0(block_amax *
+max_reciprocal())`` then ``x * exp2f_rcp(e)``; ``float_to_e8m0`` / ``exp2f_rcp`` in ``tests/cpp/test_common.h``
+lines 480-513 and the kernels' ``ptx::exp2f_rcp<float>`` in ``transformer_engine/common/util/ptx.cuh`` lines
+305-317, read at TE commit d0067d0: the multiplier is ``2^(127 - e)`` for every ``e`` up to 253, ``e == 0``
+included (``2^127``, since TE PR #2647; before it ``exp2f_rcp(0)`` was 1 and such blocks came out zero), ``2^-127``
+for ``e == 254`` and NaN for 255). Host loops over the expert groups: test oracles only, never on a hot path.
+
+Non-finite input follows moe_graph's documented rule (docs/fp8.md), which is TE's on +-inf: a NaN in a tile makes
+its amax NaN (TE's ``std::max`` / ``fmaxf`` would skip it), so its scale is NaN and every byte of the tile is 0x7F;
+every NaN byte is the canonical 0x7F (the GPU's ``cvt.rn.satfinite``; torch and x86 keep a NaN's sign bit, and
+x86's ``inf * 0`` is -NaN) and a NaN fp32 scale is the canonical +NaN.
 
 Every function returns ``(q, scale)`` in moe_graph's layout (see ``moe_graph.ops.fp8``): compact scales
 (``[rows / TR, cols / TC]`` per group, groups stacked), no cuBLAS padding or transposition of the scales.
@@ -18,6 +27,19 @@ __all__ = ["scale_from_amax", "quantize_tiles", "quantize_mxfp8", "quantize_grou
            "QDQLinear", "qdq_linear", "qdq_swiglu_mlp"]
 
 
+def _to_fp8(v: torch.Tensor, quant_dtype: torch.dtype) -> torch.Tensor:
+    """Saturating round-to-nearest-even cast (``v`` fp32 or float64 with exact values), NaN -> canonical 0x7F."""
+    fp8_max = torch.finfo(quant_dtype).max
+    q = v.clamp(-fp8_max, fp8_max).to(quant_dtype).view(torch.uint8)
+    return torch.where(v.isnan(), torch.full_like(q, 0x7F), q).view(quant_dtype)
+
+
+def _canonical_nan(t: torch.Tensor) -> torch.Tensor:
+    """fp32 ``t`` with every NaN replaced by +NaN 0x7FC00000."""
+    nan = torch.tensor(0x7FC00000, dtype=torch.int32).view(torch.float32)
+    return torch.where(t.isnan(), nan, t)
+
+
 def scale_from_amax(amax: torch.Tensor, quant_dtype: torch.dtype, *, eps: float, pow2_scales: bool,
                     inf_value: float) -> Tuple[torch.Tensor, torch.Tensor]:
     """(scale, scale_inv) from an fp32 amax: TE's rule (``inf_value``: what an infinite scale becomes)."""
@@ -30,7 +52,7 @@ def scale_from_amax(amax: torch.Tensor, quant_dtype: torch.dtype, *, eps: float,
         scale = torch.ldexp(torch.ones_like(scale), e - 1)
         scale = torch.where(amax == float("inf"), torch.zeros_like(scale), scale)
     scale = torch.where(amax == 0, torch.ones_like(scale), scale)
-    return scale, torch.reciprocal(scale)
+    return _canonical_nan(scale), _canonical_nan(torch.reciprocal(scale))
 
 
 def _pad_to(x: torch.Tensor, tr: int, tc: int) -> torch.Tensor:
@@ -56,36 +78,40 @@ def quantize_tiles(x: torch.Tensor, quant_dtype: torch.dtype, tr: int, tc: int, 
         return x.to(quant_dtype), scale_from_amax(amax, quant_dtype, eps=eps, pow2_scales=pow2_scales,
                                                   inf_value=torch.finfo(torch.float32).max)[1]
     scale, scale_inv = scale_from_amax(amax, quant_dtype, eps=eps, pow2_scales=pow2_scales, inf_value=inf_value)
-    fp8_max = torch.finfo(quant_dtype).max
-    q = (tiled * scale[:, None, :, None]).clamp(-fp8_max, fp8_max).to(quant_dtype)
+    q = _to_fp8(tiled * scale[:, None, :, None], quant_dtype)
     return q.reshape(mp, kp)[:m, :k].contiguous(), scale_inv
 
 
-def _float_to_e8m0(v: torch.Tensor) -> torch.Tensor:
-    """TE's float_to_e8m0 (exponent rounded up, saturating at 0xFE) for v >= 0, as uint8."""
-    bits = v.contiguous().view(torch.int32).to(torch.int64)
-    exponent = (bits >> 23) & 0xFF
-    mantissa = bits & 0x7FFFFF
-    up = (mantissa > 0) & (exponent != 0xFE) & ~((exponent == 0) & (mantissa <= 0x400000))
-    e = exponent + up.to(torch.int64)
+def _e8m0_te(v: torch.Tensor) -> torch.Tensor:
+    """TE's ``float_to_e8m0`` (``cvt.rp.satfinite.ue8m0x2.f32``) of fp32 ``v >= 0``, from its definition rather than
+    its bits: the biased exponent of the smallest power of two >= v, clamped to [0, 254] (v <= 2^-127 gives 0,
+    v > 2^127 and inf saturate to 254), 0 for 0, 255 for NaN. uint8."""
+    mant, ex = torch.frexp(v.double())  # v = mant * 2^ex, mant in [0.5, 1)
+    k = torch.where(mant == 0.5, ex - 1, ex).to(torch.int64)  # ceil(log2(v))
+    e = (k + 127).clamp(0, 254)
     e = torch.where(v == 0, torch.zeros_like(e), e)
-    e = torch.where(torch.isinf(v), torch.full_like(e, 0xFE), e)
-    e = torch.where(torch.isnan(v), torch.full_like(e, 0xFF), e)
+    e = torch.where(torch.isinf(v), torch.full_like(e, 254), e)
+    e = torch.where(torch.isnan(v), torch.full_like(e, 255), e)
     return e.to(torch.uint8)
 
 
+def _exp2f_rcp_te(e: torch.Tensor) -> torch.Tensor:
+    """TE's ``exp2f_rcp``: the float64 factor ``2^(127 - e)`` (e == 0: 2^127, e == 254: 2^-127), NaN for 255."""
+    f = torch.exp2(127.0 - e.to(torch.float64))
+    return torch.where(e == 255, torch.full_like(f, float("nan")), f)
+
+
 def quantize_mxfp8(x: torch.Tensor, quant_dtype: torch.dtype, block: int = 32) -> Tuple[torch.Tensor, torch.Tensor]:
-    """MXFP8 rowwise: ``[M, K]`` in 1 x ``block`` blocks -> ``(q [M, K], E8M0 [M, ceil(K/block)])``."""
+    """MXFP8 rowwise: ``[M, K]`` in 1 x ``block`` blocks -> ``(q [M, K], E8M0 [M, ceil(K/block)])``. The block
+    amax (NaN-propagating) times fp32 ``1 / fp8_max`` is rounded to fp32 as TE computes it (the float64 product of
+    two fp32 values is exact, one rounding to fp32); ``x * 2^(127 - e)`` is exact in float64."""
     m, k = x.shape
-    xp = _pad_to(x.float(), 1, block)
+    xp = _pad_to(x.double(), 1, block)
     tiled = xp.reshape(m, xp.shape[1] // block, block)
-    amax = tiled.abs().amax(dim=-1) if tiled.numel() else torch.zeros(m, xp.shape[1] // block)
-    rcp = torch.tensor(1.0 / torch.finfo(quant_dtype).max, dtype=torch.float32)
-    e = _float_to_e8m0(amax * rcp)
-    mult = torch.where(e == 0, torch.ones_like(amax),
-                       ((254 - e.to(torch.int64)) << 23).to(torch.int32).view(torch.float32))
-    fp8_max = torch.finfo(quant_dtype).max
-    q = (tiled * mult[..., None]).clamp(-fp8_max, fp8_max).to(quant_dtype)
+    amax = tiled.abs().amax(dim=-1) if tiled.numel() else torch.zeros(m, xp.shape[1] // block, dtype=torch.float64)
+    rcp = float(torch.tensor(1.0 / torch.finfo(quant_dtype).max, dtype=torch.float32))  # Quantized_Limits::max_reciprocal
+    e = _e8m0_te((amax * rcp).float())
+    q = _to_fp8(tiled * _exp2f_rcp_te(e)[..., None], quant_dtype)
     return q.reshape(m, xp.shape[1])[:, :k].contiguous(), e.view(torch.float8_e8m0fnu)
 
 

@@ -474,6 +474,7 @@ class DistributedOptimizer:
         self.step_count = torch.zeros((), **f32)
         # job-wide overflow flag of the last step (written in place: a captured step's output keeps its identity)
         self.found_overflow = torch.zeros((), dtype=torch.bool, device=device)
+        _fp8.nonfinite_flag(device)  # allocates the device's flag outside any graph capture (step reads it)
         self._one = torch.ones((), **f32)
         # shards grouped by the process group their norm / inf statistics are reduced over
         self._stat_groups: List[Tuple[object, bool, List[int]]] = []  # (dp group or None, is_expert, shards)
@@ -719,6 +720,8 @@ class DistributedOptimizer:
         # [inf flag, sum of squares, overflow flag] per statistics group, all-reduced, then summed: each group's
         # reduction spans every rank of the job (data- x model-parallel, or expert-data- x expert-model-parallel)
         total = torch.zeros(3, dtype=torch.float32, device=self.device)
+        # an FP8 quantizer met an inf/NaN amax since the last step (ops.fp8.nonfinite_flag): counted as an inf
+        fp8_inf = _fp8.nonfinite_flag(self.device)
         for group, expert, idx in self._stat_groups:
             gs = [grads[i] for i in idx]
             t = torch.zeros(3, dtype=torch.float32, device=self.device)
@@ -734,6 +737,8 @@ class DistributedOptimizer:
                     torch._foreach_mul_(gs, inv_scale)
                 for g in gs:
                     t[0] += torch.logical_not(torch.isfinite(g)).sum()
+            if fp8_inf is not None:
+                t[0] += fp8_inf[0]
             counted = [v for i in idx for v in self.shards[i].norm_views]  # params counted on another rank left out
             t[1] = torch.stack(torch._foreach_norm(counted)).square().sum()
             if group is not None:
@@ -743,6 +748,8 @@ class DistributedOptimizer:
             if not expert and self.model_parallel_group is not None:
                 dist.all_reduce(t, group=self.model_parallel_group)
             total += t
+        if fp8_inf is not None:
+            fp8_inf.zero_()
         found_inf = total[0] > 0
         grad_norm = total[1].sqrt()
         overflowed = total[2] > 0

@@ -92,6 +92,15 @@ class GroupedMLP(nn.Module):
         return expert_activation(h, self.activation, row_scale, swiglu_alpha=self.swiglu_alpha,
                                  swiglu_limit=self.swiglu_limit)
 
+    def _fp8_act(self, h: torch.Tensor, m_splits: torch.Tensor, recipe, row_scale: Optional[torch.Tensor]):
+        """fc2's FP8 input: the activation writes both FP8 copies directly (``ops.fp8.quantize_activation``, one
+        op from fc1's output, bit-equal to quantizing :meth:`_act`'s output); with ``FUSED_FP8_ACTIVATION`` off,
+        :meth:`_act`'s 16-bit output (quantized by fc2)."""
+        if not FUSED_FP8_ACTIVATION:
+            return self._act(h, row_scale)
+        return _fp8.quantize_activation(h, m_splits, recipe, self.activation, row_scale,
+                                        swiglu_alpha=self.swiglu_alpha, swiglu_limit=self.swiglu_limit)
+
     def weights(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(fc1 [L, fc1_out, H], fc2 [L, H, F])``: this rank's home expert weights."""
         return self.fc1.weight, self.fc2.weight
@@ -221,16 +230,22 @@ class GroupedMLP(nn.Module):
         b1, b2 = self.biases() or (None, None)
         if echo is None:
             fuse = self.uses_fused_wgrad()
-            mid = self._act(fp8_grouped_linear(expert_in, m_splits, [w1], b1, recipe, fuse=fuse), row_scale)
+            mid = self._fp8_act(fp8_grouped_linear(expert_in, m_splits, [w1], b1, recipe, fuse=fuse), m_splits,
+                                recipe, row_scale)
             return fp8_grouped_linear(mid, m_splits, [w2], b2, recipe, fuse=fuse)
         weights1, weights2, b1, b2 = self._with_spares(echo, offload_map, spare_weights)
-        mid = self._act(fp8_grouped_linear(expert_in, m_splits, weights1, b1, recipe), row_scale)
+        mid = self._fp8_act(fp8_grouped_linear(expert_in, m_splits, weights1, b1, recipe), m_splits, recipe,
+                            row_scale)
         return fp8_grouped_linear(mid, m_splits, weights2, b2, recipe)
 
     def extra_repr(self) -> str:
         return (f"local={self.num_local_experts}, spare={self.num_spare_experts_per_ep_rank}, "
                 f"activation={self.activation}, bias={self.fc1.use_bias}")
 
+
+# FP8 experts: the activation writes fc2's FP8 input (both copies) directly; False: the 16-bit activation output,
+# quantized by fc2 (the same bytes; tests compare the two)
+FUSED_FP8_ACTIVATION = True
 
 # Rows per expert group boundary under FP8 (the GPU wgrad's TMA alignment of the transposed FP8 copies: 16 bytes)
 FP8_ROW_ALIGNMENT = 16

@@ -22,12 +22,13 @@ from typing import Optional, Tuple
 
 import torch
 
-from moe_graph.ops._lib import has_kernel, ops, require
+from moe_graph.ops._lib import available, has_kernel, ops, require
 
 __all__ = ["TILES", "quantize", "dequantize", "row_tile_capacity", "native_available", "scaled_grouped_gemm",
            "scaled_grouped_wgrad", "Recipe", "Float8BlockScaling", "MXFP8BlockScaling", "Float8CurrentScaling",
            "DelayedScaling", "as_recipe", "autocast", "current_recipe", "quantize_rows", "quantize_columns",
-           "quantize_weight", "gemm_blocks", "row_tiles", "QuantizedRows", "carrier", "pack_rows", "unpack_rows", "packed_row_bytes"]
+           "quantize_weight", "gemm_blocks", "row_tiles", "QuantizedRows", "carrier", "pack_rows", "unpack_rows", "packed_row_bytes",
+           "nonfinite_flag", "quantize_pair", "quantize_activation"]
 
 _OP = "moe_graph::fp8_quantize"
 
@@ -82,6 +83,18 @@ def quantize(x: torch.Tensor, m_splits: Optional[torch.Tensor] = None, *, tiles:
     require()
     return ops.fp8_quantize(x.contiguous(), m_splits, tr, tc, fp8_dtype, mx, float(eps), bool(pow2_scales), t,
                             None if x_scale is None else x_scale.contiguous())
+
+
+def nonfinite_flag(device) -> Optional[torch.Tensor]:
+    """The FP8 quantizers' non-finite flag of ``device``: an int32 ``[1]`` device tensor (an alias of the flag, not
+    a copy) that every quantizer op sets to 1 when a tile's amax is inf or NaN (no host sync). The distributed
+    optimizer's inf/nan check reads it with the gradients and clears it, so such a step is skipped on every rank
+    (:meth:`moe_graph.distributed.optimizer.DistributedOptimizer.step`); other loops may read and ``zero_()`` it
+    themselves. It accumulates until cleared. ``None`` without the compiled extension. The first call on a CUDA
+    device must run outside graph capture (it allocates the flag, as the first quantize does)."""
+    if not available():
+        return None
+    return ops.fp8_nonfinite_flag(torch.empty(0, device=device))
 
 
 def _expand(scale: torch.Tensor, rows: int, cols: int, tr: int, tc: int, m_splits: Optional[torch.Tensor],
@@ -174,6 +187,23 @@ def _register() -> None:
         s = x.new_empty(lead + ((ct, rt) if transpose else (rt, ct)),
                         dtype=torch.float8_e8m0fnu if mx else torch.float32)
         return q, s
+
+    @torch.library.register_fake("moe_graph::fp8_quantize_pair")
+    def _(x, m_splits, tiles, fp8_dtype, mx, eps, pow2, activation, alpha, limit, row_scale):
+        from moe_graph.ops.activation import gated_kind
+        rows = x.shape[0]
+        cols = x.shape[1] // 2 if activation is not None and gated_kind(activation) else x.shape[1]
+        groups = 0 if m_splits is None else m_splits.shape[0]
+        sd = torch.float8_e8m0fnu if mx else torch.float32
+        rt0, rt1 = row_tile_capacity(rows, groups, tiles[0]), row_tile_capacity(rows, groups, tiles[2])
+        ct0 = 1 if tiles[1] == 0 else -(-cols // tiles[1])
+        ct1 = 1 if tiles[3] == 0 else -(-cols // tiles[3])
+        return (x.new_empty((rows, cols), dtype=fp8_dtype), x.new_empty((rt0, ct0), dtype=sd),
+                x.new_empty((cols, rows), dtype=fp8_dtype), x.new_empty((ct1, rt1), dtype=sd))
+
+    @torch.library.register_fake("moe_graph::fp8_nonfinite_flag")
+    def _(device_like):
+        return torch.empty(1, dtype=torch.int32, device=device_like.device)
 
     @torch.library.register_fake("moe_graph::fp8_scaled_grouped_gemm")
     def _(a, a_scale, b, b_scale, m_splits, block_k, block_n, bias, out_dtype):
@@ -354,6 +384,27 @@ def quantize_columns(x: torch.Tensor, m_splits: torch.Tensor, recipe: Recipe, dt
     return q, s
 
 
+def quantize_pair(x: torch.Tensor, m_splits: torch.Tensor, recipe: Recipe, dtype: torch.dtype, *,
+                  activation: Optional[str] = None, row_scale: Optional[torch.Tensor] = None,
+                  swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0):
+    """Both copies of an activation / gradient ``x [M, K]`` from one op (one launch on CUDA, TE's cast-transpose):
+    ``((q, scale per row), (q_t, scale_t))``, bit-equal to :func:`quantize_rows` and :func:`quantize_columns`.
+    With ``activation`` (and ``row_scale``, ``swiglu_alpha``, ``swiglu_limit``: those of
+    ``ops.activation.expert_activation``), ``x`` is the activation's input ``h`` and the copies are those of
+    ``expert_activation(h, ...)``, computed per element from ``h`` without the activation's output in memory."""
+    kind = recipe.kind
+    tr, tc, mx, _ = TILES[_PLANS[kind][0]]
+    ctr, ctc, _, _ = TILES[_PLANS[kind][3]]
+    require()
+    q, s, qt, st = ops.fp8_quantize_pair(x.contiguous(), m_splits, [tr, tc, ctr, ctc], dtype, mx,
+                                         float(recipe.amax_epsilon), bool(recipe.power_2_scale), activation,
+                                         float(swiglu_alpha), float(swiglu_limit),
+                                         None if row_scale is None else row_scale.contiguous())
+    if kind == "tensor":
+        st = st.expand(qt.shape[0], st.shape[1]).contiguous()
+    return (q, _row_scales(s, m_splits, x.shape[0], kind)), (qt, st)
+
+
 def quantize_weight(w: torch.Tensor, recipe: Recipe):
     """Both copies of the expert weights ``[E, N, K]``: ``(q, scale)`` for the forward and ``(q_t, scale_t)``
     (``[E, K, N]``) for the dgrad GEMM."""
@@ -392,6 +443,8 @@ class QuantizedRows:
     data: torch.Tensor
     scale: torch.Tensor
     kind: str
+    columns: Optional[Tuple[torch.Tensor, torch.Tensor]] = None  # the wgrad's copy (q_t, scale_t), when made with
+    # the rows (:func:`quantize_activation`); None: quantized from the rows (FP8 dispatch)
 
     @property
     def shape(self) -> torch.Size:
@@ -422,6 +475,40 @@ def carrier(source: torch.Tensor, rows: int, grad_back) -> torch.Tensor:
     rows whose bytes moved outside autograd; backward hands its gradient ``[rows, K]`` to ``grad_back``, which maps
     it to ``source``'s gradient (e.g. the dispatch's reverse exchange and route sum)."""
     return _Carrier.apply(source, rows, grad_back)
+
+
+class _ActivationCarrier(torch.autograd.Function):
+    """The fused activation's autograd node: forward returns the carrier (no memory) and both FP8 copies of
+    ``expert_activation(h, ...)``; backward is the activation's own backward (``grad_h``, ``grad_row_scale``)."""
+
+    @staticmethod
+    def forward(ctx, h, row_scale, m_splits, recipe, activation, alpha, limit):
+        (q, s), (qt, st) = quantize_pair(h, m_splits, recipe, recipe.fwd_dtype, activation=activation,
+                                         row_scale=row_scale, swiglu_alpha=alpha, swiglu_limit=limit)
+        ctx.save_for_backward(h, row_scale)
+        ctx.options = (activation, alpha, limit)
+        ctx.mark_non_differentiable(q, s, qt, st)
+        return h.new_zeros(()).expand(h.shape[0], q.shape[1]), q, s, qt, st
+
+    @staticmethod
+    def backward(ctx, g, *_):
+        h, row_scale = ctx.saved_tensors
+        grad_h, grad_scale = ops.expert_activation_backward(g.contiguous(), h, row_scale, *ctx.options)
+        return grad_h, (grad_scale if row_scale is not None and ctx.needs_input_grad[1] else None), \
+            None, None, None, None, None
+
+
+def quantize_activation(h: torch.Tensor, m_splits: torch.Tensor, recipe: Recipe, activation: str,
+                        row_scale: Optional[torch.Tensor] = None, *, swiglu_alpha: float = 1.702,
+                        swiglu_limit: float = 7.0) -> QuantizedRows:
+    """The fused producer of fc2's FP8 input: ``expert_activation(h, activation, row_scale, ...)`` quantized
+    rowwise (fc2's forward) and columnwise (fc2's wgrad) in one op from ``h [M, 2F]`` / ``[M, F]`` (rows grouped
+    by ``m_splits``), without the activation's 16-bit output in memory; the bytes equal quantizing that output.
+    Returns a :class:`QuantizedRows` (``columns`` set) that ``grouped_linear.fp8_grouped_linear`` reads as is;
+    gradients reach ``h`` and ``row_scale`` through the activation's backward."""
+    carrier_, q, s, qt, st = _ActivationCarrier.apply(h.contiguous(), row_scale, m_splits, recipe, activation,
+                                                      float(swiglu_alpha), float(swiglu_limit))
+    return QuantizedRows(carrier_, q, s, recipe.kind, (qt, st))
 
 
 def _check_row_local(recipe: Recipe) -> None:
