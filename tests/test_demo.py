@@ -198,7 +198,16 @@ def _imported(argv, cwd):
     (["-m", "moe_graph.demo", "--ep", "0"], "--ep"), (["-m", "moe_graph.demo", "--heads", "3"], "--heads"),
     (["-m", "moe_graph.demo", "--exchange", "x"], "--exchange"),
     (["-m", "moe_graph.demo", "--save-every", "2"], "--save-every"),
-    (["-m", "moe_graph.parallel_state", "--world-size", "0"], "--world-size")])
+    (["-m", "moe_graph.parallel_state", "--world-size", "0"], "--world-size"),
+    (["-m", "moe_graph.train.schedules", "--pp", "0", "-m", "4"], "--pp"),
+    (["-m", "moe_graph.train.schedules", "--pp", "1", "--vpp", "2", "-m", "4"], "--vpp"),
+    (["-m", "moe_graph.train.schedules", "--pp", "2"], "--microbatches"),
+    (["-m", "moe_graph.train.checkpoint", "inspect", "ckpt", "--tensor-list"], "--tensor-list"),
+    (["-m", "moe_graph.train.checkpoint", "reshard", "ckpt", "out", "--dp", "x"], "--dp"),
+    (["-m", "moe_graph.train.checkpoint", "reshard", "ckpt", "out", "--dp", "4", "--ep", "3"], "--ep"),
+    (["-m", "moe_graph.train.checkpoint", "reshard", "ckpt", "out", "--vpp", "2"], "--vpp"),
+    (["-m", "moe_graph.train.checkpoint", "squash", "ckpt"], "squash"),
+    (["-m", "moe_graph.selfcheck", "--seed", "x"], "--seed")])
 def test_bad_flag_is_refused_before_torch_is_imported(argv, flag, tmp_path):
     # not a timing test: the refusal must not wait for torch or the extension (seconds on a busy machine)
     code, err, modules = _imported(argv, tmp_path)
@@ -206,6 +215,15 @@ def test_bad_flag_is_refused_before_torch_is_imported(argv, flag, tmp_path):
     heavy = sorted(m for m in modules if m.split(".")[0] == "torch" or m in ("moe_graph._C", "moe_graph.demo.cli"))
     assert not heavy, f"imported before the flags were checked: {heavy[:5]}"
     assert not os.listdir(tmp_path)  # nothing written
+
+
+@pytest.mark.parametrize("command", ["moe_graph.train.schedules", "moe_graph.train.checkpoint", "moe_graph.selfcheck",
+                                     "moe_graph.parallel_state"])
+def test_every_command_help_needs_no_torch(command, tmp_path):
+    code, err, modules = _imported(["-m", command, "--help"], tmp_path)
+    assert code == 0, err
+    heavy = sorted(m for m in modules if m.split(".")[0] == "torch" or m == "moe_graph._C")
+    assert not heavy, f"--help imported {heavy[:5]}"
 
 
 def test_demo_help_needs_no_torch_and_shows_every_default(tmp_path):

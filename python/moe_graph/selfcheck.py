@@ -8,10 +8,22 @@ replayed with new ``m_splits``. Prints one line per check; exits non-zero on any
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 
-import torch
+
+def parser() -> argparse.ArgumentParser:
+    """The flags (no torch: ``python -m moe_graph.selfcheck`` refuses a bad one before the heavy imports)."""
+    p = argparse.ArgumentParser(prog="python -m moe_graph.selfcheck", description=__doc__.split("\n\n")[0])
+    p.add_argument("--seed", type=int, default=None, help="random seed (default: from the clock; printed)")
+    return p
+
+
+if __name__ == "__main__":  # a bad flag is refused (exit 2) before torch is imported
+    parser().parse_args()
+
+import torch  # noqa: E402
 
 from moe_graph.grouped_linear import GroupedLinear
 from moe_graph.ops import check_errors, grouped_bias_grad, grouped_gemm, grouped_gemm_wgrad, read_error_flag
@@ -131,11 +143,7 @@ def _graph_case(g):
 
 
 def main(argv=None) -> int:
-    import argparse
-
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--seed", type=int, default=None, help="random seed (default: from the clock; printed)")
-    seed = ap.parse_args(argv).seed
+    seed = parser().parse_args(argv).seed
     seed = int(time.time()) if seed is None else seed
     g = torch.Generator().manual_seed(seed)
     results: list = []

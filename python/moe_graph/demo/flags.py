@@ -14,22 +14,12 @@ from typing import List, Optional, Tuple
 
 from moe_graph import demo
 from moe_graph.distributed import STOP_EXIT_CODE
+from moe_graph.train.flags import int_at_least
 
 __all__ = ["parser", "check", "parse", "check_experts", "DEFAULTS", "QUICK"]
 
 # moe_graph.moe.exchange.EXCHANGES (that module imports torch); tests/test_demo.py checks they are the same
 EXCHANGES = ("nccl", "symm_mem", "nvlink", "auto")
-
-
-def _int_at_least(lo: int):
-    def conv(text: str) -> int:
-        v = int(text)  # ValueError: argparse says "invalid int value: '...'"
-        if v < lo:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {v}")
-        return v
-
-    conv.__name__ = "int"
-    return conv
 
 
 def _finite_float(lo: float, strict: bool):
@@ -43,7 +33,7 @@ def _finite_float(lo: float, strict: bool):
     return conv
 
 
-_POS, _NONNEG = _int_at_least(1), _int_at_least(0)
+_POS, _NONNEG = int_at_least(1), int_at_least(0)
 # defaults of the flags that --quick changes (None in the parser: --quick never overrides an explicit value)
 DEFAULTS = {"layers": 2, "batch": 8, "microbatches": 2}
 QUICK = {"steps": 60, "layers": 1, "batch": 8, "microbatches": 1}

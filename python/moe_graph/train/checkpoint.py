@@ -31,12 +31,11 @@ Format versions (:data:`FORMAT`, :func:`read_meta`): v1 checkpoints (no index) s
 file is read, the index is rebuilt from the saved layout, :func:`index_v1`); those written before the package-layout
 change of 2026-11-25 name expert weights ``blocks.N.moe.fc1.weight[e]`` (now ``blocks.N.moe.experts.fc1.weight[e]``)
 and are migrated on load (:func:`migrate_name`). ``python -m moe_graph.train.checkpoint`` inspects, converts and
-reshards checkpoints offline (:data:`_CLI_DOC`, :func:`main`).
+reshards checkpoints offline (:data:`moe_graph.train.flags.CHECKPOINT_DOC`, :func:`main`).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -47,7 +46,12 @@ import sys
 import zlib
 from typing import Dict, Iterable, List, Optional, Set, Tuple
 
-import torch
+from moe_graph.train import flags
+
+if __name__ == "__main__":  # a bad flag is refused (exit 2) before torch is imported
+    flags.parse_checkpoint()
+
+import torch  # noqa: E402
 import torch.distributed as dist
 from torch import nn
 
@@ -599,29 +603,6 @@ def _check(name: str, dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 # ------------------------------------------------------------------------------------------ offline tool --
-_CLI_DOC = """python -m moe_graph.train.checkpoint: inspect, convert and reshard moe_graph.train.checkpoint checkpoints
-offline (no process group, no model code: only the files).
-
-    python -m moe_graph.train.checkpoint inspect CKPT [--tensors] [--json]
-    python -m moe_graph.train.checkpoint convert CKPT OUT.pt|OUT.safetensors [--optimizer]
-    python -m moe_graph.train.checkpoint reshard CKPT OUT --pp P [--vpp V] --ep E --dp D
-
-CKPT is a checkpoint root (its 'latest' file names the newest checkpoint) or one step_* folder, format v1 or v2.
-
-  inspect  format, step, layout, model flags, files and sizes, tensors (count, bytes; each with --tensors).
-  convert  one whole-model state dict: every tensor under its whole-model name with the experts of a layer stacked
-           again (blocks.N.moe.experts.fc1.weight [E, ...]): the state_dict() of the model built on one rank
-           (pp 1, ep 1). --optimizer (.pt only) writes {"model", "optimizer": {name: {"exp_avg", "exp_avg_sq"[,
-           "main_param"]}}, "step", "lr", "hyper", "loss_scaler", "meta"}.
-  reshard  the same checkpoint written for another layout (OUT/step_<n>, OUT/latest): model tensors and optimizer
-           state on the ranks that own them there (whole tensors on data-parallel rank 0 of each stage and expert
-           rank: a resume cuts its own data-parallel shard), the index of that layout. Loading it needs no
-           resharding work; RNG states are not carried (a resume starts fresh per-rank streams, as after any
-           layout change).
-
-convert and reshard write into a temporary folder next to OUT, renamed into place when complete and removed on any
-failure (a full disk included): a failed run leaves nothing behind, and nothing a load accepts.
-"""
 
 
 def _open(path: str):
@@ -885,25 +866,8 @@ def reshard_checkpoint(path: str, out: str, pp: int, ep: int, dp: int, vpp: Opti
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m moe_graph.train.checkpoint", description=_CLI_DOC,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="cmd", required=True)
-    i = sub.add_parser("inspect", help="step, layout, files, tensors")
-    i.add_argument("ckpt")
-    i.add_argument("--tensors", action="store_true", help="list every tensor (name, shape, dtype)")
-    i.add_argument("--json", action="store_true", help="print JSON")
-    c = sub.add_parser("convert", help="one whole-model state dict (.pt or .safetensors)")
-    c.add_argument("ckpt")
-    c.add_argument("out")
-    c.add_argument("--optimizer", action="store_true", help="include the optimizer state (.pt only)")
-    r = sub.add_parser("reshard", help="write the checkpoint for another layout")
-    r.add_argument("ckpt")
-    r.add_argument("out")
-    r.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
-    r.add_argument("--vpp", type=int, default=None, help="virtual pipeline chunks per stage (default none)")
-    r.add_argument("--ep", type=int, default=1, help="expert-parallel ranks per stage (default 1)")
-    r.add_argument("--dp", type=int, default=1, help="data-parallel ranks per stage, a multiple of --ep (default 1)")
-    a = p.parse_args(argv)
+    """``python -m moe_graph.train.checkpoint inspect|convert|reshard`` (flags: :mod:`moe_graph.train.flags`)."""
+    a = flags.parse_checkpoint(argv)
     try:
         if a.cmd == "inspect":
             d = inspect_checkpoint(a.ckpt, a.tensors)

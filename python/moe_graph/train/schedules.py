@@ -38,13 +38,17 @@ grad_sync_func=ddp.start_grad_sync)`` (lists, one per chunk, when interleaved), 
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
-import torch
+from moe_graph.train import flags
+
+if __name__ == "__main__":  # a bad flag is refused (exit 2) before torch is imported
+    flags.parse_schedules()
+
+import torch  # noqa: E402
 
 from moe_graph import parallel_state as ps
 from moe_graph import streams
@@ -950,26 +954,7 @@ def get_forward_backward_func(pp_size: Optional[int] = None, vpp_size: Optional[
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m moe_graph.train.schedules --pp 4 [--vpp 2] --microbatches 8 [--group N] [--forward-only]``."""
-    p = argparse.ArgumentParser(prog="python -m moe_graph.train.schedules",
-                                description="Print each pipeline rank's schedule (F<mb>.<chunk> / B<mb>.<chunk>).")
-
-    def positive(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-        if v < 1:
-            raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {v}")
-        return v
-
-    p.add_argument("--pp", type=positive, required=True, help="pipeline stages")
-    p.add_argument("--vpp", type=positive, default=None, help="model chunks per stage (interleaved; needs --pp > 1)")
-    p.add_argument("--microbatches", "-m", type=positive, required=True)
-    p.add_argument("--group", type=positive, default=None, help="microbatch_group_size_per_vp_stage (default: pp)")
-    p.add_argument("--forward-only", action="store_true")
-    args = p.parse_args(argv)
-    if args.vpp is not None and args.pp == 1:
-        p.error(f"--vpp {args.vpp} (interleaved schedule) needs --pp > 1")
+    p, args = flags.parse_schedules(argv)
     try:
         text = format_schedule(args.microbatches, args.pp, args.vpp, args.group, args.forward_only)
     except ValueError as e:
