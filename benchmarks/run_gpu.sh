@@ -30,7 +30,8 @@ lim() { local left=$((SESSION_S - (SECONDS - START))); [ "$left" -lt "$1" ] && e
 # The CUDA tests of every custom kernel family (each launches its kernels on the device and compares with the CPU).
 KERNEL_TESTS="tests/test_activation.py tests/test_permute.py tests/test_dispatch_layout.py tests/test_reroute.py
   tests/test_planner.py tests/test_grouped_gemm_cuda.py tests/test_fp8_quantize.py tests/test_fp8_gemm_cuda.py
-  tests/test_overlap.py"  # test_overlap: the shared expert's side stream captured in one graph, no syncs
+  tests/test_overlap.py tests/test_exchange_cuda.py"  # test_overlap: the shared expert's side stream in one graph, no syncs;
+# test_exchange_cuda: the fused exchange kernels on min(GPUs, 4) NCCL ranks against the host reference
 KERNEL_K="cuda or gpu or graph or sync"
 want() { [[ " $stages " == *" all "* || " $stages " == *" $1 "* ]]; }
 rc=0
@@ -75,6 +76,8 @@ if want bench; then
   echo "== benchmarks"
   timeout "$(lim $BENCH_S)" python3 benchmarks/bench_grouped_gemm.py 2>&1 | tee "$OUT/bench_grouped_gemm.log"
   timeout "$(lim 60)" python3 benchmarks/bench_fp8_gemm.py --quick 2>&1 | tee "$OUT/bench_fp8_gemm.log"
+  # the fused exchange kernels vs all_to_all_vdev_2d and NCCL, EP = the GPUs present (own process launch, NCCL)
+  timeout "$(lim $BENCH_S)" python3 benchmarks/bench_exchange_gpu.py 2>&1 | tee "$OUT/bench_exchange_gpu.log"
   for b in bench_echo bench_moe_layer bench_optimizer; do
     timeout "$(lim $BENCH_S)" python3 benchmarks/$b.py 2>&1 | tail -40 | tee "$OUT/$b.log"
   done

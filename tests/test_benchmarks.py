@@ -238,3 +238,24 @@ def test_bench_exchange_cost_smoke(tmp_path):
                                                               for b in ("symm_mem", "nccl"))
     for c in d["node_aware"].values():  # node-limited routing: fewer rows cross once per (token, node)
         assert 0 < c["per_node_rows_per_token"] < c["per_route_rows_per_token"] <= 8
+
+
+def test_bench_exchange_gpu_help_and_rows_without_cuda(monkeypatch):
+    """The GPU exchange benchmark: ``--help`` runs without CUDA, a run without GPUs stops with a message naming what
+    is missing, and its row arithmetic (slowest rank, bytes per rank, FP8 row bytes) on made-up times."""
+    assert "--sms" in _run("bench_exchange_gpu.py", "--help")
+    env = {k: v for k, v in os.environ.items() if k != "MOE_GRAPH_RESULTS"}
+    env.update(PYTHONPATH=os.path.join(ROOT, "python"), CUDA_VISIBLE_DEVICES="")
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_exchange_gpu.py")], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and "needs CUDA" in p.stderr
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    import bench_exchange_gpu as b
+
+    assert b.row_bytes("fp8", 7168) == 7168 + 4 * 56 and b.row_bytes("bf16", 7168) == 14336
+    assert b.experts_for(8) == 256 and b.experts_for(4) == 128 and b.experts_for(1) == 32
+    cfg = {"tokens": 4, "topk": 2, "hidden": 128}
+    per_rank = [{"times": {("nccl", "dispatch", "bf16"): us}, "remote_routes": rem} for us, rem in ((2.0, 6), (4.0, 2))]
+    (row,) = b.summarize(per_rank, cfg)
+    assert row["us"] == 4.0 and row["bytes"] == 8 * 256 and row["link_bytes"] == 4 * 256
+    assert row["GBps"] == pytest.approx(8 * 256 / 4e3) and row["link_GBps"] == pytest.approx(4 * 256 / 4e3)
