@@ -9,7 +9,6 @@ the probabilities' and the expert weights' gradients bit for bit) but sums each 
 over nodes: the output and the input gradient (the dispatch's backward is an unweighted combine) differ by the
 summation order only, checked to 1e-12 (fp64 data) and 1e-2 relative (bf16 outputs, one rounding of the sum)."""
 
-import types
 
 import pytest
 import torch
@@ -166,9 +165,10 @@ def test_exchange_options():
 
 
 def test_cuda_nvlink_without_the_kernels_names_what_is_missing(monkeypatch):
-    monkeypatch.setattr(exchange_mod, "_nvlink_backend_class", lambda: None)
-    with pytest.raises(RuntimeError, match="moe_graph.ops.nvlink.*NvlinkExchange"):
+    monkeypatch.setattr(exchange_mod, "kernels_available", lambda: False)
+    with pytest.raises(RuntimeError, match="exchange='nvlink' on CUDA needs the fused exchange kernels"):
         resolve_exchange("nvlink", device="cuda")
+    assert not exchange_mod.nvlink_available(device=torch.device("cuda"))  # auto never picks it then
 
 
 def test_cuda_nvlink_constructs_the_cuda_backend(monkeypatch):
@@ -180,16 +180,19 @@ def test_cuda_nvlink_constructs_the_cuda_backend(monkeypatch):
 
         dispatch = combine = gather_routes = lambda *a: None
 
-    monkeypatch.setattr(exchange_mod, "_nvlink_backend_class", lambda: Fake)
-    rule, fx = resolve_exchange("nvlink", "G", device="cuda:1", ranks_per_node=4, num_sms=12)
+    monkeypatch.setattr(exchange_mod, "kernels_available", lambda: True)
+    monkeypatch.setattr(exchange_mod, "NvlinkExchange", Fake)
+    rule, fx = resolve_exchange("nvlink", "G", device="cuda:1", num_sms=12)
     assert rule == "destination" and isinstance(fx, Fake) and exchange_mod.is_fused(fx)
-    assert made == [("G", torch.device("cuda:1"), {"ranks_per_node": 4, "num_sms": 12})]
-    # without the module, the real lookup answers None (no import error escapes)
-    monkeypatch.undo()
-    import sys
-
-    monkeypatch.setitem(sys.modules, "moe_graph.ops.nvlink", types.ModuleType("moe_graph.ops.nvlink"))
-    assert exchange_mod._nvlink_backend_class() is None
+    assert made == [("G", torch.device("cuda:1"), {"num_sms": 12})]
+    resolve_exchange("nvlink", "G", device="cuda:0")
+    assert made[-1] == ("G", torch.device("cuda:0"), {})  # the backend's own default SM budget
+    # the node-aware exchange's inter-node stage is design only on CUDA: refused, naming it
+    monkeypatch.setattr(exchange_mod.dist, "get_world_size", lambda group=None: 4)
+    with pytest.raises(ValueError, match="ranks_per_node=2.*inter-node stage"):
+        resolve_exchange("nvlink", "G", device="cuda:0", ranks_per_node=2)
+    resolve_exchange("nvlink", "G", device="cuda:0", ranks_per_node=4)  # one node: the flat exchange
+    assert len(made) == 3
     assert not exchange_mod.nvlink_available(device=torch.device("cpu"))
 
 

@@ -772,7 +772,7 @@ def resolve_exchange(exchange: str, group=None, device=None, ranks_per_node: Opt
         if not kernels_available():
             raise RuntimeError("exchange='nvlink' on CUDA needs the fused exchange kernels, which this build of "
                                "moe_graph._C lacks (build with MOE_GRAPH_CUDA=1); use exchange='symm_mem' or 'nccl'")
-        if ranks_per_node not in (None, dist.get_world_size(group)):
+        if ranks_per_node is not None and ranks_per_node != dist.get_world_size(group):
             raise ValueError(f"ranks_per_node={ranks_per_node}: the node-aware exchange's CUDA inter-node stage "
                              "(NVSHMEM) is not built; on CUDA exchange='nvlink' runs within one NVLink domain "
                              "(ranks_per_node=None); the two-level semantics run on CPU process groups")

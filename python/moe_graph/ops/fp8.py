@@ -23,6 +23,7 @@ from typing import Optional, Tuple
 import torch
 
 from moe_graph.ops._lib import available, has_kernel, ops, require
+from moe_graph.ops.activation import gated_kind
 
 __all__ = ["TILES", "quantize", "dequantize", "row_tile_capacity", "native_available", "scaled_grouped_gemm",
            "scaled_grouped_wgrad", "Recipe", "Float8BlockScaling", "MXFP8BlockScaling", "Float8CurrentScaling",
@@ -190,7 +191,6 @@ def _register() -> None:
 
     @torch.library.register_fake("moe_graph::fp8_quantize_pair")
     def _(x, m_splits, tiles, fp8_dtype, mx, eps, pow2, activation, alpha, limit, row_scale):
-        from moe_graph.ops.activation import gated_kind
         rows = x.shape[0]
         cols = x.shape[1] // 2 if activation is not None and gated_kind(activation) else x.shape[1]
         groups = 0 if m_splits is None else m_splits.shape[0]
