@@ -102,6 +102,29 @@ def _arch_family(a):
     return int(re.match(r"\d+", a).group()) // 10
 
 
+def _torch_cxx_std():
+    """The -std= torch's BuildExtension gives the extension's other sources (C++17 up to torch 2.1x, C++20 after;
+    read from its cpp_extension module, which appends the flag when none is given). The per-arch objects must use
+    the same: one .so mixing C++17 and C++20 copies of the same inline libstdc++ / c10 functions (COMDAT, the linker
+    keeps one) crashed in std::ostringstream on torch 2.11 (every error message: a segmentation fault)."""
+    import inspect
+
+    from torch.utils import cpp_extension
+
+    try:
+        src = inspect.getsource(cpp_extension)
+    except (OSError, TypeError):
+        return "-std=c++17"
+    return "-std=c++20" if "'-std=c++20'" in src else "-std=c++17"
+
+
+def _host_compiler_flags():
+    """-ccbin $CC, as torch passes it to nvcc for the other .cu files (torch.utils.cpp_extension: CC, when set, is
+    nvcc's host compiler): every object of the .so from one host compiler (and one libstdc++'s headers)."""
+    cc = os.environ.get("CC")
+    return ["-ccbin", cc] if cc else []
+
+
 def _compile_arch_objects(sources, archs, nvcc, flags, build_dir, jobs):
     """Compiles each *_smXX.cu with only the -gencode of its architecture family (ninja, incremental through
     depfiles); returns (objects, ptxas resource-usage lines)."""
@@ -332,7 +355,7 @@ def main():
                 # The flags torch's ninja build gives every .cu, without the -gencode list (added per file).
                 flags = [f for f in nvcc if not f.startswith("-gencode")] + list(ce.COMMON_NVCC_FLAGS)
                 flags += ["--compiler-options", "-fPIC", "--resource-usage", "-DTORCH_API_INCLUDE_EXTENSION_H",
-                          "-DTORCH_EXTENSION_NAME=_C", "-std=c++20"]
+                          "-DTORCH_EXTENSION_NAME=_C", _torch_cxx_std()] + _host_compiler_flags()
                 flags += [f"-I{os.path.abspath(d)}" for d in include_dirs + ce.include_paths(device_type="cuda")]
                 objs, out = _compile_arch_objects(
                     arch_sources, archs, os.path.join(ce.CUDA_HOME, "bin", "nvcc"), flags,

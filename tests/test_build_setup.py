@@ -67,3 +67,49 @@ def test_ci_builds_both_architectures():
     assert re.search(r"CUDA kernels\s+ON", out) and re.search(r"archs\s+90a;100a\n", out), out
     out = _summary(MOE_GRAPH_CUDA="1", MOE_GRAPH_ARCHS="100a")  # an explicit list wins
     assert re.search(r"archs\s+100a\n", out), out
+
+
+def _torch_cuda_flags(tmp_path, cc):
+    """The flags torch's own BuildExtension gives a .cu file of an extension (its ninja writer intercepted: nothing
+    is compiled), in a child process so that the environment and the patch stay there."""
+    code = f"""
+import os, sys
+import torch.utils.cpp_extension as ce
+from setuptools import setup
+seen = {{}}
+def capture(sources, objects, cflags, post_cflags, cuda_cflags, cuda_post_cflags, *a, **k):
+    print(repr(cuda_post_cflags))
+    raise SystemExit(0)
+ce._write_ninja_file_and_compile_objects = capture
+os.chdir({str(tmp_path)!r})
+open("a.cpp", "w").write("int a() {{ return 0; }}\\n")
+open("b.cu", "w").write("int b() {{ return 0; }}\\n")
+setup(name="x", ext_modules=[ce.CUDAExtension("x", ["a.cpp", "b.cu"])], cmdclass={{"build_ext": ce.BuildExtension}},
+      script_args=["build_ext", "--build-temp", "t"])
+"""
+    env = {k: v for k, v in os.environ.items() if k != "CC"}
+    env["TORCH_CUDA_ARCH_LIST"] = "9.0"
+    if cc:
+        env["CC"] = cc
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return eval(p.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("cc", [None, "/usr/bin/gcc"])
+def test_per_arch_objects_get_the_std_and_host_compiler_torch_gives_the_other_cu_files(setup_py, tmp_path,
+                                                                                     monkeypatch, cc):
+    from torch.utils import cpp_extension as ce
+
+    if ce.CUDA_HOME is None:
+        pytest.skip("no CUDA toolkit: torch's CUDAExtension cannot be set up")
+    flags = _torch_cuda_flags(tmp_path, cc)
+    std = [f for f in flags if f.startswith("-std=")]
+    assert std and setup_py._torch_cxx_std() == std[-1]
+    if cc:
+        monkeypatch.setenv("CC", cc)
+        i = flags.index("-ccbin")
+        assert flags[i:i + 2] == setup_py._host_compiler_flags() == ["-ccbin", cc]
+    else:
+        monkeypatch.delenv("CC", raising=False)
+        assert "-ccbin" not in flags and setup_py._host_compiler_flags() == []

@@ -192,7 +192,7 @@ def test_cuda_equals_cpu_sync_free_and_graph(tiles):
         rows_tiles = "1x128" if tiles == "128x1" else "1x32"
         qr, sr = fp8.quantize(x, ms, tiles=rows_tiles)
         c0 = fp8.quantize(qr, ms, tiles=tiles, x_scale=sr)
-        c1 = fp8.quantize(qr.cuda(), msd, tiles=tiles, x_scale=sr.cuda())
+        c1 = fp8.quantize(qr.cuda(), ms.cuda(), tiles=tiles, x_scale=sr.cuda())
         assert all(torch.equal(_bits(a.cpu()), _bits(b)) for a, b in zip(c1, c0))
 
 

@@ -254,6 +254,8 @@ class StopRequest:
 RENDEZVOUS_FAULT_ENV = "MOE_GRAPH_RENDEZVOUS_FAULT"  # testing only: "RANK:N" -> RANK's first N connections fail
 _RETRIABLE = ("connectFullMesh", "Connection closed by peer", "Connection reset by peer", "Connection refused",
               "Socket Timeout", "Timed out")
+_COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=30)  # collectives: torch's default for gloo
+_CAN_SET_TIMEOUT = hasattr(dist, "set_timeout")  # torch >= 2.12
 _ATTEMPTS = 0  # connection attempts of this process's rendezvous (rendezvous_attempts())
 
 
@@ -287,8 +289,11 @@ def _rendezvous(init_file: str, rank: int, world: int, backend: str, deadline: f
         prefix = f"attempt{attempt}/"
         error = None
         try:
+            # a short timeout for the connection attempt, then torch's default for the collectives; a torch
+            # without dist.set_timeout (before 2.12) keeps the collectives' timeout from the start
+            timeout = datetime.timedelta(seconds=attempt_s) if _CAN_SET_TIMEOUT else _COLLECTIVE_TIMEOUT
             dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=rank, world_size=world,
-                                    timeout=datetime.timedelta(seconds=attempt_s))
+                                    timeout=timeout)
             if attempt < n_fail:
                 raise RuntimeError(f"Gloo connectFullMesh failed (injected by {RENDEZVOUS_FAULT_ENV}={fault})")
         except RuntimeError as exc:
@@ -299,7 +304,8 @@ def _rendezvous(init_file: str, rank: int, world: int, backend: str, deadline: f
         _store_wait(store, keys, deadline, f"every rank's outcome of connection attempt {attempt + 1}")
         outcomes = [store.get(k).decode() for k in keys]
         if all(o == "ok" for o in outcomes):
-            dist.set_timeout(datetime.timedelta(minutes=30))  # collectives: torch's default for gloo
+            if _CAN_SET_TIMEOUT:
+                dist.set_timeout(_COLLECTIVE_TIMEOUT)
             return
         if dist.is_initialized():
             dist.destroy_process_group()
