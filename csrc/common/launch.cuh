@@ -26,6 +26,16 @@ inline void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem
 #endif
 }
 
+// Whether a block of `threads` threads fits the SM's 64K registers at `regs` registers per thread (sm_70 to sm_100):
+// registers are allocated per warp in units of 256, and warps in groups of 4 (a 17- or 18-warp block is charged
+// as 20 warps). The runtime refuses a launch past it ("too many resources requested for launch"); ptxas knows it
+// only through __launch_bounds__, not through __maxnreg__.
+constexpr bool launch_fits_registers(int threads, int regs) {
+  const int warps = (threads + 31) / 32;
+  const int per_warp = (regs * 32 + 255) / 256 * 256;
+  return regs <= 255 && (warps + 3) / 4 * 4 * per_warp <= 65536;
+}
+
 // bar.sync kId, threads: a barrier among `threads` threads (whole warps) of the block, apart from __syncthreads.
 template <int kId>
 __device__ __forceinline__ void named_barrier_sync(int threads) {

@@ -1,13 +1,18 @@
-// CUDA echo plan (semantics in echo_plan_impl.h): plan_body in one block of kLevelCandidates + kWaterCandidates
-// warps. With a donor mask the level search runs on warps 0..B-1 (one candidate level per warp, a named barrier
-// among them between rounds) while the water fills run on the last kWaterCandidates warps, side by side; a block
-// barrier, then the pick of the best. The best-fit loops run per warp (warp reductions, no block barrier per step).
-// State lives in the global workspace. No host synchronization; capturable.
+// CUDA echo plan (semantics in echo_plan_impl.h): plan_body in one block of kLevelCandidates warps. With a donor
+// mask the level search runs on all of them (one candidate level per warp, a named barrier among them between
+// rounds), then the water fills on the first kWaterCandidates warps; a block barrier, then the pick of the best.
+// The best-fit loops run per warp (warp reductions, no block barrier per step). State lives in the global
+// workspace. No host synchronization; capturable.
 //
-// Critical path (R ranks, k slots, S = R * k): max(kLevelRounds * (S + R) level-fill steps, R * 16 water moves)
-// dependent steps, each three warp reductions and ~(R + w*k + E/R) / 32 dependent loads per lane. R = 64, k = 2:
-// max(6 * 192, 1024) = 1152 steps (sequential candidates: 7 * 192 + 1024 = 2368); then the re-levelling of the
-// chosen plan on one thread: kRelevelSweeps * S = 512 light steps (a few dependent loads each, no shuffles).
+// Why 16 warps and not 16 + 2 side by side: a block's registers are allocated for its warps rounded up to a
+// multiple of 4 (the warp allocation granularity), so 18 warps cost as much as 20: 20 * 32 * 112 registers >
+// 65536, and the launch failed on an H200 ("too many resources requested for launch"); at 18 warps the kernel must
+// fit in 96 registers, where it spills. 16 warps x 128 registers fit (launch_fits_registers, a static_assert).
+//
+// Critical path (R ranks, k slots, S = R * k): kLevelRounds * (S + R) level-fill steps, then R * 16 water moves,
+// each three warp reductions and ~(R + w*k + E/R) / 32 dependent loads per lane. R = 64, k = 2: 6 * 192 + 1024 =
+// 2176 steps; then the re-levelling of the chosen plan on one thread: kRelevelSweeps * S = 512 light steps (a few
+// dependent loads each, no shuffles).
 #include <climits>
 #include <cstdint>
 
@@ -18,8 +23,11 @@ namespace moe_graph {
 namespace echo_plan {
 namespace {
 
-constexpr int kLevelThreads = 32 * kLevelCandidates;                      // one warp per level-search candidate
-constexpr int kPlanThreads = kLevelThreads + 32 * kWaterCandidates;      // then one warp per water fill
+constexpr int kLevelThreads = 32 * kLevelCandidates;  // one warp per level-search candidate
+constexpr int kPlanThreads = kLevelThreads;            // the water fills after it, on the first warps
+constexpr int kPlanRegisters = 128;  // 16 warps x 128 = 64K: the whole register file
+static_assert(kWaterCandidates <= kLevelCandidates, "one warp per water fill");
+static_assert(launch_fits_registers(kPlanThreads, kPlanRegisters), "the plan block's registers exceed 64K");
 
 struct DevCtx {
   int64_t tid, nthreads;
@@ -43,16 +51,15 @@ struct DevCtx {
   }
 };
 
-__global__ void __maxnreg__(112) plan_kernel(PlanArgs args) {
+__global__ void __maxnreg__(kPlanRegisters) plan_kernel(PlanArgs args) {
   const int64_t warp = threadIdx.x / 32;
-  const bool level = warp < kLevelCandidates;
   DevCtx ctx{static_cast<int64_t>(threadIdx.x),
              static_cast<int64_t>(blockDim.x),
              threadIdx.x < 32,
-             level ? warp : -1,
+             warp,
              kLevelCandidates,
              kLevelThreads,
-             level ? -1 : warp - kLevelCandidates,
+             warp < kWaterCandidates ? warp : -1,
              kWaterCandidates,
              static_cast<int64_t>(threadIdx.x % 32),
              32};
