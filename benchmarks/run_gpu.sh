@@ -46,12 +46,29 @@ if want build; then
   sed -n '/ptxas resource usage/,/^====/p' "$OUT/build.log"
   if grep -E "REG:[0-9]+ STACK:[0-9]+ SHARED:[0-9]+ LOCAL:[1-9]" "$OUT/build.log"; then echo "SPILLS"; rc=1; fi
 fi
+if want build || want test; then
+  # the toolchain the build used (torch gives nvcc CC as its host compiler; every object of the .so must share it)
+  echo "== toolchain: CC=${CC:-unset} CXX=${CXX:-unset}; $(${CXX:-c++} --version 2>/dev/null | head -1); $(nvcc --version | tail -1)"
+  # an op that raises (its message built in the extension): a crash here means the .so mixes C++ runtimes
+  probe='from moe_graph.ops._lib import ops
+try:
+    ops._grouped_plan_forward(90, 100, 2, 64, 64, False, False, 4)
+except RuntimeError as e:
+    print("error path ok:", str(e)[:60])'
+  if ! timeout 60 python3 -c "$probe"; then
+    echo "ERROR PATH CRASHED"; rc=1
+    command -v cuda-gdb >/dev/null && timeout 90 cuda-gdb -q -batch -ex run -ex bt --args python3 -c "$probe" 2>&1 | tail -30
+  fi
+fi
 if want test; then
   echo "== self-check"; timeout "$(lim 60)" python3 -m moe_graph.selfcheck 2>&1 | tee "$OUT/selfcheck.log" || rc=1
-  echo "== host launch logic and the GPU tests of every kernel family (fail fast)"
-  timeout "$(lim $TEST_S)" python3 -m pytest -q -x -p no:cacheprovider tests/test_grouped_launch_logic.py tests/test_fp8_launch_logic.py $KERNEL_TESTS \
-    -k "$KERNEL_K or launch" > "$OUT/gpu_tests.log" 2>&1 || rc=1
-  tail -15 "$OUT/gpu_tests.log"
+  echo "== host launch logic and the GPU tests of every kernel family (one pytest per file: a crash hides no other)"
+  for t in tests/test_grouped_launch_logic.py tests/test_fp8_launch_logic.py $KERNEL_TESTS; do
+    timeout "$(lim 60)" python3 -X faulthandler -m pytest -q -p no:cacheprovider --maxfail=3 "$t" -k "$KERNEL_K or launch" \
+      > "$OUT/gpu_tests_$(basename "$t" .py).log" 2>&1
+    m=$?; [ $m -eq 0 ] || [ $m -eq 5 ] || rc=1  # 5: nothing selected
+    echo "  $t: exit $m; $(tail -1 "$OUT/gpu_tests_$(basename "$t" .py).log")"
+  done
   if [ -n "${ALL_TESTS:-}" ]; then  # the whole suite: longer than one call leaves after the other stages
     python3 -m pytest -q tests -p no:cacheprovider -rs > "$OUT/gpu_all_tests.log" 2>&1 || rc=1
     tail -25 "$OUT/gpu_all_tests.log"
