@@ -52,7 +52,7 @@ except ImportError:  # pragma: no cover - torch without it
     _symm = None
 
 from moe_graph.ops.errors import EXCHANGE_COUNTS, flag_error_if
-from moe_graph.ops.nvlink import FusedDispatch, NvlinkExchange, kernels_available
+from moe_graph.ops.nvlink import FusedDispatch, NvlinkExchange, OrderedStream, kernels_available
 from moe_graph.ops.permute import reduce_rows, route_dot
 
 __all__ = [
@@ -298,6 +298,7 @@ class SymmMemExchange:
             raise RuntimeError(f"exchange='symm_mem' needs the NVSHMEM symmetric-memory backend, but this process "
                                f"already allocates with {backend!r}; use exchange='nccl'")
         self._buffers = {}
+        self._ordered = OrderedStream(self.device)  # the symmetric buffers are shared by every call
 
     def _buffer(self, tag: str, rows: int, row_shape, dtype) -> torch.Tensor:
         key = (tag, rows, tuple(row_shape), dtype)
@@ -315,6 +316,13 @@ class SymmMemExchange:
         return p
 
     def to_experts(self, send: torch.Tensor, p: _Plan) -> torch.Tensor:
+        out, p.splits_offsets, p.m_splits = self._ordered.run(self._to_experts, send, p)
+        return out
+
+    def to_sources(self, rows: torch.Tensor, p: _Plan, num_slots: int) -> torch.Tensor:
+        return self._ordered.run(self._to_sources, rows, p, num_slots)
+
+    def _to_experts(self, send: torch.Tensor, p: _Plan) -> torch.Tensor:
         R, Lc = p.send_counts.shape
         X = tuple(send.shape[1:])
         splits = self._buffer("in_splits", R * Lc, (), torch.int64)
@@ -324,13 +332,14 @@ class SymmMemExchange:
         src.copy_(send)
         dst = self._buffer("recv", p.capacity, X, send.dtype)
         torch.ops.symm_mem.all_to_all_vdev_2d(src, dst, splits, so, self.group_name)
-        p.splits_offsets = so.clone()
+        splits_offsets = so.clone()
         # row 0: rows per (local expert, source), expert-major
-        p.m_splits = p.splits_offsets[0].view(Lc, R).sum(1)
+        m_splits = splits_offsets[0].view(Lc, R).sum(1)
         pos = torch.arange(p.capacity, device=send.device).view((-1,) + (1,) * len(X))
-        return torch.where(pos < p.m_splits.sum(), dst, 0)  # a copy: the buffer is reused by the next call
+        # a copy: the buffer is reused by the next call
+        return torch.where(pos < m_splits.sum(), dst, 0), splits_offsets, m_splits
 
-    def to_sources(self, rows: torch.Tensor, p: _Plan, num_slots: int) -> torch.Tensor:
+    def _to_sources(self, rows: torch.Tensor, p: _Plan, num_slots: int) -> torch.Tensor:
         if p.splits_offsets is None:
             raise RuntimeError("SymmMemExchange.to_sources: the plan has not been sent forward (to_experts) yet")
         X = tuple(rows.shape[1:])

@@ -51,6 +51,42 @@ def kernels_available() -> bool:
     return _lib.has_kernel(_OPS[0], "cuda")
 
 
+def _tensors(x):
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (tuple, list)):
+        for y in x:
+            yield from _tensors(y)
+
+
+class OrderedStream:
+    """One stream per exchange object on which all its calls run in issue order, as ProcessGroupNCCL runs its
+    collectives on its own stream. The exchanges keep persistent symmetric buffers and device epochs: two calls
+    issued from different streams (``overlap_microbatches``: microbatch ``i + 1``'s dispatch beside microbatch
+    ``i``'s backward exchange; the shared expert's side stream) could otherwise run at once on the device, or in a
+    different order on different ranks, and pair the wrong epochs (a hang) or overwrite a buffer being read. Each
+    call: the exchange stream waits for the calling stream, runs the call, and the calling stream waits for it;
+    results made on the exchange stream are marked as used by the calling stream (the caching allocator keeps
+    their memory until that stream is done). Capturable: the waits are events of the capturing stream."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
+
+    def run(self, fn, *args, **kwargs):
+        if self.stream is None:
+            return fn(*args, **kwargs)
+        caller = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(caller)
+        with torch.cuda.stream(self.stream):
+            out = fn(*args, **kwargs)
+        caller.wait_stream(self.stream)
+        for t in _tensors(out):
+            if t.device.type == "cuda":
+                t.record_stream(caller)
+        return out
+
+
 class _Handle:
     """The async form's handle: ``wait()`` makes the current stream wait for the work and returns its result."""
 
@@ -110,6 +146,7 @@ class NvlinkExchange:
         self._ctrl = {}  # num_local -> (_Symmetric control words, epoch [4] int64)
         self._pull = {}  # (capacity, row shape, dtype) -> _Symmetric
         self._pull_ctrl = None
+        self._ordered = OrderedStream(self.device)
 
     # ---- buffers (collective on first use of a shape) -----------------------------------------------------------
     def _control(self, num_local: int):
@@ -151,8 +188,17 @@ class NvlinkExchange:
         ctrl = _Symmetric(words, torch.int64, self.device, self.group_name, zero=True)
         return ctrl, torch.zeros(epoch_words, dtype=torch.int64, device=self.device)
 
-    # ---- the interface ------------------------------------------------------------------------------------------
-    def dispatch(self, rows: torch.Tensor, route_of_slot: torch.Tensor, send_counts: torch.Tensor, topk: int,
+    # ---- the interface (every call in issue order on the exchange's own stream: OrderedStream) -----------------
+    def dispatch(self, *args, **kwargs) -> FusedDispatch:
+        return self._ordered.run(self._dispatch, *args, **kwargs)
+
+    def combine(self, *args, **kwargs) -> torch.Tensor:
+        return self._ordered.run(self._combine, *args, **kwargs)
+
+    def gather_routes(self, *args, **kwargs) -> torch.Tensor:
+        return self._ordered.run(self._gather_routes, *args, **kwargs)
+
+    def _dispatch(self, rows: torch.Tensor, route_of_slot: torch.Tensor, send_counts: torch.Tensor, topk: int,
                  capacity: int, weights: Optional[torch.Tensor] = None, copy: bool = True) -> FusedDispatch:
         rows = rows.contiguous()
         R, Lc = send_counts.shape
@@ -174,13 +220,13 @@ class NvlinkExchange:
             row_weights = row_weights.clone() if row_weights is not None else None
         return FusedDispatch(expert_in, m_splits, row_weights, route_row)
 
-    def combine(self, expert_out: torch.Tensor, route_row: torch.Tensor, topk: int,
-                weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def _combine(self, expert_out: torch.Tensor, route_row: torch.Tensor, topk: int,
+                 weights: Optional[torch.Tensor] = None) -> torch.Tensor:
         buf, ptrs, (ctrl, epoch) = self._pull_state(expert_out.contiguous())
         return _lib.ops.exchange_combine(buf, ptrs, ctrl.tensor, ctrl.ptrs, epoch, route_row, weights, topk,
                                          self.rank, self.num_sms)
 
-    def gather_routes(self, expert_out: torch.Tensor, route_row: torch.Tensor) -> torch.Tensor:
+    def _gather_routes(self, expert_out: torch.Tensor, route_row: torch.Tensor) -> torch.Tensor:
         buf, ptrs, (ctrl, epoch) = self._pull_state(expert_out.contiguous())
         return _lib.ops.exchange_gather(buf, ptrs, ctrl.tensor, ctrl.ptrs, epoch, route_row, self.rank,
                                         self.num_sms)
