@@ -17,7 +17,9 @@ On CUDA, per schedule: two eager warm-up steps, the capture, then the median of 
 exchange kernels (names matching :data:`EXCHANGE_KERNELS`) their busy time and their *exposed* time: the parts of
 their intervals not covered by a kernel of another stream. **At EP 1 there is no inter-GPU exchange**: dispatch and
 combine are local row moves (the native ``expand_rows`` / ``reduce_rows`` / ``route_dot`` and the dispatch layout),
-and those are what the exchange columns measure; the exposed inter-GPU exchange needs EP > 1 (several GPUs).
+and those are what the exchange columns measure; the exposed inter-GPU exchange needs EP > 1 (several GPUs). Also per
+schedule: the bytes allocated over the timed and traced replays (the side streams' ``record_stream`` must not grow
+the allocator), and each step's loss against the serial schedule's (the same arithmetic in the same order).
 
 On CPU (no GPU): the same code with a tiny shape and eager steps (no graph, no timing, no kernels in the trace; the
 profiler still runs and its trace is parsed), for the tests: the four schedules' losses per step.
@@ -257,11 +259,14 @@ def main(argv=None) -> int:
     print("EP 1: there is no inter-GPU exchange here; the exchange columns are the local row moves of dispatch and "
           "combine (kernels named " + " / ".join(EXCHANGE_KERNELS) + ")" +
           ("" if cuda else "; CPU: eager steps, no graph, no timing, no kernels"))
-    rows, failed = [], []
+    rows, failed, start = [], [], time.perf_counter()
     for name in args.schedules:
         trace_path = os.path.splitext(out)[0] + f"-trace-{name}.json"
         try:
-            rows.append(run_schedule(name, s, device, args.steps, args.reps, args.trace_steps, trace_path))
+            r = run_schedule(name, s, device, args.steps, args.reps, args.trace_steps, trace_path)
+            rows.append(r)
+            print(f"  {name}: {args.steps} steps ({'captured' if r['captured'] else 'eager'}) in "
+                  f"{r['first_steps_s']:.1f} s; {time.perf_counter() - start:.1f} s so far", flush=True)
         except Exception as e:  # reported, not hidden: the other schedules still run
             traceback.print_exc()
             rows.append({"schedule": name, "error": f"{type(e).__name__}: {str(e)[:2000]}"})
