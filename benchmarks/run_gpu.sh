@@ -95,6 +95,9 @@ if want bench; then
   timeout "$(lim 60)" python3 benchmarks/bench_fp8_gemm.py --quick 2>&1 | tee "$OUT/bench_fp8_gemm.log"
   # the fused exchange kernels vs all_to_all_vdev_2d and NCCL, EP = the GPUs present (own process launch, NCCL)
   timeout "$(lim $BENCH_S)" python3 benchmarks/bench_exchange_gpu.py 2>&1 | tee "$OUT/bench_exchange_gpu.log"
+  # step time of the schedules serial / overlap_shared_expert / overlap_microbatches / both (one graph each) and, from a
+  # torch.profiler trace, the time >= 2 streams run kernels and the exposed dispatch/combine kernels (EP 1: local moves)
+  timeout "$(lim $BENCH_S)" python3 benchmarks/bench_overlap_gpu.py 2>&1 | grep -v "^USDT:" | tee "$OUT/bench_overlap_gpu.log"
   for b in bench_echo bench_moe_layer bench_optimizer; do
     timeout "$(lim $BENCH_S)" python3 benchmarks/$b.py 2>&1 | tail -40 | tee "$OUT/$b.log"
   done
