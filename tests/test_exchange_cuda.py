@@ -51,3 +51,9 @@ def test_cuda_exchange_graph_replays_with_changing_counts(rows_kind):
 
 def test_cuda_exchange_no_host_sync():
     _run("no_sync", "bf16", 1)
+
+
+def test_cuda_exchange_calls_from_two_streams():
+    # overlap_microbatches issues microbatch i + 1's dispatch beside microbatch i's backward exchange: the calls
+    # share the symmetric buffers and epochs, so NvlinkExchange runs them in issue order on its own stream
+    _run("two_streams", "bf16", 2)

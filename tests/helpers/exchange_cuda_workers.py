@@ -73,7 +73,8 @@ def _check(rank: int, ref: Dict, got) -> Dict:
 def exchange_cuda_worker(rank: int, world: int, mode: str, rows_kind: str, num_sms: int = 3) -> List[Dict]:
     """``mode``: ``"eager"`` (seeds 0, 1), ``"graph"`` (eager seed 0 allocates, then one capture replayed with
     seeds 1 and 2: new routing, rows and counts copied into the captured inputs) or ``"no_sync"`` (seed 1 under
-    ``torch.cuda.set_sync_debug_mode("error")`` after an eager seed-0 call)."""
+    ``torch.cuda.set_sync_debug_mode("error")`` after an eager seed-0 call) or ``"two_streams"`` (seeds 0 and 1 issued
+    from two streams with no order between them: the exchange's own stream orders them)."""
     from moe_graph.ops.nvlink import NvlinkExchange
 
     dev = torch.device("cuda", rank)
@@ -122,6 +123,18 @@ def exchange_cuda_worker(rank: int, world: int, mode: str, rows_kind: str, num_s
             torch.cuda.set_sync_debug_mode("default")
         torch.cuda.synchronize()
         res.append(_check(rank, refs[1], got))
+    elif mode == "two_streams":  # as overlap_microbatches issues them: seed 0's step and seed 1's on two streams
+        step(*to_dev(0))
+        inputs = [to_dev(seed) for seed in (0, 1)]
+        torch.cuda.synchronize()
+        outs = []
+        for args in inputs:
+            s = torch.cuda.Stream(dev)
+            s.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(s):
+                outs.append(step(*args))
+        torch.cuda.synchronize()
+        res += [_check(rank, refs[seed], got) for seed, got in zip((0, 1), outs)]
     else:
         raise ValueError(f"exchange_cuda_worker: unknown mode {mode!r}")
     return res
