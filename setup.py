@@ -104,9 +104,8 @@ def _arch_family(a):
 
 def _torch_cxx_std():
     """The -std= torch's BuildExtension gives the extension's other sources (C++17 up to torch 2.1x, C++20 after;
-    read from its cpp_extension module, which appends the flag when none is given). The per-arch objects must use
-    the same: one .so mixing C++17 and C++20 copies of the same inline libstdc++ / c10 functions (COMDAT, the linker
-    keeps one) crashed in std::ostringstream on torch 2.11 (every error message: a segmentation fault)."""
+    read from its cpp_extension module, which appends the flag when none is given). The per-arch objects use the
+    same, so that every object of the .so sees one language standard."""
     import inspect
 
     from torch.utils import cpp_extension
@@ -123,6 +122,29 @@ def _host_compiler_flags():
     nvcc's host compiler): every object of the .so from one host compiler (and one libstdc++'s headers)."""
     cc = os.environ.get("CC")
     return ["-ccbin", cc] if cc else []
+
+
+# libstdc++ linked dynamically, whatever the compiler driver adds: a driver that links it statically
+# (-static-libstdc++, as a wrapper compiler on one GPU machine did) puts a second copy of the iostream / locale code
+# in the .so beside the process's own (torch's), and the first number written into an error message crashed
+# (std::basic_ostream::_M_insert<long> of the copy calling into the other copy's locale facets). An explicit
+# -lstdc++ before the driver's implicit one resolves every reference to the shared library.
+LINK_LIBSTDCXX = ["-Wl,-Bdynamic", "-lstdc++"]
+# A symbol the static libstdc++ defines and the shared one only exports: defined in the .so = a static copy.
+STATIC_LIBSTDCXX_PROBE = "_ZNSo9_M_insertIlEERSoT_"  # std::basic_ostream<char>::_M_insert<long>
+
+
+def static_libstdcxx_copy(library: str):
+    """True when ``library`` defines libstdc++'s own symbols (a static copy), False when not, None when ``nm`` is
+    missing or cannot read it."""
+    nm = shutil.which("nm")
+    if nm is None:
+        return None
+    p = subprocess.run([nm, "-D", "--defined-only", library], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                       text=True)
+    if p.returncode != 0:
+        return None
+    return any(line.split()[-1] == STATIC_LIBSTDCXX_PROBE for line in p.stdout.splitlines() if line.strip())
 
 
 def _compile_arch_objects(sources, archs, nvcc, flags, build_dir, jobs):
@@ -345,6 +367,7 @@ def main():
         sources=cpp_sources + cu_sources,
         include_dirs=include_dirs,
         extra_compile_args={"cxx": cxx, "nvcc": nvcc} if use_cuda else {"cxx": cxx},
+        extra_link_args=LINK_LIBSTDCXX if sys.platform.startswith("linux") else [],
         py_limited_api=False,
     )
     base = ce.BuildExtension.with_options(use_ninja=True)
@@ -385,6 +408,11 @@ def main():
                     print(f"moe_graph build: {os.path.basename(output)} up to date (not relinked)", flush=True)
                     return
                 link(objects, output, *args, **kwargs)
+                if static_libstdcxx_copy(output):
+                    os.remove(output)
+                    sys.exit(f"moe_graph build: {output} contains a static copy of libstdc++ (the compiler driver "
+                             f"links it statically despite {' '.join(LINK_LIBSTDCXX)}); it would crash beside "
+                             "torch's libstdc++. Build with a compiler that links libstdc++ dynamically (CXX/CC).")
                 with open(stamp, "w") as f:
                     f.write(cmd)
 

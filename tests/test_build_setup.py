@@ -113,3 +113,40 @@ def test_per_arch_objects_get_the_std_and_host_compiler_torch_gives_the_other_cu
     else:
         monkeypatch.delenv("CC", raising=False)
         assert "-ccbin" not in flags and setup_py._host_compiler_flags() == []
+
+
+def _shared_lib(tmp_path, name, flags):
+    src = tmp_path / "so.cpp"
+    src.write_text("#include <sstream>\n#include <string>\n"
+                   "std::string f(long x) { std::ostringstream os; os << x; return os.str(); }\n")
+    out = tmp_path / f"{name}.so"
+    p = subprocess.run(["g++", "-shared", "-fPIC", "-O2", str(src), "-o", str(out)] + flags, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    return str(out)
+
+
+def test_link_flags_keep_libstdcxx_shared_under_a_driver_that_links_it_statically(setup_py, tmp_path):
+    import shutil
+
+    if shutil.which("g++") is None or shutil.which("nm") is None:
+        pytest.skip("needs g++ and nm")
+    # a driver adding -static-libstdc++ (as a wrapper compiler did): the copy is detected ...
+    assert setup_py.static_libstdcxx_copy(_shared_lib(tmp_path, "static", ["-static-libstdc++"])) is True
+    # ... and the extension's link flags keep libstdc++ shared even then
+    assert setup_py.static_libstdcxx_copy(
+        _shared_lib(tmp_path, "fixed", setup_py.LINK_LIBSTDCXX + ["-static-libstdc++"])) is False
+    assert setup_py.static_libstdcxx_copy(_shared_lib(tmp_path, "plain", [])) is False
+
+
+def test_the_built_extension_has_no_static_libstdcxx(setup_py):
+    import glob
+
+    libs = glob.glob(os.path.join(ROOT, "python", "moe_graph", "_C*.so"))
+    if not libs:
+        pytest.skip("the extension is not built")
+    for lib in libs:
+        found = setup_py.static_libstdcxx_copy(lib)
+        if found is None:
+            pytest.skip("nm cannot read the extension")
+        assert found is False, lib
