@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One scripted GPU session (e.g. through the `device` tool), sized for one call of 10 minutes on one H100 from a bare
-# machine: build for the local GPU only (with the grouped kernels' ptxas resource usage), the GPU tests (the CUDA
-# tests of every kernel family first, fail fast), compute-sanitizer memcheck + racecheck + synccheck on every custom
+# machine: build for the local GPU only (with the grouped kernels' ptxas resource usage), the toolchain and a probe
+# of an op's error path (cuda-gdb backtrace if it crashes), the GPU tests (the CUDA tests of every kernel family, one
+# pytest per file), compute-sanitizer memcheck + racecheck + synccheck on every custom
 # kernel (the project's kernels, not CUTLASS's: --kernel-name kns=moe_graph), the self-check and the
 # benchmarks (incl. fine-grained experts, fused bias, fp32 wgrad overwrite); logs and JSON go to $OUT (default
 # ./moe_graph_results, never the tracked benchmarks/results/). Needs the nvidia-cutlass wheel (pip, or carried in
