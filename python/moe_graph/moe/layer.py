@@ -46,7 +46,7 @@ from moe_graph.moe.echo_balancer import EchoBalancer
 from moe_graph.moe.exchange import checksum_weights, flag_if_ranks_disagree
 from moe_graph.moe.experts import GroupedMLP, SharedExpert
 from moe_graph.moe.router import MoEAuxLossAutoScaler, RouterLoss, Routing, TopKRouter
-from moe_graph.moe.token_dispatcher import TokenDispatcher, expert_columns
+from moe_graph.moe.token_dispatcher import TokenDispatcher, counting_enabled, expert_columns
 from moe_graph.ops import fp8 as _fp8
 from moe_graph.streams import SideStream, stage
 
@@ -357,9 +357,18 @@ class MoELayer(nn.Module):
         return self.last_load_after_echo if self.echo is not None else self.last_load_before
 
     def _stat(self, name: str, value: torch.Tensor) -> None:
-        """Writes statistic buffer ``name`` in place (a device copy: no sync, capturable, identity kept)."""
-        with torch.no_grad():
-            getattr(self, name).copy_(value)
+        """Writes statistic buffer ``name`` in place (a device copy: no sync, capturable, identity kept). Not while a
+        backward recomputes the forward (``counting_enabled``): the forward wrote the same values, and a
+        recomputation must write no state shared between microbatches (with ``overlap_microbatches`` microbatch
+        ``i + 1``'s forward writes these buffers at the same time on another stream)."""
+        if counting_enabled():
+            with torch.no_grad():
+                getattr(self, name).copy_(value)
+
+    def _stat_out(self, name: str) -> Optional[torch.Tensor]:
+        """Statistic buffer ``name`` as the ``out=`` of the op that computes it; ``None`` (a fresh tensor) while a
+        backward recomputes the forward (see :meth:`_stat`)."""
+        return getattr(self, name) if counting_enabled() else None
 
     def statistics(self) -> dict:
         """This layer's statistics: the device buffers themselves (no copy, no sync; the same tensors every call).
@@ -430,7 +439,8 @@ class MoELayer(nn.Module):
         Z, E = self.num_zero_experts, self.num_experts
         with stage("router"):
             routing = self.router(h if router_input is None else router_input.reshape(h.shape), pad,
-                                  self.last_tokens_per_expert if self.num_ep_ranks == 1 and not Z else None,
+                                  self._stat_out("last_tokens_per_expert") if self.num_ep_ranks == 1 and not Z
+                                  else None,
                                   token_ids=token_ids)
         routed, identity = routing, None
         if Z:  # zero-computation experts: routes past E are the token times its probability, never dispatched
@@ -438,11 +448,11 @@ class MoELayer(nn.Module):
             identity = (routing.probs * zero).sum(-1, keepdim=True)  # [T, 1]
             routed = routing._replace(indices=routing.indices.masked_fill(zero, 0), counts=routing.counts[:E])
         with stage("balance"):
-            indices, valid, plan, demand = self._balance(routed, reuse, None if identity is None else ~zero)
+            indices, valid, plan, demand, tokens = self._balance(routed, reuse, None if identity is None else ~zero)
 
         weights = self._shared_weights()
         (aux, shared), out = self._beside_exchange(
-            lambda: (self._router_losses(routing, x.shape), self._shared(h, weights)),
+            lambda: (self._router_losses(routing, x.shape, tokens), self._shared(h, weights)),
             lambda: self._routed(h, x.dtype, routing, indices, valid, plan, demand, reuse),
             h, *[t for t in routing if isinstance(t, torch.Tensor)], *(weights or {}).values())
         if identity is not None:
@@ -475,12 +485,13 @@ class MoELayer(nn.Module):
         routed = routed_fn()
         return self.side.join(*side), routed
 
-    def _router_losses(self, routing: Routing, shape):
-        """The router losses of a training forward (statistics written), summed; ``None`` when off or in eval."""
+    def _router_losses(self, routing: Routing, shape, tokens: torch.Tensor):
+        """The router losses of a training forward (statistics written), summed; ``None`` when off or in eval.
+        ``tokens`` ``[E]``: the routes per expert over the EP group (:meth:`_balance`)."""
         if not self.training:
             return None
         with stage("router_loss"):
-            aux, z = self.router_loss(routing, shape, self.last_tokens_per_expert)
+            aux, z = self.router_loss(routing, shape, tokens)
             if aux is not None:
                 self._stat("last_aux_loss", aux.detach())
             if z is not None:
@@ -544,28 +555,30 @@ class MoELayer(nn.Module):
     def _balance(self, routing: Routing, reuse: bool, live: Optional[torch.Tensor] = None):
         """Statistics (the per-expert counts all-gathered over the EP group) and, with echo, the plan and the
         rerouted routes: ``(indices [T, K]`` in ``[0, E+S)``, ``valid [T, K]`` bool or ``None``, the plan
-        (:meth:`EchoBalancer.plan`)); without echo the router's own indices and no plan. ``live`` ``[T, K]`` bool:
-        routes to dispatch (the others, zero-computation experts' routes, are invalid)."""
+        (:meth:`EchoBalancer.plan`), the per-destination demand or ``None``, ``tokens [E]`` the routes per expert
+        over the EP group)``; without echo the router's own indices and no plan. ``live`` ``[T, K]`` bool: routes to
+        dispatch (the others, zero-computation experts' routes, are invalid)."""
         R = self.num_ep_ranks
         if R > 1:
             counts = _all_gather_counts(routing.counts, self.ep_group, R)  # [R, E]
             flag_if_ranks_disagree(counts, self.counts_checksum_weights, self.ep_group)  # a corrupted gather
-            torch.sum(counts, 0, out=self.last_tokens_per_expert)
+            tokens = torch.sum(counts, 0, out=self._stat_out("last_tokens_per_expert"))
         else:
             counts = routing.counts.unsqueeze(0)  # the router wrote last_tokens_per_expert (not with zero experts)
+            tokens = routing.counts
             if self.num_zero_experts:
                 self._stat("last_tokens_per_expert", routing.counts)
-        torch.sum(self.last_tokens_per_expert.view(R, -1), 1, out=self.last_load_before)
+        load_before = torch.sum(tokens.view(R, -1), 1, out=self._stat_out("last_load_before"))
         mask = routing.token_mask
         valid = None if mask is None else mask.view(-1, 1).expand(routing.indices.shape)
         if live is not None:
             valid = live if valid is None else valid & live
         if self.echo is None:  # the per-destination exchange's demand is the gathered counts per rank
             demand = counts.view(R, R, -1).sum(2) if R > 1 and self.dispatcher.rule == "destination" else None
-            return routing.indices, valid, None, demand
+            return routing.indices, valid, None, demand, tokens
         indices, plan, home_to_spare = self.echo.plan(counts, routing.indices, valid, reuse)
-        self._stat("last_load_after_echo", self.echo.load_after(self.last_load_before, home_to_spare))
-        return indices, valid, plan, None
+        self._stat("last_load_after_echo", self.echo.load_after(load_before, home_to_spare))
+        return indices, valid, plan, None, tokens
 
 
     def extra_repr(self) -> str:

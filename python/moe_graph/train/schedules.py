@@ -52,7 +52,6 @@ import torch  # noqa: E402
 
 from moe_graph import parallel_state as ps
 from moe_graph import streams
-from moe_graph.moe.layer import moe_layers
 from moe_graph.moe.router import MoEAuxLossAutoScaler
 from moe_graph.train.p2p import P2PCommunicator, Shape, get_default_communicator
 
@@ -579,11 +578,11 @@ def forward_backward_overlapped(*, forward_step_func: Callable, data_iterator, m
     (DDP's ``main_grad`` add and bucket reduction launch), run on the current stream after waiting for the
     microbatch stream. The arithmetic and its order are those of the serial loop (the same forwards in the same
     order, the same backwards in the same order): the results are bitwise equal. Memory: two microbatches'
-    activations are alive at once (``F(i+1)``'s before ``B(i)`` has freed ``i``'s).
+    activations are alive at once (``F(i+1)``'s before ``B(i)`` has freed ``i``'s). With recomputed MoE layers
+    (``recompute``) the recomputation inside ``B(i)`` writes no state shared between microbatches (the statistics,
+    counters and route counts are written by the forward only: ``counting_enabled``), so it may run beside
+    ``F(i+1)``.
     """
-    if any(m.recompute for m in moe_layers(getattr(model, "module", model))):
-        raise ValueError("overlap_microbatches: MoE layers with recompute are not supported (the recomputation in "
-                         "microbatch i's backward writes the layer's statistics while microbatch i + 1's forward does)")
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     lanes = _microbatch_lanes(device)
     params = [p for p in model.parameters() if p.requires_grad]
