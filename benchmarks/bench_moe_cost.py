@@ -84,6 +84,7 @@ from moe_graph.distributed.fp8_params import Fp8GatheredWeight  # noqa: E402
 from moe_graph.moe import echo_planner  # noqa: E402
 from moe_graph.moe.layer import MoELayer  # noqa: E402
 from moe_graph.ops import fp8 as moe_graph_fp8  # noqa: E402
+from moe_graph.ops.errors import check_errors  # noqa: E402
 from moe_graph.ops import reroute as reroute_ops  # noqa: E402
 
 CONFIGS = {  # hidden, ffn (per expert), experts, topk, tokens, router options
@@ -694,6 +695,7 @@ def production_rows(name: str, cfg, tokens: int, ep: int, microbatches: int,
             with device_branch():
                 res = measure(fwd, x, g, layer, meter, 0, arithmetic=arithmetic)
             hook.remove()
+            check_errors("cpu")  # the simulated world is consistent: no count or layout error was flagged
             wq = weight_quantize_cost(layer, recipe) if recipe else {"launches": 0, "bytes": 0, "op_bytes": {}}
         res.pop("out")
         amortized = wq["bytes"] / (tokens * microbatches)
