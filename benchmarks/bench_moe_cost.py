@@ -9,7 +9,9 @@ or a CUDA-graph node, so these device-independent counts predict it. For one for
 * ``non-GEMM bytes/token``: for every op that is not a GEMM, the bytes of its tensor arguments (read) and results
   (written), each tensor counted whole (broadcast dimensions once), over the tokens of the batch. An upper bound
   for gathers, which read only the rows they index; the same rule for every system. The target of an in-place
-  indexed write (``index_add_``, ``index_copy_``, ``index_fill_``) counts as the rows it indexes, read and written.
+  indexed write (``index_add_``, ``index_copy_``, ``index_fill_``) counts as the rows it indexes, read and written;
+  a factory that takes a tensor for its metadata only (``new_zeros``, ``zeros_like``, ...) counts its result only
+  (results before this rule, up to cc62e1c, also counted that tensor as read: FP8's ``new_zeros(h)`` of fc1's output).
 * ``saved bytes/token``: unique storages autograd saves for backward in the forward
   (``torch.autograd.graph.saved_tensors_hooks``) and still holds when the forward returns, parameters left out.
 * ``host syncs``: places where the host waits for device values: ``aten._local_scalar_dense`` (``.item()``,
@@ -124,9 +126,16 @@ def _nbytes(t: torch.Tensor) -> int:
 INDEXED_INPLACE_OPS = {"index_add_", "index_copy_", "index_fill_"}
 
 
+# factories that take a tensor argument for its dtype / device / shape only: they read none of its bytes
+METADATA_ARG_OPS = {"new_zeros", "new_ones", "new_full", "zeros_like", "ones_like", "full_like"}
+
+
 def _op_bytes(name: str, args, ins, outs) -> int:
     """Bytes an op reads and writes: every tensor argument and result whole (:func:`_nbytes`), except the target of
-    an in-place indexed write (:data:`INDEXED_INPLACE_OPS`), counted as the rows it indexes, read and written."""
+    an in-place indexed write (:data:`INDEXED_INPLACE_OPS`), counted as the rows it indexes, read and written, and
+    the tensor argument of a factory (:data:`METADATA_ARG_OPS`), which is not read."""
+    if name in METADATA_ARG_OPS:
+        return sum(_nbytes(t) for t in outs)
     total = sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in outs)
     if name in INDEXED_INPLACE_OPS and len(args) >= 3 and torch.is_tensor(args[0]) and torch.is_tensor(args[2]):
         target, dim, index = args[0], args[1], args[2]

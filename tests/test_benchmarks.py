@@ -242,6 +242,11 @@ def test_cost_meter_counts(monkeypatch):
     with meter:
         acc.add_(src.sum(0))  # not indexed: the whole target, read and written
     assert meter.bytes["fwd"] == (2 * 8 * 4 + 8 * 4) + (100 * 8 * 4 * 2 + 8 * 4), meter.bytes
+    meter.bytes["fwd"] = 0
+    with meter:
+        acc.new_zeros(3)  # a factory reads nothing of its tensor argument: 12 B written
+        torch.zeros_like(src)  # 64 B written
+    assert meter.bytes["fwd"] == 3 * 4 + 2 * 8 * 4, meter.bytes
     before = len(meter.syncs)
     with meter, bench.host_reads(meter):
         torch.arange(3, device="cpu").tolist()  # a factory's result counts as a device value
