@@ -9,7 +9,9 @@ or a CUDA-graph node, so these device-independent counts predict it. For one for
 * ``non-GEMM bytes/token``: for every op that is not a GEMM, the bytes of its tensor arguments (read) and results
   (written), each tensor counted whole (broadcast dimensions once), over the tokens of the batch. An upper bound
   for gathers, which read only the rows they index; the same rule for every system. The target of an in-place
-  indexed write (``index_add_``, ``index_copy_``, ``index_fill_``) counts as the rows it indexes, read and written.
+  indexed write (``index_add_``, ``index_copy_``, ``index_fill_``) counts as the rows it indexes, read and written;
+  a factory that takes a tensor for its metadata only (``new_zeros``, ``zeros_like``, ...) counts its result only
+  (results before this rule, up to cc62e1c, also counted that tensor as read: FP8's ``new_zeros(h)`` of fc1's output).
 * ``saved bytes/token``: unique storages autograd saves for backward in the forward
   (``torch.autograd.graph.saved_tensors_hooks``) and still holds when the forward returns, parameters left out.
 * ``host syncs``: places where the host waits for device values: ``aten._local_scalar_dense`` (``.item()``,
@@ -33,8 +35,32 @@ is checked against moe_graph's (``max_abs_diff``): the same routing and weights.
 Megatron-core is fetched into ``build/`` (``megatron_env.provide_megatron``); without it its rows are skipped with
 the reason.
 
+**Production-like rows** (``production`` in the JSON; issue 41's measure): moe_graph's layer in bf16, with FP8
+blockwise experts, and with FP8 experts + FP8 dispatch, at 2048 and 16,384 tokens per rank (``--production-tokens``),
+EP 1 and EP 8 (``--ep``), as in training:
+
+* fused ``main_grad``, and the FP8 expert weights quantized once per optimizer step as
+  ``DistributedOptimizer(fp8_param_gather=...)`` does (the forward reads ``param.fp8_gathered`` and quantizes no
+  weight). That step's quantization, ``moe_graph.fp8.quantize_weight`` of fc1 and fc2 (both copies), is counted on
+  its own and divided over ``--microbatches`` (default 8) microbatches of the rank's tokens: ``weight quantize
+  (amortized)`` = its bytes / (tokens x microbatches), included in ``non-GEMM bytes/token`` and in ``of which FP8
+  quantize``; its launches are per step and not in the forward's count (``weight_quantize_launches_per_step``).
+* EP 8 is rank 0 of 8 EP ranks in this one process (:func:`simulated_ep`: torch's ``fake`` process group, its
+  collectives replaced by a symmetric world where rank ``s`` routes as rank 0 with the experts shifted by ``s``
+  ranks): ``E / 8`` local experts, the per-pair all-to-all (``exchange="nccl"``) with capacity factor 1, i.e. the
+  ``T * K / 8`` routes per (source, destination) pair of a balanced routing, so the rank's experts get ``T * K`` rows
+  as at EP 1 (routes over a pair's capacity are dropped; the shapes, hence the counts, are the same). Each
+  collective counts as one launch that reads its input and writes its output (``of which exchange``; ``c10d.*`` in
+  the breakdown). Everything else is the layer's own EP 8 path (count all-gather, receive layout, regrouping).
+* The GEMMs do not run (:class:`GemmStub`: a grouped GEMM returns zeros of its output's shape): launches and bytes
+  depend on shapes only (no data-dependent shape on this path); the test checks the counts equal a run with the
+  real GEMMs. No CPU time and no output check in these rows.
+* Printed with, for every FP8 row, the ops whose bytes per token differ most from the bf16 row's (FP8 / bf16 /
+  excess), so an excess over bf16 is attributable to ops.
+
     PYTHONPATH=python python3 benchmarks/bench_moe_cost.py                       # all configurations
     PYTHONPATH=python python3 benchmarks/bench_moe_cost.py --configs mixtral --tokens 128
+    PYTHONPATH=python python3 benchmarks/bench_moe_cost.py --production-only    # only the production-like rows
 """
 
 from __future__ import annotations
@@ -49,16 +75,18 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_flatten, tree_map
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 
 from common import environment, results_path, time_cpu, write_json  # noqa: E402
 from megatron_env import cpu_shims, provide_megatron  # noqa: E402
+from moe_graph.distributed.fp8_params import Fp8GatheredWeight  # noqa: E402
 from moe_graph.moe import echo_planner  # noqa: E402
 from moe_graph.moe.layer import MoELayer  # noqa: E402
 from moe_graph.ops import fp8 as moe_graph_fp8  # noqa: E402
+from moe_graph.ops.errors import check_errors  # noqa: E402
 from moe_graph.ops import reroute as reroute_ops  # noqa: E402
 
 CONFIGS = {  # hidden, ffn (per expert), experts, topk, tokens, router options
@@ -80,6 +108,10 @@ SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_uniqu
             "unique_consecutive", "bincount", "equal", "allclose", "masked_scatter_", "_assert_async"}
 
 
+# the FP8 quantize ops: the column "of which FP8 quantize" is their bytes
+QUANTIZE_OPS = ("moe_graph.fp8_quantize", "moe_graph.fp8_quantize_pair")
+
+
 def _nbytes(t: torch.Tensor) -> int:
     """Bytes a kernel touches for ``t``: its elements, broadcast (stride 0) dimensions once."""
     n = 1
@@ -94,9 +126,16 @@ def _nbytes(t: torch.Tensor) -> int:
 INDEXED_INPLACE_OPS = {"index_add_", "index_copy_", "index_fill_"}
 
 
+# factories that take a tensor argument for its dtype / device / shape only: they read none of its bytes
+METADATA_ARG_OPS = {"new_zeros", "new_ones", "new_full", "zeros_like", "ones_like", "full_like"}
+
+
 def _op_bytes(name: str, args, ins, outs) -> int:
     """Bytes an op reads and writes: every tensor argument and result whole (:func:`_nbytes`), except the target of
-    an in-place indexed write (:data:`INDEXED_INPLACE_OPS`), counted as the rows it indexes, read and written."""
+    an in-place indexed write (:data:`INDEXED_INPLACE_OPS`), counted as the rows it indexes, read and written, and
+    the tensor argument of a factory (:data:`METADATA_ARG_OPS`), which is not read."""
+    if name in METADATA_ARG_OPS:
+        return sum(_nbytes(t) for t in outs)
     total = sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in outs)
     if name in INDEXED_INPLACE_OPS and len(args) >= 3 and torch.is_tensor(args[0]) and torch.is_tensor(args[2]):
         target, dim, index = args[0], args[1], args[2]
@@ -139,6 +178,14 @@ class CostMeter(TorchDispatchMode):
     def __exit__(self, *exc):
         self.active = False
         return super().__exit__(*exc)
+
+    def add(self, key: str, nbytes: int) -> None:
+        """One launch of ``key`` moving ``nbytes`` (an op the meter cannot see: the simulated collectives)."""
+        if self.active:
+            self.launches[self.phase] += 1
+            self.ops[self.phase][key] = self.ops[self.phase].get(key, 0) + 1
+            self.bytes[self.phase] += nbytes
+            self.op_bytes[key] = self.op_bytes.get(key, 0) + nbytes
 
     def sync(self, what: str) -> None:
         if self.active:
@@ -203,9 +250,38 @@ def host_reads(meter: CostMeter):
             setattr(torch.Tensor, n, f)
 
 
+class GemmStub(TorchDispatchMode):
+    """moe_graph's grouped GEMMs (16-bit and FP8) without their arithmetic, for counting at sizes where the CPU's
+    GEMMs (the FP8 one is scalar) would take minutes: a GEMM returns zeros of the shape and dtype its registered fake
+    kernel gives, and an ``_out`` GEMM leaves its output as it is. The meter counts a GEMM's launch and no bytes
+    either way, and every other op sees tensors of the same shapes, so launches, non-GEMM bytes and saved bytes do
+    not change (the layer has no data-dependent shape; ``tests/test_benchmarks.py`` checks the counts equal the
+    real run's). The values do change: outputs are not compared."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace != "moe_graph" or func.overloadpacket.__name__ not in GEMM_OPS:
+            return func(*args, **kwargs)
+        if not func._schema.returns:  # written into ``out``: left as it is
+            return None
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            fake = func(*args, **kwargs)
+        dev = next(t.device for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor))
+        return tree_map(lambda t: torch.zeros(t.shape, dtype=t.dtype, device=dev)
+                        if isinstance(t, torch.Tensor) else t, fake)
+
+
 def measure(step_fwd: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, g: torch.Tensor,
-            module: torch.nn.Module, meter: CostMeter, reps: int) -> Dict[str, object]:
-    """One forward + backward of ``step_fwd`` under ``meter`` (after one warm-up step), then the CPU time."""
+            module: torch.nn.Module, meter: CostMeter, reps: int, arithmetic: bool = True) -> Dict[str, object]:
+    """One forward + backward of ``step_fwd`` under ``meter`` (after one warm-up step), then the CPU time.
+    ``arithmetic=False``: both steps with :class:`GemmStub` (the same counts, no GEMM arithmetic, no CPU time)."""
+    if not arithmetic:
+        with GemmStub():
+            res = measure(step_fwd, x, g, module, meter, 0)
+        res["cpu_ms"] = None
+        return res
     params = list(module.parameters())
     meter.device_storages.update(_storage_key(t) for t in params + list(module.buffers()) + [x, g])
     def step():
@@ -239,12 +315,13 @@ def measure(step_fwd: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, g
     result = out.detach().clone()
     del out
     T = x.numel() // x.shape[-1]
-    cpu_ms = time_cpu(step, warmup=0, reps=reps)
+    cpu_ms = time_cpu(step, warmup=0, reps=reps) if reps else None
     return {"launches_fwd": meter.launches["fwd"], "launches_bwd": meter.launches["bwd"],
             "non_gemm_bytes_per_token": (meter.bytes["fwd"] + meter.bytes["bwd"]) / T,
             "non_gemm_bytes_per_token_fwd": meter.bytes["fwd"] / T,
             "saved_bytes_per_token": saved_bytes / T, "host_syncs": len(meter.syncs),
-            "quantize_bytes_per_token": meter.op_bytes.get("moe_graph.fp8_quantize", 0) / T,
+            "quantize_bytes_per_token": sum(meter.op_bytes.get(k, 0) for k in QUANTIZE_OPS) / T,
+            "op_bytes_per_token": {k: b / T for k, b in sorted(meter.op_bytes.items(), key=lambda kv: -kv[1])},
             "sync_points": meter.syncs, "cpu_ms": cpu_ms, "ops": meter.ops, "out": result}
 
 
@@ -266,25 +343,34 @@ def make_weights(cfg, seed: int = 0) -> Dict[str, torch.Tensor]:
 
 # -------------------------------------------------------------------------------------------- moe_graph --
 def moe_graph_system(cfg, w, spare: int, fused: bool, dtype: torch.dtype = torch.float32, fp8: Optional[str] = None,
-                     fp8_dispatch: bool = False):
+                     fp8_dispatch: bool = False, ep: int = 1, fp8_gathered: bool = False):
     """moe_graph's layer with ``w``; ``fp8``: a recipe name, the forward and backward under
-    ``moe_graph.fp8.autocast`` (``fp8_dispatch``: the tokens travel quantized)."""
+    ``moe_graph.fp8.autocast`` (``fp8_dispatch``: the tokens travel quantized). ``ep > 1`` (inside
+    :func:`simulated_ep`): rank 0 of ``ep`` EP ranks, its ``E / ep`` experts (the first of ``w``), the per-pair
+    exchange with capacity factor 1 (the balanced routing's ``T * K / ep`` routes per pair). ``fp8_gathered``: the
+    FP8 expert weights as ``DistributedOptimizer(fp8_param_gather=...)`` leaves them (``param.fp8_gathered``,
+    quantized once per optimizer step, outside the forward)."""
+    dispatch = dict(ep_size=ep, capacity_factor=1.0, exchange="nccl") if ep > 1 else {}
     layer = MoELayer(cfg["H"], cfg["F"], cfg["E"], cfg["K"], score_func=cfg["score"], fp8_dispatch=fp8_dispatch,
                      norm_topk_prob=True if cfg["score"] == "softmax" else None, activation="swiglu",
                      num_groups=cfg.get("groups"), group_topk=cfg.get("group_topk"),
                      topk_scaling_factor=cfg.get("scaling"), enable_expert_bias=cfg["score"] == "sigmoid",
                      num_spare_experts_per_ep_rank=spare, shared_expert_ffn_size=cfg.get("shared"),
-                     device="cpu", params_dtype=dtype)
+                     device="cpu", params_dtype=dtype, **dispatch)
+    L = layer.num_local_experts
     with torch.no_grad():
         layer.router.weight.copy_(w["router"])
-        layer.experts.fc1.weight.copy_(w["fc1"])
-        layer.experts.fc2.weight.copy_(w["fc2"])
+        layer.experts.fc1.weight.copy_(w["fc1"][:L])
+        layer.experts.fc2.weight.copy_(w["fc2"][:L])
         if cfg.get("shared"):
             layer.shared_expert.fc1.weight.copy_(w["shared_fc1"])
             layer.shared_expert.fc2.weight.copy_(w["shared_fc2"])
     if fused:  # as moe_graph's DistributedDataParallel attaches: fp32 views of a grad buffer
         for p in layer.experts.weights():
             p.main_grad = torch.zeros(p.shape, dtype=torch.float32)
+    if fp8 is not None and fp8_gathered:  # as DistributedOptimizer(fp8_param_gather=recipe) marks them
+        for p in layer.experts.weights():
+            p.fp8_gathered = Fp8GatheredWeight(p, moe_graph_fp8.as_recipe(fp8))
     if fp8 is None:
         return (lambda x: layer(x.to(dtype)).to(x.dtype)), layer
 
@@ -313,6 +399,73 @@ def device_branch():
     finally:
         for m, f in saved:
             m.real_host_values = f
+
+
+@contextlib.contextmanager
+def simulated_ep(num_ranks: int, meter_of: Callable[[], Optional[CostMeter]]):
+    """Rank 0 of ``num_ranks`` EP ranks in this one process: torch's ``fake`` process group (world ``num_ranks``),
+    with its collectives replaced by a symmetric world in which rank ``s`` routes as rank 0 does with the experts
+    shifted by ``s`` ranks: an all-to-all gives rank 0, from source ``s``, the block rank 0 sends to rank ``-s``
+    (rows and counts alike, so every count matches its rows); an all-gather gives every rank's slot rank 0's value;
+    an all-reduce MAX / MIN leaves the value, SUM multiplies it by ``num_ranks``. Each collective counts as one
+    launch reading its input and writing its output (``c10d.<name>`` in the breakdown; its copies are not
+    themselves counted) on the meter ``meter_of()`` returns, when one is active."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("simulated_ep: torch.distributed is already initialized (run it outside other groups)")
+    R = num_ranks
+
+    def count(name, ins, outs):
+        meter = meter_of()
+        if meter is not None:
+            meter.add(f"c10d.{name}", sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in outs))
+
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
+                          async_op=False):
+        if output_split_sizes is not None or input_split_sizes is not None:
+            raise NotImplementedError("simulated_ep: uneven all_to_all_single (the per-destination rule) is not "
+                                      "simulated; use exchange='nccl'")
+        with _disable_current_modes(), torch.no_grad():
+            src = input.reshape(R, -1)
+            output.reshape(R, -1).copy_(src[[(-s) % R for s in range(R)]])
+        count("all_to_all_single", [input], [output])
+
+    def all_gather_into_tensor(output, input, group=None, async_op=False):
+        with _disable_current_modes(), torch.no_grad():
+            output.reshape(R, -1).copy_(input.reshape(1, -1).expand(R, -1))
+        count("all_gather_into_tensor", [input], [output])
+
+    def all_gather(tensors, tensor, group=None, async_op=False):
+        with _disable_current_modes(), torch.no_grad():
+            for t in tensors:
+                t.copy_(tensor)
+        count("all_gather", [tensor], tensors)
+
+    def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if op == dist.ReduceOp.SUM:
+            with _disable_current_modes(), torch.no_grad():
+                tensor.mul_(R)
+        elif op not in (dist.ReduceOp.MAX, dist.ReduceOp.MIN):
+            raise NotImplementedError(f"simulated_ep: all_reduce {op}")
+        count("all_reduce", [tensor], [tensor])
+
+    def all_gather_object(objects, obj, group=None):
+        objects[:] = [obj] * R
+
+    patched = dict(all_to_all_single=all_to_all_single, all_gather_into_tensor=all_gather_into_tensor,
+                   all_gather=all_gather, all_reduce=all_reduce, all_gather_object=all_gather_object)
+    saved = {n: getattr(dist, n) for n in patched}
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=R)
+    try:
+        for n, f in patched.items():
+            setattr(dist, n, f)
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(dist, n, f)
+        dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------------------------------------- native --
@@ -507,28 +660,162 @@ def run_config(name: str, cfg, reps: int, megatron_skip: Optional[str], pg) -> L
     return rows
 
 
+# ------------------------------------------------------------------------------- production-like rows --
+PRODUCTION_SYSTEMS = ("moe_graph_bf16", "moe_graph_fp8", "moe_graph_fp8_dispatch")
+PRODUCTION_TOKENS = (2048, 16384)
+PRODUCTION_EP = (1, 8)
+
+
+def weight_quantize_cost(layer: MoELayer, recipe: str) -> Dict[str, int]:
+    """Launches and bytes of quantizing the layer's expert weights, both copies the recipe needs
+    (``moe_graph.fp8.quantize_weight`` of ``fc1`` and ``fc2``: what the layer does at every forward without
+    ``fp8_param_gather``, and the optimizer once per step with it), counted by the meter."""
+    meter = CostMeter()
+    with meter, torch.no_grad():
+        for p in layer.experts.weights():
+            moe_graph_fp8.quantize_weight(p.detach().contiguous(), moe_graph_fp8.as_recipe(recipe))
+    return {"launches": meter.launches["fwd"], "bytes": meter.bytes["fwd"], "op_bytes": dict(meter.op_bytes)}
+
+
+def production_rows(name: str, cfg, tokens: int, ep: int, microbatches: int,
+                    arithmetic: bool = False) -> List[Dict[str, object]]:
+    """The 16-bit and FP8 rows of one configuration at ``tokens`` tokens per rank and EP ``ep``, as in training:
+    fused ``main_grad``, the FP8 weights quantized once per optimizer step (``fp8_param_gather``: the forward reads
+    ``param.fp8_gathered``) and that cost divided over ``microbatches`` microbatches of ``tokens`` tokens; EP > 1 as
+    rank 0 of a :func:`simulated_ep` world. Counted with :class:`GemmStub` (no GEMM arithmetic, no CPU time) unless
+    ``arithmetic``."""
+    cfg = dict(cfg, T=tokens)
+    w = make_weights(cfg)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(tokens, cfg["H"], generator=gen)
+    g = torch.randn(tokens, cfg["H"], generator=gen)
+    rows = []
+    for key in PRODUCTION_SYSTEMS:
+        dtype, recipe, fp8_dispatch = PRECISION[key]
+        current: Dict[str, CostMeter] = {}
+        with simulated_ep(ep, lambda: current.get("meter")) if ep > 1 else contextlib.nullcontext():
+            torch.manual_seed(0)
+            fwd, layer = moe_graph_system(cfg, w, spare=0, fused=True, dtype=dtype, fp8=recipe,
+                                          fp8_dispatch=fp8_dispatch, ep=ep, fp8_gathered=True)
+            meter = current["meter"] = CostMeter()
+            rows_in = []  # the expert input's rows (what the layer hands its experts)
+            hook = layer.experts.register_forward_pre_hook(lambda m, a, kw: rows_in.append(a[0].shape[0]),
+                                                           with_kwargs=True)
+            with device_branch():
+                res = measure(fwd, x, g, layer, meter, 0, arithmetic=arithmetic)
+            hook.remove()
+            check_errors("cpu")  # the simulated world is consistent: no count or layout error was flagged
+            wq = weight_quantize_cost(layer, recipe) if recipe else {"launches": 0, "bytes": 0, "op_bytes": {}}
+        res.pop("out")
+        amortized = wq["bytes"] / (tokens * microbatches)
+        exchange = sum(b for k, b in res["op_bytes_per_token"].items() if k.startswith("c10d."))
+        row = {"config": name, "system": key, "label": dict(SYSTEMS)[key], "tokens": tokens, "ep": ep,
+               "microbatches": microbatches, "local_experts": layer.num_local_experts,
+               "expert_input_rows": rows_in[-1], "dispatch_bytes_per_token": cfg["K"] * dispatch_row_bytes(
+                   layer, dtype, recipe if fp8_dispatch else None)}
+        row.update(res)
+        row.update({
+            "microbatch_non_gemm_bytes_per_token": res["non_gemm_bytes_per_token"],
+            "microbatch_quantize_bytes_per_token": res["quantize_bytes_per_token"],
+            "weight_quantize_launches_per_step": wq["launches"], "weight_quantize_bytes_per_step": wq["bytes"],
+            "weight_quantize_op_bytes_per_step": wq["op_bytes"],
+            "weight_quantize_bytes_per_token_amortized": amortized,
+            "non_gemm_bytes_per_token": res["non_gemm_bytes_per_token"] + amortized,
+            "quantize_bytes_per_token": res["quantize_bytes_per_token"] + amortized,
+            "exchange_bytes_per_token": exchange})
+        rows.append(row)
+    bf16 = rows[0]
+    for r in rows:
+        r["vs_bf16_bytes"] = r["non_gemm_bytes_per_token"] / bf16["non_gemm_bytes_per_token"]
+        r["vs_bf16_launches_fwd"] = r["launches_fwd"] - bf16["launches_fwd"]
+    return rows
+
+
+def excess_over_bf16(row, bf16, top: int = 8) -> List[tuple]:
+    """``(op, FP8 bytes/token, bf16 bytes/token, excess)`` of the ops whose bytes differ most from the bf16 row's
+    (the amortized weight quantization as the op ``weight quantize (per step / microbatches)``), largest first."""
+    ops = dict(row["op_bytes_per_token"])
+    if row["weight_quantize_bytes_per_token_amortized"]:
+        ops["weight quantize (per step / microbatches)"] = row["weight_quantize_bytes_per_token_amortized"]
+    base = bf16["op_bytes_per_token"]
+    diff = [(k, ops.get(k, 0.0), base.get(k, 0.0), ops.get(k, 0.0) - base.get(k, 0.0)) for k in set(ops) | set(base)]
+    return sorted(diff, key=lambda d: -abs(d[3]))[:top]
+
+
+def print_production(rows) -> None:
+    if not rows:
+        return
+    mb = rows[0]["microbatches"]
+    print(f"\nProduction-like rows (moe_graph MoELayer, bf16 parameters, fused main_grad; GEMMs not run: launches and "
+          f"bytes only). Per rank and per token of one microbatch; FP8 weights quantized once per optimizer step "
+          f"(fp8_param_gather), that cost / ({mb} microbatches x tokens) added to the bytes (its launches are "
+          f"per step, not in the forward's). EP 8: rank 0 of 8 (E/8 local experts, per-pair all-to-all with capacity "
+          f"factor 1 = the balanced routing's T*K/8 routes per pair, a symmetric world; each collective one launch, "
+          f"its input read and output written).")
+    print("| config | tokens | EP | system | launches fwd/bwd | non-GEMM bytes/token | of which FP8 quantize | "
+          "of which weight quantize (amortized) | of which exchange | saved bytes/token | vs bf16: bytes, fwd launches |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {LABELS[r['config']]} | {r['tokens']:,} | {r['ep']} | {r['system']} | {r['launches_fwd']} / "
+              f"{r['launches_bwd']} | {r['non_gemm_bytes_per_token']:,.0f} | {r['quantize_bytes_per_token']:,.0f} | "
+              f"{r['weight_quantize_bytes_per_token_amortized']:,.0f} | {r['exchange_bytes_per_token']:,.0f} | "
+              f"{r['saved_bytes_per_token']:,.0f} | {r['vs_bf16_bytes']:.3f}x, {r['vs_bf16_launches_fwd']:+d} |")
+    print("\nFP8 rows: the ops whose bytes/token differ most from the bf16 row's (FP8 / bf16 / excess)")
+    for r in rows:
+        if r["system"] == "moe_graph_bf16":
+            bf16 = r
+            continue
+        parts = [f"{k} {a:,.0f} / {b:,.0f} / {d:+,.0f}" for k, a, b, d in excess_over_bf16(r, bf16)]
+        print(f"- {LABELS[r['config']]}, {r['tokens']:,} tokens, EP {r['ep']}, {r['system']}: " + "; ".join(parts))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     ap.add_argument("--tokens", type=int, default=None, help="override the tokens of every configuration")
     ap.add_argument("--reps", type=int, default=3, help="CPU-time repetitions")
     ap.add_argument("--no-megatron", action="store_true", help="skip Megatron-core's rows")
+    ap.add_argument("--production-tokens", type=int, nargs="*", default=None,
+                    help=f"tokens per rank of the production-like rows (default {list(PRODUCTION_TOKENS)}, or "
+                         "--tokens when given; none: no such rows)")
+    ap.add_argument("--ep", type=int, nargs="+", default=list(PRODUCTION_EP),
+                    help="EP sizes of the production-like rows")
+    ap.add_argument("--microbatches", type=int, default=8,
+                    help="microbatches per optimizer step over which the FP8 weight quantization is amortized")
+    ap.add_argument("--production-only", action="store_true", help="only the production-like rows")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    if args.microbatches < 1:
+        ap.error(f"--microbatches must be >= 1, got {args.microbatches}")
+    for e in args.ep:
+        bad = [n for n in args.configs if e < 1 or CONFIGS[n]["E"] % e]
+        if bad:
+            ap.error(f"--ep {e} must be >= 1 and divide the experts of {bad}")
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    skip = "--no-megatron given" if args.no_megatron else provide_megatron()
+    prod_tokens = args.production_tokens if args.production_tokens is not None else (
+        [args.tokens] if args.tokens else list(PRODUCTION_TOKENS))
+    skip = "--no-megatron given" if args.no_megatron or args.production_only else provide_megatron()
     rows = []
-    with (megatron_parallel_state() if skip is None else contextlib.nullcontext()) as pg:
-        for name in args.configs:
-            cfg = dict(CONFIGS[name])
-            if args.tokens:
-                cfg["T"] = args.tokens
-            rows += run_config(name, cfg, args.reps, skip, pg)
-    print_table(rows)
+    if not args.production_only:
+        with (megatron_parallel_state() if skip is None else contextlib.nullcontext()) as pg:
+            for name in args.configs:
+                cfg = dict(CONFIGS[name])
+                if args.tokens:
+                    cfg["T"] = args.tokens
+                rows += run_config(name, cfg, args.reps, skip, pg)
+        print_table(rows)
+    prod = []
+    for name in args.configs:
+        for tokens in prod_tokens:
+            for ep in args.ep:
+                prod += production_rows(name, CONFIGS[name], tokens, ep, args.microbatches)
+    print_production(prod)
     path = args.out or results_path("moe_cost")
     write_json(path, {"env": environment(), "configs": {n: CONFIGS[n] for n in args.configs},
-                      "tokens_override": args.tokens, "megatron_skipped": skip, "rows": rows})
-    return rows
+                      "tokens_override": args.tokens, "megatron_skipped": skip, "rows": rows,
+                      "production": {"tokens": prod_tokens, "ep": args.ep, "microbatches": args.microbatches,
+                                     "rows": prod}})
+    return rows, prod
 
 
 def print_table(rows) -> None:

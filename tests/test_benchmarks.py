@@ -156,6 +156,59 @@ def test_bench_moe_cost_smoke(tmp_path):
     assert rows["moe_graph_fp8_dispatch"]["max_abs_diff"] == rows["moe_graph_fp8"]["max_abs_diff"]
     wire = {k: rows[k]["dispatch_bytes_per_token"] for k in ("moe_graph_bf16", "moe_graph_fp8_dispatch")}
     assert 0.5 < wire["moe_graph_fp8_dispatch"] / wire["moe_graph_bf16"] < 0.53, wire
+    # the production-like rows at --tokens: the three precisions at EP 1 and 8, printed with the FP8 breakdown
+    prod = d["production"]
+    assert prod["tokens"] == [64] and prod["ep"] == [1, 8] and prod["microbatches"] == 8
+    assert sorted((r["ep"], r["system"]) for r in prod["rows"]) == sorted(
+        (ep, s) for ep in (1, 8) for s in ("moe_graph_bf16", "moe_graph_fp8", "moe_graph_fp8_dispatch"))
+    assert "Production-like rows" in text and "differ most from the bf16 row" in text
+
+
+def test_moe_cost_production_rows(monkeypatch):
+    """The production-like rows' accounting on a tiny configuration (8 experts, top-2, EP 1 and 8): the counts
+    without GEMM arithmetic equal the real run's; the FP8 quantize column is the sum of the quantize ops in the
+    breakdown plus the weight quantization per step over tokens x microbatches, whose bytes follow from the
+    weights' shapes alone (blockwise: 2 B read + 1 B written per element, the transposed copy 1 + 1, the fp32 scale
+    grid written, read and written again) and are 1/8 at EP 8 (a rank holds 1/8 of the experts, and receives as many
+    rows as at EP 1: the balanced routing's T*K); the exchange is counted at EP 8 only and is smaller with FP8
+    dispatch."""
+    import torch
+
+    bench = _load_benchmark("bench_moe_cost", monkeypatch)
+    cfg = dict(H=256, F=256, E=8, K=2, T=32, score="softmax")  # 2-D scale grids: their transposes are copies
+    T, mb = 32, 4
+    rows = {}
+    for ep in (1, 8):
+        for arithmetic in (False, True):
+            for r in bench.production_rows("mixtral", cfg, T, ep, mb, arithmetic=arithmetic):
+                rows[(ep, arithmetic, r["system"])] = r
+    keys = ("launches_fwd", "launches_bwd", "non_gemm_bytes_per_token", "saved_bytes_per_token", "ops",
+            "op_bytes_per_token", "quantize_bytes_per_token", "exchange_bytes_per_token")
+    for (ep, arithmetic, system), r in rows.items():
+        if not arithmetic:  # GemmStub changes values only, no count
+            real = rows[(ep, True, system)]
+            assert {k: r[k] for k in keys} == {k: real[k] for k in keys}, (ep, system)
+        assert r["host_syncs"] == 0 and r["local_experts"] == cfg["E"] // ep and r["expert_input_rows"] == T * cfg["K"]
+        listed = sum(b for k, b in r["op_bytes_per_token"].items() if k.startswith("moe_graph.fp8_quantize"))
+        assert r["quantize_bytes_per_token"] == pytest.approx(listed + r["weight_quantize_bytes_per_token_amortized"],
+                                                              rel=1e-12), r
+        # the independent figure of the weight quantization: fc1 [L, 2F, H], fc2 [L, H, F] in 128 x 128 tiles
+        L = cfg["E"] // ep
+        numel = L * 2 * cfg["F"] * cfg["H"] + L * cfg["H"] * cfg["F"]
+        tiles = L * (2 * cfg["F"] // 128) * (cfg["H"] // 128) + L * (cfg["H"] // 128) * (cfg["F"] // 128)
+        fp8 = system != "moe_graph_bf16"
+        assert r["weight_quantize_bytes_per_step"] == ((2 + 1 + 1 + 1) * numel + 3 * 4 * tiles if fp8 else 0), r
+        assert r["weight_quantize_bytes_per_token_amortized"] == r["weight_quantize_bytes_per_step"] / (T * mb)
+        assert (r["quantize_bytes_per_token"] > 0) == fp8
+        assert (r["exchange_bytes_per_token"] > 0) == (ep > 1), r["op_bytes_per_token"]
+        assert r["non_gemm_bytes_per_token"] == pytest.approx(
+            r["microbatch_non_gemm_bytes_per_token"] + r["weight_quantize_bytes_per_token_amortized"], rel=1e-12)
+    for system in bench.PRODUCTION_SYSTEMS:
+        assert rows[(1, False, system)]["weight_quantize_bytes_per_step"] == \
+            8 * rows[(8, False, system)]["weight_quantize_bytes_per_step"]
+    assert rows[(8, False, "moe_graph_fp8_dispatch")]["exchange_bytes_per_token"] < \
+        rows[(8, False, "moe_graph_fp8")]["exchange_bytes_per_token"]
+    assert not torch.distributed.is_initialized()  # the simulated EP group is gone
 
 
 def test_cost_meter_counts(monkeypatch):
@@ -189,6 +242,11 @@ def test_cost_meter_counts(monkeypatch):
     with meter:
         acc.add_(src.sum(0))  # not indexed: the whole target, read and written
     assert meter.bytes["fwd"] == (2 * 8 * 4 + 8 * 4) + (100 * 8 * 4 * 2 + 8 * 4), meter.bytes
+    meter.bytes["fwd"] = 0
+    with meter:
+        acc.new_zeros(3)  # a factory reads nothing of its tensor argument: 12 B written
+        torch.zeros_like(src)  # 64 B written
+    assert meter.bytes["fwd"] == 3 * 4 + 2 * 8 * 4, meter.bytes
     before = len(meter.syncs)
     with meter, bench.host_reads(meter):
         torch.arange(3, device="cpu").tolist()  # a factory's result counts as a device value
