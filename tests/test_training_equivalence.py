@@ -45,6 +45,7 @@ def test_matrix_covers_the_issue():
     assert {(1, False, False), (1, True, False), (2, False, True)} <= side  # overlap_shared_expert: plain, rerun, PP
     mbs = {(r.side_stream, r.capacity is not None, r.echo > 0, r.overlap) for r in rows if r.overlap_microbatches}
     assert {(True, False, False, False), (False, True, False, False), (False, False, True, True)} <= mbs
+    assert any(r.recompute and r.overlap_microbatches for r in rows)  # the recomputation beside the next forward
     assert any(r.pp == 2 and r.vpp is None and r.microbatches == 4 for r in rows)
     assert any(r.pp == 2 and r.vpp == 2 and r.microbatches == 4 for r in rows)
     assert {r.grouped for r in rows} >= {"fused", "delay", "delay_fused"}

@@ -139,6 +139,7 @@ class Row:
     fp8: Optional[str] = None  # a key of FP8_RECIPES: train_step(fp8_recipe=...); the oracle quantizes per group
     side_stream: bool = False  # overlap_shared_expert: the shared expert and router losses beside the exchange
     overlap_microbatches: bool = False  # train_step(overlap_microbatches=True): F(i+1) beside B(i)
+    recompute: bool = False  # MoELayer(recompute=True): the layer's forward run again in backward
     fp8_param_gather: bool = False  # DistributedOptimizer(fp8_param_gather=the row's recipe): FP8 weights gathered in FP8
 
     @property
@@ -246,6 +247,8 @@ MATRIX += [  # the shared expert and the router losses on a side stream beside t
         overlap_microbatches=True),
     Row("ep2_cap1.0_rerun_overlap_microbatches", world=2, ep=2, microbatches=2, capacity=1.0,
         overlap_microbatches=True),
+    Row("ep2_mb4_overlap_microbatches_recompute_shared_side_aux", world=2, ep=2, microbatches=4, aux="local",
+        shared_expert=True, side_stream=True, overlap_microbatches=True, recompute=True),
 ]
 MATRIX += [Row(f"fp8_{_fp8}_dp2_fp8_param_gather", world=2, microbatches=2, fp8=_fp8, fp8_param_gather=True)
            for _fp8 in ("blockwise", "blockwise_fp32_scales")]  # expert DP 2: the expert shards are gathered in FP8
@@ -374,6 +377,8 @@ def moe_kwargs(row: Row, oracle: bool) -> Dict:
         kw.update(exchange=row.exchange)
     if row.side_stream:
         kw.update(overlap_shared_expert=True)
+    if row.recompute:
+        kw.update(recompute=True)
     if row.ranks_per_node is not None:
         kw.update(ranks_per_node=row.ranks_per_node)
     return kw
