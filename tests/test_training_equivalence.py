@@ -2,8 +2,8 @@
 
 The CI subset of :mod:`helpers.equivalence` (overlap with the ``no_sync`` wiring, overlap without it must
 raise, EP 2 x DP 2 with echo k=2 and overlap, loss scaling with aux and z losses, the global aux loss, interleaved
-pipeline, delayed fused weight gradients, dropless training at capacity factor 1.0 / 1.1 with reruns and its drop-mode
-control, FP8 experts with echo and with the dropless rerun against the per-group quantize-dequantize oracle): the library's machinery on gloo ranks against one process training the
+pipeline, delayed fused weight gradients, dropless training at capacity factor 1.0 with reruns (both capacity rules) and
+the drop-mode control, the fused exchange, FP8 experts with echo and with the dropless rerun against the per-group quantize-dequantize oracle): the library's machinery on gloo ranks against one process training the
 whole global batch with plain autograd and ``torch.optim.AdamW``. The whole matrix, from the checkout's root:
 ``PYTHONPATH=python:tests python -m helpers.equivalence --all``.
 """
