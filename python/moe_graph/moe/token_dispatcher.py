@@ -173,7 +173,7 @@ def take_rows(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 def _compose(index: torch.Tensor, table: torch.Tensor, sentinel: int) -> torch.Tensor:
     """``table[index]`` with ``index == len(table)`` (the sentinel of ``index``'s map) mapped to ``sentinel``: one
     index map composed with another (small int tensors, device ops, no sync)."""
-    return torch.cat([table, table.new_full((1,), sentinel)]).index_select(0, index)
+    return torch.nn.functional.pad(table, (0, 1), value=sentinel).index_select(0, index)
 
 
 def _align_groups(handle: DispatchHandle, align: int) -> None:
