@@ -4,8 +4,8 @@ to its aligned row and straight back. The oracle is the previous path (the dispa
 the experts, :class:`moe_graph.moe.experts.AlignedGroups`): output and every gradient (tokens, routing
 probabilities, weights or ``main_grad``) equal bit for bit. EP 1 (zero-token experts, one expert taking every
 route, capacity rows past the routed ones, group sizes off multiples of 16, the probabilities applied in the
-experts, FP8 dispatch) and EP 2 on gloo (the fixed-split exchange, drops, echo; the per-destination and fused
-exchanges keep the regrouping)."""
+experts, FP8 dispatch) and EP 2 on gloo (the fixed-split and the host-sized per-destination exchanges, drops,
+echo; the fused exchange keeps the regrouping)."""
 
 import pytest
 import torch
@@ -134,7 +134,9 @@ def test_moe_layer_aligned_dispatch_one_rank(kind, fp8_dispatch, probs_on_input,
 @pytest.mark.parametrize("kind,exchange,cf,spare,fp8_dispatch,composes", [
     ("blockwise", "nccl", 0.6, 0, False, True),   # fixed-split exchange, routes dropped
     ("mxfp8", "nccl", None, 1, True, True),       # dropless, one echo slot per rank, FP8 dispatch
-    ("blockwise", "symm_mem", 0.8, 0, False, False),  # per destination (host-sized on gloo): still regrouped
+    ("blockwise", "symm_mem", 0.8, 0, False, True),   # per destination (host-sized on gloo), routes dropped
+    ("mxfp8", "symm_mem", None, 1, True, True),      # per destination, dropless, echo, FP8 dispatch
+    ("blockwise", "nvlink", 0.8, 1, False, False),   # the fused exchange (gloo): still regrouped by the experts
 ])
 def test_aligned_dispatch_two_ranks(kind, exchange, cf, spare, fp8_dispatch, composes):
     res = run_distributed(aligned_dispatch_worker, 2, kind, exchange, cf, spare, fp8_dispatch, timeout=240.0)

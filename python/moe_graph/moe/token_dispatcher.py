@@ -67,7 +67,7 @@ from torch import nn
 
 from moe_graph.moe.echo import default_backend
 from moe_graph.moe.exchange import (EXCHANGES, CompletedExchange, FusedCombineFn, FusedDispatchFn, FusedState,
-                                    RowWeightsFn, ToExperts, ToSources, capacity_for, checked_demand, checksum_weights,
+                                    HostSizedExchange, RowWeightsFn, ToExperts, ToSources, capacity_for, checked_demand, checksum_weights,
                                     destination_capacity, destination_quotas, flag_if_ranks_disagree, is_fused,
                                     resolve_exchange)
 from moe_graph.ops.dispatch_layout import aligned_groups, dispatch_layout, receive_layout
@@ -220,7 +220,8 @@ class DispatchHandle:
     exchange_plan: Optional[object] = None
     # dispatch(align_rows=...) on a path that composes it: the expert groups start at multiples of align_rows rows
     # (the padded counts, what the grouped GEMM reads); route_of_slot / route_slot (R = 1: the send slots are the
-    # padded expert rows) or expert_row_source / recv_row_target (R > 1) then index the padded rows. None: unpadded
+    # padded expert rows), expert_row_source / recv_row_target (R > 1, per pair) or the host-sized exchange's plan
+    # (per destination) then index the padded rows. None: unpadded
     aligned_m_splits: Optional[torch.Tensor] = None
 
     @property
@@ -234,7 +235,7 @@ class DispatchHandle:
         """Rows of the expert input: ``R * capacity`` (per-pair rule) or ``capacity`` (per destination), the
         padded rows (:func:`moe_graph.ops.dispatch_layout.aligned_padded_rows`) when :attr:`aligned`."""
         if self.exchange_plan is not None:
-            return self.capacity
+            return self.exchange_plan.capacity
         if self.expert_row_source is not None:
             return self.expert_row_source.shape[0]
         return self.route_of_slot.shape[0]
@@ -437,9 +438,10 @@ class TokenDispatcher(nn.Module):
                 the fixed-split exchange at EP > 1, with or without FP8 dispatch) the alignment
                 (:func:`moe_graph.ops.dispatch_layout.aligned_groups` of the counts) is composed into the index
                 maps, so each row moves once, straight to its aligned row, and combine reads the padded rows
-                straight back (``handle.aligned``); the per-destination and fused exchanges place the rows
-                themselves and ignore it (``handle.aligned`` False: the experts regroup,
-                :class:`moe_graph.moe.experts.AlignedGroups`).
+                straight back (``handle.aligned``); so does the host-sized per-destination exchange (gloo,
+                :meth:`moe_graph.moe.exchange.HostSizedExchange.align`). The NVSHMEM per-destination exchange
+                (its counts come back with the rows) and the fused exchange place the rows themselves and ignore
+                it (``handle.aligned`` False: the experts regroup, :class:`moe_graph.moe.experts.AlignedGroups`).
 
         Returns:
             ``(expert_input [rows, H], m_splits [num_local_columns] int64 on the device, handle)``: received rows
@@ -484,7 +486,7 @@ class TokenDispatcher(nn.Module):
         if fp8_recipe is not None:
             packed = pack_rows(hidden, fp8_recipe)  # checks the recipe before anything moves
         if self.rule == "destination":
-            handle = self._layout_per_destination(indices, probs, valid, demand, order, counters, cap)
+            handle = self._layout_per_destination(indices, probs, valid, demand, order, counters, cap, align_rows)
         else:
             lay = dispatch_layout(indices, self.column_rank, self.column_local, R, Lc, cap, valid=valid,
                                   route_order=order, counters=counters)
@@ -524,9 +526,12 @@ class TokenDispatcher(nn.Module):
         return torch.zeros(self.num_ep_ranks, dtype=torch.int64, device=idx.device).index_add_(
             0, dst, live.to(torch.int64))
 
-    def _layout_per_destination(self, indices, probs, valid, demand, order, counters, cap) -> DispatchHandle:
+    def _layout_per_destination(self, indices, probs, valid, demand, order, counters, cap,
+                                align_rows=None) -> DispatchHandle:
         """The per-destination rule (see :mod:`moe_graph.moe.exchange`): quotas from the all-gathered demand, the
-        layout op in quota mode, the variable-size exchange's plan (its ``m_splits`` are set once the rows went)."""
+        layout op in quota mode, the variable-size exchange's plan (its ``m_splits`` are set once the rows went).
+        ``align_rows``: the host-sized exchange composes the alignment into its placement
+        (:meth:`moe_graph.moe.exchange.HostSizedExchange.align`); the others ignore it."""
         R, (T, K) = self.num_ep_ranks, indices.shape
         local = self._local_demand(indices, valid)
         if demand is None:
@@ -548,8 +553,11 @@ class TokenDispatcher(nn.Module):
             plan = FusedState(lay.route_of_slot, lay.send_counts, K, cap)
         else:
             plan = self.exchange_backend.plan(lay.send_counts, cap)
+        aligned = None
+        if align_rows is not None and isinstance(self.exchange_backend, HostSizedExchange):
+            aligned = self.exchange_backend.align(plan, align_rows)
         return DispatchHandle(lay.route_slot, lay.route_of_slot, None, None, probs, T, K, cap, lay.dropped,
-                              plan.m_splits, lay.column_counts, plan)
+                              plan.m_splits, lay.column_counts, plan, aligned)
 
     def _move_bytes(self, rows: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """Token rows ``[T, B]`` (any dtype, e.g. FP8 dispatch's uint8) -> the expert input's rows ``[rows, B]``,
