@@ -51,6 +51,7 @@ try:  # torch's symmetric memory (NVSHMEM exchange): optional
 except ImportError:  # pragma: no cover - torch without it
     _symm = None
 
+from moe_graph.ops.dispatch_layout import aligned_groups
 from moe_graph.ops.errors import EXCHANGE_COUNTS, flag_error_if
 from moe_graph.ops.nvlink import FusedDispatch, NvlinkExchange, OrderedStream, kernels_available
 from moe_graph.ops.permute import reduce_rows, route_dot
@@ -243,6 +244,16 @@ class HostSizedExchange:
         p.expert_index = torch.cat(dst).to(dev) if dst else torch.zeros(0, dtype=torch.int64, device=dev)
         p.m_splits = fit.sum(0)
         return p
+
+    def align(self, p: _Plan, align: int) -> torch.Tensor:
+        """Lays plan ``p``'s expert rows out with every local expert's group starting at a multiple of ``align`` rows
+        (zero rows after each; :func:`moe_graph.ops.dispatch_layout.aligned_groups` composed into the placement
+        index, so the rows still move once): ``p.capacity`` becomes the padded rows; returns the padded
+        ``m_splits`` (``p.m_splits`` keeps the received rows per expert)."""
+        m, source_of_padded, padded_of_source = aligned_groups(p.m_splits, p.capacity, align)
+        p.expert_index = padded_of_source.index_select(0, p.expert_index)
+        p.capacity = source_of_padded.shape[0]
+        return m
 
     def to_experts(self, send: torch.Tensor, p: _Plan) -> torch.Tensor:
         """Send-slot rows ``[n, X]`` (packed, by destination) -> expert input ``[capacity, X]``."""

@@ -142,17 +142,28 @@ class GroupedMLP(nn.Module):
             self._spare_grad_key = key
         return self._accumulate_mask
 
+    def row_alignment(self) -> Optional[int]:
+        """The row alignment this forward's expert groups need, for the dispatcher to place the rows at
+        (:meth:`moe_graph.moe.token_dispatcher.TokenDispatcher.dispatch`'s ``align_rows``; then ``forward(...,
+        aligned=True)``): :data:`FP8_ROW_ALIGNMENT` under an FP8 recipe (with :data:`ALIGNED_DISPATCH`), else
+        ``None``."""
+        if _fp8.current_recipe() is None or not ALIGNED_DISPATCH:
+            return None
+        return FP8_ROW_ALIGNMENT
+
     def forward(self, expert_in: torch.Tensor, m_splits: torch.Tensor,
                 echo: Optional[EchoExpertDispatcher] = None, offload_map: Optional[torch.Tensor] = None,
                 spare_weights: Optional[Sequence[torch.Tensor]] = None,
-                row_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """See :meth:`_forward`. Under an FP8 recipe the rows are first regrouped so that every expert's group
-        starts at a multiple of :data:`FP8_ROW_ALIGNMENT` rows (zero rows between the groups, :class:`AlignedGroups`)
-        and the output is regrouped back: the FP8 weight-gradient GEMM on a GPU reads each group's transposed FP8
-        copy through TMA, whose base address must be 16-byte aligned (``UNALIGNED_SPLIT`` otherwise). The zero rows
-        change nothing (partial tiles are zero-padded anyway; they add nothing to any gradient; no output reads
-        them), on the CPU too, which runs the same regrouping."""
-        if _fp8.current_recipe() is None:
+                row_scale: Optional[torch.Tensor] = None, aligned: bool = False) -> torch.Tensor:
+        """See :meth:`_forward`. Under an FP8 recipe every expert's group must start at a multiple of
+        :data:`FP8_ROW_ALIGNMENT` rows (zero rows between the groups): the FP8 weight-gradient GEMM on a GPU reads
+        each group's transposed FP8 copy through TMA, whose base address must be 16-byte aligned
+        (``UNALIGNED_SPLIT`` otherwise). ``aligned``: the rows come so already (``m_splits`` the padded counts,
+        ``row_scale`` padded alike): the dispatcher placed them there (:meth:`row_alignment`). Otherwise the rows
+        are regrouped here (:class:`AlignedGroups`) and the output regrouped back. The zero rows change nothing
+        (partial tiles are zero-padded anyway; they add nothing to any gradient; no output reads them), on the CPU
+        too, which runs the same layout."""
+        if _fp8.current_recipe() is None or aligned:
             return self._forward(expert_in, m_splits, echo, offload_map, spare_weights, row_scale)
         groups = AlignedGroups(m_splits, expert_in.shape[0], FP8_ROW_ALIGNMENT)
         rs = None if row_scale is None else groups.pad(row_scale.view(-1, 1)).view(-1)
@@ -249,6 +260,10 @@ FUSED_FP8_ACTIVATION = True
 
 # Rows per expert group boundary under FP8 (the GPU wgrad's TMA alignment of the transposed FP8 copies: 16 bytes)
 FP8_ROW_ALIGNMENT = 16
+
+# The dispatcher places the rows at their aligned rows itself where its path composes the alignment into its index
+# maps (GroupedMLP.row_alignment); False: the experts always regroup (AlignedGroups; the tests' reference)
+ALIGNED_DISPATCH = True
 
 
 class AlignedGroups:

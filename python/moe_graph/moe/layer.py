@@ -526,8 +526,9 @@ class MoELayer(nn.Module):
         h_in = h_in if recipe is None else h_in.to(self.experts.fc1.weight.dtype)  # quantized as the experts would
         with stage("dispatch"):
             expert_in, m_splits, handle = self.dispatcher.dispatch(h_in, indices, routing.probs, valid, demand,
-                                                                   fp8_recipe=recipe)
-        self._stat("last_m_splits", m_splits)
+                                                                   fp8_recipe=recipe,
+                                                                   align_rows=self.experts.row_alignment())
+        self._stat("last_m_splits", handle.m_splits)  # the routed rows (m_splits: padded when handle.aligned)
 
         if self.probs_on_input:  # Llama 4: each row scaled by its probability before the experts
             w = self.dispatcher.row_weights(handle)
@@ -538,11 +539,11 @@ class MoELayer(nn.Module):
         row_scale = self.dispatcher.row_weights(handle) if self.scale_rows else None
         with stage("experts"):
             if self.echo is None:
-                expert_out = self.experts(expert_in, m_splits, row_scale=row_scale)
+                expert_out = self.experts(expert_in, m_splits, row_scale=row_scale, aligned=handle.aligned)
             else:
                 spares = self.echo.iteration_spares(plan, self.experts.expert_params(), reuse)
                 expert_out = self.experts(expert_in, m_splits, self.echo.dispatcher, plan, spares,
-                                          row_scale=row_scale)
+                                          row_scale=row_scale, aligned=handle.aligned)
             if self.expert_output_norm is not None:  # Muse-Spark: each expert output row normed, then weighted
                 expert_out = self.expert_output_norm(expert_out)
         weighted = not (self.scale_rows or self.probs_on_input)

@@ -67,10 +67,10 @@ from torch import nn
 
 from moe_graph.moe.echo import default_backend
 from moe_graph.moe.exchange import (EXCHANGES, CompletedExchange, FusedCombineFn, FusedDispatchFn, FusedState,
-                                    RowWeightsFn, ToExperts, ToSources, capacity_for, checked_demand, checksum_weights,
+                                    HostSizedExchange, RowWeightsFn, ToExperts, ToSources, capacity_for, checked_demand, checksum_weights,
                                     destination_capacity, destination_quotas, flag_if_ranks_disagree, is_fused,
                                     resolve_exchange)
-from moe_graph.ops.dispatch_layout import dispatch_layout, receive_layout
+from moe_graph.ops.dispatch_layout import aligned_groups, dispatch_layout, receive_layout
 from moe_graph.ops.fp8 import carrier, pack_rows, unpack_rows
 from moe_graph.ops.permute import expand_rows, reduce_rows
 
@@ -170,6 +170,30 @@ def take_rows(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return out.mul_(keep.view((-1,) + (1,) * (src.dim() - 1)).to(out.dtype))
 
 
+def _compose(index: torch.Tensor, table: torch.Tensor, sentinel: int) -> torch.Tensor:
+    """``table[index]`` with ``index == len(table)`` (the sentinel of ``index``'s map) mapped to ``sentinel``: one
+    index map composed with another (small int tensors, device ops, no sync)."""
+    return torch.nn.functional.pad(table, (0, 1), value=sentinel).index_select(0, index)
+
+
+def _align_groups(handle: DispatchHandle, align: int) -> None:
+    """Composes :func:`moe_graph.ops.dispatch_layout.aligned_groups` of ``handle.m_splits`` (over the
+    ``N = R * capacity`` expert rows) into the per-pair rule's maps, in place: at R = 1 the send slots (the expert
+    input) become the padded rows (``route_of_slot [P]``, ``route_slot`` into ``[0, P]``); at R > 1 the receive
+    side's regrouping (``expert_row_source [P]``, ``recv_row_target`` into ``[0, P]``), the exchange unchanged.
+    Sets ``handle.aligned_m_splits``; static shapes (``P`` from the host sizes), no sync."""
+    N = handle.route_of_slot.shape[0]
+    m, source_of_padded, padded_of_source = aligned_groups(handle.m_splits, N, align)
+    P = source_of_padded.shape[0]
+    if handle.expert_row_source is None:  # R = 1: route -> slot -> padded row
+        handle.route_of_slot = _compose(source_of_padded, handle.route_of_slot, handle.num_tokens * handle.topk)
+        handle.route_slot = _compose(handle.route_slot, padded_of_source, P)
+    else:  # received row -> expert row -> padded row
+        handle.expert_row_source = _compose(source_of_padded, handle.expert_row_source, N)
+        handle.recv_row_target = _compose(handle.recv_row_target, padded_of_source, P)
+    handle.aligned_m_splits = m
+
+
 class _IdentityBackend:
     def exchange(self, send: torch.Tensor) -> torch.Tensor:
         return send
@@ -194,11 +218,27 @@ class DispatchHandle:
     column_counts: torch.Tensor  # [C] int64: valid routes per routing column (before drops)
     # the per-destination backend's plan (exchange="symm_mem"; a FusedState with exchange="nvlink"), else None
     exchange_plan: Optional[object] = None
+    # dispatch(align_rows=...) on a path that composes it: the expert groups start at multiples of align_rows rows
+    # (the padded counts, what the grouped GEMM reads); route_of_slot / route_slot (R = 1: the send slots are the
+    # padded expert rows), expert_row_source / recv_row_target (R > 1, per pair) or the host-sized exchange's plan
+    # (per destination) then index the padded rows. None: unpadded
+    aligned_m_splits: Optional[torch.Tensor] = None
+
+    @property
+    def aligned(self) -> bool:
+        """Whether the expert input came out with its groups aligned (:meth:`TokenDispatcher.dispatch`'s
+        ``align_rows``)."""
+        return self.aligned_m_splits is not None
 
     @property
     def expert_rows(self) -> int:
-        """Rows of the expert input: ``R * capacity`` (per-pair rule) or ``capacity`` (per destination)."""
-        return self.capacity if self.exchange_plan is not None else self.route_of_slot.shape[0]
+        """Rows of the expert input: ``R * capacity`` (per-pair rule) or ``capacity`` (per destination), the
+        padded rows (:func:`moe_graph.ops.dispatch_layout.aligned_padded_rows`) when :attr:`aligned`."""
+        if self.exchange_plan is not None:
+            return self.exchange_plan.capacity
+        if self.expert_row_source is not None:
+            return self.expert_row_source.shape[0]
+        return self.route_of_slot.shape[0]
 
     @property
     def route_rows(self) -> torch.Tensor:
@@ -379,6 +419,7 @@ class TokenDispatcher(nn.Module):
         valid: Optional[torch.Tensor] = None,
         demand: Optional[torch.Tensor] = None,
         fp8_recipe=None,
+        align_rows: Optional[int] = None,
     ) -> Tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
         """Send each token's routes to the ranks hosting their columns.
 
@@ -392,12 +433,23 @@ class TokenDispatcher(nn.Module):
                 rowwise here, once each, and travel as their FP8 and scale bytes (about half the bytes of 16-bit
                 rows); the expert input is then a :class:`moe_graph.ops.fp8.QuantizedRows` (bytes equal, row for
                 row, to quantizing the 16-bit expert input) whose input gradient comes back in ``hidden``'s dtype.
+            align_rows: the expert groups should start at multiples of this many rows (the FP8 experts' 16-row
+                alignment, :meth:`moe_graph.moe.experts.GroupedMLP.row_alignment`): on the per-pair rule (EP 1 and
+                the fixed-split exchange at EP > 1, with or without FP8 dispatch) the alignment
+                (:func:`moe_graph.ops.dispatch_layout.aligned_groups` of the counts) is composed into the index
+                maps, so each row moves once, straight to its aligned row, and combine reads the padded rows
+                straight back (``handle.aligned``); so does the host-sized per-destination exchange (gloo,
+                :meth:`moe_graph.moe.exchange.HostSizedExchange.align`). The NVSHMEM per-destination exchange
+                (its counts come back with the rows) and the fused exchange place the rows themselves and ignore
+                it (``handle.aligned`` False: the experts regroup, :class:`moe_graph.moe.experts.AlignedGroups`).
 
         Returns:
             ``(expert_input [rows, H], m_splits [num_local_columns] int64 on the device, handle)``: received rows
             grouped by local expert (expert order, then source rank, then the sender's order), padding rows (zeros)
             at the end; ``rows`` is ``R * capacity`` per pair, ``capacity`` per destination; ``m_splits`` goes
-            straight to the grouped GEMM.
+            straight to the grouped GEMM. Aligned (``handle.aligned``): ``rows`` is
+            :func:`~moe_graph.ops.dispatch_layout.aligned_padded_rows` of those, zero rows after each group, and
+            ``m_splits`` the padded counts (``handle.m_splits`` keeps the routed rows per local expert).
         """
         if hidden.dim() != 2:
             raise ValueError(f"hidden must be [T, H], got shape {tuple(hidden.shape)}")
@@ -411,6 +463,9 @@ class TokenDispatcher(nn.Module):
             raise ValueError(f"valid must have the shape of indices {tuple(indices.shape)}, got {tuple(valid.shape)}")
         if indices.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"indices must be int32/int64, got {indices.dtype}")
+        if align_rows is not None and (isinstance(align_rows, bool) or not isinstance(align_rows, int)
+                                       or not 1 <= align_rows <= 1 << 20):
+            raise ValueError(f"align_rows must be None or an int in [1, 2^20], got {align_rows!r}")
         dev = hidden.device
         if dev != self.device:
             raise ValueError(
@@ -431,7 +486,7 @@ class TokenDispatcher(nn.Module):
         if fp8_recipe is not None:
             packed = pack_rows(hidden, fp8_recipe)  # checks the recipe before anything moves
         if self.rule == "destination":
-            handle = self._layout_per_destination(indices, probs, valid, demand, order, counters, cap)
+            handle = self._layout_per_destination(indices, probs, valid, demand, order, counters, cap, align_rows)
         else:
             lay = dispatch_layout(indices, self.column_rank, self.column_local, R, Lc, cap, valid=valid,
                                   route_order=order, counters=counters)
@@ -442,6 +497,8 @@ class TokenDispatcher(nn.Module):
                 source, target, m_splits = None, None, lay.send_counts.view(Lc)
             handle = DispatchHandle(lay.route_slot, lay.route_of_slot, source, target, probs, T, K, cap, lay.dropped,
                                     m_splits, lay.column_counts)
+            if align_rows is not None:
+                _align_groups(handle, align_rows)
         if fp8_recipe is not None:
             with torch.no_grad():
                 moved = self._move_bytes(packed, handle)
@@ -456,7 +513,7 @@ class TokenDispatcher(nn.Module):
             expert_in = self._to_expert_order(send, handle)
         if handle.exchange_plan is not None:  # known once the rows went (the NVSHMEM exchange returns them)
             handle.m_splits = handle.exchange_plan.m_splits
-        return expert_in, handle.m_splits, handle
+        return expert_in, handle.m_splits if handle.aligned_m_splits is None else handle.aligned_m_splits, handle
 
     def _local_demand(self, indices: torch.Tensor, valid: Optional[torch.Tensor]) -> torch.Tensor:
         """``[R]`` int64: this rank's live routes per destination (routes with an index outside the columns are not
@@ -469,9 +526,12 @@ class TokenDispatcher(nn.Module):
         return torch.zeros(self.num_ep_ranks, dtype=torch.int64, device=idx.device).index_add_(
             0, dst, live.to(torch.int64))
 
-    def _layout_per_destination(self, indices, probs, valid, demand, order, counters, cap) -> DispatchHandle:
+    def _layout_per_destination(self, indices, probs, valid, demand, order, counters, cap,
+                                align_rows=None) -> DispatchHandle:
         """The per-destination rule (see :mod:`moe_graph.moe.exchange`): quotas from the all-gathered demand, the
-        layout op in quota mode, the variable-size exchange's plan (its ``m_splits`` are set once the rows went)."""
+        layout op in quota mode, the variable-size exchange's plan (its ``m_splits`` are set once the rows went).
+        ``align_rows``: the host-sized exchange composes the alignment into its placement
+        (:meth:`moe_graph.moe.exchange.HostSizedExchange.align`); the others ignore it."""
         R, (T, K) = self.num_ep_ranks, indices.shape
         local = self._local_demand(indices, valid)
         if demand is None:
@@ -493,8 +553,11 @@ class TokenDispatcher(nn.Module):
             plan = FusedState(lay.route_of_slot, lay.send_counts, K, cap)
         else:
             plan = self.exchange_backend.plan(lay.send_counts, cap)
+        aligned = None
+        if align_rows is not None and isinstance(self.exchange_backend, HostSizedExchange):
+            aligned = self.exchange_backend.align(plan, align_rows)
         return DispatchHandle(lay.route_slot, lay.route_of_slot, None, None, probs, T, K, cap, lay.dropped,
-                              plan.m_splits, lay.column_counts, plan)
+                              plan.m_splits, lay.column_counts, plan, aligned)
 
     def _move_bytes(self, rows: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """Token rows ``[T, B]`` (any dtype, e.g. FP8 dispatch's uint8) -> the expert input's rows ``[rows, B]``,
@@ -529,8 +592,8 @@ class TokenDispatcher(nn.Module):
             return ToSources.apply(self.exchange_backend, handle.exchange_plan, rows, handle.route_of_slot.shape[0])
         if self.num_ep_ranks == 1:
             return rows
-        N, X = rows.shape
-        back = expand_rows(rows, handle.recv_row_target, handle.expert_row_source.view(N, 1))
+        N, (M, X) = handle.route_of_slot.shape[0], rows.shape
+        back = expand_rows(rows, handle.recv_row_target, handle.expert_row_source.view(M, 1))
         return _Exchange.apply(self.backend, back.view(self.num_ep_ranks, N // self.num_ep_ranks, X)).reshape(N, X)
 
     def row_weights(self, handle: DispatchHandle) -> torch.Tensor:

@@ -1,0 +1,54 @@
+"""Multi-process worker for the aligned-dispatch tests (gloo, ``run_distributed``): on each EP rank, one FP8 MoE
+layer run with the dispatcher placing the rows at their 16-row-aligned expert rows (``experts.ALIGNED_DISPATCH``)
+and with the experts regrouping them (the previous path, the oracle)."""
+
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import torch
+
+import moe_graph
+import moe_graph.moe.experts as experts
+from moe_graph.moe.layer import MoELayer
+
+
+def run_layer(layer: MoELayer, x: torch.Tensor, target: torch.Tensor, kind: str, aligned_dispatch: bool):
+    """``(output, input gradient, {name: gradient})`` of one forward and backward of ``layer`` under the FP8
+    ``kind`` recipe, with ``experts.ALIGNED_DISPATCH`` set to ``aligned_dispatch`` (restored after), and whether the
+    dispatcher aligned the rows itself."""
+    before = experts.ALIGNED_DISPATCH
+    experts.ALIGNED_DISPATCH = aligned_dispatch
+    seen = []
+    hook = layer.experts.register_forward_pre_hook(lambda mod, args, kw: seen.append(kw.get("aligned")),
+                                                   with_kwargs=True)
+    try:
+        xx = x.clone().requires_grad_()
+        with moe_graph.fp8.autocast(recipe=kind):
+            y = layer(xx)
+        (y * target).sum().backward()
+    finally:
+        experts.ALIGNED_DISPATCH = before
+        hook.remove()
+    grads = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
+    layer.zero_grad(set_to_none=True)
+    return y.detach(), xx.grad, grads, bool(seen and seen[0])
+
+
+def aligned_dispatch_worker(rank: int, world: int, kind: str, exchange: str, capacity_factor: Optional[float],
+                            spare: int, fp8_dispatch: bool) -> Dict:
+    torch.manual_seed(11)  # the same router on every rank; experts differ by rank below
+    E, K, T, H = 4 * world, 2, 29, 96
+    layer = MoELayer(H, 64, E, K, ep_size=world, capacity_factor=capacity_factor, exchange=exchange,
+                     num_spare_experts_per_ep_rank=spare, fp8_dispatch=fp8_dispatch, device="cpu")
+    with torch.no_grad():
+        layer.router.weight[0] += 0.3  # expert 0 is busy: drops under a capacity, work for echo
+        for p in layer.experts.parameters():
+            p.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(100 + rank))
+    g = torch.Generator().manual_seed(1000 + rank)
+    x, target = torch.randn(T, H, generator=g), torch.randn(T, H, generator=g)
+    y0, dx0, g0, a0 = run_layer(layer, x, target, kind, False)
+    y1, dx1, g1, a1 = run_layer(layer, x, target, kind, True)
+    return {"out_equal": torch.equal(y0, y1), "dx_equal": torch.equal(dx0, dx1),
+            "unequal_grads": sorted(n for n in g0 if not torch.equal(g0[n], g1[n])), "grads": sorted(g0),
+            "aligned_before": a0, "aligned_after": a1, "dropped": layer.dispatcher.check_drops()}
