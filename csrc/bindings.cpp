@@ -105,10 +105,11 @@ TORCH_LIBRARY(moe_graph, m) {
   // h [N, 2F] (gated: gate half, then up half) or [N, F] (plain), row_scale [N] (fp32 or h's dtype) or None,
   // activation (kinds, alpha and limit: csrc/activation/activation_math.h) -> act(h) * row_scale[:, None] [N, F].
   m.def("expert_activation(Tensor h, Tensor? row_scale, str activation, float alpha, float limit) -> Tensor");
-  // -> (grad_h like h, grad_row_scale [N] in row_scale's dtype; [0] without row_scale).
+  // -> (grad_h like h, grad_row_scale [N] in row_scale's dtype; [0] without row_scale). write_grad_h=False: grad_h
+  // not written ([0]), the row-scale gradient only (beside the FP8 quantizer's fused backward producer).
   m.def(
       "expert_activation_backward(Tensor grad_y, Tensor h, Tensor? row_scale, str activation, float alpha, "
-      "float limit) -> (Tensor, Tensor)");
+      "float limit, bool write_grad_h=True) -> (Tensor, Tensor)");
   // ---- FP8 quantization (csrc/fp8/quantize.h) -----------------------------------------------------------
   // x [M, K] (grouped by m_splits [E]) or [B, M, K]; tiles tile_rows x tile_cols per group (0: all) -> (q, scale):
   // fp32 scale_inv (TE's blockwise / current scaling) or E8M0 (mx); transpose writes q [K, M] and its scales.
@@ -117,9 +118,11 @@ TORCH_LIBRARY(moe_graph, m) {
         "float eps, bool pow2, bool transpose, Tensor? x_scale=None) -> (Tensor, Tensor)");
   // Both copies in one pass (one launch on CUDA): (q, scale) in tiles[0] x tiles[1] and the transposed (q_t,
   // scale_t) in tiles[2] x tiles[3]; with activation, of act(h) * row_scale for h = x (expert_activation's values,
-  // without them in memory: the fused producer of fc2's FP8 input).
+  // without them in memory: the fused producer of fc2's FP8 input); with activation and grad_y, of
+  // expert_activation_backward's grad_h (the fused producer of fc1's FP8 dy).
   m.def("fp8_quantize_pair(Tensor x, Tensor? m_splits, int[] tiles, ScalarType fp8_dtype, bool mx, float eps, "
-        "bool pow2, str? activation, float alpha, float limit, Tensor? row_scale) -> (Tensor, Tensor, Tensor, Tensor)");
+        "bool pow2, str? activation, float alpha, float limit, Tensor? row_scale, Tensor? grad_y=None) -> "
+        "(Tensor, Tensor, Tensor, Tensor)");
   // Scaled grouped GEMM (csrc/fp8/scaled_gemm.h): per-K-block fp32 sums times a_scale * b_scale, fp32 accumulation.
   m.def("fp8_scaled_grouped_gemm(Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, Tensor m_splits, int block_k, "
         "int block_n, Tensor? bias, ScalarType out_dtype) -> Tensor");

@@ -197,3 +197,11 @@ def test_fused_fp8_activation_changes_nothing(kind, fp8_dispatch, spare, monkeyp
     of the 16-bit activation whose output fc2 quantizes, bit for bit (the routing probabilities scale the rows on
     the narrow side here: ffn 64 < hidden 128)."""
     _same_under_switch(monkeypatch, kind, fp8_dispatch, spare, "FUSED_FP8_ACTIVATION", (True, False), 6)
+
+
+@pytest.mark.parametrize("kind,fp8_dispatch,spare", [("blockwise", False, 0), ("mxfp8", True, 0),
+                                                     ("blockwise", False, 1)])
+def test_fused_fp8_activation_backward_changes_nothing(kind, fp8_dispatch, spare, monkeypatch):
+    """fc1 and the activation as one node (fc1's FP8 output gradient quantized straight from the activation's
+    output gradient, tests/test_fp8_activation_backward.py) against two: output and every gradient bit-equal."""
+    _same_under_switch(monkeypatch, kind, fp8_dispatch, spare, "FUSED_FP8_ACTIVATION_BACKWARD", (True, False), 9)

@@ -33,7 +33,7 @@ struct ActivationProblem {
   const void* scale = nullptr;        // [N] or nullptr (scale 1)
   void* y = nullptr;                  // forward: [N, F]
   const void* grad_y = nullptr;       // backward: [N, F]
-  void* grad_h = nullptr;             // backward: like h
+  void* grad_h = nullptr;             // backward: like h (nullptr: not written, the scale gradient only)
   void* grad_scale = nullptr;         // backward: [N] (nullptr: not computed; needs scale)
   int sm_count = 1;                   // CUDA: multiprocessors of the device (sizes the grid)
 };

@@ -43,7 +43,7 @@ void backward_rows(const ActivationProblem& p, int64_t r0, int64_t r1) {
   for (int64_t r = r0; r < r1; ++r) {
     const T* a = h + r * kWidth * F;
     const T* g = dy + r * F;
-    T* da = dh + r * kWidth * F;
+    T* da = dh ? dh + r * kWidth * F : nullptr;  // nullptr: the scale gradient only
     const A s = scale ? static_cast<A>(widen(scale[r])) : A(1);
     A dot = A(0);
     for (int64_t f = 0; f < F; ++f) {
@@ -51,12 +51,14 @@ void backward_rows(const ActivationProblem& p, int64_t r0, int64_t r1) {
       const A gs = gv * s;
       if constexpr (is_gated(K)) {
         const GatedGrad<A> d = gated_grad<K, A>(widen(a[f]), widen(a[F + f]), alpha, limit);
-        da[f] = Narrow<T>::to(gs * d.d_a);
-        da[F + f] = Narrow<T>::to(gs * d.d_b);
+        if (da) {
+          da[f] = Narrow<T>::to(gs * d.d_a);
+          da[F + f] = Narrow<T>::to(gs * d.d_b);
+        }
         dot += gv * d.act;
       } else {
         const PlainGrad<A> d = plain_grad<K, A>(widen(a[f]));
-        da[f] = Narrow<T>::to(gs * d.d_a);
+        if (da) da[f] = Narrow<T>::to(gs * d.d_a);
         dot += gv * d.act;
       }
     }

@@ -5,7 +5,8 @@
 //   16-byte aligned, else V = 1; fp64 post_clamped_swiglu and gelu always V = 1: vector_elems),
 //   each row by one group of up to 32 lanes of a warp (short rows share a warp),
 //   grid-stride over the rows. The backward's scale gradient is the row's sum over its lanes, a shuffle
-//   reduction inside the group written by its first lane (no atomics).
+//   reduction inside the group written by its first lane (no atomics). Without grad_h (nullptr) the backward
+//   computes the same values and writes the scale gradient only.
 #include <algorithm>
 #include <cstdint>
 
@@ -119,7 +120,7 @@ __global__ void __launch_bounds__(kThreads) backward_kernel(ActivationProblem p,
             db.v[k] = Narrow<T>::to(gs * d.d_b);
             dot += gv * d.act;
           }
-          store<T, V>(dh + r * kWidth * F + F + c, db);
+          if (dh != nullptr) store<T, V>(dh + r * kWidth * F + F + c, db);
         } else {
 #pragma unroll
           for (int k = 0; k < V; ++k) {
@@ -130,7 +131,7 @@ __global__ void __launch_bounds__(kThreads) backward_kernel(ActivationProblem p,
             dot += gv * d.act;
           }
         }
-        store<T, V>(dh + r * kWidth * F + c, da);
+        if (dh != nullptr) store<T, V>(dh + r * kWidth * F + c, da);  // nullptr: the scale gradient only
       }
     }
     if (ds != nullptr) {  // uniform over the warp: the row's sum over its group of lanes (aligned, power of two)
@@ -204,7 +205,7 @@ cudaError_t activation_forward_cuda(const ActivationProblem& p, cudaStream_t str
 
 cudaError_t activation_backward_cuda(const ActivationProblem& p, cudaStream_t stream) {
   if (p.rows == 0) return cudaSuccess;
-  if (p.cols == 0 && p.grad_scale == nullptr) return cudaSuccess;
+  if ((p.cols == 0 || p.grad_h == nullptr) && p.grad_scale == nullptr) return cudaSuccess;
   dispatch_activation(p, [&](auto kind, auto t, auto s) {
     launch<decltype(kind)::value, typename decltype(t)::type, typename decltype(s)::type, true>(p, stream);
   });

@@ -112,19 +112,20 @@ at::Tensor forward_out(const at::Tensor& h, activation::ActivationProblem& p) {
   return y;
 }
 
+// write_grad_h false: grad_h is not computed into memory (an empty [0] tensor is returned in its place).
 std::tuple<at::Tensor, at::Tensor> backward_out(const at::Tensor& grad_y, const at::Tensor& h,
                                                 const std::optional<at::Tensor>& row_scale,
-                                                activation::ActivationProblem& p) {
+                                                activation::ActivationProblem& p, bool write_grad_h) {
   check_defined(grad_y, kBwd, "grad_y");
   check_shape(grad_y, {p.rows, p.cols}, kBwd, "grad_y");
   check_same_dtype(grad_y, h, kBwd, "grad_y", "h");
   check_device(grad_y, h.device(), kBwd, "grad_y");
   check_contiguous(grad_y, kBwd, "grad_y");
-  at::Tensor grad_h = at::empty_like(h);
+  at::Tensor grad_h = write_grad_h ? at::empty_like(h) : at::empty({0}, h.options());
   at::Tensor grad_scale = has_scale(row_scale) ? at::empty({p.rows}, row_scale->options())
                                                : at::empty({0}, h.options().dtype(at::kFloat));
   p.grad_y = grad_y.data_ptr();
-  p.grad_h = grad_h.data_ptr();
+  p.grad_h = write_grad_h ? grad_h.data_ptr() : nullptr;
   p.grad_scale = has_scale(row_scale) ? grad_scale.data_ptr() : nullptr;
   return {grad_h, grad_scale};
 }
@@ -148,9 +149,9 @@ at::Tensor expert_activation_cpu(const at::Tensor& h, const std::optional<at::Te
 std::tuple<at::Tensor, at::Tensor> expert_activation_backward_cpu(const at::Tensor& grad_y, const at::Tensor& h,
                                                                  const std::optional<at::Tensor>& row_scale,
                                                                  c10::string_view activation, double alpha,
-                                                                 double limit) {
+                                                                 double limit, bool write_grad_h) {
   auto p = check_and_describe(kBwd, h, row_scale, activation, alpha, limit);
-  auto out = backward_out(grad_y, h, row_scale, p);
+  auto out = backward_out(grad_y, h, row_scale, p, write_grad_h);
   at::parallel_for(0, p.rows, cpu_grain(p),
                    [&](int64_t r0, int64_t r1) { activation::activation_backward_rows(p, r0, r1); });
   return out;
@@ -174,10 +175,10 @@ at::Tensor expert_activation_cuda(const at::Tensor& h, const std::optional<at::T
 std::tuple<at::Tensor, at::Tensor> expert_activation_backward_cuda(const at::Tensor& grad_y, const at::Tensor& h,
                                                                   const std::optional<at::Tensor>& row_scale,
                                                                   c10::string_view activation, double alpha,
-                                                                  double limit) {
+                                                                  double limit, bool write_grad_h) {
   c10::cuda::CUDAGuard guard(h.device());
   auto p = check_and_describe(kBwd, h, row_scale, activation, alpha, limit);
-  auto out = backward_out(grad_y, h, row_scale, p);
+  auto out = backward_out(grad_y, h, row_scale, p, write_grad_h);
   p.sm_count = sm_count_of(h);
   C10_CUDA_CHECK(activation::activation_backward_cuda(p, at::cuda::getCurrentCUDAStream(h.device().index()).stream()));
   return out;

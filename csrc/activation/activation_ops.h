@@ -25,11 +25,12 @@ activation::ActivationProblem describe_expert_activation(const char* op, const a
 // dtype.
 at::Tensor expert_activation_cpu(const at::Tensor& h, const std::optional<at::Tensor>& row_scale,
                                 c10::string_view activation, double alpha, double limit);
-// grad_y [N, F] -> (grad_h like h, grad_row_scale [N] in row_scale's dtype, or [0] fp32 without a scale).
+// grad_y [N, F] -> (grad_h like h, grad_row_scale [N] in row_scale's dtype, or [0] fp32 without a scale);
+// write_grad_h false: grad_h is not written (returned as an empty [0] tensor), the row-scale gradient only.
 std::tuple<at::Tensor, at::Tensor> expert_activation_backward_cpu(const at::Tensor& grad_y, const at::Tensor& h,
                                                                  const std::optional<at::Tensor>& row_scale,
                                                                  c10::string_view activation, double alpha,
-                                                                 double limit);
+                                                                 double limit, bool write_grad_h);
 
 #ifdef MOE_GRAPH_WITH_CUDA
 at::Tensor expert_activation_cuda(const at::Tensor& h, const std::optional<at::Tensor>& row_scale,
@@ -37,7 +38,7 @@ at::Tensor expert_activation_cuda(const at::Tensor& h, const std::optional<at::T
 std::tuple<at::Tensor, at::Tensor> expert_activation_backward_cuda(const at::Tensor& grad_y, const at::Tensor& h,
                                                                   const std::optional<at::Tensor>& row_scale,
                                                                   c10::string_view activation, double alpha,
-                                                                  double limit);
+                                                                  double limit, bool write_grad_h);
 #endif
 
 }  // namespace moe_graph

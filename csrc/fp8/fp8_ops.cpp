@@ -33,7 +33,8 @@ struct Quantized {
   at::Tensor q, scale;
 };
 
-// `act`: x is the fused activation's input h [M, W] and the values are act(h) * s (K = act->cols).
+// `act`: x is the fused activation's input h [M, W] and the values are act(h) * s (K = act->cols), or with
+// act->grad_y the activation backward's grad_h (K = W).
 Quantized describe(const at::Tensor& x, const std::optional<at::Tensor>& m_splits, int64_t tile_rows,
                    int64_t tile_cols, at::ScalarType fp8_dtype, bool mx, double eps, bool pow2, bool transpose,
                    const std::optional<at::Tensor>& x_scale,
@@ -68,9 +69,10 @@ Quantized describe(const at::Tensor& x, const std::optional<at::Tensor>& m_split
   fp8::QuantizeProblem& p = out.p;
   p.batch = x.dim() == 3 ? x.size(0) : 1;
   p.rows = x.size(-2);
-  p.cols = act ? act->cols : x.size(-1);
+  p.cols = act && act->grad_y == nullptr ? act->cols : x.size(-1);
   if (act) {
     p.has_act = true;
+    p.act_grad = act->grad_y != nullptr;
     p.act = *act;
   }
   p.in_type = x.scalar_type() == at::kFloat ? fp8::InType::kF32
@@ -406,16 +408,28 @@ struct Pair {
 Pair describe_pair(const at::Tensor& x, const std::optional<at::Tensor>& m_splits, at::IntArrayRef tiles,
                    at::ScalarType fp8_dtype, bool mx, double eps, bool pow2,
                    const std::optional<c10::string_view>& activation, double alpha, double limit,
-                   const std::optional<at::Tensor>& row_scale) {
+                   const std::optional<at::Tensor>& row_scale, const std::optional<at::Tensor>& grad_y) {
   TORCH_CHECK(tiles.size() == 4, kPair, ": tiles must be [rowwise tile rows, rowwise tile cols, columnwise tile "
               "rows, columnwise tile cols], got ", tiles.size(), " values");
   Pair out;
   const bool has_scale = row_scale.has_value() && row_scale->defined();
+  const bool has_grad = grad_y.has_value() && grad_y->defined();
   TORCH_CHECK(activation.has_value() || !has_scale, kPair, ": row_scale goes with an activation (the fused "
               "activation's row factor); got row_scale without activation");
+  TORCH_CHECK(activation.has_value() || !has_grad, kPair, ": grad_y goes with an activation (the fused activation "
+              "backward's output gradient); got grad_y without activation");
   if (activation.has_value()) {
     check_dtype(x, {at::kFloat, at::kBFloat16, at::kHalf}, kPair, "h (x, the activation's input)");
     out.act = describe_expert_activation(kPair, x, row_scale, *activation, alpha, limit);
+    if (has_grad) {  // the activation backward's grad_h: grad_y [M, F] in h's dtype
+      const at::Tensor& g = *grad_y;
+      check_dim(g, 2, kPair, "grad_y", "[M, F]");
+      check_shape(g, {out.act->rows, out.act->cols}, kPair, "grad_y");
+      check_same_dtype(g, x, kPair, "grad_y", "h");
+      check_device(g, x.device(), kPair, "grad_y");
+      check_contiguous(g, kPair, "grad_y");
+      out.act->grad_y = g.data_ptr();
+    }
   }
   const activation::ActivationProblem* act = out.act ? &*out.act : nullptr;
   out.rows = describe(x, m_splits, tiles[0], tiles[1], fp8_dtype, mx, eps, pow2, false, std::nullopt, act);
@@ -430,8 +444,8 @@ Pair describe_pair(const at::Tensor& x, const std::optional<at::Tensor>& m_split
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fp8_quantize_pair_cpu(
     const at::Tensor& x, const std::optional<at::Tensor>& m_splits, at::IntArrayRef tiles, at::ScalarType fp8_dtype,
     bool mx, double eps, bool pow2, std::optional<c10::string_view> activation, double alpha, double limit,
-    const std::optional<at::Tensor>& row_scale) {
-  Pair o = describe_pair(x, m_splits, tiles, fp8_dtype, mx, eps, pow2, activation, alpha, limit, row_scale);
+    const std::optional<at::Tensor>& row_scale, const std::optional<at::Tensor>& grad_y) {
+  Pair o = describe_pair(x, m_splits, tiles, fp8_dtype, mx, eps, pow2, activation, alpha, limit, row_scale, grad_y);
   for (const fp8::QuantizeProblem* p : {&o.rows.p, &o.cols.p}) {
     const int64_t tile = (p->tile_rows ? p->tile_rows : p->rows) * fp8::col_tile_width(*p);
     at::parallel_for(0, p->batch * p->row_tiles * p->col_tiles,
@@ -446,9 +460,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fp8_quantize_pair_cpu
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fp8_quantize_pair_cuda(
     const at::Tensor& x, const std::optional<at::Tensor>& m_splits, at::IntArrayRef tiles, at::ScalarType fp8_dtype,
     bool mx, double eps, bool pow2, std::optional<c10::string_view> activation, double alpha, double limit,
-    const std::optional<at::Tensor>& row_scale) {
+    const std::optional<at::Tensor>& row_scale, const std::optional<at::Tensor>& grad_y) {
   c10::cuda::CUDAGuard guard(x.device());
-  Pair o = describe_pair(x, m_splits, tiles, fp8_dtype, mx, eps, pow2, activation, alpha, limit, row_scale);
+  Pair o = describe_pair(x, m_splits, tiles, fp8_dtype, mx, eps, pow2, activation, alpha, limit, row_scale, grad_y);
   check_index32(o.rows.p, kPair);
   check_index32(o.cols.p, kPair);
   C10_CUDA_CHECK(fp8::quantize_pair_cuda(o.rows.p, &o.cols.p, at::cuda::getCurrentCUDAStream(x.device().index()).stream()));

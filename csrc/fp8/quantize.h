@@ -36,6 +36,13 @@
 //   row scale s; K = act.cols), computed per element from h by the same functions expert_activation runs, so the
 //   bytes equal quantizing expert_activation's y, without y in memory. x is unused.
 //
+//   Fused activation backward (producer of fc1's FP8 dy): with `has_act` and `act_grad`, the values quantized are
+//   the activation backward's grad_h [M, W] (W = 2F gated, F plain; K = W, act.cols = F) for the output gradient
+//   g = act.grad_y [M, F]: grad_h[r, c] = g[r, f] * s[r] * d act / d a (c = f < F) or d act / d b (gated, c = F + f),
+//   rounded to h's dtype, computed per element from g, h and s by the functions expert_activation_backward runs
+//   (LoadActGrad), so the bytes equal quantizing its grad_h, without grad_h in memory. The row-scale gradient is
+//   not computed here (expert_activation_backward without grad_h gives it, in its own summation order).
+//
 //   Pair (quantize_pair_cuda): two problems over the same input in one launch (the rowwise and the columnwise
 //   copy), each with its own tiles, layout and outputs; the CPU runs them one after the other.
 //
@@ -84,7 +91,9 @@ struct QuantizeProblem {
   int32_t* error_flag = nullptr;
   int32_t* nonfinite_flag = nullptr;  // set to 1 by a tile whose amax is inf or NaN
   bool has_act = false;               // fused activation: the values are act(h) * s (B == 1)
-  activation::ActivationProblem act;  // h, scale, kind, dtype, alpha, limit (rows == M, cols == K)
+  bool act_grad = false;              // with has_act: the values are the activation backward's grad_h
+  activation::ActivationProblem act;  // h, scale, kind, dtype, alpha, limit, grad_y (act_grad) (rows == M;
+                                      // cols == K, or K / 2 for a gated kind with act_grad)
 };
 
 // Static number of scale rows for M rows in E groups (E == 0: one group) and tile rows TR.
@@ -268,6 +277,30 @@ struct LoadAct {  // the fused activation: y[r, c] as expert_activation writes i
   }
 };
 
+template <activation::ActKind K, typename T, typename S>
+struct LoadActGrad {  // the fused activation backward: grad_h[r, c] as expert_activation_backward writes it
+  MOE_GRAPH_HD float operator()(const QuantizeProblem& p, int64_t, int64_t r, int64_t c) const {
+    using A = activation::acc_t<T>;
+    const int64_t F = p.act.cols;
+    constexpr int64_t kWidth = activation::is_gated(K) ? 2 : 1;
+    const bool up = kWidth == 2 && c >= F;  // the up half's column (gated kinds)
+    const int64_t f = up ? c - F : c;
+    const T* row = static_cast<const T*>(p.act.h) + r * kWidth * F;
+    const A s = p.act.scale ? static_cast<A>(activation::widen(static_cast<const S*>(p.act.scale)[r])) : A(1);
+    const A gs = static_cast<A>(activation::widen(static_cast<const T*>(p.act.grad_y)[r * F + f])) * s;
+    A d;
+    if constexpr (activation::is_gated(K)) {
+      const activation::GatedGrad<A> gg = activation::gated_grad<K, A>(
+          activation::widen(row[f]), activation::widen(row[F + f]), static_cast<A>(p.act.alpha),
+          static_cast<A>(p.act.limit));
+      d = up ? gg.d_b : gg.d_a;
+    } else {
+      d = activation::plain_grad<K, A>(activation::widen(row[f])).d_a;
+    }
+    return static_cast<float>(activation::widen(activation::Narrow<T>::to(gs * d)));
+  }
+};
+
 // Calls f(loader) with the problem's loader (host code: the launchers and the CPU implementation).
 template <class F>
 void with_loader(const QuantizeProblem& p, F&& f) {
@@ -277,8 +310,13 @@ void with_loader(const QuantizeProblem& p, F&& f) {
   }
   activation::dispatch_activation(p.act, [&](auto kind, auto t, auto s) {
     using T = typename decltype(t)::type;
-    if constexpr (!std::is_same_v<T, double>)  // fp64 h is refused by the op (no FP8 quantizer reads fp64)
-      f(LoadAct<decltype(kind)::value, T, typename decltype(s)::type>{});
+    using S = typename decltype(s)::type;
+    if constexpr (!std::is_same_v<T, double>) {  // fp64 h is refused by the op (no FP8 quantizer reads fp64)
+      if (p.act_grad)
+        f(LoadActGrad<decltype(kind)::value, T, S>{});
+      else
+        f(LoadAct<decltype(kind)::value, T, S>{});
+    }
   });
 }
 

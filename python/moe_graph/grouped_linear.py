@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from moe_graph.ops import fp8 as _fp8
+from moe_graph.ops._lib import ops as _ops
 from moe_graph.ops.grouped_gemm import (
     as_splits,
     grouped_bias_grad,
@@ -36,8 +37,8 @@ from moe_graph.ops.grouped_gemm import (
     zero_wgrad_placeholder,
 )
 
-__all__ = ["GroupedLinear", "fp8_grouped_linear", "gathered_fp8_weight", "fp8_forward", "fp8_dgrad", "fp8_wgrad",
-           "split_quantized"]
+__all__ = ["GroupedLinear", "fp8_grouped_linear", "fp8_grouped_linear_activation", "gathered_fp8_weight",
+           "fp8_forward", "fp8_dgrad", "fp8_wgrad", "split_quantized"]
 
 
 def _default_init(std: float = 0.023) -> Callable[[torch.Tensor], None]:
@@ -143,6 +144,49 @@ def _deliver_fp8_dw(weights, dw: torch.Tensor, fuse: bool, accumulate: bool) -> 
         _add_grad(w, g)
 
 
+def _fp8_linear_forward(ctx, x, splits, recipe, wq, bias, fuse, accumulate, defer, xq, weights):
+    """:class:`_Fp8GroupedLinear`'s forward (also the first half of :class:`_Fp8LinearActivation`): ``(y, the
+    tensors its backward needs)``; the rest of what :func:`_fp8_linear_backward` reads goes on ``ctx``."""
+    need_w = any(w.requires_grad for w in weights)
+    y, xt = fp8_forward(x, splits, recipe, wq, bias, need_w, xq)
+    ctx.recipe, ctx.fuse, ctx.accumulate, ctx.need_w, ctx.defer = recipe, fuse, accumulate, need_w, defer
+    ctx.weights = weights if (fuse or defer is not None) else None
+    ctx.n_weights, ctx.w_dtype = len(weights), weights[0].dtype
+    ctx.bias_dtype = None if bias is None else bias.dtype
+    ctx.x_dtype = x.dtype
+    return y, (splits, wq[2], wq[3], *(xt if xt is not None else ()))
+
+
+def _fp8_linear_backward(ctx, saved, dy, need_dx: bool, need_db: bool, dy_copies=None):
+    """:class:`_Fp8GroupedLinear`'s backward for the output gradient ``dy [M, N]`` -> ``(dx, db, weight grads)``.
+    ``dy_copies``: ``dy``'s rowwise and columnwise FP8 copies ``((q, scale), (q_t, scale_t))`` made by their
+    producer (the fused activation backward), ``dy`` then None: no bias gradient, no deferred wgrad."""
+    splits, qwt, swt, *xt = saved
+    recipe = ctx.recipe
+    deferred = ctx.need_w and ctx.defer is not None
+    dyq, dyt = dy_copies if dy_copies is not None else (None, None)
+    if dy_copies is None and need_dx and ctx.need_w and not deferred:  # both copies of dy from one op
+        dyq, dyt = _fp8.quantize_pair(dy, splits, recipe, recipe.bwd_dtype)
+    dx = fp8_dgrad(dy, splits, recipe, qwt, swt, ctx.x_dtype, dyq) if need_dx else None
+    dws = [None] * ctx.n_weights
+    if deferred:
+        ctx.defer(tuple(xt), dy, splits)
+        if ctx.fuse:
+            for w in ctx.weights:
+                w.grad_added_to_main_grad = True
+            dws = [zero_wgrad_placeholder(w) for w in ctx.weights]
+        else:
+            dws = [w.new_zeros(()).expand(w.shape) for w in ctx.weights]
+    elif ctx.need_w:
+        dws = _deliver_wgrad(ctx.weights, ctx.n_weights, fp8_wgrad(dy, splits, recipe, xt, dyt), ctx.fuse,
+                             ctx.accumulate, ctx.w_dtype)
+    db = None
+    if need_db and not deferred:
+        db = grouped_bias_grad(dy, splits).to(ctx.bias_dtype)
+    ctx.weights = ctx.defer = None
+    return dx, db, dws
+
+
 class _Fp8GroupedLinear(torch.autograd.Function):
     """FP8 forward / dgrad / wgrad of GroupedLinear (``ops.fp8``'s scaled grouped GEMMs, the recipe's tiles):
     inputs quantized rowwise for the forward and columnwise (saved) for wgrad, gradients likewise, the weights'
@@ -152,45 +196,62 @@ class _Fp8GroupedLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, splits, recipe, wq, bias, fuse, accumulate, defer, xq, *weights):
-        need_w = any(w.requires_grad for w in weights)
-        y, xt = fp8_forward(x, splits, recipe, wq, bias, need_w, xq)
-        ctx.save_for_backward(splits, wq[2], wq[3], *(xt if xt is not None else ()))
-        ctx.recipe, ctx.fuse, ctx.accumulate, ctx.need_w, ctx.defer = recipe, fuse, accumulate, need_w, defer
-        ctx.weights = weights if (fuse or defer is not None) else None
-        ctx.n_weights, ctx.w_dtype = len(weights), weights[0].dtype
-        ctx.bias_dtype = None if bias is None else bias.dtype
-        ctx.x_dtype = x.dtype
+        y, saved = _fp8_linear_forward(ctx, x, splits, recipe, wq, bias, fuse, accumulate, defer, xq, weights)
+        ctx.save_for_backward(*saved)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        splits, qwt, swt, *xt = ctx.saved_tensors
-        recipe = ctx.recipe
-        dy = dy.contiguous()
-        dx = None
-        deferred = ctx.need_w and ctx.defer is not None
-        dyq = dyt = None
-        if ctx.needs_input_grad[0] and ctx.need_w and not deferred:  # both copies of dy from one op
-            dyq, dyt = _fp8.quantize_pair(dy, splits, recipe, recipe.bwd_dtype)
-        if ctx.needs_input_grad[0]:
-            dx = fp8_dgrad(dy, splits, recipe, qwt, swt, ctx.x_dtype, dyq)
-        dws = [None] * ctx.n_weights
-        if deferred:
-            ctx.defer(tuple(xt), dy, splits)
-            if ctx.fuse:
-                for w in ctx.weights:
-                    w.grad_added_to_main_grad = True
-                dws = [zero_wgrad_placeholder(w) for w in ctx.weights]
-            else:
-                dws = [w.new_zeros(()).expand(w.shape) for w in ctx.weights]
-        elif ctx.need_w:
-            dws = _deliver_wgrad(ctx.weights, ctx.n_weights, fp8_wgrad(dy, splits, recipe, xt, dyt), ctx.fuse,
-                                 ctx.accumulate, ctx.w_dtype)
-        db = None
-        if ctx.needs_input_grad[4] and not deferred:
-            db = grouped_bias_grad(dy, splits).to(ctx.bias_dtype)
-        ctx.weights = ctx.defer = None
+        dx, db, dws = _fp8_linear_backward(ctx, ctx.saved_tensors, dy.contiguous(), ctx.needs_input_grad[0],
+                                           ctx.needs_input_grad[4])
         return (dx, None, None, None, db, None, None, None, None, *dws)
+
+
+class _Fp8LinearActivation(torch.autograd.Function):
+    """fc1 and the expert activation of the FP8 experts as one autograd node (:func:`fp8_grouped_linear_activation`).
+    Forward: :class:`_Fp8GroupedLinear`'s, then both FP8 copies of ``expert_activation(h, ...)`` from ``h`` (the
+    fused producer of fc2's input, ``ops.fp8.quantize_activation``'s op); returns the zero-stride carrier and the
+    copies. Backward, for the carrier's gradient ``g``: fc1's two FP8 ``dy`` copies are quantized straight from
+    ``(g, h, row_scale)`` (``ops.fp8.quantize_pair(h, ..., grad_y=g)``: the activation backward's ``grad_h``
+    computed per element, never written in 16 bits nor read again), the row-scale gradient comes from
+    ``expert_activation_backward`` without ``grad_h``, then fc1's dgrad / wgrad as :class:`_Fp8GroupedLinear`.
+    fc1's bias gradient is a sum of ``grad_h``: with a bias that needs it, ``grad_h`` is written and quantized as
+    in the separate nodes. Every result equals fc1's node followed by ``ops.fp8.quantize_activation``'s bit for
+    bit."""
+
+    @staticmethod
+    def forward(ctx, x, splits, recipe, wq, bias, fuse, accumulate, xq, act, row_scale, *weights):
+        h, saved = _fp8_linear_forward(ctx, x, splits, recipe, wq, bias, fuse, accumulate, None, xq, weights)
+        activation, alpha, limit = act
+        (q, s), (qt, st) = _fp8.quantize_pair(h, splits, recipe, recipe.fwd_dtype, activation=activation,
+                                              row_scale=row_scale, swiglu_alpha=alpha, swiglu_limit=limit)
+        ctx.save_for_backward(*saved, h, row_scale)
+        ctx.act = act
+        ctx.mark_non_differentiable(q, s, qt, st)
+        return h.new_zeros(()).expand(h.shape[0], q.shape[1]), q, s, qt, st
+
+    @staticmethod
+    def backward(ctx, g, *_):
+        *saved, h, row_scale = ctx.saved_tensors
+        g = g.contiguous()
+        need_dx, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[4]
+        need_ds = row_scale is not None and ctx.needs_input_grad[9]
+        activation, alpha, limit = ctx.act
+        ds = None
+        if need_db:  # fc1's bias gradient sums grad_h: written, as in the separate nodes
+            grad_h, grad_scale = _ops.expert_activation_backward(g, h, row_scale, *ctx.act)
+            dx, db, dws = _fp8_linear_backward(ctx, saved, grad_h, need_dx, True)
+            ds = grad_scale if need_ds else None
+        else:
+            copies = None
+            if need_dx or ctx.need_w:
+                recipe = ctx.recipe
+                copies = _fp8.quantize_pair(h, saved[0], recipe, recipe.bwd_dtype, activation=activation,
+                                            row_scale=row_scale, swiglu_alpha=alpha, swiglu_limit=limit, grad_y=g)
+            dx, db, dws = _fp8_linear_backward(ctx, saved, None, need_dx, False, copies)
+            if need_ds:  # the row-scale gradient alone (the activation backward's summation order)
+                ds = _ops.expert_activation_backward(g, h, row_scale, *ctx.act, False)[1]
+        return (dx, None, None, None, db, None, None, None, None, ds, *dws)
 
 
 def gathered_fp8_weight(weights, recipe):
@@ -199,6 +260,24 @@ def gathered_fp8_weight(weights, recipe):
     ``moe_graph.distributed.fp8_params``), else None (the caller quantizes the 16-bit weight)."""
     cache = getattr(weights[0], "fp8_gathered", None) if len(weights) == 1 else None
     return None if cache is None else cache.copies(recipe)
+
+
+def _fp8_weight_copies(weights: List[torch.Tensor], recipe, cache_owner: Optional[object]):
+    """The weights' two FP8 copies for :func:`fp8_grouped_linear` (gathered by the optimizer, cached on
+    ``cache_owner`` while the weights are unchanged, or quantized here)."""
+    gathered = gathered_fp8_weight(weights, recipe)
+    if gathered is not None:
+        return gathered
+    key = (recipe, tuple((w.data_ptr(), w._version) for w in weights))
+    cache = getattr(cache_owner, "_fp8_weight_cache", None) if cache_owner is not None else None
+    if cache is None or cache[0] != key:
+        with torch.no_grad():
+            w3 = weights[0] if len(weights) == 1 and weights[0].dim() == 3 else torch.stack(
+                [w.detach() for w in weights])
+            cache = (key, _fp8.quantize_weight(w3.detach().contiguous(), recipe))
+        if cache_owner is not None:
+            cache_owner._fp8_weight_cache = cache
+    return cache[1]
 
 
 def fp8_grouped_linear(x: torch.Tensor, splits: torch.Tensor, weights: List[torch.Tensor],
@@ -212,19 +291,28 @@ def fp8_grouped_linear(x: torch.Tensor, splits: torch.Tensor, weights: List[torc
     buffer, is not seen). ``x`` may be a ``moe_graph.fp8.QuantizedRows`` (FP8 dispatch): its rowwise copy is used
     as is, and the wgrad's columnwise copy is quantized from its fp32 dequantization."""
     x, xq = split_quantized(x, recipe)
-    gathered = gathered_fp8_weight(weights, recipe)
-    if gathered is not None:
-        return _Fp8GroupedLinear.apply(x, splits, recipe, gathered, bias, fuse, accumulate, None, xq, *weights)
-    key = (recipe, tuple((w.data_ptr(), w._version) for w in weights))
-    cache = getattr(cache_owner, "_fp8_weight_cache", None) if cache_owner is not None else None
-    if cache is None or cache[0] != key:
-        with torch.no_grad():
-            w3 = weights[0] if len(weights) == 1 and weights[0].dim() == 3 else torch.stack(
-                [w.detach() for w in weights])
-            cache = (key, _fp8.quantize_weight(w3.detach().contiguous(), recipe))
-        if cache_owner is not None:
-            cache_owner._fp8_weight_cache = cache
-    return _Fp8GroupedLinear.apply(x, splits, recipe, cache[1], bias, fuse, accumulate, None, xq, *weights)
+    wq = _fp8_weight_copies(weights, recipe, cache_owner)
+    return _Fp8GroupedLinear.apply(x, splits, recipe, wq, bias, fuse, accumulate, None, xq, *weights)
+
+
+def fp8_grouped_linear_activation(x: torch.Tensor, splits: torch.Tensor, weights: List[torch.Tensor],
+                                  bias: Optional[torch.Tensor], recipe, activation: str,
+                                  row_scale: Optional[torch.Tensor] = None, *, swiglu_alpha: float = 1.702,
+                                  swiglu_limit: float = 7.0, fuse: bool = False,
+                                  accumulate: bool = True) -> "_fp8.QuantizedRows":
+    """fc1 then the expert activation in FP8, as one autograd node: ``expert_activation(fp8_grouped_linear(x,
+    ...), activation, row_scale, ...)`` as a ``moe_graph.fp8.QuantizedRows`` holding both FP8 copies of the
+    activation's output (``ops.fp8.quantize_activation``), the next FP8 GEMM's input. The same forward as those two
+    calls; backward quantizes fc1's output gradient (the activation backward's ``grad_h``) into its two FP8 copies
+    straight from the activation's output gradient, without ``grad_h`` in memory (:class:`_Fp8LinearActivation`).
+    Every result and gradient equals the two calls' bit for bit. Arguments: :func:`fp8_grouped_linear`'s and
+    ``ops.fp8.quantize_activation``'s."""
+    x, xq = split_quantized(x, recipe)
+    wq = _fp8_weight_copies(weights, recipe, None)
+    carrier_, q, s, qt, st = _Fp8LinearActivation.apply(
+        x, splits, recipe, wq, bias, fuse, accumulate, xq, (activation, float(swiglu_alpha), float(swiglu_limit)),
+        None if row_scale is None else row_scale.contiguous(), *weights)
+    return _fp8.QuantizedRows(carrier_, q, s, recipe.kind, (qt, st))
 
 
 class GroupedLinear(nn.Module):

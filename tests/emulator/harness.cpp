@@ -181,17 +181,27 @@ int family_activation() {
                                      (misalign ? " misaligned" : "") + " sms " + std::to_string(sms);
             auto run = [&](bool emulate) {
               Buffer y(rows * cols * es + off * es, 0x5c), dh(rows * width * es + off * es, 0x5c),
-                  ds(rows * act_size(sdt), 0x5c);
+                  ds(rows * act_size(sdt), 0x5c), ds_only(rows * act_size(sdt), 0x5c);
               act::ActivationProblem q = p;
               q.y = y.data() + off * es;
               q.grad_h = dh.data() + off * es;
               q.grad_scale = scale_mode ? ds.data() : nullptr;
+              act::ActivationProblem q2 = q;  // the backward without grad_h: the scale gradient only
+              q2.grad_h = nullptr;
+              q2.grad_scale = scale_mode ? ds_only.data() : nullptr;
               if (emulate) {
                 act::activation_forward_cuda(q, nullptr);
                 act::activation_backward_cuda(q, nullptr);
+                act::activation_backward_cuda(q2, nullptr);
               } else {
                 act::activation_forward_rows(q, 0, rows);
                 act::activation_backward_rows(q, 0, rows);
+                act::activation_backward_rows(q2, 0, rows);
+              }
+              if (scale_mode && rows > 0 && std::memcmp(ds.data(), ds_only.data(), rows * act_size(sdt)) != 0) {
+                std::printf("FAIL %s: the backward without grad_h gives another grad_scale (%s)\n", what.c_str(),
+                            emulate ? "emulated" : "CPU");
+                std::exit(1);
               }
               return std::vector<Output>{y.out("y", es), dh.out("grad_h", es),
                                          ds.out("grad_scale", act_size(sdt)).approx(fp_code(sdt), sum_tol(sdt))};
@@ -790,19 +800,22 @@ int family_fp8_quantize() {
       }
     }
   }
-  // The fused producer: both copies (rowwise, transposed columnwise) of act(h) * s in one launch
-  // (quantize_pair_cuda) against the CPU's two problems, for every activation kind, h dtype and scale dtype.
+  // The fused producers: both copies (rowwise, transposed columnwise) of act(h) * s (forward) or of the activation
+  // backward's grad_h for an output gradient g (backward: K = h's width) in one launch (quantize_pair_cuda) against
+  // the CPU's two problems, for every activation kind, h dtype and scale dtype.
   struct PairTiles {
     int64_t tr, tc, ctr, ctc;
     bool mx;
   };
   const PairTiles pairs[] = {{1, 128, 128, 1, false}, {1, 32, 32, 1, true}, {0, 0, 0, 0, false}};
   const act::DType hdts[] = {act::DType::kF32, act::DType::kBF16, act::DType::kF16};
+  for (int grad = 0; grad < 2; ++grad)
   for (int kind = 0; kind <= static_cast<int>(act::ActKind::kGelu); ++kind) {
     for (act::DType dt : hdts) {
       for (const PairTiles& t : pairs) {
         const int64_t M = g_full ? 300 : 37, F = g_full ? 160 : 40, E = 3;
         const bool gated = act::is_gated(static_cast<act::ActKind>(kind));
+        const int64_t K = grad && gated ? 2 * F : F;  // the quantized width
         const int scale_mode = static_cast<int>(rng.uniform(0, 2));  // none, fp32, h's dtype
         const act::DType sdt = scale_mode == 2 ? dt : act::DType::kF32;
         Buffer h = act_values(rng, dt, M * (gated ? 2 * F : F), 3.0);
@@ -812,13 +825,14 @@ int family_fp8_quantize() {
           else h.put<uint16_t>(i, dt == act::DType::kBF16 ? 0x7F80 : 0x7C00);  // +inf
         }
         Buffer sc = act_values(rng, sdt, M);
+        Buffer g = act_values(rng, dt, M * F, 2.0);  // the activation output's gradient (backward)
         std::vector<int64_t> splits(E);
         for (int64_t g = 0; g < E; ++g) splits[g] = rng.bern(0.2) ? 0 : rng.uniform(0, M / E + 3);
         Buffer sp(E * 8);
         for (int64_t g = 0; g < E; ++g) sp.put<int64_t>(g, splits[g]);
         f8::QuantizeProblem p0;
         p0.rows = M;
-        p0.cols = F;
+        p0.cols = K;
         p0.in_type = dt == act::DType::kF32 ? f8::InType::kF32 : dt == act::DType::kBF16 ? f8::InType::kBF16
                                                                                         : f8::InType::kF16;
         p0.format = t.mx || rng.bern(0.5) ? f8::Format::kE4M3 : f8::Format::kE5M2;
@@ -835,6 +849,8 @@ int family_fp8_quantize() {
         p0.act.kind = static_cast<act::ActKind>(kind);
         p0.act.h = h.data();
         p0.act.scale = scale_mode ? sc.data() : nullptr;
+        p0.act_grad = grad == 1;
+        p0.act.grad_y = grad ? g.data() : nullptr;
         f8::QuantizeProblem p1 = p0;
         p0.tile_rows = t.tr;
         p0.tile_cols = t.tc;
@@ -843,14 +859,15 @@ int family_fp8_quantize() {
         p1.transpose = true;
         for (f8::QuantizeProblem* q : {&p0, &p1}) {
           q->row_tiles = f8::row_tile_capacity(M, E, q->tile_rows);
-          q->col_tiles = q->tile_cols == 0 ? 1 : (F + q->tile_cols - 1) / q->tile_cols;
+          q->col_tiles = q->tile_cols == 0 ? 1 : (K + q->tile_cols - 1) / q->tile_cols;
         }
         const size_t ses = t.mx ? 1 : 4;
-        const std::string what = "fp8 fused activation pair kind " + std::to_string(kind) + " dtype " +
+        const std::string what = std::string(grad ? "fp8 fused activation backward pair" : "fp8 fused activation pair") +
+                                 " kind " + std::to_string(kind) + " dtype " +
                                  std::to_string(static_cast<int>(dt)) + " tiles " + std::to_string(t.tr) + "x" +
                                  std::to_string(t.tc) + (t.mx ? " mx" : "") + " scale " + std::to_string(scale_mode);
         auto run = [&](bool emulate) {
-          Buffer q0(M * F, 0x5c), q1(M * F, 0x5c), s0(p0.row_tiles * p0.col_tiles * ses, 0x5c),
+          Buffer q0(M * K, 0x5c), q1(M * K, 0x5c), s0(p0.row_tiles * p0.col_tiles * ses, 0x5c),
               s1(p1.row_tiles * p1.col_tiles * ses, 0x5c);
           int32_t flag = 0, nonfinite = 0;
           f8::QuantizeProblem r0 = p0, r1 = p1;

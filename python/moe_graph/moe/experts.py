@@ -21,7 +21,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from moe_graph.grouped_linear import GroupedLinear, fp8_grouped_linear
+from moe_graph.grouped_linear import GroupedLinear, fp8_grouped_linear, fp8_grouped_linear_activation
 from moe_graph.moe.echo import (
     EchoExpertDispatcher,
     dispatch_spare_weights,
@@ -100,6 +100,19 @@ class GroupedMLP(nn.Module):
             return self._act(h, row_scale)
         return _fp8.quantize_activation(h, m_splits, recipe, self.activation, row_scale,
                                         swiglu_alpha=self.swiglu_alpha, swiglu_limit=self.swiglu_limit)
+
+    def _fp8_fc1_act(self, expert_in, m_splits: torch.Tensor, weights1, b1, recipe,
+                     row_scale: Optional[torch.Tensor], fuse: bool = False):
+        """fc1 and the activation under ``recipe``: fc2's FP8 input. With ``FUSED_FP8_ACTIVATION_BACKWARD`` one
+        autograd node (``grouped_linear.fp8_grouped_linear_activation``: fc1's FP8 output gradient quantized straight
+        from the activation's output gradient, without the 16-bit ``grad_h`` in memory); else fc1 then
+        :meth:`_fp8_act` (the same results bit for bit)."""
+        if FUSED_FP8_ACTIVATION and FUSED_FP8_ACTIVATION_BACKWARD:
+            return fp8_grouped_linear_activation(expert_in, m_splits, weights1, b1, recipe, self.activation,
+                                                 row_scale, swiglu_alpha=self.swiglu_alpha,
+                                                 swiglu_limit=self.swiglu_limit, fuse=fuse)
+        return self._fp8_act(fp8_grouped_linear(expert_in, m_splits, weights1, b1, recipe, fuse=fuse), m_splits,
+                             recipe, row_scale)
 
     def weights(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(fc1 [L, fc1_out, H], fc2 [L, H, F])``: this rank's home expert weights."""
@@ -241,12 +254,10 @@ class GroupedMLP(nn.Module):
         b1, b2 = self.biases() or (None, None)
         if echo is None:
             fuse = self.uses_fused_wgrad()
-            mid = self._fp8_act(fp8_grouped_linear(expert_in, m_splits, [w1], b1, recipe, fuse=fuse), m_splits,
-                                recipe, row_scale)
+            mid = self._fp8_fc1_act(expert_in, m_splits, [w1], b1, recipe, row_scale, fuse)
             return fp8_grouped_linear(mid, m_splits, [w2], b2, recipe, fuse=fuse)
         weights1, weights2, b1, b2 = self._with_spares(echo, offload_map, spare_weights)
-        mid = self._fp8_act(fp8_grouped_linear(expert_in, m_splits, weights1, b1, recipe), m_splits, recipe,
-                            row_scale)
+        mid = self._fp8_fc1_act(expert_in, m_splits, weights1, b1, recipe, row_scale)
         return fp8_grouped_linear(mid, m_splits, weights2, b2, recipe)
 
     def extra_repr(self) -> str:
@@ -257,6 +268,9 @@ class GroupedMLP(nn.Module):
 # FP8 experts: the activation writes fc2's FP8 input (both copies) directly; False: the 16-bit activation output,
 # quantized by fc2 (the same bytes; tests compare the two)
 FUSED_FP8_ACTIVATION = True
+# ... and its backward writes fc1's FP8 output gradient (both copies) directly, fc1 and the activation one autograd
+# node; False: the activation's backward writes the 16-bit grad_h, quantized by fc1's backward (the same bytes)
+FUSED_FP8_ACTIVATION_BACKWARD = True
 
 # Rows per expert group boundary under FP8 (the GPU wgrad's TMA alignment of the transposed FP8 copies: 16 bytes)
 FP8_ROW_ALIGNMENT = 16

@@ -142,10 +142,10 @@ def _register() -> None:
         return h.new_empty((h.shape[0], h.shape[1] // 2 if gated_kind(activation) else h.shape[1]))
 
     @torch.library.register_fake(_BWD)
-    def _(grad_y, h, row_scale, activation, alpha, limit):
+    def _(grad_y, h, row_scale, activation, alpha, limit, write_grad_h=True):
         grad_scale = row_scale.new_empty((h.shape[0],)) if row_scale is not None else h.new_empty(
             (0,), dtype=torch.float32)
-        return torch.empty_like(h), grad_scale
+        return (torch.empty_like(h) if write_grad_h else h.new_empty((0,))), grad_scale
 
     def _setup_context(ctx, inputs, output):
         h, row_scale, activation, alpha, limit = inputs

@@ -190,9 +190,10 @@ def _register() -> None:
         return q, s
 
     @torch.library.register_fake("moe_graph::fp8_quantize_pair")
-    def _(x, m_splits, tiles, fp8_dtype, mx, eps, pow2, activation, alpha, limit, row_scale):
+    def _(x, m_splits, tiles, fp8_dtype, mx, eps, pow2, activation, alpha, limit, row_scale, grad_y=None):
         rows = x.shape[0]
-        cols = x.shape[1] // 2 if activation is not None and gated_kind(activation) else x.shape[1]
+        forward_act = activation is not None and grad_y is None and gated_kind(activation)
+        cols = x.shape[1] // 2 if forward_act else x.shape[1]  # grad_y: the backward's grad_h, like h
         groups = 0 if m_splits is None else m_splits.shape[0]
         sd = torch.float8_e8m0fnu if mx else torch.float32
         rt0, rt1 = row_tile_capacity(rows, groups, tiles[0]), row_tile_capacity(rows, groups, tiles[2])
@@ -386,12 +387,16 @@ def quantize_columns(x: torch.Tensor, m_splits: torch.Tensor, recipe: Recipe, dt
 
 def quantize_pair(x: torch.Tensor, m_splits: torch.Tensor, recipe: Recipe, dtype: torch.dtype, *,
                   activation: Optional[str] = None, row_scale: Optional[torch.Tensor] = None,
-                  swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0):
+                  swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0, grad_y: Optional[torch.Tensor] = None):
     """Both copies of an activation / gradient ``x [M, K]`` from one op (one launch on CUDA, TE's cast-transpose):
     ``((q, scale per row), (q_t, scale_t))``, bit-equal to :func:`quantize_rows` and :func:`quantize_columns`.
     With ``activation`` (and ``row_scale``, ``swiglu_alpha``, ``swiglu_limit``: those of
     ``ops.activation.expert_activation``), ``x`` is the activation's input ``h`` and the copies are those of
-    ``expert_activation(h, ...)``, computed per element from ``h`` without the activation's output in memory."""
+    ``expert_activation(h, ...)``, computed per element from ``h`` without the activation's output in memory.
+    With ``activation`` and ``grad_y`` (the activation output's gradient ``[M, F]``, ``h``'s dtype) the copies are
+    those of the activation backward's ``grad_h`` (``[M, W]`` like ``h``; the first result of
+    ``ops.expert_activation_backward(grad_y, h, row_scale, ...)``), computed per element from ``grad_y``, ``h`` and
+    ``row_scale`` without ``grad_h`` in memory (the row-scale gradient is not computed here)."""
     kind = recipe.kind
     tr, tc, mx, _ = TILES[_PLANS[kind][0]]
     ctr, ctc, _, _ = TILES[_PLANS[kind][3]]
@@ -399,7 +404,8 @@ def quantize_pair(x: torch.Tensor, m_splits: torch.Tensor, recipe: Recipe, dtype
     q, s, qt, st = ops.fp8_quantize_pair(x.contiguous(), m_splits, [tr, tc, ctr, ctc], dtype, mx,
                                          float(recipe.amax_epsilon), bool(recipe.power_2_scale), activation,
                                          float(swiglu_alpha), float(swiglu_limit),
-                                         None if row_scale is None else row_scale.contiguous())
+                                         None if row_scale is None else row_scale.contiguous(),
+                                         None if grad_y is None else grad_y.contiguous())
     if kind == "tensor":
         st = st.expand(qt.shape[0], st.shape[1]).contiguous()
     return (q, _row_scales(s, m_splits, x.shape[0], kind)), (qt, st)
