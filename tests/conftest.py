@@ -23,6 +23,16 @@ def cuda_ready() -> bool:
         return False
 
 
+# MOE_GRAPH_FULL_TESTS=1: the 8-rank variants of the multi-process tests (CI runs their 2- and 4-rank cases)
+FULL_TESTS = os.environ.get("MOE_GRAPH_FULL_TESTS", "") not in ("", "0")
+
+
+def full_only(*values):
+    """``values`` as pytest params that run only with ``MOE_GRAPH_FULL_TESTS=1`` (skipped otherwise, saying so)."""
+    mark = pytest.mark.skipif(not FULL_TESTS, reason="MOE_GRAPH_FULL_TESTS=1 runs it")
+    return [pytest.param(*(v if isinstance(v, tuple) else (v,)), marks=mark) for v in values]
+
+
 requires_cuda = pytest.mark.skipif(not cuda_ready(), reason="needs a CUDA device and the CUDA build of moe_graph._C")
 
 

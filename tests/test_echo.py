@@ -5,6 +5,7 @@ step with echo gives the outputs and home-expert gradients of the same step with
 import pytest
 import torch
 
+from conftest import full_only
 from moe_graph.distributed.launch import run_distributed
 from moe_graph.moe.echo import EchoExpertDispatcher, wgrad_accumulate_mask
 
@@ -144,7 +145,7 @@ def _echo_worker(rank, world, seed):
     return results
 
 
-@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize("world", [2, 4, *full_only(8)])
 def test_echo_gloo(world):
     res = run_distributed(_echo_worker, world, 3 + world)
     for case_idx in range(len(res[0]["cases"])):
@@ -320,7 +321,7 @@ def _donor_worker(rank, world, seed):
     return res
 
 
-@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize("world", [2, 4, *full_only(8)])
 def test_echo_donors_gloo(world):
     res = run_distributed(_donor_worker, world, 11 + world)
     assert sum(c["copies"] for c in res[0]["cases"]) > 0, "the skewed routing must place copies"

@@ -13,6 +13,7 @@ summation order only, checked to 1e-12 (fp64 data) and 1e-2 relative (bf16 outpu
 import pytest
 import torch
 
+from conftest import full_only
 from helpers.nvlink_workers import dispatcher_exchange_worker, layer_exchange_worker, node_traffic_worker
 from moe_graph.distributed.launch import run_distributed
 from moe_graph.moe import exchange as exchange_mod
@@ -83,7 +84,7 @@ def test_dispatcher_nvlink_echo_spare_slots():
     assert _compare(res) == 2 * 3
 
 
-@pytest.mark.parametrize("R,G", [(4, 2), (8, 4)])
+@pytest.mark.parametrize("R,G", [(4, 2), *full_only((8, 4))])
 def test_node_aware_exchange_crosses_each_node_once_per_token(R, G):
     """4 ranks as 2 nodes x 2 (8 as 2 x 4): the two-level dispatch sends one row per (token, other node)
     across nodes where the flat one sends one per route; the combine sends one partial back per (token, other node).
