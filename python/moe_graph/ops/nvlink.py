@@ -29,6 +29,7 @@ from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 
 from moe_graph.ops import _lib
 
@@ -49,14 +50,6 @@ class FusedDispatch(NamedTuple):
 def kernels_available() -> bool:
     """True when the loaded extension has the CUDA exchange kernels (a build with CUDA). Never raises."""
     return _lib.has_kernel(_OPS[0], "cuda")
-
-
-def _tensors(x):
-    if isinstance(x, torch.Tensor):
-        yield x
-    elif isinstance(x, (tuple, list)):
-        for y in x:
-            yield from _tensors(y)
 
 
 class OrderedStream:
@@ -81,8 +74,8 @@ class OrderedStream:
         with torch.cuda.stream(self.stream):
             out = fn(*args, **kwargs)
         caller.wait_stream(self.stream)
-        for t in _tensors(out):
-            if t.device.type == "cuda":
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type == "cuda":
                 t.record_stream(caller)
         return out
 
