@@ -16,11 +16,22 @@ How:
    recorded shape. Ops outside a stage (the residual adds, the loss) scale with ``T * H``. Views cost nothing.
 3. **Exchange**: at EP R each rank sends and receives ``T * K * H * 2 * (R - 1) / R`` bytes per direction in each of
    dispatch, combine, and their two backward exchanges; time = bytes / link bandwidth, placed on the stream that
-   issues the stage (today's synchronous exchange: the main stream), at the stage's first op. The count all-gather
+   issues the stage, at the stage's first op (the caller reads its result right after, so an exchange on its own
+   stream, as the CUDA exchanges run, waits the same). The count all-gather
    and the echo planner are left out (bytes ~ E * R * 8).
 4. **Critical path**: the streams execute their ops in issue order; an event wait holds its stream until the event's
    record; compute ops share one resource (the SMs: two compute ops never overlap), exchange ops use the link. No
    SM share is taken by the exchange (its kernels' SMs are not modelled) and no launch latency (one CUDA graph).
+   When the SMs free up and ops of several streams are ready, which one goes first is the executor's choice, and the
+   result depends on it, so both are reported (``EXECUTORS``):
+
+   - ``ready_first``: the op that became ready first (its stream's previous op ended, or its event wait was met,
+     earliest) goes first: a replayed CUDA graph launches each kernel node when its last dependency completes, so
+     a node that has waited longer is already queued in the hardware when a newer one arrives (FIFO by readiness).
+   - ``issue_order``: the op issued first by the host goes first (pessimistic for two microbatches in flight: the
+     backward ``B(i)`` is issued before ``F(i+1)`` and then keeps the SMs whenever it has work, so ``F(i+1)``'s
+     computation runs only while ``B(i)`` waits for the link, and ``F(i+1)``'s own exchanges end up exposed after
+     ``B(i)``). A GPU decides between the two, within a stream priority: measured by ``bench_overlap_gpu.py``.
 
 Exposed communication = step time - compute time; hidden = 1 - exposed / exchange time.
 
@@ -56,6 +67,7 @@ MICROBATCHES = 8
 SCHEDULES = {"serial": (False, False), "overlap_shared_expert": (True, False), "overlap_microbatches": (False, True),
              "overlap_microbatches+shared_expert": (True, True)}
 EXCHANGE_STAGES = ("dispatch", "combine")
+EXECUTORS = ("ready_first", "issue_order")  # which ready op takes a free resource first (module docstring, step 4)
 FREE = {"view", "t", "expand", "detach", "unsqueeze", "squeeze", "reshape", "_unsafe_view", "alias", "slice",
         "select", "permute", "transpose", "as_strided", "new_empty_strided", "empty", "empty_like", "new_empty",
         "_reshape_alias", "unbind", "split", "split_with_sizes", "lift_fresh"}
@@ -148,11 +160,15 @@ def stage_costs(c: Dict, T: int, R: int) -> Dict:
     return {"compute": compute, "exchange": exchange, "exchange_bytes": T * K * H * b * (R - 1) / R}
 
 
-def simulate(rec: StreamRecorder, c: Dict, T: int, R: int) -> Dict:
+def simulate(rec: StreamRecorder, c: Dict, T: int, R: int, executor: str = "ready_first") -> Dict:
     """List scheduling of the recorded streams: each stream runs its items in issue order; an event wait holds its
     stream until the record it refers to (the last one issued before it) has run; among the streams whose next op
-    is ready, the op that can start first takes its resource (ties: issue order), so a side stream fills the gaps
-    the main stream leaves while it waits for the link."""
+    is ready, the op that can start first takes its resource, so a side stream fills the gaps the main stream
+    leaves while it waits for the link. Ties (several ops could start when the resource frees up): ``executor``
+    ``"ready_first"`` takes the op whose stream could have run it earliest, then the first issued;
+    ``"issue_order"`` the first issued."""
+    if executor not in EXECUTORS:
+        raise ValueError(f"executor must be one of {EXECUTORS}, got {executor!r}")
     costs = stage_costs(c, T, R)
     small_total = defaultdict(float)
     for o in rec.ops:
@@ -198,10 +214,11 @@ def simulate(rec: StreamRecorder, c: Dict, T: int, R: int) -> Dict:
             if heads[s] < len(q) and q[heads[s]][0] not in ("record", "wait"):
                 res, sec, index = q[heads[s]]
                 start = max(stream_t[s], res_t[res])
-                if best is None or (start, index) < best[0]:
-                    best = ((start, index), s, res, sec)
+                key = (start, stream_t[s] if executor == "ready_first" else 0.0, index)
+                if best is None or key < best[0]:
+                    best = (key, s, res, sec)
         if best is not None:
-            (start, _), s, res, sec = best
+            (start, _, _), s, res, sec = best
             stream_t[s] = res_t[res] = start + sec
             busy[res] += sec
             heads[s] += 1
@@ -218,30 +235,35 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     ap.add_argument("--tokens", type=int, nargs="+", default=[4096], help="tokens per rank")
     ap.add_argument("--ep", type=int, default=8)
+    ap.add_argument("--executors", nargs="+", default=list(EXECUTORS), choices=EXECUTORS,
+                    help="tie rules of the list schedule (module docstring, step 4)")
     ap.add_argument("--out", default=None, help="JSON path (default: results_dir()/bench_overlap.json)")
     args = ap.parse_args(argv)
     if args.ep < 2:
         ap.error("--ep must be >= 2 (an exchange to hide)")
     print("assumptions: " + ", ".join(f"{k}={v}" for k, v in HW.items()) + "; bf16 rows and weights, balanced "
-          "routing, roofline per stage (no efficiency factor), exchange on the main stream (synchronous), its SMs and "
-          "the count all-gather not modelled; schedule recorded from a small layer (" +
+          "routing, roofline per stage (no efficiency factor), each exchange on the stream that issues it (its result "
+          "is read right after), its SMs and the count all-gather not modelled, executors " + "/".join(args.executors) +
+          " (ties when a resource frees up); schedule recorded from a small layer (" +
           ", ".join(f"{k} {v}" for k, v in SMALL.items()) + ") on the CPU")
     recs = {name: record(*flags) for name, flags in SCHEDULES.items()}
     rows = []
-    hdr = (f"{'config':<22} {'T/rank':>6} {'EP':>3} {'schedule':<34} {'step us':>9} {'compute':>9} {'exchange':>9} "
-           f"{'exposed':>9} {'hidden':>7}")
+    hdr = (f"{'config':<22} {'T/rank':>6} {'EP':>3} {'schedule':<34} {'executor':<11} {'step us':>9} {'compute':>9} "
+           f"{'exchange':>9} {'exposed':>9} {'hidden':>7}")
     print(hdr)
     for name in args.configs:
         for T in args.tokens:
             for sched, rec in recs.items():
-                r = dict(config=name, tokens_per_rank=T, ep=args.ep, schedule=sched, **CONFIGS[name],
-                         **simulate(rec, CONFIGS[name], T, args.ep))
-                rows.append(r)
-                print(f"{name:<22} {T:>6} {args.ep:>3} {sched:<34} {r['step_us']:>9.1f} {r['compute_us']:>9.1f} "
-                      f"{r['exchange_us']:>9.1f} {r['exposed_us']:>9.1f} {r['hidden_pct']:>6.1f}%")
+                for executor in args.executors:
+                    r = dict(config=name, tokens_per_rank=T, ep=args.ep, schedule=sched, executor=executor,
+                             **CONFIGS[name], **simulate(rec, CONFIGS[name], T, args.ep, executor))
+                    rows.append(r)
+                    print(f"{name:<22} {T:>6} {args.ep:>3} {sched:<34} {executor:<11} {r['step_us']:>9.1f} "
+                          f"{r['compute_us']:>9.1f} {r['exchange_us']:>9.1f} {r['exposed_us']:>9.1f} "
+                          f"{r['hidden_pct']:>6.1f}%")
     out = args.out or results_path("bench_overlap", dated=False)
     write_json(out, {"env": environment(), "hardware_assumed": HW, "recorded_shape": SMALL,
-                     "microbatches": MICROBATCHES, "rows": rows,
+                     "microbatches": MICROBATCHES, "executors": list(args.executors), "rows": rows,
                      "note": "a roofline model over the recorded stream schedule, not a measurement"})
     return 0
 

@@ -280,11 +280,17 @@ def test_bench_overlap_smoke(tmp_path):
     assert "assumptions:" in text and "NVLink" in text
     d = json.load(open(out))
     assert d["env"]["commit"] and d["hardware_assumed"]["link_bytes_per_s"] == 450e9
-    rows = {r["schedule"]: r for r in d["rows"]}
-    serial, over = rows["serial"], rows["overlap_shared_expert"]
-    assert serial["step_us"] == pytest.approx(serial["compute_us"] + serial["exchange_us"])
-    assert serial["hidden_pct"] == 0.0 and 0.0 < over["hidden_pct"] < 50.0
-    assert over["compute_us"] == pytest.approx(serial["compute_us"])
+    assert d["executors"] == ["ready_first", "issue_order"]
+    rows = {(r["schedule"], r["executor"]): r for r in d["rows"]}
+    assert len(rows) == len(d["rows"]) == 8
+    for executor in d["executors"]:
+        serial, over = rows[("serial", executor)], rows[("overlap_shared_expert", executor)]
+        assert serial["step_us"] == pytest.approx(serial["compute_us"] + serial["exchange_us"])
+        assert serial["hidden_pct"] == 0.0 and 0.0 < over["hidden_pct"] < 50.0
+        assert over["compute_us"] == pytest.approx(serial["compute_us"])
+    # issue order lets B(i), issued first, keep the SMs, so F(i+1)'s exchanges end up exposed: it hides less
+    mb = [rows[("overlap_microbatches+shared_expert", e)]["hidden_pct"] for e in d["executors"]]
+    assert mb[0] > mb[1] > 0.0
 
 
 def test_bench_exchange_cost_smoke(tmp_path):
