@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from conftest import requires_cuda
+from helpers.steps import moe_block_step as _make_step
 from moe_graph.cuda_graph import FullIterationGraph, GraphCaptureError, GraphShapeError, checkpoint, recompute_rng
 
 _PY_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python")
@@ -241,22 +242,6 @@ def _moe_model(seed=0, spare=0, recompute=False):
                         params_dtype=torch.bfloat16, num_spare_experts_per_ep_rank=spare, recompute=recompute),
         "out": torch.nn.Linear(64, 16, device="cuda", dtype=torch.bfloat16),
     })
-
-
-def _make_step(model, opt, dropout=0.0):
-    def step(mbs):
-        opt.zero_grad(set_to_none=False)
-        losses = []
-        for mb in mbs:
-            h = torch.nn.functional.dropout(model["inp"](mb["x"]), dropout)
-            h = h + model["moe"](h)
-            loss = torch.nn.functional.cross_entropy(model["out"](h).float(), mb["y"])
-            (loss / len(mbs)).backward()
-            losses.append(loss.detach())
-        opt.step()
-        return torch.stack(losses)
-
-    return step
 
 
 def _batches(n, seed):

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from conftest import requires_cuda
+from helpers.steps import moe_block_step as _cuda_step
 from helpers.overlap_workers import (EXCHANGE, SIDE, compare_worker, data_dependent, is_exchange, is_side, layer_pair,
                                      ops, ordered_pairs, run)
 from moe_graph import streams
@@ -204,22 +205,6 @@ def _cuda_model(overlap: bool, recompute: bool):
                         recompute=recompute, overlap_shared_expert=overlap),
         "out": torch.nn.Linear(64, 16, device="cuda", dtype=torch.bfloat16),
     })
-
-
-def _cuda_step(model, opt):
-    def step(mbs):
-        opt.zero_grad(set_to_none=False)
-        losses = []
-        for mb in mbs:
-            h = model["inp"](mb["x"])
-            h = h + model["moe"](h)
-            loss = torch.nn.functional.cross_entropy(model["out"](h).float(), mb["y"])
-            (loss / len(mbs)).backward()
-            losses.append(loss.detach())
-        opt.step()
-        return torch.stack(losses)
-
-    return step
 
 
 @requires_cuda
