@@ -814,8 +814,9 @@ def forward_backward_pipelining_with_interleaving(
     ``config.overlap_microbatches`` (training only), as Megatron-core's combined 1F1B: one more warm-up forward
     (:func:`num_warmup_microbatches`), so that the forward ``W + k`` and the backward ``k`` of every steady step are
     of different microbatches, with no dependency between them; the forward runs on one microbatch stream and the
-    backward on the other (:class:`_MicrobatchStreams`). Virtual microbatch ``j`` (forward step ``j``) runs on
-    lane ``(j // W) % 2``, so the steady step's two lanes differ. Issue order per steady step: fork the forward on
+    backward on the other (:class:`_MicrobatchStreams`): autograd runs backward ``k`` on the lane of the forward
+    whose graph it is (the same microbatch, the mirrored chunk), and forward ``W + k`` takes the other lane
+    (warm-up forwards alternate). Issue order per steady step: fork the forward on
     its lane (it waits for what was issued before) | the backward (root on the current stream, its nodes on the
     lane of its forward, accumulations on the current stream) | join the forward | the step's sends and receives.
     The steps and their order are those of the schedule without the option except for the extra warm-up forward;
@@ -890,8 +891,18 @@ def forward_backward_pipelining_with_interleaving(
         grads[c][n_grads[c]] = t
         n_grads[c] += 1
 
-    def lane_of(k: int) -> int:  # forward W + k and backward k (forward k's lane) on different lanes
-        return (k // warmup) % 2
+    forward_index = {(mb, c): k for k, (mb, c) in enumerate(table)}
+    lane_of: Dict[int, int] = {}  # forward step -> microbatch stream; autograd runs its backward there too
+
+    def forward_of_backward(k: int) -> int:
+        """The forward step whose graph backward step ``k`` runs (the same microbatch, the mirrored chunk)."""
+        return forward_index[(table[k][0], nc - 1 - table[k][1])]
+
+    def assign_lane(k: int) -> int:  # a steady step's forward on the other lane than its backward's
+        if k not in lane_of:
+            b = k - warmup
+            lane_of[k] = 1 - lane_of[forward_of_backward(b)] if b >= 0 else k % 2
+        return lane_of[k]
 
     def start_forward(k: int):
         """Issue forward step ``k`` (virtual microbatch ``k``, the label a StreamRecorder sees); with overlap on its
@@ -906,14 +917,14 @@ def forward_backward_pipelining_with_interleaving(
             raise RuntimeError(f"pipeline rank {rank}: no activation received for microbatch {mb} of chunk {c}")
         if set_vp_rank:
             ps.set_virtual_pipeline_model_parallel_rank(c)
-        with lanes.forward(lane_of(k), k, x) if lanes is not None else streams.microbatch(k):
+        with lanes.forward(assign_lane(k), k, x) if lanes is not None else streams.microbatch(k):
             return forward_step(forward_step_func, data_iterator[c], model[c], m, x, store, config,
                                 c == nc - 1 and last)
 
     def finish_forward(k: int, y):
         mb, c = table[k][0], chunk_of(k, True)
         if lanes is not None:
-            y = lanes.join(lane_of(k), y)
+            y = lanes.join(lane_of[k], y)
         if forward_only:
             inputs[c].pop(mb, None)
         else:
