@@ -14,6 +14,8 @@ virtual stage ``v * pp_size + r`` lives on pipeline rank ``r`` as its chunk ``v`
 * interleaved 1F1B (:func:`forward_backward_pipelining_with_interleaving`): microbatches run in
   groups of ``microbatch_group_size_per_vp_stage`` (default ``pp``) per chunk; warm-up is
   ``2 * (pp - rank - 1) + (vpp - 1) * group`` forwards. Bubble fraction ``(pp - 1) / (m * vpp)``.
+  With ``PipelineConfig.overlap_microbatches`` one more warm-up forward, and each steady step's forward
+  runs beside its backward on two microbatch streams (1F1B refuses the option).
 
 The schedule functions execute exactly :func:`schedule_order` (they consume it step by step and fail
 loudly on any mismatch), which equals Megatron-core 0.19.2's order for the same arguments.
