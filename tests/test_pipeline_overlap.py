@@ -73,8 +73,8 @@ def test_pp2_vpp2_overlap_equals_the_schedule_without_it_and_overlaps(world):
     """pp 2 x vpp 2 (x EP = world / 2) on gloo: bitwise equal to the same schedule without the option (losses, every
     gradient, the parameters after an AdamW step); the executed steps are schedule_order's with the option; in the
     record every steady step's forward and backward are unordered and independent, and every cross-stream use is
-    joined. Joining the forward before the backward (a false dependency) orders them; leaving out the join's wait
-    leaves races."""
+    joined. Joining the forward before the backward (a false dependency) or running the forward on its backward's
+    stream orders them; leaving out the join's wait leaves races."""
     results = run_distributed(pipeline_overlap_worker, world, 2, True)
     for r in results:
         rank = r["pp_rank"]
@@ -93,6 +93,7 @@ def test_pp2_vpp2_overlap_equals_the_schedule_without_it_and_overlaps(world):
         assert all(c["ordered"] > 0 for c in r["checks"]["early_join"]["steady"])
         assert r["checks"]["early_join"]["unjoined"] == 0
         assert r["checks"]["no_join_wait"]["unjoined"] > 0
+        assert all(c["ordered"] > 0 for c in r["checks"]["one_lane"]["steady"])  # the other lane matters
 
 
 def test_pp2_one_chunk_interleaved_overlap_equals_the_schedule_without_it():

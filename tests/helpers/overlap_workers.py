@@ -179,20 +179,30 @@ def microbatch_worker(rank: int, world: int, seed: int) -> Dict:
 
 
 # ------------------------------------------------------- two microbatches in flight in the interleaved pipeline --
-PIPELINE_FAULTS = (None, "early_join", "no_join_wait")
+PIPELINE_FAULTS = (None, "early_join", "no_join_wait", "one_lane")
 
 
 def _pipeline_fault(fault: Optional[str]):
-    """A patch of :class:`moe_graph.streams.SideStream` for the microbatch streams: ``"early_join"``: the current
-    stream waits for a forward's end right after its body (a false dependency: the steady step's backward then waits
-    for its forward); ``"no_join_wait"``: the join's wait is left out (a missing join). ``None``: no patch."""
+    """A patch of the microbatch streams: ``"early_join"``: the current stream waits for a forward's end right after
+    its body (a false dependency: the steady step's backward then waits for its forward); ``"no_join_wait"``: the
+    join's wait is left out (a missing join); ``"one_lane"``: every forward on microbatch stream 0 (the steady step's
+    backward then runs on its forward's stream, after it). ``None``: no patch."""
     import contextlib
     from unittest import mock
 
     from moe_graph.streams import SideStream
+    from moe_graph.train import schedules
 
     if fault is None:
         return contextlib.nullcontext()
+    if fault == "one_lane":
+        cls = schedules._MicrobatchStreams
+        real_forward, real_join = cls.forward, cls.join
+        stack = contextlib.ExitStack()
+        stack.enter_context(mock.patch.object(cls, "forward", lambda self, lane, *a, **k: real_forward(self, 0, *a,
+                                                                                                          **k)))
+        stack.enter_context(mock.patch.object(cls, "join", lambda self, lane, out: real_join(self, 0, out)))
+        return stack
     if fault == "early_join":
         real_fork = SideStream.fork
 
