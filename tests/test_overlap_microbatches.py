@@ -9,6 +9,8 @@ ordering and no data dependency between microbatch ``i``'s exchange and microbat
 ways), every cross-stream use joined, and a race when a fork's or a join's wait is removed.
 """
 
+import types
+
 import pytest
 import torch
 
@@ -142,14 +144,18 @@ def test_the_recomputation_writes_no_layer_state():
 
 
 def test_option_validation():
-    with pytest.raises(ValueError, match="built for forward_backward_no_pipelining only"):
+    # 1F1B with pp > 1 refuses (as Megatron-core: virtual pipelining needed) before any communication: the
+    # communicator is a stand-in that cannot communicate
+    comm = types.SimpleNamespace(world_size=2, rank=1, is_first_stage=False, is_last_stage=True)
+    with pytest.raises(ValueError, match="without_interleaving: overlap_microbatches with pp_size=2 needs the "
+                                         "interleaved schedule"):
         schedules.forward_backward_pipelining_without_interleaving(
             forward_step_func=None, data_iterator=None, model=TinyMoEModel(), num_microbatches=2,
-            config=schedules.PipelineConfig(overlap_microbatches=True))
+            config=schedules.PipelineConfig(overlap_microbatches=True, tensor_shape=(2, 5, 16)), communicator=comm)
     from moe_graph.train.step import train_step
     with pytest.raises(TypeError, match="overlap_microbatches must be a bool"):
         train_step(TinyMoEModel(), None, [1], overlap_microbatches=1)
-    with pytest.raises(ValueError, match="plain microbatch loop"):
+    with pytest.raises(ValueError, match="plain microbatch loop .* interleaved schedule"):
         train_step(TinyMoEModel(), None, [1], overlap_microbatches=True,
                    forward_backward_func=schedules.forward_backward_pipelining_without_interleaving)
 

@@ -249,6 +249,8 @@ MATRIX += [  # the shared expert and the router losses on a side stream beside t
         overlap_microbatches=True),
     Row("ep2_mb4_overlap_microbatches_recompute_shared_side_aux", world=2, ep=2, microbatches=4, aux="local",
         shared_expert=True, side_stream=True, overlap_microbatches=True, recompute=True),
+    Row("pp2_vpp2_mb4_overlap_microbatches", world=2, pp=2, vpp=2, layers=4, microbatches=4, aux="local",
+        overlap_microbatches=True),  # the interleaved schedule's steady forward beside its backward
 ]
 MATRIX += [Row(f"fp8_{_fp8}_dp2_fp8_param_gather", world=2, microbatches=2, fp8=_fp8, fp8_param_gather=True)
            for _fp8 in ("blockwise", "blockwise_fp32_scales")]  # expert DP 2: the expert shards are gathered in FP8

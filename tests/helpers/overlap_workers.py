@@ -176,3 +176,148 @@ def microbatch_worker(rank: int, world: int, seed: int) -> Dict:
     mismatch += [f"loss{i}" for i, (a, b) in enumerate(zip(l0, l1)) if not torch.equal(a, b)]
     return {"mismatch": mismatch, "unjoined": len(unjoined_uses(rec.entries)),
             "cross": [cross_microbatch(rec, i) for i in range(2)]}
+
+
+# ------------------------------------------------------- two microbatches in flight in the interleaved pipeline --
+PIPELINE_FAULTS = (None, "early_join", "no_join_wait", "one_lane")
+
+
+def _pipeline_fault(fault: Optional[str]):
+    """A patch of the microbatch streams: ``"early_join"``: the current stream waits for a forward's end right after
+    its body (a false dependency: the steady step's backward then waits for its forward); ``"no_join_wait"``: the
+    join's wait is left out (a missing join); ``"one_lane"``: every forward on microbatch stream 0 (the steady step's
+    backward then runs on its forward's stream, after it). ``None``: no patch."""
+    import contextlib
+    from unittest import mock
+
+    from moe_graph.streams import SideStream
+    from moe_graph.train import schedules
+
+    if fault is None:
+        return contextlib.nullcontext()
+    if fault == "one_lane":
+        cls = schedules._MicrobatchStreams
+        real_forward, real_join = cls.forward, cls.join
+        stack = contextlib.ExitStack()
+        stack.enter_context(mock.patch.object(cls, "forward", lambda self, lane, *a, **k: real_forward(self, 0, *a,
+                                                                                                          **k)))
+        stack.enter_context(mock.patch.object(cls, "join", lambda self, lane, out: real_join(self, 0, out)))
+        return stack
+    if fault == "early_join":
+        real_fork = SideStream.fork
+
+        @contextlib.contextmanager
+        def fork(self, *inputs, marked=False):
+            with real_fork(self, *inputs, marked=marked):
+                yield
+            if self.name.startswith("microbatch"):
+                self._wait("join")
+
+        return mock.patch.object(SideStream, "fork", fork)
+    real_wait = SideStream._wait
+
+    def wait(self, kind):
+        if not (self.name.startswith("microbatch") and kind == "join"):
+            real_wait(self, kind)
+
+    return mock.patch.object(SideStream, "_wait", wait)
+
+
+def steady_step_checks(rec: StreamRecorder, table, warmup: int) -> List[Dict[str, int]]:
+    """For each steady step ``k`` of an interleaved rank (``table``: :func:`moe_graph.train.schedules.get_schedule_table`;
+    forward step ``warmup + k``, backward step ``k``, which runs the graph of the forward step of the same microbatch
+    on the mirrored chunk; an op's label is the forward step that made it): ``ordered``: (forward op, backward op)
+    pairs ordered either way; ``depends``: ops of one reading (transitively) what the other wrote; ``forward``,
+    ``backward``, ``exchange``: the op counts."""
+    unjoined_uses(rec.entries)  # fills the clocks
+    nc = 1 + max(c for _, c in table)
+    out = []
+    for k in range(len(table) - warmup):
+        j = table.index((table[k][0], nc - 1 - table[k][1]))
+        f = [o for o in rec.ops if o.microbatch == warmup + k and o.phase == "forward"]
+        b = [o for o in rec.ops if o.microbatch == j and o.phase == "backward"]
+        fi, bi = {o.index for o in f}, {o.index for o in b}
+        depends = sum(len(data_dependent(rec, lambda o, s=s: o.index in s, lambda o, d=d: o.index in d))
+                      for s, d in ((fi, bi), (bi, fi)))
+        out.append({"ordered": sum(happens_before(x, y) or happens_before(y, x) for x in f for y in b),
+                    "depends": depends, "forward": len(f), "backward": len(b),
+                    "exchange": sum(is_exchange(o) for o in f + b)})
+    return out
+
+
+def pipeline_overlap_worker(rank: int, world: int, vpp: int = 2, faults: bool = True, microbatches: int = 4) -> Dict:
+    """pp = 2 stages x ``vpp`` model chunks of the demo MoE LM (4 layers) (world = 2 x EP; EP = DP ranks per stage, as
+    :func:`helpers.pipeline_moe.pipeline_moe_worker`), one training step of the interleaved schedule, float32:
+    ``overlap_microbatches`` off and on (each from the same initial model, on the same microbatches), then one AdamW
+    step. Returns the names that differ (bitwise: losses, every gradient, every parameter after the step), both
+    traces, and the recorded overlapped run's checks (:func:`steady_step_checks`, unjoined uses) clean and under
+    each fault of :data:`PIPELINE_FAULTS` (``faults``; else clean only)."""
+    from helpers import pipeline_moe as pm
+    from moe_graph import parallel_state as ps
+    from moe_graph.demo.model import MoETransformerLM
+    from moe_graph.train import schedules
+    from moe_graph.train.checkpoint import global_name
+
+    pp = 2
+    dp = world // pp
+    ps.initialize_model_parallel(pipeline_model_parallel_size=pp, expert_model_parallel_size=dp,
+                                 virtual_pipeline_model_parallel_size=vpp)
+    try:
+        pp_rank, dp_rank = ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank()
+        ep_rank = ps.get_expert_model_parallel_rank()
+        chunk_ids = schedules.chunk_layer_ids(4, pp, pp_rank, vpp)
+        moe_kwargs = dict(ep_group=ps.get_expert_model_parallel_group(), ep_size=dp, aux_loss_coeff=0.01,
+                          capacity_factor=None, shared_expert_ffn_size=8)
+        mbs = [mb for s in range(microbatches // pm.MICROBATCHES) for mb in pm.microbatches(s, dp_rank)]
+        mbs = mbs[:microbatches]
+
+        def forward_step(data_iterator, model):
+            tokens, labels = next(data_iterator)
+            return model(tokens, labels), (lambda loss: loss)
+
+        def run(overlap: bool, record: bool = False):
+            chunks = []
+            for c, ids in enumerate(chunk_ids):
+                chunk = MoETransformerLM(pm.CFG, pm.VOCAB, moe_kwargs, "cpu", pm.DT, layer_ids=ids,
+                                         first=pp_rank == 0 and c == 0, last=pp_rank == pp - 1 and c == vpp - 1)
+                pm.init_from_global_names(chunk, ep_rank)
+                chunks.append(chunk)
+            trace: list = []
+            cfg = schedules.PipelineConfig(tensor_shape=(pm.BATCH, pm.CFG.seq, pm.CFG.hidden), dtype=pm.DT,
+                                           overlap_microbatches=overlap, trace=trace)
+            rec = StreamRecorder() if record else None
+            with rec if rec is not None else torch.enable_grad():
+                losses = schedules.forward_backward_pipelining_with_interleaving(
+                    forward_step_func=forward_step, data_iterator=[iter(mbs) for _ in chunks], model=chunks,
+                    num_microbatches=len(mbs), config=cfg)
+            named = [(global_name(ch, n), p) for ch in chunks for n, p in ch.named_parameters()]
+            grads = {n: p.grad.clone() for n, p in named if p.grad is not None}
+            torch.optim.AdamW([p for _, p in named], lr=1e-2).step()
+            return {"losses": losses, "grads": grads, "params": {n: p.detach().clone() for n, p in named},
+                    "trace": [tuple(s) for s in trace], "rec": rec}
+
+        serial, overlapped = run(False), run(True, record=True)
+        mismatch = [f"loss{i}" for i, (a, b) in enumerate(zip(serial["losses"], overlapped["losses"]))
+                    if not torch.equal(a, b)]
+        mismatch += [] if len(serial["losses"]) == len(overlapped["losses"]) else ["n_losses"]
+        for kind in ("grads", "params"):
+            a, b = serial[kind], overlapped[kind]
+            mismatch += [f"{kind}:{n}" for n in sorted(set(a) | set(b)) if n not in a or n not in b
+                         or not torch.equal(a[n], b[n])]
+        m = len(mbs)
+        warmup = schedules.num_warmup_microbatches(m, pp, pp_rank, vpp, overlap_microbatches=True)
+        checks = {}
+        for fault in PIPELINE_FAULTS if faults else (None,):
+            rec = overlapped["rec"]
+            if fault is not None:
+                with _pipeline_fault(fault):
+                    rec = run(True, record=True)["rec"]
+            checks[str(fault)] = {"steady": steady_step_checks(rec, schedules.get_schedule_table(m, vpp, pp), warmup),
+                                  "unjoined": len(unjoined_uses(rec.entries)),
+                                  "lanes": sorted({o.stream for o in rec.ops if o.microbatch is not None}),
+                                  "unlabelled": sorted({o.stream for o in rec.ops if o.microbatch is None})}
+        return {"pp_rank": pp_rank, "mismatch": mismatch, "n_grads": len(serial["grads"]),
+                "n_losses": len(serial["losses"]), "trace": overlapped["trace"], "serial_trace": serial["trace"],
+                "warmup": warmup, "checks": checks}
+    finally:
+        ps.destroy_model_parallel()

@@ -14,6 +14,8 @@ virtual stage ``v * pp_size + r`` lives on pipeline rank ``r`` as its chunk ``v`
 * interleaved 1F1B (:func:`forward_backward_pipelining_with_interleaving`): microbatches run in
   groups of ``microbatch_group_size_per_vp_stage`` (default ``pp``) per chunk; warm-up is
   ``2 * (pp - rank - 1) + (vpp - 1) * group`` forwards. Bubble fraction ``(pp - 1) / (m * vpp)``.
+  With ``PipelineConfig.overlap_microbatches`` one more warm-up forward, and each steady step's forward
+  runs beside its backward on two microbatch streams (1F1B refuses the option).
 
 The schedule functions execute exactly :func:`schedule_order` (they consume it step by step and fail
 loudly on any mismatch), which equals Megatron-core 0.19.2's order for the same arguments.
@@ -79,6 +81,7 @@ def _resolve_schedule_args(
     pp_rank: int,
     vpp_size: Optional[int],
     microbatch_group_size_per_vp_stage: Optional[int],
+    overlap_microbatches: bool = False,
 ) -> int:
     """Validate schedule arguments; return the microbatch group size (interleaved) or 1."""
     _check_int("num_microbatches", num_microbatches, 1)
@@ -86,7 +89,16 @@ def _resolve_schedule_args(
     _check_int("pp_rank", pp_rank, 0)
     if pp_rank >= pp_size:
         raise ValueError(f"pp_rank {pp_rank} out of range for pp_size {pp_size}")
+    if not isinstance(overlap_microbatches, bool):
+        raise ValueError(f"overlap_microbatches must be a bool, got {overlap_microbatches!r}")
     if vpp_size is None:
+        if overlap_microbatches and pp_size > 1:
+            raise ValueError(
+                f"overlap_microbatches with pp_size={pp_size} needs the interleaved schedule "
+                "(forward_backward_pipelining_with_interleaving, vpp_size >= 1; one model chunk per stage, "
+                "vpp_size=1, is allowed), as Megatron-core requires: in 1F1B the last stage's forward and backward "
+                "of a steady step are the same microbatch, so they cannot run beside each other"
+            )
         return 1
     _check_int("vpp_size", vpp_size, 1)
     if pp_size == 1:
@@ -140,16 +152,23 @@ def num_warmup_microbatches(
     vpp_size: Optional[int] = None,
     microbatch_group_size_per_vp_stage: Optional[int] = None,
     forward_only: bool = False,
+    overlap_microbatches: bool = False,
 ) -> int:
     """Forward steps a rank runs before its first backward (capped at ``m * (vpp or 1)``).
 
     ``0`` for pp == 1, ``pp - rank - 1`` for 1F1B, ``2 * (pp - rank - 1) + (vpp - 1) * group`` for
     the interleaved schedule (``group`` defaults to ``pp``); all steps when ``forward_only``.
+    ``overlap_microbatches`` (interleaved only; 1F1B with pp > 1 raises): one more warm-up forward, as
+    Megatron-core's ``get_pp_rank_microbatches`` schedules with ``overlap_moe_expert_parallel_comm``, so that
+    the forward and the backward of every steady step are of different microbatches.
 
         >>> [num_warmup_microbatches(8, 4, r, vpp_size=2) for r in range(4)]
         [10, 8, 6, 4]
+        >>> [num_warmup_microbatches(8, 4, r, vpp_size=2, overlap_microbatches=True) for r in range(4)]
+        [11, 9, 7, 5]
     """
-    group = _resolve_schedule_args(num_microbatches, pp_size, pp_rank, vpp_size, microbatch_group_size_per_vp_stage)
+    group = _resolve_schedule_args(num_microbatches, pp_size, pp_rank, vpp_size, microbatch_group_size_per_vp_stage,
+                                   overlap_microbatches)
     total = num_microbatches * (vpp_size or 1)
     if forward_only:
         warmup = total
@@ -158,7 +177,7 @@ def num_warmup_microbatches(
     elif vpp_size is None:
         warmup = pp_size - pp_rank - 1
     else:
-        warmup = (pp_size - pp_rank - 1) * 2 + (vpp_size - 1) * group
+        warmup = (pp_size - pp_rank - 1) * 2 + (vpp_size - 1) * group + int(overlap_microbatches)
     return min(warmup, total)
 
 
@@ -169,6 +188,7 @@ def schedule_order(
     vpp_size: Optional[int] = None,
     microbatch_group_size_per_vp_stage: Optional[int] = None,
     forward_only: bool = False,
+    overlap_microbatches: bool = False,
 ) -> List[ScheduleStep]:
     """The exact sequence of ``(is_forward, microbatch_id, model_chunk_id)`` steps of one rank.
 
@@ -176,7 +196,8 @@ def schedule_order(
     interleaved schedule with that many chunks. Forward step ``k`` runs virtual microbatch ``k`` of
     :func:`get_schedule_table`; backward step ``k`` runs the same microbatch on the mirrored chunk
     ``vpp - 1 - chunk``. After ``W = num_warmup_microbatches(...)`` forwards, forward ``W + i`` and
-    backward ``i`` alternate; the last ``W`` backwards drain the pipeline.
+    backward ``i`` alternate; the last ``W`` backwards drain the pipeline. ``overlap_microbatches``: one more
+    warm-up forward (interleaved; see :func:`num_warmup_microbatches`).
 
     Raises ``ValueError`` for configurations Megatron rejects (e.g. interleaving with
     ``num_microbatches % pp_size != 0`` at the default group size).
@@ -184,12 +205,14 @@ def schedule_order(
         >>> " ".join(format_step(s) for s in schedule_order(4, 2, 1, vpp_size=2))
         'F0.0 F1.0 F0.1 B0.1 F1.1 B1.1 F2.0 B0.0 F3.0 B1.0 F2.1 B2.1 F3.1 B3.1 B2.0 B3.0'
     """
-    group = _resolve_schedule_args(num_microbatches, pp_size, pp_rank, vpp_size, microbatch_group_size_per_vp_stage)
+    group = _resolve_schedule_args(num_microbatches, pp_size, pp_rank, vpp_size, microbatch_group_size_per_vp_stage,
+                                   overlap_microbatches)
     chunks = vpp_size or 1
     table = get_schedule_table(num_microbatches, chunks, group)
     total = len(table)
     warmup = num_warmup_microbatches(
-        num_microbatches, pp_size, pp_rank, vpp_size, microbatch_group_size_per_vp_stage, forward_only
+        num_microbatches, pp_size, pp_rank, vpp_size, microbatch_group_size_per_vp_stage, forward_only,
+        overlap_microbatches
     )
 
     def fwd(k):
@@ -218,12 +241,15 @@ def format_schedule(
     vpp_size: Optional[int] = None,
     microbatch_group_size_per_vp_stage: Optional[int] = None,
     forward_only: bool = False,
+    overlap_microbatches: bool = False,
 ) -> str:
     """One line per pipeline rank: ``rank 0 (warmup 3): F0.0 F1.0 ...``."""
     lines = []
     for r in range(pp_size):
-        order = schedule_order(num_microbatches, pp_size, r, vpp_size, microbatch_group_size_per_vp_stage, forward_only)
-        w = num_warmup_microbatches(num_microbatches, pp_size, r, vpp_size, microbatch_group_size_per_vp_stage, forward_only)
+        args = (num_microbatches, pp_size, r, vpp_size, microbatch_group_size_per_vp_stage, forward_only,
+                overlap_microbatches)
+        order = schedule_order(*args)
+        w = num_warmup_microbatches(*args)
         lines.append(f"rank {r} (warmup {w}): " + " ".join(format_step(s) for s in order))
     return "\n".join(lines)
 
@@ -306,9 +332,11 @@ class PipelineConfig:
             (:func:`set_aux_loss_scale_for_step`), and back to 1 when they return.
         microbatch_group_size_per_vp_stage: interleaved group size (default ``pp``).
         trace: a list to which every executed step ``(is_forward, mb, chunk)`` is appended.
-        overlap_microbatches: :func:`forward_backward_no_pipelining` runs microbatch ``i + 1``'s forward beside
-            microbatch ``i``'s backward, on two microbatch streams (see :func:`forward_backward_overlapped`); the
-            pipeline schedules reject it (not built yet).
+        overlap_microbatches: two microbatches in flight on two microbatch streams:
+            :func:`forward_backward_no_pipelining` runs microbatch ``i + 1``'s forward beside microbatch ``i``'s
+            backward (see :func:`forward_backward_overlapped`); :func:`forward_backward_pipelining_with_interleaving`
+            runs one more warm-up forward and then each steady step's forward beside its backward (different
+            microbatches). 1F1B rejects it (as Megatron-core does: pp > 1 needs virtual pipelining).
     """
 
     tensor_shape: Optional[Sequence[int]] = None
@@ -558,6 +586,49 @@ def _microbatch_lanes(device: torch.device) -> Tuple[streams.SideStream, streams
     return _LANES[device]
 
 
+class _MicrobatchStreams:
+    """The shared part of the overlapped schedules: forwards on the two microbatch streams of the models' device
+    (:func:`_microbatch_lanes`) and every gradient accumulator on the current stream.
+
+    Each parameter's gradient accumulator is made on the current stream before the first fork (and a received
+    activation's before the fork of the forward that reads it) and kept until :meth:`close`: autograd runs a node on
+    the stream it was made on, so every microbatch's gradient accumulation, and the hooks on it (DDP's ``main_grad``
+    add and bucket reduction launch), run on the current stream after waiting for the microbatch stream, and the
+    schedule reads ``input.grad`` there. A forward's body runs on a lane after waiting for what the current stream
+    issued before its fork (or before :meth:`mark`); :meth:`join` makes the current stream wait for the body's end.
+    A backward is issued on the current stream and autograd runs its nodes on the lane of their forward.
+    """
+
+    def __init__(self, models: Sequence[Any]):
+        self.params = [p for m in models for p in m.parameters() if p.requires_grad]
+        device = self.params[0].device if self.params else torch.device("cpu")
+        self.lanes = _microbatch_lanes(device)
+        self._pinned = [torch.autograd.graph.get_gradient_edge(p).node for p in self.params]
+
+    def mark(self, lane: int) -> None:
+        """The next forward on ``lane`` waits only for what is issued before this call."""
+        self.lanes[lane].mark_fork()
+
+    @contextlib.contextmanager
+    def forward(self, lane: int, label: int, *inputs, marked: bool = False):
+        """Runs the body (one forward) on microbatch stream ``lane``, labelled ``label`` for a StreamRecorder.
+        ``inputs``: tensors made on the current stream that the body reads (a received activation; ``None``
+        allowed)."""
+        inputs = tuple(t for t in inputs if isinstance(t, torch.Tensor))
+        self._pinned += [torch.autograd.graph.get_gradient_edge(t).node for t in inputs
+                         if t.requires_grad and t.grad_fn is None]
+        with streams.microbatch(label), self.lanes[lane].fork(*self.params, *inputs, marked=marked):
+            yield
+
+    def join(self, lane: int, out):
+        """The current stream waits for the end of the last forward on ``lane``; returns ``out`` (its output)."""
+        (out,) = self.lanes[lane].join(out)
+        return out
+
+    def close(self) -> None:
+        self._pinned = []
+
+
 def forward_backward_overlapped(*, forward_step_func: Callable, data_iterator, model, num_microbatches: int,
                                 config: PipelineConfig) -> list:
     """Two microbatches in flight on one stage (``PipelineConfig.overlap_microbatches``): microbatch ``i + 1``'s
@@ -583,12 +654,7 @@ def forward_backward_overlapped(*, forward_step_func: Callable, data_iterator, m
     counters and route counts are written by the forward only: ``counting_enabled``), so it may run beside
     ``F(i+1)``.
     """
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    lanes = _microbatch_lanes(device)
-    params = [p for p in model.parameters() if p.requires_grad]
-    # the accumulators made here, on the current stream, and kept alive: every microbatch's backward accumulates
-    # its parameter gradients (and runs DDP's hooks) on this stream
-    accumulators = [torch.autograd.graph.get_gradient_edge(p).node for p in params]
+    lanes = _MicrobatchStreams([model])  # the accumulators made here, on the current stream, and kept
     steps = _Steps(schedule_order(num_microbatches, 1, 0), config.trace)
     set_aux_loss_scale_for_step(config, [model], num_microbatches)
     sync = _GradSync(_no_sync_factory(config, [model]))
@@ -596,18 +662,16 @@ def forward_backward_overlapped(*, forward_step_func: Callable, data_iterator, m
 
     def forward(mb: int, marked: bool):
         steps.take(True, mb, 0)
-        lane = lanes[mb % 2]
-        with streams.microbatch(mb), lane.fork(*params, marked=marked):
+        with lanes.forward(mb % 2, mb, marked=marked):
             out = forward_step(forward_step_func, data_iterator, model, num_microbatches, None, store, config, True)
-        (out,) = lane.join(out)
-        return out
+        return lanes.join(mb % 2, out)
 
     try:
         out = forward(0, False)
         for mb in range(num_microbatches):
             last = mb == num_microbatches - 1
             if not last:
-                lanes[(mb + 1) % 2].mark_fork()  # F(mb+1) waits for what is issued so far, not for B(mb)
+                lanes.mark((mb + 1) % 2)  # F(mb+1) waits for what is issued so far, not for B(mb)
             if last:
                 sync.enable()  # the last microbatch's backward runs with gradient reduction on
             else:
@@ -619,7 +683,7 @@ def forward_backward_overlapped(*, forward_step_func: Callable, data_iterator, m
                 out = forward(mb + 1, True)
     finally:
         sync.enable()
-    del accumulators
+    lanes.close()
     steps.finish()
     _reset_aux_loss_scale()
     return store
@@ -643,16 +707,18 @@ def forward_backward_pipelining_without_interleaving(
     until the last backward (with a ``grad_sync_func``, non-first stages launch it at the end).
     """
     config = config or PipelineConfig()
-    if config.overlap_microbatches:
-        raise ValueError("forward_backward_pipelining_without_interleaving: overlap_microbatches is built for "
-                         "forward_backward_no_pipelining only")
     model, data_iterator = _single_chunk(model, data_iterator, "forward_backward_pipelining_without_interleaving")
     shape, dtype = _shape_dtype(config, tensor_shape, dtype)
     comm = communicator or get_default_communicator(config.batch_p2p_comm)
     pp, rank = comm.world_size, comm.rank
     first, last = comm.is_first_stage, comm.is_last_stage
     m = num_microbatches
-    steps = _Steps(schedule_order(m, pp, rank, forward_only=forward_only), config.trace)
+    overlap = config.overlap_microbatches and not forward_only
+    try:  # validates (overlap_microbatches needs the interleaved schedule when pp > 1)
+        order = schedule_order(m, pp, rank, forward_only=forward_only, overlap_microbatches=overlap)
+    except ValueError as e:
+        raise ValueError(f"forward_backward_pipelining_without_interleaving: {e}") from None
+    steps = _Steps(order, config.trace)
     set_aux_loss_scale_for_step(config, [model], m)
     warmup = num_warmup_microbatches(m, pp, rank) if not forward_only else min(pp - rank - 1, m)
     remaining = m - warmup
@@ -746,11 +812,20 @@ def forward_backward_pipelining_with_interleaving(
     ``model`` and ``data_iterator`` are lists with one entry per chunk. The executed steps are
     :func:`schedule_order` with ``vpp_size=len(model)``; configurations it rejects raise
     ``ValueError`` before any communication. Returns the reported losses on the last stage.
+
+    ``config.overlap_microbatches`` (training only), as Megatron-core's combined 1F1B: one more warm-up forward
+    (:func:`num_warmup_microbatches`), so that the forward ``W + k`` and the backward ``k`` of every steady step are
+    of different microbatches, with no dependency between them; the forward runs on one microbatch stream and the
+    backward on the other (:class:`_MicrobatchStreams`): autograd runs backward ``k`` on the lane of the forward
+    whose graph it is (the same microbatch, the mirrored chunk), and forward ``W + k`` takes the other lane
+    (warm-up forwards alternate). Issue order per steady step: fork the forward on
+    its lane (it waits for what was issued before) | the backward (root on the current stream, its nodes on the
+    lane of its forward, accumulations on the current stream) | join the forward | the step's sends and receives.
+    The steps and their order are those of the schedule without the option except for the extra warm-up forward;
+    the arithmetic is the same (same forwards in the same order, same backwards in the same order): losses and
+    gradients are bitwise equal to it. Memory: one more microbatch's activations in flight on each rank.
     """
     config = config or PipelineConfig()
-    if config.overlap_microbatches:
-        raise ValueError("forward_backward_pipelining_with_interleaving: overlap_microbatches is built for "
-                         "forward_backward_no_pipelining only")
     if not isinstance(model, (list, tuple)) or len(model) < 1:
         raise ValueError("interleaved pipeline schedule expects a list of model chunks")
     nc = len(model)
@@ -762,11 +837,12 @@ def forward_backward_pipelining_with_interleaving(
     first, last = comm.is_first_stage, comm.is_last_stage
     m = num_microbatches
     group = config.microbatch_group_size_per_vp_stage
-    order = schedule_order(m, pp, rank, nc, group, forward_only)  # validates
+    overlap = config.overlap_microbatches and not forward_only
+    order = schedule_order(m, pp, rank, nc, group, forward_only, overlap)  # validates
     group = pp if group is None else group
     table = get_schedule_table(m, nc, group)
     total = m * nc
-    warmup = num_warmup_microbatches(m, pp, rank, nc, group, forward_only)
+    warmup = num_warmup_microbatches(m, pp, rank, nc, group, forward_only, overlap)
     remaining = total - warmup
     all_warmup = warmup >= total
     steps = _Steps(order, config.trace)
@@ -781,7 +857,7 @@ def forward_backward_pipelining_with_interleaving(
     grads = [dict() for _ in range(nc)]
     n_inputs = [0] * nc  # activations received so far per chunk (they arrive in microbatch order)
     n_grads = [0] * nc
-
+    lanes = _MicrobatchStreams(model) if overlap else None  # the accumulators made here, on the current stream
 
     set_vp_rank = ps.get_virtual_pipeline_model_parallel_world_size() == nc  # keep parallel_state's vp rank current
 
@@ -817,7 +893,22 @@ def forward_backward_pipelining_with_interleaving(
         grads[c][n_grads[c]] = t
         n_grads[c] += 1
 
-    def run_forward(k: int):
+    forward_index = {(mb, c): k for k, (mb, c) in enumerate(table)}
+    lane_of: Dict[int, int] = {}  # forward step -> microbatch stream; autograd runs its backward there too
+
+    def forward_of_backward(k: int) -> int:
+        """The forward step whose graph backward step ``k`` runs (the same microbatch, the mirrored chunk)."""
+        return forward_index[(table[k][0], nc - 1 - table[k][1])]
+
+    def assign_lane(k: int) -> int:  # a steady step's forward on the other lane than its backward's
+        if k not in lane_of:
+            b = k - warmup
+            lane_of[k] = 1 - lane_of[forward_of_backward(b)] if b >= 0 else k % 2
+        return lane_of[k]
+
+    def start_forward(k: int):
+        """Issue forward step ``k`` (virtual microbatch ``k``, the label a StreamRecorder sees); with overlap on its
+        lane, not joined yet: :func:`finish_forward` joins it and keeps its output."""
         mb, c = table[k][0], chunk_of(k, True)
         steps.take(True, mb, c)
         if c == 0 and first:
@@ -828,7 +919,14 @@ def forward_backward_pipelining_with_interleaving(
             raise RuntimeError(f"pipeline rank {rank}: no activation received for microbatch {mb} of chunk {c}")
         if set_vp_rank:
             ps.set_virtual_pipeline_model_parallel_rank(c)
-        y = forward_step(forward_step_func, data_iterator[c], model[c], m, x, store, config, c == nc - 1 and last)
+        with lanes.forward(assign_lane(k), k, x) if lanes is not None else streams.microbatch(k):
+            return forward_step(forward_step_func, data_iterator[c], model[c], m, x, store, config,
+                                c == nc - 1 and last)
+
+    def finish_forward(k: int, y):
+        mb, c = table[k][0], chunk_of(k, True)
+        if lanes is not None:
+            y = lanes.join(lane_of[k], y)
         if forward_only:
             inputs[c].pop(mb, None)
         else:
@@ -867,7 +965,7 @@ def forward_backward_pipelining_with_interleaving(
             recv_prev, next_c = recv_plan(k, True)
             if k == total - 1:
                 recv_prev = False
-            y = run_forward(k)
+            y = finish_forward(k, start_forward(k))
             send = None if (c == nc - 1 and last) else y
             if k == warmup - 1 and not forward_only and not all_warmup:
                 recv_next = not last
@@ -882,8 +980,12 @@ def forward_backward_pipelining_with_interleaving(
                 deallocate_output_tensor(send, config.deallocate_pipeline_outputs)
         for k in range(remaining):
             fk = k + warmup
-            y = run_forward(fk)
-            dx = run_backward(k)
+            y = start_forward(fk)
+            if lanes is None:  # without overlap the last stage's backward k may be forward fk's own microbatch
+                y = finish_forward(fk, y)
+            dx = run_backward(k)  # with overlap: beside the forward (different microbatches, different lanes)
+            if lanes is not None:
+                y = finish_forward(fk, y)
             send_y = None if (chunk_of(fk, True) == nc - 1 and last) else y
             send_dx = None if (chunk_of(k, False) == 0 and first) else dx
             recv_prev, next_fc = recv_plan(fk, True)
@@ -917,6 +1019,8 @@ def forward_backward_pipelining_with_interleaving(
                         synced.add(c)
     finally:
         sync.enable()
+        if lanes is not None:
+            lanes.close()
     steps.finish()
     leftovers = [c for c in range(nc) if inputs[c] or outputs[c] or grads[c]]
     if leftovers:

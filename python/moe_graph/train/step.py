@@ -120,8 +120,10 @@ def train_step(model, optimizer, microbatches: Sequence[Any], *, loss_func: Opti
         overlap_microbatches: two microbatches in flight: microbatch ``i + 1``'s forward beside microbatch ``i``'s
             backward on two microbatch streams, so one's expert-parallel exchange runs while the other computes
             (:func:`moe_graph.train.schedules.forward_backward_overlapped`; bitwise equal to the serial loop; two
-            microbatches' activations alive at once). The plain loop only (no pipeline parallelism): with another
-            schedule it raises ``ValueError``.
+            microbatches' activations alive at once). With pipeline parallelism the interleaved schedule only
+            (``forward_backward_pipelining_with_interleaving``, any vpp >= 1: one more warm-up forward, then each
+            steady step's forward beside its backward; bitwise equal to the schedule without the option); with
+            1F1B or another schedule it raises ``ValueError`` before anything is written.
     """
     if overflow is not None and overflow not in OVERFLOW_MODES:
         raise ValueError(f"train_step: overflow must be one of {OVERFLOW_MODES} or None, got {overflow!r}")
@@ -154,10 +156,13 @@ def train_step(model, optimizer, microbatches: Sequence[Any], *, loss_func: Opti
         else:
             forward_backward_func = schedules.forward_backward_no_pipelining
     interleaved = forward_backward_func is schedules.forward_backward_pipelining_with_interleaving
-    if config.overlap_microbatches and forward_backward_func is not schedules.forward_backward_no_pipelining:
+    if config.overlap_microbatches and not (interleaved or
+                                            forward_backward_func is schedules.forward_backward_no_pipelining):
         raise ValueError("train_step: overlap_microbatches runs in the plain microbatch loop "
-                         "(forward_backward_no_pipelining) only; the pipeline schedules do not overlap microbatches yet, "
-                         f"got {getattr(forward_backward_func, '__name__', forward_backward_func)}")
+                         "(forward_backward_no_pipelining) and, with pipeline parallelism, in the interleaved schedule "
+                         "only (forward_backward_pipelining_with_interleaving: set virtual_pipeline_model_parallel_size "
+                         ">= 1, as Megatron-core requires), got "
+                         f"{getattr(forward_backward_func, '__name__', forward_backward_func)}")
     if len(chunks) > 1 and not interleaved:
         raise ValueError(f"train_step: {len(chunks)} model chunks need the interleaved schedule")
 
