@@ -37,6 +37,7 @@ Megatron's drop-and-pad (``moe_pad_expert_input_to_capacity``: use ``capacity_fa
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 from functools import partial
 from typing import Any, Callable, Dict, List, Optional
@@ -59,11 +60,14 @@ from moe_graph.grouped_linear import GroupedLinear
 from moe_graph.moe.echo import dispatch_spare_weights
 from moe_graph.moe.echo_balancer import EchoBalancer
 from moe_graph.moe.layer import _all_gather_counts, reset_step_counters, step_max_load_ratio, step_overflow
+from moe_graph.moe.experts import ALIGNED_DISPATCH, FP8_ROW_ALIGNMENT
 from moe_graph.moe.token_dispatcher import (DROP_POLICIES, OVERFLOW_MODES, TokenDispatcher, counting_enabled,
                                             expert_columns, topk_from_routing_map)
+from moe_graph.ops import fp8 as _fp8
+from moe_graph.ops.fp8 import QuantizedRows
 from moe_graph.train.step import OverflowRerun
 
-__all__ = ["DeviceSplits", "MoeGraphTokenDispatcher", "MoeGraphMoELayer", "moe_graph_layers", "MegatronOverflowRerun",
+__all__ = ["DeviceSplits", "fp8_recipe_from_config", "MoeGraphTokenDispatcher", "MoeGraphMoELayer", "moe_graph_layers", "MegatronOverflowRerun",
            "ReplayIterator"]
 
 
@@ -83,6 +87,36 @@ class DeviceSplits:
 
     def __repr__(self) -> str:
         return f"DeviceSplits({self.tensor!r})"
+
+
+def fp8_recipe_from_config(config):
+    """``moe_graph.fp8.Recipe`` for Megatron's ``config.fp8`` / ``config.fp8_recipe`` (None without ``fp8``)."""
+    fmt = getattr(config, "fp8", None)
+    if not fmt:
+        return None
+    fmt = str(fmt).lower()
+    if fmt not in ("e4m3", "hybrid"):
+        raise NotImplementedError(f"moe_graph.integrations.megatron: config.fp8={fmt!r} (moe_graph runs 'e4m3' and "
+                                  "'hybrid')")
+    name = str(getattr(config, "fp8_recipe", None) or "delayed").lower()
+    if name not in ("blockwise", "mxfp8", "tensorwise", "delayed"):
+        raise NotImplementedError(f"moe_graph.integrations.megatron: config.fp8_recipe={name!r} (moe_graph runs "
+                                  "'blockwise', 'mxfp8', 'tensorwise' and 'delayed' as current scaling)")
+    base = _fp8.as_recipe(name)
+    return dataclasses.replace(base, fp8_format="HYBRID" if fmt == "hybrid" else "E4M3")
+
+
+def _check_fp8_dispatch(config, recipe) -> None:
+    """``fp8_dispatch=True`` needs FP8 experts with row-local activation tiles and the rows as they arrive."""
+    if recipe is None or recipe.kind not in ("blockwise", "mxfp8"):
+        raise ValueError(
+            "moe_graph's Megatron dispatcher: fp8_dispatch=True needs FP8 experts whose activation tiles are "
+            "row-local: config.fp8 with config.fp8_recipe 'blockwise' or 'mxfp8' (got fp8="
+            f"{getattr(config, 'fp8', None)!r}, fp8_recipe={getattr(config, 'fp8_recipe', None)!r})")
+    if config.moe_apply_probs_on_input:
+        raise NotImplementedError(
+            "moe_graph's Megatron dispatcher: fp8_dispatch=True with moe_apply_probs_on_input (the experts scale "
+            "their input rows, which arrive in FP8) is not supported")
 
 
 def _table_device(config) -> torch.device:
@@ -106,14 +140,13 @@ class MoeGraphTokenDispatcher(MoETokenDispatcher):
     def __init__(self, num_local_experts: int, local_expert_indices, config, pg_collection=None, *,
                  capacity_factor: Optional[float] = None, overflow: str = "drop", token_drop_policy: str = "probs",
                  exchange: str = "auto", num_spare_experts_per_ep_rank: int = 0, echo_donors: Optional[int] = None,
-                 echo_assignment: str = "auto"):
+                 echo_assignment: str = "auto", fp8_dispatch: bool = False):
         super().__init__(config=config, pg_collection=pg_collection)
         _check_config(config, self.tp_size)
-        if num_spare_experts_per_ep_rank and config.gradient_accumulation_fusion:
-            raise NotImplementedError(
-                "moe_graph's Megatron dispatcher: echo (num_spare_experts_per_ep_rank > 0) with "
-                "gradient_accumulation_fusion=True is not supported (the spare slots' weights are copies without "
-                "main_grad); set gradient_accumulation_fusion=False")
+        self.fp8_recipe = fp8_recipe_from_config(config)  # the experts' (None: 16-bit experts)
+        if fp8_dispatch:
+            _check_fp8_dispatch(config, self.fp8_recipe)
+        self.fp8_dispatch = bool(fp8_dispatch)
         if overflow not in OVERFLOW_MODES:
             raise ValueError(f"overflow must be one of {OVERFLOW_MODES}, got {overflow!r}")
         if token_drop_policy not in DROP_POLICIES:
@@ -144,6 +177,7 @@ class MoeGraphTokenDispatcher(MoETokenDispatcher):
         self.layer_number = None  # set by MoeGraphMoELayer (Megatron's metrics are per layer)
         self._routes = None
         self._handle = None
+        self._fp8_rows = None
 
     # ---------------------------------------------------------------------------------------- routing --
     def set_routes(self, indices: torch.Tensor, probs: torch.Tensor, valid: Optional[torch.Tensor]) -> None:
@@ -190,12 +224,25 @@ class MoeGraphTokenDispatcher(MoETokenDispatcher):
         T = hidden_states.shape[0]
         d = self.dispatcher
         d.capacity = d.capacity_for(T, self.topk, self.capacity_factor)
-        expert_input, m_splits, self._handle = d.dispatch(hidden_states, indices, route_probs, valid)
-        self._log_statistics(self._handle, m_splits, T)
+        recipe = self._experts_recipe()
+        align = FP8_ROW_ALIGNMENT if recipe is not None and ALIGNED_DISPATCH else None
+        expert_input, m_splits, self._handle = d.dispatch(hidden_states, indices, route_probs, valid,
+                                                          fp8_recipe=recipe if self.fp8_dispatch else None,
+                                                          align_rows=align)
+        self._log_statistics(self._handle, self._handle.m_splits, T)
+        if isinstance(expert_input, QuantizedRows):  # FP8 dispatch: Megatron's layer passes the carrier on
+            self._fp8_rows, expert_input = expert_input, expert_input.carrier
         if self.shared_experts is not None:
             self.shared_experts.linear_fc1_forward_and_act(expert_input)
         self._m_splits = m_splits
         return expert_input, d.row_weights(self._handle)
+
+    def _experts_recipe(self):
+        """The FP8 recipe the experts run this forward (an active ``moe_graph.fp8.autocast`` / TE's, else the
+        config's, as :class:`moe_graph.integrations.megatron.MoeGraphGroupedLinear`), or None."""
+        if self.fp8_recipe is None:
+            return None
+        return _fp8.current_recipe() or self.fp8_recipe
 
     def _log_statistics(self, handle, m_splits: torch.Tensor, num_tokens: int) -> None:
         """This dispatch's statistics into Megatron's MoE metrics tracker (device ops: no sync, capturable; not
@@ -223,6 +270,9 @@ class MoeGraphTokenDispatcher(MoETokenDispatcher):
         m_splits, self._m_splits = self._m_splits, None
         plan, self._echo_plan = self._echo_plan, None
         echo = (self.echo.dispatcher, plan) if plan is not None else None
+        rows, self._fp8_rows = self._fp8_rows, None
+        if rows is not None:  # the FP8 rows, with the carrier Megatron handed on (its autograd path)
+            hidden_states = dataclasses.replace(rows, carrier=hidden_states)
         return hidden_states, DeviceSplits(m_splits, echo), probs
 
     def combine_preprocess(self, hidden_states: torch.Tensor):

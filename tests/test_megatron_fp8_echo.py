@@ -1,0 +1,179 @@
+"""moe_graph's dispatcher inside real megatron-core 0.19.2's ``MoELayer``: FP8 dispatch, and echo spare slots with
+fused (``gradient_accumulation_fusion``) and delayed (``delay_wgrad_compute``) weight gradients, on CPU and gloo.
+
+* FP8 dispatch (``dispatcher_options={"fp8_dispatch": True}`` with ``config.fp8`` blockwise / mxfp8): the layer's
+  output, input gradient and every gradient equal, bit for bit, the same layer without FP8 dispatch (the rows are
+  quantized once per token, rowwise, as the experts' first GEMM quantizes them), except fc1's weight gradient, whose
+  columnwise copy is quantized from the FP8 rows (close, not equal); and that layer equals Megatron's own all-to-all
+  dispatcher with the same FP8 experts (the oracle for the rows: the same output and gradients).
+* Echo with fused / delayed weight gradients: the experts' ``main_grad`` (fused) or ``.grad`` after
+  ``backward_dw`` (delayed) over two microbatches (the first overwrites ``main_grad``, which starts as NaN) equal
+  the gradients of the same layer with plain autograd echo (``.grad``), at EP 1 and EP 2; a spare slot did take
+  rows; dropping the spare slots' gradients on their way home fails the comparison (checked in the test).
+
+Runs beside ``tests/test_megatron_moe_dispatcher.py`` (the same fetch and CPU shims).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from moe_graph.distributed.launch import run_distributed
+from test_megatron_client import _SKIP, _cpu_shims, _init_megatron, pg  # noqa: F401
+from test_megatron_moe_dispatcher import CASES, E, H, _config
+
+pytestmark = pytest.mark.skipif(_SKIP is not None, reason=str(_SKIP))
+
+TOL = 2e-5  # relative to the largest value of each tensor: fp32 summation order
+
+
+def _build(cfg, pg, dispatcher, options=None, seed=7):
+    """A MoE layer from ``get_gpt_layer_with_moe_graph_spec`` with seeded weights (router the same on every rank,
+    experts per rank)."""
+    from moe_graph.integrations.megatron import get_gpt_layer_with_moe_graph_spec
+
+    spec = get_gpt_layer_with_moe_graph_spec(E, use_transformer_engine=False, dispatcher=dispatcher,
+                                             dispatcher_options=options)
+    layer = spec.submodules.mlp(config=cfg, pg_collection=pg)
+    layer.set_layer_number(1)
+    shared = torch.Generator().manual_seed(seed)
+    local = torch.Generator().manual_seed(seed + 1 + torch.distributed.get_rank())
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            expert = name.startswith("experts.")
+            p.copy_(torch.randn(p.shape, generator=local if expert else shared) * (0.2 if expert else 0.5))
+    return layer
+
+
+def _cfg(ep, case, **late):
+    """Megatron's config of ``case`` (tests/test_megatron_moe_dispatcher.py); ``late``: set after its validation
+    (fp8 without TE, delay_wgrad_compute without the EP-overlapped schedule, single grouped weights)."""
+    cfg = _config(ep, **{k: v for k, v in CASES[case].items()},
+                  gradient_accumulation_fusion=late.pop("gradient_accumulation_fusion", False))
+    for k, v in late.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def _expert_rows(layer):
+    """A forward pre-hook on the experts recording what they get: ``(input type, rows per local expert)``."""
+    seen = []
+
+    def hook(_module, args):
+        tpe = args[1]
+        seen.append((type(args[0]).__name__, getattr(tpe, "tensor", tpe).clone()))
+
+    layer.experts.register_forward_pre_hook(hook)
+    return seen
+
+
+def _microbatches(rank, n=2, tokens=(6, 2)):
+    gen = torch.Generator().manual_seed(99 + rank)  # different tokens on every rank
+    return [(torch.randn(*tokens, H, generator=gen), torch.randn(*tokens, H, generator=gen)) for _ in range(n)]
+
+
+def _train(layer, mbs, *, fused=False, delayed=False):
+    """Forward + backward of each microbatch (``backward_dw`` after each with ``delayed``): the output and input
+    gradient of each, and each parameter's gradient over all of them (``main_grad`` for fused expert weights)."""
+    layer.zero_grad(set_to_none=True)
+    if fused:
+        for name, p in layer.named_parameters():
+            if name.startswith("experts.") and "weight" in name:
+                p.main_grad = torch.full_like(p, float("nan"))  # the first microbatch overwrites
+                p.grad_added_to_main_grad = False
+    for lin in (layer.experts.linear_fc1, layer.experts.linear_fc2):
+        lin.is_first_microbatch = True
+    res = {}
+    for i, (x, g) in enumerate(mbs):
+        x = x.clone().requires_grad_()
+        out, _ = layer(x)
+        out.backward(g)
+        if delayed:
+            layer.experts.backward_dw()
+        res[f"out {i}"], res[f"input grad {i}"] = out.detach(), x.grad
+    for name, p in layer.named_parameters():
+        if fused and name.startswith("experts.") and "weight" in name:
+            assert p.grad_added_to_main_grad, name
+            res[f"grad {name}"] = p.main_grad.clone()
+        else:
+            res[f"grad {name}"] = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+    return res
+
+
+def _errors(got, want):
+    assert got.keys() == want.keys(), sorted(got.keys() ^ want.keys())
+    return {k: (got[k].double() - want[k].double()).abs().max().item() / max(want[k].abs().max().item(), 1e-30)
+            for k in want}
+
+
+# --------------------------------------------------------------------------------------- echo: fused / delayed --
+ECHO_MODES = {"fused": dict(gradient_accumulation_fusion=True), "delayed": dict(delay_wgrad_compute=True),
+              "delayed+fused": dict(gradient_accumulation_fusion=True, delay_wgrad_compute=True)}
+
+
+BROKEN_MODES = ("fused", "delayed")  # the delivery from backward and from backward_dw
+
+
+@contextlib.contextmanager
+def _dropped_spare_grads():
+    """A broken delivery: the spare slots' gradients never reach home."""
+    from moe_graph.moe.echo import EchoExpertDispatcher
+
+    saved = EchoExpertDispatcher.aggregate_grads
+    EchoExpertDispatcher.aggregate_grads = lambda self, plan, grads, home_params=None, out=None: out
+    try:
+        yield
+    finally:
+        EchoExpertDispatcher.aggregate_grads = saved
+
+
+def _echo_case(rank, ep, pg, case, single=False, broken=False, modes=tuple(ECHO_MODES)):
+    """Per mode: the relative errors against plain autograd echo, and the rows the spare slot took."""
+    echo = {"num_spare_experts_per_ep_rank": 1}
+    mbs = _microbatches(rank)
+    out = {}
+    with _cpu_shims():
+        ref = _build(_cfg(ep, case, moe_single_grouped_weight=single), pg, "moe_graph", echo)
+        seen = _expert_rows(ref)
+        want = _train(ref, mbs)
+        out["spare rows"] = sum(int(t[-1]) for _, t in seen)
+        for mode in modes:
+            flags = ECHO_MODES[mode]
+            layer = _build(_cfg(ep, case, moe_single_grouped_weight=single, **flags), pg, "moe_graph", echo)
+            with _dropped_spare_grads() if broken else contextlib.nullcontext():
+                got = _train(layer, mbs, fused=flags.get("gradient_accumulation_fusion", False),
+                             delayed=flags.get("delay_wgrad_compute", False))
+            out[mode] = _errors(got, want)
+    return out
+
+
+def _echo_worker(rank, world):
+    pg = _init_megatron(world)
+    try:
+        return {"per-expert": _echo_case(rank, world, pg, "softmax-top2-aux"),
+                "single+bias": _echo_case(rank, world, pg, "softmax-top2-bias-global", single=True),
+                "broken": _echo_case(rank, world, pg, "softmax-top2-aux", broken=True, modes=BROKEN_MODES)}
+    finally:
+        from megatron.core import parallel_state as ps
+
+        ps.destroy_model_parallel()
+
+
+def test_echo_fused_and_delayed_wgrad_equal_plain_echo_ep2_gloo():
+    # (at EP 1 echo moves nothing: one rank is balanced by definition)
+    results = run_distributed(_echo_worker, 2, timeout=300)
+    for name in ("per-expert", "single+bias"):
+        # a spare slot took routes (their weight gradients had to go home)
+        assert sum(r[name]["spare rows"] for r in results) > 0, (name, results)
+        for r in results:
+            for mode in ECHO_MODES:
+                bad = {k: v for k, v in r[name][mode].items() if not v <= TOL}
+                assert not bad, (name, mode, bad)
+    # the same comparison with the spare slots' gradients dropped on their way home (only the fused / delayed
+    # layers run broken; the reference ran before): the expert weight gradients are off on some rank
+    for mode in BROKEN_MODES:
+        worst = max(v for r in results for k, v in r["broken"][mode].items() if k.startswith("grad experts."))
+        assert worst > 100 * TOL, (mode, worst)
