@@ -150,19 +150,47 @@ def _echo_case(rank, ep, pg, case, single=False, broken=False, modes=tuple(ECHO_
     return out
 
 
+FP8_ECHO_MODES = {"plain": ({}, False), "fused+fp8 dispatch": (ECHO_MODES["fused"], True),
+                  "delayed": (ECHO_MODES["delayed"], False),
+                  "delayed+fused+fp8 dispatch": (ECHO_MODES["delayed+fused"], True)}
+
+
+def _fp8_echo_case(rank, ep, pg, case, recipe, modes):
+    """FP8 experts with echo (every wgrad mode, with and without FP8 dispatch) against Megatron's all-to-all with the
+    same FP8 experts and no echo: the relative errors per mode, and the rows the spare slot took."""
+    mbs = _microbatches(rank)
+    out = {}
+    with _cpu_shims():
+        ref = _train(_build(_cfg(ep, case, fp8="e4m3", fp8_recipe=recipe), pg, "megatron"), mbs)
+        for mode in modes:
+            flags, fp8_dispatch = FP8_ECHO_MODES[mode]
+            layer = _build(_cfg(ep, case, fp8="e4m3", fp8_recipe=recipe, **flags), pg, "moe_graph",
+                           {"num_spare_experts_per_ep_rank": 1, "fp8_dispatch": fp8_dispatch})
+            seen = _expert_rows(layer)
+            out[mode] = _errors(_train(layer, mbs, fused=flags.get("gradient_accumulation_fusion", False),
+                                       delayed=flags.get("delay_wgrad_compute", False)), ref)
+            out[f"{mode} inputs"] = sorted({t for t, _ in seen})
+            out["spare rows"] = sum(int(t[-1]) for _, t in seen)
+    return out
+
+
 def _echo_worker(rank, world):
     pg = _init_megatron(world)
     try:
         return {"per-expert": _echo_case(rank, world, pg, "softmax-top2-aux"),
                 "single+bias": _echo_case(rank, world, pg, "softmax-top2-bias-global", single=True),
-                "broken": _echo_case(rank, world, pg, "softmax-top2-aux", broken=True, modes=BROKEN_MODES)}
+                "broken": _echo_case(rank, world, pg, "softmax-top2-aux", broken=True, modes=BROKEN_MODES),
+                "fp8 blockwise": _fp8_echo_case(rank, world, pg, "softmax-top2-aux", "blockwise",
+                                                ("fused+fp8 dispatch", "delayed")),
+                "fp8 mxfp8": _fp8_echo_case(rank, world, pg, "softmax-top2-bias-global", "mxfp8",
+                                            ("plain", "delayed+fused+fp8 dispatch"))}
     finally:
         from megatron.core import parallel_state as ps
 
         ps.destroy_model_parallel()
 
 
-def test_echo_fused_and_delayed_wgrad_equal_plain_echo_ep2_gloo():
+def test_echo_fused_delayed_and_fp8_ep2_gloo():
     # (at EP 1 echo moves nothing: one rank is balanced by definition)
     results = run_distributed(_echo_worker, 2, timeout=300)
     for name in ("per-expert", "single+bias"):
@@ -172,8 +200,58 @@ def test_echo_fused_and_delayed_wgrad_equal_plain_echo_ep2_gloo():
             for mode in ECHO_MODES:
                 bad = {k: v for k, v in r[name][mode].items() if not v <= TOL}
                 assert not bad, (name, mode, bad)
+    # FP8 experts with echo, every wgrad mode, FP8 dispatch or not, equal Megatron's all-to-all with the same FP8
+    # experts and no echo (the spare slots hold copies: with row-local activation tiles and per-expert weight tiles
+    # the moved rows' products are the same; their weight gradients are summed in another order)
+    for name in ("fp8 blockwise", "fp8 mxfp8"):
+        assert sum(r[name]["spare rows"] for r in results) > 0, (name, results)
+        for r in results:
+            for mode in [m for m in FP8_ECHO_MODES if m in r[name]]:
+                fp8_dispatch = FP8_ECHO_MODES[mode][1]
+                assert r[name][f"{mode} inputs"] == (["QuantizedRows"] if fp8_dispatch else ["Tensor"]), r[name]
+                bad = {k: v for k, v in r[name][mode].items() if not v <= TOL}
+                assert not bad, (name, mode, bad)
     # the same comparison with the spare slots' gradients dropped on their way home (only the fused / delayed
     # layers run broken; the reference ran before): the expert weight gradients are off on some rank
     for mode in BROKEN_MODES:
         worst = max(v for r in results for k, v in r["broken"][mode].items() if k.startswith("grad experts."))
         assert worst > 100 * TOL, (mode, worst)
+
+
+# ---------------------------------------------------------------------------------------------- FP8 dispatch --
+FP8_CASES = ["softmax-top2-aux", "softmax-top2-bias-global"]
+
+
+def _fp8_case(rank, ep, pg, case, recipe, extra=None):
+    """``{name: errors}``: moe_graph's dispatcher (FP8 experts) against Megatron's all-to-all with the same FP8
+    experts, and FP8 dispatch against moe_graph's dispatcher without it; the experts' input types seen."""
+    fp8 = dict(fp8="e4m3", fp8_recipe=recipe, **(extra or {}))
+    mbs = _microbatches(rank)
+    fused, delayed = fp8.get("gradient_accumulation_fusion", False), fp8.get("delay_wgrad_compute", False)
+    with _cpu_shims():
+        ref = _train(_build(_cfg(ep, case, fp8="e4m3", fp8_recipe=recipe), pg, "megatron"), mbs)
+        plain = _build(_cfg(ep, case, **fp8), pg, "moe_graph")
+        seen_plain = _expert_rows(plain)
+        plain = _train(plain, mbs, fused=fused, delayed=delayed)
+        layer = _build(_cfg(ep, case, **fp8), pg, "moe_graph", {"fp8_dispatch": True})
+        seen = _expert_rows(layer)
+        got = _train(layer, mbs, fused=fused, delayed=delayed)
+    return {"moe_graph vs megatron": _errors(plain, ref), "fp8 dispatch vs not": _errors(got, plain),
+            "inputs": sorted({t for t, _ in seen}), "plain inputs": sorted({t for t, _ in seen_plain})}
+
+
+def _check_fp8(res):
+    assert res["inputs"] == ["QuantizedRows"] and res["plain inputs"] == ["Tensor"], res
+    bad = {k: v for k, v in res["moe_graph vs megatron"].items() if not v <= TOL}
+    assert not bad, bad
+    # the rows are quantized once per token as the experts quantize them: everything bit-equal, fc1's weight
+    # gradient too (its columnwise copy is requantized from the FP8 rows; with power-of-2 scales, blockwise's default
+    # and MXFP8's E8M0, an E4M3 value requantized at another power-of-2 scale is itself, barring subnormals)
+    bad = {k: v for k, v in res["fp8 dispatch vs not"].items() if v != 0}
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("recipe", ["blockwise", "mxfp8"])
+@pytest.mark.parametrize("case", FP8_CASES)
+def test_fp8_dispatch_equals_16bit_dispatch_and_megatron_ep1(pg, case, recipe):  # noqa: F811
+    _check_fp8(_fp8_case(0, 1, pg, case, recipe))

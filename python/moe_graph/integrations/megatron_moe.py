@@ -347,11 +347,11 @@ class MoeGraphMoELayer(MoELayer):
     def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, is_mtp_layer=False,
                  name=None, *, capacity_factor: Optional[float] = None, overflow: str = "drop",
                  token_drop_policy: str = "probs", exchange: str = "auto", num_spare_experts_per_ep_rank: int = 0,
-                 echo_donors: Optional[int] = None, echo_assignment: str = "auto"):
+                 echo_donors: Optional[int] = None, echo_assignment: str = "auto", fp8_dispatch: bool = False):
         factory = partial(MoeGraphTokenDispatcher, capacity_factor=capacity_factor, overflow=overflow,
                           token_drop_policy=token_drop_policy, exchange=exchange,
                           num_spare_experts_per_ep_rank=num_spare_experts_per_ep_rank, echo_donors=echo_donors,
-                          echo_assignment=echo_assignment)
+                          echo_assignment=echo_assignment, fp8_dispatch=fp8_dispatch)
         with _megatron_dispatchers(factory):
             super().__init__(config, submodules=submodules, layer_number=layer_number, pg_collection=pg_collection,
                              is_mtp_layer=is_mtp_layer, name=name)
