@@ -255,3 +255,9 @@ def _check_fp8(res):
 @pytest.mark.parametrize("case", FP8_CASES)
 def test_fp8_dispatch_equals_16bit_dispatch_and_megatron_ep1(pg, case, recipe):  # noqa: F811
     _check_fp8(_fp8_case(0, 1, pg, case, recipe))
+
+
+@pytest.mark.parametrize("recipe,mode", [("blockwise", "delayed+fused"), ("mxfp8", "fused"), ("mxfp8", "delayed")])
+def test_fp8_dispatch_with_fused_or_delayed_wgrad_ep1(pg, recipe, mode):  # noqa: F811
+    # main_grad (fused) / .grad after backward_dw (delayed) over two microbatches: the same comparisons
+    _check_fp8(_fp8_case(0, 1, pg, "softmax-top2-bias-global", recipe, ECHO_MODES[mode]))
