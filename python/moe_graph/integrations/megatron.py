@@ -23,7 +23,15 @@ exist only when TE is installed), on :class:`moe_graph.GroupedLinear` instead of
 
 FP8: ``config.fp8`` ("e4m3" | "hybrid") with ``config.fp8_recipe`` ("blockwise" | "mxfp8" | "tensorwise" |
 "delayed") runs the expert GEMMs in FP8 through :func:`fp8_recipe_from_config` (``moe_graph.fp8``'s recipes; an
-active ``moe_graph.fp8.autocast`` or TE ``fp8_autocast`` takes precedence). fp4 (``config.fp4``, ``quant_recipe``),
+active ``moe_graph.fp8.autocast`` or TE ``fp8_autocast`` takes precedence). fc1 also takes FP8-dispatched rows
+(``moe_graph.ops.fp8.QuantizedRows`` from moe_graph's dispatcher with ``fp8_dispatch=True``): its GEMM reads their
+FP8 bytes and scales as they arrived.
+
+Echo spare slots (moe_graph's dispatcher with ``num_spare_experts_per_ep_rank``): both linears run ``L + k``
+experts, the spare slots holding copies of other experts' weights. Their weight gradients go home with every
+weight-gradient mode: plain autograd (``.grad``), fused ``main_grad`` (``gradient_accumulation_fusion``), delayed
+(``delay_wgrad_compute``: ``backward_dw`` computes them and sends the spare part home, a collective over the EP
+group) and FP8. fp4 (``config.fp4``, ``quant_recipe``),
 generalized tensor-parallel rematerialization and TE's op-fuser (``use_transformer_engine_op_fuser``) are TE
 features and are rejected with an error here.
 
@@ -589,7 +597,8 @@ def get_gpt_layer_with_moe_graph_spec(num_experts: int, use_transformer_engine: 
     ``dispatcher``: ``"megatron"`` (Megatron's own, as ``config.moe_token_dispatcher_type`` names it) or
     ``"moe_graph"``: the layer is :class:`moe_graph.integrations.megatron_moe.MoeGraphMoELayer` (moe_graph's
     sync-free static-capacity dispatcher), with ``dispatcher_options`` as its keywords (``capacity_factor``,
-    ``overflow``, ``token_drop_policy``, ``exchange``, ``num_spare_experts_per_ep_rank``, ``echo_donors``)."""
+    ``overflow``, ``token_drop_policy``, ``exchange``, ``num_spare_experts_per_ep_rank``, ``echo_donors``,
+    ``echo_assignment``, ``fp8_dispatch``)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if dispatcher not in DISPATCHERS:

@@ -25,13 +25,22 @@ the host, so Megatron's full-iteration CUDA graph (``--cuda-graph-impl full_iter
 * Echo: ``num_spare_experts_per_ep_rank`` spare slots per EP rank take copies of the busiest experts
   (:class:`moe_graph.moe.echo_balancer.EchoBalancer`; the counts all-gathered on the device, the spare weights
   dispatched to :class:`~moe_graph.integrations.megatron.MoeGraphGroupedMLP` through :class:`DeviceSplits`, their
-  gradients sent home in backward); ``echo_donors`` limits the donors.
+  gradients sent home in backward); ``echo_donors`` limits the donors. With ``gradient_accumulation_fusion`` and /
+  or ``delay_wgrad_compute`` the spare slots' weight gradients go home into the home experts' ``main_grad`` (or
+  ``.grad``), from the GEMM's backward or from ``backward_dw``
+  (:class:`~moe_graph.integrations.megatron.MoeGraphGroupedLinear`).
+* FP8: with ``config.fp8`` the experts run moe_graph's FP8 recipes (``fp8_recipe_from_config``) and the rows are
+  placed so that each expert's group starts at a multiple of 16 rows (the FP8 wgrad's alignment; zero rows between
+  groups). ``fp8_dispatch=True`` (``config.fp8_recipe`` "blockwise" or "mxfp8") quantizes the tokens rowwise before
+  the exchange, once each, and sends their FP8 and scale bytes; the experts' first GEMM reads them as they arrive
+  (through Megatron's layer the rows travel as their autograd carrier, :meth:`MoeGraphTokenDispatcher.token_dispatch`).
 * Statistics: Megatron's MoE metrics tracker (:meth:`MoeGraphTokenDispatcher._log_statistics`).
 
 Not supported (each raises naming the option): expert tensor parallelism ``expert_tensor_parallel_size > 1``,
 Megatron's drop-and-pad (``moe_pad_expert_input_to_capacity``: use ``capacity_factor`` here),
 ``moe_router_padding_for_quantization`` (fp8), the inference-optimized dispatchers, experts other than
-:func:`~moe_graph.integrations.megatron.experts_spec`'s, echo with ``gradient_accumulation_fusion``.
+:func:`~moe_graph.integrations.megatron.experts_spec`'s, ``fp8_dispatch`` without FP8 experts of a row-local
+recipe (blockwise / mxfp8) or with ``moe_apply_probs_on_input``.
 """
 
 from __future__ import annotations
@@ -133,8 +142,9 @@ class MoeGraphTokenDispatcher(MoETokenDispatcher):
     Constructed as Megatron's dispatchers are (``num_local_experts, local_expert_indices, config, pg_collection``)
     plus moe_graph's options: ``capacity_factor`` (``None``: dropless), ``overflow`` (``"drop"`` or ``"rerun"``),
     ``token_drop_policy`` (``"probs"``, Megatron's, or ``"position"``), ``exchange`` (``"auto"``, ``"nccl"``,
-    ``"symm_mem"``) and ``num_spare_experts_per_ep_rank`` (the routing columns include the spare slots; the echo
-    plan itself is :class:`MoeGraphMoELayer`'s). The moe_graph dispatcher is :attr:`dispatcher` (an ``nn.Module``
+    ``"symm_mem"``), ``num_spare_experts_per_ep_rank`` (the routing columns include the spare slots; the echo
+    plan itself is :class:`MoeGraphMoELayer`'s) and ``fp8_dispatch`` (the rows travel in FP8: needs ``config.fp8``
+    with ``fp8_recipe`` "blockwise" or "mxfp8"). The moe_graph dispatcher is :attr:`dispatcher` (an ``nn.Module``
     holding the constant tables and the per-step counters)."""
 
     def __init__(self, num_local_experts: int, local_expert_indices, config, pg_collection=None, *,
@@ -216,7 +226,10 @@ class MoeGraphTokenDispatcher(MoETokenDispatcher):
                 tracker.record(name, load.max() / load.mean().clamp_min(1.0), self.layer_number, num_layers)
 
     def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
-        """The static-capacity exchange: ``(expert input [rows, H], row probabilities [rows])``."""
+        """The static-capacity exchange: ``(expert input [rows, H], row probabilities [rows])``. Under FP8 experts
+        the groups start at multiples of 16 rows; with ``fp8_dispatch`` the expert input returned is the FP8 rows'
+        autograd carrier (a zero-stride tensor: Megatron's layer may wrap it in its own autograd functions) and
+        :meth:`dispatch_postprocess` hands the experts the rows (``moe_graph.ops.fp8.QuantizedRows``) with it."""
         indices, route_probs, valid = self._routes
         self._routes = None
         if self.shared_experts is not None:
@@ -342,7 +355,8 @@ class MoeGraphMoELayer(MoELayer):
     """Megatron-core's ``MoELayer`` with :class:`MoeGraphTokenDispatcher` (whatever ``moe_token_dispatcher_type``
     the config names; set ``"alltoall"``, whose config checks fit) and moe_graph's options as keywords:
     ``capacity_factor``, ``overflow``, ``token_drop_policy``, ``exchange``, ``num_spare_experts_per_ep_rank``,
-    ``echo_donors``. The experts must be moe_graph's (:func:`moe_graph.integrations.megatron.experts_spec`)."""
+    ``echo_donors``, ``echo_assignment``, ``fp8_dispatch``. The experts must be moe_graph's
+    (:func:`moe_graph.integrations.megatron.experts_spec`)."""
 
     def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, is_mtp_layer=False,
                  name=None, *, capacity_factor: Optional[float] = None, overflow: str = "drop",
