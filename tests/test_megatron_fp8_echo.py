@@ -261,3 +261,36 @@ def test_fp8_dispatch_equals_16bit_dispatch_and_megatron_ep1(pg, case, recipe): 
 def test_fp8_dispatch_with_fused_or_delayed_wgrad_ep1(pg, recipe, mode):  # noqa: F811
     # main_grad (fused) / .grad after backward_dw (delayed) over two microbatches: the same comparisons
     _check_fp8(_fp8_case(0, 1, pg, "softmax-top2-bias-global", recipe, ECHO_MODES[mode]))
+
+
+def test_fp8_dispatch_refuses_what_it_cannot_serve(pg):  # noqa: F811
+    case = "softmax-top2-aux"
+    with _cpu_shims():
+        for late in ({}, dict(fp8="e4m3", fp8_recipe="tensorwise")):  # no FP8 experts; per-tensor scales
+            with pytest.raises(ValueError, match="fp8_dispatch=True needs FP8 experts"):
+                _build(_cfg(1, case, **late), pg, "moe_graph", {"fp8_dispatch": True})
+        with pytest.raises(NotImplementedError, match="moe_apply_probs_on_input"):
+            _build(_cfg(1, case, fp8="e4m3", fp8_recipe="blockwise", moe_apply_probs_on_input=True), pg, "moe_graph",
+                   {"fp8_dispatch": True})
+
+
+def test_no_host_sync_with_fp8_dispatch_echo_and_fused_wgrad(pg):  # noqa: F811
+    # one forward + backward of FP8 dispatch, an echo slot and fused main_grad: no host sync (bench_moe_cost's
+    # trace, as tests/test_megatron_moe_dispatcher.py::test_no_host_sync_in_forward_backward)
+    from test_megatron_moe_dispatcher import _host_syncs
+
+    gen = torch.Generator().manual_seed(5)
+    x, g = torch.randn(16, H, generator=gen), torch.randn(16, H, generator=gen)
+    meters = []
+    with _cpu_shims(on_sync=lambda what: meters[-1].sync(what),
+                    on_host_copy=lambda value: meters[-1].host_copy(value)):
+        layer = _build(_cfg(1, "softmax-top2-bias-global", fp8="e4m3", fp8_recipe="blockwise",
+                            gradient_accumulation_fusion=True), pg, "moe_graph",
+                       {"fp8_dispatch": True, "num_spare_experts_per_ep_rank": 1})
+        for name, p in layer.named_parameters():
+            if name.startswith("experts.") and "weight" in name:
+                p.main_grad = torch.zeros_like(p)
+        seen = _expert_rows(layer)
+        syncs, points = _host_syncs(layer, x, g, meters)
+    assert {t for t, _ in seen} == {"QuantizedRows"}
+    assert syncs == 0, points

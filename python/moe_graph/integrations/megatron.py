@@ -67,11 +67,11 @@ except ImportError as exc:  # pragma: no cover - exercised only without megatron
         "moe_graph.integrations.megatron needs megatron-core (tested with 0.19.2): pip install megatron-core"
     ) from exc
 
-from moe_graph.grouped_linear import GroupedLinear, fp8_dgrad, fp8_forward, fp8_wgrad, split_quantized
+from moe_graph.grouped_linear import (GroupedLinear, _add_grad, fp8_dgrad, fp8_forward, fp8_wgrad, gathered_fp8_weight,
+                                      split_quantized)
 from moe_graph.moe.echo import dispatch_spare_weights, wgrad_accumulate_mask
 from moe_graph.ops.grouped_gemm import (as_splits, grouped_bias_grad, grouped_gemm, grouped_gemm_autograd,
-                                        grouped_gemm_wgrad, is_zero_wgrad_placeholder, resolve_main_grad,
-                                        zero_wgrad_placeholder)
+                                        grouped_gemm_wgrad, resolve_main_grad, zero_wgrad_placeholder)
 from moe_graph.integrations.megatron_moe import MoeGraphMoELayer, fp8_recipe_from_config
 from moe_graph.ops import fp8 as _fp8
 
@@ -119,14 +119,6 @@ class _QueuedWgrad:
         self.run = run
 
 
-def _add_grad(p: torch.Tensor, g: torch.Tensor) -> None:
-    """Accumulate ``g`` into ``p.grad`` as autograd would (set when None or backward's zero placeholder)."""
-    if p.grad is None or is_zero_wgrad_placeholder(p.grad):
-        p.grad = g.to(p.dtype)
-    else:
-        p.grad.add_(g.to(p.grad.dtype))
-
-
 def _explicit_wgrad(layer, params, echo, recipe, a, dy, splits, fuse: bool, accumulate: bool, delayed: bool):
     """The weight gradients of :class:`_ExplicitGroupedLinear` for ``L`` home experts (``params``: the layer's
     weight parameters, one ``[L, N, K]`` or ``L`` of ``[N, K]``) and ``k`` spare slots (``echo``: ``(dispatcher,
@@ -138,7 +130,6 @@ def _explicit_wgrad(layer, params, echo, recipe, a, dy, splits, fuse: bool, accu
     gradients autograd gets for ``params`` (placeholders when fused or delayed)."""
     single = layer.single_grouped_weight
     L = layer.num_gemms
-    homes = list(params[0].unbind(0)) if single else list(params)
     with torch.no_grad():
         if fuse:
             mains = [resolve_main_grad(w) for w in params]
@@ -209,8 +200,10 @@ class _ExplicitGroupedLinear(torch.autograd.Function):
             y = grouped_gemm(x, homes + spares, splits, bias=bias)
             ctx.save_for_backward(x, splits, *homes, *spares)
         else:
-            with torch.no_grad():
-                wq = _fp8.quantize_weight(torch.stack([w.detach() for w in homes + spares]), recipe)
+            wq = gathered_fp8_weight(params, recipe) if not spares else None  # (fp8_param_gather's copies)
+            if wq is None:  # quantized at every forward, per expert
+                with torch.no_grad():
+                    wq = _fp8.quantize_weight(torch.stack([w.detach() for w in homes + spares]), recipe)
             y, xt = fp8_forward(x, splits, recipe, wq, bias, True, xq)
             ctx.save_for_backward(splits, wq[2], wq[3], *xt)
         return y
