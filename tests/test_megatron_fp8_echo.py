@@ -1,15 +1,19 @@
 """moe_graph's dispatcher inside real megatron-core 0.19.2's ``MoELayer``: FP8 dispatch, and echo spare slots with
 fused (``gradient_accumulation_fusion``) and delayed (``delay_wgrad_compute``) weight gradients, on CPU and gloo.
 
-* FP8 dispatch (``dispatcher_options={"fp8_dispatch": True}`` with ``config.fp8`` blockwise / mxfp8): the layer's
-  output, input gradient and every gradient equal, bit for bit, the same layer without FP8 dispatch (the rows are
-  quantized once per token, rowwise, as the experts' first GEMM quantizes them), except fc1's weight gradient, whose
-  columnwise copy is quantized from the FP8 rows (close, not equal); and that layer equals Megatron's own all-to-all
-  dispatcher with the same FP8 experts (the oracle for the rows: the same output and gradients).
-* Echo with fused / delayed weight gradients: the experts' ``main_grad`` (fused) or ``.grad`` after
-  ``backward_dw`` (delayed) over two microbatches (the first overwrites ``main_grad``, which starts as NaN) equal
-  the gradients of the same layer with plain autograd echo (``.grad``), at EP 1 and EP 2; a spare slot did take
-  rows; dropping the spare slots' gradients on their way home fails the comparison (checked in the test).
+* FP8 dispatch (``dispatcher_options={"fp8_dispatch": True}`` with ``config.fp8`` blockwise / mxfp8; plain, fused,
+  delayed): the layer's output, input gradient and every gradient equal, bit for bit, the same layer without FP8
+  dispatch (the rows are quantized once per token, rowwise, as the experts' first GEMM quantizes them; fc1's
+  columnwise wgrad copy, requantized from the FP8 rows, is the same bytes with power-of-2 scales); and that layer
+  equals Megatron's own all-to-all dispatcher with the same FP8 experts (the oracle for the rows).
+* Echo with fused / delayed weight gradients (EP 2: at EP 1 nothing moves): the experts' ``main_grad`` (fused) or
+  ``.grad`` after ``backward_dw`` (delayed) over two microbatches (the first overwrites ``main_grad``, which starts
+  as NaN) equal the gradients of the same layer with plain autograd echo (``.grad``), per-expert and single grouped
+  weights, with biases; a spare slot did take rows; dropping the spare slots' gradients on their way home fails the
+  comparison (checked in the test). FP8 experts with echo (every wgrad mode, with and without FP8 dispatch) equal
+  Megatron's all-to-all with the same FP8 experts and no echo.
+* Refusals (``fp8_dispatch`` without row-local FP8 experts, fused echo without ``main_grad``) and no host sync in a
+  forward + backward with FP8 dispatch, echo and fused ``main_grad``.
 
 Runs beside ``tests/test_megatron_moe_dispatcher.py`` (the same fetch and CPU shims).
 """
@@ -180,10 +184,8 @@ def _echo_worker(rank, world):
         return {"per-expert": _echo_case(rank, world, pg, "softmax-top2-aux"),
                 "single+bias": _echo_case(rank, world, pg, "softmax-top2-bias-global", single=True),
                 "broken": _echo_case(rank, world, pg, "softmax-top2-aux", broken=True, modes=BROKEN_MODES),
-                "fp8 blockwise": _fp8_echo_case(rank, world, pg, "softmax-top2-aux", "blockwise",
-                                                ("fused+fp8 dispatch", "delayed")),
-                "fp8 mxfp8": _fp8_echo_case(rank, world, pg, "softmax-top2-bias-global", "mxfp8",
-                                            ("plain", "delayed+fused+fp8 dispatch"))}
+                "fp8 blockwise": _fp8_echo_case(rank, world, pg, "softmax-top2-aux", "blockwise", FP8_ECHO_MODES),
+                "fp8 mxfp8": _fp8_echo_case(rank, world, pg, "softmax-top2-bias-global", "mxfp8", FP8_ECHO_MODES)}
     finally:
         from megatron.core import parallel_state as ps
 
@@ -191,7 +193,8 @@ def _echo_worker(rank, world):
 
 
 def test_echo_fused_delayed_and_fp8_ep2_gloo():
-    # (at EP 1 echo moves nothing: one rank is balanced by definition)
+    # (at EP 1 echo moves nothing: one rank is balanced by definition). The layers' work takes about a second;
+    # the rest is the two gloo processes' imports
     results = run_distributed(_echo_worker, 2, timeout=300)
     for name in ("per-expert", "single+bias"):
         # a spare slot took routes (their weight gradients had to go home)
@@ -206,8 +209,7 @@ def test_echo_fused_delayed_and_fp8_ep2_gloo():
     for name in ("fp8 blockwise", "fp8 mxfp8"):
         assert sum(r[name]["spare rows"] for r in results) > 0, (name, results)
         for r in results:
-            for mode in [m for m in FP8_ECHO_MODES if m in r[name]]:
-                fp8_dispatch = FP8_ECHO_MODES[mode][1]
+            for mode, (_, fp8_dispatch) in FP8_ECHO_MODES.items():
                 assert r[name][f"{mode} inputs"] == (["QuantizedRows"] if fp8_dispatch else ["Tensor"]), r[name]
                 bad = {k: v for k, v in r[name][mode].items() if not v <= TOL}
                 assert not bad, (name, mode, bad)
@@ -263,7 +265,7 @@ def test_fp8_dispatch_with_fused_or_delayed_wgrad_ep1(pg, recipe, mode):  # noqa
     _check_fp8(_fp8_case(0, 1, pg, "softmax-top2-bias-global", recipe, ECHO_MODES[mode]))
 
 
-def test_fp8_dispatch_refuses_what_it_cannot_serve(pg):  # noqa: F811
+def test_refusals_name_the_option(pg):  # noqa: F811
     case = "softmax-top2-aux"
     with _cpu_shims():
         for late in ({}, dict(fp8="e4m3", fp8_recipe="tensorwise")):  # no FP8 experts; per-tensor scales
@@ -272,6 +274,11 @@ def test_fp8_dispatch_refuses_what_it_cannot_serve(pg):  # noqa: F811
         with pytest.raises(NotImplementedError, match="moe_apply_probs_on_input"):
             _build(_cfg(1, case, fp8="e4m3", fp8_recipe="blockwise", moe_apply_probs_on_input=True), pg, "moe_graph",
                    {"fp8_dispatch": True})
+        # fused wgrad with echo needs the main_grad buffers (Megatron's DDP): said at forward
+        layer = _build(_cfg(1, case, gradient_accumulation_fusion=True), pg, "moe_graph",
+                       {"num_spare_experts_per_ep_rank": 1})
+        with pytest.raises(RuntimeError, match="main_grad"):
+            layer(torch.randn(4, 2, H))
 
 
 def test_no_host_sync_with_fp8_dispatch_echo_and_fused_wgrad(pg):  # noqa: F811

@@ -71,7 +71,8 @@ from moe_graph.grouped_linear import (GroupedLinear, _add_grad, fp8_dgrad, fp8_f
                                       split_quantized)
 from moe_graph.moe.echo import dispatch_spare_weights, wgrad_accumulate_mask
 from moe_graph.ops.grouped_gemm import (as_splits, grouped_bias_grad, grouped_gemm, grouped_gemm_autograd,
-                                        grouped_gemm_wgrad, resolve_main_grad, zero_wgrad_placeholder)
+                                        grouped_gemm_wgrad, has_main_grad_source, resolve_main_grad,
+                                        zero_wgrad_placeholder)
 from moe_graph.integrations.megatron_moe import MoeGraphMoELayer, fp8_recipe_from_config
 from moe_graph.ops import fp8 as _fp8
 
@@ -405,6 +406,9 @@ class MoeGraphGroupedLinear(GroupedLinear):
                 accumulate = False
             grad = torch.is_grad_enabled() and any(w.requires_grad for w in weights)
             fuse = self.fuse_wgrad_accumulation and grad
+            if fuse and not all(has_main_grad_source(w) for w in weights):
+                raise RuntimeError("MoeGraphGroupedLinear(gradient_accumulation_fusion=True): every weight needs a "
+                                   ".main_grad tensor (Megatron's DDP allocates them) or a get_main_grad()")
             defer = self.delay_wgrad_compute and grad
             echo = None if dispatcher is None else (dispatcher, plan)
             spare = None if spare_weights is None else spare_weights.detach()
