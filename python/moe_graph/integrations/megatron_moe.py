@@ -76,8 +76,8 @@ from moe_graph.ops import fp8 as _fp8
 from moe_graph.ops.fp8 import QuantizedRows
 from moe_graph.train.step import OverflowRerun
 
-__all__ = ["DeviceSplits", "fp8_recipe_from_config", "MoeGraphTokenDispatcher", "MoeGraphMoELayer", "moe_graph_layers", "MegatronOverflowRerun",
-           "ReplayIterator"]
+__all__ = ["DeviceSplits", "fp8_recipe_from_config", "MoeGraphTokenDispatcher", "MoeGraphMoELayer", "moe_graph_layers",
+           "MegatronOverflowRerun", "ReplayIterator"]
 
 
 class DeviceSplits:
@@ -253,8 +253,6 @@ class MoeGraphTokenDispatcher(MoETokenDispatcher):
     def _experts_recipe(self):
         """The FP8 recipe the experts run this forward (an active ``moe_graph.fp8.autocast`` / TE's, else the
         config's, as :class:`moe_graph.integrations.megatron.MoeGraphGroupedLinear`), or None."""
-        if self.fp8_recipe is None:
-            return None
         return _fp8.current_recipe() or self.fp8_recipe
 
     def _log_statistics(self, handle, m_splits: torch.Tensor, num_tokens: int) -> None:
