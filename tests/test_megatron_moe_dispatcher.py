@@ -476,8 +476,7 @@ def test_unsupported_combinations_raise_naming_them(pg):  # noqa: F811
     with pytest.raises(NotImplementedError, match="expert_tensor_parallel_size=2"):
         _check_config(cfg, 2)
     for kw, name in ((dict(moe_pad_expert_input_to_capacity=True, moe_expert_capacity_factor=1.0),
-                      "moe_pad_expert_input_to_capacity"),
-                     (dict(gradient_accumulation_fusion=True), "gradient_accumulation_fusion")):
+                      "moe_pad_expert_input_to_capacity"),):
         bad = _config(1, **dict(CASES["softmax-top2-aux"], **kw))
         with pytest.raises(NotImplementedError, match=name), _cpu_shims():
             _layers(bad, pg, dict(ECHO))

@@ -23,7 +23,15 @@ exist only when TE is installed), on :class:`moe_graph.GroupedLinear` instead of
 
 FP8: ``config.fp8`` ("e4m3" | "hybrid") with ``config.fp8_recipe`` ("blockwise" | "mxfp8" | "tensorwise" |
 "delayed") runs the expert GEMMs in FP8 through :func:`fp8_recipe_from_config` (``moe_graph.fp8``'s recipes; an
-active ``moe_graph.fp8.autocast`` or TE ``fp8_autocast`` takes precedence). fp4 (``config.fp4``, ``quant_recipe``),
+active ``moe_graph.fp8.autocast`` or TE ``fp8_autocast`` takes precedence). fc1 also takes FP8-dispatched rows
+(``moe_graph.ops.fp8.QuantizedRows`` from moe_graph's dispatcher with ``fp8_dispatch=True``): its GEMM reads their
+FP8 bytes and scales as they arrived.
+
+Echo spare slots (moe_graph's dispatcher with ``num_spare_experts_per_ep_rank``): both linears run ``L + k``
+experts, the spare slots holding copies of other experts' weights. Their weight gradients go home with every
+weight-gradient mode: plain autograd (``.grad``), fused ``main_grad`` (``gradient_accumulation_fusion``), delayed
+(``delay_wgrad_compute``: ``backward_dw`` computes them and sends the spare part home, a collective over the EP
+group) and FP8. fp4 (``config.fp4``, ``quant_recipe``),
 generalized tensor-parallel rematerialization and TE's op-fuser (``use_transformer_engine_op_fuser``) are TE
 features and are rejected with an error here.
 
@@ -59,13 +67,17 @@ except ImportError as exc:  # pragma: no cover - exercised only without megatron
         "moe_graph.integrations.megatron needs megatron-core (tested with 0.19.2): pip install megatron-core"
     ) from exc
 
-from moe_graph.grouped_linear import GroupedLinear
-from moe_graph.moe.echo import dispatch_spare_weights
-from moe_graph.ops.grouped_gemm import grouped_gemm_autograd
-from moe_graph.integrations.megatron_moe import MoeGraphMoELayer
+from moe_graph.grouped_linear import (GroupedLinear, _add_grad, fp8_dgrad, fp8_forward, fp8_wgrad, gathered_fp8_weight,
+                                      split_quantized)
+from moe_graph.moe.echo import dispatch_spare_weights, wgrad_accumulate_mask
+from moe_graph.ops.grouped_gemm import (as_splits, grouped_bias_grad, grouped_gemm, grouped_gemm_autograd,
+                                        grouped_gemm_wgrad, has_main_grad_source, resolve_main_grad,
+                                        zero_wgrad_placeholder)
+from moe_graph.integrations.megatron_moe import MoeGraphMoELayer, fp8_recipe_from_config
 from moe_graph.ops import fp8 as _fp8
 
 __all__ = [
+    "fp8_recipe_from_config",
     "MoeGraphGroupedLinear",
     "ColumnParallelGroupedLinear",
     "RowParallelGroupedLinear",
@@ -99,21 +111,134 @@ def _set_expert_parameter_attributes(module: torch.nn.Module, parallel_mode: Opt
             p.partition_stride = 1
 
 
-def fp8_recipe_from_config(config):
-    """``moe_graph.fp8.Recipe`` for Megatron's ``config.fp8`` / ``config.fp8_recipe`` (None without ``fp8``)."""
-    fmt = getattr(config, "fp8", None)
-    if not fmt:
+class _QueuedWgrad:
+    """A weight-gradient job :class:`_ExplicitGroupedLinear` queued for ``backward_dw`` (``delay_wgrad_compute``)."""
+
+    __slots__ = ("run",)
+
+    def __init__(self, run: Callable[[], None]):
+        self.run = run
+
+
+def _explicit_wgrad(layer, params, echo, recipe, a, dy, splits, fuse: bool, accumulate: bool, delayed: bool):
+    """The weight gradients of :class:`_ExplicitGroupedLinear` for ``L`` home experts (``params``: the layer's
+    weight parameters, one ``[L, N, K]`` or ``L`` of ``[N, K]``) and ``k`` spare slots (``echo``: ``(dispatcher,
+    plan)``, else ``k = 0``). The home experts' gradients go where :class:`moe_graph.GroupedLinear` puts them:
+    ``main_grad`` (``fuse``: added, or written when not ``accumulate``; fp32 accumulation inside the GEMM), else
+    autograd's gradient (returned) or ``.grad`` (``delayed``). The spare slots' gradients (in ``main_grad``'s dtype
+    when fused, fp32 under FP8) are sent to their home ranks and added into the same place as the home experts'
+    (:meth:`moe_graph.moe.echo.EchoExpertDispatcher.aggregate_grads`, a collective over the EP group). Returns the
+    gradients autograd gets for ``params`` (placeholders when fused or delayed)."""
+    single = layer.single_grouped_weight
+    L = layer.num_gemms
+    with torch.no_grad():
+        if fuse:
+            mains = [resolve_main_grad(w) for w in params]
+            mg = mains[0] if single else None
+            main2d = list(mg.unbind(0)) if single else mains
+        if recipe is not None:  # fp32 [L + k, N, K]
+            dw = fp8_wgrad(dy, splits, recipe, a)
+            home_dw, spare_dw = dw[:L], dw[L:]
+            if fuse:
+                for m, g in zip(main2d, home_dw.unbind(0)):
+                    m.add_(g.to(m.dtype)) if accumulate else m.copy_(g)
+        elif fuse:  # home experts into main_grad inside the GEMM, the spare slots into a buffer of their own
+            spare_dw = None
+            outs = list(main2d)
+            if echo is not None:
+                k = echo[0].num_spare_experts_per_ep_rank
+                spare_dw = main2d[0].new_empty((k,) + tuple(main2d[0].shape))
+                outs += list(spare_dw.unbind(0))
+            mask = accumulate
+            if echo is not None and accumulate:
+                mask = layer._echo_accumulate_mask(k, main2d[0].device)
+            grouped_gemm_wgrad(a, dy, splits, out=outs, accumulate=mask)
+        else:
+            dw = grouped_gemm_wgrad(a, dy, splits)  # [L + k, N, K] in a's dtype
+            home_dw, spare_dw = dw[:L], dw[L:]
+        if echo is not None:  # the spare slots' gradients home, added where the home experts' went
+            dispatcher, plan = echo
+            if not fuse:
+                target = home_dw
+            elif single:
+                target = mg
+            else:  # per-expert main_grads: summed in one [L, N, K] buffer first (no host index)
+                target = main2d[0].new_zeros((L,) + tuple(main2d[0].shape))
+            dispatcher.aggregate_grads(plan, [spare_dw], out=[target])
+            if fuse and not single:
+                for m, g in zip(main2d, target.unbind(0)):
+                    m.add_(g)
+    if fuse:
+        for w in params:
+            w.grad_added_to_main_grad = True
+        return [zero_wgrad_placeholder(w) for w in params]
+    grads = [home_dw] if single else list(home_dw.unbind(0))
+    if delayed:
+        for w, g in zip(params, grads):
+            _add_grad(w, g)
         return None
-    fmt = str(fmt).lower()
-    if fmt not in ("e4m3", "hybrid"):
-        raise NotImplementedError(f"moe_graph.integrations.megatron: config.fp8={fmt!r} (moe_graph runs 'e4m3' and "
-                                  "'hybrid')")
-    name = str(getattr(config, "fp8_recipe", None) or "delayed").lower()
-    if name not in ("blockwise", "mxfp8", "tensorwise", "delayed"):
-        raise NotImplementedError(f"moe_graph.integrations.megatron: config.fp8_recipe={name!r} (moe_graph runs "
-                                  "'blockwise', 'mxfp8', 'tensorwise' and 'delayed' as current scaling)")
-    base = _fp8.as_recipe(name)
-    return dataclasses.replace(base, fp8_format="HYBRID" if fmt == "hybrid" else "E4M3")
+    return [g.to(w.dtype) for w, g in zip(params, grads)]
+
+
+class _ExplicitGroupedLinear(torch.autograd.Function):
+    """:class:`MoeGraphGroupedLinear`'s grouped GEMM over its ``L`` home experts followed by ``k`` echo spare slots
+    (weight copies ``spare [k, N, K]``, plain tensors) and / or on FP8-dispatched rows (``xq``), with the layer's
+    weight-gradient mode: fused ``main_grad``, delayed (``defer``: backward computes the input and bias gradients,
+    the weight gradients are queued for :meth:`MoeGraphGroupedLinear.backward_dw`), FP8 (``recipe``: the ``L + k``
+    weights quantized together per expert at every forward, the input's columnwise copy saved). The weight
+    gradients: :func:`_explicit_wgrad`. ``bias [L + k, N]`` (home then spare copies, autograd carries its gradient
+    home) is added in the epilogue."""
+
+    @staticmethod
+    def forward(ctx, x, bias, layer, splits, spare, echo, recipe, xq, fuse, accumulate, defer, *params):
+        homes = list(params[0].unbind(0)) if layer.single_grouped_weight else list(params)
+        spares = [] if spare is None else list(spare.to(homes[0].dtype).unbind(0))
+        ctx.layer, ctx.params, ctx.echo, ctx.recipe = layer, params, echo, recipe
+        ctx.fuse, ctx.accumulate, ctx.defer = fuse, accumulate, defer
+        ctx.x_dtype = x.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        if recipe is None:
+            y = grouped_gemm(x, homes + spares, splits, bias=bias)
+            ctx.save_for_backward(x, splits, *homes, *spares)
+        else:
+            wq = gathered_fp8_weight(params, recipe) if not spares else None  # (fp8_param_gather's copies)
+            if wq is None:  # quantized at every forward, per expert
+                with torch.no_grad():
+                    wq = _fp8.quantize_weight(torch.stack([w.detach() for w in homes + spares]), recipe)
+            y, xt = fp8_forward(x, splits, recipe, wq, bias, True, xq)
+            ctx.save_for_backward(splits, wq[2], wq[3], *xt)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        dy = dy.contiguous()
+        if ctx.recipe is None:
+            x, splits, *weights = ctx.saved_tensors
+            dx = grouped_gemm(dy, weights, splits, trans_b=False) if ctx.needs_input_grad[0] else None
+            a = x
+        else:
+            splits, qwt, swt, *xt = ctx.saved_tensors
+            dx = fp8_dgrad(dy, splits, ctx.recipe, qwt, swt, ctx.x_dtype) if ctx.needs_input_grad[0] else None
+            a = tuple(xt)
+        db = None
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[1]:
+            db = grouped_bias_grad(dy, splits).to(ctx.bias_dtype)
+        params, layer = ctx.params, ctx.layer
+        if ctx.defer:
+            job = partial(_explicit_wgrad, layer, params, ctx.echo, ctx.recipe, a, dy, splits, ctx.fuse,
+                          ctx.accumulate, True)
+            layer._wgrad_queue.append(_QueuedWgrad(job))
+            if ctx.fuse:
+                for w in params:
+                    w.grad_added_to_main_grad = True
+                dws = [zero_wgrad_placeholder(w) for w in params]
+            else:
+                dws = [w.new_zeros(()).expand(w.shape) for w in params]
+        else:
+            dws = _explicit_wgrad(layer, params, ctx.echo, ctx.recipe, a, dy, splits, ctx.fuse, ctx.accumulate,
+                                  False)
+        ctx.layer = ctx.params = ctx.echo = None
+        return (dx, db, None, None, None, None, None, None, None, None, None, *dws)
 
 
 class MoeGraphGroupedLinear(GroupedLinear):
@@ -213,13 +338,34 @@ class MoeGraphGroupedLinear(GroupedLinear):
         bs = self._biases()
         return None if bs is None else (bs[0] if self.single_grouped_bias else torch.stack(bs))
 
-    def forward(self, x: torch.Tensor, m_splits):
+    def _recipe(self):
+        """The FP8 recipe of this forward: an active ``moe_graph.fp8.autocast`` (or TE's), else the config's."""
+        return _fp8.current_recipe() or self._config_fp8_recipe
+
+    def explicit_wgrad(self) -> bool:
+        """Whether a forward with echo spare slots runs :class:`_ExplicitGroupedLinear` (fused ``main_grad``,
+        delayed wgrad or FP8): the spare copies are plain tensors and their weight gradients go home from that
+        function's backward (or :meth:`backward_dw`). Otherwise they are autograd copies
+        (:func:`moe_graph.moe.echo.dispatch_spare_weights`)."""
+        return bool(self.fuse_wgrad_accumulation or self.delay_wgrad_compute or self._recipe() is not None)
+
+    def _echo_accumulate_mask(self, k: int, device) -> torch.Tensor:
+        """``[L + k]`` bool (home experts accumulate into ``main_grad``, spare slots overwrite their buffer), built
+        once per device (before any capture: the first backward) and reused."""
+        mask = getattr(self, "_echo_mask", None)
+        if mask is None or mask.shape[0] != self.num_gemms + k or mask.device != torch.device(device):
+            mask = self._echo_mask = wgrad_accumulate_mask(self.num_gemms, k, device=device)
+        return mask
+
+    def forward(self, x, m_splits):
         """``(out, bias)``: bias is the (unapplied) bias with ``skip_bias_add``, else None (as TEGroupedLinear).
         With :attr:`echo_spare` set (:class:`MoeGraphGroupedMLP` sets it for one forward): echo's
-        ``(weights [k, out, in], biases [k, out] or None)`` copies of other experts run as local experts
-        ``L .. L+k-1`` (``m_splits`` has ``L + k`` entries)."""
-        if self.echo_spare is not None:
-            return self._forward_with_spares(x, m_splits, *self.echo_spare)
+        ``(dispatcher, plan, weights [k, out, in], biases [k, out] or None)``: copies of other experts run as
+        local experts ``L .. L+k-1`` (``m_splits`` has ``L + k`` entries). ``x`` may be FP8-dispatched rows
+        (``moe_graph.ops.fp8.QuantizedRows``, :class:`~moe_graph.integrations.megatron_moe.MoeGraphTokenDispatcher`
+        with ``fp8_dispatch=True``): the first GEMM reads their FP8 bytes and scales as they arrived."""
+        if self.echo_spare is not None or isinstance(x, _fp8.QuantizedRows):
+            return self._forward_explicit(x, m_splits, self.echo_spare)
         first = None if self.disable_parameter_transpose_cache else self.is_first_microbatch
         if self._config_fp8_recipe is not None and _fp8.current_recipe() is None:
             with _fp8.autocast(recipe=self._config_fp8_recipe):
@@ -231,23 +377,59 @@ class MoeGraphGroupedLinear(GroupedLinear):
             return out
         return out, None
 
-    def _forward_with_spares(self, x, m_splits, spare_weights, spare_biases):
-        if self.fuse_wgrad_accumulation or self.delay_wgrad_compute:
-            raise NotImplementedError("echo spare slots with fused or delayed weight gradients are not supported")
-        home = self.home_weights()
-        weights = list(home.unbind(0)) + list(spare_weights.to(home.dtype).unbind(0))
+    def _forward_explicit(self, x, m_splits, echo_spare):
+        """Echo spare slots and / or FP8-dispatched rows (see :meth:`forward`)."""
+        dispatcher, plan, spare_weights, spare_biases = echo_spare or (None, None, None, None)
+        recipe = self._recipe()
+        if isinstance(x, _fp8.QuantizedRows) and recipe is None:
+            raise ValueError("MoeGraphGroupedLinear: FP8-dispatched rows (QuantizedRows) need FP8 experts "
+                             "(config.fp8, or an active moe_graph.fp8.autocast)")
         bias = self.home_biases()
-        if bias is not None:
+        if bias is not None and spare_biases is not None:
             bias = torch.cat([bias, spare_biases.to(bias.dtype)])
-        out = grouped_gemm_autograd(x.reshape(-1, self.in_features), weights, m_splits,
-                                    bias=None if self.te_return_bias else bias)
-        out = out.reshape(*x.shape[:-1], self.out_features)
+        gemm_bias = None if self.te_return_bias else bias
+        xq = None
+        if isinstance(x, _fp8.QuantizedRows):
+            lead, (x, xq) = x.shape[:-1], split_quantized(x, recipe)
+        else:
+            lead, x = x.shape[:-1], x.reshape(-1, self.in_features)
+        splits = as_splits(m_splits, x.device)
+        if not self.explicit_wgrad():  # 16-bit echo: the spare copies are autograd copies (their grads go home)
+            home = self.home_weights()
+            weights = list(home.unbind(0)) + list(spare_weights.to(home.dtype).unbind(0))
+            out = grouped_gemm_autograd(x, weights, splits, bias=gemm_bias)
+        else:
+            weights = self._weights()
+            first = None if self.disable_parameter_transpose_cache else self.is_first_microbatch
+            accumulate = True if first is None else not first
+            if getattr(weights[0], "overwrite_main_grad", False):
+                accumulate = False
+            grad = torch.is_grad_enabled() and any(w.requires_grad for w in weights)
+            fuse = self.fuse_wgrad_accumulation and grad
+            if fuse and not all(has_main_grad_source(w) for w in weights):
+                raise RuntimeError("MoeGraphGroupedLinear(gradient_accumulation_fusion=True): every weight needs a "
+                                   ".main_grad tensor (Megatron's DDP allocates them) or a get_main_grad()")
+            defer = self.delay_wgrad_compute and grad
+            echo = None if dispatcher is None else (dispatcher, plan)
+            spare = None if spare_weights is None else spare_weights.detach()
+            self.fp8 = recipe is not None
+            out = _ExplicitGroupedLinear.apply(x, gemm_bias, self, splits, spare, echo, recipe, xq, fuse, accumulate,
+                                               defer, *weights)
+        out = out.reshape(*lead, self.out_features)
         self.is_first_microbatch = False
         return (out, bias) if self.te_return_bias else (out, None)
 
     def backward_dw(self) -> None:
-        if self.delay_wgrad_compute:
-            super().backward_dw()
+        """:meth:`GroupedLinear.backward_dw`; a queued job of :class:`_ExplicitGroupedLinear` (echo / FP8 dispatch)
+        runs its weight gradients (the spare slots' sent home: collective over the EP group, as Megatron calls
+        ``backward_dw`` on every rank in the same order), then the hooks."""
+        if not self.delay_wgrad_compute:
+            return
+        if self._wgrad_queue and isinstance(self._wgrad_queue[0], _QueuedWgrad):
+            self._wgrad_queue.popleft().run()
+            self._trigger_wgrad_accumulation_and_reduce_hooks()
+            return
+        super().backward_dw()
 
     # --------------------------------------------------------------------------------- distributed checkpoint --
     _tp_axis: dict = {}
@@ -353,12 +535,17 @@ class MoeGraphGroupedMLP(TEGroupedMLP):
         if echo is None:
             return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs, *args, **kwargs)
         fc1, fc2 = self.linear_fc1, self.linear_fc2
-        params = [fc1.home_weights(), fc2.home_weights()]
         biases = [fc1.home_biases(), fc2.home_biases()]
         with_bias = biases[0] is not None
-        spares = dispatch_spare_weights(*echo, params + (biases if with_bias else []))
-        spare1 = (spares[0], spares[2] if with_bias else None)
-        spare2 = (spares[1], spares[3] if with_bias else None)
+        if fc1.explicit_wgrad():  # weight copies as plain tensors (their gradients go home from the GEMMs'
+            with torch.no_grad():  # backward or backward_dw), bias copies through autograd
+                weights = echo[0].dispatch(echo[1], [fc1.home_weights(), fc2.home_weights()])
+            spares = weights + (dispatch_spare_weights(*echo, biases) if with_bias else [])
+        else:
+            spares = dispatch_spare_weights(*echo, [fc1.home_weights(), fc2.home_weights()]
+                                            + (biases if with_bias else []))
+        spare1 = (*echo, spares[0], spares[2] if with_bias else None)
+        spare2 = (*echo, spares[1], spares[3] if with_bias else None)
         fc1.echo_spare, fc2.echo_spare = spare1, spare2
         try:
             return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs, *args, **kwargs)
@@ -407,7 +594,8 @@ def get_gpt_layer_with_moe_graph_spec(num_experts: int, use_transformer_engine: 
     ``dispatcher``: ``"megatron"`` (Megatron's own, as ``config.moe_token_dispatcher_type`` names it) or
     ``"moe_graph"``: the layer is :class:`moe_graph.integrations.megatron_moe.MoeGraphMoELayer` (moe_graph's
     sync-free static-capacity dispatcher), with ``dispatcher_options`` as its keywords (``capacity_factor``,
-    ``overflow``, ``token_drop_policy``, ``exchange``, ``num_spare_experts_per_ep_rank``, ``echo_donors``)."""
+    ``overflow``, ``token_drop_policy``, ``exchange``, ``num_spare_experts_per_ep_rank``, ``echo_donors``,
+    ``echo_assignment``, ``fp8_dispatch``)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if dispatcher not in DISPATCHERS:

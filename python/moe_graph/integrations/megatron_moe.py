@@ -25,18 +25,28 @@ the host, so Megatron's full-iteration CUDA graph (``--cuda-graph-impl full_iter
 * Echo: ``num_spare_experts_per_ep_rank`` spare slots per EP rank take copies of the busiest experts
   (:class:`moe_graph.moe.echo_balancer.EchoBalancer`; the counts all-gathered on the device, the spare weights
   dispatched to :class:`~moe_graph.integrations.megatron.MoeGraphGroupedMLP` through :class:`DeviceSplits`, their
-  gradients sent home in backward); ``echo_donors`` limits the donors.
+  gradients sent home in backward); ``echo_donors`` limits the donors. With ``gradient_accumulation_fusion`` and /
+  or ``delay_wgrad_compute`` the spare slots' weight gradients go home into the home experts' ``main_grad`` (or
+  ``.grad``), from the GEMM's backward or from ``backward_dw``
+  (:class:`~moe_graph.integrations.megatron.MoeGraphGroupedLinear`).
+* FP8: with ``config.fp8`` the experts run moe_graph's FP8 recipes (``fp8_recipe_from_config``) and the rows are
+  placed so that each expert's group starts at a multiple of 16 rows (the FP8 wgrad's alignment; zero rows between
+  groups). ``fp8_dispatch=True`` (``config.fp8_recipe`` "blockwise" or "mxfp8") quantizes the tokens rowwise before
+  the exchange, once each, and sends their FP8 and scale bytes; the experts' first GEMM reads them as they arrive
+  (through Megatron's layer the rows travel as their autograd carrier, :meth:`MoeGraphTokenDispatcher.token_dispatch`).
 * Statistics: Megatron's MoE metrics tracker (:meth:`MoeGraphTokenDispatcher._log_statistics`).
 
 Not supported (each raises naming the option): expert tensor parallelism ``expert_tensor_parallel_size > 1``,
 Megatron's drop-and-pad (``moe_pad_expert_input_to_capacity``: use ``capacity_factor`` here),
 ``moe_router_padding_for_quantization`` (fp8), the inference-optimized dispatchers, experts other than
-:func:`~moe_graph.integrations.megatron.experts_spec`'s, echo with ``gradient_accumulation_fusion``.
+:func:`~moe_graph.integrations.megatron.experts_spec`'s, ``fp8_dispatch`` without FP8 experts of a row-local
+recipe (blockwise / mxfp8) or with ``moe_apply_probs_on_input``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 from functools import partial
 from typing import Any, Callable, Dict, List, Optional
@@ -59,12 +69,15 @@ from moe_graph.grouped_linear import GroupedLinear
 from moe_graph.moe.echo import dispatch_spare_weights
 from moe_graph.moe.echo_balancer import EchoBalancer
 from moe_graph.moe.layer import _all_gather_counts, reset_step_counters, step_max_load_ratio, step_overflow
+from moe_graph.moe.experts import ALIGNED_DISPATCH, FP8_ROW_ALIGNMENT
 from moe_graph.moe.token_dispatcher import (DROP_POLICIES, OVERFLOW_MODES, TokenDispatcher, counting_enabled,
                                             expert_columns, topk_from_routing_map)
+from moe_graph.ops import fp8 as _fp8
+from moe_graph.ops.fp8 import QuantizedRows
 from moe_graph.train.step import OverflowRerun
 
-__all__ = ["DeviceSplits", "MoeGraphTokenDispatcher", "MoeGraphMoELayer", "moe_graph_layers", "MegatronOverflowRerun",
-           "ReplayIterator"]
+__all__ = ["DeviceSplits", "fp8_recipe_from_config", "MoeGraphTokenDispatcher", "MoeGraphMoELayer", "moe_graph_layers",
+           "MegatronOverflowRerun", "ReplayIterator"]
 
 
 class DeviceSplits:
@@ -85,6 +98,36 @@ class DeviceSplits:
         return f"DeviceSplits({self.tensor!r})"
 
 
+def fp8_recipe_from_config(config):
+    """``moe_graph.fp8.Recipe`` for Megatron's ``config.fp8`` / ``config.fp8_recipe`` (None without ``fp8``)."""
+    fmt = getattr(config, "fp8", None)
+    if not fmt:
+        return None
+    fmt = str(fmt).lower()
+    if fmt not in ("e4m3", "hybrid"):
+        raise NotImplementedError(f"moe_graph.integrations.megatron: config.fp8={fmt!r} (moe_graph runs 'e4m3' and "
+                                  "'hybrid')")
+    name = str(getattr(config, "fp8_recipe", None) or "delayed").lower()
+    if name not in ("blockwise", "mxfp8", "tensorwise", "delayed"):
+        raise NotImplementedError(f"moe_graph.integrations.megatron: config.fp8_recipe={name!r} (moe_graph runs "
+                                  "'blockwise', 'mxfp8', 'tensorwise' and 'delayed' as current scaling)")
+    base = _fp8.as_recipe(name)
+    return dataclasses.replace(base, fp8_format="HYBRID" if fmt == "hybrid" else "E4M3")
+
+
+def _check_fp8_dispatch(config, recipe) -> None:
+    """``fp8_dispatch=True`` needs FP8 experts with row-local activation tiles and the rows as they arrive."""
+    if recipe is None or recipe.kind not in ("blockwise", "mxfp8"):
+        raise ValueError(
+            "moe_graph's Megatron dispatcher: fp8_dispatch=True needs FP8 experts whose activation tiles are "
+            "row-local: config.fp8 with config.fp8_recipe 'blockwise' or 'mxfp8' (got fp8="
+            f"{getattr(config, 'fp8', None)!r}, fp8_recipe={getattr(config, 'fp8_recipe', None)!r})")
+    if config.moe_apply_probs_on_input:
+        raise NotImplementedError(
+            "moe_graph's Megatron dispatcher: fp8_dispatch=True with moe_apply_probs_on_input (the experts scale "
+            "their input rows, which arrive in FP8) is not supported")
+
+
 def _table_device(config) -> torch.device:
     """Where the dispatcher's constant tables start: the parameters' device (Megatron's rule); ``.to()`` / ``.cuda()``
     of the layer moves them (the dispatcher is a submodule of :class:`MoeGraphMoELayer`)."""
@@ -99,21 +142,21 @@ class MoeGraphTokenDispatcher(MoETokenDispatcher):
     Constructed as Megatron's dispatchers are (``num_local_experts, local_expert_indices, config, pg_collection``)
     plus moe_graph's options: ``capacity_factor`` (``None``: dropless), ``overflow`` (``"drop"`` or ``"rerun"``),
     ``token_drop_policy`` (``"probs"``, Megatron's, or ``"position"``), ``exchange`` (``"auto"``, ``"nccl"``,
-    ``"symm_mem"``) and ``num_spare_experts_per_ep_rank`` (the routing columns include the spare slots; the echo
-    plan itself is :class:`MoeGraphMoELayer`'s). The moe_graph dispatcher is :attr:`dispatcher` (an ``nn.Module``
+    ``"symm_mem"``), ``num_spare_experts_per_ep_rank`` (the routing columns include the spare slots; the echo
+    plan itself is :class:`MoeGraphMoELayer`'s) and ``fp8_dispatch`` (the rows travel in FP8: needs ``config.fp8``
+    with ``fp8_recipe`` "blockwise" or "mxfp8"). The moe_graph dispatcher is :attr:`dispatcher` (an ``nn.Module``
     holding the constant tables and the per-step counters)."""
 
     def __init__(self, num_local_experts: int, local_expert_indices, config, pg_collection=None, *,
                  capacity_factor: Optional[float] = None, overflow: str = "drop", token_drop_policy: str = "probs",
                  exchange: str = "auto", num_spare_experts_per_ep_rank: int = 0, echo_donors: Optional[int] = None,
-                 echo_assignment: str = "auto"):
+                 echo_assignment: str = "auto", fp8_dispatch: bool = False):
         super().__init__(config=config, pg_collection=pg_collection)
         _check_config(config, self.tp_size)
-        if num_spare_experts_per_ep_rank and config.gradient_accumulation_fusion:
-            raise NotImplementedError(
-                "moe_graph's Megatron dispatcher: echo (num_spare_experts_per_ep_rank > 0) with "
-                "gradient_accumulation_fusion=True is not supported (the spare slots' weights are copies without "
-                "main_grad); set gradient_accumulation_fusion=False")
+        self.fp8_recipe = fp8_recipe_from_config(config)  # the experts' (None: 16-bit experts)
+        if fp8_dispatch:
+            _check_fp8_dispatch(config, self.fp8_recipe)
+        self.fp8_dispatch = bool(fp8_dispatch)
         if overflow not in OVERFLOW_MODES:
             raise ValueError(f"overflow must be one of {OVERFLOW_MODES}, got {overflow!r}")
         if token_drop_policy not in DROP_POLICIES:
@@ -144,6 +187,7 @@ class MoeGraphTokenDispatcher(MoETokenDispatcher):
         self.layer_number = None  # set by MoeGraphMoELayer (Megatron's metrics are per layer)
         self._routes = None
         self._handle = None
+        self._fp8_rows = None
 
     # ---------------------------------------------------------------------------------------- routing --
     def set_routes(self, indices: torch.Tensor, probs: torch.Tensor, valid: Optional[torch.Tensor]) -> None:
@@ -182,7 +226,10 @@ class MoeGraphTokenDispatcher(MoETokenDispatcher):
                 tracker.record(name, load.max() / load.mean().clamp_min(1.0), self.layer_number, num_layers)
 
     def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
-        """The static-capacity exchange: ``(expert input [rows, H], row probabilities [rows])``."""
+        """The static-capacity exchange: ``(expert input [rows, H], row probabilities [rows])``. Under FP8 experts
+        the groups start at multiples of 16 rows; with ``fp8_dispatch`` the expert input returned is the FP8 rows'
+        autograd carrier (a zero-stride tensor: Megatron's layer may wrap it in its own autograd functions) and
+        :meth:`dispatch_postprocess` hands the experts the rows (``moe_graph.ops.fp8.QuantizedRows``) with it."""
         indices, route_probs, valid = self._routes
         self._routes = None
         if self.shared_experts is not None:
@@ -190,12 +237,23 @@ class MoeGraphTokenDispatcher(MoETokenDispatcher):
         T = hidden_states.shape[0]
         d = self.dispatcher
         d.capacity = d.capacity_for(T, self.topk, self.capacity_factor)
-        expert_input, m_splits, self._handle = d.dispatch(hidden_states, indices, route_probs, valid)
-        self._log_statistics(self._handle, m_splits, T)
+        recipe = self._experts_recipe()
+        align = FP8_ROW_ALIGNMENT if recipe is not None and ALIGNED_DISPATCH else None
+        expert_input, m_splits, self._handle = d.dispatch(hidden_states, indices, route_probs, valid,
+                                                          fp8_recipe=recipe if self.fp8_dispatch else None,
+                                                          align_rows=align)
+        self._log_statistics(self._handle, self._handle.m_splits, T)
+        if isinstance(expert_input, QuantizedRows):  # FP8 dispatch: Megatron's layer passes the carrier on
+            self._fp8_rows, expert_input = expert_input, expert_input.carrier
         if self.shared_experts is not None:
             self.shared_experts.linear_fc1_forward_and_act(expert_input)
         self._m_splits = m_splits
         return expert_input, d.row_weights(self._handle)
+
+    def _experts_recipe(self):
+        """The FP8 recipe the experts run this forward (an active ``moe_graph.fp8.autocast`` / TE's, else the
+        config's, as :class:`moe_graph.integrations.megatron.MoeGraphGroupedLinear`), or None."""
+        return _fp8.current_recipe() or self.fp8_recipe
 
     def _log_statistics(self, handle, m_splits: torch.Tensor, num_tokens: int) -> None:
         """This dispatch's statistics into Megatron's MoE metrics tracker (device ops: no sync, capturable; not
@@ -223,6 +281,9 @@ class MoeGraphTokenDispatcher(MoETokenDispatcher):
         m_splits, self._m_splits = self._m_splits, None
         plan, self._echo_plan = self._echo_plan, None
         echo = (self.echo.dispatcher, plan) if plan is not None else None
+        rows, self._fp8_rows = self._fp8_rows, None
+        if rows is not None:  # the FP8 rows, with the carrier Megatron handed on (its autograd path)
+            hidden_states = dataclasses.replace(rows, carrier=hidden_states)
         return hidden_states, DeviceSplits(m_splits, echo), probs
 
     def combine_preprocess(self, hidden_states: torch.Tensor):
@@ -292,16 +353,17 @@ class MoeGraphMoELayer(MoELayer):
     """Megatron-core's ``MoELayer`` with :class:`MoeGraphTokenDispatcher` (whatever ``moe_token_dispatcher_type``
     the config names; set ``"alltoall"``, whose config checks fit) and moe_graph's options as keywords:
     ``capacity_factor``, ``overflow``, ``token_drop_policy``, ``exchange``, ``num_spare_experts_per_ep_rank``,
-    ``echo_donors``. The experts must be moe_graph's (:func:`moe_graph.integrations.megatron.experts_spec`)."""
+    ``echo_donors``, ``echo_assignment``, ``fp8_dispatch``. The experts must be moe_graph's
+    (:func:`moe_graph.integrations.megatron.experts_spec`)."""
 
     def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, is_mtp_layer=False,
                  name=None, *, capacity_factor: Optional[float] = None, overflow: str = "drop",
                  token_drop_policy: str = "probs", exchange: str = "auto", num_spare_experts_per_ep_rank: int = 0,
-                 echo_donors: Optional[int] = None, echo_assignment: str = "auto"):
+                 echo_donors: Optional[int] = None, echo_assignment: str = "auto", fp8_dispatch: bool = False):
         factory = partial(MoeGraphTokenDispatcher, capacity_factor=capacity_factor, overflow=overflow,
                           token_drop_policy=token_drop_policy, exchange=exchange,
                           num_spare_experts_per_ep_rank=num_spare_experts_per_ep_rank, echo_donors=echo_donors,
-                          echo_assignment=echo_assignment)
+                          echo_assignment=echo_assignment, fp8_dispatch=fp8_dispatch)
         with _megatron_dispatchers(factory):
             super().__init__(config, submodules=submodules, layer_number=layer_number, pg_collection=pg_collection,
                              is_mtp_layer=is_mtp_layer, name=name)
