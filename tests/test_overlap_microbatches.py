@@ -111,6 +111,32 @@ def test_accumulation_hooks_run_on_the_main_stream():
     assert seen and all(v == {"main"} for v in seen.values()), seen
 
 
+def test_a_joined_graph_waits_only_in_its_own_backward():
+    """Two forwards on two microbatch streams joined before either backward (a pipeline's warm-up) share the
+    parameters' accumulators; the first backward must record no event of the second graph (a stray wait there would
+    order work a GPU does not order, and could hide a race)."""
+    w = torch.nn.Parameter(torch.randn(4, 4))
+    lanes = [SideStream("cpu", f"microbatch{i}", whole_graph=True) for i in range(2)]
+    acc = torch.autograd.graph.get_gradient_edge(w).node  # made on the main stream, kept for both graphs
+    with streams.StreamRecorder() as rec:
+        outs = []
+        for i, lane in enumerate(lanes):
+            x = torch.randn(3, 4)
+            with lane.fork(w):
+                y = (x @ w).square().sum()
+            outs.append(lane.join(y)[0])
+        first = len(rec.entries)
+        outs[0].backward()
+        during_first = rec.entries[first:]
+        outs[1].backward()
+    names = {e.event.split(".")[0] for e in during_first if isinstance(e, streams.RecordedEvent)}
+    assert len(names) == 1, names  # the first graph's autograd events only
+    assert {e.stream for e in during_first if isinstance(e, streams.RecordedEvent) and e.kind == "record"
+            and e.event.endswith(".done")} == {"microbatch0"}
+    assert unjoined_uses(rec.entries) == []
+    del acc
+
+
 def test_ep2_on_gloo_equals_serial_and_overlaps():
     for r in run_distributed(microbatch_worker, 2, 5):
         assert r["mismatch"] == [] and r["unjoined"] == 0, r

@@ -278,8 +278,10 @@ class StreamRecorder(TorchDispatchMode):
             todo.extend(f for f, _ in node.next_functions)
         side = {node for node in seen if node not in self._claimed}
         handles = []
+        running = [False]  # this graph's backward is under way (between its first root and its end)
 
         def finish():  # end of backward(): the caller's stream waits on the streams that made gradients
+            running[0] = False
             self._event("wait", done)
             for h in handles:
                 h.remove()
@@ -293,6 +295,7 @@ class StreamRecorder(TorchDispatchMode):
                     self._in_backward()
                 _state.stream = stream
                 if root:
+                    running[0] = True
                     self._event("wait", ready)
                     torch.autograd.Variable._execution_engine.queue_callback(finish)
 
@@ -307,6 +310,8 @@ class StreamRecorder(TorchDispatchMode):
             handles += [node.register_prehook(enter), node.register_hook(leave)]
         if whole:
             def boundary(grad_outputs):  # a consumer outside waits for this stream's work so far, runs on ``outer``
+                if not running[0]:  # a consumer shared with another graph (a parameter's accumulator), reached by
+                    return  # that graph's backward: nothing of this stream precedes it
                 self._event("record", done, stream)
                 self._event("wait", done, outer)
                 _state.stream = outer
