@@ -14,10 +14,13 @@ import types
 import pytest
 import torch
 
+import moe_graph
+
 from conftest import requires_cuda
 from helpers.overlap_workers import (TinyMoEModel, cross_microbatch, microbatch_worker, microbatches, run_schedule)
 from moe_graph import streams
 from moe_graph.distributed.launch import run_distributed
+from moe_graph.moe.layer import MoELayer
 from moe_graph.streams import SideStream, unjoined_uses
 from moe_graph.train import schedules
 
@@ -109,6 +112,36 @@ def test_accumulation_hooks_run_on_the_main_stream():
             streams.current_logical_stream()))
     run_schedule(model, microbatches(3), True, record=True)
     assert seen and all(v == {"main"} for v in seen.values()), seen
+
+
+class _Fp8Model(torch.nn.Module):
+    """The tiny model at FP8 sizes: the MoE layer's experts (and its dispatch, ``fp8_dispatch``) under ``recipe``."""
+
+    def __init__(self, recipe: str, recompute: bool):
+        super().__init__()
+        torch.manual_seed(5)
+        self.recipe = recipe
+        self.inp = torch.nn.Linear(128, 128)
+        self.moe = MoELayer(128, 64, 4, 2, shared_expert_ffn_size=64, aux_loss_coeff=0.05, capacity_factor=None,
+                            fp8_dispatch=True, recompute=recompute, device="cpu")
+
+    def forward(self, x, target):
+        with moe_graph.fp8.autocast(recipe=self.recipe):
+            h = self.inp(x)
+            return ((h + self.moe(h)) - target).square().mean()
+
+
+@pytest.mark.parametrize("recipe,recompute", [("blockwise", False), ("mxfp8", True)])
+def test_fp8_overlapped_microbatches_equal_serial_bitwise(recipe, recompute):
+    """FP8 experts and FP8 dispatch (blockwise; MXFP8 with recompute) with two microbatches in flight: the same
+    quantizations in the same order as the serial loop, so bitwise equal."""
+    g = torch.Generator().manual_seed(6)
+    mbs = [(torch.randn(19, 128, generator=g), torch.randn(19, 128, generator=g)) for _ in range(3)]
+    serial = run_schedule(_Fp8Model(recipe, recompute), mbs, False)
+    overlapped = run_schedule(_Fp8Model(recipe, recompute), mbs, True, record=True)
+    _equal(serial, overlapped)
+    assert unjoined_uses(overlapped[2].entries) == []
+    assert {"fp8_quantize_pair", "fp8_scaled_grouped_gemm"} <= {o.name for o in overlapped[2].ops}  # FP8 ran
 
 
 def test_a_joined_graph_waits_only_in_its_own_backward():
