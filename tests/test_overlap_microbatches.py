@@ -9,6 +9,8 @@ ordering and no data dependency between microbatch ``i``'s exchange and microbat
 ways), every cross-stream use joined, and a race when a fork's or a join's wait is removed.
 """
 
+import importlib.util
+import os
 import types
 
 import pytest
@@ -142,6 +144,34 @@ def test_fp8_overlapped_microbatches_equal_serial_bitwise(recipe, recompute):
     _equal(serial, overlapped)
     assert unjoined_uses(overlapped[2].entries) == []
     assert {"fp8_quantize_pair", "fp8_scaled_grouped_gemm"} <= {o.name for o in overlapped[2].ops}  # FP8 ran
+
+
+def _bench_moe_cost(monkeypatch):
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    monkeypatch.syspath_prepend(os.path.join(root, "benchmarks"))  # as when run as a script: benchmarks/common.py
+    spec = importlib.util.spec_from_file_location("bench_moe_cost", os.path.join(root, "benchmarks",
+                                                                                 "bench_moe_cost.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("inject", [False, True])
+def test_overlapped_schedule_makes_no_host_sync(monkeypatch, inject):
+    """A step of 3 microbatches in flight (shared expert on its side stream, echo) under bench_moe_cost's host-sync
+    meter (``.item()``, ``nonzero``, host reads of device values, ...), on the branch a GPU runs: none. An
+    ``.item()`` injected into the forward is caught (the meter can fail)."""
+    bench = _bench_moe_cost(monkeypatch)
+    model = TinyMoEModel(overlap_shared_expert=True, num_spare_experts_per_ep_rank=1)
+    mbs = microbatches(3)
+    run_schedule(model, mbs, True)  # warm-up: made-once state (streams, tables)
+    if inject:
+        forward = model.forward
+        monkeypatch.setattr(model, "forward", lambda x, t: forward(x, t) + 0 * x.sum().item())
+    meter = bench.CostMeter(device_tensors=[*model.parameters(), *model.buffers(), *(t for mb in mbs for t in mb)])
+    with bench.device_branch(), bench.host_reads(meter), meter:
+        run_schedule(model, mbs, True)
+    assert meter.syncs == ([] if not inject else ["fwd:_local_scalar_dense"] * 3), meter.syncs
 
 
 def test_a_joined_graph_waits_only_in_its_own_backward():
