@@ -35,36 +35,26 @@ struct ScaledLaunch {
   using Arr = ScaledArrays<X>;
   using ESF = typename X::ElementSF;
 
-  template <class Args>
-  static void set_mainloop(Args& args, const Arr& arr, int e) {
-    args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
-    args.problem_shape = {e, arr.shapes, nullptr};
-    args.mainloop.ptr_A = arr.ptr_a;
-    args.mainloop.dA = arr.stride_a;
-    args.mainloop.ptr_B = arr.ptr_b;
-    args.mainloop.dB = arr.stride_b;
+  // gg::detail::grouped_arguments and the scale factors of both operands.
+  static typename Gemm::Arguments arguments(const Arr& arr, int e, const gg::LaunchEnv& env) {
+    auto args = gg::detail::grouped_arguments<Gemm>(arr, e, env);
     args.mainloop.ptr_SFA = arr.ptr_sfa;
     args.mainloop.layout_SFA = arr.layout_sfa;
     args.mainloop.ptr_SFB = arr.ptr_sfb;
     args.mainloop.layout_SFB = arr.layout_sfb;
-    args.epilogue.ptr_D = arr.ptr_d;
-    args.epilogue.dD = arr.stride_d;
+    return args;
   }
 
   // Forward / dgrad: bias row broadcast (null array: + 0) fused in the epilogue, no source.
   static void forward(const ScaledForwardCuda& p, const ScaledForwardPlan& plan, const gg::LaunchEnv& env,
                       int64_t* offsets, const char* name) {
     const int e = p.splits.num_experts;
-    const Arr arr = carve_scaled_arguments<Arr>(static_cast<char*>(env.alloc(plan.argument_bytes)), e,
+    const Arr arr = gg::detail::carve_arguments<Arr>(static_cast<char*>(env.alloc(plan.argument_bytes)), e,
                                                 p.bias != nullptr);
     auto* sfa = static_cast<ESF*>(env.alloc(plan.sfa_bytes));
     auto* sfb = static_cast<ESF*>(env.alloc(plan.sfb_bytes));
-    typename Gemm::Arguments args;
-    set_mainloop(args, arr, e);
-    args.epilogue.thread = {{}, {arr.ptr_bias, 0.0f, {}}, {}};  // acc, bias row broadcast, plus
-    args.epilogue.ptr_C = nullptr;
-    args.epilogue.dC = nullptr;
-    args.hw_info = gg::detail::hardware_info<Gemm>(env);
+    auto args = arguments(arr, e, env);
+    gg::detail::set_bias_epilogue(args, arr.ptr_bias, 0.0f);
     gg::detail::checked_run<Gemm>(args, env, name, [&] {
       enqueue_scaled_forward_args<X>(arr, p, plan, env, offsets, sfa, sfb);
     });
@@ -74,18 +64,11 @@ struct ScaledLaunch {
   static void wgrad(const ScaledWgradCuda& p, const ScaledWgradPlan& plan, const gg::LaunchEnv& env,
                     int64_t* offsets, const char* name) {
     const int e = p.splits.num_experts;
-    const Arr arr = carve_scaled_arguments<Arr>(static_cast<char*>(env.alloc(plan.argument_bytes)), e, false);
+    const Arr arr = gg::detail::carve_arguments<Arr>(static_cast<char*>(env.alloc(plan.argument_bytes)), e, false);
     auto* sfa = static_cast<ESF*>(env.alloc(plan.sfa_bytes));
     auto* sfb = static_cast<ESF*>(env.alloc(plan.sfb_bytes));
-    typename Gemm::Arguments args;
-    set_mainloop(args, arr, e);
-    args.epilogue.thread.alpha = 1.0f;
-    args.epilogue.thread.beta = 1.0f;
-    args.epilogue.thread.alpha_ptr = nullptr;
-    args.epilogue.thread.beta_ptr = nullptr;
-    args.epilogue.ptr_C = arr.ptr_c;
-    args.epilogue.dC = arr.stride_c;
-    args.hw_info = gg::detail::hardware_info<Gemm>(env);
+    auto args = arguments(arr, e, env);
+    gg::detail::set_wgrad_epilogue<typename Gemm::GemmKernel, true>(args, arr);
     gg::detail::checked_run<Gemm>(args, env, name, [&] {
       enqueue_scaled_wgrad_args<X>(arr, p, plan, env, offsets, sfa, sfb);
     });

@@ -433,7 +433,7 @@ void forward_stand_in(const ScaledForwardCuda& p, const ScaledForwardPlan& plan,
   using Arr = ScaledArrays<X>;
   using ESF = typename X::ElementSF;
   const int e = p.splits.num_experts;
-  const Arr arr = carve_scaled_arguments<Arr>(static_cast<char*>(env.alloc(plan.argument_bytes)), e,
+  const Arr arr = gg::detail::carve_arguments<Arr>(static_cast<char*>(env.alloc(plan.argument_bytes)), e,
                                               p.bias != nullptr);
   auto* sfa = static_cast<ESF*>(env.alloc(plan.sfa_bytes));
   auto* sfb = static_cast<ESF*>(env.alloc(plan.sfb_bytes));
@@ -452,7 +452,7 @@ void wgrad_stand_in(const ScaledWgradCuda& p, const ScaledWgradPlan& plan, const
   using Arr = ScaledArrays<X>;
   using ESF = typename X::ElementSF;
   const int e = p.splits.num_experts;
-  const Arr arr = carve_scaled_arguments<Arr>(static_cast<char*>(env.alloc(plan.argument_bytes)), e, false);
+  const Arr arr = gg::detail::carve_arguments<Arr>(static_cast<char*>(env.alloc(plan.argument_bytes)), e, false);
   auto* sfa = static_cast<ESF*>(env.alloc(plan.sfa_bytes));
   auto* sfb = static_cast<ESF*>(env.alloc(plan.sfb_bytes));
   enqueue_scaled_wgrad_args<X>(arr, p, plan, env, offsets, sfa, sfb);
