@@ -1,15 +1,20 @@
-// One launcher for the scaled grouped kernels of both architectures (scaled_gemm_sm90.cu, scaled_gemm_sm100.cu):
-// workspace carve-up (scaled_plan.cpp's sizes), the CUTLASS arguments from the per-expert arrays, and
-// gg::detail::checked_run (can_implement and the workspace before anything is enqueued, then the argument kernel
-// and the relayouts of scaled_args.cuh, then the GEMM). `K` provides Gemm and X (the ScaledExpert of its types).
+// One launcher for the scaled grouped kernels of both architectures (scaled_gemm_sm90.cu, scaled_gemm_sm100.cu) on
+// the 16-bit one's body (grouped_gemm/grouped_launch.cuh): workspace carve-up (scaled_plan.cpp's sizes), the
+// CUTLASS arguments from the per-expert arrays (gg::detail::grouped_arguments, the two epilogues) plus the scale
+// factors, and gg::detail::checked_run (can_implement and the workspace before anything is enqueued, then the
+// argument kernel and the relayouts of scaled_args.cuh, then the GEMM). `K` provides Gemm and X (the ScaledExpert
+// of its types): ScaledKernelOf.
 #pragma once
 
 #include <cutlass/epilogue/fusion/operations.hpp>
 #include <cutlass/epilogue/fusion/sm90_callbacks_tma_warpspecialized.hpp>
 
+#include <type_traits>
+
 #include "fp8/scaled_args.cuh"
 #include "fp8/scaled_gemm_cuda.h"
 #include "grouped_gemm/grouped_expert_args.h"
+#include "grouped_gemm/grouped_kernel.cuh"
 #include "grouped_gemm/grouped_launch.cuh"
 
 namespace moe_graph {
@@ -27,6 +32,21 @@ using ScaledBiasEpilogue = cutlass::epilogue::fusion::Sm90EVT<
 
 // The wgrad epilogue of both: D = acc + C in fp32.
 using ScaledWgradEpilogue = cutlass::epilogue::fusion::LinearCombination<float, float, float, float>;
+
+// The CUTLASS kernel of a scaled launch from its two collectives (the epilogue: gg::detail::GroupedEpilogue) and the
+// ScaledExpert of its types (E4M3 operands); the argument functions (scaled_expert_args.h) compute exactly its
+// stride and scale-layout types.
+template <class Mainloop, class Epilogue, class ScaleConfig, class ElementD, class ElementSF>
+struct ScaledKernelOf {
+  using GemmKernel = gg::detail::GroupedKernelOf<Mainloop, Epilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
+  using X = ScaledExpert<ScaleConfig, cutlass::float_e4m3_t, cutlass::float_e4m3_t, ElementD, ElementSF>;
+  static_assert(std::is_same_v<typename GemmKernel::InternalStrideA, KMajorStride>);
+  static_assert(std::is_same_v<typename GemmKernel::InternalStrideB, KMajorStride>);
+  static_assert(std::is_same_v<typename GemmKernel::InternalStrideD, KMajorStride>);
+  static_assert(std::is_same_v<typename Mainloop::InternalLayoutSFA, typename X::LayoutSFA>);
+  static_assert(std::is_same_v<typename Mainloop::InternalLayoutSFB, typename X::LayoutSFB>);
+};
 
 template <class K>
 struct ScaledLaunch {
@@ -74,6 +94,25 @@ struct ScaledLaunch {
     });
   }
 };
+
+// The kernels of a family, specialized by its per-architecture file: Forward and Wgrad (ScaledKernelOf) and their
+// names.
+template <ScaledKernel kKernel>
+struct ScaledKernels;
+
+template <ScaledKernel kKernel>
+void ScaledArch<kKernel>::forward(const ScaledForwardCuda& p, const ScaledForwardPlan& plan, const gg::LaunchEnv& env,
+                                  int64_t* offsets) {
+  using K = ScaledKernels<kKernel>;
+  ScaledLaunch<typename K::Forward>::forward(p, plan, env, offsets, K::kForwardName);
+}
+
+template <ScaledKernel kKernel>
+void ScaledArch<kKernel>::wgrad(const ScaledWgradCuda& p, const ScaledWgradPlan& plan, const gg::LaunchEnv& env,
+                                int64_t* offsets) {
+  using K = ScaledKernels<kKernel>;
+  ScaledLaunch<typename K::Wgrad>::wgrad(p, plan, env, offsets, K::kWgradName);
+}
 
 }  // namespace detail
 }  // namespace fp8

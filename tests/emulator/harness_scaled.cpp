@@ -465,20 +465,25 @@ void wgrad_stand_in(const ScaledWgradCuda& p, const ScaledWgradPlan& plan, const
 }
 }  // namespace
 
-void scaled_forward_sm90(const ScaledForwardCuda& p, const ScaledForwardPlan& plan, const gg::LaunchEnv& env,
-                         int64_t* offsets) {
+// The stand-ins of both families' CUTLASS launches (scaled_launch.cuh defines them on a GPU build).
+template <>
+void ScaledArch<ScaledKernel::kSm90Blockwise>::forward(const ScaledForwardCuda& p, const ScaledForwardPlan& plan,
+                                                       const gg::LaunchEnv& env, int64_t* offsets) {
   forward_stand_in<emu_test::ForwardX>(p, plan, env, offsets);
 }
-void scaled_wgrad_sm90(const ScaledWgradCuda& p, const ScaledWgradPlan& plan, const gg::LaunchEnv& env,
-                       int64_t* offsets) {
+template <>
+void ScaledArch<ScaledKernel::kSm90Blockwise>::wgrad(const ScaledWgradCuda& p, const ScaledWgradPlan& plan,
+                                                     const gg::LaunchEnv& env, int64_t* offsets) {
   wgrad_stand_in<emu_test::WgradX>(p, plan, env, offsets);
 }
-void scaled_forward_sm100(const ScaledForwardCuda& p, const ScaledForwardPlan& plan, const gg::LaunchEnv& env,
-                          int64_t* offsets) {
+template <>
+void ScaledArch<ScaledKernel::kSm100Mxfp8>::forward(const ScaledForwardCuda& p, const ScaledForwardPlan& plan,
+                                                    const gg::LaunchEnv& env, int64_t* offsets) {
   forward_stand_in<emu_test::ForwardMxX>(p, plan, env, offsets);
 }
-void scaled_wgrad_sm100(const ScaledWgradCuda& p, const ScaledWgradPlan& plan, const gg::LaunchEnv& env,
-                        int64_t* offsets) {
+template <>
+void ScaledArch<ScaledKernel::kSm100Mxfp8>::wgrad(const ScaledWgradCuda& p, const ScaledWgradPlan& plan,
+                                                  const gg::LaunchEnv& env, int64_t* offsets) {
   wgrad_stand_in<emu_test::WgradMxX>(p, plan, env, offsets);
 }
 
