@@ -105,6 +105,63 @@ def test_weight_cache_fused_main_grad_bias_and_extra_state():
     assert fresh.fp8_meta["recipe"] == recipe and torch.equal(fresh.get_extra_state(), sd_["_extra_state"])
 
 
+@pytest.mark.parametrize("delay", [False, True])
+@pytest.mark.parametrize("mg_dtype", [torch.float32, torch.bfloat16])
+def test_fused_wgrad_accumulates_in_the_gemm(monkeypatch, mg_dtype, delay):
+    """Fused delivery to a stacked weight with an fp32 main_grad: the FP8 wgrad GEMM writes (first microbatch) and
+    then adds into main_grad itself (out=main_grad, no fp32 dw and no main_grad.add_); a bf16 main_grad takes the
+    unfused delivery (a fresh fp32 dw, then one add). Either way main_grad equals the float64 oracle of the
+    dequantized operands plus the prior main_grad, within fp32 rounding (bf16: its rounding)."""
+    torch.manual_seed(7)
+    E, K, N = 3, 64, 48
+    recipe = fp8.Float8BlockScaling()
+    layer = moe_graph.GroupedLinear(E, K, N, bias=False, device="cpu", params_dtype=torch.float32,
+                                    fuse_wgrad_accumulation=True, single_grouped_weight=True,
+                                    delay_wgrad_compute=delay)
+    prior = torch.randn(E, N, K)
+    layer.weight.main_grad = prior.clone().to(mg_dtype)
+    mg = layer.weight.main_grad
+    outs = []
+    real = fp8.scaled_grouped_wgrad
+
+    def spy(*args, out=None, accumulate=False, **kw):
+        outs.append((out, accumulate))
+        return real(*args, out=out, accumulate=accumulate, **kw)
+
+    monkeypatch.setattr(fp8, "scaled_grouped_wgrad", spy)
+    w = layer.weight.detach().clone()
+    dw_ref = torch.zeros(E, N, K, dtype=torch.float64)
+    for first, splits in ((True, [20, 0, 30]), (False, [5, 40, 3])):
+        x = torch.randn(56, K)
+        ms = torch.tensor(splits)
+        with moe_graph.fp8.autocast(recipe=recipe):
+            y = layer(x, ms, is_first_microbatch=first)
+        dy = torch.randn_like(y)
+        y.backward(dy)
+        layer.backward_dw()
+        dw_ref += _oracle(x, w, dy, splits, recipe)[2]
+    assert layer.weight.main_grad is mg and layer.weight.grad_added_to_main_grad
+    if mg_dtype == torch.float32:
+        assert [(o is mg, a) for o, a in outs] == [(True, False), (True, True)]  # written, then added, by the GEMM
+        _close(mg, dw_ref, dw_ref.abs().max())  # the first microbatch overwrote the prior main_grad
+    else:
+        assert [o for o, _ in outs] == [None, None]
+        err = (mg.double() - dw_ref).abs().max()
+        assert err <= dw_ref.abs().max() * 2.0 ** -7, err
+    # accumulating from the start: main_grad = prior + dW (one fp32 add per microbatch)
+    layer.weight.main_grad = prior.clone().to(mg_dtype)
+    x = torch.randn(56, K)
+    ms = torch.tensor([20, 0, 30])
+    with moe_graph.fp8.autocast(recipe=recipe):
+        y = layer(x, ms)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    layer.backward_dw()
+    want = prior.to(mg_dtype).double() + _oracle(x, w, dy, [20, 0, 30], recipe)[2]
+    tol = 2.0 ** -7 if mg_dtype == torch.bfloat16 else 300 * 2.0 ** -23
+    assert torch.all((layer.weight.main_grad.double() - want).abs() <= want.abs().max() * tol)
+
+
 def test_recipe_objects_and_autocast_nesting():
     class Format:  # TE's enum members have .name
         def __init__(self, name):

@@ -1,17 +1,16 @@
 // Device-side argument construction of the scaled (FP8) grouped GEMM, and the scale relayouts the CUTLASS kernels
-// need, all from the device m_splits (no host involvement: capturable). One block scans m_splits
-// (gg::detail::for_each_expert_span: the clamping rule of grouped_spans.h, offsets [E + 1] written), a second scan
-// counts the 128-row blocks of the earlier experts (`q`), and every expert's problem size, pointers, strides, scale
-// pointers and scale layouts are written (scaled_expert_args.h). The forward kernel's other blocks zero the output
-// rows past the clamped total. The relayout kernels run after it (they read the offsets).
+// need, all from the device m_splits (no host involvement: capturable). The argument kernel is the 16-bit one
+// (gg::detail::grouped_args_kernel, grouped_gemm/grouped_args.cuh) with the makers below: it scans m_splits (the
+// clamping rule of grouped_spans.h, offsets [E + 1] written), counts the 128-row blocks of the earlier experts
+// (`q`) and writes every expert's problem size, pointers, strides, scale pointers and scale layouts
+// (scaled_expert_args.h); the forward launch's other blocks zero the output rows past the clamped total. The
+// relayout kernels run after it (they read the offsets).
 //
 // Scale layouts (the op's are compact, docs/fp8.md; CUTLASS's differ):
 //   blockwise forward A   [rows, kb] -> per expert the MN-major grid [kb, count] at start * kb (sfa_group_mn)
 //   blockwise forward B   [E, nb, kb] -> [E, kb, nb] (transpose_batched)
 //   blockwise wgrad a/b   [n, RT] -> [RT, n] (transpose_batched with one batch)
 #pragma once
-
-#include <cub/block/block_scan.cuh>
 
 #include <algorithm>
 #include <cstdint>
@@ -31,141 +30,50 @@ namespace detail {
 
 using gg::detail::kArgThreads;
 
-// The per-expert argument arrays of one launch (device arrays of length E in the workspace).
+// The per-expert argument arrays of one launch: the grouped GEMM's (gg::detail::ExpertArrays) and the scale
+// factors' pointers and layouts, and the first token tile of each expert.
 template <class X>
-struct ScaledArrays {
+struct ScaledArrays : gg::detail::ExpertArrays<typename X::ElementA, typename X::ElementB, typename X::ElementD, float,
+                                               KMajorStride, KMajorStride, KMajorStride> {
+  using Base = gg::detail::ExpertArrays<typename X::ElementA, typename X::ElementB, typename X::ElementD, float,
+                                        KMajorStride, KMajorStride, KMajorStride>;
   using Expert = X;
-  using Shape = cute::Shape<int, int, int>;
-  using EA = typename X::ElementA;
-  using EB = typename X::ElementB;
-  using ED = typename X::ElementD;
   using ESF = typename X::ElementSF;
   using LayoutSFA = typename X::LayoutSFA;
   using LayoutSFB = typename X::LayoutSFB;
   // the workspace formula of scaled_plan.cpp (scaled_argument_bytes) holds for these types
-  static_assert(sizeof(Shape) == 12 && sizeof(KMajorStride) == 8);
   static_assert(sizeof(LayoutSFA) <= kScaleLayoutBytes && sizeof(LayoutSFB) <= kScaleLayoutBytes);
 
-  Shape* shapes;
-  const EA** ptr_a;
-  const EB** ptr_b;
-  const ED** ptr_c;
-  ED** ptr_d;
   const ESF** ptr_sfa;
   const ESF** ptr_sfb;
-  const float** ptr_bias;  // null when the launch has no bias
-  KMajorStride* stride_a;
-  KMajorStride* stride_b;
-  KMajorStride* stride_c;
-  KMajorStride* stride_d;
   LayoutSFA* layout_sfa;
   LayoutSFB* layout_sfb;
   int64_t* tile0;  // wgrad: the expert's first token tile of block_m (its column in the [., RT] scale grids)
 
   MOE_GRAPH_HD void store(int e, const X& x) const {
-    shapes[e] = x.shape;
-    ptr_a[e] = x.a;
-    ptr_b[e] = x.b;
-    ptr_c[e] = x.d;
-    ptr_d[e] = x.d;
+    Base::store(e, x);
     ptr_sfa[e] = x.sfa;
     ptr_sfb[e] = x.sfb;
-    if (ptr_bias != nullptr) ptr_bias[e] = x.bias;
-    stride_a[e] = x.stride_a;
-    stride_b[e] = x.stride_b;
-    stride_c[e] = x.stride_d;
-    stride_d[e] = x.stride_d;
     layout_sfa[e] = x.layout_sfa;
     layout_sfb[e] = x.layout_sfb;
   }
+
+  // scaled_argument_bytes (scaled_plan.cpp) counts these arrays.
+  template <class Take>
+  void carve(Take& take, int e, bool with_bias) {
+    Base::carve(take, e, with_bias);
+    ptr_sfa = reinterpret_cast<const ESF**>(take(sizeof(void*) * e));
+    ptr_sfb = reinterpret_cast<const ESF**>(take(sizeof(void*) * e));
+    layout_sfa = reinterpret_cast<LayoutSFA*>(take(kScaleLayoutBytes * e));
+    layout_sfb = reinterpret_cast<LayoutSFB*>(take(kScaleLayoutBytes * e));
+    tile0 = reinterpret_cast<int64_t*>(take(sizeof(int64_t) * e));
+  }
 };
 
-// Carves the arrays from one allocation of scaled_argument_bytes(e, with_bias) (scaled_plan.cpp), in its order.
-template <class Arr>
-Arr carve_scaled_arguments(char* base, int e, bool with_bias) {
-  Arr a;
-  auto take = [&](size_t n) {
-    char* p = base;
-    base += gg::detail::align_up(n);
-    return p;
-  };
-  const size_t ptr = sizeof(void*) * e;
-  a.shapes = reinterpret_cast<typename Arr::Shape*>(take(12 * static_cast<size_t>(e)));
-  a.ptr_a = reinterpret_cast<const typename Arr::EA**>(take(ptr));
-  a.ptr_b = reinterpret_cast<const typename Arr::EB**>(take(ptr));
-  a.ptr_c = reinterpret_cast<const typename Arr::ED**>(take(ptr));
-  a.ptr_d = reinterpret_cast<typename Arr::ED**>(take(ptr));
-  a.ptr_sfa = reinterpret_cast<const typename Arr::ESF**>(take(ptr));
-  a.ptr_sfb = reinterpret_cast<const typename Arr::ESF**>(take(ptr));
-  a.ptr_bias = with_bias ? reinterpret_cast<const float**>(take(ptr)) : nullptr;
-  a.stride_a = reinterpret_cast<KMajorStride*>(take(sizeof(int64_t) * e));
-  a.stride_b = reinterpret_cast<KMajorStride*>(take(sizeof(int64_t) * e));
-  a.stride_c = reinterpret_cast<KMajorStride*>(take(sizeof(int64_t) * e));
-  a.stride_d = reinterpret_cast<KMajorStride*>(take(sizeof(int64_t) * e));
-  a.layout_sfa = reinterpret_cast<typename Arr::LayoutSFA*>(take(kScaleLayoutBytes * e));
-  a.layout_sfb = reinterpret_cast<typename Arr::LayoutSFB*>(take(kScaleLayoutBytes * e));
-  a.tile0 = reinterpret_cast<int64_t*>(take(sizeof(int64_t) * e));
-  return a;
-}
-
-// Block 0: the spans (offsets), then q_e = sum_{g < e} ceil(count_g / 128), tile0_e = sum_{g < e}
-// ceil(count_g / maker.tile_rows) (0 when tile_rows is 0) and maker(e, start, count, q) stored.
-// Other blocks (forward only: d_tail != null) zero the rows of the 16-bit output past the clamped total.
-template <class Arr, class Maker>
-__global__ void __launch_bounds__(kArgThreads) scaled_args_kernel(Arr arr, Maker maker, const void* splits,
-                                                                  bool is_int64, int num_experts, int64_t rows,
-                                                                  int64_t* offsets, uint16_t* d_tail, int64_t n,
-                                                                  int32_t* error_flag) {
-  if (blockIdx.x > 0) {
-    const int64_t total = gg::detail::clamped_total(splits, is_int64, num_experts, rows);
-    uint4* base = reinterpret_cast<uint4*>(d_tail + total * n);
-    const int64_t nvec = (rows - total) * (n / 8);
-    const int64_t stride = int64_t(gridDim.x - 1) * kArgThreads;
-    for (int64_t i = int64_t(blockIdx.x - 1) * kArgThreads + threadIdx.x; i < nvec; i += stride)
-      base[i] = make_uint4(0u, 0u, 0u, 0u);
-    return;
-  }
-  gg::detail::for_each_expert_span(splits, is_int64, num_experts, rows, error_flag, offsets,
-                                   [](int, int64_t, int64_t) {});
-  __syncthreads();  // offsets (global, this block's writes) visible to every thread
-  using Scan = cub::BlockScan<int64_t, kArgThreads>;
-  __shared__ typename Scan::TempStorage temp;
-  __shared__ int64_t carry_smem, tcarry_smem;
-  if (threadIdx.x == 0) carry_smem = tcarry_smem = 0;
-  __syncthreads();
-  int32_t err = 0;
-  for (int base = 0; base < num_experts; base += kArgThreads) {
-    const int e = base + threadIdx.x;
-    int64_t start = 0, count = 0;
-    if (e < num_experts) {
-      start = offsets[e];
-      count = offsets[e + 1] - start;
-    }
-    int64_t prefix, chunk_total, tprefix, tchunk_total;
-    Scan(temp).ExclusiveSum((count + 127) / 128, prefix, chunk_total);
-    __syncthreads();  // temp storage reused
-    const int64_t tr = maker.tile_rows;
-    Scan(temp).ExclusiveSum(tr > 0 ? (count + tr - 1) / tr : 0, tprefix, tchunk_total);
-    const int64_t carry = carry_smem, tcarry = tcarry_smem;
-    __syncthreads();
-    if (e < num_experts) {
-      bool unaligned = false;
-      arr.store(e, maker(e, start, count, carry + prefix, &unaligned));
-      arr.tile0[e] = tcarry + tprefix;
-      if (unaligned) err |= kErrUnalignedSplit;
-    }
-    if (threadIdx.x == 0) {
-      carry_smem = carry + chunk_total;
-      tcarry_smem = tcarry + tchunk_total;
-    }
-    __syncthreads();
-  }
-  if (err) set_device_error(error_flag, err);
-}
-
-// Forward / dgrad experts (scaled_forward_expert).
+// The makers of gg::detail::grouped_args_kernel: with the row-block counts (q, tile0) of the scale grids.
 template <class X>
 struct ForwardMaker {
+  static constexpr bool kBlockCounts = true;
   int64_t tile_rows;  // 0: no token tiles
   bool mx;
   int n, k, kb;
@@ -183,6 +91,7 @@ struct ForwardMaker {
 // Wgrad experts (scaled_wgrad_expert).
 template <class X>
 struct WgradMaker {
+  static constexpr bool kBlockCounts = true;
   int64_t tile_rows;  // block_m
   bool mx;
   int64_t rows;
@@ -307,10 +216,10 @@ void enqueue_scaled_forward_args(const ScaledArrays<X>& arr, const ScaledForward
   ForwardMaker<X> maker{0, mx, static_cast<int>(p.n), static_cast<int>(p.k), kb,
                         static_cast<const typename X::ElementA*>(p.a), static_cast<const typename X::ElementB*>(p.b),
                         static_cast<typename X::ElementD*>(p.out), p.bias, sfa, sfb};
-  moe_graph::launch(scaled_args_kernel<ScaledArrays<X>, ForwardMaker<X>>, 1 + plan.arg_tail_blocks, kArgThreads, 0,
-                    env.stream, arr, maker, p.splits.ptr, p.splits.is_int64, e, p.rows, offsets,
+  moe_graph::launch(gg::detail::grouped_args_kernel<ScaledArrays<X>, ForwardMaker<X>>, 1 + plan.arg_tail_blocks,
+                    kArgThreads, 0, env.stream, arr, maker, p.splits.ptr, p.splits.is_int64, e, p.rows, offsets,
                     static_cast<uint16_t*>(p.out), p.n, env.error_flag);
-  check_launch("scaled_args_kernel (forward)");
+  check_launch("grouped_args_kernel (scaled forward)");
   if (!mx) {
     const auto* sa = static_cast<const float*>(p.a_scale);
     moe_graph::launch(sfa_group_mn_kernel<>, relayout_blocks(p.rows * kb), 256, 0, env.stream, sa, offsets, e, kb,
@@ -345,10 +254,10 @@ void enqueue_scaled_wgrad_args(const ScaledArrays<X>& arr, const ScaledWgradCuda
   WgradMaker<X> maker{p.block_m, mx, p.rows, static_cast<int>(p.n), static_cast<int>(p.k),
                       static_cast<const typename X::ElementA*>(p.a_t), static_cast<const typename X::ElementB*>(p.b_t),
                       p.out, sfa, sfb};
-  moe_graph::launch(scaled_args_kernel<ScaledArrays<X>, WgradMaker<X>>, 1, kArgThreads, 0, env.stream, arr, maker,
-                    p.splits.ptr, p.splits.is_int64, e, p.rows, offsets, static_cast<uint16_t*>(nullptr), int64_t(0),
-                    env.error_flag);
-  check_launch("scaled_args_kernel (wgrad)");
+  moe_graph::launch(gg::detail::grouped_args_kernel<ScaledArrays<X>, WgradMaker<X>>, 1, kArgThreads, 0, env.stream,
+                    arr, maker, p.splits.ptr, p.splits.is_int64, e, p.rows, offsets, static_cast<uint16_t*>(nullptr),
+                    int64_t(0), env.error_flag);
+  check_launch("grouped_args_kernel (scaled wgrad)");
   if (!mx) {
     const int64_t rt = row_tile_capacity(p.rows, e, p.block_m);
     enqueue_transpose(static_cast<const float*>(p.a_scale), 1, p.n, rt, reinterpret_cast<float*>(sfa), env.stream);

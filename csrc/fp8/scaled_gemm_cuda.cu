@@ -48,12 +48,12 @@ void run_scaled_forward(const ScaledForwardCuda& p, const gg::LaunchEnv& env) {
   if (!plan.run_gemm) return;
   if (plan.kernel == ScaledKernel::kSm90Blockwise) {
 #if defined(MOE_GRAPH_BUILD_SM90)
-    detail::scaled_forward_sm90(p, plan, env, offsets);
+    detail::ScaledArch<ScaledKernel::kSm90Blockwise>::forward(p, plan, env, offsets);
     return;
 #endif
   } else {
 #if defined(MOE_GRAPH_BUILD_SM100)
-    detail::scaled_forward_sm100(p, plan, env, offsets);
+    detail::ScaledArch<ScaledKernel::kSm100Mxfp8>::forward(p, plan, env, offsets);
     return;
 #endif
   }
@@ -71,12 +71,12 @@ void run_scaled_wgrad(const ScaledWgradCuda& p, const gg::LaunchEnv& env) {
   if (!plan.run_gemm) return;
   if (plan.kernel == ScaledKernel::kSm90Blockwise) {
 #if defined(MOE_GRAPH_BUILD_SM90)
-    detail::scaled_wgrad_sm90(p, plan, env, offsets);
+    detail::ScaledArch<ScaledKernel::kSm90Blockwise>::wgrad(p, plan, env, offsets);
     return;
 #endif
   } else {
 #if defined(MOE_GRAPH_BUILD_SM100)
-    detail::scaled_wgrad_sm100(p, plan, env, offsets);
+    detail::ScaledArch<ScaledKernel::kSm100Mxfp8>::wgrad(p, plan, env, offsets);
     return;
 #endif
   }

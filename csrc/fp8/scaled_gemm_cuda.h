@@ -44,15 +44,16 @@ void run_scaled_forward(const ScaledForwardCuda& p, const gg::LaunchEnv& env);
 void run_scaled_wgrad(const ScaledWgradCuda& p, const gg::LaunchEnv& env);
 
 namespace detail {
-// Per-architecture CUTLASS launches (scaled_gemm_sm90.cu, scaled_gemm_sm100.cu): argument kernel, relayouts, GEMM.
-void scaled_forward_sm90(const ScaledForwardCuda& p, const ScaledForwardPlan& plan, const gg::LaunchEnv& env,
-                         int64_t* offsets);
-void scaled_wgrad_sm90(const ScaledWgradCuda& p, const ScaledWgradPlan& plan, const gg::LaunchEnv& env,
-                       int64_t* offsets);
-void scaled_forward_sm100(const ScaledForwardCuda& p, const ScaledForwardPlan& plan, const gg::LaunchEnv& env,
-                          int64_t* offsets);
-void scaled_wgrad_sm100(const ScaledWgradCuda& p, const ScaledWgradPlan& plan, const gg::LaunchEnv& env,
-                        int64_t* offsets);
+// The per-architecture CUTLASS launches of a kernel family (argument kernel, relayouts, GEMM): one body for both
+// (scaled_launch.cuh, from the family's ScaledKernels), instantiated by scaled_gemm_sm90.cu (kSm90Blockwise) and
+// scaled_gemm_sm100.cu (kSm100Mxfp8).
+template <ScaledKernel kKernel>
+struct ScaledArch {
+  static void forward(const ScaledForwardCuda& p, const ScaledForwardPlan& plan, const gg::LaunchEnv& env,
+                      int64_t* offsets);
+  static void wgrad(const ScaledWgradCuda& p, const ScaledWgradPlan& plan, const gg::LaunchEnv& env,
+                    int64_t* offsets);
+};
 }  // namespace detail
 
 }  // namespace fp8

@@ -33,54 +33,35 @@ using Tile = Shape<_128, _128, _128>;
 using Cluster = Shape<_1, _1, _1>;
 
 template <class ElementC, class ElementD, class Fusion>
-struct Kernel {
+struct Collectives {
   using RowMajor = cutlass::layout::RowMajor;
   using ColMajor = cutlass::layout::ColumnMajor;
-  static constexpr int kAlignD = 128 / cutlass::sizeof_bits<ElementD>::value;
-
-  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm100, cutlass::arch::OpClassTensorOp, Tile, Cluster,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementC, RowMajor*, kAlignD, ElementD, RowMajor*,
-      kAlignD, cutlass::epilogue::PtrArrayTmaWarpSpecialized1Sm, Fusion>::CollectiveOp;
-
+  using Epilogue = gg::detail::GroupedEpilogue<cutlass::arch::Sm100, Tile, Cluster,
+                                               cutlass::epilogue::PtrArrayTmaWarpSpecialized1Sm, ElementC, ElementD,
+                                               Fusion>;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm100, cutlass::arch::OpClassBlockScaledTensorOp, MxFp8, RowMajor*, 16, MxFp8, ColMajor*, 16,
-      float, Tile, Cluster,
-      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      float, Tile, Cluster, gg::detail::StagesAfter<Epilogue>,
       cutlass::gemm::KernelPtrArrayTmaWarpSpecialized1SmMxf8f6f4Sm100>::CollectiveOp;
-
-  using GemmKernel = cutlass::gemm::kernel::GemmUniversal<cutlass::gemm::GroupProblemShape<Shape<int, int, int>>,
-                                                          Mainloop, Epilogue>;
-  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
   using SC = typename Mainloop::Sm1xxBlkScaledConfig;
-  using X = ScaledExpert<SC, Fp8, Fp8, ElementD, Sf>;
-
   static_assert(SC::SFVecSize == 32, "MXFP8: one E8M0 scale per 32 elements of K");
-  static_assert(std::is_same_v<typename GemmKernel::InternalStrideA, KMajorStride>);
-  static_assert(std::is_same_v<typename GemmKernel::InternalStrideB, KMajorStride>);
-  static_assert(std::is_same_v<typename GemmKernel::InternalStrideD, KMajorStride>);
-  static_assert(std::is_same_v<typename Mainloop::InternalLayoutSFA, typename X::LayoutSFA>);
-  static_assert(std::is_same_v<typename Mainloop::InternalLayoutSFB, typename X::LayoutSFB>);
   static_assert(std::is_same_v<typename Mainloop::ElementSF, Sf>);
 };
 
-using Forward = Kernel<void, cutlass::bfloat16_t, ScaledBiasEpilogue<Tile>>;
-using Wgrad = Kernel<float, float, ScaledWgradEpilogue>;
-
-constexpr const char* kForwardName = "sm100_mxfp8_forward_1sm_128x128x128";
-constexpr const char* kWgradName = "sm100_mxfp8_wgrad_1sm_128x128x128";
+template <class ElementC, class ElementD, class Fusion, class C = Collectives<ElementC, ElementD, Fusion>>
+using Kernel = ScaledKernelOf<typename C::Mainloop, typename C::Epilogue, typename C::SC, ElementD, Sf>;
 
 }  // namespace
 
-void scaled_forward_sm100(const ScaledForwardCuda& p, const ScaledForwardPlan& plan, const gg::LaunchEnv& env,
-                         int64_t* offsets) {
-  ScaledLaunch<Forward>::forward(p, plan, env, offsets, kForwardName);
-}
+template <>
+struct ScaledKernels<ScaledKernel::kSm100Mxfp8> {
+  using Forward = Kernel<void, cutlass::bfloat16_t, ScaledBiasEpilogue<Tile>>;
+  using Wgrad = Kernel<float, float, ScaledWgradEpilogue>;
+  static constexpr const char* kForwardName = "sm100_mxfp8_forward_1sm_128x128x128";
+  static constexpr const char* kWgradName = "sm100_mxfp8_wgrad_1sm_128x128x128";
+};
 
-void scaled_wgrad_sm100(const ScaledWgradCuda& p, const ScaledWgradPlan& plan, const gg::LaunchEnv& env,
-                       int64_t* offsets) {
-  ScaledLaunch<Wgrad>::wgrad(p, plan, env, offsets, kWgradName);
-}
+template struct ScaledArch<ScaledKernel::kSm100Mxfp8>;
 
 }  // namespace detail
 }  // namespace fp8

@@ -37,55 +37,36 @@ template <int kGranN>
 using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, kGranN, 128>;
 
 template <int kGranN, class ElementC, class ElementD, class Fusion>
-struct Kernel {
+struct Collectives {
   using SC = ScaleConfig<kGranN>;
-  using LayoutSFA = decltype(SC::deduce_layoutSFA());
-  using LayoutSFB = decltype(SC::deduce_layoutSFB());
   using RowMajor = cutlass::layout::RowMajor;
   using ColMajor = cutlass::layout::ColumnMajor;
-  static constexpr int kAlignD = 128 / cutlass::sizeof_bits<ElementD>::value;
-
-  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementC, RowMajor*, kAlignD, ElementD, RowMajor*,
-      kAlignD, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative, Fusion>::CollectiveOp;
-
+  using Epilogue = gg::detail::GroupedEpilogue<cutlass::arch::Sm90, Tile, Cluster,
+                                               cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative, ElementC,
+                                               ElementD, Fusion>;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Fp8, cute::tuple<RowMajor*, LayoutSFA*>, 16, Fp8,
-      cute::tuple<ColMajor*, LayoutSFB*>, 16, float, Tile, Cluster,
-      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Fp8,
+      cute::tuple<RowMajor*, decltype(SC::deduce_layoutSFA())*>, 16, Fp8,
+      cute::tuple<ColMajor*, decltype(SC::deduce_layoutSFB())*>, 16, float, Tile, Cluster,
+      gg::detail::StagesAfter<Epilogue>,
       cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8BlockScaledAccum>::CollectiveOp;
-
-  using GemmKernel = cutlass::gemm::kernel::GemmUniversal<cutlass::gemm::GroupProblemShape<Shape<int, int, int>>,
-                                                          Mainloop, Epilogue>;
-  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
-  using X = ScaledExpert<SC, Fp8, Fp8, ElementD, float>;
-
-  // The argument function computes exactly the kernel's stride and layout types (scaled_expert_args.h).
-  static_assert(std::is_same_v<typename GemmKernel::InternalStrideA, KMajorStride>);
-  static_assert(std::is_same_v<typename GemmKernel::InternalStrideB, KMajorStride>);
-  static_assert(std::is_same_v<typename GemmKernel::InternalStrideD, KMajorStride>);
-  static_assert(std::is_same_v<typename Mainloop::InternalLayoutSFA, typename X::LayoutSFA>);
-  static_assert(std::is_same_v<typename Mainloop::InternalLayoutSFB, typename X::LayoutSFB>);
 };
 
-using Forward = Kernel<128, void, cutlass::bfloat16_t, ScaledBiasEpilogue<Tile>>;
-using Wgrad = Kernel<1, float, float, ScaledWgradEpilogue>;
-
-constexpr const char* kForwardName = "sm90_fp8_blockwise_forward_128x128x128_c1x2";
-constexpr const char* kWgradName = "sm90_fp8_blockwise_wgrad_128x128x128_c1x2";
+template <int kGranN, class ElementC, class ElementD, class Fusion,
+          class C = Collectives<kGranN, ElementC, ElementD, Fusion>>
+using Kernel = ScaledKernelOf<typename C::Mainloop, typename C::Epilogue, typename C::SC, ElementD, float>;
 
 }  // namespace
 
-void scaled_forward_sm90(const ScaledForwardCuda& p, const ScaledForwardPlan& plan, const gg::LaunchEnv& env,
-                         int64_t* offsets) {
-  ScaledLaunch<Forward>::forward(p, plan, env, offsets, kForwardName);
-}
+template <>
+struct ScaledKernels<ScaledKernel::kSm90Blockwise> {
+  using Forward = Kernel<128, void, cutlass::bfloat16_t, ScaledBiasEpilogue<Tile>>;
+  using Wgrad = Kernel<1, float, float, ScaledWgradEpilogue>;
+  static constexpr const char* kForwardName = "sm90_fp8_blockwise_forward_128x128x128_c1x2";
+  static constexpr const char* kWgradName = "sm90_fp8_blockwise_wgrad_128x128x128_c1x2";
+};
 
-void scaled_wgrad_sm90(const ScaledWgradCuda& p, const ScaledWgradPlan& plan, const gg::LaunchEnv& env,
-                       int64_t* offsets) {
-  ScaledLaunch<Wgrad>::wgrad(p, plan, env, offsets, kWgradName);
-}
+template struct ScaledArch<ScaledKernel::kSm90Blockwise>;
 
 }  // namespace detail
 }  // namespace fp8

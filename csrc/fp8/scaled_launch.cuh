@@ -1,15 +1,20 @@
-// One launcher for the scaled grouped kernels of both architectures (scaled_gemm_sm90.cu, scaled_gemm_sm100.cu):
-// workspace carve-up (scaled_plan.cpp's sizes), the CUTLASS arguments from the per-expert arrays, and
-// gg::detail::checked_run (can_implement and the workspace before anything is enqueued, then the argument kernel
-// and the relayouts of scaled_args.cuh, then the GEMM). `K` provides Gemm and X (the ScaledExpert of its types).
+// One launcher for the scaled grouped kernels of both architectures (scaled_gemm_sm90.cu, scaled_gemm_sm100.cu) on
+// the 16-bit one's body (grouped_gemm/grouped_launch.cuh): workspace carve-up (scaled_plan.cpp's sizes), the
+// CUTLASS arguments from the per-expert arrays (gg::detail::grouped_arguments, the two epilogues) plus the scale
+// factors, and gg::detail::checked_run (can_implement and the workspace before anything is enqueued, then the
+// argument kernel and the relayouts of scaled_args.cuh, then the GEMM). `K` provides Gemm and X (the ScaledExpert
+// of its types): ScaledKernelOf.
 #pragma once
 
 #include <cutlass/epilogue/fusion/operations.hpp>
 #include <cutlass/epilogue/fusion/sm90_callbacks_tma_warpspecialized.hpp>
 
+#include <type_traits>
+
 #include "fp8/scaled_args.cuh"
 #include "fp8/scaled_gemm_cuda.h"
 #include "grouped_gemm/grouped_expert_args.h"
+#include "grouped_gemm/grouped_kernel.cuh"
 #include "grouped_gemm/grouped_launch.cuh"
 
 namespace moe_graph {
@@ -28,6 +33,21 @@ using ScaledBiasEpilogue = cutlass::epilogue::fusion::Sm90EVT<
 // The wgrad epilogue of both: D = acc + C in fp32.
 using ScaledWgradEpilogue = cutlass::epilogue::fusion::LinearCombination<float, float, float, float>;
 
+// The CUTLASS kernel of a scaled launch from its two collectives (the epilogue: gg::detail::GroupedEpilogue) and the
+// ScaledExpert of its types (E4M3 operands); the argument functions (scaled_expert_args.h) compute exactly its
+// stride and scale-layout types.
+template <class Mainloop, class Epilogue, class ScaleConfig, class ElementD, class ElementSF>
+struct ScaledKernelOf {
+  using GemmKernel = gg::detail::GroupedKernelOf<Mainloop, Epilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
+  using X = ScaledExpert<ScaleConfig, cutlass::float_e4m3_t, cutlass::float_e4m3_t, ElementD, ElementSF>;
+  static_assert(std::is_same_v<typename GemmKernel::InternalStrideA, KMajorStride>);
+  static_assert(std::is_same_v<typename GemmKernel::InternalStrideB, KMajorStride>);
+  static_assert(std::is_same_v<typename GemmKernel::InternalStrideD, KMajorStride>);
+  static_assert(std::is_same_v<typename Mainloop::InternalLayoutSFA, typename X::LayoutSFA>);
+  static_assert(std::is_same_v<typename Mainloop::InternalLayoutSFB, typename X::LayoutSFB>);
+};
+
 template <class K>
 struct ScaledLaunch {
   using Gemm = typename K::Gemm;
@@ -35,36 +55,26 @@ struct ScaledLaunch {
   using Arr = ScaledArrays<X>;
   using ESF = typename X::ElementSF;
 
-  template <class Args>
-  static void set_mainloop(Args& args, const Arr& arr, int e) {
-    args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
-    args.problem_shape = {e, arr.shapes, nullptr};
-    args.mainloop.ptr_A = arr.ptr_a;
-    args.mainloop.dA = arr.stride_a;
-    args.mainloop.ptr_B = arr.ptr_b;
-    args.mainloop.dB = arr.stride_b;
+  // gg::detail::grouped_arguments and the scale factors of both operands.
+  static typename Gemm::Arguments arguments(const Arr& arr, int e, const gg::LaunchEnv& env) {
+    auto args = gg::detail::grouped_arguments<Gemm>(arr, e, env);
     args.mainloop.ptr_SFA = arr.ptr_sfa;
     args.mainloop.layout_SFA = arr.layout_sfa;
     args.mainloop.ptr_SFB = arr.ptr_sfb;
     args.mainloop.layout_SFB = arr.layout_sfb;
-    args.epilogue.ptr_D = arr.ptr_d;
-    args.epilogue.dD = arr.stride_d;
+    return args;
   }
 
   // Forward / dgrad: bias row broadcast (null array: + 0) fused in the epilogue, no source.
   static void forward(const ScaledForwardCuda& p, const ScaledForwardPlan& plan, const gg::LaunchEnv& env,
                       int64_t* offsets, const char* name) {
     const int e = p.splits.num_experts;
-    const Arr arr = carve_scaled_arguments<Arr>(static_cast<char*>(env.alloc(plan.argument_bytes)), e,
+    const Arr arr = gg::detail::carve_arguments<Arr>(static_cast<char*>(env.alloc(plan.argument_bytes)), e,
                                                 p.bias != nullptr);
     auto* sfa = static_cast<ESF*>(env.alloc(plan.sfa_bytes));
     auto* sfb = static_cast<ESF*>(env.alloc(plan.sfb_bytes));
-    typename Gemm::Arguments args;
-    set_mainloop(args, arr, e);
-    args.epilogue.thread = {{}, {arr.ptr_bias, 0.0f, {}}, {}};  // acc, bias row broadcast, plus
-    args.epilogue.ptr_C = nullptr;
-    args.epilogue.dC = nullptr;
-    args.hw_info = gg::detail::hardware_info<Gemm>(env);
+    auto args = arguments(arr, e, env);
+    gg::detail::set_bias_epilogue(args, arr.ptr_bias, 0.0f);
     gg::detail::checked_run<Gemm>(args, env, name, [&] {
       enqueue_scaled_forward_args<X>(arr, p, plan, env, offsets, sfa, sfb);
     });
@@ -74,23 +84,35 @@ struct ScaledLaunch {
   static void wgrad(const ScaledWgradCuda& p, const ScaledWgradPlan& plan, const gg::LaunchEnv& env,
                     int64_t* offsets, const char* name) {
     const int e = p.splits.num_experts;
-    const Arr arr = carve_scaled_arguments<Arr>(static_cast<char*>(env.alloc(plan.argument_bytes)), e, false);
+    const Arr arr = gg::detail::carve_arguments<Arr>(static_cast<char*>(env.alloc(plan.argument_bytes)), e, false);
     auto* sfa = static_cast<ESF*>(env.alloc(plan.sfa_bytes));
     auto* sfb = static_cast<ESF*>(env.alloc(plan.sfb_bytes));
-    typename Gemm::Arguments args;
-    set_mainloop(args, arr, e);
-    args.epilogue.thread.alpha = 1.0f;
-    args.epilogue.thread.beta = 1.0f;
-    args.epilogue.thread.alpha_ptr = nullptr;
-    args.epilogue.thread.beta_ptr = nullptr;
-    args.epilogue.ptr_C = arr.ptr_c;
-    args.epilogue.dC = arr.stride_c;
-    args.hw_info = gg::detail::hardware_info<Gemm>(env);
+    auto args = arguments(arr, e, env);
+    gg::detail::set_wgrad_epilogue<typename Gemm::GemmKernel, true>(args, arr);
     gg::detail::checked_run<Gemm>(args, env, name, [&] {
       enqueue_scaled_wgrad_args<X>(arr, p, plan, env, offsets, sfa, sfb);
     });
   }
 };
+
+// The kernels of a family, specialized by its per-architecture file: Forward and Wgrad (ScaledKernelOf) and their
+// names.
+template <ScaledKernel kKernel>
+struct ScaledKernels;
+
+template <ScaledKernel kKernel>
+void ScaledArch<kKernel>::forward(const ScaledForwardCuda& p, const ScaledForwardPlan& plan, const gg::LaunchEnv& env,
+                                  int64_t* offsets) {
+  using K = ScaledKernels<kKernel>;
+  ScaledLaunch<typename K::Forward>::forward(p, plan, env, offsets, K::kForwardName);
+}
+
+template <ScaledKernel kKernel>
+void ScaledArch<kKernel>::wgrad(const ScaledWgradCuda& p, const ScaledWgradPlan& plan, const gg::LaunchEnv& env,
+                                int64_t* offsets) {
+  using K = ScaledKernels<kKernel>;
+  ScaledLaunch<typename K::Wgrad>::wgrad(p, plan, env, offsets, K::kWgradName);
+}
 
 }  // namespace detail
 }  // namespace fp8

@@ -30,27 +30,41 @@ using BiasEpilogue = cutlass::epilogue::fusion::Sm90EVT<
     cutlass::epilogue::fusion::Sm90RowBroadcast<0, CtaTile, ElementD*, float, BiasStride,
                                                 128 / cutlass::sizeof_bits<ElementD>::value>>;
 
+// The epilogue collective of every grouped kernel (16-bit here, FP8 in fp8/scaled_gemm_sm90.cu / _sm100.cu): fp32
+// accumulators and compute, row-major C / D with 16-byte aligned rows (ElementC void: no source), `Schedule` the
+// epilogue schedule, `Fusion` its operation or callbacks.
+template <class ArchTag, class Tile, class Cluster, class Schedule, class ElementC, class ElementD, class Fusion>
+using GroupedEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+    ArchTag, cutlass::arch::OpClassTensorOp, Tile, Cluster, cutlass::epilogue::collective::EpilogueTileAuto, float,
+    float, ElementC, cutlass::layout::RowMajor*, 128 / cutlass::sizeof_bits<ElementD>::value, ElementD,
+    cutlass::layout::RowMajor*, 128 / cutlass::sizeof_bits<ElementD>::value, Schedule, Fusion>::CollectiveOp;
+
+// The mainloop's stage count: as many as the shared memory the epilogue leaves holds.
+template <class Epilogue>
+using StagesAfter =
+    cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>;
+
+// The grouped (ptr-array) GEMM of a mainloop and an epilogue collective, and its device adapter.
+template <class Mainloop, class Epilogue>
+using GroupedKernelOf =
+    cutlass::gemm::kernel::GemmUniversal<cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>, Mainloop,
+                                         Epilogue>;
+
 // Element: A/B type. Tags: operand layouts (grouped_expert_args.h). ElementC: void (no source) or the type of D
 // (D = A.B + C with C aliasing D). Fusion: the epilogue's fusion operation or callbacks. Row-major C/D.
 template <class ArchTag, class Cfg, class Element, class Tags, class ElementC, class ElementD, class Fusion>
 struct GroupedGemmKernel {
-  using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
-  using LayoutD = cutlass::layout::RowMajor;
   static constexpr int kAlignAB = 128 / cutlass::sizeof_bits<Element>::value;
-  static constexpr int kAlignD = 128 / cutlass::sizeof_bits<ElementD>::value;
 
-  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      ArchTag, cutlass::arch::OpClassTensorOp, typename Cfg::Tile, typename Cfg::Cluster,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementC, LayoutD*, kAlignD, ElementD, LayoutD*,
-      kAlignD, typename Cfg::Epilogue, Fusion>::CollectiveOp;
+  using Epilogue = GroupedEpilogue<ArchTag, typename Cfg::Tile, typename Cfg::Cluster, typename Cfg::Epilogue, ElementC,
+                                   ElementD, Fusion>;
 
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       ArchTag, cutlass::arch::OpClassTensorOp, Element, typename Tags::A*, kAlignAB, Element, typename Tags::B*,
-      kAlignAB, float, typename Cfg::Tile, typename Cfg::Cluster,
-      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      kAlignAB, float, typename Cfg::Tile, typename Cfg::Cluster, StagesAfter<Epilogue>,
       typename Cfg::Mainloop>::CollectiveOp;
 
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
+  using Kernel = GroupedKernelOf<Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 };
 

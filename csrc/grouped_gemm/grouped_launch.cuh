@@ -1,5 +1,7 @@
-// One launcher template for every CUTLASS grouped kernel the library instantiates (both architectures):
-// workspace carve-up, the argument kernel, CUTLASS arguments, status checks, run.
+// One launcher body for every CUTLASS grouped kernel the library instantiates (both architectures, 16-bit here and
+// FP8 in fp8/scaled_launch.cuh): the CUTLASS arguments from the per-expert argument arrays (grouped_arguments and
+// the two epilogues), status checks and the run (checked_run); the 16-bit launches' workspace carve-up and
+// argument kernel (grouped_args.cuh).
 #pragma once
 
 #include <cutlass/cutlass.h>
@@ -52,28 +54,63 @@ void checked_run(const typename Gemm::Arguments& args, const LaunchEnv& env, con
   check_launch(name);
 }
 
+// The CUTLASS arguments of every grouped launch: grouped mode, the per-expert problem shapes, A / B / D pointers and
+// strides from the argument arrays `arr` (GroupedArrays, fp8's ScaledArrays), the hardware; the epilogue's
+// fusion and source are set by one of the two functions below.
+template <class Gemm, class Arr>
+typename Gemm::Arguments grouped_arguments(const Arr& arr, int e, const LaunchEnv& env) {
+  typename Gemm::Arguments args{};
+  args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
+  args.problem_shape = {e, arr.shapes, nullptr};
+  args.mainloop.ptr_A = arr.ptr_a;
+  args.mainloop.dA = arr.stride_a;
+  args.mainloop.ptr_B = arr.ptr_b;
+  args.mainloop.dB = arr.stride_b;
+  args.epilogue.ptr_D = arr.ptr_d;
+  args.epilogue.dD = arr.stride_d;
+  args.hw_info = hardware_info<Gemm>(env);
+  return args;
+}
+
+// Forward / dgrad epilogue (BiasEpilogue, fp8's ScaledBiasEpilogue): D = round(acc + bias row of the expert), the
+// per-expert bias pointers `ptr_bias` (a null array adds `zero`); no source.
+template <class Args, class BiasPtrs, class Zero>
+void set_bias_epilogue(Args& args, BiasPtrs ptr_bias, Zero zero) {
+  args.epilogue.thread = {{}, {ptr_bias, zero, {}}, {}};  // acc, bias row broadcast, plus
+  args.epilogue.ptr_C = nullptr;
+  args.epilogue.dC = nullptr;
+}
+
+// Wgrad epilogue (LinearCombination, alpha 1): kAccumulate D = acc + C with C aliasing D (beta 1, arr's C
+// pointers and strides); else D = acc without a source.
+template <class GemmKernel, bool kAccumulate, class Args, class Arr>
+void set_wgrad_epilogue(Args& args, const Arr& arr) {
+  auto& fusion = args.epilogue.thread;
+  fusion.alpha = 1.0f;
+  fusion.beta = kAccumulate ? 1.0f : 0.0f;
+  fusion.alpha_ptr = nullptr;
+  fusion.beta_ptr = nullptr;
+  using ElementC = typename GemmKernel::CollectiveEpilogue::ElementC;
+  const ElementC** ptr_c = nullptr;
+  typename GemmKernel::InternalStrideC* stride_c = nullptr;
+  if constexpr (kAccumulate) {
+    ptr_c = reinterpret_cast<const ElementC**>(arr.ptr_c);
+    stride_c = arr.stride_c;
+  }
+  args.epilogue.ptr_C = ptr_c;
+  args.epilogue.dC = stride_c;
+}
+
 // Forward / dgrad launch of configuration `Gemm` (bias fused in the epilogue, BiasEpilogue).
 template <class Gemm, bool kBKMajor>
 void launch_forward(const ForwardProblem& p, const LaunchEnv& env, const void* const* b_table, int64_t* offsets,
                     const char* name) {
   using GemmKernel = typename Gemm::GemmKernel;
   using Arr = GroupedArrays<GemmKernel, ForwardTags<kBKMajor>>;
-  using ElementD = typename GemmKernel::ElementD;
   const int e = p.splits.num_experts;
-  const bool with_bias = p.bias != nullptr;
-  auto arr = alloc_arguments<Arr>(env, e, with_bias);
-
-  typename Gemm::Arguments args;
-  args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
-  args.problem_shape = {e, arr.shapes, nullptr};
-  args.mainloop = {arr.ptr_a, arr.stride_a, arr.ptr_b, arr.stride_b};
-  args.epilogue.thread = {{}, {arr.ptr_bias, ElementD(0), {}}, {}};  // acc, bias row broadcast, plus
-  args.epilogue.ptr_C = nullptr;
-  args.epilogue.dC = nullptr;
-  args.epilogue.ptr_D = arr.ptr_d;
-  args.epilogue.dD = arr.stride_d;
-  args.hw_info = hardware_info<Gemm>(env);
-
+  auto arr = alloc_arguments<Arr>(env, e, p.bias != nullptr);
+  auto args = grouped_arguments<Gemm>(arr, e, env);
+  set_bias_epilogue(args, arr.ptr_bias, typename GemmKernel::ElementD(0));
   checked_run<Gemm>(args, env, name,
                     [&] { enqueue_forward_args<GemmKernel, kBKMajor>(arr, p, env, b_table, offsets); });
 }
@@ -88,26 +125,8 @@ void launch_wgrad(const WgradProblem& p, const LaunchEnv& env, void* const* out_
   using Arr = GroupedArrays<GemmKernel, WgradTags>;
   const int e = p.splits.num_experts;
   auto arr = alloc_arguments<Arr>(env, e, false);
-
-  typename Gemm::Arguments args;
-  decltype(args.epilogue.thread) fusion;
-  fusion.alpha = 1.0f;
-  fusion.beta = kAccumulate ? 1.0f : 0.0f;
-  fusion.alpha_ptr = nullptr;
-  fusion.beta_ptr = nullptr;
-  using ElementC = typename GemmKernel::CollectiveEpilogue::ElementC;
-  const ElementC** ptr_c = nullptr;
-  typename GemmKernel::InternalStrideC* stride_c = nullptr;
-  if constexpr (kAccumulate) {
-    ptr_c = reinterpret_cast<const ElementC**>(arr.ptr_c);
-    stride_c = arr.stride_c;
-  }
-  args = typename Gemm::Arguments{cutlass::gemm::GemmUniversalMode::kGrouped,
-                                  {e, arr.shapes, nullptr},
-                                  {arr.ptr_a, arr.stride_a, arr.ptr_b, arr.stride_b},
-                                  {fusion, ptr_c, stride_c, arr.ptr_d, arr.stride_d},
-                                  hardware_info<Gemm>(env)};
-
+  auto args = grouped_arguments<Gemm>(arr, e, env);
+  set_wgrad_epilogue<GemmKernel, kAccumulate>(args, arr);
   checked_run<Gemm>(args, env, name, [&] {
     enqueue_wgrad_args<GemmKernel>(arr, p, env, out_table, offsets);
     after_args();

@@ -109,37 +109,72 @@ def fp8_dgrad(dy: torch.Tensor, splits: torch.Tensor, recipe, qwt: torch.Tensor,
     return _fp8.scaled_grouped_gemm(qdy, sdy, qwt, swt, splits, block_k=bk, block_n=bn, out_dtype=out_dtype)
 
 
-def fp8_wgrad(dy: torch.Tensor, splits: torch.Tensor, recipe, xt, dyt=None) -> torch.Tensor:
+def fp8_wgrad(dy: torch.Tensor, splits: torch.Tensor, recipe, xt, dyt=None, out: Optional[torch.Tensor] = None,
+              accumulate: bool = False) -> torch.Tensor:
     """FP8 weight gradient, fp32 ``[E, N, K]``: the columnwise copies of ``dy`` (quantized here, or ``dyt``) and
-    ``x`` (``xt`` from :func:`fp8_forward`), tiles along each group's rows in the order they reach the GEMM."""
+    ``x`` (``xt`` from :func:`fp8_forward`), tiles along each group's rows in the order they reach the GEMM.
+    ``out``: an fp32 ``[E, N, K]`` (a ``main_grad``) the GEMM writes or, with ``accumulate``, adds to in its
+    epilogue (one fp32 add of the fp32 sum, ``csrc/fp8/scaled_gemm.h``); returned."""
     qdyt, sdyt = dyt if dyt is not None else _fp8.quantize_columns(dy, splits, recipe, recipe.bwd_dtype)
-    return _fp8.scaled_grouped_wgrad(qdyt, sdyt, xt[0], xt[1], splits, block_m=_fp8.gemm_blocks(recipe)[2])
+    return _fp8.scaled_grouped_wgrad(qdyt, sdyt, xt[0], xt[1], splits, block_m=_fp8.gemm_blocks(recipe)[2], out=out,
+                                     accumulate=accumulate)
 
 
-def _deliver_wgrad(weights, n_weights: int, dw: torch.Tensor, fuse: bool, accumulate: bool, w_dtype) -> list:
+def _fp8_main_grad_out(weights, fuse: bool) -> Optional[torch.Tensor]:
+    """The ``main_grad`` the FP8 wgrad GEMM accumulates into itself: fused delivery to one stacked weight whose
+    ``main_grad`` is a contiguous fp32 tensor of its shape ``[E, N, K]`` (MoELayer's experts under DDP). None
+    otherwise (separate weights, a bf16 ``main_grad``): the GEMM then writes a fresh fp32 ``dw`` that
+    :func:`_deliver_wgrad` hands over."""
+    if not fuse or weights is None or len(weights) != 1:
+        return None
+    w = weights[0]
+    mg = resolve_main_grad(w)
+    if (mg.dtype != torch.float32 or w.dim() != 3 or mg.shape != w.shape or not mg.is_contiguous()
+            or mg.device != w.device):
+        return None
+    return mg
+
+
+def _fp8_wgrad_delivered(weights, n_weights: int, dy, splits, recipe, xt, dyt, fuse: bool, accumulate: bool,
+                         w_dtype) -> list:
+    """The FP8 weight gradient computed and handed to the weights (:func:`_deliver_wgrad`): straight into the fp32
+    stacked ``main_grad`` by the GEMM's epilogue where :func:`_fp8_main_grad_out` finds one (no fp32 ``[E, N, K]``
+    temporary, no second read and write of ``main_grad``), else through a fresh fp32 ``dw``."""
+    mg = _fp8_main_grad_out(weights, fuse)
+    if mg is not None:
+        fp8_wgrad(dy, splits, recipe, xt, dyt, out=mg, accumulate=accumulate)
+        return _deliver_wgrad(weights, n_weights, None, fuse, accumulate, w_dtype)
+    return _deliver_wgrad(weights, n_weights, fp8_wgrad(dy, splits, recipe, xt, dyt), fuse, accumulate, w_dtype)
+
+
+def _deliver_wgrad(weights, n_weights: int, dw: Optional[torch.Tensor], fuse: bool, accumulate: bool, w_dtype) -> list:
     """Hands the fp32 ``dw [E, N, K]`` to the weights: fused into ``main_grad`` (one add, or a write for the first
-    microbatch; the zero placeholders returned), else as autograd gradients in the weights' dtype."""
+    microbatch; the zero placeholders returned), else as autograd gradients in the weights' dtype. ``dw`` None:
+    the GEMM already accumulated into ``main_grad`` (fused only)."""
     if fuse:
         with torch.no_grad():
-            per = [dw] if len(weights) == 1 else list(dw.unbind(0))
+            per = [None] * len(weights) if dw is None else ([dw] if len(weights) == 1 else list(dw.unbind(0)))
             for w, g in zip(weights, per):
-                mg = resolve_main_grad(w)
-                if accumulate:
-                    mg.add_(g.to(mg.dtype))
-                else:
-                    mg.copy_(g)
+                if g is not None:
+                    mg = resolve_main_grad(w)
+                    if accumulate:
+                        mg.add_(g.to(mg.dtype))
+                    else:
+                        mg.copy_(g)
                 w.grad_added_to_main_grad = True
         return [zero_wgrad_placeholder(w) for w in weights]
     g = dw.to(w_dtype)
     return [g] if n_weights == 1 else list(g.unbind(0))
 
 
-def _deliver_fp8_dw(weights, dw: torch.Tensor, fuse: bool, accumulate: bool) -> None:
-    """:meth:`GroupedLinear.backward_dw`'s FP8 delivery: into ``main_grad`` as the fused backward, else added to
-    ``.grad`` as autograd would (set when None or the backward's zero placeholder)."""
+def _deliver_fp8_dw(weights, dy, splits, recipe, xt, fuse: bool, accumulate: bool) -> None:
+    """:meth:`GroupedLinear.backward_dw`'s FP8 wgrad and delivery: into ``main_grad`` as the fused backward (by
+    the GEMM itself where it can), else added to ``.grad`` as autograd would (set when None or the backward's zero
+    placeholder)."""
     if fuse:
-        _deliver_wgrad(weights, len(weights), dw, True, accumulate, None)
+        _fp8_wgrad_delivered(weights, len(weights), dy, splits, recipe, xt, None, True, accumulate, None)
         return
+    dw = fp8_wgrad(dy, splits, recipe, xt)
     for w, g in zip(weights, [dw] if len(weights) == 1 else dw.unbind(0)):
         _add_grad(w, g)
 
@@ -178,8 +213,8 @@ def _fp8_linear_backward(ctx, saved, dy, need_dx: bool, need_db: bool, dy_copies
         else:
             dws = [w.new_zeros(()).expand(w.shape) for w in ctx.weights]
     elif ctx.need_w:
-        dws = _deliver_wgrad(ctx.weights, ctx.n_weights, fp8_wgrad(dy, splits, recipe, xt, dyt), ctx.fuse,
-                             ctx.accumulate, ctx.w_dtype)
+        dws = _fp8_wgrad_delivered(ctx.weights, ctx.n_weights, dy, splits, recipe, xt, dyt, ctx.fuse,
+                                   ctx.accumulate, ctx.w_dtype)
     db = None
     if need_db and not deferred:
         db = grouped_bias_grad(dy, splits).to(ctx.bias_dtype)
@@ -605,7 +640,7 @@ class GroupedLinear(nn.Module):
         weights = self._weights()
         with torch.no_grad():
             if recipe is not None:  # FP8: a = the columnwise copy of x saved by the forward
-                _deliver_fp8_dw(weights, fp8_wgrad(dy, splits, recipe, a), fuse, accumulate)
+                _deliver_fp8_dw(weights, dy, splits, recipe, a, fuse, accumulate)
             elif fuse:
                 grouped_gemm_wgrad(a, dy, splits, out=[resolve_main_grad(w) for w in weights], accumulate=accumulate)
                 for w in weights:

@@ -433,7 +433,7 @@ void forward_stand_in(const ScaledForwardCuda& p, const ScaledForwardPlan& plan,
   using Arr = ScaledArrays<X>;
   using ESF = typename X::ElementSF;
   const int e = p.splits.num_experts;
-  const Arr arr = carve_scaled_arguments<Arr>(static_cast<char*>(env.alloc(plan.argument_bytes)), e,
+  const Arr arr = gg::detail::carve_arguments<Arr>(static_cast<char*>(env.alloc(plan.argument_bytes)), e,
                                               p.bias != nullptr);
   auto* sfa = static_cast<ESF*>(env.alloc(plan.sfa_bytes));
   auto* sfb = static_cast<ESF*>(env.alloc(plan.sfb_bytes));
@@ -452,7 +452,7 @@ void wgrad_stand_in(const ScaledWgradCuda& p, const ScaledWgradPlan& plan, const
   using Arr = ScaledArrays<X>;
   using ESF = typename X::ElementSF;
   const int e = p.splits.num_experts;
-  const Arr arr = carve_scaled_arguments<Arr>(static_cast<char*>(env.alloc(plan.argument_bytes)), e, false);
+  const Arr arr = gg::detail::carve_arguments<Arr>(static_cast<char*>(env.alloc(plan.argument_bytes)), e, false);
   auto* sfa = static_cast<ESF*>(env.alloc(plan.sfa_bytes));
   auto* sfb = static_cast<ESF*>(env.alloc(plan.sfb_bytes));
   enqueue_scaled_wgrad_args<X>(arr, p, plan, env, offsets, sfa, sfb);
@@ -465,20 +465,25 @@ void wgrad_stand_in(const ScaledWgradCuda& p, const ScaledWgradPlan& plan, const
 }
 }  // namespace
 
-void scaled_forward_sm90(const ScaledForwardCuda& p, const ScaledForwardPlan& plan, const gg::LaunchEnv& env,
-                         int64_t* offsets) {
+// The stand-ins of both families' CUTLASS launches (scaled_launch.cuh defines them on a GPU build).
+template <>
+void ScaledArch<ScaledKernel::kSm90Blockwise>::forward(const ScaledForwardCuda& p, const ScaledForwardPlan& plan,
+                                                       const gg::LaunchEnv& env, int64_t* offsets) {
   forward_stand_in<emu_test::ForwardX>(p, plan, env, offsets);
 }
-void scaled_wgrad_sm90(const ScaledWgradCuda& p, const ScaledWgradPlan& plan, const gg::LaunchEnv& env,
-                       int64_t* offsets) {
+template <>
+void ScaledArch<ScaledKernel::kSm90Blockwise>::wgrad(const ScaledWgradCuda& p, const ScaledWgradPlan& plan,
+                                                     const gg::LaunchEnv& env, int64_t* offsets) {
   wgrad_stand_in<emu_test::WgradX>(p, plan, env, offsets);
 }
-void scaled_forward_sm100(const ScaledForwardCuda& p, const ScaledForwardPlan& plan, const gg::LaunchEnv& env,
-                          int64_t* offsets) {
+template <>
+void ScaledArch<ScaledKernel::kSm100Mxfp8>::forward(const ScaledForwardCuda& p, const ScaledForwardPlan& plan,
+                                                    const gg::LaunchEnv& env, int64_t* offsets) {
   forward_stand_in<emu_test::ForwardMxX>(p, plan, env, offsets);
 }
-void scaled_wgrad_sm100(const ScaledWgradCuda& p, const ScaledWgradPlan& plan, const gg::LaunchEnv& env,
-                        int64_t* offsets) {
+template <>
+void ScaledArch<ScaledKernel::kSm100Mxfp8>::wgrad(const ScaledWgradCuda& p, const ScaledWgradPlan& plan,
+                                                  const gg::LaunchEnv& env, int64_t* offsets) {
   wgrad_stand_in<emu_test::WgradMxX>(p, plan, env, offsets);
 }
 
