@@ -54,6 +54,18 @@ struct ScaledArch {
   static void wgrad(const ScaledWgradCuda& p, const ScaledWgradPlan& plan, const gg::LaunchEnv& env,
                     int64_t* offsets);
 };
+#if defined(MOE_GRAPH_EMULATE)
+// The emulator build replaces the CUTLASS launches with stand-ins (tests/emulator/harness_scaled.cpp): explicit
+// specializations, declared here so that every translation unit that calls them sees them before the call.
+template <> void ScaledArch<ScaledKernel::kSm90Blockwise>::forward(const ScaledForwardCuda&, const ScaledForwardPlan&,
+                                                                   const gg::LaunchEnv&, int64_t*);
+template <> void ScaledArch<ScaledKernel::kSm90Blockwise>::wgrad(const ScaledWgradCuda&, const ScaledWgradPlan&,
+                                                                 const gg::LaunchEnv&, int64_t*);
+template <> void ScaledArch<ScaledKernel::kSm100Mxfp8>::forward(const ScaledForwardCuda&, const ScaledForwardPlan&,
+                                                                const gg::LaunchEnv&, int64_t*);
+template <> void ScaledArch<ScaledKernel::kSm100Mxfp8>::wgrad(const ScaledWgradCuda&, const ScaledWgradPlan&,
+                                                              const gg::LaunchEnv&, int64_t*);
+#endif
 }  // namespace detail
 
 }  // namespace fp8
