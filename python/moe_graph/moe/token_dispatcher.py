@@ -72,7 +72,7 @@ from moe_graph.moe.exchange import (EXCHANGES, CompletedExchange, FusedCombineFn
                                     resolve_exchange)
 from moe_graph.ops.dispatch_layout import aligned_groups, dispatch_layout, receive_layout
 from moe_graph.ops.fp8 import carrier, pack_rows, unpack_rows
-from moe_graph.ops.permute import expand_rows, reduce_rows
+from moe_graph.ops.permute import expand_quantize, expand_quantize_available, expand_rows, reduce_rows
 
 __all__ = [
     "TokenDispatcher",
@@ -420,6 +420,7 @@ class TokenDispatcher(nn.Module):
         demand: Optional[torch.Tensor] = None,
         fp8_recipe=None,
         align_rows: Optional[int] = None,
+        quantize_recipe=None,
     ) -> Tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
         """Send each token's routes to the ranks hosting their columns.
 
@@ -442,6 +443,13 @@ class TokenDispatcher(nn.Module):
                 :meth:`moe_graph.moe.exchange.HostSizedExchange.align`). The NVSHMEM per-destination exchange
                 (its counts come back with the rows) and the fused exchange place the rows themselves and ignore
                 it (``handle.aligned`` False: the experts regroup, :class:`moe_graph.moe.experts.AlignedGroups`).
+            quantize_recipe: the FP8 experts' recipe (``moe_graph.fp8`` ``Recipe``; 16-bit dispatch): where the send
+                buffer is the expert input (EP 1, the per-pair rule) and its groups are aligned (``align_rows``),
+                the expert input is written as its two FP8 copies straight from ``hidden``
+                (:func:`moe_graph.ops.permute.expand_quantize`: one op, the 16-bit expert rows never written), a
+                :class:`moe_graph.ops.fp8.QuantizedRows` bit-equal to quantizing the 16-bit expert input with
+                ``ops.fp8.quantize_pair`` (its gradient that of the 16-bit dispatch); elsewhere ignored (16-bit
+                rows). ``hidden`` should then have the experts' parameter dtype (the values quantized are its).
 
         Returns:
             ``(expert_input [rows, H], m_splits [num_local_columns] int64 on the device, handle)``: received rows
@@ -505,6 +513,10 @@ class TokenDispatcher(nn.Module):
             # the input gradient goes home as the 16-bit dispatch's does: reverse exchange, sum of each token's routes
             rows = carrier(hidden, moved.shape[0], lambda g: self.combine(g, handle, weighted=False))
             expert_in = unpack_rows(moved, rows, fp8_recipe)
+        elif (quantize_recipe is not None and R == 1 and self.rule != "destination" and handle.aligned
+              and expand_quantize_available(dev.type)):  # the FP8 expert input from one read of each token
+            expert_in = expand_quantize(hidden, handle.route_of_slot, handle.route_rows, handle.aligned_m_splits,
+                                        quantize_recipe)
         elif self.fused:  # each token row read once, placed at its final receive row, the probabilities beside it
             expert_in = FusedDispatchFn.apply(self.exchange_backend, handle.exchange_plan, hidden,
                                               probs.detach().reshape(-1))
