@@ -252,3 +252,27 @@ def test_fused_expert_input_not_taken_where_it_would_change_bits(monkeypatch):
     layer = MoELayer(96, 64, 4, 2, probs_on_input=True)
     *_, ops = _run(layer, torch.randn(11, 96), torch.randn(11, 96), "blockwise", True, monkeypatch, record=True)
     assert "moe_graph.expand_quantize_pair" not in ops and "moe_graph.expand_rows" in ops
+
+
+@pytest.mark.parametrize("recipe", ["blockwise", "mxfp8", "tensor"])
+def test_fake_tensor_and_opcheck(recipe):
+    """The fake (meta) implementation gives the real op's shapes and dtypes (torch.library.opcheck: schema, fake
+    tensors, no autograd kernel), and ``expand_quantize`` runs under fake tensors (torch.compile's tracing)."""
+    n, K, H, splits, m = CASES[2]
+    g = torch.Generator().manual_seed(11)
+    src = torch.randn(n, H, generator=g).to(torch.bfloat16)
+    route_of_row, route_rows, m_splits = _routing(n, K, m, splits, g)
+    r = RECIPES[recipe]
+    from moe_graph.ops.permute import _pair_tiles
+    tr, tc, ctr, ctc, mx = _pair_tiles(r)
+    args = (src, route_of_row, K, m_splits, [tr, tc, ctr, ctc], r.fwd_dtype, mx, 0.0, True)
+    torch.library.opcheck(torch.ops.moe_graph.expand_quantize_pair.default, args,
+                          test_utils=("test_schema", "test_faketensor"))
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    real = expand_quantize(src, route_of_row, route_rows, m_splits, r)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = expand_quantize(mode.from_tensor(src), mode.from_tensor(route_of_row), mode.from_tensor(route_rows),
+                               mode.from_tensor(m_splits), r)
+    for a, b in ((fake.data, real.data), (fake.scale, real.scale), (fake.columns[0], real.columns[0]),
+                 (fake.columns[1], real.columns[1])):
+        assert a.shape == b.shape and a.dtype == b.dtype
