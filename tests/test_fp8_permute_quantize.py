@@ -12,10 +12,11 @@ and every gradient bit-equal, and the forward no longer runs ``expand_rows`` nor
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import moe_graph
 import moe_graph.moe.experts as experts
+from helpers.permute_quantize_workers import fused_input_worker, run_switched
+from moe_graph.distributed.launch import run_distributed
 from moe_graph.moe.layer import MoELayer
 from moe_graph.moe.token_dispatcher import TokenDispatcher, expert_columns
 from moe_graph.ops import fp8
@@ -169,34 +170,8 @@ def test_dispatcher_writes_the_fp8_expert_input():
     assert isinstance(unaligned, torch.Tensor)
 
 
-class _Ops(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.seen = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.seen.append((str(func.overloadpacket), args))
-        return func(*args, **(kwargs or {}))
-
-
-def _run(layer, x, target, kind, fused, monkeypatch, record=False):
-    monkeypatch.setattr(experts, "FUSED_FP8_EXPERT_INPUT", fused)
-    xx = x.clone().requires_grad_()
-    mode = _Ops()
-    with moe_graph.fp8.autocast(recipe=kind):
-        if record:
-            with mode:
-                y = layer(xx)
-        else:
-            y = layer(xx)
-    (y.float() * target).sum().backward()
-    grads = {n: (p.main_grad if hasattr(p, "main_grad") else p.grad).clone() for n, p in layer.named_parameters()
-             if p.grad is not None or hasattr(p, "main_grad")}
-    layer.zero_grad(set_to_none=True)
-    for p in layer.parameters():
-        if hasattr(p, "main_grad"):
-            p.main_grad.zero_()
-    return y.detach(), xx.grad, grads, [name for name, _ in mode.seen]
+def _run(layer, x, target, kind, fused):
+    return run_switched(layer, x, target, kind, fused)
 
 
 @pytest.mark.parametrize("kind,dtype,case,main_grad", [
@@ -221,8 +196,8 @@ def test_moe_layer_fused_expert_input_changes_nothing(kind, dtype, case, main_gr
     if case == "one_expert":
         x = x.abs() + 0.1
     target = torch.randn(T, 96)
-    y0, dx0, g0, ops0 = _run(layer, x, target, kind, False, monkeypatch, record=True)
-    y1, dx1, g1, ops1 = _run(layer, x, target, kind, True, monkeypatch, record=True)
+    y0, dx0, g0, ops0 = _run(layer, x, target, kind, False)
+    y1, dx1, g1, ops1 = _run(layer, x, target, kind, True)
     assert torch.equal(y0, y1) and torch.equal(dx0, dx1) and sorted(g0) == sorted(g1)
     assert [n for n in g0 if not torch.equal(g0[n], g1[n])] == []
     assert dx1.abs().sum() > 0 and all(g.abs().sum() > 0 for n, g in g1.items() if "experts" in n)
@@ -250,7 +225,7 @@ def test_fused_expert_input_not_taken_where_it_would_change_bits(monkeypatch):
         monkeypatch.setattr(experts, "FUSED_FP8_EXPERT_INPUT", False)
         assert mlp.input_recipe(bf) is None
     layer = MoELayer(96, 64, 4, 2, probs_on_input=True)
-    *_, ops = _run(layer, torch.randn(11, 96), torch.randn(11, 96), "blockwise", True, monkeypatch, record=True)
+    *_, ops = _run(layer, torch.randn(11, 96), torch.randn(11, 96), "blockwise", True)
     assert "moe_graph.expand_quantize_pair" not in ops and "moe_graph.expand_rows" in ops
 
 
@@ -276,3 +251,17 @@ def test_fake_tensor_and_opcheck(recipe):
     for a, b in ((fake.data, real.data), (fake.scale, real.scale), (fake.columns[0], real.columns[0]),
                  (fake.columns[1], real.columns[1])):
         assert a.shape == b.shape and a.dtype == b.dtype
+
+
+@pytest.mark.parametrize("kind,cf", [("blockwise", 0.6), ("mxfp8", None), ("tensor", None)])
+def test_moe_layer_fused_expert_input_two_ranks(kind, cf):
+    """EP 2 on gloo, the fixed-split exchange (routes dropped over a capacity, or dropless): the receive side's
+    regrouping writes the FP8 copies (one op instead of expand_rows and the quantize of the 16-bit rows); output,
+    input gradient and every gradient equal the unfused layer's bit for bit on both ranks."""
+    res = run_distributed(fused_input_worker, 2, kind, cf, timeout=240.0)
+    for r in res:
+        assert r["out_equal"] and r["dx_equal"] and r["unequal_grads"] == [] and r["dx_nonzero"], r
+        assert r["fused_ops"] == 1 and r["unfused_ops"] == 0 and r["expand_rows_saved"] == 1, r
+        assert r["quantize_saved"] == 1, r
+    if cf is not None:
+        assert sum(r["dropped"] for r in res) > 0
