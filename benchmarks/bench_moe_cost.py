@@ -109,7 +109,7 @@ SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_uniqu
 
 
 # the FP8 quantize ops: the column "of which FP8 quantize" is their bytes
-QUANTIZE_OPS = ("moe_graph.fp8_quantize", "moe_graph.fp8_quantize_pair")
+QUANTIZE_OPS = ("moe_graph.fp8_quantize", "moe_graph.fp8_quantize_pair", "moe_graph.expand_quantize_pair")
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -85,6 +85,10 @@ TORCH_LIBRARY(moe_graph, m) {
   m.def("reduce_rows(Tensor src, Tensor route_rows, Tensor? weights=None) -> Tensor");
   // out[j, k] = dot(rows[j], src[route_rows[j, k]]) -> [n, K] fp32 (fp64 for fp64 data); == m: 0.
   m.def("route_dot(Tensor rows, Tensor src, Tensor route_rows) -> Tensor");
+  // the FP8 copies of expand_rows(src, route_of_row, K) (csrc/permute/expand_quantize.h): fp8_quantize_pair's
+  // results for the expanded rows, without them in memory -> (q [m, H], scale, q_t [H, m], scale_t)
+  m.def("expand_quantize_pair(Tensor src, Tensor route_of_row, int K, Tensor m_splits, int[] tiles, "
+        "ScalarType fp8_dtype, bool mx, float eps, bool pow2) -> (Tensor, Tensor, Tensor, Tensor)");
 
   // ---- the token dispatcher's layout (csrc/permute/dispatch_layout.h) -------------------------------------
   // indices [T, K] -> (route_slot [T*K], route_of_slot [R*capacity], send_counts [R, Lc], column_counts [C],
@@ -172,6 +176,7 @@ TORCH_LIBRARY_IMPL(moe_graph, CPU, m) {
   m.impl("expand_rows", &moe_graph::expand_rows_cpu);
   m.impl("reduce_rows", &moe_graph::reduce_rows_cpu);
   m.impl("route_dot", &moe_graph::route_dot_cpu);
+  m.impl("expand_quantize_pair", &moe_graph::expand_quantize_pair_cpu);
   m.impl("dispatch_layout", &moe_graph::dispatch_layout);
   m.impl("receive_layout", &moe_graph::receive_layout);
   m.impl("aligned_groups", &moe_graph::aligned_groups);
@@ -200,6 +205,7 @@ TORCH_LIBRARY_IMPL(moe_graph, CUDA, m) {
   m.impl("expand_rows", &moe_graph::expand_rows_cuda);
   m.impl("reduce_rows", &moe_graph::reduce_rows_cuda);
   m.impl("route_dot", &moe_graph::route_dot_cuda);
+  m.impl("expand_quantize_pair", &moe_graph::expand_quantize_pair_cuda);
   m.impl("dispatch_layout", &moe_graph::dispatch_layout);
   m.impl("receive_layout", &moe_graph::receive_layout);
   m.impl("aligned_groups", &moe_graph::aligned_groups);

@@ -193,7 +193,8 @@ def test_moe_cost_production_rows(monkeypatch):
         # the FP8 experts get their groups 16-row aligned straight from the dispatcher (the padded rows)
         rows_in = T * cfg["K"] if system == "moe_graph_bf16" else aligned_padded_rows(T * cfg["K"], cfg["E"] // ep, 16)
         assert r["host_syncs"] == 0 and r["local_experts"] == cfg["E"] // ep and r["expert_input_rows"] == rows_in
-        listed = sum(b for k, b in r["op_bytes_per_token"].items() if k.startswith("moe_graph.fp8_quantize"))
+        listed = sum(b for k, b in r["op_bytes_per_token"].items()
+                     if k.startswith("moe_graph.fp8_quantize") or k == "moe_graph.expand_quantize_pair")
         assert r["quantize_bytes_per_token"] == pytest.approx(listed + r["weight_quantize_bytes_per_token_amortized"],
                                                               rel=1e-12), r
         # the independent figure of the weight quantization: fc1 [L, 2F, H], fc2 [L, H, F] in 128 x 128 tiles

@@ -33,9 +33,10 @@ KERNELS = ["activation/activation_cuda.cu", "permute/permute_cuda.cu", "permute/
 CPU = ["activation/activation_cpu.cpp", "permute/permute_cpu.cpp", "permute/dispatch_layout_cpu.cpp",
        "reroute/reroute_cpu.cpp", "reroute/echo_plan_cpu.cpp", "grouped_gemm/grouped_plan.cpp",
        "fp8/quantize_cpu.cpp", "fp8/scaled_plan.cpp", "exchange/exchange_cpu.cpp"]
-HARNESS = ["moe_emu.cpp", "harness.cpp", "harness_grouped.cpp", "harness_scaled.cpp", "harness_exchange.cpp"]
+HARNESS = ["moe_emu.cpp", "harness.cpp", "harness_grouped.cpp", "harness_scaled.cpp", "harness_exchange.cpp",
+           "harness_permute_quantize.cpp"]
 FAMILIES = ["activation", "permute", "dispatch", "receive", "aligned", "reroute", "reroute_indices", "echo_plan", "grouped",
-            "fp8_quantize", "fp8_scaled", "exchange"]
+            "fp8_quantize", "fp8_scaled", "exchange", "permute_quantize"]
 
 
 def _cuda_include():
@@ -179,6 +180,8 @@ BROKEN = [
     ("grouped", "syncthreads:-1:-1", "reverse", None),
     # fp8 quantizer: the tile's shared amax reduction without its barriers
     ("fp8_quantize", "syncthreads:-1:-1", "reverse", None),
+    # expand_quantize: the same reduction of the tile's amax over the gathered rows without its barriers
+    ("permute_quantize", "syncthreads:-1:-1", "reverse", None),
 ]
 
 

@@ -1,8 +1,13 @@
 // CPU implementation of the permute ops (semantics in permute.h): the per-row bodies of permute_impl.h over a range
 // of output rows, one element per step (V = 1). 16-bit data are stored as c10::BFloat16 / c10::Half (header-only).
+// expand_quantize (expand_quantize.h): the quantizer's tiles, each walked twice (amax, then quantize), the elements
+// read through LoadRoute.
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
+
+#include "permute/expand_quantize.h"
 #include "permute/permute.h"
 #include "permute/permute_impl.h"
 
@@ -64,6 +69,30 @@ int64_t route_op_host(RouteOp op, const RouteProblem& p, int64_t begin, int64_t 
     case RouteOp::kReduce: return run_typed<RouteOp::kReduce>(p, begin, end);
     default: return run_typed<RouteOp::kDot>(p, begin, end);
   }
+}
+
+bool expand_quantize_tiles_host(const fp8::QuantizeProblem& p, const ExpandRoutes& e, int64_t t0, int64_t t1) {
+  const LoadRoute load{e};
+  const int64_t TC = fp8::col_tile_width(p), sentinel = e.tokens * e.topk;
+  bool bad = false;
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t ct = t % p.col_tiles, rt = t / p.col_tiles;
+    const fp8::TileRows tr = fp8::locate_tile(p, rt);
+    if (tr.nrows == 0 && p.tile_rows != 0) {  // a scale entry of no tile (a one-per-group tile always has one)
+      fp8::write_unused_scale(p, 0, rt, ct);
+      continue;
+    }
+    const int64_t c0 = ct * TC, c1 = std::min(p.cols, c0 + TC);
+    float amax = 0.0f;
+    for (int64_t r = tr.row0; r < tr.row0 + tr.nrows; ++r) {
+      bad |= !route_in_range(e.route_of_row[r], sentinel);
+      for (int64_t c = c0; c < c1; ++c) amax = fp8::amax_update(amax, load(p, 0, r, c));
+    }
+    const float mult = fp8::tile_scale(p, amax, 0, rt, ct);
+    for (int64_t r = tr.row0; r < tr.row0 + tr.nrows; ++r)
+      for (int64_t c = c0; c < c1; ++c) fp8::quantize_value(p, load(p, 0, r, c), mult, 0, r, c);
+  }
+  return bad;
 }
 
 }  // namespace permute

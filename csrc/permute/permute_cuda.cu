@@ -6,6 +6,12 @@
 // Each output row is written by its own threads only: no atomics, deterministic.
 // route_dot: one warp per route, lanes over packs, a fixed xor-shuffle tree (deterministic).
 // An out-of-range index sets kErrIndexOutOfRange and reads as the sentinel (never out of bounds).
+// expand_quantize (expand_quantize.h): one 128-thread block per tile of the first problem, then of the second, each
+// followed by its blocks zeroing the rows past sum(m_splits). Thread 0 locates the tile (fp8::locate_tile over
+// m_splits); the threads take its amax (NaN-propagating shared-memory reduction), thread 0 makes the scale, then
+// the threads quantize the tile. Rowwise tiles: threads over the columns of each row (coalesced q); transposed
+// tiles: threads over the rows of each column (coalesced q_t); no division per element. The elements are read
+// through LoadRoute (the row's token: src is read in place, the expanded rows never exist).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -13,6 +19,7 @@
 
 #include "common/error_flag.h"
 #include "common/launch.cuh"
+#include "permute/expand_quantize.h"
 #include "permute/permute.h"
 #include "permute/permute_impl.h"
 
@@ -109,7 +116,121 @@ cudaError_t launch_op(const RouteProblem& p, int32_t* flag, cudaStream_t stream)
   }
 }
 
+// ------------------------------------------------------------------------------------------- expand_quantize --
+constexpr int kQThreads = 128;
+constexpr int64_t kTailChunk = int64_t(kQThreads) * 64;  // elements of q zeroed per tail block
+
+#if defined(MOE_GRAPH_EMULATE)
+#define MOE_PERMUTE_GRID_CONSTANT
+#else
+#define MOE_PERMUTE_GRID_CONSTANT __grid_constant__
+#endif
+
+struct QuantizeArgs {
+  fp8::QuantizeProblem p[2];
+  int64_t tiles[2], blocks0;  // tile blocks per problem; blocks of the first problem (tiles + tail)
+  ExpandRoutes e;
+  int32_t* error_flag;
+};
+
+int64_t tail_blocks(const fp8::QuantizeProblem& p) {
+  if (p.m_splits == nullptr || p.rows == 0) return 0;
+  if (!p.transpose) return (p.rows * p.cols + kTailChunk - 1) / kTailChunk;  // one contiguous range
+  return p.cols * ((p.rows + kTailChunk - 1) / kTailChunk);                    // a row chunk of one column each
+}
+
+// Block `blk` of problem p: a tile (blk < tiles), else a part of the rows past sum(m_splits). `first`: the problem
+// that reports the m_splits bits and the out-of-range routes (the other one reads the same rows).
+__device__ __forceinline__ void expand_quantize_block(const fp8::QuantizeProblem& p, const ExpandRoutes& e,
+                                                      int32_t* flag, bool first, int64_t tiles, int64_t blk) {
+  __shared__ float s_amax[kQThreads];
+  __shared__ int64_t s_tile[3];  // row0, nrows, rows of the groups
+  __shared__ float s_mult;
+  const int tid = threadIdx.x;
+  const uint32_t n_ct = uint32_t(p.col_tiles < 1 ? 1 : p.col_tiles);
+  const uint32_t rt = uint32_t(blk) / n_ct;  // blk < 2^31 (checked by the launcher)
+  const int64_t ct = uint32_t(blk) - rt * n_ct;
+  if (tid == 0) {
+    int32_t bits = 0;
+    s_tile[2] = fp8::grouped_rows(p, &bits);
+    if (blk == 0 && first && bits) set_device_error(flag, bits);
+    if (blk < tiles) {
+      const fp8::TileRows tr = fp8::locate_tile<uint32_t>(p, rt);
+      s_tile[0] = tr.row0;
+      s_tile[1] = tr.nrows;
+    }
+  }
+  __syncthreads();
+  if (blk >= tiles) {
+    const int64_t used = s_tile[2];
+    const uint32_t t = uint32_t(blk - tiles);
+    if (!p.transpose) {  // rowwise: the rows past `used` are one contiguous range of q
+      const int64_t n = (p.rows - used) * p.cols, j0 = int64_t(t) * kTailChunk;
+      for (int64_t j = j0 + tid; j < n && j < j0 + kTailChunk; j += kQThreads) p.q[used * p.cols + j] = 0;
+      return;
+    }
+    const uint32_t chunks = uint32_t((p.rows + kTailChunk - 1) / kTailChunk);  // >= 1: rows > 0 here
+    const uint32_t c = t / chunks;
+    const int64_t r0 = used + int64_t(t - c * chunks) * kTailChunk;
+    const int64_t r1 = r0 + kTailChunk < p.rows ? r0 + kTailChunk : p.rows;
+    for (int64_t r = r0 + tid; r < r1; r += kQThreads) p.q[int64_t(c) * p.rows + r] = 0;
+    return;
+  }
+  const int64_t row0 = s_tile[0], row1 = s_tile[0] + s_tile[1];
+  if (s_tile[1] == 0 && p.tile_rows != 0) {  // a scale entry of no tile
+    if (tid == 0) fp8::write_unused_scale(p, 0, rt, ct);
+    return;
+  }
+  const int64_t TC = fp8::col_tile_width(p), c0 = ct * TC;
+  const int64_t c1 = c0 + TC < p.cols ? c0 + TC : p.cols;
+  const LoadRoute load{e};
+  if (first && ct == 0) {  // the rows of this tile (the first problem's column-0 tiles cover the groups' rows)
+    for (int64_t r = row0 + tid; r < row1; r += kQThreads)
+      if (!route_in_range(e.route_of_row[r], e.tokens * e.topk)) set_device_error(flag, kErrIndexOutOfRange);
+  }
+  // rowwise: threads along the columns of each row; transposed: along the rows of each column (q_t's rows)
+  const int64_t n_slow0 = p.transpose ? c0 : row0, n_slow1 = p.transpose ? c1 : row1;
+  const int64_t n_fast0 = p.transpose ? row0 : c0, n_fast1 = p.transpose ? row1 : c1;
+  float amax = 0.0f;
+  for (int64_t s = n_slow0; s < n_slow1; ++s)
+    for (int64_t f = n_fast0 + tid; f < n_fast1; f += kQThreads)
+      amax = fp8::amax_update(amax, p.transpose ? load(p, 0, f, s) : load(p, 0, s, f));
+  s_amax[tid] = amax;
+  __syncthreads();
+  for (int h = kQThreads / 2; h > 0; h >>= 1) {
+    if (tid < h) s_amax[tid] = fp8::amax_update(s_amax[tid], s_amax[tid + h]);
+    __syncthreads();
+  }
+  if (tid == 0) s_mult = fp8::tile_scale(p, s_amax[0], 0, rt, ct);
+  __syncthreads();
+  const float mult = s_mult;
+  for (int64_t s = n_slow0; s < n_slow1; ++s)
+    for (int64_t f = n_fast0 + tid; f < n_fast1; f += kQThreads) {
+      const int64_t r = p.transpose ? f : s, c = p.transpose ? s : f;
+      fp8::quantize_value(p, load(p, 0, r, c), mult, 0, r, c);
+    }
+}
+
+__global__ void __launch_bounds__(kQThreads) expand_quantize_kernel(const MOE_PERMUTE_GRID_CONSTANT QuantizeArgs a) {
+  const int64_t blk = blockIdx.x;
+  const int i = blk < a.blocks0 ? 0 : 1;
+  expand_quantize_block(a.p[i], a.e, a.error_flag, i == 0, a.tiles[i], i == 0 ? blk : blk - a.blocks0);
+}
+
 }  // namespace
+
+cudaError_t expand_quantize_cuda_launch(const fp8::QuantizeProblem& p0, const fp8::QuantizeProblem* p1,
+                                        const ExpandRoutes& e, int32_t* error_flag, cudaStream_t stream) {
+  if (!expand_quantize_ok(p0, e) || (p1 && !expand_quantize_ok(*p1, e))) return cudaErrorInvalidValue;
+  QuantizeArgs a{{p0, p1 ? *p1 : p0}, {p0.row_tiles * p0.col_tiles, p1 ? p1->row_tiles * p1->col_tiles : 0}, 0, e,
+                 error_flag};
+  a.blocks0 = a.tiles[0] + tail_blocks(p0);
+  const int64_t blocks = a.blocks0 + (p1 ? a.tiles[1] + tail_blocks(*p1) : 0);
+  if (blocks == 0) return cudaSuccess;
+  if (blocks > fp8::kMaxIndex32) return cudaErrorInvalidValue;  // blk < 2^31
+  moe_graph::launch(expand_quantize_kernel, dim3(static_cast<unsigned>(blocks)), dim3(kQThreads), 0, stream, a);
+  return cudaGetLastError();
+}
 
 cudaError_t route_op_cuda_launch(RouteOp op, const RouteProblem& p, int32_t* error_flag, cudaStream_t stream) {
   if (output_rows(op, p) == 0 || (op == RouteOp::kDot && p.topk == 0)) return cudaSuccess;

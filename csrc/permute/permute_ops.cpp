@@ -6,9 +6,11 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cfloat>
 
 #include "common/error_flag_torch.h"
 #include "common/torch_checks.h"
+#include "permute/expand_quantize.h"
 #include "permute/permute.h"
 
 #ifdef MOE_GRAPH_WITH_CUDA
@@ -155,6 +157,95 @@ at::Tensor run_cpu(const Prepared& x, const char* op) {
   return x.out;
 }
 
+// ------------------------------------------------------------------------------------------- expand_quantize --
+constexpr const char* kExpandQuantize = "expand_quantize_pair";
+
+struct QuantizedCopy {
+  fp8::QuantizeProblem p;
+  at::Tensor q, scale;
+};
+
+struct ExpandQuantizePrepared {
+  at::Tensor src, route_of_row, m_splits;
+  permute::ExpandRoutes e;
+  QuantizedCopy rows, cols;  // the rowwise copy [m, H] and the columnwise (transposed) copy [H, m]
+};
+
+// One copy of expand_rows(src, route_of_row, K) [m, H] as fp8_quantize describes it (fp8/quantize.h): the tiles,
+// fp8_dtype, scales and TE's infinite-scale rule of fp8_quantize's glue (the input dtype's largest value for
+// blockwise tiles, fp32's per tensor).
+QuantizedCopy describe_copy(const ExpandQuantizePrepared& x, int64_t tile_rows, int64_t tile_cols,
+                            at::ScalarType fp8_dtype, bool mx, double eps, bool pow2, bool transpose) {
+  TORCH_CHECK(tile_rows >= 0 && tile_cols >= 0, kExpandQuantize, ": tiles must be >= 0 (0: all rows of a group / "
+              "all columns), got ", tile_rows, " x ", tile_cols);
+  TORCH_CHECK(!mx || (tile_rows >= 1 && tile_cols >= 1), kExpandQuantize, ": MX (E8M0) scales need tiles of at "
+              "least 1 x 1, got ", tile_rows, " x ", tile_cols);
+  QuantizedCopy out;
+  fp8::QuantizeProblem& p = out.p;
+  const at::ScalarType dt = x.src.scalar_type();
+  p.rows = x.route_of_row.size(0);
+  p.cols = x.src.size(1);
+  p.in_type = dt == at::kFloat ? fp8::InType::kF32 : dt == at::kBFloat16 ? fp8::InType::kBF16 : fp8::InType::kF16;
+  p.format = fp8_dtype == at::kFloat8_e4m3fn ? fp8::Format::kE4M3 : fp8::Format::kE5M2;
+  p.x = x.src.data_ptr();
+  p.m_splits = x.m_splits.data_ptr();
+  p.splits_i64 = x.m_splits.scalar_type() == at::kLong;
+  p.groups = x.m_splits.size(0);
+  p.tile_rows = tile_rows;
+  p.tile_cols = tile_cols;
+  p.row_tiles = fp8::row_tile_capacity(p.rows, p.groups, tile_rows);
+  p.col_tiles = tile_cols == 0 ? 1 : (p.cols + tile_cols - 1) / tile_cols;
+  p.mx = mx;
+  p.eps = static_cast<float>(eps);
+  p.pow2 = pow2;
+  p.inf_scale = (tile_rows == 0 && tile_cols == 0) || dt == at::kFloat ? FLT_MAX
+                : dt == at::kBFloat16 ? 3.38953139e38f : 65504.0f;
+  p.transpose = transpose;
+  const at::TensorOptions o = x.src.options();
+  out.q = at::empty(transpose ? std::vector<int64_t>{p.cols, p.rows} : std::vector<int64_t>{p.rows, p.cols},
+                    o.dtype(fp8_dtype));
+  out.scale = at::empty(transpose ? std::vector<int64_t>{p.col_tiles, p.row_tiles}
+                                  : std::vector<int64_t>{p.row_tiles, p.col_tiles},
+                        o.dtype(mx ? at::kFloat8_e8m0fnu : at::kFloat));
+  p.q = static_cast<uint8_t*>(out.q.data_ptr());
+  p.scale = out.scale.data_ptr();
+  p.error_flag = error_flag_ptr(x.src.device());
+  p.nonfinite_flag = nonfinite_flag_ptr(x.src.device());
+  return out;
+}
+
+ExpandQuantizePrepared prepare_expand_quantize(const at::Tensor& src, const at::Tensor& route_of_row, int64_t K,
+                                               const at::Tensor& m_splits, at::IntArrayRef tiles,
+                                               at::ScalarType fp8_dtype, bool mx, double eps, bool pow2) {
+  const char* op = kExpandQuantize;
+  check_defined(src, op, "src");
+  check_dim(src, 2, op, "src", "[n, H]");
+  check_dtype(src, {at::kFloat, at::kBFloat16, at::kHalf}, op, "src");
+  check_index(route_of_row, 1, src, op, "route_of_row", "[m]");
+  TORCH_CHECK(K >= 0, op, ": K must be >= 0, got ", K);
+  check_defined(m_splits, op, "m_splits");
+  check_dim(m_splits, 1, op, "m_splits", "[E]");
+  check_dtype(m_splits, {at::kInt, at::kLong}, op, "m_splits");
+  check_device(m_splits, src.device(), op, "m_splits");
+  TORCH_CHECK(tiles.size() == 4, op, ": tiles must be [rowwise tile rows, rowwise tile cols, columnwise tile rows, "
+              "columnwise tile cols], got ", tiles.size(), " values");
+  TORCH_CHECK(fp8_dtype == at::kFloat8_e4m3fn || fp8_dtype == at::kFloat8_e5m2, op,
+              ": fp8_dtype must be Float8_e4m3fn or Float8_e5m2, got ", c10::toString(fp8_dtype));
+  TORCH_CHECK(eps >= 0, op, ": eps must be >= 0, got ", eps);
+  ExpandQuantizePrepared x;
+  x.src = src.contiguous();
+  x.route_of_row = route_of_row.contiguous();
+  x.m_splits = m_splits.contiguous();
+  x.e.route_of_row = x.route_of_row.data_ptr<int64_t>();
+  x.e.tokens = src.size(0);
+  x.e.topk = K;
+  x.rows = describe_copy(x, tiles[0], tiles[1], fp8_dtype, mx, eps, pow2, false);
+  x.cols = describe_copy(x, tiles[2], tiles[3], fp8_dtype, mx, eps, pow2, true);
+  return x;
+}
+
+using QuantizedPair = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
 #ifdef MOE_GRAPH_WITH_CUDA
 at::Tensor run_cuda(const Prepared& x, const at::Device& device) {
   auto stream = at::cuda::getCurrentCUDAStream(device.index()).stream();
@@ -179,6 +270,27 @@ at::Tensor route_dot_cpu(const at::Tensor& rows, const at::Tensor& src, const at
   return run_cpu(prepare_dot(rows, src, route_rows), kDot);
 }
 
+QuantizedPair expand_quantize_pair_cpu(const at::Tensor& src, const at::Tensor& route_of_row, int64_t K,
+                                       const at::Tensor& m_splits, at::IntArrayRef tiles, at::ScalarType fp8_dtype,
+                                       bool mx, double eps, bool pow2) {
+  ExpandQuantizePrepared x = prepare_expand_quantize(src, route_of_row, K, m_splits, tiles, fp8_dtype, mx, eps, pow2);
+  const int64_t sentinel = x.e.tokens * x.e.topk;
+  const at::Tensor bad = (x.route_of_row < 0) | (x.route_of_row > sentinel);
+  if (bad.any().item<bool>()) {  // nothing written yet
+    const int64_t pos = bad.nonzero()[0][0].item<int64_t>();
+    TORCH_CHECK(false, kExpandQuantize, ": route_of_row holds ", x.route_of_row[pos].item<int64_t>(),
+                " at flat position ", pos, ", outside [0, ", sentinel, "] (", sentinel,
+                " = n*K is the sentinel: a zero row)");
+  }
+  for (const fp8::QuantizeProblem* p : {&x.rows.p, &x.cols.p}) {
+    const int64_t tile = (p->tile_rows ? p->tile_rows : p->rows) * fp8::col_tile_width(*p);
+    at::parallel_for(0, p->row_tiles * p->col_tiles, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, tile)),
+                     [&](int64_t t0, int64_t t1) { permute::expand_quantize_tiles_host(*p, x.e, t0, t1); });
+    fp8::quantize_tail_cpu(*p);
+  }
+  return {x.rows.q, x.rows.scale, x.cols.q, x.cols.scale};
+}
+
 #ifdef MOE_GRAPH_WITH_CUDA
 at::Tensor expand_rows_cuda(const at::Tensor& src, const at::Tensor& route_of_row, int64_t K,
                             const c10::optional<at::Tensor>& weights) {
@@ -195,6 +307,19 @@ at::Tensor reduce_rows_cuda(const at::Tensor& src, const at::Tensor& route_rows,
 at::Tensor route_dot_cuda(const at::Tensor& rows, const at::Tensor& src, const at::Tensor& route_rows) {
   c10::cuda::CUDAGuard guard(rows.device());
   return run_cuda(prepare_dot(rows, src, route_rows), rows.device());
+}
+
+QuantizedPair expand_quantize_pair_cuda(const at::Tensor& src, const at::Tensor& route_of_row, int64_t K,
+                                        const at::Tensor& m_splits, at::IntArrayRef tiles, at::ScalarType fp8_dtype,
+                                        bool mx, double eps, bool pow2) {
+  c10::cuda::CUDAGuard guard(src.device());
+  ExpandQuantizePrepared x = prepare_expand_quantize(src, route_of_row, K, m_splits, tiles, fp8_dtype, mx, eps, pow2);
+  TORCH_CHECK(permute::expand_quantize_ok(x.rows.p, x.e) && permute::expand_quantize_ok(x.cols.p, x.e),
+              kExpandQuantize, ": the CUDA kernel needs rows, columns, tile sizes, tile counts and n*K below 2^31, "
+              "got ", x.rows.p.rows, " rows x ", x.rows.p.cols, " columns, n*K = ", x.e.tokens * x.e.topk);
+  C10_CUDA_CHECK(permute::expand_quantize_cuda_launch(x.rows.p, &x.cols.p, x.e, error_flag_ptr(src.device()),
+                                                      at::cuda::getCurrentCUDAStream(src.device().index()).stream()));
+  return {x.rows.q, x.rows.scale, x.cols.q, x.cols.scale};
 }
 #endif
 

@@ -4,6 +4,8 @@
 
 #include <c10/util/Optional.h>
 
+#include <tuple>
+
 namespace moe_graph {
 
 // src [n, H], route_of_row [m] int64, K >= 0, weights [n, K] or None -> out [m, H] of src's dtype.
@@ -13,6 +15,12 @@ at::Tensor expand_rows_cpu(const at::Tensor& src, const at::Tensor& route_of_row
 at::Tensor reduce_rows_cpu(const at::Tensor& src, const at::Tensor& route_rows, const c10::optional<at::Tensor>& weights);
 // rows [n, H], src [m, H] (same dtype), route_rows [n, K] int64 -> [n, K] float32 (float64 for float64 data).
 at::Tensor route_dot_cpu(const at::Tensor& rows, const at::Tensor& src, const at::Tensor& route_rows);
+// The FP8 copies of expand_rows(src, route_of_row, K) (permute/expand_quantize.h), without the expanded rows:
+// src [n, H] fp32/bf16/fp16, m_splits [E] int32/int64 grouping the m rows, tiles [rowwise TR, TC, columnwise TR,
+// TC] -> (q [m, H], scale, q_t [H, m], scale_t), bit-equal to fp8_quantize_pair of the expanded rows.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> expand_quantize_pair_cpu(
+    const at::Tensor& src, const at::Tensor& route_of_row, int64_t topk, const at::Tensor& m_splits,
+    at::IntArrayRef tiles, at::ScalarType fp8_dtype, bool mx, double eps, bool pow2);
 
 #ifdef MOE_GRAPH_WITH_CUDA
 at::Tensor expand_rows_cuda(const at::Tensor& src, const at::Tensor& route_of_row, int64_t topk,
@@ -20,6 +28,9 @@ at::Tensor expand_rows_cuda(const at::Tensor& src, const at::Tensor& route_of_ro
 at::Tensor reduce_rows_cuda(const at::Tensor& src, const at::Tensor& route_rows,
                             const c10::optional<at::Tensor>& weights);
 at::Tensor route_dot_cuda(const at::Tensor& rows, const at::Tensor& src, const at::Tensor& route_rows);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> expand_quantize_pair_cuda(
+    const at::Tensor& src, const at::Tensor& route_of_row, int64_t topk, const at::Tensor& m_splits,
+    at::IntArrayRef tiles, at::ScalarType fp8_dtype, bool mx, double eps, bool pow2);
 #endif
 
 }  // namespace moe_graph

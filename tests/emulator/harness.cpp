@@ -4,7 +4,7 @@
 //
 //   harness <family> [--full] [--schedules forward,reverse,random:1]
 //   families: activation permute dispatch receive reroute reroute_indices echo_plan grouped fp8_quantize fp8_scaled
-//             exchange all
+//             exchange permute_quantize all
 //
 // Prints one line per family (cases x schedules compared); exits 1 at the first difference (naming the case, the
 // schedule, the output and the first differing element), and aborts on what the emulator refuses (a deadlock,
@@ -980,6 +980,7 @@ int main(int argc, char** argv) {
                              {"echo_plan", family_echo_plan},           {"grouped", family_grouped},
                              {"fp8_quantize", family_fp8_quantize},      {"fp8_scaled", family_fp8_scaled},
                              {"exchange", family_exchange},
+                             {"permute_quantize", family_permute_quantize},
                              {"selftest_oob", selftest_oob},            {"selftest_smem_oob", selftest_smem_oob},
                              {"selftest_race", selftest_race},
                              {"selftest_divergent_shfl", selftest_divergent_shfl}};

@@ -98,5 +98,6 @@ int run_case(const std::string& what, const std::function<std::vector<Output>()>
 int family_grouped();
 int family_fp8_scaled();  // harness_scaled.cpp
 int family_exchange();   // harness_exchange.cpp (the multi-device mode)
+int family_permute_quantize();  // harness_permute_quantize.cpp
 
 }  // namespace emu_test

@@ -9,6 +9,7 @@ from typing import Dict, Optional
 import torch
 
 import moe_graph
+import moe_graph.moe.experts as experts
 from helpers import fp8_reference as ref
 from moe_graph.moe.layer import MoELayer
 
@@ -59,7 +60,9 @@ def fp8_dispatch_worker(rank: int, world: int, kind: str, exchange: str, capacit
     # the weight gradient of fc1 (its columnwise copy from the dequantized rows)
     hook = base.experts.register_forward_pre_hook(
         lambda mod, args: (args[0] + (rowwise_qdq(args[0].detach(), kind) - args[0]).detach(),) + args[1:])
+    fused, experts.FUSED_FP8_EXPERT_INPUT = experts.FUSED_FP8_EXPERT_INPUT, False  # the hook takes 16-bit rows
     y2, _, g2 = _run(base, x, target, kind)
+    experts.FUSED_FP8_EXPERT_INPUT = fused
     hook.remove()
     return {
         "out_equal": torch.equal(y0, y1), "dx_equal": torch.equal(dx0, dx1),

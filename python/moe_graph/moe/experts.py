@@ -164,6 +164,16 @@ class GroupedMLP(nn.Module):
             return None
         return FP8_ROW_ALIGNMENT
 
+    def input_recipe(self, hidden: torch.Tensor, echo: bool = False):
+        """The recipe under which the dispatcher may hand this forward its input as both FP8 copies
+        (:meth:`moe_graph.moe.token_dispatcher.TokenDispatcher.dispatch`'s ``quantize_recipe``): the current FP8
+        recipe when :data:`FUSED_FP8_EXPERT_INPUT` is on, ``hidden`` (the rows to dispatch) already has the
+        parameters' dtype (the rows the GEMM would quantize) and there is no echo; else ``None``."""
+        recipe = _fp8.current_recipe()
+        if recipe is None or not FUSED_FP8_EXPERT_INPUT or echo or hidden.dtype != self.fc1.weight.dtype:
+            return None
+        return recipe
+
     def forward(self, expert_in: torch.Tensor, m_splits: torch.Tensor,
                 echo: Optional[EchoExpertDispatcher] = None, offload_map: Optional[torch.Tensor] = None,
                 spare_weights: Optional[Sequence[torch.Tensor]] = None,
@@ -271,6 +281,11 @@ FUSED_FP8_ACTIVATION = True
 # ... and its backward writes fc1's FP8 output gradient (both copies) directly, fc1 and the activation one autograd
 # node; False: the activation's backward writes the 16-bit grad_h, quantized by fc1's backward (the same bytes)
 FUSED_FP8_ACTIVATION_BACKWARD = True
+
+# ... and the dispatcher writes the expert input's two FP8 copies straight from the tokens where it can
+# (GroupedMLP.input_recipe, ops.permute.expand_quantize); False: the 16-bit expert input, quantized by fc1 (the same
+# bytes; tests compare the two)
+FUSED_FP8_EXPERT_INPUT = True
 
 # Rows per expert group boundary under FP8 (the GPU wgrad's TMA alignment of the transposed FP8 copies: 16 bytes)
 FP8_ROW_ALIGNMENT = 16

@@ -524,17 +524,21 @@ class MoELayer(nn.Module):
         if self.expert_input_norm is not None:
             h_in = self.expert_input_norm(h_in)
         h_in = h_in if recipe is None else h_in.to(self.experts.fc1.weight.dtype)  # quantized as the experts would
+        # FP8 experts without FP8 dispatch: the dispatcher may write the expert input's FP8 copies itself
+        quantize = None if recipe is not None or self.probs_on_input else \
+            self.experts.input_recipe(h_in, self.echo is not None)
         with stage("dispatch"):
             expert_in, m_splits, handle = self.dispatcher.dispatch(h_in, indices, routing.probs, valid, demand,
                                                                    fp8_recipe=recipe,
-                                                                   align_rows=self.experts.row_alignment())
+                                                                   align_rows=self.experts.row_alignment(),
+                                                                   quantize_recipe=quantize)
         self._stat("last_m_splits", handle.m_splits)  # the routed rows (m_splits: padded when handle.aligned)
 
         if self.probs_on_input:  # Llama 4: each row scaled by its probability before the experts
             w = self.dispatcher.row_weights(handle)
             w = w.to(expert_in.dtype if expert_in.dtype == torch.float64 else torch.float32)
             expert_in = expert_in * w[:, None]
-        if recipe is None:
+        if recipe is None and not isinstance(expert_in, _fp8.QuantizedRows):
             expert_in = expert_in.to(self.experts.fc1.weight.dtype)
         row_scale = self.dispatcher.row_weights(handle) if self.scale_rows else None
         with stage("experts"):

@@ -72,7 +72,7 @@ from moe_graph.moe.exchange import (EXCHANGES, CompletedExchange, FusedCombineFn
                                     resolve_exchange)
 from moe_graph.ops.dispatch_layout import aligned_groups, dispatch_layout, receive_layout
 from moe_graph.ops.fp8 import carrier, pack_rows, unpack_rows
-from moe_graph.ops.permute import expand_rows, reduce_rows
+from moe_graph.ops.permute import expand_quantize, expand_quantize_available, expand_rows, reduce_rows
 
 __all__ = [
     "TokenDispatcher",
@@ -420,6 +420,7 @@ class TokenDispatcher(nn.Module):
         demand: Optional[torch.Tensor] = None,
         fp8_recipe=None,
         align_rows: Optional[int] = None,
+        quantize_recipe=None,
     ) -> Tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
         """Send each token's routes to the ranks hosting their columns.
 
@@ -442,6 +443,14 @@ class TokenDispatcher(nn.Module):
                 :meth:`moe_graph.moe.exchange.HostSizedExchange.align`). The NVSHMEM per-destination exchange
                 (its counts come back with the rows) and the fused exchange place the rows themselves and ignore
                 it (``handle.aligned`` False: the experts regroup, :class:`moe_graph.moe.experts.AlignedGroups`).
+            quantize_recipe: the FP8 experts' recipe (``moe_graph.fp8`` ``Recipe``; 16-bit dispatch): on the
+                per-pair rule with the groups aligned (``align_rows``) the expert input is written as its two FP8
+                copies by the op that places its rows (:func:`moe_graph.ops.permute.expand_quantize`: at EP 1
+                straight from ``hidden``, at EP > 1 the receive side's regrouping; the 16-bit expert rows are
+                never written), a
+                :class:`moe_graph.ops.fp8.QuantizedRows` bit-equal to quantizing the 16-bit expert input with
+                ``ops.fp8.quantize_pair`` (its gradient that of the 16-bit dispatch); elsewhere ignored (16-bit
+                rows). ``hidden`` should then have the experts' parameter dtype (the values quantized are its).
 
         Returns:
             ``(expert_input [rows, H], m_splits [num_local_columns] int64 on the device, handle)``: received rows
@@ -505,6 +514,14 @@ class TokenDispatcher(nn.Module):
             # the input gradient goes home as the 16-bit dispatch's does: reverse exchange, sum of each token's routes
             rows = carrier(hidden, moved.shape[0], lambda g: self.combine(g, handle, weighted=False))
             expert_in = unpack_rows(moved, rows, fp8_recipe)
+        elif (quantize_recipe is not None and self.rule != "destination" and handle.aligned
+              and expand_quantize_available(dev.type)):  # the FP8 expert input from one read of each row
+            if R == 1:  # straight from the tokens
+                expert_in = expand_quantize(hidden, handle.route_of_slot, handle.route_rows,
+                                            handle.aligned_m_splits, quantize_recipe)
+            else:  # the received rows regrouped by local expert and quantized in one op
+                send = expand_rows(hidden, handle.route_of_slot, handle.route_rows)
+                expert_in = self._to_expert_order(send, handle, quantize_recipe)
         elif self.fused:  # each token row read once, placed at its final receive row, the probabilities beside it
             expert_in = FusedDispatchFn.apply(self.exchange_backend, handle.exchange_plan, hidden,
                                               probs.detach().reshape(-1))
@@ -575,15 +592,19 @@ class TokenDispatcher(nn.Module):
         recv = self.backend.exchange(send.view(R, N // R, B)).reshape(N, B)
         return take_rows(recv, handle.expert_row_source)
 
-    def _to_expert_order(self, send: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+    def _to_expert_order(self, send: torch.Tensor, handle: DispatchHandle, quantize_recipe=None):
         """Send-slot rows ``[N, X]`` to the expert input of their destinations (the exchange and the regrouping by
-        local expert at R > 1; the send buffer itself at R = 1)."""
+        local expert at R > 1; the send buffer itself at R = 1). ``quantize_recipe`` (R > 1, per pair, aligned):
+        the regrouping writes the expert input's FP8 copies (:func:`moe_graph.ops.permute.expand_quantize`)."""
         if handle.exchange_plan is not None:
             return ToExperts.apply(self.exchange_backend, handle.exchange_plan, send)
         if self.num_ep_ranks == 1:
             return send
         R, (N, X) = self.num_ep_ranks, send.shape
         recv = _Exchange.apply(self.backend, send.view(R, N // R, X)).reshape(N, X)
+        if quantize_recipe is not None:
+            return expand_quantize(recv, handle.expert_row_source, handle.recv_row_target.view(N, 1),
+                                   handle.aligned_m_splits, quantize_recipe)
         return expand_rows(recv, handle.expert_row_source, handle.recv_row_target.view(N, 1))
 
     def _to_send_order(self, rows: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:

@@ -20,22 +20,30 @@ route); no atomics anywhere, deterministic. A permutation is ``K = 1``.
 Indices outside ``[0, sentinel]``: a ``RuntimeError`` naming the argument on the CPU; on CUDA they read as the
 sentinel and set the device error flag's ``INDEX_OUT_OF_RANGE`` bit (``moe_graph.check_errors()``): no sync,
 capturable.
+
+``expand_quantize(src, route_of_row, route_rows, m_splits, recipe)``: the FP8 expert input straight from the tokens
+(``torch.ops.moe_graph.expand_quantize_pair``, ``csrc/permute/expand_quantize.h``): the rowwise and the per-group
+columnwise copy of ``expand_rows(src, route_of_row, route_rows)``, bit-equal to ``ops.fp8.quantize_pair`` of it,
+without the 16-bit expanded rows in memory; its input gradient is ``expand_rows``' (``reduce_rows``, no weights).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
+from moe_graph.ops import fp8 as _fp8
 from moe_graph.ops._lib import has_kernel
 from moe_graph.ops.reroute import real_host_values
 
-__all__ = ["expand_rows", "reduce_rows", "route_dot", "native_available"]
+__all__ = ["expand_rows", "reduce_rows", "route_dot", "native_available", "expand_quantize",
+           "expand_quantize_available"]
 
 _EXPAND = "moe_graph::expand_rows"
 _REDUCE = "moe_graph::reduce_rows"
 _DOT = "moe_graph::route_dot"
+_EXPAND_QUANTIZE = "moe_graph::expand_quantize_pair"
 
 
 @torch.compiler.assume_constant_result  # fixed per process: traced once by torch.compile
@@ -193,6 +201,46 @@ def route_dot(rows: torch.Tensor, src: torch.Tensor, route_rows: torch.Tensor) -
     return _route_dot(rows.contiguous(), src.contiguous(), route_rows)
 
 
+@torch.compiler.assume_constant_result  # fixed per process: traced once by torch.compile
+def expand_quantize_available(device_type: str = "cpu") -> bool:
+    """True when the loaded extension has :func:`expand_quantize`'s op (and the row ops) for ``device_type``."""
+    return native_available(device_type) and has_kernel(_EXPAND_QUANTIZE, device_type)
+
+
+def _pair_tiles(recipe) -> Tuple[int, int, int, int, bool]:
+    """``(rowwise tile rows, cols, columnwise tile rows, cols, mx)``: ``ops.fp8.quantize_pair``'s tiles."""
+    tr, tc, mx, _ = _fp8.TILES[_fp8.row_tiles(recipe)]
+    ctr, ctc, _, _ = _fp8.TILES[_fp8._PLANS[recipe.kind][3]]  # quantize_columns' tiles
+    return tr, tc, ctr, ctc, mx
+
+
+def expand_quantize(src: torch.Tensor, route_of_row: torch.Tensor, route_rows: torch.Tensor,
+                    m_splits: torch.Tensor, recipe) -> "_fp8.QuantizedRows":
+    """The expert input in FP8 written straight from the tokens: ``expand_rows(src, route_of_row, route_rows)``
+    (no weights) quantized rowwise (the first expert GEMM's input) and columnwise per group of ``m_splits`` (its
+    wgrad's input) under ``recipe`` (``ops.fp8.Recipe``, its forward dtype), the results of
+    ``ops.fp8.quantize_pair`` of those rows bit for bit, by one op that reads each token row in place: the 16-bit
+    expanded rows are never written nor read back. Returns a ``QuantizedRows`` (``columns`` set) that
+    ``grouped_linear.fp8_grouped_linear`` reads as is; its carrier takes the input gradient ``[m, H]`` back to
+    ``src`` as ``expand_rows``' backward does (``reduce_rows`` over ``route_rows``, no weights). Needs
+    :func:`expand_quantize_available`. Sync-free; the same index rules as :func:`expand_rows` (an out-of-range index
+    raises on the CPU, reads as the sentinel and sets ``INDEX_OUT_OF_RANGE`` on CUDA)."""
+    _check_args("expand_quantize", src, route_of_row, "route_of_row", 1, route_rows, "route_rows", 2, None)
+    if route_rows.shape[0] != src.shape[0]:
+        raise ValueError(f"expand_quantize: route_rows must have shape [n, K] with n = {src.shape[0]} (the rows of "
+                         f"src), got {tuple(route_rows.shape)}")
+    tr, tc, ctr, ctc, mx = _pair_tiles(recipe)
+    with torch.no_grad():
+        q, s, qt, st = torch.ops.moe_graph.expand_quantize_pair(
+            src.detach(), route_of_row, route_rows.shape[1], m_splits, [tr, tc, ctr, ctc], recipe.fwd_dtype, mx,
+            float(recipe.amax_epsilon), bool(recipe.power_2_scale))
+    if recipe.kind == "tensor":  # the scales' layouts of ops.fp8.quantize_pair (one per row / per column)
+        st = st.expand(qt.shape[0], st.shape[1]).contiguous()
+    s = _fp8._row_scales(s, m_splits, route_of_row.shape[0], recipe.kind)
+    rows = _fp8.carrier(src, route_of_row.shape[0], lambda g: _reduce(g, route_rows))
+    return _fp8.QuantizedRows(rows, q, s, recipe.kind, (qt, st))
+
+
 def _register() -> None:
     if not native_available():  # pragma: no cover - a build without the ops
         return
@@ -208,6 +256,18 @@ def _register() -> None:
         torch._check(src.dim() == 2, lambda: "reduce_rows: src must be a 2-D tensor [m, H]")
         torch._check(route_rows.dim() == 2, lambda: "reduce_rows: route_rows must be a 2-D tensor [n, K]")
         return src.new_empty((route_rows.shape[0], src.shape[1]))
+
+    if has_kernel(_EXPAND_QUANTIZE, "cpu"):
+        @torch.library.register_fake(_EXPAND_QUANTIZE)
+        def _(src, route_of_row, K, m_splits, tiles, fp8_dtype, mx, eps, pow2):
+            m, H = route_of_row.shape[0], src.shape[1]
+            scale_dtype = torch.float8_e8m0fnu if mx else torch.float32
+            out = []
+            for tr, tc, transpose in ((tiles[0], tiles[1], False), (tiles[2], tiles[3], True)):
+                rt, ct = _fp8.row_tile_capacity(m, m_splits.shape[0], tr), 1 if tc == 0 else -(-H // tc)
+                out.append(src.new_empty((H, m) if transpose else (m, H), dtype=fp8_dtype))
+                out.append(src.new_empty((ct, rt) if transpose else (rt, ct), dtype=scale_dtype))
+            return tuple(out)
 
     @torch.library.register_fake(_DOT)
     def _(rows, src, route_rows):

@@ -1,0 +1,130 @@
+// expand_quantize's kernel in the emulator (family `permute_quantize`, run by harness.cpp): both FP8 copies of the
+// expanded rows (permute/expand_quantize.h) from one launch (expand_quantize_cuda_launch) against the CPU's tiles
+// and tail (expand_quantize_tiles_host, fp8::quantize_tail_cpu), bit for bit: the bytes, the scales, the error
+// flag (m_splits bits, out-of-range routes) and the non-finite flag.
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "activation/activation.h"
+#include "common/error_flag.h"
+#include "fp8/quantize.h"
+#include "harness.h"
+#include "permute/expand_quantize.h"
+
+namespace emu_test {
+
+namespace {
+namespace f8 = moe_graph::fp8;
+namespace pm = moe_graph::permute;
+namespace act = moe_graph::activation;
+}  // namespace
+
+int family_permute_quantize() {
+  int runs = 0;
+  Rng rng(23);
+  struct Shape {
+    int64_t n, K, m, H, E;
+  };
+  std::vector<Shape> shapes = {{5, 2, 12, 40, 3}, {9, 1, 9, 130, 1}, {20, 3, 70, 33, 5}, {1, 1, 4, 1, 2},
+                               {33, 4, 150, 160, 6}};
+  if (g_full) shapes.insert(shapes.end(), {{300, 2, 700, 256, 8}, {64, 8, 600, 96, 16}});
+  struct PairTiles {
+    int64_t tr, tc, ctr, ctc;
+    bool mx;
+  };
+  const PairTiles pairs[] = {{1, 128, 128, 1, false}, {1, 32, 32, 1, true}, {0, 0, 0, 0, false}};
+  for (const Shape& s : shapes) {
+    for (const PairTiles& t : pairs) {
+      for (int in = 0; in < 3; ++in) {  // fp32, bf16, fp16 tokens
+        const int variant = static_cast<int>(rng.uniform(0, 3));  // 0 plain, 1 bad index, 2 bad split, 3 past m
+        std::vector<int64_t> splits(s.E);
+        for (int64_t g = 0; g < s.E; ++g) splits[g] = rng.bern(0.25) ? 0 : rng.uniform(0, s.m / s.E + 2);
+        if (variant == 2) splits[rng.uniform(0, s.E - 1)] = -3;
+        if (variant == 3) splits[rng.uniform(0, s.E - 1)] += s.m;
+        const bool i64 = rng.bern(0.5);
+        Buffer sp(s.E * (i64 ? 8 : 4));
+        for (int64_t g = 0; g < s.E; ++g) {
+          if (i64) sp.put<int64_t>(g, splits[g]);
+          else sp.put<int32_t>(g, static_cast<int32_t>(splits[g]));
+        }
+        // route of each row: a real route (repeats allowed: a row reads its token), the sentinel, or (variant 1)
+        // an index outside [0, n*K]
+        const int64_t sentinel = s.n * s.K;
+        Buffer routes(s.m * 8);
+        for (int64_t i = 0; i < s.m; ++i) routes.put<int64_t>(i, rng.bern(0.15) ? sentinel : rng.uniform(0, sentinel - 1));
+        if (variant == 1) routes.put<int64_t>(rng.uniform(0, s.m - 1), rng.bern(0.5) ? -1 : sentinel + 2);
+        const size_t es = in == 0 ? 4 : 2;
+        Buffer src(s.n * s.H * es);
+        for (int64_t i = 0; i < s.n * s.H; ++i) {
+          float v = static_cast<float>(rng.normal() * (rng.bern(0.02) ? 1e3 : 2.0));
+          if (rng.bern(0.002)) v = rng.bern(0.5) ? std::nanf("") : INFINITY;
+          if (in == 0) src.put<float>(i, v);
+          else if (in == 1) src.put<act::bf16_t>(i, act::Narrow<act::bf16_t>::to(v));
+          else src.put<act::f16_t>(i, act::Narrow<act::f16_t>::to(v));
+        }
+        const bool e5m2 = !t.mx && rng.bern(0.3);
+        auto problem = [&](int64_t tr, int64_t tc, bool transpose) {
+          f8::QuantizeProblem p;
+          p.rows = s.m;
+          p.cols = s.H;
+          p.in_type = static_cast<f8::InType>(in);
+          p.format = e5m2 ? f8::Format::kE5M2 : f8::Format::kE4M3;
+          p.x = src.data();
+          p.m_splits = sp.data();
+          p.splits_i64 = i64;
+          p.groups = s.E;
+          p.tile_rows = tr;
+          p.tile_cols = tc;
+          p.row_tiles = f8::row_tile_capacity(s.m, s.E, tr);
+          p.col_tiles = tc == 0 ? 1 : (s.H + tc - 1) / tc;
+          p.mx = t.mx;
+          p.pow2 = true;
+          p.transpose = transpose;
+          return p;
+        };
+        const f8::QuantizeProblem p0 = problem(t.tr, t.tc, false), p1 = problem(t.ctr, t.ctc, true);
+        pm::ExpandRoutes e;
+        e.route_of_row = reinterpret_cast<const int64_t*>(routes.data());
+        e.tokens = s.n;
+        e.topk = s.K;
+        const size_t ses = t.mx ? 1 : 4;
+        const std::string what = "expand_quantize n" + std::to_string(s.n) + " K" + std::to_string(s.K) + " m" +
+                                 std::to_string(s.m) + " H" + std::to_string(s.H) + " E" + std::to_string(s.E) +
+                                 " tiles " + std::to_string(t.tr) + "x" + std::to_string(t.tc) + (t.mx ? " mx" : "") +
+                                 " in " + std::to_string(in) + " variant " + std::to_string(variant);
+        auto run = [&](bool emulate) {
+          Buffer q0(s.m * s.H, 0x5c), q1(s.m * s.H, 0x5c);
+          Buffer s0(p0.row_tiles * p0.col_tiles * ses, 0x5c), s1(p1.row_tiles * p1.col_tiles * ses, 0x5c);
+          int32_t flag = 0, nonfinite = 0;
+          f8::QuantizeProblem r0 = p0, r1 = p1;
+          r0.q = q0.data();
+          r0.scale = s0.data();
+          r1.q = q1.data();
+          r1.scale = s1.data();
+          for (f8::QuantizeProblem* r : {&r0, &r1}) {
+            r->error_flag = &flag;
+            r->nonfinite_flag = &nonfinite;
+          }
+          if (emulate) {
+            pm::expand_quantize_cuda_launch(r0, &r1, e, &flag, nullptr);
+          } else {
+            bool bad = false;
+            for (const f8::QuantizeProblem* r : {&r0, &r1}) {
+              bad |= pm::expand_quantize_tiles_host(*r, e, 0, r->row_tiles * r->col_tiles);
+              f8::quantize_tail_cpu(*r);
+            }
+            if (bad) flag |= moe_graph::kErrIndexOutOfRange;
+          }
+          return std::vector<Output>{q0.out("q", 1), s0.out("scale", ses), q1.out("q_t", 1),
+                                     s1.out("scale_t", ses), Output::of("error_flag", flag),
+                                     Output::of("nonfinite_flag", nonfinite)};
+        };
+        runs += run_case(what, [&] { return run(false); }, [&] { return run(true); });
+      }
+    }
+  }
+  return runs;
+}
+
+}  // namespace emu_test

@@ -1,0 +1,69 @@
+"""Worker of tests/test_fp8_permute_quantize.py's EP 2 case: an ``MoELayer`` on the fixed-split exchange with the
+fused FP8 expert input (the receive side's regrouping writes the FP8 copies) on and off."""
+
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import moe_graph
+import moe_graph.moe.experts as experts
+from moe_graph.moe.layer import MoELayer
+
+
+class OpNames(TorchDispatchMode):
+    """The names of the ops that reach the dispatcher (``aten.mm``, ``moe_graph.expand_rows``, ...)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+def run_switched(layer: MoELayer, x: torch.Tensor, target: torch.Tensor, kind: str, fused: bool):
+    """``(output, input gradient, {name: gradient}, forward op names)`` of one forward and backward under the FP8
+    ``kind`` recipe with ``experts.FUSED_FP8_EXPERT_INPUT = fused`` (restored after)."""
+    before = experts.FUSED_FP8_EXPERT_INPUT
+    experts.FUSED_FP8_EXPERT_INPUT = fused
+    mode = OpNames()
+    try:
+        xx = x.clone().requires_grad_()
+        with moe_graph.fp8.autocast(recipe=kind):
+            with mode:
+                y = layer(xx)
+        (y.float() * target).sum().backward()
+    finally:
+        experts.FUSED_FP8_EXPERT_INPUT = before
+    grads = {n: (p.main_grad if hasattr(p, "main_grad") else p.grad).clone() for n, p in layer.named_parameters()
+             if p.grad is not None or hasattr(p, "main_grad")}
+    layer.zero_grad(set_to_none=True)
+    for p in layer.parameters():
+        if hasattr(p, "main_grad"):
+            p.main_grad.zero_()
+    return y.detach(), xx.grad, grads, mode.seen
+
+
+def fused_input_worker(rank: int, world: int, kind: str, capacity_factor: Optional[float]) -> Dict:
+    torch.manual_seed(11)  # the same router on every rank; experts differ by rank below
+    E, K, T, H = 4 * world, 2, 29, 96
+    layer = MoELayer(H, 64, E, K, ep_size=world, capacity_factor=capacity_factor, exchange="nccl", device="cpu")
+    with torch.no_grad():
+        layer.router.weight[0] += 0.3  # expert 0 is busy: drops under a capacity
+        for p in layer.experts.parameters():
+            p.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(100 + rank))
+    g = torch.Generator().manual_seed(1000 + rank)
+    x, target = torch.randn(T, H, generator=g), torch.randn(T, H, generator=g)
+    y0, dx0, g0, ops0 = run_switched(layer, x, target, kind, False)
+    y1, dx1, g1, ops1 = run_switched(layer, x, target, kind, True)
+    return {"out_equal": torch.equal(y0, y1), "dx_equal": torch.equal(dx0, dx1),
+            "unequal_grads": sorted(n for n in g0 if not torch.equal(g0[n], g1[n])), "grads": sorted(g0),
+            "fused_ops": ops1.count("moe_graph.expand_quantize_pair"),
+            "unfused_ops": ops0.count("moe_graph.expand_quantize_pair"),
+            "expand_rows_saved": ops0.count("moe_graph.expand_rows") - ops1.count("moe_graph.expand_rows"),
+            "quantize_saved": ops0.count("moe_graph.fp8_quantize_pair") - ops1.count("moe_graph.fp8_quantize_pair"),
+            "dx_nonzero": bool(dx1.abs().sum() > 0), "dropped": layer.dispatcher.check_drops()}
