@@ -213,8 +213,9 @@ class _Fp8LinearActivation(torch.autograd.Function):
     fused producer of fc2's input, ``ops.fp8.quantize_activation``'s op); returns the zero-stride carrier and the
     copies. Backward, for the carrier's gradient ``g``: fc1's two FP8 ``dy`` copies are quantized straight from
     ``(g, h, row_scale)`` (``ops.fp8.quantize_pair(h, ..., grad_y=g)``: the activation backward's ``grad_h``
-    computed per element, never written in 16 bits nor read again), the row-scale gradient comes from
-    ``expert_activation_backward`` without ``grad_h``, then fc1's dgrad / wgrad as :class:`_Fp8GroupedLinear`.
+    computed per element, never written in 16 bits nor read again), with the row-scale gradient from the same
+    pass (``grad_scale``; under per-tensor scaling from ``expert_activation_backward`` without ``grad_h``), then
+    fc1's dgrad / wgrad as :class:`_Fp8GroupedLinear`.
     fc1's bias gradient is a sum of ``grad_h``: with a bias that needs it, ``grad_h`` is written and quantized as
     in the separate nodes. Every result equals fc1's node followed by ``ops.fp8.quantize_activation``'s bit for
     bit."""
@@ -228,10 +229,13 @@ class _Fp8LinearActivation(torch.autograd.Function):
         ctx.save_for_backward(*saved, h, row_scale)
         ctx.act = act
         ctx.mark_non_differentiable(q, s, qt, st)
+        ctx.set_materialize_grads(False)  # no zero gradients written for the FP8 copies (None reaches backward)
         return h.new_zeros(()).expand(h.shape[0], q.shape[1]), q, s, qt, st
 
     @staticmethod
     def backward(ctx, g, *_):
+        if g is None:  # the carrier got no gradient: nothing reaches fc1 or the row scale
+            return (None,) * (10 + ctx.n_weights)
         *saved, h, row_scale = ctx.saved_tensors
         g = g.contiguous()
         need_dx, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[4]
@@ -244,12 +248,15 @@ class _Fp8LinearActivation(torch.autograd.Function):
             ds = grad_scale if need_ds else None
         else:
             copies = None
+            recipe = ctx.recipe
             if need_dx or ctx.need_w:
-                recipe = ctx.recipe
+                # the row-scale gradient in the same pass where the recipe's rowwise tiles are rows
+                ds = torch.empty_like(row_scale) if need_ds and _fp8.fuses_row_scale_gradient(recipe) else None
                 copies = _fp8.quantize_pair(h, saved[0], recipe, recipe.bwd_dtype, activation=activation,
-                                            row_scale=row_scale, swiglu_alpha=alpha, swiglu_limit=limit, grad_y=g)
+                                            row_scale=row_scale, swiglu_alpha=alpha, swiglu_limit=limit, grad_y=g,
+                                            grad_scale=ds)
             dx, db, dws = _fp8_linear_backward(ctx, saved, None, need_dx, False, copies)
-            if need_ds:  # the row-scale gradient alone (the activation backward's summation order)
+            if need_ds and ds is None:  # the row-scale gradient alone (per-tensor scaling, or no fc1 gradient)
                 ds = _ops.expert_activation_backward(g, h, row_scale, *ctx.act, False)[1]
         return (dx, None, None, None, db, None, None, None, None, ds, *dws)
 
