@@ -315,3 +315,29 @@ def test_fused_activation_backward_bytes(scale, capsys, monkeypatch):
         print(f"\nFP8 backward non-GEMM bytes/token (F={F}, bf16, row_scale={scale is not None}): "
               f"{per_token[False]:.0f} -> {per_token[True]:.0f} (saved {saved:.0f})")
     assert saved == expect, (per_token, expect)
+
+
+ZERO_FILL_OPS = ("zeros", "zeros_like", "new_zeros", "zero_", "fill_", "full", "full_like", "new_full")
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_no_zero_gradients_for_the_fp8_copies(fused, monkeypatch):
+    """The FP8 copies the activation node returns (bytes and scales, non-differentiable) get no gradient tensor:
+    autograd writes no zeros for them in the backward (before: one zero tensor each, 4 x [rows, ...] writes per
+    step), in the one node and in the separate nodes (``quantize_activation``'s)."""
+    CostMeter = _cost_meter(monkeypatch)
+    recipe = fp8.as_recipe("blockwise")
+    gen = torch.Generator().manual_seed(5)
+    x0, w1, _, w2, rs, gy = _inputs(gen, 64, 128, 96, 4, "swiglu", torch.bfloat16, False, torch.float32)
+    x, ww1, ww2 = x0.clone().requires_grad_(), w1.clone().requires_grad_(), w2.clone().requires_grad_()
+    r = rs.clone().requires_grad_()
+    ms = torch.tensor([20, 0, 30, 14])
+    meter = CostMeter([x, ww1, ww2, gy, ms, r])
+    with moe_graph.fp8.autocast(recipe=recipe):
+        y = _chain(fused, x, ms, ww1, None, ww2, r, recipe, "swiglu")
+        with meter:
+            meter.phase = "bwd"
+            y.backward(gy)
+    zero_fills = {k: n for k, n in meter.ops["bwd"].items() if k.split(".")[-1] in ZERO_FILL_OPS}
+    assert not zero_fills, zero_fills
+    assert r.grad is not None and r.grad.abs().max() > 0 and ww1.grad.abs().max() > 0

@@ -436,8 +436,9 @@ Pair describe_pair(const at::Tensor& x, const std::optional<at::Tensor>& m_split
   if (has_ds) {  // the row-scale gradient, written by the rowwise problem (fp8::row_dot)
     TORCH_CHECK(has_grad && has_scale, kPair, ": grad_scale (the row-scale gradient) goes with grad_y and row_scale "
                 "(the fused activation backward with a row scale); got it without ", has_grad ? "row_scale" : "grad_y");
-    TORCH_CHECK(tiles[0] == 1, kPair, ": grad_scale needs rowwise tiles of one row (tiles[0] == 1: Float8BlockScaling,"
-                " MXFP8), got tiles[0] = ", tiles[0]);
+    TORCH_CHECK(tiles[0] == 1 && tiles[1] >= 1 && tiles[1] <= fp8::kRowDotMaxTileCols, kPair, ": grad_scale needs "
+                "rowwise tiles of one row and 1 to ", fp8::kRowDotMaxTileCols, " columns (Float8BlockScaling's 1 x 128, "
+                "MXFP8's 1 x 32), got ", tiles[0], " x ", tiles[1]);
     const at::Tensor& ds = *grad_scale;
     check_shape(ds, {out.act->rows}, kPair, "grad_scale");
     check_same_dtype(ds, *row_scale, kPair, "grad_scale", "row_scale");

@@ -43,11 +43,12 @@
 //   (LoadActGrad), so the bytes equal quantizing its grad_h, without grad_h in memory.
 //
 //   Row-scale gradient in the same pass: with act_grad, act.grad_scale (nullptr: none; needs act.scale) and rowwise
-//   tiles of one row (TR == 1, not transposed: the rowwise problem of Float8BlockScaling / MXFP8, row_tiles == M),
+//   tiles of one row and at most 256 columns (TR == 1, 1 <= TC <= 256, not transposed: the rowwise problem of
+//   Float8BlockScaling / MXFP8, row_tiles == M; row_dot),
 //   ds[r] = sum_f g[r, f] * act(h)[r, f] (rounded once to the scale's dtype) for every row r < M, rows past
 //   sum(m_splits) included, as expert_activation_backward defines it. The CPU sums in column order (bit-equal to
 //   expert_activation_backward's CPU implementation, which it runs); the CUDA kernel, like expert_activation's,
-//   in its own order: one block per row, thread t summing the products of the columns c0 + t + 256 k of the row's
+//   in its own order: one block per row, thread t summing the products of column c0 + t of each of the row's
 //   column tiles (c0 the tile's first column) in column order, then a tree over the block's 256 threads: within
 //   fp32 summation rounding of the CPU's (the emulator compares them with expert_activation's tolerance).
 //
@@ -107,8 +108,10 @@ struct QuantizeProblem {
 
 // True when the problem also writes the row-scale gradient (act.grad_scale): the fused activation backward's
 // rowwise problem with tiles of one row.
+constexpr int64_t kRowDotMaxTileCols = 256;  // the CUDA kernel's threads per block: one column of a tile each
 MOE_GRAPH_HD bool row_dot(const QuantizeProblem& p) {
-  return p.has_act && p.act_grad && p.act.grad_scale != nullptr && p.tile_rows == 1 && !p.transpose;
+  return p.has_act && p.act_grad && p.act.grad_scale != nullptr && p.tile_rows == 1 && p.tile_cols >= 1 &&
+         p.tile_cols <= kRowDotMaxTileCols && !p.transpose;
 }
 
 // Static number of scale rows for M rows in E groups (E == 0: one group) and tile rows TR.

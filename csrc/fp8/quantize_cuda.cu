@@ -91,8 +91,8 @@ __device__ __forceinline__ float block_reduce(float* s_red, float v) {
 }
 
 // A row_dot problem's block for row r (== its row tile: TR 1): the row's column tiles one after the other (amax,
-// scale, quantize), the row-scale gradient's products summed per thread on the way (columns c0 + tid + kThreads k
-// of the gate half), then over the block; rows past sum(m_splits) (no tile: unused scale entries, q zeroed by the
+// scale, quantize), the row-scale gradient's products summed per thread on the way (column c0 + tid of each tile,
+// in the gate half), then over the block; rows past sum(m_splits) (no tile: unused scale entries, q zeroed by the
 // tail blocks) still get their scale gradient.
 template <class L>
 __device__ __forceinline__ void quantize_row(const QuantizeProblem& p, const L& load, int64_t r) {
@@ -108,32 +108,27 @@ __device__ __forceinline__ void quantize_row(const QuantizeProblem& p, const L& 
   }
   __syncthreads();
   const bool quantized = s_nrows != 0;
-  // 32-bit indices (rows, columns < 2^31: checked by the launcher): fewer registers live across the calls of the
-  // loader's slow paths
-  const uint32_t r32 = uint32_t(r), cols = uint32_t(p.cols), TC = uint32_t(col_tile_width(p));
-  const uint32_t F = uint32_t(p.act.cols);
+  // 32-bit indices (rows, columns < 2^31: checked by the launcher); thread tid holds column c0 + tid of each tile
+  // (TC <= kThreads: row_dot), its value computed once for the amax and the bytes
+  const uint32_t r32 = uint32_t(r), TC = uint32_t(p.tile_cols);
   float dot = 0.0f;
   uint32_t ct = 0;
 #pragma unroll 1
-  for (uint32_t c0 = 0; c0 < cols; c0 += TC, ++ct) {
-    const uint32_t c1 = cols - c0 < TC ? cols : c0 + TC;
+  for (uint32_t c0 = 0; c0 < uint32_t(p.cols); c0 += TC, ++ct) {
+    const uint32_t c = c0 + tid;
+    const bool mine = uint32_t(tid) < TC && c < uint32_t(p.cols);
     if (!quantized) {
       if (tid == 0) write_unused_scale(p, 0, r32, ct);
-#pragma unroll 1
-      for (uint32_t c = c0 + tid; c < c1 && c < F; c += kThreads) load.template value<true>(p, r32, c, &dot);
+      if (mine && c < uint32_t(p.act.cols)) load.template value<true>(p, r32, c, &dot);
       continue;
     }
-    float amax = 0.0f;
-#pragma unroll 1
-    for (uint32_t c = c0 + tid; c < c1; c += kThreads) amax = amax_update(amax, load(p, 0, r32, c));
-    amax = block_reduce<1>(s_red, amax);
+    const float v = mine ? load.template value<true>(p, r32, c, &dot) : 0.0f;
+    const float amax = block_reduce<1>(s_red, amax_update(0.0f, v));
     if (tid == 0) s_mult = tile_scale(p, amax, 0, r32, ct);
     __syncthreads();
     const float mult = s_mult;
     __syncthreads();  // s_mult is written again by the next tile
-#pragma unroll 1
-    for (uint32_t c = c0 + tid; c < c1; c += kThreads)
-      quantize_value(p, load.template value<true>(p, r32, c, &dot), mult, 0, r32, c);
+    if (mine) quantize_value(p, v, mult, 0, r32, c);
   }
   dot = block_reduce<0>(s_red, dot);
   if (tid == 0) load.store_grad_scale(p, r, dot);
@@ -239,7 +234,10 @@ struct Problems {
 #endif
 
 template <class L>
-__global__ void __launch_bounds__(kThreads) quantize_kernel(const MOE_GRAPH_GRID_CONSTANT Problems ps) {
+// The activation backward's loader (the row_dot path in the same kernel): 4 blocks per SM (at most 64 registers);
+// with __launch_bounds__(kThreads) alone ptxas stays at 40 registers and spills around the loader's slow-path calls
+// on sm_90a (fp32 SwiGLU variants). The other loaders: no minimum.
+__global__ void __launch_bounds__(kThreads, L::kRowDot ? 4 : 1) quantize_kernel(const MOE_GRAPH_GRID_CONSTANT Problems ps) {
   const int64_t blk = blockIdx.x;
   const int i = blk < ps.blocks0 ? 0 : 1;
   quantize_block(ps.p[i], L{}, ps.tiles[i], i == 0 ? blk : blk - ps.blocks0);

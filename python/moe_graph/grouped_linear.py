@@ -218,7 +218,8 @@ class _Fp8LinearActivation(torch.autograd.Function):
     fc1's dgrad / wgrad as :class:`_Fp8GroupedLinear`.
     fc1's bias gradient is a sum of ``grad_h``: with a bias that needs it, ``grad_h`` is written and quantized as
     in the separate nodes. Every result equals fc1's node followed by ``ops.fp8.quantize_activation``'s bit for
-    bit."""
+    bit (on CUDA the row-scale gradient within fp32 summation rounding: the kernel's order, csrc/fp8/quantize.h);
+    no zero gradients are made for the FP8 copies (``set_materialize_grads(False)``)."""
 
     @staticmethod
     def forward(ctx, x, splits, recipe, wq, bias, fuse, accumulate, xq, act, row_scale, *weights):
@@ -312,7 +313,8 @@ def fp8_grouped_linear_activation(x: torch.Tensor, splits: torch.Tensor, weights
     activation's output (``ops.fp8.quantize_activation``), the next FP8 GEMM's input. The same forward as those two
     calls; backward quantizes fc1's output gradient (the activation backward's ``grad_h``) into its two FP8 copies
     straight from the activation's output gradient, without ``grad_h`` in memory (:class:`_Fp8LinearActivation`).
-    Every result and gradient equals the two calls' bit for bit. Arguments: :func:`fp8_grouped_linear`'s and
+    Every result and gradient equals the two calls' bit for bit (on CUDA the row-scale gradient within fp32
+    summation rounding). Arguments: :func:`fp8_grouped_linear`'s and
     ``ops.fp8.quantize_activation``'s."""
     x, xq = split_quantized(x, recipe)
     wq = _fp8_weight_copies(weights, recipe, None)

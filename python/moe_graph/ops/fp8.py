@@ -388,8 +388,10 @@ def quantize_columns(x: torch.Tensor, m_splits: torch.Tensor, recipe: Recipe, dt
 
 def fuses_row_scale_gradient(recipe: Recipe) -> bool:
     """True when :func:`quantize_pair`'s fused activation backward can write the row-scale gradient under
-    ``recipe`` (rowwise tiles of one row: Float8BlockScaling, MXFP8; not per-tensor scaling)."""
-    return TILES[_PLANS[recipe.kind][0]][0] == 1
+    ``recipe`` (rowwise tiles of one row and at most 256 columns: Float8BlockScaling, MXFP8; not per-tensor
+    scaling)."""
+    rows, cols = TILES[_PLANS[recipe.kind][0]][:2]
+    return rows == 1 and 1 <= cols <= 256
 
 
 def quantize_pair(x: torch.Tensor, m_splits: torch.Tensor, recipe: Recipe, dtype: torch.dtype, *,
