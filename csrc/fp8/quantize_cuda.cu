@@ -234,13 +234,24 @@ struct Problems {
 #endif
 
 template <class L>
-// The activation backward's loader (the row_dot path in the same kernel): 4 blocks per SM (at most 64 registers);
-// with __launch_bounds__(kThreads) alone ptxas stays at 40 registers and spills around the loader's slow-path calls
-// on sm_90a (fp32 SwiGLU variants). The other loaders: no minimum.
-__global__ void __launch_bounds__(kThreads, L::kRowDot ? 4 : 1) quantize_kernel(const MOE_GRAPH_GRID_CONSTANT Problems ps) {
+__device__ __forceinline__ void quantize_problems(const Problems& ps) {
   const int64_t blk = blockIdx.x;
   const int i = blk < ps.blocks0 ? 0 : 1;
   quantize_block(ps.p[i], L{}, ps.tiles[i], i == 0 ? blk : blk - ps.blocks0);
+}
+
+template <class L>
+__global__ void __launch_bounds__(kThreads) quantize_kernel(const MOE_GRAPH_GRID_CONSTANT Problems ps) {
+  quantize_problems<L>(ps);
+}
+
+// The activation backward's loader (with the row_dot path): 4 blocks per SM (at most 64 registers); with
+// __launch_bounds__(kThreads) alone ptxas allocates 40 registers and spills around the loader's slow-path calls
+// (sm_90a: fp32 SwiGLU variants; sm_100a: 16-bit softcapped_swiglu). The other loaders keep no minimum (an explicit
+// one changes their allocation).
+template <class L>
+__global__ void __launch_bounds__(kThreads, 4) quantize_grad_kernel(const MOE_GRAPH_GRID_CONSTANT Problems ps) {
+  quantize_problems<L>(ps);
 }
 
 }  // namespace
@@ -255,8 +266,13 @@ cudaError_t quantize_pair_cuda(const QuantizeProblem& p0, const QuantizeProblem*
   if (blocks0 + blocks1 > kMaxIndex32) return cudaErrorInvalidValue;  // blk < 2^31
   const Problems ps{{p0, p1 ? *p1 : p0}, {tiles0, tiles1}, blocks0};
   with_loader(p0, [&](auto load) {
-    moe_graph::launch(quantize_kernel<decltype(load)>, dim3(static_cast<unsigned>(blocks0 + blocks1)), dim3(kThreads),
-                      0, stream, ps);
+    using L = decltype(load);
+    if constexpr (L::kRowDot)
+      moe_graph::launch(quantize_grad_kernel<L>, dim3(static_cast<unsigned>(blocks0 + blocks1)), dim3(kThreads), 0,
+                        stream, ps);
+    else
+      moe_graph::launch(quantize_kernel<L>, dim3(static_cast<unsigned>(blocks0 + blocks1)), dim3(kThreads), 0,
+                        stream, ps);
   });
   return cudaGetLastError();
 }
