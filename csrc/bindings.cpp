@@ -123,10 +123,11 @@ TORCH_LIBRARY(moe_graph, m) {
   // Both copies in one pass (one launch on CUDA): (q, scale) in tiles[0] x tiles[1] and the transposed (q_t,
   // scale_t) in tiles[2] x tiles[3]; with activation, of act(h) * row_scale for h = x (expert_activation's values,
   // without them in memory: the fused producer of fc2's FP8 input); with activation and grad_y, of
-  // expert_activation_backward's grad_h (the fused producer of fc1's FP8 dy).
+  // expert_activation_backward's grad_h (the fused producer of fc1's FP8 dy); with grad_scale [M] too, its row-scale
+  // gradient written there (rowwise tiles of one row).
   m.def("fp8_quantize_pair(Tensor x, Tensor? m_splits, int[] tiles, ScalarType fp8_dtype, bool mx, float eps, "
-        "bool pow2, str? activation, float alpha, float limit, Tensor? row_scale, Tensor? grad_y=None) -> "
-        "(Tensor, Tensor, Tensor, Tensor)");
+        "bool pow2, str? activation, float alpha, float limit, Tensor? row_scale, Tensor? grad_y=None, "
+        "Tensor(a!)? grad_scale=None) -> (Tensor, Tensor, Tensor, Tensor)");
   // Scaled grouped GEMM (csrc/fp8/scaled_gemm.h): per-K-block fp32 sums times a_scale * b_scale, fp32 accumulation.
   m.def("fp8_scaled_grouped_gemm(Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, Tensor m_splits, int block_k, "
         "int block_n, Tensor? bias, ScalarType out_dtype) -> Tensor");

@@ -3,7 +3,9 @@
 (``ops.fp8.quantize_pair(h, ..., grad_y=g)``, ``LoadActGrad`` in csrc/fp8/quantize.h), and fc1 + the activation as
 one autograd node (``grouped_linear.fp8_grouped_linear_activation``). Oracles: the unfused ops
 (``expert_activation_backward`` then the quantizers; fc1's FP8 node then ``ops.fp8.quantize_activation``), bit for
-bit; the byte count of the backward's non-GEMM ops against the arithmetic of what the fusion leaves out."""
+bit; the row-scale gradient written by the same op (``grad_scale``) against expert_activation_backward's, bit for
+bit, and the float64 definition within fp32 summation rounding; the byte count of the backward's non-GEMM ops
+against the arithmetic of what the fusion leaves out, and no zero gradients written for the FP8 copies."""
 
 import importlib.util
 import os
@@ -70,6 +72,80 @@ def test_backward_quantize_equals_activation_backward_then_quantize(activation, 
                     assert _same(qt, cq) and _same(st, cs), (dtype, sm, splits, qd)
 
 
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("kind", ["blockwise", "mxfp8"])
+def test_backward_quantize_writes_the_row_scale_gradient(activation, kind):
+    """With ``grad_scale`` the same op writes the row-scale gradient: bit-equal to expert_activation_backward's
+    (the CPU's column-order sums) for every h dtype and scale dtype (fp32, h's dtype), several column tiles per
+    row, zero-token groups, one group taking every row and rows past sum(m_splits) (their gradient too), both FP8
+    formats; the FP8 copies are those made without it."""
+    recipe = fp8.as_recipe(kind)
+    gen = torch.Generator().manual_seed(43)
+    F, M = 200, 85  # 2F = 400: four 1 x 128 / thirteen 1 x 32 tiles per row, the last one partial
+    W = 2 * F if gated_kind(activation) else F
+    act = (activation, OPTS["swiglu_alpha"], OPTS["swiglu_limit"])
+    assert fp8.fuses_row_scale_gradient(recipe)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        h = (torch.randn(M, W, generator=gen) * 3).to(dtype)
+        g = (torch.randn(M, F, generator=gen) * torch.logspace(-2, 2, M)[:, None]).to(dtype)
+        for sm in (torch.float32, dtype):
+            rs = torch.rand(M, generator=gen).to(sm)
+            want = torch.ops.moe_graph.expert_activation_backward(g, h, rs, *act)[1]
+            assert want.abs().max() > 0
+            for splits, qd in (([30, 0, 41, 9], torch.float8_e4m3fn), ([M], torch.float8_e5m2),
+                               ([0, 50, 0], torch.float8_e4m3fn)):  # the last: rows 50.. past sum(m_splits)
+                ms = torch.tensor(splits)
+                ds = torch.full((M,), float("nan"), dtype=sm)  # every row is written
+                got = fp8.quantize_pair(h, ms, recipe, qd, activation=activation, row_scale=rs, grad_y=g,
+                                        grad_scale=ds, **OPTS)
+                plain = fp8.quantize_pair(h, ms, recipe, qd, activation=activation, row_scale=rs, grad_y=g, **OPTS)
+                assert _same(ds, want), (dtype, sm, splits)
+                for a, b in zip((*got[0], *got[1]), (*plain[0], *plain[1])):
+                    assert _same(a, b), (dtype, sm, splits)
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_row_scale_gradient_within_fp32_summation_of_the_float64_definition(activation):
+    """The fused row-scale gradient against the float64 definition sum_f g * act(h) (moe_reference's activations),
+    fp32 data: within (F + 32) units of fp32 rounding of sum_f |g * act| (F - 1 additions in any order, the
+    product's rounding, a few units for act's own fp32 evaluation): the bound any summation order meets, so the
+    CUDA kernel's order (csrc/fp8/quantize.h) meets it too."""
+    from moe_graph.testing.moe_reference import reference_activation
+    recipe = fp8.as_recipe("blockwise")
+    gen = torch.Generator().manual_seed(44)
+    F, M = 300, 40
+    W = 2 * F if gated_kind(activation) else F
+    h = torch.randn(M, W, generator=gen) * 3
+    g = torch.randn(M, F, generator=gen)
+    rs = torch.rand(M, generator=gen)
+    ds = torch.empty(M)
+    fp8.quantize_pair(h, torch.tensor([M]), recipe, recipe.bwd_dtype, activation=activation, row_scale=rs,
+                      grad_y=g, grad_scale=ds, **OPTS)
+    terms = g.double() * reference_activation(h.double(), activation, OPTS["swiglu_alpha"], OPTS["swiglu_limit"])
+    bound = (F + 32) * 2.0 ** -24 * terms.abs().sum(1)
+    err = (ds.double() - terms.sum(1)).abs()
+    assert (err <= bound).all(), (err / bound).max()
+
+
+def test_row_scale_gradient_errors_name_the_argument():
+    """grad_scale needs grad_y and row_scale, rowwise tiles of one row, and [M] of row_scale's dtype; nothing is
+    written when refused."""
+    h, g, rs = torch.randn(6, 16), torch.randn(6, 8), torch.rand(6)
+    op = torch.ops.moe_graph.fp8_quantize_pair
+    args = (h, None, [1, 128, 128, 1], torch.float8_e4m3fn, False, 0.0, False, "swiglu", 1.0, 1.0)
+    ds = torch.full((6,), 5.0)
+    with pytest.raises(RuntimeError, match="grad_scale .* goes with grad_y and row_scale"):
+        op(*args, None, g, ds)
+    with pytest.raises(RuntimeError, match="grad_scale .* goes with grad_y and row_scale"):
+        op(*args, rs, None, ds)
+    with pytest.raises(RuntimeError, match="grad_scale needs rowwise tiles of one row"):
+        op(h, None, [0, 0, 0, 0], torch.float8_e4m3fn, False, 0.0, False, "swiglu", 1.0, 1.0, rs, g, ds)
+    for bad in (torch.zeros(5), torch.zeros(6, dtype=torch.bfloat16), torch.zeros(6, 1), torch.zeros(12)[::2]):
+        with pytest.raises(RuntimeError, match="fp8_quantize_pair: grad_scale"):
+            op(*args, rs, g, bad)
+    assert torch.equal(ds, torch.full((6,), 5.0))
+
+
 def test_backward_quantize_sets_the_nonfinite_flag():
     flag = fp8.nonfinite_flag("cpu")
     flag.zero_()
@@ -103,6 +179,9 @@ def test_backward_quantize_and_scale_gradient_fakes():
         torch.library.opcheck(torch.ops.moe_graph.fp8_quantize_pair.default,
                               (h, ms, [1, 32, 32, 1], torch.float8_e4m3fn, True, 0.0, False, act, 1.702, 7.0, None,
                                gy), test_utils=("test_schema", "test_faketensor"))
+        torch.library.opcheck(torch.ops.moe_graph.fp8_quantize_pair.default,  # the row-scale gradient written
+                              (h, ms, [1, 128, 128, 1], torch.float8_e4m3fn, False, 0.0, False, act, 1.702, 7.0,
+                               torch.rand(20), gy, torch.empty(20)), test_utils=("test_schema", "test_faketensor"))
     torch.library.opcheck(torch.ops.moe_graph.expert_activation_backward.default,
                           (g, h, torch.rand(20), "swiglu", 1.702, 7.0, False),
                           test_utils=("test_schema", "test_faketensor"))
@@ -208,8 +287,8 @@ def _cost_meter(monkeypatch):
 def test_fused_activation_backward_bytes(scale, capsys, monkeypatch):
     """The backward's non-GEMM bytes per token (bench_moe_cost's TorchDispatchMode count) of fc1 -> activation ->
     fc2 in FP8 (bf16, SwiGLU), before and after: the fusion leaves out exactly grad_h's write and read
-    (2 x 2 x 2F bytes per token); with a row scale, the scale gradient's op (expert_activation_backward without
-    grad_h) reads g, h and s once more (2F + 4F + 4 bytes per token)."""
+    (2 x 2 x 2F bytes per token), with a row scale too (its gradient written by the same op: no second read of g,
+    h and s)."""
     CostMeter = _cost_meter(monkeypatch)
     recipe = fp8.as_recipe("blockwise")
     M, H, F, E = 64, 128, 96, 4
@@ -231,10 +310,34 @@ def test_fused_activation_backward_bytes(scale, capsys, monkeypatch):
         assert not meter.syncs
     es = 2  # bf16
     expect = 2 * es * 2 * F  # grad_h [M, 2F] written by the activation backward and read by the quantizer
-    if scale is not None:
-        expect -= es * F + es * 2 * F + 4  # the scale gradient's op reads g, h and s once more
     saved = per_token[False] - per_token[True]
     with capsys.disabled():
         print(f"\nFP8 backward non-GEMM bytes/token (F={F}, bf16, row_scale={scale is not None}): "
               f"{per_token[False]:.0f} -> {per_token[True]:.0f} (saved {saved:.0f})")
     assert saved == expect, (per_token, expect)
+
+
+ZERO_FILL_OPS = ("zeros", "zeros_like", "new_zeros", "zero_", "fill_", "full", "full_like", "new_full")
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_no_zero_gradients_for_the_fp8_copies(fused, monkeypatch):
+    """The FP8 copies the activation node returns (bytes and scales, non-differentiable) get no gradient tensor:
+    autograd writes no zeros for them in the backward (before: one zero tensor each, 4 x [rows, ...] writes per
+    step), in the one node and in the separate nodes (``quantize_activation``'s)."""
+    CostMeter = _cost_meter(monkeypatch)
+    recipe = fp8.as_recipe("blockwise")
+    gen = torch.Generator().manual_seed(5)
+    x0, w1, _, w2, rs, gy = _inputs(gen, 64, 128, 96, 4, "swiglu", torch.bfloat16, False, torch.float32)
+    x, ww1, ww2 = x0.clone().requires_grad_(), w1.clone().requires_grad_(), w2.clone().requires_grad_()
+    r = rs.clone().requires_grad_()
+    ms = torch.tensor([20, 0, 30, 14])
+    meter = CostMeter([x, ww1, ww2, gy, ms, r])
+    with moe_graph.fp8.autocast(recipe=recipe):
+        y = _chain(fused, x, ms, ww1, None, ww2, r, recipe, "swiglu")
+        with meter:
+            meter.phase = "bwd"
+            y.backward(gy)
+    zero_fills = {k: n for k, n in meter.ops["bwd"].items() if k.split(".")[-1] in ZERO_FILL_OPS}
+    assert not zero_fills, zero_fills
+    assert r.grad is not None and r.grad.abs().max() > 0 and ww1.grad.abs().max() > 0

@@ -408,7 +408,8 @@ struct Pair {
 Pair describe_pair(const at::Tensor& x, const std::optional<at::Tensor>& m_splits, at::IntArrayRef tiles,
                    at::ScalarType fp8_dtype, bool mx, double eps, bool pow2,
                    const std::optional<c10::string_view>& activation, double alpha, double limit,
-                   const std::optional<at::Tensor>& row_scale, const std::optional<at::Tensor>& grad_y) {
+                   const std::optional<at::Tensor>& row_scale, const std::optional<at::Tensor>& grad_y,
+                   const std::optional<at::Tensor>& grad_scale) {
   TORCH_CHECK(tiles.size() == 4, kPair, ": tiles must be [rowwise tile rows, rowwise tile cols, columnwise tile "
               "rows, columnwise tile cols], got ", tiles.size(), " values");
   Pair out;
@@ -431,11 +432,25 @@ Pair describe_pair(const at::Tensor& x, const std::optional<at::Tensor>& m_split
       out.act->grad_y = g.data_ptr();
     }
   }
+  const bool has_ds = grad_scale.has_value() && grad_scale->defined();
+  if (has_ds) {  // the row-scale gradient, written by the rowwise problem (fp8::row_dot)
+    TORCH_CHECK(has_grad && has_scale, kPair, ": grad_scale (the row-scale gradient) goes with grad_y and row_scale "
+                "(the fused activation backward with a row scale); got it without ", has_grad ? "row_scale" : "grad_y");
+    TORCH_CHECK(tiles[0] == 1 && tiles[1] >= 1 && tiles[1] <= fp8::kRowDotMaxTileCols, kPair, ": grad_scale needs "
+                "rowwise tiles of one row and 1 to ", fp8::kRowDotMaxTileCols, " columns (Float8BlockScaling's 1 x 128, "
+                "MXFP8's 1 x 32), got ", tiles[0], " x ", tiles[1]);
+    const at::Tensor& ds = *grad_scale;
+    check_shape(ds, {out.act->rows}, kPair, "grad_scale");
+    check_same_dtype(ds, *row_scale, kPair, "grad_scale", "row_scale");
+    check_device(ds, x.device(), kPair, "grad_scale");
+    check_contiguous(ds, kPair, "grad_scale");
+  }
   const activation::ActivationProblem* act = out.act ? &*out.act : nullptr;
   out.rows = describe(x, m_splits, tiles[0], tiles[1], fp8_dtype, mx, eps, pow2, false, std::nullopt, act);
   out.cols = describe(x, m_splits, tiles[2], tiles[3], fp8_dtype, mx, eps, pow2, true, std::nullopt, act);
   TORCH_CHECK(x.dim() == 2, kPair, ": x must be 2-D [M, K] (or h [M, W] with an activation), got shape ",
               shape_str(x));
+  if (has_ds) out.rows.p.act.grad_scale = grad_scale->data_ptr();  // the rowwise problem only
   return out;
 }
 
@@ -444,13 +459,18 @@ Pair describe_pair(const at::Tensor& x, const std::optional<at::Tensor>& m_split
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fp8_quantize_pair_cpu(
     const at::Tensor& x, const std::optional<at::Tensor>& m_splits, at::IntArrayRef tiles, at::ScalarType fp8_dtype,
     bool mx, double eps, bool pow2, std::optional<c10::string_view> activation, double alpha, double limit,
-    const std::optional<at::Tensor>& row_scale, const std::optional<at::Tensor>& grad_y) {
-  Pair o = describe_pair(x, m_splits, tiles, fp8_dtype, mx, eps, pow2, activation, alpha, limit, row_scale, grad_y);
+    const std::optional<at::Tensor>& row_scale, const std::optional<at::Tensor>& grad_y,
+    const std::optional<at::Tensor>& grad_scale) {
+  Pair o = describe_pair(x, m_splits, tiles, fp8_dtype, mx, eps, pow2, activation, alpha, limit, row_scale, grad_y,
+                         grad_scale);
   for (const fp8::QuantizeProblem* p : {&o.rows.p, &o.cols.p}) {
     const int64_t tile = (p->tile_rows ? p->tile_rows : p->rows) * fp8::col_tile_width(*p);
     at::parallel_for(0, p->batch * p->row_tiles * p->col_tiles,
                      std::max<int64_t>(1, 16384 / std::max<int64_t>(1, tile)),
                      [&](int64_t t0, int64_t t1) { fp8::quantize_tiles_cpu(*p, t0, t1); });
+    if (fp8::row_dot(*p))
+      at::parallel_for(0, p->rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, p->cols)),
+                       [&](int64_t r0, int64_t r1) { fp8::quantize_row_dots_cpu(*p, r0, r1); });
     fp8::quantize_tail_cpu(*p);
   }
   return {o.rows.q, o.rows.scale, o.cols.q, o.cols.scale};
@@ -460,9 +480,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fp8_quantize_pair_cpu
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fp8_quantize_pair_cuda(
     const at::Tensor& x, const std::optional<at::Tensor>& m_splits, at::IntArrayRef tiles, at::ScalarType fp8_dtype,
     bool mx, double eps, bool pow2, std::optional<c10::string_view> activation, double alpha, double limit,
-    const std::optional<at::Tensor>& row_scale, const std::optional<at::Tensor>& grad_y) {
+    const std::optional<at::Tensor>& row_scale, const std::optional<at::Tensor>& grad_y,
+    const std::optional<at::Tensor>& grad_scale) {
   c10::cuda::CUDAGuard guard(x.device());
-  Pair o = describe_pair(x, m_splits, tiles, fp8_dtype, mx, eps, pow2, activation, alpha, limit, row_scale, grad_y);
+  Pair o = describe_pair(x, m_splits, tiles, fp8_dtype, mx, eps, pow2, activation, alpha, limit, row_scale, grad_y,
+                         grad_scale);
   check_index32(o.rows.p, kPair);
   check_index32(o.cols.p, kPair);
   C10_CUDA_CHECK(fp8::quantize_pair_cuda(o.rows.p, &o.cols.p, at::cuda::getCurrentCUDAStream(x.device().index()).stream()));

@@ -22,11 +22,13 @@ std::tuple<at::Tensor, at::Tensor> fp8_quantize_cpu(const at::Tensor& x, const s
 // and the transposed (q_t [K, M], scale_t) with tiles tiles[2] x tiles[3], of x [M, K] (2-D: fp32/bf16/fp16), or
 // with `activation` of the fused activation act(h) * row_scale of h = x [M, 2K] (gated) / [M, K] (plain), the
 // values expert_activation writes (its checks and options: alpha, limit, row_scale [M]); with `activation` and
-// grad_y [M, F] (h's dtype), of expert_activation_backward's grad_h (q [M, W], q_t [W, M]).
+// grad_y [M, F] (h's dtype), of expert_activation_backward's grad_h (q [M, W], q_t [W, M]); with grad_y, row_scale
+// and grad_scale [M] (row_scale's dtype; rowwise tiles of one row), the row-scale gradient written into grad_scale.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fp8_quantize_pair_cpu(
     const at::Tensor& x, const std::optional<at::Tensor>& m_splits, at::IntArrayRef tiles, at::ScalarType fp8_dtype,
     bool mx, double eps, bool pow2, std::optional<c10::string_view> activation, double alpha, double limit,
-    const std::optional<at::Tensor>& row_scale, const std::optional<at::Tensor>& grad_y);
+    const std::optional<at::Tensor>& row_scale, const std::optional<at::Tensor>& grad_y,
+    const std::optional<at::Tensor>& grad_scale);
 // Scaled grouped GEMM (semantics in fp8/scaled_gemm.h): a [M, K], b [E, N, K] FP8; a_scale [M, ceil(K/BK)],
 // b_scale [E, ceil(N/BN), ceil(K/BK)] fp32 or float8_e8m0fnu; bias [E, N] fp32 or None -> [M, N] out_dtype.
 at::Tensor fp8_scaled_grouped_gemm_cpu(const at::Tensor& a, const at::Tensor& a_scale, const at::Tensor& b,
@@ -54,7 +56,8 @@ std::tuple<at::Tensor, at::Tensor> fp8_quantize_cuda(const at::Tensor& x, const 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fp8_quantize_pair_cuda(
     const at::Tensor& x, const std::optional<at::Tensor>& m_splits, at::IntArrayRef tiles, at::ScalarType fp8_dtype,
     bool mx, double eps, bool pow2, std::optional<c10::string_view> activation, double alpha, double limit,
-    const std::optional<at::Tensor>& row_scale, const std::optional<at::Tensor>& grad_y);
+    const std::optional<at::Tensor>& row_scale, const std::optional<at::Tensor>& grad_y,
+    const std::optional<at::Tensor>& grad_scale);
 at::Tensor fp8_scaled_grouped_gemm_cuda(const at::Tensor& a, const at::Tensor& a_scale, const at::Tensor& b,
                                         const at::Tensor& b_scale, const at::Tensor& m_splits, int64_t block_k,
                                         int64_t block_n, const std::optional<at::Tensor>& bias,

@@ -40,8 +40,17 @@
 //   the activation backward's grad_h [M, W] (W = 2F gated, F plain; K = W, act.cols = F) for the output gradient
 //   g = act.grad_y [M, F]: grad_h[r, c] = g[r, f] * s[r] * d act / d a (c = f < F) or d act / d b (gated, c = F + f),
 //   rounded to h's dtype, computed per element from g, h and s by the functions expert_activation_backward runs
-//   (LoadActGrad), so the bytes equal quantizing its grad_h, without grad_h in memory. The row-scale gradient is
-//   not computed here (expert_activation_backward without grad_h gives it, in its own summation order).
+//   (LoadActGrad), so the bytes equal quantizing its grad_h, without grad_h in memory.
+//
+//   Row-scale gradient in the same pass: with act_grad, act.grad_scale (nullptr: none; needs act.scale) and rowwise
+//   tiles of one row and at most 256 columns (TR == 1, 1 <= TC <= 256, not transposed: the rowwise problem of
+//   Float8BlockScaling / MXFP8, row_tiles == M; row_dot),
+//   ds[r] = sum_f g[r, f] * act(h)[r, f] (rounded once to the scale's dtype) for every row r < M, rows past
+//   sum(m_splits) included, as expert_activation_backward defines it. The CPU sums in column order (bit-equal to
+//   expert_activation_backward's CPU implementation, which it runs); the CUDA kernel, like expert_activation's,
+//   in its own order: one block per row, thread t summing the products of column c0 + t of each of the row's
+//   column tiles (c0 the tile's first column) in column order, then a tree over the block's 256 threads: within
+//   fp32 summation rounding of the CPU's (the emulator compares them with expert_activation's tolerance).
 //
 //   Pair (quantize_pair_cuda): two problems over the same input in one launch (the rowwise and the columnwise
 //   copy), each with its own tiles, layout and outputs; the CPU runs them one after the other.
@@ -92,9 +101,18 @@ struct QuantizeProblem {
   int32_t* nonfinite_flag = nullptr;  // set to 1 by a tile whose amax is inf or NaN
   bool has_act = false;               // fused activation: the values are act(h) * s (B == 1)
   bool act_grad = false;              // with has_act: the values are the activation backward's grad_h
-  activation::ActivationProblem act;  // h, scale, kind, dtype, alpha, limit, grad_y (act_grad) (rows == M;
-                                      // cols == K, or K / 2 for a gated kind with act_grad)
+  activation::ActivationProblem act;  // h, scale, kind, dtype, alpha, limit, grad_y (act_grad), grad_scale
+                                      // (act_grad with a row-dot problem: row_dot) (rows == M; cols == K, or
+                                      // K / 2 for a gated kind with act_grad)
 };
+
+// True when the problem also writes the row-scale gradient (act.grad_scale): the fused activation backward's
+// rowwise problem with tiles of one row.
+constexpr int64_t kRowDotMaxTileCols = 256;  // the CUDA kernel's threads per block: one column of a tile each
+MOE_GRAPH_HD bool row_dot(const QuantizeProblem& p) {
+  return p.has_act && p.act_grad && p.act.grad_scale != nullptr && p.tile_rows == 1 && p.tile_cols >= 1 &&
+         p.tile_cols <= kRowDotMaxTileCols && !p.transpose;
+}
 
 // Static number of scale rows for M rows in E groups (E == 0: one group) and tile rows TR.
 inline int64_t row_tile_capacity(int64_t rows, int64_t groups, int64_t tile_rows) {
@@ -255,6 +273,7 @@ MOE_GRAPH_HD void quantize_value(const QuantizeProblem& p, float x, float mult, 
 
 // The loaders: the value of element (b, r, c) of the input being quantized.
 struct LoadX {  // x itself (fp32 / bf16 / fp16, or FP8 with its rowwise scales)
+  static constexpr bool kRowDot = false;
   MOE_GRAPH_HD float operator()(const QuantizeProblem& p, int64_t b, int64_t r, int64_t c) const {
     return load_x(p, b, r, c);
   }
@@ -262,6 +281,7 @@ struct LoadX {  // x itself (fp32 / bf16 / fp16, or FP8 with its rowwise scales)
 
 template <activation::ActKind K, typename T, typename S>
 struct LoadAct {  // the fused activation: y[r, c] as expert_activation writes it (rounded to h's dtype)
+  static constexpr bool kRowDot = false;
   MOE_GRAPH_HD float operator()(const QuantizeProblem& p, int64_t, int64_t r, int64_t c) const {
     using A = activation::acc_t<T>;
     constexpr int64_t kWidth = activation::is_gated(K) ? 2 : 1;
@@ -279,7 +299,11 @@ struct LoadAct {  // the fused activation: y[r, c] as expert_activation writes i
 
 template <activation::ActKind K, typename T, typename S>
 struct LoadActGrad {  // the fused activation backward: grad_h[r, c] as expert_activation_backward writes it
-  MOE_GRAPH_HD float operator()(const QuantizeProblem& p, int64_t, int64_t r, int64_t c) const {
+  static constexpr bool kRowDot = true;
+  // grad_h[r, c]; with kDot, also adds the row-scale gradient's product g[r, f] * act[r, f] to *dot when c is a
+  // column of the gate half (gated kinds) or any column (plain kinds): c = f < F.
+  template <bool kDot = false>
+  MOE_GRAPH_HD float value(const QuantizeProblem& p, int64_t r, int64_t c, float* dot = nullptr) const {
     using A = activation::acc_t<T>;
     const int64_t F = p.act.cols;
     constexpr int64_t kWidth = activation::is_gated(K) ? 2 : 1;
@@ -287,17 +311,29 @@ struct LoadActGrad {  // the fused activation backward: grad_h[r, c] as expert_a
     const int64_t f = up ? c - F : c;
     const T* row = static_cast<const T*>(p.act.h) + r * kWidth * F;
     const A s = p.act.scale ? static_cast<A>(activation::widen(static_cast<const S*>(p.act.scale)[r])) : A(1);
-    const A gs = static_cast<A>(activation::widen(static_cast<const T*>(p.act.grad_y)[r * F + f])) * s;
+    const A gv = static_cast<A>(activation::widen(static_cast<const T*>(p.act.grad_y)[r * F + f]));
+    const A gs = gv * s;
     A d;
     if constexpr (activation::is_gated(K)) {
       const activation::GatedGrad<A> gg = activation::gated_grad<K, A>(
           activation::widen(row[f]), activation::widen(row[F + f]), static_cast<A>(p.act.alpha),
           static_cast<A>(p.act.limit));
       d = up ? gg.d_b : gg.d_a;
+      if constexpr (kDot)
+        if (!up) *dot += gv * gg.act;
     } else {
-      d = activation::plain_grad<K, A>(activation::widen(row[f])).d_a;
+      const activation::PlainGrad<A> pg = activation::plain_grad<K, A>(activation::widen(row[f]));
+      d = pg.d_a;
+      if constexpr (kDot) *dot += gv * pg.act;
     }
     return static_cast<float>(activation::widen(activation::Narrow<T>::to(gs * d)));
+  }
+  MOE_GRAPH_HD float operator()(const QuantizeProblem& p, int64_t, int64_t r, int64_t c) const {
+    return value(p, r, c);
+  }
+  // Writes the row's scale gradient (rounded once to the scale's dtype).
+  MOE_GRAPH_HD void store_grad_scale(const QuantizeProblem& p, int64_t r, float dot) const {
+    static_cast<S*>(p.act.grad_scale)[r] = activation::Narrow<S>::to(dot);
   }
 };
 
@@ -334,7 +370,9 @@ inline bool index32_ok(const QuantizeProblem& p) {
 // error bits and the zero rows past sum(m_splits).
 void quantize_tiles_cpu(const QuantizeProblem& p, int64_t t0, int64_t t1);
 void quantize_tail_cpu(const QuantizeProblem& p);
-void quantize_cpu(const QuantizeProblem& p);  // both, on the calling thread
+// The row-scale gradient of rows [r0, r1) of a row_dot problem (nothing otherwise).
+void quantize_row_dots_cpu(const QuantizeProblem& p, int64_t r0, int64_t r1);
+void quantize_cpu(const QuantizeProblem& p);  // all three, on the calling thread
 
 #ifdef MOE_GRAPH_WITH_CUDA
 // One launch (none when there is nothing to write) on `stream`; no host synchronization (capturable).

@@ -1,5 +1,6 @@
 // CPU implementation of the tile quantizer (semantics in fp8/quantize.h), torch-free: each tile walked twice (amax,
-// then quantize) with the per-element functions the CUDA kernel uses (the torch glue splits the tiles over threads).
+// then quantize) with the per-element functions the CUDA kernel uses (the torch glue splits the tiles over threads);
+// the fused backward's row-scale gradient by the activation backward's CPU rows (its column-order sums).
 #include <algorithm>
 #include <cstring>
 
@@ -53,8 +54,16 @@ void quantize_tail_cpu(const QuantizeProblem& p) {
   }
 }
 
+void quantize_row_dots_cpu(const QuantizeProblem& p, int64_t r0, int64_t r1) {
+  if (!row_dot(p)) return;
+  activation::ActivationProblem a = p.act;  // expert_activation_backward without grad_h: the scale gradient only
+  a.grad_h = nullptr;
+  activation::activation_backward_rows(a, r0, r1);
+}
+
 void quantize_cpu(const QuantizeProblem& p) {
   quantize_tiles_cpu(p, 0, p.batch * p.row_tiles * p.col_tiles);
+  quantize_row_dots_cpu(p, 0, p.rows);
   quantize_tail_cpu(p);
 }
 

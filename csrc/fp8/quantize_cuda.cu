@@ -10,7 +10,9 @@
 //   tiles walk the rows fastest (coalesced writes of q_t), each thread's (row, column) advanced without a
 //   division per element. Blocks past the tiles zero the rows past sum(m_splits), a fixed part of them each
 //   (tail_blocks). The input element is read through the loader of quantize.h (x itself, or the fused activation
-//   of h). Index math without 64-bit divisions (their ABI calls spill registers): 32-bit divisions, sizes and tile
+//   of h). The fused activation backward's rowwise problem with the row-scale gradient (row_dot) runs one block
+//   per row instead: its column tiles in turn, the gradient's products summed on the way, then over the block
+//   (quantize_row). Index math without 64-bit divisions (their ABI calls spill registers): 32-bit divisions, sizes and tile
 //   counts < 2^31 (index32_ok, checked by the launcher).
 #include <algorithm>
 #include <cstdint>
@@ -26,7 +28,10 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int64_t kTailChunk = int64_t(kThreads) * 32;  // bytes of q zeroed per tail block
 
-int64_t tile_count(const QuantizeProblem& p) { return p.batch * p.row_tiles * p.col_tiles; }
+// Blocks quantizing tiles: one per tile, or one per row for a row_dot problem (its row tiles, B == 1).
+int64_t tile_count(const QuantizeProblem& p) {
+  return row_dot(p) ? p.batch * p.row_tiles : p.batch * p.row_tiles * p.col_tiles;
+}
 // The blocks zeroing the rows past sum(m_splits) (sized for any m_splits; no 64-bit division in the kernel). Rowwise
 // q: those rows are one contiguous range, kTailChunk bytes per block. Transposed q (q_t[c, r], r in [used, rows)):
 // block t takes row chunk t % chunks (kTailChunk rows from `used`) of tail_cols_per_block columns from
@@ -69,8 +74,74 @@ struct Walk {
   }
 };
 
+// Sum (op 0) or NaN-propagating max (op 1) of v over the block's threads, a tree in s_red; every thread gets it.
+// Ends with a barrier after the read: s_red is free again.
+template <int kOp>
+__device__ __forceinline__ float block_reduce(float* s_red, float v) {
+  const int tid = threadIdx.x;
+  s_red[tid] = v;
+  __syncthreads();
+  for (int s = kThreads / 2; s > 0; s >>= 1) {
+    if (tid < s) s_red[tid] = kOp == 0 ? s_red[tid] + s_red[tid + s] : amax_update(s_red[tid], s_red[tid + s]);
+    __syncthreads();
+  }
+  const float out = s_red[0];
+  __syncthreads();
+  return out;
+}
+
+// A row_dot problem's block for row r (== its row tile: TR 1): the row's column tiles one after the other (amax,
+// scale, quantize), the row-scale gradient's products summed per thread on the way (column c0 + tid of each tile,
+// in the gate half), then over the block; rows past sum(m_splits) (no tile: unused scale entries, q zeroed by the
+// tail blocks) still get their scale gradient.
+template <class L>
+__device__ __forceinline__ void quantize_row(const QuantizeProblem& p, const L& load, int64_t r) {
+  __shared__ float s_red[kThreads];
+  __shared__ int64_t s_nrows;
+  __shared__ float s_mult;
+  const int tid = threadIdx.x;
+  if (tid == 0) {
+    int32_t bits = 0;
+    grouped_rows(p, &bits);
+    if (r == 0 && bits) set_device_error(p.error_flag, bits);
+    s_nrows = locate_tile<uint32_t>(p, r).nrows;  // rows < 2^31 (checked by the launcher)
+  }
+  __syncthreads();
+  const bool quantized = s_nrows != 0;
+  // 32-bit indices (rows, columns < 2^31: checked by the launcher); thread tid holds column c0 + tid of each tile
+  // (TC <= kThreads: row_dot), its value computed once for the amax and the bytes
+  const uint32_t r32 = uint32_t(r), TC = uint32_t(p.tile_cols);
+  float dot = 0.0f;
+  uint32_t ct = 0;
+#pragma unroll 1
+  for (uint32_t c0 = 0; c0 < uint32_t(p.cols); c0 += TC, ++ct) {
+    const uint32_t c = c0 + tid;
+    const bool mine = uint32_t(tid) < TC && c < uint32_t(p.cols);
+    if (!quantized) {
+      if (tid == 0) write_unused_scale(p, 0, r32, ct);
+      if (mine && c < uint32_t(p.act.cols)) load.template value<true>(p, r32, c, &dot);
+      continue;
+    }
+    const float v = mine ? load.template value<true>(p, r32, c, &dot) : 0.0f;
+    const float amax = block_reduce<1>(s_red, amax_update(0.0f, v));
+    if (tid == 0) s_mult = tile_scale(p, amax, 0, r32, ct);
+    __syncthreads();
+    const float mult = s_mult;
+    __syncthreads();  // s_mult is written again by the next tile
+    if (mine) quantize_value(p, v, mult, 0, r32, c);
+  }
+  dot = block_reduce<0>(s_red, dot);
+  if (tid == 0) load.store_grad_scale(p, r, dot);
+}
+
 template <class L>
 __device__ __forceinline__ void quantize_block(const QuantizeProblem& p, const L& load, int64_t tiles, int64_t blk) {
+  if constexpr (L::kRowDot) {
+    if (row_dot(p) && blk < tiles) {
+      quantize_row(p, load, blk);
+      return;
+    }
+  }
   __shared__ float s_amax[kThreads];
   __shared__ int64_t s_tile[3];  // row0, nrows, rows of the groups
   __shared__ float s_mult;
@@ -163,24 +234,45 @@ struct Problems {
 #endif
 
 template <class L>
-__global__ void __launch_bounds__(kThreads) quantize_kernel(const MOE_GRAPH_GRID_CONSTANT Problems ps) {
+__device__ __forceinline__ void quantize_problems(const Problems& ps) {
   const int64_t blk = blockIdx.x;
   const int i = blk < ps.blocks0 ? 0 : 1;
   quantize_block(ps.p[i], L{}, ps.tiles[i], i == 0 ? blk : blk - ps.blocks0);
+}
+
+template <class L>
+__global__ void __launch_bounds__(kThreads) quantize_kernel(const MOE_GRAPH_GRID_CONSTANT Problems ps) {
+  quantize_problems<L>(ps);
+}
+
+// The activation backward's loader (with the row_dot path): 4 blocks per SM (at most 64 registers); with
+// __launch_bounds__(kThreads) alone ptxas allocates 40 registers and spills around the loader's slow-path calls
+// (sm_90a: fp32 SwiGLU variants; sm_100a: 16-bit softcapped_swiglu). The other loaders keep no minimum (an explicit
+// one changes their allocation).
+template <class L>
+__global__ void __launch_bounds__(kThreads, 4) quantize_grad_kernel(const MOE_GRAPH_GRID_CONSTANT Problems ps) {
+  quantize_problems<L>(ps);
 }
 
 }  // namespace
 
 cudaError_t quantize_pair_cuda(const QuantizeProblem& p0, const QuantizeProblem* p1, cudaStream_t stream) {
   if (!index32_ok(p0) || (p1 && !index32_ok(*p1))) return cudaErrorInvalidValue;  // the kernel's 32-bit divisions
+  for (const QuantizeProblem* p : {&p0, p1})  // a row_dot problem: one block per row, its row tile
+    if (p && row_dot(*p) && (p->batch != 1 || p->row_tiles != p->rows)) return cudaErrorInvalidValue;
   const int64_t tiles0 = tile_count(p0), blocks0 = tiles0 + tail_blocks(p0);
   const int64_t tiles1 = p1 ? tile_count(*p1) : 0, blocks1 = p1 ? tiles1 + tail_blocks(*p1) : 0;
   if (blocks0 + blocks1 == 0) return cudaSuccess;
   if (blocks0 + blocks1 > kMaxIndex32) return cudaErrorInvalidValue;  // blk < 2^31
   const Problems ps{{p0, p1 ? *p1 : p0}, {tiles0, tiles1}, blocks0};
   with_loader(p0, [&](auto load) {
-    moe_graph::launch(quantize_kernel<decltype(load)>, dim3(static_cast<unsigned>(blocks0 + blocks1)), dim3(kThreads),
-                      0, stream, ps);
+    using L = decltype(load);
+    if constexpr (L::kRowDot)
+      moe_graph::launch(quantize_grad_kernel<L>, dim3(static_cast<unsigned>(blocks0 + blocks1)), dim3(kThreads), 0,
+                        stream, ps);
+    else
+      moe_graph::launch(quantize_kernel<L>, dim3(static_cast<unsigned>(blocks0 + blocks1)), dim3(kThreads), 0,
+                        stream, ps);
   });
   return cudaGetLastError();
 }

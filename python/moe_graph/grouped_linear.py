@@ -248,11 +248,13 @@ class _Fp8LinearActivation(torch.autograd.Function):
     fused producer of fc2's input, ``ops.fp8.quantize_activation``'s op); returns the zero-stride carrier and the
     copies. Backward, for the carrier's gradient ``g``: fc1's two FP8 ``dy`` copies are quantized straight from
     ``(g, h, row_scale)`` (``ops.fp8.quantize_pair(h, ..., grad_y=g)``: the activation backward's ``grad_h``
-    computed per element, never written in 16 bits nor read again), the row-scale gradient comes from
-    ``expert_activation_backward`` without ``grad_h``, then fc1's dgrad / wgrad as :class:`_Fp8GroupedLinear`.
+    computed per element, never written in 16 bits nor read again), with the row-scale gradient from the same
+    pass (``grad_scale``; under per-tensor scaling from ``expert_activation_backward`` without ``grad_h``), then
+    fc1's dgrad / wgrad as :class:`_Fp8GroupedLinear`.
     fc1's bias gradient is a sum of ``grad_h``: with a bias that needs it, ``grad_h`` is written and quantized as
     in the separate nodes. Every result equals fc1's node followed by ``ops.fp8.quantize_activation``'s bit for
-    bit."""
+    bit (on CUDA the row-scale gradient within fp32 summation rounding: the kernel's order, csrc/fp8/quantize.h);
+    no zero gradients are made for the FP8 copies (``set_materialize_grads(False)``)."""
 
     @staticmethod
     def forward(ctx, x, splits, recipe, wq, bias, fuse, accumulate, xq, act, row_scale, *weights):
@@ -263,10 +265,13 @@ class _Fp8LinearActivation(torch.autograd.Function):
         ctx.save_for_backward(*saved, h, row_scale)
         ctx.act = act
         ctx.mark_non_differentiable(q, s, qt, st)
+        ctx.set_materialize_grads(False)  # no zero gradients written for the FP8 copies (None reaches backward)
         return h.new_zeros(()).expand(h.shape[0], q.shape[1]), q, s, qt, st
 
     @staticmethod
     def backward(ctx, g, *_):
+        if g is None:  # the carrier got no gradient: nothing reaches fc1 or the row scale
+            return (None,) * (10 + ctx.n_weights)
         *saved, h, row_scale = ctx.saved_tensors
         g = g.contiguous()
         need_dx, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[4]
@@ -279,12 +284,15 @@ class _Fp8LinearActivation(torch.autograd.Function):
             ds = grad_scale if need_ds else None
         else:
             copies = None
+            recipe = ctx.recipe
             if need_dx or ctx.need_w:
-                recipe = ctx.recipe
+                # the row-scale gradient in the same pass where the recipe's rowwise tiles are rows
+                ds = torch.empty_like(row_scale) if need_ds and _fp8.fuses_row_scale_gradient(recipe) else None
                 copies = _fp8.quantize_pair(h, saved[0], recipe, recipe.bwd_dtype, activation=activation,
-                                            row_scale=row_scale, swiglu_alpha=alpha, swiglu_limit=limit, grad_y=g)
+                                            row_scale=row_scale, swiglu_alpha=alpha, swiglu_limit=limit, grad_y=g,
+                                            grad_scale=ds)
             dx, db, dws = _fp8_linear_backward(ctx, saved, None, need_dx, False, copies)
-            if need_ds:  # the row-scale gradient alone (the activation backward's summation order)
+            if need_ds and ds is None:  # the row-scale gradient alone (per-tensor scaling, or no fc1 gradient)
                 ds = _ops.expert_activation_backward(g, h, row_scale, *ctx.act, False)[1]
         return (dx, None, None, None, db, None, None, None, None, ds, *dws)
 
@@ -340,7 +348,8 @@ def fp8_grouped_linear_activation(x: torch.Tensor, splits: torch.Tensor, weights
     activation's output (``ops.fp8.quantize_activation``), the next FP8 GEMM's input. The same forward as those two
     calls; backward quantizes fc1's output gradient (the activation backward's ``grad_h``) into its two FP8 copies
     straight from the activation's output gradient, without ``grad_h`` in memory (:class:`_Fp8LinearActivation`).
-    Every result and gradient equals the two calls' bit for bit. Arguments: :func:`fp8_grouped_linear`'s and
+    Every result and gradient equals the two calls' bit for bit (on CUDA the row-scale gradient within fp32
+    summation rounding). Arguments: :func:`fp8_grouped_linear`'s and
     ``ops.fp8.quantize_activation``'s."""
     x, xq = split_quantized(x, recipe)
     wq = _fp8_weight_copies(weights, recipe, None)

@@ -866,11 +866,16 @@ int family_fp8_quantize() {
                                  " kind " + std::to_string(kind) + " dtype " +
                                  std::to_string(static_cast<int>(dt)) + " tiles " + std::to_string(t.tr) + "x" +
                                  std::to_string(t.tc) + (t.mx ? " mx" : "") + " scale " + std::to_string(scale_mode);
+        // the backward with a row scale and rowwise tiles of one row: the row-scale gradient in the same launch
+        // (fp8::row_dot; the CPU sums in column order, the kernel in its own: expert_activation's tolerance)
+        const bool ds_too = grad && scale_mode && t.tr == 1;
+        const size_t dses = act_size(sdt);
         auto run = [&](bool emulate) {
           Buffer q0(M * K, 0x5c), q1(M * K, 0x5c), s0(p0.row_tiles * p0.col_tiles * ses, 0x5c),
-              s1(p1.row_tiles * p1.col_tiles * ses, 0x5c);
+              s1(p1.row_tiles * p1.col_tiles * ses, 0x5c), ds(M * dses, 0x5c);
           int32_t flag = 0, nonfinite = 0;
           f8::QuantizeProblem r0 = p0, r1 = p1;
+          r0.act.grad_scale = ds_too ? ds.data() : nullptr;
           r0.q = q0.data();
           r0.scale = s0.data();
           r1.q = q1.data();
@@ -883,8 +888,10 @@ int family_fp8_quantize() {
             f8::quantize_cpu(r0);
             f8::quantize_cpu(r1);
           }
-          return std::vector<Output>{q0.out("q", 1), s0.out("scale", ses), q1.out("q_t", 1), s1.out("scale_t", ses),
-                                     Output::of("error_flag", flag), Output::of("nonfinite_flag", nonfinite)};
+          std::vector<Output> out{q0.out("q", 1), s0.out("scale", ses), q1.out("q_t", 1), s1.out("scale_t", ses),
+                                  Output::of("error_flag", flag), Output::of("nonfinite_flag", nonfinite)};
+          if (ds_too) out.push_back(ds.out("grad_scale", dses).approx(fp_code(sdt), sum_tol(sdt)));
+          return out;
         };
         runs += run_case(what, [&] { return run(false); }, [&] { return run(true); });
       }

@@ -278,8 +278,9 @@ class GroupedMLP(nn.Module):
 # FP8 experts: the activation writes fc2's FP8 input (both copies) directly; False: the 16-bit activation output,
 # quantized by fc2 (the same bytes; tests compare the two)
 FUSED_FP8_ACTIVATION = True
-# ... and its backward writes fc1's FP8 output gradient (both copies) directly, fc1 and the activation one autograd
-# node; False: the activation's backward writes the 16-bit grad_h, quantized by fc1's backward (the same bytes)
+# ... and its backward writes fc1's FP8 output gradient (both copies) directly, with the row scale's gradient from the
+# same op (blockwise / MXFP8), fc1 and the activation one autograd node; False: the activation's backward writes the
+# 16-bit grad_h, quantized by fc1's backward (the same bytes; the same row-scale gradient on the CPU)
 FUSED_FP8_ACTIVATION_BACKWARD = True
 
 # ... and the dispatcher writes the expert input's two FP8 copies straight from the tokens where it can

@@ -190,7 +190,8 @@ def _register() -> None:
         return q, s
 
     @torch.library.register_fake("moe_graph::fp8_quantize_pair")
-    def _(x, m_splits, tiles, fp8_dtype, mx, eps, pow2, activation, alpha, limit, row_scale, grad_y=None):
+    def _(x, m_splits, tiles, fp8_dtype, mx, eps, pow2, activation, alpha, limit, row_scale, grad_y=None,
+          grad_scale=None):
         rows = x.shape[0]
         forward_act = activation is not None and grad_y is None and gated_kind(activation)
         cols = x.shape[1] // 2 if forward_act else x.shape[1]  # grad_y: the backward's grad_h, like h
@@ -385,9 +386,18 @@ def quantize_columns(x: torch.Tensor, m_splits: torch.Tensor, recipe: Recipe, dt
     return q, s
 
 
+def fuses_row_scale_gradient(recipe: Recipe) -> bool:
+    """True when :func:`quantize_pair`'s fused activation backward can write the row-scale gradient under
+    ``recipe`` (rowwise tiles of one row and at most 256 columns: Float8BlockScaling, MXFP8; not per-tensor
+    scaling)."""
+    rows, cols = TILES[_PLANS[recipe.kind][0]][:2]
+    return rows == 1 and 1 <= cols <= 256
+
+
 def quantize_pair(x: torch.Tensor, m_splits: torch.Tensor, recipe: Recipe, dtype: torch.dtype, *,
                   activation: Optional[str] = None, row_scale: Optional[torch.Tensor] = None,
-                  swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0, grad_y: Optional[torch.Tensor] = None):
+                  swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0, grad_y: Optional[torch.Tensor] = None,
+                  grad_scale: Optional[torch.Tensor] = None):
     """Both copies of an activation / gradient ``x [M, K]`` from one op (one launch on CUDA, TE's cast-transpose):
     ``((q, scale per row), (q_t, scale_t))``, bit-equal to :func:`quantize_rows` and :func:`quantize_columns`.
     With ``activation`` (and ``row_scale``, ``swiglu_alpha``, ``swiglu_limit``: those of
@@ -396,7 +406,10 @@ def quantize_pair(x: torch.Tensor, m_splits: torch.Tensor, recipe: Recipe, dtype
     With ``activation`` and ``grad_y`` (the activation output's gradient ``[M, F]``, ``h``'s dtype) the copies are
     those of the activation backward's ``grad_h`` (``[M, W]`` like ``h``; the first result of
     ``ops.expert_activation_backward(grad_y, h, row_scale, ...)``), computed per element from ``grad_y``, ``h`` and
-    ``row_scale`` without ``grad_h`` in memory (the row-scale gradient is not computed here)."""
+    ``row_scale`` without ``grad_h`` in memory; with ``grad_scale`` too (``[M]``, ``row_scale``'s dtype, written:
+    recipes whose rowwise tiles are one row, :func:`fuses_row_scale_gradient`) the same pass writes there the
+    row-scale gradient, the second result of ``ops.expert_activation_backward`` (bit-equal on the CPU; on CUDA in
+    the kernel's summation order, within fp32 summation rounding)."""
     kind = recipe.kind
     tr, tc, mx, _ = TILES[_PLANS[kind][0]]
     ctr, ctc, _, _ = TILES[_PLANS[kind][3]]
@@ -405,7 +418,7 @@ def quantize_pair(x: torch.Tensor, m_splits: torch.Tensor, recipe: Recipe, dtype
                                          float(recipe.amax_epsilon), bool(recipe.power_2_scale), activation,
                                          float(swiglu_alpha), float(swiglu_limit),
                                          None if row_scale is None else row_scale.contiguous(),
-                                         None if grad_y is None else grad_y.contiguous())
+                                         None if grad_y is None else grad_y.contiguous(), grad_scale)
     if kind == "tensor":
         st = st.expand(qt.shape[0], st.shape[1]).contiguous()
     return (q, _row_scales(s, m_splits, x.shape[0], kind)), (qt, st)
@@ -494,10 +507,13 @@ class _ActivationCarrier(torch.autograd.Function):
         ctx.save_for_backward(h, row_scale)
         ctx.options = (activation, alpha, limit)
         ctx.mark_non_differentiable(q, s, qt, st)
+        ctx.set_materialize_grads(False)  # no zero gradients written for the FP8 copies (None reaches backward)
         return h.new_zeros(()).expand(h.shape[0], q.shape[1]), q, s, qt, st
 
     @staticmethod
     def backward(ctx, g, *_):
+        if g is None:  # the carrier got no gradient
+            return (None,) * 7
         h, row_scale = ctx.saved_tensors
         grad_h, grad_scale = ops.expert_activation_backward(g.contiguous(), h, row_scale, *ctx.options)
         return grad_h, (grad_scale if row_scale is not None and ctx.needs_input_grad[1] else None), \
