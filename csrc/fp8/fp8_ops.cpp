@@ -4,7 +4,6 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <cfloat>
 #include <stdexcept>
 #include <vector>
 
@@ -97,19 +96,8 @@ Quantized describe(const at::Tensor& x, const std::optional<at::Tensor>& m_split
     p.splits_i64 = s.scalar_type() == at::kLong;
     p.groups = s.size(0);
   }
-  p.tile_rows = tile_rows;
-  p.tile_cols = tile_cols;
-  p.row_tiles = fp8::row_tile_capacity(p.rows, p.groups, tile_rows);
-  p.col_tiles = tile_cols == 0 ? 1 : (p.cols + tile_cols - 1) / tile_cols;
-  p.mx = mx;
-  p.eps = static_cast<float>(eps);
-  p.pow2 = pow2;
-  // TE's references: an infinite scale becomes the largest finite value of the input dtype (blockwise tiles) or of
-  // fp32 (per-tensor current scaling).
-  const bool per_tensor = tile_rows == 0 && tile_cols == 0;
-  p.inf_scale = per_tensor || x.scalar_type() == at::kFloat || fp8_in ? FLT_MAX  // FP8 x: its fp32 dequantization
-                : x.scalar_type() == at::kBFloat16 ? 3.38953139e38f : 65504.0f;
-  p.transpose = transpose;
+  fp8::set_tiling(p, tile_rows, tile_cols, mx, eps, pow2, transpose, x.scalar_type() == at::kFloat || fp8_in,
+                  x.scalar_type() == at::kBFloat16);
   std::vector<int64_t> qshape, sshape;
   if (x.dim() == 3) {
     qshape.push_back(p.batch);

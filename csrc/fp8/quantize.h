@@ -123,6 +123,25 @@ inline int64_t row_tile_capacity(int64_t rows, int64_t groups, int64_t tile_rows
   return bound < rows ? bound : rows;
 }
 
+// The tiling and the scale rule of a problem whose rows, cols and groups are set (the argument builders of
+// fp8_quantize and expand_quantize): tiles TR x TC (0 x 0: per tensor), E8M0 scales (mx), the fp32 scale rule (eps,
+// pow2) and the largest finite scale. TE's references: an infinite scale becomes the largest finite value of the
+// input dtype (blockwise tiles) or of fp32 (per-tensor current scaling; `wide_input`: fp32 or FP8 input, whose
+// dequantization is fp32).
+inline void set_tiling(QuantizeProblem& p, int64_t tile_rows, int64_t tile_cols, bool mx, double eps, bool pow2,
+                       bool transpose, bool wide_input, bool bf16_input) {
+  p.tile_rows = tile_rows;
+  p.tile_cols = tile_cols;
+  p.row_tiles = row_tile_capacity(p.rows, p.groups, tile_rows);
+  p.col_tiles = tile_cols == 0 ? 1 : (p.cols + tile_cols - 1) / tile_cols;
+  p.mx = mx;
+  p.eps = static_cast<float>(eps);
+  p.pow2 = pow2;
+  const bool per_tensor = tile_rows == 0 && tile_cols == 0;
+  p.inf_scale = per_tensor || wide_input ? 3.40282347e38f : bf16_input ? 3.38953139e38f : 65504.0f;
+  p.transpose = transpose;
+}
+
 MOE_GRAPH_HD int64_t read_split(const QuantizeProblem& p, int64_t g) {
   return p.splits_i64 ? static_cast<const int64_t*>(p.m_splits)[g] : static_cast<const int32_t*>(p.m_splits)[g];
 }

@@ -6,7 +6,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cfloat>
 
 #include "common/error_flag_torch.h"
 #include "common/torch_checks.h"
@@ -191,16 +190,7 @@ QuantizedCopy describe_copy(const ExpandQuantizePrepared& x, int64_t tile_rows, 
   p.m_splits = x.m_splits.data_ptr();
   p.splits_i64 = x.m_splits.scalar_type() == at::kLong;
   p.groups = x.m_splits.size(0);
-  p.tile_rows = tile_rows;
-  p.tile_cols = tile_cols;
-  p.row_tiles = fp8::row_tile_capacity(p.rows, p.groups, tile_rows);
-  p.col_tiles = tile_cols == 0 ? 1 : (p.cols + tile_cols - 1) / tile_cols;
-  p.mx = mx;
-  p.eps = static_cast<float>(eps);
-  p.pow2 = pow2;
-  p.inf_scale = (tile_rows == 0 && tile_cols == 0) || dt == at::kFloat ? FLT_MAX
-                : dt == at::kBFloat16 ? 3.38953139e38f : 65504.0f;
-  p.transpose = transpose;
+  fp8::set_tiling(p, tile_rows, tile_cols, mx, eps, pow2, transpose, dt == at::kFloat, dt == at::kBFloat16);
   const at::TensorOptions o = x.src.options();
   out.q = at::empty(transpose ? std::vector<int64_t>{p.cols, p.rows} : std::vector<int64_t>{p.rows, p.cols},
                     o.dtype(fp8_dtype));
