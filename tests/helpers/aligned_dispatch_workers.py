@@ -35,18 +35,24 @@ def run_layer(layer: MoELayer, x: torch.Tensor, target: torch.Tensor, kind: str,
     return y.detach(), xx.grad, grads, bool(seen and seen[0])
 
 
-def aligned_dispatch_worker(rank: int, world: int, kind: str, exchange: str, capacity_factor: Optional[float],
-                            spare: int, fp8_dispatch: bool) -> Dict:
-    torch.manual_seed(11)  # the same router on every rank; experts differ by rank below
+def busy_expert_layer(rank: int, world: int, capacity_factor: Optional[float], **layer_kwargs):
+    """``(layer, x, target)``: an EP ``world`` FP8-sized layer (H 96, F 64, 4 experts per rank, top-2) whose expert 0
+    is busy (drops under a capacity, work for echo), the same router on every rank, experts and data per rank."""
+    torch.manual_seed(11)
     E, K, T, H = 4 * world, 2, 29, 96
-    layer = MoELayer(H, 64, E, K, ep_size=world, capacity_factor=capacity_factor, exchange=exchange,
-                     num_spare_experts_per_ep_rank=spare, fp8_dispatch=fp8_dispatch, device="cpu")
+    layer = MoELayer(H, 64, E, K, ep_size=world, capacity_factor=capacity_factor, device="cpu", **layer_kwargs)
     with torch.no_grad():
-        layer.router.weight[0] += 0.3  # expert 0 is busy: drops under a capacity, work for echo
+        layer.router.weight[0] += 0.3
         for p in layer.experts.parameters():
             p.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(100 + rank))
     g = torch.Generator().manual_seed(1000 + rank)
-    x, target = torch.randn(T, H, generator=g), torch.randn(T, H, generator=g)
+    return layer, torch.randn(T, H, generator=g), torch.randn(T, H, generator=g)
+
+
+def aligned_dispatch_worker(rank: int, world: int, kind: str, exchange: str, capacity_factor: Optional[float],
+                            spare: int, fp8_dispatch: bool) -> Dict:
+    layer, x, target = busy_expert_layer(rank, world, capacity_factor, exchange=exchange,
+                                         num_spare_experts_per_ep_rank=spare, fp8_dispatch=fp8_dispatch)
     y0, dx0, g0, a0 = run_layer(layer, x, target, kind, False)
     y1, dx1, g1, a1 = run_layer(layer, x, target, kind, True)
     return {"out_equal": torch.equal(y0, y1), "dx_equal": torch.equal(dx0, dx1),

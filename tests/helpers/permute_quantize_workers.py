@@ -10,6 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import moe_graph
 import moe_graph.moe.experts as experts
+from helpers.aligned_dispatch_workers import busy_expert_layer
 from moe_graph.moe.layer import MoELayer
 
 
@@ -49,15 +50,7 @@ def run_switched(layer: MoELayer, x: torch.Tensor, target: torch.Tensor, kind: s
 
 
 def fused_input_worker(rank: int, world: int, kind: str, capacity_factor: Optional[float]) -> Dict:
-    torch.manual_seed(11)  # the same router on every rank; experts differ by rank below
-    E, K, T, H = 4 * world, 2, 29, 96
-    layer = MoELayer(H, 64, E, K, ep_size=world, capacity_factor=capacity_factor, exchange="nccl", device="cpu")
-    with torch.no_grad():
-        layer.router.weight[0] += 0.3  # expert 0 is busy: drops under a capacity
-        for p in layer.experts.parameters():
-            p.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(100 + rank))
-    g = torch.Generator().manual_seed(1000 + rank)
-    x, target = torch.randn(T, H, generator=g), torch.randn(T, H, generator=g)
+    layer, x, target = busy_expert_layer(rank, world, capacity_factor, exchange="nccl")
     y0, dx0, g0, ops0 = run_switched(layer, x, target, kind, False)
     y1, dx1, g1, ops1 = run_switched(layer, x, target, kind, True)
     return {"out_equal": torch.equal(y0, y1), "dx_equal": torch.equal(dx0, dx1),
