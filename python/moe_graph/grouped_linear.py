@@ -32,6 +32,7 @@ from moe_graph.ops.grouped_gemm import (
     grouped_gemm_autograd,
     grouped_gemm_wgrad,
     has_main_grad_source,
+    deferred_wgrad_placeholders,
     is_zero_wgrad_placeholder,
     resolve_main_grad,
     zero_wgrad_placeholder,
@@ -206,12 +207,7 @@ def _fp8_linear_backward(ctx, saved, dy, need_dx: bool, need_db: bool, dy_copies
     dws = [None] * ctx.n_weights
     if deferred:
         ctx.defer(tuple(xt), dy, splits)
-        if ctx.fuse:
-            for w in ctx.weights:
-                w.grad_added_to_main_grad = True
-            dws = [zero_wgrad_placeholder(w) for w in ctx.weights]
-        else:
-            dws = [w.new_zeros(()).expand(w.shape) for w in ctx.weights]
+        dws = deferred_wgrad_placeholders(ctx.weights, ctx.fuse)
     elif ctx.need_w:
         dws = _fp8_wgrad_delivered(ctx.weights, ctx.n_weights, dy, splits, recipe, xt, dyt, ctx.fuse,
                                    ctx.accumulate, ctx.w_dtype)

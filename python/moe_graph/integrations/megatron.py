@@ -72,7 +72,7 @@ from moe_graph.grouped_linear import (GroupedLinear, _add_grad, fp8_dgrad, fp8_f
 from moe_graph.moe.echo import dispatch_spare_weights, wgrad_accumulate_mask
 from moe_graph.ops.grouped_gemm import (as_splits, grouped_bias_grad, grouped_gemm, grouped_gemm_autograd,
                                         grouped_gemm_wgrad, has_main_grad_source, resolve_main_grad,
-                                        zero_wgrad_placeholder)
+                                        deferred_wgrad_placeholders, zero_wgrad_placeholder)
 from moe_graph.integrations.megatron_moe import MoeGraphMoELayer, fp8_recipe_from_config
 from moe_graph.ops import fp8 as _fp8
 
@@ -228,12 +228,7 @@ class _ExplicitGroupedLinear(torch.autograd.Function):
             job = partial(_explicit_wgrad, layer, params, ctx.echo, ctx.recipe, a, dy, splits, ctx.fuse,
                           ctx.accumulate, True)
             layer._wgrad_queue.append(_QueuedWgrad(job))
-            if ctx.fuse:
-                for w in params:
-                    w.grad_added_to_main_grad = True
-                dws = [zero_wgrad_placeholder(w) for w in params]
-            else:
-                dws = [w.new_zeros(()).expand(w.shape) for w in params]
+            dws = deferred_wgrad_placeholders(params, ctx.fuse)
         else:
             dws = _explicit_wgrad(layer, params, ctx.echo, ctx.recipe, a, dy, splits, ctx.fuse, ctx.accumulate,
                                   False)

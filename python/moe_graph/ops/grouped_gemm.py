@@ -18,7 +18,7 @@ from moe_graph.ops._lib import available, ops, require
 TensorOrList = Union[torch.Tensor, Sequence[torch.Tensor]]
 
 __all__ = ["grouped_gemm", "grouped_gemm_wgrad", "gmm", "grouped_bias_grad", "grouped_gemm_autograd", "as_splits",
-           "zero_wgrad_placeholder", "is_zero_wgrad_placeholder", "resolve_main_grad", "has_main_grad_source"]
+           "zero_wgrad_placeholder", "deferred_wgrad_placeholders", "is_zero_wgrad_placeholder", "resolve_main_grad", "has_main_grad_source"]
 
 
 # ----------------------------------------------------------------------------------------------- fake impls --
@@ -102,6 +102,17 @@ def _stack_bias(bias) -> Optional[torch.Tensor]:
 
 
 _ZERO_WGRAD_PLACEHOLDERS: dict = {}
+
+
+def deferred_wgrad_placeholders(params, fuse: bool) -> list:
+    """What backward returns for weights whose gradient is deferred (``delay_wgrad_compute``: ``backward_dw`` computes
+    it later): with ``fuse`` (into ``main_grad``) each weight is marked ``grad_added_to_main_grad`` and gets a
+    :func:`zero_wgrad_placeholder`, else a zero-stride zero (the real gradient is added to ``.grad`` later)."""
+    if fuse:
+        for w in params:
+            w.grad_added_to_main_grad = True
+        return [zero_wgrad_placeholder(w) for w in params]
+    return [w.new_zeros(()).expand(w.shape) for w in params]
 
 
 def zero_wgrad_placeholder(w: torch.Tensor) -> torch.Tensor:
@@ -300,12 +311,7 @@ class _GroupedGemmFn(torch.autograd.Function):
         )
         if deferred:
             ctx.defer(a, dy.contiguous(), m_splits)
-            if ctx.fuse_main_grad:
-                for w in params:
-                    w.grad_added_to_main_grad = True
-                w_grads = [zero_wgrad_placeholder(w) for w in params]
-            else:
-                w_grads = [w.new_zeros(()).expand(w.shape) for w in params]
+            w_grads = deferred_wgrad_placeholders(params, ctx.fuse_main_grad)
         elif fused:
             for w in params:
                 w.grad_added_to_main_grad = True
