@@ -85,10 +85,12 @@ TORCH_LIBRARY(moe_graph, m) {
   m.def("reduce_rows(Tensor src, Tensor route_rows, Tensor? weights=None) -> Tensor");
   // out[j, k] = dot(rows[j], src[route_rows[j, k]]) -> [n, K] fp32 (fp64 for fp64 data); == m: 0.
   m.def("route_dot(Tensor rows, Tensor src, Tensor route_rows) -> Tensor");
-  // the FP8 copies of expand_rows(src, route_of_row, K) (csrc/permute/expand_quantize.h): fp8_quantize_pair's
-  // results for the expanded rows, without them in memory -> (q [m, H], scale, q_t [H, m], scale_t)
+  // the FP8 copies of expand_rows(src, route_of_row, K, weights) (csrc/permute/expand_quantize.h):
+  // fp8_quantize_pair's results for the expanded rows, without them in memory -> (q [m, H], scale, q_t [H, m],
+  // scale_t)
   m.def("expand_quantize_pair(Tensor src, Tensor route_of_row, int K, Tensor m_splits, int[] tiles, "
-        "ScalarType fp8_dtype, bool mx, float eps, bool pow2) -> (Tensor, Tensor, Tensor, Tensor)");
+        "ScalarType fp8_dtype, bool mx, float eps, bool pow2, Tensor? weights=None) -> (Tensor, Tensor, Tensor, "
+        "Tensor)");
 
   // ---- the token dispatcher's layout (csrc/permute/dispatch_layout.h) -------------------------------------
   // indices [T, K] -> (route_slot [T*K], route_of_slot [R*capacity], send_counts [R, Lc], column_counts [C],

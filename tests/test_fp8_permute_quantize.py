@@ -15,7 +15,7 @@ import torch
 
 import moe_graph
 import moe_graph.moe.experts as experts
-from helpers.permute_quantize_workers import fused_input_worker, run_switched
+from helpers.permute_quantize_workers import fused_input_worker, layer_case, run_switched
 from moe_graph.distributed.launch import run_distributed
 from moe_graph.moe.layer import MoELayer
 from moe_graph.moe.token_dispatcher import TokenDispatcher, expert_columns
@@ -182,20 +182,7 @@ def _run(layer, x, target, kind, fused):
 ])
 def test_moe_layer_fused_expert_input_changes_nothing(kind, dtype, case, main_grad, monkeypatch):
     torch.manual_seed(2)
-    E, T = (16, 5) if case == "few_tokens" else (6, 37)
-    layer = MoELayer(96, 64, E, 2, params_dtype=dtype)
-    if case == "one_expert":
-        with torch.no_grad():
-            layer.router.weight.zero_()
-            layer.router.weight[3] = 1.0
-            layer.router.weight[1] = 0.5
-    if main_grad:
-        for w in layer.experts.weights():
-            w.main_grad = torch.zeros(w.shape, dtype=torch.float32)
-    x = torch.randn(T, 96, dtype=dtype)
-    if case == "one_expert":
-        x = x.abs() + 0.1
-    target = torch.randn(T, 96)
+    layer, x, target = layer_case(96, 64, dtype, case, main_grad)
     y0, dx0, g0, ops0 = _run(layer, x, target, kind, False)
     y1, dx1, g1, ops1 = _run(layer, x, target, kind, True)
     assert torch.equal(y0, y1) and torch.equal(dx0, dx1) and sorted(g0) == sorted(g1)
@@ -230,7 +217,8 @@ def test_fused_expert_input_not_taken_where_it_would_change_bits(monkeypatch):
 
 
 @pytest.mark.parametrize("recipe", ["blockwise", "mxfp8", "tensor"])
-def test_fake_tensor_and_opcheck(recipe):
+@pytest.mark.parametrize("weighted", [False, True])  # the combine backward's row weights (fc2's FP8 dy)
+def test_fake_tensor_and_opcheck(recipe, weighted):
     """The fake (meta) implementation gives the real op's shapes and dtypes (torch.library.opcheck: schema, fake
     tensors, no autograd kernel), and ``expand_quantize`` runs under fake tensors (torch.compile's tracing)."""
     n, K, H, splits, m = CASES[2]
@@ -240,7 +228,8 @@ def test_fake_tensor_and_opcheck(recipe):
     r = RECIPES[recipe]
     from moe_graph.ops.permute import _pair_tiles
     tr, tc, ctr, ctc, mx = _pair_tiles(r)
-    args = (src, route_of_row, K, m_splits, [tr, tc, ctr, ctc], r.fwd_dtype, mx, 0.0, True)
+    args = (src, route_of_row, K, m_splits, [tr, tc, ctr, ctc], r.fwd_dtype, mx, 0.0, True,
+            torch.rand(n, K, generator=g) if weighted else None)
     torch.library.opcheck(torch.ops.moe_graph.expand_quantize_pair.default, args,
                           test_utils=("test_schema", "test_faketensor"))
     from torch._subclasses.fake_tensor import FakeTensorMode

@@ -2,11 +2,13 @@
 //
 //   src [n, H] (fp32 / bf16 / fp16), route_of_row [m] int64 (expand_rows' index, permute.h: row i is token
 //   route_of_row[i] / K, the sentinel n*K a zero row), K, and one or two fp8::QuantizeProblem (fp8/quantize.h) over
-//   rows = m, cols = H (x = src, in_type src's; m_splits, tiles, format, scales, transpose as for fp8_quantize):
-//   every output byte and scale equals fp8_quantize of expand_rows(src, route_of_row, K) (no weights) with that
-//   problem, without the expanded [m, H] rows in memory. Each element is read through LoadRoute (the row's token,
-//   then fp8::load_x), the tiles are the quantizer's (fp8::locate_tile, tile_scale, quantize_value, amax_update),
-//   rows past sum(m_splits) zero (fp8::quantize_tail_cpu's rule), the m_splits error bits the quantizer's.
+//   rows = m, cols = H (x = src, in_type src's; m_splits, tiles, format, scales, transpose as for fp8_quantize),
+//   optional weights [n*K] fp32 (one per route): every output byte and scale equals fp8_quantize of
+//   expand_rows(src, route_of_row, K, weights) with that problem, without the expanded [m, H] rows in memory. Each
+//   element is read through LoadRoute (the row's token, then fp8::load_x; with weights, w[route] * x rounded to
+//   src's dtype as expand_rows writes it: the combine's backward handing fc2 its FP8 output gradient), the tiles
+//   are the quantizer's (fp8::locate_tile, tile_scale, quantize_value, amax_update), rows past sum(m_splits) zero
+//   (fp8::quantize_tail_cpu's rule), the m_splits error bits the quantizer's.
 //
 //   An index outside [0, n*K] reads as the sentinel (a zero row). The CPU glue refuses one before writing; the CUDA
 //   kernel sets kErrIndexOutOfRange for such an index of a row inside the groups (the rows the tiles read).
@@ -29,19 +31,29 @@ namespace permute {
 struct ExpandRoutes {
   const int64_t* route_of_row = nullptr;  // [m]
   int64_t tokens = 0, topk = 0;           // n, K
+  const float* weights = nullptr;         // [n*K] or null: each route's row weight (expand_rows' weights)
 };
+
+// w * x rounded to the input's dtype (fp32 / bf16 / fp16, round to nearest even): expand_rows' weighted element.
+MOE_GRAPH_HD float round_to_input(const fp8::QuantizeProblem& p, float v) {
+  if (p.in_type == fp8::InType::kBF16) return activation::widen(activation::Narrow<activation::bf16_t>::to(v));
+  if (p.in_type == fp8::InType::kF16) return activation::widen(activation::Narrow<activation::f16_t>::to(v));
+  return v;
+}
 
 MOE_GRAPH_HD bool route_in_range(int64_t r, int64_t sentinel) { return r >= 0 && r <= sentinel; }
 
-// The value of element (r, c) of expand_rows(src, route_of_row, K): src[route / K][c], 0 for the sentinel (and
-// for an out-of-range route). 32-bit division: n*K < 2^31 (expand_quantize_ok).
+// The value of element (r, c) of expand_rows(src, route_of_row, K, weights): src[route / K][c] (times
+// weights[route], rounded to src's dtype), 0 for the sentinel (and for an out-of-range route). 32-bit division:
+// n*K < 2^31 (expand_quantize_ok).
 struct LoadRoute {
   ExpandRoutes e;
   MOE_GRAPH_HD float operator()(const fp8::QuantizeProblem& p, int64_t, int64_t r, int64_t c) const {
     const int64_t route = e.route_of_row[r];
     if (route < 0 || route >= e.tokens * e.topk) return 0.0f;
     const int64_t token = static_cast<uint32_t>(route) / static_cast<uint32_t>(e.topk);
-    return fp8::load_x(p, 0, token, c);  // x = src [n, H]: element (token, c)
+    const float x = fp8::load_x(p, 0, token, c);  // x = src [n, H]: element (token, c)
+    return e.weights == nullptr ? x : round_to_input(p, e.weights[route] * x);
   }
 };
 

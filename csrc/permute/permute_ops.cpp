@@ -165,7 +165,7 @@ struct QuantizedCopy {
 };
 
 struct ExpandQuantizePrepared {
-  at::Tensor src, route_of_row, m_splits;
+  at::Tensor src, route_of_row, m_splits, weights;  // weights: fp32 [n, K] or undefined
   permute::ExpandRoutes e;
   QuantizedCopy rows, cols;  // the rowwise copy [m, H] and the columnwise (transposed) copy [H, m]
 };
@@ -206,7 +206,8 @@ QuantizedCopy describe_copy(const ExpandQuantizePrepared& x, int64_t tile_rows, 
 
 ExpandQuantizePrepared prepare_expand_quantize(const at::Tensor& src, const at::Tensor& route_of_row, int64_t K,
                                                const at::Tensor& m_splits, at::IntArrayRef tiles,
-                                               at::ScalarType fp8_dtype, bool mx, double eps, bool pow2) {
+                                               at::ScalarType fp8_dtype, bool mx, double eps, bool pow2,
+                                               const c10::optional<at::Tensor>& weights) {
   const char* op = kExpandQuantize;
   check_defined(src, op, "src");
   check_dim(src, 2, op, "src", "[n, H]");
@@ -229,6 +230,8 @@ ExpandQuantizePrepared prepare_expand_quantize(const at::Tensor& src, const at::
   x.e.route_of_row = x.route_of_row.data_ptr<int64_t>();
   x.e.tokens = src.size(0);
   x.e.topk = K;
+  x.weights = prepare_weights(weights, src, src.size(0), K, op);  // src's dtype (fp32 / 16-bit) or fp32 -> fp32
+  x.e.weights = x.weights.defined() ? x.weights.data_ptr<float>() : nullptr;
   x.rows = describe_copy(x, tiles[0], tiles[1], fp8_dtype, mx, eps, pow2, false);
   x.cols = describe_copy(x, tiles[2], tiles[3], fp8_dtype, mx, eps, pow2, true);
   return x;
@@ -262,8 +265,10 @@ at::Tensor route_dot_cpu(const at::Tensor& rows, const at::Tensor& src, const at
 
 QuantizedPair expand_quantize_pair_cpu(const at::Tensor& src, const at::Tensor& route_of_row, int64_t K,
                                        const at::Tensor& m_splits, at::IntArrayRef tiles, at::ScalarType fp8_dtype,
-                                       bool mx, double eps, bool pow2) {
-  ExpandQuantizePrepared x = prepare_expand_quantize(src, route_of_row, K, m_splits, tiles, fp8_dtype, mx, eps, pow2);
+                                       bool mx, double eps, bool pow2,
+                                       const c10::optional<at::Tensor>& weights) {
+  ExpandQuantizePrepared x = prepare_expand_quantize(src, route_of_row, K, m_splits, tiles, fp8_dtype, mx, eps, pow2,
+                                                       weights);
   const int64_t sentinel = x.e.tokens * x.e.topk;
   const at::Tensor bad = (x.route_of_row < 0) | (x.route_of_row > sentinel);
   if (bad.any().item<bool>()) {  // nothing written yet
@@ -301,9 +306,11 @@ at::Tensor route_dot_cuda(const at::Tensor& rows, const at::Tensor& src, const a
 
 QuantizedPair expand_quantize_pair_cuda(const at::Tensor& src, const at::Tensor& route_of_row, int64_t K,
                                         const at::Tensor& m_splits, at::IntArrayRef tiles, at::ScalarType fp8_dtype,
-                                        bool mx, double eps, bool pow2) {
+                                        bool mx, double eps, bool pow2,
+                                        const c10::optional<at::Tensor>& weights) {
   c10::cuda::CUDAGuard guard(src.device());
-  ExpandQuantizePrepared x = prepare_expand_quantize(src, route_of_row, K, m_splits, tiles, fp8_dtype, mx, eps, pow2);
+  ExpandQuantizePrepared x = prepare_expand_quantize(src, route_of_row, K, m_splits, tiles, fp8_dtype, mx, eps, pow2,
+                                                       weights);
   TORCH_CHECK(permute::expand_quantize_ok(x.rows.p, x.e) && permute::expand_quantize_ok(x.cols.p, x.e),
               kExpandQuantize, ": the CUDA kernel needs rows, columns, tile sizes, tile counts and n*K below 2^31, "
               "got ", x.rows.p.rows, " rows x ", x.rows.p.cols, " columns, n*K = ", x.e.tokens * x.e.topk);

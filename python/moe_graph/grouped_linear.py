@@ -226,16 +226,24 @@ class _Fp8GroupedLinear(torch.autograd.Function):
     weights get placeholders (as the bf16 path, :func:`moe_graph.ops.grouped_gemm.grouped_gemm_autograd`)."""
 
     @staticmethod
-    def forward(ctx, x, splits, recipe, wq, bias, fuse, accumulate, defer, xq, *weights):
+    def forward(ctx, x, splits, recipe, wq, bias, fuse, accumulate, defer, xq, handoff, *weights):
         y, saved = _fp8_linear_forward(ctx, x, splits, recipe, wq, bias, fuse, accumulate, defer, xq, weights)
         ctx.save_for_backward(*saved)
+        ctx.handoff = handoff
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        dx, db, dws = _fp8_linear_backward(ctx, ctx.saved_tensors, dy.contiguous(), ctx.needs_input_grad[0],
-                                           ctx.needs_input_grad[4])
-        return (dx, None, None, None, db, None, None, None, None, *dws)
+        copies = None
+        if ctx.handoff is not None:  # dy's FP8 copies from the output's consumer (ops.fp8.GradHandoff)
+            copies, dy = ctx.handoff.take(dy)
+            ctx.handoff = None
+        if copies is not None:
+            dx, db, dws = _fp8_linear_backward(ctx, ctx.saved_tensors, None, ctx.needs_input_grad[0], False, copies)
+        else:
+            dx, db, dws = _fp8_linear_backward(ctx, ctx.saved_tensors, dy.contiguous(), ctx.needs_input_grad[0],
+                                               ctx.needs_input_grad[4])
+        return (dx, None, None, None, db, None, None, None, None, None, *dws)
 
 
 class _Fp8LinearActivation(torch.autograd.Function):
@@ -321,17 +329,28 @@ def _fp8_weight_copies(weights: List[torch.Tensor], recipe, cache_owner: Optiona
 
 def fp8_grouped_linear(x: torch.Tensor, splits: torch.Tensor, weights: List[torch.Tensor],
                        bias: Optional[torch.Tensor], recipe, *, fuse: bool = False, accumulate: bool = True,
-                       cache_owner: Optional[object] = None) -> torch.Tensor:
+                       cache_owner: Optional[object] = None,
+                       grad_handoff: Optional["_fp8.GradHandoff"] = None) -> torch.Tensor:
     """``x [M, K]`` times the expert weights (one ``[E, N, K]`` tensor or ``E`` tensors ``[N, K]``) in FP8 with
     ``recipe`` (``moe_graph.fp8.Recipe``), differentiable in ``x``, the weights and ``bias [E, N]``; ``fuse``:
     weight gradients into ``main_grad``. With ``cache_owner`` the weights' quantized copies are kept on it and
     reused while the weights are the same tensors with the same version counters (only for weights updated in
     place through themselves: an update through another view of their storage, e.g. a contiguous parameter
     buffer, is not seen). ``x`` may be a ``moe_graph.fp8.QuantizedRows`` (FP8 dispatch): its rowwise copy is used
-    as is, and the wgrad's columnwise copy is quantized from its fp32 dequantization."""
+    as is, and the wgrad's columnwise copy is quantized from its fp32 dequantization.
+
+    ``grad_handoff`` (``moe_graph.fp8.GradHandoff`` of this ``recipe`` and ``splits``; no ``bias``): bound to the
+    output here; the backward takes the output gradient's FP8 copies from it where the output's consumer wrote
+    them (the combine's backward), instead of quantizing a 16-bit gradient (the same bytes)."""
+    if grad_handoff is not None and (bias is not None or grad_handoff.recipe != recipe
+                                     or grad_handoff.m_splits is not splits):
+        raise ValueError("fp8_grouped_linear: grad_handoff needs no bias and the layer's recipe and splits")
     x, xq = split_quantized(x, recipe)
     wq = _fp8_weight_copies(weights, recipe, cache_owner)
-    return _Fp8GroupedLinear.apply(x, splits, recipe, wq, bias, fuse, accumulate, None, xq, *weights)
+    y = _Fp8GroupedLinear.apply(x, splits, recipe, wq, bias, fuse, accumulate, None, xq, grad_handoff, *weights)
+    if grad_handoff is not None:
+        grad_handoff.bind(y)
+    return y
 
 
 def fp8_grouped_linear_activation(x: torch.Tensor, splits: torch.Tensor, weights: List[torch.Tensor],
@@ -613,7 +632,8 @@ class GroupedLinear(nn.Module):
             def defer(xt, dy, splits_, fuse=fuse, accumulate=accumulate, with_bias=with_bias, recipe=recipe):
                 queue.append((xt, dy, splits_, fuse, accumulate, with_bias, recipe))
 
-        return _Fp8GroupedLinear.apply(x, splits, recipe, cache[1], bias, fuse, accumulate, defer, None, *weights)
+        return _Fp8GroupedLinear.apply(x, splits, recipe, cache[1], bias, fuse, accumulate, defer, None, None,
+                                       *weights)
 
     # ------------------------------------------------------------------------------- delayed weight grads --
     def need_backward_dw(self) -> bool:

@@ -1,5 +1,5 @@
 // expand_quantize's kernel in the emulator (family `permute_quantize`, run by harness.cpp): both FP8 copies of the
-// expanded rows (permute/expand_quantize.h) from one launch (expand_quantize_cuda_launch) against the CPU's tiles
+// expanded rows (permute/expand_quantize.h; half the cases with row weights: the combine's backward) from one launch (expand_quantize_cuda_launch) against the CPU's tiles
 // and tail (expand_quantize_tiles_host, fp8::quantize_tail_cpu), bit for bit: the bytes, the scales, the error
 // flag (m_splits bits, out-of-range routes) and the non-finite flag.
 #include <cmath>
@@ -88,11 +88,18 @@ int family_permute_quantize() {
         e.route_of_row = reinterpret_cast<const int64_t*>(routes.data());
         e.tokens = s.n;
         e.topk = s.K;
+        // the combine's backward (fc2's dy): each route's row weight, w * x rounded to the tokens' dtype
+        const bool weighted = rng.bern(0.5);
+        Buffer weights(s.n * s.K * 4);
+        for (int64_t r = 0; r < s.n * s.K; ++r)
+          weights.put<float>(r, rng.bern(0.1) ? 0.0f : static_cast<float>(rng.normal() * 1.5));
+        if (weighted) e.weights = reinterpret_cast<const float*>(weights.data());
         const size_t ses = t.mx ? 1 : 4;
         const std::string what = "expand_quantize n" + std::to_string(s.n) + " K" + std::to_string(s.K) + " m" +
                                  std::to_string(s.m) + " H" + std::to_string(s.H) + " E" + std::to_string(s.E) +
                                  " tiles " + std::to_string(t.tr) + "x" + std::to_string(t.tc) + (t.mx ? " mx" : "") +
-                                 " in " + std::to_string(in) + " variant " + std::to_string(variant);
+                                 " in " + std::to_string(in) + " variant " + std::to_string(variant) +
+                                 (weighted ? " weighted" : "");
         auto run = [&](bool emulate) {
           Buffer q0(s.m * s.H, 0x5c), q1(s.m * s.H, 0x5c);
           Buffer s0(p0.row_tiles * p0.col_tiles * ses, 0x5c), s1(p1.row_tiles * p1.col_tiles * ses, 0x5c);

@@ -3,6 +3,7 @@ fused FP8 expert input (the receive side's regrouping writes the FP8 copies) on 
 
 from __future__ import annotations
 
+import contextlib
 from typing import Dict, Optional
 
 import torch
@@ -26,20 +27,23 @@ class OpNames(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def run_switched(layer: MoELayer, x: torch.Tensor, target: torch.Tensor, kind: str, fused: bool):
-    """``(output, input gradient, {name: gradient}, forward op names)`` of one forward and backward under the FP8
-    ``kind`` recipe with ``experts.FUSED_FP8_EXPERT_INPUT = fused`` (restored after)."""
-    before = experts.FUSED_FP8_EXPERT_INPUT
-    experts.FUSED_FP8_EXPERT_INPUT = fused
+def run_switched(layer: MoELayer, x: torch.Tensor, target: torch.Tensor, kind: str, fused: bool,
+                 switch: str = "FUSED_FP8_EXPERT_INPUT", record: str = "forward"):
+    """``(output, input gradient, {name: gradient}, op names)`` of one forward and backward under the FP8 ``kind``
+    recipe with ``experts.<switch> = fused`` (restored after); the op names of the ``record`` pass ("forward" or
+    "backward")."""
+    before = getattr(experts, switch)
+    setattr(experts, switch, fused)
     mode = OpNames()
     try:
         xx = x.clone().requires_grad_()
         with moe_graph.fp8.autocast(recipe=kind):
-            with mode:
+            with mode if record == "forward" else contextlib.nullcontext():
                 y = layer(xx)
-        (y.float() * target).sum().backward()
+        with mode if record == "backward" else contextlib.nullcontext():
+            (y.float() * target).sum().backward()
     finally:
-        experts.FUSED_FP8_EXPERT_INPUT = before
+        setattr(experts, switch, before)
     grads = {n: (p.main_grad if hasattr(p, "main_grad") else p.grad).clone() for n, p in layer.named_parameters()
              if p.grad is not None or hasattr(p, "main_grad")}
     layer.zero_grad(set_to_none=True)
@@ -47,6 +51,26 @@ def run_switched(layer: MoELayer, x: torch.Tensor, target: torch.Tensor, kind: s
         if hasattr(p, "main_grad"):
             p.main_grad.zero_()
     return y.detach(), xx.grad, grads, mode.seen
+
+
+def layer_case(hidden: int, ffn: int, dtype: torch.dtype, case: str, main_grad: bool):
+    """``(layer, x, target)`` of the switched-layer tests: ``case`` "few_tokens" (16 experts, 5 tokens: most get
+    none), "one_expert" (the router sends every token to experts 3 and 1), else 6 experts and 37 tokens;
+    ``main_grad``: fp32 ``main_grad`` on the expert weights (the fused wgrad)."""
+    E, T = (16, 5) if case == "few_tokens" else (6, 37)
+    layer = MoELayer(hidden, ffn, E, 2, params_dtype=dtype)
+    if case == "one_expert":
+        with torch.no_grad():
+            layer.router.weight.zero_()
+            layer.router.weight[3] = 1.0
+            layer.router.weight[1] = 0.5
+    if main_grad:
+        for w in layer.experts.weights():
+            w.main_grad = torch.zeros(w.shape, dtype=torch.float32)
+    x = torch.randn(T, hidden, dtype=dtype)
+    if case == "one_expert":
+        x = x.abs() + 0.1
+    return layer, x, torch.randn(T, hidden)
 
 
 def fused_input_worker(rank: int, world: int, kind: str, capacity_factor: Optional[float]) -> Dict:

@@ -174,10 +174,24 @@ class GroupedMLP(nn.Module):
             return None
         return recipe
 
+    def output_grad_handoff(self, m_splits: torch.Tensor, aligned: bool, echo: bool = False):
+        """A ``moe_graph.fp8.GradHandoff`` for fc2's output gradient, to give both :meth:`forward` (``grad_handoff``)
+        and the combine (:meth:`moe_graph.moe.token_dispatcher.TokenDispatcher.combine`), whose backward then
+        writes fc2's two FP8 ``dy`` copies itself (the 16-bit ``dy`` never written): under an FP8 recipe with
+        :data:`FUSED_FP8_COMBINE_BACKWARD`, the rows already aligned (``aligned``: fc2's output is then the
+        combine's input itself), no echo, no fc2 bias (its gradient sums the 16-bit ``dy``) and grad enabled;
+        else ``None``."""
+        recipe = _fp8.current_recipe()
+        if (recipe is None or not FUSED_FP8_COMBINE_BACKWARD or not aligned or echo or self.fc2.use_bias
+                or not torch.is_grad_enabled()):
+            return None
+        return _fp8.GradHandoff(recipe, m_splits)
+
     def forward(self, expert_in: torch.Tensor, m_splits: torch.Tensor,
                 echo: Optional[EchoExpertDispatcher] = None, offload_map: Optional[torch.Tensor] = None,
                 spare_weights: Optional[Sequence[torch.Tensor]] = None,
-                row_scale: Optional[torch.Tensor] = None, aligned: bool = False) -> torch.Tensor:
+                row_scale: Optional[torch.Tensor] = None, aligned: bool = False,
+                grad_handoff: Optional["_fp8.GradHandoff"] = None) -> torch.Tensor:
         """See :meth:`_forward`. Under an FP8 recipe every expert's group must start at a multiple of
         :data:`FP8_ROW_ALIGNMENT` rows (zero rows between the groups): the FP8 weight-gradient GEMM on a GPU reads
         each group's transposed FP8 copy through TMA, whose base address must be 16-byte aligned
@@ -185,9 +199,12 @@ class GroupedMLP(nn.Module):
         ``row_scale`` padded alike): the dispatcher placed them there (:meth:`row_alignment`). Otherwise the rows
         are regrouped here (:class:`AlignedGroups`) and the output regrouped back. The zero rows change nothing
         (partial tiles are zero-padded anyway; they add nothing to any gradient; no output reads them), on the CPU
-        too, which runs the same layout."""
+        too, which runs the same layout. ``grad_handoff``: :meth:`output_grad_handoff`'s (``aligned``, no echo),
+        given to fc2 (``grouped_linear.fp8_grouped_linear``)."""
+        if grad_handoff is not None and (not aligned or echo is not None):
+            raise ValueError("grad_handoff: needs aligned rows and no echo (GroupedMLP.output_grad_handoff)")
         if _fp8.current_recipe() is None or aligned:
-            return self._forward(expert_in, m_splits, echo, offload_map, spare_weights, row_scale)
+            return self._forward(expert_in, m_splits, echo, offload_map, spare_weights, row_scale, grad_handoff)
         groups = AlignedGroups(m_splits, expert_in.shape[0], FP8_ROW_ALIGNMENT)
         rs = None if row_scale is None else groups.pad(row_scale.view(-1, 1)).view(-1)
         out = self._forward(groups.pad(expert_in), groups.m_splits, echo, offload_map, spare_weights, rs)
@@ -196,7 +213,7 @@ class GroupedMLP(nn.Module):
     def _forward(self, expert_in: torch.Tensor, m_splits: torch.Tensor,
                  echo: Optional[EchoExpertDispatcher] = None, offload_map: Optional[torch.Tensor] = None,
                  spare_weights: Optional[Sequence[torch.Tensor]] = None,
-                 row_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 row_scale: Optional[torch.Tensor] = None, grad_handoff=None) -> torch.Tensor:
         """``expert_in [M, H]`` rows grouped by local expert, ``m_splits [L + k]`` device tensor -> ``[M, H]``.
 
         ``row_scale [M]`` (fp32 or the activation dtype, optional): each row's factor, applied to the activation
@@ -216,7 +233,8 @@ class GroupedMLP(nn.Module):
         recipe = _fp8.current_recipe()
         fused = self.uses_fused_wgrad()
         if recipe is not None and not (fused and echo is not None):
-            return self._fp8_forward(expert_in, m_splits, recipe, echo, offload_map, spare_weights, row_scale)
+            return self._fp8_forward(expert_in, m_splits, recipe, echo, offload_map, spare_weights, row_scale,
+                                     grad_handoff)
         if fused:
             if echo is None:
                 mid = self._act(grouped_gemm_autograd(expert_in, [w1], m_splits, bias=b1, fuse_main_grad=True),
@@ -254,7 +272,8 @@ class GroupedMLP(nn.Module):
             b2 = torch.cat([b2, spares[3].to(b2.dtype)])
         return weights1, weights2, b1, b2
 
-    def _fp8_forward(self, expert_in, m_splits, recipe, echo, offload_map, spare_weights, row_scale):
+    def _fp8_forward(self, expert_in, m_splits, recipe, echo, offload_map, spare_weights, row_scale,
+                     grad_handoff=None):
         """Both expert GEMMs in FP8 (``moe_graph.fp8.autocast``), the weights quantized at every forward (the
         distributed optimizer updates them through buffers that version counters do not see, so no copy is kept
         across forwards; ``GroupedLinear``'s ``is_first_microbatch`` is the per-step cache). Fused ``main_grad``
@@ -265,7 +284,7 @@ class GroupedMLP(nn.Module):
         if echo is None:
             fuse = self.uses_fused_wgrad()
             mid = self._fp8_fc1_act(expert_in, m_splits, [w1], b1, recipe, row_scale, fuse)
-            return fp8_grouped_linear(mid, m_splits, [w2], b2, recipe, fuse=fuse)
+            return fp8_grouped_linear(mid, m_splits, [w2], b2, recipe, fuse=fuse, grad_handoff=grad_handoff)
         weights1, weights2, b1, b2 = self._with_spares(echo, offload_map, spare_weights)
         mid = self._fp8_fc1_act(expert_in, m_splits, weights1, b1, recipe, row_scale)
         return fp8_grouped_linear(mid, m_splits, weights2, b2, recipe)
@@ -282,6 +301,11 @@ FUSED_FP8_ACTIVATION = True
 # same op (blockwise / MXFP8), fc1 and the activation one autograd node; False: the activation's backward writes the
 # 16-bit grad_h, quantized by fc1's backward (the same bytes; the same row-scale gradient on the CPU)
 FUSED_FP8_ACTIVATION_BACKWARD = True
+
+# ... and the combine's backward writes fc2's two FP8 output-gradient copies directly, the routing probabilities
+# applied first (GroupedMLP.output_grad_handoff, ops.permute.reduce_rows' grad_handoff; EP 1); False: the 16-bit
+# dy, quantized by fc2's backward (the same bytes; tests compare the two)
+FUSED_FP8_COMBINE_BACKWARD = True
 
 # ... and the dispatcher writes the expert input's two FP8 copies straight from the tokens where it can
 # (GroupedMLP.input_recipe, ops.permute.expand_quantize); False: the 16-bit expert input, quantized by fc1 (the same

@@ -541,9 +541,12 @@ class MoELayer(nn.Module):
         if recipe is None and not isinstance(expert_in, _fp8.QuantizedRows):
             expert_in = expert_in.to(self.experts.fc1.weight.dtype)
         row_scale = self.dispatcher.row_weights(handle) if self.scale_rows else None
+        handoff = None  # fc2's FP8 output gradient written by the combine's backward (GradHandoff)
         with stage("experts"):
             if self.echo is None:
-                expert_out = self.experts(expert_in, m_splits, row_scale=row_scale, aligned=handle.aligned)
+                handoff = self.experts.output_grad_handoff(m_splits, handle.aligned)
+                expert_out = self.experts(expert_in, m_splits, row_scale=row_scale, aligned=handle.aligned,
+                                          grad_handoff=handoff)
             else:
                 spares = self.echo.iteration_spares(plan, self.experts.expert_params(), reuse)
                 expert_out = self.experts(expert_in, m_splits, self.echo.dispatcher, plan, spares,
@@ -552,7 +555,7 @@ class MoELayer(nn.Module):
                 expert_out = self.expert_output_norm(expert_out)
         weighted = not (self.scale_rows or self.probs_on_input)
         with stage("combine"):
-            out = self.dispatcher.combine(expert_out, handle, weighted=weighted).to(out_dtype)
+            out = self.dispatcher.combine(expert_out, handle, weighted=weighted, grad_handoff=handoff).to(out_dtype)
         if self.latent_out is not None:
             out = self.latent_out(out)
         return out

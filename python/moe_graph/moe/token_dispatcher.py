@@ -628,11 +628,18 @@ class TokenDispatcher(nn.Module):
         return self._to_expert_order(w, handle).view(handle.expert_rows)
 
     # ----------------------------------------------------------------------------------------- combine --
-    def combine(self, expert_output: torch.Tensor, handle: DispatchHandle, weighted: bool = True) -> torch.Tensor:
+    def combine(self, expert_output: torch.Tensor, handle: DispatchHandle, weighted: bool = True,
+                grad_handoff=None) -> torch.Tensor:
         """Send the expert outputs back and sum each token's routes, weighted by their probabilities (``weighted``)
         or plainly (``weighted=False``: the probabilities were applied inside the experts, e.g. with
         :meth:`row_weights`): ``[T, H]`` in ``expert_output``'s dtype, accumulated in fp32 for 16-bit outputs;
-        dropped routes contribute zero."""
+        dropped routes contribute zero.
+
+        ``grad_handoff``: a ``moe_graph.fp8.GradHandoff`` bound to ``expert_output`` (the FP8 fc2's output,
+        :meth:`moe_graph.moe.experts.GroupedMLP.output_grad_handoff`, of ``handle``'s aligned ``m_splits``): at
+        EP 1 (per-pair rule, aligned rows) the backward writes fc2's two FP8 ``dy`` copies straight from the
+        output gradient, the probabilities applied first (``ops.permute.reduce_rows``' ``grad_handoff``: the
+        16-bit ``dy`` is never written); elsewhere ignored (fc2 quantizes its 16-bit ``dy``)."""
         N = handle.expert_rows
         if expert_output.dim() != 2 or expert_output.shape[0] != N:
             raise ValueError(f"expert_output must be [{N}, H] (the dispatched rows), got {tuple(expert_output.shape)}")
@@ -643,8 +650,12 @@ class TokenDispatcher(nn.Module):
         if self.fused:  # the reverse exchange and the weighted reduction of each token's routes in one op
             return FusedCombineFn.apply(self.exchange_backend, handle.exchange_plan, expert_output,
                                         None if w is None else w.reshape(-1))
+        if not (grad_handoff is not None and self.num_ep_ranks == 1 and handle.exchange_plan is None
+                and grad_handoff.m_splits is handle.aligned_m_splits and grad_handoff.binds(expert_output)
+                and expand_quantize_available(expert_output.device.type)):
+            grad_handoff = None
         y_send = self._to_send_order(expert_output, handle)
-        return reduce_rows(y_send, handle.route_rows, handle.route_of_slot, w)
+        return reduce_rows(y_send, handle.route_rows, handle.route_of_slot, w, grad_handoff)
 
     # ------------------------------------------------------------------------------------------- async --
     def dispatch_async(self, *args, **kwargs) -> CompletedExchange:

@@ -29,7 +29,7 @@ __all__ = ["TILES", "quantize", "dequantize", "row_tile_capacity", "native_avail
            "scaled_grouped_wgrad", "Recipe", "Float8BlockScaling", "MXFP8BlockScaling", "Float8CurrentScaling",
            "DelayedScaling", "as_recipe", "autocast", "current_recipe", "quantize_rows", "quantize_columns",
            "quantize_weight", "gemm_blocks", "row_tiles", "QuantizedRows", "carrier", "pack_rows", "unpack_rows", "packed_row_bytes",
-           "nonfinite_flag", "quantize_pair", "quantize_activation"]
+           "nonfinite_flag", "quantize_pair", "quantize_activation", "GradHandoff"]
 
 _OP = "moe_graph::fp8_quantize"
 
@@ -226,6 +226,7 @@ _register()
 import contextlib as _contextlib
 import dataclasses as _dataclasses
 import threading as _threading
+import weakref as _weakref
 
 
 @_dataclasses.dataclass(frozen=True)
@@ -531,6 +532,52 @@ def quantize_activation(h: torch.Tensor, m_splits: torch.Tensor, recipe: Recipe,
     carrier_, q, s, qt, st = _ActivationCarrier.apply(h.contiguous(), row_scale, m_splits, recipe, activation,
                                                       float(swiglu_alpha), float(swiglu_limit))
     return QuantizedRows(carrier_, q, s, recipe.kind, (qt, st))
+
+
+class GradHandoff:
+    """An FP8 GEMM's output gradient handed over as its two FP8 copies by the op that consumes the GEMM's output
+    (fc2's ``dy`` from the combine's backward): made in the forward with the GEMM's ``recipe`` and ``m_splits``,
+    bound to the GEMM's output (:meth:`bind`); the consumer's backward, when :meth:`binds` its input, writes the
+    copies and returns :meth:`give`'s zero-stride gradient (no memory) instead of the 16-bit one; the GEMM's
+    backward gets them with :meth:`take`. A gradient that is not exactly that zero-stride tensor (another consumer
+    of the output summed its gradient into it) gets the consumer's 16-bit gradient added back instead (made then,
+    from what :meth:`give` was handed): the result stays that of the 16-bit hand-off. One forward, one backward:
+    :meth:`take` clears what was given."""
+
+    def __init__(self, recipe: Recipe, m_splits: torch.Tensor):
+        self.recipe, self.m_splits = recipe, m_splits
+        self._output = None
+        self._given = None  # (copies, zero-stride gradient, the 16-bit gradient's maker)
+
+    def bind(self, output: torch.Tensor) -> None:
+        """The GEMM's forward output, whose gradient this hand-off stands for (a weak reference: no cycle)."""
+        self._output = _weakref.ref(output)
+
+    def binds(self, t: torch.Tensor) -> bool:
+        """True when ``t`` is the bound output itself (not a view, a copy nor a later op's result)."""
+        return self._output is not None and self._output() is t
+
+    def give(self, copies, shape, like: torch.Tensor, dense) -> torch.Tensor:
+        """The consumer's backward: ``copies = ((q, scale per row), (q_t, scale_t))`` of its gradient for the
+        output (``shape`` ``[M, N]``, ``like``'s dtype and device), ``dense()`` that gradient in 16 bits (the
+        fallback). Returns the zero-stride zero gradient (no memory) to hand autograd."""
+        zero = like.new_zeros(()).expand(*shape)
+        self._given = (copies, zero, dense)
+        return zero
+
+    def take(self, dy: Optional[torch.Tensor]):
+        """The GEMM's backward for its output gradient ``dy``: ``(copies, None)`` when ``dy`` is exactly
+        :meth:`give`'s zero gradient, else ``(None, the gradient)``: ``dy`` itself when nothing was given, ``dy``
+        plus the consumer's 16-bit gradient when ``dy`` holds other gradients summed into the given zero."""
+        given, self._given = self._given, None
+        if given is None:
+            return None, dy
+        copies, zero, dense = given
+        if (dy is not None and dy.data_ptr() == zero.data_ptr() and dy.stride() == zero.stride()
+                and dy.shape == zero.shape and dy.dtype == zero.dtype):
+            return copies, None
+        g = dense()
+        return None, g if dy is None else dy + g
 
 
 def _check_row_local(recipe: Recipe) -> None:

@@ -38,7 +38,7 @@ from moe_graph.ops._lib import has_kernel
 from moe_graph.ops.reroute import real_host_values
 
 __all__ = ["expand_rows", "reduce_rows", "route_dot", "native_available", "expand_quantize",
-           "expand_quantize_available"]
+           "expand_quantize_available", "expand_quantize_copies"]
 
 _EXPAND = "moe_graph::expand_rows"
 _REDUCE = "moe_graph::reduce_rows"
@@ -141,17 +141,26 @@ class _ExpandRows(torch.autograd.Function):
 
 class _ReduceRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, src, route_rows, route_of_row, weights):
+    def forward(ctx, src, route_rows, route_of_row, weights, handoff):
         ctx.save_for_backward(src if ctx.needs_input_grad[3] else None, route_rows, route_of_row, weights)
+        ctx.handoff = handoff
         return _reduce(src, route_rows, weights)
 
     @staticmethod
     def backward(ctx, g):
         src, route_rows, route_of_row, weights = ctx.saved_tensors
         g = g.contiguous()
-        grad_src = _expand(g, route_of_row, route_rows.shape[1], weights) if ctx.needs_input_grad[0] else None
+        K, handoff = route_rows.shape[1], ctx.handoff
+        grad_src = None
+        if ctx.needs_input_grad[0] and handoff is not None:  # src's gradient as its FP8 copies (GradHandoff)
+            copies = expand_quantize_copies(g, route_of_row, K, handoff.m_splits, handoff.recipe,
+                                            handoff.recipe.bwd_dtype, weights)
+            grad_src = handoff.give(copies, (route_of_row.shape[0], g.shape[1]), g,
+                                    lambda: _expand(g, route_of_row, K, weights))
+        elif ctx.needs_input_grad[0]:
+            grad_src = _expand(g, route_of_row, K, weights)
         grad_w = _route_dot(g, src, route_rows).to(weights.dtype) if ctx.needs_input_grad[3] else None
-        return grad_src, None, None, grad_w
+        return grad_src, None, None, grad_w, None
 
 
 def _check_args(op: str, src, a, a_name: str, a_dim: int, b, b_name: str, b_dim: int, weights) -> None:
@@ -182,16 +191,26 @@ def expand_rows(src: torch.Tensor, route_of_row: torch.Tensor, route_rows: torch
 
 
 def reduce_rows(src: torch.Tensor, route_rows: torch.Tensor, route_of_row: torch.Tensor,
-                weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+                weights: Optional[torch.Tensor] = None, grad_handoff: Optional["_fp8.GradHandoff"] = None
+                ) -> torch.Tensor:
     """``[n, H]``: row ``j`` is ``sum_k weights[j, k] * src[route_rows[j, k]]`` (``k`` ascending, float32
     accumulation for 16-bit data; a plain sum without weights), routes equal to ``m`` skipped. ``src [m, H]``;
     ``route_rows [n, K]`` and ``route_of_row [m]`` int64, the two inverse indices of one routing (``route_of_row``
-    serves the backward, an ``expand_rows`` of the gradient). Differentiable w.r.t. ``src`` and ``weights``."""
+    serves the backward, an ``expand_rows`` of the gradient). Differentiable w.r.t. ``src`` and ``weights``.
+
+    ``grad_handoff`` (an ``ops.fp8.GradHandoff`` bound to ``src``, the FP8 GEMM output it stands for; needs
+    :func:`expand_quantize_available`): backward writes ``src``'s gradient as its two FP8 copies for that GEMM's
+    backward (:func:`expand_quantize_copies` of the gradient, the weights applied and rounded to its dtype before
+    quantizing: the bytes of quantizing the 16-bit gradient) and hands autograd a zero-stride zero; the weights'
+    gradient is unchanged."""
     _check_args("reduce_rows", src, route_rows, "route_rows", 2, route_of_row, "route_of_row", 1, weights)
     if route_of_row.shape[0] != src.shape[0]:
         raise ValueError(f"reduce_rows: route_of_row must have shape [m] with m = {src.shape[0]} (the rows of src), "
                          f"got {tuple(route_of_row.shape)}")
-    return _ReduceRows.apply(src, route_rows, route_of_row, weights)
+    if grad_handoff is not None and not (grad_handoff.binds(src) and expand_quantize_available(src.device.type)):
+        raise ValueError("reduce_rows: grad_handoff must be bound to src (GradHandoff.bind) and needs the "
+                         "expand_quantize op (expand_quantize_available)")
+    return _ReduceRows.apply(src, route_rows, route_of_row, weights, grad_handoff)
 
 
 def route_dot(rows: torch.Tensor, src: torch.Tensor, route_rows: torch.Tensor) -> torch.Tensor:
@@ -214,31 +233,40 @@ def _pair_tiles(recipe) -> Tuple[int, int, int, int, bool]:
     return tr, tc, ctr, ctc, mx
 
 
+def expand_quantize_copies(src: torch.Tensor, route_of_row: torch.Tensor, K: int, m_splits: torch.Tensor, recipe,
+                           dtype: torch.dtype, weights: Optional[torch.Tensor] = None):
+    """``((q, scale per row), (q_t, scale_t))``: ``ops.fp8.quantize_pair(expand_rows(src, route_of_row, .., weights),
+    m_splits, recipe, dtype)`` bit for bit from one op that reads each row of ``src`` in place (the expanded rows
+    are never in memory); ``weights [n, K]`` (``src``'s dtype or fp32) or None. Not differentiable."""
+    tr, tc, ctr, ctc, mx = _pair_tiles(recipe)
+    with torch.no_grad():
+        q, s, qt, st = torch.ops.moe_graph.expand_quantize_pair(
+            src.detach(), route_of_row, K, m_splits, [tr, tc, ctr, ctc], dtype, mx, float(recipe.amax_epsilon),
+            bool(recipe.power_2_scale), None if weights is None else weights.detach())
+    if recipe.kind == "tensor":  # the scales' layouts of ops.fp8.quantize_pair (one per row / per column)
+        st = st.expand(qt.shape[0], st.shape[1]).contiguous()
+    return (q, _fp8._row_scales(s, m_splits, route_of_row.shape[0], recipe.kind)), (qt, st)
+
+
 def expand_quantize(src: torch.Tensor, route_of_row: torch.Tensor, route_rows: torch.Tensor,
                     m_splits: torch.Tensor, recipe) -> "_fp8.QuantizedRows":
     """The expert input in FP8 written straight from the tokens: ``expand_rows(src, route_of_row, route_rows)``
     (no weights) quantized rowwise (the first expert GEMM's input) and columnwise per group of ``m_splits`` (its
     wgrad's input) under ``recipe`` (``ops.fp8.Recipe``, its forward dtype), the results of
     ``ops.fp8.quantize_pair`` of those rows bit for bit, by one op that reads each token row in place: the 16-bit
-    expanded rows are never written nor read back. Returns a ``QuantizedRows`` (``columns`` set) that
-    ``grouped_linear.fp8_grouped_linear`` reads as is; its carrier takes the input gradient ``[m, H]`` back to
-    ``src`` as ``expand_rows``' backward does (``reduce_rows`` over ``route_rows``, no weights). Needs
-    :func:`expand_quantize_available`. Sync-free; the same index rules as :func:`expand_rows` (an out-of-range index
-    raises on the CPU, reads as the sentinel and sets ``INDEX_OUT_OF_RANGE`` on CUDA)."""
+    expanded rows are never written nor read back (:func:`expand_quantize_copies`). Returns a ``QuantizedRows``
+    (``columns`` set) that ``grouped_linear.fp8_grouped_linear`` reads as is; its carrier takes the input gradient
+    ``[m, H]`` back to ``src`` as ``expand_rows``' backward does (``reduce_rows`` over ``route_rows``, no weights).
+    Needs :func:`expand_quantize_available`. Sync-free; the same index rules as :func:`expand_rows` (an
+    out-of-range index raises on the CPU, reads as the sentinel and sets ``INDEX_OUT_OF_RANGE`` on CUDA)."""
     _check_args("expand_quantize", src, route_of_row, "route_of_row", 1, route_rows, "route_rows", 2, None)
     if route_rows.shape[0] != src.shape[0]:
         raise ValueError(f"expand_quantize: route_rows must have shape [n, K] with n = {src.shape[0]} (the rows of "
                          f"src), got {tuple(route_rows.shape)}")
-    tr, tc, ctr, ctc, mx = _pair_tiles(recipe)
-    with torch.no_grad():
-        q, s, qt, st = torch.ops.moe_graph.expand_quantize_pair(
-            src.detach(), route_of_row, route_rows.shape[1], m_splits, [tr, tc, ctr, ctc], recipe.fwd_dtype, mx,
-            float(recipe.amax_epsilon), bool(recipe.power_2_scale))
-    if recipe.kind == "tensor":  # the scales' layouts of ops.fp8.quantize_pair (one per row / per column)
-        st = st.expand(qt.shape[0], st.shape[1]).contiguous()
-    s = _fp8._row_scales(s, m_splits, route_of_row.shape[0], recipe.kind)
+    (q, s), columns = expand_quantize_copies(src, route_of_row, route_rows.shape[1], m_splits, recipe,
+                                             recipe.fwd_dtype)
     rows = _fp8.carrier(src, route_of_row.shape[0], lambda g: _reduce(g, route_rows))
-    return _fp8.QuantizedRows(rows, q, s, recipe.kind, (qt, st))
+    return _fp8.QuantizedRows(rows, q, s, recipe.kind, columns)
 
 
 def _register() -> None:
@@ -259,7 +287,7 @@ def _register() -> None:
 
     if has_kernel(_EXPAND_QUANTIZE, "cpu"):
         @torch.library.register_fake(_EXPAND_QUANTIZE)
-        def _(src, route_of_row, K, m_splits, tiles, fp8_dtype, mx, eps, pow2):
+        def _(src, route_of_row, K, m_splits, tiles, fp8_dtype, mx, eps, pow2, weights=None):
             m, H = route_of_row.shape[0], src.shape[1]
             scale_dtype = torch.float8_e8m0fnu if mx else torch.float32
             out = []

@@ -1,0 +1,251 @@
+"""fc2's FP8 output gradient written by the combine's backward (``ops.fp8.GradHandoff``; ``ops.permute.reduce_rows``'
+``grad_handoff``; the weighted ``expand_quantize_pair``, ``csrc/permute/expand_quantize.h``;
+``moe.experts.FUSED_FP8_COMBINE_BACKWARD``).
+
+Oracles: for the op, the gradient rows built with plain torch (gather, the row weight applied in fp32 and rounded to
+the gradient's dtype, a zero row for the sentinel), then ``ops.fp8.quantize_pair`` (itself tested against TE's
+reference quantizers in tests/test_fp8_quantize.py): every byte and scale equal. For the autograd chain (fc2 ->
+combine) and the whole ``MoELayer``: the current path (the combine's backward writes the 16-bit ``dy``, fc2's
+backward quantizes it) with the hand-off off; output and every gradient (input, probabilities, weights) equal bit
+for bit, for blockwise / MXFP8 / per-tensor recipes, fp32 / bf16 / fp16, hidden sizes off the tiles, zero-token
+experts, one expert taking every row, rows past ``sum(m_splits)``, NaN / inf; a second consumer of fc2's output
+falls back to the 16-bit gradient and stays equal."""
+
+import pytest
+import torch
+
+import moe_graph
+import moe_graph.moe.experts as experts
+from helpers.permute_quantize_workers import OpNames, layer_case, run_switched
+from moe_graph.grouped_linear import fp8_grouped_linear
+from moe_graph.moe.layer import MoELayer
+from moe_graph.ops import fp8
+from moe_graph.ops.permute import expand_quantize_available, expand_quantize_copies, expand_rows, reduce_rows
+
+pytestmark = pytest.mark.skipif(not expand_quantize_available("cpu"), reason="moe_graph._C without expand_quantize")
+
+RECIPES = {
+    "blockwise": fp8.Float8BlockScaling(),
+    "blockwise_hybrid_fp32_scales": fp8.Float8BlockScaling(fp8_format="HYBRID", power_2_scale=False),
+    "mxfp8": fp8.MXFP8BlockScaling(),
+    "mxfp8_hybrid": fp8.MXFP8BlockScaling(fp8_format="HYBRID"),
+    "tensor": fp8.Float8CurrentScaling(),
+}
+
+CASES = [  # n, K, H, splits, m (rows; > sum(splits): rows past the groups)
+    (7, 2, 200, [3, 0, 5, 0, 6], 14),        # zero-token experts, H off the 128 / 32 blocks
+    (9, 2, 64, [18], 18),                    # one expert takes every row
+    (12, 3, 130, [5, 17, 0, 2], 40),         # rows past sum(m_splits), routes left without a row
+    (5, 1, 33, [0, 0, 0], 8),                # no routed row at all
+    (40, 4, 256, [30, 50, 0, 33, 47], 180),  # groups over several 128-row tiles
+]
+
+
+def _routing(n, K, m, splits, g):
+    """``route_of_row [m]`` (the first ``sum(splits)`` rows take distinct routes in random order, the rest the
+    sentinel ``n*K``), ``route_rows [n, K]`` (its inverse, ``m`` for a route without a row) and ``m_splits``."""
+    used = int(sum(splits))
+    route_of_row = torch.full((m,), n * K, dtype=torch.long)
+    take = min(used, n * K)
+    route_of_row[:take] = torch.randperm(n * K, generator=g)[:take]
+    route_rows = torch.full((n * K,), m, dtype=torch.long)
+    route_rows[route_of_row[:take]] = torch.arange(take)
+    return route_of_row, route_rows.view(n, K), torch.tensor(splits, dtype=torch.long)
+
+
+def _weighted_rows(g, route_of_row, K, w):
+    """The oracle's 16-bit dy: row i is ``(w[r] * g[r // K]).to(g.dtype)`` in fp32 for ``r = route_of_row[i]``,
+    a zero row for the sentinel (plain torch indexing)."""
+    n = g.shape[0]
+    tok = torch.where(route_of_row == n * K, n, route_of_row // max(K, 1))
+    rows = torch.cat([g, g.new_zeros(1, g.shape[1])])[tok]
+    if w is None:
+        return rows
+    wr = torch.cat([w.reshape(-1).float(), w.new_zeros(1, dtype=torch.float32)])[route_of_row.clamp(max=n * K)]
+    return (wr[:, None] * rows.float()).to(g.dtype)
+
+
+def _bits(t):
+    return t.contiguous().view(torch.uint8)
+
+
+def _assert_copies_equal(got, want):
+    for (a, b), what in zip(((got[0][0], want[0][0]), (got[0][1], want[0][1]), (got[1][0], want[1][0]),
+                             (got[1][1], want[1][1])), ("rowwise bytes", "rowwise scales", "columnwise bytes",
+                                                        "columnwise scales")):
+        assert a.shape == b.shape and torch.equal(_bits(a), _bits(b)), what
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("case", range(len(CASES)))
+@pytest.mark.parametrize("weights", ["fp32", "same", None])
+def test_weighted_expand_quantize_equals_weighted_rows_then_quantize(recipe, dtype, case, weights):
+    n, K, H, splits, m = CASES[case]
+    g = torch.Generator().manual_seed(case + 31)
+    grad = (torch.randn(n, H, generator=g) * torch.exp(torch.randn(n, 1, generator=g) * 3)).to(dtype)
+    route_of_row, route_rows, m_splits = _routing(n, K, m, splits, g)
+    w = None if weights is None else torch.rand(n, K, generator=g) * 1.7 - 0.2  # a few negative weights
+    if w is not None:
+        w[0, 0] = 0.0
+        w = w if weights == "fp32" else w.to(dtype)
+    r = RECIPES[recipe]
+    got = expand_quantize_copies(grad, route_of_row, K, m_splits, r, r.bwd_dtype, w)
+    want = fp8.quantize_pair(_weighted_rows(grad, route_of_row, K, w), m_splits, r, r.bwd_dtype)
+    _assert_copies_equal(got, want)
+    # the native expand_rows writes the same 16-bit rows (the current path's dy)
+    assert torch.equal(expand_rows(grad, route_of_row, route_rows, w), _weighted_rows(grad, route_of_row, K, w))
+    if sum(splits) > 0:
+        assert got[0][0].view(torch.uint8)[:sum(splits)].any()
+
+
+def test_weighted_expand_quantize_non_finite():
+    """NaN / inf in the gradient and an inf weight times zero (NaN): the quantizer's bytes, scales and flag."""
+    g = torch.Generator().manual_seed(4)
+    grad = torch.randn(6, 160, generator=g).to(torch.bfloat16)
+    grad[1, 5] = float("nan")
+    grad[4, 140] = float("inf")
+    grad[2, 7] = 0.0
+    route_of_row, _, m_splits = _routing(6, 2, 16, [5, 7], g)
+    w = torch.rand(6, 2, generator=g)
+    w[2, :] = float("inf")
+    for r in (RECIPES["blockwise"], RECIPES["mxfp8"], RECIPES["tensor"]):
+        flag = fp8.nonfinite_flag(grad.device)
+        flag.zero_()
+        got = expand_quantize_copies(grad, route_of_row, 2, m_splits, r, r.bwd_dtype, w)
+        _assert_copies_equal(got, fp8.quantize_pair(_weighted_rows(grad, route_of_row, 2, w), m_splits, r,
+                                                    r.bwd_dtype))
+        assert int(flag) != 0
+        flag.zero_()
+
+
+def test_weighted_expand_quantize_bad_weights():
+    src = torch.randn(4, 16)
+    route_of_row, _, m_splits = _routing(4, 2, 8, [3, 5], torch.Generator().manual_seed(0))
+    r = RECIPES["blockwise"]
+    with pytest.raises(RuntimeError, match="weights"):
+        expand_quantize_copies(src, route_of_row, 2, m_splits, r, r.bwd_dtype, torch.rand(4, 3))
+    with pytest.raises(RuntimeError, match="weights must have the dtype of src"):
+        expand_quantize_copies(src, route_of_row, 2, m_splits, r, r.bwd_dtype, torch.rand(4, 2).double())
+
+
+def _chain(x, w2, probs, route_rows, route_of_row, m_splits, r, handoff_on, extra=None):
+    """fc2 (the FP8 grouped linear) then the weighted combine: ``(out, dx, dw, dprobs, backward op names)``;
+    ``extra``: a second consumer of fc2's output (``(y * extra).sum()`` added to the loss)."""
+    x = x.clone().requires_grad_()
+    w = w2.clone().requires_grad_()
+    p = probs.clone().requires_grad_()
+    h = fp8.GradHandoff(r, m_splits) if handoff_on else None
+    y = fp8_grouped_linear(x, m_splits, [w], None, r, grad_handoff=h)
+    out = reduce_rows(y, route_rows, route_of_row, p, h)
+    loss = (out.float() * torch.linspace(-1, 1, out.numel()).view(out.shape)).sum()
+    if extra is not None:
+        loss = loss + (y.float() * extra).sum()
+    mode = OpNames()
+    with mode:
+        loss.backward()
+    return out.detach(), x.grad, w.grad, p.grad, mode.seen
+
+
+@pytest.mark.parametrize("recipe", ["blockwise", "mxfp8_hybrid", "tensor"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_combine_backward_hands_fc2_its_fp8_dy(recipe, dtype, case):
+    n, K, H, splits, m = CASES[case]
+    E, F = len(splits), 48
+    g = torch.Generator().manual_seed(case + 100)
+    route_of_row, route_rows, m_splits = _routing(n, K, m, splits, g)
+    x = torch.randn(m, F, generator=g).to(dtype)
+    w2 = (torch.randn(E, H, F, generator=g) * 0.1).to(dtype)
+    probs = torch.rand(n, K, generator=g).to(dtype)
+    r = RECIPES[recipe]
+    ref = _chain(x, w2, probs, route_rows, route_of_row, m_splits, r, False)
+    got = _chain(x, w2, probs, route_rows, route_of_row, m_splits, r, True)
+    for a, b, what in zip(ref[:4], got[:4], ("out", "dx", "dw", "dprobs")):
+        assert torch.equal(a, b), what
+    if sum(splits) > 0:
+        assert got[1].abs().sum() > 0 and got[2].abs().sum() > 0 and got[3].abs().sum() > 0
+    # one op instead of expand_rows (the 16-bit dy) and fc2's quantize of it
+    assert ref[4].count("moe_graph.expand_rows") == 1 and got[4].count("moe_graph.expand_rows") == 0
+    assert ref[4].count("moe_graph.fp8_quantize_pair") == 1 and got[4].count("moe_graph.fp8_quantize_pair") == 0
+    assert got[4].count("moe_graph.expand_quantize_pair") == 1
+
+
+def test_second_consumer_falls_back_to_the_16_bit_gradient():
+    """fc2's output also feeds another loss term: autograd sums that gradient into the combine's zero-stride one,
+    so fc2's backward adds the combine's 16-bit gradient back and quantizes the sum (the current path's result)."""
+    n, K, H, splits, m = CASES[2]
+    g = torch.Generator().manual_seed(9)
+    route_of_row, route_rows, m_splits = _routing(n, K, m, splits, g)
+    x, w2 = torch.randn(m, 40, generator=g).bfloat16(), (torch.randn(4, H, 40, generator=g) * 0.1).bfloat16()
+    probs, extra = torch.rand(n, K, generator=g), torch.randn(m, H, generator=g)
+    r = RECIPES["blockwise"]
+    ref = _chain(x, w2, probs, route_rows, route_of_row, m_splits, r, False, extra)
+    got = _chain(x, w2, probs, route_rows, route_of_row, m_splits, r, True, extra)
+    for a, b, what in zip(ref[:4], got[:4], ("out", "dx", "dw", "dprobs")):
+        assert torch.equal(a, b), what
+    assert got[4].count("moe_graph.fp8_quantize_pair") == 1  # fc2 quantized the summed 16-bit dy
+
+
+def test_handoff_refused_where_it_would_be_wrong():
+    """The combine's input must be fc2's output itself (not a later op's), fc2 no bias, the same recipe / splits;
+    the layer asks only with aligned rows, no echo, no fc2 bias and the switch on."""
+    n, K, H, splits, m = CASES[0]
+    g = torch.Generator().manual_seed(1)
+    route_of_row, route_rows, m_splits = _routing(n, K, m, splits, g)
+    r = RECIPES["blockwise"]
+    x, w2 = torch.randn(m, 32, generator=g), torch.randn(len(splits), H, 32, generator=g)
+    h = fp8.GradHandoff(r, m_splits)
+    y = fp8_grouped_linear(x, m_splits, [w2], None, r, grad_handoff=h)
+    with pytest.raises(ValueError, match="grad_handoff must be bound to src"):
+        reduce_rows(y * 2, route_rows, route_of_row, None, h)
+    with pytest.raises(ValueError, match="grad_handoff needs no bias"):
+        fp8_grouped_linear(x, m_splits, [w2], torch.zeros(len(splits), H), r, grad_handoff=fp8.GradHandoff(r, m_splits))
+    with pytest.raises(ValueError, match="grad_handoff needs no bias"):
+        fp8_grouped_linear(x, m_splits, [w2], None, RECIPES["mxfp8"], grad_handoff=fp8.GradHandoff(r, m_splits))
+    mlp = experts.GroupedMLP(4, 96, 64, device="cpu")
+    assert mlp.output_grad_handoff(m_splits, True) is None  # no recipe
+    with moe_graph.fp8.autocast(recipe="blockwise"):
+        assert mlp.output_grad_handoff(m_splits, True) is not None
+        assert mlp.output_grad_handoff(m_splits, False) is None
+        assert mlp.output_grad_handoff(m_splits, True, echo=True) is None
+        assert experts.GroupedMLP(4, 96, 64, device="cpu", bias=True).output_grad_handoff(m_splits, True) is None
+        with torch.no_grad():
+            assert mlp.output_grad_handoff(m_splits, True) is None
+
+
+def _run_layer(layer, x, target, kind, fused):
+    return run_switched(layer, x, target, kind, fused, switch="FUSED_FP8_COMBINE_BACKWARD", record="backward")
+
+
+@pytest.mark.parametrize("kind,dtype,case,main_grad", [
+    ("blockwise", torch.float32, "random", False),
+    ("mxfp8", torch.bfloat16, "one_expert", True),   # one expert pair takes every token
+    ("tensor", torch.bfloat16, "few_tokens", False),  # most experts get no token
+    ("blockwise", torch.float16, "few_tokens", True),
+    ("mxfp8", torch.bfloat16, "scale_rows", False),  # F < H: probabilities applied in the experts, a plain combine
+])
+def test_moe_layer_fused_combine_backward_changes_nothing(kind, dtype, case, main_grad):
+    torch.manual_seed(5)
+    H, F = (96, 64) if case == "scale_rows" else (72, 96)  # F >= H: the probabilities weight the combine
+    layer, x, target = layer_case(H, F, dtype, case, main_grad)
+    assert layer.scale_rows == (case == "scale_rows")
+    y0, dx0, g0, ops0 = _run_layer(layer, x, target, kind, False)
+    y1, dx1, g1, ops1 = _run_layer(layer, x, target, kind, True)
+    assert torch.equal(y0, y1) and torch.equal(dx0, dx1) and sorted(g0) == sorted(g1)
+    assert [n for n in g0 if not torch.equal(g0[n], g1[n])] == []
+    assert dx1.abs().sum() > 0 and all(g.abs().sum() > 0 for n, g in g1.items() if "experts" in n or "router" in n)
+    # the fused backward: one op instead of expand_rows (the 16-bit dy) and fc2's quantize of it
+    assert ops1.count("moe_graph.expand_quantize_pair") == ops0.count("moe_graph.expand_quantize_pair") + 1
+    assert ops0.count("moe_graph.expand_rows") == ops1.count("moe_graph.expand_rows") + 1
+    assert ops0.count("moe_graph.fp8_quantize_pair") == ops1.count("moe_graph.fp8_quantize_pair") + 1
+
+
+def test_moe_layer_with_bias_keeps_the_16_bit_dy():
+    """fc2's bias gradient sums the 16-bit dy: the layer does not ask for the hand-off (the same ops as off)."""
+    torch.manual_seed(6)
+    layer = MoELayer(72, 96, 4, 2, add_bias_linear=True)
+    x, target = torch.randn(9, 72), torch.randn(9, 72)
+    _, _, _, ops0 = _run_layer(layer, x, target, "blockwise", False)
+    _, _, _, ops1 = _run_layer(layer, x, target, "blockwise", True)
+    assert sorted(ops0) == sorted(ops1) and "moe_graph.fp8_quantize_pair" in ops1
