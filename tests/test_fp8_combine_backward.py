@@ -187,6 +187,26 @@ def test_second_consumer_falls_back_to_the_16_bit_gradient():
     assert got[4].count("moe_graph.fp8_quantize_pair") == 1  # fc2 quantized the summed 16-bit dy
 
 
+def test_retained_graph_backward_twice():
+    """A retained graph's second backward hands the copies over again (the gradients accumulate as without)."""
+    n, K, H, splits, m = CASES[0]
+    g = torch.Generator().manual_seed(8)
+    route_of_row, route_rows, m_splits = _routing(n, K, m, splits, g)
+    x0, w0 = torch.randn(m, 32, generator=g), torch.randn(len(splits), H, 32, generator=g)
+    r = RECIPES["mxfp8"]
+    grads = []
+    for on in (False, True):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        h = fp8.GradHandoff(r, m_splits) if on else None
+        out = reduce_rows(fp8_grouped_linear(x, m_splits, [w], None, r, grad_handoff=h), route_rows, route_of_row,
+                          None, h)
+        out.sum().backward(retain_graph=True)
+        first = x.grad.clone()
+        out.sum().backward()
+        grads.append((first, x.grad, w.grad))
+    assert all(torch.equal(a, b) for a, b in zip(*grads)) and torch.equal(grads[1][1], 2 * grads[1][0])
+
+
 def test_handoff_refused_where_it_would_be_wrong():
     """The combine's input must be fc2's output itself (not a later op's), fc2 no bias, the same recipe / splits;
     the layer asks only with aligned rows, no echo, no fc2 bias and the switch on."""

@@ -235,9 +235,8 @@ class _Fp8GroupedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         copies = None
-        if ctx.handoff is not None:  # dy's FP8 copies from the output's consumer (ops.fp8.GradHandoff)
-            copies, dy = ctx.handoff.take(dy)
-            ctx.handoff = None
+        if ctx.handoff is not None:  # dy's FP8 copies from the output's consumer (ops.fp8.GradHandoff; kept for
+            copies, dy = ctx.handoff.take(dy)  # a second backward of a retained graph, which gives them again)
         if copies is not None:
             dx, db, dws = _fp8_linear_backward(ctx, ctx.saved_tensors, None, ctx.needs_input_grad[0], False, copies)
         else:
