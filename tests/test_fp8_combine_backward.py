@@ -261,6 +261,23 @@ def test_moe_layer_fused_combine_backward_changes_nothing(kind, dtype, case, mai
     assert ops0.count("moe_graph.fp8_quantize_pair") == ops1.count("moe_graph.fp8_quantize_pair") + 1
 
 
+@pytest.mark.parametrize("variant", ["expert_output_norm", "unaligned"])
+def test_moe_layer_where_the_combine_does_not_read_fc2s_output(variant, monkeypatch):
+    """An op between fc2 and the combine (the expert output norm) or the experts' own regrouping (no aligned
+    dispatch): the combine does not take the hand-off (its input is not fc2's output); the same ops and results
+    as with the switch off."""
+    torch.manual_seed(7)
+    kw = {"expert_output_norm": "scaled_rmsnorm"} if variant == "expert_output_norm" else {}
+    if variant == "unaligned":
+        monkeypatch.setattr(experts, "ALIGNED_DISPATCH", False)
+    layer = MoELayer(72, 96, 4, 2, **kw)
+    x, target = torch.randn(9, 72), torch.randn(9, 72)
+    y0, dx0, g0, ops0 = _run_layer(layer, x, target, "blockwise", False)
+    y1, dx1, g1, ops1 = _run_layer(layer, x, target, "blockwise", True)
+    assert torch.equal(y0, y1) and torch.equal(dx0, dx1) and all(torch.equal(g0[n], g1[n]) for n in g0)
+    assert sorted(ops0) == sorted(ops1) and "moe_graph.expand_quantize_pair" not in ops1
+
+
 def test_moe_layer_with_bias_keeps_the_16_bit_dy():
     """fc2's bias gradient sums the 16-bit dy: the layer does not ask for the hand-off (the same ops as off)."""
     torch.manual_seed(6)
