@@ -1,12 +1,16 @@
 """Exposed expert-parallel communication of a training step (``MICROBATCHES`` microbatches of one block: an attention
 stand-in and an MoE layer, forward + backward), serial vs the shared expert beside the exchange
-(``overlap_shared_expert``) vs two microbatches in flight (``overlap_microbatches``) vs both, estimated from the
-recorded stream schedule. A model, not a measurement.
+(``overlap_shared_expert``) vs two microbatches in flight (``overlap_microbatches``) vs both, each of the last two
+also with the stage interleave (``interleave_stages``: ``F(i+1)`` and ``B(i)`` issued alternately at the token
+exchanges), estimated from the recorded stream schedule. A model, not a measurement.
 
 How:
 
 1. **Schedule** (recorded, not assumed): a small layer of the same structure (router with aux loss, dispatch,
-   grouped experts, combine, one shared expert; H 32, F 16, 8 experts, top-2, 64 tokens, fp32, EP 1, CPU) runs one
+   grouped experts, combine, one shared expert; H 32, F 16, 8 experts, top-2, 64 tokens, fp32, CPU, EP 2 on gloo
+   (``--record-ep``; rank 0's record: the token exchanges, and so the stage interleave's hand-offs, exist at EP > 1
+   only; at EP 1 the schedules without the interleave hide the same shares, the compute totals differ by < 2%) runs
+   one
    training step of ``MICROBATCHES`` microbatches through ``forward_backward_no_pipelining`` under
    :class:`moe_graph.streams.StreamRecorder`, for each schedule of ``SCHEDULES``: the ordered list of aten ops with their logical stream and stage, and every event
    record / wait, from the code path that issues the CUDA streams and events.
@@ -31,7 +35,9 @@ How:
    - ``issue_order``: the op issued first by the host goes first (pessimistic for two microbatches in flight: the
      backward ``B(i)`` is issued before ``F(i+1)`` and then keeps the SMs whenever it has work, so ``F(i+1)``'s
      computation runs only while ``B(i)`` waits for the link, and ``F(i+1)``'s own exchanges end up exposed after
-     ``B(i)``). A GPU decides between the two, within a stream priority: measured by ``bench_overlap_gpu.py``.
+     ``B(i)``; with ``interleave_stages`` the host issues the two alternately at the exchanges, so issue order
+     runs each side's computation while the other's exchange is in flight). A GPU decides between the two, within a
+     stream priority: measured by ``bench_overlap_gpu.py``.
 
 Exposed communication = step time - compute time; hidden = 1 - exposed / exchange time.
 
