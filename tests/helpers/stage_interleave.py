@@ -122,3 +122,36 @@ def interleave_worker(rank: int, world: int, seed: int, fault: Optional[str] = N
     if fault is None:
         out["mismatch"] = {m: mismatches(res["serial"], res[m]) for m in ("overlap", "stages")}
     return out
+
+
+class Fp8Model(torch.nn.Module):
+    """The tiny model at FP8 sizes (H 128): a linear layer and a residual MoE layer with FP8 dispatch
+    (``fp8_dispatch``) and a shared expert, EP ``world``; FP8 under the caller's ``moe_graph.fp8.autocast``."""
+
+    def __init__(self, world: int):
+        super().__init__()
+        from moe_graph.moe.layer import MoELayer
+
+        torch.manual_seed(5)
+        self.inp = torch.nn.Linear(128, 128)
+        self.moe = MoELayer(128, 64, 2 * world, 2, shared_expert_ffn_size=64, aux_loss_coeff=0.05,
+                            capacity_factor=None, fp8_dispatch=True, device="cpu", ep_size=world)
+
+    def forward(self, x, target):
+        h = self.inp(x)
+        return ((h + self.moe(h)) - target).square().mean()
+
+
+def fp8_worker(rank: int, world: int) -> Dict:
+    """On each gloo rank: 3 microbatches of :class:`Fp8Model` serial and stage-interleaved under
+    ``moe_graph.fp8.autocast(recipe="blockwise")`` entered around the schedule (the worker thread must carry it).
+    Returns the mismatches, the exchange points and the FP8 ops recorded."""
+    import moe_graph
+
+    g = torch.Generator().manual_seed(6 + rank)
+    mbs = [(torch.randn(19, 128, generator=g), torch.randn(19, 128, generator=g)) for _ in range(3)]
+    with moe_graph.fp8.autocast(recipe="blockwise"):
+        res = {mode: run_mode(Fp8Model(world), mbs, mode, record=mode == "stages") for mode in ("serial", "stages")}
+    rec = res["stages"]["rec"]
+    return {"mismatch": mismatches(res["serial"], res["stages"]), "points": len(rec.exchange_points),
+            "unjoined": len(unjoined_uses(rec.entries)), "fp8_ops": sorted({o.name for o in rec.ops if "fp8" in o.name})}
