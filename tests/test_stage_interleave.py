@@ -142,11 +142,12 @@ class _Boom(RuntimeError):
     pass
 
 
-@pytest.mark.parametrize("side", ["F", "B"])
+@pytest.mark.parametrize("side", ["F", "B", "both"])
 @pytest.mark.parametrize("at", [1, 2])
 def test_a_failure_on_either_side_propagates_and_ends_both(side, at):
-    """An exception in F(at) (the forward in the worker) or in B(at - 1) (the backward beside it) reaches the caller;
-    no thread is left and the next step runs normally (bitwise equal to serial)."""
+    """An exception in F(at) (the forward in the worker) or in B(at - 1) (the backward beside it), or in both (B's
+    reaches the caller), reaches the caller; no thread is left and the next step runs normally (bitwise equal to
+    serial)."""
     model = TinyMoEModel()
     calls = {"n": 0}
     real_forward = model.forward
@@ -154,14 +155,14 @@ def test_a_failure_on_either_side_propagates_and_ends_both(side, at):
     def forward(x, t):
         calls["n"] += 1
         y = real_forward(x, t)
-        if side == "F" and calls["n"] == at + 1:
+        if side in ("F", "both") and calls["n"] == at + 1:
             raise _Boom("in F")
-        if side == "B" and calls["n"] == at:
+        if side in ("B", "both") and calls["n"] == at:
             y = _FailInBackward.apply(y)
         return y
 
     model.forward = forward
-    with pytest.raises(_Boom, match=f"in {side}"):
+    with pytest.raises(_Boom, match="in B" if side == "both" else f"in {side}"):
         run_mode(model, microbatches(3), "stages")
     assert _threads() == []
     model.forward = real_forward

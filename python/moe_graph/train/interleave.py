@@ -34,8 +34,8 @@ statistics and counters, backwards accumulate gradients; the interleave keeps ev
 backward in order), and their arithmetic is not changed: the results are bitwise equal to the serial loop.
 
 Failures: an exception on either side finishes that side (the other runs free to its end); the caller waits for
-both ends, then raises (``F``'s exception if only ``F`` failed); the worker thread is joined before the schedule
-returns or raises (:meth:`ForwardWorker.close` in a ``finally``).
+both ends, then raises (``B``'s exception when ``B`` failed, else ``F``'s); the worker thread is joined before the
+schedule returns or raises (:meth:`ForwardWorker.close` in a ``finally``).
 
 Thread-local state carried into the worker (:func:`carry_thread_state`, captured when the worker is made): grad mode,
 ``torch.autocast`` (enabled and dtype per device type, cache), ``moe_graph.fp8.autocast``'s recipe, the current CUDA

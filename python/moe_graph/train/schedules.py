@@ -715,12 +715,18 @@ def forward_backward_overlapped(*, forward_step_func: Callable, data_iterator, m
         # issued here after B(mb) (joined earlier, the current stream would wait for F(mb + 1)'s end before B(mb)'s
         # last accumulations)
         worker.submit(lambda: forward_body(mb + 1, True))
+        failed = True
         try:
             baton.wait_turn(interleave.B)
             backward_step(None, out, None, config)
+            failed = False
         finally:
             baton.finish(interleave.B)  # F runs free to its end
-            y = worker.result()  # waits for F's end (raises its exception when only F failed)
+            try:
+                y = worker.result()  # waits for F's end
+            except BaseException:
+                if not failed:  # F's exception; when B failed too, B's propagates (F's is dropped)
+                    raise
         return join_worker_forward(mb + 1, y)
 
     try:
