@@ -65,15 +65,14 @@ _tls = threading.local()  # .side == F in a ForwardWorker's thread
 
 
 class Baton:
-    """Lets one of two sides run at a time (see the module docstring). ``start`` a pair (``B`` first), then each side calls
-    :meth:`wait_turn` before its first op, :meth:`hand_off` at each exchange point (via the hook) and :meth:`finish`
-    at its end (also when it raised). ``log``: the hand-offs, ``(side that handed over)`` in order (for tests)."""
+    """Lets one of two sides run at a time (see the module docstring). ``start`` a pair (``B`` first), then each side
+    calls :meth:`wait_turn` before its first op, :meth:`hand_off` at each exchange point (via the hook) and
+    :meth:`finish` at its end (also when it raised)."""
 
     def __init__(self):
         self._cond = threading.Condition()
         self.holder: Optional[str] = None
         self.done = {F: True, B: True}
-        self.log: list = []
 
     def start(self, sides=(F, B)) -> None:
         """A new pair (or ``F`` alone: ``sides=(F,)``); ``B`` holds the baton first."""
@@ -93,7 +92,6 @@ class Baton:
         with self._cond:
             if self.done[side] or self.done[_OTHER[side]]:
                 return  # not in a pair (or the other side ended): run free
-            self.log.append(side)
             self.holder = _OTHER[side]
             self._cond.notify_all()
             self._cond.wait_for(lambda: self._mine(side))
