@@ -1,12 +1,16 @@
 """Exposed expert-parallel communication of a training step (``MICROBATCHES`` microbatches of one block: an attention
 stand-in and an MoE layer, forward + backward), serial vs the shared expert beside the exchange
-(``overlap_shared_expert``) vs two microbatches in flight (``overlap_microbatches``) vs both, estimated from the
-recorded stream schedule. A model, not a measurement.
+(``overlap_shared_expert``) vs two microbatches in flight (``overlap_microbatches``) vs both, each of the last two
+also with the stage interleave (``interleave_stages``: ``F(i+1)`` and ``B(i)`` issued alternately at the token
+exchanges), estimated from the recorded stream schedule. A model, not a measurement.
 
 How:
 
 1. **Schedule** (recorded, not assumed): a small layer of the same structure (router with aux loss, dispatch,
-   grouped experts, combine, one shared expert; H 32, F 16, 8 experts, top-2, 64 tokens, fp32, EP 1, CPU) runs one
+   grouped experts, combine, one shared expert; H 32, F 16, 8 experts, top-2, 64 tokens, fp32, CPU, EP 2 on gloo
+   (``--record-ep``; rank 0's record: the token exchanges, and so the stage interleave's hand-offs, exist at EP > 1
+   only; at EP 1 the schedules without the interleave hide the same shares, the compute totals differ by < 2%) runs
+   one
    training step of ``MICROBATCHES`` microbatches through ``forward_backward_no_pipelining`` under
    :class:`moe_graph.streams.StreamRecorder`, for each schedule of ``SCHEDULES``: the ordered list of aten ops with their logical stream and stage, and every event
    record / wait, from the code path that issues the CUDA streams and events.
@@ -31,7 +35,9 @@ How:
    - ``issue_order``: the op issued first by the host goes first (pessimistic for two microbatches in flight: the
      backward ``B(i)`` is issued before ``F(i+1)`` and then keeps the SMs whenever it has work, so ``F(i+1)``'s
      computation runs only while ``B(i)`` waits for the link, and ``F(i+1)``'s own exchanges end up exposed after
-     ``B(i)``). A GPU decides between the two, within a stream priority: measured by ``bench_overlap_gpu.py``.
+     ``B(i)``; with ``interleave_stages`` the host issues the two alternately at the exchanges, so issue order
+     runs each side's computation while the other's exchange is in flight). A GPU decides between the two, within a
+     stream priority: measured by ``bench_overlap_gpu.py``.
 
 Exposed communication = step time - compute time; hidden = 1 - exposed / exchange time.
 
@@ -44,6 +50,7 @@ import argparse
 import os
 import sys
 from collections import defaultdict
+from types import SimpleNamespace
 from typing import Dict
 
 import torch
@@ -64,8 +71,11 @@ CONFIGS = {
 }
 SMALL = dict(H=32, F=16, E=8, K=2, Fs=16, T=64)
 MICROBATCHES = 8
-SCHEDULES = {"serial": (False, False), "overlap_shared_expert": (True, False), "overlap_microbatches": (False, True),
-             "overlap_microbatches+shared_expert": (True, True)}
+# name: (overlap_shared_expert, overlap_microbatches, interleave_stages)
+SCHEDULES = {"serial": (False, False, False), "overlap_shared_expert": (True, False, False),
+             "overlap_microbatches": (False, True, False), "overlap_microbatches+shared_expert": (True, True, False),
+             "overlap_microbatches+stages": (False, True, True),
+             "overlap_microbatches+shared_expert+stages": (True, True, True)}
 EXCHANGE_STAGES = ("dispatch", "combine")
 EXECUTORS = ("ready_first", "issue_order")  # which ready op takes a free resource first (module docstring, step 4)
 FREE = {"view", "t", "expand", "detach", "unsqueeze", "squeeze", "reshape", "_unsafe_view", "alias", "slice",
@@ -88,20 +98,35 @@ class _Block(torch.nn.Module):
         return self.moe(h)
 
 
-def record(overlap: bool, microbatches: bool = False) -> StreamRecorder:
-    """The record of one step of ``MICROBATCHES`` microbatches of one block through the plain loop
-    (:func:`moe_graph.train.schedules.forward_backward_no_pipelining`), serial or with ``overlap_microbatches``."""
+def _record_rank(rank: int, world: int, overlap: bool, microbatches: bool, stages: bool):
+    """One rank's record (EP = ``world``; ``world`` 1: this process, no exchange); the entries only."""
     s = SMALL
     torch.manual_seed(0)
     layer = MoELayer(s["H"], s["F"], s["E"], s["K"], shared_expert_ffn_size=s["Fs"], capacity_factor=None,
-                     aux_loss_coeff=1e-3, overlap_shared_expert=overlap, device="cpu")
+                     aux_loss_coeff=1e-3, overlap_shared_expert=overlap, device="cpu", ep_size=world)
     block = _Block(layer, s["H"])
+    torch.manual_seed(1 + rank)
     xs = [torch.randn(s["T"], s["H"], requires_grad=True) for _ in range(MICROBATCHES)]  # the previous block's output
     with StreamRecorder() as rec:
         schedules.forward_backward_no_pipelining(
             forward_step_func=lambda it, m: (m(next(it)).square().sum(), None), data_iterator=iter(xs), model=block,
-            num_microbatches=MICROBATCHES, config=schedules.PipelineConfig(overlap_microbatches=microbatches))
-    return rec
+            num_microbatches=MICROBATCHES, config=schedules.PipelineConfig(overlap_microbatches=microbatches,
+                                                                           interleave_stages=stages))
+    return rec.entries
+
+
+def record(overlap: bool, microbatches: bool = False, stages: bool = False, ep: int = 1):
+    """The record (``.entries``, ``.ops``) of one step of ``MICROBATCHES`` microbatches of one block through the plain
+    loop (:func:`moe_graph.train.schedules.forward_backward_no_pipelining`), serial or with ``overlap_microbatches``
+    (and ``interleave_stages``), recorded on rank 0 of ``ep`` gloo ranks (``ep`` 1: this process; the token exchange,
+    and so the stage interleave's hand-off points, exist at ``ep`` > 1 only)."""
+    if ep == 1:
+        entries = _record_rank(0, 1, overlap, microbatches, stages)
+    else:
+        from moe_graph.distributed.launch import run_distributed
+
+        entries = run_distributed(_record_rank, ep, overlap, microbatches, stages)[0]
+    return SimpleNamespace(entries=entries, ops=[e for e in entries if isinstance(e, RecordedOp)])
 
 
 def _numel(shape) -> int:
@@ -237,6 +262,9 @@ def main(argv=None) -> int:
     ap.add_argument("--ep", type=int, default=8)
     ap.add_argument("--executors", nargs="+", default=list(EXECUTORS), choices=EXECUTORS,
                     help="tie rules of the list schedule (module docstring, step 4)")
+    ap.add_argument("--record-ep", type=int, default=2, choices=(1, 2),
+                    help="EP of the recorded run (gloo ranks; 2: the exchange and the stage interleave's hand-offs "
+                         "are in the record; 1: one process, no exchange op)")
     ap.add_argument("--out", default=None, help="JSON path (default: results_dir()/bench_overlap.json)")
     args = ap.parse_args(argv)
     if args.ep < 2:
@@ -245,8 +273,8 @@ def main(argv=None) -> int:
           "routing, roofline per stage (no efficiency factor), each exchange on the stream that issues it (its result "
           "is read right after), its SMs and the count all-gather not modelled, executors " + "/".join(args.executors) +
           " (ties when a resource frees up); schedule recorded from a small layer (" +
-          ", ".join(f"{k} {v}" for k, v in SMALL.items()) + ") on the CPU")
-    recs = {name: record(*flags) for name, flags in SCHEDULES.items()}
+          ", ".join(f"{k} {v}" for k, v in SMALL.items()) + f", recorded at EP {args.record_ep}) on the CPU")
+    recs = {name: record(*flags, ep=args.record_ep) for name, flags in SCHEDULES.items()}
     rows = []
     hdr = (f"{'config':<22} {'T/rank':>6} {'EP':>3} {'schedule':<34} {'executor':<11} {'step us':>9} {'compute':>9} "
            f"{'exchange':>9} {'exposed':>9} {'hidden':>7}")
@@ -263,6 +291,7 @@ def main(argv=None) -> int:
                           f"{r['hidden_pct']:>6.1f}%")
     out = args.out or results_path("bench_overlap", dated=False)
     write_json(out, {"env": environment(), "hardware_assumed": HW, "recorded_shape": SMALL,
+                     "recorded_ep": args.record_ep,
                      "microbatches": MICROBATCHES, "executors": list(args.executors), "rows": rows,
                      "note": "a roofline model over the recorded stream schedule, not a measurement"})
     return 0

@@ -35,14 +35,15 @@ import contextlib
 import itertools
 import threading
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Callable, ContextManager, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["SideStream", "StreamRecorder", "RecordedOp", "RecordedEvent", "stage", "microbatch",
-           "current_logical_stream", "unjoined_uses", "happens_before", "MAIN"]
+           "current_logical_stream", "unjoined_uses", "happens_before", "MAIN", "exchange_issued", "exchange_hook",
+           "thread_state", "event_slot", "minor_exchanges"]
 
 MAIN = "main"
 _state = threading.local()
@@ -93,6 +94,105 @@ def _recorder() -> Optional["StreamRecorder"]:
     return getattr(_state, "recorder", None)
 
 
+def _event_slot() -> int:
+    return getattr(_state, "slot", 0)
+
+
+@contextlib.contextmanager
+def event_slot(slot: int) -> Iterator[None]:
+    """In this thread, every :class:`SideStream` forks and joins with its second set of events (``slot`` 1; 0: the
+    default set): two threads that issue forks and joins of the same side stream interleaved (the forward in the
+    stage interleave's worker, a recomputation in the backward beside it) then never record over each other's
+    events (a fork and its join must be issued in the same thread)."""
+    if slot not in (0, 1):
+        raise ValueError(f"event_slot: slot must be 0 or 1, got {slot!r}")
+    prev = _event_slot()
+    _state.slot = slot
+    try:
+        yield
+    finally:
+        _state.slot = prev
+
+
+# ------------------------------------------------------------------------------------------ exchange points --
+_exchange_hook: Optional[Callable[[], None]] = None  # process-wide: autograd may run a backward in its own thread
+
+
+def exchange_issued(point: bool = True) -> bool:
+    """Called right after a token exchange was issued (the dispatcher's dispatch / combine rows in the forward and
+    their exchanges in the backward: the autograd functions of :mod:`moe_graph.moe.token_dispatcher` and
+    :mod:`moe_graph.moe.exchange`, every backend). It is an *exchange point* unless ``point`` is False or it is issued
+    inside :func:`minor_exchanges` (the routing weights' exchange beside the rows); returns whether it is one (a
+    forward keeps it for its backward's call). At an exchange point the hook (:func:`exchange_hook`) runs, if one is
+    installed (the stage interleave of :mod:`moe_graph.train.interleave` hands the other microbatch the turn there),
+    and an active :class:`StreamRecorder` notes the point (``exchange_points``)."""
+    point = point and not getattr(_state, "minor", False)
+    if not point or torch.compiler.is_compiling():
+        return point
+    rec = _recorder()
+    if rec is not None:
+        rec.exchange_points.append(len(rec.entries))
+    hook = _exchange_hook
+    if hook is not None:
+        hook()
+    return point
+
+
+@contextlib.contextmanager
+def minor_exchanges() -> Iterator[None]:
+    """The exchanges issued inside (in this thread) are no exchange points (see :func:`exchange_issued`)."""
+    prev = getattr(_state, "minor", False)
+    _state.minor = True
+    try:
+        yield
+    finally:
+        _state.minor = prev
+
+
+@contextlib.contextmanager
+def exchange_hook(fn: Callable[[], None]) -> Iterator[None]:
+    """Installs ``fn`` as the hook :func:`exchange_issued` calls (in every thread), for the body; one at a time."""
+    global _exchange_hook
+    if _exchange_hook is not None:
+        raise RuntimeError("exchange_hook: another exchange hook is installed (one stage interleave at a time)")
+    _exchange_hook = fn
+    try:
+        yield
+    finally:
+        _exchange_hook = None
+
+
+def thread_state() -> Callable[[], ContextManager[None]]:
+    """This thread's recording state, for another thread: the returned factory's context, entered in that thread,
+    sets the same logical stream, stage and microbatch labels and active :class:`StreamRecorder`, and pushes the same
+    ``TorchDispatchMode`` stack (``TorchDispatchMode`` and this module's state are thread-local), so the ops that
+    thread issues are recorded into the same record, in the order they are issued."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode, _push_mode
+
+    saved = {k: getattr(_state, k, None) for k in ("stream", "stage", "microbatch", "recorder")}
+    modes = list(_get_current_dispatch_mode_stack())
+
+    @contextlib.contextmanager
+    def enter() -> Iterator[None]:
+        before = {k: getattr(_state, k, None) for k in saved}
+        for k, v in saved.items():
+            if v is not None:
+                setattr(_state, k, v)
+        pushed = 0
+        try:
+            for mode in modes:
+                _push_mode(mode)
+                pushed += 1
+            yield
+        finally:
+            for _ in range(pushed):
+                _pop_mode()
+            for k, v in before.items():
+                setattr(_state, k, v)
+
+    return enter
+
+
 def _side_cuda_stream(device: torch.device, name: str) -> "torch.cuda.Stream":
     key = (device, name)
     if key not in _cuda_streams:  # one side stream per (device, name), shared by every owner
@@ -117,32 +217,35 @@ class SideStream:
             raise ValueError(f"name must be a non-empty string other than {MAIN!r}, got {name!r}")
         self.device, self.name, self.whole_graph = device, name, bool(whole_graph)
         self._id = next(SideStream._ids)
-        self._inputs: Tuple = ()  # the fork's inputs, until the join (the recorder's backward model reads them)
+        # per event slot (:func:`event_slot`): the fork's inputs, until the join (the recorder's backward model reads
+        # them), and the fork / join events
+        self._inputs: List[Tuple] = [(), ()]
         self.cuda = device.type == "cuda"
         if self.cuda:
             if device.index is None:
                 device = self.device = torch.device("cuda", torch.cuda.current_device())
             self.stream = _side_cuda_stream(device, name)
-            self.fork_event, self.join_event = torch.cuda.Event(), torch.cuda.Event()
+            self._events = [{"fork": torch.cuda.Event(), "join": torch.cuda.Event()} for _ in range(2)]
         else:
-            self.stream = self.fork_event = self.join_event = None
+            self.stream, self._events = None, None
 
     def _event_name(self, kind: str) -> str:
-        return f"{self.name}#{self._id}.{kind}"
+        slot = _event_slot()
+        return f"{self.name}#{self._id}{'' if slot == 0 else f'/{slot}'}.{kind}"
 
     def _record(self, kind: str) -> None:
         rec = _recorder()
         if rec is not None:
             rec._event("record", self._event_name(kind))
         if self.cuda:
-            (self.fork_event if kind == "fork" else self.join_event).record(torch.cuda.current_stream(self.device))
+            self._events[_event_slot()][kind].record(torch.cuda.current_stream(self.device))
 
     def _wait(self, kind: str) -> None:
         rec = _recorder()
         if rec is not None:
             rec._event("wait", self._event_name(kind))
         if self.cuda:
-            torch.cuda.current_stream(self.device).wait_event(self.fork_event if kind == "fork" else self.join_event)
+            torch.cuda.current_stream(self.device).wait_event(self._events[_event_slot()][kind])
 
     def mark_fork(self) -> None:
         """Records the fork event on the current stream now, for a later ``fork(..., marked=True)``: the body then
@@ -157,7 +260,7 @@ class SideStream:
         them)."""
         if not marked:
             self._record("fork")
-        self._inputs = inputs
+        self._inputs[_event_slot()] = inputs
         prev = current_logical_stream()
         ctx = torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
         with ctx:
@@ -179,7 +282,8 @@ class SideStream:
         Returns ``outputs`` (under a :class:`StreamRecorder`, the tensors pass through an identity whose backward
         marks when their gradient is ready)."""
         self._wait("join")
-        inputs, self._inputs = self._inputs, ()
+        slot = _event_slot()
+        inputs, self._inputs[slot] = self._inputs[slot], ()
         if self.cuda:
             cur = torch.cuda.current_stream(self.device)
             for t in outputs:
@@ -232,6 +336,9 @@ class StreamRecorder(TorchDispatchMode):
         self._microbatch_nodes: List[Tuple[int, int, int]] = []  # the same for a microbatch
         self._caller: Optional[str] = None  # the stream a backward() in progress was called on
         self._claimed: Dict = {}  # autograd node -> the stream a _backward_on gave it (an inner side stream first)
+        # where exchange_issued() was called: the number of entries recorded before it (an exchange point follows
+        # the entry before it, the exchange just issued)
+        self.exchange_points: List[int] = []
 
     @property
     def ops(self) -> List[RecordedOp]:

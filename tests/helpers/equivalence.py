@@ -139,6 +139,7 @@ class Row:
     fp8: Optional[str] = None  # a key of FP8_RECIPES: train_step(fp8_recipe=...); the oracle quantizes per group
     side_stream: bool = False  # overlap_shared_expert: the shared expert and router losses beside the exchange
     overlap_microbatches: bool = False  # train_step(overlap_microbatches=True): F(i+1) beside B(i)
+    interleave_stages: bool = False  # train_step(interleave_stages=True): F(i+1) and B(i) alternating at the exchanges
     recompute: bool = False  # MoELayer(recompute=True): the layer's forward run again in backward
     fp8_param_gather: bool = False  # DistributedOptimizer(fp8_param_gather=the row's recipe): FP8 weights gathered in FP8
 
@@ -251,6 +252,13 @@ MATRIX += [  # the shared expert and the router losses on a side stream beside t
         shared_expert=True, side_stream=True, overlap_microbatches=True, recompute=True),
     Row("pp2_vpp2_mb4_overlap_microbatches", world=2, pp=2, vpp=2, layers=4, microbatches=4, aux="local",
         overlap_microbatches=True),  # the interleaved schedule's steady forward beside its backward
+    # the stage interleave (F(i+1) in a worker thread, alternating with B(i) at the token exchanges)
+    Row("ep2xdp2_echo1_interleave_stages_grad_reduce", world=4, ep=2, microbatches=2, echo=1, overlap=True,
+        overlap_microbatches=True, interleave_stages=True),
+    Row("ep2_cap1.0_rerun_interleave_stages", world=2, ep=2, microbatches=2, capacity=1.0,
+        overlap_microbatches=True, interleave_stages=True),
+    Row("ep2_mb4_interleave_stages_recompute_shared_side_aux", world=2, ep=2, microbatches=4, aux="local",
+        shared_expert=True, side_stream=True, overlap_microbatches=True, interleave_stages=True, recompute=True),
 ]
 MATRIX += [Row(f"fp8_{_fp8}_dp2_fp8_param_gather", world=2, microbatches=2, fp8=_fp8, fp8_param_gather=True)
            for _fp8 in ("blockwise", "blockwise_fp32_scales")]  # expert DP 2: the expert shards are gathered in FP8
@@ -686,13 +694,15 @@ def machinery_worker(rank: int, world: int, row: Row) -> Dict:
         if row.capacity is not None and row.overflow == "rerun":  # every overflowed step reruns (no raise)
             rerun = OverflowRerun(model, opt, threshold=None, tensor_shape=shape, dtype=dtype)
             step_fn = make_train_step(model, opt, tensor_shape=shape, dtype=dtype, overflow="rerun",
-                                      fp8_recipe=fp8_recipe(row), overlap_microbatches=row.overlap_microbatches)
+                                      fp8_recipe=fp8_recipe(row), overlap_microbatches=row.overlap_microbatches,
+                                      interleave_stages=row.interleave_stages)
         for step in range(STEPS):
             if rerun is not None:
                 res = rerun.step(step_fn, my_microbatches(step))
             else:
                 res = train_step(model, opt, my_microbatches(step), tensor_shape=shape, dtype=dtype,
-                                 fp8_recipe=fp8_recipe(row), overlap_microbatches=row.overlap_microbatches)
+                                 fp8_recipe=fp8_recipe(row), overlap_microbatches=row.overlap_microbatches,
+                                 interleave_stages=row.interleave_stages)
             losses.append(None if res.loss is None else float(res.loss))
             norms.append(float(res.grad_norm))
             skipped.append(bool(res.skipped))

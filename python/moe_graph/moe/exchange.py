@@ -55,6 +55,7 @@ from moe_graph.ops.dispatch_layout import aligned_groups
 from moe_graph.ops.errors import EXCHANGE_COUNTS, flag_error_if
 from moe_graph.ops.nvlink import FusedDispatch, NvlinkExchange, OrderedStream, kernels_available
 from moe_graph.ops.permute import reduce_rows, route_dot
+from moe_graph.streams import exchange_issued
 
 __all__ = [
     "EXCHANGES",
@@ -704,13 +705,17 @@ class FusedDispatchFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, fx, state: FusedState, rows, weights):
         ctx.fx, ctx.state = fx, state
-        return state.take(fx.dispatch(rows.contiguous(), state.route_of_slot, state.send_counts, state.topk,
-                                      state.capacity, weights))
+        out = state.take(fx.dispatch(rows.contiguous(), state.route_of_slot, state.send_counts, state.topk,
+                                     state.capacity, weights))
+        ctx.point = exchange_issued()  # an exchange point (moe_graph.train.interleave hands the turn over here)
+        return out
 
     @staticmethod
     def backward(ctx, g):
         s = ctx.state
-        return None, None, ctx.fx.combine(g.contiguous(), s.route_row, s.topk, None), None
+        out = ctx.fx.combine(g.contiguous(), s.route_row, s.topk, None)
+        exchange_issued(ctx.point)
+        return None, None, out, None
 
 
 class FusedCombineFn(torch.autograd.Function):
@@ -722,7 +727,9 @@ class FusedCombineFn(torch.autograd.Function):
     def forward(ctx, fx, state: FusedState, expert_out, weights):
         ctx.fx, ctx.state = fx, state
         ctx.save_for_backward(expert_out if ctx.needs_input_grad[3] else None, weights)
-        return fx.combine(expert_out.contiguous(), state.route_row, state.topk, weights)
+        out = fx.combine(expert_out.contiguous(), state.route_row, state.topk, weights)
+        ctx.point = exchange_issued()
+        return out
 
     @staticmethod
     def backward(ctx, dy):
@@ -745,6 +752,7 @@ class FusedCombineFn(torch.autograd.Function):
             grad_w = route_dot(dy.reshape(TK // s.topk, width), routes,
                                torch.arange(TK, device=dy.device).view(TK // s.topk, s.topk))
             grad_w = grad_w.reshape(TK).to(weights.dtype)
+        exchange_issued(ctx.point)
         return None, None, grad_out, grad_w
 
 
@@ -811,11 +819,15 @@ class ToExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, backend, plan, send):
         ctx.backend, ctx.plan, ctx.num_slots = backend, plan, send.shape[0]
-        return backend.to_experts(send.contiguous(), plan)
+        out = backend.to_experts(send.contiguous(), plan)
+        ctx.point = exchange_issued()  # an exchange point (moe_graph.train.interleave hands the turn over here)
+        return out
 
     @staticmethod
     def backward(ctx, g):
-        return None, None, ctx.backend.to_sources(g.contiguous(), ctx.plan, ctx.num_slots)
+        out = ctx.backend.to_sources(g.contiguous(), ctx.plan, ctx.num_slots)
+        exchange_issued(ctx.point)
+        return None, None, out
 
 
 class ToSources(torch.autograd.Function):
@@ -824,8 +836,12 @@ class ToSources(torch.autograd.Function):
     @staticmethod
     def forward(ctx, backend, plan, rows, num_slots):
         ctx.backend, ctx.plan = backend, plan
-        return backend.to_sources(rows.contiguous(), plan, num_slots)
+        out = backend.to_sources(rows.contiguous(), plan, num_slots)
+        ctx.point = exchange_issued()
+        return out
 
     @staticmethod
     def backward(ctx, g):
-        return None, None, ctx.backend.to_experts(g.contiguous(), ctx.plan), None
+        out = ctx.backend.to_experts(g.contiguous(), ctx.plan)
+        exchange_issued(ctx.point)
+        return None, None, out, None

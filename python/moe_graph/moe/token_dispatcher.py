@@ -73,6 +73,7 @@ from moe_graph.moe.exchange import (EXCHANGES, CompletedExchange, FusedCombineFn
 from moe_graph.ops.dispatch_layout import aligned_groups, dispatch_layout, receive_layout
 from moe_graph.ops.fp8 import carrier, pack_rows, unpack_rows
 from moe_graph.ops.permute import expand_quantize, expand_quantize_available, expand_rows, reduce_rows
+from moe_graph.streams import exchange_issued, minor_exchanges
 
 __all__ = [
     "TokenDispatcher",
@@ -152,11 +153,15 @@ class _Exchange(torch.autograd.Function):
     @staticmethod
     def forward(ctx, backend, x):
         ctx.backend = backend
-        return backend.exchange(x.contiguous())
+        out = backend.exchange(x.contiguous())
+        ctx.point = exchange_issued()  # an exchange point (moe_graph.train.interleave hands the turn over here)
+        return out
 
     @staticmethod
     def backward(ctx, g):
-        return None, ctx.backend.exchange(g.contiguous())
+        out = ctx.backend.exchange(g.contiguous())
+        exchange_issued(ctx.point)
+        return None, out
 
 
 def take_rows(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -625,7 +630,8 @@ class TokenDispatcher(nn.Module):
         if self.fused:  # carried beside the rows by the forward dispatch
             return RowWeightsFn.apply(self.exchange_backend, handle.exchange_plan, handle.probs.reshape(TK))
         w = expand_rows(handle.probs.reshape(TK, 1), handle.route_of_slot, handle.route_slot.view(TK, 1))  # [N, 1]
-        return self._to_expert_order(w, handle).view(handle.expert_rows)
+        with minor_exchanges():  # beside the rows: not an exchange point of its own
+            return self._to_expert_order(w, handle).view(handle.expert_rows)
 
     # ----------------------------------------------------------------------------------------- combine --
     def combine(self, expert_output: torch.Tensor, handle: DispatchHandle, weighted: bool = True,

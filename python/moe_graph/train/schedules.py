@@ -55,6 +55,7 @@ import torch  # noqa: E402
 from moe_graph import parallel_state as ps
 from moe_graph import streams
 from moe_graph.moe.router import MoEAuxLossAutoScaler
+from moe_graph.train import interleave
 from moe_graph.train.p2p import P2PCommunicator, Shape, get_default_communicator
 
 # ==================================================================================================
@@ -337,6 +338,11 @@ class PipelineConfig:
             backward (see :func:`forward_backward_overlapped`); :func:`forward_backward_pipelining_with_interleaving`
             runs one more warm-up forward and then each steady step's forward beside its backward (different
             microbatches). 1F1B rejects it (as Megatron-core does: pp > 1 needs virtual pipelining).
+        interleave_stages: with ``overlap_microbatches`` in the plain loop, issue ``F(i + 1)`` and ``B(i)`` stage by
+            stage, alternating at the token exchanges (``B`` first: B-compute, B-exchange, F-compute, F-exchange,
+            ...; :mod:`moe_graph.train.interleave`), so that the hiding of the exchange does not depend on which
+            ready kernel the GPU runs first. ``F`` runs in a worker thread. Bitwise equal to the serial loop. Needs
+            ``overlap_microbatches=True`` (``ValueError`` otherwise, naming both); the pipeline schedules raise.
     """
 
     tensor_shape: Optional[Sequence[int]] = None
@@ -349,6 +355,18 @@ class PipelineConfig:
     microbatch_group_size_per_vp_stage: Optional[int] = None
     trace: Optional[list] = None
     overlap_microbatches: bool = False
+    interleave_stages: bool = False
+
+
+def _check_interleave_stages(config: "PipelineConfig", where: str) -> bool:
+    """Validates ``config.interleave_stages``; returns it."""
+    v = config.interleave_stages
+    if not isinstance(v, bool):
+        raise ValueError(f"{where}: interleave_stages must be a bool, got {v!r}")
+    if v and not config.overlap_microbatches:
+        raise ValueError(f"{where}: interleave_stages=True interleaves the two microbatches in flight: it needs "
+                         "overlap_microbatches=True")
+    return v
 
 
 def deallocate_output_tensor(out: Optional[torch.Tensor], deallocate_pipeline_outputs: bool = True) -> None:
@@ -548,6 +566,7 @@ def forward_backward_no_pipelining(
     """
     config = config or PipelineConfig()
     model, data_iterator = _single_chunk(model, data_iterator, "forward_backward_no_pipelining")
+    _check_interleave_stages(config, "forward_backward_no_pipelining")
     if config.overlap_microbatches and not forward_only and num_microbatches > 1:
         return forward_backward_overlapped(forward_step_func=forward_step_func, data_iterator=data_iterator,
                                            model=model, num_microbatches=num_microbatches, config=config)
@@ -659,30 +678,80 @@ def forward_backward_overlapped(*, forward_step_func: Callable, data_iterator, m
     set_aux_loss_scale_for_step(config, [model], num_microbatches)
     sync = _GradSync(_no_sync_factory(config, [model]))
     store: list = []
+    stages = config.interleave_stages
+    baton = worker = None
+    if stages:  # F in a worker thread, B here (or in autograd's device thread), alternating at the exchanges
+        baton = interleave.Baton()
+        device = lanes.params[0].device if lanes.params else None
+        worker = interleave.ForwardWorker(baton, interleave.carry_thread_state(device))
+
+    def forward_body(mb: int, marked: bool):
+        with lanes.forward(mb % 2, mb, marked=marked):
+            return forward_step(forward_step_func, data_iterator, model, num_microbatches, None, store, config, True)
 
     def forward(mb: int, marked: bool):
         steps.take(True, mb, 0)
-        with lanes.forward(mb % 2, mb, marked=marked):
-            out = forward_step(forward_step_func, data_iterator, model, num_microbatches, None, store, config, True)
-        return lanes.join(mb % 2, out)
+        if worker is None:
+            return lanes.join(mb % 2, forward_body(mb, marked))
+        baton.start((interleave.F,))  # alone: no backward beside it
+        worker.submit(lambda: forward_body(mb, marked))
+        return join_worker_forward(mb, worker.result())
+
+    def join_worker_forward(mb: int, y):
+        with streams.event_slot(1):  # the worker forked the lane with the second events
+            return lanes.join(mb % 2, y)
+
+    def backward(mb: int):
+        steps.take(False, mb, 0)
+        backward_step(None, out, None, config)
+
+    def backward_beside_forward(mb: int):
+        """B(mb) here and F(mb + 1) in the worker, stage by stage (B first); both ended when this returns or
+        raises. Returns F(mb + 1)'s output, joined."""
+        steps.take(False, mb, 0)
+        steps.take(True, mb + 1, 0)
+        baton.start()
+        # B first; F(mb + 1) waits only for the mark (made before B(mb), with the worker's events); its join is
+        # issued here after B(mb) (joined earlier, the current stream would wait for F(mb + 1)'s end before B(mb)'s
+        # last accumulations)
+        worker.submit(lambda: forward_body(mb + 1, True))
+        failed = True
+        try:
+            baton.wait_turn(interleave.B)
+            backward_step(None, out, None, config)
+            failed = False
+        finally:
+            baton.finish(interleave.B)  # F runs free to its end
+            try:
+                y = worker.result()  # waits for F's end
+            except BaseException:
+                if not failed:  # F's exception; when B failed too, B's propagates (F's is dropped)
+                    raise
+        return join_worker_forward(mb + 1, y)
 
     try:
-        out = forward(0, False)
-        for mb in range(num_microbatches):
-            last = mb == num_microbatches - 1
-            if not last:
-                lanes.mark((mb + 1) % 2)  # F(mb+1) waits for what is issued so far, not for B(mb)
-            if last:
-                sync.enable()  # the last microbatch's backward runs with gradient reduction on
-            else:
-                sync.disable()
-            steps.take(False, mb, 0)
-            backward_step(None, out, None, config)
-            del out
-            if not last:
-                out = forward(mb + 1, True)
+        with streams.exchange_hook(baton.hook) if stages else contextlib.nullcontext():
+            out = forward(0, False)
+            for mb in range(num_microbatches):
+                last = mb == num_microbatches - 1
+                if not last:
+                    with streams.event_slot(1) if stages else contextlib.nullcontext():  # the worker's events
+                        lanes.mark((mb + 1) % 2)  # F(mb+1) waits for what is issued so far, not for B(mb)
+                if last:
+                    sync.enable()  # the last microbatch's backward runs with gradient reduction on
+                else:
+                    sync.disable()
+                if last or not stages:
+                    backward(mb)
+                    del out
+                    if not last:
+                        out = forward(mb + 1, True)
+                else:
+                    out = backward_beside_forward(mb)
     finally:
         sync.enable()
+        if worker is not None:
+            worker.close()  # no thread outlives the step
     lanes.close()
     steps.finish()
     _reset_aux_loss_scale()
@@ -708,6 +777,9 @@ def forward_backward_pipelining_without_interleaving(
     """
     config = config or PipelineConfig()
     model, data_iterator = _single_chunk(model, data_iterator, "forward_backward_pipelining_without_interleaving")
+    if _check_interleave_stages(config, "forward_backward_pipelining_without_interleaving"):
+        raise ValueError("forward_backward_pipelining_without_interleaving: interleave_stages runs in the plain "
+                         "microbatch loop (forward_backward_no_pipelining) only")
     shape, dtype = _shape_dtype(config, tensor_shape, dtype)
     comm = communicator or get_default_communicator(config.batch_p2p_comm)
     pp, rank = comm.world_size, comm.rank
@@ -826,6 +898,9 @@ def forward_backward_pipelining_with_interleaving(
     gradients are bitwise equal to it. Memory: one more microbatch's activations in flight on each rank.
     """
     config = config or PipelineConfig()
+    if _check_interleave_stages(config, "forward_backward_pipelining_with_interleaving"):
+        raise ValueError("forward_backward_pipelining_with_interleaving: interleave_stages runs in the plain "
+                         "microbatch loop (forward_backward_no_pipelining) only, not yet in the pipeline schedules")
     if not isinstance(model, (list, tuple)) or len(model) < 1:
         raise ValueError("interleaved pipeline schedule expects a list of model chunks")
     nc = len(model)

@@ -93,7 +93,7 @@ def train_step(model, optimizer, microbatches: Sequence[Any], *, loss_func: Opti
                config=None, forward_backward_func: Optional[Callable] = None,
                update_expert_bias: bool = True, average_loss_over_data_parallel: bool = True,
                overflow: Optional[str] = None, fp8_recipe=None,
-               overlap_microbatches: bool = False) -> TrainStepResult:
+               overlap_microbatches: bool = False, interleave_stages: bool = False) -> TrainStepResult:
     """One training iteration (see the module docstring).
 
     Args:
@@ -124,6 +124,9 @@ def train_step(model, optimizer, microbatches: Sequence[Any], *, loss_func: Opti
             (``forward_backward_pipelining_with_interleaving``, any vpp >= 1: one more warm-up forward, then each
             steady step's forward beside its backward; bitwise equal to the schedule without the option); with
             1F1B or another schedule it raises ``ValueError`` before anything is written.
+        interleave_stages: with ``overlap_microbatches`` in the plain loop, issue ``F(i + 1)`` and ``B(i)`` stage
+            by stage, alternating at the token exchanges (:mod:`moe_graph.train.interleave`; bitwise equal to the
+            serial loop); ``ValueError`` without ``overlap_microbatches`` or with a pipeline schedule.
     """
     if overflow is not None and overflow not in OVERFLOW_MODES:
         raise ValueError(f"train_step: overflow must be one of {OVERFLOW_MODES} or None, got {overflow!r}")
@@ -141,6 +144,12 @@ def train_step(model, optimizer, microbatches: Sequence[Any], *, loss_func: Opti
     if not isinstance(overlap_microbatches, bool):
         raise TypeError(f"train_step: overlap_microbatches must be a bool, got {type(overlap_microbatches).__name__}")
     config.overlap_microbatches = config.overlap_microbatches or overlap_microbatches
+    if not isinstance(interleave_stages, bool):
+        raise ValueError(f"train_step: interleave_stages must be a bool, got {interleave_stages!r}")
+    config.interleave_stages = config.interleave_stages or interleave_stages
+    if config.interleave_stages and not config.overlap_microbatches:
+        raise ValueError("train_step: interleave_stages=True interleaves the two microbatches in flight: it needs "
+                         "overlap_microbatches=True")
     if tensor_shape is not None:
         config.tensor_shape = tuple(tensor_shape)
     if dtype is not None:
@@ -162,6 +171,10 @@ def train_step(model, optimizer, microbatches: Sequence[Any], *, loss_func: Opti
                          "(forward_backward_no_pipelining) and, with pipeline parallelism, in the interleaved schedule "
                          "only (forward_backward_pipelining_with_interleaving: set virtual_pipeline_model_parallel_size "
                          ">= 1, as Megatron-core requires), got "
+                         f"{getattr(forward_backward_func, '__name__', forward_backward_func)}")
+    if config.interleave_stages and forward_backward_func is not schedules.forward_backward_no_pipelining:
+        raise ValueError("train_step: interleave_stages runs in the plain microbatch loop "
+                         "(forward_backward_no_pipelining) only, got "
                          f"{getattr(forward_backward_func, '__name__', forward_backward_func)}")
     if len(chunks) > 1 and not interleaved:
         raise ValueError(f"train_step: {len(chunks)} model chunks need the interleaved schedule")
