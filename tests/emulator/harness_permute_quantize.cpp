@@ -21,6 +21,40 @@ namespace pm = moe_graph::permute;
 namespace act = moe_graph::activation;
 }  // namespace
 
+// Random tokens [count] of dtype `in` (0 fp32, 1 bf16, 2 fp16): normal values, a few large, rare NaN / inf.
+void fill_tokens(Buffer& src, int64_t count, int in, Rng& rng) {
+  for (int64_t i = 0; i < count; ++i) {
+    float v = static_cast<float>(rng.normal() * (rng.bern(0.02) ? 1e3 : 2.0));
+    if (rng.bern(0.002)) v = rng.bern(0.5) ? std::nanf("") : INFINITY;
+    if (in == 0) src.put<float>(i, v);
+    else if (in == 1) src.put<act::bf16_t>(i, act::Narrow<act::bf16_t>::to(v));
+    else src.put<act::f16_t>(i, act::Narrow<act::f16_t>::to(v));
+  }
+}
+
+// r0 and, when not null, r1 (their outputs set) through the kernel's launch (emulate) or the CPU's tiles and tail,
+// the flags written to *flag / *nonfinite.
+void expand_quantize_either(f8::QuantizeProblem& r0, f8::QuantizeProblem* r1, const pm::ExpandRoutes& e,
+                            int32_t* flag, int32_t* nonfinite, bool emulate) {
+  for (f8::QuantizeProblem* r : {&r0, r1}) {
+    if (r == nullptr) continue;
+    r->error_flag = flag;
+    r->nonfinite_flag = nonfinite;
+  }
+  if (emulate) {
+    pm::expand_quantize_cuda_launch(r0, r1, e, flag, nullptr);
+    return;
+  }
+  bool bad = false;
+  for (const f8::QuantizeProblem* r : {static_cast<const f8::QuantizeProblem*>(&r0),
+                                       static_cast<const f8::QuantizeProblem*>(r1)}) {
+    if (r == nullptr) continue;
+    bad |= pm::expand_quantize_tiles_host(*r, e, 0, r->row_tiles * r->col_tiles);
+    f8::quantize_tail_cpu(*r);
+  }
+  if (bad) *flag |= moe_graph::kErrIndexOutOfRange;
+}
+
 // FP8 dispatch's packed rows (pm::PackedRows): the pair from packed source rows (the rowwise copy their bytes and
 // scales, the columnwise copy requantized from their dequantized values) and the packed output (the expanded rows
 // quantized and packed, through route_of_row or, without it, the rows themselves), each against the CPU's tiles.
@@ -53,13 +87,7 @@ int packed_cases(Rng& rng) {
         const size_t es = in == 0 ? 4 : 2;
         Buffer src(pack_out ? s.n * s.H * es : s.n * B);
         if (pack_out) {
-          for (int64_t i = 0; i < s.n * s.H; ++i) {
-            float v = static_cast<float>(rng.normal() * (rng.bern(0.02) ? 1e3 : 2.0));
-            if (rng.bern(0.002)) v = rng.bern(0.5) ? std::nanf("") : INFINITY;
-            if (in == 0) src.put<float>(i, v);
-            else if (in == 1) src.put<act::bf16_t>(i, act::Narrow<act::bf16_t>::to(v));
-            else src.put<act::f16_t>(i, act::Narrow<act::f16_t>::to(v));
-          }
+          fill_tokens(src, s.n * s.H, in, rng);
         } else {  // random FP8 bytes (NaN codes included), then the scales of each row at its byte offset
           for (int64_t r = 0; r < s.n; ++r) {
             for (int64_t c = 0; c < s.H; ++c) src.put<uint8_t>(r * B + c, static_cast<uint8_t>(rng.uniform(0, 255)));
@@ -124,21 +152,7 @@ int packed_cases(Rng& rng) {
             r1.q = q1.data();
             r1.scale = s1.data();
           }
-          for (f8::QuantizeProblem* r : {&r0, &r1}) {
-            r->error_flag = &flag;
-            r->nonfinite_flag = &nonfinite;
-          }
-          if (emulate) {
-            pm::expand_quantize_cuda_launch(r0, pack_out ? nullptr : &r1, x, &flag, nullptr);
-          } else {
-            bool bad = false;
-            for (const f8::QuantizeProblem* r : {&r0, &r1}) {
-              if (pack_out && r == &r1) break;
-              bad |= pm::expand_quantize_tiles_host(*r, x, 0, r->row_tiles * r->col_tiles);
-              f8::quantize_tail_cpu(*r);
-            }
-            if (bad) flag |= moe_graph::kErrIndexOutOfRange;
-          }
+          expand_quantize_either(r0, pack_out ? nullptr : &r1, x, &flag, &nonfinite, emulate);
           if (pack_out)
             return std::vector<Output>{out.out("packed", 1), Output::of("error_flag", flag),
                                        Output::of("nonfinite_flag", nonfinite)};
@@ -188,13 +202,7 @@ int family_permute_quantize() {
         if (variant == 1) routes.put<int64_t>(rng.uniform(0, s.m - 1), rng.bern(0.5) ? -1 : sentinel + 2);
         const size_t es = in == 0 ? 4 : 2;
         Buffer src(s.n * s.H * es);
-        for (int64_t i = 0; i < s.n * s.H; ++i) {
-          float v = static_cast<float>(rng.normal() * (rng.bern(0.02) ? 1e3 : 2.0));
-          if (rng.bern(0.002)) v = rng.bern(0.5) ? std::nanf("") : INFINITY;
-          if (in == 0) src.put<float>(i, v);
-          else if (in == 1) src.put<act::bf16_t>(i, act::Narrow<act::bf16_t>::to(v));
-          else src.put<act::f16_t>(i, act::Narrow<act::f16_t>::to(v));
-        }
+        fill_tokens(src, s.n * s.H, in, rng);
         const bool e5m2 = !t.mx && rng.bern(0.3);
         auto problem = [&](int64_t tr, int64_t tc, bool transpose) {
           f8::QuantizeProblem p;
@@ -234,20 +242,7 @@ int family_permute_quantize() {
           r0.scale = s0.data();
           r1.q = q1.data();
           r1.scale = s1.data();
-          for (f8::QuantizeProblem* r : {&r0, &r1}) {
-            r->error_flag = &flag;
-            r->nonfinite_flag = &nonfinite;
-          }
-          if (emulate) {
-            pm::expand_quantize_cuda_launch(r0, &r1, e, &flag, nullptr);
-          } else {
-            bool bad = false;
-            for (const f8::QuantizeProblem* r : {&r0, &r1}) {
-              bad |= pm::expand_quantize_tiles_host(*r, e, 0, r->row_tiles * r->col_tiles);
-              f8::quantize_tail_cpu(*r);
-            }
-            if (bad) flag |= moe_graph::kErrIndexOutOfRange;
-          }
+          expand_quantize_either(r0, &r1, e, &flag, &nonfinite, emulate);
           return std::vector<Output>{q0.out("q", 1), s0.out("scale", ses), q1.out("q_t", 1),
                                      s1.out("scale_t", ses), Output::of("error_flag", flag),
                                      Output::of("nonfinite_flag", nonfinite)};
