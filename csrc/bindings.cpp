@@ -89,8 +89,12 @@ TORCH_LIBRARY(moe_graph, m) {
   // fp8_quantize_pair's results for the expanded rows, without them in memory -> (q [m, H], scale, q_t [H, m],
   // scale_t)
   m.def("expand_quantize_pair(Tensor src, Tensor route_of_row, int K, Tensor m_splits, int[] tiles, "
-        "ScalarType fp8_dtype, bool mx, float eps, bool pow2, Tensor? weights=None) -> (Tensor, Tensor, Tensor, "
-        "Tensor)");
+        "ScalarType fp8_dtype, bool mx, float eps, bool pow2, Tensor? weights=None, int packed_cols=0) -> (Tensor, "
+        "Tensor, Tensor, Tensor)");
+  // packed_cols > 0: src is packed FP8 rows (pack_rows' layout), weights None.
+  // expand_quantize_pack: pack_rows of expand_rows(src, route_of_row, K) (None: src's rows) -> uint8 [m, B]
+  m.def("expand_quantize_pack(Tensor src, Tensor? route_of_row, int K, ScalarType fp8_dtype, bool mx, float eps, "
+        "bool pow2) -> Tensor");
 
   // ---- the token dispatcher's layout (csrc/permute/dispatch_layout.h) -------------------------------------
   // indices [T, K] -> (route_slot [T*K], route_of_slot [R*capacity], send_counts [R, Lc], column_counts [C],
@@ -180,6 +184,7 @@ TORCH_LIBRARY_IMPL(moe_graph, CPU, m) {
   m.impl("reduce_rows", &moe_graph::reduce_rows_cpu);
   m.impl("route_dot", &moe_graph::route_dot_cpu);
   m.impl("expand_quantize_pair", &moe_graph::expand_quantize_pair_cpu);
+  m.impl("expand_quantize_pack", &moe_graph::expand_quantize_pack_cpu);
   m.impl("dispatch_layout", &moe_graph::dispatch_layout);
   m.impl("receive_layout", &moe_graph::receive_layout);
   m.impl("aligned_groups", &moe_graph::aligned_groups);
@@ -209,6 +214,7 @@ TORCH_LIBRARY_IMPL(moe_graph, CUDA, m) {
   m.impl("reduce_rows", &moe_graph::reduce_rows_cuda);
   m.impl("route_dot", &moe_graph::route_dot_cuda);
   m.impl("expand_quantize_pair", &moe_graph::expand_quantize_pair_cuda);
+  m.impl("expand_quantize_pack", &moe_graph::expand_quantize_pack_cuda);
   m.impl("dispatch_layout", &moe_graph::dispatch_layout);
   m.impl("receive_layout", &moe_graph::receive_layout);
   m.impl("aligned_groups", &moe_graph::aligned_groups);

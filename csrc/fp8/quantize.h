@@ -206,6 +206,11 @@ MOE_GRAPH_HD int64_t grouped_rows(const QuantizeProblem& p, int32_t* bits) {
 // log2 of the columns one rowwise scale of an FP8 x covers: 1 x 128 fp32 tiles, MXFP8's 1 x 32 E8M0 tiles.
 MOE_GRAPH_HD int x_scale_shift(const QuantizeProblem& p) { return p.x_scale_e8m0 ? 5 : 7; }
 
+// decode(byte) * s in fp32: an FP8 element times its scale_inv (dequantize's product).
+MOE_GRAPH_HD float dequantize_byte(Format f, uint8_t byte, float s) {
+  return (f == Format::kE4M3 ? decode_fp8<Format::kE4M3>(byte) : decode_fp8<Format::kE5M2>(byte)) * s;
+}
+
 MOE_GRAPH_HD float load_x(const QuantizeProblem& p, int64_t b, int64_t r, int64_t c) {
   const int64_t i = (b * p.rows + r) * p.cols + c;
   switch (p.in_type) {
@@ -213,12 +218,11 @@ MOE_GRAPH_HD float load_x(const QuantizeProblem& p, int64_t b, int64_t r, int64_
     case InType::kBF16: return bits_float(static_cast<uint32_t>(static_cast<const uint16_t*>(p.x)[i]) << 16);
     case InType::kE4M3:
     case InType::kE5M2: {  // decode(x) * its rowwise scale, in fp32 (dequantize's product)
-      const uint8_t byte = static_cast<const uint8_t*>(p.x)[i];
-      const float v = p.in_type == InType::kE4M3 ? decode_fp8<Format::kE4M3>(byte) : decode_fp8<Format::kE5M2>(byte);
       const int64_t si = (b * p.rows + r) * p.x_scale_cols + (c >> x_scale_shift(p));
       const float s = p.x_scale_e8m0 ? e8m0_value(static_cast<const uint8_t*>(p.x_scale)[si])
                                      : static_cast<const float*>(p.x_scale)[si];
-      return v * s;
+      return dequantize_byte(p.in_type == InType::kE4M3 ? Format::kE4M3 : Format::kE5M2,
+                             static_cast<const uint8_t*>(p.x)[i], s);
     }
     default: break;
   }
@@ -259,21 +263,28 @@ MOE_GRAPH_HD void flag_nonfinite(int32_t* flag) {
 #endif
 }
 
-// The scale of a tile from its amax: writes the scale entry and returns the factor x is multiplied by.
-MOE_GRAPH_HD float tile_scale(const QuantizeProblem& p, float amax, int64_t b, int64_t rt, int64_t ct) {
-  const int64_t si = scale_index(p, b, rt, ct);
+// The scale of a tile from its amax: writes the scale entry (the E8M0 byte with p.mx, else the fp32 scale_inv) to
+// `entry` and returns the factor x is multiplied by.
+MOE_GRAPH_HD float tile_scale_to(const QuantizeProblem& p, float amax, void* entry) {
   if (nonfinite(amax)) flag_nonfinite(p.nonfinite_flag);
   if (p.mx) {
     const uint8_t e = p.format == Format::kE4M3 ? e8m0_from_amax<Format::kE4M3>(amax)
                                                 : e8m0_from_amax<Format::kE5M2>(amax);
-    static_cast<uint8_t*>(p.scale)[si] = e;
+    *static_cast<uint8_t*>(entry) = e;
     return e8m0_quant_mult(e);
   }
   const float fmax = p.format == Format::kE4M3 ? Traits<Format::kE4M3>::kMax : Traits<Format::kE5M2>::kMax;
   float inv;
   const float s = scale_from_amax(amax, fmax, p.eps, p.pow2, p.inf_scale, &inv);
-  static_cast<float*>(p.scale)[si] = inv;
+  *static_cast<float*>(entry) = inv;
   return s;
+}
+
+// tile_scale_to the tile's entry of p.scale.
+MOE_GRAPH_HD float tile_scale(const QuantizeProblem& p, float amax, int64_t b, int64_t rt, int64_t ct) {
+  const int64_t si = scale_index(p, b, rt, ct);
+  return tile_scale_to(p, amax, p.mx ? static_cast<void*>(static_cast<uint8_t*>(p.scale) + si)
+                                     : static_cast<void*>(static_cast<float*>(p.scale) + si));
 }
 
 MOE_GRAPH_HD void write_unused_scale(const QuantizeProblem& p, int64_t b, int64_t rt, int64_t ct) {
@@ -284,10 +295,15 @@ MOE_GRAPH_HD void write_unused_scale(const QuantizeProblem& p, int64_t b, int64_
     static_cast<float*>(p.scale)[si] = 1.0f;
 }
 
+// The FP8 byte of value x under the factor mult.
+MOE_GRAPH_HD uint8_t quantized_byte(const QuantizeProblem& p, float x, float mult) {
+  const float v = x * mult;
+  return p.format == Format::kE4M3 ? encode_fp8<Format::kE4M3>(v) : encode_fp8<Format::kE5M2>(v);
+}
+
 // Writes the byte of element (b, r, c) of value x.
 MOE_GRAPH_HD void quantize_value(const QuantizeProblem& p, float x, float mult, int64_t b, int64_t r, int64_t c) {
-  const float v = x * mult;
-  p.q[q_index(p, b, r, c)] = p.format == Format::kE4M3 ? encode_fp8<Format::kE4M3>(v) : encode_fp8<Format::kE5M2>(v);
+  p.q[q_index(p, b, r, c)] = quantized_byte(p, x, mult);
 }
 
 // The loaders: the value of element (b, r, c) of the input being quantized.

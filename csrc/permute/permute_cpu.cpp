@@ -83,14 +83,18 @@ bool expand_quantize_tiles_host(const fp8::QuantizeProblem& p, const ExpandRoute
       continue;
     }
     const int64_t c0 = ct * TC, c1 = std::min(p.cols, c0 + TC);
-    float amax = 0.0f;
-    for (int64_t r = tr.row0; r < tr.row0 + tr.nrows; ++r) {
-      bad |= !route_in_range(e.route_of_row[r], sentinel);
-      for (int64_t c = c0; c < c1; ++c) amax = fp8::amax_update(amax, load(p, 0, r, c));
+    for (int64_t r = tr.row0; r < tr.row0 + tr.nrows; ++r) bad |= !route_in_range(row_route(e, r), sentinel);
+    if (e.packed.src && !p.transpose) {  // the source row's bytes and scale (a tile of one row)
+      copy_packed_scale(p, e, tr.row0, rt, ct);
+      for (int64_t c = c0; c < c1; ++c) copy_packed_byte(p, e, tr.row0, c);
+      continue;
     }
-    const float mult = fp8::tile_scale(p, amax, 0, rt, ct);
+    float amax = 0.0f;
     for (int64_t r = tr.row0; r < tr.row0 + tr.nrows; ++r)
-      for (int64_t c = c0; c < c1; ++c) fp8::quantize_value(p, load(p, 0, r, c), mult, 0, r, c);
+      for (int64_t c = c0; c < c1; ++c) amax = fp8::amax_update(amax, load(p, 0, r, c));
+    const float mult = e.packed.out ? pack_tile_scale(p, e, amax, tr.row0, ct) : fp8::tile_scale(p, amax, 0, rt, ct);
+    for (int64_t r = tr.row0; r < tr.row0 + tr.nrows; ++r)
+      for (int64_t c = c0; c < c1; ++c) expand_quantize_value(p, e, load(p, 0, r, c), mult, r, c);
   }
   return bad;
 }

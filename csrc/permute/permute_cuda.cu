@@ -11,7 +11,8 @@
 // m_splits); the threads take its amax (NaN-propagating shared-memory reduction), thread 0 makes the scale, then
 // the threads quantize the tile. Rowwise tiles: threads over the columns of each row (coalesced q); transposed
 // tiles: threads over the rows of each column (coalesced q_t); no division per element. The elements are read
-// through LoadRoute (the row's token: src is read in place, the expanded rows never exist).
+// through LoadRoute (the row's token: src is read in place, the expanded rows never exist). A packed source's
+// rowwise tiles copy their row's bytes and scale; a packed output's tiles write into their row after its bytes.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -186,7 +187,12 @@ __device__ __forceinline__ void expand_quantize_block(const fp8::QuantizeProblem
   const LoadRoute load{e};
   if (first && ct == 0) {  // the rows of this tile (the first problem's column-0 tiles cover the groups' rows)
     for (int64_t r = row0 + tid; r < row1; r += kQThreads)
-      if (!route_in_range(e.route_of_row[r], e.tokens * e.topk)) set_device_error(flag, kErrIndexOutOfRange);
+      if (!route_in_range(row_route(e, r), e.tokens * e.topk)) set_device_error(flag, kErrIndexOutOfRange);
+  }
+  if (e.packed.src && !p.transpose) {  // the source row's bytes and scale (a tile of one row)
+    if (tid == 0) copy_packed_scale(p, e, row0, rt, ct);
+    for (int64_t c = c0 + tid; c < c1; c += kQThreads) copy_packed_byte(p, e, row0, c);
+    return;
   }
   // rowwise: threads along the columns of each row; transposed: along the rows of each column (q_t's rows)
   const int64_t n_slow0 = p.transpose ? c0 : row0, n_slow1 = p.transpose ? c1 : row1;
@@ -201,13 +207,14 @@ __device__ __forceinline__ void expand_quantize_block(const fp8::QuantizeProblem
     if (tid < h) s_amax[tid] = fp8::amax_update(s_amax[tid], s_amax[tid + h]);
     __syncthreads();
   }
-  if (tid == 0) s_mult = fp8::tile_scale(p, s_amax[0], 0, rt, ct);
+  if (tid == 0)
+    s_mult = e.packed.out ? pack_tile_scale(p, e, s_amax[0], row0, ct) : fp8::tile_scale(p, s_amax[0], 0, rt, ct);
   __syncthreads();
   const float mult = s_mult;
   for (int64_t s = n_slow0; s < n_slow1; ++s)
     for (int64_t f = n_fast0 + tid; f < n_fast1; f += kQThreads) {
       const int64_t r = p.transpose ? f : s, c = p.transpose ? s : f;
-      fp8::quantize_value(p, load(p, 0, r, c), mult, 0, r, c);
+      expand_quantize_value(p, e, load(p, 0, r, c), mult, r, c);
     }
 }
 

@@ -182,16 +182,24 @@ QuantizedCopy describe_copy(const ExpandQuantizePrepared& x, int64_t tile_rows, 
   QuantizedCopy out;
   fp8::QuantizeProblem& p = out.p;
   const at::ScalarType dt = x.src.scalar_type();
-  p.rows = x.route_of_row.size(0);
-  p.cols = x.src.size(1);
-  p.in_type = dt == at::kFloat ? fp8::InType::kF32 : dt == at::kBFloat16 ? fp8::InType::kBF16 : fp8::InType::kF16;
+  const bool packed = x.e.packed.src != nullptr;  // packed FP8 rows: the values are dequantized in fp32
+  p.rows = x.route_of_row.defined() ? x.route_of_row.size(0) : x.src.size(0);
+  p.cols = packed ? x.e.packed.cols : x.src.size(1);
+  p.in_type = packed ? (x.e.packed.format == fp8::Format::kE4M3 ? fp8::InType::kE4M3 : fp8::InType::kE5M2)
+              : dt == at::kFloat ? fp8::InType::kF32 : dt == at::kBFloat16 ? fp8::InType::kBF16 : fp8::InType::kF16;
   p.format = fp8_dtype == at::kFloat8_e4m3fn ? fp8::Format::kE4M3 : fp8::Format::kE5M2;
   p.x = x.src.data_ptr();
-  p.m_splits = x.m_splits.data_ptr();
-  p.splits_i64 = x.m_splits.scalar_type() == at::kLong;
-  p.groups = x.m_splits.size(0);
-  fp8::set_tiling(p, tile_rows, tile_cols, mx, eps, pow2, transpose, dt == at::kFloat, dt == at::kBFloat16);
+  if (x.m_splits.defined()) {
+    p.m_splits = x.m_splits.data_ptr();
+    p.splits_i64 = x.m_splits.scalar_type() == at::kLong;
+    p.groups = x.m_splits.size(0);
+  }
+  fp8::set_tiling(p, tile_rows, tile_cols, mx, eps, pow2, transpose, packed || dt == at::kFloat,
+                  !packed && dt == at::kBFloat16);
   const at::TensorOptions o = x.src.options();
+  p.error_flag = error_flag_ptr(x.src.device());
+  p.nonfinite_flag = nonfinite_flag_ptr(x.src.device());
+  if (x.e.packed.out != nullptr) return out;  // the packed rows are the output (prepare_expand_pack)
   out.q = at::empty(transpose ? std::vector<int64_t>{p.cols, p.rows} : std::vector<int64_t>{p.rows, p.cols},
                     o.dtype(fp8_dtype));
   out.scale = at::empty(transpose ? std::vector<int64_t>{p.col_tiles, p.row_tiles}
@@ -199,19 +207,47 @@ QuantizedCopy describe_copy(const ExpandQuantizePrepared& x, int64_t tile_rows, 
                         o.dtype(mx ? at::kFloat8_e8m0fnu : at::kFloat));
   p.q = static_cast<uint8_t*>(out.q.data_ptr());
   p.scale = out.scale.data_ptr();
-  p.error_flag = error_flag_ptr(x.src.device());
-  p.nonfinite_flag = nonfinite_flag_ptr(x.src.device());
   return out;
+}
+
+// Bytes of a packed FP8 row of H elements (ops/fp8.py packed_row_bytes).
+int64_t packed_row_bytes(int64_t H, bool mx) { return H + (mx ? (H + 31) / 32 : 4 * ((H + 127) / 128)); }
+
+void check_fp8_options(const char* op, at::ScalarType fp8_dtype, double eps) {
+  TORCH_CHECK(fp8_dtype == at::kFloat8_e4m3fn || fp8_dtype == at::kFloat8_e5m2, op,
+              ": fp8_dtype must be Float8_e4m3fn or Float8_e5m2, got ", c10::toString(fp8_dtype));
+  TORCH_CHECK(eps >= 0, op, ": eps must be >= 0, got ", eps);
+}
+
+void set_packed_layout(permute::PackedRows& k, int64_t H, at::ScalarType fp8_dtype, bool mx) {
+  k.cols = H;
+  k.stride = packed_row_bytes(H, mx);
+  k.format = fp8_dtype == at::kFloat8_e4m3fn ? fp8::Format::kE4M3 : fp8::Format::kE5M2;
+  k.e8m0 = mx;
 }
 
 ExpandQuantizePrepared prepare_expand_quantize(const at::Tensor& src, const at::Tensor& route_of_row, int64_t K,
                                                const at::Tensor& m_splits, at::IntArrayRef tiles,
                                                at::ScalarType fp8_dtype, bool mx, double eps, bool pow2,
-                                               const c10::optional<at::Tensor>& weights) {
+                                               const c10::optional<at::Tensor>& weights, int64_t packed_cols) {
   const char* op = kExpandQuantize;
   check_defined(src, op, "src");
-  check_dim(src, 2, op, "src", "[n, H]");
-  check_dtype(src, {at::kFloat, at::kBFloat16, at::kHalf}, op, "src");
+  TORCH_CHECK(packed_cols >= 0, op, ": packed_cols must be >= 0 (0: src holds the values), got ", packed_cols);
+  TORCH_CHECK(packed_cols == 0 || !(weights.has_value() && weights->defined()), op,
+              ": weights must be None with packed_cols (packed FP8 rows are copied, not weighted)");
+  if (packed_cols > 0) {  // packed FP8 rows (expand_quantize.h): the rowwise tiles are the rows' own
+    check_dim(src, 2, op, "src", "[n, packed_cols + scale bytes] (packed FP8 rows)");
+    check_dtype(src, {at::kByte}, op, "src");
+    const int64_t B = packed_row_bytes(packed_cols, mx);
+    TORCH_CHECK(src.size(1) == B, op, ": src must be packed rows of ", B, " bytes (", packed_cols, " FP8 bytes and ",
+                "their ", mx ? "E8M0" : "fp32", " scales), got ", src.size(1), " bytes per row");
+    TORCH_CHECK(tiles.size() == 4 && tiles[0] == 1 && tiles[1] == (mx ? 32 : 128), op, ": with packed_cols the "
+                "rowwise tiles must be the packed rows' own (1 x ", mx ? 32 : 128, "), got ",
+                tiles.size() ? tiles[0] : 0, " x ", tiles.size() > 1 ? tiles[1] : 0);
+  } else {
+    check_dim(src, 2, op, "src", "[n, H]");
+    check_dtype(src, {at::kFloat, at::kBFloat16, at::kHalf}, op, "src");
+  }
   check_index(route_of_row, 1, src, op, "route_of_row", "[m]");
   TORCH_CHECK(K >= 0, op, ": K must be >= 0, got ", K);
   check_defined(m_splits, op, "m_splits");
@@ -220,9 +256,7 @@ ExpandQuantizePrepared prepare_expand_quantize(const at::Tensor& src, const at::
   check_device(m_splits, src.device(), op, "m_splits");
   TORCH_CHECK(tiles.size() == 4, op, ": tiles must be [rowwise tile rows, rowwise tile cols, columnwise tile rows, "
               "columnwise tile cols], got ", tiles.size(), " values");
-  TORCH_CHECK(fp8_dtype == at::kFloat8_e4m3fn || fp8_dtype == at::kFloat8_e5m2, op,
-              ": fp8_dtype must be Float8_e4m3fn or Float8_e5m2, got ", c10::toString(fp8_dtype));
-  TORCH_CHECK(eps >= 0, op, ": eps must be >= 0, got ", eps);
+  check_fp8_options(op, fp8_dtype, eps);
   ExpandQuantizePrepared x;
   x.src = src.contiguous();
   x.route_of_row = route_of_row.contiguous();
@@ -232,9 +266,65 @@ ExpandQuantizePrepared prepare_expand_quantize(const at::Tensor& src, const at::
   x.e.topk = K;
   x.weights = prepare_weights(weights, src, src.size(0), K, op);  // src's dtype (fp32 / 16-bit) or fp32 -> fp32
   x.e.weights = x.weights.defined() ? x.weights.data_ptr<float>() : nullptr;
+  if (packed_cols > 0) {
+    set_packed_layout(x.e.packed, packed_cols, fp8_dtype, mx);
+    x.e.packed.src = x.src.data_ptr<uint8_t>();
+  }
   x.rows = describe_copy(x, tiles[0], tiles[1], fp8_dtype, mx, eps, pow2, false);
   x.cols = describe_copy(x, tiles[2], tiles[3], fp8_dtype, mx, eps, pow2, true);
   return x;
+}
+
+constexpr const char* kExpandPack = "expand_quantize_pack";
+
+// expand_quantize_pack: one rowwise problem (tiles 1 x 128 fp32 / 1 x 32 E8M0, no groups) writing packed rows.
+struct ExpandPackPrepared {
+  ExpandQuantizePrepared x;
+  at::Tensor out;  // [m, stride] uint8
+};
+
+ExpandPackPrepared prepare_expand_pack(const at::Tensor& src, const c10::optional<at::Tensor>& route_of_row,
+                                       int64_t K, at::ScalarType fp8_dtype, bool mx, double eps, bool pow2) {
+  const char* op = kExpandPack;
+  check_defined(src, op, "src");
+  check_dim(src, 2, op, "src", "[n, H]");
+  check_dtype(src, {at::kFloat, at::kBFloat16, at::kHalf}, op, "src");
+  const bool routed = route_of_row.has_value() && route_of_row->defined();
+  if (routed) check_index(*route_of_row, 1, src, op, "route_of_row", "[m]");
+  TORCH_CHECK(routed ? K >= 0 : K == 1, op, ": K must be ", routed ? ">= 0" : "1 without route_of_row", ", got ", K);
+  check_fp8_options(op, fp8_dtype, eps);
+  ExpandPackPrepared y;
+  ExpandQuantizePrepared& x = y.x;
+  x.src = src.contiguous();
+  if (routed) {
+    x.route_of_row = route_of_row->contiguous();
+    x.e.route_of_row = x.route_of_row.data_ptr<int64_t>();
+  }
+  x.e.tokens = src.size(0);
+  x.e.topk = K;
+  set_packed_layout(x.e.packed, src.size(1), fp8_dtype, mx);
+  const int64_t m = routed ? x.route_of_row.size(0) : src.size(0);
+  y.out = at::empty({m, x.e.packed.stride}, src.options().dtype(at::kByte));
+  x.e.packed.out = y.out.data_ptr<uint8_t>();
+  x.rows = describe_copy(x, 1, mx ? 32 : 128, fp8_dtype, mx, eps, pow2, false);
+  return y;
+}
+
+void check_routes_cpu(const char* op, const at::Tensor& route_of_row, int64_t sentinel) {
+  if (!route_of_row.defined()) return;
+  const at::Tensor bad = (route_of_row < 0) | (route_of_row > sentinel);
+  if (bad.any().item<bool>()) {  // nothing written yet
+    const int64_t pos = bad.nonzero()[0][0].item<int64_t>();
+    TORCH_CHECK(false, op, ": route_of_row holds ", route_of_row[pos].item<int64_t>(), " at flat position ", pos,
+                ", outside [0, ", sentinel, "] (", sentinel, " = n*K is the sentinel: a zero row)");
+  }
+}
+
+void run_expand_quantize_cpu(const fp8::QuantizeProblem& p, const permute::ExpandRoutes& e) {
+  const int64_t tile = (p.tile_rows ? p.tile_rows : p.rows) * fp8::col_tile_width(p);
+  at::parallel_for(0, p.row_tiles * p.col_tiles, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, tile)),
+                   [&](int64_t t0, int64_t t1) { permute::expand_quantize_tiles_host(p, e, t0, t1); });
+  fp8::quantize_tail_cpu(p);
 }
 
 using QuantizedPair = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
@@ -266,24 +356,20 @@ at::Tensor route_dot_cpu(const at::Tensor& rows, const at::Tensor& src, const at
 QuantizedPair expand_quantize_pair_cpu(const at::Tensor& src, const at::Tensor& route_of_row, int64_t K,
                                        const at::Tensor& m_splits, at::IntArrayRef tiles, at::ScalarType fp8_dtype,
                                        bool mx, double eps, bool pow2,
-                                       const c10::optional<at::Tensor>& weights) {
+                                       const c10::optional<at::Tensor>& weights, int64_t packed_cols) {
   ExpandQuantizePrepared x = prepare_expand_quantize(src, route_of_row, K, m_splits, tiles, fp8_dtype, mx, eps, pow2,
-                                                       weights);
-  const int64_t sentinel = x.e.tokens * x.e.topk;
-  const at::Tensor bad = (x.route_of_row < 0) | (x.route_of_row > sentinel);
-  if (bad.any().item<bool>()) {  // nothing written yet
-    const int64_t pos = bad.nonzero()[0][0].item<int64_t>();
-    TORCH_CHECK(false, kExpandQuantize, ": route_of_row holds ", x.route_of_row[pos].item<int64_t>(),
-                " at flat position ", pos, ", outside [0, ", sentinel, "] (", sentinel,
-                " = n*K is the sentinel: a zero row)");
-  }
-  for (const fp8::QuantizeProblem* p : {&x.rows.p, &x.cols.p}) {
-    const int64_t tile = (p->tile_rows ? p->tile_rows : p->rows) * fp8::col_tile_width(*p);
-    at::parallel_for(0, p->row_tiles * p->col_tiles, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, tile)),
-                     [&](int64_t t0, int64_t t1) { permute::expand_quantize_tiles_host(*p, x.e, t0, t1); });
-    fp8::quantize_tail_cpu(*p);
-  }
+                                                     weights, packed_cols);
+  check_routes_cpu(kExpandQuantize, x.route_of_row, x.e.tokens * x.e.topk);
+  for (const fp8::QuantizeProblem* p : {&x.rows.p, &x.cols.p}) run_expand_quantize_cpu(*p, x.e);
   return {x.rows.q, x.rows.scale, x.cols.q, x.cols.scale};
+}
+
+at::Tensor expand_quantize_pack_cpu(const at::Tensor& src, const c10::optional<at::Tensor>& route_of_row, int64_t K,
+                                    at::ScalarType fp8_dtype, bool mx, double eps, bool pow2) {
+  ExpandPackPrepared y = prepare_expand_pack(src, route_of_row, K, fp8_dtype, mx, eps, pow2);
+  check_routes_cpu(kExpandPack, y.x.route_of_row, y.x.e.tokens * y.x.e.topk);
+  run_expand_quantize_cpu(y.x.rows.p, y.x.e);
+  return y.out;
 }
 
 #ifdef MOE_GRAPH_WITH_CUDA
@@ -307,16 +393,28 @@ at::Tensor route_dot_cuda(const at::Tensor& rows, const at::Tensor& src, const a
 QuantizedPair expand_quantize_pair_cuda(const at::Tensor& src, const at::Tensor& route_of_row, int64_t K,
                                         const at::Tensor& m_splits, at::IntArrayRef tiles, at::ScalarType fp8_dtype,
                                         bool mx, double eps, bool pow2,
-                                        const c10::optional<at::Tensor>& weights) {
+                                        const c10::optional<at::Tensor>& weights, int64_t packed_cols) {
   c10::cuda::CUDAGuard guard(src.device());
   ExpandQuantizePrepared x = prepare_expand_quantize(src, route_of_row, K, m_splits, tiles, fp8_dtype, mx, eps, pow2,
-                                                       weights);
+                                                     weights, packed_cols);
   TORCH_CHECK(permute::expand_quantize_ok(x.rows.p, x.e) && permute::expand_quantize_ok(x.cols.p, x.e),
               kExpandQuantize, ": the CUDA kernel needs rows, columns, tile sizes, tile counts and n*K below 2^31, "
               "got ", x.rows.p.rows, " rows x ", x.rows.p.cols, " columns, n*K = ", x.e.tokens * x.e.topk);
   C10_CUDA_CHECK(permute::expand_quantize_cuda_launch(x.rows.p, &x.cols.p, x.e, error_flag_ptr(src.device()),
                                                       at::cuda::getCurrentCUDAStream(src.device().index()).stream()));
   return {x.rows.q, x.rows.scale, x.cols.q, x.cols.scale};
+}
+
+at::Tensor expand_quantize_pack_cuda(const at::Tensor& src, const c10::optional<at::Tensor>& route_of_row, int64_t K,
+                                     at::ScalarType fp8_dtype, bool mx, double eps, bool pow2) {
+  c10::cuda::CUDAGuard guard(src.device());
+  ExpandPackPrepared y = prepare_expand_pack(src, route_of_row, K, fp8_dtype, mx, eps, pow2);
+  TORCH_CHECK(permute::expand_quantize_ok(y.x.rows.p, y.x.e), kExpandPack, ": the CUDA kernel needs rows, columns, "
+              "tile counts and n*K below 2^31, got ", y.x.rows.p.rows, " rows x ", y.x.rows.p.cols,
+              " columns, n*K = ", y.x.e.tokens * y.x.e.topk);
+  C10_CUDA_CHECK(permute::expand_quantize_cuda_launch(y.x.rows.p, nullptr, y.x.e, error_flag_ptr(src.device()),
+                                                      at::cuda::getCurrentCUDAStream(src.device().index()).stream()));
+  return y.out;
 }
 #endif
 

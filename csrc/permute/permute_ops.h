@@ -22,7 +22,12 @@ at::Tensor route_dot_cpu(const at::Tensor& rows, const at::Tensor& src, const at
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> expand_quantize_pair_cpu(
     const at::Tensor& src, const at::Tensor& route_of_row, int64_t topk, const at::Tensor& m_splits,
     at::IntArrayRef tiles, at::ScalarType fp8_dtype, bool mx, double eps, bool pow2,
-    const c10::optional<at::Tensor>& weights);
+    const c10::optional<at::Tensor>& weights, int64_t packed_cols);
+// With packed_cols > 0, src is packed FP8 rows [n, B] uint8 of packed_cols elements (permute/expand_quantize.h) and
+// weights None: the rowwise copy is their bytes and scales, the columnwise copy quantized from their dequantized values.
+// pack_rows of expand_rows(src, route_of_row, K) (route_of_row None: the rows of src, K = 1) -> uint8 [m, B].
+at::Tensor expand_quantize_pack_cpu(const at::Tensor& src, const c10::optional<at::Tensor>& route_of_row, int64_t K,
+                                    at::ScalarType fp8_dtype, bool mx, double eps, bool pow2);
 
 #ifdef MOE_GRAPH_WITH_CUDA
 at::Tensor expand_rows_cuda(const at::Tensor& src, const at::Tensor& route_of_row, int64_t topk,
@@ -33,7 +38,9 @@ at::Tensor route_dot_cuda(const at::Tensor& rows, const at::Tensor& src, const a
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> expand_quantize_pair_cuda(
     const at::Tensor& src, const at::Tensor& route_of_row, int64_t topk, const at::Tensor& m_splits,
     at::IntArrayRef tiles, at::ScalarType fp8_dtype, bool mx, double eps, bool pow2,
-    const c10::optional<at::Tensor>& weights);
+    const c10::optional<at::Tensor>& weights, int64_t packed_cols);
+at::Tensor expand_quantize_pack_cuda(const at::Tensor& src, const c10::optional<at::Tensor>& route_of_row, int64_t K,
+                                     at::ScalarType fp8_dtype, bool mx, double eps, bool pow2);
 #endif
 
 }  // namespace moe_graph

@@ -71,8 +71,9 @@ from moe_graph.moe.exchange import (EXCHANGES, CompletedExchange, FusedCombineFn
                                     destination_capacity, destination_quotas, flag_if_ranks_disagree, is_fused,
                                     resolve_exchange)
 from moe_graph.ops.dispatch_layout import aligned_groups, dispatch_layout, receive_layout
-from moe_graph.ops.fp8 import carrier, pack_rows, unpack_rows
-from moe_graph.ops.permute import expand_quantize, expand_quantize_available, expand_rows, reduce_rows
+from moe_graph.ops.fp8 import check_row_local, carrier, pack_rows, unpack_rows
+from moe_graph.ops.permute import (expand_pack, expand_pack_available, expand_quantize, expand_quantize_available,
+                                   expand_quantize_packed, expand_rows, reduce_rows)
 from moe_graph.streams import exchange_issued, minor_exchanges
 
 __all__ = [
@@ -96,6 +97,13 @@ OVERFLOW_MODES = ("drop", "rerun")
 
 
 # ------------------------------------------------------------------------------------------------ helpers --
+# FP8 dispatch (``dispatch(fp8_recipe=...)``) on the per-pair rule with aligned groups: the send rows quantized and
+# packed by one op (``ops.permute.expand_pack``) and the expert input's rowwise and columnwise copies written from the
+# received packed rows by one op (``ops.permute.expand_quantize_packed``). False: the previous path (``ops.fp8.
+# pack_rows``, byte gathers, ``unpack_rows``; the first FP8 GEMM requantizes the columnwise copy), bit-equal results.
+FUSED_FP8_DISPATCH = True
+
+
 def counting_enabled() -> bool:
     """Whether a forward should add to cumulative device statistics (drop counter, expert-bias route counts):
     False while autograd runs a backward, where activation recomputation (``torch.utils.checkpoint``) re-runs the
@@ -439,6 +447,10 @@ class TokenDispatcher(nn.Module):
                 rowwise here, once each, and travel as their FP8 and scale bytes (about half the bytes of 16-bit
                 rows); the expert input is then a :class:`moe_graph.ops.fp8.QuantizedRows` (bytes equal, row for
                 row, to quantizing the 16-bit expert input) whose input gradient comes back in ``hidden``'s dtype.
+                On the per-pair rule with ``align_rows`` (:data:`FUSED_FP8_DISPATCH`) two ops do it: the send rows
+                quantized and packed (:func:`moe_graph.ops.permute.expand_pack`; at R = 1 the tokens) and the
+                expert input's rowwise and columnwise copies from the received rows
+                (:func:`moe_graph.ops.permute.expand_quantize_packed`: ``columns`` set).
             align_rows: the expert groups should start at multiples of this many rows (the FP8 experts' 16-row
                 alignment, :meth:`moe_graph.moe.experts.GroupedMLP.row_alignment`): on the per-pair rule (EP 1 and
                 the fixed-split exchange at EP > 1, with or without FP8 dispatch) the alignment
@@ -497,8 +509,15 @@ class TokenDispatcher(nn.Module):
         counters = None
         if counting_enabled():  # not again when activation recomputation re-runs this forward
             counters = (self.dropped_routes, self.step_dropped_routes, self.step_max_load_ratio)
+        # FP8 dispatch on the per-pair rule with the fused ops: the send rows quantized and packed by one op, the
+        # expert input's two FP8 copies written from the received packed rows by another (lean_fp8)
+        lean_fp8 = (fp8_recipe is not None and FUSED_FP8_DISPATCH and self.rule != "destination" and not self.fused
+                    and align_rows is not None and expand_pack_available(dev.type))
         if fp8_recipe is not None:
-            packed = pack_rows(hidden, fp8_recipe)  # checks the recipe before anything moves
+            check_row_local(fp8_recipe)  # before anything moves
+            # the tokens themselves at R = 1 (each read once; the expert rows gather them), else the send rows
+            packed = pack_rows(hidden, fp8_recipe) if not lean_fp8 else \
+                expand_pack(hidden, None, 1, fp8_recipe) if R == 1 else None
         if self.rule == "destination":
             handle = self._layout_per_destination(indices, probs, valid, demand, order, counters, cap, align_rows)
         else:
@@ -513,7 +532,19 @@ class TokenDispatcher(nn.Module):
                                     m_splits, lay.column_counts)
             if align_rows is not None:
                 _align_groups(handle, align_rows)
-        if fp8_recipe is not None:
+        if lean_fp8:
+            splits = handle.m_splits if handle.aligned_m_splits is None else handle.aligned_m_splits
+            # the input gradient goes home as the 16-bit dispatch's does: reverse exchange, sum of each token's routes
+            rows = carrier(hidden, handle.expert_rows, lambda g: self.combine(g, handle, weighted=False))
+            if R == 1:  # the expert rows straight from the packed tokens
+                expert_in = expand_quantize_packed(packed, handle.route_of_slot, K, splits, fp8_recipe, rows)
+            else:  # send rows packed by one op, exchanged, regrouped and requantized columnwise by one op
+                with torch.no_grad():
+                    send = expand_pack(hidden, handle.route_of_slot, K, fp8_recipe)
+                    N, B = send.shape
+                    recv = self.backend.exchange(send.view(R, N // R, B)).reshape(N, B)
+                expert_in = expand_quantize_packed(recv, handle.expert_row_source, 1, splits, fp8_recipe, rows)
+        elif fp8_recipe is not None:
             with torch.no_grad():
                 moved = self._move_bytes(packed, handle)
             # the input gradient goes home as the 16-bit dispatch's does: reverse exchange, sum of each token's routes

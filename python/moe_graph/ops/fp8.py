@@ -580,7 +580,8 @@ class GradHandoff:
         return None, g if dy is None else dy + g
 
 
-def _check_row_local(recipe: Recipe) -> None:
+def check_row_local(recipe: Recipe) -> None:
+    """Raises a ValueError unless ``recipe``'s activation tiles lie within one row (:data:`ROW_LOCAL_KINDS`)."""
     if recipe.kind not in ROW_LOCAL_KINDS:
         raise ValueError(f"FP8 dispatch needs a recipe whose activation tiles lie within a row ({ROW_LOCAL_KINDS}); "
                          f"got {recipe.kind!r} (per-tensor scales depend on every row of an expert's group)")
@@ -589,14 +590,14 @@ def _check_row_local(recipe: Recipe) -> None:
 def packed_row_bytes(hidden: int, recipe: Recipe) -> int:
     """Bytes of one token on the wire under FP8 dispatch: ``hidden`` FP8 bytes and the row's scale bytes
     (``4 * ceil(hidden / 128)`` for "blockwise", ``ceil(hidden / 32)`` for "mxfp8")."""
-    _check_row_local(recipe)
+    check_row_local(recipe)
     return hidden + (4 * -(-hidden // 128) if recipe.kind == "blockwise" else -(-hidden // 32))
 
 
 def pack_rows(x: torch.Tensor, recipe: Recipe) -> torch.Tensor:
     """``x [T, K]`` quantized rowwise (the recipe's forward tiles and dtype, TE's semantics) -> ``[T, B]`` uint8
     rows, each its FP8 bytes then its scale bytes (:func:`packed_row_bytes`). Sync-free."""
-    _check_row_local(recipe)
+    check_row_local(recipe)
     if x.dim() != 2:
         raise ValueError(f"pack_rows: x must be [T, K], got shape {tuple(x.shape)}")
     q, s = quantize_rows(x, None, recipe, recipe.fwd_dtype)

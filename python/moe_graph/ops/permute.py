@@ -25,6 +25,10 @@ capturable.
 (``torch.ops.moe_graph.expand_quantize_pair``, ``csrc/permute/expand_quantize.h``): the rowwise and the per-group
 columnwise copy of ``expand_rows(src, route_of_row, route_rows)``, bit-equal to ``ops.fp8.quantize_pair`` of it,
 without the 16-bit expanded rows in memory; its input gradient is ``expand_rows``' (``reduce_rows``, no weights).
+FP8 dispatch's two ops (the same native family): ``expand_pack`` (``expand_quantize_pack``: the send rows quantized
+and packed with their scales, ``ops.fp8.pack_rows``' layout) and ``expand_quantize_packed`` (``expand_quantize_pair``
+with ``packed_cols``: the expert input's rowwise copy gathered from the packed rows, its columnwise copy quantized
+from their dequantized values).
 """
 
 from __future__ import annotations
@@ -38,12 +42,14 @@ from moe_graph.ops._lib import has_kernel
 from moe_graph.ops.reroute import real_host_values
 
 __all__ = ["expand_rows", "reduce_rows", "route_dot", "native_available", "expand_quantize",
-           "expand_quantize_available", "expand_quantize_copies"]
+           "expand_quantize_available", "expand_quantize_copies", "expand_pack", "expand_quantize_packed",
+           "expand_pack_available"]
 
 _EXPAND = "moe_graph::expand_rows"
 _REDUCE = "moe_graph::reduce_rows"
 _DOT = "moe_graph::route_dot"
 _EXPAND_QUANTIZE = "moe_graph::expand_quantize_pair"
+_EXPAND_PACK = "moe_graph::expand_quantize_pack"
 
 
 @torch.compiler.assume_constant_result  # fixed per process: traced once by torch.compile
@@ -226,6 +232,13 @@ def expand_quantize_available(device_type: str = "cpu") -> bool:
     return native_available(device_type) and has_kernel(_EXPAND_QUANTIZE, device_type)
 
 
+@torch.compiler.assume_constant_result  # fixed per process: traced once by torch.compile
+def expand_pack_available(device_type: str = "cpu") -> bool:
+    """True when the loaded extension has :func:`expand_pack` and :func:`expand_quantize_packed`'s ops for
+    ``device_type`` (FP8 dispatch's fused send and receive ops)."""
+    return expand_quantize_available(device_type) and has_kernel(_EXPAND_PACK, device_type)
+
+
 def _pair_tiles(recipe) -> Tuple[int, int, int, int, bool]:
     """``(rowwise tile rows, cols, columnwise tile rows, cols, mx)``: ``ops.fp8.quantize_pair``'s tiles."""
     tr, tc, mx, _ = _fp8.TILES[_fp8.row_tiles(recipe)]
@@ -269,6 +282,38 @@ def expand_quantize(src: torch.Tensor, route_of_row: torch.Tensor, route_rows: t
     return _fp8.QuantizedRows(rows, q, s, recipe.kind, columns)
 
 
+def expand_pack(src: torch.Tensor, route_of_row: Optional[torch.Tensor], K: int, recipe) -> torch.Tensor:
+    """FP8 dispatch's send rows in one op: ``ops.fp8.pack_rows(expand_rows(src, route_of_row, ...))`` bit for bit,
+    ``uint8 [m, B]`` (``route_of_row [m]`` over ``n*K`` routes of ``src [n, H]``, the sentinel ``n*K`` an all-zero
+    row; ``None``: the rows of ``src`` themselves, ``K`` 1), without the expanded or the quantized rows in memory.
+    Not differentiable (FP8 dispatch's carrier takes the gradient home); needs :func:`expand_quantize_available`."""
+    _fp8.check_row_local(recipe)
+    if route_of_row is not None:
+        _check_args("expand_pack", src, route_of_row, "route_of_row", 1, route_of_row, "route_of_row", 1, None)
+    return torch.ops.moe_graph.expand_quantize_pack(src.detach(), route_of_row, K, recipe.fwd_dtype,
+                                                    recipe.kind == "mxfp8", float(recipe.amax_epsilon),
+                                                    bool(recipe.power_2_scale))
+
+
+def expand_quantize_packed(packed: torch.Tensor, route_of_row: torch.Tensor, K: int, m_splits: torch.Tensor, recipe,
+                           carrier: torch.Tensor) -> "_fp8.QuantizedRows":
+    """The FP8 expert input from packed FP8 rows (``ops.fp8.pack_rows`` / :func:`expand_pack`, e.g. as they arrived
+    from the exchange) in one op: row ``i`` is packed row ``route_of_row[i] // K`` (the sentinel: a zero row), its
+    rowwise copy the row's own bytes and scales (``ops.fp8.unpack_rows`` of the gathered rows), its per-group
+    columnwise copy (``m_splits``) quantized from the dequantized rows, bit-equal to ``ops.fp8.quantize_columns``
+    with ``x_scale`` (what the first FP8 GEMM would compute from ``unpack_rows``' rows). ``carrier`` ``[m, H]``:
+    the returned ``QuantizedRows``' autograd path (``ops.fp8.carrier``)."""
+    H = carrier.shape[1]
+    _fp8.check_row_local(recipe)
+    _check_args("expand_quantize_packed", packed, route_of_row, "route_of_row", 1, route_of_row, "route_of_row", 1,
+                None)
+    tr, tc, ctr, ctc, mx = _pair_tiles(recipe)
+    q, s, qt, st = torch.ops.moe_graph.expand_quantize_pair(packed, route_of_row, K, m_splits, [tr, tc, ctr, ctc],
+                                                            recipe.fwd_dtype, mx, float(recipe.amax_epsilon),
+                                                            bool(recipe.power_2_scale), None, H)
+    return _fp8.QuantizedRows(carrier, q, s, recipe.kind, (qt, st))
+
+
 def _register() -> None:
     if not native_available():  # pragma: no cover - a build without the ops
         return
@@ -287,8 +332,8 @@ def _register() -> None:
 
     if has_kernel(_EXPAND_QUANTIZE, "cpu"):
         @torch.library.register_fake(_EXPAND_QUANTIZE)
-        def _(src, route_of_row, K, m_splits, tiles, fp8_dtype, mx, eps, pow2, weights=None):
-            m, H = route_of_row.shape[0], src.shape[1]
+        def _(src, route_of_row, K, m_splits, tiles, fp8_dtype, mx, eps, pow2, weights=None, packed_cols=0):
+            m, H = route_of_row.shape[0], packed_cols or src.shape[1]
             scale_dtype = torch.float8_e8m0fnu if mx else torch.float32
             out = []
             for tr, tc, transpose in ((tiles[0], tiles[1], False), (tiles[2], tiles[3], True)):
@@ -296,6 +341,12 @@ def _register() -> None:
                 out.append(src.new_empty((H, m) if transpose else (m, H), dtype=fp8_dtype))
                 out.append(src.new_empty((ct, rt) if transpose else (rt, ct), dtype=scale_dtype))
             return tuple(out)
+
+    if has_kernel(_EXPAND_PACK, "cpu"):
+        @torch.library.register_fake(_EXPAND_PACK)
+        def _(src, route_of_row, K, fp8_dtype, mx, eps, pow2):
+            m, H = (src.shape[0] if route_of_row is None else route_of_row.shape[0]), src.shape[1]
+            return src.new_empty((m, H + (-(-H // 32) if mx else 4 * -(-H // 128))), dtype=torch.uint8)
 
     @torch.library.register_fake(_DOT)
     def _(rows, src, route_rows):
