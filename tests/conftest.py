@@ -23,7 +23,8 @@ def cuda_ready() -> bool:
         return False
 
 
-# MOE_GRAPH_FULL_TESTS=1: the 8-rank variants of the multi-process tests (CI runs their 2- and 4-rank cases)
+# MOE_GRAPH_FULL_TESTS=1: the 8-rank variants of the multi-process tests (CI runs their 2- and 4-rank cases) and
+# variants whose paths other CI cases run (each says which where it is marked)
 FULL_TESTS = os.environ.get("MOE_GRAPH_FULL_TESTS", "") not in ("", "0")
 
 

@@ -17,6 +17,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -35,8 +36,9 @@ CPU = ["activation/activation_cpu.cpp", "permute/permute_cpu.cpp", "permute/disp
        "fp8/quantize_cpu.cpp", "fp8/scaled_plan.cpp", "exchange/exchange_cpu.cpp"]
 HARNESS = ["moe_emu.cpp", "harness.cpp", "harness_grouped.cpp", "harness_scaled.cpp", "harness_exchange.cpp",
            "harness_permute_quantize.cpp"]
-FAMILIES = ["activation", "permute", "dispatch", "receive", "aligned", "reroute", "reroute_indices", "echo_plan", "grouped",
-            "fp8_quantize", "fp8_scaled", "exchange", "permute_quantize"]
+# longest first (their runs go two at a time: the long ones first leave no long one for last)
+FAMILIES = ["fp8_quantize", "activation", "fp8_scaled", "grouped", "permute_quantize", "echo_plan", "permute",
+            "exchange", "dispatch", "reroute", "reroute_indices", "aligned", "receive"]
 
 
 def _cuda_include():
@@ -111,6 +113,10 @@ def _build():
         jobs.append(([cxx] + flags + [f"-isystem{_torch_include()}", "-c", os.path.join(ROOT, "csrc", src)], src))
     for src in HARNESS:
         jobs.append(([cxx] + flags + emu_flags + ["-c", os.path.join(EMU, src)], src))
+    # the longest compiles first (about 40, 20, 20, 15, 12, 11 s on one core): none is left to run alone at the end
+    heavy = ["fp8/quantize_cuda.cu", "activation/activation_cuda.cu", "harness_scaled.cpp", "harness_grouped.cpp",
+             "harness.cpp", "fp8/quantize_cpu.cpp"]
+    jobs.sort(key=lambda job: heavy.index(job[1]) if job[1] in heavy else len(heavy))
     objs = []
 
     def compile_one(job):
@@ -141,7 +147,7 @@ def harness():
     return exe
 
 
-def _run(exe, family, *args, fault=None, schedules=SCHEDULES, timeout=600):
+def _cmd_env(exe, family, args, fault, schedules):
     env = dict(os.environ)
     env.pop("MOE_EMU_FAULT", None)
     if fault:
@@ -149,13 +155,75 @@ def _run(exe, family, *args, fault=None, schedules=SCHEDULES, timeout=600):
     # leaks are not what this checks (the harness exits at the first difference); stop at the first error
     env["ASAN_OPTIONS"] = "detect_leaks=0:abort_on_error=0:halt_on_error=1"
     env["UBSAN_OPTIONS"] = "print_stacktrace=1:halt_on_error=1"
-    cmd = [exe, family, "--schedules", schedules] + (["--full"] if FULL else []) + list(args)
+    return [exe, family, "--schedules", schedules] + (["--full"] if FULL else []) + list(args), env
+
+
+def _run(exe, family, *args, fault=None, schedules=SCHEDULES, timeout=600):
+    cmd, env = _cmd_env(exe, family, args, fault, schedules)
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
 
 
+class _FamilyRuns:
+    """The selected families' harness runs, started together, at most ``jobs`` at a time (each is one
+    single-threaded process: with 2 cores, two at once take about half the time of one after the other), the longest
+    first. ``result(family)`` waits for one; ``close()`` kills the runs still going and cancels those not started
+    (the module's tests ended early, passed or failed): no harness process outlives the module."""
+
+    def __init__(self, exe, families, jobs, timeout=1200):  # a last resort (the harness reports deadlocks itself):
+        # the longest run takes about 80 s alone on an idle core, up to 450 s on a machine loaded 10 times over
+        self._exe, self._timeout = exe, timeout
+        self._procs, self._lock, self._closed = set(), threading.Lock(), False
+        self._pool = ThreadPoolExecutor(max_workers=jobs)
+        order = sorted(families, key=lambda f: FAMILIES.index(f))  # FAMILIES is longest first
+        self._futures = {f: self._pool.submit(self._one, f) for f in order}
+
+    def _one(self, family):
+        cmd, env = _cmd_env(self._exe, family, (), None, SCHEDULES)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the module ended before this family ran")
+            # argv[0] a plain name: the per-test check for leftover processes (conftest) looks for test processes by
+            # their command lines, and a checkout path may contain one of its marks; this run belongs to the module
+            proc = subprocess.Popen(["emulator-harness"] + cmd[1:], executable=cmd[0], env=env, text=True,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            self._procs.add(proc)
+        try:
+            out, err = proc.communicate(timeout=self._timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+            err += f"\n(killed after {self._timeout} s)"
+        finally:
+            with self._lock:
+                self._procs.discard(proc)
+        return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+    def result(self, family):
+        return self._futures[family].result()
+
+    def close(self):
+        with self._lock:
+            self._closed = True
+            for proc in self._procs:
+                proc.kill()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+@pytest.fixture(scope="module")
+def family_runs(harness, request):
+    """Starts every selected family's run at once (the module's first test that needs one), ends them with the
+    module."""
+    selected = [item.callspec.params["family"] for item in request.session.items
+                if item.originalname == "test_kernels_equal_cpu_under_every_schedule"
+                and item.module is request.module]
+    runs = _FamilyRuns(harness, selected, jobs=int(os.environ.get("MAX_JOBS") or 2))
+    yield runs
+    runs.close()
+
+
 @pytest.mark.parametrize("family", FAMILIES)
-def test_kernels_equal_cpu_under_every_schedule(harness, family):
-    r = _run(harness, family)
+def test_kernels_equal_cpu_under_every_schedule(family_runs, family):
+    r = family_runs.result(family)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-6000:]
     assert f"ok {family}:" in r.stdout, out[-3000:]
