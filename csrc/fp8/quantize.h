@@ -263,21 +263,34 @@ MOE_GRAPH_HD void flag_nonfinite(int32_t* flag) {
 #endif
 }
 
-// The scale of a tile from its amax: writes the scale entry (the E8M0 byte with p.mx, else the fp32 scale_inv) to
-// `entry` and returns the factor x is multiplied by.
-MOE_GRAPH_HD float tile_scale_to(const QuantizeProblem& p, float amax, void* entry) {
+// The scale of a tile from its amax: the factor x is multiplied by and the scale entry (the E8M0 byte with p.mx,
+// else the fp32 scale_inv), returned by value (no address taken: stays in registers).
+struct TileScale {
+  float mult = 1.0f, inv = 1.0f;
+  uint8_t e8m0 = 127;
+};
+
+MOE_GRAPH_HD TileScale tile_scale_value(const QuantizeProblem& p, float amax) {
   if (nonfinite(amax)) flag_nonfinite(p.nonfinite_flag);
+  TileScale t;
   if (p.mx) {
-    const uint8_t e = p.format == Format::kE4M3 ? e8m0_from_amax<Format::kE4M3>(amax)
-                                                : e8m0_from_amax<Format::kE5M2>(amax);
-    *static_cast<uint8_t*>(entry) = e;
-    return e8m0_quant_mult(e);
+    t.e8m0 = p.format == Format::kE4M3 ? e8m0_from_amax<Format::kE4M3>(amax) : e8m0_from_amax<Format::kE5M2>(amax);
+    t.mult = e8m0_quant_mult(t.e8m0);
+    return t;
   }
   const float fmax = p.format == Format::kE4M3 ? Traits<Format::kE4M3>::kMax : Traits<Format::kE5M2>::kMax;
-  float inv;
-  const float s = scale_from_amax(amax, fmax, p.eps, p.pow2, p.inf_scale, &inv);
-  *static_cast<float*>(entry) = inv;
-  return s;
+  t.mult = scale_from_amax(amax, fmax, p.eps, p.pow2, p.inf_scale, &t.inv);
+  return t;
+}
+
+// tile_scale_value, its entry written to `entry` (a uint8_t with p.mx, else a float); returns the factor.
+MOE_GRAPH_HD float tile_scale_to(const QuantizeProblem& p, float amax, void* entry) {
+  const TileScale t = tile_scale_value(p, amax);
+  if (p.mx)
+    *static_cast<uint8_t*>(entry) = t.e8m0;
+  else
+    *static_cast<float*>(entry) = t.inv;
+  return t.mult;
 }
 
 // tile_scale_to the tile's entry of p.scale.

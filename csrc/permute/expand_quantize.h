@@ -120,18 +120,18 @@ MOE_GRAPH_HD void copy_packed_byte(const fp8::QuantizeProblem& p, const ExpandRo
 // row, whose elements are 0 whatever the factor); returns the factor.
 MOE_GRAPH_HD float pack_tile_scale(const fp8::QuantizeProblem& p, const ExpandRoutes& e, float amax, int64_t r,
                                    int64_t ct) {
-  float f = 0.0f, mult = 1.0f;
-  uint8_t x = 0;
-  if (row_token(e, r) >= 0) mult = fp8::tile_scale_to(p, amax, e.packed.e8m0 ? static_cast<void*>(&x)
-                                                                             : static_cast<void*>(&f));
+  fp8::TileScale t;  // a sentinel row: factor 1, zero entry bytes
+  t.inv = 0.0f;
+  t.e8m0 = 0;
+  if (row_token(e, r) >= 0) t = fp8::tile_scale_value(p, amax);
   uint8_t* b = e.packed.out + r * e.packed.stride + e.packed.cols + ct * packed_scale_bytes(e.packed);
   if (e.packed.e8m0) {
-    b[0] = x;
+    b[0] = t.e8m0;
   } else {
-    const uint32_t u = fp8::float_bits(f);
+    const uint32_t u = fp8::float_bits(t.inv);
     for (int i = 0; i < 4; ++i) b[i] = static_cast<uint8_t>(u >> (8 * i));
   }
-  return mult;
+  return t.mult;
 }
 
 // Writes element (r, c) of value v under the factor mult: to q, or to the packed output row.
