@@ -87,10 +87,10 @@ TORCH_LIBRARY(moe_graph, m) {
   m.def("route_dot(Tensor rows, Tensor src, Tensor route_rows) -> Tensor");
   // the FP8 copies of expand_rows(src, route_of_row, K, weights) (csrc/permute/expand_quantize.h):
   // fp8_quantize_pair's results for the expanded rows, without them in memory -> (q [m, H], scale, q_t [H, m],
-  // scale_t)
+  // scale_t); plus_zero: each element read as +0 + x (reduce_rows with one route: the combine's backward at EP > 1)
   m.def("expand_quantize_pair(Tensor src, Tensor route_of_row, int K, Tensor m_splits, int[] tiles, "
-        "ScalarType fp8_dtype, bool mx, float eps, bool pow2, Tensor? weights=None) -> (Tensor, Tensor, Tensor, "
-        "Tensor)");
+        "ScalarType fp8_dtype, bool mx, float eps, bool pow2, Tensor? weights=None, bool plus_zero=False) -> "
+        "(Tensor, Tensor, Tensor, Tensor)");
 
   // ---- the token dispatcher's layout (csrc/permute/dispatch_layout.h) -------------------------------------
   // indices [T, K] -> (route_slot [T*K], route_of_slot [R*capacity], send_counts [R, Lc], column_counts [C],

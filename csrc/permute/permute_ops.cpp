@@ -207,7 +207,7 @@ QuantizedCopy describe_copy(const ExpandQuantizePrepared& x, int64_t tile_rows, 
 ExpandQuantizePrepared prepare_expand_quantize(const at::Tensor& src, const at::Tensor& route_of_row, int64_t K,
                                                const at::Tensor& m_splits, at::IntArrayRef tiles,
                                                at::ScalarType fp8_dtype, bool mx, double eps, bool pow2,
-                                               const c10::optional<at::Tensor>& weights) {
+                                               const c10::optional<at::Tensor>& weights, bool plus_zero) {
   const char* op = kExpandQuantize;
   check_defined(src, op, "src");
   check_dim(src, 2, op, "src", "[n, H]");
@@ -223,6 +223,7 @@ ExpandQuantizePrepared prepare_expand_quantize(const at::Tensor& src, const at::
   TORCH_CHECK(fp8_dtype == at::kFloat8_e4m3fn || fp8_dtype == at::kFloat8_e5m2, op,
               ": fp8_dtype must be Float8_e4m3fn or Float8_e5m2, got ", c10::toString(fp8_dtype));
   TORCH_CHECK(eps >= 0, op, ": eps must be >= 0, got ", eps);
+  TORCH_CHECK(!(plus_zero && weights.has_value()), op, ": plus_zero (reduce_rows' one-route read) takes no weights");
   ExpandQuantizePrepared x;
   x.src = src.contiguous();
   x.route_of_row = route_of_row.contiguous();
@@ -232,6 +233,7 @@ ExpandQuantizePrepared prepare_expand_quantize(const at::Tensor& src, const at::
   x.e.topk = K;
   x.weights = prepare_weights(weights, src, src.size(0), K, op);  // src's dtype (fp32 / 16-bit) or fp32 -> fp32
   x.e.weights = x.weights.defined() ? x.weights.data_ptr<float>() : nullptr;
+  x.e.plus_zero = plus_zero;
   x.rows = describe_copy(x, tiles[0], tiles[1], fp8_dtype, mx, eps, pow2, false);
   x.cols = describe_copy(x, tiles[2], tiles[3], fp8_dtype, mx, eps, pow2, true);
   return x;
@@ -266,9 +268,9 @@ at::Tensor route_dot_cpu(const at::Tensor& rows, const at::Tensor& src, const at
 QuantizedPair expand_quantize_pair_cpu(const at::Tensor& src, const at::Tensor& route_of_row, int64_t K,
                                        const at::Tensor& m_splits, at::IntArrayRef tiles, at::ScalarType fp8_dtype,
                                        bool mx, double eps, bool pow2,
-                                       const c10::optional<at::Tensor>& weights) {
+                                       const c10::optional<at::Tensor>& weights, bool plus_zero) {
   ExpandQuantizePrepared x = prepare_expand_quantize(src, route_of_row, K, m_splits, tiles, fp8_dtype, mx, eps, pow2,
-                                                       weights);
+                                                       weights, plus_zero);
   const int64_t sentinel = x.e.tokens * x.e.topk;
   const at::Tensor bad = (x.route_of_row < 0) | (x.route_of_row > sentinel);
   if (bad.any().item<bool>()) {  // nothing written yet
@@ -307,10 +309,10 @@ at::Tensor route_dot_cuda(const at::Tensor& rows, const at::Tensor& src, const a
 QuantizedPair expand_quantize_pair_cuda(const at::Tensor& src, const at::Tensor& route_of_row, int64_t K,
                                         const at::Tensor& m_splits, at::IntArrayRef tiles, at::ScalarType fp8_dtype,
                                         bool mx, double eps, bool pow2,
-                                        const c10::optional<at::Tensor>& weights) {
+                                        const c10::optional<at::Tensor>& weights, bool plus_zero) {
   c10::cuda::CUDAGuard guard(src.device());
   ExpandQuantizePrepared x = prepare_expand_quantize(src, route_of_row, K, m_splits, tiles, fp8_dtype, mx, eps, pow2,
-                                                       weights);
+                                                       weights, plus_zero);
   TORCH_CHECK(permute::expand_quantize_ok(x.rows.p, x.e) && permute::expand_quantize_ok(x.cols.p, x.e),
               kExpandQuantize, ": the CUDA kernel needs rows, columns, tile sizes, tile counts and n*K below 2^31, "
               "got ", x.rows.p.rows, " rows x ", x.rows.p.cols, " columns, n*K = ", x.e.tokens * x.e.topk);

@@ -18,11 +18,12 @@ at::Tensor route_dot_cpu(const at::Tensor& rows, const at::Tensor& src, const at
 // The FP8 copies of expand_rows(src, route_of_row, K) (permute/expand_quantize.h), without the expanded rows:
 // src [n, H] fp32/bf16/fp16, m_splits [E] int32/int64 grouping the m rows, tiles [rowwise TR, TC, columnwise TR,
 // TC], weights [n, K] (src's dtype or fp32) or None -> (q [m, H], scale, q_t [H, m], scale_t), bit-equal to
-// fp8_quantize_pair of expand_rows(src, route_of_row, K, weights).
+// fp8_quantize_pair of expand_rows(src, route_of_row, K, weights); plus_zero (no weights): of each element read
+// as +0 + x (reduce_rows' one-route sum: -0 becomes +0).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> expand_quantize_pair_cpu(
     const at::Tensor& src, const at::Tensor& route_of_row, int64_t topk, const at::Tensor& m_splits,
     at::IntArrayRef tiles, at::ScalarType fp8_dtype, bool mx, double eps, bool pow2,
-    const c10::optional<at::Tensor>& weights);
+    const c10::optional<at::Tensor>& weights, bool plus_zero);
 
 #ifdef MOE_GRAPH_WITH_CUDA
 at::Tensor expand_rows_cuda(const at::Tensor& src, const at::Tensor& route_of_row, int64_t topk,
@@ -33,7 +34,7 @@ at::Tensor route_dot_cuda(const at::Tensor& rows, const at::Tensor& src, const a
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> expand_quantize_pair_cuda(
     const at::Tensor& src, const at::Tensor& route_of_row, int64_t topk, const at::Tensor& m_splits,
     at::IntArrayRef tiles, at::ScalarType fp8_dtype, bool mx, double eps, bool pow2,
-    const c10::optional<at::Tensor>& weights);
+    const c10::optional<at::Tensor>& weights, bool plus_zero);
 #endif
 
 }  // namespace moe_graph
