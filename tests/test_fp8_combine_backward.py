@@ -335,6 +335,20 @@ def test_plus_zero_expand_quantize_equals_one_route_sum_then_quantize(recipe, dt
         assert (bits(plain[0][0]) == 0x80).any() and not (bits(got[0][0])[:sum(splits)] == 0x80).any()
 
 
+@pytest.mark.parametrize("recipe", ["blockwise", "mxfp8", "tensor"])
+def test_plus_zero_opcheck(recipe):
+    """The schema's ``plus_zero`` argument and the fake implementation (torch.library.opcheck)."""
+    from moe_graph.ops.permute import _pair_tiles
+    g = torch.Generator().manual_seed(12)
+    src = _signed_gradient(30, 130, torch.bfloat16, g)
+    route_of_row, _, m_splits = _routing(30, 1, 40, [5, 17, 0, 2], g)
+    r = RECIPES[recipe]
+    tr, tc, ctr, ctc, mx = _pair_tiles(r)
+    torch.library.opcheck(torch.ops.moe_graph.expand_quantize_pair.default,
+                          (src, route_of_row, 1, m_splits, [tr, tc, ctr, ctc], r.bwd_dtype, mx, 0.0, True),
+                          {"weights": None, "plus_zero": True}, test_utils=("test_schema", "test_faketensor"))
+
+
 def test_plus_zero_refusals():
     src, r = torch.randn(4, 16), RECIPES["blockwise"]
     route_of_row, route_rows, m_splits = _routing(4, 1, 8, [3, 1], torch.Generator().manual_seed(0))
