@@ -9,14 +9,21 @@ combine) and the whole ``MoELayer``: the current path (the combine's backward wr
 backward quantizes it) with the hand-off off; output and every gradient (input, probabilities, weights) equal bit
 for bit, for blockwise / MXFP8 / per-tensor recipes, fp32 / bf16 / fp16, hidden sizes off the tiles, zero-token
 experts, one expert taking every row, rows past ``sum(m_splits)``, NaN / inf; a second consumer of fc2's output
-falls back to the 16-bit gradient and stays equal."""
+falls back to the 16-bit gradient and stays equal.
+
+EP > 1 (the fixed-split exchange; ``ops.permute.expand_rows``' ``grad_handoff``, ``expand_quantize_pair``'s
+``plus_zero``): the op against plain torch (the gathered rows with every zero made +0, as ``reduce_rows``' sum from
++0 writes them), the receive side's chain against the hand-off off, and the layer at EP 2 and 4 on gloo (drops,
+zero-token experts, one expert pair taking every token, -0 / inf / NaN in the gradient, ``main_grad``), bit for
+bit."""
 
 import pytest
 import torch
 
 import moe_graph
 import moe_graph.moe.experts as experts
-from helpers.permute_quantize_workers import OpNames, layer_case, run_switched
+from helpers.permute_quantize_workers import OpNames, bits, combine_backward_worker, layer_case, run_switched
+from moe_graph.distributed.launch import run_distributed
 from moe_graph.grouped_linear import fp8_grouped_linear
 from moe_graph.moe.layer import MoELayer
 from moe_graph.ops import fp8
@@ -286,3 +293,158 @@ def test_moe_layer_with_bias_keeps_the_16_bit_dy():
     _, _, _, ops0 = _run_layer(layer, x, target, "blockwise", False)
     _, _, _, ops1 = _run_layer(layer, x, target, "blockwise", True)
     assert sorted(ops0) == sorted(ops1) and "moe_graph.fp8_quantize_pair" in ops1
+
+
+# ------------------------------------------------------------------------------------------------- EP > 1 --
+def _plus_zero_rows(g, route_of_row):
+    """The oracle's dy at EP > 1: row i is the received gradient row ``route_of_row[i]`` (a zero row for the
+    sentinel ``N``), every zero made +0 (what ``reduce_rows``' one-route sum from +0 writes; plain torch)."""
+    n = g.shape[0]
+    rows = torch.cat([g, g.new_zeros(1, g.shape[1])])[route_of_row.clamp(max=n)]
+    return torch.where(rows == 0, torch.zeros_like(rows), rows)
+
+
+def _signed_gradient(n, H, dtype, g, nonfinite=False):
+    grad = (torch.randn(n, H, generator=g) * torch.exp(torch.randn(n, 1, generator=g) * 3)).to(dtype)
+    grad[::2, ::3] = -0.0
+    grad[1::4, 1::7] = 0.0
+    if nonfinite:
+        grad[1, 5] = float("nan")
+        grad[-1, 2] = float("-inf")
+    return grad
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_plus_zero_expand_quantize_equals_one_route_sum_then_quantize(recipe, dtype, case):
+    N, _, H, splits, M = CASES[case]  # N received rows, M expert rows (K = 1: the regrouping is a permutation)
+    N = max(N * 2, sum(splits))
+    g = torch.Generator().manual_seed(case + 57)
+    grad = _signed_gradient(N, H, dtype, g, nonfinite=case == 2)
+    route_of_row, route_rows, m_splits = _routing(N, 1, M, splits, g)
+    want_rows = _plus_zero_rows(grad, route_of_row)
+    # today's dy: reduce_rows over the one route of each expert row writes exactly these rows
+    assert torch.equal(bits(reduce_rows(grad, route_of_row.view(M, 1), route_rows.view(N))), bits(want_rows))
+    r = RECIPES[recipe]
+    got = expand_quantize_copies(grad, route_of_row, 1, m_splits, r, r.bwd_dtype, plus_zero=True)
+    _assert_copies_equal(got, fp8.quantize_pair(want_rows, m_splits, r, r.bwd_dtype))
+    if sum(splits) > 0 and case != 2:  # the protection: a plain read keeps -0 (byte 0x80)
+        plain = expand_quantize_copies(grad, route_of_row, 1, m_splits, r, r.bwd_dtype)
+        assert not torch.equal(bits(plain[0][0]), bits(got[0][0]))
+        assert (bits(plain[0][0]) == 0x80).any() and not (bits(got[0][0])[:sum(splits)] == 0x80).any()
+
+
+@pytest.mark.parametrize("recipe", ["blockwise", "mxfp8", "tensor"])
+def test_plus_zero_opcheck(recipe):
+    """The schema's ``plus_zero`` argument and the fake implementation (torch.library.opcheck)."""
+    from moe_graph.ops.permute import _pair_tiles
+    g = torch.Generator().manual_seed(12)
+    src = _signed_gradient(30, 130, torch.bfloat16, g)
+    route_of_row, _, m_splits = _routing(30, 1, 40, [5, 17, 0, 2], g)
+    r = RECIPES[recipe]
+    tr, tc, ctr, ctc, mx = _pair_tiles(r)
+    torch.library.opcheck(torch.ops.moe_graph.expand_quantize_pair.default,
+                          (src, route_of_row, 1, m_splits, [tr, tc, ctr, ctc], r.bwd_dtype, mx, 0.0, True),
+                          {"weights": None, "plus_zero": True}, test_utils=("test_schema", "test_faketensor"))
+
+
+def test_plus_zero_refusals():
+    src, r = torch.randn(4, 16), RECIPES["blockwise"]
+    route_of_row, route_rows, m_splits = _routing(4, 1, 8, [3, 1], torch.Generator().manual_seed(0))
+    with pytest.raises(RuntimeError, match="plus_zero"):
+        expand_quantize_copies(src, route_of_row, 1, m_splits, r, r.bwd_dtype, torch.rand(4, 1), plus_zero=True)
+    x, w2 = torch.randn(8, 32), torch.randn(2, 16, 32)
+    h = fp8.GradHandoff(r, m_splits)
+    y = fp8_grouped_linear(x, m_splits, [w2], None, r, grad_handoff=h)
+    with pytest.raises(ValueError, match="grad_handoff needs K = 1"):
+        expand_rows(y, route_rows.view(4), route_of_row.view(8, 1), torch.rand(8, 1), grad_handoff=h)
+    with pytest.raises(ValueError, match="grad_handoff needs K = 1"):
+        expand_rows(y * 1, route_rows.view(4), route_of_row.view(8, 1), grad_handoff=h)
+
+
+class _Copies(OpNames):
+    """:class:`OpNames` that also keeps the results ``(q, scale, q_t, scale_t)`` of the ops that write fc2's FP8 dy
+    (``fp8_quantize_pair`` with the hand-off off, ``expand_quantize_pair`` with it on)."""
+
+    def __init__(self):
+        super().__init__()
+        self.copies = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if str(func.overloadpacket) in ("moe_graph.fp8_quantize_pair", "moe_graph.expand_quantize_pair"):
+            self.copies.append(out)
+        return out
+
+
+def _receive_chain(x, w2, probs, maps, r, handoff_on, target):
+    """fc2, the receive side's regrouping back to the send slots (``expand_rows`` over the received rows, as
+    ``TokenDispatcher._to_send_order`` at EP > 1; the exchange itself is the identity here) and the weighted sum of
+    each token's routes: ``(out, dx, dw, dprobs, backward op names, fc2's FP8 dy copies)``."""
+    expert_row_source, recv_row_target, route_of_slot, route_slot, m_splits = maps
+    x, w, p = x.clone().requires_grad_(), w2.clone().requires_grad_(), probs.clone().requires_grad_()
+    h = fp8.GradHandoff(r, m_splits) if handoff_on else None
+    y = fp8_grouped_linear(x, m_splits, [w], None, r, grad_handoff=h)
+    send = expand_rows(y, recv_row_target, expert_row_source.view(-1, 1), grad_handoff=h)
+    out = reduce_rows(send, route_slot, route_of_slot, p)
+    mode = _Copies()
+    with mode:
+        (out.float() * target).sum().backward()
+    return out.detach(), x.grad, w.grad, p.grad, mode.seen, mode.copies
+
+
+@pytest.mark.parametrize("recipe", ["blockwise", "mxfp8_hybrid", "tensor"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("case", [0, 1, 2, 4])
+def test_receive_side_regrouping_hands_fc2_its_fp8_dy(recipe, dtype, case):
+    """-0 in the output gradient (times a positive probability: -0 at the receive side), inf / NaN in one case."""
+    T, K, H, splits, M = CASES[case]
+    N = 2 * T * K  # send slots (two ranks' worth), some empty
+    g = torch.Generator().manual_seed(case + 200)
+    expert_row_source, recv_rows, m_splits = _routing(N, 1, M, splits, g)
+    route_of_slot, route_slot, _ = _routing(T, K, N, [N], g)
+    maps = (expert_row_source, recv_rows.view(N), route_of_slot, route_slot, m_splits)
+    x = torch.randn(M, 48, generator=g).to(dtype)
+    w2 = (torch.randn(len(splits), H, 48, generator=g) * 0.1).to(dtype)
+    probs = (torch.rand(T, K, generator=g) + 0.05).to(dtype)
+    target = torch.randn(T, H, generator=g)
+    target[::2, ::3] = -0.0
+    if case == 2:
+        target[1, 4], target[3, 9] = float("inf"), float("nan")
+    r = RECIPES[recipe]
+    ref = _receive_chain(x, w2, probs, maps, r, False, target)
+    got = _receive_chain(x, w2, probs, maps, r, True, target)
+    for a, b, what in zip(ref[:4], got[:4], ("out", "dx", "dw", "dprobs")):
+        assert torch.equal(bits(a), bits(b)), what
+    if sum(splits) > 0:
+        assert got[1].nan_to_num().abs().sum() > 0 and got[3].nan_to_num().abs().sum() > 0
+    # one op instead of the regrouping's reduce_rows (the 16-bit dy) and fc2's quantize of it
+    assert ref[4].count("moe_graph.reduce_rows") == got[4].count("moe_graph.reduce_rows") + 1
+    assert ref[4].count("moe_graph.fp8_quantize_pair") == 1 and got[4].count("moe_graph.fp8_quantize_pair") == 0
+    assert got[4].count("moe_graph.expand_quantize_pair") == 1
+    # fc2's dy bytes themselves (zero bytes: 0x00, as the 16-bit dy's +0 quantizes; a plain gather's -0 is 0x80)
+    (q0, s0, qt0, st0), (q1, s1, qt1, st1) = ref[5][0], got[5][0]
+    assert torch.equal(bits(q0), bits(q1)) and torch.equal(bits(s0), bits(s1)) and torch.equal(bits(qt0), bits(qt1))
+    assert torch.equal(bits(st0), bits(st1.expand_as(st0)))
+
+
+@pytest.mark.parametrize("world,kind,cf,dtype,case", [
+    (2, "blockwise", 0.6, "bfloat16", "signed_zeros"),  # routes dropped at the capacity
+    (2, "mxfp8", None, "float32", "one_expert"),        # experts 3 and 1 take every row; rank 1's experts none
+    (2, "tensor", None, "bfloat16", "nonfinite"),
+    (4, "blockwise", None, "float32", "main_grad"),
+    (4, "mxfp8", 0.6, "bfloat16", "one_expert"),
+    (4, "tensor", 0.6, "float32", "signed_zeros"),
+])
+def test_moe_layer_fused_combine_backward_multi_rank(world, kind, cf, dtype, case):
+    """EP 2 / 4 on gloo, the fixed-split exchange: the regrouping of the returned gradient writes fc2's FP8 dy (one
+    op instead of reduce_rows and fc2's quantize); output, input gradient and every gradient (router: the
+    probabilities' too; main_grad) equal the switch off bit for bit on every rank."""
+    res = run_distributed(combine_backward_worker, world, kind, cf, dtype, case, timeout=300.0)
+    for r in res:
+        assert r["out_equal"] and r["dx_equal"] and r["unequal_grads"] == [] and r["grads"] == r["grads_on"], r
+        assert r["dx_nonzero"] and "router.weight" in r["nonzero"], r
+        assert r["fused_ops"] == 1 and r["reduce_rows_saved"] == 1 and r["quantize_saved"] == 1, r
+    if cf is not None:
+        assert sum(r["dropped"] for r in res) > 0

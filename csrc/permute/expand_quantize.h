@@ -8,7 +8,10 @@
 //   element is read through LoadRoute (the row's token, then fp8::load_x; with weights, w[route] * x rounded to
 //   src's dtype as expand_rows writes it: the combine's backward handing fc2 its FP8 output gradient), the tiles
 //   are the quantizer's (fp8::locate_tile, tile_scale, quantize_value, amax_update), rows past sum(m_splits) zero
-//   (fp8::quantize_tail_cpu's rule), the m_splits error bits the quantizer's.
+//   (fp8::quantize_tail_cpu's rule), the m_splits error bits the quantizer's. With plus_zero (no weights), each
+//   element reads as +0 + x: reduce_rows' one-route sum (permute.h: accumulated from +0, so -0 reads as +0), the
+//   bytes of quantizing reduce_rows(src, route_rows [m, 1]) for K = 1 (the combine's backward at EP > 1: fc2's
+//   output gradient regrouped from the received rows).
 //
 //   An index outside [0, n*K] reads as the sentinel (a zero row). The CPU glue refuses one before writing; the CUDA
 //   kernel sets kErrIndexOutOfRange for such an index of a row inside the groups (the rows the tiles read).
@@ -53,6 +56,7 @@ struct ExpandRoutes {
   int64_t tokens = 0, topk = 0;           // n, K
   const float* weights = nullptr;         // [n*K] or null: each route's row weight (expand_rows' weights)
   PackedRows packed;                      // packed FP8 source rows (then weights is null)
+  bool plus_zero = false;                 // each element read as +0 + x (reduce_rows' one-route sum); no weights
 };
 
 // w * x rounded to the input's dtype (fp32 / bf16 / fp16, round to nearest even): expand_rows' weighted element.
@@ -95,7 +99,8 @@ struct LoadRoute {
       return fp8::dequantize_byte(e.packed.format, row[c], packed_scale(e.packed, row, c >> (e.packed.e8m0 ? 5 : 7)));
     }
     const float x = fp8::load_x(p, 0, token, c);  // x = src [n, H]: element (token, c)
-    return e.weights == nullptr ? x : round_to_input(p, e.weights[row_route(e, r)] * x);
+    if (e.weights != nullptr) return round_to_input(p, e.weights[row_route(e, r)] * x);
+    return e.plus_zero ? 0.0f + x : x;  // +0 + x: -0 reads as +0 (exact otherwise; no fast-math folds it)
   }
 };
 

@@ -229,7 +229,8 @@ void set_packed_layout(permute::PackedRows& k, int64_t H, at::ScalarType fp8_dty
 ExpandQuantizePrepared prepare_expand_quantize(const at::Tensor& src, const at::Tensor& route_of_row, int64_t K,
                                                const at::Tensor& m_splits, at::IntArrayRef tiles,
                                                at::ScalarType fp8_dtype, bool mx, double eps, bool pow2,
-                                               const c10::optional<at::Tensor>& weights, int64_t packed_cols) {
+                                               const c10::optional<at::Tensor>& weights, int64_t packed_cols,
+                                               bool plus_zero) {
   const char* op = kExpandQuantize;
   check_defined(src, op, "src");
   TORCH_CHECK(packed_cols >= 0, op, ": packed_cols must be >= 0 (0: src holds the values), got ", packed_cols);
@@ -257,6 +258,9 @@ ExpandQuantizePrepared prepare_expand_quantize(const at::Tensor& src, const at::
   TORCH_CHECK(tiles.size() == 4, op, ": tiles must be [rowwise tile rows, rowwise tile cols, columnwise tile rows, "
               "columnwise tile cols], got ", tiles.size(), " values");
   check_fp8_options(op, fp8_dtype, eps);
+  TORCH_CHECK(!(plus_zero && weights.has_value() && weights->defined()), op,
+              ": plus_zero (reduce_rows' one-route read) takes no weights");
+  TORCH_CHECK(!(plus_zero && packed_cols > 0), op, ": plus_zero reads 16-bit / fp32 rows, not packed ones");
   ExpandQuantizePrepared x;
   x.src = src.contiguous();
   x.route_of_row = route_of_row.contiguous();
@@ -270,6 +274,7 @@ ExpandQuantizePrepared prepare_expand_quantize(const at::Tensor& src, const at::
     set_packed_layout(x.e.packed, packed_cols, fp8_dtype, mx);
     x.e.packed.src = x.src.data_ptr<uint8_t>();
   }
+  x.e.plus_zero = plus_zero;
   x.rows = describe_copy(x, tiles[0], tiles[1], fp8_dtype, mx, eps, pow2, false);
   x.cols = describe_copy(x, tiles[2], tiles[3], fp8_dtype, mx, eps, pow2, true);
   return x;
@@ -356,9 +361,10 @@ at::Tensor route_dot_cpu(const at::Tensor& rows, const at::Tensor& src, const at
 QuantizedPair expand_quantize_pair_cpu(const at::Tensor& src, const at::Tensor& route_of_row, int64_t K,
                                        const at::Tensor& m_splits, at::IntArrayRef tiles, at::ScalarType fp8_dtype,
                                        bool mx, double eps, bool pow2,
-                                       const c10::optional<at::Tensor>& weights, int64_t packed_cols) {
+                                       const c10::optional<at::Tensor>& weights, int64_t packed_cols,
+                                       bool plus_zero) {
   ExpandQuantizePrepared x = prepare_expand_quantize(src, route_of_row, K, m_splits, tiles, fp8_dtype, mx, eps, pow2,
-                                                     weights, packed_cols);
+                                                     weights, packed_cols, plus_zero);
   check_routes_cpu(kExpandQuantize, x.route_of_row, x.e.tokens * x.e.topk);
   for (const fp8::QuantizeProblem* p : {&x.rows.p, &x.cols.p}) run_expand_quantize_cpu(*p, x.e);
   return {x.rows.q, x.rows.scale, x.cols.q, x.cols.scale};
@@ -393,10 +399,11 @@ at::Tensor route_dot_cuda(const at::Tensor& rows, const at::Tensor& src, const a
 QuantizedPair expand_quantize_pair_cuda(const at::Tensor& src, const at::Tensor& route_of_row, int64_t K,
                                         const at::Tensor& m_splits, at::IntArrayRef tiles, at::ScalarType fp8_dtype,
                                         bool mx, double eps, bool pow2,
-                                        const c10::optional<at::Tensor>& weights, int64_t packed_cols) {
+                                        const c10::optional<at::Tensor>& weights, int64_t packed_cols,
+                                        bool plus_zero) {
   c10::cuda::CUDAGuard guard(src.device());
   ExpandQuantizePrepared x = prepare_expand_quantize(src, route_of_row, K, m_splits, tiles, fp8_dtype, mx, eps, pow2,
-                                                     weights, packed_cols);
+                                                     weights, packed_cols, plus_zero);
   TORCH_CHECK(permute::expand_quantize_ok(x.rows.p, x.e) && permute::expand_quantize_ok(x.cols.p, x.e),
               kExpandQuantize, ": the CUDA kernel needs rows, columns, tile sizes, tile counts and n*K below 2^31, "
               "got ", x.rows.p.rows, " rows x ", x.rows.p.cols, " columns, n*K = ", x.e.tokens * x.e.topk);

@@ -18,13 +18,15 @@ at::Tensor route_dot_cpu(const at::Tensor& rows, const at::Tensor& src, const at
 // The FP8 copies of expand_rows(src, route_of_row, K) (permute/expand_quantize.h), without the expanded rows:
 // src [n, H] fp32/bf16/fp16, m_splits [E] int32/int64 grouping the m rows, tiles [rowwise TR, TC, columnwise TR,
 // TC], weights [n, K] (src's dtype or fp32) or None -> (q [m, H], scale, q_t [H, m], scale_t), bit-equal to
-// fp8_quantize_pair of expand_rows(src, route_of_row, K, weights).
+// fp8_quantize_pair of expand_rows(src, route_of_row, K, weights); plus_zero (no weights): of each element read
+// as +0 + x (reduce_rows' one-route sum: -0 becomes +0).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> expand_quantize_pair_cpu(
     const at::Tensor& src, const at::Tensor& route_of_row, int64_t topk, const at::Tensor& m_splits,
     at::IntArrayRef tiles, at::ScalarType fp8_dtype, bool mx, double eps, bool pow2,
-    const c10::optional<at::Tensor>& weights, int64_t packed_cols);
+    const c10::optional<at::Tensor>& weights, int64_t packed_cols, bool plus_zero);
 // With packed_cols > 0, src is packed FP8 rows [n, B] uint8 of packed_cols elements (permute/expand_quantize.h) and
 // weights None: the rowwise copy is their bytes and scales, the columnwise copy quantized from their dequantized values.
+// plus_zero: each element read as +0 + x (reduce_rows' one-route sum: -0 reads as +0), weights None.
 // pack_rows of expand_rows(src, route_of_row, K) (route_of_row None: the rows of src, K = 1) -> uint8 [m, B].
 at::Tensor expand_quantize_pack_cpu(const at::Tensor& src, const c10::optional<at::Tensor>& route_of_row, int64_t K,
                                     at::ScalarType fp8_dtype, bool mx, double eps, bool pow2);
@@ -38,7 +40,7 @@ at::Tensor route_dot_cuda(const at::Tensor& rows, const at::Tensor& src, const a
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> expand_quantize_pair_cuda(
     const at::Tensor& src, const at::Tensor& route_of_row, int64_t topk, const at::Tensor& m_splits,
     at::IntArrayRef tiles, at::ScalarType fp8_dtype, bool mx, double eps, bool pow2,
-    const c10::optional<at::Tensor>& weights, int64_t packed_cols);
+    const c10::optional<at::Tensor>& weights, int64_t packed_cols, bool plus_zero);
 at::Tensor expand_quantize_pack_cuda(const at::Tensor& src, const c10::optional<at::Tensor>& route_of_row, int64_t K,
                                      at::ScalarType fp8_dtype, bool mx, double eps, bool pow2);
 #endif

@@ -1,5 +1,6 @@
 // expand_quantize's kernel in the emulator (family `permute_quantize`, run by harness.cpp): both FP8 copies of the
-// expanded rows (permute/expand_quantize.h; half the cases with row weights: the combine's backward) from one launch (expand_quantize_cuda_launch) against the CPU's tiles
+// expanded rows (permute/expand_quantize.h; half the cases with row weights: the combine's backward, a quarter read
+// +0 + x: its EP > 1 form) from one launch (expand_quantize_cuda_launch) against the CPU's tiles
 // and tail (expand_quantize_tiles_host, fp8::quantize_tail_cpu), bit for bit: the bytes, the scales, the error
 // flag (m_splits bits, out-of-range routes) and the non-finite flag.
 #include <cmath>
@@ -26,6 +27,7 @@ void fill_tokens(Buffer& src, int64_t count, int in, Rng& rng) {
   for (int64_t i = 0; i < count; ++i) {
     float v = static_cast<float>(rng.normal() * (rng.bern(0.02) ? 1e3 : 2.0));
     if (rng.bern(0.002)) v = rng.bern(0.5) ? std::nanf("") : INFINITY;
+    if (rng.bern(0.03)) v = -0.0f;  // -0: a byte 0x80, or 0x00 read with plus_zero
     if (in == 0) src.put<float>(i, v);
     else if (in == 1) src.put<act::bf16_t>(i, act::Narrow<act::bf16_t>::to(v));
     else src.put<act::f16_t>(i, act::Narrow<act::f16_t>::to(v));
@@ -234,12 +236,14 @@ int family_permute_quantize() {
         for (int64_t r = 0; r < s.n * s.K; ++r)
           weights.put<float>(r, rng.bern(0.1) ? 0.0f : static_cast<float>(rng.normal() * 1.5));
         if (weighted) e.weights = reinterpret_cast<const float*>(weights.data());
+        // the combine's backward at EP > 1 (reduce_rows' one-route read, +0 + x) on half the unweighted cases
+        e.plus_zero = !weighted && rng.bern(0.5);
         const size_t ses = t.mx ? 1 : 4;
         const std::string what = "expand_quantize n" + std::to_string(s.n) + " K" + std::to_string(s.K) + " m" +
                                  std::to_string(s.m) + " H" + std::to_string(s.H) + " E" + std::to_string(s.E) +
                                  " tiles " + std::to_string(t.tr) + "x" + std::to_string(t.tc) + (t.mx ? " mx" : "") +
                                  " in " + std::to_string(in) + " variant " + std::to_string(variant) +
-                                 (weighted ? " weighted" : "");
+                                 (weighted ? " weighted" : "") + (e.plus_zero ? " plus_zero" : "");
         auto run = [&](bool emulate) {
           Buffer q0(s.m * s.H, 0x5c), q1(s.m * s.H, 0x5c);
           Buffer s0(p0.row_tiles * p0.col_tiles * ses, 0x5c), s1(p1.row_tiles * p1.col_tiles * ses, 0x5c);

@@ -1,5 +1,7 @@
-"""Worker of tests/test_fp8_permute_quantize.py's EP 2 case: an ``MoELayer`` on the fixed-split exchange with the
-fused FP8 expert input (the receive side's regrouping writes the FP8 copies) on and off."""
+"""Workers of tests/test_fp8_permute_quantize.py's EP 2 case (an ``MoELayer`` on the fixed-split exchange with the
+fused FP8 expert input, the receive side's regrouping writes the FP8 copies, on and off) and of
+tests/test_fp8_combine_backward.py's EP 2 / 4 cases (the regrouping of the combine's returned gradient writes fc2's
+FP8 dy, on and off)."""
 
 from __future__ import annotations
 
@@ -84,3 +86,46 @@ def fused_input_worker(rank: int, world: int, kind: str, capacity_factor: Option
             "expand_rows_saved": ops0.count("moe_graph.expand_rows") - ops1.count("moe_graph.expand_rows"),
             "quantize_saved": ops0.count("moe_graph.fp8_quantize_pair") - ops1.count("moe_graph.fp8_quantize_pair"),
             "dx_nonzero": bool(dx1.abs().sum() > 0), "dropped": layer.dispatcher.check_drops()}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes (bit-for-bit comparison that holds with NaN; -0 and +0 differ)."""
+    return t.detach().contiguous().view(torch.uint8)
+
+
+def combine_backward_worker(rank: int, world: int, kind: str, capacity_factor: Optional[float], dtype: str,
+                            case: str) -> Dict:
+    """EP ``world`` on the fixed-split exchange: one forward and backward with ``FUSED_FP8_COMBINE_BACKWARD`` off
+    and on. ``dtype`` "bfloat16" / "float32" (parameters and tokens); ``case``: "plain", "one_expert" (the router
+    sends every token to experts 3 and 1, both on rank 0: the other ranks' experts get none), "signed_zeros" (-0 in
+    the output gradient at every third token, every fifth column), "nonfinite" (also an inf and a NaN), "main_grad"
+    (fp32 ``main_grad`` on the expert weights: the fused wgrad). Bit-for-bit comparison of the output, the input
+    gradient and every parameter gradient (the router's carries the probabilities')."""
+    dt = getattr(torch, dtype)
+    layer, x, target = busy_expert_layer(rank, world, capacity_factor, exchange="nccl", params_dtype=dt)
+    x = x.to(dt)
+    if case == "one_expert":
+        with torch.no_grad():
+            layer.router.weight.zero_()
+            layer.router.weight[3] = 1.0
+            layer.router.weight[1] = 0.5
+        x = x.abs() + 0.1
+    if case in ("signed_zeros", "nonfinite"):
+        target[::3, ::5] = -0.0
+    if case == "nonfinite":
+        target[4, 7], target[9, 40] = float("inf"), float("nan")
+    if case == "main_grad":
+        for w in layer.experts.weights():
+            w.main_grad = torch.zeros(w.shape, dtype=torch.float32)
+    y0, dx0, g0, ops0 = run_switched(layer, x, target, kind, False, switch="FUSED_FP8_COMBINE_BACKWARD",
+                                     record="backward")
+    y1, dx1, g1, ops1 = run_switched(layer, x, target, kind, True, switch="FUSED_FP8_COMBINE_BACKWARD",
+                                     record="backward")
+    return {"out_equal": torch.equal(bits(y0), bits(y1)), "dx_equal": torch.equal(bits(dx0), bits(dx1)),
+            "unequal_grads": sorted(n for n in g0 if not torch.equal(bits(g0[n]), bits(g1[n]))),
+            "grads": sorted(g0), "grads_on": sorted(g1),
+            "nonzero": [n for n in g1 if bool((g1[n] != 0).any())], "dx_nonzero": bool((dx1 != 0).any()),
+            "fused_ops": ops1.count("moe_graph.expand_quantize_pair") - ops0.count("moe_graph.expand_quantize_pair"),
+            "reduce_rows_saved": ops0.count("moe_graph.reduce_rows") - ops1.count("moe_graph.reduce_rows"),
+            "quantize_saved": ops0.count("moe_graph.fp8_quantize_pair") - ops1.count("moe_graph.fp8_quantize_pair"),
+            "dropped": layer.dispatcher.check_drops()}

@@ -643,14 +643,17 @@ class TokenDispatcher(nn.Module):
                                    handle.aligned_m_splits, quantize_recipe)
         return expand_rows(recv, handle.expert_row_source, handle.recv_row_target.view(N, 1))
 
-    def _to_send_order(self, rows: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-        """Expert-input-ordered rows ``[N, X]`` back to this rank's send slots (the reverse exchange at R > 1)."""
+    def _to_send_order(self, rows: torch.Tensor, handle: DispatchHandle, grad_handoff=None) -> torch.Tensor:
+        """Expert-input-ordered rows ``[N, X]`` back to this rank's send slots (the reverse exchange at R > 1).
+        ``grad_handoff`` (R > 1, per pair): the regrouping's backward writes ``rows``' gradient as its FP8 copies
+        (:func:`moe_graph.ops.permute.expand_rows`' ``grad_handoff``)."""
         if handle.exchange_plan is not None:
             return ToSources.apply(self.exchange_backend, handle.exchange_plan, rows, handle.route_of_slot.shape[0])
         if self.num_ep_ranks == 1:
             return rows
         N, (M, X) = handle.route_of_slot.shape[0], rows.shape
-        back = expand_rows(rows, handle.recv_row_target, handle.expert_row_source.view(M, 1))
+        back = expand_rows(rows, handle.recv_row_target, handle.expert_row_source.view(M, 1),
+                           grad_handoff=grad_handoff)
         return _Exchange.apply(self.backend, back.view(self.num_ep_ranks, N // self.num_ep_ranks, X)).reshape(N, X)
 
     def row_weights(self, handle: DispatchHandle) -> torch.Tensor:
@@ -676,7 +679,10 @@ class TokenDispatcher(nn.Module):
         :meth:`moe_graph.moe.experts.GroupedMLP.output_grad_handoff`, of ``handle``'s aligned ``m_splits``): at
         EP 1 (per-pair rule, aligned rows) the backward writes fc2's two FP8 ``dy`` copies straight from the
         output gradient, the probabilities applied first (``ops.permute.reduce_rows``' ``grad_handoff``: the
-        16-bit ``dy`` is never written); elsewhere ignored (fc2 quantizes its 16-bit ``dy``)."""
+        16-bit ``dy`` is never written); at EP > 1 on the fixed-split exchange the receive side's regrouping of the
+        returned gradient writes them (``ops.permute.expand_rows``' ``grad_handoff``; the probabilities were applied
+        on the sending side, before the exchange, as without it); elsewhere ignored (fc2 quantizes its 16-bit
+        ``dy``)."""
         N = handle.expert_rows
         if expert_output.dim() != 2 or expert_output.shape[0] != N:
             raise ValueError(f"expert_output must be [{N}, H] (the dispatched rows), got {tuple(expert_output.shape)}")
@@ -687,12 +693,14 @@ class TokenDispatcher(nn.Module):
         if self.fused:  # the reverse exchange and the weighted reduction of each token's routes in one op
             return FusedCombineFn.apply(self.exchange_backend, handle.exchange_plan, expert_output,
                                         None if w is None else w.reshape(-1))
-        if not (grad_handoff is not None and self.num_ep_ranks == 1 and handle.exchange_plan is None
+        if not (grad_handoff is not None and handle.exchange_plan is None
                 and grad_handoff.m_splits is handle.aligned_m_splits and grad_handoff.binds(expert_output)
                 and expand_quantize_available(expert_output.device.type)):
             grad_handoff = None
-        y_send = self._to_send_order(expert_output, handle)
-        return reduce_rows(y_send, handle.route_rows, handle.route_of_slot, w, grad_handoff)
+        if self.num_ep_ranks == 1:
+            return reduce_rows(expert_output, handle.route_rows, handle.route_of_slot, w, grad_handoff)
+        y_send = self._to_send_order(expert_output, handle, grad_handoff)  # the hand-off on the receive side
+        return reduce_rows(y_send, handle.route_rows, handle.route_of_slot, w)
 
     # ------------------------------------------------------------------------------------------- async --
     def dispatch_async(self, *args, **kwargs) -> CompletedExchange:

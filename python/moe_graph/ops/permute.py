@@ -132,17 +132,25 @@ def _route_dot(rows, src, route_rows):
 # --------------------------------------------------------------------------------------------------- autograd --
 class _ExpandRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, src, route_of_row, route_rows, weights):
+    def forward(ctx, src, route_of_row, route_rows, weights, handoff):
         ctx.save_for_backward(src if ctx.needs_input_grad[3] else None, route_rows, weights)
+        ctx.handoff = handoff
         return _expand(src, route_of_row, route_rows.shape[1], weights)
 
     @staticmethod
     def backward(ctx, g):
         src, route_rows, weights = ctx.saved_tensors
         g = g.contiguous()
-        grad_src = _reduce(g, route_rows, weights) if ctx.needs_input_grad[0] else None
+        handoff = ctx.handoff
+        grad_src = None
+        if ctx.needs_input_grad[0] and handoff is not None:  # one route, no weights: a gather from +0 (GradHandoff)
+            copies = expand_quantize_copies(g, route_rows.reshape(-1), 1, handoff.m_splits, handoff.recipe,
+                                            handoff.recipe.bwd_dtype, plus_zero=True)
+            grad_src = handoff.give(copies, (route_rows.shape[0], g.shape[1]), g, lambda: _reduce(g, route_rows))
+        elif ctx.needs_input_grad[0]:
+            grad_src = _reduce(g, route_rows, weights)
         grad_w = _route_dot(src, g, route_rows).to(weights.dtype) if ctx.needs_input_grad[3] else None
-        return grad_src, None, None, grad_w
+        return grad_src, None, None, grad_w, None
 
 
 class _ReduceRows(torch.autograd.Function):
@@ -181,19 +189,30 @@ def _check_args(op: str, src, a, a_name: str, a_dim: int, b, b_name: str, b_dim:
 
 
 def expand_rows(src: torch.Tensor, route_of_row: torch.Tensor, route_rows: torch.Tensor,
-                weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+                weights: Optional[torch.Tensor] = None, grad_handoff: Optional["_fp8.GradHandoff"] = None
+                ) -> torch.Tensor:
     """``[m, H]``: row ``i`` is ``weights[r] * src[r // K]`` for ``r = route_of_row[i]`` (a copy without weights),
     zero for ``r == n*K``. ``src [n, H]``; ``route_of_row [m]`` and ``route_rows [n, K]`` int64, the two inverse
     indices of one routing (``K = route_rows.shape[1]``; ``route_rows`` serves the backward, a ``reduce_rows`` of
     the gradient). Differentiable w.r.t. ``src`` and ``weights``.
 
     Example: ``src = [[a], [b]]`` (n=2, K=2), ``route_of_row = [3, 0, 4]`` -> ``[[b], [a], [0]]``
-    (``route_rows = [[1, 3], [3, 0]]``: routes 1 and 2 have no row, sentinel m=3)."""
+    (``route_rows = [[1, 3], [3, 0]]``: routes 1 and 2 have no row, sentinel m=3).
+
+    ``grad_handoff`` (an ``ops.fp8.GradHandoff`` bound to ``src``, the FP8 GEMM output it stands for; ``K = 1``, no
+    weights; needs :func:`expand_quantize_available`): backward writes ``src``'s gradient (``reduce_rows`` of the
+    gradient over ``route_rows``: each row a gather added to ``+0``) as its two FP8 copies for that GEMM's backward
+    (:func:`expand_quantize_copies` with ``plus_zero``: the bytes of quantizing the 16-bit gradient, ``-0`` read
+    as ``+0`` as the sum does) and hands autograd a zero-stride zero: the combine's backward at EP > 1."""
     _check_args("expand_rows", src, route_of_row, "route_of_row", 1, route_rows, "route_rows", 2, weights)
     if route_rows.shape[0] != src.shape[0]:
         raise ValueError(f"expand_rows: route_rows must have shape [n, K] with n = {src.shape[0]} (the rows of src), "
                          f"got {tuple(route_rows.shape)}")
-    return _ExpandRows.apply(src, route_of_row, route_rows, weights)
+    if grad_handoff is not None and not (route_rows.shape[1] == 1 and weights is None and grad_handoff.binds(src)
+                                         and expand_quantize_available(src.device.type)):
+        raise ValueError("expand_rows: grad_handoff needs K = 1 (route_rows [n, 1]), no weights, to be bound to src "
+                         "(GradHandoff.bind) and the expand_quantize op (expand_quantize_available)")
+    return _ExpandRows.apply(src, route_of_row, route_rows, weights, grad_handoff)
 
 
 def reduce_rows(src: torch.Tensor, route_rows: torch.Tensor, route_of_row: torch.Tensor,
@@ -247,15 +266,17 @@ def _pair_tiles(recipe) -> Tuple[int, int, int, int, bool]:
 
 
 def expand_quantize_copies(src: torch.Tensor, route_of_row: torch.Tensor, K: int, m_splits: torch.Tensor, recipe,
-                           dtype: torch.dtype, weights: Optional[torch.Tensor] = None):
+                           dtype: torch.dtype, weights: Optional[torch.Tensor] = None, plus_zero: bool = False):
     """``((q, scale per row), (q_t, scale_t))``: ``ops.fp8.quantize_pair(expand_rows(src, route_of_row, .., weights),
     m_splits, recipe, dtype)`` bit for bit from one op that reads each row of ``src`` in place (the expanded rows
-    are never in memory); ``weights [n, K]`` (``src``'s dtype or fp32) or None. Not differentiable."""
+    are never in memory); ``weights [n, K]`` (``src``'s dtype or fp32) or None; ``plus_zero`` (no weights, ``K =
+    1``): each element read as ``+0 + x``, the rows of ``reduce_rows(src, route_rows [m, 1])`` (``-0`` becomes
+    ``+0``; ``route_of_row`` is then ``route_rows`` flattened). Not differentiable."""
     tr, tc, ctr, ctc, mx = _pair_tiles(recipe)
     with torch.no_grad():
         q, s, qt, st = torch.ops.moe_graph.expand_quantize_pair(
             src.detach(), route_of_row, K, m_splits, [tr, tc, ctr, ctc], dtype, mx, float(recipe.amax_epsilon),
-            bool(recipe.power_2_scale), None if weights is None else weights.detach())
+            bool(recipe.power_2_scale), None if weights is None else weights.detach(), 0, plus_zero)
     if recipe.kind == "tensor":  # the scales' layouts of ops.fp8.quantize_pair (one per row / per column)
         st = st.expand(qt.shape[0], st.shape[1]).contiguous()
     return (q, _fp8._row_scales(s, m_splits, route_of_row.shape[0], recipe.kind)), (qt, st)
@@ -332,7 +353,8 @@ def _register() -> None:
 
     if has_kernel(_EXPAND_QUANTIZE, "cpu"):
         @torch.library.register_fake(_EXPAND_QUANTIZE)
-        def _(src, route_of_row, K, m_splits, tiles, fp8_dtype, mx, eps, pow2, weights=None, packed_cols=0):
+        def _(src, route_of_row, K, m_splits, tiles, fp8_dtype, mx, eps, pow2, weights=None, packed_cols=0,
+              plus_zero=False):
             m, H = route_of_row.shape[0], packed_cols or src.shape[1]
             scale_dtype = torch.float8_e8m0fnu if mx else torch.float32
             out = []
