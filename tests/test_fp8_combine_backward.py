@@ -19,6 +19,7 @@ bit."""
 
 import pytest
 import torch
+from conftest import full_only
 
 import moe_graph
 import moe_graph.moe.experts as experts
@@ -434,8 +435,8 @@ def test_receive_side_regrouping_hands_fc2_its_fp8_dy(recipe, dtype, case):
     (2, "mxfp8", None, "float32", "one_expert"),        # experts 3 and 1 take every row; rank 1's experts none
     (2, "tensor", None, "bfloat16", "nonfinite"),
     (4, "blockwise", None, "float32", "main_grad"),
-    (4, "mxfp8", 0.6, "bfloat16", "one_expert"),
-    (4, "tensor", 0.6, "float32", "signed_zeros"),
+    # MOE_GRAPH_FULL_TESTS=1: 4-rank repeats of the 2-rank cases above (same recipes and cases)
+    *full_only((4, "mxfp8", 0.6, "bfloat16", "one_expert"), (4, "tensor", 0.6, "float32", "signed_zeros")),
 ])
 def test_moe_layer_fused_combine_backward_multi_rank(world, kind, cf, dtype, case):
     """EP 2 / 4 on gloo, the fixed-split exchange: the regrouping of the returned gradient writes fc2's FP8 dy (one
