@@ -177,24 +177,15 @@ def pipeline_stages_worker(rank: int, world: int, fault: Optional[str] = None) -
     started during the run still alive."""
     from unittest import mock
 
-    from helpers import pipeline_moe as pm
+    from helpers.overlap_workers import pipeline_setup, run_pipeline
     from moe_graph import parallel_state as ps
-    from moe_graph.demo.model import MoETransformerLM
     from moe_graph.train import interleave, schedules
-    from moe_graph.train.checkpoint import global_name
 
     pp, vpp, m = 2, 2, 4
-    dp = world // pp
     before = set(threading.enumerate())
-    ps.initialize_model_parallel(pipeline_model_parallel_size=pp, expert_model_parallel_size=dp,
-                                 virtual_pipeline_model_parallel_size=vpp)
+    setup = pipeline_setup(world, vpp, m)
     try:
-        pp_rank, dp_rank = ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank()
-        ep_rank = ps.get_expert_model_parallel_rank()
-        chunk_ids = schedules.chunk_layer_ids(4, pp, pp_rank, vpp)
-        moe_kwargs = dict(ep_group=ps.get_expert_model_parallel_group(), ep_size=dp, aux_loss_coeff=0.01,
-                          capacity_factor=None, shared_expert_ffn_size=8)
-        mbs = [mb for s in range(m // pm.MICROBATCHES) for mb in pm.microbatches(s, dp_rank)][:m]
+        pp_rank = setup["pp_rank"]
         vp_seen: List = []  # (phase, chunk, vp rank)
 
         def forward_step(data_iterator, model):
@@ -203,29 +194,13 @@ def pipeline_stages_worker(rank: int, world: int, fault: Optional[str] = None) -
             vp_seen.append(("forward", model.chunk_id, ps.get_virtual_pipeline_model_parallel_rank()))
             return out, (lambda loss: loss)
 
+        def on_chunk(c, chunk):
+            chunk.chunk_id = c
+            next(chunk.parameters()).register_hook(lambda g: vp_seen.append(
+                ("backward", c, ps.get_virtual_pipeline_model_parallel_rank())))
+
         def run(stages: bool, record: bool):
-            chunks = []
-            for c, ids in enumerate(chunk_ids):
-                chunk = MoETransformerLM(pm.CFG, pm.VOCAB, moe_kwargs, "cpu", pm.DT, layer_ids=ids,
-                                         first=pp_rank == 0 and c == 0, last=pp_rank == pp - 1 and c == vpp - 1)
-                pm.init_from_global_names(chunk, ep_rank)
-                chunk.chunk_id = c
-                next(chunk.parameters()).register_hook(lambda g, c=c: vp_seen.append(
-                    ("backward", c, ps.get_virtual_pipeline_model_parallel_rank())))
-                chunks.append(chunk)
-            trace: list = []
-            cfg = schedules.PipelineConfig(tensor_shape=(pm.BATCH, pm.CFG.seq, pm.CFG.hidden), dtype=pm.DT,
-                                           overlap_microbatches=True, interleave_stages=stages, trace=trace)
-            rec = StreamRecorder() if record else None
-            with rec if rec is not None else torch.enable_grad():
-                losses = schedules.forward_backward_pipelining_with_interleaving(
-                    forward_step_func=forward_step, data_iterator=[iter(mbs) for _ in chunks], model=chunks,
-                    num_microbatches=m, config=cfg)
-            named = [(global_name(ch, n), p) for ch in chunks for n, p in ch.named_parameters()]
-            grads = {n: p.grad.clone() for n, p in named if p.grad is not None}
-            torch.optim.AdamW([p for _, p in named], lr=1e-2).step()
-            return {"losses": losses, "grads": grads, "params": {n: p.detach().clone() for n, p in named},
-                    "trace": [tuple(s) for s in trace], "rec": rec}
+            return run_pipeline(setup, forward_step, overlap=True, stages=stages, record=record, on_chunk=on_chunk)
 
         overlap = run(False, False)
         vp_seen.clear()
