@@ -22,7 +22,11 @@ issued it hands the baton to the other and waits for it back. Definition, for on
 * Whatever autograd runs inside ``B`` is ``B``: a recomputation (``recompute``) of the forward inside the backward
   hands over at its exchanges as ``B``.
 * Which side is which: the worker thread is ``F``; any other thread that issues an exchange while the pair runs is
-  ``B``. The first forward ``F(0)`` and the last backward run alone.
+  ``B``. The first forward ``F(0)`` and the last backward run alone. In the interleaved pipeline schedule
+  (:func:`moe_graph.train.schedules.forward_backward_pipelining_with_interleaving`) a pair is one steady step's
+  forward and backward (different microbatches, maybe different model chunks); the warm-up forwards and cool-down
+  backwards run alone, and process-wide state that must be a side's own while it runs (the virtual pipeline rank of
+  its chunk) is set by that side each time it gets the turn (``Baton(on_turn)``).
 * Streams: exactly those of ``overlap_microbatches`` (:func:`moe_graph.train.schedules.forward_backward_overlapped`):
   ``F(i + 1)`` forks its microbatch stream from a mark made before ``B(i)`` and is joined after ``B(i)``; the worker
   forks and joins side streams with their second set of events (:func:`moe_graph.streams.event_slot`), so a

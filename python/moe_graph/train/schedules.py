@@ -338,11 +338,13 @@ class PipelineConfig:
             backward (see :func:`forward_backward_overlapped`); :func:`forward_backward_pipelining_with_interleaving`
             runs one more warm-up forward and then each steady step's forward beside its backward (different
             microbatches). 1F1B rejects it (as Megatron-core does: pp > 1 needs virtual pipelining).
-        interleave_stages: with ``overlap_microbatches`` in the plain loop, issue ``F(i + 1)`` and ``B(i)`` stage by
-            stage, alternating at the token exchanges (``B`` first: B-compute, B-exchange, F-compute, F-exchange,
-            ...; :mod:`moe_graph.train.interleave`), so that the hiding of the exchange does not depend on which
-            ready kernel the GPU runs first. ``F`` runs in a worker thread. Bitwise equal to the serial loop. Needs
-            ``overlap_microbatches=True`` (``ValueError`` otherwise, naming both); the pipeline schedules raise.
+        interleave_stages: with ``overlap_microbatches``, issue the two microbatches in flight (``F(i + 1)`` and
+            ``B(i)`` in the plain loop; each steady step's forward and backward in the interleaved pipeline schedule)
+            stage by stage, alternating at the token exchanges (``B`` first: B-compute, B-exchange, F-compute,
+            F-exchange, ...; :mod:`moe_graph.train.interleave`), so that the hiding of the exchange does not depend
+            on which ready kernel the GPU runs first. ``F`` runs in a worker thread. Bitwise equal to the same
+            schedule without it. Needs ``overlap_microbatches=True`` (``ValueError`` otherwise, naming both); 1F1B
+            raises.
     """
 
     tensor_shape: Optional[Sequence[int]] = None
@@ -885,6 +887,13 @@ def forward_backward_pipelining_with_interleaving(
     The steps and their order are those of the schedule without the option except for the extra warm-up forward;
     the arithmetic is the same (same forwards in the same order, same backwards in the same order): losses and
     gradients are bitwise equal to it. Memory: one more microbatch's activations in flight on each rank.
+
+    ``config.interleave_stages`` (with ``overlap_microbatches``): each steady step's forward runs in a worker thread
+    (:class:`moe_graph.train.interleave.ForwardWorker`) beside its backward here, alternating at the token exchanges
+    (``B`` first; :func:`moe_graph.train.interleave.run_pair`); the forward forks its lane from a mark made before
+    the backward; the gradient-reduction launch, the join and the step's sends and receives follow both. The virtual
+    pipeline rank (process-wide) is set by each side to its chunk's whenever it gets the turn. Bitwise equal to the
+    schedule without it.
     """
     config = config or PipelineConfig()
     _check_interleave_stages(config, "forward_backward_pipelining_with_interleaving")
