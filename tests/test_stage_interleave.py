@@ -272,15 +272,16 @@ def test_pp2_vpp2_without_the_vp_rank_at_the_handoffs_a_backward_sees_the_forwar
     assert all(r["mismatch"] == [] and r["threads"] == [] for r in results)
 
 
-def _no_peer_run(rank: int, stages: bool, fail=None):
+def _no_peer_run(rank: int, stages: bool, fail=None, fail_backward_of: int = -1):
     """One step of the interleaved schedule (2 chunks, 4 microbatches) as pipeline rank ``rank`` of 2 with
-    :class:`helpers.stage_interleave.NoPeerCommunicator`; ``fail(phase, n)`` may raise in the n-th forward done in the
-    worker thread. Returns the reported losses and the gradients."""
+    :class:`helpers.stage_interleave.NoPeerCommunicator`; ``fail(n)`` may raise in the n-th forward done in the
+    worker thread; the backward of forward step ``fail_backward_of`` raises. Returns the reported losses, the
+    gradients and the number of forwards done in the worker."""
     torch.manual_seed(3)
     chunks = [StageChunk(), StageChunk()]
     g = torch.Generator().manual_seed(4)
     mbs = [torch.randn(2, 4, generator=g) for _ in range(4)]
-    n = {"worker": 0}
+    n = {"worker": 0, "all": 0}
 
     def forward_step(it, model):
         mb = next(it)
@@ -288,7 +289,9 @@ def _no_peer_run(rank: int, stages: bool, fail=None):
             n["worker"] += 1
             if fail is not None:
                 fail(n["worker"])
-        return model(mb), (lambda y: y.square().mean())
+        n["all"] += 1
+        y = model(mb)
+        return (_FailInBackward.apply(y) if n["all"] - 1 == fail_backward_of else y), (lambda y: y.square().mean())
 
     cfg = schedules.PipelineConfig(tensor_shape=(2, 4), overlap_microbatches=True, interleave_stages=stages)
     losses = schedules.forward_backward_pipelining_with_interleaving(
@@ -298,18 +301,19 @@ def _no_peer_run(rank: int, stages: bool, fail=None):
 
 
 @pytest.mark.parametrize("rank", [0, 1])
-@pytest.mark.parametrize("at", [1, 2])
-def test_pipeline_failure_in_the_forward_side_reaches_the_caller_with_no_thread_left(rank, at):
-    """A forward run in the worker thread (a steady step's) that raises: the exception reaches the caller of the
-    interleaved pipeline schedule, no thread is left, and the next step runs normally (equal to the schedule without
-    the stage interleave)."""
+@pytest.mark.parametrize("side,at", [("F", 1), ("F", 2), ("B", 2)])
+def test_pipeline_failure_in_the_forward_side_reaches_the_caller_with_no_thread_left(rank, side, at):
+    """A forward run in the worker thread (a steady step's, the ``at``-th there) that raises, or the backward of
+    forward step ``at`` (run as ``B`` of the first steady step on both ranks: microbatch 0, chunk 1): the exception
+    reaches the caller of the interleaved pipeline schedule, no thread is left, and the next step runs normally (equal
+    to the schedule without the stage interleave)."""
 
     def fail(n):
-        if n == at:
+        if side == "F" and n == at:
             raise _Boom("in F")
 
-    with pytest.raises(_Boom, match="in F"):
-        _no_peer_run(rank, True, fail)
+    with pytest.raises(_Boom, match=f"in {side}"):
+        _no_peer_run(rank, True, fail, at if side == "B" else -1)
     assert _threads() == []
     plain, stages = _no_peer_run(rank, False), _no_peer_run(rank, True)
     assert stages[2] == 8 - schedules.num_warmup_microbatches(4, 2, rank, 2, overlap_microbatches=True)  # all steady
