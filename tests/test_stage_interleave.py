@@ -5,7 +5,9 @@ token exchanges, ``B`` first.
 Oracles: the serial loop (the same model with both options off; bitwise: losses, every gradient, every parameter
 after AdamW) and the definition of the issue order, applied to each side's own ops and exchange points as the
 record shows them (:func:`helpers.stage_interleave.pair_order`). Faults: a baton that never hands over, a worker
-that is not joined, failures injected in ``F`` and in ``B``.
+that is not joined, failures injected in ``F`` and in ``B``. In the interleaved pipeline schedule (each steady step's
+forward and backward): the same schedule without the option (bitwise), the same order check, each side's virtual
+pipeline rank (control: a baton that sets it at no turn), failures in either side.
 """
 
 import threading

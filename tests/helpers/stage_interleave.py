@@ -1,7 +1,8 @@
 """The stage interleave (``PipelineConfig.interleave_stages``): the plain microbatch loop run serial, with two
 microbatches in flight, and with the stage interleave, and the check of a record's issue order against the
 definition of :mod:`moe_graph.train.interleave` (used by tests/test_stage_interleave.py, on one process and on gloo
-ranks)."""
+ranks); the interleaved pipeline schedule (pp 2 x vpp 2) with ``overlap_microbatches`` without and with the stage
+interleave, and a communicator with no peer for the pipeline failure tests."""
 
 from __future__ import annotations
 
