@@ -269,7 +269,14 @@ class _CudaModel(torch.nn.Module):
 
 
 @requires_cuda
-def test_cuda_overlapped_microbatches_in_one_graph():
+@pytest.mark.parametrize("stages", [False, True], ids=["overlap", "interleave_stages"])
+def test_cuda_overlapped_microbatches_in_one_graph(stages):
+    """``make_train_step(..., overlap_microbatches=True)`` (``stages``: with ``interleave_stages=True`` too, the
+    forwards then issued from the worker thread, into the capture) eager and captured in ``FullIterationGraph`` on one
+    GPU: losses equal to the serial loop's (eager: bitwise, with the parameters), replays issue no sync, and no
+    worker thread is left. (``interleave_stages``: written, not run on a GPU yet.)"""
+    import threading
+
     from moe_graph.cuda_graph import FullIterationGraph
     from moe_graph.distributed.ddp import DistributedDataParallel
     from moe_graph.distributed.optimizer import DistributedOptimizer
@@ -283,7 +290,8 @@ def test_cuda_overlapped_microbatches_in_one_graph():
     for k in ("serial", "eager", "graph"):
         models[k] = DistributedDataParallel(_CudaModel(), use_distributed_optimizer=True)
         opt = DistributedOptimizer(models[k], lr=1e-3)
-        step = make_train_step(models[k], opt, overlap_microbatches=k != "serial")
+        step = make_train_step(models[k], opt, overlap_microbatches=k != "serial",
+                               interleave_stages=stages and k != "serial")
         steps[k] = FullIterationGraph(step, warmup_steps=1) if k == "graph" else step
     losses = {k: [] for k in steps}
     for i, mbs in enumerate(data):
@@ -302,3 +310,4 @@ def test_cuda_overlapped_microbatches_in_one_graph():
         torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-4)
     for (n, pa), pb in zip(models["serial"].named_parameters(), models["eager"].parameters()):
         assert torch.equal(pa, pb), n
+    assert [t for t in threading.enumerate() if t.name.startswith("moe_graph-interleave")] == []

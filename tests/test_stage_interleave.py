@@ -5,7 +5,9 @@ token exchanges, ``B`` first.
 Oracles: the serial loop (the same model with both options off; bitwise: losses, every gradient, every parameter
 after AdamW) and the definition of the issue order, applied to each side's own ops and exchange points as the
 record shows them (:func:`helpers.stage_interleave.pair_order`). Faults: a baton that never hands over, a worker
-that is not joined, failures injected in ``F`` and in ``B``.
+that is not joined, failures injected in ``F`` and in ``B``. In the interleaved pipeline schedule (each steady step's
+forward and backward): the same schedule without the option (bitwise), the same order check, each side's virtual
+pipeline rank (control: a baton that sets it at no turn), failures in either side.
 """
 
 import threading
@@ -15,7 +17,8 @@ import torch
 
 from conftest import full_only
 from helpers.overlap_workers import TinyMoEModel, microbatches
-from helpers.stage_interleave import MODES, fp8_worker, interleave_worker, mismatches, pair_order, run_mode
+from helpers.stage_interleave import (MODES, NoPeerCommunicator, StageChunk, fp8_worker, interleave_worker, mismatches,
+                                      pair_order, pipeline_stages_worker, run_mode)
 from moe_graph.distributed.launch import run_distributed
 from moe_graph.streams import unjoined_uses
 from moe_graph.train import interleave, schedules
@@ -222,6 +225,99 @@ def test_option_validation():
         train_step(TinyMoEModel(), None, [1], overlap_microbatches=True, interleave_stages="yes")
     with pytest.raises(ValueError, match="needs overlap_microbatches=True"):
         train_step(TinyMoEModel(), None, [1], interleave_stages=True)
-    with pytest.raises(ValueError, match="interleave_stages runs in the plain microbatch loop"):
-        train_step([TinyMoEModel()], None, [1], overlap_microbatches=True, interleave_stages=True,
-                   forward_backward_func=schedules.forward_backward_pipelining_with_interleaving)
+    with pytest.raises(ValueError, match="forward_backward_pipelining_without_interleaving: interleave_stages runs in "
+                                         "the plain microbatch loop .* interleaved schedule only"):
+        schedules.forward_backward_pipelining_without_interleaving(
+            **run, config=schedules.PipelineConfig(overlap_microbatches=True, interleave_stages=True))
+    with pytest.raises(ValueError, match="forward_backward_pipelining_with_interleaving: interleave_stages=True .* "
+                                         "needs overlap_microbatches=True"):
+        schedules.forward_backward_pipelining_with_interleaving(
+            **dict(run, model=[TinyMoEModel()], data_iterator=[iter([])]),
+            config=schedules.PipelineConfig(interleave_stages=True))
+
+
+# ------------------------------------------------------------- the interleaved pipeline schedule (pp 2 x vpp 2) --
+def _check_pipeline_run(r, ep: int) -> None:
+    rank = r["pp_rank"]
+    assert r["mismatch"] == [] and r["n_grads"] >= 20, r["mismatch"]
+    assert r["trace"] == [tuple(s) for s in schedules.schedule_order(4, 2, rank, 2, overlap_microbatches=True)]
+    assert r["unjoined"] == 0 and r["threads"] == [], r
+    assert r["vp_seen"] >= 16 and r["vp_wrong"] == [], r["vp_wrong"]
+    assert len(r["pairs"]) == 8 - schedules.num_warmup_microbatches(4, 2, rank, 2, overlap_microbatches=True) > 0
+    for p in r["pairs"]:
+        assert p["actual"] == p["expected"], p["segments"]
+        sides = [s for s, _, _ in p["segments"]]
+        if ep == 1:  # no exchange point: B whole, then F whole
+            assert sides == ["B", "F"] and p["runs"] == 2, p["segments"]
+        else:  # one MoE layer per chunk, 2 exchange points per side: B F B F, each after an all-to-all, then the rests
+            assert sides == ["B", "F"] * 3 and p["runs"] == 6, p["segments"]
+            assert all(name == "alltoall_base_" for _, _, name in p["segments"][:4]), p["segments"]
+
+
+@pytest.mark.parametrize("world", [4] + full_only(2))
+def test_pp2_vpp2_stage_interleave_equals_the_overlap_bitwise_and_alternates(world):
+    """The interleaved pipeline schedule with ``overlap_microbatches``: each steady step's forward (worker thread) and
+    backward (here) alternate at the token exchanges. pp 2 x vpp 2 x EP ``world / 2`` on gloo: bitwise equal to the
+    same schedule without ``interleave_stages`` (losses, every gradient, the parameters after AdamW); the executed
+    steps are schedule_order's; each steady step's issue order as defined; every cross-stream use joined; no thread
+    left; every forward and backward sees its own chunk's virtual pipeline rank after the hand-offs."""
+    for r in run_distributed(pipeline_stages_worker, world, None):
+        _check_pipeline_run(r, world // 2)
+
+
+@pytest.mark.parametrize("world", full_only(4))
+def test_pp2_vpp2_without_the_vp_rank_at_the_handoffs_a_backward_sees_the_forwards_chunk(world):
+    """The control of the per-side virtual pipeline rank: with a baton that sets nothing at the hand-offs, a backward
+    resumed after its forward's turn sees the forward's chunk."""
+    results = run_distributed(pipeline_stages_worker, world, "no_vp_turn")
+    assert any(s[0] == "backward" for r in results for s in r["vp_wrong"]), [r["vp_wrong"] for r in results]
+    assert all(r["mismatch"] == [] and r["threads"] == [] for r in results)
+
+
+def _no_peer_run(rank: int, stages: bool, fail=None, fail_backward_of: int = -1):
+    """One step of the interleaved schedule (2 chunks, 4 microbatches) as pipeline rank ``rank`` of 2 with
+    :class:`helpers.stage_interleave.NoPeerCommunicator`; ``fail(n)`` may raise in the n-th forward done in the
+    worker thread; the backward of forward step ``fail_backward_of`` raises. Returns the reported losses, the
+    gradients and the number of forwards done in the worker."""
+    torch.manual_seed(3)
+    chunks = [StageChunk(), StageChunk()]
+    g = torch.Generator().manual_seed(4)
+    mbs = [torch.randn(2, 4, generator=g) for _ in range(4)]
+    n = {"worker": 0, "all": 0}
+
+    def forward_step(it, model):
+        mb = next(it)
+        if threading.current_thread().name.startswith("moe_graph-interleave"):
+            n["worker"] += 1
+            if fail is not None:
+                fail(n["worker"])
+        n["all"] += 1
+        y = model(mb)
+        return (_FailInBackward.apply(y) if n["all"] - 1 == fail_backward_of else y), (lambda y: y.square().mean())
+
+    cfg = schedules.PipelineConfig(tensor_shape=(2, 4), overlap_microbatches=True, interleave_stages=stages)
+    losses = schedules.forward_backward_pipelining_with_interleaving(
+        forward_step_func=forward_step, data_iterator=[iter(mbs) for _ in chunks], model=chunks, num_microbatches=4,
+        config=cfg, communicator=NoPeerCommunicator(rank))
+    return losses, [p.grad.clone() for c in chunks for p in c.parameters()], n["worker"]
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("side,at", [("F", 1), ("F", 2), ("B", 2)])
+def test_pipeline_failure_in_the_forward_side_reaches_the_caller_with_no_thread_left(rank, side, at):
+    """A forward run in the worker thread (a steady step's, the ``at``-th there) that raises, or the backward of
+    forward step ``at`` (run as ``B`` of the first steady step on both ranks: microbatch 0, chunk 1): the exception
+    reaches the caller of the interleaved pipeline schedule, no thread is left, and the next step runs normally (equal
+    to the schedule without the stage interleave)."""
+
+    def fail(n):
+        if side == "F" and n == at:
+            raise _Boom("in F")
+
+    with pytest.raises(_Boom, match=f"in {side}"):
+        _no_peer_run(rank, True, fail, at if side == "B" else -1)
+    assert _threads() == []
+    plain, stages = _no_peer_run(rank, False), _no_peer_run(rank, True)
+    assert stages[2] == 8 - schedules.num_warmup_microbatches(4, 2, rank, 2, overlap_microbatches=True)  # all steady
+    assert all(torch.equal(a, b) for a, b in zip(plain[0] + plain[1], stages[0] + stages[1]))
+    assert len(plain[0]) == (4 if rank == 1 else 0) and _threads() == []

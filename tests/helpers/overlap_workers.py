@@ -252,49 +252,20 @@ def pipeline_overlap_worker(rank: int, world: int, vpp: int = 2, faults: bool = 
     step. Returns the names that differ (bitwise: losses, every gradient, every parameter after the step), both
     traces, and the recorded overlapped run's checks (:func:`steady_step_checks`, unjoined uses) clean and under
     each fault of :data:`PIPELINE_FAULTS` (``faults``; else clean only)."""
-    from helpers import pipeline_moe as pm
     from moe_graph import parallel_state as ps
-    from moe_graph.demo.model import MoETransformerLM
     from moe_graph.train import schedules
-    from moe_graph.train.checkpoint import global_name
 
     pp = 2
-    dp = world // pp
-    ps.initialize_model_parallel(pipeline_model_parallel_size=pp, expert_model_parallel_size=dp,
-                                 virtual_pipeline_model_parallel_size=vpp)
+    setup = pipeline_setup(world, vpp, microbatches)
     try:
-        pp_rank, dp_rank = ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank()
-        ep_rank = ps.get_expert_model_parallel_rank()
-        chunk_ids = schedules.chunk_layer_ids(4, pp, pp_rank, vpp)
-        moe_kwargs = dict(ep_group=ps.get_expert_model_parallel_group(), ep_size=dp, aux_loss_coeff=0.01,
-                          capacity_factor=None, shared_expert_ffn_size=8)
-        mbs = [mb for s in range(microbatches // pm.MICROBATCHES) for mb in pm.microbatches(s, dp_rank)]
-        mbs = mbs[:microbatches]
+        pp_rank, mbs = setup["pp_rank"], setup["mbs"]
 
         def forward_step(data_iterator, model):
             tokens, labels = next(data_iterator)
             return model(tokens, labels), (lambda loss: loss)
 
         def run(overlap: bool, record: bool = False):
-            chunks = []
-            for c, ids in enumerate(chunk_ids):
-                chunk = MoETransformerLM(pm.CFG, pm.VOCAB, moe_kwargs, "cpu", pm.DT, layer_ids=ids,
-                                         first=pp_rank == 0 and c == 0, last=pp_rank == pp - 1 and c == vpp - 1)
-                pm.init_from_global_names(chunk, ep_rank)
-                chunks.append(chunk)
-            trace: list = []
-            cfg = schedules.PipelineConfig(tensor_shape=(pm.BATCH, pm.CFG.seq, pm.CFG.hidden), dtype=pm.DT,
-                                           overlap_microbatches=overlap, trace=trace)
-            rec = StreamRecorder() if record else None
-            with rec if rec is not None else torch.enable_grad():
-                losses = schedules.forward_backward_pipelining_with_interleaving(
-                    forward_step_func=forward_step, data_iterator=[iter(mbs) for _ in chunks], model=chunks,
-                    num_microbatches=len(mbs), config=cfg)
-            named = [(global_name(ch, n), p) for ch in chunks for n, p in ch.named_parameters()]
-            grads = {n: p.grad.clone() for n, p in named if p.grad is not None}
-            torch.optim.AdamW([p for _, p in named], lr=1e-2).step()
-            return {"losses": losses, "grads": grads, "params": {n: p.detach().clone() for n, p in named},
-                    "trace": [tuple(s) for s in trace], "rec": rec}
+            return run_pipeline(setup, forward_step, overlap=overlap, record=record)
 
         serial, overlapped = run(False), run(True, record=True)
         mismatch = [f"loss{i}" for i, (a, b) in enumerate(zip(serial["losses"], overlapped["losses"]))
@@ -321,3 +292,57 @@ def pipeline_overlap_worker(rank: int, world: int, vpp: int = 2, faults: bool = 
                 "warmup": warmup, "checks": checks}
     finally:
         ps.destroy_model_parallel()
+
+
+def pipeline_setup(world: int, vpp: int, microbatches: int) -> Dict:
+    """pp = 2 stages x ``vpp`` model chunks of the demo MoE LM (4 layers), EP = world / 2 (the DP ranks of a stage):
+    initializes parallel_state (the caller destroys it) and returns this rank's ``pp_rank``, ``ep_rank``,
+    ``chunk_ids``, ``moe_kwargs``, ``vpp`` and its ``mbs`` (``microbatches`` of them)."""
+    from helpers import pipeline_moe as pm
+    from moe_graph import parallel_state as ps
+    from moe_graph.train import schedules
+
+    pp = 2
+    dp = world // pp
+    ps.initialize_model_parallel(pipeline_model_parallel_size=pp, expert_model_parallel_size=dp,
+                                 virtual_pipeline_model_parallel_size=vpp)
+    pp_rank, dp_rank = ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank()
+    mbs = [mb for s in range(microbatches // pm.MICROBATCHES) for mb in pm.microbatches(s, dp_rank)]
+    return {"pp_rank": pp_rank, "ep_rank": ps.get_expert_model_parallel_rank(), "vpp": vpp,
+            "chunk_ids": schedules.chunk_layer_ids(4, pp, pp_rank, vpp), "mbs": mbs[:microbatches],
+            "moe_kwargs": dict(ep_group=ps.get_expert_model_parallel_group(), ep_size=dp, aux_loss_coeff=0.01,
+                               capacity_factor=None, shared_expert_ffn_size=8)}
+
+
+def run_pipeline(setup: Dict, forward_step, overlap: bool, stages: bool = False, record: bool = False,
+                 on_chunk=None) -> Dict:
+    """One step of the interleaved schedule on fresh chunks (:func:`pipeline_setup`; ``on_chunk(c, chunk)`` is
+    called on each) with ``overlap_microbatches`` / ``interleave_stages``, then one AdamW step. Returns the losses,
+    the gradients and parameters after the step by global name, the trace and the record (``record``)."""
+    from helpers import pipeline_moe as pm
+    from moe_graph.demo.model import MoETransformerLM
+    from moe_graph.train import schedules
+    from moe_graph.train.checkpoint import global_name
+
+    pp, vpp, pp_rank = 2, setup["vpp"], setup["pp_rank"]
+    chunks = []
+    for c, ids in enumerate(setup["chunk_ids"]):
+        chunk = MoETransformerLM(pm.CFG, pm.VOCAB, setup["moe_kwargs"], "cpu", pm.DT, layer_ids=ids,
+                                 first=pp_rank == 0 and c == 0, last=pp_rank == pp - 1 and c == vpp - 1)
+        pm.init_from_global_names(chunk, setup["ep_rank"])
+        if on_chunk is not None:
+            on_chunk(c, chunk)
+        chunks.append(chunk)
+    trace: list = []
+    cfg = schedules.PipelineConfig(tensor_shape=(pm.BATCH, pm.CFG.seq, pm.CFG.hidden), dtype=pm.DT,
+                                   overlap_microbatches=overlap, interleave_stages=stages, trace=trace)
+    rec = StreamRecorder() if record else None
+    with rec if rec is not None else torch.enable_grad():
+        losses = schedules.forward_backward_pipelining_with_interleaving(
+            forward_step_func=forward_step, data_iterator=[iter(setup["mbs"]) for _ in chunks], model=chunks,
+            num_microbatches=len(setup["mbs"]), config=cfg)
+    named = [(global_name(ch, n), p) for ch in chunks for n, p in ch.named_parameters()]
+    grads = {n: p.grad.clone() for n, p in named if p.grad is not None}
+    torch.optim.AdamW([p for _, p in named], lr=1e-2).step()
+    return {"losses": losses, "grads": grads, "params": {n: p.detach().clone() for n, p in named},
+            "trace": [tuple(s) for s in trace], "rec": rec}

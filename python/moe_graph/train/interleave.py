@@ -22,7 +22,11 @@ issued it hands the baton to the other and waits for it back. Definition, for on
 * Whatever autograd runs inside ``B`` is ``B``: a recomputation (``recompute``) of the forward inside the backward
   hands over at its exchanges as ``B``.
 * Which side is which: the worker thread is ``F``; any other thread that issues an exchange while the pair runs is
-  ``B``. The first forward ``F(0)`` and the last backward run alone.
+  ``B``. The first forward ``F(0)`` and the last backward run alone. In the interleaved pipeline schedule
+  (:func:`moe_graph.train.schedules.forward_backward_pipelining_with_interleaving`) a pair is one steady step's
+  forward and backward (different microbatches, maybe different model chunks); the warm-up forwards and cool-down
+  backwards run alone, and process-wide state that must be a side's own while it runs (the virtual pipeline rank of
+  its chunk) is set by that side each time it gets the turn (``Baton(on_turn)``).
 * Streams: exactly those of ``overlap_microbatches`` (:func:`moe_graph.train.schedules.forward_backward_overlapped`):
   ``F(i + 1)`` forks its microbatch stream from a mark made before ``B(i)`` and is joined after ``B(i)``; the worker
   forks and joins side streams with their second set of events (:func:`moe_graph.streams.event_slot`), so a
@@ -57,7 +61,7 @@ import torch
 from moe_graph import streams
 from moe_graph.ops import fp8 as _fp8
 
-__all__ = ["F", "B", "Baton", "ForwardWorker", "carry_thread_state"]
+__all__ = ["F", "B", "Baton", "ForwardWorker", "carry_thread_state", "run_pair"]
 
 F, B = "F", "B"
 _OTHER = {F: B, B: F}
@@ -67,10 +71,14 @@ _tls = threading.local()  # .side == F in a ForwardWorker's thread
 class Baton:
     """Lets one of two sides run at a time (see the module docstring). ``start`` a pair (``B`` first), then each side
     calls :meth:`wait_turn` before its first op, :meth:`hand_off` at each exchange point (via the hook) and
-    :meth:`finish` at its end (also when it raised)."""
+    :meth:`finish` at its end (also when it raised). ``on_turn(side)``, if given, is called by a side each time it
+    gets the turn (in :meth:`wait_turn` and when :meth:`hand_off` gives it back): there it sets process-wide state
+    that must be its own while it runs (the interleaved pipeline schedule sets the virtual pipeline rank of the side's
+    model chunk); the other side is waiting then."""
 
-    def __init__(self):
+    def __init__(self, on_turn: Optional[Callable[[str], None]] = None):
         self._cond = threading.Condition()
+        self._on_turn = on_turn
         self.holder: Optional[str] = None
         self.done = {F: True, B: True}
 
@@ -86,6 +94,11 @@ class Baton:
     def wait_turn(self, side: str) -> None:
         with self._cond:
             self._cond.wait_for(lambda: self._mine(side))
+        self._turn(side)
+
+    def _turn(self, side: str) -> None:
+        if self._on_turn is not None:
+            self._on_turn(side)
 
     def hand_off(self, side: str) -> None:
         """At an exchange point of ``side``: the other side's turn (if it is still running), then wait for ours."""
@@ -95,6 +108,7 @@ class Baton:
             self.holder = _OTHER[side]
             self._cond.notify_all()
             self._cond.wait_for(lambda: self._mine(side))
+        self._turn(side)
 
     def finish(self, side: str) -> None:
         with self._cond:
@@ -192,3 +206,24 @@ class ForwardWorker:
             self._results.get()
         self._tasks.put(None)
         self._thread.join()
+
+
+def run_pair(baton: Baton, worker: ForwardWorker, forward: Callable[[], Any], backward: Callable[[], Any]):
+    """One pair: ``forward()`` as ``F`` in ``worker`` beside ``backward()`` as ``B`` in this thread, ``B`` first,
+    alternating at the exchange points (the hook must be installed). Both sides have ended when this returns or
+    raises; ``B``'s exception when ``B`` failed (``F``'s is dropped), else ``F``'s. Returns ``(F's value, B's value)``."""
+    baton.start()
+    worker.submit(forward)
+    failed = True
+    try:
+        baton.wait_turn(B)
+        b = backward()
+        failed = False
+    finally:
+        baton.finish(B)  # F runs free to its end
+        try:
+            f = worker.result()  # waits for F's end
+        except BaseException:
+            if not failed:  # F's exception; when B failed too, B's propagates
+                raise
+    return f, b

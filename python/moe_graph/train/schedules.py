@@ -338,11 +338,13 @@ class PipelineConfig:
             backward (see :func:`forward_backward_overlapped`); :func:`forward_backward_pipelining_with_interleaving`
             runs one more warm-up forward and then each steady step's forward beside its backward (different
             microbatches). 1F1B rejects it (as Megatron-core does: pp > 1 needs virtual pipelining).
-        interleave_stages: with ``overlap_microbatches`` in the plain loop, issue ``F(i + 1)`` and ``B(i)`` stage by
-            stage, alternating at the token exchanges (``B`` first: B-compute, B-exchange, F-compute, F-exchange,
-            ...; :mod:`moe_graph.train.interleave`), so that the hiding of the exchange does not depend on which
-            ready kernel the GPU runs first. ``F`` runs in a worker thread. Bitwise equal to the serial loop. Needs
-            ``overlap_microbatches=True`` (``ValueError`` otherwise, naming both); the pipeline schedules raise.
+        interleave_stages: with ``overlap_microbatches``, issue the two microbatches in flight (``F(i + 1)`` and
+            ``B(i)`` in the plain loop; each steady step's forward and backward in the interleaved pipeline schedule)
+            stage by stage, alternating at the token exchanges (``B`` first: B-compute, B-exchange, F-compute,
+            F-exchange, ...; :mod:`moe_graph.train.interleave`), so that the hiding of the exchange does not depend
+            on which ready kernel the GPU runs first. ``F`` runs in a worker thread. Bitwise equal to the same
+            schedule without it. Needs ``overlap_microbatches=True`` (``ValueError`` otherwise, naming both); 1F1B
+            raises.
     """
 
     tensor_shape: Optional[Sequence[int]] = None
@@ -710,23 +712,11 @@ def forward_backward_overlapped(*, forward_step_func: Callable, data_iterator, m
         raises. Returns F(mb + 1)'s output, joined."""
         steps.take(False, mb, 0)
         steps.take(True, mb + 1, 0)
-        baton.start()
         # B first; F(mb + 1) waits only for the mark (made before B(mb), with the worker's events); its join is
         # issued here after B(mb) (joined earlier, the current stream would wait for F(mb + 1)'s end before B(mb)'s
         # last accumulations)
-        worker.submit(lambda: forward_body(mb + 1, True))
-        failed = True
-        try:
-            baton.wait_turn(interleave.B)
-            backward_step(None, out, None, config)
-            failed = False
-        finally:
-            baton.finish(interleave.B)  # F runs free to its end
-            try:
-                y = worker.result()  # waits for F's end
-            except BaseException:
-                if not failed:  # F's exception; when B failed too, B's propagates (F's is dropped)
-                    raise
+        y, _ = interleave.run_pair(baton, worker, lambda: forward_body(mb + 1, True),
+                                   lambda: backward_step(None, out, None, config))
         return join_worker_forward(mb + 1, y)
 
     try:
@@ -779,7 +769,8 @@ def forward_backward_pipelining_without_interleaving(
     model, data_iterator = _single_chunk(model, data_iterator, "forward_backward_pipelining_without_interleaving")
     if _check_interleave_stages(config, "forward_backward_pipelining_without_interleaving"):
         raise ValueError("forward_backward_pipelining_without_interleaving: interleave_stages runs in the plain "
-                         "microbatch loop (forward_backward_no_pipelining) only")
+                         "microbatch loop (forward_backward_no_pipelining) and, with pipeline parallelism, in the "
+                         "interleaved schedule only (forward_backward_pipelining_with_interleaving, vpp_size >= 1)")
     shape, dtype = _shape_dtype(config, tensor_shape, dtype)
     comm = communicator or get_default_communicator(config.batch_p2p_comm)
     pp, rank = comm.world_size, comm.rank
@@ -896,11 +887,16 @@ def forward_backward_pipelining_with_interleaving(
     The steps and their order are those of the schedule without the option except for the extra warm-up forward;
     the arithmetic is the same (same forwards in the same order, same backwards in the same order): losses and
     gradients are bitwise equal to it. Memory: one more microbatch's activations in flight on each rank.
+
+    ``config.interleave_stages`` (with ``overlap_microbatches``): each steady step's forward runs in a worker thread
+    (:class:`moe_graph.train.interleave.ForwardWorker`) beside its backward here, alternating at the token exchanges
+    (``B`` first; :func:`moe_graph.train.interleave.run_pair`); the forward forks its lane from a mark made before
+    the backward; the gradient-reduction launch, the join and the step's sends and receives follow both. The virtual
+    pipeline rank (process-wide) is set by each side to its chunk's whenever it gets the turn. Bitwise equal to the
+    schedule without it.
     """
     config = config or PipelineConfig()
-    if _check_interleave_stages(config, "forward_backward_pipelining_with_interleaving"):
-        raise ValueError("forward_backward_pipelining_with_interleaving: interleave_stages runs in the plain "
-                         "microbatch loop (forward_backward_no_pipelining) only, not yet in the pipeline schedules")
+    _check_interleave_stages(config, "forward_backward_pipelining_with_interleaving")
     if not isinstance(model, (list, tuple)) or len(model) < 1:
         raise ValueError("interleaved pipeline schedule expects a list of model chunks")
     nc = len(model)
@@ -935,6 +931,18 @@ def forward_backward_pipelining_with_interleaving(
     lanes = _MicrobatchStreams(model) if overlap else None  # the accumulators made here, on the current stream
 
     set_vp_rank = ps.get_virtual_pipeline_model_parallel_world_size() == nc  # keep parallel_state's vp rank current
+    stages = overlap and config.interleave_stages
+    baton = worker = None
+    vp_of: Dict[str, int] = {}  # the model chunk of each side of the pair in flight (stage interleave)
+    if stages:  # a steady step's forward in a worker thread, its backward here, alternating at the exchanges
+
+        def on_turn(side: str) -> None:  # the vp rank is process-wide: each side sets its own when it gets the turn
+            if side in vp_of:
+                ps.set_virtual_pipeline_model_parallel_rank(vp_of[side])
+
+        baton = interleave.Baton(on_turn if set_vp_rank else None)
+        worker = interleave.ForwardWorker(baton, interleave.carry_thread_state(
+            lanes.params[0].device if lanes.params else None))
 
     def chunk_of(k: int, forward: bool) -> int:
         c = table[k % total][1]
@@ -981,22 +989,27 @@ def forward_backward_pipelining_with_interleaving(
             lane_of[k] = 1 - lane_of[forward_of_backward(b)] if b >= 0 else k % 2
         return lane_of[k]
 
-    def start_forward(k: int):
-        """Issue forward step ``k`` (virtual microbatch ``k``, the label a StreamRecorder sees); with overlap on its
-        lane, not joined yet: :func:`finish_forward` joins it and keeps its output."""
+    def take_forward(k: int) -> Tuple[int, Any]:
+        """Takes forward step ``k`` in the order; returns its chunk and input."""
         mb, c = table[k][0], chunk_of(k, True)
         steps.take(True, mb, c)
         if c == 0 and first:
-            x = None
-        elif mb in inputs[c]:
-            x = inputs[c][mb]
-        else:
+            return c, None
+        if mb not in inputs[c]:
             raise RuntimeError(f"pipeline rank {rank}: no activation received for microbatch {mb} of chunk {c}")
+        return c, inputs[c][mb]
+
+    def forward_body(k: int, c: int, x, marked: bool = False):
+        """Issues forward step ``k`` of chunk ``c`` (virtual microbatch ``k``, the label a StreamRecorder sees); with
+        overlap on its lane, not joined yet: :func:`finish_forward` joins it and keeps its output."""
         if set_vp_rank:
             ps.set_virtual_pipeline_model_parallel_rank(c)
-        with lanes.forward(assign_lane(k), k, x) if lanes is not None else streams.microbatch(k):
+        with lanes.forward(assign_lane(k), k, x, marked=marked) if lanes is not None else streams.microbatch(k):
             return forward_step(forward_step_func, data_iterator[c], model[c], m, x, store, config,
                                 c == nc - 1 and last)
+
+    def start_forward(k: int):
+        return forward_body(k, *take_forward(k))
 
     def finish_forward(k: int, y):
         mb, c = table[k][0], chunk_of(k, True)
@@ -1008,7 +1021,9 @@ def forward_backward_pipelining_with_interleaving(
             outputs[c][mb] = y
         return y
 
-    def run_backward(k: int):
+    def take_backward(k: int) -> Tuple[int, Any, Any, Any]:
+        """Takes backward step ``k`` in the order (gradient reduction on for a chunk's last one); returns its chunk,
+        input, output and output gradient."""
         mb, c = table[k][0], chunk_of(k, False)
         steps.take(False, mb, c)
         if grad_sync_funcs is None and is_last_microbatch(k):
@@ -1017,9 +1032,19 @@ def forward_backward_pipelining_with_interleaving(
         x = None if (c == 0 and first) else inputs[c].pop(mb)
         y = outputs[c].pop(mb)
         dy = None if (c == nc - 1 and last) else grads[c].pop(mb)
+        return c, x, y, dy
+
+    def backward_body(c: int, x, y, dy):
         if set_vp_rank:
             ps.set_virtual_pipeline_model_parallel_rank(c)
-        dx = backward_step(x, y, dy, config)
+        return backward_step(x, y, dy, config)
+
+    def run_backward(k: int):
+        dx = backward_body(*take_backward(k))
+        end_backward(k)
+        return dx
+
+    def end_backward(k: int) -> None:
         if grad_sync_funcs is not None:
             # launch chunk grad reductions at the same time on all ranks (rank r is r steps behind)
             ks = k - rank
@@ -1029,9 +1054,32 @@ def forward_backward_pipelining_with_interleaving(
                 grad_sync_funcs[cs](list(model[cs].parameters()))
                 synced.add(cs)
         sync.disable()
-        return dx
 
+    def steady_pair(k: int, fk: int):
+        """Steady step ``k``: forward step ``fk`` in the worker (``F``) beside backward step ``k`` here (``B``), stage
+        by stage, ``B`` first (:func:`moe_graph.train.interleave.run_pair`). ``F`` forks its lane from a mark made
+        before ``B`` (with the worker's events); both are ended before the chunk's gradient reduction launch and the
+        join. Returns ``(y, dx)``."""
+        fc, x = take_forward(fk)
+        bwd = take_backward(k)
+        with streams.event_slot(1):  # the worker forks with the second events
+            lanes.mark(assign_lane(fk))
+        vp_of[interleave.F], vp_of[interleave.B] = fc, bwd[0]
+        try:
+            y, dx = interleave.run_pair(baton, worker, lambda: forward_body(fk, fc, x, marked=True),
+                                        lambda: backward_body(*bwd))
+        finally:
+            vp_of.clear()
+        if set_vp_rank:
+            ps.set_virtual_pipeline_model_parallel_rank(bwd[0])  # as without the interleave: the backward's chunk
+        end_backward(k)
+        with streams.event_slot(1):
+            return finish_forward(fk, y), dx
+
+    hook = contextlib.ExitStack()
     try:
+        if stages:
+            hook.enter_context(streams.exchange_hook(baton.hook))
         sync.disable()
         if not first:
             add_input(0, comm.recv_forward(shape, dtype, is_first_stage=False))
@@ -1055,12 +1103,15 @@ def forward_backward_pipelining_with_interleaving(
                 deallocate_output_tensor(send, config.deallocate_pipeline_outputs)
         for k in range(remaining):
             fk = k + warmup
-            y = start_forward(fk)
-            if lanes is None:  # without overlap the last stage's backward k may be forward fk's own microbatch
-                y = finish_forward(fk, y)
-            dx = run_backward(k)  # with overlap: beside the forward (different microbatches, different lanes)
-            if lanes is not None:
-                y = finish_forward(fk, y)
+            if stages:
+                y, dx = steady_pair(k, fk)
+            else:
+                y = start_forward(fk)
+                if lanes is None:  # without overlap the last stage's backward k may be forward fk's own microbatch
+                    y = finish_forward(fk, y)
+                dx = run_backward(k)  # with overlap: beside the forward (different microbatches, different lanes)
+                if lanes is not None:
+                    y = finish_forward(fk, y)
             send_y = None if (chunk_of(fk, True) == nc - 1 and last) else y
             send_dx = None if (chunk_of(k, False) == 0 and first) else dx
             recv_prev, next_fc = recv_plan(fk, True)
@@ -1094,6 +1145,9 @@ def forward_backward_pipelining_with_interleaving(
                         synced.add(c)
     finally:
         sync.enable()
+        hook.close()
+        if worker is not None:
+            worker.close()  # no thread outlives the step
         if lanes is not None:
             lanes.close()
     steps.finish()

@@ -124,9 +124,11 @@ def train_step(model, optimizer, microbatches: Sequence[Any], *, loss_func: Opti
             (``forward_backward_pipelining_with_interleaving``, any vpp >= 1: one more warm-up forward, then each
             steady step's forward beside its backward; bitwise equal to the schedule without the option); with
             1F1B or another schedule it raises ``ValueError`` before anything is written.
-        interleave_stages: with ``overlap_microbatches`` in the plain loop, issue ``F(i + 1)`` and ``B(i)`` stage
-            by stage, alternating at the token exchanges (:mod:`moe_graph.train.interleave`; bitwise equal to the
-            serial loop); ``ValueError`` without ``overlap_microbatches`` or with a pipeline schedule.
+        interleave_stages: with ``overlap_microbatches``, issue the two microbatches in flight (``F(i + 1)`` and
+            ``B(i)`` in the plain loop; each steady step's forward and backward in the interleaved pipeline schedule)
+            stage by stage, alternating at the token exchanges (:mod:`moe_graph.train.interleave`; bitwise equal to
+            the same schedule without it); ``ValueError`` without ``overlap_microbatches`` or with 1F1B / another
+            schedule.
     """
     if overflow is not None and overflow not in OVERFLOW_MODES:
         raise ValueError(f"train_step: overflow must be one of {OVERFLOW_MODES} or None, got {overflow!r}")
@@ -172,10 +174,7 @@ def train_step(model, optimizer, microbatches: Sequence[Any], *, loss_func: Opti
                          "only (forward_backward_pipelining_with_interleaving: set virtual_pipeline_model_parallel_size "
                          ">= 1, as Megatron-core requires), got "
                          f"{getattr(forward_backward_func, '__name__', forward_backward_func)}")
-    if config.interleave_stages and forward_backward_func is not schedules.forward_backward_no_pipelining:
-        raise ValueError("train_step: interleave_stages runs in the plain microbatch loop "
-                         "(forward_backward_no_pipelining) only, got "
-                         f"{getattr(forward_backward_func, '__name__', forward_backward_func)}")
+    # interleave_stages needs overlap_microbatches (checked above): the schedules that take it take it too
     if len(chunks) > 1 and not interleaved:
         raise ValueError(f"train_step: {len(chunks)} model chunks need the interleaved schedule")
 
