@@ -1,6 +1,8 @@
 """Measured overlap of a training step on one GPU: step time and stream concurrency of the schedules serial,
 ``overlap_shared_expert`` (the shared expert and the router losses on a side stream beside dispatch / experts /
-combine), ``overlap_microbatches`` (two microbatches in flight on two microbatch streams) and both, each trained as
+combine), ``overlap_microbatches`` (two microbatches in flight on two microbatch streams), both, and both with
+``interleave_stages`` (the forward issued from a worker thread into the capture: at EP 1 there is no exchange to
+alternate at, so this checks the thread and the capture, not the alternation), each trained as
 users do: :func:`moe_graph.train.step.make_train_step` over a ``DistributedDataParallel`` model with a
 ``DistributedOptimizer``, the whole step captured in one :class:`moe_graph.cuda_graph.FullIterationGraph`.
 (``bench_overlap.py`` is the model of the same question at EP 8; this is the measurement at EP 1.)
@@ -22,7 +24,7 @@ schedule: the bytes allocated over the timed and traced replays (the side stream
 the allocator), and each step's loss against the serial schedule's (the same arithmetic in the same order).
 
 On CPU (no GPU): the same code with a tiny shape and eager steps (no graph, no timing, no kernels in the trace; the
-profiler still runs and its trace is parsed), for the tests: the four schedules' losses per step.
+profiler still runs and its trace is parsed), for the tests: each schedule's losses per step.
 
     PYTHONPATH=python python3 benchmarks/bench_overlap_gpu.py [--steps 4 --reps 20 --trace-steps 3 --out X.json]
 """
@@ -51,9 +53,10 @@ from moe_graph.moe.layer import MoELayer  # noqa: E402
 from moe_graph.ops import dispatch_layout as _layout_ops, permute as _permute_ops  # noqa: E402
 from moe_graph.train.step import make_train_step  # noqa: E402
 
-# name, (overlap_shared_expert, overlap_microbatches)
-SCHEDULES = {"serial": (False, False), "overlap_shared_expert": (True, False), "overlap_microbatches": (False, True),
-             "both": (True, True)}
+# name, (overlap_shared_expert, overlap_microbatches, interleave_stages)
+SCHEDULES = {"serial": (False, False, False), "overlap_shared_expert": (True, False, False),
+             "overlap_microbatches": (False, True, False), "both": (True, True, False),
+             "both+interleave_stages": (True, True, True)}
 GPU_SHAPE = dict(H=2048, F=512, E=32, K=8, groups=8, group_topk=4, Fs=2048, T=8192, microbatches=2, dtype="bfloat16")
 CPU_SHAPE = dict(H=32, F=16, E=8, K=2, groups=4, group_topk=2, Fs=32, T=64, microbatches=2, dtype="float32")
 # kernel name pieces of the exchange stages (dispatch and combine, forward and backward); at EP 1 only the first two
@@ -192,20 +195,22 @@ def analyse(trace: Dict[str, List[Dict]], steps: int, patterns: Sequence[str] = 
 def run_schedule(name: str, s: Dict, device: torch.device, steps: int, reps: int, trace_steps: int,
                  trace_path: str) -> Dict:
     """One schedule: its losses per step, and on CUDA the step time and the trace's figures."""
-    shared, mbs_overlap = SCHEDULES[name]
+    shared, mbs_overlap, interleave = SCHEDULES[name]
     dtype = getattr(torch, s["dtype"])
     cuda = device.type == "cuda"
     model = DistributedDataParallel(Block(s, shared, device, dtype), use_distributed_optimizer=True)
     opt = DistributedOptimizer(model, lr=1e-4)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # on CPU: "CUDA graphs need CUDA; running eagerly"
-        step = FullIterationGraph(make_train_step(model, opt, overlap_microbatches=mbs_overlap), warmup_steps=2,
+        step = FullIterationGraph(make_train_step(model, opt, overlap_microbatches=mbs_overlap,
+                                                  interleave_stages=interleave), warmup_steps=2,
                                   enabled=cuda)
     data = microbatches(s, device, dtype)
     t0 = time.perf_counter()
     losses = [step(data).loss.detach().clone() for _ in range(steps)]  # warm-up, capture, replays (CUDA)
     losses = torch.stack(losses).double().cpu().tolist()
     r = {"schedule": name, "overlap_shared_expert": shared, "overlap_microbatches": mbs_overlap,
+         "interleave_stages": interleave,
          "captured": step.captured(), "losses": losses, "first_steps_s": time.perf_counter() - t0,
          "step_ms": None, "allocated_growth_bytes": None, "trace": None}
     if cuda:

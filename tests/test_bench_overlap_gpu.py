@@ -1,7 +1,7 @@
 """``benchmarks/bench_overlap_gpu.py`` on the CPU (the code path the GPU run takes, with a tiny shape, eager steps and
 a trace without kernels), and its trace analysis on synthetic kernel traces against a brute-force oracle.
 
-Oracles: the serial schedule's losses (the other three schedules issue the same arithmetic in the same order), the
+Oracles: the serial schedule's losses (the other schedules issue the same arithmetic in the same order), the
 mean of the microbatches' losses computed by a plain forward of the same block (the first step's loss, before any
 update), and, for the trace analysis, a per-time-cell count of which streams run a kernel."""
 
@@ -13,7 +13,7 @@ import torch
 
 from test_benchmarks import _load_benchmark, _run
 
-SCHEDULES = {"serial", "overlap_shared_expert", "overlap_microbatches", "both"}
+SCHEDULES = {"serial", "overlap_shared_expert", "overlap_microbatches", "both", "both+interleave_stages"}
 
 
 def test_cpu_path_end_to_end(tmp_path, monkeypatch):
