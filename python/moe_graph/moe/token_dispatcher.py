@@ -543,10 +543,13 @@ class TokenDispatcher(nn.Module):
                     send = expand_pack(hidden, handle.route_of_slot, K, fp8_recipe)
                     N, B = send.shape
                     recv = self.backend.exchange(send.view(R, N // R, B)).reshape(N, B)
+                exchange_issued()  # an exchange point (its backward, the carrier's combine, has its own)
                 expert_in = expand_quantize_packed(recv, handle.expert_row_source, 1, splits, fp8_recipe, rows)
         elif fp8_recipe is not None:
             with torch.no_grad():
                 moved = self._move_bytes(packed, handle)
+            if R > 1:
+                exchange_issued()  # an exchange point (its backward, the carrier's combine, has its own)
             # the input gradient goes home as the 16-bit dispatch's does: reverse exchange, sum of each token's routes
             rows = carrier(hidden, moved.shape[0], lambda g: self.combine(g, handle, weighted=False))
             expert_in = unpack_rows(moved, rows, fp8_recipe)
