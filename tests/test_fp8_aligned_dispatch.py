@@ -12,7 +12,7 @@ import torch
 
 import moe_graph
 import moe_graph.moe.experts as experts
-from helpers.aligned_dispatch_workers import aligned_dispatch_worker, run_layer
+from helpers.aligned_dispatch_workers import aligned_dispatch_worker, run_layer, symm_mem_worker
 from moe_graph.distributed.launch import run_distributed
 from moe_graph.moe.experts import FP8_ROW_ALIGNMENT, GroupedMLP
 from moe_graph.moe.layer import MoELayer
@@ -155,3 +155,24 @@ def test_align_rows_is_checked_before_anything_moves():
         with pytest.raises(ValueError, match="align_rows"):
             d.dispatch(x, idx, torch.ones(5, 1), align_rows=bad)
     assert int(d.dropped_routes) == 0  # the layout op (which counts the drops) never ran
+
+
+@pytest.mark.parametrize("kind,cf,spare,fp8_dispatch", [
+    (None, 0.8, 0, False),          # 16-bit rows, routes dropped: the exchange's own layout, an empty expert
+    ("blockwise", None, 0, False),  # FP8 experts, dropless: aligned by the exchange vs regrouped by the experts
+    ("mxfp8", 0.8, 1, True),        # FP8 dispatch (byte rows), one echo slot, routes dropped
+])
+def test_symm_mem_exchange_layout_on_a_model_of_torchs_ops(kind, cf, spare, fp8_dispatch):
+    """``SymmMemExchange`` (the NVSHMEM per-destination exchange; here on ``helpers.symm_mem_fake``, torch's
+    ``all_to_all_vdev_2d`` semantics on gloo, which leave a row per empty expert and uninitialised memory NaN)
+    equals the host-sized exchange bit for bit: outputs, input gradients and every parameter gradient, unaligned and
+    aligned (FP8: the exchange lays the groups at 16-row starts itself, the experts do not regroup)."""
+    res = run_distributed(symm_mem_worker, 2, kind, cf, spare, fp8_dispatch, timeout=240.0)
+    for r in res:
+        assert r["calls"] == ["all_to_all_vdev_2d", "all_to_all_vdev_2d_offset"], r
+        assert r["empty_local_expert"], r
+        for aligned, eq in r["equal"].items():
+            assert eq[0] and eq[1] and eq[2] and eq[3] == [], (aligned, r)
+            assert r["aligned"][aligned] == (aligned, aligned), r
+    if cf is not None:
+        assert sum(r["dropped"] for r in res) > 0

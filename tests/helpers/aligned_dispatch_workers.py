@@ -15,7 +15,7 @@ from moe_graph.moe.layer import MoELayer
 
 def run_layer(layer: MoELayer, x: torch.Tensor, target: torch.Tensor, kind: str, aligned_dispatch: bool):
     """``(output, input gradient, {name: gradient})`` of one forward and backward of ``layer`` under the FP8
-    ``kind`` recipe, with ``experts.ALIGNED_DISPATCH`` set to ``aligned_dispatch`` (restored after), and whether the
+    ``kind`` recipe (``None``: no FP8), with ``experts.ALIGNED_DISPATCH`` set to ``aligned_dispatch`` (restored after), and whether the
     dispatcher aligned the rows itself."""
     before = experts.ALIGNED_DISPATCH
     experts.ALIGNED_DISPATCH = aligned_dispatch
@@ -24,7 +24,7 @@ def run_layer(layer: MoELayer, x: torch.Tensor, target: torch.Tensor, kind: str,
                                                    with_kwargs=True)
     try:
         xx = x.clone().requires_grad_()
-        with moe_graph.fp8.autocast(recipe=kind):
+        with moe_graph.fp8.autocast(enabled=kind is not None, recipe=kind):
             y = layer(xx)
         (y * target).sum().backward()
     finally:
@@ -58,3 +58,40 @@ def aligned_dispatch_worker(rank: int, world: int, kind: str, exchange: str, cap
     return {"out_equal": torch.equal(y0, y1), "dx_equal": torch.equal(dx0, dx1),
             "unequal_grads": sorted(n for n in g0 if not torch.equal(g0[n], g1[n])), "grads": sorted(g0),
             "aligned_before": a0, "aligned_after": a1, "dropped": layer.dispatcher.check_drops()}
+
+
+def symm_mem_worker(rank: int, world: int, kind: Optional[str], cf: Optional[float], spare: int,
+                    fp8_dispatch: bool) -> Dict:
+    """The NVSHMEM per-destination exchange (``SymmMemExchange`` on ``helpers.symm_mem_fake``'s model of torch's
+    ops) against the host-sized one (``HostSizedExchange``, the oracle), the same layer and data on both; the local
+    expert 1 of every rank gets no token (``all_to_all_vdev_2d`` leaves a row for it). With FP8 (``kind``): the
+    dispatcher aligning the rows and the experts regrouping them."""
+    from helpers import symm_mem_fake
+
+    def build():
+        layer, x, target = busy_expert_layer(rank, world, cf, exchange="symm_mem", num_spare_experts_per_ep_rank=spare,
+                                             fp8_dispatch=fp8_dispatch)
+        x[:, 0] = 5.0  # with the router rows below: every token scores the local experts 1 at -25
+        with torch.no_grad():
+            for e in range(1, layer.router.weight.shape[0], 4):
+                layer.router.weight[e] = 0.0
+                layer.router.weight[e, 0] = -5.0
+        return layer, x, target
+
+    ref, x, target = build()
+    sym, _, _ = build()
+    calls = symm_mem_fake.install(sym)
+    seen = []  # the m_splits the experts got (the unaligned run's: the received rows per local expert)
+    hook = sym.experts.register_forward_pre_hook(lambda mod, args: seen.append(args[1].clone()))
+    res = {"aligned": {}, "equal": {}}
+    for aligned in ((False, True) if kind is not None else (False,)):
+        y0, dx0, g0, a0 = run_layer(ref, x, target, kind, aligned)
+        y1, dx1, g1, a1 = run_layer(sym, x, target, kind, aligned)
+        res["aligned"][aligned] = (a0, a1)
+        res["equal"][aligned] = (torch.equal(y0, y1), torch.equal(dx0, dx1), sorted(g0) == sorted(g1),
+                                 [n for n in g0 if not torch.equal(g0[n], g1[n])])
+    hook.remove()
+    res["calls"] = sorted({c[0] for c in calls.calls})
+    res["dropped"] = int(ref.dispatcher.check_drops())
+    res["empty_local_expert"] = bool((seen[0] == 0).any())
+    return res

@@ -368,11 +368,12 @@ def symm_mem_exchange_worker(rank: int, world: int) -> Dict:
     send = torch.zeros(n, H, device=dev)
     errors = []
 
-    def run():
+    def run(align=None):
         plan = ex.plan(counts, cap)
+        padded = ex.align(plan, align) if align else None
         rows = ex.to_experts(send, plan)
         back = ex.to_sources(rows * 2.0, plan, n)
-        return rows, back, plan.m_splits
+        return rows, back, plan.m_splits, padded
 
     def fill(c):
         counts.copy_(torch.tensor([c], device=dev))
@@ -380,17 +381,26 @@ def symm_mem_exchange_worker(rank: int, world: int) -> Dict:
 
     fill([5, 0, 11])
     run()  # eager warm-up: allocates and rendezvouses the symmetric buffers (collective) before capture
+    run(16)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        rows, back, ms = run()
+        rows, back, ms, _ = run()
+        arows, aback, ams, apadded = run(16)  # the groups at 16-row starts, zero rows between
     for c in ([5, 0, 11], [0, 0, 0], [40, 20, 4], [1, 63, 0]):
         fill(c)
         graph.replay()
         total = sum(c)
         want = torch.zeros(cap, H, device=dev)
         want[:total] = send[:total]
+        padded = [-(-m // 16) * 16 for m in c]
+        awant = torch.zeros(arows.shape, device=dev)
+        for g, m in enumerate(c):
+            awant[sum(padded[:g]):sum(padded[:g]) + m] = send[sum(c[:g]):sum(c[:g]) + m]
         errors.append({"counts": c, "rows": float((rows - want).abs().max()),
-                       "back": float((back - 2.0 * send).abs().max()), "m_splits": ms.tolist() == c})
+                       "back": float((back - 2.0 * send).abs().max()), "m_splits": ms.tolist() == c,
+                       "aligned_rows": float((arows - awant).abs().max()),
+                       "aligned_back": float((aback - 2.0 * send).abs().max()),
+                       "aligned_m_splits": ams.tolist() == c and apadded.tolist() == padded})
     return {"cases": errors}
 
 

@@ -51,7 +51,7 @@ try:  # torch's symmetric memory (NVSHMEM exchange): optional
 except ImportError:  # pragma: no cover - torch without it
     _symm = None
 
-from moe_graph.ops.dispatch_layout import aligned_groups
+from moe_graph.ops.dispatch_layout import aligned_groups, aligned_padded_rows
 from moe_graph.ops.errors import EXCHANGE_COUNTS, flag_error_if
 from moe_graph.ops.nvlink import FusedDispatch, NvlinkExchange, OrderedStream, kernels_available
 from moe_graph.ops.permute import reduce_rows, route_dot
@@ -294,7 +294,13 @@ class SymmMemExchange:
     ``(destination, local expert)`` chunk of the packed send buffer with splits read on the device and lands the rows
     grouped by local expert, then source rank; ``all_to_all_vdev_2d_offset`` is the exact reverse. Sync-free and
     capturable; the symmetric buffers are allocated once per (rows, row shape, dtype) on first use, which is a
-    collective: run one eager step before capture (``FullIterationGraph``'s warm-up does)."""
+    collective: run one eager step before capture (``FullIterationGraph``'s warm-up does).
+
+    ``all_to_all_vdev_2d`` starts each local expert's rows after ``max(rows, 1)`` rows of the one before (an empty
+    expert keeps one row: CUTLASS takes no empty group), so its layout has a gap per empty expert. The expert input
+    is read out of its receive buffer by one row gather into this exchange's own layout: the groups back to back
+    (what ``m_splits`` says), or with :meth:`align` each starting at a multiple of ``align`` rows, zero rows
+    elsewhere; the reverse exchange reads that layout (``all_to_all_vdev_2d_offset`` takes any chunk offsets)."""
 
     def __init__(self, group=None, device=None):
         symm = self._symm = _symm
@@ -309,6 +315,7 @@ class SymmMemExchange:
         elif backend != "NVSHMEM":
             raise RuntimeError(f"exchange='symm_mem' needs the NVSHMEM symmetric-memory backend, but this process "
                                f"already allocates with {backend!r}; use exchange='nccl'")
+        self._ops = torch.ops.symm_mem
         self._buffers = {}
         self._ordered = OrderedStream(self.device)  # the symmetric buffers are shared by every call
 
@@ -316,6 +323,7 @@ class SymmMemExchange:
         key = (tag, rows, tuple(row_shape), dtype)
         if key not in self._buffers:
             buf = self._symm.empty((rows,) + tuple(row_shape), dtype=dtype, device=self.device)
+            buf.zero_()  # once: rows no exchange writes stay zero (the receive buffer's last row is read as one)
             self._symm.rendezvous(buf, self.group_name)
             self._buffers[key] = buf
         return self._buffers[key]
@@ -324,8 +332,22 @@ class SymmMemExchange:
         # the splits live in the plan (ordinary memory), copied into the shared symmetric buffers at each call: a
         # later layer's dispatch reuses those buffers before this one's backward runs
         p = _Plan(send_counts, capacity)
-        p.splits_offsets = None  # [2, R * Lc] of the forward exchange (expert-major), kept for the reverse one
+        p.splits_offsets = None  # [2, R * Lc] of the expert input's chunks (expert-major), kept for the reverse one
+        p.received_rows = capacity  # at most (the quotas' cut); p.capacity: the expert input's rows
+        p.align, p.aligned_m_splits = None, None
         return p
+
+    def align(self, p: _Plan, align: int) -> torch.Tensor:
+        """Lays plan ``p``'s expert input out with every local expert's group starting at a multiple of ``align``
+        rows (zero rows after each, as :meth:`HostSizedExchange.align`): ``p.capacity`` becomes the padded rows
+        (:func:`moe_graph.ops.dispatch_layout.aligned_padded_rows`); returns the padded ``m_splits`` ``[Lc]``, a
+        device tensor the forward exchange fills in place (the counts come back with the rows; ``p.m_splits``
+        keeps the received rows per expert)."""
+        Lc = p.send_counts.shape[1]
+        p.align = int(align)
+        p.capacity = aligned_padded_rows(p.capacity, Lc, p.align)
+        p.aligned_m_splits = torch.zeros(Lc, dtype=torch.int64, device=p.send_counts.device)
+        return p.aligned_m_splits
 
     def to_experts(self, send: torch.Tensor, p: _Plan) -> torch.Tensor:
         out, p.splits_offsets, p.m_splits = self._ordered.run(self._to_experts, send, p)
@@ -342,14 +364,20 @@ class SymmMemExchange:
         so = self._buffer("out_splits_offsets", 2, (R * Lc,), torch.int64)
         src = self._buffer("send", send.shape[0], X, send.dtype)
         src.copy_(send)
-        dst = self._buffer("recv", p.capacity, X, send.dtype)
-        torch.ops.symm_mem.all_to_all_vdev_2d(src, dst, splits, so, self.group_name)
-        splits_offsets = so.clone()
-        # row 0: rows per (local expert, source), expert-major
-        m_splits = splits_offsets[0].view(Lc, R).sum(1)
-        pos = torch.arange(p.capacity, device=send.device).view((-1,) + (1,) * len(X))
-        # a copy: the buffer is reused by the next call
-        return torch.where(pos < m_splits.sum(), dst, 0), splits_offsets, m_splits
+        # the exchange's layout takes at most the received rows plus one per empty expert; one more, never written
+        # (zero since allocation), is what pad rows read
+        landing = p.received_rows
+        dst = self._buffer("recv", landing + Lc + 1, X, send.dtype)
+        self._ops.all_to_all_vdev_2d(src, dst, splits, so, self.group_name)
+        got = so.clone()  # row 0: rows per (local expert, source), expert-major; row 1: where they landed
+        chunk_rows = got[0]
+        m_splits = chunk_rows.view(Lc, R).sum(1)
+        # the padded counts are written by the plan's first exchange (a gradient sent the same way later must not
+        # touch them: the grouped GEMM saved them for its backward)
+        source_row, chunk_start = expert_input_rows(chunk_rows, got[1], m_splits, p.capacity, landing + Lc, p.align,
+                                                    p.aligned_m_splits if p.splits_offsets is None else None)
+        # a copy (the buffer is reused by the next call) in this exchange's layout
+        return dst.index_select(0, source_row), torch.stack([chunk_rows, chunk_start]), m_splits
 
     def _to_sources(self, rows: torch.Tensor, p: _Plan, num_slots: int) -> torch.Tensor:
         if p.splits_offsets is None:
@@ -361,9 +389,29 @@ class SymmMemExchange:
         src = self._buffer("recv_back", rows.shape[0], X, rows.dtype)
         src.copy_(rows)
         dst = self._buffer("send_back", num_slots, X, rows.dtype)
-        torch.ops.symm_mem.all_to_all_vdev_2d_offset(src, dst, so_in, so_out, self.group_name)
+        self._ops.all_to_all_vdev_2d_offset(src, dst, so_in, so_out, self.group_name)
         pos = torch.arange(num_slots, device=rows.device).view((-1,) + (1,) * len(X))
         return torch.where(pos < p.send_counts.sum(), dst, 0)
+
+
+def expert_input_rows(chunk_rows: torch.Tensor, landed_at: torch.Tensor, m_splits: torch.Tensor, rows: int,
+                      zero_row: int, align: Optional[int], padded_out: Optional[torch.Tensor]):
+    """``(source_row [rows], chunk_start [G * R])``: the expert input's layout (groups back to back, or each
+    starting at a multiple of ``align`` rows; ``padded_out [G]`` gets the padded counts) read out of a receive
+    buffer where chunk ``c`` (expert-major, ``chunk_rows [G * R]`` rows each) landed at row ``landed_at[c]``:
+    ``source_row[i]`` is the buffer row of expert-input row ``i`` (``zero_row``, a zero row, for pad rows), and
+    ``chunk_start`` where each chunk starts in the expert input (device ops, no sync)."""
+    G = m_splits.shape[0]
+    group = m_splits if align is None else (m_splits + (align - 1)) // align * align
+    if padded_out is not None:
+        padded_out.copy_(group)
+    per = chunk_rows.view(G, -1)
+    chunk_start = ((torch.cumsum(group, 0) - group).view(G, 1) + (torch.cumsum(per, 1) - per)).reshape(-1)
+    pos = torch.arange(rows, device=chunk_rows.device)
+    c = (torch.searchsorted(chunk_start, pos, right=True) - 1).clamp(min=0)
+    rel = pos - chunk_start.index_select(0, c)
+    live = (rel >= 0) & (rel < chunk_rows.index_select(0, c))
+    return torch.where(live, landed_at.index_select(0, c) + rel, zero_row), chunk_start
 
 
 # ------------------------------------------------------------------------------------- the fused backend --

@@ -67,7 +67,8 @@ from torch import nn
 
 from moe_graph.moe.echo import default_backend
 from moe_graph.moe.exchange import (EXCHANGES, CompletedExchange, FusedCombineFn, FusedDispatchFn, FusedState,
-                                    HostSizedExchange, RowWeightsFn, ToExperts, ToSources, capacity_for, checked_demand, checksum_weights,
+                                    HostSizedExchange, RowWeightsFn, SymmMemExchange, ToExperts, ToSources, capacity_for,
+                                    checked_demand, checksum_weights,
                                     destination_capacity, destination_quotas, flag_if_ranks_disagree, is_fused,
                                     resolve_exchange)
 from moe_graph.ops.dispatch_layout import aligned_groups, dispatch_layout, receive_layout
@@ -456,10 +457,11 @@ class TokenDispatcher(nn.Module):
                 the fixed-split exchange at EP > 1, with or without FP8 dispatch) the alignment
                 (:func:`moe_graph.ops.dispatch_layout.aligned_groups` of the counts) is composed into the index
                 maps, so each row moves once, straight to its aligned row, and combine reads the padded rows
-                straight back (``handle.aligned``); so does the host-sized per-destination exchange (gloo,
-                :meth:`moe_graph.moe.exchange.HostSizedExchange.align`). The NVSHMEM per-destination exchange
-                (its counts come back with the rows) and the fused exchange place the rows themselves and ignore
-                it (``handle.aligned`` False: the experts regroup, :class:`moe_graph.moe.experts.AlignedGroups`).
+                straight back (``handle.aligned``); so do the per-destination exchanges, host-sized (gloo,
+                :meth:`moe_graph.moe.exchange.HostSizedExchange.align`) and NVSHMEM (the row gather that reads its
+                receive buffer, :meth:`moe_graph.moe.exchange.SymmMemExchange.align`). The fused exchange places
+                the rows itself and ignores it (``handle.aligned`` False: the experts regroup,
+                :class:`moe_graph.moe.experts.AlignedGroups`).
             quantize_recipe: the FP8 experts' recipe (``moe_graph.fp8`` ``Recipe``; 16-bit dispatch): on the
                 per-pair rule with the groups aligned (``align_rows``) the expert input is written as its two FP8
                 copies by the op that places its rows (:func:`moe_graph.ops.permute.expand_quantize`: at EP 1
@@ -586,8 +588,9 @@ class TokenDispatcher(nn.Module):
                                 align_rows=None) -> DispatchHandle:
         """The per-destination rule (see :mod:`moe_graph.moe.exchange`): quotas from the all-gathered demand, the
         layout op in quota mode, the variable-size exchange's plan (its ``m_splits`` are set once the rows went).
-        ``align_rows``: the host-sized exchange composes the alignment into its placement
-        (:meth:`moe_graph.moe.exchange.HostSizedExchange.align`); the others ignore it."""
+        ``align_rows``: the host-sized and NVSHMEM exchanges compose the alignment into their placement
+        (``align`` of :class:`~moe_graph.moe.exchange.HostSizedExchange` / :class:`~moe_graph.moe.exchange.SymmMemExchange`);
+        the fused one ignores it."""
         R, (T, K) = self.num_ep_ranks, indices.shape
         local = self._local_demand(indices, valid)
         if demand is None:
@@ -610,7 +613,7 @@ class TokenDispatcher(nn.Module):
         else:
             plan = self.exchange_backend.plan(lay.send_counts, cap)
         aligned = None
-        if align_rows is not None and isinstance(self.exchange_backend, HostSizedExchange):
+        if align_rows is not None and isinstance(self.exchange_backend, (HostSizedExchange, SymmMemExchange)):
             aligned = self.exchange_backend.align(plan, align_rows)
         return DispatchHandle(lay.route_slot, lay.route_of_slot, None, None, probs, T, K, cap, lay.dropped,
                               plan.m_splits, lay.column_counts, plan, aligned)
