@@ -145,7 +145,7 @@ def _echo_worker(rank, world, seed):
     return results
 
 
-@pytest.mark.parametrize("world", [2, 4, *full_only(8)])
+@pytest.mark.parametrize("world", [2, *full_only(4, 8)])  # 4 ranks in CI: test_echo_donors_gloo[4]
 def test_echo_gloo(world):
     res = run_distributed(_echo_worker, world, 3 + world)
     for case_idx in range(len(res[0]["cases"])):

@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 from moe_graph.moe import echo_planner
 from moe_graph.testing.echo_reference import (best_amounts_max_load, loads_after, reroute_tokens_reference,
+from conftest import full_only
                                              water_filling_max_load, zipf_counts)
 
 T = torch.tensor
@@ -523,7 +524,7 @@ def test_donor_constrained_plans(case):
             echo_planner.best_fit_assignment(counts, k, native=False, donor_mask=mask))
 
 
-@pytest.mark.parametrize("skew", [1.0, 1.2])
+@pytest.mark.parametrize("skew", [1.0, *full_only(1.2)])
 def test_donor_plan_within_5pct_of_water_filling(skew):
     # The cases: Zipf popularity, E=256, R=64, k=2, top-8, 4096 tokens per rank, ring of w donors. The
     # reference moves small shares from the most loaded rank to the least loaded allowed one until nothing improves.
