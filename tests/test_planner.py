@@ -7,8 +7,8 @@ from hypothesis import strategies as st
 
 from moe_graph.moe import echo_planner
 from moe_graph.testing.echo_reference import (best_amounts_max_load, loads_after, reroute_tokens_reference,
-from conftest import full_only
                                              water_filling_max_load, zipf_counts)
+from conftest import full_only
 
 T = torch.tensor
 
