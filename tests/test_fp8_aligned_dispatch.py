@@ -166,7 +166,8 @@ def test_symm_mem_exchange_layout_on_a_model_of_torchs_ops(kind, cf, spare, fp8_
     """``SymmMemExchange`` (the NVSHMEM per-destination exchange; here on ``helpers.symm_mem_fake``, torch's
     ``all_to_all_vdev_2d`` semantics on gloo, which leave a row per empty expert and uninitialised memory NaN)
     equals the host-sized exchange bit for bit: outputs, input gradients and every parameter gradient, unaligned and
-    aligned (FP8: the exchange lays the groups at 16-row starts itself, the experts do not regroup)."""
+    aligned (FP8: the exchange lays the groups at 16-row starts itself, the experts do not regroup; with 16-bit
+    dispatch its receive side writes the two FP8 copies, against the 16-bit rows the experts regroup and quantize)."""
     res = run_distributed(symm_mem_worker, 2, kind, cf, spare, fp8_dispatch, timeout=240.0)
     for r in res:
         assert r["calls"] == ["all_to_all_vdev_2d", "all_to_all_vdev_2d_offset"], r
@@ -174,5 +175,8 @@ def test_symm_mem_exchange_layout_on_a_model_of_torchs_ops(kind, cf, spare, fp8_
         for aligned, eq in r["equal"].items():
             assert eq[0] and eq[1] and eq[2] and eq[3] == [], (aligned, r)
             assert r["aligned"][aligned] == (aligned, aligned), r
+        # FP8 experts with 16-bit dispatch: the aligned run's receive side wrote the FP8 expert input, on both
+        want = 1 if kind is not None and not fp8_dispatch else 0
+        assert r["quantized"] == {"ref": want, "sym": want}, r
     if cf is not None:
         assert sum(r["dropped"] for r in res) > 0

@@ -63,9 +63,9 @@ def aligned_dispatch_worker(rank: int, world: int, kind: str, exchange: str, cap
 def symm_mem_worker(rank: int, world: int, kind: Optional[str], cf: Optional[float], spare: int,
                     fp8_dispatch: bool) -> Dict:
     """The NVSHMEM per-destination exchange (``SymmMemExchange`` on ``helpers.symm_mem_fake``'s model of torch's
-    ops) against the host-sized one (``HostSizedExchange``, the oracle), the same layer and data on both; the local
-    expert 1 of every rank gets no token (``all_to_all_vdev_2d`` leaves a row for it). With FP8 (``kind``): the
-    dispatcher aligning the rows and the experts regrouping them."""
+    ops) against the host-sized one with the experts regrouping (``HostSizedExchange``, the oracle), the same layer
+    and data on both; the local expert 1 of every rank gets no token (``all_to_all_vdev_2d`` leaves a row for it).
+    With FP8 (``kind``): the dispatcher aligning the rows and the experts regrouping them."""
     from helpers import symm_mem_fake
 
     def build():
@@ -81,11 +81,20 @@ def symm_mem_worker(rank: int, world: int, kind: Optional[str], cf: Optional[flo
     ref, x, target = build()
     sym, _, _ = build()
     calls = symm_mem_fake.install(sym)
+    quantized = {"ref": 0, "sym": 0}  # receive sides that wrote the FP8 expert input (to_experts_quantized)
+    for name, lay in (("ref", ref), ("sym", sym)):
+        backend, inner = lay.dispatcher.exchange_backend, lay.dispatcher.exchange_backend.to_experts_quantized
+
+        def counted(*args, _inner=inner, _name=name, **kw):
+            quantized[_name] += 1
+            return _inner(*args, **kw)
+        backend.to_experts_quantized = counted
     seen = []  # the m_splits the experts got (the unaligned run's: the received rows per local expert)
     hook = sym.experts.register_forward_pre_hook(lambda mod, args: seen.append(args[1].clone()))
     res = {"aligned": {}, "equal": {}}
+    y0, dx0, g0, _ = run_layer(ref, x, target, kind, False)  # the oracle: host-sized, the experts regroup
     for aligned in ((False, True) if kind is not None else (False,)):
-        y0, dx0, g0, a0 = run_layer(ref, x, target, kind, aligned)
+        _, _, _, a0 = run_layer(ref, x, target, kind, aligned) if aligned else (y0, dx0, g0, False)
         y1, dx1, g1, a1 = run_layer(sym, x, target, kind, aligned)
         res["aligned"][aligned] = (a0, a1)
         res["equal"][aligned] = (torch.equal(y0, y1), torch.equal(dx0, dx1), sorted(g0) == sorted(g1),
@@ -94,4 +103,5 @@ def symm_mem_worker(rank: int, world: int, kind: Optional[str], cf: Optional[flo
     res["calls"] = sorted({c[0] for c in calls.calls})
     res["dropped"] = int(ref.dispatcher.check_drops())
     res["empty_local_expert"] = bool((seen[0] == 0).any())
+    res["quantized"] = quantized
     return res

@@ -54,7 +54,8 @@ except ImportError:  # pragma: no cover - torch without it
 from moe_graph.ops.dispatch_layout import aligned_groups, aligned_padded_rows
 from moe_graph.ops.errors import EXCHANGE_COUNTS, flag_error_if
 from moe_graph.ops.nvlink import FusedDispatch, NvlinkExchange, OrderedStream, kernels_available
-from moe_graph.ops.permute import reduce_rows, route_dot
+from moe_graph.ops.fp8 import QuantizedRows, carrier
+from moe_graph.ops.permute import expand_quantize_copies, reduce_rows, route_dot
 from moe_graph.streams import exchange_issued
 
 __all__ = [
@@ -265,6 +266,18 @@ class HostSizedExchange:
         out = send.new_zeros((p.capacity,) + tuple(X))
         return out.index_copy_(0, p.expert_index, recv.index_select(0, p.recv_index))
 
+    def to_experts_quantized(self, send: torch.Tensor, p: _Plan, m_splits: torch.Tensor, recipe):
+        """:meth:`to_experts` of 16-bit rows written as the expert input's two FP8 copies under ``recipe`` (groups
+        ``m_splits``), read from the received rows by one op (``ops.permute.expand_quantize_copies``): the 16-bit
+        expert input is never written. Not differentiable (:func:`to_experts_quantized`)."""
+        X = send.shape[1:]
+        recv = send.new_empty((sum(p.recv_splits),) + tuple(X))
+        dist.all_to_all_single(recv, send[:sum(p.send_splits)].contiguous(), p.recv_splits, p.send_splits,
+                               group=self.group)
+        source_row = torch.full((p.capacity,), recv.shape[0], dtype=torch.int64, device=send.device)
+        source_row.index_copy_(0, p.expert_index, p.recv_index)  # the received row of each expert row; else none
+        return expand_quantize_copies(recv, source_row, 1, m_splits, recipe, recipe.fwd_dtype)
+
     def to_sources(self, rows: torch.Tensor, p: _Plan, num_slots: int) -> torch.Tensor:
         """Expert rows ``[capacity, X]`` -> this rank's send slots ``[num_slots, X]`` (the adjoint of
         :meth:`to_experts`; rows that did not fit come back as zeros)."""
@@ -353,10 +366,18 @@ class SymmMemExchange:
         out, p.splits_offsets, p.m_splits = self._ordered.run(self._to_experts, send, p)
         return out
 
+    def to_experts_quantized(self, send: torch.Tensor, p: _Plan, m_splits: torch.Tensor, recipe):
+        """:meth:`to_experts` of 16-bit rows written as the expert input's two FP8 copies under ``recipe`` (groups
+        ``m_splits``: the plan's padded counts, :meth:`align`) by the op that reads the receive buffer
+        (``ops.permute.expand_quantize_copies`` in place of the row gather): the 16-bit expert input is never
+        written. Not differentiable (:func:`to_experts_quantized`)."""
+        copies, p.splits_offsets, p.m_splits = self._ordered.run(self._to_experts, send, p, (m_splits, recipe))
+        return copies
+
     def to_sources(self, rows: torch.Tensor, p: _Plan, num_slots: int) -> torch.Tensor:
         return self._ordered.run(self._to_sources, rows, p, num_slots)
 
-    def _to_experts(self, send: torch.Tensor, p: _Plan) -> torch.Tensor:
+    def _to_experts(self, send: torch.Tensor, p: _Plan, quantize=None) -> torch.Tensor:
         R, Lc = p.send_counts.shape
         X = tuple(send.shape[1:])
         splits = self._buffer("in_splits", R * Lc, (), torch.int64)
@@ -376,8 +397,10 @@ class SymmMemExchange:
         # touch them: the grouped GEMM saved them for its backward)
         source_row, chunk_start = expert_input_rows(chunk_rows, got[1], m_splits, p.capacity, landing + Lc, p.align,
                                                     p.aligned_m_splits if p.splits_offsets is None else None)
-        # a copy (the buffer is reused by the next call) in this exchange's layout
-        return dst.index_select(0, source_row), torch.stack([chunk_rows, chunk_start]), m_splits
+        # a copy (the buffer is reused by the next call) in this exchange's layout, or its two FP8 copies
+        out = dst.index_select(0, source_row) if quantize is None else \
+            expand_quantize_copies(dst, source_row, 1, quantize[0], quantize[1], quantize[1].fwd_dtype)
+        return out, torch.stack([chunk_rows, chunk_start]), m_splits
 
     def _to_sources(self, rows: torch.Tensor, p: _Plan, num_slots: int) -> torch.Tensor:
         if p.splits_offsets is None:
@@ -876,6 +899,21 @@ class ToExperts(torch.autograd.Function):
         out = ctx.backend.to_sources(g.contiguous(), ctx.plan, ctx.num_slots)
         exchange_issued(ctx.point)
         return None, None, out
+
+
+def to_experts_quantized(backend, plan, send: torch.Tensor, m_splits: torch.Tensor, recipe) -> QuantizedRows:
+    """The FP8 experts' input through a per-destination backend (``to_experts_quantized``: the receive side writes
+    both FP8 copies, groups ``m_splits``), a ``QuantizedRows`` whose carrier takes the expert input's 16-bit gradient
+    back through the reverse exchange to ``send`` (as :class:`ToExperts`' backward); an exchange point each way."""
+    (q, s), columns = backend.to_experts_quantized(send.detach().contiguous(), plan, m_splits, recipe)
+    point = exchange_issued()
+
+    def back(g: torch.Tensor) -> torch.Tensor:
+        out = backend.to_sources(g, plan, send.shape[0])
+        exchange_issued(point)
+        return out
+
+    return QuantizedRows(carrier(send, plan.capacity, back), q, s, recipe.kind, columns)
 
 
 class ToSources(torch.autograd.Function):

@@ -70,7 +70,7 @@ from moe_graph.moe.exchange import (EXCHANGES, CompletedExchange, FusedCombineFn
                                     HostSizedExchange, RowWeightsFn, SymmMemExchange, ToExperts, ToSources, capacity_for,
                                     checked_demand, checksum_weights,
                                     destination_capacity, destination_quotas, flag_if_ranks_disagree, is_fused,
-                                    resolve_exchange)
+                                    resolve_exchange, to_experts_quantized)
 from moe_graph.ops.dispatch_layout import aligned_groups, dispatch_layout, receive_layout
 from moe_graph.ops.fp8 import check_row_local, carrier, pack_rows, unpack_rows
 from moe_graph.ops.permute import (expand_pack, expand_pack_available, expand_quantize, expand_quantize_available,
@@ -463,10 +463,11 @@ class TokenDispatcher(nn.Module):
                 the rows itself and ignores it (``handle.aligned`` False: the experts regroup,
                 :class:`moe_graph.moe.experts.AlignedGroups`).
             quantize_recipe: the FP8 experts' recipe (``moe_graph.fp8`` ``Recipe``; 16-bit dispatch): on the
-                per-pair rule with the groups aligned (``align_rows``) the expert input is written as its two FP8
-                copies by the op that places its rows (:func:`moe_graph.ops.permute.expand_quantize`: at EP 1
-                straight from ``hidden``, at EP > 1 the receive side's regrouping; the 16-bit expert rows are
-                never written), a
+                per-pair rule and the per-destination exchanges (not the fused one) with the groups aligned
+                (``align_rows``) the expert input is written as its two FP8 copies by the op that places its rows
+                (:func:`moe_graph.ops.permute.expand_quantize`: at EP 1 straight from ``hidden``, at EP > 1 the
+                receive side's regrouping; per destination the read of the receive buffer,
+                :func:`moe_graph.moe.exchange.to_experts_quantized`; the 16-bit expert rows are never written), a
                 :class:`moe_graph.ops.fp8.QuantizedRows` bit-equal to quantizing the 16-bit expert input with
                 ``ops.fp8.quantize_pair`` (its gradient that of the 16-bit dispatch); elsewhere ignored (16-bit
                 rows). ``hidden`` should then have the experts' parameter dtype (the values quantized are its).
@@ -563,6 +564,11 @@ class TokenDispatcher(nn.Module):
             else:  # the received rows regrouped by local expert and quantized in one op
                 send = expand_rows(hidden, handle.route_of_slot, handle.route_rows)
                 expert_in = self._to_expert_order(send, handle, quantize_recipe)
+        elif (quantize_recipe is not None and self.rule == "destination" and not self.fused and handle.aligned
+              and expand_quantize_available(dev.type)):  # the receive side writes the FP8 expert input
+            send = expand_rows(hidden, handle.route_of_slot, handle.route_rows)
+            expert_in = to_experts_quantized(self.exchange_backend, handle.exchange_plan, send,
+                                             handle.aligned_m_splits, quantize_recipe)
         elif self.fused:  # each token row read once, placed at its final receive row, the probabilities beside it
             expert_in = FusedDispatchFn.apply(self.exchange_backend, handle.exchange_plan, hidden,
                                               probs.detach().reshape(-1))
