@@ -11,8 +11,8 @@ for bit, for blockwise / MXFP8 / per-tensor recipes, fp32 / bf16 / fp16, hidden 
 experts, one expert taking every row, rows past ``sum(m_splits)``, NaN / inf; a second consumer of fc2's output
 falls back to the 16-bit gradient and stays equal.
 
-EP > 1 (the fixed-split exchange; ``ops.permute.expand_rows``' ``grad_handoff``, ``expand_quantize_pair``'s
-``plus_zero``): the op against plain torch (the gathered rows with every zero made +0, as ``reduce_rows``' sum from
+EP > 1 (the fixed-split exchange: ``ops.permute.expand_rows``' ``grad_handoff``, ``expand_quantize_pair``'s
+``plus_zero``; the per-destination exchanges: ``moe.exchange.ToSources``' hand-off): the op against plain torch (the gathered rows with every zero made +0, as ``reduce_rows``' sum from
 +0 writes them), the receive side's chain against the hand-off off, and the layer at EP 2 and 4 on gloo (drops,
 zero-token experts, one expert pair taking every token, -0 / inf / NaN in the gradient, ``main_grad``), bit for
 bit."""
@@ -430,22 +430,27 @@ def test_receive_side_regrouping_hands_fc2_its_fp8_dy(recipe, dtype, case):
     assert torch.equal(bits(st0), bits(st1.expand_as(st0)))
 
 
-@pytest.mark.parametrize("world,kind,cf,dtype,case", [
-    (2, "blockwise", 0.6, "bfloat16", "signed_zeros"),  # routes dropped at the capacity
-    (2, "mxfp8", None, "float32", "one_expert"),        # experts 3 and 1 take every row; rank 1's experts none
-    (2, "tensor", None, "bfloat16", "nonfinite"),
-    (4, "blockwise", None, "float32", "main_grad"),
+@pytest.mark.parametrize("world,kind,cf,dtype,case,exchange", [
+    (2, "blockwise", 0.6, "bfloat16", "signed_zeros", "nccl"),  # routes dropped at the capacity
+    (2, "mxfp8", None, "float32", "one_expert", "nccl"),        # experts 3 and 1 take every row; rank 1's none
+    (2, "tensor", None, "bfloat16", "nonfinite", "nccl"),
+    (4, "blockwise", None, "float32", "main_grad", "nccl"),
+    (2, "blockwise", 0.6, "bfloat16", "signed_zeros", "symm_mem"),  # per destination, host-sized
+    (2, "mxfp8", None, "float32", "one_expert", "symm_fake"),       # per destination, NVSHMEM (CPU model)
     # MOE_GRAPH_FULL_TESTS=1: 4-rank repeats of the 2-rank cases above (same recipes and cases)
-    *full_only((4, "mxfp8", 0.6, "bfloat16", "one_expert"), (4, "tensor", 0.6, "float32", "signed_zeros")),
+    *full_only((4, "mxfp8", 0.6, "bfloat16", "one_expert", "nccl"), (4, "tensor", 0.6, "float32", "signed_zeros", "nccl"),
+               (2, "tensor", 0.6, "bfloat16", "nonfinite", "symm_fake")),
 ])
-def test_moe_layer_fused_combine_backward_multi_rank(world, kind, cf, dtype, case):
-    """EP 2 / 4 on gloo, the fixed-split exchange: the regrouping of the returned gradient writes fc2's FP8 dy (one
-    op instead of reduce_rows and fc2's quantize); output, input gradient and every gradient (router: the
-    probabilities' too; main_grad) equal the switch off bit for bit on every rank."""
-    res = run_distributed(combine_backward_worker, world, kind, cf, dtype, case, timeout=300.0)
+def test_moe_layer_fused_combine_backward_multi_rank(world, kind, cf, dtype, case, exchange):
+    """EP 2 / 4 on gloo: on the fixed-split exchange the regrouping of the returned gradient writes fc2's FP8 dy
+    (one op instead of reduce_rows and fc2's quantize), on the per-destination exchanges the receive side of the
+    gradient's exchange (instead of its row gather and fc2's quantize); output, input gradient and every gradient
+    (router: the probabilities' too; main_grad) equal the switch off bit for bit on every rank."""
+    res = run_distributed(combine_backward_worker, world, kind, cf, dtype, case, exchange, timeout=300.0)
     for r in res:
         assert r["out_equal"] and r["dx_equal"] and r["unequal_grads"] == [] and r["grads"] == r["grads_on"], r
         assert r["dx_nonzero"] and "router.weight" in r["nonzero"], r
-        assert r["fused_ops"] == 1 and r["reduce_rows_saved"] == 1 and r["quantize_saved"] == 1, r
+        assert r["fused_ops"] == 1 and r["quantize_saved"] == 1, r
+        assert r["reduce_rows_saved"] == (1 if exchange == "nccl" else 0), r
     if cf is not None:
         assert sum(r["dropped"] for r in res) > 0

@@ -94,15 +94,20 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def combine_backward_worker(rank: int, world: int, kind: str, capacity_factor: Optional[float], dtype: str,
-                            case: str) -> Dict:
-    """EP ``world`` on the fixed-split exchange: one forward and backward with ``FUSED_FP8_COMBINE_BACKWARD`` off
-    and on. ``dtype`` "bfloat16" / "float32" (parameters and tokens); ``case``: "plain", "one_expert" (the router
+                            case: str, exchange: str = "nccl") -> Dict:
+    """EP ``world`` on ``exchange`` ("nccl": fixed-split; "symm_mem": the host-sized per-destination exchange;
+    "symm_fake": ``SymmMemExchange`` on ``helpers.symm_mem_fake``): one forward and backward with
+    ``FUSED_FP8_COMBINE_BACKWARD`` off and on. ``dtype`` "bfloat16" / "float32" (parameters and tokens); ``case``: "plain", "one_expert" (the router
     sends every token to experts 3 and 1, both on rank 0: the other ranks' experts get none), "signed_zeros" (-0 in
     the output gradient at every third token, every fifth column), "nonfinite" (also an inf and a NaN), "main_grad"
     (fp32 ``main_grad`` on the expert weights: the fused wgrad). Bit-for-bit comparison of the output, the input
     gradient and every parameter gradient (the router's carries the probabilities')."""
     dt = getattr(torch, dtype)
-    layer, x, target = busy_expert_layer(rank, world, capacity_factor, exchange="nccl", params_dtype=dt)
+    layer, x, target = busy_expert_layer(rank, world, capacity_factor, params_dtype=dt,
+                                         exchange="symm_mem" if exchange == "symm_fake" else exchange)
+    if exchange == "symm_fake":
+        from helpers import symm_mem_fake
+        symm_mem_fake.install(layer)
     x = x.to(dt)
     if case == "one_expert":
         with torch.no_grad():

@@ -266,17 +266,19 @@ class HostSizedExchange:
         out = send.new_zeros((p.capacity,) + tuple(X))
         return out.index_copy_(0, p.expert_index, recv.index_select(0, p.recv_index))
 
-    def to_experts_quantized(self, send: torch.Tensor, p: _Plan, m_splits: torch.Tensor, recipe):
-        """:meth:`to_experts` of 16-bit rows written as the expert input's two FP8 copies under ``recipe`` (groups
-        ``m_splits``), read from the received rows by one op (``ops.permute.expand_quantize_copies``): the 16-bit
-        expert input is never written. Not differentiable (:func:`to_experts_quantized`)."""
+    def to_experts_quantized(self, send: torch.Tensor, p: _Plan, m_splits: torch.Tensor, recipe,
+                             dtype: Optional[torch.dtype] = None):
+        """:meth:`to_experts` of 16-bit rows written as their two FP8 copies under ``recipe`` (groups ``m_splits``;
+        ``dtype``: the FP8 dtype, the recipe's forward one by default), read from the received rows by one op
+        (``ops.permute.expand_quantize_copies``): the 16-bit expert rows are never written. Not differentiable
+        (:func:`to_experts_quantized`, :class:`ToSources`' hand-off)."""
         X = send.shape[1:]
         recv = send.new_empty((sum(p.recv_splits),) + tuple(X))
         dist.all_to_all_single(recv, send[:sum(p.send_splits)].contiguous(), p.recv_splits, p.send_splits,
                                group=self.group)
         source_row = torch.full((p.capacity,), recv.shape[0], dtype=torch.int64, device=send.device)
         source_row.index_copy_(0, p.expert_index, p.recv_index)  # the received row of each expert row; else none
-        return expand_quantize_copies(recv, source_row, 1, m_splits, recipe, recipe.fwd_dtype)
+        return expand_quantize_copies(recv, source_row, 1, m_splits, recipe, dtype or recipe.fwd_dtype)
 
     def to_sources(self, rows: torch.Tensor, p: _Plan, num_slots: int) -> torch.Tensor:
         """Expert rows ``[capacity, X]`` -> this rank's send slots ``[num_slots, X]`` (the adjoint of
@@ -366,12 +368,15 @@ class SymmMemExchange:
         out, p.splits_offsets, p.m_splits = self._ordered.run(self._to_experts, send, p)
         return out
 
-    def to_experts_quantized(self, send: torch.Tensor, p: _Plan, m_splits: torch.Tensor, recipe):
-        """:meth:`to_experts` of 16-bit rows written as the expert input's two FP8 copies under ``recipe`` (groups
-        ``m_splits``: the plan's padded counts, :meth:`align`) by the op that reads the receive buffer
-        (``ops.permute.expand_quantize_copies`` in place of the row gather): the 16-bit expert input is never
-        written. Not differentiable (:func:`to_experts_quantized`)."""
-        copies, p.splits_offsets, p.m_splits = self._ordered.run(self._to_experts, send, p, (m_splits, recipe))
+    def to_experts_quantized(self, send: torch.Tensor, p: _Plan, m_splits: torch.Tensor, recipe,
+                             dtype: Optional[torch.dtype] = None):
+        """:meth:`to_experts` of 16-bit rows written as their two FP8 copies under ``recipe`` (groups ``m_splits``:
+        the plan's padded counts, :meth:`align`; ``dtype``: the FP8 dtype, the recipe's forward one by default) by
+        the op that reads the receive buffer (``ops.permute.expand_quantize_copies`` in place of the row gather):
+        the 16-bit expert rows are never written. Not differentiable (:func:`to_experts_quantized`,
+        :class:`ToSources`' hand-off)."""
+        copies, p.splits_offsets, p.m_splits = self._ordered.run(self._to_experts, send, p,
+                                                                 (m_splits, recipe, dtype or recipe.fwd_dtype))
         return copies
 
     def to_sources(self, rows: torch.Tensor, p: _Plan, num_slots: int) -> torch.Tensor:
@@ -399,7 +404,7 @@ class SymmMemExchange:
                                                     p.aligned_m_splits if p.splits_offsets is None else None)
         # a copy (the buffer is reused by the next call) in this exchange's layout, or its two FP8 copies
         out = dst.index_select(0, source_row) if quantize is None else \
-            expand_quantize_copies(dst, source_row, 1, quantize[0], quantize[1], quantize[1].fwd_dtype)
+            expand_quantize_copies(dst, source_row, 1, *quantize)
         return out, torch.stack([chunk_rows, chunk_start]), m_splits
 
     def _to_sources(self, rows: torch.Tensor, p: _Plan, num_slots: int) -> torch.Tensor:
@@ -917,17 +922,26 @@ def to_experts_quantized(backend, plan, send: torch.Tensor, m_splits: torch.Tens
 
 
 class ToSources(torch.autograd.Function):
-    """Expert rows -> this rank's send slots (the reverse exchange); backward is the forward exchange."""
+    """Expert rows -> this rank's send slots (the reverse exchange); backward is the forward exchange. ``handoff``
+    (a ``moe_graph.fp8.GradHandoff`` bound to ``rows``, the FP8 fc2's output; the backend's
+    ``to_experts_quantized``): the backward's receive side writes the rows' gradient as its two FP8 copies for
+    fc2's backward (the bytes of quantizing the 16-bit gradient) and hands autograd a zero-stride zero."""
 
     @staticmethod
-    def forward(ctx, backend, plan, rows, num_slots):
-        ctx.backend, ctx.plan = backend, plan
+    def forward(ctx, backend, plan, rows, num_slots, handoff=None):
+        ctx.backend, ctx.plan, ctx.handoff = backend, plan, handoff
         out = backend.to_sources(rows.contiguous(), plan, num_slots)
         ctx.point = exchange_issued()
         return out
 
     @staticmethod
     def backward(ctx, g):
-        out = ctx.backend.to_experts(g.contiguous(), ctx.plan)
+        g, backend, plan, handoff = g.contiguous(), ctx.backend, ctx.plan, ctx.handoff
+        if handoff is not None:
+            copies = backend.to_experts_quantized(g, plan, handoff.m_splits, handoff.recipe, handoff.recipe.bwd_dtype)
+            # the 16-bit fallback (another consumer summed into fc2's output gradient) sends the gradient again
+            out = handoff.give(copies, (plan.capacity, g.shape[1]), g, lambda: backend.to_experts(g, plan))
+        else:
+            out = backend.to_experts(g, plan)
         exchange_issued(ctx.point)
-        return None, None, out, None
+        return None, None, out, None, None

@@ -304,7 +304,8 @@ FUSED_FP8_ACTIVATION_BACKWARD = True
 
 # ... and the combine's backward writes fc2's two FP8 output-gradient copies directly, the routing probabilities
 # applied first (GroupedMLP.output_grad_handoff, ops.permute.reduce_rows' grad_handoff; EP 1), or the regrouping of
-# the returned gradient (ops.permute.expand_rows' grad_handoff; EP > 1, fixed-split exchange); False: the 16-bit
+# the returned gradient (ops.permute.expand_rows' grad_handoff; EP > 1, fixed-split exchange) or the per-destination
+# exchange's receive side (moe.exchange.ToSources; host-sized, NVSHMEM); False: the 16-bit
 # dy, quantized by fc2's backward (the same bytes; tests compare the two)
 FUSED_FP8_COMBINE_BACKWARD = True
 

@@ -657,10 +657,12 @@ class TokenDispatcher(nn.Module):
 
     def _to_send_order(self, rows: torch.Tensor, handle: DispatchHandle, grad_handoff=None) -> torch.Tensor:
         """Expert-input-ordered rows ``[N, X]`` back to this rank's send slots (the reverse exchange at R > 1).
-        ``grad_handoff`` (R > 1, per pair): the regrouping's backward writes ``rows``' gradient as its FP8 copies
-        (:func:`moe_graph.ops.permute.expand_rows`' ``grad_handoff``)."""
+        ``grad_handoff`` (R > 1): the regrouping's backward (per pair: :func:`moe_graph.ops.permute.expand_rows`'
+        ``grad_handoff``) or the per-destination exchange's receive side (:class:`moe_graph.moe.exchange.ToSources`)
+        writes ``rows``' gradient as its FP8 copies."""
         if handle.exchange_plan is not None:
-            return ToSources.apply(self.exchange_backend, handle.exchange_plan, rows, handle.route_of_slot.shape[0])
+            return ToSources.apply(self.exchange_backend, handle.exchange_plan, rows, handle.route_of_slot.shape[0],
+                                   grad_handoff)
         if self.num_ep_ranks == 1:
             return rows
         N, (M, X) = handle.route_of_slot.shape[0], rows.shape
@@ -693,8 +695,9 @@ class TokenDispatcher(nn.Module):
         output gradient, the probabilities applied first (``ops.permute.reduce_rows``' ``grad_handoff``: the
         16-bit ``dy`` is never written); at EP > 1 on the fixed-split exchange the receive side's regrouping of the
         returned gradient writes them (``ops.permute.expand_rows``' ``grad_handoff``; the probabilities were applied
-        on the sending side, before the exchange, as without it); elsewhere ignored (fc2 quantizes its 16-bit
-        ``dy``)."""
+        on the sending side, before the exchange, as without it), on the per-destination exchanges (host-sized,
+        NVSHMEM) the receive side of the gradient's exchange (``moe.exchange.ToSources``); elsewhere (the fused
+        exchange) ignored (fc2 quantizes its 16-bit ``dy``)."""
         N = handle.expert_rows
         if expert_output.dim() != 2 or expert_output.shape[0] != N:
             raise ValueError(f"expert_output must be [{N}, H] (the dispatched rows), got {tuple(expert_output.shape)}")
@@ -705,7 +708,7 @@ class TokenDispatcher(nn.Module):
         if self.fused:  # the reverse exchange and the weighted reduction of each token's routes in one op
             return FusedCombineFn.apply(self.exchange_backend, handle.exchange_plan, expert_output,
                                         None if w is None else w.reshape(-1))
-        if not (grad_handoff is not None and handle.exchange_plan is None
+        if not (grad_handoff is not None
                 and grad_handoff.m_splits is handle.aligned_m_splits and grad_handoff.binds(expert_output)
                 and expand_quantize_available(expert_output.device.type)):
             grad_handoff = None
