@@ -47,7 +47,7 @@ def capacity_for(R: int, rows_kind: str) -> int:
 def reference(seed: int, R: int, rows_kind: str, capacity: int):
     ops = torch.ops.moe_graph
     inp = [rank_inputs(seed, s, R, rows_kind) for s in range(R)]
-    ein, ms, rw, rr = ops.exchange_dispatch_reference([x[0] for x in inp], [x[1] for x in inp], [x[2] for x in inp],
+    ein, ms, rw, rr, _ = ops.exchange_dispatch_reference([x[0] for x in inp], [x[1] for x in inp], [x[2] for x in inp],
                                                       [x[3] for x in inp], K, capacity)
     outs = [torch.randn(capacity, HIDDEN, generator=torch.Generator().manual_seed(500 + 17 * seed + s))
             for s in range(R)]
