@@ -139,7 +139,7 @@ class NvlinkExchange:
         from torch.distributed import _symmetric_memory as symm
 
         symm.enable_symm_mem_for_group(self.group_name)
-        self._recv = {}  # (receive bytes) -> _Symmetric (uint8)
+        self._recv = {}  # (receive rows P, row_bytes) -> _Symmetric (uint8)
         self._ctrl = {}  # num_local -> (_Symmetric control words, epoch [4] int64)
         self._pull = {}  # (capacity, row shape, dtype) -> _Symmetric
         self._pull_ctrl = None
@@ -155,10 +155,11 @@ class NvlinkExchange:
             self._ctrl[num_local] = (ctrl, torch.zeros(epoch_words, dtype=torch.int64, device=self.device))
         return self._ctrl[num_local]
 
-    def _receive(self, nbytes: int) -> _Symmetric:
-        if nbytes not in self._recv:
-            self._recv[nbytes] = _Symmetric(nbytes, torch.uint8, self.device, self.group_name, zero=False)
-        return self._recv[nbytes]
+    def _receive(self, rows: int, row_bytes: int, nbytes: int) -> _Symmetric:
+        key = (rows, row_bytes)
+        if key not in self._recv:
+            self._recv[key] = _Symmetric(nbytes, torch.uint8, self.device, self.group_name, zero=False)
+        return self._recv[key]
 
     def combine_buffer(self, capacity: int, row_shape, dtype: torch.dtype) -> torch.Tensor:
         """This rank's symmetric expert-output buffer ``[capacity, *row_shape]`` (write the expert output here to
@@ -205,7 +206,7 @@ class NvlinkExchange:
         row_bytes = rows.element_size() * math.prod(X)
         ctrl, epoch = self._control(Lc)
         _, nbytes, woff, _, _, P = layout(R, Lc, capacity, row_bytes, align)
-        recv = self._receive(nbytes)
+        recv = self._receive(P, row_bytes, nbytes)
         m_splits, route_row, counts = _lib.ops.exchange_dispatch(
             rows, route_of_slot, send_counts, weights, topk, capacity, self.rank, recv.tensor, recv.ptrs,
             ctrl.tensor, ctrl.ptrs, epoch, self.num_sms, align)
