@@ -141,20 +141,21 @@ TORCH_LIBRARY(moe_graph, m) {
   m.def("fp8_scaled_grouped_wgrad_out(Tensor a_t, Tensor a_scale, Tensor b_t, Tensor b_scale, Tensor m_splits, "
         "int block_m, Tensor(a!) out, bool accumulate) -> ()");
   // ---- the fused ("nvlink") exchange on symmetric memory (csrc/exchange/exchange.h) ------------------------
-  // -> [control words, receive-buffer bytes, weights offset, epoch words, largest R*Lc].
-  m.def("exchange_layout(int num_ranks, int num_local, int capacity, int row_bytes) -> int[]",
+  // -> [control words, receive-buffer bytes, weights offset, epoch words, largest R*Lc, receive rows P].
+  m.def("exchange_layout(int num_ranks, int num_local, int capacity, int row_bytes, int align=1) -> int[]",
         &moe_graph::exchange_layout);
-  // The host reference over all R ranks (list index = rank): -> (expert_in, m_splits, row_weights, route_row).
+  // The host reference over all R ranks (list index = rank): -> (expert_in, m_splits, row_weights, route_row,
+  // counts); align: every local expert's group starts at a multiple of align rows (m_splits the padded counts).
   m.def("exchange_dispatch_reference(Tensor[] rows, Tensor[] route_of_slot, Tensor[] send_counts, Tensor[] weights, "
-        "int topk, int capacity) -> (Tensor[], Tensor[], Tensor[], Tensor[])");
+        "int topk, int capacity, int align=1) -> (Tensor[], Tensor[], Tensor[], Tensor[], Tensor[])");
   m.def("exchange_combine_reference(Tensor[] expert_out, Tensor[] route_row, Tensor[] weights, int topk) -> Tensor[]");
   m.def("exchange_gather_reference(Tensor[] expert_out, Tensor[] route_row) -> Tensor[]");
-  // One rank (CUDA): rows [T, *X] -> (m_splits [Lc], route_row [T*K]); expert_in and row_weights land in the
-  // symmetric recv_buffer of every destination (python/moe_graph/ops/nvlink.py).
+  // One rank (CUDA): rows [T, *X] -> (m_splits [Lc], route_row [T*K], counts [Lc]); expert_in and row_weights land
+  // in the symmetric recv_buffer of every destination (python/moe_graph/ops/nvlink.py).
   m.def("exchange_dispatch(Tensor rows, Tensor route_of_slot, Tensor send_counts, Tensor? weights, int topk, "
         "int capacity, int rank, Tensor(a!) recv_buffer, Tensor recv_ptrs, Tensor(b!) ctrl_buffer, Tensor ctrl_ptrs, "
-        "Tensor(c!) epoch, int num_ctas) -> (Tensor, Tensor)");
-  // expert_out [capacity, *X]: this rank's symmetric buffer -> [T, *X] (combine) / [T*K, *X] (gather).
+        "Tensor(c!) epoch, int num_ctas, int align=1) -> (Tensor, Tensor, Tensor)");
+  // expert_out [P, *X]: this rank's symmetric buffer -> [T, *X] (combine) / [T*K, *X] (gather).
   m.def("exchange_combine(Tensor expert_out, Tensor src_ptrs, Tensor(a!) ctrl_buffer, Tensor ctrl_ptrs, "
         "Tensor(b!) epoch, Tensor route_row, Tensor? weights, int topk, int rank, int num_ctas) -> Tensor");
   m.def("exchange_gather(Tensor expert_out, Tensor src_ptrs, Tensor(a!) ctrl_buffer, Tensor ctrl_ptrs, "

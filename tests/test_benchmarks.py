@@ -306,6 +306,20 @@ def test_bench_exchange_cost_smoke(tmp_path):
         assert 0 < c["per_node_rows_per_token"] < c["per_route_rows_per_token"] <= 8
 
 
+def test_bench_fused_align_cost_smoke(tmp_path):
+    """The fused exchange placing FP8 experts' rows aligned: the experts then get aligned rows and the layer makes
+    fewer launches and moves fewer non-GEMM bytes than with the experts' regrouping (16-bit and FP8 dispatch)."""
+    out = tmp_path / "fused_align.json"
+    _run("bench_fused_align_cost.py", "--tokens", "64", "--out", str(out), timeout=600)
+    rows = json.load(open(out))["rows"]
+    for disp in ("bf16_dispatch", "fp8_dispatch"):
+        old, new = rows[f"{disp}/regroup"], rows[f"{disp}/fused_align"]
+        assert new["experts_got_aligned_rows"] and not old["experts_got_aligned_rows"]
+        assert new["launches_fwd"] + new["launches_bwd"] < old["launches_fwd"] + old["launches_bwd"]
+        assert new["non_gemm_bytes_per_token"] < old["non_gemm_bytes_per_token"]
+        assert "moe_graph.aligned_groups" in old["ops"]["fwd"] and "moe_graph.aligned_groups" not in new["ops"]["fwd"]
+
+
 def test_bench_exchange_gpu_help_and_rows_without_cuda(monkeypatch):
     """The GPU exchange benchmark: ``--help`` runs without CUDA, a run without GPUs stops with a message naming what
     is missing, and its row arithmetic (slowest rank, bytes per rank, FP8 row bytes) on made-up times."""

@@ -3,7 +3,8 @@ present (R = min(device count, 4) ranks on NCCL; R = 1 still runs the kernels: t
 its own symmetric buffer through the peer pointer) against the CPU host reference ops ``exchange_*_reference`` fed
 every rank's inputs, bit for bit: bf16 rows and uint8 FP8-packed rows (128 + 4 bytes), fp32 combine, routing with a
 zero-token expert and a destination whose receive buffer overflows. Eager, one CUDA graph replayed with changing
-counts, and zero host syncs (``torch.cuda.set_sync_debug_mode("error")``). Skips without CUDA or without the CUDA
+counts, and zero host syncs (``torch.cuda.set_sync_debug_mode("error")``); the receive groups at 16-row starts
+(``align=16``, the FP8 experts' layout) eager and replayed. Skips without CUDA or without the CUDA
 exchange kernels. Written on a machine without a GPU: collected and skipped there only."""
 
 import pytest
@@ -22,11 +23,11 @@ def _world() -> int:
     return min(torch.cuda.device_count(), 4)
 
 
-def _run(mode: str, rows_kind: str, expected_cases: int):
+def _run(mode: str, rows_kind: str, expected_cases: int, align: int = 1):
     from helpers.exchange_cuda_workers import exchange_cuda_worker
 
     world = _world()
-    res = run_distributed(exchange_cuda_worker, world, mode, rows_kind, backend="nccl", timeout=240.0)
+    res = run_distributed(exchange_cuda_worker, world, mode, rows_kind, 3, align, backend="nccl", timeout=240.0)
     assert len(res) == world
     for rank, cases in enumerate(res):
         assert len(cases) == expected_cases
@@ -39,14 +40,16 @@ def _run(mode: str, rows_kind: str, expected_cases: int):
     assert sum(c["received"] for cases in res for c in cases) > 0  # rows did arrive
 
 
+@pytest.mark.parametrize("align", [1, 16])
 @pytest.mark.parametrize("rows_kind", ["bf16", "fp8_packed"])
-def test_cuda_exchange_equals_host_reference(rows_kind):
-    _run("eager", rows_kind, 2)
+def test_cuda_exchange_equals_host_reference(rows_kind, align):
+    _run("eager", rows_kind, 2, align)
 
 
+@pytest.mark.parametrize("align", [1, 16])
 @pytest.mark.parametrize("rows_kind", ["bf16", "fp8_packed"])
-def test_cuda_exchange_graph_replays_with_changing_counts(rows_kind):
-    _run("graph", rows_kind, 2)
+def test_cuda_exchange_graph_replays_with_changing_counts(rows_kind, align):
+    _run("graph", rows_kind, 2, align)
 
 
 def test_cuda_exchange_no_host_sync():

@@ -4,8 +4,8 @@ to its aligned row and straight back. The oracle is the previous path (the dispa
 the experts, :class:`moe_graph.moe.experts.AlignedGroups`): output and every gradient (tokens, routing
 probabilities, weights or ``main_grad``) equal bit for bit. EP 1 (zero-token experts, one expert taking every
 route, capacity rows past the routed ones, group sizes off multiples of 16, the probabilities applied in the
-experts, FP8 dispatch) and EP 2 on gloo (the fixed-split and the host-sized per-destination exchanges, drops,
-echo; the fused exchange keeps the regrouping)."""
+experts, FP8 dispatch) and EP 2 on gloo (the fixed-split, the host-sized per-destination and the fused exchanges,
+drops, echo, FP8 dispatch)."""
 
 import pytest
 import torch
@@ -136,7 +136,9 @@ def test_moe_layer_aligned_dispatch_one_rank(kind, fp8_dispatch, probs_on_input,
     ("mxfp8", "nccl", None, 1, True, True),       # dropless, one echo slot per rank, FP8 dispatch
     ("blockwise", "symm_mem", 0.8, 0, False, True),   # per destination (host-sized on gloo), routes dropped
     ("mxfp8", "symm_mem", None, 1, True, True),      # per destination, dropless, echo, FP8 dispatch
-    ("blockwise", "nvlink", 0.8, 1, False, False),   # the fused exchange (gloo): still regrouped by the experts
+    ("blockwise", "nvlink", 0.8, 1, False, True),    # the fused exchange (gloo) places the rows aligned, echo
+    ("blockwise", "nvlink", 0.7, 0, True, True),     # the fused exchange, FP8 dispatch's packed rows, drops
+    ("mxfp8", "nvlink", None, 0, False, True),       # the fused exchange, dropless
 ])
 def test_aligned_dispatch_two_ranks(kind, exchange, cf, spare, fp8_dispatch, composes):
     res = run_distributed(aligned_dispatch_worker, 2, kind, exchange, cf, spare, fp8_dispatch, timeout=240.0)

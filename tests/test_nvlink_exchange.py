@@ -154,6 +154,31 @@ def test_layer_fp8_dispatch_nvlink_equals_symm_mem():
             assert torch.equal(r["nvlink"]["grads"][n], g), n
 
 
+@pytest.mark.parametrize("world,fused,fp8_dispatch", [(2, "nvlink", False), (2, "nvlink", True),
+                                                      (4, "nvlink:2", False)])
+def test_layer_fp8_experts_nvlink_aligned_equals_fixed_split(world, fused, fp8_dispatch):
+    """FP8 experts (blockwise), dropless: the fused exchange (flat; node-aware at 4 ranks) places the rows at their
+    16-row-aligned expert rows itself (the experts do not regroup) and the layer's output, input gradient and every
+    parameter gradient equal the fixed-split exchange's (its per-pair alignment composed into its index maps) bit
+    for bit (the node-aware exchange's output and input gradient up to its summation order)."""
+    from moe_graph.ops import fp8
+
+    if not fp8.native_available("cpu"):
+        pytest.skip("moe_graph._C without the FP8 ops")
+    res = run_distributed(layer_exchange_worker, world, 5, ["nccl", fused], 0, None, "blockwise", fp8_dispatch,
+                          timeout=300.0)
+    for r in res:
+        got, ref = r[fused], r["nccl"]
+        assert got["aligned"] and ref["aligned"]
+        for f in ("y", "gx"):
+            err = float((got[f] - ref[f]).abs().max())
+            assert err <= (0.0 if fused == "nvlink" else _tol("bfloat16") * max(1.0, float(ref[f].abs().max()))), f
+        assert got["grads"].keys() == ref["grads"].keys() and len(ref["grads"]) >= 3
+        for n, g in ref["grads"].items():
+            assert torch.equal(got["grads"][n], g), n
+    assert any(float(r["nccl"]["gx"].abs().sum()) > 0 for r in res)
+
+
 # --------------------------------------------------------------------------------- construction, options --
 def test_exchange_options():
     assert "nvlink" in EXCHANGES

@@ -10,8 +10,9 @@
 //                  table in shared memory (chunk_layout, one thread per destination), then its warps take the fitted
 //                  send slots in turn: the token row is read once from `rows` and stored at its final row of the
 //                  destination's receive buffer, the weight beside it, route_row set. Each block then signals every
-//                  destination (release add of 1); the rows past sum(m_splits) of the own buffer are zeroed; block 0
-//                  writes m_splits and waits until every source's G blocks have signalled (>= e * G).
+//                  destination (release add of 1); the own buffer's rows that hold no fitted row (after each group's
+//                  rows up to the next multiple of `align`, past the last group) are zeroed; block 0 writes m_splits
+//                  and counts and waits until every source's G blocks have signalled (>= e * G).
 //   The table is double-buffered by epoch parity: a rank writes table e + 1 only after its data kernel e saw every
 //   peer's count signal e, so no peer still reads table e - 1.
 // combine / gather_routes, one kernel each: block 0 signals "my expert-output buffer is ready" (epoch e) to every
@@ -88,7 +89,7 @@ __global__ void __launch_bounds__(kThreads) data_kernel(DispatchArgs a) {
   const int64_t cap = peer::guard_capacity(a.capacity);
   for (int64_t d = threadIdx.x; d < R; d += blockDim.x) {
     bool cut = false;
-    chunk_layout(table, R, Lc, cap, d, me, prefix + 1 + d * Lc, base + d * Lc, col + d * Lc, &cut);
+    chunk_layout(table, R, Lc, cap, a.align, d, me, prefix + 1 + d * Lc, base + d * Lc, col + d * Lc, &cut);
     if (cut && d == me) *s_bad = 1;
   }
   __syncthreads();
@@ -109,7 +110,7 @@ __global__ void __launch_bounds__(kThreads) data_kernel(DispatchArgs a) {
   const int64_t total = prefix[C];
   const int lane = threadIdx.x & 31;
   const int64_t warp = int64_t(blockIdx.x) * kWarps + (threadIdx.x >> 5), warps = int64_t(gridDim.x) * kWarps;
-  const int64_t woff = receive_weights_offset(a.capacity, a.row_bytes);
+  const int64_t P = receive_rows(a.capacity, Lc, a.align), woff = receive_weights_offset(P, a.row_bytes);
   bool bad_slot = false, bad_route = false;
   for (int64_t item = warp; item < total; item += warps) {
     int64_t lo = 0, hi = C;  // the chunk c with prefix[c] <= item < prefix[c + 1]
@@ -130,7 +131,7 @@ __global__ void __launch_bounds__(kThreads) data_kernel(DispatchArgs a) {
       peer::zero_bytes(dst, a.row_bytes, lane, 32);
     if (lane == 0) {
       peer::store(peer::at<float>(a.recv_ptrs, d, woff) + row, live && a.weights != nullptr ? a.weights[q] : 0.f);
-      if (live) a.route_row[q] = d * a.capacity + row;
+      if (live) a.route_row[q] = d * P + row;
     }
   }
   if (bad_slot) set_device_error(a.error_flag, kErrExchangeCounts);
@@ -140,17 +141,28 @@ __global__ void __launch_bounds__(kThreads) data_kernel(DispatchArgs a) {
     peer::fence_system();
     peer::signal_add(a.ctrl_ptrs, R, d, 0, Control::signal(Control::kData, R, me), 1);
   }
-  // this rank as the receiver: zero padding (plain local stores: no peer writes there this epoch)
-  int64_t recv_total = 0;
-  for (int64_t l = 0; l < Lc; ++l) recv_total += col[me * Lc + l];
+  // this rank as the receiver: the rows no fitted row lands on are zeroed (plain local stores: no peer writes there
+  // this epoch): each group's rows up to the next aligned start, then the rows past the last group
   auto* own = static_cast<unsigned char*>(a.recv_local);
   float* own_w = reinterpret_cast<float*>(own + woff);
-  for (int64_t row = recv_total + warp; row < a.capacity; row += warps) {
-    for (int64_t b = lane; b < a.row_bytes; b += 32) own[row * a.row_bytes + b] = 0;
-    if (lane == 0) own_w[row] = 0.f;
+  const auto zero_rows = [&](int64_t from, int64_t to) {
+    for (int64_t row = from + warp; row < to; row += warps) {
+      for (int64_t b = lane; b < a.row_bytes; b += 32) own[row * a.row_bytes + b] = 0;
+      if (lane == 0) own_w[row] = 0.f;
+    }
+  };
+  int64_t start = 0;  // group l's first row
+  for (int64_t l = 0; l < Lc; ++l) {
+    const int64_t end = start + col[me * Lc + l];
+    start = align_up(end, a.align);
+    zero_rows(end, start);
   }
+  zero_rows(start, P);
   if (blockIdx.x != 0) return;
-  for (int64_t l = threadIdx.x; l < Lc; l += blockDim.x) a.m_splits[l] = col[me * Lc + l];
+  for (int64_t l = threadIdx.x; l < Lc; l += blockDim.x) {
+    a.m_splits[l] = align_up(col[me * Lc + l], a.align);
+    a.counts[l] = col[me * Lc + l];
+  }
   if (threadIdx.x == 0 && *s_bad != 0) set_device_error(a.error_flag, kErrExchangeCounts);
   for (int64_t s = threadIdx.x; s < R; s += blockDim.x)
     peer::wait_at_least(a.ctrl_local + Control::signal(Control::kData, R, s), e * gridDim.x);

@@ -56,19 +56,30 @@ void check_index(const at::Tensor& t, int64_t dim, const char* op, const char* n
   check_contiguous(t, op, name);
 }
 
+// align in [1, 2^20] and the padded rows far from overflow (as aligned_groups checks them).
+void check_align(int64_t align, int64_t capacity, int64_t Lc, const char* op) {
+  TORCH_CHECK(align >= 1 && align <= (int64_t(1) << 20), op, ": align must be in [1, 2^20], got ", align);
+  TORCH_CHECK(capacity <= (int64_t(1) << 40) && Lc <= (int64_t(1) << 20), op, ": capacity (", capacity,
+              ") or the local experts (", Lc, ") too large for the aligned layout");
+}
+
 }  // namespace
 
-std::vector<int64_t> exchange_layout(int64_t num_ranks, int64_t num_local, int64_t capacity, int64_t row_bytes) {
+std::vector<int64_t> exchange_layout(int64_t num_ranks, int64_t num_local, int64_t capacity, int64_t row_bytes,
+                                     int64_t align) {
   TORCH_CHECK(num_ranks >= 1 && num_local >= 1 && capacity >= 0 && row_bytes >= 0,
               "exchange_layout: expected num_ranks >= 1, num_local >= 1, capacity >= 0, row_bytes >= 0, got ",
               num_ranks, ", ", num_local, ", ", capacity, ", ", row_bytes);
-  return {ex::Control::words(num_ranks, num_local), ex::receive_bytes(capacity, row_bytes),
-          ex::receive_weights_offset(capacity, row_bytes), ex::kEpochWords, ex::kMaxChunks};
+  check_align(align, capacity, num_local, "exchange_layout");
+  const int64_t P = ex::receive_rows(capacity, num_local, align);
+  return {ex::Control::words(num_ranks, num_local), ex::receive_bytes(P, row_bytes),
+          ex::receive_weights_offset(P, row_bytes), ex::kEpochWords, ex::kMaxChunks, P};
 }
 
-std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>>
+std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
+           std::vector<at::Tensor>>
 exchange_dispatch_reference(at::TensorList rows, at::TensorList route_of_slot, at::TensorList send_counts,
-                            at::TensorList weights, int64_t topk, int64_t capacity) {
+                            at::TensorList weights, int64_t topk, int64_t capacity, int64_t align) {
   const char* op = "exchange_dispatch_reference";
   const int64_t R = static_cast<int64_t>(rows.size());
   TORCH_CHECK(R >= 1, op, ": rows must list one tensor per rank, got none");
@@ -97,13 +108,16 @@ exchange_dispatch_reference(at::TensorList rows, at::TensorList route_of_slot, a
     }
   }
   TORCH_CHECK(Lc >= 1, op, ": send_counts must have at least one local column");
-  std::vector<at::Tensor> expert_in, m_splits, row_weights, route_row;
+  check_align(align, capacity, Lc, op);
+  const int64_t P = ex::receive_rows(capacity, Lc, align);
+  std::vector<at::Tensor> expert_in, m_splits, row_weights, route_row, counts;
   std::vector<ex::RankDispatch> ranks(R);
   const auto i64 = rows[0].options().dtype(at::kLong);
   for (int64_t s = 0; s < R; ++s) {
-    expert_in.push_back(at::empty(with_rows(rows[0], capacity), rows[0].options()));
+    expert_in.push_back(at::empty(with_rows(rows[0], P), rows[0].options()));
     m_splits.push_back(at::empty({Lc}, i64));
-    row_weights.push_back(at::empty({capacity}, rows[0].options().dtype(at::kFloat)));
+    counts.push_back(at::empty({Lc}, i64));
+    row_weights.push_back(at::empty({P}, rows[0].options().dtype(at::kFloat)));
     route_row.push_back(at::empty({rows[s].size(0) * topk}, i64));
     ex::RankDispatch& r = ranks[s];
     r.rows = rows[s].data_ptr();
@@ -114,12 +128,13 @@ exchange_dispatch_reference(at::TensorList rows, at::TensorList route_of_slot, a
     r.weights = weights.empty() ? nullptr : weights[s].data_ptr<float>();
     r.expert_in = expert_in.back().data_ptr();
     r.m_splits = m_splits.back().data_ptr<int64_t>();
+    r.counts = counts.back().data_ptr<int64_t>();
     r.row_weights = row_weights.back().data_ptr<float>();
     r.route_row = route_row.back().data_ptr<int64_t>();
     r.error_flag = error_flag_ptr(rows[s].device());
   }
-  ex::dispatch_host(ranks.data(), R, Lc, topk, capacity, B);
-  return {expert_in, m_splits, row_weights, route_row};
+  ex::dispatch_host(ranks.data(), R, Lc, topk, capacity, B, align);
+  return {expert_in, m_splits, row_weights, route_row, counts};
 }
 
 namespace {
@@ -223,13 +238,11 @@ void check_symmetric(const at::Tensor& ptrs, const char* pname, const at::Tensor
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor> exchange_dispatch_cuda(const at::Tensor& rows, const at::Tensor& route_of_slot,
-                                                          const at::Tensor& send_counts,
-                                                          const c10::optional<at::Tensor>& weights, int64_t topk,
-                                                          int64_t capacity, int64_t rank, at::Tensor& recv_buffer,
-                                                          const at::Tensor& recv_ptrs, at::Tensor& ctrl_buffer,
-                                                          const at::Tensor& ctrl_ptrs, at::Tensor& epoch,
-                                                          int64_t num_ctas) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> exchange_dispatch_cuda(
+    const at::Tensor& rows, const at::Tensor& route_of_slot, const at::Tensor& send_counts,
+    const c10::optional<at::Tensor>& weights, int64_t topk, int64_t capacity, int64_t rank, at::Tensor& recv_buffer,
+    const at::Tensor& recv_ptrs, at::Tensor& ctrl_buffer, const at::Tensor& ctrl_ptrs, at::Tensor& epoch,
+    int64_t num_ctas, int64_t align) {
   const char* op = kDispatch;
   check_rows(rows, op, "rows");
   const at::Device dev = rows.device();
@@ -243,11 +256,14 @@ std::tuple<at::Tensor, at::Tensor> exchange_dispatch_cuda(const at::Tensor& rows
               " (the dispatch kernel's shared tables)");
   TORCH_CHECK(topk >= 1 && capacity >= 0, op, ": expected topk >= 1 and capacity >= 0, got ", topk, ", ", capacity);
   TORCH_CHECK(num_ctas >= 1 && num_ctas <= 1024, op, ": num_ctas must be in [1, 1024], got ", num_ctas);
+  check_align(align, capacity, Lc, op);
+  const int64_t P = ex::receive_rows(capacity, Lc, align);
+  TORCH_CHECK(R * P < (int64_t(1) << 31), op, ": R * receive rows must be below 2^31, got ", R * P);
   check_symmetric(recv_ptrs, "recv_ptrs", ctrl_buffer, ctrl_ptrs, epoch, R, Lc, rank, dev, op);
   check_device(recv_buffer, dev, op, "recv_buffer");
   check_contiguous(recv_buffer, op, "recv_buffer");
-  TORCH_CHECK(recv_buffer.nbytes() >= static_cast<size_t>(ex::receive_bytes(capacity, B)), op,
-              ": recv_buffer must hold at least ", ex::receive_bytes(capacity, B), " bytes (exchange_layout), got ",
+  TORCH_CHECK(recv_buffer.nbytes() >= static_cast<size_t>(ex::receive_bytes(P, B)), op,
+              ": recv_buffer must hold at least ", ex::receive_bytes(P, B), " bytes (exchange_layout), got ",
               recv_buffer.nbytes());
   at::Tensor w;
   if (weights.has_value() && weights->defined()) {
@@ -260,10 +276,11 @@ std::tuple<at::Tensor, at::Tensor> exchange_dispatch_cuda(const at::Tensor& rows
   }
   const c10::cuda::CUDAGuard guard(dev);
   at::Tensor m_splits = at::empty({Lc}, send_counts.options());
+  at::Tensor counts = at::empty({Lc}, send_counts.options());
   at::Tensor route_row = at::empty({rows.size(0) * topk}, send_counts.options());
   ex::DispatchArgs a;
   a.R = R, a.rank = rank, a.Lc = Lc, a.topk = topk, a.tokens = rows.size(0), a.slots = route_of_slot.numel();
-  a.capacity = capacity, a.row_bytes = B;
+  a.capacity = capacity, a.row_bytes = B, a.align = align;
   a.rows = rows.data_ptr();
   a.route_of_slot = route_of_slot.data_ptr<int64_t>();
   a.send_counts = send_counts.data_ptr<int64_t>();
@@ -273,11 +290,12 @@ std::tuple<at::Tensor, at::Tensor> exchange_dispatch_cuda(const at::Tensor& rows
   a.recv_local = recv_buffer.data_ptr();
   a.ctrl_local = reinterpret_cast<uint64_t*>(ctrl_buffer.data_ptr<int64_t>());
   a.m_splits = m_splits.data_ptr<int64_t>();
+  a.counts = counts.data_ptr<int64_t>();
   a.route_row = route_row.data_ptr<int64_t>();
   a.epoch = reinterpret_cast<uint64_t*>(epoch.data_ptr<int64_t>());
   a.error_flag = error_flag_ptr(dev);
   ex::dispatch_cuda(a, static_cast<int>(num_ctas), at::cuda::getCurrentCUDAStream(dev.index()).stream());
-  return {m_splits, route_row};
+  return {m_splits, route_row, counts};
 }
 
 namespace {

@@ -3,6 +3,7 @@
 #pragma once
 #include <cstdint>
 
+#include "common/row_align.h"
 #include "permute/dispatch_layout.h"
 
 #if defined(__CUDACC__)
@@ -108,9 +109,7 @@ MOE_DL_HD int64_t local_of_position(const int64_t* row_start, const int64_t* cnt
 }
 
 // aligned_groups: the padded rows P of G groups of `rows` rows in total, each starting at a multiple of `align`.
-MOE_DL_HD int64_t aligned_padded_rows(int64_t rows, int64_t G, int64_t align) {
-  return (rows + (align - 1) * G + align - 1) / align * align;
-}
+using ::moe_graph::aligned_padded_rows;
 
 // aligned_groups' tables from the counts: end[g] (the source rows' exclusive end of group g: the running sum of the
 // counts read as >= 0, clamped to `rows`) and pend[g] (the padded rows' end); writes the padded counts.

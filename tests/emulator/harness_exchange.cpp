@@ -4,7 +4,8 @@
 // Each case builds every rank's packed send slots by the per-destination quota rule (keep the first quota[d] live
 // routes to destination d in route order; slots by destination, local expert, route), then runs on the same
 // symmetric buffers (control words, receive buffers, epochs kept between sessions):
-//   session 1  dispatch                                   -> expert_in, row_weights, m_splits, route_row, flags
+//   session 1  dispatch                                   -> expert_in, row_weights, m_splits, counts, route_row,
+//                                                            flags (align 16 cases: the groups at 16-row starts)
 //   session 2  dispatch of other rows and other weights   (epoch 2: the other count table)
 //   session 3  expert outputs written (a producer kernel per device, tracked stores), combine, gather_routes,
 //              other expert outputs written, combine, gather_routes (the closing barriers keep the second producer
@@ -40,6 +41,8 @@ struct Case {
   ex::DType dtype;   // combine's dtype
   int64_t hidden;    // combine's elements per row
   int ctas;
+  int64_t align = 1;  // the receive groups' row alignment
+  int64_t rows() const { return ex::receive_rows(capacity, Lc, align); }  // P
 };
 
 size_t dsize(ex::DType t) { return t == ex::DType::kDouble ? 8 : t == ex::DType::kFloat ? 4 : 2; }
@@ -97,9 +100,9 @@ struct Devices {
     const int64_t words = ex::Control::words(c.R, c.Lc);
     for (int64_t d = 0; d < R; ++d) {
       ctrl.emplace_back(words * 8, 0);
-      recv.emplace_back(ex::receive_bytes(c.capacity, c.row_bytes), 0xa5);
+      recv.emplace_back(ex::receive_bytes(c.rows(), c.row_bytes), 0xa5);
       epoch.emplace_back(ex::kEpochWords * 8, 0);
-      out.emplace_back(std::max<int64_t>(c.capacity * std::max<int64_t>(c.hidden * dsize(c.dtype), c.row_bytes), 16),
+      out.emplace_back(std::max<int64_t>(c.rows() * std::max<int64_t>(c.hidden * dsize(c.dtype), c.row_bytes), 16),
                        0xa5);
       flag.emplace_back(4, 0);
     }
@@ -117,13 +120,14 @@ struct Devices {
 };
 
 std::vector<Output> run_dispatch(const Case& c, const std::vector<RankIn>& in, bool gpu, Devices* dev) {
-  const int64_t R = c.R, n = c.T * c.K;
-  std::vector<Buffer> expert_in, rw, ms, rr, flag;
+  const int64_t R = c.R, n = c.T * c.K, P = c.rows();
+  std::vector<Buffer> expert_in, rw, ms, cnt, rr, flag;
   std::vector<ex::RankDispatch> ranks(R);
   for (int64_t d = 0; d < R; ++d) {
-    expert_in.emplace_back(c.capacity * c.row_bytes, 0xa5);
-    rw.emplace_back(c.capacity * 4, 0xa5);
+    expert_in.emplace_back(P * c.row_bytes, 0xa5);
+    rw.emplace_back(P * 4, 0xa5);
     ms.emplace_back(c.Lc * 8, 0xa5);
+    cnt.emplace_back(c.Lc * 8, 0xa5);
     rr.emplace_back(std::max<int64_t>(n, 1) * 8, 0xa5);
     flag.emplace_back(4, 0);
   }
@@ -138,18 +142,19 @@ std::vector<Output> run_dispatch(const Case& c, const std::vector<RankIn>& in, b
       r.weights = c.weights ? reinterpret_cast<const float*>(in[d].w.data()) : nullptr;
       r.expert_in = expert_in[d].data();
       r.m_splits = reinterpret_cast<int64_t*>(ms[d].data());
+      r.counts = reinterpret_cast<int64_t*>(cnt[d].data());
       r.row_weights = reinterpret_cast<float*>(rw[d].data());
       r.route_row = reinterpret_cast<int64_t*>(rr[d].data());
       r.error_flag = reinterpret_cast<int32_t*>(flag[d].data());
     }
-    ex::dispatch_host(ranks.data(), R, c.Lc, c.K, c.capacity, c.row_bytes);
+    ex::dispatch_host(ranks.data(), R, c.Lc, c.K, c.capacity, c.row_bytes, c.align);
   } else {
     moe_emu::multi_begin(static_cast<int>(R));
     for (int64_t d = 0; d < R; ++d) {
       moe_emu::set_device(static_cast<int>(d));
       ex::DispatchArgs a;
       a.R = R, a.rank = d, a.Lc = c.Lc, a.topk = c.K, a.tokens = c.T, a.slots = in[d].slots;
-      a.capacity = c.capacity, a.row_bytes = c.row_bytes;
+      a.capacity = c.capacity, a.row_bytes = c.row_bytes, a.align = c.align;
       a.rows = in[d].rows.data();
       a.route_of_slot = reinterpret_cast<const int64_t*>(in[d].ros.data());
       a.send_counts = reinterpret_cast<const int64_t*>(in[d].counts.data());
@@ -159,16 +164,17 @@ std::vector<Output> run_dispatch(const Case& c, const std::vector<RankIn>& in, b
       a.recv_local = dev->recv[d].data();
       a.ctrl_local = reinterpret_cast<uint64_t*>(dev->ctrl[d].data());
       a.m_splits = reinterpret_cast<int64_t*>(ms[d].data());
+      a.counts = reinterpret_cast<int64_t*>(cnt[d].data());
       a.route_row = reinterpret_cast<int64_t*>(rr[d].data());
       a.epoch = reinterpret_cast<uint64_t*>(dev->epoch[d].data());
       a.error_flag = reinterpret_cast<int32_t*>(flag[d].data());
       ex::dispatch_cuda(a, c.ctas, nullptr);
     }
     moe_emu::multi_run();
-    const int64_t woff = ex::receive_weights_offset(c.capacity, c.row_bytes);
+    const int64_t woff = ex::receive_weights_offset(P, c.row_bytes);
     for (int64_t d = 0; d < R; ++d) {
-      std::memcpy(expert_in[d].data(), dev->recv[d].data(), c.capacity * c.row_bytes);
-      std::memcpy(rw[d].data(), dev->recv[d].data() + woff, c.capacity * 4);
+      std::memcpy(expert_in[d].data(), dev->recv[d].data(), P * c.row_bytes);
+      std::memcpy(rw[d].data(), dev->recv[d].data() + woff, P * 4);
     }
   }
   std::vector<Output> o;
@@ -176,21 +182,22 @@ std::vector<Output> run_dispatch(const Case& c, const std::vector<RankIn>& in, b
     o.push_back(expert_in[d].out("expert_in", 1));
     o.push_back(rw[d].out("row_weights", 4));
     o.push_back(ms[d].out("m_splits", 8));
+    o.push_back(cnt[d].out("counts", 8));
     o.push_back(rr[d].out("route_row", 8));
     o.push_back(flag[d].out("error_flag", 4));
   }
   return o;
 }
 
-// Expert outputs of two rounds, per rank: [capacity, hidden] of dtype (finite values) / [capacity, row_bytes].
+// Expert outputs of two rounds, per rank: [P, hidden] of dtype (finite values) / [P, row_bytes].
 Buffer make_out(const Case& c, Rng& rng, bool gather) {
-  const int64_t bytes = gather ? c.capacity * c.row_bytes : c.capacity * c.hidden * int64_t(dsize(c.dtype));
+  const int64_t bytes = gather ? c.rows() * c.row_bytes : c.rows() * c.hidden * int64_t(dsize(c.dtype));
   Buffer b(std::max<int64_t>(bytes, 1));
   if (gather) {
     for (int64_t i = 0; i < bytes; ++i) b.data()[i] = static_cast<unsigned char>(rng.uniform(0, 255));
     return b;
   }
-  for (int64_t i = 0; i < c.capacity * c.hidden; ++i) {
+  for (int64_t i = 0; i < c.rows() * c.hidden; ++i) {
     const double v = rng.normal();
     const float f = static_cast<float>(v);
     uint32_t u;
@@ -202,7 +209,7 @@ Buffer make_out(const Case& c, Rng& rng, bool gather) {
     }
   }
   if (c.dtype == ex::DType::kHalf)
-    for (int64_t i = 0; i < c.capacity * c.hidden; ++i)
+    for (int64_t i = 0; i < c.rows() * c.hidden; ++i)
       b.put<uint16_t>(i, static_cast<uint16_t>(rng.uniform(0, 0x7bff)));  // finite halves
   return b;
 }
@@ -233,8 +240,8 @@ std::vector<Output> run_combine(const Case& c, const std::vector<Buffer>& route_
         rg[d].weights = nullptr;
         rg[d].out = res[2 * round + 1][d].data();
       }
-      ex::combine_host(rc.data(), R, c.K, c.capacity, c.hidden, c.dtype);
-      ex::gather_host(rg.data(), R, c.K, c.capacity, c.row_bytes);
+      ex::combine_host(rc.data(), R, c.K, c.rows(), c.hidden, c.dtype);
+      ex::gather_host(rg.data(), R, c.K, c.rows(), c.row_bytes);
     }
   } else {
     moe_emu::multi_begin(static_cast<int>(R));
@@ -246,7 +253,7 @@ std::vector<Output> run_combine(const Case& c, const std::vector<Buffer>& route_
           moe_graph::launch(produce_kernel, dim3(1), dim3(64), 0, nullptr, src.data(),
                             static_cast<int64_t>(src.size()), dev->out[d].data());
           ex::CombineArgs a;
-          a.R = R, a.rank = d, a.topk = c.K, a.tokens = c.T, a.capacity = c.capacity;
+          a.R = R, a.rank = d, a.topk = c.K, a.tokens = c.T, a.capacity = c.rows();
           a.hidden = c.hidden, a.row_bytes = c.row_bytes, a.dtype = c.dtype;
           a.src_ptrs = reinterpret_cast<const int64_t*>(dev->out_ptrs[d].data());
           a.ctrl_ptrs = reinterpret_cast<const int64_t*>(dev->ctrl_ptrs[d].data());
@@ -283,7 +290,7 @@ int run_exchange_case(const Case& c) {
   {
     std::vector<Output> ref = run_dispatch(c, in2, false, nullptr);
     for (int64_t d = 0; d < c.R; ++d) {
-      const Output& o = ref[d * 5 + 3];
+      const Output& o = ref[d * 6 + 4];
       route_row.emplace_back(o.bytes.size());
       std::memcpy(route_row.back().data(), o.bytes.data(), o.bytes.size());
       const bool dbl = c.dtype == ex::DType::kDouble;
@@ -343,6 +350,17 @@ int family_exchange() {
     cases.push_back({r + " echo-like Lc=5, fp64 combine, capacity below the arrivals", R, 5, 5, 2, 16, 3 * R - 1, 0,
                      0, 0.0, true, f64, 2, 3});
     if (R == 2) cases.push_back({r + " fp16 combine, one block", R, 2, 3, 2, 32, 16, 0, 0, 0.0, true, f16, 16, 1});
+    // align 16 (the FP8 experts' group starts): gaps after each group and past the last one zeroed, route_row
+    // indexing the padded rows, combine / gather over P-row buffers
+    cases.push_back({r + " align 16, bf16 rows, quotas overflow (capacity cut)", R, 3, 6, 2, 48, 5, 0, 0.4, 0.1,
+                     true, bf, 24, 2, 16});
+    cases.push_back({r + " align 16, fp32 rows of 20 bytes, zero-token experts", R, 4, 5, 2, 20, 6 * R, 1, 0, 0.0,
+                     true, f32, 5, 2, 16});
+    cases.push_back({r + " align 16, FP8 rows of 37 bytes, one expert takes everything", R, 2, 4, 3, 37, 4 * 3 * R,
+                     2, 0, 0.2, false, f32, 3, 1, 16});
+    if (R == 2)
+      cases.push_back({r + " align 16, 40 tokens over Lc=3, capacity 33 cut", R, 3, 40, 2, 32, 33, 0, 0, 0.0, true,
+                       bf, 16, 3, 16});
   }
   for (const Case& c : cases) runs += run_exchange_case(c);
   return runs;

@@ -44,33 +44,35 @@ def capacity_for(R: int, rows_kind: str) -> int:
     return int(arrivals.max()) - 3
 
 
-def reference(seed: int, R: int, rows_kind: str, capacity: int):
+def reference(seed: int, R: int, rows_kind: str, capacity: int, align: int = 1):
     ops = torch.ops.moe_graph
     inp = [rank_inputs(seed, s, R, rows_kind) for s in range(R)]
-    ein, ms, rw, rr = ops.exchange_dispatch_reference([x[0] for x in inp], [x[1] for x in inp], [x[2] for x in inp],
-                                                      [x[3] for x in inp], K, capacity)
-    outs = [torch.randn(capacity, HIDDEN, generator=torch.Generator().manual_seed(500 + 17 * seed + s))
+    ein, ms, rw, rr, cnt = ops.exchange_dispatch_reference([x[0] for x in inp], [x[1] for x in inp],
+                                                           [x[2] for x in inp], [x[3] for x in inp], K, capacity,
+                                                           align)
+    outs = [torch.randn(ein[0].shape[0], HIDDEN, generator=torch.Generator().manual_seed(500 + 17 * seed + s))
             for s in range(R)]
     y = ops.exchange_combine_reference(outs, list(rr), [x[3] for x in inp], K)
     gr = ops.exchange_gather_reference(outs, list(rr))
     arrivals = sum(x[2].sum(1) for x in inp)
-    return {"inputs": inp, "outs": outs, "ein": ein, "ms": ms, "rw": rw, "rr": rr, "y": y, "gr": gr,
-            "dropped": int((arrivals - torch.stack(list(ms)).sum(1)).sum())}
+    return {"inputs": inp, "outs": outs, "ein": ein, "ms": ms, "rw": rw, "rr": rr, "y": y, "gr": gr, "cnt": cnt,
+            "dropped": int((arrivals - torch.stack(list(cnt)).sum(1)).sum())}
 
 
 def _check(rank: int, ref: Dict, got) -> Dict:
-    ein, ms, rw, rr, y, gr = (t.cpu() for t in got)
+    ein, ms, rw, rr, y, gr, cnt = (t.cpu() for t in got)
     return {"expert_in": bool(torch.equal(_bits(ein), _bits(ref["ein"][rank]))),
-            "m_splits": bool(torch.equal(ms, ref["ms"][rank])),
+            "m_splits": bool(torch.equal(ms, ref["ms"][rank]) and torch.equal(cnt, ref["cnt"][rank])),
             "row_weights": bool(torch.equal(_bits(rw), _bits(ref["rw"][rank]))),
             "route_row": bool(torch.equal(rr, ref["rr"][rank])),
             "combine": bool(torch.equal(_bits(y), _bits(ref["y"][rank]))),
             "gather_routes": bool(torch.equal(_bits(gr), _bits(ref["gr"][rank]))),
-            "dropped": ref["dropped"], "zero_expert": bool((torch.stack(list(ref["ms"])) == 0).any()),
-            "received": int(ref["ms"][rank].sum())}
+            "dropped": ref["dropped"], "zero_expert": bool((torch.stack(list(ref["cnt"])) == 0).any()),
+            "received": int(ref["cnt"][rank].sum())}
 
 
-def exchange_cuda_worker(rank: int, world: int, mode: str, rows_kind: str, num_sms: int = 3) -> List[Dict]:
+def exchange_cuda_worker(rank: int, world: int, mode: str, rows_kind: str, num_sms: int = 3,
+                         align: int = 1) -> List[Dict]:
     """``mode``: ``"eager"`` (seeds 0, 1), ``"graph"`` (eager seed 0 allocates, then one capture replayed with
     seeds 1 and 2: new routing, rows and counts copied into the captured inputs) or ``"no_sync"`` (seed 1 under
     ``torch.cuda.set_sync_debug_mode("error")`` after an eager seed-0 call) or ``"two_streams"`` (seeds 0 and 1 issued
@@ -81,17 +83,17 @@ def exchange_cuda_worker(rank: int, world: int, mode: str, rows_kind: str, num_s
     torch.cuda.set_device(dev)
     ex = NvlinkExchange(device=dev, num_sms=num_sms)
     capacity = capacity_for(world, rows_kind)
-    refs = {seed: reference(seed, world, rows_kind, capacity) for seed in (0, 1, 2)}
+    refs = {seed: reference(seed, world, rows_kind, capacity, align) for seed in (0, 1, 2)}
 
     def to_dev(seed):
         rows, ros, sc, w = refs[seed]["inputs"][rank]
         return [t.to(dev) for t in (rows, ros, sc, w)] + [refs[seed]["outs"][rank].to(dev)]
 
     def step(rows, ros, sc, w, out):
-        d = ex.dispatch(rows, ros, sc, K, capacity, weights=w)
+        d = ex.dispatch(rows, ros, sc, K, capacity, weights=w, align=align)
         y = ex.combine(out, d.route_row, K, weights=w)
         gr = ex.gather_routes(out, d.route_row)
-        return d.expert_in, d.m_splits, d.row_weights, d.route_row, y, gr
+        return d.expert_in, d.m_splits, d.row_weights, d.route_row, y, gr, d.counts
 
     res = []
     if mode == "eager":

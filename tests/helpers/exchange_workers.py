@@ -8,7 +8,7 @@ from typing import Dict, List
 
 import torch
 
-from moe_graph.moe.exchange import HostSizedExchange
+from moe_graph.moe.exchange import HostSizedExchange, HostSizedFusedExchange
 from moe_graph.ops.dispatch_layout import dispatch_layout
 
 # name, tokens, topk, local columns, zero-token columns (every other), quota (fraction of routes per destination;
@@ -59,7 +59,7 @@ def fused_reference_worker(rank: int, world: int) -> List[Dict]:
         lays = [dispatch_layout(idx, column_rank, column_local, R, Lc, n, valid=valid, dest_quota=q)
                 for idx, valid, _, _ in inputs]
         capacity = cap_in if cap_in is not None else R * n
-        ref_in, ref_ms, ref_rw, ref_rr = ops.exchange_dispatch_reference(
+        ref_in, ref_ms, ref_rw, ref_rr, _ = ops.exchange_dispatch_reference(
             [x[2] for x in inputs], [l.route_of_slot for l in lays], [l.send_counts for l in lays],
             [x[3] for x in inputs], K, capacity)
         # the existing path on this rank: the permute copy into send slots, then HostSizedExchange
@@ -94,5 +94,21 @@ def fused_reference_worker(rank: int, world: int) -> List[Dict]:
             torch.equal(ref_in[int(v) // capacity][int(v) % capacity], rows[r // K])
             for r, v in enumerate(rr.tolist()) if v >= 0))
         res["route_row_sent"] = int((rr >= 0).sum())
+        # align 16: the reference against the host-sized exchange with its alignment composed into the placement
+        # (HostSizedExchange.align, aligned_groups), and the fused gloo model (HostSizedFusedExchange) against both
+        a_in, a_ms, a_rw, a_rr, a_cnt = ops.exchange_dispatch_reference(
+            [x[2] for x in inputs], [l.route_of_slot for l in lays], [l.send_counts for l in lays],
+            [x[3] for x in inputs], K, capacity, 16)
+        plan = ex.plan(lay.send_counts, capacity)
+        padded = ex.align(plan, 16)
+        res["aligned_expert_in"] = bool(torch.equal(_bits(ex.to_experts(send, plan)), _bits(a_in[rank])))
+        res["aligned_row_weights"] = bool(torch.equal(_bits(ex.to_experts(wsend.view(-1, 1), plan).view(-1)),
+                                                      _bits(a_rw[rank])))
+        res["aligned_m_splits"] = bool(torch.equal(padded, a_ms[rank]) and torch.equal(plan.m_splits, a_cnt[rank]))
+        fx = HostSizedFusedExchange().dispatch(rows, ros, lay.send_counts, K, capacity, w, align=16)
+        res["fused_gloo_aligned"] = bool(
+            torch.equal(_bits(fx.expert_in), _bits(a_in[rank])) and torch.equal(fx.m_splits, a_ms[rank])
+            and torch.equal(fx.counts, a_cnt[rank]) and torch.equal(_bits(fx.row_weights), _bits(a_rw[rank]))
+            and torch.equal(fx.route_row, a_rr[rank]))
         out.append(res)
     return out

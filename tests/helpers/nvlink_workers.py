@@ -86,9 +86,11 @@ def dispatcher_exchange_worker(rank: int, world: int, seed: int, cases: List, sp
 
 
 def layer_exchange_worker(rank: int, world: int, seed: int, exchanges: List[str], spare: int,
-                          capacity_factor: Optional[float], fp8_kind: Optional[str] = None) -> Dict:
+                          capacity_factor: Optional[float], fp8_kind: Optional[str] = None,
+                          fp8_dispatch: Optional[bool] = None) -> Dict:
     """An EP MoE layer (echo with ``spare`` slots, a capacity factor) built identically with each exchange: output
-    and every parameter's and the input's gradient per exchange. ``fp8_kind``: FP8 dispatch under that recipe."""
+    and every parameter's and the input's gradient per exchange, and whether the experts got their rows aligned.
+    ``fp8_kind``: FP8 experts under that recipe, with FP8 dispatch unless ``fp8_dispatch`` is False."""
     import moe_graph
 
     R, H, Fh, E, K, T = world, 32, 16, 4 * world, 2, 24
@@ -99,7 +101,11 @@ def layer_exchange_worker(rank: int, world: int, seed: int, exchanges: List[str]
         dt = torch.bfloat16 if fp8_kind else torch.float64
         layer = MoELayer(H, Fh, E, K, activation="swiglu", num_spare_experts_per_ep_rank=spare, ep_size=R,
                          capacity_factor=capacity_factor, device="cpu", params_dtype=dt, exchange=name,
-                         ranks_per_node=int(g) if g else None, fp8_dispatch=fp8_kind is not None)
+                         ranks_per_node=int(g) if g else None,
+                         fp8_dispatch=fp8_kind is not None if fp8_dispatch is None else fp8_dispatch)
+        seen = []
+        layer.experts.register_forward_pre_hook(lambda mod, args, kw: seen.append(kw.get("aligned")),
+                                                with_kwargs=True)
         gen = torch.Generator().manual_seed(seed * 1000 + rank)
         with torch.no_grad():
             layer.router.weight[0] += 2.0  # expert 0 is hot: echo and the capacity have work to do
@@ -111,7 +117,7 @@ def layer_exchange_worker(rank: int, world: int, seed: int, exchanges: List[str]
         else:
             y = layer(x)
         (y.double() * target.double()).sum().backward()
-        res[ex] = {"y": y.detach().double(), "gx": x.grad.double(),
+        res[ex] = {"y": y.detach().double(), "gx": x.grad.double(), "aligned": bool(seen and seen[0]),
                    "grads": {n: p.grad.double().clone() for n, p in layer.named_parameters() if p.grad is not None}}
     return res
 

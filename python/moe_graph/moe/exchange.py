@@ -456,17 +456,31 @@ class CompletedExchange:
 
 class FusedState:
     """One dispatch's state for a fused backend: the layout (``route_of_slot``, ``send_counts``), the shape
-    (``topk``, ``capacity``) and what the forward dispatch returned (``route_row``, ``m_splits``, ``row_weights``),
-    shared by the forward rows, the row weights, the combine and the backward passes."""
+    (``topk``, ``capacity``: the real rows a rank receives at most, ``align``: the row alignment of the receive
+    groups, ``rows``: the expert input's rows ``P = aligned_padded_rows(capacity, Lc, align)``) and what the
+    forward dispatch returned (``route_row``, ``m_splits``: the padded counts the grouped GEMM reads, ``counts``:
+    the rows that arrived per local expert, ``row_weights``), shared by the forward rows, the row weights, the
+    combine and the backward passes."""
 
-    def __init__(self, route_of_slot: torch.Tensor, send_counts: torch.Tensor, topk: int, capacity: int):
+    def __init__(self, route_of_slot: torch.Tensor, send_counts: torch.Tensor, topk: int, capacity: int,
+                 align: int = 1):
         self.route_of_slot, self.send_counts, self.topk, self.capacity = route_of_slot, send_counts, topk, capacity
+        self.align = align
+        self.rows = aligned_padded_rows(capacity, send_counts.shape[1], align)
         self.route_row: Optional[torch.Tensor] = None
         self.m_splits: Optional[torch.Tensor] = None
+        self.counts: Optional[torch.Tensor] = None
         self.row_weights: Optional[torch.Tensor] = None
+
+    def dispatch(self, fx, rows: torch.Tensor, weights: Optional[torch.Tensor]) -> FusedDispatch:
+        """``fx.dispatch`` of ``rows`` [T, *X] on this layout (the alignment passed only when it is not 1: backends
+        without it keep working)."""
+        extra = {} if self.align == 1 else {"align": self.align}
+        return fx.dispatch(rows, self.route_of_slot, self.send_counts, self.topk, self.capacity, weights, **extra)
 
     def take(self, out: FusedDispatch) -> torch.Tensor:
         self.route_row, self.m_splits, self.row_weights = out.route_row, out.m_splits, out.row_weights
+        self.counts = out.m_splits if out.counts is None else out.counts
         return out.expert_in
 
 
@@ -490,14 +504,18 @@ def reduce_routes(routes: torch.Tensor, route_row: torch.Tensor, topk: int,
     return y.view((TK // topk,) + X)
 
 
-def _placement(counts: torch.Tensor, capacity: int):
-    """``counts [R src, R dst, Lc]`` -> ``(start, fit)`` of the same shape: the first receive row at ``dst`` of the
-    ``(src, local expert)`` chunk (rows grouped by local expert, then source, then the sender's order) and how many of
-    its rows lie below ``capacity`` (the rest are never written)."""
-    R, _, Lc = counts.shape
-    flat = counts.permute(1, 2, 0).reshape(R, Lc * R)  # [dst, (l, src)]
-    start = (flat.cumsum(1) - flat).view(R, Lc, R).permute(2, 0, 1)
-    return start, (capacity - start).clamp(min=0).minimum(counts)
+def _placement(counts: torch.Tensor, capacity: int, align: int = 1):
+    """``counts [R src, R dst, Lc]`` -> ``(start, fit)`` of the same shape: how many rows of the ``(src, local
+    expert)`` chunk arrive at ``dst`` (the chunks cut in source-major order where their running sum reaches
+    ``capacity``, as ``csrc/exchange/exchange.h``; the rest are never written) and the first receive row of those
+    (rows grouped by local expert, then source, then the sender's order; local expert ``l``'s group starting at
+    ``sum_{l' < l} ceil(fit of l' / align) * align``)."""
+    flat = counts.permute(1, 0, 2).flatten(1)  # [dst, (src, l)]
+    fit = (capacity - (flat.cumsum(1) - flat)).clamp(min=0).minimum(flat).view_as(flat)
+    fit = fit.view(counts.shape[1], counts.shape[0], -1).permute(1, 0, 2)  # [src, dst, l]
+    padded = -(-fit.sum(0) // align) * align  # [dst, l]
+    start = (padded.cumsum(1) - padded).unsqueeze(0) + (fit.cumsum(0) - fit)  # after earlier sources' rows
+    return start, fit
 
 
 def _ranges(starts, sizes) -> torch.Tensor:
@@ -510,12 +528,15 @@ class HostSizedFusedExchange:
     """The fused ("nvlink") exchange's semantics with split sizes read on the host, over any process group (gloo on
     CPUs): the interface the CUDA backend (``moe_graph.ops.nvlink``) implements with one kernel per direction.
 
-    * ``dispatch(rows [T, *X], route_of_slot [N], send_counts [R, Lc], topk, capacity, weights=None)`` ->
+    * ``dispatch(rows [T, *X], route_of_slot [N], send_counts [R, Lc], topk, capacity, weights=None, align=1)`` ->
       :class:`FusedDispatch`: the counts are all-gathered (``[R, R, Lc]``: every rank places every row the same
       way), each kept route's token row is gathered once straight from ``rows`` (no ``expand_rows`` send copy) and
       sent with ``all_to_all_single`` to its destination, which writes it at its final receive row; rows at or past
       ``capacity`` are not sent (``EXCHANGE_COUNTS``). ``weights [T*K]`` (any float dtype, kept) travel beside the
       rows. Any row dtype moves bit for bit (FP8 dispatch's uint8 rows). ``expert_in`` is a fresh tensor.
+      ``align``: every local expert's group starts at a multiple of ``align`` rows (zero rows between; ``P =
+      aligned_padded_rows(capacity, Lc, align)`` rows, ``route_row = dest * P + row``, ``m_splits`` the padded
+      counts, ``counts`` the rows that arrived), as ``csrc/exchange/exchange.h``.
     * ``gather_routes(expert_out [capacity, *X], route_row) -> [T*K, *X]``: each route's row pulled from its
       destination (a request exchange of row indices, then the rows), zeros for ``-1``.
     * ``combine(expert_out, route_row, topk, weights=None) -> [T, *X]``: ``gather_routes`` then
@@ -595,12 +616,15 @@ class HostSizedFusedExchange:
 
     # ----------------------------------------------------------------------------------------- dispatch --
     def dispatch(self, rows: torch.Tensor, route_of_slot: torch.Tensor, send_counts: torch.Tensor, topk: int,
-                 capacity: int, weights: Optional[torch.Tensor] = None) -> FusedDispatch:
+                 capacity: int, weights: Optional[torch.Tensor] = None, align: int = 1) -> FusedDispatch:
         R, r = self.num_ranks, self.rank
         self._check(rows, route_of_slot, send_counts, topk, capacity, weights, R)
+        if isinstance(align, bool) or not isinstance(align, int) or not 1 <= align <= 1 << 20:
+            raise ValueError(f"dispatch: align must be an int in [1, 2^20], got {align!r}")
         Lc, TK, dev = send_counts.shape[1], rows.shape[0] * topk, rows.device
+        P = aligned_padded_rows(capacity, Lc, align)  # the receive rows
         counts = self._gathered_counts(send_counts)
-        start, fit = _placement(counts, capacity)
+        start, fit = _placement(counts, capacity, align)
         flag_error_if((fit[:, r] != counts[:, r]).any().view(1).to(dev), EXCHANGE_COUNTS)  # this rank's buffer
         mine = counts[r].reshape(-1)  # [(dst, l)] this rank's slots, packed in this order
         n_slots = int(mine.sum())
@@ -610,12 +634,13 @@ class HostSizedFusedExchange:
         chunk = torch.repeat_interleave(torch.arange(R * Lc), mine)
         pos = torch.arange(n_slots) - (mine.cumsum(0) - mine)[chunk]
         keep = pos < fit[r].reshape(-1)[chunk]
-        dest_row = ((chunk // Lc) * capacity + start[r].reshape(-1)[chunk] + pos)[keep].to(dev)
+        dest_row = ((chunk // Lc) * P + start[r].reshape(-1)[chunk] + pos)[keep].to(dev)
         routes = route_of_slot[:n_slots][keep.to(dev)]  # by destination, local expert, slot order
         route_row = torch.full((TK,), -1, dtype=torch.int64, device=dev).index_copy_(0, routes, dest_row)
         # the rows each source sends this rank, in its slot order -> their final rows here
         recv_rows = _ranges(start[:, r].reshape(-1).tolist(), fit[:, r].reshape(-1).tolist()).to(dev)
-        m_splits = fit[:, r].sum(0).to(dev)
+        arrived = fit[:, r].sum(0)
+        m_splits = (-(-arrived // align) * align).to(dev)
         if self.ranks_per_node == R:
             send_splits, recv_splits = fit[r].sum(1).tolist(), fit[:, r].sum(1).tolist()
             payload = [rows.index_select(0, torch.div(routes, topk, rounding_mode="floor"))]  # one read per route
@@ -623,11 +648,12 @@ class HostSizedFusedExchange:
                 payload.append(weights.index_select(0, routes))
             moved = [self._a2a(p, send_splits, recv_splits) for p in payload]
             self._count("dispatch", send_splits)
-            placed = [p.new_zeros((capacity,) + tuple(p.shape[1:])).index_copy_(0, recv_rows, m) for p, m in
+            placed = [p.new_zeros((P,) + tuple(p.shape[1:])).index_copy_(0, recv_rows, m) for p, m in
                       zip(payload, moved)]
         else:
-            placed = self._dispatch_two_level(rows, route_row, topk, capacity, weights)
-        return FusedDispatch(placed[0], m_splits, placed[1] if weights is not None else None, route_row)
+            placed = self._dispatch_two_level(rows, route_row, topk, P, weights)
+        return FusedDispatch(placed[0], m_splits, placed[1] if weights is not None else None, route_row,
+                             arrived.to(dev))
 
     def gather_routes(self, expert_out: torch.Tensor, route_row: torch.Tensor) -> torch.Tensor:
         R, TK, dev = self.num_ranks, route_row.shape[0], route_row.device
@@ -781,8 +807,7 @@ class FusedDispatchFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, fx, state: FusedState, rows, weights):
         ctx.fx, ctx.state = fx, state
-        out = state.take(fx.dispatch(rows.contiguous(), state.route_of_slot, state.send_counts, state.topk,
-                                     state.capacity, weights))
+        out = state.take(state.dispatch(fx, rows.contiguous(), weights))
         ctx.point = exchange_issued()  # an exchange point (moe_graph.train.interleave hands the turn over here)
         return out
 
@@ -815,7 +840,7 @@ class FusedCombineFn(torch.autograd.Function):
         grad_out = grad_w = None
         if ctx.needs_input_grad[2]:
             w = None if weights is None else weights.detach()
-            out = fx.dispatch(dy, s.route_of_slot, s.send_counts, s.topk, s.capacity, w)
+            out = s.dispatch(fx, dy, w)
             grad_out = out.expert_in
             if w is not None:
                 acc = torch.float64 if dy.dtype == torch.float64 else torch.float32

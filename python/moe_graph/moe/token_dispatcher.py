@@ -248,6 +248,8 @@ class DispatchHandle:
     def expert_rows(self) -> int:
         """Rows of the expert input: ``R * capacity`` (per-pair rule) or ``capacity`` (per destination), the
         padded rows (:func:`moe_graph.ops.dispatch_layout.aligned_padded_rows`) when :attr:`aligned`."""
+        if isinstance(self.exchange_plan, FusedState):
+            return self.exchange_plan.rows
         if self.exchange_plan is not None:
             return self.exchange_plan.capacity
         if self.expert_row_source is not None:
@@ -459,9 +461,10 @@ class TokenDispatcher(nn.Module):
                 maps, so each row moves once, straight to its aligned row, and combine reads the padded rows
                 straight back (``handle.aligned``); so do the per-destination exchanges, host-sized (gloo,
                 :meth:`moe_graph.moe.exchange.HostSizedExchange.align`) and NVSHMEM (the row gather that reads its
-                receive buffer, :meth:`moe_graph.moe.exchange.SymmMemExchange.align`). The fused exchange places
-                the rows itself and ignores it (``handle.aligned`` False: the experts regroup,
-                :class:`moe_graph.moe.experts.AlignedGroups`).
+                receive buffer, :meth:`moe_graph.moe.exchange.SymmMemExchange.align`), and the fused exchange
+                places every row at its aligned row itself (``exchange="nvlink"``: the kernels' ``align``, the
+                16-bit rows and FP8 dispatch's packed rows alike; zero rows between the groups, ``row_weights`` 0
+                there). Without it the experts regroup (:class:`moe_graph.moe.experts.AlignedGroups`).
             quantize_recipe: the FP8 experts' recipe (``moe_graph.fp8`` ``Recipe``; 16-bit dispatch): on the
                 per-pair rule and the per-destination exchanges (not the fused one) with the groups aligned
                 (``align_rows``) the expert input is written as its two FP8 copies by the op that places its rows
@@ -575,7 +578,12 @@ class TokenDispatcher(nn.Module):
         else:
             send = expand_rows(hidden, handle.route_of_slot, handle.route_rows)  # [N, H] by (destination, expert)
             expert_in = self._to_expert_order(send, handle)
-        if handle.exchange_plan is not None:  # known once the rows went (the NVSHMEM exchange returns them)
+        if self.fused:  # known once the rows went: the rows per local expert, the padded counts when aligned
+            plan = handle.exchange_plan
+            handle.m_splits = plan.counts
+            if plan.align > 1:
+                handle.aligned_m_splits = plan.m_splits
+        elif handle.exchange_plan is not None:  # known once the rows went (the NVSHMEM exchange returns them)
             handle.m_splits = handle.exchange_plan.m_splits
         return expert_in, handle.m_splits if handle.aligned_m_splits is None else handle.aligned_m_splits, handle
 
@@ -595,8 +603,9 @@ class TokenDispatcher(nn.Module):
         """The per-destination rule (see :mod:`moe_graph.moe.exchange`): quotas from the all-gathered demand, the
         layout op in quota mode, the variable-size exchange's plan (its ``m_splits`` are set once the rows went).
         ``align_rows``: the host-sized and NVSHMEM exchanges compose the alignment into their placement
-        (``align`` of :class:`~moe_graph.moe.exchange.HostSizedExchange` / :class:`~moe_graph.moe.exchange.SymmMemExchange`);
-        the fused one ignores it."""
+        (``align`` of :class:`~moe_graph.moe.exchange.HostSizedExchange` /
+        :class:`~moe_graph.moe.exchange.SymmMemExchange`), the fused one takes it into its state
+        (:class:`moe_graph.moe.exchange.FusedState`, its ``m_splits`` known once the rows went)."""
         R, (T, K) = self.num_ep_ranks, indices.shape
         local = self._local_demand(indices, valid)
         if demand is None:
@@ -614,8 +623,8 @@ class TokenDispatcher(nn.Module):
         if counters is not None and T * K:  # the largest destination load of the job over the mean T * K
             ratio = demand.sum(0).max().to(torch.float64) / (T * K)
             counters[2].copy_(torch.maximum(counters[2], ratio.view_as(counters[2])))
-        if self.fused:
-            plan = FusedState(lay.route_of_slot, lay.send_counts, K, cap)
+        if self.fused:  # the fused exchange places the rows at their aligned rows itself
+            plan = FusedState(lay.route_of_slot, lay.send_counts, K, cap, 1 if align_rows is None else align_rows)
         else:
             plan = self.exchange_backend.plan(lay.send_counts, cap)
         aligned = None
@@ -627,10 +636,9 @@ class TokenDispatcher(nn.Module):
     def _move_bytes(self, rows: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """Token rows ``[T, B]`` (any dtype, e.g. FP8 dispatch's uint8) -> the expert input's rows ``[rows, B]``,
         bit for bit (index gathers and the same exchanges as :meth:`_to_expert_order`; not differentiable)."""
-        if self.fused:  # straight from the token rows, the probabilities beside them
-            return handle.exchange_plan.take(self.exchange_backend.dispatch(
-                rows, handle.route_of_slot, handle.exchange_plan.send_counts, handle.topk, handle.capacity,
-                handle.probs.detach().reshape(-1)))
+        if self.fused:  # straight from the token rows (at their aligned rows when aligned), the probabilities beside
+            plan = handle.exchange_plan
+            return plan.take(plan.dispatch(self.exchange_backend, rows, handle.probs.detach().reshape(-1)))
         send = take_rows(rows, handle.route_of_slot // handle.topk)  # [N, B] (T * K // K = T: empty slot)
         if handle.exchange_plan is not None:
             return self.exchange_backend.to_experts(send, handle.exchange_plan)

@@ -6,7 +6,9 @@ implementations of those ops.
 Semantics (``csrc/exchange/exchange.h``, the host reference ``exchange_*_reference`` runs them for all ranks in one
 process): each token row is read once from ``rows`` and stored straight into each destination's symmetric receive
 buffer at its final row (local expert, then source rank, then the sender's slot order; the chunks cut in
-source-major order at ``capacity``, as ``HostSizedExchange``), its weight beside it; ``combine`` pulls each route's
+source-major order at ``capacity``, as ``HostSizedExchange``; with ``align`` every local expert's group starts at a
+multiple of ``align`` rows, zero rows between, in ``P = aligned_padded_rows(capacity, Lc, align)`` rows), its weight
+beside it; ``combine`` pulls each route's
 row from the destination's symmetric expert-output buffer and reduces the K routes in fp32 (fp64 for fp64);
 ``gather_routes`` pulls without reduction. Completion by per-peer signals (system-scope release / acquire) with
 epochs kept on the device: no host sync, capturable, replayable with changing counts.
@@ -41,10 +43,11 @@ class FusedDispatch(NamedTuple):
     """What a fused backend's ``dispatch`` returns (this module's :class:`NvlinkExchange` and, on CPU process groups,
     ``moe_graph.moe.exchange.HostSizedFusedExchange``)."""
 
-    expert_in: torch.Tensor  # [capacity, *X] the rows at their final receive rows, zeros after sum(m_splits)
-    m_splits: torch.Tensor  # [Lc] int64 rows per local expert
-    row_weights: Optional[torch.Tensor]  # [capacity] fp32 weight carried beside each row, 0 on padding; or None
-    route_row: torch.Tensor  # [T*K] int64: dest * capacity + row of each route, -1 if not sent
+    expert_in: torch.Tensor  # [P, *X] the rows at their final receive rows, zeros on every other row
+    m_splits: torch.Tensor  # [Lc] int64 rows per local expert group (rounded up to a multiple of align)
+    row_weights: Optional[torch.Tensor]  # [P] fp32 weight carried beside each row, 0 on the zero rows; or None
+    route_row: torch.Tensor  # [T*K] int64: dest * P + row of each route, -1 if not sent
+    counts: Optional[torch.Tensor] = None  # [Lc] int64 rows that arrived per local expert (m_splits at align 1)
 
 
 def kernels_available() -> bool:
@@ -93,10 +96,11 @@ class _Handle:
         return self._result
 
 
-def layout(num_ranks: int, num_local: int, capacity: int, row_bytes: int):
-    """``(control words, receive-buffer bytes, weights offset, epoch words, largest R*Lc)`` (native op)."""
+def layout(num_ranks: int, num_local: int, capacity: int, row_bytes: int, align: int = 1):
+    """``(control words, receive-buffer bytes, weights offset, epoch words, largest R*Lc, receive rows P)`` (native
+    op; ``P = aligned_padded_rows(capacity, num_local, align)``)."""
     _lib.require()
-    return tuple(_lib.ops.exchange_layout(num_ranks, num_local, capacity, row_bytes))
+    return tuple(_lib.ops.exchange_layout(num_ranks, num_local, capacity, row_bytes, align))
 
 
 class _Symmetric:
@@ -135,7 +139,7 @@ class NvlinkExchange:
         from torch.distributed import _symmetric_memory as symm
 
         symm.enable_symm_mem_for_group(self.group_name)
-        self._recv = {}  # (capacity, row_bytes) -> _Symmetric (uint8)
+        self._recv = {}  # (receive rows P, row_bytes) -> _Symmetric (uint8)
         self._ctrl = {}  # num_local -> (_Symmetric control words, epoch [4] int64)
         self._pull = {}  # (capacity, row shape, dtype) -> _Symmetric
         self._pull_ctrl = None
@@ -144,17 +148,16 @@ class NvlinkExchange:
     # ---- buffers (collective on first use of a shape) -----------------------------------------------------------
     def _control(self, num_local: int):
         if num_local not in self._ctrl:
-            words, _, _, epoch_words, max_chunks = layout(self.num_ranks, num_local, 0, 0)
+            words, _, _, epoch_words, max_chunks, _ = layout(self.num_ranks, num_local, 0, 0)
             if self.num_ranks * num_local > max_chunks:
                 raise ValueError(f"NvlinkExchange: R * Lc = {self.num_ranks * num_local} exceeds {max_chunks}")
             ctrl = _Symmetric(words, torch.int64, self.device, self.group_name, zero=True)
             self._ctrl[num_local] = (ctrl, torch.zeros(epoch_words, dtype=torch.int64, device=self.device))
         return self._ctrl[num_local]
 
-    def _receive(self, capacity: int, row_bytes: int, num_local: int) -> _Symmetric:
-        key = (capacity, row_bytes)
+    def _receive(self, rows: int, row_bytes: int, nbytes: int) -> _Symmetric:
+        key = (rows, row_bytes)
         if key not in self._recv:
-            nbytes = layout(self.num_ranks, num_local, capacity, row_bytes)[1]
             self._recv[key] = _Symmetric(nbytes, torch.uint8, self.device, self.group_name, zero=False)
         return self._recv[key]
 
@@ -177,7 +180,7 @@ class NvlinkExchange:
         return buf, sym.ptrs, self._pull_ctrl
 
     def _control_pull(self):
-        words, _, _, epoch_words, _ = layout(self.num_ranks, 1, 0, 0)
+        words, _, _, epoch_words, _, _ = layout(self.num_ranks, 1, 0, 0)
         ctrl = _Symmetric(words, torch.int64, self.device, self.group_name, zero=True)
         return ctrl, torch.zeros(epoch_words, dtype=torch.int64, device=self.device)
 
@@ -192,7 +195,8 @@ class NvlinkExchange:
         return self._ordered.run(self._gather_routes, *args, **kwargs)
 
     def _dispatch(self, rows: torch.Tensor, route_of_slot: torch.Tensor, send_counts: torch.Tensor, topk: int,
-                 capacity: int, weights: Optional[torch.Tensor] = None, copy: bool = True) -> FusedDispatch:
+                 capacity: int, weights: Optional[torch.Tensor] = None, copy: bool = True,
+                 align: int = 1) -> FusedDispatch:
         rows = rows.contiguous()
         R, Lc = send_counts.shape
         if R != self.num_ranks:
@@ -201,17 +205,17 @@ class NvlinkExchange:
         X = tuple(rows.shape[1:])
         row_bytes = rows.element_size() * math.prod(X)
         ctrl, epoch = self._control(Lc)
-        recv = self._receive(capacity, row_bytes, Lc)
-        m_splits, route_row = _lib.ops.exchange_dispatch(
+        _, nbytes, woff, _, _, P = layout(R, Lc, capacity, row_bytes, align)
+        recv = self._receive(P, row_bytes, nbytes)
+        m_splits, route_row, counts = _lib.ops.exchange_dispatch(
             rows, route_of_slot, send_counts, weights, topk, capacity, self.rank, recv.tensor, recv.ptrs,
-            ctrl.tensor, ctrl.ptrs, epoch, self.num_sms)
-        woff = layout(R, Lc, capacity, row_bytes)[2]
-        expert_in = recv.tensor[:capacity * row_bytes].view(rows.dtype).view((capacity,) + X)
-        row_weights = recv.tensor[woff:woff + 4 * capacity].view(torch.float32) if weights is not None else None
+            ctrl.tensor, ctrl.ptrs, epoch, self.num_sms, align)
+        expert_in = recv.tensor[:P * row_bytes].view(rows.dtype).view((P,) + X)
+        row_weights = recv.tensor[woff:woff + 4 * P].view(torch.float32) if weights is not None else None
         if copy:
             expert_in = expert_in.clone()
             row_weights = row_weights.clone() if row_weights is not None else None
-        return FusedDispatch(expert_in, m_splits, row_weights, route_row)
+        return FusedDispatch(expert_in, m_splits, row_weights, route_row, counts)
 
     def _combine(self, expert_out: torch.Tensor, route_row: torch.Tensor, topk: int,
                  weights: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -253,9 +257,10 @@ def _register() -> None:
 
     @torch.library.register_fake(_OPS[0])
     def _(rows, route_of_slot, send_counts, weights, topk, capacity, rank, recv_buffer, recv_ptrs, ctrl_buffer,
-          ctrl_ptrs, epoch, num_ctas):
+          ctrl_ptrs, epoch, num_ctas, align=1):
         torch._check(send_counts.dim() == 2, lambda: "exchange_dispatch: send_counts must be [R, Lc]")
-        return (send_counts.new_empty((send_counts.shape[1],)), send_counts.new_empty((rows.shape[0] * topk,)))
+        return (send_counts.new_empty((send_counts.shape[1],)), send_counts.new_empty((rows.shape[0] * topk,)),
+                send_counts.new_empty((send_counts.shape[1],)))
 
     @torch.library.register_fake(_OPS[1])
     def _(expert_out, src_ptrs, ctrl_buffer, ctrl_ptrs, epoch, route_row, weights, topk, rank, num_ctas):
