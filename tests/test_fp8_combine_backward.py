@@ -437,14 +437,16 @@ def test_receive_side_regrouping_hands_fc2_its_fp8_dy(recipe, dtype, case):
     (4, "blockwise", None, "float32", "main_grad", "nccl"),
     (2, "blockwise", 0.6, "bfloat16", "signed_zeros", "symm_mem"),  # per destination, host-sized
     (2, "mxfp8", None, "float32", "one_expert", "symm_fake"),       # per destination, NVSHMEM (CPU model)
+    (2, "blockwise", 0.6, "bfloat16", "signed_zeros", "nvlink"),    # the fused exchange (gloo), weighted dy
+    (2, "tensor", None, "float32", "nonfinite", "nvlink"),
     # MOE_GRAPH_FULL_TESTS=1: 4-rank repeats of the 2-rank cases above (same recipes and cases)
     *full_only((4, "mxfp8", 0.6, "bfloat16", "one_expert", "nccl"), (4, "tensor", 0.6, "float32", "signed_zeros", "nccl"),
                (2, "tensor", 0.6, "bfloat16", "nonfinite", "symm_fake")),
 ])
 def test_moe_layer_fused_combine_backward_multi_rank(world, kind, cf, dtype, case, exchange):
     """EP 2 / 4 on gloo: on the fixed-split exchange the regrouping of the returned gradient writes fc2's FP8 dy
-    (one op instead of reduce_rows and fc2's quantize), on the per-destination exchanges the receive side of the
-    gradient's exchange (instead of its row gather and fc2's quantize); output, input gradient and every gradient
+    (one op instead of reduce_rows and fc2's quantize), on the per-destination and fused exchanges the receive side
+    of the gradient's exchange (instead of its row gather or buffer copy and fc2's quantize); output, input gradient and every gradient
     (router: the probabilities' too; main_grad) equal the switch off bit for bit on every rank."""
     res = run_distributed(combine_backward_worker, world, kind, cf, dtype, case, exchange, timeout=300.0)
     for r in res:

@@ -54,7 +54,7 @@ except ImportError:  # pragma: no cover - torch without it
 from moe_graph.ops.dispatch_layout import aligned_groups, aligned_padded_rows
 from moe_graph.ops.errors import EXCHANGE_COUNTS, flag_error_if
 from moe_graph.ops.nvlink import FusedDispatch, NvlinkExchange, OrderedStream, kernels_available
-from moe_graph.ops.fp8 import QuantizedRows, carrier
+from moe_graph.ops.fp8 import QuantizedRows, carrier, quantize_pair
 from moe_graph.ops.permute import expand_quantize_copies, reduce_rows, route_dot
 from moe_graph.streams import exchange_issued
 
@@ -472,10 +472,12 @@ class FusedState:
         self.counts: Optional[torch.Tensor] = None
         self.row_weights: Optional[torch.Tensor] = None
 
-    def dispatch(self, fx, rows: torch.Tensor, weights: Optional[torch.Tensor]) -> FusedDispatch:
-        """``fx.dispatch`` of ``rows`` [T, *X] on this layout (the alignment passed only when it is not 1: backends
-        without it keep working)."""
+    def dispatch(self, fx, rows: torch.Tensor, weights: Optional[torch.Tensor], reader=None) -> FusedDispatch:
+        """``fx.dispatch`` of ``rows`` [T, *X] on this layout (the alignment and ``reader`` passed only when set:
+        backends without them keep working)."""
         extra = {} if self.align == 1 else {"align": self.align}
+        if reader is not None:
+            extra["reader"] = reader
         return fx.dispatch(rows, self.route_of_slot, self.send_counts, self.topk, self.capacity, weights, **extra)
 
     def take(self, out: FusedDispatch) -> torch.Tensor:
@@ -528,7 +530,8 @@ class HostSizedFusedExchange:
     """The fused ("nvlink") exchange's semantics with split sizes read on the host, over any process group (gloo on
     CPUs): the interface the CUDA backend (``moe_graph.ops.nvlink``) implements with one kernel per direction.
 
-    * ``dispatch(rows [T, *X], route_of_slot [N], send_counts [R, Lc], topk, capacity, weights=None, align=1)`` ->
+    * ``dispatch(rows [T, *X], route_of_slot [N], send_counts [R, Lc], topk, capacity, weights=None, align=1,
+      reader=None)`` ->
       :class:`FusedDispatch`: the counts are all-gathered (``[R, R, Lc]``: every rank places every row the same
       way), each kept route's token row is gathered once straight from ``rows`` (no ``expand_rows`` send copy) and
       sent with ``all_to_all_single`` to its destination, which writes it at its final receive row; rows at or past
@@ -616,7 +619,7 @@ class HostSizedFusedExchange:
 
     # ----------------------------------------------------------------------------------------- dispatch --
     def dispatch(self, rows: torch.Tensor, route_of_slot: torch.Tensor, send_counts: torch.Tensor, topk: int,
-                 capacity: int, weights: Optional[torch.Tensor] = None, align: int = 1) -> FusedDispatch:
+                 capacity: int, weights: Optional[torch.Tensor] = None, align: int = 1, reader=None) -> FusedDispatch:
         R, r = self.num_ranks, self.rank
         self._check(rows, route_of_slot, send_counts, topk, capacity, weights, R)
         if isinstance(align, bool) or not isinstance(align, int) or not 1 <= align <= 1 << 20:
@@ -652,8 +655,9 @@ class HostSizedFusedExchange:
                       zip(payload, moved)]
         else:
             placed = self._dispatch_two_level(rows, route_row, topk, P, weights)
-        return FusedDispatch(placed[0], m_splits, placed[1] if weights is not None else None, route_row,
-                             arrived.to(dev))
+        row_weights = placed[1] if weights is not None else None
+        expert_in = placed[0] if reader is None else reader(placed[0], m_splits, row_weights)
+        return FusedDispatch(expert_in, m_splits, row_weights, route_row, arrived.to(dev))
 
     def gather_routes(self, expert_out: torch.Tensor, route_row: torch.Tensor) -> torch.Tensor:
         R, TK, dev = self.num_ranks, route_row.shape[0], route_row.device
@@ -819,14 +823,33 @@ class FusedDispatchFn(torch.autograd.Function):
         return None, None, out, None
 
 
+def fused_dispatch_quantized(fx, state: "FusedState", rows: torch.Tensor, weights: Optional[torch.Tensor],
+                             recipe) -> QuantizedRows:
+    """:class:`FusedDispatchFn` for FP8 experts (``state`` aligned): the receive side writes the expert input's two
+    FP8 copies under ``recipe`` straight from the receive buffer (``ops.fp8.quantize_pair`` as the backend's
+    ``reader``), the 16-bit expert input never copied out; a ``QuantizedRows`` whose carrier takes the gradient home
+    as :class:`FusedDispatchFn`'s backward does (the plain sum of each token's routes); an exchange point each way."""
+    out = state.take(state.dispatch(fx, rows.detach().contiguous(), weights,
+                                    reader=lambda x, m, w: quantize_pair(x, m, recipe, recipe.fwd_dtype)))
+    point = exchange_issued()
+    (q, s), columns = out
+
+    def back(g: torch.Tensor) -> torch.Tensor:
+        grad = fx.combine(g, state.route_row, state.topk, None)
+        exchange_issued(point)
+        return grad
+
+    return QuantizedRows(carrier(rows, state.rows, back), q, s, recipe.kind, columns)
+
+
 class FusedCombineFn(torch.autograd.Function):
     """Expert outputs -> ``[T, *X]`` (weighted or plain sum of each token's routes) through a fused backend;
     backward: the output gradient dispatched like the tokens and scaled at the destination by the carried weights
     (the expert outputs' gradient), and ``<dy[t], gather_routes(expert_out)[t*K+k]>`` (the weights' gradient)."""
 
     @staticmethod
-    def forward(ctx, fx, state: FusedState, expert_out, weights):
-        ctx.fx, ctx.state = fx, state
+    def forward(ctx, fx, state: FusedState, expert_out, weights, handoff=None):
+        ctx.fx, ctx.state, ctx.handoff = fx, state, handoff
         ctx.save_for_backward(expert_out if ctx.needs_input_grad[3] else None, weights)
         out = fx.combine(expert_out.contiguous(), state.route_row, state.topk, weights)
         ctx.point = exchange_issued()
@@ -834,18 +857,31 @@ class FusedCombineFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        fx, s = ctx.fx, ctx.state
+        fx, s, handoff = ctx.fx, ctx.state, ctx.handoff
         expert_out, weights = ctx.saved_tensors
         dy = dy.contiguous()
         grad_out = grad_w = None
         if ctx.needs_input_grad[2]:
             w = None if weights is None else weights.detach()
-            out = s.dispatch(fx, dy, w)
-            grad_out = out.expert_in
-            if w is not None:
+
+            def dense() -> torch.Tensor:  # the expert outputs' 16-bit gradient
+                out = s.dispatch(fx, dy, w)
+                if w is None:
+                    return out.expert_in
                 acc = torch.float64 if dy.dtype == torch.float64 else torch.float32
                 scale = out.row_weights.to(acc).view((-1,) + (1,) * (dy.dim() - 1))
-                grad_out = (grad_out.to(acc) * scale).to(dy.dtype)
+                return (out.expert_in.to(acc) * scale).to(dy.dtype)
+
+            if handoff is not None:  # fc2's two FP8 dy copies written from the receive buffer, the weights applied
+                def fp8_dy(x, m, rw):
+                    ident = torch.arange(x.shape[0], device=x.device)
+                    return expand_quantize_copies(x, ident, 1, handoff.m_splits, handoff.recipe,
+                                                  handoff.recipe.bwd_dtype, None if rw is None else rw.view(-1, 1))
+                copies = s.dispatch(fx, dy, w, reader=fp8_dy).expert_in
+                # the 16-bit fallback (another consumer summed into fc2's output gradient) dispatches dy again
+                grad_out = handoff.give(copies, (s.rows, dy.shape[1]), dy, dense)
+            else:
+                grad_out = dense()
         if ctx.needs_input_grad[3]:
             TK = s.route_row.shape[0]
             width = math.prod(expert_out.shape[1:])
@@ -854,7 +890,7 @@ class FusedCombineFn(torch.autograd.Function):
                                torch.arange(TK, device=dy.device).view(TK // s.topk, s.topk))
             grad_w = grad_w.reshape(TK).to(weights.dtype)
         exchange_issued(ctx.point)
-        return None, None, grad_out, grad_w
+        return None, None, grad_out, grad_w, None
 
 
 class RowWeightsFn(torch.autograd.Function):

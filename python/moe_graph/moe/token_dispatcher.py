@@ -70,7 +70,7 @@ from moe_graph.moe.exchange import (EXCHANGES, CompletedExchange, FusedCombineFn
                                     HostSizedExchange, RowWeightsFn, SymmMemExchange, ToExperts, ToSources, capacity_for,
                                     checked_demand, checksum_weights,
                                     destination_capacity, destination_quotas, flag_if_ranks_disagree, is_fused,
-                                    resolve_exchange, to_experts_quantized)
+                                    fused_dispatch_quantized, resolve_exchange, to_experts_quantized)
 from moe_graph.ops.dispatch_layout import aligned_groups, dispatch_layout, receive_layout
 from moe_graph.ops.fp8 import check_row_local, carrier, pack_rows, unpack_rows
 from moe_graph.ops.permute import (expand_pack, expand_pack_available, expand_quantize, expand_quantize_available,
@@ -572,6 +572,10 @@ class TokenDispatcher(nn.Module):
             send = expand_rows(hidden, handle.route_of_slot, handle.route_rows)
             expert_in = to_experts_quantized(self.exchange_backend, handle.exchange_plan, send,
                                              handle.aligned_m_splits, quantize_recipe)
+        elif (quantize_recipe is not None and self.fused and handle.exchange_plan.align > 1
+              and expand_quantize_available(dev.type)):  # the FP8 expert input read out of the receive buffer
+            expert_in = fused_dispatch_quantized(self.exchange_backend, handle.exchange_plan, hidden,
+                                                 probs.detach().reshape(-1), quantize_recipe)
         elif self.fused:  # each token row read once, placed at its final receive row, the probabilities beside it
             expert_in = FusedDispatchFn.apply(self.exchange_backend, handle.exchange_plan, hidden,
                                               probs.detach().reshape(-1))
@@ -713,13 +717,13 @@ class TokenDispatcher(nn.Module):
         if weighted:
             acc = torch.float64 if expert_output.dtype == torch.float64 else torch.float32
             w = handle.probs if handle.probs.dtype in (acc, expert_output.dtype) else handle.probs.to(acc)
-        if self.fused:  # the reverse exchange and the weighted reduction of each token's routes in one op
-            return FusedCombineFn.apply(self.exchange_backend, handle.exchange_plan, expert_output,
-                                        None if w is None else w.reshape(-1))
         if not (grad_handoff is not None
                 and grad_handoff.m_splits is handle.aligned_m_splits and grad_handoff.binds(expert_output)
                 and expand_quantize_available(expert_output.device.type)):
             grad_handoff = None
+        if self.fused:  # the reverse exchange and the weighted reduction of each token's routes in one op
+            return FusedCombineFn.apply(self.exchange_backend, handle.exchange_plan, expert_output,
+                                        None if w is None else w.reshape(-1), grad_handoff)
         if self.num_ep_ranks == 1:
             return reduce_rows(expert_output, handle.route_rows, handle.route_of_slot, w, grad_handoff)
         y_send = self._to_send_order(expert_output, handle, grad_handoff)  # the hand-off on the receive side

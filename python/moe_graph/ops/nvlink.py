@@ -17,7 +17,9 @@ Buffers: the symmetric buffers of each shape are allocated and exchanged (``rend
 first call of that shape, so run one eager step before CUDA-graph capture. Every rank must make the same sequence of
 calls with the same ``num_sms``. ``dispatch`` returns ``expert_in`` / ``row_weights`` as fresh tensors by default
 (one local copy each); ``copy=False`` returns views of the receive buffer, valid until the next dispatch of the same
-shape. ``combine`` / ``gather_routes`` copy ``expert_out`` into the symmetric buffer unless it already is
+shape; ``reader=fn`` returns ``fn(expert_in view, m_splits, row_weights view)`` in ``expert_in``'s place, run on the
+exchange's stream before the buffer can be reused (e.g. the FP8 copies of the rows written straight from the
+buffer), ``row_weights`` copied. ``combine`` / ``gather_routes`` copy ``expert_out`` into the symmetric buffer unless it already is
 :meth:`NvlinkExchange.combine_buffer` (let the expert GEMM write there to skip the copy).
 
 Compiled only: no GPU has run these kernels yet; their CPU emulation on R devices (tests/emulator, the ``exchange``
@@ -196,7 +198,7 @@ class NvlinkExchange:
 
     def _dispatch(self, rows: torch.Tensor, route_of_slot: torch.Tensor, send_counts: torch.Tensor, topk: int,
                  capacity: int, weights: Optional[torch.Tensor] = None, copy: bool = True,
-                 align: int = 1) -> FusedDispatch:
+                 align: int = 1, reader=None) -> FusedDispatch:
         rows = rows.contiguous()
         R, Lc = send_counts.shape
         if R != self.num_ranks:
@@ -212,9 +214,12 @@ class NvlinkExchange:
             ctrl.tensor, ctrl.ptrs, epoch, self.num_sms, align)
         expert_in = recv.tensor[:P * row_bytes].view(rows.dtype).view((P,) + X)
         row_weights = recv.tensor[woff:woff + 4 * P].view(torch.float32) if weights is not None else None
-        if copy:
+        if reader is not None:  # read the receive buffer in place, on the exchange's stream, before any reuse
+            expert_in = reader(expert_in, m_splits, row_weights)
+        elif copy:
             expert_in = expert_in.clone()
-            row_weights = row_weights.clone() if row_weights is not None else None
+        if (copy or reader is not None) and row_weights is not None:
+            row_weights = row_weights.clone()
         return FusedDispatch(expert_in, m_splits, row_weights, route_row, counts)
 
     def _combine(self, expert_out: torch.Tensor, route_row: torch.Tensor, topk: int,
