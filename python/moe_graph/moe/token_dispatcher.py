@@ -525,7 +525,7 @@ class TokenDispatcher(nn.Module):
                                   route_order=order, counters=counters)
             if R > 1:
                 recv_counts = self.backend.exchange(lay.send_counts)  # row s: what rank s sends this rank
-                source, target, m_splits = receive_layout(recv_counts, cap)
+                source, target, m_splits, _ = receive_layout(recv_counts, cap)
             else:  # the send buffer is the expert input
                 source, target, m_splits = None, None, lay.send_counts.view(Lc)
             handle = DispatchHandle(lay.route_slot, lay.route_of_slot, source, target, probs, T, K, cap, lay.dropped,
