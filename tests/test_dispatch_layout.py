@@ -476,6 +476,17 @@ def test_cuda_matches_cpu_without_sync(gen):
         finally:
             torch.cuda.set_sync_debug_mode(0)
         assert all(torch.equal(a.cpu(), b) for a, b in zip(aligned, aligned_groups(got[2].cpu(), R * cap, 16)))
+        # the aligned layouts (no extra launch): R = 1 send slots, the receive side's regrouping
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            recv16 = receive_layout(out.send_counts, cap, align=16)
+            one16 = dispatch_layout(dev[0], torch.zeros_like(dev[2]), dev[3] % Lc, 1, Lc, cap, valid=dev[1],
+                                    align=16)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert all(torch.equal(a.cpu(), b) for a, b in zip(recv16, receive_layout(ref.send_counts, cap, align=16)))
+        one_ref = dispatch_layout(idx, torch.zeros_like(cr), cl % Lc, 1, Lc, cap, valid=valid, align=16)
+        assert all(torch.equal(a.cpu(), b) for a, b in zip(one16, one_ref))
     check_errors()
     bad = dispatch_layout(torch.tensor([[0, 10**6]], device="cuda"), cr.cuda(), cl.cuda(), R, Lc, 4)
     assert bad.route_slot.tolist() == [0, R * 4]  # the bad route is not live; the flag says why
