@@ -99,15 +99,18 @@ TORCH_LIBRARY(moe_graph, m) {
 
   // ---- the token dispatcher's layout (csrc/permute/dispatch_layout.h) -------------------------------------
   // indices [T, K] -> (route_slot [T*K], route_of_slot [R*capacity], send_counts [R, Lc], column_counts [C],
-  // dropped []) int64; the given counters take this call's drops and load ratio in place; with dest_quota [R]:
-  // per-destination limits and packed send slots (route_of_slot [T*K]).
+  // dropped [], aligned_counts [R, Lc]) int64; the given counters take this call's drops and load ratio in place;
+  // with dest_quota [R]: per-destination limits and packed send slots (route_of_slot [T*K]); align > 1 (R = 1): the
+  // local experts' groups start at multiples of align slots (route_of_slot [aligned_padded_rows(capacity, Lc, align)]).
   m.def(
       "dispatch_layout(Tensor indices, Tensor? valid, Tensor column_rank, Tensor column_local, Tensor? route_order, "
       "int num_ep_ranks, int num_local_columns, int capacity, Tensor(a!)? dropped_routes=None, "
-      "Tensor(b!)? step_dropped_routes=None, Tensor(c!)? step_max_load_ratio=None, Tensor? dest_quota=None) -> "
-      "(Tensor, Tensor, Tensor, Tensor, Tensor)");
-  // recv_counts [R, Lc] -> (expert_row_source [R*capacity], recv_row_target [R*capacity], m_splits [Lc]) int64.
-  m.def("receive_layout(Tensor recv_counts, int capacity) -> (Tensor, Tensor, Tensor)");
+      "Tensor(b!)? step_dropped_routes=None, Tensor(c!)? step_max_load_ratio=None, Tensor? dest_quota=None, "
+      "int align=1) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // recv_counts [R, Lc] -> (expert_row_source [P], recv_row_target [R*capacity], m_splits [Lc], aligned_m_splits
+  // [Lc]) int64, the local experts' groups starting at multiples of align rows, P = aligned_padded_rows(R*capacity,
+  // Lc, align).
+  m.def("receive_layout(Tensor recv_counts, int capacity, int align=1) -> (Tensor, Tensor, Tensor, Tensor)");
   // m_splits [G] int64 -> (padded_m_splits [G], source_of_padded [P], padded_of_source [rows]) int64: every group
   // starting at a multiple of align rows (permute/dispatch_layout.h).
   m.def("aligned_groups(Tensor m_splits, int rows, int align) -> (Tensor, Tensor, Tensor)");

@@ -1,14 +1,17 @@
 """The dispatcher's layout ops against a plain-Python reference (loops over routes): kept routes under both drop
 policies, send slots by (destination, local expert, route), counts, counters; the receive order of a simulated
-multi-rank exchange; errors naming the argument; fake tensors and opcheck. CUDA vs CPU where a GPU exists."""
+multi-rank exchange; errors naming the argument; fake tensors and opcheck. The aligned layouts (``align``) against
+the previous composition (``aligned_groups`` of the counts composed into the align-1 maps,
+``helpers.aligned_reference``). CUDA vs CPU where a GPU exists."""
 
 import pytest
 import torch
 
 from conftest import requires_cuda
+from helpers.aligned_reference import aligned_receive, aligned_send
 from moe_graph.moe.token_dispatcher import expert_columns
 import moe_graph.ops.dispatch_layout as DL
-from moe_graph.ops.dispatch_layout import aligned_groups, dispatch_layout, receive_layout
+from moe_graph.ops.dispatch_layout import aligned_groups, aligned_padded_rows, dispatch_layout, receive_layout
 from moe_graph.testing.moe_reference import kept_routes
 
 
@@ -180,7 +183,8 @@ def test_receive_layout_of_a_simulated_exchange(gen, impl):
             # payload: (source, route, local expert) per receive row
             recv = [(s, int(r), int(cl[idxs[s].reshape(-1)[r]]) if r < T * K else None)
                     for s in range(R) for r in lays[s].route_of_slot[me * cap:(me + 1) * cap]]
-            src, tgt, m_splits = receive_layout(recv_counts, cap)
+            src, tgt, m_splits, aligned_m_splits = receive_layout(recv_counts, cap)
+            assert torch.equal(aligned_m_splits, m_splits)  # align 1
             N = R * cap
             got = [recv[i] if i < N else None for i in src.tolist()]
             real = sorted([x for x in recv if x[2] is not None], key=lambda x: (x[2], x[0]))  # stable: sender order
@@ -190,6 +194,122 @@ def test_receive_layout_of_a_simulated_exchange(gen, impl):
                 assert (t == N) == (recv[i][2] is None)
                 if t < N:
                     assert src[t] == i
+
+
+# ------------------------------------------------------------------------------------------- aligned layouts --
+def _aligned_cases(gen):
+    """(name, indices, valid, probs, E, capacity): R = 1 routings covering the aligned layout's corners."""
+    E = 6
+    idx, valid, probs = _routing(37, E, 2, gen, 0.1)
+    yield "random", idx, valid, probs, E, 74  # dropless: capacity rows past the routed ones
+    idx, valid, probs = _routing(40, E, 2, gen, skew=3)
+    yield "zero-token experts", idx, valid, probs, E, 80  # experts 3..5 get nothing
+    yield "drops at capacity", idx, valid, probs, E, 29  # 80 routes into 29 rows
+    idx = torch.full((33, 1), 4, dtype=torch.int64)
+    yield "one expert takes everything", idx, None, torch.rand(33, 1, generator=gen), E, 33
+    yield "one expert over capacity", idx, None, torch.rand(33, 1, generator=gen), E, 17
+    idx, valid, probs = _routing(5, E, 2, gen)
+    yield "rows past the routes", idx, valid, probs, E, 64
+    yield "no tokens", torch.zeros(0, 2, dtype=torch.int64), None, torch.zeros(0, 2), E, 3
+
+
+@pytest.mark.parametrize("align", [1, 16, 3])
+@pytest.mark.parametrize("policy", ["position", "probs"])
+def test_aligned_dispatch_layout_equals_the_composition(gen, impl, align, policy):
+    # R = 1: dispatch_layout(align=a) must be the align-1 layout with aligned_groups of its counts composed in
+    for name, idx, valid, probs, E, cap in _aligned_cases(gen):
+        cr, cl = torch.zeros(E, dtype=torch.int64), torch.arange(E)
+        order = _order(probs) if policy == "probs" else None
+        plain = dispatch_layout(idx, cr, cl, 1, E, cap, valid=valid, route_order=order)
+        counters = (torch.zeros((), dtype=torch.int64), torch.zeros((), dtype=torch.int64),
+                    torch.zeros((), dtype=torch.float64))
+        got = dispatch_layout(idx, cr, cl, 1, E, cap, valid=valid, route_order=order, counters=counters, align=align)
+        rs, ros, m = aligned_send(plain.route_slot, plain.route_of_slot, plain.send_counts, align)
+        P = aligned_padded_rows(cap, E, align)
+        assert ros.shape == (P,) and got.route_of_slot.shape == (P,), name
+        assert torch.equal(got.route_slot, rs), name
+        assert torch.equal(got.route_of_slot, ros), name
+        assert torch.equal(got.aligned_counts.view(E), m), name
+        for a, b in zip(got[2:5], plain[2:5]):  # send_counts, column_counts, dropped: the real ones
+            assert torch.equal(a, b), name
+        assert int(counters[0]) == int(plain.dropped), name
+        if align == 1:  # today's layout, bit for bit
+            assert all(torch.equal(a, b) for a, b in zip(got, plain))
+            assert torch.equal(got.aligned_counts, plain.send_counts)
+
+
+def _synthetic_recv_counts(R, Lc, cap, gen, case):
+    if case == "zero":
+        return torch.zeros(R, Lc, dtype=torch.int64)
+    if case == "one expert takes everything":
+        c = torch.zeros(R, Lc, dtype=torch.int64)
+        c[:, Lc - 1] = cap
+        return c
+    if case == "full":  # every source sends its whole capacity, sizes off multiples of 16
+        c = torch.zeros(R, Lc, dtype=torch.int64)
+        for s in range(R):
+            cut = torch.sort(torch.randint(0, cap + 1, (Lc - 1,), generator=gen)).values
+            c[s] = torch.diff(torch.cat([torch.tensor([0]), cut, torch.tensor([cap])]))
+        return c
+    c = torch.zeros(R, Lc, dtype=torch.int64)  # random, below the capacity, some zero-token local experts
+    for s in range(R):
+        left = int(torch.randint(0, cap + 1, (1,), generator=gen))
+        for l in range(Lc):
+            v = 0 if torch.rand(1, generator=gen) < 0.3 else int(torch.randint(0, left + 1, (1,), generator=gen))
+            c[s, l] = v
+            left -= v
+    return c
+
+
+@pytest.mark.parametrize("align", [1, 16, 3])
+@pytest.mark.parametrize("R", [1, 2, 4])
+def test_aligned_receive_layout_equals_the_composition(gen, impl, align, R):
+    # receive_layout(align=a) must be the align-1 receive layout with aligned_groups of its m_splits composed in
+    for Lc, cap in [(3, 7), (5, 40), (1, 17), (4, 16)]:
+        for case in ["random", "zero", "one expert takes everything", "full"]:
+            counts = _synthetic_recv_counts(R, Lc, cap, gen, case)
+            plain = receive_layout(counts, cap)
+            got = receive_layout(counts, cap, align=align)
+            src, tgt, m = aligned_receive(plain.expert_row_source, plain.recv_row_target, plain.m_splits, align)
+            P = aligned_padded_rows(R * cap, Lc, align)
+            what = (Lc, cap, case)
+            assert got.expert_row_source.shape == (P,) and src.shape == (P,), what
+            assert torch.equal(got.expert_row_source, src), what
+            assert torch.equal(got.recv_row_target, tgt), what
+            assert torch.equal(got.m_splits, plain.m_splits), what
+            assert torch.equal(got.aligned_m_splits, m), what
+            if align == 1:
+                assert all(torch.equal(a, b) for a, b in zip(got, plain))
+
+
+def test_align_errors_name_the_argument(impl):
+    cr, cl = torch.zeros(4, dtype=torch.int64), torch.arange(4)
+    idx = torch.zeros(3, 2, dtype=torch.int64)
+    for bad in [0, -1, (1 << 20) + 1, True, 2.0]:
+        with pytest.raises(ValueError, match=r"dispatch_layout: align must be an int in \[1, 2\^20\]"):
+            dispatch_layout(idx, cr, cl, 1, 4, 4, align=bad)
+        with pytest.raises(ValueError, match=r"receive_layout: align must be an int in \[1, 2\^20\]"):
+            receive_layout(torch.ones(2, 4, dtype=torch.int64), 4, align=bad)
+    with pytest.raises(ValueError, match=r"align > 1 needs num_ep_ranks == 1.*num_ep_ranks=2"):
+        dispatch_layout(idx, cr % 2, cl % 2, 2, 2, 4, align=16)
+    with pytest.raises(ValueError, match=r"align > 1 needs num_ep_ranks == 1 and dest_quota None"):
+        dispatch_layout(idx, cr, cl, 1, 4, 4, align=16, dest_quota=torch.tensor([3]))
+
+
+def test_align_native_op_checks():
+    op, recv = torch.ops.moe_graph.dispatch_layout, torch.ops.moe_graph.receive_layout
+    cr, cl = torch.zeros(4, dtype=torch.int64), torch.arange(4)
+    idx = torch.zeros(3, 2, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match=r"dispatch_layout: align must be in \[1, 2\^20\], got 0"):
+        op(idx, None, cr, cl, None, 1, 4, 4, align=0)
+    with pytest.raises(RuntimeError, match=r"dispatch_layout: align > 1 needs num_ep_ranks == 1"):
+        op(idx, None, cr % 2, cl % 2, None, 2, 2, 4, align=16)
+    with pytest.raises(RuntimeError, match=r"dispatch_layout: align > 1 needs dest_quota None"):
+        op(idx, None, cr, cl, None, 1, 4, 4, dest_quota=torch.tensor([3]), align=16)
+    with pytest.raises(RuntimeError, match=r"receive_layout: align must be in \[1, 2\^20\], got -3"):
+        recv(torch.ones(2, 4, dtype=torch.int64), 4, -3)
+    with pytest.raises(RuntimeError, match=r"receive_layout: the padded rows overflow int64"):
+        recv(torch.ones(2, 4, dtype=torch.int64), 1 << 61, 16)
 
 
 def test_errors_name_the_argument():
@@ -243,6 +363,7 @@ def test_fake_tensors_and_opcheck(gen):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     cr, cl = expert_columns(6, 2, 1)
+    cr0 = torch.zeros_like(cr)  # every column on the one rank (R = 1, aligned)
     idx, valid, probs = _routing(7, 8, 2, gen, 0.2)
     c = (torch.zeros((), dtype=torch.int64), torch.zeros((), dtype=torch.int64), torch.zeros((), dtype=torch.float64))
     torch.library.opcheck(torch.ops.moe_graph.dispatch_layout.default,
@@ -251,9 +372,17 @@ def test_fake_tensors_and_opcheck(gen):
     torch.library.opcheck(torch.ops.moe_graph.receive_layout.default, (torch.tensor([[1, 2, 0, 1], [0, 0, 3, 0]]), 5))
     with FakeTensorMode() as mode:
         out = dispatch_layout(mode.from_tensor(idx), mode.from_tensor(cr), mode.from_tensor(cl), 2, 4, 5)
-        src, tgt, ms = receive_layout(mode.from_tensor(torch.zeros(2, 4, dtype=torch.int64)), 5)
-    assert [tuple(t.shape) for t in out] == [(14,), (10,), (2, 4), (8,), ()]
-    assert [tuple(t.shape) for t in (src, tgt, ms)] == [(10,), (10,), (4,)]
+        recv = receive_layout(mode.from_tensor(torch.zeros(2, 4, dtype=torch.int64)), 5)
+        one = dispatch_layout(mode.from_tensor(idx), mode.from_tensor(cr0), mode.from_tensor(cl), 1, 4, 5, align=16)
+        recv16 = receive_layout(mode.from_tensor(torch.zeros(2, 4, dtype=torch.int64)), 5, align=16)
+    assert [tuple(t.shape) for t in out] == [(14,), (10,), (2, 4), (8,), (), (2, 4)]
+    assert [tuple(t.shape) for t in recv] == [(10,), (10,), (4,), (4,)]
+    assert [tuple(t.shape) for t in one] == [(14,), (80,), (1, 4), (8,), (), (1, 4)]  # ceil((5 + 15 * 4) / 16) * 16
+    assert [tuple(t.shape) for t in recv16] == [(80,), (10,), (4,), (4,)]  # ceil((10 + 15 * 4) / 16) * 16
+    torch.library.opcheck(torch.ops.moe_graph.dispatch_layout.default, (idx, valid, cr0, cl, None, 1, 4, 5),
+                          {"align": 3})
+    torch.library.opcheck(torch.ops.moe_graph.receive_layout.default,
+                          (torch.tensor([[1, 2, 0, 1], [0, 0, 3, 0]]), 5, 16))
 
 
 def reference_aligned(m_splits, rows, align):
@@ -347,6 +476,17 @@ def test_cuda_matches_cpu_without_sync(gen):
         finally:
             torch.cuda.set_sync_debug_mode(0)
         assert all(torch.equal(a.cpu(), b) for a, b in zip(aligned, aligned_groups(got[2].cpu(), R * cap, 16)))
+        # the aligned layouts (no extra launch): R = 1 send slots, the receive side's regrouping
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            recv16 = receive_layout(out.send_counts, cap, align=16)
+            one16 = dispatch_layout(dev[0], torch.zeros_like(dev[2]), dev[3] % Lc, 1, Lc, cap, valid=dev[1],
+                                    align=16)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert all(torch.equal(a.cpu(), b) for a, b in zip(recv16, receive_layout(ref.send_counts, cap, align=16)))
+        one_ref = dispatch_layout(idx, torch.zeros_like(cr), cl % Lc, 1, Lc, cap, valid=valid, align=16)
+        assert all(torch.equal(a.cpu(), b) for a, b in zip(one16, one_ref))
     check_errors()
     bad = dispatch_layout(torch.tensor([[0, 10**6]], device="cuda"), cr.cuda(), cl.cuda(), R, Lc, 4)
     assert bad.route_slot.tolist() == [0, R * 4]  # the bad route is not live; the flag says why

@@ -4,15 +4,17 @@ to its aligned row and straight back. The oracle is the previous path (the dispa
 the experts, :class:`moe_graph.moe.experts.AlignedGroups`): output and every gradient (tokens, routing
 probabilities, weights or ``main_grad``) equal bit for bit. EP 1 (zero-token experts, one expert taking every
 route, capacity rows past the routed ones, group sizes off multiples of 16, the probabilities applied in the
-experts, FP8 dispatch) and EP 2 on gloo (the fixed-split, the host-sized per-destination and the fused exchanges,
-drops, echo, FP8 dispatch)."""
+experts, FP8 dispatch) and EP 2 on gloo (the fixed-split, the host-sized and NVSHMEM (CPU model) per-destination and
+the fused exchanges, drops, echo, FP8 dispatch). The aligned handle's index maps (the layout ops' ``align``) equal
+the previous composition (``aligned_groups`` of the counts composed into the unaligned maps) at EP 1 and 2."""
 
 import pytest
 import torch
 
 import moe_graph
 import moe_graph.moe.experts as experts
-from helpers.aligned_dispatch_workers import aligned_dispatch_worker, run_layer, symm_mem_worker
+from helpers.aligned_dispatch_workers import aligned_dispatch_worker, aligned_handle_worker, run_layer, symm_mem_worker
+from helpers.aligned_reference import aligned_send
 from moe_graph.distributed.launch import run_distributed
 from moe_graph.moe.experts import FP8_ROW_ALIGNMENT, GroupedMLP
 from moe_graph.moe.layer import MoELayer
@@ -148,6 +150,31 @@ def test_aligned_dispatch_two_ranks(kind, exchange, cf, spare, fp8_dispatch, com
     if cf is not None:
         assert sum(r["dropped"] for r in res) > 0
 
+
+@pytest.mark.parametrize("align", [16, 3])
+@pytest.mark.parametrize("case,T,K,cap", [("random", 27, 2, None), ("zero_experts", 23, 2, 30), ("all_one", 19, 2, None),
+                                          ("all_one", 40, 1, 33), ("random", 5, 2, 64)])
+def test_aligned_handle_equals_the_composition_one_rank(align, case, T, K, cap):
+    # EP 1: the aligned handle's maps are the unaligned ones with aligned_groups of the counts composed in
+    cr, cl = expert_columns(E, 1)
+    d = TokenDispatcher(E, 1, 0, cr, cl, capacity=cap)
+    x = torch.randn(T, H)
+    idx, probs = _routes(case, T, K)
+    _, m0, h0 = d.dispatch(x, idx, probs)
+    _, m1, h1 = d.dispatch(x, idx, probs, align_rows=align)
+    rs, ros, pm = aligned_send(h0.route_slot, h0.route_of_slot, h0.m_splits, align)
+    assert torch.equal(h1.route_slot, rs) and torch.equal(h1.route_of_slot, ros)
+    assert torch.equal(h1.aligned_m_splits, pm) and torch.equal(m1, pm) and torch.equal(h1.m_splits, m0)
+    assert h1.expert_row_source is None and h1.recv_row_target is None and h1.expert_rows == ros.shape[0]
+    if cap == 33:
+        assert int(h1.dropped) == 7
+
+
+def test_aligned_handle_equals_the_composition_two_ranks():
+    res = run_distributed(aligned_handle_worker, 2, timeout=240.0)
+    for r in res:
+        assert all(v == [] for k, v in r.items() if "align" in k), r
+    assert sum(r["cap 5 dropped"] for r in res) > 0 and sum(r["cap None dropped"] for r in res) == 0
 
 def test_align_rows_is_checked_before_anything_moves():
     cr, cl = expert_columns(4, 1)

@@ -18,17 +18,28 @@
 //                    route = kept routes of that destination with a smaller local expert + kept routes of its local
 //                    expert with a smaller route index. At R = 1 the send buffer is the expert input grouped by
 //                    local expert, padding after the real rows.
+//     aligned        with align > 1 (R = 1, not quota mode; the op refuses the others) every local expert's group
+//                    starts at a multiple of `align` slots, zero rows after each group: the send buffer is the
+//                    aligned expert input of aligned_groups(send_counts, capacity, align) below, its
+//                    P = aligned_padded_rows(capacity, Lc, align) rows the send slots (N = R * P). The slot of a
+//                    kept route = sum over smaller local experts l' of the aligned count of l' + its rank within its
+//                    local expert. align = 1: P = capacity, the layout above.
 //     outputs        route_slot [n] (N: dropped or not live), route_of_slot [N] (n: empty), send_counts [R, Lc]
 //                    (kept routes per destination and local expert), column_counts [C] (live routes per column,
-//                    before drops), dropped [1] (live routes over the capacity). When the counters are given:
+//                    before drops), dropped [1] (live routes over the capacity), aligned_counts [R, Lc] (send_counts
+//                    rounded up to a multiple of align: the aligned groups' rows). When the counters are given:
 //                    dropped_routes += dropped, step_dropped_routes += dropped, step_max_load_ratio =
 //                    max(itself, max_d live_d * R / n) (n > 0).
 //
 //   receive_layout   recv_counts [R, Lc] (rows source rank s sent this rank per local expert, in the order above:
 //                    block s of the receive buffer is [capacity] rows, grouped by local expert, padding after).
 //     outputs        m_splits [Lc] = sum over s; the expert input groups the rows by local expert, then source rank,
-//                    then the sender's order, padding rows last: expert_row_source [N] (the receive row of each
-//                    expert-input row; N: padding) and recv_row_target [N] (its inverse; N: an empty receive row).
+//                    then the sender's order, padding rows last: expert_row_source [P] (the receive row of each
+//                    expert-input row; N: padding) and recv_row_target [N] (its inverse; P: an empty receive row),
+//                    aligned_m_splits [Lc] (m_splits rounded up to a multiple of `align`). With align > 1 every
+//                    local expert's group starts at a multiple of `align` rows, zero rows after it: the expert input
+//                    is aligned_groups(m_splits, N, align)'s regrouping of the align = 1 one, P =
+//                    aligned_padded_rows(N, Lc, align) rows (align = 1: P = N, the groups back to back).
 //                    A negative count reads as 0 (kErrNegativeSplit), counts of one source past `capacity` are
 //                    clamped (kErrSplitsOverflow); the CPU reports both.
 //
@@ -55,6 +66,7 @@ struct LayoutProblem {
   int64_t num_ranks = 0;     // R
   int64_t num_local = 0;     // Lc
   int64_t capacity = 0;      // per destination
+  int64_t align = 1;         // group starts at multiples of align slots (R = 1, not quota mode)
   const int64_t* indices = nullptr;       // [n]
   const bool* valid = nullptr;            // [n] or null (all valid)
   const int64_t* column_rank = nullptr;   // [C]
@@ -62,8 +74,9 @@ struct LayoutProblem {
   const int64_t* route_order = nullptr;   // [n] or null (route order)
   const int64_t* dest_quota = nullptr;    // [R] or null: quota mode (per-destination limits, packed slots)
   int64_t* route_slot = nullptr;          // [n]
-  int64_t* route_of_slot = nullptr;       // [R * capacity]
+  int64_t* route_of_slot = nullptr;       // [R * P], P = aligned_padded_rows(capacity, Lc, align)
   int64_t* send_counts = nullptr;         // [R, Lc]
+  int64_t* aligned_counts = nullptr;      // [R, Lc]
   int64_t* column_counts = nullptr;       // [C]
   int64_t* dropped = nullptr;             // [1]
   int64_t* dropped_routes = nullptr;      // [1] or null (no counting)
@@ -76,9 +89,11 @@ struct ReceiveProblem {
   int64_t num_local = 0;  // Lc
   int64_t capacity = 0;
   const int64_t* recv_counts = nullptr;  // [R, Lc]
-  int64_t* expert_row_source = nullptr;  // [R * capacity]
+  int64_t* expert_row_source = nullptr;  // [P], P = aligned_padded_rows(R * capacity, Lc, align)
   int64_t* recv_row_target = nullptr;    // [R * capacity]
   int64_t* m_splits = nullptr;           // [Lc]
+  int64_t align = 1;                     // group starts at multiples of align rows
+  int64_t* aligned_m_splits = nullptr;   // [Lc]
 };
 
 struct AlignProblem {

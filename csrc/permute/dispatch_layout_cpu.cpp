@@ -56,9 +56,11 @@ LayoutError dispatch_layout_host(const LayoutProblem& p) {
   for (int64_t d = 0; d < R; ++d) {
     int64_t run = destination_base(p, d, kept_before);
     for (int64_t l = 0; l < Lc; ++l) {
+      const int64_t m = p.send_counts[d * Lc + l];
       next[d * Lc + l] = run;
-      run += p.send_counts[d * Lc + l];
-      kept_before += p.send_counts[d * Lc + l];
+      p.aligned_counts[d * Lc + l] = align_up(m, p.align);
+      run += p.aligned_counts[d * Lc + l];  // each group starts at a multiple of align
+      kept_before += m;
     }
   }
   std::fill(p.route_of_slot, p.route_of_slot + N, n);
@@ -82,6 +84,7 @@ LayoutError dispatch_layout_host(const LayoutProblem& p) {
 
 LayoutError receive_layout_host(const ReceiveProblem& p) {
   const int64_t R = p.num_ranks, Lc = p.num_local, cap = p.capacity, N = R * cap;
+  const int64_t P = aligned_padded_rows(N, Lc, p.align);
   std::vector<int64_t> cnt(R * Lc), row_start(R * Lc);
   for (int64_t s = 0; s < R; ++s) {
     int64_t used = 0;
@@ -95,11 +98,11 @@ LayoutError receive_layout_host(const ReceiveProblem& p) {
     }
   }
   // expert rows: local expert, then source rank
-  std::fill(p.expert_row_source, p.expert_row_source + N, N);
-  std::fill(p.recv_row_target, p.recv_row_target + N, N);
-  int64_t row = 0;
+  std::fill(p.expert_row_source, p.expert_row_source + P, N);
+  std::fill(p.recv_row_target, p.recv_row_target + N, P);
+  int64_t first = 0;  // the group's first expert row: a multiple of align
   for (int64_t l = 0; l < Lc; ++l) {
-    const int64_t first = row;
+    int64_t row = first;
     for (int64_t s = 0; s < R; ++s) {
       for (int64_t j = 0; j < cnt[s * Lc + l]; ++j, ++row) {
         const int64_t recv = s * cap + row_start[s * Lc + l] + j;
@@ -108,6 +111,8 @@ LayoutError receive_layout_host(const ReceiveProblem& p) {
       }
     }
     p.m_splits[l] = row - first;
+    p.aligned_m_splits[l] = align_up(row - first, p.align);
+    first += p.aligned_m_splits[l];
   }
   return {};
 }

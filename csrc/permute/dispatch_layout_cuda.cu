@@ -12,12 +12,13 @@
 //           (capacity, or its quota in quota mode)
 //   keys2   route order: (destination, local expert) of each kept route (R * Lc: none); histogram
 //   scan    the same over these keys
-//   bases   one block: within each destination the exclusive prefix of the totals over local experts (and
-//           send_counts), in quota mode the kept routes of the destinations before each one; drops, largest load
-//           and the counters
+//   bases   one block: within each destination the exclusive prefix over local experts of the totals, each rounded
+//           up to a multiple of align (and send_counts, aligned_counts), in quota mode the kept routes of the
+//           destinations before each one; drops, largest load and the counters
 //   place   route order: position = base + tile offset + rank -> route_slot, route_of_slot
-// receive_layout: one block builds the clamped counts and both prefix tables, then one thread per receive row finds
-// its local expert by binary search and writes both index maps.
+// receive_layout: one block builds the clamped counts and both prefix tables (the groups' starts rounded up to
+// multiples of align), then one thread per receive row finds its local expert by binary search and writes both index
+// maps; one thread per expert row past its group's rows writes the padding sentinel.
 #include <cstdint>
 
 #include "common/error_flag.h"
@@ -198,14 +199,17 @@ __global__ void keys2_kernel(LayoutProblem p, Workspace ws) {
 __global__ void bases_kernel(LayoutProblem p, Workspace ws) {
   const int64_t R = p.num_ranks, Lc = p.num_local;
   for (int64_t d = threadIdx.x; d < R; d += blockDim.x) {
-    int32_t run = 0;
+    int32_t run = 0, kept = 0;  // aligned rows (the group starts), kept routes
     for (int64_t l = 0; l < Lc; ++l) {
       const int32_t v = ws.tot2[d * Lc + l];
+      const int64_t padded = align_up(v, p.align);
       ws.base2[d * Lc + l] = run;
       p.send_counts[d * Lc + l] = v;
-      run += v;
+      p.aligned_counts[d * Lc + l] = padded;
+      run += static_cast<int32_t>(padded);  // < 2^31: the op checks n + (align - 1) * Lc
+      kept += v;
     }
-    ws.dest_before[d] = run;
+    ws.dest_before[d] = kept;
   }
   __syncthreads();
   if (threadIdx.x == 0) {  // exclusive prefix over destinations (R steps)
@@ -267,12 +271,11 @@ struct RecvWorkspace {
   int64_t* cnt;        // [R, Lc] clamped counts
   int64_t* row_start;  // [R, Lc] first row of (s, l) in source block s
   int64_t* col_base;   // [R, Lc] first expert row of (s, l)
-  int64_t* m_base;     // [Lc] first expert row of local expert l
-  int64_t* total;      // [1] real rows
+  int64_t* m_base;     // [Lc] first expert row of local expert l (a multiple of align)
 };
 
 RecvWorkspace carve_recv(int64_t* ws, int64_t R, int64_t Lc) {
-  return RecvWorkspace{ws, ws + R * Lc, ws + 2 * R * Lc, ws + 3 * R * Lc, ws + 3 * R * Lc + Lc};
+  return RecvWorkspace{ws, ws + R * Lc, ws + 2 * R * Lc, ws + 3 * R * Lc};
 }
 
 __global__ void recv_tables_kernel(ReceiveProblem p, RecvWorkspace ws, int32_t* error_flag) {
@@ -299,29 +302,31 @@ __global__ void recv_tables_kernel(ReceiveProblem p, RecvWorkspace ws, int32_t* 
     p.m_splits[l] = run;
   }
   __syncthreads();
-  if (threadIdx.x == 0) {
+  if (threadIdx.x == 0) {  // each group's first expert row: a multiple of align
     int64_t run = 0;
     for (int64_t l = 0; l < Lc; ++l) {
+      const int64_t padded = align_up(p.m_splits[l], p.align);
       ws.m_base[l] = run;
-      run += p.m_splits[l];
+      p.aligned_m_splits[l] = padded;
+      run += padded;
     }
-    ws.total[0] = run;
   }
   __syncthreads();
   for (int64_t i = threadIdx.x; i < R * Lc; i += blockDim.x) ws.col_base[i] += ws.m_base[i % Lc];
 }
 
-// One thread per receive row j (and expert row j): both index maps.
-__global__ void recv_rows_kernel(ReceiveProblem p, RecvWorkspace ws) {
+// One thread per receive row j and per expert row j (P >= N): both index maps. An expert row past its group's rows
+// (m_base[l] + m_splits[l]) is padding; the real ones are written by their receive rows.
+__global__ void recv_rows_kernel(ReceiveProblem p, RecvWorkspace ws, int64_t P) {
   const int64_t N = p.num_ranks * p.capacity, Lc = p.num_local;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  const int64_t total = ws.total[0];
-  for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < N; j += stride) {
-    if (j >= total) p.expert_row_source[j] = N;  // padding rows of the expert input
+  for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < P; j += stride) {
+    if (local_of_position(ws.m_base, p.m_splits, Lc, j) < 0) p.expert_row_source[j] = N;  // padding rows
+    if (j >= N) continue;
     const int64_t s = j / p.capacity, pos = j - s * p.capacity;
     const int64_t l = local_of_position(ws.row_start + s * Lc, ws.cnt + s * Lc, Lc, pos);
     if (l < 0) {
-      p.recv_row_target[j] = N;
+      p.recv_row_target[j] = P;
       continue;
     }
     const int64_t e = ws.col_base[s * Lc + l] + (pos - ws.row_start[s * Lc + l]);
@@ -353,7 +358,7 @@ int64_t dispatch_layout_workspace_elems(int64_t n, int64_t R, int64_t Lc) {
   return n + (R + 1 + R * Lc + 1) * (tiles + 1) + R * Lc + R;
 }
 
-int64_t receive_layout_workspace_elems(int64_t R, int64_t Lc) { return 3 * R * Lc + Lc + 1; }
+int64_t receive_layout_workspace_elems(int64_t R, int64_t Lc) { return 3 * R * Lc + Lc; }
 
 cudaError_t dispatch_layout_cuda_launch(const LayoutProblem& p, int32_t* workspace, int32_t* error_flag,
                                         cudaStream_t stream) {
@@ -389,7 +394,8 @@ cudaError_t receive_layout_cuda_launch(const ReceiveProblem& p, int64_t* workspa
   RecvWorkspace ws = carve_recv(workspace, p.num_ranks, p.num_local);
   moe_graph::launch(recv_tables_kernel, 1, kThreads, 0, stream, p, ws, error_flag);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-  moe_graph::launch(recv_rows_kernel, blocks_for(p.num_ranks * p.capacity, kThreads), kThreads, 0, stream, p, ws);
+  const int64_t P = aligned_padded_rows(p.num_ranks * p.capacity, p.num_local, p.align);
+  moe_graph::launch(recv_rows_kernel, blocks_for(P, kThreads), kThreads, 0, stream, p, ws, P);
   return cudaGetLastError();
 }
 

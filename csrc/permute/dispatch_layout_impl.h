@@ -39,12 +39,21 @@ MOE_DL_HD int64_t route_destination(const LayoutProblem& p, int64_t r, int64_t* 
   return d;
 }
 
+// aligned_groups' padded rows P and a group's rows rounded up to a multiple of align (common/row_align.h).
+using ::moe_graph::align_up;
+using ::moe_graph::aligned_padded_rows;
+
 // Quota mode (dest_quota given): per-destination limits and packed send slots.
 MOE_DL_HD bool quota_mode(const LayoutProblem& p) { return p.dest_quota != nullptr; }
 
-// Send slots N: R * capacity (one padded block per destination) or, in quota mode, n (packed).
+// Send slots of one destination's block: capacity, with align its aligned padded rows (align = 1: capacity).
+MOE_DL_HD int64_t slot_block(const LayoutProblem& p) {
+  return aligned_padded_rows(p.capacity, p.num_local, p.align);
+}
+
+// Send slots N: R * slot_block (one padded block per destination) or, in quota mode, n (packed).
 MOE_DL_HD int64_t num_slots(const LayoutProblem& p) {
-  return quota_mode(p) ? p.num_routes : p.num_ranks * p.capacity;
+  return quota_mode(p) ? p.num_routes : p.num_ranks * slot_block(p);
 }
 
 // Live routes destination d keeps: `capacity`, or its quota (a negative quota reads as 0).
@@ -56,7 +65,7 @@ MOE_DL_HD int64_t destination_limit(const LayoutProblem& p, int64_t d) {
 
 // First send slot of destination d, given the kept routes of the destinations before it (`kept_before`).
 MOE_DL_HD int64_t destination_base(const LayoutProblem& p, int64_t d, int64_t kept_before) {
-  return quota_mode(p) ? kept_before : d * p.capacity;
+  return quota_mode(p) ? kept_before : d * slot_block(p);
 }
 
 // Routes of one destination over its limit.
@@ -108,9 +117,6 @@ MOE_DL_HD int64_t local_of_position(const int64_t* row_start, const int64_t* cnt
   return (l >= 0 && p < row_start[l] + cnt[l]) ? l : -1;
 }
 
-// aligned_groups: the padded rows P of G groups of `rows` rows in total, each starting at a multiple of `align`.
-using ::moe_graph::aligned_padded_rows;
-
 // aligned_groups' tables from the counts: end[g] (the source rows' exclusive end of group g: the running sum of the
 // counts read as >= 0, clamped to `rows`) and pend[g] (the padded rows' end); writes the padded counts.
 MOE_DL_HD void aligned_group_tables(const AlignProblem& p, int64_t* end, int64_t* pend) {
@@ -118,7 +124,7 @@ MOE_DL_HD void aligned_group_tables(const AlignProblem& p, int64_t* end, int64_t
   for (int64_t g = 0; g < p.num_groups; ++g) {
     const int64_t m = p.m_splits[g] > 0 ? p.m_splits[g] : 0;
     run = (m > p.rows - run) ? p.rows : run + m;
-    const int64_t padded = (run - prev + p.align - 1) / p.align * p.align;
+    const int64_t padded = align_up(run - prev, p.align);
     prun += padded;
     end[g] = run;
     pend[g] = prun;

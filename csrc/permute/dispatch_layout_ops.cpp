@@ -19,7 +19,8 @@
 
 namespace moe_graph {
 
-using Outputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+using Outputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+using ReceiveOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
 namespace {
 
@@ -31,8 +32,16 @@ constexpr const char* kAlign = "aligned_groups";
 struct Prepared {
   at::Tensor indices, valid, column_rank, column_local, route_order, dest_quota;
   at::Tensor counters[3];
-  int64_t T, K, C, R, Lc, cap;
+  int64_t T, K, C, R, Lc, cap, align;
 };
+
+// align in [1, 2^20], and the aligned rows of `rows` rows in G groups within int64 (/ 4: the sentinels' room).
+void check_align(int64_t align, int64_t rows, int64_t G, const char* op) {
+  TORCH_CHECK(align >= 1 && align <= (int64_t(1) << 20), op, ": align must be in [1, 2^20], got ", align);
+  TORCH_CHECK(rows <= std::numeric_limits<int64_t>::max() / 4 &&
+                  G <= (std::numeric_limits<int64_t>::max() / 4 - rows) / align,
+              op, ": the padded rows overflow int64");
+}
 
 // A statistics counter the op adds to in place: one element of `dtype` on the device of the indices.
 at::Tensor check_counter(const c10::optional<at::Tensor>& t, at::ScalarType dtype, const at::Device& dev,
@@ -51,7 +60,7 @@ Prepared check_and_prepare(const at::Tensor& indices, const c10::optional<at::Te
                            const c10::optional<at::Tensor>& dropped_routes,
                            const c10::optional<at::Tensor>& step_dropped_routes,
                            const c10::optional<at::Tensor>& step_max_load_ratio,
-                           const c10::optional<at::Tensor>& dest_quota) {
+                           const c10::optional<at::Tensor>& dest_quota, int64_t align) {
   check_defined(indices, kOp, "indices");
   check_dim(indices, 2, kOp, "indices", "[T, K]");
   check_dtype(indices, {at::kLong, at::kInt}, kOp, "indices");
@@ -64,6 +73,15 @@ Prepared check_and_prepare(const at::Tensor& indices, const c10::optional<at::Te
               R * Lc, ")");
   TORCH_CHECK(cap >= 1, kOp, ": capacity must be >= 1, got ", cap);
   TORCH_CHECK(cap <= std::numeric_limits<int64_t>::max() / R, kOp, ": capacity * num_ep_ranks overflows int64");
+  if (align != 1) {  // the aligned send buffer is the expert input: one rank, padded blocks
+    check_align(align, cap, Lc, kOp);
+    TORCH_CHECK(R == 1, kOp, ": align > 1 needs num_ep_ranks == 1 (the send buffer is the expert input; at R > 1 "
+                "receive_layout aligns it), got align=", align, " and num_ep_ranks=", R);
+    TORCH_CHECK(!(dest_quota.has_value() && dest_quota->defined()), kOp,
+                ": align > 1 needs dest_quota None (quota mode packs the send slots), got align=", align);
+    TORCH_CHECK((align - 1) * Lc < std::numeric_limits<int32_t>::max() - n, kOp, ": align=", align,
+                " with num_local_columns=", Lc, " and T*K=", n, " routes is too large (2**31 - 1 aligned rows)");
+  }
   check_defined(column_rank, kOp, "column_rank");
   check_defined(column_local, kOp, "column_local");
   check_dim(column_rank, 1, kOp, "column_rank", "[C]");
@@ -103,6 +121,7 @@ Prepared check_and_prepare(const at::Tensor& indices, const c10::optional<at::Te
   p.R = R;
   p.Lc = Lc;
   p.cap = cap;
+  p.align = align;
   return p;
 }
 
@@ -114,15 +133,17 @@ V* ptr_or_null(const at::Tensor& t) {
 dispatch::LayoutProblem make_problem(const Prepared& in, Outputs& out) {
   const auto opt = in.indices.options().dtype(at::kLong);
   const int64_t n = in.T * in.K;
-  const int64_t N = in.dest_quota.defined() ? n : in.R * in.cap;  // packed slots in quota mode
+  // packed slots in quota mode, else one block of the aligned rows of `capacity` per destination
+  const int64_t N = in.dest_quota.defined() ? n : in.R * dispatch::aligned_padded_rows(in.cap, in.Lc, in.align);
   out = Outputs{at::empty({n}, opt), at::empty({N}, opt), at::empty({in.R, in.Lc}, opt),
-                at::empty({in.C}, opt), at::empty({}, opt)};
+                at::empty({in.C}, opt), at::empty({}, opt), at::empty({in.R, in.Lc}, opt)};
   dispatch::LayoutProblem p;
   p.num_routes = n;
   p.num_columns = in.C;
   p.num_ranks = in.R;
   p.num_local = in.Lc;
   p.capacity = in.cap;
+  p.align = in.align;
   p.indices = in.indices.data_ptr<int64_t>();
   p.valid = ptr_or_null<bool>(in.valid);
   p.column_rank = in.column_rank.data_ptr<int64_t>();
@@ -134,6 +155,7 @@ dispatch::LayoutProblem make_problem(const Prepared& in, Outputs& out) {
   p.send_counts = std::get<2>(out).data_ptr<int64_t>();
   p.column_counts = std::get<3>(out).data_ptr<int64_t>();
   p.dropped = std::get<4>(out).data_ptr<int64_t>();
+  p.aligned_counts = std::get<5>(out).data_ptr<int64_t>();
   p.dropped_routes = ptr_or_null<int64_t>(in.counters[0]);
   p.step_dropped_routes = ptr_or_null<int64_t>(in.counters[1]);
   p.step_max_load_ratio = ptr_or_null<double>(in.counters[2]);
@@ -164,7 +186,7 @@ void raise_layout_error(const dispatch::LayoutError& e, const Prepared& in) {
   }
 }
 
-at::Tensor check_recv_counts(const at::Tensor& recv_counts, int64_t cap) {
+at::Tensor check_recv_counts(const at::Tensor& recv_counts, int64_t cap, int64_t align) {
   check_defined(recv_counts, kRecv, "recv_counts");
   check_dim(recv_counts, 2, kRecv, "recv_counts", "[R, num_local_columns]");
   check_dtype(recv_counts, {at::kLong}, kRecv, "recv_counts");
@@ -173,12 +195,14 @@ at::Tensor check_recv_counts(const at::Tensor& recv_counts, int64_t cap) {
   TORCH_CHECK(cap >= 1, kRecv, ": capacity must be >= 1, got ", cap);
   TORCH_CHECK(cap <= std::numeric_limits<int64_t>::max() / recv_counts.size(0), kRecv,
               ": capacity * R overflows int64");
+  if (align != 1) check_align(align, recv_counts.size(0) * cap, recv_counts.size(1), kRecv);
   return recv_counts.contiguous();
 }
 
-dispatch::ReceiveProblem make_receive(const at::Tensor& c, int64_t cap, std::tuple<at::Tensor, at::Tensor, at::Tensor>& out) {
-  const int64_t R = c.size(0), Lc = c.size(1);
-  out = {at::empty({R * cap}, c.options()), at::empty({R * cap}, c.options()), at::empty({Lc}, c.options())};
+dispatch::ReceiveProblem make_receive(const at::Tensor& c, int64_t cap, int64_t align, ReceiveOutputs& out) {
+  const int64_t R = c.size(0), Lc = c.size(1), P = dispatch::aligned_padded_rows(R * cap, Lc, align);
+  out = {at::empty({P}, c.options()), at::empty({R * cap}, c.options()), at::empty({Lc}, c.options()),
+         at::empty({Lc}, c.options())};
   dispatch::ReceiveProblem p;
   p.num_ranks = R;
   p.num_local = Lc;
@@ -187,6 +211,8 @@ dispatch::ReceiveProblem make_receive(const at::Tensor& c, int64_t cap, std::tup
   p.expert_row_source = std::get<0>(out).data_ptr<int64_t>();
   p.recv_row_target = std::get<1>(out).data_ptr<int64_t>();
   p.m_splits = std::get<2>(out).data_ptr<int64_t>();
+  p.align = align;
+  p.aligned_m_splits = std::get<3>(out).data_ptr<int64_t>();
   return p;
 }
 
@@ -200,11 +226,11 @@ Outputs dispatch_layout(const at::Tensor& indices, const c10::optional<at::Tenso
                             const c10::optional<at::Tensor>& dropped_routes,
                             const c10::optional<at::Tensor>& step_dropped_routes,
                             const c10::optional<at::Tensor>& step_max_load_ratio,
-                            const c10::optional<at::Tensor>& dest_quota) {
+                            const c10::optional<at::Tensor>& dest_quota, int64_t align) {
   const at::OptionalDeviceGuard guard(at::device_of(indices));
   Prepared in = check_and_prepare(indices, valid, column_rank, column_local, route_order, num_ep_ranks,
                                   num_local_columns, capacity, dropped_routes, step_dropped_routes,
-                                  step_max_load_ratio, dest_quota);
+                                  step_max_load_ratio, dest_quota, align);
   Outputs out;
   dispatch::LayoutProblem p = make_problem(in, out);
   if (indices.device().is_cpu()) {
@@ -221,11 +247,11 @@ Outputs dispatch_layout(const at::Tensor& indices, const c10::optional<at::Tenso
   return out;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> receive_layout(const at::Tensor& recv_counts, int64_t capacity) {
+ReceiveOutputs receive_layout(const at::Tensor& recv_counts, int64_t capacity, int64_t align) {
   const at::OptionalDeviceGuard guard(at::device_of(recv_counts));
-  at::Tensor c = check_recv_counts(recv_counts, capacity);
-  std::tuple<at::Tensor, at::Tensor, at::Tensor> out;
-  dispatch::ReceiveProblem p = make_receive(c, capacity, out);
+  at::Tensor c = check_recv_counts(recv_counts, capacity, align);
+  ReceiveOutputs out;
+  dispatch::ReceiveProblem p = make_receive(c, capacity, align, out);
   if (c.device().is_cpu()) {
     const dispatch::LayoutError e = dispatch::receive_layout_host(p);
     const int64_t Lc = c.size(1);
@@ -250,10 +276,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> aligned_groups(const at::Tensor& 
   check_dim(m_splits, 1, kAlign, "m_splits", "[G]");
   check_dtype(m_splits, {at::kLong}, kAlign, "m_splits");
   TORCH_CHECK(rows >= 0, kAlign, ": rows must be >= 0, got ", rows);
-  TORCH_CHECK(align >= 1 && align <= (int64_t(1) << 20), kAlign, ": align must be in [1, 2^20], got ", align);
   const at::Tensor m = m_splits.contiguous();
   const int64_t G = m.size(0);
-  TORCH_CHECK(G <= (std::numeric_limits<int64_t>::max() / 4 - rows) / align, kAlign, ": the padded rows overflow int64");
+  check_align(align, rows, G, kAlign);
   dispatch::AlignProblem p;
   p.num_groups = G;
   p.rows = rows;

@@ -323,11 +323,15 @@ int family_dispatch() {
     int64_t T, K, R, Lc, cap;
   };
   std::vector<Shape> shapes = {{0, 2, 2, 2, 4}, {1, 1, 1, 1, 1}, {5, 2, 2, 3, 3},   {40, 2, 4, 2, 12},
-                               {100, 4, 8, 4, 30}, {300, 3, 3, 5, 1000}, {129, 2, 1, 8, 50}, {257, 1, 64, 2, 2}};
-  if (g_full) shapes.insert(shapes.end(), {{2048, 8, 16, 8, 700}, {1500, 2, 256, 1, 8}});
+                               {100, 4, 8, 4, 30}, {300, 3, 3, 5, 1000}, {129, 2, 1, 8, 50}, {257, 1, 64, 2, 2},
+                               {0, 2, 1, 3, 5}, {40, 3, 1, 5, 200}, {600, 2, 1, 6, 333}};
+  if (g_full) shapes.insert(shapes.end(), {{2048, 8, 16, 8, 700}, {1500, 2, 256, 1, 8}, {4096, 8, 1, 32, 9000}});
   for (const Shape& s : shapes) {
+   // aligned groups (align > 1) at R = 1 only, not in quota mode
+   for (const int64_t align : s.R == 1 ? std::vector<int64_t>{1, 16, 3} : std::vector<int64_t>{1}) {
     // bit 0: route_order (probs policy); bit 1: valid mask; bit 2: quota mode (per-destination limits, packed slots)
     for (int variant = 0; variant < 8; ++variant) {
+      if (align > 1 && (variant & 4)) continue;
       const int64_t n = s.T * s.K, C = s.R * s.Lc + 3;  // 3 extra columns: spare slots on random ranks
       std::vector<int64_t> col_rank(C), col_local(C), idx(n), order(n);
       for (int64_t c = 0; c < C; ++c) {
@@ -347,11 +351,12 @@ int family_dispatch() {
       const bool quota_mode = variant & 4;
       const std::string what = "dispatch_layout T" + std::to_string(s.T) + " K" + std::to_string(s.K) + " R" +
                                std::to_string(s.R) + " Lc" + std::to_string(s.Lc) + " cap" + std::to_string(s.cap) +
-                               " variant " + std::to_string(variant);
+                               " align " + std::to_string(align) + " variant " + std::to_string(variant);
       auto run = [&](bool emulate) {
-        const int64_t N = quota_mode ? n : s.R * s.cap;
+        const int64_t N = quota_mode ? n : s.R * dl::aligned_padded_rows(s.cap, s.Lc, align);
         std::vector<int64_t> route_slot(n, -7), route_of_slot(N, -7), send_counts(s.R * s.Lc, -7),
-            column_counts(C, -7), dropped(1, -7), dropped_routes(1, 5), step_dropped(1, 2);
+            aligned_counts(s.R * s.Lc, -7), column_counts(C, -7), dropped(1, -7), dropped_routes(1, 5),
+            step_dropped(1, 2);
         std::vector<double> ratio(1, 0.25);
         dl::LayoutProblem p;
         p.num_routes = n;
@@ -359,6 +364,7 @@ int family_dispatch() {
         p.num_ranks = s.R;
         p.num_local = s.Lc;
         p.capacity = s.cap;
+        p.align = align;
         p.indices = idx.data();
         p.valid = (variant & 2) ? reinterpret_cast<const bool*>(valid.data()) : nullptr;
         p.column_rank = col_rank.data();
@@ -367,6 +373,7 @@ int family_dispatch() {
         p.route_slot = route_slot.data();
         p.route_of_slot = route_of_slot.data();
         p.send_counts = send_counts.data();
+        p.aligned_counts = aligned_counts.data();
         p.column_counts = column_counts.data();
         p.dropped = dropped.data();
         p.dropped_routes = dropped_routes.data();
@@ -384,6 +391,7 @@ int family_dispatch() {
         return std::vector<Output>{Output::of_vec("route_slot", route_slot),
                                    Output::of_vec("route_of_slot", route_of_slot),
                                    Output::of_vec("send_counts", send_counts),
+                                   Output::of_vec("aligned_counts", aligned_counts),
                                    Output::of_vec("column_counts", column_counts),
                                    Output::of_vec("dropped", dropped),
                                    Output::of_vec("dropped_routes", dropped_routes),
@@ -393,6 +401,7 @@ int family_dispatch() {
       };
       runs += run_case(what, [&] { return run(false); }, [&] { return run(true); });
     }
+   }
   }
   return runs;
 }
@@ -406,6 +415,7 @@ int family_receive() {
   std::vector<Shape> shapes = {{1, 1, 1}, {2, 3, 4}, {4, 2, 16}, {8, 5, 40}, {3, 300, 700}, {300, 2, 3}};
   if (g_full) shapes.insert(shapes.end(), {{64, 16, 300}, {256, 4, 64}});
   for (const Shape& s : shapes) {
+   for (const int64_t align : {1, 16, 3}) {  // the groups' starts at multiples of align rows
     for (int variant = 0; variant < 2; ++variant) {  // 1: counts past the capacity (clamped, flagged)
       std::vector<int64_t> counts(s.R * s.Lc);
       for (int64_t src = 0; src < s.R; ++src) {
@@ -417,10 +427,11 @@ int family_receive() {
         }
       }
       const std::string what = "receive_layout R" + std::to_string(s.R) + " Lc" + std::to_string(s.Lc) + " cap" +
-                               std::to_string(s.cap) + " variant " + std::to_string(variant);
+                               std::to_string(s.cap) + " align " + std::to_string(align) + " variant " +
+                               std::to_string(variant);
+      const int64_t N = s.R * s.cap, P = dl::aligned_padded_rows(N, s.Lc, align);
       auto run = [&](bool emulate) {
-        const int64_t N = s.R * s.cap;
-        std::vector<int64_t> src(N, -7), target(N, -7), m_splits(s.Lc, -7);
+        std::vector<int64_t> src(P, -7), target(N, -7), m_splits(s.Lc, -7), aligned(s.Lc, -7);
         dl::ReceiveProblem p;
         p.num_ranks = s.R;
         p.num_local = s.Lc;
@@ -429,6 +440,8 @@ int family_receive() {
         p.expert_row_source = src.data();
         p.recv_row_target = target.data();
         p.m_splits = m_splits.data();
+        p.align = align;
+        p.aligned_m_splits = aligned.data();
         int32_t flag = 0;
         if (emulate) {
           std::vector<int64_t> ws(dl::receive_layout_workspace_elems(s.R, s.Lc), -9);
@@ -438,16 +451,18 @@ int family_receive() {
           return std::vector<Output>{};  // refused: only the flag is compared
         }
         return std::vector<Output>{Output::of_vec("expert_row_source", src), Output::of_vec("recv_row_target", target),
-                                   Output::of_vec("m_splits", m_splits), Output::of("error_flag", flag)};
+                                   Output::of_vec("m_splits", m_splits), Output::of_vec("aligned_m_splits", aligned),
+                                   Output::of("error_flag", flag)};
       };
       if (variant == 0) {
         runs += run_case(what, [&] { return run(false); }, [&] { return run(true); });
       } else {  // the clamped layout: no CPU result to compare with; the flag is set under every schedule
         for (const std::string& sch : g_schedules) {
           moe_emu::set_schedule(sch.c_str());
-          const int64_t N = s.R * s.cap;
-          std::vector<int64_t> src(N), target(N), m_splits(s.Lc), ws(dl::receive_layout_workspace_elems(s.R, s.Lc));
-          dl::ReceiveProblem p{s.R, s.Lc, s.cap, counts.data(), src.data(), target.data(), m_splits.data()};
+          std::vector<int64_t> src(P), target(N), m_splits(s.Lc), aligned(s.Lc),
+              ws(dl::receive_layout_workspace_elems(s.R, s.Lc));
+          dl::ReceiveProblem p{s.R, s.Lc, s.cap, counts.data(), src.data(), target.data(), m_splits.data(), align,
+                               aligned.data()};
           int32_t flag = 0;
           dl::receive_layout_cuda_launch(p, ws.data(), &flag, nullptr);
           bool over = false;
@@ -464,6 +479,7 @@ int family_receive() {
         }
       }
     }
+   }
   }
   return runs;
 }

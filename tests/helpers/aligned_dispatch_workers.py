@@ -1,6 +1,7 @@
-"""Multi-process worker for the aligned-dispatch tests (gloo, ``run_distributed``): on each EP rank, one FP8 MoE
+"""Multi-process workers for the aligned-dispatch tests (gloo, ``run_distributed``): on each EP rank, one FP8 MoE
 layer run with the dispatcher placing the rows at their 16-row-aligned expert rows (``experts.ALIGNED_DISPATCH``)
-and with the experts regrouping them (the previous path, the oracle)."""
+and with the experts regrouping them (the previous path, the oracle); the aligned handle's index maps against the
+previous composition (``helpers.aligned_reference``)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ import torch
 
 import moe_graph
 import moe_graph.moe.experts as experts
+from helpers.aligned_reference import aligned_receive
+from moe_graph.moe.echo import AllToAllBackend
 from moe_graph.moe.layer import MoELayer
+from moe_graph.moe.token_dispatcher import TokenDispatcher, expert_columns
 
 
 def run_layer(layer: MoELayer, x: torch.Tensor, target: torch.Tensor, kind: str, aligned_dispatch: bool):
@@ -105,3 +109,29 @@ def symm_mem_worker(rank: int, world: int, kind: Optional[str], cf: Optional[flo
     res["empty_local_expert"] = bool((seen[0] == 0).any())
     res["quantized"] = quantized
     return res
+
+
+def aligned_handle_worker(rank: int, world: int) -> Dict:
+    """The fixed-split exchange's aligned handle (``dispatch(align_rows=a)``) against the unaligned one with
+    ``aligned_groups`` of its counts composed in: ``{case: [what differs]}`` (empty lists: equal)."""
+    Lc, T, K, H = 3, 29, 2, 8
+    E = Lc * world
+    g = torch.Generator().manual_seed(50 + rank)
+    w = torch.tensor([6.0 if e == 1 else 0.0 if e % Lc == 2 else 1.0 for e in range(E)])  # a busy, some idle experts
+    idx = torch.multinomial(w.expand(T, E), K, replacement=False, generator=g)
+    x, probs = torch.randn(T, H, generator=g), torch.rand(T, K, generator=g)
+    cr, cl = expert_columns(E, world)
+    out = {}
+    for cap in (None, 5):  # dropless (capacity rows past the routed ones), routes dropped
+        d = TokenDispatcher(Lc, world, rank, cr, cl, capacity=cap, backend=AllToAllBackend(), exchange="nccl")
+        _, m0, h0 = d.dispatch(x, idx, probs)
+        for align in (16, 3):
+            _, m1, h1 = d.dispatch(x, idx, probs, align_rows=align)
+            src, tgt, pm = aligned_receive(h0.expert_row_source, h0.recv_row_target, h0.m_splits, align)
+            pairs = {"route_slot": (h1.route_slot, h0.route_slot), "route_of_slot": (h1.route_of_slot,
+                                                                                     h0.route_of_slot),
+                     "expert_row_source": (h1.expert_row_source, src), "recv_row_target": (h1.recv_row_target, tgt),
+                     "aligned_m_splits": (h1.aligned_m_splits, pm), "m_splits": (h1.m_splits, m0), "splits": (m1, pm)}
+            out[f"cap {cap} align {align}"] = [k for k, (a, b) in pairs.items() if not torch.equal(a, b)]
+        out[f"cap {cap} dropped"] = int(h0.dropped)
+    return out

@@ -71,7 +71,7 @@ from moe_graph.moe.exchange import (EXCHANGES, CompletedExchange, FusedCombineFn
                                     checked_demand, checksum_weights,
                                     destination_capacity, destination_quotas, flag_if_ranks_disagree, is_fused,
                                     fused_dispatch_quantized, resolve_exchange, to_experts_quantized)
-from moe_graph.ops.dispatch_layout import aligned_groups, dispatch_layout, receive_layout
+from moe_graph.ops.dispatch_layout import dispatch_layout, receive_layout
 from moe_graph.ops.fp8 import check_row_local, carrier, pack_rows, unpack_rows
 from moe_graph.ops.permute import (expand_pack, expand_pack_available, expand_quantize, expand_quantize_available,
                                    expand_quantize_packed, expand_rows, reduce_rows)
@@ -184,30 +184,6 @@ def take_rows(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return out.mul_(keep.view((-1,) + (1,) * (src.dim() - 1)).to(out.dtype))
 
 
-def _compose(index: torch.Tensor, table: torch.Tensor, sentinel: int) -> torch.Tensor:
-    """``table[index]`` with ``index == len(table)`` (the sentinel of ``index``'s map) mapped to ``sentinel``: one
-    index map composed with another (small int tensors, device ops, no sync)."""
-    return torch.nn.functional.pad(table, (0, 1), value=sentinel).index_select(0, index)
-
-
-def _align_groups(handle: DispatchHandle, align: int) -> None:
-    """Composes :func:`moe_graph.ops.dispatch_layout.aligned_groups` of ``handle.m_splits`` (over the
-    ``N = R * capacity`` expert rows) into the per-pair rule's maps, in place: at R = 1 the send slots (the expert
-    input) become the padded rows (``route_of_slot [P]``, ``route_slot`` into ``[0, P]``); at R > 1 the receive
-    side's regrouping (``expert_row_source [P]``, ``recv_row_target`` into ``[0, P]``), the exchange unchanged.
-    Sets ``handle.aligned_m_splits``; static shapes (``P`` from the host sizes), no sync."""
-    N = handle.route_of_slot.shape[0]
-    m, source_of_padded, padded_of_source = aligned_groups(handle.m_splits, N, align)
-    P = source_of_padded.shape[0]
-    if handle.expert_row_source is None:  # R = 1: route -> slot -> padded row
-        handle.route_of_slot = _compose(source_of_padded, handle.route_of_slot, handle.num_tokens * handle.topk)
-        handle.route_slot = _compose(handle.route_slot, padded_of_source, P)
-    else:  # received row -> expert row -> padded row
-        handle.expert_row_source = _compose(source_of_padded, handle.expert_row_source, N)
-        handle.recv_row_target = _compose(handle.recv_row_target, padded_of_source, P)
-    handle.aligned_m_splits = m
-
-
 class _IdentityBackend:
     def exchange(self, send: torch.Tensor) -> torch.Tensor:
         return send
@@ -219,10 +195,12 @@ class DispatchHandle:
     """What :meth:`TokenDispatcher.combine` / :meth:`TokenDispatcher.row_weights` need from
     :meth:`TokenDispatcher.dispatch` (all device tensors)."""
 
-    route_slot: torch.Tensor  # [T*K] send slot of each route (N = R*capacity: dropped or invalid)
-    route_of_slot: torch.Tensor  # [N] route in each send slot (T*K: empty)
-    expert_row_source: Optional[torch.Tensor]  # [N] received row of each expert-input row (N: padding); R > 1 only
-    recv_row_target: Optional[torch.Tensor]  # [N] expert-input row of each received row (N: empty); R > 1 only
+    route_slot: torch.Tensor  # [T*K] send slot of each route (N = R*capacity: dropped or invalid; R = 1 aligned: P)
+    route_of_slot: torch.Tensor  # [N] route in each send slot (T*K: empty; R = 1 aligned: [P])
+    # R > 1 only: [N] received row of each expert-input row (N: padding; aligned: [P])
+    expert_row_source: Optional[torch.Tensor]
+    # R > 1 only: [N] expert-input row of each received row (N: empty; aligned: P)
+    recv_row_target: Optional[torch.Tensor]
     probs: torch.Tensor  # [T, K] routing weights (invalid and dropped routes are never read)
     num_tokens: int
     topk: int
@@ -232,10 +210,11 @@ class DispatchHandle:
     column_counts: torch.Tensor  # [C] int64: valid routes per routing column (before drops)
     # the per-destination backend's plan (exchange="symm_mem"; a FusedState with exchange="nvlink"), else None
     exchange_plan: Optional[object] = None
-    # dispatch(align_rows=...) on a path that composes it: the expert groups start at multiples of align_rows rows
-    # (the padded counts, what the grouped GEMM reads); route_of_slot / route_slot (R = 1: the send slots are the
-    # padded expert rows), expert_row_source / recv_row_target (R > 1, per pair) or the host-sized exchange's plan
-    # (per destination) then index the padded rows. None: unpadded
+    # dispatch(align_rows=...) on a path that aligns: the expert groups start at multiples of align_rows rows (the
+    # padded counts, what the grouped GEMM reads); route_of_slot / route_slot (R = 1: the send slots are the padded
+    # expert rows, P = aligned_padded_rows(capacity, Lc, align_rows)), expert_row_source / recv_row_target (R > 1, per
+    # pair: P = aligned_padded_rows(R * capacity, Lc, align_rows)) or the host-sized exchange's plan (per
+    # destination) then index the padded rows. None: unpadded
     aligned_m_splits: Optional[torch.Tensor] = None
 
     @property
@@ -456,10 +435,11 @@ class TokenDispatcher(nn.Module):
                 (:func:`moe_graph.ops.permute.expand_quantize_packed`: ``columns`` set).
             align_rows: the expert groups should start at multiples of this many rows (the FP8 experts' 16-row
                 alignment, :meth:`moe_graph.moe.experts.GroupedMLP.row_alignment`): on the per-pair rule (EP 1 and
-                the fixed-split exchange at EP > 1, with or without FP8 dispatch) the alignment
-                (:func:`moe_graph.ops.dispatch_layout.aligned_groups` of the counts) is composed into the index
-                maps, so each row moves once, straight to its aligned row, and combine reads the padded rows
-                straight back (``handle.aligned``); so do the per-destination exchanges, host-sized (gloo,
+                the fixed-split exchange at EP > 1, with or without FP8 dispatch) the layout ops place the groups
+                aligned themselves (:func:`~moe_graph.ops.dispatch_layout.dispatch_layout` at EP 1,
+                :func:`~moe_graph.ops.dispatch_layout.receive_layout` at EP > 1, their ``align``), so each row moves
+                once, straight to its aligned row, and combine reads the padded rows straight back
+                (``handle.aligned``); so do the per-destination exchanges, host-sized (gloo,
                 :meth:`moe_graph.moe.exchange.HostSizedExchange.align`) and NVSHMEM (the row gather that reads its
                 receive buffer, :meth:`moe_graph.moe.exchange.SymmMemExchange.align`), and the fused exchange
                 places every row at its aligned row itself (``exchange="nvlink"``: the kernels' ``align``, the
@@ -527,17 +507,20 @@ class TokenDispatcher(nn.Module):
         if self.rule == "destination":
             handle = self._layout_per_destination(indices, probs, valid, demand, order, counters, cap, align_rows)
         else:
+            # aligned groups (align_rows): the layout ops place each expert group at a multiple of align_rows rows
+            # themselves (R = 1: the send slots are the padded expert rows; R > 1: the receive side's regrouping)
+            align = align_rows if align_rows is not None else 1
             lay = dispatch_layout(indices, self.column_rank, self.column_local, R, Lc, cap, valid=valid,
-                                  route_order=order, counters=counters)
+                                  route_order=order, counters=counters, align=align if R == 1 else 1)
             if R > 1:
                 recv_counts = self.backend.exchange(lay.send_counts)  # row s: what rank s sends this rank
-                source, target, m_splits = receive_layout(recv_counts, cap)
+                source, target, m_splits, aligned_m_splits = receive_layout(recv_counts, cap, align)
             else:  # the send buffer is the expert input
-                source, target, m_splits = None, None, lay.send_counts.view(Lc)
+                source, target, m_splits, aligned_m_splits = None, None, lay.send_counts.view(Lc), \
+                    lay.aligned_counts.view(Lc)
             handle = DispatchHandle(lay.route_slot, lay.route_of_slot, source, target, probs, T, K, cap, lay.dropped,
-                                    m_splits, lay.column_counts)
-            if align_rows is not None:
-                _align_groups(handle, align_rows)
+                                    m_splits, lay.column_counts,
+                                    aligned_m_splits=aligned_m_splits if align_rows is not None else None)
         if lean_fp8:
             splits = handle.m_splits if handle.aligned_m_splits is None else handle.aligned_m_splits
             # the input gradient goes home as the 16-bit dispatch's does: reverse exchange, sum of each token's routes

@@ -13,6 +13,12 @@ one rank the send buffer already is the expert input grouped by local expert, pa
 Sentinels: ``route_slot == N`` (dropped or not live; ``N = R * capacity`` send slots), ``route_of_slot == n`` (empty
 slot).
 
+Aligned groups (``align``, the FP8 experts' 16-row group starts): at one rank ``dispatch_layout(..., align=a)`` lays
+the send slots out as the aligned expert input itself, each local expert's group starting at a multiple of ``a`` rows
+with zero rows after it, ``N =`` :func:`aligned_padded_rows` ``(capacity, Lc, a)`` slots, and returns the padded
+counts (``aligned_counts``); at R > 1 ``receive_layout(..., align=a)`` does the same for the received rows. Both
+equal :func:`aligned_groups` of the align-1 layout composed into its index maps, without the extra launches.
+
 Quota mode (``dest_quota [R]``, the per-destination-capacity exchange of :mod:`moe_graph.moe.exchange`): destination
 ``d`` keeps its first ``max(dest_quota[d], 0)`` live routes in drop order instead of ``capacity``, and the send slots
 are packed: ``N = n``, destination ``d``'s rows start after the kept rows of the destinations before it (no padding
@@ -37,7 +43,8 @@ import torch
 from moe_graph.ops._lib import has_kernel
 from moe_graph.ops.reroute import real_host_values
 
-__all__ = ["aligned_groups", "dispatch_layout", "receive_layout", "DispatchLayout", "native_available"]
+__all__ = ["aligned_groups", "aligned_padded_rows", "dispatch_layout", "receive_layout", "DispatchLayout",
+           "ReceiveLayout", "native_available"]
 
 _LAYOUT = "moe_graph::dispatch_layout"
 _RECV = "moe_graph::receive_layout"
@@ -50,6 +57,14 @@ class DispatchLayout(NamedTuple):
     send_counts: torch.Tensor  # [R, num_local_columns] int64 kept routes per (destination, local expert)
     column_counts: torch.Tensor  # [C] int64 live routes per column (before drops)
     dropped: torch.Tensor  # 0-dim int64 live routes over the capacity
+    aligned_counts: torch.Tensor  # [R, num_local_columns] int64 send_counts rounded up to a multiple of align
+
+
+class ReceiveLayout(NamedTuple):
+    expert_row_source: torch.Tensor  # [P] int64 receive row of each expert-input row (R*capacity: padding)
+    recv_row_target: torch.Tensor  # [R*capacity] int64 expert-input row of each receive row (P: empty)
+    m_splits: torch.Tensor  # [num_local_columns] int64 received rows per local expert
+    aligned_m_splits: torch.Tensor  # [num_local_columns] int64 m_splits rounded up to a multiple of align
 
 
 @torch.compiler.assume_constant_result  # fixed per process: traced once by torch.compile
@@ -69,13 +84,16 @@ def dispatch_layout(
     route_order: Optional[torch.Tensor] = None,
     counters: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
     dest_quota: Optional[torch.Tensor] = None,
+    align: int = 1,
 ) -> DispatchLayout:
     """Send slots of ``indices [T, K]`` (int32/int64) over the column tables ``column_rank`` / ``column_local``
     (``[C]`` int64); ``valid``: optional ``[T, K]`` bool; ``route_order``: optional ``[T*K]`` int64 drop order.
     ``counters``: optional ``(dropped_routes, step_dropped_routes, step_max_load_ratio)`` (one element each; int64,
     int64, float64) that take this call's drops (added) and largest load ratio (``max(ratio, max_d live_d * R / n)``)
     in place. ``dest_quota``: optional ``[R]`` int64 per-destination limits (quota mode: packed send slots, see the
-    module docstring).
+    module docstring). ``align``: with ``align > 1`` (one rank, no ``dest_quota``) each local expert's group starts
+    at a multiple of ``align`` send slots (``route_of_slot [aligned_padded_rows(capacity, Lc, align)]``);
+    ``aligned_counts`` are the groups' padded rows (``send_counts`` rounded up; ``align = 1``: equal).
 
     Example (one rank, 3 experts, top-2, capacity 4)::
 
@@ -83,22 +101,36 @@ def dispatch_layout(
         0 (expert 2): route_slot = [3, 0, 1, 2], route_of_slot = [1, 2, 3, 0], send_counts = [[2, 1, 1]]
     """
     dr, sd, sm = counters if counters is not None else (None, None, None)
-    args = (indices, valid, column_rank, column_local, route_order, int(num_ep_ranks), int(num_local_columns),
-            int(capacity), dr, sd, sm) + ((dest_quota,) if dest_quota is not None else ())
+    R, Lc, cap, align = int(num_ep_ranks), int(num_local_columns), int(capacity), _check_align(align, "dispatch_layout")
+    if align > 1 and (R != 1 or dest_quota is not None):
+        raise ValueError(f"dispatch_layout: align > 1 needs num_ep_ranks == 1 and dest_quota None (the send buffer "
+                         f"is the expert input; at R > 1 receive_layout aligns it), got align={align}, "
+                         f"num_ep_ranks={R}, dest_quota {'given' if dest_quota is not None else 'None'}")
+    args = (indices, valid, column_rank, column_local, route_order, R, Lc, cap, dr, sd, sm, dest_quota)
     if native_available(indices.device.type):
-        return DispatchLayout(*torch.ops.moe_graph.dispatch_layout(*args))
-    return _layout_torch(*args)
+        return DispatchLayout(*torch.ops.moe_graph.dispatch_layout(*args, align=align))
+    return _layout_torch(*args, align=align)
 
 
-def receive_layout(recv_counts: torch.Tensor, capacity: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def receive_layout(recv_counts: torch.Tensor, capacity: int, align: int = 1) -> ReceiveLayout:
     """``recv_counts [R, num_local_columns]`` int64 (row ``s``: the ``send_counts`` row source rank ``s`` sent this
-    rank) -> ``(expert_row_source [R*capacity], recv_row_target [R*capacity], m_splits [num_local_columns])``: the
-    expert input groups the received rows by local expert, then source rank, then the sender's order, padding last;
-    ``expert_row_source[i]`` is the receive row of expert row ``i`` and ``recv_row_target`` its inverse (``R*capacity``:
-    none)."""
+    rank) -> ``(expert_row_source [P], recv_row_target [R*capacity], m_splits [num_local_columns],
+    aligned_m_splits [num_local_columns])``: the expert input groups the received rows by local expert, then source
+    rank, then the sender's order, each group starting at a multiple of ``align`` rows with zero rows after it
+    (``align = 1``: back to back, padding last); ``P =`` :func:`aligned_padded_rows` ``(R*capacity, Lc, align)``
+    (``align = 1``: ``R*capacity``). ``expert_row_source[i]`` is the receive row of expert row ``i`` (``R*capacity``:
+    a zero row) and ``recv_row_target`` its inverse (``P``: an empty receive row); ``aligned_m_splits`` are the
+    groups' padded rows."""
+    align = _check_align(align, "receive_layout")
     if native_available(recv_counts.device.type):
-        return torch.ops.moe_graph.receive_layout(recv_counts, int(capacity))
-    return _receive_torch(recv_counts, int(capacity))
+        return ReceiveLayout(*torch.ops.moe_graph.receive_layout(recv_counts, int(capacity), align))
+    return _receive_torch(recv_counts, int(capacity), align)
+
+
+def _check_align(align, op: str) -> int:
+    if isinstance(align, bool) or not isinstance(align, int) or not 1 <= align <= 1 << 20:
+        raise ValueError(f"{op}: align must be an int in [1, 2^20], got {align!r}")
+    return align
 
 
 def aligned_padded_rows(rows: int, num_groups: int, align: int) -> int:
@@ -114,8 +146,7 @@ def aligned_groups(m_splits: torch.Tensor, rows: int, align: int) -> Tuple[torch
     (``rows``: a zero row), ``padded_of_source`` its inverse (``P``: a row past the groups). Two launches on CUDA."""
     if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
         raise ValueError(f"aligned_groups: rows must be an int >= 0, got {rows!r}")
-    if isinstance(align, bool) or not isinstance(align, int) or not 1 <= align <= 1 << 20:
-        raise ValueError(f"aligned_groups: align must be an int in [1, 2^20], got {align!r}")
+    _check_align(align, "aligned_groups")
     if not isinstance(m_splits, torch.Tensor) or m_splits.dim() != 1:
         raise ValueError(f"aligned_groups: m_splits must be a 1-D tensor [G], got "
                          f"{tuple(m_splits.shape) if isinstance(m_splits, torch.Tensor) else type(m_splits).__name__}")
@@ -133,10 +164,11 @@ def _eager_check(bad: torch.Tensor, message) -> None:
 
 
 def _layout_torch(indices, valid, column_rank, column_local, route_order, R, Lc, cap, dropped_routes=None,
-                  step_dropped_routes=None, step_max_load_ratio=None, dest_quota=None) -> DispatchLayout:
+                  step_dropped_routes=None, step_max_load_ratio=None, dest_quota=None, align=1) -> DispatchLayout:
     T, K = indices.shape
     n, C, dev = T * K, column_rank.shape[0], indices.device
-    N = n if dest_quota is not None else R * cap
+    block = aligned_padded_rows(cap, Lc, align)  # one destination's send slots (align 1: cap)
+    N = n if dest_quota is not None else R * block
     i64 = dict(dtype=torch.int64, device=dev)
     idx = indices.reshape(-1).to(torch.int64)
     want = valid.reshape(-1) if valid is not None else torch.ones(n, dtype=torch.bool, device=dev)
@@ -162,11 +194,16 @@ def _layout_torch(indices, valid, column_rank, column_local, route_order, R, Lc,
     by_key = torch.argsort(key, stable=True)
     key_count = torch.zeros(R * Lc + 1, **i64).scatter_add_(0, key, torch.ones_like(key))
     k_sorted = key.index_select(0, by_key)
-    d_sorted = torch.div(k_sorted, Lc, rounding_mode="floor")
-    # the first send slot of each destination: d * cap (padded blocks) or its first kept row (packed)
-    first = (key_count.cumsum(0) - key_count).index_select(0, (d_sorted * Lc).clamp(max=R * Lc))
-    base = first if dest_quota is not None else d_sorted * cap
-    slot = torch.where(k_sorted < R * Lc, base + torch.arange(n, **i64) - first, N)
+    key_start = key_count.cumsum(0) - key_count  # the first sorted position of each key
+    counts = key_count[:R * Lc].view(R, Lc)
+    padded = (counts + align - 1) // align * align
+    if dest_quota is not None:  # packed: the kept routes' sorted positions are their slots
+        slot = torch.arange(n, **i64)
+    else:  # d * block + the group's aligned start within the block + the route's rank within its key
+        group = (padded.cumsum(1) - padded + torch.arange(R, **i64).view(R, 1) * block).reshape(-1)
+        group = torch.cat([group, group.new_zeros(1)])
+        slot = torch.arange(n, **i64) - (key_start - group).index_select(0, k_sorted)
+    slot = torch.where(k_sorted < R * Lc, slot, N)
     route_slot = torch.empty(n, **i64).scatter_(0, by_key, slot)
     route_of_slot = torch.full((N + 1,), n, **i64).scatter_(0, slot, by_key)[:N]
     column_counts = torch.zeros(C, **i64).scatter_add_(0, col, live.to(torch.int64))
@@ -178,12 +215,13 @@ def _layout_torch(indices, valid, column_rank, column_local, route_order, R, Lc,
     if step_max_load_ratio is not None and n:
         ratio = live_count[:R].max().to(torch.float64) * R / n  # the native rounding: (max * R) / n
         step_max_load_ratio.copy_(torch.maximum(step_max_load_ratio, ratio.view_as(step_max_load_ratio)))
-    return DispatchLayout(route_slot, route_of_slot, key_count[:R * Lc].view(R, Lc), column_counts, dropped)
+    return DispatchLayout(route_slot, route_of_slot, counts, column_counts, dropped, padded)
 
 
-def _receive_torch(recv_counts, cap):
+def _receive_torch(recv_counts, cap, align=1):
     R, Lc = recv_counts.shape
     N, dev = R * cap, recv_counts.device
+    P = aligned_padded_rows(N, Lc, align)
     _eager_check(recv_counts < 0, lambda i: f"receive_layout: recv_counts must be >= 0; recv_counts[{i // Lc}, "
                  f"{i % Lc}] = {int(recv_counts.reshape(-1)[i])}")
     end = recv_counts.clamp(min=0).cumsum(1)
@@ -193,14 +231,15 @@ def _receive_torch(recv_counts, cap):
     row_start = torch.cat([end.new_zeros(R, 1), end[:, :-1]], 1)
     cnt = end - row_start
     m_splits = cnt.sum(0)
-    col_base = (m_splits.cumsum(0) - m_splits)[None, :] + (cnt.cumsum(0) - cnt)
+    padded = (m_splits + align - 1) // align * align
+    col_base = (padded.cumsum(0) - padded)[None, :] + (cnt.cumsum(0) - cnt)
     pos = torch.arange(cap, dtype=torch.int64, device=dev).expand(R, cap).contiguous()
     local = torch.searchsorted(row_start, pos, right=True) - 1  # the last local expert starting at or before pos
     real = pos < end.gather(1, local)
-    target = torch.where(real, col_base.gather(1, local) + pos - row_start.gather(1, local), N).reshape(N)
-    source = torch.full((N + 1,), N, dtype=torch.int64, device=dev).scatter_(
-        0, target, torch.arange(N, dtype=torch.int64, device=dev))[:N]
-    return source, target, m_splits
+    target = torch.where(real, col_base.gather(1, local) + pos - row_start.gather(1, local), P).reshape(N)
+    source = torch.full((P + 1,), N, dtype=torch.int64, device=dev).scatter_(
+        0, target, torch.arange(N, dtype=torch.int64, device=dev))[:P]
+    return ReceiveLayout(source, target, m_splits, padded)
 
 
 def _aligned_torch(m_splits, rows, align):
@@ -231,13 +270,13 @@ def _register() -> None:
 
     @torch.library.register_fake(_LAYOUT)
     def _(indices, valid, column_rank, column_local, route_order, num_ep_ranks, num_local_columns, capacity,
-          dropped_routes=None, step_dropped_routes=None, step_max_load_ratio=None, dest_quota=None):
+          dropped_routes=None, step_dropped_routes=None, step_max_load_ratio=None, dest_quota=None, align=1):
         torch._check(indices.dim() == 2, lambda: "dispatch_layout: indices must be a 2-D tensor [T, K]")
         n = indices.shape[0] * indices.shape[1]
         new = lambda *shape: indices.new_empty(shape, dtype=torch.int64)  # noqa: E731
-        N = n if dest_quota is not None else num_ep_ranks * capacity
+        N = n if dest_quota is not None else num_ep_ranks * aligned_padded_rows(capacity, num_local_columns, align)
         return (new(n), new(N), new(num_ep_ranks, num_local_columns),
-                new(column_rank.shape[0]), new())
+                new(column_rank.shape[0]), new(), new(num_ep_ranks, num_local_columns))
 
     @torch.library.register_fake(_ALIGN)
     def _(m_splits, rows, align):
@@ -247,10 +286,11 @@ def _register() -> None:
                 m_splits.new_empty(rows))
 
     @torch.library.register_fake(_RECV)
-    def _(recv_counts, capacity):
+    def _(recv_counts, capacity, align=1):
         torch._check(recv_counts.dim() == 2, lambda: "receive_layout: recv_counts must be [R, num_local_columns]")
         R, Lc = recv_counts.shape
-        return (recv_counts.new_empty(R * capacity), recv_counts.new_empty(R * capacity), recv_counts.new_empty(Lc))
+        return (recv_counts.new_empty(aligned_padded_rows(R * capacity, Lc, align)),
+                recv_counts.new_empty(R * capacity), recv_counts.new_empty(Lc), recv_counts.new_empty(Lc))
 
 
 _register()
