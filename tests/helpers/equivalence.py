@@ -233,6 +233,11 @@ for _fp8 in ("blockwise", "mxfp8", "blockwise_fp32_scales"):  # FP8 experts (tra
         Row(f"fp8_{_fp8}_grouped_delay_wgrad_fused_overlap", world=2, microbatches=2, grouped="delay_fused",
             overlap=True, fp8=_fp8),
     ]
+MATRIX += [  # FP8 experts on the per-destination (host-sized) and fused exchanges: the receive side writes the FP8
+    # expert input and fc2's FP8 dy (aligned groups placed by the exchange)
+    Row("fp8_blockwise_ep2_dest", world=2, ep=2, microbatches=2, fp8="blockwise", exchange="symm_mem"),
+    Row("fp8_mxfp8_ep2_nvlink", world=2, ep=2, microbatches=2, fp8="mxfp8", exchange="nvlink"),
+]
 MATRIX += [  # the shared expert and the router losses on a side stream beside the exchange (overlap_shared_expert)
     Row("ep2_shared_side_aux_z", world=2, ep=2, microbatches=2, shared_expert=True, aux="local", z_loss=True,
         side_stream=True),
