@@ -126,10 +126,12 @@ def test_layer_fused_fp8_dispatch_skewed_routing(case, monkeypatch):
     assert (m == 0).sum() >= (4 if case == "all_one" else 3), m
 
 
-@pytest.mark.parametrize("world,kind,cf", [(2, "blockwise", None), (2, "mxfp8", 0.6),
-                                           *full_only((4, "mxfp8", None))])  # 4 ranks: the 2-rank paths again
-def test_layer_fused_fp8_dispatch_equals_previous_path_multi_rank(world, kind, cf):
-    res = run_distributed(lean_dispatch_worker, world, kind, cf, timeout=300.0)
+@pytest.mark.parametrize("world,kind,cf,exchange", [
+    (2, "blockwise", None, "nccl"), (2, "mxfp8", 0.6, "nccl"),
+    (2, "mxfp8", 0.6, "nvlink"),  # the fused exchange (gloo): the op reads the receive buffer
+    *full_only((4, "mxfp8", None, "nccl"), (2, "blockwise", None, "nvlink"))])  # the 2-rank paths again
+def test_layer_fused_fp8_dispatch_equals_previous_path_multi_rank(world, kind, cf, exchange):
+    res = run_distributed(lean_dispatch_worker, world, kind, cf, exchange, timeout=300.0)
     for r in res:
         assert r["out_equal"] and r["dx_equal"] and r["unequal_grads"] == [] and r["grads"], r
         assert r["fused_used"] and not r["previous_used_fused"], r

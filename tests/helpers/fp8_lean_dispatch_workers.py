@@ -41,8 +41,9 @@ def run_both(layer, x: torch.Tensor, target: torch.Tensor, kind: str) -> Dict:
             "nonzero_dx": bool(dx1.abs().sum() > 0)}
 
 
-def lean_dispatch_worker(rank: int, world: int, kind: str, capacity_factor: Optional[float]) -> Dict:
-    layer, x, target = busy_expert_layer(rank, world, capacity_factor, exchange="nccl", fp8_dispatch=True)
+def lean_dispatch_worker(rank: int, world: int, kind: str, capacity_factor: Optional[float],
+                         exchange: str = "nccl") -> Dict:
+    layer, x, target = busy_expert_layer(rank, world, capacity_factor, exchange=exchange, fp8_dispatch=True)
     res = run_both(layer, x, target, kind)
     res["dropped"] = layer.dispatcher.check_drops()
     return res

@@ -100,7 +100,8 @@ OVERFLOW_MODES = ("drop", "rerun")
 # ------------------------------------------------------------------------------------------------ helpers --
 # FP8 dispatch (``dispatch(fp8_recipe=...)``) on the per-pair rule with aligned groups: the send rows quantized and
 # packed by one op (``ops.permute.expand_pack``) and the expert input's rowwise and columnwise copies written from the
-# received packed rows by one op (``ops.permute.expand_quantize_packed``). False: the previous path (``ops.fp8.
+# received packed rows by one op (``ops.permute.expand_quantize_packed``; on the fused exchange it reads the receive
+# buffer, the packed tokens sent as they are). False: the previous path (``ops.fp8.
 # pack_rows``, byte gathers, ``unpack_rows``; the first FP8 GEMM requantizes the columnwise copy), bit-equal results.
 FUSED_FP8_DISPATCH = True
 
@@ -534,6 +535,18 @@ class TokenDispatcher(nn.Module):
                     recv = self.backend.exchange(send.view(R, N // R, B)).reshape(N, B)
                 exchange_issued()  # an exchange point (its backward, the carrier's combine, has its own)
                 expert_in = expand_quantize_packed(recv, handle.expert_row_source, 1, splits, fp8_recipe, rows)
+        elif (fp8_recipe is not None and self.fused and FUSED_FP8_DISPATCH and handle.exchange_plan.align > 1
+              and expand_pack_available(dev.type)):  # both FP8 copies read out of the receive buffer by one op
+            plan = handle.exchange_plan
+            # the input gradient goes home as the 16-bit dispatch's does: reverse exchange, sum of each token's routes
+            rows = carrier(hidden, plan.rows, lambda g: self.combine(g, handle, weighted=False))
+
+            def read(x, m, w):  # the packed rows at their aligned rows -> rowwise bytes, columnwise requantized
+                return expand_quantize_packed(x, torch.arange(x.shape[0], device=x.device), 1, m, fp8_recipe, rows)
+            with torch.no_grad():
+                expert_in = plan.take(plan.dispatch(self.exchange_backend, packed, probs.detach().reshape(-1),
+                                                    reader=read))
+            exchange_issued()  # an exchange point (its backward, the carrier's combine, has its own)
         elif fp8_recipe is not None:
             with torch.no_grad():
                 moved = self._move_bytes(packed, handle)
