@@ -204,10 +204,9 @@ def test_symm_mem_exchange_layout_on_a_model_of_torchs_ops(kind, cf, spare, fp8_
         for aligned, eq in r["equal"].items():
             assert eq[0] and eq[1] and eq[2] and eq[3] == [], (aligned, r)
             assert r["aligned"][aligned] == (aligned, aligned), r
-        # FP8 experts with 16-bit dispatch, no echo: the aligned run's receive sides wrote the FP8 expert input and
-        # fc2's FP8 dy (the combine's backward), on both exchanges; FP8 dispatch moves its own bytes (and echo
-        # keeps fc2's 16-bit dy)
-        want = 2 if kind is not None and not fp8_dispatch else 0
+        # the aligned run's receive sides, on both exchanges, wrote the FP8 expert input (16-bit dispatch: from the
+        # received rows; FP8 dispatch: from the packed rows) and, without echo, fc2's FP8 dy (the combine's backward)
+        want = 0 if kind is None else 1 if fp8_dispatch else 2
         assert r["quantized"] == {"ref": want, "sym": want}, r
     if cf is not None:
         assert sum(r["dropped"] for r in res) > 0

@@ -129,6 +129,7 @@ def test_layer_fused_fp8_dispatch_skewed_routing(case, monkeypatch):
 @pytest.mark.parametrize("world,kind,cf,exchange", [
     (2, "blockwise", None, "nccl"), (2, "mxfp8", 0.6, "nccl"),
     (2, "mxfp8", 0.6, "nvlink"),  # the fused exchange (gloo): the op reads the receive buffer
+    (2, "blockwise", 0.6, "symm_mem"),  # per destination (host-sized): the op reads the received rows
     *full_only((4, "mxfp8", None, "nccl"), (2, "blockwise", None, "nvlink"))])  # the 2-rank paths again
 def test_layer_fused_fp8_dispatch_equals_previous_path_multi_rank(world, kind, cf, exchange):
     res = run_distributed(lean_dispatch_worker, world, kind, cf, exchange, timeout=300.0)

@@ -85,14 +85,14 @@ def symm_mem_worker(rank: int, world: int, kind: Optional[str], cf: Optional[flo
     ref, x, target = build()
     sym, _, _ = build()
     calls = symm_mem_fake.install(sym)
-    quantized = {"ref": 0, "sym": 0}  # receive sides that wrote the FP8 expert input (to_experts_quantized)
+    quantized = {"ref": 0, "sym": 0}  # receive sides that wrote the FP8 rows themselves (to_experts_read)
     for name, lay in (("ref", ref), ("sym", sym)):
-        backend, inner = lay.dispatcher.exchange_backend, lay.dispatcher.exchange_backend.to_experts_quantized
+        backend, inner = lay.dispatcher.exchange_backend, lay.dispatcher.exchange_backend.to_experts_read
 
         def counted(*args, _inner=inner, _name=name, **kw):
             quantized[_name] += 1
             return _inner(*args, **kw)
-        backend.to_experts_quantized = counted
+        backend.to_experts_read = counted
     seen = []  # the m_splits the experts got (the unaligned run's: the received rows per local expert)
     hook = sym.experts.register_forward_pre_hook(lambda mod, args: seen.append(args[1].clone()))
     res = {"aligned": {}, "equal": {}}

@@ -266,19 +266,17 @@ class HostSizedExchange:
         out = send.new_zeros((p.capacity,) + tuple(X))
         return out.index_copy_(0, p.expert_index, recv.index_select(0, p.recv_index))
 
-    def to_experts_quantized(self, send: torch.Tensor, p: _Plan, m_splits: torch.Tensor, recipe,
-                             dtype: Optional[torch.dtype] = None):
-        """:meth:`to_experts` of 16-bit rows written as their two FP8 copies under ``recipe`` (groups ``m_splits``;
-        ``dtype``: the FP8 dtype, the recipe's forward one by default), read from the received rows by one op
-        (``ops.permute.expand_quantize_copies``): the 16-bit expert rows are never written. Not differentiable
-        (:func:`to_experts_quantized`, :class:`ToSources`' hand-off)."""
+    def to_experts_read(self, send: torch.Tensor, p: _Plan, read):
+        """:meth:`to_experts` with the expert input made by ``read(received rows, source_row [capacity])`` from the
+        received rows (``source_row[i]``: the received row of expert row ``i``, the number of received rows for a
+        zero row), e.g. the two FP8 copies written by one op (:func:`to_experts_quantized`); not differentiable."""
         X = send.shape[1:]
         recv = send.new_empty((sum(p.recv_splits),) + tuple(X))
         dist.all_to_all_single(recv, send[:sum(p.send_splits)].contiguous(), p.recv_splits, p.send_splits,
                                group=self.group)
         source_row = torch.full((p.capacity,), recv.shape[0], dtype=torch.int64, device=send.device)
         source_row.index_copy_(0, p.expert_index, p.recv_index)  # the received row of each expert row; else none
-        return expand_quantize_copies(recv, source_row, 1, m_splits, recipe, dtype or recipe.fwd_dtype)
+        return read(recv, source_row)
 
     def to_sources(self, rows: torch.Tensor, p: _Plan, num_slots: int) -> torch.Tensor:
         """Expert rows ``[capacity, X]`` -> this rank's send slots ``[num_slots, X]`` (the adjoint of
@@ -368,21 +366,17 @@ class SymmMemExchange:
         out, p.splits_offsets, p.m_splits = self._ordered.run(self._to_experts, send, p)
         return out
 
-    def to_experts_quantized(self, send: torch.Tensor, p: _Plan, m_splits: torch.Tensor, recipe,
-                             dtype: Optional[torch.dtype] = None):
-        """:meth:`to_experts` of 16-bit rows written as their two FP8 copies under ``recipe`` (groups ``m_splits``:
-        the plan's padded counts, :meth:`align`; ``dtype``: the FP8 dtype, the recipe's forward one by default) by
-        the op that reads the receive buffer (``ops.permute.expand_quantize_copies`` in place of the row gather):
-        the 16-bit expert rows are never written. Not differentiable (:func:`to_experts_quantized`,
-        :class:`ToSources`' hand-off)."""
-        copies, p.splits_offsets, p.m_splits = self._ordered.run(self._to_experts, send, p,
-                                                                 (m_splits, recipe, dtype or recipe.fwd_dtype))
-        return copies
+    def to_experts_read(self, send: torch.Tensor, p: _Plan, read):
+        """:meth:`to_experts` with the expert input made by ``read(receive buffer, source_row [capacity])`` in place
+        of the row gather (``source_row[i]``: the buffer row of expert row ``i``, a zero row for pad rows), on the
+        exchange's stream before the buffer can be reused; not differentiable (:func:`to_experts_quantized`)."""
+        out, p.splits_offsets, p.m_splits = self._ordered.run(self._to_experts, send, p, read)
+        return out
 
     def to_sources(self, rows: torch.Tensor, p: _Plan, num_slots: int) -> torch.Tensor:
         return self._ordered.run(self._to_sources, rows, p, num_slots)
 
-    def _to_experts(self, send: torch.Tensor, p: _Plan, quantize=None) -> torch.Tensor:
+    def _to_experts(self, send: torch.Tensor, p: _Plan, read=None) -> torch.Tensor:
         R, Lc = p.send_counts.shape
         X = tuple(send.shape[1:])
         splits = self._buffer("in_splits", R * Lc, (), torch.int64)
@@ -402,9 +396,8 @@ class SymmMemExchange:
         # touch them: the grouped GEMM saved them for its backward)
         source_row, chunk_start = expert_input_rows(chunk_rows, got[1], m_splits, p.capacity, landing + Lc, p.align,
                                                     p.aligned_m_splits if p.splits_offsets is None else None)
-        # a copy (the buffer is reused by the next call) in this exchange's layout, or its two FP8 copies
-        out = dst.index_select(0, source_row) if quantize is None else \
-            expand_quantize_copies(dst, source_row, 1, *quantize)
+        # a copy (the buffer is reused by the next call) in this exchange's layout, or what read makes of it
+        out = dst.index_select(0, source_row) if read is None else read(dst, source_row)
         return out, torch.stack([chunk_rows, chunk_start]), m_splits
 
     def _to_sources(self, rows: torch.Tensor, p: _Plan, num_slots: int) -> torch.Tensor:
@@ -873,11 +866,9 @@ class FusedCombineFn(torch.autograd.Function):
                 return (out.expert_in.to(acc) * scale).to(dy.dtype)
 
             if handoff is not None:  # fc2's two FP8 dy copies written from the receive buffer, the weights applied
-                def fp8_dy(x, m, rw):
-                    ident = torch.arange(x.shape[0], device=x.device)
-                    return expand_quantize_copies(x, ident, 1, handoff.m_splits, handoff.recipe,
-                                                  handoff.recipe.bwd_dtype, None if rw is None else rw.view(-1, 1))
-                copies = s.dispatch(fx, dy, w, reader=fp8_dy).expert_in
+                read = quantized_reader(handoff.m_splits, handoff.recipe, handoff.recipe.bwd_dtype,
+                                        None if w is None else lambda rw: rw.view(-1, 1))
+                copies = s.dispatch(fx, dy, w, reader=lambda x, m, rw: read(x, None, rw)).expert_in
                 # the 16-bit fallback (another consumer summed into fc2's output gradient) dispatches dy again
                 grad_out = handoff.give(copies, (s.rows, dy.shape[1]), dy, dense)
             else:
@@ -967,11 +958,24 @@ class ToExperts(torch.autograd.Function):
         return None, None, out
 
 
+def quantized_reader(m_splits: torch.Tensor, recipe, dtype: torch.dtype, weights=None):
+    """A ``to_experts_read`` / fused ``reader`` that writes the expert rows' two FP8 copies (groups ``m_splits``)
+    straight from the received rows: ``ops.permute.expand_quantize_copies`` (``weights``: a function of the
+    reader's third argument, the carried row weights, giving ``[rows, 1]`` weights to apply first)."""
+    def read(src: torch.Tensor, source_row: Optional[torch.Tensor], carried=None):
+        if source_row is None:
+            source_row = torch.arange(src.shape[0], device=src.device)
+        return expand_quantize_copies(src, source_row, 1, m_splits, recipe, dtype,
+                                      None if weights is None else weights(carried))
+    return read
+
+
 def to_experts_quantized(backend, plan, send: torch.Tensor, m_splits: torch.Tensor, recipe) -> QuantizedRows:
-    """The FP8 experts' input through a per-destination backend (``to_experts_quantized``: the receive side writes
-    both FP8 copies, groups ``m_splits``), a ``QuantizedRows`` whose carrier takes the expert input's 16-bit gradient
-    back through the reverse exchange to ``send`` (as :class:`ToExperts`' backward); an exchange point each way."""
-    (q, s), columns = backend.to_experts_quantized(send.detach().contiguous(), plan, m_splits, recipe)
+    """The FP8 experts' input through a per-destination backend (``to_experts_read``: the receive side writes both
+    FP8 copies, groups ``m_splits``), a ``QuantizedRows`` whose carrier takes the expert input's 16-bit gradient back
+    through the reverse exchange to ``send`` (as :class:`ToExperts`' backward); an exchange point each way."""
+    (q, s), columns = backend.to_experts_read(send.detach().contiguous(), plan,
+                                              quantized_reader(m_splits, recipe, recipe.fwd_dtype))
     point = exchange_issued()
 
     def back(g: torch.Tensor) -> torch.Tensor:
@@ -985,7 +989,7 @@ def to_experts_quantized(backend, plan, send: torch.Tensor, m_splits: torch.Tens
 class ToSources(torch.autograd.Function):
     """Expert rows -> this rank's send slots (the reverse exchange); backward is the forward exchange. ``handoff``
     (a ``moe_graph.fp8.GradHandoff`` bound to ``rows``, the FP8 fc2's output; the backend's
-    ``to_experts_quantized``): the backward's receive side writes the rows' gradient as its two FP8 copies for
+    ``to_experts_read``): the backward's receive side writes the rows' gradient as its two FP8 copies for
     fc2's backward (the bytes of quantizing the 16-bit gradient) and hands autograd a zero-stride zero."""
 
     @staticmethod
@@ -999,7 +1003,8 @@ class ToSources(torch.autograd.Function):
     def backward(ctx, g):
         g, backend, plan, handoff = g.contiguous(), ctx.backend, ctx.plan, ctx.handoff
         if handoff is not None:
-            copies = backend.to_experts_quantized(g, plan, handoff.m_splits, handoff.recipe, handoff.recipe.bwd_dtype)
+            copies = backend.to_experts_read(g, plan, quantized_reader(handoff.m_splits, handoff.recipe,
+                                                                       handoff.recipe.bwd_dtype))
             # the 16-bit fallback (another consumer summed into fc2's output gradient) sends the gradient again
             out = handoff.give(copies, (plan.capacity, g.shape[1]), g, lambda: backend.to_experts(g, plan))
         else:

@@ -98,7 +98,7 @@ OVERFLOW_MODES = ("drop", "rerun")
 
 
 # ------------------------------------------------------------------------------------------------ helpers --
-# FP8 dispatch (``dispatch(fp8_recipe=...)``) on the per-pair rule with aligned groups: the send rows quantized and
+# FP8 dispatch (``dispatch(fp8_recipe=...)``) with aligned groups (every exchange): the send rows quantized and
 # packed by one op (``ops.permute.expand_pack``) and the expert input's rowwise and columnwise copies written from the
 # received packed rows by one op (``ops.permute.expand_quantize_packed``; on the fused exchange it reads the receive
 # buffer, the packed tokens sent as they are). False: the previous path (``ops.fp8.
@@ -496,10 +496,11 @@ class TokenDispatcher(nn.Module):
         counters = None
         if counting_enabled():  # not again when activation recomputation re-runs this forward
             counters = (self.dropped_routes, self.step_dropped_routes, self.step_max_load_ratio)
-        # FP8 dispatch on the per-pair rule with the fused ops: the send rows quantized and packed by one op, the
-        # expert input's two FP8 copies written from the received packed rows by another (lean_fp8)
-        lean_fp8 = (fp8_recipe is not None and FUSED_FP8_DISPATCH and self.rule != "destination" and not self.fused
-                    and align_rows is not None and expand_pack_available(dev.type))
+        # FP8 dispatch with the fused ops (the per-pair rule and the per-destination exchanges; the fused exchange has
+        # its own reader below): the send rows quantized and packed by one op, the expert input's two FP8 copies
+        # written from the received packed rows by another (lean_fp8)
+        lean_fp8 = (fp8_recipe is not None and FUSED_FP8_DISPATCH and not self.fused and align_rows is not None
+                    and expand_pack_available(dev.type))
         if fp8_recipe is not None:
             check_row_local(fp8_recipe)  # before anything moves
             # the tokens themselves at R = 1 (each read once; the expert rows gather them), else the send rows
@@ -507,6 +508,8 @@ class TokenDispatcher(nn.Module):
                 expand_pack(hidden, None, 1, fp8_recipe) if R == 1 else None
         if self.rule == "destination":
             handle = self._layout_per_destination(indices, probs, valid, demand, order, counters, cap, align_rows)
+            if lean_fp8 and not handle.aligned:  # only the backends that place the rows aligned read them too
+                lean_fp8, packed = False, pack_rows(hidden, fp8_recipe)
         else:
             # aligned groups (align_rows): the layout ops place each expert group at a multiple of align_rows rows
             # themselves (R = 1: the send slots are the padded expert rows; R > 1: the receive side's regrouping)
@@ -528,6 +531,13 @@ class TokenDispatcher(nn.Module):
             rows = carrier(hidden, handle.expert_rows, lambda g: self.combine(g, handle, weighted=False))
             if R == 1:  # the expert rows straight from the packed tokens
                 expert_in = expand_quantize_packed(packed, handle.route_of_slot, K, splits, fp8_recipe, rows)
+            elif self.rule == "destination":  # the receive side reads the packed rows as they arrived
+                with torch.no_grad():
+                    send = expand_pack(hidden, handle.route_of_slot, K, fp8_recipe)
+                    expert_in = self.exchange_backend.to_experts_read(
+                        send, handle.exchange_plan,
+                        lambda src, source_row: expand_quantize_packed(src, source_row, 1, splits, fp8_recipe, rows))
+                exchange_issued()  # an exchange point (its backward, the carrier's combine, has its own)
             else:  # send rows packed by one op, exchanged, regrouped and requantized columnwise by one op
                 with torch.no_grad():
                     send = expand_pack(hidden, handle.route_of_slot, K, fp8_recipe)
