@@ -430,10 +430,11 @@ class TokenDispatcher(nn.Module):
                 rowwise here, once each, and travel as their FP8 and scale bytes (about half the bytes of 16-bit
                 rows); the expert input is then a :class:`moe_graph.ops.fp8.QuantizedRows` (bytes equal, row for
                 row, to quantizing the 16-bit expert input) whose input gradient comes back in ``hidden``'s dtype.
-                On the per-pair rule with ``align_rows`` (:data:`FUSED_FP8_DISPATCH`) two ops do it: the send rows
-                quantized and packed (:func:`moe_graph.ops.permute.expand_pack`; at R = 1 the tokens) and the
-                expert input's rowwise and columnwise copies from the received rows
-                (:func:`moe_graph.ops.permute.expand_quantize_packed`: ``columns`` set).
+                With ``align_rows`` (:data:`FUSED_FP8_DISPATCH`) two ops do it: the send rows quantized and
+                packed (:func:`moe_graph.ops.permute.expand_pack`; at R = 1 and on the fused exchange the tokens)
+                and the expert input's rowwise and columnwise copies from the received rows
+                (:func:`moe_graph.ops.permute.expand_quantize_packed`: ``columns`` set; per destination and fused:
+                reading the received rows or the receive buffer, ``to_experts_read`` / the dispatch's ``reader``).
             align_rows: the expert groups should start at multiples of this many rows (the FP8 experts' 16-row
                 alignment, :meth:`moe_graph.moe.experts.GroupedMLP.row_alignment`): on the per-pair rule (EP 1 and
                 the fixed-split exchange at EP > 1, with or without FP8 dispatch) the layout ops place the groups
