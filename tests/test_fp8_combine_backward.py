@@ -434,14 +434,14 @@ def test_receive_side_regrouping_hands_fc2_its_fp8_dy(recipe, dtype, case):
     (2, "blockwise", 0.6, "bfloat16", "signed_zeros", "nccl"),  # routes dropped at the capacity
     (2, "mxfp8", None, "float32", "one_expert", "nccl"),        # experts 3 and 1 take every row; rank 1's none
     (2, "tensor", None, "bfloat16", "nonfinite", "nccl"),
-    (4, "blockwise", None, "float32", "main_grad", "nccl"),
+    (2, "blockwise", None, "float32", "main_grad", "nccl"),
     (2, "blockwise", 0.6, "bfloat16", "signed_zeros", "symm_mem"),  # per destination, host-sized
     (2, "mxfp8", None, "float32", "one_expert", "symm_fake"),       # per destination, NVSHMEM (CPU model)
     (2, "blockwise", 0.6, "bfloat16", "signed_zeros", "nvlink"),    # the fused exchange (gloo), weighted dy
-    (2, "tensor", None, "float32", "nonfinite", "nvlink"),
-    # MOE_GRAPH_FULL_TESTS=1: 4-rank repeats of the 2-rank cases above (same recipes and cases)
+    # MOE_GRAPH_FULL_TESTS=1: 4-rank repeats of the 2-rank cases above, other recipes on the other exchanges
     *full_only((4, "mxfp8", 0.6, "bfloat16", "one_expert", "nccl"), (4, "tensor", 0.6, "float32", "signed_zeros", "nccl"),
-               (2, "tensor", 0.6, "bfloat16", "nonfinite", "symm_fake")),
+               (4, "blockwise", None, "float32", "main_grad", "nccl"), (2, "tensor", 0.6, "bfloat16", "nonfinite", "symm_fake"),
+               (2, "tensor", None, "float32", "nonfinite", "nvlink")),
 ])
 def test_moe_layer_fused_combine_backward_multi_rank(world, kind, cf, dtype, case, exchange):
     """EP 2 / 4 on gloo: on the fixed-split exchange the regrouping of the returned gradient writes fc2's FP8 dy
