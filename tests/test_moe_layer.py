@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import requires_cuda
+from conftest import full_only, requires_cuda
 from helpers.moe_workers import moe_layer_checks_worker, moe_layer_ddp_worker
 from moe_graph.distributed.launch import run_distributed
 from moe_graph.moe.layer import MoELayer
@@ -240,7 +240,7 @@ def test_main_grad_fused_path_single_process(gen, k):
         assert w.grad_added_to_main_grad and not w.grad.any()
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, *full_only(4)])  # 4 ranks with echo in CI: test_echo_donors_gloo[4]
 def test_ddp_fused_wgrad_with_echo_multiprocess(world):
     """DDP-wrapped MoE layers, EP = world, k = 0/1/2 under skewed routing: the home experts' main_grad equals the
     layer without echo and the dense reference, after one microbatch and accumulated over two (with the bucket
