@@ -88,11 +88,11 @@ TORCH_LIBRARY(moe_graph, m) {
   // the FP8 copies of expand_rows(src, route_of_row, K, weights) (csrc/permute/expand_quantize.h):
   // fp8_quantize_pair's results for the expanded rows, without them in memory -> (q [m, H], scale, q_t [H, m],
   // scale_t); plus_zero: each element read as +0 + x (reduce_rows with one route: the combine's backward at EP > 1)
-  m.def("expand_quantize_pair(Tensor src, Tensor route_of_row, int K, Tensor m_splits, int[] tiles, "
+  m.def("expand_quantize_pair(Tensor src, Tensor? route_of_row, int K, Tensor m_splits, int[] tiles, "
         "ScalarType fp8_dtype, bool mx, float eps, bool pow2, Tensor? weights=None, int packed_cols=0, "
         "bool plus_zero=False) -> (Tensor, Tensor, Tensor, Tensor)");
-  // packed_cols > 0: src is packed FP8 rows (pack_rows' layout), weights None. plus_zero: each element read as
-  // +0 + x (reduce_rows' one-route sum: -0 reads as +0), weights None.
+  // route_of_row None: row i is src's row i (K 1). packed_cols > 0: src is packed FP8 rows (pack_rows' layout),
+  // weights None. plus_zero: each element read as +0 + x (reduce_rows' one-route sum: -0 reads as +0), weights None.
   // expand_quantize_pack: pack_rows of expand_rows(src, route_of_row, K) (None: src's rows) -> uint8 [m, B]
   m.def("expand_quantize_pack(Tensor src, Tensor? route_of_row, int K, ScalarType fp8_dtype, bool mx, float eps, "
         "bool pow2) -> Tensor");

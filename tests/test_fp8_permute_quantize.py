@@ -153,6 +153,39 @@ def test_expand_quantize_bad_input():
         expand_quantize(src, route_of_row, route_rows[:3], m_splits, r)
 
 
+@pytest.mark.parametrize("recipe", ["blockwise", "mxfp8", "tensor"])
+def test_no_row_map_reads_the_rows_as_they_are(recipe):
+    """``route_of_row=None`` (a receive buffer already in the expert rows' layout, read in place): the pair of the
+    rows themselves, bit-equal to ``quantize_pair`` of ``src`` (16-bit rows, with and without row weights) and to
+    ``unpack_rows`` + ``quantize_columns`` of packed rows; the op's shapes under fake tensors; K must be 1."""
+    from moe_graph.ops.permute import expand_pack, expand_quantize_copies, expand_quantize_packed
+    r = RECIPES[recipe]
+    m_splits = torch.tensor([3, 0, 21, 16, 0])  # zero-token groups, rows past sum(m_splits)
+    g = torch.Generator().manual_seed(5)
+    src = (torch.randn(48, 130, generator=g) * torch.exp(torch.randn(48, 1, generator=g) * 3)).to(torch.bfloat16)
+    got = expand_quantize_copies(src, None, 1, m_splits, r, r.fwd_dtype)
+    want = fp8.quantize_pair(src, m_splits, r, r.fwd_dtype)
+    _assert_pair_equal(fp8.QuantizedRows(src, got[0][0], got[0][1], r.kind, got[1]), want)
+    w = torch.rand(48, 1, generator=g)
+    got = expand_quantize_copies(src, None, 1, m_splits, r, r.fwd_dtype, w)
+    want = fp8.quantize_pair((src.float() * w).to(src.dtype), m_splits, r, r.fwd_dtype)
+    _assert_pair_equal(fp8.QuantizedRows(src, got[0][0], got[0][1], r.kind, got[1]), want)
+    with pytest.raises(RuntimeError, match="K must be 1 without route_of_row"):
+        expand_quantize_copies(src, None, 2, m_splits, r, r.fwd_dtype)
+    if recipe != "tensor":  # packed rows (FP8 dispatch) are row-local recipes
+        packed = expand_pack(src, None, 1, r)
+        got = expand_quantize_packed(packed, None, 1, m_splits, r, src)
+        ident = expand_quantize_packed(packed, torch.arange(48), 1, m_splits, r, src)
+        _assert_pair_equal(got, ((ident.data, ident.scale), ident.columns))
+        assert got.data.view(torch.uint8)[:40].any()
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = expand_quantize_copies(mode.from_tensor(src), None, 1, mode.from_tensor(m_splits), r, r.fwd_dtype)
+    real = expand_quantize_copies(src, None, 1, m_splits, r, r.fwd_dtype)
+    for a, b in ((fake[0][0], real[0][0]), (fake[1][0], real[1][0]), (fake[1][1], real[1][1])):
+        assert a.shape == b.shape and a.dtype == b.dtype
+
+
 def test_dispatcher_writes_the_fp8_expert_input():
     """``TokenDispatcher.dispatch(quantize_recipe=...)`` at EP 1 with aligned groups: a ``QuantizedRows`` equal to
     quantizing the 16-bit dispatch's expert input; ignored without the alignment (16-bit rows)."""

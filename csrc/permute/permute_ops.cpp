@@ -226,7 +226,8 @@ void set_packed_layout(permute::PackedRows& k, int64_t H, at::ScalarType fp8_dty
   k.e8m0 = mx;
 }
 
-ExpandQuantizePrepared prepare_expand_quantize(const at::Tensor& src, const at::Tensor& route_of_row, int64_t K,
+ExpandQuantizePrepared prepare_expand_quantize(const at::Tensor& src, const c10::optional<at::Tensor>& route_of_row,
+                                               int64_t K,
                                                const at::Tensor& m_splits, at::IntArrayRef tiles,
                                                at::ScalarType fp8_dtype, bool mx, double eps, bool pow2,
                                                const c10::optional<at::Tensor>& weights, int64_t packed_cols,
@@ -249,8 +250,9 @@ ExpandQuantizePrepared prepare_expand_quantize(const at::Tensor& src, const at::
     check_dim(src, 2, op, "src", "[n, H]");
     check_dtype(src, {at::kFloat, at::kBFloat16, at::kHalf}, op, "src");
   }
-  check_index(route_of_row, 1, src, op, "route_of_row", "[m]");
-  TORCH_CHECK(K >= 0, op, ": K must be >= 0, got ", K);
+  const bool routed = route_of_row.has_value() && route_of_row->defined();  // None: src's rows themselves
+  if (routed) check_index(*route_of_row, 1, src, op, "route_of_row", "[m]");
+  TORCH_CHECK(routed ? K >= 0 : K == 1, op, ": K must be ", routed ? ">= 0" : "1 without route_of_row", ", got ", K);
   check_defined(m_splits, op, "m_splits");
   check_dim(m_splits, 1, op, "m_splits", "[E]");
   check_dtype(m_splits, {at::kInt, at::kLong}, op, "m_splits");
@@ -263,9 +265,11 @@ ExpandQuantizePrepared prepare_expand_quantize(const at::Tensor& src, const at::
   TORCH_CHECK(!(plus_zero && packed_cols > 0), op, ": plus_zero reads 16-bit / fp32 rows, not packed ones");
   ExpandQuantizePrepared x;
   x.src = src.contiguous();
-  x.route_of_row = route_of_row.contiguous();
+  if (routed) {
+    x.route_of_row = route_of_row->contiguous();
+    x.e.route_of_row = x.route_of_row.data_ptr<int64_t>();
+  }
   x.m_splits = m_splits.contiguous();
-  x.e.route_of_row = x.route_of_row.data_ptr<int64_t>();
   x.e.tokens = src.size(0);
   x.e.topk = K;
   x.weights = prepare_weights(weights, src, src.size(0), K, op);  // src's dtype (fp32 / 16-bit) or fp32 -> fp32
@@ -358,7 +362,8 @@ at::Tensor route_dot_cpu(const at::Tensor& rows, const at::Tensor& src, const at
   return run_cpu(prepare_dot(rows, src, route_rows), kDot);
 }
 
-QuantizedPair expand_quantize_pair_cpu(const at::Tensor& src, const at::Tensor& route_of_row, int64_t K,
+QuantizedPair expand_quantize_pair_cpu(const at::Tensor& src, const c10::optional<at::Tensor>& route_of_row,
+                                       int64_t K,
                                        const at::Tensor& m_splits, at::IntArrayRef tiles, at::ScalarType fp8_dtype,
                                        bool mx, double eps, bool pow2,
                                        const c10::optional<at::Tensor>& weights, int64_t packed_cols,
@@ -396,7 +401,8 @@ at::Tensor route_dot_cuda(const at::Tensor& rows, const at::Tensor& src, const a
   return run_cuda(prepare_dot(rows, src, route_rows), rows.device());
 }
 
-QuantizedPair expand_quantize_pair_cuda(const at::Tensor& src, const at::Tensor& route_of_row, int64_t K,
+QuantizedPair expand_quantize_pair_cuda(const at::Tensor& src, const c10::optional<at::Tensor>& route_of_row,
+                                        int64_t K,
                                         const at::Tensor& m_splits, at::IntArrayRef tiles, at::ScalarType fp8_dtype,
                                         bool mx, double eps, bool pow2,
                                         const c10::optional<at::Tensor>& weights, int64_t packed_cols,

@@ -19,9 +19,9 @@ at::Tensor route_dot_cpu(const at::Tensor& rows, const at::Tensor& src, const at
 // src [n, H] fp32/bf16/fp16, m_splits [E] int32/int64 grouping the m rows, tiles [rowwise TR, TC, columnwise TR,
 // TC], weights [n, K] (src's dtype or fp32) or None -> (q [m, H], scale, q_t [H, m], scale_t), bit-equal to
 // fp8_quantize_pair of expand_rows(src, route_of_row, K, weights); plus_zero (no weights): of each element read
-// as +0 + x (reduce_rows' one-route sum: -0 becomes +0).
+// as +0 + x (reduce_rows' one-route sum: -0 becomes +0). route_of_row None: row i is src's row i (K = 1, m = n).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> expand_quantize_pair_cpu(
-    const at::Tensor& src, const at::Tensor& route_of_row, int64_t topk, const at::Tensor& m_splits,
+    const at::Tensor& src, const c10::optional<at::Tensor>& route_of_row, int64_t topk, const at::Tensor& m_splits,
     at::IntArrayRef tiles, at::ScalarType fp8_dtype, bool mx, double eps, bool pow2,
     const c10::optional<at::Tensor>& weights, int64_t packed_cols, bool plus_zero);
 // With packed_cols > 0, src is packed FP8 rows [n, B] uint8 of packed_cols elements (permute/expand_quantize.h) and
@@ -38,7 +38,7 @@ at::Tensor reduce_rows_cuda(const at::Tensor& src, const at::Tensor& route_rows,
                             const c10::optional<at::Tensor>& weights);
 at::Tensor route_dot_cuda(const at::Tensor& rows, const at::Tensor& src, const at::Tensor& route_rows);
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> expand_quantize_pair_cuda(
-    const at::Tensor& src, const at::Tensor& route_of_row, int64_t topk, const at::Tensor& m_splits,
+    const at::Tensor& src, const c10::optional<at::Tensor>& route_of_row, int64_t topk, const at::Tensor& m_splits,
     at::IntArrayRef tiles, at::ScalarType fp8_dtype, bool mx, double eps, bool pow2,
     const c10::optional<at::Tensor>& weights, int64_t packed_cols, bool plus_zero);
 at::Tensor expand_quantize_pack_cuda(const at::Tensor& src, const c10::optional<at::Tensor>& route_of_row, int64_t K,

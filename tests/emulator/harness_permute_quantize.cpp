@@ -80,18 +80,20 @@ int packed_cases(Rng& rng) {
       for (int64_t g = 0; g < s.E; ++g) sp.put<int64_t>(g, splits[g]);
       for (int src_kind = 0; src_kind < 2; ++src_kind) {  // 0: packed source (pair), 1: packed output
         const bool pack_out = src_kind == 1;
-        const bool no_routes = pack_out && rng.bern(0.3);
-        const int64_t K = no_routes ? 1 : s.K, m = no_routes ? s.n : s.m, sentinel = s.n * K;
+        // no routes: the rows themselves (the packed output: the tokens; the pair: a receive buffer read in place)
+        const bool no_routes = rng.bern(0.3);
+        const int64_t n = no_routes && !pack_out ? s.m : s.n;  // source rows
+        const int64_t K = no_routes ? 1 : s.K, m = no_routes && pack_out ? s.n : s.m, sentinel = n * K;
         Buffer routes(m * 8);
         for (int64_t i = 0; i < m; ++i) routes.put<int64_t>(i, rng.bern(0.15) ? sentinel : rng.uniform(0, sentinel - 1));
         if (variant == 1 && !no_routes) routes.put<int64_t>(rng.uniform(0, m - 1), rng.bern(0.5) ? -1 : sentinel + 2);
         const int in = static_cast<int>(rng.uniform(0, 2));  // the packed output's token dtype
         const size_t es = in == 0 ? 4 : 2;
-        Buffer src(pack_out ? s.n * s.H * es : s.n * B);
+        Buffer src(pack_out ? n * s.H * es : n * B);
         if (pack_out) {
-          fill_tokens(src, s.n * s.H, in, rng);
+          fill_tokens(src, n * s.H, in, rng);
         } else {  // random FP8 bytes (NaN codes included), then the scales of each row at its byte offset
-          for (int64_t r = 0; r < s.n; ++r) {
+          for (int64_t r = 0; r < n; ++r) {
             for (int64_t c = 0; c < s.H; ++c) src.put<uint8_t>(r * B + c, static_cast<uint8_t>(rng.uniform(0, 255)));
             for (int64_t t = 0; t < st; ++t) {
               uint8_t* b = src.data() + r * B + s.H + t * sb;
@@ -129,14 +131,14 @@ int packed_cases(Rng& rng) {
         const f8::QuantizeProblem p0 = problem(1, XC, false), p1 = problem(XC, 1, true);
         pm::ExpandRoutes e;
         e.route_of_row = no_routes ? nullptr : reinterpret_cast<const int64_t*>(routes.data());
-        e.tokens = s.n;
+        e.tokens = n;
         e.topk = K;
         e.packed.cols = s.H;
         e.packed.stride = B;
         e.packed.format = fmt;
         e.packed.e8m0 = mx;
         const std::string what = std::string(pack_out ? "expand_quantize_pack" : "expand_quantize_packed") + " n" +
-                                 std::to_string(s.n) + " K" + std::to_string(K) + " m" + std::to_string(m) + " H" +
+                                 std::to_string(n) + " K" + std::to_string(K) + " m" + std::to_string(m) + " H" +
                                  std::to_string(s.H) + (mx ? " mx" : "") + (no_routes ? " no routes" : "") +
                                  " variant " + std::to_string(variant);
         auto run = [&](bool emulate) {
@@ -202,9 +204,12 @@ int family_permute_quantize() {
         Buffer routes(s.m * 8);
         for (int64_t i = 0; i < s.m; ++i) routes.put<int64_t>(i, rng.bern(0.15) ? sentinel : rng.uniform(0, sentinel - 1));
         if (variant == 1) routes.put<int64_t>(rng.uniform(0, s.m - 1), rng.bern(0.5) ? -1 : sentinel + 2);
+        // no routes (a fused receive buffer read in place): row i is source row i, K 1, m source rows
+        const bool no_routes = variant != 1 && rng.bern(0.25);
+        const int64_t n = no_routes ? s.m : s.n, K = no_routes ? 1 : s.K;
         const size_t es = in == 0 ? 4 : 2;
-        Buffer src(s.n * s.H * es);
-        fill_tokens(src, s.n * s.H, in, rng);
+        Buffer src(n * s.H * es);
+        fill_tokens(src, n * s.H, in, rng);
         const bool e5m2 = !t.mx && rng.bern(0.3);
         auto problem = [&](int64_t tr, int64_t tc, bool transpose) {
           f8::QuantizeProblem p;
@@ -227,23 +232,24 @@ int family_permute_quantize() {
         };
         const f8::QuantizeProblem p0 = problem(t.tr, t.tc, false), p1 = problem(t.ctr, t.ctc, true);
         pm::ExpandRoutes e;
-        e.route_of_row = reinterpret_cast<const int64_t*>(routes.data());
-        e.tokens = s.n;
-        e.topk = s.K;
+        e.route_of_row = no_routes ? nullptr : reinterpret_cast<const int64_t*>(routes.data());
+        e.tokens = n;
+        e.topk = K;
         // the combine's backward (fc2's dy): each route's row weight, w * x rounded to the tokens' dtype
         const bool weighted = rng.bern(0.5);
-        Buffer weights(s.n * s.K * 4);
-        for (int64_t r = 0; r < s.n * s.K; ++r)
+        Buffer weights(n * K * 4);
+        for (int64_t r = 0; r < n * K; ++r)
           weights.put<float>(r, rng.bern(0.1) ? 0.0f : static_cast<float>(rng.normal() * 1.5));
         if (weighted) e.weights = reinterpret_cast<const float*>(weights.data());
         // the combine's backward at EP > 1 (reduce_rows' one-route read, +0 + x) on half the unweighted cases
         e.plus_zero = !weighted && rng.bern(0.5);
         const size_t ses = t.mx ? 1 : 4;
-        const std::string what = "expand_quantize n" + std::to_string(s.n) + " K" + std::to_string(s.K) + " m" +
+        const std::string what = "expand_quantize n" + std::to_string(n) + " K" + std::to_string(K) + " m" +
                                  std::to_string(s.m) + " H" + std::to_string(s.H) + " E" + std::to_string(s.E) +
                                  " tiles " + std::to_string(t.tr) + "x" + std::to_string(t.tc) + (t.mx ? " mx" : "") +
                                  " in " + std::to_string(in) + " variant " + std::to_string(variant) +
-                                 (weighted ? " weighted" : "") + (e.plus_zero ? " plus_zero" : "");
+                                 (weighted ? " weighted" : "") + (e.plus_zero ? " plus_zero" : "") +
+                                 (no_routes ? " no routes" : "");
         auto run = [&](bool emulate) {
           Buffer q0(s.m * s.H, 0x5c), q1(s.m * s.H, 0x5c);
           Buffer s0(p0.row_tiles * p0.col_tiles * ses, 0x5c), s1(p1.row_tiles * p1.col_tiles * ses, 0x5c);

@@ -30,10 +30,10 @@ class OpNames(TorchDispatchMode):
 
 
 def run_switched(layer: MoELayer, x: torch.Tensor, target: torch.Tensor, kind: str, fused: bool,
-                 switch: str = "FUSED_FP8_EXPERT_INPUT", record: str = "forward"):
+                 switch: str = "FUSED_FP8_EXPERT_INPUT", record: str = "forward", extra_loss=None):
     """``(output, input gradient, {name: gradient}, op names)`` of one forward and backward under the FP8 ``kind``
     recipe with ``experts.<switch> = fused`` (restored after); the op names of the ``record`` pass ("forward" or
-    "backward")."""
+    "backward"); ``extra_loss()``: a term added to the loss (evaluated after the forward)."""
     before = getattr(experts, switch)
     setattr(experts, switch, fused)
     mode = OpNames()
@@ -43,7 +43,7 @@ def run_switched(layer: MoELayer, x: torch.Tensor, target: torch.Tensor, kind: s
             with mode if record == "forward" else contextlib.nullcontext():
                 y = layer(xx)
         with mode if record == "backward" else contextlib.nullcontext():
-            (y.float() * target).sum().backward()
+            ((y.float() * target).sum() + (0 if extra_loss is None else extra_loss())).backward()
     finally:
         setattr(experts, switch, before)
     grads = {n: (p.main_grad if hasattr(p, "main_grad") else p.grad).clone() for n, p in layer.named_parameters()
@@ -85,6 +85,7 @@ def fused_input_worker(rank: int, world: int, kind: str, capacity_factor: Option
             "unfused_ops": ops0.count("moe_graph.expand_quantize_pair"),
             "expand_rows_saved": ops0.count("moe_graph.expand_rows") - ops1.count("moe_graph.expand_rows"),
             "quantize_saved": ops0.count("moe_graph.fp8_quantize_pair") - ops1.count("moe_graph.fp8_quantize_pair"),
+            "exchanges_added": sum(o.startswith("c10d.") for o in ops1) - sum(o.startswith("c10d.") for o in ops0),
             "dx_nonzero": bool(dx1.abs().sum() > 0), "dropped": layer.dispatcher.check_drops()}
 
 
@@ -100,7 +101,8 @@ def combine_backward_worker(rank: int, world: int, kind: str, capacity_factor: O
     ``FUSED_FP8_COMBINE_BACKWARD`` off and on. ``dtype`` "bfloat16" / "float32" (parameters and tokens); ``case``: "plain", "one_expert" (the router
     sends every token to experts 3 and 1, both on rank 0: the other ranks' experts get none), "signed_zeros" (-0 in
     the output gradient at every third token, every fifth column), "nonfinite" (also an inf and a NaN), "main_grad"
-    (fp32 ``main_grad`` on the expert weights: the fused wgrad). Bit-for-bit comparison of the output, the input
+    (fp32 ``main_grad`` on the expert weights: the fused wgrad), "second_consumer" (fc2's output also feeds another
+    loss term: the hand-off falls back to the 16-bit gradient, sent again). Bit-for-bit comparison of the output, the input
     gradient and every parameter gradient (the router's carries the probabilities')."""
     dt = getattr(torch, dtype)
     layer, x, target = busy_expert_layer(rank, world, capacity_factor, params_dtype=dt,
@@ -122,10 +124,19 @@ def combine_backward_worker(rank: int, world: int, kind: str, capacity_factor: O
     if case == "main_grad":
         for w in layer.experts.weights():
             w.main_grad = torch.zeros(w.shape, dtype=torch.float32)
+    extra_loss = None
+    if case == "second_consumer":  # fc2's output (the experts' output, aligned rows) also feeds another loss term
+        seen = []
+        layer.experts.register_forward_hook(lambda m, a, out: seen.append(out))
+
+        def extra_loss():
+            out = seen.pop()
+            g = torch.Generator().manual_seed(rank + 5)
+            return (out.float() * torch.randn(out.shape, generator=g)).sum()
     y0, dx0, g0, ops0 = run_switched(layer, x, target, kind, False, switch="FUSED_FP8_COMBINE_BACKWARD",
-                                     record="backward")
+                                     record="backward", extra_loss=extra_loss)
     y1, dx1, g1, ops1 = run_switched(layer, x, target, kind, True, switch="FUSED_FP8_COMBINE_BACKWARD",
-                                     record="backward")
+                                     record="backward", extra_loss=extra_loss)
     return {"out_equal": torch.equal(bits(y0), bits(y1)), "dx_equal": torch.equal(bits(dx0), bits(dx1)),
             "unequal_grads": sorted(n for n in g0 if not torch.equal(bits(g0[n]), bits(g1[n]))),
             "grads": sorted(g0), "grads_on": sorted(g1),
@@ -133,4 +144,5 @@ def combine_backward_worker(rank: int, world: int, kind: str, capacity_factor: O
             "fused_ops": ops1.count("moe_graph.expand_quantize_pair") - ops0.count("moe_graph.expand_quantize_pair"),
             "reduce_rows_saved": ops0.count("moe_graph.reduce_rows") - ops1.count("moe_graph.reduce_rows"),
             "quantize_saved": ops0.count("moe_graph.fp8_quantize_pair") - ops1.count("moe_graph.fp8_quantize_pair"),
+            "exchanges_added": sum(o.startswith("c10d.") for o in ops1) - sum(o.startswith("c10d.") for o in ops0),
             "dropped": layer.dispatcher.check_drops()}

@@ -257,23 +257,24 @@ class HostSizedExchange:
         p.capacity = source_of_padded.shape[0]
         return m
 
-    def to_experts(self, send: torch.Tensor, p: _Plan) -> torch.Tensor:
-        """Send-slot rows ``[n, X]`` (packed, by destination) -> expert input ``[capacity, X]``."""
-        X = send.shape[1:]
-        recv = send.new_empty((sum(p.recv_splits),) + tuple(X))
+    def _receive(self, send: torch.Tensor, p: _Plan) -> torch.Tensor:
+        """The rows every source sent this rank, source-major (the forward all-to-all of ``send``'s packed rows)."""
+        recv = send.new_empty((sum(p.recv_splits),) + tuple(send.shape[1:]))
         dist.all_to_all_single(recv, send[:sum(p.send_splits)].contiguous(), p.recv_splits, p.send_splits,
                                group=self.group)
-        out = send.new_zeros((p.capacity,) + tuple(X))
+        return recv
+
+    def to_experts(self, send: torch.Tensor, p: _Plan) -> torch.Tensor:
+        """Send-slot rows ``[n, X]`` (packed, by destination) -> expert input ``[capacity, X]``."""
+        recv = self._receive(send, p)
+        out = send.new_zeros((p.capacity,) + tuple(send.shape[1:]))
         return out.index_copy_(0, p.expert_index, recv.index_select(0, p.recv_index))
 
     def to_experts_read(self, send: torch.Tensor, p: _Plan, read):
         """:meth:`to_experts` with the expert input made by ``read(received rows, source_row [capacity])`` from the
         received rows (``source_row[i]``: the received row of expert row ``i``, the number of received rows for a
         zero row), e.g. the two FP8 copies written by one op (:func:`to_experts_quantized`); not differentiable."""
-        X = send.shape[1:]
-        recv = send.new_empty((sum(p.recv_splits),) + tuple(X))
-        dist.all_to_all_single(recv, send[:sum(p.send_splits)].contiguous(), p.recv_splits, p.send_splits,
-                               group=self.group)
+        recv = self._receive(send, p)
         source_row = torch.full((p.capacity,), recv.shape[0], dtype=torch.int64, device=send.device)
         source_row.index_copy_(0, p.expert_index, p.recv_index)  # the received row of each expert row; else none
         return read(recv, source_row)
@@ -962,9 +963,7 @@ def quantized_reader(m_splits: torch.Tensor, recipe, dtype: torch.dtype, weights
     """A ``to_experts_read`` / fused ``reader`` that writes the expert rows' two FP8 copies (groups ``m_splits``)
     straight from the received rows: ``ops.permute.expand_quantize_copies`` (``weights``: a function of the
     reader's third argument, the carried row weights, giving ``[rows, 1]`` weights to apply first)."""
-    def read(src: torch.Tensor, source_row: Optional[torch.Tensor], carried=None):
-        if source_row is None:
-            source_row = torch.arange(src.shape[0], device=src.device)
+    def read(src: torch.Tensor, source_row: Optional[torch.Tensor], carried=None):  # None: src's rows as they are
         return expand_quantize_copies(src, source_row, 1, m_splits, recipe, dtype,
                                       None if weights is None else weights(carried))
     return read

@@ -553,7 +553,7 @@ class TokenDispatcher(nn.Module):
             rows = carrier(hidden, plan.rows, lambda g: self.combine(g, handle, weighted=False))
 
             def read(x, m, w):  # the packed rows at their aligned rows -> rowwise bytes, columnwise requantized
-                return expand_quantize_packed(x, torch.arange(x.shape[0], device=x.device), 1, m, fp8_recipe, rows)
+                return expand_quantize_packed(x, None, 1, m, fp8_recipe, rows)  # the buffer's rows as they are
             with torch.no_grad():
                 expert_in = plan.take(plan.dispatch(self.exchange_backend, packed, probs.detach().reshape(-1),
                                                     reader=read))

@@ -265,13 +265,14 @@ def _pair_tiles(recipe) -> Tuple[int, int, int, int, bool]:
     return tr, tc, ctr, ctc, mx
 
 
-def expand_quantize_copies(src: torch.Tensor, route_of_row: torch.Tensor, K: int, m_splits: torch.Tensor, recipe,
-                           dtype: torch.dtype, weights: Optional[torch.Tensor] = None, plus_zero: bool = False):
+def expand_quantize_copies(src: torch.Tensor, route_of_row: Optional[torch.Tensor], K: int, m_splits: torch.Tensor,
+                           recipe, dtype: torch.dtype, weights: Optional[torch.Tensor] = None, plus_zero: bool = False):
     """``((q, scale per row), (q_t, scale_t))``: ``ops.fp8.quantize_pair(expand_rows(src, route_of_row, .., weights),
     m_splits, recipe, dtype)`` bit for bit from one op that reads each row of ``src`` in place (the expanded rows
-    are never in memory); ``weights [n, K]`` (``src``'s dtype or fp32) or None; ``plus_zero`` (no weights, ``K =
-    1``): each element read as ``+0 + x``, the rows of ``reduce_rows(src, route_rows [m, 1])`` (``-0`` becomes
-    ``+0``; ``route_of_row`` is then ``route_rows`` flattened). Not differentiable."""
+    are never in memory); ``route_of_row`` None: the rows of ``src`` as they are (``K`` 1, no index read);
+    ``weights [n, K]`` (``src``'s dtype or fp32) or None; ``plus_zero`` (no weights, ``K = 1``): each element read
+    as ``+0 + x``, the rows of ``reduce_rows(src, route_rows [m, 1])`` (``-0`` becomes ``+0``; ``route_of_row`` is
+    then ``route_rows`` flattened). Not differentiable."""
     tr, tc, ctr, ctc, mx = _pair_tiles(recipe)
     with torch.no_grad():
         q, s, qt, st = torch.ops.moe_graph.expand_quantize_pair(
@@ -279,7 +280,7 @@ def expand_quantize_copies(src: torch.Tensor, route_of_row: torch.Tensor, K: int
             bool(recipe.power_2_scale), None if weights is None else weights.detach(), 0, plus_zero)
     if recipe.kind == "tensor":  # the scales' layouts of ops.fp8.quantize_pair (one per row / per column)
         st = st.expand(qt.shape[0], st.shape[1]).contiguous()
-    return (q, _fp8._row_scales(s, m_splits, route_of_row.shape[0], recipe.kind)), (qt, st)
+    return (q, _fp8._row_scales(s, m_splits, q.shape[0], recipe.kind)), (qt, st)
 
 
 def expand_quantize(src: torch.Tensor, route_of_row: torch.Tensor, route_rows: torch.Tensor,
@@ -316,18 +317,20 @@ def expand_pack(src: torch.Tensor, route_of_row: Optional[torch.Tensor], K: int,
                                                     bool(recipe.power_2_scale))
 
 
-def expand_quantize_packed(packed: torch.Tensor, route_of_row: torch.Tensor, K: int, m_splits: torch.Tensor, recipe,
-                           carrier: torch.Tensor) -> "_fp8.QuantizedRows":
+def expand_quantize_packed(packed: torch.Tensor, route_of_row: Optional[torch.Tensor], K: int,
+                           m_splits: torch.Tensor, recipe, carrier: torch.Tensor) -> "_fp8.QuantizedRows":
     """The FP8 expert input from packed FP8 rows (``ops.fp8.pack_rows`` / :func:`expand_pack`, e.g. as they arrived
-    from the exchange) in one op: row ``i`` is packed row ``route_of_row[i] // K`` (the sentinel: a zero row), its
+    from the exchange) in one op: row ``i`` is packed row ``route_of_row[i] // K`` (the sentinel: a zero row; None:
+    packed row ``i``, ``K`` 1, e.g. a receive buffer already in the expert rows' layout), its
     rowwise copy the row's own bytes and scales (``ops.fp8.unpack_rows`` of the gathered rows), its per-group
     columnwise copy (``m_splits``) quantized from the dequantized rows, bit-equal to ``ops.fp8.quantize_columns``
     with ``x_scale`` (what the first FP8 GEMM would compute from ``unpack_rows``' rows). ``carrier`` ``[m, H]``:
     the returned ``QuantizedRows``' autograd path (``ops.fp8.carrier``)."""
     H = carrier.shape[1]
     _fp8.check_row_local(recipe)
-    _check_args("expand_quantize_packed", packed, route_of_row, "route_of_row", 1, route_of_row, "route_of_row", 1,
-                None)
+    if route_of_row is not None:
+        _check_args("expand_quantize_packed", packed, route_of_row, "route_of_row", 1, route_of_row, "route_of_row",
+                    1, None)
     tr, tc, ctr, ctc, mx = _pair_tiles(recipe)
     q, s, qt, st = torch.ops.moe_graph.expand_quantize_pair(packed, route_of_row, K, m_splits, [tr, tc, ctr, ctc],
                                                             recipe.fwd_dtype, mx, float(recipe.amax_epsilon),
@@ -355,7 +358,7 @@ def _register() -> None:
         @torch.library.register_fake(_EXPAND_QUANTIZE)
         def _(src, route_of_row, K, m_splits, tiles, fp8_dtype, mx, eps, pow2, weights=None, packed_cols=0,
               plus_zero=False):
-            m, H = route_of_row.shape[0], packed_cols or src.shape[1]
+            m, H = (src.shape[0] if route_of_row is None else route_of_row.shape[0]), packed_cols or src.shape[1]
             scale_dtype = torch.float8_e8m0fnu if mx else torch.float32
             out = []
             for tr, tc, transpose in ((tiles[0], tiles[1], False), (tiles[2], tiles[3], True)):
