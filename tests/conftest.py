@@ -90,6 +90,16 @@ def alive(pid: int, start_time=None) -> bool:
     return st is not None and st[0] not in ("Z", "X") and (start_time is None or st[2] == start_time)
 
 
+def launched_ranks(root: int):
+    """Pids of the live run_distributed ranks below ``root``: the processes a multiprocessing fork server forked
+    (their command line is the server's, so is their parent's)."""
+    def forkserver(pid):
+        st = proc_state(pid)
+        return st is not None and "multiprocessing.forkserver" in st[3]
+
+    return [p for p in descendants(root) if alive(p) and forkserver(p) and forkserver(proc_state(p)[1])]
+
+
 def descendants(root: int):
     """Pids of the processes below ``root`` (children, theirs, ...)."""
     children = {}
@@ -170,10 +180,13 @@ def _no_process_left_behind():
     yield
     left = []
     # A multiprocessing manager's server started in this process (e.g. megatron-core's cached results queue of its
-    # async checkpoint writer) is meant to outlive the test that first needed it: not a leak.
+    # async checkpoint writer) and run_distributed's fork server (it forks the ranks of every launch of this
+    # process and exits with it) are meant to outlive the test that first needed them: not leaks.
     managers = {p.pid for p in multiprocessing.active_children() if "Manager" in p.name}
     for pid in set(descendants(os.getpid())) - managers:
         st = proc_state(pid)
+        if st is not None and st[1] == os.getpid() and "multiprocessing.forkserver" in st[3]:
+            continue
         if pid not in before and st is not None and st[0] not in ("Z", "X") and any(m in st[3] for m in
                                                                                      _TEST_PROCESS_MARKS):
             left.append((pid, st[3][:200]))

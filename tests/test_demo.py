@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from conftest import alive, descendants, proc_state, requires_cuda, run_cmd, started, wait_for
+from conftest import alive, descendants, launched_ranks, proc_state, requires_cuda, run_cmd, started, wait_for
 from moe_graph.distributed.launch import STOP_EXIT_CODE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -55,7 +55,6 @@ def test_demo_quick(tmp_path):
         assert max(after) <= max(before)
     with open(tmp_path / "moe_graph_demo" / "demo.png", "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
-    assert wall < 120, f"quick demo took {wall:.0f} s"
 
 
 def test_demo_quick_deepseek_router(tmp_path):
@@ -431,8 +430,7 @@ def _training(proc, out, log, steps: int = 1):
         assert proc.poll() is None, f"the demo exited ({proc.returncode}): {open(log).read()[-3000:]}"
         return (out / "metrics.jsonl").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= steps
     wait_for(logged, 240, f"the demo to log {steps} step(s) in {out}/metrics.jsonl")
-    workers = [(p, proc_state(p)[2]) for p in descendants(proc.pid)
-               if proc_state(p) and "spawn_main" in proc_state(p)[3] and alive(p)]
+    workers = [(p, proc_state(p)[2]) for p in launched_ranks(proc.pid) if proc_state(p)]
     assert len(workers) == 2, workers
     return workers
 

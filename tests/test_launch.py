@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import alive, descendants, proc_state, started, wait_for
+from conftest import alive, launched_ranks, proc_state, started, wait_for
 from moe_graph.distributed import launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -73,7 +73,27 @@ def _one_rank_cannot_stop(rank, world):
         pass
 
 
+def _environment(rank, world, names):
+    return {n: os.environ.get(n) for n in names}, os.getppid()
+
+
 # -------------------------------------------------------------------------------------------------- tests --
+def test_ranks_start_with_the_launchers_environment_of_each_launch(monkeypatch):
+    """The ranks are forked by one fork server (started by the first launch of this process, its environment then):
+    each launch's ranks still see the launcher's environment of that launch, variables set and removed since."""
+    launch.run_distributed(_environment, 2, [])  # the fork server runs from here on
+    monkeypatch.setenv("MOE_GRAPH_TEST_LAUNCH_VAR", "second launch")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setenv("PYTHONHASHSEED", "7")
+    names = ["MOE_GRAPH_TEST_LAUNCH_VAR", "PYTHONHASHSEED", "HOME"]
+    res = launch.run_distributed(_environment, 2, names)
+    want = {n: os.environ.get(n) for n in names}
+    assert [r[0] for r in res] == [want, want]
+    assert res[0][1] == res[1][1] != os.getpid()  # both forked by the server, a child of this process
+    assert launch.run_distributed(_environment, 2, ["OMP_NUM_THREADS"])[0][0] == {"OMP_NUM_THREADS": "1"}
+
+
+
 @pytest.mark.parametrize("pdeathsig", ["1", "0"], ids=["parent-death-signal", "watchdog-only"])
 def test_sigkill_of_the_launcher_leaves_no_worker(tmp_path, pdeathsig):
     """The launcher of run_distributed SIGKILLed while one worker is blocked in a collective and the other in
@@ -115,13 +135,13 @@ def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step():
 def test_a_rank_that_cannot_stop_exits_after_its_grace_period():
     with pytest.raises(RuntimeError, match=f"rank 1 exited with code {launch.STOP_EXIT_CODE}"):
         launch.run_distributed(_one_rank_cannot_stop, 2, timeout=600)
-    assert not [p for p in descendants(os.getpid()) if alive(p) and "spawn_main" in proc_state(p)[3]]
+    assert not launched_ranks(os.getpid())
 
 
 def test_timeout_names_what_was_waited_for_and_leaves_no_worker(tmp_path):
     with pytest.raises(RuntimeError, match=r"timeout: _blocked_forever on 2 ranks did not finish within 3 s"):
         launch.run_distributed(_blocked_forever, 2, str(tmp_path), timeout=3)
-    assert not [p for p in descendants(os.getpid()) if alive(p) and "spawn_main" in proc_state(p)[3]]
+    assert not launched_ranks(os.getpid())
 
 
 def test_launcher_stop_seen_late_by_one_rank_keeps_its_reason(monkeypatch):

@@ -153,14 +153,17 @@ def _set_pdeathsig(sig: int) -> bool:
 
 
 def die_with_parent(parent_pid: int, poll_s: float = 1.0) -> None:
-    """End this process (SIGKILL) when ``parent_pid``, its launcher, dies: the Linux parent-death signal, and a
-    daemon thread that checks the parent every ``poll_s`` seconds. The thread needs no Python in the main thread,
-    so it also ends a process blocked in a collective whose peers are gone. Call it first thing in the child."""
+    """End this process (SIGKILL) when ``parent_pid``, its launcher, dies: the Linux parent-death signal (armed
+    against this process's parent: the launcher itself, or :func:`run_distributed`'s fork server, which exits when
+    its launcher does), and a daemon thread that checks every ``poll_s`` seconds that the launcher still runs and
+    this process was not re-parented. The thread needs no Python in the main thread, so it also ends a process
+    blocked in a collective whose peers are gone. Call it first thing in the child."""
     if os.environ.get(PDEATHSIG_ENV, "1") != "0":
         _set_pdeathsig(signal.SIGKILL)
+    os_parent = os.getppid()
 
-    def orphaned() -> bool:
-        return os.getppid() != parent_pid  # re-parented to init or a subreaper
+    def orphaned() -> bool:  # re-parented to init or a subreaper, or the launcher gone
+        return os.getppid() != os_parent or not _running(parent_pid)
 
     if orphaned():  # the launcher died before the parent-death signal was armed
         os.kill(os.getpid(), signal.SIGKILL)
@@ -172,6 +175,21 @@ def die_with_parent(parent_pid: int, poll_s: float = 1.0) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=watch, name="moe_graph-parent-watchdog", daemon=True).start()
+
+
+def _running(pid: int) -> bool:
+    """True while process ``pid`` exists and is not a zombie (a dead launcher its own parent has not reaped yet)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return True  # no /proc: existence is all there is to know
 
 
 _LAUNCHER_STOP = None  # the self-spawning launcher's stop event, in its workers (run_distributed(stop_on_sigterm))
@@ -318,7 +336,23 @@ def _rendezvous(init_file: str, rank: int, world: int, backend: str, deadline: f
     raise AssertionError("unreachable")
 
 
-def _worker(rank, world_size, init_file, backend, fn, args, queue, parent_pid, stop_event, rdzv_s):
+# run_distributed's ranks are forked by multiprocessing's fork server, which imports these once (then a launch
+# starts no interpreter and imports no torch per rank: ~2 s of CPU per rank on a small machine; the server does not
+# initialize CUDA, so the ranks can). It is started by the first launch, serves every later one in this process and
+# exits with this process. The ranks start with the launcher's environment of the launch (_worker), not the
+# server's: what this package and torch read from the environment when called, not at import, is then as spawned.
+_PRELOAD = ["torch", "moe_graph.distributed.launch", "moe_graph.ops"]  # ops: the extension, torch._dynamo
+
+
+def _context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+def _worker(rank, world_size, init_file, backend, fn, args, queue, parent_pid, stop_event, rdzv_s, environ):
+    os.environ.clear()
+    os.environ.update(environ)  # the launcher's at the launch (the fork server's may be older)
     die_with_parent(parent_pid)
     global _LAUNCHER_STOP
     _LAUNCHER_STOP = stop_event
@@ -345,7 +379,9 @@ def run_distributed(
     fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo", timeout: Optional[float] = 300.0,
     rendezvous_timeout: float = 300.0, stop_on_sigterm: bool = False, stop_grace: float = 25.0
 ) -> List[Any]:
-    """Spawn ``world_size`` processes running ``fn(rank, world_size, *args)``; return results by rank.
+    """Start ``world_size`` processes running ``fn(rank, world_size, *args)``; return results by rank. They are
+    forked by a fork server that imported torch once for this process (:data:`_PRELOAD`), with this process's
+    environment of the call.
 
     ``fn`` must be a module-level (picklable) function. ``timeout``: seconds for the whole run (None: no limit);
     ``rendezvous_timeout``: seconds for every rank to start and connect (retried on connection failures).
@@ -359,7 +395,7 @@ def run_distributed(
     workers get ``stop_grace`` seconds (plus 5 s to exit) before they are killed; a second SIGTERM or SIGINT kills
     them at once. Otherwise SIGTERM keeps its default action (this process ends, so do the workers).
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     queue = ctx.SimpleQueue()
     stop_event = ctx.Event()
     procs: list = []
@@ -389,7 +425,7 @@ def run_distributed(
         try:
             for r in range(world_size):
                 p = ctx.Process(target=_worker, args=(r, world_size, init_file, backend, fn, args, queue,
-                                                      os.getpid(), stop_event, rendezvous_timeout))
+                                                      os.getpid(), stop_event, rendezvous_timeout, dict(os.environ)))
                 p.start()
                 procs.append(p)
             results: dict = {}
