@@ -345,6 +345,8 @@ _PRELOAD = ["torch", "moe_graph.distributed.launch", "moe_graph.ops"]  # ops: th
 
 
 def _context():
+    if "forkserver" not in mp.get_all_start_methods():  # not a POSIX system: an interpreter per rank
+        return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
     return ctx
