@@ -440,7 +440,7 @@ def test_receive_side_regrouping_hands_fc2_its_fp8_dy(recipe, dtype, case):
     (2, "blockwise", 0.6, "bfloat16", "signed_zeros", "nvlink"),    # the fused exchange (gloo), weighted dy
     (2, "blockwise", 0.6, "bfloat16", "second_consumer", "nvlink"),   # the fallbacks: dy sent again in 16 bits
     (2, "mxfp8", None, "float32", "second_consumer", "symm_fake"),
-    # MOE_GRAPH_FULL_TESTS=1: 4-rank repeats of the 2-rank cases above, other recipes on the other exchanges
+    # full_only (MOE_GRAPH_FULL_TESTS=0 skips them): 4-rank repeats of the 2-rank cases above, other recipes on the other exchanges
     *full_only((4, "mxfp8", 0.6, "bfloat16", "one_expert", "nccl"), (4, "tensor", 0.6, "float32", "signed_zeros", "nccl"),
                (4, "blockwise", None, "float32", "main_grad", "nccl"), (2, "tensor", 0.6, "bfloat16", "nonfinite", "symm_fake"),
                (2, "tensor", None, "float32", "nonfinite", "nvlink")),

@@ -792,7 +792,7 @@ def test_docstring_examples():
 
 
 # ------------------------------------------------------------------- MoE model through the whole training stack --
-# (2, None, False) with MOE_GRAPH_FULL_TESTS=1: its 1F1B pp=2 run is (2, None, True)'s without the bias update, and
+# (2, None, False) full_only: its 1F1B pp=2 run is (2, None, True)'s without the bias update, and
 # (4, 2, False) runs without expert bias
 @pytest.mark.parametrize("layers,vpp,expert_bias", [(4, 2, False), (2, None, True), *full_only((2, None, False))])
 def test_moe_lm_pipeline_pp2_matches_pp1(layers, vpp, expert_bias):

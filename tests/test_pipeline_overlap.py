@@ -100,7 +100,7 @@ def test_pp2_vpp2_overlap_equals_the_schedule_without_it_and_overlaps(world):
 def test_pp2_one_chunk_interleaved_overlap_equals_the_schedule_without_it(chunks):
     """The way to overlap microbatches without virtual stages: the interleaved schedule with one model chunk per
     stage (1F1B itself refuses the option). CI: its schedule is checked above (one chunk is the same code with
-    ``nc == 1``); the run itself with ``MOE_GRAPH_FULL_TESTS=1``."""
+    ``nc == 1``); the run itself full_only (``MOE_GRAPH_FULL_TESTS=0`` skips it)."""
     for r in run_distributed(pipeline_overlap_worker, 2, chunks, False):
         assert r["mismatch"] == [] and r["n_grads"] >= 20, r["mismatch"]
         assert r["trace"] == [tuple(s) for s in schedule_order(4, 2, r["pp_rank"], 1, overlap_microbatches=True)]

@@ -58,8 +58,8 @@ def test_ep2_on_gloo_equals_serial_and_alternates_at_the_exchanges(layer):
     """EP 2 on gloo, every exchange backend a CPU process group runs (the fixed-split all-to-all, the host-sized
     per-destination exchange, the host-sized fused one) and recomputed layers (their recomputation in B hands over
     as B): bitwise equal to serial and to the overlap without the interleave, every cross-stream use joined, no
-    thread left, and the issue order of each pair as defined (the two host-sized exchanges with
-    ``MOE_GRAPH_FULL_TESTS=1``)."""
+    thread left, and the issue order of each pair as defined (the two host-sized exchanges full_only:
+    ``MOE_GRAPH_FULL_TESTS=0`` skips them)."""
     for r in run_distributed(interleave_worker, 2, 5, None, layer):
         assert r["mismatch"] == {"overlap": [], "stages": []}, r["mismatch"]
         assert r["unjoined"] == 0 and r["threads"] == [], r
