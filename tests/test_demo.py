@@ -44,7 +44,7 @@ def _run_demo(tmp_path, device, *extra):
 
 def test_demo_quick(tmp_path):
     # the CI configuration on every machine: 2 gloo processes on the CPU, fp32
-    s, wall = _run_demo(tmp_path, "cpu")
+    s, _ = _run_demo(tmp_path, "cpu")
     assert s["world"] == 2
     assert "commit" in s["env"] and "torch" in s["env"]
     assert s["final_loss"] < s["first_loss"] - 1.0, (s["first_loss"], s["final_loss"])  # clearly learns

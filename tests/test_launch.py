@@ -93,7 +93,6 @@ def test_ranks_start_with_the_launchers_environment_of_each_launch(monkeypatch):
     assert launch.run_distributed(_environment, 2, ["OMP_NUM_THREADS"])[0][0] == {"OMP_NUM_THREADS": "1"}
 
 
-
 @pytest.mark.parametrize("pdeathsig", ["1", "0"], ids=["parent-death-signal", "watchdog-only"])
 def test_sigkill_of_the_launcher_leaves_no_worker(tmp_path, pdeathsig):
     """The launcher of run_distributed SIGKILLed while one worker is blocked in a collective and the other in
