@@ -226,6 +226,21 @@ void set_packed_layout(permute::PackedRows& k, int64_t H, at::ScalarType fp8_dty
   k.e8m0 = mx;
 }
 
+// The rows' routes of expand_quantize_pair / expand_quantize_pack: route_of_row [m] (expand_rows' index) checked and
+// kept in x, or None: row i is src's row i (K must be 1).
+void set_routes(ExpandQuantizePrepared& x, const c10::optional<at::Tensor>& route_of_row, int64_t K,
+                const at::Tensor& src, const char* op) {
+  const bool routed = route_of_row.has_value() && route_of_row->defined();
+  if (routed) check_index(*route_of_row, 1, src, op, "route_of_row", "[m]");
+  TORCH_CHECK(routed ? K >= 0 : K == 1, op, ": K must be ", routed ? ">= 0" : "1 without route_of_row", ", got ", K);
+  if (routed) {
+    x.route_of_row = route_of_row->contiguous();
+    x.e.route_of_row = x.route_of_row.data_ptr<int64_t>();
+  }
+  x.e.tokens = src.size(0);
+  x.e.topk = K;
+}
+
 ExpandQuantizePrepared prepare_expand_quantize(const at::Tensor& src, const c10::optional<at::Tensor>& route_of_row,
                                                int64_t K,
                                                const at::Tensor& m_splits, at::IntArrayRef tiles,
@@ -250,9 +265,6 @@ ExpandQuantizePrepared prepare_expand_quantize(const at::Tensor& src, const c10:
     check_dim(src, 2, op, "src", "[n, H]");
     check_dtype(src, {at::kFloat, at::kBFloat16, at::kHalf}, op, "src");
   }
-  const bool routed = route_of_row.has_value() && route_of_row->defined();  // None: src's rows themselves
-  if (routed) check_index(*route_of_row, 1, src, op, "route_of_row", "[m]");
-  TORCH_CHECK(routed ? K >= 0 : K == 1, op, ": K must be ", routed ? ">= 0" : "1 without route_of_row", ", got ", K);
   check_defined(m_splits, op, "m_splits");
   check_dim(m_splits, 1, op, "m_splits", "[E]");
   check_dtype(m_splits, {at::kInt, at::kLong}, op, "m_splits");
@@ -264,14 +276,9 @@ ExpandQuantizePrepared prepare_expand_quantize(const at::Tensor& src, const c10:
               ": plus_zero (reduce_rows' one-route read) takes no weights");
   TORCH_CHECK(!(plus_zero && packed_cols > 0), op, ": plus_zero reads 16-bit / fp32 rows, not packed ones");
   ExpandQuantizePrepared x;
+  set_routes(x, route_of_row, K, src, op);
   x.src = src.contiguous();
-  if (routed) {
-    x.route_of_row = route_of_row->contiguous();
-    x.e.route_of_row = x.route_of_row.data_ptr<int64_t>();
-  }
   x.m_splits = m_splits.contiguous();
-  x.e.tokens = src.size(0);
-  x.e.topk = K;
   x.weights = prepare_weights(weights, src, src.size(0), K, op);  // src's dtype (fp32 / 16-bit) or fp32 -> fp32
   x.e.weights = x.weights.defined() ? x.weights.data_ptr<float>() : nullptr;
   if (packed_cols > 0) {
@@ -298,21 +305,13 @@ ExpandPackPrepared prepare_expand_pack(const at::Tensor& src, const c10::optiona
   check_defined(src, op, "src");
   check_dim(src, 2, op, "src", "[n, H]");
   check_dtype(src, {at::kFloat, at::kBFloat16, at::kHalf}, op, "src");
-  const bool routed = route_of_row.has_value() && route_of_row->defined();
-  if (routed) check_index(*route_of_row, 1, src, op, "route_of_row", "[m]");
-  TORCH_CHECK(routed ? K >= 0 : K == 1, op, ": K must be ", routed ? ">= 0" : "1 without route_of_row", ", got ", K);
   check_fp8_options(op, fp8_dtype, eps);
   ExpandPackPrepared y;
   ExpandQuantizePrepared& x = y.x;
+  set_routes(x, route_of_row, K, src, op);
   x.src = src.contiguous();
-  if (routed) {
-    x.route_of_row = route_of_row->contiguous();
-    x.e.route_of_row = x.route_of_row.data_ptr<int64_t>();
-  }
-  x.e.tokens = src.size(0);
-  x.e.topk = K;
   set_packed_layout(x.e.packed, src.size(1), fp8_dtype, mx);
-  const int64_t m = routed ? x.route_of_row.size(0) : src.size(0);
+  const int64_t m = x.route_of_row.defined() ? x.route_of_row.size(0) : src.size(0);
   y.out = at::empty({m, x.e.packed.stride}, src.options().dtype(at::kByte));
   x.e.packed.out = y.out.data_ptr<uint8_t>();
   x.rows = describe_copy(x, 1, mx ? 32 : 128, fp8_dtype, mx, eps, pow2, false);
