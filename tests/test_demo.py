@@ -358,12 +358,10 @@ def test_killed_save_leaves_previous_checkpoint_and_resume_at_other_dp(tmp_path)
             "--no-graph"]
     env = _env()
     env[FAULT_ENV] = "1:4"
-    t0 = time.perf_counter()
     proc = run_cmd(base + ["--dp", "2", "--microbatches", "1", "--out", str(out1), "--save", str(ck), "--save-every",
                            "2"], 240, "the demo whose rank 1 is killed mid-save", env=env)
-    wall = time.perf_counter() - t0
+    # the launcher saw rank 1's death (not a timeout: run_cmd fails past 240 s); the conftest leak check sees no rank
     assert proc.returncode != 0 and "rank 1 exited with code -9 (signal 9)" in proc.stderr, proc.stderr[-3000:]
-    assert wall < 120
     assert (ck / "latest").read_text().strip() == "step_00000002"
     assert resolve_checkpoint(str(ck)).endswith("step_00000002")
     assert not (ck / "step_00000004").exists() and (ck / ".step_00000004.partial").exists()

@@ -4,7 +4,8 @@ rank's input at one step: the step must be skipped on every rank and the paramet
 
 The inf sits in a row whose output the loss does not use (its output gradient is exactly 0), so under MXFP8 the
 gradients stay finite (the inf's 1 x 32 / 32 x 1 blocks quantize to +-448 x 2^127 and the rest of those blocks to
-0, and the zero gradient row multiplies them by 0): only the quantizer's non-finite flag can skip that step."""
+0, and the zero gradient row multiplies them by 0): only the quantizer's non-finite flag can skip that step. Before another step an evaluation pass on an inf input
+sets the flag outside training: that step's ``zero_grad`` clears it and the step is applied."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from moe_graph.distributed.optimizer import DistributedOptimizer
 from moe_graph.ops import fp8
 
 INF_STEP = 1
+EVAL_INF_STEP = 2
 
 
 def fp8_inf_step_worker(rank: int, world: int, kind: str) -> Dict:
@@ -31,8 +33,12 @@ def fp8_inf_step_worker(rank: int, world: int, kind: str) -> Dict:
         x = torch.randn(32, 64, generator=torch.Generator().manual_seed(10 * it + rank))
         if it == INF_STEP and rank == 0:
             x[0, 5] = float("inf")
+        if it == EVAL_INF_STEP:  # an evaluation pass on non-finite input before this step sets the flag ...
+            with torch.no_grad(), fp8.autocast(recipe=kind):
+                ddp(torch.full((32, 64), float("inf")), m_splits)
+            assert int(fp8.nonfinite_flag("cpu")[0]) == 1
         before = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
-        ddp.zero_grad_buffer()
+        opt.zero_grad()  # ... which the step's zero_grad clears: the step counts its own passes only
         with fp8.autocast(recipe=kind):
             y = ddp(x, m_splits)
         (y[1:].float() ** 2).sum().backward()  # row 0 (the inf's row) gets a zero output gradient

@@ -649,8 +649,13 @@ class DistributedOptimizer:
             self._captures.pop(token, None)
 
     def zero_grad(self) -> None:
-        """Zero the model's grad buffers (``DistributedDataParallel.zero_grad_buffer``)."""
+        """Zero the model's grad buffers (``DistributedDataParallel.zero_grad_buffer``) and clear the device's FP8
+        non-finite flag (:func:`moe_graph.ops.fp8.nonfinite_flag`): the next :meth:`step` counts the quantizations
+        of its own forward and backward passes, not those run before (an evaluation pass, an earlier model)."""
         self.model.zero_grad_buffer()
+        fp8_inf = _fp8.nonfinite_flag(self.device)
+        if fp8_inf is not None:
+            fp8_inf.zero_()
 
     beta1 = property(lambda self: self._settings["beta1"], lambda self, v: self._set_setting("beta1", v),
                      doc="Adam beta1 (a device tensor on the tensor path; a kernel constant on the fused path).")
