@@ -39,6 +39,10 @@ the reason.
 blockwise experts, and with FP8 experts + FP8 dispatch, at 2048 and 16,384 tokens per rank (``--production-tokens``),
 EP 1 and EP 8 (``--ep``), as in training:
 
+* the layer's input and output gradient in bf16 (the parameters' dtype), as a bf16 model passes them: no dtype
+  conversion around the layer is counted (the results up to commit ab1234a counted an fp32 input's and gradient's
+  conversions, 24 x H bytes per token, in every row);
+
 * fused ``main_grad``, and the FP8 expert weights quantized once per optimizer step as
   ``DistributedOptimizer(fp8_param_gather=...)`` does (the forward reads ``param.fp8_gathered`` and quantizes no
   weight). That step's quantization, ``moe_graph.fp8.quantize_weight`` of fc1 and fc2 (both copies), is counted on
@@ -687,8 +691,11 @@ def production_rows(name: str, cfg, tokens: int, ep: int, microbatches: int,
     cfg = dict(cfg, T=tokens)
     w = make_weights(cfg)
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(tokens, cfg["H"], generator=gen)
-    g = torch.randn(tokens, cfg["H"], generator=gen)
+    # the input and its gradient in the layers' parameter dtype, as a bf16 model hands them over (no dtype
+    # conversion around the layer is counted)
+    dtype0, = {PRECISION[key][0] for key in PRODUCTION_SYSTEMS}
+    x = torch.randn(tokens, cfg["H"], generator=gen).to(dtype0)
+    g = torch.randn(tokens, cfg["H"], generator=gen).to(dtype0)
     rows = []
     for key in PRODUCTION_SYSTEMS:
         dtype, recipe, fp8_dispatch = PRECISION[key]
