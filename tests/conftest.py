@@ -48,15 +48,19 @@ def gen():
 
 @pytest.fixture(autouse=True)
 def _clear_error_flags():
-    """Every test starts with clear device error flags (a test that sets one on purpose must not leak it)."""
+    """Every test starts with clear device error flags and FP8 non-finite flags (a test that sets one on purpose
+    must not leak it into the next)."""
     try:
         from moe_graph.ops.errors import read_error_flag
+        from moe_graph.ops.fp8 import nonfinite_flag
     except ImportError:
         yield
         return
-    read_error_flag("cpu")
-    if cuda_ready():
-        read_error_flag("cuda")
+    for device in ("cpu", "cuda") if cuda_ready() else ("cpu",):
+        read_error_flag(device)
+        flag = nonfinite_flag(device)
+        if flag is not None:
+            flag.zero_()
     yield
 
 
