@@ -108,6 +108,20 @@ def _run_single(impl, dtype=torch.float32, steps=4, clip=0.0, adamw=True, no_wd=
     return model, opt
 
 
+def test_a_flag_set_before_the_optimizer_does_not_skip_its_steps():
+    """The FP8 non-finite flag is one per device: set by a quantization before this optimizer was built (another
+    model's pass, an evaluation), it is cleared at construction, so the steps equal torch's AdamW (none skipped),
+    also in a loop that zeroes the grad buffers itself, never calling ``zero_grad``."""
+    from moe_graph.ops import fp8
+    flag = fp8.nonfinite_flag("cpu")
+    if flag is None:
+        pytest.skip("no compiled extension")
+    flag.fill_(1)
+    model, opt = _run_single("tensor")
+    assert _maxdiff(model, _torch_ref()) < 2e-6
+    assert int(flag[0]) == 0
+
+
 def _torch_ref(steps=4, clip=0.0, adamw=True, no_wd=False):
     m = optimizer_checks.make_model()
     cls = torch.optim.AdamW if adamw else torch.optim.Adam

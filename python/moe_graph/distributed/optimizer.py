@@ -474,7 +474,9 @@ class DistributedOptimizer:
         self.step_count = torch.zeros((), **f32)
         # job-wide overflow flag of the last step (written in place: a captured step's output keeps its identity)
         self.found_overflow = torch.zeros((), dtype=torch.bool, device=device)
-        _fp8.nonfinite_flag(device)  # allocates the device's flag outside any graph capture (step reads it)
+        fp8_inf = _fp8.nonfinite_flag(device)  # allocated here, outside any graph capture (step reads it)
+        if fp8_inf is not None:  # quantizations run before this optimizer existed are not its steps'
+            fp8_inf.zero_()
         self._one = torch.ones((), **f32)
         # shards grouped by the process group their norm / inf statistics are reduced over
         self._stat_groups: List[Tuple[object, bool, List[int]]] = []  # (dp group or None, is_expert, shards)
