@@ -301,3 +301,26 @@ def test_no_host_sync_with_fp8_dispatch_echo_and_fused_wgrad(pg):  # noqa: F811
         syncs, points = _host_syncs(layer, x, g, meters)
     assert {t for t, _ in seen} == {"QuantizedRows"}
     assert syncs == 0, points
+
+
+def test_the_aligned_dispatch_switch_is_read_at_each_forward(pg, monkeypatch):  # noqa: F811
+    """``moe.experts.ALIGNED_DISPATCH`` switched off after the integration was imported: the dispatcher inside
+    Megatron's MoELayer stops placing the FP8 experts' rows aligned (the experts regroup them); the layer still
+    matches Megatron's and FP8 dispatch its 16-bit dispatch (the checks of the switch on)."""
+    from moe_graph.moe import experts
+    from moe_graph.moe.token_dispatcher import TokenDispatcher
+    seen = []
+    dispatch = TokenDispatcher.dispatch
+
+    def spy(self, *args, **kwargs):
+        seen.append(kwargs.get("align_rows"))
+        return dispatch(self, *args, **kwargs)
+
+    monkeypatch.setattr(TokenDispatcher, "dispatch", spy)
+    on = _fp8_case(0, 1, pg, "softmax-top2-bias-global", "blockwise")
+    n = len(seen)
+    monkeypatch.setattr(experts, "ALIGNED_DISPATCH", False)
+    off = _fp8_case(0, 1, pg, "softmax-top2-bias-global", "blockwise")
+    assert n and set(seen[:n]) == {experts.FP8_ROW_ALIGNMENT} and set(seen[n:]) == {None}, seen
+    _check_fp8(on)
+    _check_fp8(off)

@@ -69,7 +69,7 @@ from moe_graph.grouped_linear import GroupedLinear
 from moe_graph.moe.echo import dispatch_spare_weights
 from moe_graph.moe.echo_balancer import EchoBalancer
 from moe_graph.moe.layer import _all_gather_counts, reset_step_counters, step_max_load_ratio, step_overflow
-from moe_graph.moe.experts import ALIGNED_DISPATCH, FP8_ROW_ALIGNMENT
+from moe_graph.moe.experts import aligned_rows_for
 from moe_graph.moe.token_dispatcher import (DROP_POLICIES, OVERFLOW_MODES, TokenDispatcher, counting_enabled,
                                             expert_columns, topk_from_routing_map)
 from moe_graph.ops import fp8 as _fp8
@@ -238,7 +238,7 @@ class MoeGraphTokenDispatcher(MoETokenDispatcher):
         d = self.dispatcher
         d.capacity = d.capacity_for(T, self.topk, self.capacity_factor)
         recipe = self._experts_recipe()
-        align = FP8_ROW_ALIGNMENT if recipe is not None and ALIGNED_DISPATCH else None
+        align = aligned_rows_for(recipe)
         expert_input, m_splits, self._handle = d.dispatch(hidden_states, indices, route_probs, valid,
                                                           fp8_recipe=recipe if self.fp8_dispatch else None,
                                                           align_rows=align)

@@ -160,9 +160,7 @@ class GroupedMLP(nn.Module):
         (:meth:`moe_graph.moe.token_dispatcher.TokenDispatcher.dispatch`'s ``align_rows``; then ``forward(...,
         aligned=True)``): :data:`FP8_ROW_ALIGNMENT` under an FP8 recipe (with :data:`ALIGNED_DISPATCH`), else
         ``None``."""
-        if _fp8.current_recipe() is None or not ALIGNED_DISPATCH:
-            return None
-        return FP8_ROW_ALIGNMENT
+        return aligned_rows_for(_fp8.current_recipe())
 
     def input_recipe(self, hidden: torch.Tensor, echo: bool = False):
         """The recipe under which the dispatcher may hand this forward its input as both FP8 copies
@@ -320,6 +318,13 @@ FP8_ROW_ALIGNMENT = 16
 # The dispatcher places the rows at their aligned rows itself where its path composes the alignment into its index
 # maps (GroupedMLP.row_alignment); False: the experts always regroup (AlignedGroups; the tests' reference)
 ALIGNED_DISPATCH = True
+
+
+def aligned_rows_for(recipe) -> Optional[int]:
+    """The row alignment the dispatcher places the expert groups at under ``recipe`` (the experts' FP8 recipe or
+    ``None``): :data:`FP8_ROW_ALIGNMENT` under an FP8 recipe with :data:`ALIGNED_DISPATCH` on (read at each call),
+    else ``None`` (no alignment, or the experts regroup)."""
+    return FP8_ROW_ALIGNMENT if recipe is not None and ALIGNED_DISPATCH else None
 
 
 class AlignedGroups:
