@@ -35,6 +35,15 @@ def full_only(*values):
     return [pytest.param(*(v if isinstance(v, tuple) else (v,)), marks=mark) for v in values]
 
 
+def pytest_collection_modifyitems(config, items):
+    """``MOE_GRAPH_TEST_SHUFFLE=<seed>``: run the collected tests in a random order (every test of every file mixed,
+    reproducible by the seed), to find tests that depend on what ran before them."""
+    seed = os.environ.get("MOE_GRAPH_TEST_SHUFFLE")
+    if seed:
+        import random
+        random.Random(int(seed)).shuffle(items)
+
+
 requires_cuda = pytest.mark.skipif(not cuda_ready(), reason="needs a CUDA device and the CUDA build of moe_graph._C")
 
 
