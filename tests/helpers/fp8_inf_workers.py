@@ -4,8 +4,9 @@ rank's input at one step: the step must be skipped on every rank and the paramet
 
 The inf sits in a row whose output the loss does not use (its output gradient is exactly 0), so under MXFP8 the
 gradients stay finite (the inf's 1 x 32 / 32 x 1 blocks quantize to +-448 x 2^127 and the rest of those blocks to
-0, and the zero gradient row multiplies them by 0): only the quantizer's non-finite flag can skip that step. Before another step an evaluation pass on an inf input
-sets the flag outside training: that step's ``zero_grad`` clears it and the step is applied."""
+0, and the zero gradient row multiplies them by 0): only the quantizer's non-finite flag can skip that step.
+Before another step an evaluation pass on an inf input sets the flag outside training: that step's ``zero_grad``
+clears it and the step is applied."""
 
 from __future__ import annotations
 

@@ -474,9 +474,10 @@ class DistributedOptimizer:
         self.step_count = torch.zeros((), **f32)
         # job-wide overflow flag of the last step (written in place: a captured step's output keeps its identity)
         self.found_overflow = torch.zeros((), dtype=torch.bool, device=device)
-        fp8_inf = _fp8.nonfinite_flag(device)  # allocated here, outside any graph capture (step reads it)
-        if fp8_inf is not None:  # quantizations run before this optimizer existed are not its steps'
-            fp8_inf.zero_()
+        # the device's FP8 non-finite flag (an alias, None without the extension), allocated here outside any graph
+        # capture; cleared now: quantizations run before this optimizer existed are not its steps'
+        self._fp8_inf = _fp8.nonfinite_flag(device)
+        self._clear_fp8_inf()
         self._one = torch.ones((), **f32)
         # shards grouped by the process group their norm / inf statistics are reduced over
         self._stat_groups: List[Tuple[object, bool, List[int]]] = []  # (dp group or None, is_expert, shards)
@@ -655,9 +656,11 @@ class DistributedOptimizer:
         non-finite flag (:func:`moe_graph.ops.fp8.nonfinite_flag`): the next :meth:`step` counts the quantizations
         of its own forward and backward passes, not those run before (an evaluation pass, an earlier model)."""
         self.model.zero_grad_buffer()
-        fp8_inf = _fp8.nonfinite_flag(self.device)
-        if fp8_inf is not None:
-            fp8_inf.zero_()
+        self._clear_fp8_inf()
+
+    def _clear_fp8_inf(self) -> None:
+        if self._fp8_inf is not None:
+            self._fp8_inf.zero_()
 
     beta1 = property(lambda self: self._settings["beta1"], lambda self, v: self._set_setting("beta1", v),
                      doc="Adam beta1 (a device tensor on the tensor path; a kernel constant on the fused path).")
@@ -728,7 +731,7 @@ class DistributedOptimizer:
         # reduction spans every rank of the job (data- x model-parallel, or expert-data- x expert-model-parallel)
         total = torch.zeros(3, dtype=torch.float32, device=self.device)
         # an FP8 quantizer met an inf/NaN amax since the last step (ops.fp8.nonfinite_flag): counted as an inf
-        fp8_inf = _fp8.nonfinite_flag(self.device)
+        fp8_inf = self._fp8_inf
         for group, expert, idx in self._stat_groups:
             gs = [grads[i] for i in idx]
             t = torch.zeros(3, dtype=torch.float32, device=self.device)
@@ -755,8 +758,7 @@ class DistributedOptimizer:
             if not expert and self.model_parallel_group is not None:
                 dist.all_reduce(t, group=self.model_parallel_group)
             total += t
-        if fp8_inf is not None:
-            fp8_inf.zero_()
+        self._clear_fp8_inf()
         found_inf = total[0] > 0
         grad_norm = total[1].sqrt()
         overflowed = total[2] > 0
